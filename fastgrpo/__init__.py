@@ -1,0 +1,35 @@
+"""fastgrpo: fused Triton kernels and a small trainer for GRPO post-training on one GPU.
+
+The public names below are imported on first use, so `import fastgrpo` stays cheap and has no side effects.
+"""
+from __future__ import annotations
+
+import importlib
+
+__version__ = "0.1.0"
+
+_PUBLIC = {
+    "fused_linear_logprobs": "fastgrpo.ops.fused_linear",
+    "fused_linear_grpo_loss": "fastgrpo.ops.fused_linear",
+    "patch_model": "fastgrpo.patching",
+    "unpatch_model": "fastgrpo.patching",
+    "grpo_loss": "fastgrpo.model_loss",
+    "sequence_logprobs": "fastgrpo.model_loss",
+    "offload_checkpoint": "fastgrpo.offload",
+    "GRPOConfig": "fastgrpo.config",
+    "GRPOTrainer": "fastgrpo.trainer",
+}
+
+__all__ = sorted(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'fastgrpo' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_PUBLIC))

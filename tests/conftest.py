@@ -1,0 +1,28 @@
+"""Test set-up: without CUDA, Triton kernels run on the CPU through its interpreter.
+
+TRITON_INTERPRET must be set before any @triton.jit function is defined, so this runs before fastgrpo's kernels
+are imported. GPU-marked tests are skipped with a reason when CUDA is absent.
+"""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from hypothesis import settings  # noqa: E402
+
+# CI is a 2-core CPU running Triton's interpreter: few, small examples, no deadline.
+settings.register_profile("ci", max_examples=12, deadline=None, derandomize=True)
+settings.register_profile("dev", max_examples=30, deadline=None)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU; run on the GPU machine")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
