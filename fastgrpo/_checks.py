@@ -47,3 +47,58 @@ def check_index_range(name: str, ids: torch.Tensor, upper: int) -> None:
         raise ValueError(f"{name}: expected an integer dtype, got {ids.dtype}")
     if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= upper):
         raise ValueError(f"{name}: expected ids in [0, {upper}), got min {int(ids.min())} max {int(ids.max())}")
+
+
+def check_grpo_loss_args(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    beta: float,
+    loss_type: str,
+    importance_sampling_level: str,
+    max_completion_length: int | None,
+    temperature: float,
+    bias: torch.Tensor | None,
+) -> None:
+    """The checks shared by fastgrpo.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
+    from fastgrpo.algorithms import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+
+    check_shape("hidden", hidden, (None, None, None))
+    B, T, H = hidden.shape
+    check_linear_args(hidden, weight, bias, temperature)
+    check_shape("target_ids", target_ids, (B, T))
+    check_mask("completion_mask", completion_mask, "target_ids", target_ids)
+    if advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
+        raise ValueError(f"advantages: expected shape [{B}] or [{B}, {T}], got {list(advantages.shape)}")
+    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if logps is not None:
+            check_shape(name, logps, (B, T))
+    if beta < 0:
+        raise ValueError(f"beta: expected >= 0, got {beta}")
+    if beta > 0 and ref_logps is None:
+        raise ValueError("ref_logps: required when beta > 0, got None")
+    check_choice("loss_type", loss_type, LOSS_TYPES)
+    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+    if loss_type == "dr_grpo" and max_completion_length is None:
+        raise ValueError("max_completion_length: required for loss_type='dr_grpo', got None")
+    check_index_range("target_ids", target_ids, weight.shape[0])
+
+
+def check_linear_args(
+    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+) -> None:
+    """hidden [..., H] and weight [V, H] (and bias [V]) of one floating dtype; temperature > 0."""
+    if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
+        raise ValueError("hidden: expected a tensor of shape [..., H]")
+    check_shape("weight", weight, (None, hidden.shape[-1]))
+    check_dtype("hidden", hidden, (torch.float16, torch.bfloat16, torch.float32, torch.float64))
+    if weight.dtype != hidden.dtype:
+        raise ValueError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
+    if bias is not None:
+        check_shape("bias", bias, (weight.shape[0],))
+    if not temperature > 0:
+        raise ValueError(f"temperature: expected > 0, got {temperature}")

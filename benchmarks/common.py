@@ -1,0 +1,90 @@
+"""Shared measurement and reporting for the GPU benchmark suites.
+
+Every suite times with CUDA events (triton.testing.do_bench, median) after warm-up, measures peak memory above
+what was allocated before the case, and writes one JSON file per suite and card to benchmarks/results/.
+"""
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import platform
+import re
+from pathlib import Path
+
+import torch
+
+RESULTS_DIR = Path(__file__).parent / "results"
+GIB = 1024**3
+
+
+def card_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("torch", "triton", "transformers", "peft", "liger-kernel", "trl", "bitsandbytes", "fastgrpo"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+def measure(fn, *, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:
+    """Median ms of fn() and its peak memory above the memory allocated before it (GiB).
+
+    Returns {"ms": None, "peak_gib": None, "oom": True} when the case runs out of memory.
+    """
+    import triton.testing
+
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    try:
+        fn()  # first call: compile / autotune, and the peak of one call
+        torch.cuda.synchronize()
+        peak = (torch.cuda.max_memory_allocated() - base) / GIB
+        ms = triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+    except torch.OutOfMemoryError:
+        gc.collect()
+        torch.cuda.empty_cache()
+        return {"ms": None, "peak_gib": None, "oom": True}
+    return {"ms": ms, "peak_gib": peak, "oom": False}
+
+
+def write_results(suite: str, rows: list[dict], config: dict | None = None) -> Path:
+    """Write rows (one dict per measured case) with the card and library versions; returns the path."""
+    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+    card = card_name()
+    slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
+    path = RESULTS_DIR / f"{suite}-{slug}.json"
+    payload = {
+        "suite": suite,
+        "card": card,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "versions": versions(),
+        "config": config or {},
+        "rows": rows,
+    }
+    path.write_text(json.dumps(payload, indent=2) + "\n")
+    return path
+
+
+def print_table(rows: list[dict], columns: list[str]) -> None:
+    """A plain fixed-width table, printed last by each suite so the device reply shows it."""
+    def fmt(v):
+        if v is None:
+            return "-"
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+
+    cells = [[fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.ljust(w) for v, w in zip(row, widths)))

@@ -1,0 +1,129 @@
+"""The eager PyTorch oracle that every fastgrpo kernel is tested against.
+
+Obviously-correct and slow on purpose: logits are materialized, nothing is chunked or fused. Every function
+computes in the inputs' dtype, or in `upcast` when given (tests pass torch.float64).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fastgrpo._checks import check_grpo_loss_args, check_linear_args
+from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+
+
+def _cast(upcast: torch.dtype | None, *tensors: torch.Tensor | None):
+    if upcast is None:
+        return tensors
+    return tuple(t if t is None or not t.dtype.is_floating_point else t.to(upcast) for t in tensors)
+
+
+def linear_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    upcast: torch.dtype | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """log softmax(hidden @ weight.T + bias) / temperature)[target]: hidden [..., H], weight [V, H] -> [...]."""
+    check_linear_args(hidden, weight, bias, temperature)
+    hidden, weight, bias = _cast(upcast, hidden, weight, bias)
+    logits = F.linear(hidden, weight, bias) / temperature  # [..., V]
+    log_probs = torch.log_softmax(logits, dim=-1)
+    logps = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
+    if not return_entropy:
+        return logps
+    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    return logps, entropy
+
+
+def grpo_loss(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "bnpo",
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    upcast: torch.dtype | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of hidden [B, T, H] through lm_head weight [V, H]; the oracle of fused_linear_grpo_loss.
+
+    Returns (loss, metrics) with metrics `clip_ratio`, `clip_ratio_low`, `clip_ratio_high` (fractions of valid
+    tokens on the clipped branch), `kl` (masked mean k3 KL, when beta > 0) and `entropy` (when asked).
+    """
+    check_grpo_loss_args(
+        hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, beta, loss_type,
+        importance_sampling_level, max_completion_length, temperature, bias,
+    )
+    hidden, weight, bias, advantages, old_logps, ref_logps = _cast(
+        upcast, hidden, weight, bias, advantages, old_logps, ref_logps
+    )
+    out = linear_logprobs(hidden, weight, target_ids, temperature, bias, return_entropy)
+    logps, entropy = out if return_entropy else (out, None)
+    mask = completion_mask.to(logps.dtype)
+    per_token_loss, per_token_kl, low, high = grpo_per_token_loss(
+        logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, beta, epsilon_low, epsilon_high, delta,
+        importance_sampling_level,
+    )
+    weights = aggregation_weights(mask, loss_type, max_completion_length, num_items_in_batch)
+    loss = (per_token_loss * weights).sum()
+    valid = mask.sum().clamp(min=1.0)
+    metrics = {
+        "clip_ratio_low": (low * mask).sum() / valid,
+        "clip_ratio_high": (high * mask).sum() / valid,
+    }
+    metrics["clip_ratio"] = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
+    if per_token_kl is not None:
+        metrics["kl"] = (per_token_kl.detach() * mask).sum() / valid
+    if entropy is not None:
+        metrics["entropy"] = (entropy.detach() * mask).sum() / valid
+    return loss, metrics
+
+
+# --- Layers fused by patch_model -------------------------------------------------------------------------------
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * (offset + weight); offset=1 is Gemma's (1 + w) scaling."""
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * (offset + weight)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """HF rotary embedding: q [B, Hq, T, D], k [B, Hk, T, D], cos/sin [B, T, D] (rotate-half convention)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up: the Llama / Qwen / Mistral / Phi-3 MLP activation."""
+    return F.silu(gate) * up
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """gelu_tanh(gate) * up: the Gemma MLP activation."""
+    return F.gelu(gate, approximate="tanh") * up
+
+
+__all__ = ["linear_logprobs", "grpo_loss", "rms_norm", "apply_rotary", "swiglu", "geglu"]
