@@ -1,0 +1,70 @@
+"""Issue 8: a full GRPO training step (forward + backward + AdamW) per system, and a rollout, on GPU.
+
+    python -m pytest benchmarks/bench_e2e.py -q -s --benchmark-disable-gc
+
+Each case writes its row to benchmarks/results/e2e-<card>.json as soon as it is measured.
+Set FASTGRPO_E2E_LENGTHS=1024,4096 (completion lengths) and FASTGRPO_E2E_MODELS to narrow the run.
+"""
+from __future__ import annotations
+
+import gc
+import os
+
+import pytest
+import torch
+
+from benchmarks.common import GIB, print_table, write_results
+from benchmarks.e2e import SYSTEMS, StepSetup, make_step
+
+LENGTHS = [int(x) for x in os.environ.get("FASTGRPO_E2E_LENGTHS", "1024,4096").split(",")]
+MODELS = os.environ.get("FASTGRPO_E2E_MODELS", "qwen2.5-1.5b").split(",")
+ROWS: list[dict] = []
+
+
+def _cases():
+    for model_name in MODELS:
+        for lora_rank in (16, None):
+            for length in LENGTHS:
+                for system in SYSTEMS:
+                    yield pytest.param(model_name, lora_rank, length, system,
+                                       id=f"{model_name}-{'lora' if lora_rank else 'full'}-{length}-{system}")
+
+
+@pytest.mark.parametrize("model_name,lora_rank,length,system", list(_cases()))
+def test_train_step(benchmark, model_name, lora_rank, length, system):
+    if system == "liger":
+        pytest.importorskip("liger_kernel")
+    setup = StepSetup(model_name=model_name, system=system, lora_rank=lora_rank, completion_length=length)
+    row = {"model": model_name, "mode": "lora16" if lora_rank else "full", "completion_length": length,
+           "num_generations": setup.num_generations, "prompt_length": setup.prompt_length, "system": system}
+    try:
+        gc.collect()
+        torch.cuda.empty_cache()
+        step = make_step(setup)
+        torch.cuda.reset_peak_memory_stats()
+        step()  # warm-up: kernels compiled, optimizer state allocated
+        torch.cuda.synchronize()
+
+        def synced_step():
+            step()
+            torch.cuda.synchronize()
+
+        benchmark.pedantic(synced_step, rounds=3, iterations=1, warmup_rounds=0)
+        ms = benchmark.stats.stats.median * 1e3
+        tokens = setup.num_generations * (setup.prompt_length + length)
+        row.update(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / GIB, tokens_per_s=tokens / ms * 1e3)
+    except torch.OutOfMemoryError:
+        row.update(ms=None, peak_gib=None, oom=True)
+    finally:
+        step = None
+        gc.collect()
+        torch.cuda.empty_cache()
+    ROWS.append(row)
+    write_results("e2e", ROWS, {"what": "one GRPO training step: forward + backward + AdamW, bf16, on-policy"})
+    benchmark.extra_info.update(row)
+
+
+def teardown_module(module):
+    if ROWS:
+        print()
+        print_table(ROWS, ["model", "mode", "completion_length", "system", "ms", "peak_gib", "tokens_per_s"])

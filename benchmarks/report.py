@@ -1,0 +1,80 @@
+"""Render benchmarks/results/*.json into one markdown report and a PNG chart.
+
+    python -m benchmarks.report            # writes benchmarks/results/REPORT.md and e2e.png
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+    return str(value)
+
+
+def markdown_table(rows: list[dict]) -> str:
+    columns = list(dict.fromkeys(k for row in rows for k in row))
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_fmt(row.get(c)) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def render_markdown(results: list[dict]) -> str:
+    parts = ["# fastgrpo benchmark report", ""]
+    for result in results:
+        versions = ", ".join(f"{k} {v}" for k, v in result["versions"].items())
+        parts += [f"## {result['suite']} — {result['card']} ({result['date']})", "", f"Versions: {versions}", ""]
+        if result.get("config"):
+            parts += ["Config: " + ", ".join(f"{k}={v}" for k, v in result["config"].items()), ""]
+        parts += [markdown_table(result["rows"]), ""]
+    return "\n".join(parts)
+
+
+def render_e2e_chart(result: dict, path: Path) -> None:
+    """Step time and peak memory against completion length, one line per system and mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4))
+    series: dict[tuple, list[dict]] = {}
+    for row in result["rows"]:
+        series.setdefault((row["model"], row["mode"], row["system"]), []).append(row)
+    for (model, mode, system), rows in sorted(series.items()):
+        rows = sorted((r for r in rows if r.get("ms") is not None), key=lambda r: r["completion_length"])
+        if not rows:
+            continue
+        x = [r["completion_length"] for r in rows]
+        label = f"{system} ({model}, {mode})"
+        ax_time.plot(x, [r["ms"] / 1e3 for r in rows], marker="o", label=label)
+        ax_mem.plot(x, [r["peak_gib"] for r in rows], marker="o", label=label)
+    for ax, ylabel in ((ax_time, "step time (s)"), (ax_mem, "peak memory (GiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("completion length (tokens, 8 generations)")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    ax_mem.axhline(24, color="grey", linestyle="--", linewidth=1)
+    ax_time.legend(fontsize=7)
+    fig.suptitle(f"GRPO training step, {result['card']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
+    (RESULTS_DIR / "REPORT.md").write_text(render_markdown(results))
+    for result in results:
+        if result["suite"] == "e2e":
+            render_e2e_chart(result, RESULTS_DIR / "e2e.png")
+    print(f"wrote {RESULTS_DIR / 'REPORT.md'} from {len(results)} result files")
+
+
+if __name__ == "__main__":
+    main()
