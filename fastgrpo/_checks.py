@@ -102,3 +102,17 @@ def check_linear_args(
         check_shape("bias", bias, (weight.shape[0],))
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature}")
+
+
+def check_binary_mask(name: str, mask: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
+    """check_mask, and the values must be 0 or 1: a float mask of weights is rejected. One host sync on CUDA."""
+    check_mask(name, mask, like_name, like)
+    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
+        raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
+
+
+def check_floating(name: str, tensor: torch.Tensor) -> None:
+    if not isinstance(tensor, torch.Tensor):
+        raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
+    if not tensor.dtype.is_floating_point:
+        raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
