@@ -1,0 +1,76 @@
+"""The built-in run of `fastgrpo train` with no arguments: a tiny model, a local tokenizer, a verifiable task.
+
+Task "repeat the letter": a prompt such as "417 say k:" asks for the letter k; a completion scores the fraction
+of its characters that are that letter. A random model scores ~1/40 (its vocabulary is ~40 characters), so the
+reward curve rises from near zero as GRPO teaches it to read the letter from the prompt and repeat it. All of it
+is built here from code (no download): the tokenizer with the `tokenizers` library, the model from a config.
+"""
+from __future__ import annotations
+
+import random
+import string
+
+import torch
+
+LETTERS = "abcdefgh"
+CHARACTERS = string.ascii_lowercase + string.digits + " :"
+SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
+
+# Config fields the built-in run uses instead of GRPOConfig's defaults (which suit real models); a YAML file
+# or command-line flags still override them. 40 steps of 64 completions take ~1 minute on a 2-core CPU.
+PRESET = dict(
+    reward_funcs=["fastgrpo.default_task:repeat_letter_reward"],
+    batch_size=64,
+    num_generations=8,
+    micro_batch_size=32,
+    max_prompt_length=16,
+    max_completion_length=8,
+    learning_rate=3e-3,
+    max_steps=40,
+    loss_type="dapo",
+    dtype="float32",
+    device="cpu",
+)
+
+
+def build_tokenizer():
+    """A character-level fast tokenizer: one token per character of CHARACTERS, left padding, <eos>."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    # BPE without merges splits text into single characters; Fuse() decodes them back without spaces.
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
+    )
+
+
+def build_model(tokenizer, seed: int = 0) -> torch.nn.Module:
+    """A 2-layer Qwen2-architecture model (~0.1M parameters) with random weights."""
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+    )
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="sdpa")
+
+
+def build_dataset(num_rows: int = 512, seed: int = 0) -> list[dict]:
+    """Rows {"prompt": "417 say k:", "letter": "k"}; the digits only make prompts differ."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(num_rows):
+        letter = rng.choice(LETTERS)
+        noise = "".join(rng.choice(string.digits) for _ in range(3))
+        rows.append({"prompt": f"{noise} say {letter}:", "letter": letter})
+    return rows
+
+
+def repeat_letter_reward(prompts: list, completions: list[str], letter: list[str], **kwargs) -> list[float]:
+    """The fraction of the completion's characters equal to the row's letter (0.0 for an empty completion)."""
+    return [text.count(c) / len(text) if text else 0.0 for text, c in zip(completions, letter)]

@@ -1,0 +1,76 @@
+"""Math rewards graded for mathematical equivalence with math-verify (no hand-written LaTeX parsing).
+
+`r1_zero_math_reward`: the R1-Zero format `... </think> <answer> ... </answer>` with a correct answer scores 1.
+`boxed_math_reward`: the last `\\boxed{...}` of the completion, graded against the `answer` column.
+Both score 0.0 on anything they cannot read, so arbitrary model text never raises.
+"""
+from __future__ import annotations
+
+import re
+import threading
+
+# Past this many characters an "answer" is degenerate model text; parsing it could take seconds of sympy.
+MAX_ANSWER_CHARS = 1000
+_ANSWER = re.compile(r"</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+
+
+def _timeout() -> int | None:
+    # math-verify enforces timeouts with SIGALRM, which only the main thread may set.
+    return 5 if threading.current_thread() is threading.main_thread() else None
+
+
+def _parse(text: str) -> list:
+    from math_verify import parse
+
+    text = text.strip()
+    parsed = parse(text, parsing_timeout=_timeout())
+    if not parsed and "$" not in text:
+        parsed = parse(f"${text}$", parsing_timeout=_timeout())
+    return parsed
+
+
+def is_equivalent(prediction: str, answer: str) -> bool:
+    """True when `prediction` and the reference `answer` are mathematically equal (both are plain or LaTeX)."""
+    from math_verify import verify
+
+    if not prediction.strip() or len(prediction) > MAX_ANSWER_CHARS:
+        return False
+    try:
+        gold, pred = _parse(str(answer)), _parse(prediction)
+        return bool(gold and pred and verify(gold, pred, timeout_seconds=_timeout()))
+    except Exception:  # sympy can raise anything on adversarial text; unreadable means wrong
+        return False
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last \\boxed{...} (braces matched), or None."""
+    start = text.rfind("\\boxed")
+    if start < 0:
+        return None
+    i = text.find("{", start)
+    if i < 0:
+        return None
+    depth = 0
+    for j in range(i, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[j], 0)
+        if depth == 0:
+            return text[i + 1 : j]
+    return None
+
+
+def r1_zero_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
+    """1.0 for `... </think> <answer> X </answer>` with X equal to `answer`, else 0.0 (format alone scores 0)."""
+    rewards = []
+    for completion, gold in zip(completions, answer):
+        match = _ANSWER.search(completion)
+        rewards.append(float(match is not None and is_equivalent(match.group(1), gold)))
+    return rewards
+
+
+def boxed_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
+    """1.0 when the last \\boxed{...} of the completion equals `answer`, else 0.0."""
+    rewards = []
+    for completion, gold in zip(completions, answer):
+        boxed = last_boxed(completion)
+        rewards.append(float(boxed is not None and is_equivalent(boxed, gold)))
+    return rewards

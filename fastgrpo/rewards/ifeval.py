@@ -1,0 +1,106 @@
+"""IFEval-style verifiable constraints: each a pure check of the text, combined by `ifeval_reward`.
+
+A dataset row carries `constraints`: a list of {"type": <name in CONSTRAINTS>, **arguments}, e.g.
+[{"type": "num_words", "min": 50}, {"type": "forbidden_keywords", "keywords": ["sorry"]}].
+"""
+from __future__ import annotations
+
+import json
+import re
+
+_SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
+
+
+def num_words(text: str, min: int | None = None, max: int | None = None) -> bool:
+    n = len(text.split())
+    return (min is None or n >= min) and (max is None or n <= max)
+
+
+def num_sentences(text: str, min: int | None = None, max: int | None = None) -> bool:
+    stripped = text.strip()
+    n = len(_SENTENCE_END.findall(stripped)) + (1 if stripped and stripped[-1] not in ".!?" else 0)
+    return (min is None or n >= min) and (max is None or n <= max)
+
+
+def num_paragraphs(text: str, min: int | None = None, max: int | None = None) -> bool:
+    n = len([p for p in re.split(r"\n\s*\n", text) if p.strip()])
+    return (min is None or n >= min) and (max is None or n <= max)
+
+
+def _words(text: str) -> set[str]:
+    return set(re.findall(r"\w+", text.lower()))
+
+
+def _has(text: str, keyword: str) -> bool:
+    # Single words match whole words ("cat" is not in "concatenate"); phrases match as substrings.
+    kw = keyword.lower()
+    return kw in _words(text) if re.fullmatch(r"\w+", kw) else kw in text.lower()
+
+
+def required_keywords(text: str, keywords: list[str]) -> bool:
+    return all(_has(text, k) for k in keywords)
+
+
+def forbidden_keywords(text: str, keywords: list[str]) -> bool:
+    return not any(_has(text, k) for k in keywords)
+
+
+def json_output(text: str) -> bool:
+    """The whole response parses as JSON, optionally inside one ```json fence."""
+    body = text.strip()
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+    try:
+        json.loads(fenced.group(1) if fenced else body)
+    except ValueError:
+        return False
+    return True
+
+
+def letter_case(text: str, case: str) -> bool:
+    """case 'upper' or 'lower': every cased letter is in it (a text with no letters passes neither)."""
+    letters = [c for c in text if c.isalpha()]
+    if not letters or case not in ("upper", "lower"):
+        return False
+    return all(c.isupper() for c in letters) if case == "upper" else all(c.islower() for c in letters)
+
+
+def starts_with(text: str, prefix: str) -> bool:
+    return text.lstrip().startswith(prefix)
+
+
+def ends_with(text: str, suffix: str) -> bool:
+    return text.rstrip().endswith(suffix)
+
+
+CONSTRAINTS = {
+    "num_words": num_words,
+    "num_sentences": num_sentences,
+    "num_paragraphs": num_paragraphs,
+    "required_keywords": required_keywords,
+    "forbidden_keywords": forbidden_keywords,
+    "json_output": json_output,
+    "letter_case": letter_case,
+    "starts_with": starts_with,
+    "ends_with": ends_with,
+}
+
+
+def check_constraint(text: str, constraint: dict) -> bool:
+    """One constraint {"type": name, **arguments}; an unknown type or bad arguments raise ValueError."""
+    kind = constraint.get("type")
+    if kind not in CONSTRAINTS:
+        raise ValueError(f"constraints: unknown type {kind!r}, expected one of {sorted(CONSTRAINTS)}")
+    args = {k: v for k, v in constraint.items() if k != "type"}
+    try:
+        return bool(CONSTRAINTS[kind](text, **args))
+    except TypeError as err:
+        raise ValueError(f"constraints: bad arguments {args} for {kind!r}: {err}") from None
+
+
+def ifeval_reward(prompts: list, completions: list[str], constraints: list[list[dict]], **kwargs) -> list[float]:
+    """The fraction of each row's constraints the completion satisfies (1.0 = all), in [0, 1]."""
+    rewards = []
+    for text, row in zip(completions, constraints):
+        row = [row] if isinstance(row, dict) else list(row)
+        rewards.append(sum(check_constraint(text, c) for c in row) / len(row) if row else 1.0)
+    return rewards
