@@ -1,0 +1,124 @@
+"""Row passes over one chunk of lm_head logits [C, V], the elementwise half of fastgrpo.ops.fused_linear.
+
+`row_stats` reads each row once (online logsumexp, target logit, entropy accumulators); `row_grad` reads it once
+more and overwrites it in place with dL/dlogits = (g (onehot(y) - p) - g_ent p (z - E_p[z])) / tau, in the
+buffer's dtype. One program per row (rows on grid axis 0, never axis 1/2); int64 row offsets since C * V passes
+2^31 at 16K rows x V = 151936. Math in fp32 (fp64 for fp64 logits).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# 4096 fp32 lanes over 8 warps: 16 values a thread, 16-byte bf16 loads. Under the CPU interpreter a small block
+# makes the tests cross several blocks and a ragged tail with V <= 300.
+BLOCK_V = 4096
+NUM_WARPS = 8
+INTERPRET_BLOCK_V = 64
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr, bias_ptr, target_ptr, lse_ptr, logp_ptr, entropy_ptr,
+    stride_row, V, inv_tau,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    m = tl.full([BLOCK_V], float("-inf"), ACC)  # per-lane running max
+    s = tl.zeros([BLOCK_V], ACC)  # per-lane sum of exp(z - m)
+    t = tl.zeros([BLOCK_V], ACC)  # per-lane sum of exp(z - m) * z, for the entropy
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        inside = offs < V
+        z = tl.load(base + offs, mask=inside, other=float("-inf")).to(ACC)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(ACC)
+        z = z * inv_tau
+        m_new = tl.maximum(m, z)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes that saw only padding: no -inf - -inf
+        scale = tl.exp(m - m_safe)
+        p = tl.exp(z - m_safe)
+        s = s * scale + p
+        if WITH_ENTROPY:
+            t = t * scale + p * tl.where(z == float("-inf"), 0.0, z)  # padding and banned tokens add 0
+        m = m_new
+    row_max = tl.max(m, axis=0)
+    lane_scale = tl.exp(m - row_max)
+    total = tl.sum(s * lane_scale, axis=0)
+    lse = row_max + tl.log(total)
+    target = tl.load(target_ptr + row)
+    z_target = tl.load(base + target).to(ACC)
+    if HAS_BIAS:
+        z_target += tl.load(bias_ptr + target).to(ACC)
+    tl.store(lse_ptr + row, lse)
+    tl.store(logp_ptr + row, z_target * inv_tau - lse)
+    if WITH_ENTROPY:
+        tl.store(entropy_ptr + row, lse - tl.sum(t * lane_scale, axis=0) / total)
+
+
+@triton.jit
+def _row_grad_kernel(
+    logits_ptr, bias_ptr, target_ptr, lse_ptr, entropy_ptr, grad_logp_ptr, grad_entropy_ptr,
+    stride_row, V, inv_tau,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY_GRAD: tl.constexpr, ACC: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    base = logits_ptr + row * stride_row
+    cols = tl.arange(0, BLOCK_V)
+    lse = tl.load(lse_ptr + row).to(ACC)
+    g = tl.load(grad_logp_ptr + row).to(ACC)
+    target = tl.load(target_ptr + row)
+    if WITH_ENTROPY_GRAD:
+        g_ent = tl.load(grad_entropy_ptr + row).to(ACC)
+        mean_z = lse - tl.load(entropy_ptr + row).to(ACC)  # E_p[z] = lse - entropy
+    for start in range(0, V, BLOCK_V):
+        offs = start + cols
+        inside = offs < V
+        z = tl.load(base + offs, mask=inside, other=0.0).to(ACC)
+        if HAS_BIAS:
+            z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(ACC)
+        z = z * inv_tau
+        p = tl.exp(z - lse)
+        d = tl.where(offs == target, g, 0.0) - g * p
+        if WITH_ENTROPY_GRAD:
+            d -= g_ent * p * (z - mean_z)
+        tl.store(base + offs, (d * inv_tau).to(logits_ptr.dtype.element_ty), mask=inside)
+
+
+def _meta(logits: torch.Tensor) -> dict:
+    interpret = os.environ.get("TRITON_INTERPRET") == "1" and not logits.is_cuda
+    block = INTERPRET_BLOCK_V if interpret else min(BLOCK_V, triton.next_power_of_2(logits.shape[1]))
+    acc = tl.float64 if logits.dtype == torch.float64 else tl.float32
+    return {"ACC": acc, "BLOCK_V": block, "num_warps": NUM_WARPS}
+
+
+def row_stats(logits, bias, targets, inv_tau, with_entropy):
+    """logits: [C, V] raw h W^T, rows contiguous -> (lse [C], logp [C], entropy [C] or None) of
+    z = (logits + bias) * inv_tau, in fp32 (fp64 for fp64 logits)."""
+    C, V = logits.shape
+    acc = torch.promote_types(logits.dtype, torch.float32)
+    lse = torch.empty(C, dtype=acc, device=logits.device)
+    logp = torch.empty_like(lse)
+    entropy = torch.empty_like(lse) if with_entropy else None
+    if C:
+        _row_stats_kernel[(C,)](
+            logits, bias, targets, lse, logp, entropy, logits.stride(0), V, inv_tau,
+            HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, **_meta(logits),
+        )
+    return lse, logp, entropy
+
+
+def row_grad(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_tau):
+    """Overwrite logits [C, V] in place with dL/dlogits, given dL/dlogp [C] (and dL/dentropy [C] or None)."""
+    C, V = logits.shape
+    if C:
+        _row_grad_kernel[(C,)](
+            logits, bias, targets, lse, entropy, grad_logp.contiguous(),
+            None if grad_entropy is None else grad_entropy.contiguous(), logits.stride(0), V, inv_tau,
+            HAS_BIAS=bias is not None, WITH_ENTROPY_GRAD=grad_entropy is not None, **_meta(logits),
+        )
