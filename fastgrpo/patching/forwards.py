@@ -1,0 +1,81 @@
+"""The forwards patch_model binds on module instances. Each one calls the module's own submodules and parameters,
+so LoRA layers, 4-bit linears and tied weights keep working, and only the fused op replaces eager math.
+"""
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+
+import torch
+
+from fastgrpo.ops.rms_norm import rms_norm
+from fastgrpo.ops.rope import apply_rotary
+from fastgrpo.ops.swiglu import glu
+
+ROPE_GLOBAL = "apply_rotary_pos_emb"
+
+
+def rms_norm_forward(eps_attr: str, offset: float, cast_before_weight: bool) -> Callable:
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, getattr(self, eps_attr), offset, cast_before_weight)
+
+    return forward
+
+
+def mlp_forward(activation: str, fused_gate_up: bool) -> Callable:
+    if fused_gate_up:
+        def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+            gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # gate, up: [B, T, I] views
+            return self.down_proj(glu(gate, up, activation))
+    else:
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), activation))
+
+    return forward
+
+
+def _copy_function(fn: types.FunctionType, scope: dict, closure: tuple | None) -> types.FunctionType:
+    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
+def _cell_holds(cell: types.CellType, obj: object) -> bool:
+    try:
+        return cell.cell_contents is obj
+    except ValueError:  # an empty cell
+        return False
+
+
+def with_globals(fn: types.FunctionType, overrides: dict[str, object]) -> types.FunctionType | None:
+    """A copy of `fn` in which the global names in `overrides` resolve to the given objects.
+
+    Used for RoPE: the attention forward of every supported architecture calls the module-level
+    `apply_rotary_pos_emb`, so the same compiled code, run against a copy of its module's globals with that one
+    name replaced, is the library's attention with the fused rotary, whatever the installed transformers version
+    (5.17 and 5.24 differ in the cache argument's name). Decorator layers (functools.wraps chains) are copied
+    with it. Returns None when `fn` does not look the name up, or a wrapper does not hold its inner function.
+    """
+    inner = getattr(fn, "__wrapped__", None)
+    if inner is None:
+        if not set(overrides) <= set(fn.__code__.co_names):
+            return None
+        return _copy_function(fn, {**fn.__globals__, **overrides}, fn.__closure__)
+    new_inner = with_globals(inner, overrides)
+    cells = fn.__closure__ or ()
+    if new_inner is None or not any(_cell_holds(c, inner) for c in cells):
+        return None
+    closure = tuple(types.CellType(new_inner) if _cell_holds(c, inner) else c for c in cells)
+    copy = _copy_function(fn, fn.__globals__, closure)
+    copy.__wrapped__ = new_inner
+    return copy
+
+
+def rope_attention_forward(attention_class: type) -> Callable | None:
+    """The class's forward with the fused rotary embedding, or None if it can't be had (see with_globals)."""
+    forward = attention_class.forward
+    if not isinstance(forward, types.FunctionType):
+        return None
+    return with_globals(forward, {ROPE_GLOBAL: apply_rotary})

@@ -1,0 +1,38 @@
+"""The causal-LM forward bound by patch_model(fused_loss=True): with `labels`, the token cross-entropy comes from
+the final hidden states through fastgrpo.fused_linear_logprobs, never materializing [B, T, V] logits."""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from fastgrpo.ops.fused_linear import fused_linear_logprobs
+
+IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
+
+
+def causal_lm_forward(previous: Callable, backbone_attr: str) -> Callable:
+    """Without labels: `previous` (the library forward). With labels: HF's loss (shifted labels, sum over the
+    non-ignored tokens divided by their count or by num_items_in_batch), returned with logits=None."""
+
+    def forward(self, *args, **kwargs):
+        if kwargs.get("labels") is None:
+            return previous(*args, **kwargs)
+        labels = kwargs.pop("labels")
+        num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        kwargs.pop("logits_to_keep", None)
+        out = getattr(self, backbone_attr)(*args, **kwargs)
+        targets = labels[:, 1:]  # position t predicts token t + 1
+        valid = targets != IGNORE_INDEX
+        hidden = out.last_hidden_state[:, :-1][valid]  # hidden: [n, H]
+        lm_head = self.get_output_embeddings()
+        logps = fused_linear_logprobs(hidden, lm_head.weight, targets[valid], bias=lm_head.bias)
+        denom = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -logps.sum() / torch.as_tensor(denom, device=logps.device, dtype=logps.dtype)
+        return CausalLMOutputWithPast(
+            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
+            hidden_states=out.hidden_states, attentions=out.attentions,
+        )
+
+    return forward

@@ -1,0 +1,155 @@
+"""patch_model / unpatch_model: bind fused forwards on the module instances of one model, and undo it exactly.
+
+Nothing outside the given model changes: no transformers class, module or function is modified.
+"""
+from __future__ import annotations
+
+import types
+from collections import Counter
+from collections.abc import Callable
+
+from torch import nn
+
+from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward
+from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
+
+SUMMARY_ATTR = "fastgrpo_patch_summary"
+_UNDO_ATTR = "_fastgrpo_undo"
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper, or the model itself."""
+    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
+        return model.get_base_model()
+    return model
+
+
+def architecture(model: nn.Module) -> Architecture:
+    """The table entry of a transformers causal LM; ValueError for anything else."""
+    config = getattr(model, "config", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if config is None or not callable(get_head) or get_head() is None:
+        raise ValueError(
+            f"model: expected a causal LM with an lm_head (e.g. from AutoModelForCausalLM), got {type(model).__name__}"
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type]
+
+
+def decoder_layers(model: nn.Module, arch: Architecture) -> list[nn.Module]:
+    """The modules whose direct child is an attention module of the architecture, in model order."""
+    return [
+        m for m in model.modules() if any(type(c).__name__ in arch.attention_classes for c in m.children())
+    ]
+
+
+def _bind(undo: list[Callable], module: nn.Module, make_forward: Callable[[Callable], Callable]) -> None:
+    """Bind make_forward(previous) as the instance's forward; accelerate's hooks keep theirs in `_old_forward`."""
+    attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
+    own = module.__dict__.get(attr)
+    previous = own if own is not None else type(module).forward.__get__(module)
+    module.__dict__[attr] = types.MethodType(make_forward(previous), module)
+
+    def restore() -> None:
+        if own is None:
+            del module.__dict__[attr]
+        else:
+            module.__dict__[attr] = own
+
+    undo.append(restore)
+
+
+def patch_model(
+    model: nn.Module,
+    *,
+    rms_norm: bool = True,
+    rope: bool = True,
+    swiglu: bool = True,
+    fused_loss: bool = True,
+    offload_activations: bool = False,
+) -> nn.Module:
+    """Replace RMSNorm, rotary embedding and gated-MLP math of `model` with fastgrpo's fused kernels.
+
+    model: a transformers causal LM (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 / gemma3_text, phi3),
+    a PEFT wrapper of one, or one with a bitsandbytes 4-bit base. swiglu also covers Gemma's GeGLU.
+    fused_loss: with `labels`, the model's forward computes the loss from hidden states without [B, T, V] logits
+    (fastgrpo.grpo_loss / sequence_logprobs are fused whether or not the model is patched).
+    offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing.
+
+    Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
+    reason for anything left alone). Patching again with the same options does nothing; with other options the
+    model is unpatched first. Plain HF forward and generate (KV cache) keep working on the patched modules.
+    """
+    hf_model = unwrap_peft(model)
+    arch = architecture(hf_model)
+    options = {
+        "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
+        "offload_activations": offload_activations,
+    }
+    existing = hf_model.__dict__.get(SUMMARY_ATTR)
+    if existing is not None:
+        if existing["options"] == options:
+            return model
+        unpatch_model(model)
+    undo: list[Callable] = []
+    patched: Counter = Counter()
+    skipped: dict[str, str] = {}
+    rope_forwards: dict[type, Callable | None] = {}
+    for module in hf_model.modules():
+        name = type(module).__name__
+        if rms_norm and name in arch.norm_classes:
+            _bind(undo, module, lambda _: rms_norm_forward(
+                arch.norm_eps_attr, arch.norm_offset, arch.norm_cast_before_weight))
+            patched["rms_norm"] += 1
+        elif swiglu and name in arch.mlp_classes:
+            act_name = type(getattr(module, arch.mlp_act_attr)).__name__
+            if act_name not in ACTIVATIONS:
+                skipped["swiglu"] = f"{name}: activation {act_name} has no fused kernel"
+                continue
+            _bind(undo, module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
+            patched["swiglu"] += 1
+        elif rope and name in arch.attention_classes:
+            if type(module) not in rope_forwards:
+                rope_forwards[type(module)] = rope_attention_forward(type(module))
+            forward = rope_forwards[type(module)]
+            if forward is None:
+                skipped["rope"] = f"{name}.forward does not call apply_rotary_pos_emb through its module globals"
+                continue
+            _bind(undo, module, lambda _: forward)
+            patched["rope"] += 1
+    if fused_loss:
+        softcap = arch.logit_softcap_attr and getattr(hf_model.config, arch.logit_softcap_attr, None)
+        if softcap:
+            skipped["fused_loss"] = f"config.{arch.logit_softcap_attr}={softcap}: soft-capped logits are not fused"
+        else:
+            from fastgrpo.patching.loss_forward import causal_lm_forward
+
+            _bind(undo, hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix))
+            patched["fused_loss"] += 1
+    if offload_activations:
+        from fastgrpo.offload import disable_offload_checkpointing, enable_offload_checkpointing
+
+        layers = decoder_layers(hf_model, arch)
+        enable_offload_checkpointing(layers)
+        undo.append(lambda: disable_offload_checkpointing(layers))
+        patched["offload_activations"] += len(layers)
+    hf_model.__dict__[_UNDO_ATTR] = undo
+    hf_model.__dict__[SUMMARY_ATTR] = {
+        "model_type": hf_model.config.model_type, "options": options, "patched": dict(patched), "skipped": skipped,
+    }
+    return model
+
+
+def unpatch_model(model: nn.Module) -> nn.Module:
+    """Undo patch_model on `model` (restoring every forward it replaced); returns the same object.
+
+    A model that is not patched is returned unchanged.
+    """
+    hf_model = unwrap_peft(model)
+    undo = hf_model.__dict__.pop(_UNDO_ATTR, None)
+    hf_model.__dict__.pop(SUMMARY_ATTR, None)
+    for restore in reversed(undo or []):
+        restore()
+    return model
