@@ -1,0 +1,271 @@
+"""Prefill and decode with the trainer's own modules over a static KV cache (gpt-fast style).
+
+One call: the B distinct prompts are prefilled once (left-padded to P), their K/V broadcast to the N = B x G rows
+of the cache; then every decode step feeds one token per row at the same cache slot. All per-step state lives in
+preallocated device tensors and is updated in place, so on CUDA the step (model forward, filters, sampling,
+bookkeeping) is compiled once and replayed as a CUDA graph; the host only draws the sampling noise and replays.
+Stop tokens are tracked on the device; the host syncs every `check_every` steps to stop early and to look for
+stop strings. The graph, the cache and the buffers are locals: they are freed when the call returns.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import inspect
+import warnings
+from collections.abc import Callable
+
+import torch
+
+from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
+from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    compile: bool = True  # on CUDA: torch.compile the decode step and replay it as a CUDA graph
+    check_every: int = 16  # steps between host syncs for stop conditions
+    # cache length rounded up to a multiple of this, so prompts of varying length reuse one compiled step
+    length_bucket: int = 128
+    warmup_steps: int = 2  # compiled steps run eagerly before the graph capture
+
+
+@dataclasses.dataclass
+class Completions:
+    tokens: torch.Tensor  # [N, S] int64, pad after the row finished
+    logprobs: torch.Tensor  # [N, S] fp32, 0 after the row finished
+    valid: torch.Tensor  # [N, S] bool, True up to and including the stop token
+    stopped: torch.Tensor  # [N] bool, finished by a stop token or stop string
+
+
+@dataclasses.dataclass
+class _State:
+    """Static buffers of one rollout: the decode step reads and updates them in place."""
+
+    tokens: torch.Tensor  # [N, 1] last sampled token, fed to the next step
+    positions: torch.Tensor  # [N, 1] its position id
+    visible: torch.Tensor  # [N, M] bool, cache slots holding a real (non-pad) token
+    key_pos: torch.Tensor  # [M] slot ids
+    seen: torch.Tensor | None  # [N, V] bool, tokens seen so far (repetition penalty only)
+    noise: torch.Tensor | None  # [N, V] fp32 Exp(1) draws (sampling only)
+    stop_ids: torch.Tensor | None  # [K] stop token ids
+    done: torch.Tensor  # [N] bool
+    step: torch.Tensor  # [1] next output column
+    out_tokens: torch.Tensor  # [N, S]
+    out_logprobs: torch.Tensor  # [N, S]
+    out_valid: torch.Tensor  # [N, S]
+
+
+def rollout(
+    model: torch.nn.Module,
+    prompts: list[list[int]],
+    num_generations: int,
+    params: SamplingParams,
+    *,
+    stop_ids: list[int],
+    pad_id: int,
+    generator: torch.Generator | None,
+    stop_check: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
+    config: EngineConfig = EngineConfig(),
+) -> Completions:
+    """Generate params.max_new_tokens (or until every row stops) for each of the G copies of each prompt.
+
+    stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
+    """
+    device = _device_of(model)
+    lm = model.config
+    B, G, S = len(prompts), num_generations, params.max_new_tokens
+    P = max(len(p) for p in prompts)
+    M = -(-(P + S) // config.length_bucket) * config.length_bucket
+    dtype = model.get_input_embeddings().weight.dtype
+    cache = StaticKVCache(G, M, device)
+    cache_kw = _cache_keyword(model)
+
+    # prompt: [B, P] left-padded; offset: [B] first real slot
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    offset = P - lengths
+    prompt = torch.full((B, P), pad_id, dtype=torch.long, device=device)
+    for i, ids in enumerate(prompts):
+        prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+    slots = torch.arange(M, device=device)
+    real = slots[None, :] >= offset[:, None]  # [B, M]
+
+    with torch.no_grad():
+        logits = _prefill(model, cache, cache_kw, prompt, real[:, :P], slots[:P], offset, dtype)
+        logits = logits.repeat_interleave(G, dim=0)  # [N, V]
+        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, generator)
+        state.positions.copy_(lengths.repeat_interleave(G)[:, None])
+        cache.slot.fill_(P)
+        _record(state, *sample(process_logits(logits, params, state.seen), state.noise), pad_id)
+        del logits
+
+        step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
+        use_graph = config.compile and device.type == "cuda"
+        run = _GraphedStep(step, config.warmup_steps) if use_graph else step
+        steps_done = 1
+        while steps_done < S:
+            if state.noise is not None:
+                state.noise.exponential_(generator=generator)
+            run()
+            steps_done += 1
+            if steps_done % config.check_every == 0:
+                if stop_check is not None:
+                    _check_stop_strings(state, steps_done, stop_check)
+                if bool(state.done.all()):
+                    break
+        del run, step
+    return Completions(
+        tokens=state.out_tokens[:, :steps_done],
+        logprobs=state.out_logprobs[:, :steps_done],
+        valid=state.out_valid[:, :steps_done],
+        stopped=state.done.clone(),
+    )
+
+
+def _prefill(model, cache, cache_kw, prompt, visible, slots, offset, dtype) -> torch.Tensor:
+    """Run the prompts once, filling the cache for every row of their groups; last-position logits [B, V]."""
+    cache.prefilling = True
+    positions = (slots[None, :] - offset[:, None]).clamp(min=0)  # [B, P]
+    masks = attention_masks(model.config, visible, slots, slots, dtype)
+    out = model(
+        input_ids=prompt, position_ids=positions, attention_mask=masks, use_cache=True, logits_to_keep=1,
+        **{cache_kw: cache},
+    )
+    cache.prefilling = False
+    return out.logits[:, -1]
+
+
+def _forward_sample(model, cache, cache_kw, state, params, dtype):
+    """One decode forward at cache.slot for all rows, then filters and sampling: (tokens [N], logprobs [N])."""
+    masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
+    out = model(
+        input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
+        logits_to_keep=1, **{cache_kw: cache},
+    )
+    logits = process_logits(out.logits[:, -1], params, state.seen)
+    return sample(logits, state.noise)
+
+
+@functools.cache
+def _compiled_forward_sample():
+    # dynamic=False: N and M are fixed per call (M bucketed), and static shapes are what CUDA graphs need
+    return torch.compile(_forward_sample, dynamic=False)
+
+
+def _decode_step(model, cache, cache_kw, state, params, pad_id, dtype, forward=_forward_sample) -> None:
+    tokens, logprobs = forward(model, cache, cache_kw, state, params, dtype)
+    _record(state, tokens, logprobs, pad_id)
+    state.positions += 1
+    cache.slot += 1
+
+
+def _record(state: _State, tokens: torch.Tensor, logprobs: torch.Tensor, pad_id: int) -> None:
+    """Write the sampled tokens [N] at column state.step; rows already done get pad and mask 0."""
+    alive = ~state.done
+    state.out_tokens.index_copy_(1, state.step, torch.where(alive, tokens, pad_id)[:, None])
+    state.out_logprobs.index_copy_(1, state.step, torch.where(alive, logprobs, 0.0)[:, None])
+    state.out_valid.index_copy_(1, state.step, alive[:, None])
+    if state.stop_ids is not None:
+        state.done |= torch.isin(tokens, state.stop_ids)
+    if state.seen is not None:
+        state.seen.scatter_(1, tokens[:, None], True)
+    state.tokens.copy_(tokens[:, None])
+    state.step += 1
+
+
+class _GraphedStep:
+    """The decode step, compiled; after `warmup` eager calls it is captured once and replayed as a CUDA graph.
+
+    If compiling or capturing fails (an op the compiler or the graph cannot take), warn and keep going on the
+    slower path, so a rollout never fails for speed's sake.
+    """
+
+    def __init__(self, step: functools.partial, warmup: int):
+        self.step = functools.partial(step, forward=_compiled_forward_sample())
+        self.eager = step
+        self.warmup = warmup
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.capturable = True
+        self.stream = torch.cuda.Stream()
+
+    def __call__(self) -> None:
+        if self.graph is not None:
+            self.graph.replay()
+            return
+        if self.warmup > 0 or not self.capturable:
+            self._warm()
+            return
+        try:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.step()
+        except Exception as err:  # noqa: BLE001 - any capture failure falls back to the compiled step
+            warnings.warn(f"rollout: CUDA graph capture failed ({err!r}); decoding without graphs", stacklevel=2)
+            self.capturable = False
+            self._warm()
+            return
+        self.graph = graph
+        self.graph.replay()
+
+    def _warm(self) -> None:
+        # side stream, as CUDA graph warm-up must be (cuBLAS/cuDNN workspaces, lazy init)
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            try:
+                self.step()
+            except Exception as err:  # noqa: BLE001 - compile failure: finish the rollout eagerly
+                if self.step is self.eager:
+                    raise
+                warnings.warn(f"rollout: torch.compile of the decode step failed ({err!r}); decoding eagerly",
+                              stacklevel=3)
+                self.step = self.eager
+                self.step()
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.warmup -= 1
+
+
+def _new_state(prompt, real, slots, G, S, V, params, stop_ids, generator) -> _State:
+    device = prompt.device
+    N = prompt.shape[0] * G
+    seen = None
+    if params.uses_seen_tokens:
+        # seen: [B, V] from the prompt's real tokens (scatter_add: pads and repeats must not race)
+        counts = torch.zeros(prompt.shape[0], V, dtype=torch.int32, device=device)
+        counts.scatter_add_(1, prompt, real[:, : prompt.shape[1]].int())
+        seen = (counts > 0).repeat_interleave(G, dim=0)
+    noise = None
+    if not params.greedy:
+        noise = torch.empty(N, V, dtype=torch.float32, device=device).exponential_(generator=generator)
+    return _State(
+        tokens=torch.zeros(N, 1, dtype=torch.long, device=device),
+        positions=torch.zeros(N, 1, dtype=torch.long, device=device),
+        visible=real.repeat_interleave(G, dim=0),
+        key_pos=slots,
+        seen=seen,
+        noise=noise,
+        stop_ids=torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device) if stop_ids else None,
+        done=torch.zeros(N, dtype=torch.bool, device=device),
+        step=torch.zeros(1, dtype=torch.long, device=device),
+        out_tokens=torch.zeros(N, S, dtype=torch.long, device=device),
+        out_logprobs=torch.zeros(N, S, dtype=torch.float32, device=device),
+        out_valid=torch.zeros(N, S, dtype=torch.bool, device=device),
+    )
+
+
+def _check_stop_strings(state: _State, steps_done: int, stop_check) -> None:
+    running = (~state.done).nonzero()[:, 0].tolist()
+    if not running:
+        return
+    hit = stop_check(state.out_tokens[:, :steps_done].cpu(), running)
+    if hit:
+        state.done[torch.tensor(hit, device=state.done.device)] = True
+
+
+def _device_of(model: torch.nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device
+
+
+def _cache_keyword(model: torch.nn.Module) -> str:
+    """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"

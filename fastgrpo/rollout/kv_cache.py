@@ -1,0 +1,77 @@
+"""A static KV cache the model's own attention modules write into, and the attention masks that go with it.
+
+HF attention modules (transformers 5.x) call `cache.update(key, value, layer_idx, ...)` and attend over what it
+returns, so this object is all the model needs: no weight copy, no engine-side model code. Layout per layer:
+keys/values [N, H_kv, M, D] (gpt-fast style), N = prompts x generations, M = padded prompt length + new tokens.
+
+Prefill runs the B distinct prompts once: `update` broadcasts each prompt's K/V into the rows of its group
+(view [B, G, H_kv, M, D]) and hands the prompt K/V straight back for the prefill's own attention. Decode writes
+one slot per step at `slot` (a device tensor, so a captured CUDA graph replays it) and returns the whole cache;
+the mask hides empty slots. The buffers are allocated at the first update of each layer (its dtype, heads and
+head dim come from the model) and freed with this object.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class StaticKVCache:
+    def __init__(self, num_generations: int, max_len: int, device: torch.device):
+        self.num_generations = num_generations
+        self.max_len = max_len
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+        self.prefilling = True
+        self.slot = torch.zeros(1, dtype=torch.long, device=device)  # slot: [1], the decode write position
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        # key, value: [B, H_kv, P, D] when prefilling, [N, H_kv, 1, D] when decoding
+        if self.prefilling:
+            self._store_prompt(self.keys, key, layer_idx)
+            self._store_prompt(self.values, value, layer_idx)
+            return key, value
+        k, v = self.keys[layer_idx], self.values[layer_idx]
+        k.index_copy_(2, self.slot, key)
+        v.index_copy_(2, self.slot, value)
+        return k, v
+
+    def _store_prompt(self, store: dict[int, torch.Tensor], states: torch.Tensor, layer_idx: int) -> None:
+        B, H, P, D = states.shape
+        G = self.num_generations
+        if layer_idx not in store:
+            store[layer_idx] = torch.zeros(B * G, H, self.max_len, D, dtype=states.dtype, device=states.device)
+        # each prompt's K/V copied to the G rows of its group
+        store[layer_idx].view(B, G, H, self.max_len, D)[:, :, :, :P] = states[:, None]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        raise RuntimeError("StaticKVCache: pass position_ids explicitly; the cache keeps no sequence length")
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+
+
+def attention_masks(config, visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, dtype):
+    """The attention_mask argument for the model: 4D masks [N, 1, Q, M], one per layer type where it has them.
+
+    visible: [N, M] bool, slots that hold a real token; query_pos: [Q] slot of each query; key_pos: [M] slot ids.
+    Sliding-window layers also hide keys `window` or more slots behind the query (HF's rule). Models with
+    `config.layer_types` (qwen2, qwen3, gemma2, gemma3) take a dict by layer type; the others (llama, mistral, gemma,
+    phi3) take one tensor, windowed when `config.sliding_window` is set. "eager" attention adds the mask, "sdpa"
+    takes it as bool.
+    """
+    causal = key_pos[None, :] <= query_pos[:, None]  # [Q, M]
+    # a query slot always sees itself: left-pad queries would otherwise have no key and produce NaN
+    causal = (causal & visible[:, None, :]) | (key_pos[None, :] == query_pos[:, None])  # [N, Q, M]
+    window = getattr(config, "sliding_window", None)
+    windowed = causal & (key_pos[None, :] > query_pos[:, None] - window) if window else causal
+
+    def fmt(mask):
+        mask = mask[:, None]  # [N, 1, Q, M]
+        if config._attn_implementation == "eager":
+            return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+        return mask
+
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is None:
+        return fmt(windowed)
+    return {kind: fmt(windowed if kind == "sliding_attention" else causal) for kind in set(layer_types)}
