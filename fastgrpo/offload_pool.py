@@ -1,0 +1,133 @@
+"""A reusable pool of host buffers for activation offload: no pinned allocation per step once warm.
+
+cudaHostAlloc costs about 1 ms per 100 MB and synchronizes the device, so buffers are kept and handed out again.
+Sizes are rounded up to size classes (8 per power of two, at most 12.5% slack) so that the varying sequence
+lengths of GRPO batches reuse buffers instead of growing the pool with one buffer per exact size.
+The allocator is pluggable so the pool logic runs on a CPU-only machine (plain CPU tensors, pin_memory=False).
+"""
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from collections.abc import Callable
+
+import torch
+
+GIB = 1024**3
+# Size classes: 8 steps per power of two; below 1 MiB one class per MiB-rounded size is not worth it.
+_CLASS_STEPS = 8
+_MIN_CLASS_BYTES = 1 << 20
+
+
+class OffloadMemoryError(RuntimeError):
+    """Host memory for offloaded activations could not be had; the message names the setting to change."""
+
+
+def size_class(nbytes: int) -> int:
+    """The buffer size used for a request of `nbytes`: >= nbytes, at most 12.5% more (and >= 1 MiB)."""
+    if nbytes <= _MIN_CLASS_BYTES:
+        return _MIN_CLASS_BYTES
+    step = 1 << max(0, nbytes.bit_length() - 1 - _CLASS_STEPS.bit_length() + 1)
+    return -(-nbytes // step) * step
+
+
+def _pinned_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+
+def _pageable_bytes(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
+
+
+class HostBufferPool:
+    """Flat uint8 host buffers handed out by size class and returned for reuse.
+
+    max_bytes bounds what the pool may hold (in use + free); None means no bound other than the allocator's.
+    When a new buffer would pass the bound, free buffers of other sizes are dropped first.
+    pin_memory=False (or a custom `allocator(nbytes) -> uint8 tensor`) makes the pool usable without CUDA.
+    """
+
+    def __init__(
+        self,
+        max_bytes: int | None = None,
+        *,
+        pin_memory: bool = True,
+        allocator: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
+        if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
+            raise ValueError(f"max_bytes: expected a positive int or None, got {max_bytes!r}")
+        self.max_bytes = max_bytes
+        self.pin_memory = pin_memory
+        self._allocate = allocator or (_pinned_bytes if pin_memory else _pageable_bytes)
+        self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        # Buffers come back from autograd's backward thread while the main thread may be acquiring.
+        self._lock = threading.Lock()
+        self.bytes_in_use = 0
+        self.bytes_free = 0
+        self.num_allocations = 0  # buffers ever allocated: flat once the pool is warm
+
+    @property
+    def bytes_held(self) -> int:
+        return self.bytes_in_use + self.bytes_free
+
+    @property
+    def num_free(self) -> int:
+        return sum(len(bufs) for bufs in self._free.values())
+
+    def acquire(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least `nbytes` (its length is the size class); give it back with release()."""
+        if nbytes < 0:
+            raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
+        size = size_class(nbytes)
+        with self._lock:
+            free = self._free[size]
+            if free:
+                buf = free.pop()
+                self.bytes_free -= size
+            else:
+                self._make_room(size)
+                buf = self._allocate_or_raise(size)
+                self.num_allocations += 1
+            self.bytes_in_use += size
+        return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        size = buf.numel()
+        with self._lock:
+            self._free[size].append(buf)
+            self.bytes_in_use -= size
+            self.bytes_free += size
+
+    def clear(self) -> None:
+        """Drop every free buffer (buffers in use are kept by their holders and return later)."""
+        with self._lock:
+            self._free.clear()
+            self.bytes_free = 0
+
+    def _make_room(self, size: int) -> None:
+        if self.max_bytes is None:
+            return
+        # Drop the largest free buffers first: they are the least likely to match the next request.
+        for cls in sorted(self._free, reverse=True):
+            while self._free[cls] and self.bytes_held + size > self.max_bytes:
+                self._free[cls].pop()
+                self.bytes_free -= cls
+        if self.bytes_held + size > self.max_bytes:
+            raise OffloadMemoryError(
+                f"activation offload needs {size / GIB:.2f} GiB more host memory but the pool already holds "
+                f"{self.bytes_held / GIB:.2f} GiB in use of its max_bytes={self.max_bytes} "
+                f"({self.max_bytes / GIB:.2f} GiB): raise max_bytes, use shorter or fewer sequences per step, "
+                "or turn activation offload off (offload_activations=False / disable_offload_checkpointing)"
+            )
+
+    def _allocate_or_raise(self, size: int) -> torch.Tensor:
+        try:
+            return self._allocate(size)
+        except (RuntimeError, MemoryError) as err:
+            kind = "pinned" if self.pin_memory else "host"
+            raise OffloadMemoryError(
+                f"could not allocate {size / GIB:.2f} GiB of {kind} host memory for activation offload "
+                f"(the pool holds {self.bytes_held / GIB:.2f} GiB): set the pool's max_bytes below what the host "
+                "can pin, use shorter or fewer sequences per step, or turn activation offload off "
+                f"(offload_activations=False / disable_offload_checkpointing). Cause: {err}"
+            ) from err
