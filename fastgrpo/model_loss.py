@@ -1,0 +1,139 @@
+"""The GRPO loss and sequence log-probs of a Hugging Face causal LM, from hidden states, without logits.
+
+Alignment, for every [B, T] tensor here: position t is about token input_ids[:, t] predicted from
+input_ids[:, :t]; only positions where completion_mask is 1 count (log-probs elsewhere are 0). The backbone runs
+on all T positions; the fused lm_head + loss runs on the columns that hold completion tokens only.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from fastgrpo._checks import check_mask, check_shape
+from fastgrpo.ops.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
+from fastgrpo.patching.patch import architecture, unwrap_peft
+
+
+def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> None:
+    check_shape("input_ids", input_ids, (None, None))
+    check_mask("attention_mask", attention_mask, "input_ids", input_ids)
+    check_mask("completion_mask", completion_mask, "input_ids", input_ids)
+    if input_ids.shape[1] < 2:
+        raise ValueError(f"input_ids: expected at least 2 positions [B, T>=2], got {list(input_ids.shape)}")
+    if completion_mask[:, 0].any():
+        raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
+
+
+def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
+    """(backbone, lm_head) of a supported causal LM or PEFT wrapper; tied embeddings share the weight already."""
+    hf_model = unwrap_peft(model)
+    arch = architecture(hf_model)
+    softcap = arch.logit_softcap_attr and getattr(hf_model.config, arch.logit_softcap_attr, None)
+    if softcap:
+        raise ValueError(
+            f"model: config.{arch.logit_softcap_attr}={softcap} soft-caps the logits, which the fused loss does not "
+            "compute; set it to None to train without it"
+        )
+    head = hf_model.get_output_embeddings()
+    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
+        raise ValueError(f"model: expected an lm_head with a [V, H] weight, got {type(head).__name__}")
+    return getattr(hf_model, hf_model.base_model_prefix), head
+
+
+def _window(completion_mask: torch.Tensor) -> slice:
+    """The input_ids columns from the first to the last that hold a completion token (one host sync)."""
+    cols = completion_mask.any(0).nonzero().squeeze(-1)
+    if cols.numel() == 0:
+        return slice(1, 2)
+    return slice(int(cols.min()), int(cols.max()) + 1)
+
+
+def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
+    """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and the window."""
+    _check_inputs(input_ids, attention_mask, completion_mask)
+    backbone, head = _lm_head(model)
+    cols = _window(completion_mask)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
+    return hidden, head, cols
+
+
+def grpo_loss(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    beta: float = 0.0,
+    epsilon_low: float = 0.2,
+    epsilon_high: float | None = None,
+    delta: float | None = None,
+    loss_type: str = "bnpo",
+    importance_sampling_level: str = "token",
+    temperature: float = 1.0,
+    max_completion_length: int | None = None,
+    num_items_in_batch: float | torch.Tensor | None = None,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GRPO loss of `model` on input_ids [B, T] through fastgrpo.fused_linear_grpo_loss (no [B, T, V] logits).
+
+    attention_mask, completion_mask [B, T]; advantages [B] or [B, T]; old_logps / ref_logps [B, T] as returned
+    by sequence_logprobs. Options as in fused_linear_grpo_loss. Returns (loss, metrics).
+    """
+    B, T = input_ids.shape
+    if advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
+        raise ValueError(f"advantages: expected shape [{B}] or [{B}, {T}], got {list(advantages.shape)}")
+    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if logps is not None:
+            check_shape(name, logps, (B, T))
+    hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+
+    def window(t):
+        return None if t is None else t[:, cols]
+
+    return fused_linear_grpo_loss(
+        hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
+        advantages if advantages.dim() == 1 else window(advantages),
+        old_logps=window(old_logps), ref_logps=window(ref_logps), beta=beta, epsilon_low=epsilon_low,
+        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
+        importance_sampling_level=importance_sampling_level, temperature=temperature,
+        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch, bias=head.bias,
+        return_entropy=return_entropy, backend=backend,
+    )
+
+
+@torch.no_grad()
+def sequence_logprobs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    return_entropy: bool = False,
+    disable_adapter: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs [B, T] fp32 (and entropy [B, T]) of input_ids under `model`, 0 where completion_mask
+    is 0; for old / reference log-probs. disable_adapter=True runs a PEFT model with its adapter disabled (the
+    reference policy, without a second copy of the weights)."""
+    if disable_adapter and not callable(getattr(model, "disable_adapter", None)):
+        raise ValueError(f"disable_adapter: needs a PEFT model, got {type(model).__name__}")
+    with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
+        hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+    out = fused_linear_logprobs(
+        hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
+        return_entropy=return_entropy, backend=backend,
+    )
+    mask = completion_mask[:, cols].bool()
+    full = []
+    for values in out if return_entropy else (out,):
+        padded = torch.zeros(input_ids.shape, dtype=values.dtype, device=values.device)
+        padded[:, cols] = torch.where(mask, values, 0.0)
+        full.append(padded)
+    return tuple(full) if return_entropy else full[0]
