@@ -96,7 +96,9 @@ def aggregate_loss(
 ) -> torch.Tensor:
     """Reduce a [B, T] per-token loss to a scalar with the grpo / bnpo / dr_grpo / dapo normalization."""
     check_binary_mask("mask", mask, "per_token_loss", per_token_loss)
-    weights = aggregation_weights(mask, loss_type, max_completion_length, num_items_in_batch)
+    # Weights in the loss's precision, at least fp32: a bool mask would otherwise give fp32 weights to an fp64 loss.
+    counts = mask.to(torch.promote_types(per_token_loss.dtype, torch.float32))
+    weights = aggregation_weights(counts, loss_type, max_completion_length, num_items_in_batch)
     return (per_token_loss * weights.to(per_token_loss.dtype)).sum()
 
 
@@ -268,10 +270,13 @@ def compute_naive_policy_gradient_loss(
     raw_rewards_or_advantages: torch.Tensor, policy_log_probs: torch.Tensor
 ) -> torch.Tensor:
     """REINFORCE per-token loss -A * logp: A [B, 1], policy_log_probs [B, T] -> [B, T]."""
+    return _naive_loss("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
+
+
+def _naive_loss(name: str, advantages: torch.Tensor, policy_log_probs: torch.Tensor) -> torch.Tensor:
     check_shape("policy_log_probs", policy_log_probs, (None, None))
     check_floating("policy_log_probs", policy_log_probs)
-    advantages = _column("raw_rewards_or_advantages", raw_rewards_or_advantages, policy_log_probs)
-    return -advantages * policy_log_probs
+    return -_column(name, advantages, policy_log_probs) * policy_log_probs
 
 
 def compute_grpo_clip_loss(
@@ -311,11 +316,11 @@ def compute_policy_gradient_loss(
     if loss_type == "no_baseline":
         if raw_rewards is None:
             raise ValueError("raw_rewards: required for loss_type='no_baseline', got None")
-        return compute_naive_policy_gradient_loss(raw_rewards, policy_log_probs), {}
+        return _naive_loss("raw_rewards", raw_rewards, policy_log_probs), {}
     if advantages is None:
         raise ValueError(f"advantages: required for loss_type={loss_type!r}, got None")
     if loss_type == "reinforce_with_baseline":
-        return compute_naive_policy_gradient_loss(advantages, policy_log_probs), {}
+        return _naive_loss("advantages", advantages, policy_log_probs), {}
     if old_log_probs is None:
         raise ValueError("old_log_probs: required for loss_type='grpo_clip', got None")
     if cliprange is None:
