@@ -216,8 +216,9 @@ class _OffloadedInput:
         self.requires_grad = tensor.requires_grad
         self.fetches = 0
         self._prefetched: tuple[torch.Tensor, Any] | None = None
+        self._buffer: torch.Tensor | None = None  # set before acquire: __del__ runs even if acquire raises
         nbytes = tensor.numel() * tensor.element_size()
-        self._buffer: torch.Tensor | None = offloader.pool.acquire(nbytes)
+        self._buffer = offloader.pool.acquire(nbytes)
         self._host = self._buffer[:nbytes].view(self.dtype).view(self.shape)
         self._copies.to_host(tensor, self._host)
         self._tensor: torch.Tensor | None = tensor
