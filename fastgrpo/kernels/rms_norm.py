@@ -1,9 +1,11 @@
 """RMSNorm in Triton: y = x * rstd * (offset + w) over rows of H, and its backward.
 
 CAST_BEFORE_WEIGHT=True is Llama's rounding (x * rstd rounded to x's dtype, then times w); False is Gemma's
-(everything in fp32, one rounding at the end). Both accumulate in fp32.
+(everything in fp32, one rounding at the end). Both accumulate in fp32. Each program takes BLOCK_ROWS rows.
 """
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
@@ -14,55 +16,59 @@ import triton.language as tl
 def _rms_norm_fwd_kernel(
     X, W, Y, RSTD,
     stride_x, stride_y,
-    n_cols, eps, offset,
-    BLOCK_H: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    n_rows, n_cols, eps, offset,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
-    row = tl.program_id(0).to(tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n_cols + eps)
-    x_hat = x * rstd
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / n_cols + eps)  # rstd: [BLOCK_ROWS]
+    x_hat = x * rstd[:, None]
     if CAST_BEFORE_WEIGHT:
         x_hat = x_hat.to(X.dtype.element_ty).to(tl.float32)
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + cols, (x_hat * (offset + w)).to(Y.dtype.element_ty), mask=mask)
-    tl.store(RSTD + row, rstd)
+    w = tl.load(W + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    y = x_hat * (offset + w)[None, :]
+    tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=mask)
+    tl.store(RSTD + rows, rstd, mask=rows < n_rows)
 
 
 @triton.jit
 def _rms_norm_bwd_kernel(
     DY, X, W, RSTD, DX, DW_PARTIAL,
     stride_dy, stride_x, stride_dx,
-    n_rows, n_cols, rows_per_program, offset,
-    BLOCK_H: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
+    n_rows, n_cols, blocks_per_program, offset,
+    BLOCK_ROWS: tl.constexpr, BLOCK_H: tl.constexpr, CAST_BEFORE_WEIGHT: tl.constexpr,
 ):
-    # Each program walks `rows_per_program` rows and keeps its share of dw in fp32 registers.
+    # Each program walks `blocks_per_program` blocks of rows and keeps its share of dw in fp32 registers.
     pid = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
-    mask = cols < n_cols
-    w = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32) + offset
+    col_mask = cols < n_cols
+    w = tl.load(W + cols, mask=col_mask, other=0.0).to(tl.float32) + offset
     dw = tl.zeros((BLOCK_H,), dtype=tl.float32)
-    row_start = pid * rows_per_program
-    row_end = tl.minimum(row_start + rows_per_program, n_rows)
-    for row in range(row_start, row_end):
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + row * stride_dy + cols, mask=mask, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + row)
+    for block in range(pid * blocks_per_program, (pid + 1) * blocks_per_program):
+        rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+        mask = (rows < n_rows)[:, None] & col_mask[None, :]
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rows < n_rows, other=0.0)[:, None]
         x_hat = x * rstd
         if CAST_BEFORE_WEIGHT:
-            dw += dy * x_hat.to(X.dtype.element_ty).to(tl.float32)
+            dw += tl.sum(dy * x_hat.to(X.dtype.element_ty).to(tl.float32), axis=0)
         else:
-            dw += dy * x_hat
-        dx_hat = dy * w
+            dw += tl.sum(dy * x_hat, axis=0)
+        dx_hat = dy * w[None, :]
         # d/dx of x * rstd(x): rstd * (dx_hat - x_hat * mean(dx_hat * x_hat))
-        dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=0) / n_cols))
-        tl.store(DX + row * stride_dx + cols, dx.to(DX.dtype.element_ty), mask=mask)
-    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=mask)
+        dx = rstd * (dx_hat - x_hat * (tl.sum(dx_hat * x_hat, axis=1) / n_cols)[:, None])
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=mask)
+    tl.store(DW_PARTIAL + pid * n_cols + cols, dw, mask=col_mask)
 
 
-def _block(n_cols: int) -> int:
-    return triton.next_power_of_2(n_cols)
+def _blocks(n_cols: int) -> tuple[int, int]:
+    """(BLOCK_ROWS, BLOCK_H): ~4K elements per program on a GPU; 64K under the interpreter, whose cost is per op."""
+    block_h = triton.next_power_of_2(n_cols)
+    budget = 1 << 16 if os.environ.get("TRITON_INTERPRET") == "1" else 1 << 12
+    return max(1, budget // block_h), block_h
 
 
 def rms_norm_fwd(
@@ -72,10 +78,11 @@ def rms_norm_fwd(
     n_rows, n_cols = x.shape
     y = torch.empty((n_rows, n_cols), dtype=out_dtype, device=x.device)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    block_rows, block_h = _blocks(n_cols)
     if n_rows:
-        _rms_norm_fwd_kernel[(n_rows,)](
-            x, weight, y, rstd, x.stride(0), y.stride(0), n_cols, eps, offset,
-            BLOCK_H=_block(n_cols), CAST_BEFORE_WEIGHT=cast_before_weight,
+        _rms_norm_fwd_kernel[(triton.cdiv(n_rows, block_rows),)](
+            x, weight, y, rstd, x.stride(0), y.stride(0), n_rows, n_cols, eps, offset,
+            BLOCK_ROWS=block_rows, BLOCK_H=block_h, CAST_BEFORE_WEIGHT=cast_before_weight,
         )
     return y, rstd
 
@@ -87,15 +94,17 @@ def rms_norm_bwd(
     """dy, x: [N, H] -> dx [N, H] (dtype of x), dw [H] fp32."""
     n_rows, n_cols = x.shape
     dx = torch.empty_like(x)
+    block_rows, block_h = _blocks(n_cols)
+    n_blocks = triton.cdiv(n_rows, block_rows)
     # ~4 programs per SM keeps the fp32 dw partials small ([programs, H]) and the GPU busy.
-    programs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
-    programs = max(1, min(programs, n_rows))
-    rows_per_program = triton.cdiv(n_rows, programs)
+    programs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    programs = max(1, min(programs, n_blocks))
+    blocks_per_program = triton.cdiv(n_blocks, programs)
     dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x.device)
     if n_rows:
         _rms_norm_bwd_kernel[(programs,)](
             dy, x, weight, rstd, dx, dw_partial, dy.stride(0), x.stride(0), dx.stride(0),
-            n_rows, n_cols, rows_per_program, offset,
-            BLOCK_H=_block(n_cols), CAST_BEFORE_WEIGHT=cast_before_weight,
+            n_rows, n_cols, blocks_per_program, offset,
+            BLOCK_ROWS=block_rows, BLOCK_H=block_h, CAST_BEFORE_WEIGHT=cast_before_weight,
         )
     return dx, dw_partial.sum(0)
