@@ -1,0 +1,240 @@
+"""fastgrpo.rollout.generate on tiny CPU models: HF generate parity, log-probs, stops, seeds, shared weights, errors."""
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma2Config,
+    LlamaConfig,
+    MistralConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
+
+from fastgrpo.rollout import generate
+from fastgrpo.rollout.sampling import SamplingParams, process_logits
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,!?0123456789"
+PAD, EOS = 0, 1
+PROMPTS = ["hello world", "abc", "the quick brown fox jumps"]
+
+
+def char_tokenizer() -> PreTrainedTokenizerFast:
+    """One token per character; <pad>=0, <eos>=1, <unk>=2."""
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+
+
+SIZES = dict(
+    vocab_size=len(CHARS) + 3, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=128, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+)
+CONFIGS = {
+    "llama": lambda: LlamaConfig(**SIZES),
+    "qwen2": lambda: Qwen2Config(**SIZES),
+    # sliding window shorter than prompt + completion: the windowed masks matter (tensor and dict forms)
+    "mistral": lambda: MistralConfig(**SIZES, sliding_window=8),
+    "gemma2": lambda: Gemma2Config(**SIZES, head_dim=16, sliding_window=8, attn_implementation="eager"),
+}
+
+
+def tiny_model(arch: str, seed: int = 0, lora: bool = False):
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(CONFIGS[arch]())
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        # init_lora_weights=False: a non-zero adapter, so "adapter active" changes the outputs
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    return model.eval()
+
+
+def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int):
+    """HF generate on one unpadded prompt: (tokens up to and including EOS, log_softmax of its logits there)."""
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    out = model.generate(
+        input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+        eos_token_id=EOS, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True,
+    )
+    tokens = out.sequences[0, ids.shape[1]:].tolist()
+    if EOS in tokens:
+        tokens = tokens[: tokens.index(EOS) + 1]
+    logp = [torch.log_softmax(step[0].double(), -1)[t].item() for step, t in zip(out.logits, tokens)]
+    return tokens, logp
+
+
+def completions(result) -> list[list[int]]:
+    return [ids[mask.bool()].tolist() for ids, mask in zip(result.completion_ids, result.completion_mask)]
+
+
+@pytest.mark.parametrize("arch, lora", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True),
+                                        ("mistral", False), ("gemma2", False)])
+def test_greedy_equals_hf_generate(arch, lora):
+    tok, model = char_tokenizer(), tiny_model(arch, lora=lora)
+    result = generate(model, tok, PROMPTS, num_generations=2, max_new_tokens=24, temperature=0)
+    got = completions(result)
+    for i, prompt in enumerate(PROMPTS):
+        want, want_logp = hf_greedy(model, tok, prompt, 24)
+        for row in (2 * i, 2 * i + 1):
+            assert got[row] == want, (arch, lora, prompt)
+            n = len(want)
+            torch.testing.assert_close(result.logprobs[row, :n].double(), torch.tensor(want_logp, dtype=torch.float64), atol=1e-4, rtol=0)
+            assert result.finish_reasons[row] == ("stop" if want[-1] == EOS else "length")
+
+
+def test_lora_adapter_is_active():
+    tok = char_tokenizer()
+    base = generate(tiny_model("llama"), tok, PROMPTS, max_new_tokens=16, temperature=0)
+    adapted = generate(tiny_model("llama", lora=True), tok, PROMPTS, max_new_tokens=16, temperature=0)
+    assert completions(base) != completions(adapted)
+
+
+def teacher_forced_logprobs(model, result, params: SamplingParams) -> torch.Tensor:
+    """Re-score each completion with one full forward and the same filters: [N, L] (0 on pads)."""
+    out = torch.zeros(result.completion_ids.shape, dtype=torch.float64)
+    for r in range(result.completion_ids.shape[0]):
+        prompt = result.prompt_ids[r][result.prompt_mask[r].bool()]
+        comp = result.completion_ids[r][result.completion_mask[r].bool()]
+        with torch.no_grad():
+            logits = model(torch.cat([prompt, comp])[None]).logits[0, len(prompt) - 1: -1]
+        processed = process_logits(logits, params, None)
+        out[r, : len(comp)] = processed.double().log_softmax(-1).gather(1, comp[:, None])[:, 0]
+    return out
+
+
+def test_sampled_logprobs_are_under_the_sampling_distribution():
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    params = SamplingParams(max_new_tokens=20, temperature=0.7, top_k=12, top_p=0.9, min_p=0.05)
+    result = generate(model, tok, PROMPTS, num_generations=3, seed=3, **vars_of(params))
+    assert result.logprobs.dtype == torch.float32
+    want = teacher_forced_logprobs(model, result, params)
+    torch.testing.assert_close(result.logprobs.double(), want, atol=1e-4, rtol=0)
+    assert torch.all(result.logprobs[result.completion_mask == 0] == 0)
+    assert torch.all(torch.isfinite(result.logprobs))
+
+
+def vars_of(params: SamplingParams) -> dict:
+    return {k: getattr(params, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
+                                             "repetition_penalty")}
+
+
+def test_groups_are_consecutive_and_shapes_agree():
+    tok, model = char_tokenizer(), tiny_model("llama")
+    result = generate(model, tok, PROMPTS, num_generations=3, max_new_tokens=10, seed=0)
+    N, L = result.completion_ids.shape
+    assert N == 9 and result.logprobs.shape == (N, L) and result.prompt_ids.shape[0] == N
+    assert len(result.texts) == len(result.finish_reasons) == N
+    for i, prompt in enumerate(PROMPTS):
+        for row in range(3 * i, 3 * i + 3):
+            ids = result.prompt_ids[row][result.prompt_mask[row].bool()].tolist()
+            assert tok.decode(ids) == prompt
+    # right-padded: the mask is a prefix of ones
+    lengths = result.completion_mask.sum(1)
+    assert torch.equal(result.completion_mask, (torch.arange(L)[None] < lengths[:, None]).long())
+    assert torch.all(result.completion_ids[result.completion_mask == 0] == PAD)
+
+
+def test_same_seed_same_samples_and_other_seed_differs():
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    kw = dict(num_generations=4, max_new_tokens=16, temperature=1.0, repetition_penalty=1.2)
+    a, b = generate(model, tok, PROMPTS, seed=7, **kw), generate(model, tok, PROMPTS, seed=7, **kw)
+    c = generate(model, tok, PROMPTS, seed=8, **kw)
+    assert torch.equal(a.completion_ids, b.completion_ids) and torch.equal(a.logprobs, b.logprobs)
+    assert completions(a) != completions(c)
+    # generations of one prompt are distinct samples, not copies
+    assert len({tuple(x) for x in completions(a)[:4]}) > 1
+
+
+def test_stop_string_cuts_ids_mask_and_text_consistently():
+    tok, model = char_tokenizer(), tiny_model("llama")
+    free = generate(model, tok, PROMPTS, max_new_tokens=24, temperature=0)
+    stop = free.texts[0][6:8]  # a two-character string the first row produces at position 6
+    cut = generate(model, tok, PROMPTS, max_new_tokens=24, temperature=0, stop=[stop])
+    for row, (ids, text) in enumerate(zip(completions(cut), cut.texts)):
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        assert ids == completions(free)[row][: len(ids)]
+        if stop in free.texts[row]:
+            end = free.texts[row].index(stop) + len(stop)
+            assert text == free.texts[row][:end] and cut.finish_reasons[row] == "stop"
+            assert stop not in tok.decode(ids[:-1])
+        else:
+            assert ids == completions(free)[row] and cut.finish_reasons[row] == free.finish_reasons[row]
+    assert cut.finish_reasons[0] == "stop" and len(completions(cut)[0]) <= 8
+
+
+def test_stop_token_id_ends_the_row_after_it():
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    free = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0)
+    stop_id = completions(free)[1][4]
+    cut = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0, stop=stop_id)
+    for row, ids in enumerate(completions(cut)):
+        full = completions(free)[row]
+        if stop_id in full:
+            assert ids == full[: full.index(stop_id) + 1] and cut.finish_reasons[row] == "stop"
+        else:
+            assert ids == full
+
+
+def test_in_place_weight_update_is_used_by_the_next_call():
+    tok, model = char_tokenizer(), tiny_model("llama", lora=True)
+    before = generate(model, tok, PROMPTS, max_new_tokens=16, temperature=0)
+    # one optimizer step on the adapter, in place, as the trainer does
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.SGD(params, lr=5.0)
+    model.train()
+    ids = torch.tensor([tok(PROMPTS[0], add_special_tokens=False)["input_ids"]])
+    model(ids, labels=ids).loss.backward()
+    opt.step()
+    model.eval()
+    after = generate(model, tok, PROMPTS, max_new_tokens=16, temperature=0)
+    assert completions(after) != completions(before)
+    for i, prompt in enumerate(PROMPTS):
+        assert completions(after)[i] == hf_greedy(model, tok, prompt, 16)[0]
+
+
+def test_training_mode_is_restored():
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    model.train()
+    model.gradient_checkpointing_enable()
+    result = generate(model, tok, PROMPTS[:1], max_new_tokens=8, temperature=0)
+    assert model.training and all(m.training for m in model.modules())
+    model.eval()
+    assert completions(result)[0] == hf_greedy(model, tok, PROMPTS[0], 8)[0]
+
+
+def test_token_id_prompts_equal_text_prompts():
+    tok, model = char_tokenizer(), tiny_model("llama")
+    ids = [tok(p, add_special_tokens=False)["input_ids"] for p in PROMPTS]
+    a = generate(model, tok, PROMPTS, max_new_tokens=8, temperature=0)
+    b = generate(model, tok, ids, max_new_tokens=8, temperature=0)
+    assert torch.equal(a.completion_ids, b.completion_ids)
+
+
+@pytest.mark.parametrize(
+    "prompts, kwargs, match",
+    [
+        (["x" * 100], {"max_new_tokens": 29}, "prompts\\[0\\].*max_position_embeddings 128"),
+        (PROMPTS, {"num_generations": 0}, "num_generations"),
+        (PROMPTS, {"top_a": 0.1}, "unknown sampling option 'top_a'"),
+        (PROMPTS, {"do_sample": True}, "unknown sampling option 'do_sample'"),
+        (PROMPTS, {"max_tokens": 10}, "did you mean 'max_new_tokens'"),
+        (PROMPTS, {"temperature": -1.0}, "temperature"),
+        (PROMPTS, {"stop": [""]}, "stop"),
+        (PROMPTS, {"stop": [10_000]}, "stop"),
+        (PROMPTS, {"seed": 1.5}, "seed"),
+        ([], {}, "prompts"),
+        ("abc", {}, "prompts"),
+        (["abc", ""], {}, "prompts\\[1\\]"),
+        ([[3, 4, 999]], {}, "prompts\\[0\\]"),
+    ],
+)
+def test_bad_input_fails_before_any_compute(prompts, kwargs, match):
+    tok, model = char_tokenizer(), tiny_model("llama")
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=match):
+        generate(model, tok, prompts, **kwargs)
+    assert not calls
