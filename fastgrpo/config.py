@@ -26,7 +26,7 @@ class GRPOConfig:
     dataset_split: str = "train"
     prompt_column: str = "prompt"
     reward_funcs: list[str] = dataclasses.field(default_factory=lambda: ["length"])
-    reward_weights: list[float] | None = None  # one per reward function; None: all 1.0
+    reward_weights: list[float] | None = None  # one per reward function (the trainer checks); None: all 1.0
     dtype: str = "auto"  # auto: bfloat16 on a GPU that has it, float32 on the CPU
     device: str = "auto"
     # LoRA (lora_rank=0: full fine-tuning with a frozen reference copy when beta > 0).
@@ -37,6 +37,7 @@ class GRPOConfig:
     load_in_4bit: bool = False  # QLoRA base (needs bitsandbytes and a GPU)
     patch: bool = True  # fastgrpo.patch_model: fused kernels (the loss is fused either way)
     gradient_checkpointing: bool = False
+    offload_activations: bool = False  # with patch: checkpointed layers keep their inputs in CPU memory
     # Rollout: batch_size completions per step, in groups of num_generations completions of one prompt.
     batch_size: int = 64
     num_generations: int = 8
@@ -62,7 +63,7 @@ class GRPOConfig:
     scale_rewards: str = "group"  # group: (r - mean) / std per group; batch: std over the batch; none: r - mean
     beta: float = 0.0  # k3 KL weight; 0: no reference model
     kl_target: float | None = None  # adaptive beta toward this KL (needs beta > 0)
-    kl_horizon: int = 10000
+    kl_max_log_step: float = 0.2  # beta changes by at most exp(+-0.2) per step
     # Optimizer.
     learning_rate: float = 1e-6
     weight_decay: float = 0.0
@@ -111,9 +112,6 @@ class GRPOConfig:
             raise ValueError(f"beta: expected >= 0, got {self.beta}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target: adaptive beta needs an initial beta > 0, got beta=0")
-        if self.reward_weights is not None and len(self.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights: expected {len(self.reward_funcs)} weights (one per reward "
-                             f"function), got {len(self.reward_weights)}")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
 

@@ -1,0 +1,130 @@
+"""Checkpoints for exact resume, and export of the trained model as a Hugging Face directory.
+
+A checkpoint `<output_dir>/checkpoint-<step>/` holds `trainer_state.pt` (the trainable parameters, optimizer,
+LR scheduler, RNG states, step, data position, beta) and, for LoRA, the adapter in PEFT's format. Loading it
+restores every tensor bit for bit, so N straight steps equal k steps + resume + N - k steps.
+"""
+from __future__ import annotations
+
+import random
+import re
+from pathlib import Path
+
+import torch
+
+STATE_FILE = "trainer_state.pt"
+_CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
+
+
+def is_peft_model(model: torch.nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def rng_states() -> dict:
+    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state_all()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    random.setstate(states["python"])
+    torch.set_rng_state(states["torch"])
+    if "cuda" in states and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(states["cuda"])
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
+    """Write `state` (optimizer, scheduler, step, ...) plus the trainable parameters and RNG states to `path`."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({**state, "trainable": trainable, "rng": rng_states()}, path / STATE_FILE)
+    if is_peft_model(model):
+        model.save_pretrained(path)  # the adapter alone, loadable with PeftModel.from_pretrained
+    return path
+
+
+def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
+    """Copy the saved trainable parameters into `model`, restore the RNG states; return the rest of the state."""
+    state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+    params = dict(model.named_parameters())
+    missing = sorted(set(state["trainable"]) - set(params))
+    if missing:
+        raise ValueError(f"checkpoint: parameters {missing[:3]} are not in the model; was it built the same way?")
+    with torch.no_grad():
+        for name, value in state.pop("trainable").items():
+            params[name].copy_(value)
+    set_rng_states(state.pop("rng"))
+    return state
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.search(p.name))]
+    found = [(step, p) for step, p in found if (p / STATE_FILE).exists()]
+    return max(found)[1] if found else None
+
+
+def _dequantized(param: torch.Tensor) -> torch.Tensor:
+    if type(param).__name__ == "Params4bit":  # bitsandbytes 4-bit weight
+        from peft.utils.integrations import dequantize_bnb_weight
+
+        return dequantize_bnb_weight(param, state=param.quant_state)
+    return param.detach()
+
+
+def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
+    """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale.
+
+    The merge runs in fp32 on dequantized weights and is cast to `dtype` once: merging into a 4-bit base would
+    re-quantize the update away. The trained model is left untouched.
+    """
+    from peft.tuners.lora import LoraLayer
+
+    base = model.get_base_model()
+    merged = {}
+    for name, module in base.named_modules():
+        if isinstance(module, LoraLayer):
+            weight = _dequantized(module.base_layer.weight).float()
+            for adapter in module.active_adapters:
+                if adapter in module.lora_A:
+                    weight = weight + module.get_delta_weight(adapter).float()
+            merged[f"{name}.weight"] = weight.to(dtype)
+            if module.base_layer.bias is not None:
+                merged[f"{name}.bias"] = module.base_layer.bias.detach().to(dtype)
+            continue
+        if any(isinstance(parent, LoraLayer) for parent in _ancestors(base, name)):
+            continue
+        for pname, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            key = f"{name}.{pname}" if name else pname
+            merged[key] = _dequantized(param).to(dtype) if param.is_floating_point() else param.detach()
+    return merged
+
+
+def _ancestors(root: torch.nn.Module, name: str):
+    parts = name.split(".") if name else []
+    for i in range(1, len(parts)):
+        yield root.get_submodule(".".join(parts[:i]))
+
+
+def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """Save an HF model directory (weights in `dtype`, config, tokenizer); a LoRA model is merged first."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if not is_peft_model(model):
+        model.save_pretrained(path)
+    else:
+        config = model.get_base_model().config
+        config = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
+        with torch.device("meta"):
+            fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
+        fresh.tie_weights()
+        missing = [n for n, p in fresh.named_parameters() if p.is_meta]
+        if missing:
+            raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
+        fresh.save_pretrained(path)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

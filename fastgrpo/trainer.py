@@ -1,0 +1,404 @@
+"""GRPOTrainer: the GRPO loop, read top to bottom in `train_step`.
+
+rollout -> rewards -> group advantages -> old / reference log-probs -> num_iterations epochs over minibatches
+(gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR schedule -> adaptive beta -> log
+-> checkpoint. Bad input is rejected in __init__, before any compute.
+"""
+from __future__ import annotations
+
+import copy
+import functools
+import json
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fastgrpo.algorithms import AdaptiveKLController, kl_penalty
+from fastgrpo.checkpoint import export_model, is_peft_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastgrpo.config import GRPOConfig
+from fastgrpo.rewards.scoring import required_columns, reward_name, score
+
+logger = logging.getLogger(__name__)
+GIB = 1024**3
+ADVANTAGE_EPS = 1e-4
+
+
+def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
+    """rewards [N] in consecutive groups of num_generations -> advantages [N]: r - group mean, over a std."""
+    grouped = rewards.view(-1, num_generations)  # grouped: [N / G, G]
+    centered = grouped - grouped.mean(-1, keepdim=True)
+    if scale_rewards == "group":
+        centered = centered / (grouped.std(-1, keepdim=True) + ADVANTAGE_EPS)
+    elif scale_rewards == "batch":
+        centered = centered / (rewards.std() + ADVANTAGE_EPS)
+    return centered.reshape(-1)
+
+
+def lr_factor(update: int, *, total: int, warmup: int, kind: str) -> float:
+    """LR multiplier at optimizer update `update` (0-based): linear warm-up, then constant / linear / cosine."""
+    if update < warmup:
+        return (update + 1) / warmup
+    progress = (update - warmup) / max(1, total - warmup)
+    if kind == "linear":
+        return max(0.0, 1.0 - progress)
+    if kind == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+    return 1.0
+
+
+def _columns(dataset) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    return list(names) if names is not None else list(dataset[0])
+
+
+class GRPOTrainer:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer,
+        reward_funcs: Callable | Sequence[Callable],
+        train_dataset,
+        config: GRPOConfig | None = None,
+    ):
+        self.config = config = config or GRPOConfig()
+        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
+        self._check_inputs()
+        self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
+        self.device = next(model.parameters()).device
+        weights = config.reward_weights or [1.0] * len(self.reward_funcs)
+        self.reward_weights = torch.tensor(weights, dtype=torch.float64)
+        self.beta = config.beta
+        self.kl_controller = (
+            AdaptiveKLController(config.beta, config.kl_target, config.kl_max_log_step) if config.kl_target else None
+        )
+        # LoRA: the reference is the base model with the adapter disabled; full fine-tuning needs a frozen copy.
+        self.ref_model = None
+        if config.beta > 0 and not is_peft_model(model):
+            self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        params = [p for p in model.parameters() if p.requires_grad]
+        if not params:
+            raise ValueError("model: has no trainable parameters")
+        cuda = self.device.type == "cuda"
+        self.optimizer = torch.optim.AdamW(
+            params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
+            weight_decay=config.weight_decay, fused=cuda or None, foreach=None if cuda else True,
+        )
+        self.updates_per_step = config.num_iterations * config.num_minibatches
+        schedule = functools.partial(
+            lr_factor, total=config.max_steps * self.updates_per_step, warmup=config.warmup_steps,
+            kind=config.lr_scheduler,
+        )
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.step = 0
+        self.output_dir = Path(config.output_dir)
+        self.history: list[dict] = []
+        self._loggers = self._external_loggers()
+
+    # ---- input checks (deliverable 8: all before any compute) ----
+    def _check_inputs(self) -> None:
+        config, dataset = self.config, self.dataset
+        if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
+            raise ValueError(f"reward_funcs: expected one or more callables, got {self.reward_funcs!r}")
+        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: expected {len(self.reward_funcs)} weights (one per reward "
+                             f"function), got {len(config.reward_weights)}")
+        if dataset is None or len(dataset) == 0:
+            raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+        columns = _columns(dataset)
+        if config.prompt_column not in columns:
+            raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
+                             f"columns: {columns}")
+        for func in self.reward_funcs:
+            missing = [c for c in required_columns(func) if c not in columns]
+            if missing:
+                raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
+                                 f"which the dataset lacks (columns: {columns})")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
+
+    def _prompt_ids(self, index: int) -> list[int]:
+        """Token ids of row `index`'s prompt (chat messages go through the chat template).
+
+        Prompts longer than max_prompt_length raise, unless truncate_prompts: then they keep their last
+        max_prompt_length tokens (the end holds the question and the generation prompt), with a warning.
+        """
+        prompt = self.dataset[index][self.config.prompt_column]
+        if isinstance(prompt, str):
+            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
+        else:
+            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
+            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        limit = self.config.max_prompt_length
+        if len(ids) > limit:
+            if not self.config.truncate_prompts:
+                raise ValueError(f"train_dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
+                                 f"({limit}); raise max_prompt_length or pass --truncate-prompts to left-truncate")
+            logger.warning("row %d: prompt of %d tokens left-truncated to max_prompt_length=%d", index, len(ids), limit)
+            ids = ids[-limit:]
+        return list(ids)
+
+    # ---- one step ----
+    def _batch_indices(self, step: int) -> list[int]:
+        """Dataset rows of `step`: epochs of seeded permutations, so the data position is a function of step."""
+        per_step = self.config.batch_size // self.config.num_generations
+        n = len(self.dataset)
+        indices = []
+        for position in range(step * per_step, (step + 1) * per_step):
+            epoch, offset = divmod(position, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch))
+            indices.append(int(order[offset]))
+        return indices
+
+    def train_step(self) -> dict:
+        config, model, G = self.config, self.model, self.config.num_generations
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t_start = time.perf_counter()
+
+        # 1. Rollout: G completions per prompt, one generation config for the whole batch.
+        rows = [self.dataset[i] for i in self._batch_indices(self.step)]
+        prompt_ids = [self.prompts[i] for i in self._batch_indices(self.step)]
+        batch = self._rollout(prompt_ids)
+        t_rollout = time.perf_counter()
+
+        # 2. Rewards: every function on every completion; a failing function scores its samples 0.
+        prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
+        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
+        per_func, errors = score(self.reward_funcs, prompts, batch["texts"], columns)  # per_func: [N, F]
+        rewards = per_func @ self.reward_weights  # rewards: [N]
+
+        # 3. Group-normalized advantages.
+        advantages = group_advantages(rewards, G, config.scale_rewards).float().to(self.device)  # [N]
+
+        # 4. Old log-probs (only when the policy moves within the step) and reference log-probs (beta > 0).
+        old_logps = ref_logps = None
+        if self.updates_per_step > 1 or self.beta > 0:
+            old_logps = self._logprobs(model, batch)
+        if self.beta > 0:
+            ref_logps = self._logprobs(self.ref_model or model, batch, disable_adapter=self.ref_model is None)
+        t_reference = time.perf_counter()
+
+        # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches.
+        train = self._update(batch, advantages, old_logps, ref_logps)
+        t_train = time.perf_counter()
+
+        # 6. Adaptive beta from the KL the policy had at rollout.
+        kl = kl_penalty(old_logps, ref_logps)[batch["completion_mask"].bool()] if ref_logps is not None else None
+        if self.kl_controller is not None:
+            self.beta = self.kl_controller.update(kl.mean())
+
+        # 7. Log.
+        self.step += 1
+        lengths = batch["completion_mask"].sum(-1).float()  # lengths: [N]
+        grouped = rewards.view(-1, G)
+        metrics = {
+            "step": self.step,
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item(),
+            **{f"rewards/{reward_name(f)}": per_func[:, j].mean().item() for j, f in enumerate(self.reward_funcs)},
+            "reward_errors": len(errors),
+            "frac_reward_zero_std": (grouped.amax(-1) == grouped.amin(-1)).float().mean().item(),
+            "kl": kl.mean().item() if kl is not None else 0.0,
+            "kl_p95": torch.quantile(kl.float(), 0.95).item() if kl is not None and kl.numel() else 0.0,
+            "beta": self.beta,
+            **train,
+            "completion_length": lengths.mean().item(),
+            "completion_length_max": lengths.max().item(),
+            "truncated_frac": sum(r == "length" for r in batch["finish_reasons"]) / len(batch["finish_reasons"]),
+            "lr": self.scheduler.get_last_lr()[0],
+            "rollout_tokens_per_s": lengths.sum().item() / max(t_rollout - t_start, 1e-9),
+            "train_tokens_per_s": (batch["attention_mask"].sum().item() * config.num_iterations
+                                   / max(t_train - t_reference, 1e-9)),
+            "rollout_s": t_rollout - t_start,
+            "reference_s": t_reference - t_rollout,
+            "train_s": t_train - t_reference,
+            "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else 0.0,
+        }
+        for name, err in errors.items():
+            metrics[f"reward_error/{name}"] = err
+        return metrics
+
+    def _rollout(self, prompt_ids: list[list[int]]) -> dict:
+        """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
+        from fastgrpo.rollout import generate
+
+        config = self.config
+        # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
+        out = generate(
+            self.model, self.tokenizer, prompt_ids, num_generations=config.num_generations,
+            max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+            stop=config.stop, seed=config.seed * 1_000_003 + self.step,
+        )
+        prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
+        return {
+            "input_ids": torch.cat([out.prompt_ids, out.completion_ids], 1).to(self.device),  # [N, P + L]
+            "attention_mask": torch.cat([prompt_mask, completion_mask], 1).to(self.device),
+            "completion_mask": torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1).to(self.device),
+            "texts": list(out.texts),
+            "finish_reasons": list(out.finish_reasons),
+        }
+
+    @torch.no_grad()
+    def _logprobs(self, model: torch.nn.Module, batch: dict, disable_adapter: bool = False) -> torch.Tensor:
+        """Per-token log-probs [N, P + L] of the sampled tokens, micro-batch by micro-batch, without grad."""
+        from fastgrpo.model_loss import sequence_logprobs
+
+        was_training = model.training
+        model.eval()
+        size = self.config.micro_batch_size
+        out = [
+            sequence_logprobs(
+                model, batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
+                batch["completion_mask"][i:i + size], temperature=self.config.temperature,
+                disable_adapter=disable_adapter,
+            ).float()
+            for i in range(0, batch["input_ids"].shape[0], size)
+        ]
+        model.train(was_training)
+        return torch.cat(out)
+
+    def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps) -> dict:
+        """num_iterations x num_minibatches optimizer steps; returns the mean loss / grad norm / clip / entropy."""
+        from fastgrpo.model_loss import grpo_loss
+
+        config, model = self.config, self.model
+        n = batch["input_ids"].shape[0]
+        mb_size, micro = n // config.num_minibatches, config.micro_batch_size
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        sums = {"loss": 0.0, "grad_norm": 0.0, "clip_ratio": 0.0, "entropy": 0.0}
+        micro_count = 0
+        model.train()
+        for iteration in range(config.num_iterations):
+            # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
+            seed = (config.seed * 1_000_003 + self.step) * 131 + iteration
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.device)
+            for start in range(0, n, mb_size):
+                minibatch = order[start:start + mb_size]
+                # dapo divides by the active tokens of the whole minibatch; the others are per-micro-batch means.
+                num_items = batch["completion_mask"][minibatch].sum()
+                self.optimizer.zero_grad(set_to_none=True)
+                for m in range(0, mb_size, micro):
+                    rows = minibatch[m:m + micro]
+                    loss, metrics = grpo_loss(
+                        model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                        batch["completion_mask"][rows], advantages[rows],
+                        old_logps=None if old_logps is None else old_logps[rows],
+                        ref_logps=None if ref_logps is None else ref_logps[rows],
+                        beta=self.beta, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
+                        delta=config.delta, loss_type=config.loss_type,
+                        importance_sampling_level=config.importance_sampling_level,
+                        temperature=config.temperature, max_completion_length=config.max_completion_length,
+                        num_items_in_batch=num_items if config.loss_type == "dapo" else None, return_entropy=True,
+                    )
+                    scale = 1.0 if config.loss_type == "dapo" else len(rows) / mb_size
+                    (loss * scale).backward()
+                    sums["loss"] += loss.item() * scale
+                    sums["clip_ratio"] += float(metrics.get("clip_ratio", 0.0))
+                    sums["entropy"] += float(metrics.get("entropy", 0.0))
+                    micro_count += 1
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                sums["grad_norm"] += grad_norm.item()
+                self.optimizer.step()
+                self.scheduler.step()
+        updates = self.updates_per_step
+        return {
+            "loss": sums["loss"] / updates,
+            "grad_norm": sums["grad_norm"] / updates,
+            "clip_ratio": sums["clip_ratio"] / micro_count,
+            "entropy": sums["entropy"] / micro_count,
+        }
+
+    # ---- the run ----
+    def train(self) -> list[dict]:
+        """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps."""
+        from tqdm.auto import tqdm
+
+        config = self.config
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        metrics_path = self.output_dir / "metrics.jsonl"
+        if config.resume:
+            self.resume()
+        # Keep the log consistent with the weights: drop lines past the step we start from.
+        kept = [line for line in _read_lines(metrics_path) if json.loads(line)["step"] <= self.step]
+        metrics_path.write_text("".join(kept))
+        bar = tqdm(total=config.max_steps, initial=self.step, disable=not config.progress_bar, desc="fastgrpo")
+        while self.step < config.max_steps:
+            metrics = self.train_step()
+            self.history.append(metrics)
+            with metrics_path.open("a") as f:
+                f.write(json.dumps(metrics) + "\n")
+            self._log_external(metrics)
+            bar.set_postfix_str(
+                f"reward {metrics['reward']:.3f} kl {metrics['kl']:.3g} len {metrics['completion_length']:.0f} "
+                f"loss {metrics['loss']:.3g} tok/s {metrics['rollout_tokens_per_s']:.0f}/"
+                f"{metrics['train_tokens_per_s']:.0f}"
+            )
+            bar.update(1)
+            if config.save_steps and self.step % config.save_steps == 0:
+                self.save_checkpoint()
+        bar.close()
+        if not (config.save_steps and self.step % config.save_steps == 0):
+            self.save_checkpoint()
+        if config.export:
+            self.export(self.output_dir / "final")
+        return self.history
+
+    def save_checkpoint(self) -> Path:
+        state = {
+            "step": self.step,
+            "data_position": self.step * (self.config.batch_size // self.config.num_generations),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "beta": self.beta,
+            "config": self.config.to_dict(),
+        }
+        return save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
+
+    def resume(self) -> None:
+        """Load the latest checkpoint of output_dir: weights, optimizer, scheduler, RNG, step, beta."""
+        path = latest_checkpoint(self.output_dir)
+        if path is None:
+            raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {self.output_dir}")
+        state = load_checkpoint(path, self.model)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step, self.beta = state["step"], state["beta"]
+        if self.kl_controller is not None:
+            self.kl_controller.beta = self.beta
+        logger.info("resumed from %s at step %d", path, self.step)
+
+    def export(self, path: str | Path) -> Path:
+        """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
+        return export_model(self.model, self.tokenizer, path)
+
+    def _external_loggers(self) -> list:
+        loggers = []
+        for name in self.config.report_to or []:
+            if name == "wandb":
+                import wandb
+
+                loggers.append(lambda m, run=wandb.init(project="fastgrpo", config=self.config.to_dict()): run.log(
+                    {k: v for k, v in m.items() if isinstance(v, (int, float))}, step=m["step"]))
+            elif name == "tensorboard":
+                from torch.utils.tensorboard import SummaryWriter
+
+                writer = SummaryWriter(self.output_dir / "tensorboard")
+                loggers.append(lambda m, w=writer: [w.add_scalar(k, v, m["step"]) for k, v in m.items()
+                                                    if isinstance(v, (int, float)) and k != "step"])
+            else:
+                raise ValueError(f"report_to: expected 'wandb' or 'tensorboard', got {name!r}")
+        return loggers
+
+    def _log_external(self, metrics: dict) -> None:
+        for log in self._loggers:
+            log(metrics)
+
+
+def _read_lines(path: Path) -> list[str]:
+    return path.read_text().splitlines(keepends=True) if path.exists() else []
