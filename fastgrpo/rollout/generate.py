@@ -11,6 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastgrpo.rollout.attention import registered_name
 from fastgrpo.rollout.engine import EngineConfig, rollout
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.stops import StopStrings
@@ -19,8 +20,6 @@ OPTIONS = (
     "num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
     "seed",
 )
-# Attention implementations that take the engine's 4D masks; others (flash, flex) are swapped for sdpa meanwhile.
-_MASKED_ATTENTION = ("sdpa", "eager")
 
 
 @dataclasses.dataclass
@@ -131,8 +130,9 @@ def _result(tokenizer, prompt_ids, G, out, stops, pad_id) -> RolloutResult:
 
 
 class _rollout_mode:
-    """Eval mode (dropout off, and no gradient checkpointing, which would drop the cache) and an attention that
-    takes masks, for the call; the modules' own settings come back afterwards."""
+    """For the call: eval mode (dropout off; gradient checkpointing would drop the cache) and an attention that
+    takes the engine's masks: eager stays (it may softcap, e.g. gemma2), anything else becomes grouped_sdpa.
+    The modules' own settings come back afterwards."""
 
     def __init__(self, model):
         self.model = model
@@ -141,12 +141,11 @@ class _rollout_mode:
         self.modes = [(m, m.training) for m in self.model.modules()]
         self.model.eval()
         self.attn = self.model.config._attn_implementation
-        if self.attn not in _MASKED_ATTENTION:
-            self.model.config._attn_implementation = "sdpa"
+        if self.attn != "eager":
+            self.model.config._attn_implementation = registered_name()
 
     def __exit__(self, *exc):
-        if self.attn not in _MASKED_ATTENTION:
-            self.model.config._attn_implementation = self.attn
+        self.model.config._attn_implementation = self.attn
         for module, training in self.modes:
             module.training = training
 
