@@ -1,8 +1,10 @@
 """A reusable pool of host buffers for activation offload: no pinned allocation per step once warm.
 
-cudaHostAlloc costs about 1 ms per 100 MB and synchronizes the device, so buffers are kept and handed out again.
-Sizes are rounded up to size classes (8 per power of two, at most 12.5% slack) so that the varying sequence
-lengths of GRPO batches reuse buffers instead of growing the pool with one buffer per exact size.
+cudaHostAlloc is slow (milliseconds per 100 MB) and synchronizes the device, so buffers are kept and handed out
+again. Sizes are rounded up to size classes so that the varying sequence lengths of GRPO batches reuse buffers
+instead of growing the pool with one buffer per exact size: powers of two for pinned memory (torch's pinned
+allocator rounds every allocation up to a power of two anyway, so that is what the host really gives), 8 classes
+per power of two (at most 12.5% slack) for pageable memory.
 The allocator is pluggable so the pool logic runs on a CPU-only machine (plain CPU tensors, pin_memory=False).
 """
 from __future__ import annotations
@@ -14,8 +16,7 @@ from collections.abc import Callable
 import torch
 
 GIB = 1024**3
-# Size classes: 8 steps per power of two; below 1 MiB one class per MiB-rounded size is not worth it.
-_CLASS_STEPS = 8
+# Below 1 MiB a class per size is not worth it: small inputs share 1 MiB buffers.
 _MIN_CLASS_BYTES = 1 << 20
 
 
@@ -23,11 +24,14 @@ class OffloadMemoryError(RuntimeError):
     """Host memory for offloaded activations could not be had; the message names the setting to change."""
 
 
-def size_class(nbytes: int) -> int:
-    """The buffer size used for a request of `nbytes`: >= nbytes, at most 12.5% more (and >= 1 MiB)."""
+def size_class(nbytes: int, steps: int = 8) -> int:
+    """The buffer size for a request of `nbytes`: the next of `steps` sizes per power of two (>= 1 MiB).
+
+    steps=8 wastes at most 12.5%, steps=1 rounds up to a power of two. steps must be a power of two.
+    """
     if nbytes <= _MIN_CLASS_BYTES:
         return _MIN_CLASS_BYTES
-    step = 1 << max(0, nbytes.bit_length() - 1 - _CLASS_STEPS.bit_length() + 1)
+    step = 1 << max(0, nbytes.bit_length() - steps.bit_length())
     return -(-nbytes // step) * step
 
 
@@ -58,6 +62,7 @@ class HostBufferPool:
             raise ValueError(f"max_bytes: expected a positive int or None, got {max_bytes!r}")
         self.max_bytes = max_bytes
         self.pin_memory = pin_memory
+        self.class_steps = 1 if pin_memory else 8
         self._allocate = allocator or (_pinned_bytes if pin_memory else _pageable_bytes)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
         # Buffers come back from autograd's backward thread while the main thread may be acquiring.
@@ -78,7 +83,7 @@ class HostBufferPool:
         """A uint8 buffer of at least `nbytes` (its length is the size class); give it back with release()."""
         if nbytes < 0:
             raise ValueError(f"nbytes: expected >= 0, got {nbytes}")
-        size = size_class(nbytes)
+        size = size_class(nbytes, self.class_steps)
         with self._lock:
             free = self._free[size]
             if free:

@@ -420,12 +420,14 @@ def test_pool_reuses_buffers_across_nearby_sizes_and_evicts_under_its_limit():
     assert pool.bytes_in_use == 0 and pool.bytes_free == c.numel()
 
 
-@given(st.integers(min_value=0, max_value=1 << 40))
-def test_size_class_bounds(nbytes):
-    size = size_class(nbytes)
+@given(st.integers(min_value=0, max_value=1 << 40), st.sampled_from([1, 8]))
+def test_size_class_bounds(nbytes, steps):
+    size = size_class(nbytes, steps)
     assert size >= nbytes and size >= MIB
-    assert size <= max(MIB, nbytes * 1.125)
-    assert size_class(size) == size
+    assert size <= max(MIB, nbytes * (1 + 1 / steps))
+    assert size_class(size, steps) == size
+    if steps == 1:
+        assert size & (size - 1) == 0  # what torch's pinned allocator gives anyway
 
 
 # --- fallbacks, no_grad, enable/disable ---------------------------------------------------------------------------
