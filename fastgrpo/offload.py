@@ -162,7 +162,8 @@ class ActivationOffloader:
         self.record_copy_times = record_copy_times
         self._copies: _CudaCopies | _SyncCopies | None = None
         self._live: list[weakref.ref[_OffloadedInput]] = []  # in forward order
-        self._lock = threading.Lock()
+        # Re-entrant: a handle's __del__ (gc may run anywhere, autograd's thread included) takes it too.
+        self._lock = threading.RLock()
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return (

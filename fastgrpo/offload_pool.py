@@ -65,8 +65,8 @@ class HostBufferPool:
         self.class_steps = 1 if pin_memory else 8
         self._allocate = allocator or (_pinned_bytes if pin_memory else _pageable_bytes)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
-        # Buffers come back from autograd's backward thread while the main thread may be acquiring.
-        self._lock = threading.Lock()
+        # Buffers come back from autograd's backward thread, or from a __del__ that gc runs inside acquire().
+        self._lock = threading.RLock()
         self.bytes_in_use = 0
         self.bytes_free = 0
         self.num_allocations = 0  # buffers ever allocated: flat once the pool is warm
@@ -132,7 +132,7 @@ class HostBufferPool:
             kind = "pinned" if self.pin_memory else "host"
             raise OffloadMemoryError(
                 f"could not allocate {size / GIB:.2f} GiB of {kind} host memory for activation offload "
-                f"(the pool holds {self.bytes_held / GIB:.2f} GiB): set the pool's max_bytes below what the host "
-                "can pin, use shorter or fewer sequences per step, or turn activation offload off "
-                f"(offload_activations=False / disable_offload_checkpointing). Cause: {err}"
+                f"(the pool holds {self.bytes_held / GIB:.2f} GiB): use fewer or shorter sequences per micro-batch, "
+                "or turn activation offload off (offload_activations=False / disable_offload_checkpointing); "
+                f"HostBufferPool(max_bytes=...) makes this an explicit limit. Cause: {err}"
             ) from err
