@@ -257,7 +257,9 @@ def test_policy_gradient_losses_match_their_formulas(rows, cols, seed):
     assert meta == {}
     baseline, _ = alg.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=advantages)
     torch.testing.assert_close(baseline, -advantages * logp)
-    clip, _ = alg.compute_policy_gradient_loss(logp, "grpo_clip", advantages=advantages, old_log_probs=old, cliprange=0.1)
+    clip, _ = alg.compute_policy_gradient_loss(
+        logp, "grpo_clip", advantages=advantages, old_log_probs=old, cliprange=0.1
+    )
     ratio = torch.exp(logp - old)
     want = -torch.minimum(ratio * advantages, ratio.clamp(0.9, 1.1) * advantages)
     torch.testing.assert_close(clip, want, rtol=1e-12, atol=1e-12)
