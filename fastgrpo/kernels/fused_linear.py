@@ -78,7 +78,7 @@ def _row_grad_kernel(
         mean_z = lse - tl.load(entropy_ptr + row).to(ACC)  # E_p[z] = lse - entropy
     for start in range(0, V, BLOCK_V):
         offs = start + cols
-        inside = offs < V - 1
+        inside = offs < V
         z = tl.load(base + offs, mask=inside, other=0.0).to(ACC)
         if HAS_BIAS:
             z += tl.load(bias_ptr + offs, mask=inside, other=0.0).to(ACC)

@@ -1,0 +1,278 @@
+"""fused_linear_logprobs / fused_linear_grpo_loss against fastgrpo.reference in fp64, both backends, on the CPU.
+
+The triton backend runs its kernels under TRITON_INTERPRET=1 (set by conftest): small shapes only. Chunks of a few
+rows make every case cross several chunks; the kernels' CPU block of 64 makes V = 300 cross five V blocks.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo import reference
+from fastgrpo.ops import fused_linear
+from fastgrpo.ops.fused_linear import chunk_rows, fused_linear_grpo_loss, fused_linear_logprobs
+
+BACKENDS = ["torch", "triton"]
+# ||out - ref|| / ||ref|| bounds: fp64 math lands near 1e-15; fp32 GEMMs + fp32 logsumexp near 1e-7.
+TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    out, ref = out.detach(), ref.detach()
+    assert torch.isfinite(out).all()
+    ref = ref.double()
+    return float((out.double() - ref).norm() / ref.norm().clamp(min=1e-30))
+
+
+def make_inputs(seed, B, T, H, V, dtype, *, bias=True, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = (torch.randn(B, T, H, generator=g, dtype=torch.float64) * scale).to(dtype).requires_grad_()
+    weight = (torch.randn(V, H, generator=g, dtype=torch.float64) / H**0.5).to(dtype).requires_grad_()
+    b = (torch.randn(V, generator=g, dtype=torch.float64) * 0.5).to(dtype).requires_grad_() if bias else None
+    targets = torch.randint(0, V, (B, T), generator=g)
+    return g, hidden, weight, b, targets
+
+
+def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=True):
+    """Mask with an all-masked sequence, mixed-sign advantages, old/ref log-probs near the policy's."""
+    B, T = targets.shape
+    mask = torch.rand(B, T, generator=g) < 0.75
+    if all_masked_row and B > 1:
+        mask[-1] = False
+    with torch.no_grad():
+        logps = reference.linear_logprobs(hidden, weight, targets, temperature, bias, upcast=torch.float64)
+    old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4  # ratios e^{+-0.4}: both clips fire
+    ref = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+    advantages = torch.randn(B, generator=g, dtype=torch.float64)
+    return mask, advantages, old.float(), ref.float()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(
+    seed=st.integers(0, 2**16),
+    B=st.integers(1, 3),
+    T=st.integers(1, 7),
+    H=st.sampled_from([1, 5, 48]),
+    V=st.sampled_from([2, 37, 300]),
+    dtype=st.sampled_from([torch.float64, torch.float32]),
+    temperature=st.sampled_from([1.0, 0.7]),
+    with_bias=st.booleans(),
+    rows=st.sampled_from([1, 4, None]),
+)
+def test_logprobs_entropy_and_grads(backend, seed, B, T, H, V, dtype, temperature, with_bias, rows):
+    _, hidden, weight, bias, targets = make_inputs(seed, B, T, H, V, dtype, bias=with_bias)
+    ref_lp, ref_ent = reference.linear_logprobs(
+        hidden, weight, targets, temperature, bias, return_entropy=True, upcast=torch.float64
+    )
+    with chunk_rows(rows):
+        lp, ent = fused_linear_logprobs(
+            hidden, weight, targets, temperature=temperature, bias=bias, return_entropy=True, backend=backend
+        )
+    assert lp.dtype == torch.promote_types(dtype, torch.float32) and lp.shape == targets.shape
+    assert rel_err(lp, ref_lp) < TOL[dtype] and rel_err(ent, ref_ent) < TOL[dtype]
+    # A loss through both outputs exercises the log-prob and the entropy gradients.
+    coef = torch.randn(2, B, T, dtype=torch.float64)
+    params = [t for t in (hidden, weight, bias) if t is not None]
+    ref_grads = torch.autograd.grad((coef[0] * ref_lp + coef[1] * ref_ent).sum(), params)
+    grads = torch.autograd.grad((coef[0] * lp + coef[1] * ent).sum(), params)
+    for name, got, want in zip(("hidden", "weight", "bias"), grads, ref_grads):
+        assert got.dtype == dtype
+        assert rel_err(got, want) < TOL[dtype] * 10, name
+
+
+LOSS_CASES = st.fixed_dictionaries(
+    {
+        "loss_type": st.sampled_from(["grpo", "bnpo", "dr_grpo", "dapo"]),
+        "importance_sampling_level": st.sampled_from(["token", "sequence"]),
+        "beta": st.sampled_from([0.0, 0.04]),
+        "delta": st.sampled_from([None, 1.2]),
+        "epsilon_high": st.sampled_from([None, 0.28]),
+        "temperature": st.sampled_from([1.0, 0.7]),
+        "on_policy": st.booleans(),
+        "num_items_in_batch": st.sampled_from([None, 11.0]),
+    }
+)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(
+    seed=st.integers(0, 2**16),
+    B=st.integers(1, 3),
+    T=st.integers(1, 6),
+    H=st.sampled_from([5, 48]),
+    V=st.sampled_from([37, 300]),
+    case=LOSS_CASES,
+    frozen=st.booleans(),
+    rows=st.sampled_from([1, 3, None]),
+)
+def test_grpo_loss_matches_reference(backend, seed, B, T, H, V, case, frozen, rows):
+    g, hidden, weight, bias, targets = make_inputs(seed, B, T, H, V, torch.float64)
+    weight.requires_grad_(not frozen)
+    temperature = case.pop("temperature")
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, temperature)
+    old = None if case.pop("on_policy") else old
+    kwargs = dict(
+        case, old_logps=old, ref_logps=ref, temperature=temperature, bias=bias, max_completion_length=T + 2,
+        return_entropy=True,
+    )
+    want_loss, want_metrics = reference.grpo_loss(
+        hidden, weight, targets, mask, advantages, upcast=torch.float64, **kwargs
+    )
+    with chunk_rows(rows):
+        loss, metrics = fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, backend=backend, **kwargs)
+    assert abs(float(loss) - float(want_loss)) <= 1e-10 * max(1.0, abs(float(want_loss)))
+    assert sorted(metrics) == sorted(want_metrics)
+    for key, value in want_metrics.items():
+        assert abs(float(metrics[key]) - float(value)) < 1e-10, key
+    params = [t for t in (hidden, weight, bias) if t.requires_grad]
+    want_grads = torch.autograd.grad(want_loss, params)
+    grads = torch.autograd.grad(loss * 1.5, params)  # grad_output != 1 reaches the stored gradients
+    for got, want in zip(grads, want_grads):
+        assert torch.allclose(got, 1.5 * want, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_grpo_loss_both_clips_active_and_fp32(backend, dtype):
+    g, hidden, weight, bias, targets = make_inputs(7, 4, 16, 48, 300, dtype)
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 1.0)
+    advantages = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=dtype)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.1, bias=bias, loss_type="grpo")
+    want_loss, want_metrics = reference.grpo_loss(
+        hidden, weight, targets, mask, advantages, upcast=torch.float64, **kwargs
+    )
+    assert want_metrics["clip_ratio_low"] > 0 and want_metrics["clip_ratio_high"] > 0
+    with chunk_rows(5):
+        loss, metrics = fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, backend=backend, **kwargs)
+    assert rel_err(loss, want_loss) < TOL[dtype]
+    for key in want_metrics:
+        assert abs(float(metrics[key]) - float(want_metrics[key])) < TOL[dtype] * 10, key
+    for got, want in zip(torch.autograd.grad(loss, (hidden, weight, bias)), torch.autograd.grad(want_loss, (hidden, weight, bias))):
+        assert got.dtype == dtype and rel_err(got, want) < TOL[dtype] * 10
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_single_token_and_all_masked(backend):
+    g, hidden, weight, bias, targets = make_inputs(3, 1, 1, 48, 37, torch.float64)
+    for mask in (torch.ones(1, 1), torch.zeros(1, 1)):
+        want, _ = reference.grpo_loss(hidden, weight, targets, mask, torch.ones(1), bias=bias, loss_type="grpo")
+        loss, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, torch.ones(1), bias=bias, loss_type="grpo", backend=backend)
+        grads = torch.autograd.grad(loss, (hidden, weight, bias))
+        want_grads = torch.autograd.grad(want, (hidden, weight, bias))
+        assert torch.allclose(loss, want, atol=1e-12)
+        assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, want_grads))
+
+
+class _Spy:
+    """Records the chunk shapes the row passes see and the dW GEMMs the chunk loop issues."""
+
+    def __init__(self, monkeypatch, backend):
+        self.stats_rows, self.grad_rows, self.dweight_calls = [], [], 0
+        inner = fused_linear._row_kernels(backend)
+
+        def stats(logits, *args):
+            self.stats_rows.append(logits.shape[0])
+            return inner.stats(logits, *args)
+
+        def grad(logits, *args):
+            self.grad_rows.append(logits.shape[0])
+            return inner.grad(logits, *args)
+
+        real_addmm = fused_linear._addmm_acc
+
+        def addmm(*args):
+            self.dweight_calls += 1
+            return real_addmm(*args)
+
+        monkeypatch.setattr(fused_linear, "_row_kernels", lambda _: fused_linear._RowKernels(stats, grad))
+        monkeypatch.setattr(fused_linear, "_addmm_acc", addmm)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+@pytest.mark.parametrize("frozen", [False, True])
+def test_chunking_skips_masked_rows_and_frozen_dweight(monkeypatch, backend, level, frozen):
+    g, hidden, weight, bias, targets = make_inputs(5, 3, 8, 5, 37, torch.float64)
+    weight.requires_grad_(not frozen)
+    mask = torch.zeros(3, 8, dtype=torch.bool)
+    mask[0, :5] = True
+    mask[2, 3:] = True  # 10 valid rows of 24
+    spy = _Spy(monkeypatch, backend)
+    with chunk_rows(4):
+        loss, _ = fused_linear_grpo_loss(
+            hidden, weight, targets, mask, torch.randn(3, dtype=torch.float64), bias=bias,
+            importance_sampling_level=level,
+        )
+    loss.backward()
+    passes = 1 if level == "token" else 2  # sequence-level ratios need all log-probs before any gradient
+    assert max(spy.stats_rows) <= 4 and sum(spy.stats_rows) == 10 * passes
+    assert spy.grad_rows == [4, 4, 2]
+    assert spy.dweight_calls == (0 if frozen else 3)
+    assert weight.grad is None if frozen else weight.grad.shape == weight.shape
+
+
+def test_no_grad_forms_no_gradient(monkeypatch):
+    _, hidden, weight, bias, targets = make_inputs(1, 2, 3, 5, 37, torch.float64)
+    spy = _Spy(monkeypatch, "torch")
+    with torch.no_grad():
+        fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2, 3), torch.ones(2), bias=bias)
+        fused_linear_logprobs(hidden, weight, targets, bias=bias)
+    assert spy.grad_rows == [] and spy.dweight_calls == 0
+
+
+def test_bf16_error_no_larger_than_eager_bf16():
+    g, hidden, weight, bias, targets = make_inputs(11, 2, 32, 48, 300, torch.bfloat16, scale=2.0)
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 1.0)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.04, bias=bias)
+    exact, _ = reference.grpo_loss(hidden, weight, targets, mask, advantages, upcast=torch.float64, **kwargs)
+    eager, _ = reference.grpo_loss(hidden, weight, targets, mask, advantages, **kwargs)
+    ours, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, backend="torch", **kwargs)
+    params = (hidden, weight, bias)
+    exact_g = torch.autograd.grad(exact, params)
+    eager_g = torch.autograd.grad(eager, params)
+    ours_g = torch.autograd.grad(ours, params)
+    assert rel_err(ours, exact) <= rel_err(eager, exact) + 1e-3
+    for o, e, x in zip(ours_g, eager_g, exact_g):
+        assert o.dtype == torch.bfloat16 and rel_err(o, x) <= rel_err(e, x) * 1.1 + 1e-3
+
+
+@pytest.mark.parametrize(
+    "change, name",
+    [
+        (dict(targets_delta=37), "target_ids"),
+        (dict(targets_delta=-100), "target_ids"),
+        (dict(weight=torch.randn(37, 4)), "weight"),
+        (dict(weight=torch.randn(37, 5, dtype=torch.float32)), "weight"),
+        (dict(beta=0.1), "ref_logps"),
+        (dict(loss_type="ppo"), "loss_type"),
+        (dict(importance_sampling_level="segment"), "importance_sampling_level"),
+        (dict(loss_type="dr_grpo"), "max_completion_length"),
+        (dict(backend="jax"), "backend"),
+    ],
+)
+def test_bad_input_names_the_argument(change, name):
+    _, hidden, weight, _, targets = make_inputs(0, 2, 3, 5, 37, torch.float64, bias=False)
+    change = dict(change)
+    targets = targets + change.pop("targets_delta", 0)
+    weight = change.pop("weight", weight)
+    with pytest.raises(ValueError, match=name):
+        fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2, 3), torch.ones(2), **change)
+    if not set(change) - {"backend"}:
+        with pytest.raises(ValueError, match=name):
+            fused_linear_logprobs(hidden, weight, targets, **change)
+
+
+def test_triton_backend_on_cpu_without_interpreter_says_why(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    _, hidden, weight, _, targets = make_inputs(0, 1, 2, 5, 37, torch.float64, bias=False)
+    with pytest.raises(ValueError, match="backend: 'triton' needs CUDA"):
+        fused_linear_logprobs(hidden, weight, targets, backend="triton")
+
+
+def test_chunk_rows_rejects_nonsense():
+    with pytest.raises(ValueError, match="rows"):
+        with chunk_rows(0):
+            pass
