@@ -1,0 +1,260 @@
+"""patch_model / unpatch_model on tiny configs of every supported architecture (fp32, CPU interpreter)."""
+import copy
+import sys
+import types
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModel, AutoModelForCausalLM
+
+from fastgrpo.patching import patch_model, unpatch_model
+from fastgrpo.patching.table import ARCHITECTURES
+
+TINY = dict(
+    vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, head_dim=8, max_position_embeddings=64, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**TINY),
+    "mistral": lambda: transformers.MistralConfig(**TINY),
+    "qwen2": lambda: transformers.Qwen2Config(**TINY),
+    "qwen3": lambda: transformers.Qwen3Config(**TINY),
+    "gemma": lambda: transformers.GemmaConfig(**TINY),
+    # The fused loss does not soft-cap logits (tested below): off here so every module is patched.
+    "gemma2": lambda: transformers.Gemma2Config(**TINY, final_logit_softcapping=None, query_pre_attn_scalar=8),
+    # sliding_window < T: local and global layers both run.
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**TINY, sliding_window=4, query_pre_attn_scalar=8),
+    # Phi-3 rotates half of each head (partial rotary) and fuses gate_up_proj.
+    "phi3": lambda: transformers.Phi3Config(
+        **{k: v for k, v in TINY.items() if k != "head_dim"}, partial_rotary_factor=0.5
+    ),
+}
+B, T = 2, 10
+
+
+def tiny_model(model_type: str, seed: int = 0) -> torch.nn.Module:
+    config = CONFIGS[model_type]()
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    for p in model.parameters():  # norm weights start at 1 (or 0 for Gemma): randomize to test the weight math
+        if p.dim() == 1:
+            torch.nn.init.normal_(p, 0.0, 0.5)
+    return model
+
+
+def batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 128, (B, T), generator=g)
+    attention_mask = torch.ones(B, T, dtype=torch.long)
+    attention_mask[1, :3] = 0  # left padding
+    return input_ids, attention_mask
+
+
+def forward_logps_grads(model, input_ids, attention_mask):
+    model.zero_grad()
+    out = model(input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True)
+    logps = torch.log_softmax(out.logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    (logps * attention_mask[:, 1:]).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return [h.detach() for h in out.hidden_states], logps.detach(), grads
+
+
+def test_table_covers_the_issue_list():
+    assert {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text", "phi3"} <= set(
+        ARCHITECTURES
+    )
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_patched_matches_unpatched(model_type):
+    model = tiny_model(model_type)
+    patched = patch_model(copy.deepcopy(model))
+    counts = patched.fastgrpo_patch_summary["patched"]
+    layers = model.config.num_hidden_layers
+    assert counts["rope"] == layers and counts["swiglu"] == layers and counts["rms_norm"] >= 2 * layers + 1
+    assert patched.fastgrpo_patch_summary["skipped"] == {}
+    ids, mask = batch()
+    hidden, logps, grads = forward_logps_grads(model, ids, mask)
+    hidden_p, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    for h, h_p in zip(hidden, hidden_p):
+        torch.testing.assert_close(h_p, h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_p.keys() and len(grads) == len(list(model.parameters()))
+    for name in grads:
+        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "phi3"])
+def test_generate_with_kv_cache(model_type):
+    # The rollout engine decodes with the patched modules: T = 1 steps with a cache and cache_position.
+    model = tiny_model(model_type).eval()
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = batch(1)
+    kwargs = dict(max_new_tokens=4, do_sample=False, output_scores=True, return_dict_in_generate=True)
+    out = model.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    out_p = patched.generate(input_ids=ids, attention_mask=mask, **kwargs)
+    assert torch.equal(out_p.sequences, out.sequences)
+    for s, s_p in zip(out.scores, out_p.scores):
+        torch.testing.assert_close(s_p, s, rtol=1e-5, atol=1e-5)
+
+
+def test_labels_loss_without_logits_matches_hf():
+    model = tiny_model("llama")
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = batch(2)
+    labels = ids.masked_fill(mask == 0, -100)
+    out, out_p = model(input_ids=ids, attention_mask=mask, labels=labels), patched(
+        input_ids=ids, attention_mask=mask, labels=labels
+    )
+    assert out_p.logits is None
+    torch.testing.assert_close(out_p.loss, out.loss, rtol=1e-5, atol=1e-6)
+    out.loss.backward()
+    out_p.loss.backward()
+    torch.testing.assert_close(patched.lm_head.weight.grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
+
+
+def test_soft_capped_logits_skip_the_fused_loss_with_a_reason():
+    config = CONFIGS["gemma2"]()
+    config.final_logit_softcapping = 30.0
+    model = patch_model(AutoModelForCausalLM.from_config(config))
+    assert "final_logit_softcapping" in model.fastgrpo_patch_summary["skipped"]["fused_loss"]
+    assert "fused_loss" not in model.fastgrpo_patch_summary["patched"]
+
+
+def _instance_forwards(model):
+    return {name: m.__dict__.get("forward") for name, m in model.named_modules()}
+
+
+def test_instance_level_only():
+    model_a, model_b = tiny_model("qwen3"), tiny_model("qwen3")
+    classes = {type(m) for m in model_a.modules()}
+    class_forwards = {cls: cls.__dict__.get("forward") for cls in classes}
+    modeling = sys.modules[type(model_a).__module__]
+    rope_fn = modeling.apply_rotary_pos_emb
+    patch_model(model_a)
+    assert all(f is None for f in _instance_forwards(model_b).values())
+    assert {cls: cls.__dict__.get("forward") for cls in classes} == class_forwards
+    assert modeling.apply_rotary_pos_emb is rope_fn
+
+
+def test_unpatch_restores_exactly():
+    model = tiny_model("gemma3_text")
+    before = _instance_forwards(model)
+    ids, mask = batch(3)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    patch_model(model)
+    assert unpatch_model(model) is model
+    assert _instance_forwards(model) == before
+    assert not hasattr(model, "fastgrpo_patch_summary")
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids, attention_mask=mask).logits, logits)
+
+
+def test_patch_twice_is_idempotent_and_new_options_repatch():
+    model = patch_model(tiny_model("llama"))
+    forwards = _instance_forwards(model)
+    summary = model.fastgrpo_patch_summary
+    assert patch_model(model) is model
+    assert _instance_forwards(model) == forwards  # the same bound objects: nothing wrapped twice
+    assert model.fastgrpo_patch_summary is summary
+    patch_model(model, rope=False)
+    assert "rope" not in model.fastgrpo_patch_summary["patched"]
+    assert model.model.layers[0].self_attn.__dict__.get("forward") is None
+
+
+def test_unpatch_of_unpatched_model_is_a_no_op():
+    model = tiny_model("llama")
+    before = _instance_forwards(model)
+    assert unpatch_model(model) is model
+    assert _instance_forwards(model) == before
+
+
+def test_options_turn_kinds_off():
+    model = patch_model(tiny_model("qwen2"), rms_norm=False, swiglu=False, fused_loss=False)
+    assert model.fastgrpo_patch_summary["patched"] == {"rope": 2}
+
+
+def test_not_a_causal_lm():
+    with pytest.raises(ValueError, match="causal LM"):
+        patch_model(AutoModel.from_config(CONFIGS["llama"]()))
+    with pytest.raises(ValueError, match="causal LM"):
+        patch_model(torch.nn.Linear(2, 2))
+
+
+def test_unsupported_model_type_lists_supported_ones():
+    gpt2 = AutoModelForCausalLM.from_config(transformers.GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match=r"'gpt2' is not supported; supported: \[.*'llama'.*'phi3'"):
+        patch_model(gpt2)
+
+
+def test_peft_lora_parity_and_unpatch():
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: make the adapter do something
+            torch.nn.init.normal_(p, 0.0, 0.1)
+    patched = patch_model(copy.deepcopy(model))
+    assert patched.fastgrpo_patch_summary["patched"]["rope"] == 2
+    ids, mask = batch(4)
+    _, logps, grads = forward_logps_grads(model, ids, mask)
+    _, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_p.keys() and all("lora_" in n for n in grads)
+    for name in grads:
+        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    unpatch_model(patched)
+    assert all(f is None for f in _instance_forwards(patched).values())
+
+
+def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
+    calls = []
+    fake = types.ModuleType("fastgrpo.offload")
+    fake.enable_offload_checkpointing = lambda layers: calls.append(("enable", list(layers)))
+    fake.disable_offload_checkpointing = lambda layers: calls.append(("disable", list(layers)))
+    monkeypatch.setitem(sys.modules, "fastgrpo.offload", fake)
+    model = tiny_model("llama")
+    patch_model(model, offload_activations=True)
+    unpatch_model(model)
+    layers = list(model.model.layers)
+    assert calls == [("enable", layers), ("disable", layers)]
+
+
+@pytest.mark.gpu
+def test_bitsandbytes_4bit_base_with_lora(tmp_path):
+    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)")
+    from peft import LoraConfig, get_peft_model
+
+    from fastgrpo.model_loss import grpo_loss
+
+    config = transformers.Qwen2Config(**{**TINY, "hidden_size": 128, "intermediate_size": 256})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    quant = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_type="nf4"
+    )
+
+    def load():
+        base = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, device_map="cuda")
+        torch.manual_seed(0)
+        return get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "gate_proj"]))
+
+    model, patched = load(), patch_model(load())
+    assert isinstance(patched.base_model.model.model.layers[0].mlp.gate_proj.base_layer, bnb.nn.Linear4bit)
+    assert patched.fastgrpo_patch_summary["patched"]["swiglu"] == 2
+    ids, mask = (t.cuda() for t in batch(5))
+    completion = torch.zeros_like(mask)
+    completion[:, 6:] = 1
+    advantages = torch.tensor([1.0, -1.0], device="cuda")
+    losses, grads = [], []
+    for m in (model, patched):
+        loss, _ = grpo_loss(m, ids, mask, completion, advantages)
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(torch.cat([p.grad.flatten().float() for n, p in m.named_parameters() if p.grad is not None]))
+    # bf16 compute on both sides: the patched step must agree with the unpatched one to bf16 noise.
+    torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
+    assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
