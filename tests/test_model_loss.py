@@ -1,0 +1,155 @@
+"""fastgrpo.model_loss: grpo_loss and sequence_logprobs of a model against the eager oracle on its hidden states."""
+import copy
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from fastgrpo import reference
+from fastgrpo.model_loss import grpo_loss, sequence_logprobs
+from fastgrpo.patching import patch_model
+
+B, T, PROMPT = 3, 11, 5
+
+
+def tiny_qwen2(seed=0, **overrides):
+    config = transformers.Qwen2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, **overrides,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def rollout_batch(seed=0):
+    """Left-padded prompts of PROMPT columns, then completions of varying length (right padding)."""
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 128, (B, T), generator=g)
+    attention_mask = torch.ones(B, T, dtype=torch.long)
+    attention_mask[0, :2] = 0
+    completion_mask = torch.zeros(B, T, dtype=torch.long)
+    completion_mask[:, PROMPT:] = 1
+    completion_mask[1, T - 3 :] = 0  # a shorter completion
+    attention_mask[1, T - 3 :] = 0
+    return input_ids, attention_mask, completion_mask
+
+
+def eager_logps(model, input_ids, attention_mask, completion_mask, temperature=1.0):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double() / temperature
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    return torch.cat((torch.zeros(B, 1, dtype=logps.dtype), logps), 1) * completion_mask
+
+
+def reference_loss(model, input_ids, attention_mask, completion_mask, advantages, **options):
+    """reference.grpo_loss on all T - 1 shifted positions (the oracle: no window, logits materialized)."""
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state[:, :-1]
+
+    def shift(t):
+        return t if t is None or t.dim() == 1 else t[:, 1:]
+
+    for name in ("old_logps", "ref_logps"):
+        options[name] = shift(options.get(name))
+    return reference.grpo_loss(
+        hidden, model.lm_head.weight, input_ids[:, 1:], completion_mask[:, 1:], shift(advantages), **options
+    )
+
+
+def test_sequence_logprobs_alignment_and_values():
+    model = tiny_qwen2()
+    ids, mask, completion = rollout_batch()
+    patched = patch_model(copy.deepcopy(model))
+    want = eager_logps(model, ids, mask, completion, temperature=0.7)
+    logps, entropy = sequence_logprobs(patched, ids, mask, completion, temperature=0.7, return_entropy=True)
+    assert logps.shape == (B, T) and logps.dtype == torch.float32 and not logps.requires_grad
+    torch.testing.assert_close(logps.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.all(logps[completion == 0] == 0) and torch.all(entropy[completion == 0] == 0)
+    assert torch.all(entropy[completion == 1] > 0)
+
+
+OPTION_SETS = {
+    "bnpo_token_old_ref": dict(loss_type="bnpo", beta=0.05, old=True, ref=True),
+    "grpo_sequence_per_token_adv": dict(loss_type="grpo", importance_sampling_level="sequence", old=True, adv_2d=True),
+    "dr_grpo_temperature_on_policy": dict(loss_type="dr_grpo", max_completion_length=T - PROMPT, temperature=0.8),
+}
+
+
+@pytest.mark.parametrize("name", sorted(OPTION_SETS))
+def test_grpo_loss_matches_reference(name):
+    options = dict(OPTION_SETS[name])
+    old, ref, adv_2d = options.pop("old", False), options.pop("ref", False), options.pop("adv_2d", False)
+    model = tiny_qwen2(1)
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask, completion = rollout_batch(1)
+    g = torch.Generator().manual_seed(1)
+    advantages = torch.randn((B, T) if adv_2d else (B,), generator=g)
+    with torch.no_grad():
+        base = eager_logps(model, ids, mask, completion).float()
+    if old:
+        options["old_logps"] = base + 0.2 * torch.randn(B, T, generator=g) * completion
+    if ref:
+        options["ref_logps"] = base + 0.3 * torch.randn(B, T, generator=g) * completion
+    loss, metrics = grpo_loss(patched, ids, mask, completion, advantages, **options)
+    want, want_metrics = reference_loss(model, ids, mask, completion, advantages, **options)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    for key in want_metrics:
+        torch.testing.assert_close(metrics[key], want_metrics[key], rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.backward()
+    grads = dict(model.named_parameters())
+    for n, p in patched.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def test_peft_reference_logprobs_disable_the_adapter():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2(2)
+    ids, mask, completion = rollout_batch(2)
+    with torch.no_grad():
+        base = eager_logps(model, ids, mask, completion)
+    peft_model = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, target_modules=["q_proj", "up_proj"]))
+    for n, p in peft_model.named_parameters():
+        if "lora_B" in n:
+            torch.nn.init.normal_(p, 0.0, 0.5)
+    patch_model(peft_model)
+    ref = sequence_logprobs(peft_model, ids, mask, completion, disable_adapter=True)
+    policy = sequence_logprobs(peft_model, ids, mask, completion)
+    torch.testing.assert_close(ref.double(), base, rtol=1e-5, atol=1e-5)
+    assert (policy - ref).abs().max() > 1e-2  # the adapter is back on afterwards
+    loss, _ = grpo_loss(peft_model, ids, mask, completion, torch.ones(B), ref_logps=ref, beta=0.1)
+    loss.backward()
+    lora_grads = [p.grad for n, p in peft_model.named_parameters() if "lora_" in n]
+    assert lora_grads and all(g is not None for g in lora_grads)
+    assert all(p.grad is None for n, p in peft_model.named_parameters() if "lora_" not in n)
+
+
+def test_no_completion_tokens_gives_zero_loss():
+    model = tiny_qwen2()
+    ids, mask, _ = rollout_batch()
+    loss, _ = grpo_loss(model, ids, mask, torch.zeros(B, T), torch.ones(B))
+    assert loss.item() == 0.0
+
+
+def test_bad_input():
+    model = tiny_qwen2()
+    ids, mask, completion = rollout_batch()
+    bad = completion.clone()
+    bad[:, 0] = 1
+    with pytest.raises(ValueError, match="completion_mask"):
+        grpo_loss(model, ids, mask, bad, torch.ones(B))
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(model, ids, mask, completion, torch.ones(B + 1))
+    with pytest.raises(ValueError, match="old_logps"):
+        grpo_loss(model, ids, mask, completion, torch.ones(B), old_logps=torch.zeros(B, T - 1))
+    with pytest.raises(ValueError, match="attention_mask"):
+        sequence_logprobs(model, ids, mask[:, 1:], completion)
+    with pytest.raises(ValueError, match="disable_adapter"):
+        sequence_logprobs(model, ids, mask, completion, disable_adapter=True)
+    gemma2 = AutoModelForCausalLM.from_config(transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
+    ))
+    with pytest.raises(ValueError, match="final_logit_softcapping"):
+        sequence_logprobs(gemma2, ids, mask, completion)
