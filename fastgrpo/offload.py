@@ -2,9 +2,10 @@
 
 Plain checkpointing keeps each layer's input hidden state on the GPU: 28 layers x 64K tokens x 1536 x 2 B = 5.6 GB
 for Qwen2.5-1.5B at 8 x 8192 tokens. Here that input is copied to a pinned host buffer on a side CUDA stream while
-the layer's forward runs, its GPU memory is freed, and in backward it is copied back before the layer is
-recomputed. When a layer starts its recompute, the input of the layer recomputed next (the one before it in
-forward order) is already being copied back, so the copy runs under this layer's backward.
+the layer's forward runs, and its GPU memory is freed once the next layer's input is offloaded (so the last
+layer's input, the first backward needs, never leaves). When a layer starts its recompute, the input of the layer
+recomputed next (the one before it in forward order) starts coming back, so that copy runs under this layer's
+recompute + backward.
 
 How: torch's non-reentrant checkpoint keeps the arguments it is given. We give it an empty anchor tensor on the
 input's device instead of the input, and the function it runs reads the input from an `_OffloadedInput`: the real
@@ -189,7 +190,12 @@ class ActivationOffloader:
             self._copies = _CudaCopies(self.device, self.record_copy_times) if cuda else _SyncCopies()
         handle = _OffloadedInput(self, tensor)
         with self._lock:
+            newest = self._live[-1]() if self._live else None
             self._live.append(weakref.ref(handle))
+        # The newest input stays on the device until the next one is offloaded: the last layer's input is the
+        # first one backward needs, and during that layer's backward (the peak) it would be back anyway.
+        if newest is not None:
+            newest.drop_device_copy()
         return handle
 
     def _prefetch_before(self, handle: _OffloadedInput) -> None:
@@ -208,14 +214,14 @@ class ActivationOffloader:
 
 
 class _OffloadedInput:
-    """One checkpointed input: the tensor until the forward run takes it, then its host copy."""
+    """One checkpointed input: its host copy, and the tensor itself until the next input is offloaded."""
 
     def __init__(self, offloader: ActivationOffloader, tensor: torch.Tensor) -> None:
         self._offloader = offloader
         self._copies = offloader._copies
         self.shape, self.dtype, self.device = tensor.shape, tensor.dtype, tensor.device
         self.requires_grad = tensor.requires_grad
-        self.fetches = 0
+        self.fetches = 0  # runs of the layer after the forward one
         self._prefetched: tuple[torch.Tensor, Any] | None = None
         self._buffer: torch.Tensor | None = None  # set before acquire: __del__ runs even if acquire raises
         nbytes = tensor.numel() * tensor.element_size()
@@ -223,25 +229,33 @@ class _OffloadedInput:
         self._host = self._buffer[:nbytes].view(self.dtype).view(self.shape)
         self._copies.to_host(tensor, self._host)
         self._tensor: torch.Tensor | None = tensor
+        self._forward_taken = False
 
     def take(self) -> torch.Tensor:
-        """The input for one run of the layer: the tensor itself in forward, a copy brought back in recomputes."""
-        if self._tensor is not None:
-            tensor, self._tensor = self._tensor, None
-            return tensor
+        """The input for one run of the layer: the tensor itself in forward; in a recompute the tensor if it is
+        still on the device, else the copy brought back from the host."""
+        if not self._forward_taken:
+            self._forward_taken = True
+            return self._tensor
         if self._buffer is None:
             raise RuntimeError("offload_checkpoint: the offloaded input was released before its recompute")
         self.fetches += 1
-        self.prefetch()
-        dev, done = self._prefetched
-        self._prefetched = None
-        self._copies.wait(dev, done)
+        if self._tensor is not None:
+            dev, self._tensor = self._tensor.detach(), None
+        else:
+            self.prefetch()
+            dev, done = self._prefetched
+            self._prefetched = None
+            self._copies.wait(dev, done)
         self._offloader._prefetch_before(self)
         return dev.requires_grad_(self.requires_grad)
 
     def prefetch(self) -> None:
-        if self._prefetched is None and self._buffer is not None:
+        if self._prefetched is None and self._tensor is None and self._buffer is not None:
             self._prefetched = self._copies.to_device(self._host, self.device)
+
+    def drop_device_copy(self) -> None:
+        self._tensor = None
 
     def close(self) -> None:
         """Give the host buffer back to the pool; the graph that needed it is gone (or its forward failed)."""
