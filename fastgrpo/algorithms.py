@@ -1,9 +1,9 @@
 """GRPO / SFT math on [B, T] tensors, in eager PyTorch.
 
 Shapes: B sequences, T completion positions. Masks are 1 where a token counts (bool, or 0/1 integers or floats;
-other values raise ValueError). Every function here is
-differentiable where it makes sense and is the single home of its formula: the reference oracle and the fused
-kernels' autograd both call `grpo_per_token_loss` and `aggregation_weights`.
+other values raise ValueError). Every function here is differentiable where it makes sense and is the single home
+of its formula: the reference oracle and the fused kernels' autograd both call `grpo_per_token_loss` and
+`aggregation_weights`.
 """
 from __future__ import annotations
 
