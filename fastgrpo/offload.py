@@ -227,7 +227,8 @@ class _OffloadedInput:
         nbytes = tensor.numel() * tensor.element_size()
         self._buffer = offloader.pool.acquire(nbytes)
         self._host = self._buffer[:nbytes].view(self.dtype).view(self.shape)
-        self._copies.to_host(tensor, self._host)
+        with torch.no_grad():  # else copy_ from a tensor that requires grad puts the host copy in the graph
+            self._copies.to_host(tensor, self._host)
         self._tensor: torch.Tensor | None = tensor
         self._forward_taken = False
 
@@ -252,7 +253,8 @@ class _OffloadedInput:
 
     def prefetch(self) -> None:
         if self._prefetched is None and self._tensor is None and self._buffer is not None:
-            self._prefetched = self._copies.to_device(self._host, self.device)
+            with torch.no_grad():
+                self._prefetched = self._copies.to_device(self._host, self.device)
 
     def drop_device_copy(self) -> None:
         self._tensor = None

@@ -176,6 +176,22 @@ def test_recompute_reads_the_host_copy():
     assert not torch.equal(blocks[0].fc.weight.grad, want[2])
 
 
+def test_recompute_input_is_a_detached_copy():
+    """The host copy and the tensor the recompute gets are outside the graph (only torch's checkpoint links it)."""
+    seen = []
+    block = Block()
+    block.register_forward_pre_hook(lambda m, args: seen.append(args[0]))
+    off = ActivationOffloader("cpu")
+    x = torch.randn(3, 16, requires_grad=True)
+    h = offload_checkpoint(block, x * 1.0, offloader=off)
+    h = offload_checkpoint(block, h, offloader=off)
+    assert not any(ref()._host.requires_grad for ref in off._live)
+    h.sum().backward()
+    forward_inputs, recompute_inputs = seen[:2], seen[2:]
+    assert all(t.grad_fn is not None for t in forward_inputs)
+    assert len(recompute_inputs) == 2 and all(t.is_leaf and t.requires_grad for t in recompute_inputs)
+
+
 def test_offloaded_input_is_not_kept_alive():
     block = Block()
     x = torch.randn(4, 16, requires_grad=True)
