@@ -54,7 +54,7 @@ def tiny_model(arch: str, seed: int = 0, lora: bool = False):
 
 def hf_greedy(model, tokenizer, prompt: str, max_new_tokens: int):
     """HF generate on one unpadded prompt: (tokens up to and including EOS, log_softmax of its logits there)."""
-    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]])
+    ids = torch.tensor([tokenizer(prompt, add_special_tokens=False)["input_ids"]], device=model.device)
     out = model.generate(
         input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
         eos_token_id=EOS, pad_token_id=PAD, return_dict_in_generate=True, output_logits=True,

@@ -23,7 +23,8 @@ from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
-    compile: bool = True  # on CUDA: torch.compile the decode step and replay it as a CUDA graph
+    # torch.compile the decode step (None: on CUDA only); on CUDA a compiled step is also replayed as a CUDA graph
+    compile: bool | None = None
     check_every: int = 16  # steps between host syncs for stop conditions
     # cache length rounded up to a multiple of this, so prompts of varying length reuse one compiled step
     length_bucket: int = 128
@@ -100,8 +101,10 @@ def rollout(
         del logits
 
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
-        use_graph = config.compile and device.type == "cuda"
-        run = _GraphedStep(step, config.warmup_steps) if use_graph else step
+        run = step
+        if config.compile or (config.compile is None and device.type == "cuda"):
+            compiled = functools.partial(step, forward=_compiled_forward_sample())
+            run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
         steps_done = 1
         while steps_done < S:
             if state.noise is not None:
@@ -113,7 +116,7 @@ def rollout(
                     _check_stop_strings(state, steps_done, stop_check)
                 if bool(state.done.all()):
                     break
-        del run, step
+        del run, step  # the graph and its memory pool go here
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],
@@ -180,9 +183,9 @@ class _GraphedStep:
     slower path, so a rollout never fails for speed's sake.
     """
 
-    def __init__(self, step: functools.partial, warmup: int):
-        self.step = functools.partial(step, forward=_compiled_forward_sample())
-        self.eager = step
+    def __init__(self, compiled: Callable[[], None], eager: Callable[[], None], warmup: int):
+        self.step = compiled
+        self.eager = eager
         self.warmup = warmup
         self.graph: torch.cuda.CUDAGraph | None = None
         self.capturable = True
