@@ -1,8 +1,9 @@
 """The built-in run of `fastgrpo train` with no arguments: a tiny model, a local tokenizer, a verifiable task.
 
-Task "repeat the letter": a prompt such as "417 say k:" asks for the letter k; a completion scores the fraction
-of its characters that are that letter. A random model scores ~1/40 (its vocabulary is ~40 characters), so the
-reward curve rises from near zero as GRPO teaches it to read the letter from the prompt and repeat it. All of it
+Task "repeat the letter": a prompt such as "417 say c" asks for the letter c (one of a-d, the prompt's last
+character); a completion scores the fraction of its characters that are that letter. A random model scores
+~1/40 (its vocabulary is ~40 characters); in 40 steps (lr 3e-3) GRPO lifts the mean reward to ~0.25, the score
+of writing only the letters a-d, and further steps teach it to pick the prompt's letter. All of it
 is built here from code (no download): the tokenizer with the `tokenizers` library, the model from a config.
 """
 from __future__ import annotations
@@ -12,12 +13,12 @@ import string
 
 import torch
 
-LETTERS = "abcdefgh"
+LETTERS = "abcd"
 CHARACTERS = string.ascii_lowercase + string.digits + " :"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 # Config fields the built-in run uses instead of GRPOConfig's defaults (which suit real models); a YAML file
-# or command-line flags still override them. 40 steps of 64 completions take ~1 minute on a 2-core CPU.
+# or command-line flags still override them. 40 steps of 64 completions take ~45 s on a 2-core CPU.
 PRESET = dict(
     reward_funcs=["fastgrpo.default_task:repeat_letter_reward"],
     batch_size=64,
@@ -61,13 +62,13 @@ def build_model(tokenizer, seed: int = 0) -> torch.nn.Module:
 
 
 def build_dataset(num_rows: int = 512, seed: int = 0) -> list[dict]:
-    """Rows {"prompt": "417 say k:", "letter": "k"}; the digits only make prompts differ."""
+    """Rows {"prompt": "417 say c", "letter": "c"}; the digits only make prompts differ."""
     rng = random.Random(seed)
     rows = []
     for _ in range(num_rows):
         letter = rng.choice(LETTERS)
         noise = "".join(rng.choice(string.digits) for _ in range(3))
-        rows.append({"prompt": f"{noise} say {letter}:", "letter": letter})
+        rows.append({"prompt": f"{noise} say {letter}", "letter": letter})
     return rows
 
 
