@@ -22,11 +22,11 @@ def _timeout() -> int | None:
 def _parse(text: str) -> list:
     from math_verify import parse
 
+    # An answer is one expression: read it whole as LaTeX math ("1 + x^2" plain would parse as its first number),
+    # unless it carries its own delimiters or box.
     text = text.strip()
-    parsed = parse(text, parsing_timeout=_timeout())
-    if not parsed and "$" not in text:
-        parsed = parse(f"${text}$", parsing_timeout=_timeout())
-    return parsed
+    wrapped = text if "$" in text or "\\boxed" in text else f"${text}$"
+    return parse(wrapped, parsing_timeout=_timeout()) or parse(text, parsing_timeout=_timeout())
 
 
 def is_equivalent(prediction: str, answer: str) -> bool:

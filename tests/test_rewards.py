@@ -1,0 +1,141 @@
+"""Verifiable rewards: correct scores on known cases, deterministic and in range on arbitrary text, and a failing
+reward function reported and scored 0 rather than raised."""
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo.rewards import (
+    boxed_math_reward, check_constraint, ifeval_reward, length_reward, r1_zero_math_reward, required_columns, score,
+)
+from fastgrpo.rewards.answers import last_boxed
+
+pytest.importorskip("math_verify")
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("Let me think. </think> <answer> \\frac{1}{2} </answer>", "0.5", 1.0),
+    ("</think><answer>0.5</answer>", "\\frac12", 1.0),
+    ("x</think> <answer>$2\\sqrt{2}$</answer>", "\\sqrt{8}", 1.0),
+    ("</think> <answer> 3 </answer>", "4", 0.0),
+    ("<answer>0.5</answer>", "0.5", 0.0),  # no </think>: wrong format
+    ("</think> <answer>0.5", "0.5", 0.0),  # unclosed answer
+    ("</think> <answer></answer>", "0", 0.0),
+])
+def test_r1_zero_math_reward(completion, answer, expected):
+    assert r1_zero_math_reward(["q"], [completion], answer=[answer]) == [expected]
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("so the answer is \\boxed{\\frac{3}{4}}", "0.75", 1.0),
+    ("\\boxed{1} then \\boxed{2}", "2", 1.0),  # the last box counts
+    ("\\boxed{1} then \\boxed{2}", "1", 0.0),
+    ("\\boxed{x^{2}+1}", "1 + x^2", 1.0),
+    ("\\boxed{5", "5", 0.0),
+    ("no box: 5", "5", 0.0),
+])
+def test_boxed_math_reward(completion, answer, expected):
+    assert boxed_math_reward(["q"], [completion], answer=[answer]) == [expected]
+
+
+def test_last_boxed_matches_braces():
+    assert last_boxed("a \\boxed{\\frac{1}{\\sqrt{2}}} b") == "\\frac{1}{\\sqrt{2}}"
+    assert last_boxed("\\boxed") is None
+
+
+@given(st.text(max_size=200))
+def test_math_rewards_safe_on_arbitrary_text(text):
+    for reward in (r1_zero_math_reward, boxed_math_reward):
+        for completion in (text, f"</think> <answer>{text}</answer>", f"\\boxed{{{text}}}"):
+            out = reward(["q"], [completion], answer=["1"])
+            assert out == reward(["q"], [completion], answer=["1"]) and out[0] in (0.0, 1.0)
+
+
+@pytest.mark.parametrize("text, constraint, expected", [
+    ("one two three", {"type": "num_words", "min": 3, "max": 3}, True),
+    ("one two", {"type": "num_words", "min": 3}, False),
+    ("Hi. How are you? Fine!", {"type": "num_sentences", "min": 3, "max": 3}, True),
+    ("Hi. No end", {"type": "num_sentences", "max": 1}, False),
+    ("a\n\nb\n\n\nc", {"type": "num_paragraphs", "min": 3, "max": 3}, True),
+    ("The cat sat.", {"type": "required_keywords", "keywords": ["cat", "sat"]}, True),
+    ("concatenate", {"type": "required_keywords", "keywords": ["cat"]}, False),  # whole words only
+    ("I am sorry", {"type": "forbidden_keywords", "keywords": ["Sorry"]}, False),
+    ('{"a": [1, 2]}', {"type": "json_output"}, True),
+    ('```json\n{"a": 1}\n```', {"type": "json_output"}, True),
+    ("{a: 1}", {"type": "json_output"}, False),
+    ("ALL CAPS 123", {"type": "letter_case", "case": "upper"}, True),
+    ("Not all", {"type": "letter_case", "case": "lower"}, False),
+    ("123", {"type": "letter_case", "case": "lower"}, False),
+    ("  Dear sir", {"type": "starts_with", "prefix": "Dear"}, True),
+    ("Thanks. Bye!\n", {"type": "ends_with", "suffix": "Bye!"}, True),
+    ("Thanks. Bye", {"type": "ends_with", "suffix": "Bye!"}, False),
+])
+def test_constraints(text, constraint, expected):
+    assert check_constraint(text, constraint) is expected
+
+
+def test_ifeval_reward_is_the_fraction_satisfied():
+    constraints = [{"type": "num_words", "max": 3}, {"type": "letter_case", "case": "lower"}]
+    assert ifeval_reward(["q", "q"], ["two words", "Many More Words Here"], constraints=[constraints] * 2) == [1.0, 0.0]
+    assert ifeval_reward(["q"], ["Two words"], constraints=[constraints]) == [0.5]
+
+
+def test_unknown_constraint_is_a_value_error():
+    with pytest.raises(ValueError, match="unknown type 'rhymes'"):
+        check_constraint("x", {"type": "rhymes"})
+    with pytest.raises(ValueError, match="bad arguments"):
+        check_constraint("x", {"type": "num_words", "most": 3})
+
+
+@given(st.text(max_size=300))
+def test_ifeval_safe_on_arbitrary_text(text):
+    rows = [[{"type": name, **args}] for name, args in [
+        ("num_words", {"min": 1}), ("num_sentences", {"max": 2}), ("num_paragraphs", {"min": 1}),
+        ("required_keywords", {"keywords": ["a"]}), ("forbidden_keywords", {"keywords": ["b c"]}),
+        ("json_output", {}), ("letter_case", {"case": "upper"}), ("starts_with", {"prefix": "x"}),
+        ("ends_with", {"suffix": "."}),
+    ]]
+    out = ifeval_reward(["q"] * len(rows), [text] * len(rows), constraints=rows)
+    assert all(v in (0.0, 1.0) for v in out)
+
+
+def test_length_reward():
+    texts = ["x" * 10, "x" * 5, "", "x" * 30]
+    assert length_reward([""] * 4, texts, target_length=10) == [1.0, 0.5, 0.0, 0.0]
+    assert length_reward(["", ""], ["abc", "abc"], target_length=[3, 6]) == [1.0, 0.5]
+
+
+def test_required_columns():
+    assert required_columns(r1_zero_math_reward) == ["answer"]
+    assert required_columns(ifeval_reward) == ["constraints"]
+    assert required_columns(length_reward) == []
+    assert required_columns(lambda prompts, completions, **kw: []) == []
+
+
+def test_score_reports_failures_and_scores_them_zero():
+    def ok(prompts, completions, **kw):
+        return [1.5] * len(completions)
+
+    def raises(prompts, completions, **kw):
+        raise RuntimeError("boom")
+
+    def short(prompts, completions, **kw):
+        return [1.0]
+
+    def junk(prompts, completions, **kw):
+        return [float("nan"), None, "x"]
+
+    rewards, errors = score([ok, raises, short, junk], ["p"] * 3, ["a", "b", "c"], {})
+    assert rewards[:, 0].tolist() == [1.5] * 3
+    assert rewards[:, 1:].abs().sum() == 0
+    assert set(errors) == {"raises", "short"} and "boom" in errors["raises"]
+    assert all(math.isfinite(v) for v in rewards.flatten().tolist())
+
+
+def test_score_passes_dataset_columns():
+    def needs(prompts, completions, answer, **kw):
+        return [float(c == a) for c, a in zip(completions, answer)]
+
+    rewards, errors = score([needs], ["p", "p"], ["1", "2"], {"answer": ["1", "1"]})
+    assert rewards[:, 0].tolist() == [1.0, 0.0] and not errors
