@@ -1,0 +1,82 @@
+"""Checkpoint / resume: 6 steps straight and 3 + resume + 3 give bit-identical losses and rewards; LoRA export
+merges the adapter into the base."""
+import shutil
+
+import pytest
+import torch
+
+from fastgrpo import default_task
+from fastgrpo.checkpoint import export_model, latest_checkpoint
+from fastgrpo.config import GRPOConfig
+from fastgrpo.trainer import GRPOTrainer
+
+KEYS = ("reward", "reward_std", "loss", "grad_norm", "kl", "kl_p95", "beta", "entropy", "clip_ratio", "lr",
+        "completion_length")
+
+
+def _trainer(tmp_path, lora: bool, **fields):
+    config = GRPOConfig(**{
+        **default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 2,
+        "num_minibatches": 2, "num_iterations": 2, "max_completion_length": 6, "max_steps": 6, "save_steps": 3,
+        "beta": 0.05, "kl_target": 0.01, "lr_scheduler": "cosine", "warmup_steps": 2, "learning_rate": 1e-2,
+        "output_dir": str(tmp_path), "export": False, "progress_bar": False, **fields,
+    })
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, seed=1)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(2)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.1))
+    return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64), config)
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resume_is_bit_identical(tmp_path, lora):
+    straight = _trainer(tmp_path, lora).train()
+    assert [m["step"] for m in straight] == list(range(1, 7))
+    shutil.rmtree(tmp_path / "checkpoint-6")
+    assert latest_checkpoint(tmp_path).name == "checkpoint-3"
+    torch.manual_seed(12345)  # a different global RNG state: the checkpoint's must be restored
+    resumed = _trainer(tmp_path, lora, resume=True).train()
+    assert [m["step"] for m in resumed] == [4, 5, 6]
+    for a, b in zip(straight[3:], resumed):
+        assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
+    assert straight[0]["kl"] == 0.0 and straight[-1]["kl"] > 0  # the reference is the initial policy
+    assert straight[-1]["beta"] != 0.05  # adaptive beta moved, and was restored on resume
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 6  # the resumed run replaced steps 4-6, it did not append a second copy
+
+
+def test_resume_without_checkpoint_is_an_error(tmp_path):
+    with pytest.raises(ValueError, match="resume: no checkpoint"):
+        _trainer(tmp_path, False, resume=True).train()
+
+
+def test_lora_export_merges_into_the_base(tmp_path):
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = default_task.build_tokenizer()
+    model = get_peft_model(default_task.build_model(tokenizer), LoraConfig(r=4, lora_alpha=8,
+                                                                           target_modules="all-linear"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)  # a non-zero update to merge
+    ids = torch.randint(3, len(tokenizer), (2, 9))
+    with torch.no_grad():
+        expected = model(ids).logits.double()
+        base = model.get_base_model()
+        with model.disable_adapter():
+            unmerged = model(ids).logits.double()
+    assert (expected - unmerged).abs().max() > 1e-3
+    export_model(model, tokenizer, tmp_path / "fp32", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "fp32")
+    with torch.no_grad():
+        got = merged(ids).logits.double()
+    assert (got - expected).abs().max() < 1e-4
+    assert any("lora" in n for n, _ in base.named_parameters())  # the trained model is left as it was
+    export_model(model, tokenizer, tmp_path / "bf16")
+    assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
+    assert (tmp_path / "bf16" / "tokenizer.json").exists()
