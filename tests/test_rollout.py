@@ -195,10 +195,22 @@ def test_in_place_weight_update_is_used_by_the_next_call():
         assert completions(after)[i] == hf_greedy(model, tok, prompt, 16)[0]
 
 
+def test_patched_model_generates_what_the_unpatched_one_does():
+    import fastgrpo
+
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    want = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0)
+    fastgrpo.patch_model(model)
+    got = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0)
+    assert completions(got) == completions(want)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+
+
 def test_training_mode_is_restored():
     tok, model = char_tokenizer(), tiny_model("qwen2")
     model.train()
-    model.gradient_checkpointing_enable()
+    # transformers 5.24 renamed gradient_checkpointing_enable (5.17 has only the old name)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
     result = generate(model, tok, PROMPTS[:1], max_new_tokens=8, temperature=0)
     assert model.training and all(m.training for m in model.modules())
     model.eval()

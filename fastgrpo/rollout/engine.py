@@ -271,4 +271,5 @@ def _device_of(model: torch.nn.Module) -> torch.device:
 def _cache_keyword(model: torch.nn.Module) -> str:
     """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
     inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
+    # the class's forward: patch_model may bind a (*args, **kwargs) wrapper on the instance
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
