@@ -1,0 +1,100 @@
+"""GRPOTrainer: bad input rejected before compute, advantages and LR schedule against hand math, gradient
+accumulation equal to one big batch, failing rewards survived, and the logged metrics."""
+import json
+import logging
+
+import pytest
+import torch
+
+from fastgrpo import default_task
+from fastgrpo.config import GRPOConfig
+from fastgrpo.trainer import GRPOTrainer, group_advantages, lr_factor
+
+SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=5, max_steps=2,
+             export=False, progress_bar=False)
+
+
+def _config(tmp_path, **fields):
+    return GRPOConfig(**{**default_task.PRESET, **SMALL, "output_dir": str(tmp_path), **fields})
+
+
+def _trainer(tmp_path, rewards=default_task.repeat_letter_reward, dataset=None, **fields):
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    dataset = default_task.build_dataset(32) if dataset is None else dataset
+    return GRPOTrainer(model, tokenizer, rewards, dataset, _config(tmp_path, **fields))
+
+
+def test_group_advantages_match_fp64_hand_math():
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
+    got = group_advantages(rewards, 4, "group")
+    g = rewards.view(2, 4)
+    centered = g - g.mean(-1, keepdim=True)
+    expected = (centered / (g.std(-1, keepdim=True) + 1e-4)).flatten()
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
+    assert got[4:].abs().max() == 0  # a group of equal rewards carries no signal
+    torch.testing.assert_close(group_advantages(rewards, 4, "none"), centered.flatten())
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch"), centered.flatten() / (rewards.std() + 1e-4))
+
+
+def test_lr_schedule():
+    f = [lr_factor(u, total=10, warmup=2, kind="linear") for u in range(10)]
+    assert f[:3] == [0.5, 1.0, 1.0] and f[-1] == pytest.approx(1 / 8)
+    assert lr_factor(2, total=10, warmup=2, kind="cosine") == 1.0
+    assert lr_factor(6, total=10, warmup=2, kind="cosine") == pytest.approx(0.5)
+    assert lr_factor(9, total=10, warmup=0, kind="constant") == 1.0
+
+
+@pytest.mark.parametrize("dataset, rewards, fields, match", [
+    ([], None, {}, "train_dataset: expected at least one row"),
+    ([{"text": "x"}], None, {}, "no prompt column 'prompt'"),
+    ([{"prompt": "1 say a"}], None, {}, r"needs columns \['letter'\]"),
+    ([{"prompt": "1 say a" * 9, "letter": "a"}], None, {}, "over max_prompt_length"),
+    (None, [], {}, "reward_funcs"),
+    (None, None, {"reward_weights": [1.0, 2.0]}, "reward_weights: expected 1 weights"),
+])
+def test_bad_input_raises_before_compute(tmp_path, dataset, rewards, fields, match):
+    with pytest.raises(ValueError, match=match):
+        _trainer(tmp_path, rewards if rewards is not None else default_task.repeat_letter_reward, dataset, **fields)
+
+
+def test_long_prompts_left_truncated_with_warning(tmp_path, caplog):
+    rows = [{"prompt": "0123456789 say a", "letter": "a"}]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.trainer"):
+        trainer = _trainer(tmp_path, dataset=rows, max_prompt_length=5, truncate_prompts=True)
+    assert trainer.tokenizer.decode(trainer.prompts[0]) == "say a"
+    assert "left-truncated" in caplog.text
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
+def test_gradient_accumulation_equals_one_batch(tmp_path, loss_type):
+    grads = []
+    for micro in (8, 2):
+        trainer = _trainer(tmp_path / str(micro), micro_batch_size=micro, loss_type=loss_type, max_grad_norm=1e9)
+        trainer.train_step()
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).double())
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_raising_reward_is_reported_not_fatal(tmp_path):
+    def broken(prompts, completions, **kwargs):
+        raise KeyError("oops")
+
+    trainer = _trainer(tmp_path, rewards=[default_task.repeat_letter_reward, broken], reward_weights=[1.0, 1.0])
+    metrics = trainer.train_step()
+    assert metrics["rewards/broken"] == 0.0 and metrics["reward_errors"] == 1
+    assert "oops" in metrics["reward_error/broken"]
+    assert metrics["reward"] == pytest.approx(metrics["rewards/repeat_letter_reward"])
+
+
+def test_metrics_jsonl_and_export(tmp_path):
+    history = _trainer(tmp_path, export=True, beta=0.1).train()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines == history and [m["step"] for m in lines] == [1, 2]
+    required = {"step", "reward", "reward_std", "rewards/repeat_letter_reward", "frac_reward_zero_std", "kl",
+                "kl_p95", "entropy", "clip_ratio", "completion_length", "completion_length_max", "truncated_frac",
+                "loss", "grad_norm", "rollout_tokens_per_s", "train_tokens_per_s", "peak_gpu_mem_gib"}
+    assert required <= set(lines[0])
+    assert 0 < lines[0]["entropy"] < torch.log(torch.tensor(41.0)).item() + 1e-3
+    assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "checkpoint-2").exists()
