@@ -86,6 +86,22 @@ def test_patched_matches_unpatched(model_type):
         torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_patched_matches_unpatched_on_cuda(model_type):
+    # The compiled Triton kernels (the CPU tests run the interpreter): fp32 on the GPU, same tolerances.
+    model = tiny_model(model_type).cuda()
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = (t.cuda() for t in batch())
+    hidden, logps, grads = forward_logps_grads(model, ids, mask)
+    hidden_p, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    for h, h_p in zip(hidden, hidden_p):
+        torch.testing.assert_close(h_p, h, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "phi3"])
 def test_generate_with_kv_cache(model_type):
     # The rollout engine decodes with the patched modules: T = 1 steps with a cache and cache_position.
