@@ -183,6 +183,7 @@ def _chunk_loop(
             bias=torch.zeros(V, dtype=acc, device=hidden.device) if need_dbias else None,
         )
     chunk = min(_rows_per_chunk(V, hidden.dtype), max(n, 1))
+    chunk = -(-n // -(-n // chunk)) if n else 1  # equal chunks: 8192 rows by <= 3456 -> 3 x 2731, not 2 x 3456 + 1280
     buffer = torch.empty(chunk, V, dtype=hidden.dtype, device=hidden.device)  # buffer: [chunk, V]
     for start in range(0, n, chunk):
         stop = min(start + chunk, n)
