@@ -5,10 +5,14 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
+    Gemma3TextConfig,
+    GemmaConfig,
     LlamaConfig,
     MistralConfig,
+    Phi3Config,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
 from fastgrpo.rollout import generate
@@ -38,6 +42,11 @@ CONFIGS = {
     # sliding window shorter than prompt + completion: the windowed masks matter (tensor and dict forms)
     "mistral": lambda: MistralConfig(**SIZES, sliding_window=8),
     "gemma2": lambda: Gemma2Config(**SIZES, head_dim=16, sliding_window=8, attn_implementation="eager"),
+    "qwen2_sliding": lambda: Qwen2Config(**SIZES, use_sliding_window=True, sliding_window=8, max_window_layers=1),
+    "qwen3": lambda: Qwen3Config(**SIZES, head_dim=16),
+    "gemma": lambda: GemmaConfig(**SIZES, head_dim=16),
+    "gemma3": lambda: Gemma3TextConfig(**SIZES, head_dim=16, sliding_window=8),
+    "phi3": lambda: Phi3Config(**SIZES, sliding_window=8),
 }
 
 
@@ -70,8 +79,11 @@ def completions(result) -> list[list[int]]:
     return [ids[mask.bool()].tolist() for ids, mask in zip(result.completion_ids, result.completion_mask)]
 
 
-@pytest.mark.parametrize("arch, lora", [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True),
-                                        ("mistral", False), ("gemma2", False)])
+@pytest.mark.parametrize(
+    "arch, lora",
+    [("llama", False), ("qwen2", False), ("llama", True), ("qwen2", True)]
+    + [(arch, False) for arch in ("mistral", "gemma2", "qwen2_sliding", "qwen3", "gemma", "gemma3", "phi3")],
+)
 def test_greedy_equals_hf_generate(arch, lora):
     tok, model = char_tokenizer(), tiny_model(arch, lora=lora)
     result = generate(model, tok, PROMPTS, num_generations=2, max_new_tokens=24, temperature=0)
