@@ -240,6 +240,22 @@ def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     assert calls == [("enable", layers), ("disable", layers)]
 
 
+def test_offload_activations_with_the_real_module():
+    pytest.importorskip("fastgrpo.offload", reason="fastgrpo.offload (issue 5) is not in this checkout")
+    model = tiny_model("qwen2").train()
+    before = _instance_forwards(model)
+    patched = patch_model(copy.deepcopy(model), offload_activations=True)
+    assert patched.fastgrpo_patch_summary["patched"]["offload_activations"] == 2
+    ids, mask = batch(6)
+    _, logps, grads = forward_logps_grads(model, ids, mask)
+    _, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    unpatch_model(patched)
+    assert _instance_forwards(patched) == before
+
+
 @pytest.mark.gpu
 def test_bitsandbytes_4bit_base_with_lora(tmp_path):
     bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)")
