@@ -258,7 +258,9 @@ def test_offload_activations_with_the_real_module():
 
 @pytest.mark.gpu
 def test_bitsandbytes_4bit_base_with_lora(tmp_path):
-    bnb = pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)")
+    bnb = pytest.importorskip(
+        "bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)"
+    )
     from peft import LoraConfig, get_peft_model
 
     from fastgrpo.model_loss import grpo_loss
