@@ -18,6 +18,14 @@ pytestmark = pytest.mark.gpu
 EAGER = EngineConfig(compile=False)
 
 
+@pytest.fixture(autouse=True)
+def fresh_compile_cache():
+    """Each test builds new models; without a reset they would pile up past dynamo's recompile limit (8), after
+    which it silently runs the step eagerly."""
+    torch._dynamo.reset()
+    yield
+
+
 def cuda_model(arch: str, lora: bool = False):
     # fp32 and no TF32: the compiled and eager paths then agree token for token with HF
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -43,6 +51,15 @@ def test_graphed_greedy_equals_eager_and_hf(arch, lora):
     torch.testing.assert_close(graphed.logprobs, eager.logprobs, atol=1e-4, rtol=0)
     for i, prompt in enumerate(PROMPTS):
         assert completions(graphed)[2 * i] == hf_greedy(model, tok, prompt, 40)[0]
+
+
+def test_bf16_lora_model_runs_compiled_and_graphed():
+    tok = char_tokenizer()
+    model = tiny_model("qwen2", lora=True).to("cuda", torch.bfloat16)
+    result = no_fallback_warnings(lambda: generate(model, tok, PROMPTS, num_generations=4, max_new_tokens=40,
+                                                   temperature=1.0, top_p=0.9, seed=0))
+    assert result.completion_ids.shape[0] == 12 and result.logprobs.dtype == torch.float32
+    assert torch.all(torch.isfinite(result.logprobs)) and torch.all(result.logprobs <= 0)
 
 
 def test_graphed_sampling_equals_eager_with_the_same_seed():
