@@ -74,7 +74,6 @@ def rollout(
     stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
     """
     device = _device_of(model)
-    lm = model.config
     B, G, S = len(prompts), num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
     M = -(-(P + S) // config.length_bucket) * config.length_bucket
@@ -83,11 +82,12 @@ def rollout(
     cache_kw = _cache_keyword(model)
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
-    lengths = torch.tensor([len(p) for p in prompts], device=device)
-    offset = P - lengths
-    prompt = torch.full((B, P), pad_id, dtype=torch.long, device=device)
+    prompt = torch.full((B, P), pad_id, dtype=torch.long)
     for i, ids in enumerate(prompts):
         prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
+    prompt = prompt.to(device)
+    lengths = torch.tensor([len(p) for p in prompts], device=device)
+    offset = P - lengths
     slots = torch.arange(M, device=device)
     real = slots[None, :] >= offset[:, None]  # [B, M]
 
@@ -99,30 +99,38 @@ def rollout(
         cache.slot.fill_(P)
         _record(state, *sample(process_logits(logits, params, state.seen), state.noise), pad_id)
         del logits
-
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
-        run = step
-        if config.compile or (config.compile is None and device.type == "cuda"):
-            compiled = functools.partial(step, forward=_compiled_forward_sample())
-            run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
-        steps_done = 1
-        while steps_done < S:
-            if state.noise is not None:
-                state.noise.exponential_(generator=generator)
-            run()
-            steps_done += 1
-            if steps_done % config.check_every == 0:
-                if stop_check is not None:
-                    _check_stop_strings(state, steps_done, stop_check)
-                if bool(state.done.all()):
-                    break
-        del run, step  # the graph and its memory pool go here
+        steps_done = _decode(step, state, S, generator, stop_check, config)
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],
         valid=state.out_valid[:, :steps_done],
         stopped=state.done.clone(),
     )
+
+
+def _decode(step, state: _State, S: int, generator, stop_check, config: EngineConfig) -> int:
+    """Run decode steps until S tokens or every row stopped; returns the number of tokens per row generated.
+
+    The CUDA graph and its memory pool live in this frame: they are freed when it returns.
+    """
+    device = state.done.device
+    run = step
+    if config.compile or (config.compile is None and device.type == "cuda"):
+        compiled = functools.partial(step, forward=_compiled_forward_sample())
+        run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
+    steps_done = 1  # the prefill sampled the first token
+    while steps_done < S:
+        if state.noise is not None:
+            state.noise.exponential_(generator=generator)
+        run()
+        steps_done += 1
+        if steps_done % config.check_every == 0:  # the only host syncs of the loop
+            if stop_check is not None:
+                _check_stop_strings(state, steps_done, stop_check)
+            if bool(state.done.all()):
+                break
+    return steps_done
 
 
 def _prefill(model, cache, cache_kw, prompt, visible, slots, offset, dtype) -> torch.Tensor:
