@@ -227,6 +227,32 @@ def test_peft_lora_parity_and_unpatch():
     assert all(f is None for f in _instance_forwards(patched).values())
 
 
+def test_accelerate_hooks_are_kept():
+    # device_map / 4-bit loading wraps module forwards with accelerate hooks that call `_old_forward`.
+    accelerate_hooks = pytest.importorskip("accelerate.hooks", reason="accelerate is not installed")
+    model = tiny_model("llama")
+    hooked = copy.deepcopy(model)
+    calls = []
+
+    class CountingHook(accelerate_hooks.ModelHook):
+        def pre_forward(self, module, *args, **kwargs):
+            calls.append(type(module).__name__)
+            return args, kwargs
+
+    for module in (hooked.model.norm, hooked.model.layers[0].mlp, hooked.model.layers[0].self_attn):
+        accelerate_hooks.add_hook_to_module(module, CountingHook())
+    old_forwards = {name: m.__dict__.get("_old_forward") for name, m in hooked.named_modules()}
+    patch_model(hooked)
+    ids, mask = batch(7)
+    with torch.no_grad():
+        torch.testing.assert_close(hooked(input_ids=ids, attention_mask=mask).logits,
+                                   model(input_ids=ids, attention_mask=mask).logits, rtol=1e-5, atol=1e-5)
+    assert sorted(calls) == ["LlamaAttention", "LlamaMLP", "LlamaRMSNorm"]
+    assert hooked.model.norm.__dict__["_old_forward"] is not old_forwards["model.norm"]
+    unpatch_model(hooked)
+    assert {name: m.__dict__.get("_old_forward") for name, m in hooked.named_modules()} == old_forwards
+
+
 def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     calls = []
     fake = types.ModuleType("fastgrpo.offload")
