@@ -4,11 +4,11 @@
 
 Qwen2.5-1.5B shapes (random weights), bf16, 8 prompts x 8 generations, prompt 256 tokens (random ids), 1024 new
 tokens, pure sampling (temperature 1, no top-k/top-p) with EOS ignored, so every row generates exactly 1024
-tokens. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then
-timed calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above the weights, total
-peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies, lm_head included,
-plus the K/V of the tokens so far, averaged over the steps) / measured copy bandwidth, divided by the measured
-time per step. Target: ours >= 8x HF default (anchor, H200: HF default 1207 tok/s, peak 5.2 GiB).
+tokens. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then timed
+calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above
+the weights, total peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies,
+lm_head included, plus the K/V of the tokens so far, averaged over the steps) / measured copy bandwidth, divided
+by the measured time per step. Target: ours >= 8x HF default (anchor, H200: HF default 1207 tok/s, peak 5.2 GiB).
 """
 from __future__ import annotations
 

@@ -93,7 +93,8 @@ def test_greedy_equals_hf_generate(arch, lora):
         for row in (2 * i, 2 * i + 1):
             assert got[row] == want, (arch, lora, prompt)
             n = len(want)
-            torch.testing.assert_close(result.logprobs[row, :n].double(), torch.tensor(want_logp, dtype=torch.float64), atol=1e-4, rtol=0)
+            want_t = torch.tensor(want_logp, dtype=torch.float64)
+            torch.testing.assert_close(result.logprobs[row, :n].double(), want_t, atol=1e-4, rtol=0)
             assert result.finish_reasons[row] == ("stop" if want[-1] == EOS else "length")
 
 

@@ -85,7 +85,8 @@ def test_top_p_matches_reference(seed, v, p, scale):
     assert_rows_equal(got, want)
 
 
-@given(seed=st.integers(0, 2**16), v=st.integers(2, 97), min_p=st.floats(0.0, 1.0), scale=st.sampled_from([0.1, 1.0, 8.0]))
+@given(seed=st.integers(0, 2**16), v=st.integers(2, 97), min_p=st.floats(0.0, 1.0),
+       scale=st.sampled_from([0.1, 1.0, 8.0]))
 def test_min_p_matches_reference(seed, v, min_p, scale):
     logits = random_logits(seed, 3, v, scale)
     assert_rows_equal(min_p_filter(logits, min_p), [ref_min_p(r, min_p) for r in rows_of(logits)])
