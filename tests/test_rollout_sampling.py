@@ -156,6 +156,12 @@ def test_exponential_race_draws_from_softmax():
     torch.testing.assert_close(logp.double(), probs.log()[tokens], rtol=1e-6, atol=1e-6)
 
 
+def test_zero_noise_never_picks_a_filtered_token():
+    logits = torch.tensor([[0.0, NEG, 1.0]])
+    tokens, logp = sample(logits, torch.tensor([[1.0, 0.0, 1.0]]))
+    assert tokens.item() == 2 and torch.isfinite(logp).all()
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

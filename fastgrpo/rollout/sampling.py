@@ -103,6 +103,7 @@ def sample(logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tens
     noise: [N, V] fp32 draws of Exp(1). argmax(logp - log E) is a draw from softmax(logp) (exponential race).
     """
     logp = torch.log_softmax(logits, dim=-1)
-    score = logp if noise is None else logp - noise.log()
+    # a draw of exactly 0 would give -inf - log(0) = nan on a filtered token, and argmax picks nan
+    score = logp if noise is None else logp - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
     tokens = score.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
