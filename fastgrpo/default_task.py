@@ -31,6 +31,9 @@ PRESET = dict(
     loss_type="dapo",
     dtype="float32",
     device="cpu",
+    # The fused kernels are for GPUs; on the CPU their torch fallback runs this 64-wide model ~1.7x slower
+    # (10.5 s vs 6.1 s for 8 steps) with identical rewards. `--patch` turns them on.
+    patch=False,
 )
 
 

@@ -1,0 +1,61 @@
+"""`fastgrpo train`: the built-in default learns on the CPU; YAML < flags; user data and rewards by name."""
+import json
+
+import pytest
+
+from fastgrpo import default_task
+from fastgrpo.cli import build_parser, config_from_args, main, resolve_reward
+from fastgrpo.rewards import length_reward
+
+
+def _config(argv):
+    return config_from_args(build_parser().parse_args(["train", *argv]))
+
+
+def test_default_run_reward_rises(tmp_path, capsys):
+    # Exactly the default run (40 steps, ~10 s on 2 idle cores) but for where it writes.
+    assert main(["train", "--output-dir", str(tmp_path), "--no-progress-bar"]) == 0
+    rewards = [json.loads(line)["reward"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
+    assert len(rewards) == 40 and last > 2 * first and last > first + 0.05, rewards
+    assert (tmp_path / "final" / "tokenizer.json").exists()
+    assert "reward" in capsys.readouterr().out
+
+
+def test_builtin_preset_yaml_then_flags(tmp_path):
+    assert _config([]).learning_rate == default_task.PRESET["learning_rate"]
+    path = tmp_path / "c.yaml"
+    path.write_text("learning_rate: 0.5\nmax_steps: 3\n")
+    config = _config(["--config", str(path), "--max-steps", "9"])
+    assert config.learning_rate == 0.5 and config.max_steps == 9 and config.batch_size == 64
+    real = _config(["--model", "/some/model"])  # a real model: the dataclass defaults, no preset
+    assert real.learning_rate == 1e-6 and real.reward_funcs == ["length"]
+
+
+def test_bad_arguments_exit_with_a_message(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--reward-funcs", "nonsense"])
+    assert "unknown reward 'nonsense'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["train", "--batch-size", "10", "--num-generations", "4"])
+    assert "batch_size: expected a multiple of num_generations" in capsys.readouterr().err
+
+
+def test_resolve_reward():
+    assert resolve_reward("length") is length_reward
+    assert resolve_reward("fastgrpo.default_task:repeat_letter_reward") is default_task.repeat_letter_reward
+    with pytest.raises(ValueError, match="cannot import"):
+        resolve_reward("fastgrpo.default_task:missing")
+
+
+def test_user_dataset_file_and_missing_column(tmp_path, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i} say b", "target_length": 3}) for i in range(4)))
+    common = ["train", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), "--batch-size", "4",
+              "--num-generations", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--max-steps", "1",
+              "--learning-rate", "1e-3", "--no-progress-bar", "--no-export"]
+    assert main([*common, "--reward-funcs", "length"]) == 0
+    assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 1
+    with pytest.raises(SystemExit):
+        main([*common, "--reward-funcs", "r1_zero_math"])
+    assert "needs columns ['answer']" in capsys.readouterr().err
