@@ -148,7 +148,7 @@ def _hf_call(static: bool, new_tokens: int):
     ids = setup["prompt_ids"].cuda()
     kwargs = dict(
         input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-        max_new_tokens=new_tokens, min_new_tokens=new_tokens, num_return_sequences=GENERATIONS, pad_token_id=0,
+        max_new_tokens=new_tokens, num_return_sequences=GENERATIONS, pad_token_id=0,
     )
     if static:
         kwargs["cache_implementation"] = "static"  # HF compiles the forward itself (reduce-overhead) on CUDA

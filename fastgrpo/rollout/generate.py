@@ -84,7 +84,8 @@ def generate_with_config(
     _check_lengths(model.config, prompt_ids, params.max_new_tokens)
 
     pad_id = _pad_id(tokenizer)
-    eos = [tokenizer.eos_token_id, *_as_list(getattr(model.generation_config, "eos_token_id", None))]
+    generation_config = getattr(model, "generation_config", None)
+    eos = [tokenizer.eos_token_id, *_as_list(getattr(generation_config, "eos_token_id", None))]
     stop_ids = [*stop_ids, *(i for i in eos if i is not None)]
     stops = StopStrings(tokenizer, stop_strings, config.check_every) if stop_strings else None
     device = model.get_input_embeddings().weight.device
