@@ -162,8 +162,11 @@ def test_hf_generate(engine):
         # warm-up: the static cache's compiled graphs are per shape, so its warm-up is full size; the dynamic
         # cache's is not (one full call of it is ~1 min); one timed call each (they are the slow ones)
         first = time.perf_counter()
-        _hf_call(static, NEW_TOKENS if static else 16)()
+        warm_tokens = NEW_TOKENS if static else 16
+        out = _hf_call(static, warm_tokens)()
         first = time.perf_counter() - first
+        assert out.shape == (PROMPTS * GENERATIONS, PROMPT_LEN + warm_tokens)  # EOS off: every row full length
+        del out
         measured = _timed(_hf_call(static, NEW_TOKENS), 1)
     except Exception as err:  # noqa: BLE001 - a failing baseline is reported, not fatal to the other rows
         ROWS.append({"engine": engine, "error": repr(err)[:300]})
