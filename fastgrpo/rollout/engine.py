@@ -52,9 +52,9 @@ class _State:
     stop_ids: torch.Tensor | None  # [K] stop token ids
     done: torch.Tensor  # [N] bool
     step: torch.Tensor  # [1] next output column
-    out_tokens: torch.Tensor  # [N, S]
-    out_logprobs: torch.Tensor  # [N, S]
-    out_valid: torch.Tensor  # [N, S]
+    out_tokens: torch.Tensor  # [N, S] int64
+    out_logprobs: torch.Tensor  # [N, S] fp32
+    out_valid: torch.Tensor  # [N, S] bool
 
 
 def rollout(
@@ -185,7 +185,7 @@ def _record(state: _State, tokens: torch.Tensor, logprobs: torch.Tensor, pad_id:
 
 
 class _GraphedStep:
-    """The decode step, compiled; after `warmup` eager calls it is captured once and replayed as a CUDA graph.
+    """The decode step, compiled; after `warmup` plain calls it is captured once and replayed as a CUDA graph.
 
     If compiling or capturing fails (an op the compiler or the graph cannot take), warn and keep going on the
     slower path, so a rollout never fails for speed's sake.
