@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo._checks import check_choice
 from fastgrpo.algorithms import AdaptiveKLController, kl_penalty
 from fastgrpo.checkpoint import export_model, is_peft_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import GRPOConfig
@@ -120,6 +121,11 @@ class GRPOTrainer:
                                  f"which the dataset lacks (columns: {columns})")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
+        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
+            raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
+                             f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
+                             f"max_position_embeddings ({positions})")
 
     def _prompt_ids(self, index: int) -> list[int]:
         """Token ids of row `index`'s prompt (chat messages go through the chat template).
@@ -161,9 +167,9 @@ class GRPOTrainer:
         t_start = time.perf_counter()
 
         # 1. Rollout: G completions per prompt, one generation config for the whole batch.
-        rows = [self.dataset[i] for i in self._batch_indices(self.step)]
-        prompt_ids = [self.prompts[i] for i in self._batch_indices(self.step)]
-        batch = self._rollout(prompt_ids)
+        indices = self._batch_indices(self.step)
+        rows = [self.dataset[i] for i in indices]
+        batch = self._rollout([self.prompts[i] for i in indices])
         t_rollout = time.perf_counter()
 
         # 2. Rewards: every function on every completion; a failing function scores its samples 0.
@@ -377,27 +383,37 @@ class GRPOTrainer:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
         return export_model(self.model, self.tokenizer, path)
 
-    def _external_loggers(self) -> list:
+    def _external_loggers(self) -> list[Callable[[int, dict], None]]:
         loggers = []
         for name in self.config.report_to or []:
-            if name == "wandb":
-                import wandb
-
-                loggers.append(lambda m, run=wandb.init(project="fastgrpo", config=self.config.to_dict()): run.log(
-                    {k: v for k, v in m.items() if isinstance(v, (int, float))}, step=m["step"]))
-            elif name == "tensorboard":
-                from torch.utils.tensorboard import SummaryWriter
-
-                writer = SummaryWriter(self.output_dir / "tensorboard")
-                loggers.append(lambda m, w=writer: [w.add_scalar(k, v, m["step"]) for k, v in m.items()
-                                                    if isinstance(v, (int, float)) and k != "step"])
-            else:
-                raise ValueError(f"report_to: expected 'wandb' or 'tensorboard', got {name!r}")
+            check_choice("report_to", name, ("wandb", "tensorboard"))
+            loggers.append(_wandb_logger(self.config) if name == "wandb" else _tensorboard_logger(self.output_dir))
         return loggers
 
     def _log_external(self, metrics: dict) -> None:
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
         for log in self._loggers:
-            log(metrics)
+            log(metrics["step"], scalars)
+
+
+def _wandb_logger(config: GRPOConfig) -> Callable[[int, dict], None]:
+    import wandb
+
+    run = wandb.init(project="fastgrpo", config=config.to_dict())
+    return lambda step, scalars: run.log(scalars, step=step)
+
+
+def _tensorboard_logger(output_dir: Path) -> Callable[[int, dict], None]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
+
+    return log
 
 
 def _read_lines(path: Path) -> list[str]:

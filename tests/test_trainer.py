@@ -52,6 +52,8 @@ def test_lr_schedule():
     ([{"prompt": "1 say a" * 9, "letter": "a"}], None, {}, "over max_prompt_length"),
     (None, [], {}, "reward_funcs"),
     (None, None, {"reward_weights": [1.0, 2.0]}, "reward_weights: expected 1 weights"),
+    (None, None, {"max_completion_length": 60}, "exceeds the model's max_position_embeddings"),
+    (None, None, {"report_to": ["mlflow"]}, "report_to: expected one of"),
 ])
 def test_bad_input_raises_before_compute(tmp_path, dataset, rewards, fields, match):
     with pytest.raises(ValueError, match=match):
