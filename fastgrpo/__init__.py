@@ -16,6 +16,12 @@ _PUBLIC = {
     "grpo_loss": "fastgrpo.model_loss",
     "sequence_logprobs": "fastgrpo.model_loss",
     "offload_checkpoint": "fastgrpo.offload",
+    "enable_offload_checkpointing": "fastgrpo.offload",
+    "disable_offload_checkpointing": "fastgrpo.offload",
+    "generate": "fastgrpo.rollout",
+    "RolloutResult": "fastgrpo.rollout",
+    "AdaptiveKLController": "fastgrpo.algorithms",
+    "compute_group_normalized_rewards": "fastgrpo.algorithms",
     "GRPOConfig": "fastgrpo.config",
     "GRPOTrainer": "fastgrpo.trainer",
 }

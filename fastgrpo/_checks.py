@@ -72,8 +72,9 @@ def check_grpo_loss_args(
     check_linear_args(hidden, weight, bias, temperature)
     check_shape("target_ids", target_ids, (B, T))
     check_mask("completion_mask", completion_mask, "target_ids", target_ids)
-    if advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
-        raise ValueError(f"advantages: expected shape [{B}] or [{B}, {T}], got {list(advantages.shape)}")
+    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
+        got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
     for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if logps is not None:
             check_shape(name, logps, (B, T))
