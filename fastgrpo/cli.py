@@ -1,6 +1,7 @@
 """`fastgrpo train [--config X.yaml] [--field value ...]`: build the model, data and rewards a config names; train.
 
-With neither --model nor --dataset it runs the built-in default (fastgrpo.default_task) on the CPU.
+With neither --model nor --dataset it runs the built-in default (fastgrpo.default_task) on the CPU; either one
+alone swaps in the user's model or data.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    """defaults < built-in preset (no --model and no --dataset) < YAML < flags."""
+    """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     import yaml
 
     from fastgrpo import default_task
@@ -38,8 +39,10 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
         if not isinstance(from_yaml, dict):
             raise ValueError(f"config: expected a YAML mapping of field: value in {args.config}")
     merged = {**from_yaml, **flags}
-    builtin = merged.get("model") is None and merged.get("dataset") is None
-    return GRPOConfig.from_dict({**(default_task.PRESET if builtin else {}), **merged})
+    preset = dict(default_task.PRESET) if merged.get("model") is None else {}
+    if merged.get("dataset") is None:
+        preset["reward_funcs"] = default_task.REWARD_FUNCS
+    return GRPOConfig.from_dict({**preset, **merged})
 
 
 def resolve_reward(name: str):

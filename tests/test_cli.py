@@ -28,8 +28,10 @@ def test_builtin_preset_yaml_then_flags(tmp_path):
     path.write_text("learning_rate: 0.5\nmax_steps: 3\n")
     config = _config(["--config", str(path), "--max-steps", "9"])
     assert config.learning_rate == 0.5 and config.max_steps == 9 and config.batch_size == 64
-    real = _config(["--model", "/some/model"])  # a real model: the dataclass defaults, no preset
-    assert real.learning_rate == 1e-6 and real.reward_funcs == ["length"]
+    real = _config(["--model", "/m"])  # a real model: the dataclass defaults, the built-in task's reward
+    assert real.learning_rate == 1e-6 and real.reward_funcs == default_task.REWARD_FUNCS
+    assert _config(["--model", "/m", "--dataset", "d.jsonl"]).reward_funcs == ["length"]
+    assert _config(["--dataset", "d.jsonl"]).learning_rate == default_task.PRESET["learning_rate"]
 
 
 def test_bad_arguments_exit_with_a_message(capsys):

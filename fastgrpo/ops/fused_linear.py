@@ -24,9 +24,10 @@ from fastgrpo._checks import check_choice, check_grpo_loss_args, check_index_ran
 from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
 
 BACKENDS = ("auto", "triton", "torch")
-# 1 GiB of bf16 logits is 3532 rows at V=151936: GEMMs of that many rows run near peak on an H100, and the fp32
-# dW accumulator (re-read by every chunk's dW GEMM) costs less than a third of the dW GEMM itself.
-DEFAULT_CHUNK_BYTES = 1 << 30
+# 7/8 GiB of bf16 logits is 2944 rows at V=151936. Bigger chunks are faster (the fp32 dW accumulator is read and
+# written by every chunk's dW GEMM: ~1053 / rows of the dW GEMM's time on an H200) but cost memory: with 1 GiB the
+# peak at H=1536 with a trained lm_head passed Liger's by 3-5 % from 16K tokens on (NOTES_fused_linear.md).
+DEFAULT_CHUNK_BYTES = 7 << 27
 _CHUNK_ROWS: contextvars.ContextVar[int | None] = contextvars.ContextVar("fastgrpo_chunk_rows", default=None)
 
 
@@ -332,12 +333,13 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, re
     ref = None if ref_logps is None else torch.where(m.bool(), ref_logps.to(acc), 0.0)
     weights = aggregation_weights(m, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch).to(acc)
     hidden2d, flat_targets = hidden.reshape(B * T, H), targets.reshape(-1)[valid]
+    rows = None if valid.numel() == B * T else valid  # no mask: slices, no gather/scatter of hidden rows
     token_level = cfg.importance_sampling_level == "token"
 
-    def rows(t):  # [B, T] -> [1, n] over the valid rows
+    def valid_rows(t):  # [B, T] -> [1, n] over the valid rows
         return None if t is None else t.reshape(-1)[valid][None]
 
-    adv_v, old_v, ref_v, w_v, m_v = rows(advantages), rows(old), rows(ref), rows(weights), rows(m)
+    adv_v, old_v, ref_v, w_v, m_v = (valid_rows(t) for t in (advantages, old, ref, weights, m))
 
     def token_grad_fn(start, stop, logp_c):
         sl = slice(start, stop)
@@ -350,14 +352,14 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, re
     any_grad = any(need)
     one_pass = token_level and any_grad
     logp_v, entropy_v, _, grads = _chunk_loop(
-        hidden2d, weight, bias, flat_targets, valid, cfg.temperature, cfg.return_entropy, kernels,
+        hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.return_entropy, kernels,
         token_grad_fn if one_pass else None, need[0], need[1], need[2],
     )
     logps = torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, logp_v).view(B, T)
     if any_grad and not token_level:
         grad_logps = _grad_wrt_logps(cfg, logps, m, advantages, old, ref, weights).reshape(-1)[valid]
         _, _, _, grads = _chunk_loop(
-            hidden2d, weight, bias, flat_targets, valid, cfg.temperature, False, kernels,
+            hidden2d, weight, bias, flat_targets, rows, cfg.temperature, False, kernels,
             lambda start, stop, _: (grad_logps[start:stop], None), need[0], need[1], need[2],
         )
     per_token_loss, per_token_kl, low, high = _per_token_loss(cfg, logps, m, advantages, old, ref)
