@@ -61,3 +61,21 @@ def test_user_dataset_file_and_missing_column(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main([*common, "--reward-funcs", "r1_zero_math"])
     assert "needs columns ['answer']" in capsys.readouterr().err
+
+
+def test_local_hf_model_with_lora_patched_and_exported(tmp_path):
+    tokenizer = default_task.build_tokenizer()
+    default_task.build_model(tokenizer).save_pretrained(tmp_path / "model")
+    tokenizer.save_pretrained(tmp_path / "model")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i} say c", "letter": "c"}) for i in range(4)))
+    out = tmp_path / "o"
+    assert main(["train", "--model", str(tmp_path / "model"), "--dataset", str(data), "--output-dir", str(out),
+                 "--reward-funcs", "fastgrpo.default_task:repeat_letter_reward", "length", "--reward-weights", "1",
+                 "0.1", "--lora-rank", "4", "--beta", "0.1", "--batch-size", "4", "--num-generations", "2",
+                 "--micro-batch-size", "2", "--max-prompt-length", "16", "--max-completion-length", "4",
+                 "--max-steps", "2", "--learning-rate", "1e-3", "--dtype", "float32", "--no-progress-bar"]) == 0
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert metrics[0]["kl"] == 0.0 and {"rewards/repeat_letter_reward", "rewards/length_reward"} <= set(metrics[0])
+    assert (out / "checkpoint-2" / "adapter_model.safetensors").exists()
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
