@@ -51,6 +51,11 @@ def lr_factor(update: int, *, total: int, warmup: int, kind: str) -> float:
     return 1.0
 
 
+@functools.lru_cache(maxsize=2)
+def _epoch_order(n: int, seed: int) -> list[int]:
+    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+
+
 def _columns(dataset) -> list[str]:
     names = getattr(dataset, "column_names", None)
     return list(names) if names is not None else list(dataset[0])
@@ -119,6 +124,11 @@ class GRPOTrainer:
             if missing:
                 raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
                                  f"which the dataset lacks (columns: {columns})")
+        if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
+            for i in range(len(dataset)):
+                if set(dataset[i]) != set(columns):
+                    raise ValueError(f"train_dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
+                                     f"{sorted(columns)}; every row needs the same columns")
         if self.tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
         positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
@@ -156,8 +166,7 @@ class GRPOTrainer:
         indices = []
         for position in range(step * per_step, (step + 1) * per_step):
             epoch, offset = divmod(position, n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch))
-            indices.append(int(order[offset]))
+            indices.append(_epoch_order(n, self.config.seed + epoch)[offset])
         return indices
 
     def train_step(self) -> dict:

@@ -50,6 +50,7 @@ def test_lr_schedule():
     ([{"text": "x"}], None, {}, "no prompt column 'prompt'"),
     ([{"prompt": "1 say a"}], None, {}, r"needs columns \['letter'\]"),
     ([{"prompt": "1 say a" * 9, "letter": "a"}], None, {}, "over max_prompt_length"),
+    ([{"prompt": "1 say a", "letter": "a"}, {"prompt": "2 say b"}], None, {}, "row 1 has columns"),
     (None, [], {}, "reward_funcs"),
     (None, None, {"reward_weights": [1.0, 2.0]}, "reward_weights: expected 1 weights"),
     (None, None, {"max_completion_length": 60}, "exceeds the model's max_position_embeddings"),
@@ -100,3 +101,10 @@ def test_metrics_jsonl_and_export(tmp_path):
     assert required <= set(lines[0])
     assert 0 < lines[0]["entropy"] < torch.log(torch.tensor(41.0)).item() + 1e-3
     assert (tmp_path / "final" / "config.json").exists() and (tmp_path / "checkpoint-2").exists()
+
+
+def test_each_epoch_visits_every_row_once(tmp_path):
+    trainer = _trainer(tmp_path)  # 32 rows, 2 prompts per step
+    epoch = [i for step in range(16) for i in trainer._batch_indices(step)]
+    assert sorted(epoch) == list(range(32))
+    assert [i for step in range(16, 32) for i in trainer._batch_indices(step)] != epoch  # reshuffled
