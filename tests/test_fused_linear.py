@@ -174,6 +174,27 @@ def test_single_token_and_all_masked(backend):
         assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(grads, want_grads))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_padding_values_at_masked_positions_do_not_leak(backend, level):
+    """-inf / huge old and ref log-probs at padding (as rollout engines leave them) change nothing: no inf * 0."""
+    g, hidden, weight, bias, targets = make_inputs(9, 3, 6, 5, 37, torch.float64)
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 1.0)
+    mask[0, 4:] = False
+    kwargs = dict(beta=0.1, bias=bias, importance_sampling_level=level)
+    want, want_metrics = reference.grpo_loss(
+        hidden, weight, targets, mask, advantages, old_logps=old, ref_logps=ref, upcast=torch.float64, **kwargs
+    )
+    old, ref = old.masked_fill(~mask, float("-inf")), ref.masked_fill(~mask, 1e4)
+    loss, metrics = fused_linear_grpo_loss(
+        hidden, weight, targets, mask, advantages, old_logps=old, ref_logps=ref, backend=backend, **kwargs
+    )
+    assert torch.allclose(loss, want, rtol=1e-10)
+    assert all(torch.allclose(metrics[k], want_metrics[k], rtol=1e-10) for k in want_metrics)
+    for got, exp in zip(torch.autograd.grad(loss, (hidden, weight)), torch.autograd.grad(want, (hidden, weight))):
+        assert torch.allclose(got, exp, rtol=1e-8, atol=1e-12)
+
+
 class _Spy:
     """Records the chunk shapes the row passes see and the dW GEMMs the chunk loop issues."""
 
