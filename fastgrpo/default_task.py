@@ -2,9 +2,9 @@
 
 Task "repeat the letter": a prompt such as "417 say c" asks for the letter c (one of a-d, the prompt's last
 character); a completion scores the fraction of its characters that are that letter. A random model scores
-~1/40 (its vocabulary is ~40 characters); in 40 steps (lr 3e-3) GRPO lifts the mean reward to ~0.25, the score
-of writing only the letters a-d, and further steps teach it to pick the prompt's letter. All of it
-is built here from code (no download): the tokenizer with the `tokenizers` library, the model from a config.
+~1/40 (its vocabulary is ~40 characters). GRPO first lifts the mean reward to ~0.25, the score of writing only
+the letters a-d (~30 steps), then teaches it to repeat the prompt's letter: ~0.9-1.0 by step 100 (seeds 0-2).
+All of it is built here from code (no download): the tokenizer with `tokenizers`, the model from a config.
 """
 from __future__ import annotations
 
@@ -18,8 +18,7 @@ CHARACTERS = string.ascii_lowercase + string.digits + " :"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 # Config fields for the built-in model instead of GRPOConfig's defaults (which suit real models); a YAML file
-# or command-line flags still override them. 40 steps of 64 completions take 2-45 s on a 2-core CPU
-# (idle - shared).
+# or command-line flags still override them. 100 steps of 64 completions take ~30 s on an idle 2-core CPU.
 PRESET = dict(
     batch_size=64,
     num_generations=8,
@@ -27,7 +26,7 @@ PRESET = dict(
     max_prompt_length=16,
     max_completion_length=8,
     learning_rate=3e-3,
-    max_steps=40,
+    max_steps=100,
     loss_type="dapo",
     dtype="float32",
     device="cpu",
