@@ -13,7 +13,8 @@ def test_quickstart_notebook_runs(monkeypatch, tmp_path):
     # A user's CPU session has no Triton interpreter: patched ops take their torch fallback, as here.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")])))
+    paths = [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     nb = nbformat.read(NOTEBOOK, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=180, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
