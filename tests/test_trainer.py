@@ -2,6 +2,7 @@
 accumulation equal to one big batch, failing rewards survived, and the logged metrics."""
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -108,3 +109,30 @@ def test_each_epoch_visits_every_row_once(tmp_path):
     epoch = [i for step in range(16) for i in trainer._batch_indices(step)]
     assert sorted(epoch) == list(range(32))
     assert [i for step in range(16, 32) for i in trainer._batch_indices(step)] != epoch  # reshuffled
+
+
+@pytest.mark.parametrize("fields", [
+    dict(importance_sampling_level="sequence", num_iterations=2, scale_rewards="none", loss_type="grpo"),
+    dict(num_minibatches=2, micro_batch_size=2, loss_type="bnpo", delta=1.5, scale_rewards="batch"),
+    dict(beta=0.2, kl_target=10.0, lr_scheduler="linear", warmup_steps=1, top_k=5, top_p=0.9, min_p=0.05),
+], ids=["sequence-iters", "minibatches-delta", "adaptive-beta-filters"])
+def test_loop_variants_run(tmp_path, fields):
+    history = _trainer(tmp_path, max_steps=3, **fields).train()
+    for m in history:
+        assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio"))
+    if "kl_target" in fields:
+        assert history[0]["kl"] == 0.0 and history[-1]["beta"] < 0.2  # KL below target: beta shrinks
+
+
+@pytest.mark.gpu
+def test_patched_bf16_loop_on_gpu(tmp_path):
+    import fastgrpo
+
+    tokenizer = default_task.build_tokenizer()
+    model = fastgrpo.patch_model(default_task.build_model(tokenizer).to("cuda", torch.bfloat16))
+    config = _config(tmp_path, max_steps=4, beta=0.1, num_iterations=2, device="cuda", dtype="bfloat16",
+                     micro_batch_size=4)
+    history = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32),
+                          config).train()
+    assert all(math.isfinite(m["loss"]) and math.isfinite(m["kl"]) for m in history)
+    assert history[-1]["peak_gpu_mem_gib"] > 0
