@@ -76,8 +76,9 @@ def _dequantized(param: torch.Tensor) -> torch.Tensor:
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale.
 
-    The merge runs in fp32 on dequantized weights and is cast to `dtype` once: merging into a 4-bit base would
-    re-quantize the update away. The trained model is left untouched.
+    The merge runs in fp32 on dequantized weights, on the weights' device, and is cast to `dtype` once: merging
+    into a 4-bit base would re-quantize the update away. The result lives in CPU memory (an 8B model is 16 GB in
+    bf16, more than a 24 GB card has left). The trained model is left untouched.
     """
     from peft.tuners.lora import LoraLayer
 
@@ -89,15 +90,16 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
             for adapter in module.active_adapters:
                 if adapter in module.lora_A:
                     weight = weight + module.get_delta_weight(adapter).float()
-            merged[f"{name}.weight"] = weight.to(dtype)
+            merged[f"{name}.weight"] = weight.to(dtype).cpu()
             if module.base_layer.bias is not None:
-                merged[f"{name}.bias"] = module.base_layer.bias.detach().to(dtype)
+                merged[f"{name}.bias"] = module.base_layer.bias.detach().to(dtype).cpu()
             continue
         if any(isinstance(parent, LoraLayer) for parent in _ancestors(base, name)):
             continue
         for pname, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             key = f"{name}.{pname}" if name else pname
-            merged[key] = _dequantized(param).to(dtype) if param.is_floating_point() else param.detach()
+            value = _dequantized(param)
+            merged[key] = (value.to(dtype) if value.is_floating_point() else value).cpu()
     return merged
 
 
