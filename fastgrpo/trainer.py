@@ -396,7 +396,10 @@ class GRPOTrainer:
         loggers = []
         for name in self.config.report_to or []:
             check_choice("report_to", name, ("wandb", "tensorboard"))
-            loggers.append(_wandb_logger(self.config) if name == "wandb" else _tensorboard_logger(self.output_dir))
+            try:
+                loggers.append(_wandb_logger(self.config) if name == "wandb" else _tensorboard_logger(self.output_dir))
+            except ImportError as err:
+                raise ValueError(f"report_to: {name!r} needs `pip install {name}` ({err})") from None
         return loggers
 
     def _log_external(self, metrics: dict) -> None:

@@ -136,3 +136,17 @@ def test_patched_bf16_loop_on_gpu(tmp_path):
                           config).train()
     assert all(math.isfinite(m["loss"]) and math.isfinite(m["kl"]) for m in history)
     assert history[-1]["peak_gpu_mem_gib"] > 0
+
+
+def test_report_to_wandb_logs_every_step(tmp_path, monkeypatch):
+    import sys
+    import types
+
+    logged = []
+    run = types.SimpleNamespace(log=lambda scalars, step: logged.append((step, scalars)))
+    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: run))
+    _trainer(tmp_path, report_to=["wandb"]).train()
+    assert [step for step, _ in logged] == [1, 2] and "reward" in logged[0][1]
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    with pytest.raises(ValueError, match="pip install wandb"):
+        _trainer(tmp_path, report_to=["wandb"])
