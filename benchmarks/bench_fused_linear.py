@@ -49,7 +49,8 @@ def _data(H: int, T: int) -> dict:
         weight = (torch.randn(V, H, device="cuda") / H**0.5).to(torch.bfloat16)
         logps = torch.randn(B, T, device="cuda") - 12.0
         _DATA.update(
-            shape=(H, T), hidden=hidden.requires_grad_(), weight=weight, targets=torch.randint(0, V, (B, T), device="cuda"),
+            shape=(H, T), hidden=hidden.requires_grad_(), weight=weight,
+            targets=torch.randint(0, V, (B, T), device="cuda"),
             mask=torch.ones(B, T, device="cuda", dtype=torch.bool), advantages=torch.randn(B, device="cuda"),
             old=logps + 0.1 * torch.randn(B, T, device="cuda"), ref=logps + 0.1 * torch.randn(B, T, device="cuda"),
         )

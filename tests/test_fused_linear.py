@@ -161,7 +161,8 @@ def test_grpo_loss_both_clips_active_and_fp32(backend, dtype):
     assert rel_err(loss, want_loss) < TOL[dtype]
     for key in want_metrics:
         assert abs(float(metrics[key]) - float(want_metrics[key])) < TOL[dtype] * 10, key
-    for got, want in zip(torch.autograd.grad(loss, (hidden, weight, bias)), torch.autograd.grad(want_loss, (hidden, weight, bias))):
+    params = (hidden, weight, bias)
+    for got, want in zip(torch.autograd.grad(loss, params), torch.autograd.grad(want_loss, params)):
         assert got.dtype == dtype and rel_err(got, want) < TOL[dtype] * 10
 
 
@@ -169,8 +170,9 @@ def test_grpo_loss_both_clips_active_and_fp32(backend, dtype):
 def test_single_token_and_all_masked(backend):
     g, hidden, weight, bias, targets = make_inputs(3, 1, 1, 48, 37, torch.float64)
     for mask in (torch.ones(1, 1), torch.zeros(1, 1)):
-        want, _ = reference.grpo_loss(hidden, weight, targets, mask, torch.ones(1), bias=bias, loss_type="grpo")
-        loss, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, torch.ones(1), bias=bias, loss_type="grpo", backend=backend)
+        args = (hidden, weight, targets, mask, torch.ones(1))
+        want, _ = reference.grpo_loss(*args, bias=bias, loss_type="grpo")
+        loss, _ = fused_linear_grpo_loss(*args, bias=bias, loss_type="grpo", backend=backend)
         grads = torch.autograd.grad(loss, (hidden, weight, bias))
         want_grads = torch.autograd.grad(want, (hidden, weight, bias))
         assert torch.allclose(loss, want, atol=1e-12)

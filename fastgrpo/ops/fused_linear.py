@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -119,11 +120,7 @@ def _resolve_backend(backend: str, device: torch.device) -> str:
 
 
 def _has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return importlib.util.find_spec("triton") is not None
 
 
 # --- The chunk loop shared by both backends ---------------------------------------------------------------------
@@ -248,7 +245,7 @@ class _LinearLogprobs(torch.autograd.Function):
         need = ctx.needs_input_grad
         _, _, grads = _chunk_loop(
             hidden, weight, bias, targets, None, ctx.temperature, grad_entropy is not None, ctx.kernels,
-            grad_fn, need[0], need[1], bias is not None and need[2],
+            grad_fn, *need[:3],
         )
         return (*_finish_grads(grads, weight, bias), None, None, None, None)
 
@@ -323,7 +320,7 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, re
     m = mask.to(acc)  # m: [B, T]
     valid = m.reshape(-1).nonzero().squeeze(-1)  # valid: [n] row ids; masked rows cost no GEMM work
     # Masked positions get logp = old = ref = 0 (ratio 1, KL 0, weight 0): padding values can't turn into inf * 0.
-    advantages = advantages.to(acc).expand(B, T) if advantages.dim() == 2 else advantages.to(acc)[:, None].expand(B, T)
+    advantages = (advantages if advantages.dim() == 2 else advantages[:, None]).to(acc).expand(B, T)
     old = None if old_logps is None else torch.where(m.bool(), old_logps.to(acc), 0.0)
     ref = None if ref_logps is None else torch.where(m.bool(), ref_logps.to(acc), 0.0)
     weights = aggregation_weights(m, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch).to(acc)
@@ -348,14 +345,14 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, re
     one_pass = token_level and any_grad
     logp_v, entropy_v, grads = _chunk_loop(
         hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.return_entropy, kernels,
-        token_grad_fn if one_pass else None, need[0], need[1], need[2],
+        token_grad_fn if one_pass else None, *need,
     )
     logps = torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, logp_v).view(B, T)
     if any_grad and not token_level:
         grad_logps = _grad_wrt_logps(cfg, logps, m, advantages, old, ref, weights).reshape(-1)[valid]
         _, _, grads = _chunk_loop(
             hidden2d, weight, bias, flat_targets, rows, cfg.temperature, False, kernels,
-            lambda start, stop, _: (grad_logps[start:stop], None), need[0], need[1], need[2],
+            lambda start, stop, _: (grad_logps[start:stop], None), *need,
         )
     per_token_loss, per_token_kl, low, high = _per_token_loss(cfg, logps, m, advantages, old, ref)
     loss = (per_token_loss * weights).sum()
@@ -377,15 +374,14 @@ class _GRPOLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, targets, mask, advantages, old_logps, ref_logps, cfg, kernels):
-        need = (ctx.needs_input_grad[0], ctx.needs_input_grad[1], bias is not None and ctx.needs_input_grad[2])
+        need = ctx.needs_input_grad[:3]  # hidden, weight, bias (False for a bias that is None)
         loss, metrics, grads = _grpo_forward(
             hidden, weight, bias, targets, mask, advantages, old_logps, ref_logps, cfg, kernels, need
         )
         ctx.grads = grads
-        names = sorted(metrics)
-        ctx.mark_non_differentiable(*(metrics[k] for k in names))
-        ctx.metric_names = names
-        return (loss, *(metrics[k] for k in names))
+        values = [metrics[k] for k in sorted(metrics)]  # the order of _metric_names
+        ctx.mark_non_differentiable(*values)
+        return (loss, *values)
 
     @staticmethod
     def backward(ctx, grad_loss, *_):
