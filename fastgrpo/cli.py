@@ -19,7 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     train = commands.add_parser(
         "train", help="run GRPO training", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Every GRPOConfig field is a flag; flags override the YAML file given with --config.",
+        description="Every GRPOConfig field is a flag; flags override the YAML file given with --config. Without "
+                    "--model, the built-in tiny model's settings (fastgrpo.default_task.PRESET) replace some defaults; "
+                    "without --dataset, the built-in task and its reward are used.",
     )
     train.add_argument("--config", type=Path, help="YAML file of GRPOConfig fields")
     add_config_arguments(train)

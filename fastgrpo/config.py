@@ -18,70 +18,78 @@ SCALE_REWARDS = ("group", "batch", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
+def option(default, help: str):
+    """A config field with its --help text; list defaults are copied per instance."""
+    if isinstance(default, list):
+        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
+
+
 @dataclasses.dataclass
 class GRPOConfig:
-    # Model and data. model=None: the built-in tiny model and synthetic task (fastgrpo.default_task).
-    model: str | None = None
-    dataset: str | None = None  # a local .jsonl / .json file, or a Hugging Face dataset name (needs `datasets`)
-    dataset_split: str = "train"
-    prompt_column: str = "prompt"
-    reward_funcs: list[str] = dataclasses.field(default_factory=lambda: ["length"])
-    reward_weights: list[float] | None = None  # one per reward function (the trainer checks); None: all 1.0
-    dtype: str = "auto"  # auto: bfloat16 on a GPU that has it, float32 on the CPU
-    device: str = "auto"
-    # LoRA (lora_rank=0: full fine-tuning with a frozen reference copy when beta > 0).
-    lora_rank: int = 0
-    lora_alpha: int = 32
-    lora_dropout: float = 0.0
-    lora_target_modules: list[str] = dataclasses.field(default_factory=lambda: ["all-linear"])
-    load_in_4bit: bool = False  # QLoRA base (needs bitsandbytes and a GPU)
-    patch: bool = True  # fastgrpo.patch_model: fused kernels (the loss is fused either way)
-    gradient_checkpointing: bool = False
-    offload_activations: bool = False  # with patch: checkpointed layers keep their inputs in CPU memory
-    # Rollout: batch_size completions per step, in groups of num_generations completions of one prompt.
-    batch_size: int = 64
-    num_generations: int = 8
-    max_prompt_length: int = 512
-    truncate_prompts: bool = False  # False: longer prompts are an error; True: left-truncated with a warning
-    max_completion_length: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: list[str] | None = None
-    # Policy update: num_iterations epochs over the batch, num_minibatches optimizer steps per epoch,
-    # micro_batch_size completions per forward/backward (gradient accumulation inside a minibatch).
-    num_iterations: int = 1
-    num_minibatches: int = 1
-    micro_batch_size: int = 8
-    loss_type: str = "dapo"
-    importance_sampling_level: str = "token"
-    epsilon_low: float = 0.2
-    epsilon_high: float = 0.28
-    delta: float | None = None
-    scale_rewards: str = "group"  # group: (r - mean) / std per group; batch: std over the batch; none: r - mean
-    beta: float = 0.0  # k3 KL weight; 0: no reference model
-    kl_target: float | None = None  # adaptive beta toward this KL (needs beta > 0)
-    kl_max_log_step: float = 0.2  # beta changes by at most exp(+-0.2) per step
-    # Optimizer.
-    learning_rate: float = 1e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0
-    lr_scheduler: str = "constant"
-    warmup_steps: int = 0  # optimizer steps
+    # Model and data.
+    model: str | None = option(None, "HF model path or hub name; none: the built-in tiny model")
+    dataset: str | None = option(None, "a .jsonl / .json file of rows, or an HF dataset name (needs `datasets`); "
+                                       "none: the built-in task")
+    dataset_split: str = option("train", "split of an HF dataset")
+    prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
+    reward_funcs: list[str] = option(["length"], "names in fastgrpo.rewards.REGISTRY or module:function")
+    reward_weights: list[float] | None = option(None, "one weight per reward function; none: all 1.0")
+    dtype: str = option("auto", f"one of {DTYPES}; auto: bfloat16 on a GPU that has it, else float32")
+    device: str = option("auto", "auto: cuda when available, else cpu")
+    # Model set-up.
+    lora_rank: int = option(0, "LoRA rank; 0: full fine-tuning (with a frozen reference copy when beta > 0)")
+    lora_alpha: int = option(32, "LoRA alpha")
+    lora_dropout: float = option(0.0, "LoRA dropout")
+    lora_target_modules: list[str] = option(["all-linear"], "modules LoRA wraps")
+    load_in_4bit: bool = option(False, "QLoRA: a 4-bit NF4 base (needs bitsandbytes, a GPU and lora_rank > 0)")
+    patch: bool = option(True, "fastgrpo.patch_model: fused RMSNorm / RoPE / SwiGLU (the loss is fused always)")
+    gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)")
+    offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory")
+    # Rollout.
+    batch_size: int = option(64, "completions per step, in groups of num_generations completions of one prompt")
+    num_generations: int = option(8, "completions per prompt (the group of the advantage)")
+    max_prompt_length: int = option(512, "longest prompt in tokens")
+    truncate_prompts: bool = option(False, "left-truncate longer prompts with a warning (default: an error)")
+    max_completion_length: int = option(256, "tokens generated per completion at most")
+    temperature: float = option(1.0, "sampling temperature (also divides the logits of the loss)")
+    top_p: float = option(1.0, "nucleus sampling; 1: off")
+    top_k: int = option(0, "top-k sampling; 0: off")
+    min_p: float = option(0.0, "min-p sampling; 0: off")
+    repetition_penalty: float = option(1.0, "HF-style repetition penalty; 1: off")
+    stop: list[str] | None = option(None, "stop strings (the EOS token always stops)")
+    # Policy update.
+    num_iterations: int = option(1, "epochs over each rollout batch")
+    num_minibatches: int = option(1, "optimizer steps per epoch")
+    micro_batch_size: int = option(8, "completions per forward/backward; gradients accumulate over a minibatch")
+    loss_type: str = option("dapo", f"aggregation, one of {LOSS_TYPES}")
+    importance_sampling_level: str = option("token", f"ratio per token or per sequence {IMPORTANCE_SAMPLING_LEVELS}")
+    epsilon_low: float = option(0.2, "lower clip: ratio >= 1 - epsilon_low")
+    epsilon_high: float = option(0.28, "upper clip: ratio <= 1 + epsilon_high (DAPO's clip-higher)")
+    delta: float | None = option(None, "cap on the unclipped ratio (two-sided clipping); none: off")
+    scale_rewards: str = option("group", "advantages: group: (r - mean) / group std; batch: / batch std; "
+                                         "none: r - mean")
+    beta: float = option(0.0, "k3 KL weight; 0: no reference log-probs at all")
+    kl_target: float | None = option(None, "adaptive beta toward this KL (needs beta > 0); none: fixed beta")
+    kl_max_log_step: float = option(0.2, "adaptive beta changes by at most exp(+-this) per step")
+    # Optimizer (AdamW: fused on CUDA, foreach on the CPU).
+    learning_rate: float = option(1e-6, "peak learning rate")
+    weight_decay: float = option(0.0, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.99, "AdamW beta2")
+    adam_epsilon: float = option(1e-8, "AdamW epsilon")
+    max_grad_norm: float = option(1.0, "gradient clipping by global norm")
+    lr_scheduler: str = option("constant", f"after warm-up, one of {LR_SCHEDULERS}")
+    warmup_steps: int = option(0, "linear warm-up, in optimizer steps")
     # Run control and output.
-    max_steps: int = 100
-    seed: int = 0
-    output_dir: str = "fastgrpo_output"
-    save_steps: int = 0  # checkpoint every N steps (0: only at the end)
-    resume: bool = False  # continue from the latest checkpoint in output_dir
-    export: bool = True  # save an HF model directory at the end (LoRA merged into a bf16 base)
-    report_to: list[str] | None = None  # "wandb" and/or "tensorboard"
-    progress_bar: bool = True
+    max_steps: int = option(100, "training steps (one rollout batch each)")
+    seed: int = option(0, "seed of data order, sampling and initialization")
+    output_dir: str = option("fastgrpo_output", "metrics.jsonl, checkpoint-<step>/ and final/ go here")
+    save_steps: int = option(0, "checkpoint every N steps; 0: only at the end")
+    resume: bool = option(False, "continue from the latest checkpoint in output_dir")
+    export: bool = option(True, "save an HF model directory to output_dir/final (LoRA merged into a bf16 base)")
+    report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard")
+    progress_bar: bool = option(True, "tqdm progress bar")
 
     def __post_init__(self):
         for name in ("batch_size", "num_generations", "max_prompt_length", "max_completion_length",
@@ -166,13 +174,13 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         scalar, is_list, optional = _base_type(hints[field.name])
         flag = "--" + field.name.replace("_", "-")
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        help_text = f"default: {default}"
+        help_text = f"{field.metadata.get('help', '')} (default: {default})"
         if scalar is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
         elif is_list:
             parser.add_argument(flag, nargs="*", type=_parser_for(scalar, False), default=argparse.SUPPRESS,
-                                help=help_text + " (space-separated)")
+                                help=help_text + ", space-separated")
         else:
             parser.add_argument(flag, type=_parser_for(scalar, optional), default=argparse.SUPPRESS,
-                                help=help_text + (" ('none' to unset)" if optional else ""))
+                                help=help_text + (", 'none' to unset" if optional else ""))

@@ -56,6 +56,8 @@ def test_every_field_is_a_flag():
     add_config_arguments(parser)
     flags = {a.dest for a in parser._actions}
     assert {f.name for f in dataclasses.fields(GRPOConfig)} <= flags
+    assert all(f.metadata.get("help") for f in dataclasses.fields(GRPOConfig))
+    assert GRPOConfig().reward_funcs is not GRPOConfig().reward_funcs  # list defaults are not shared
 
 
 def test_flags_parse_to_field_types():
