@@ -150,3 +150,17 @@ def test_report_to_wandb_logs_every_step(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(ValueError, match="pip install wandb"):
         _trainer(tmp_path, report_to=["wandb"])
+
+
+def test_chat_prompts_go_through_the_chat_template(tmp_path):
+    rows = [{"prompt": [{"role": "user", "content": "12 say b"}], "letter": "b"}] * 4
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['content'] }}{% endfor %}"
+                               "{% if add_generation_prompt %} {% endif %}")
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, default_task.repeat_letter_reward, rows,
+                          _config(tmp_path))
+    assert tokenizer.decode(trainer.prompts[0]) == "12 say b "
+    seen = []
+    trainer.reward_funcs = [lambda prompts, completions, **kw: seen.extend(prompts) or [0.0] * len(completions)]
+    trainer.train_step()
+    assert seen[0] == rows[0]["prompt"]  # reward functions get the messages, as in TRL
