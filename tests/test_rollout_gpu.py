@@ -99,6 +99,7 @@ def test_in_place_weight_update_is_seen_by_the_next_graphed_call():
 def test_kv_memory_is_released_after_the_rollout():
     """A cache of ~600 MiB (4 layers x K/V x 64 rows x 1152 slots x 4 heads x 64 x fp32) is gone after the call."""
     tok = char_tokenizer()
+    tok.eos_token = None  # nothing stops a row: every row is 1024 tokens long
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=44, hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
