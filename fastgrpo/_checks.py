@@ -117,3 +117,8 @@ def check_floating(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if not tensor.dtype.is_floating_point:
         raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
+
+
+def check_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")

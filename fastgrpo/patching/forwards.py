@@ -11,6 +11,7 @@ import torch
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
+from fastgrpo.ops.tiled_mlp import tiled_mlp
 
 ROPE_GLOBAL = "apply_rotary_pos_emb"
 
@@ -30,6 +31,15 @@ def mlp_forward(activation: str, fused_gate_up: bool) -> Callable:
     else:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), activation))
+
+    return forward
+
+
+def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
+    """`previous` (the MLP's forward, fused or not) over chunks of tokens; see fastgrpo.ops.tiled_mlp."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return tiled_mlp(self, x, chunk_tokens=chunk_tokens, forward=previous)
 
     return forward
 

@@ -10,7 +10,9 @@ from collections.abc import Callable
 
 from torch import nn
 
-from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward
+from fastgrpo._checks import check_positive_int
+from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
+from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward, tiled_mlp_forward
 from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
@@ -69,6 +71,8 @@ def patch_model(
     swiglu: bool = True,
     fused_loss: bool = True,
     offload_activations: bool = False,
+    tiled_mlp: bool | None = None,
+    mlp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> nn.Module:
     """Replace RMSNorm, rotary embedding and gated-MLP math of `model` with fastgrpo's fused kernels.
 
@@ -77,6 +81,9 @@ def patch_model(
     fused_loss: with `labels`, the model's forward computes the loss from hidden states without [B, T, V] logits
     (fastgrpo.grpo_loss / sequence_logprobs are fused whether or not the model is patched).
     offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing.
+    tiled_mlp: run each MLP over chunks of mlp_chunk_tokens tokens, keeping only its input for the backward
+    (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
+    of the peak), True / False force it.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
     reason for anything left alone). Patching again with the same options does nothing; with other options the
@@ -84,9 +91,11 @@ def patch_model(
     """
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
+    check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
+    tiled_mlp = offload_activations if tiled_mlp is None else tiled_mlp
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
-        "offload_activations": offload_activations,
+        "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
     }
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
@@ -103,13 +112,16 @@ def patch_model(
             _bind(undo, module, lambda _: rms_norm_forward(
                 arch.norm_eps_attr, arch.norm_offset, arch.norm_cast_before_weight))
             patched["rms_norm"] += 1
-        elif swiglu and name in arch.mlp_classes:
+        elif name in arch.mlp_classes:
             act_name = type(getattr(module, arch.mlp_act_attr)).__name__
-            if act_name not in ACTIVATIONS:
+            if swiglu and act_name not in ACTIVATIONS:
                 skipped["swiglu"] = f"{name}: activation {act_name} has no fused kernel"
-                continue
-            _bind(undo, module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
-            patched["swiglu"] += 1
+            elif swiglu:
+                _bind(undo, module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
+                patched["swiglu"] += 1
+            if tiled_mlp:  # bound last: it chunks whichever forward the MLP has now
+                _bind(undo, module, lambda previous: tiled_mlp_forward(previous, mlp_chunk_tokens))
+                patched["tiled_mlp"] += 1
         elif rope and name in arch.attention_classes:
             if type(module) not in rope_forwards:
                 rope_forwards[type(module)] = rope_attention_forward(type(module))
