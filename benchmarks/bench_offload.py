@@ -7,10 +7,17 @@ One step = forward + backward of -mean log p(next token) through the frozen lm_h
 fastgrpo.fused_linear_logprobs (no [N, V] logits; the sum of the hidden states if that op is missing); no optimizer.
 Rows: peak GiB above the weights, median step ms (CUDA events, 5 steps after 2 warm-up steps), and for offload the
 copy-stream time per step (CUDA events around each copy) against the step-time difference: exposed = ours - HF,
-hidden = copy time - exposed. "one_layer" is one decoder layer's forward + backward at the same shape, the part of
-the peak that no checkpointing of whole layers removes. Each case runs with PEFT's default fp32 adapters and with
-bf16 adapters (fp32 adapters save an fp32 copy of every adapted linear's input). Targets: peak <= 60% and
-step <= 1.05x of HF's.
+hidden = copy time - exposed. Each case runs with PEFT's default fp32 adapters and with bf16 adapters (fp32 adapters
+save an fp32 copy of every adapted linear's input). Targets: peak <= 60% and step <= 1.05x of HF's.
+Cases (CASE_INFO, printed above the table):
+    hf_checkpointing  HF's non-reentrant gradient checkpointing, HF modules (the baseline)
+    offload           fastgrpo.offload checkpointing alone, HF modules, untiled MLP
+    offload_tiled     offload + token-tiled MLP (fastgrpo.ops.tiled_mlp, 8192-token chunks), HF modules otherwise
+    patched_offload   the product path: patch_model(model, offload_activations=True) = fused RMSNorm / RoPE / SwiGLU
+                      kernels + offload + tiled MLP
+    one_layer         one decoder layer's forward + backward, not checkpointed, untiled MLP: the part of the peak that
+                      no checkpointing of whole layers removes
+    one_layer_tiled   the same with the tiled MLP: what tiling leaves of it
 """
 from __future__ import annotations
 
@@ -128,12 +135,16 @@ def _run_hf(setup: dict) -> dict:
     return measured
 
 
-def _run_offload(setup: dict, hf: dict | None) -> dict:
+def _run_offload(setup: dict, hf: dict | None, patch: dict | None = None) -> dict:
+    """Offload checkpointing with a copy-timing offloader; with `patch`, through patch_model(model, **patch)."""
     from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
+    from fastgrpo.patching import patch_model, unpatch_model
 
     layers = setup["base"].model.layers
     offloader = ActivationOffloader("cuda", record_copy_times=True)
-    enable_offload_checkpointing(layers, offloader=offloader)
+    if patch is not None:
+        patch_model(setup["model"], **patch)
+    enable_offload_checkpointing(layers, offloader=offloader)  # after patch_model: replaces its default offloader
     allocations = []
 
     def step():
@@ -145,6 +156,8 @@ def _run_offload(setup: dict, hf: dict | None) -> dict:
         copy_ms = offloader.copy_ms() / (WARMUP + STEPS)  # the warm-up steps' copies are timed too
         grads = _lora_grads(setup["model"])
     finally:
+        if patch is not None:
+            unpatch_model(setup["model"])
         disable_offload_checkpointing(layers)
     measured.update(
         copy_ms_per_step=copy_ms, pinned_gib=offloader.pool.bytes_held / GIB,
@@ -163,9 +176,21 @@ def _run_offload(setup: dict, hf: dict | None) -> dict:
     return measured
 
 
-def _run_one_layer(setup: dict) -> dict:
+def _run_one_layer(setup: dict, tiled: bool = False) -> dict:
     """One decoder layer's forward + backward, not checkpointed: what every per-layer scheme still holds at once
-    during a layer's recompute + backward."""
+    during a layer's recompute + backward. tiled: its MLP tiled (patch_model with tiled_mlp alone)."""
+    from fastgrpo.patching import patch_model, unpatch_model
+
+    if tiled:
+        patch_model(setup["model"], rms_norm=False, rope=False, swiglu=False, fused_loss=False, tiled_mlp=True)
+    try:
+        return _one_layer_step(setup)
+    finally:
+        if tiled:
+            unpatch_model(setup["model"])
+
+
+def _one_layer_step(setup: dict) -> dict:
     layer = setup["base"].model.layers[0]
     x = torch.randn(BATCH, SEQ, QWEN25_15B["hidden_size"], device="cuda", dtype=torch.bfloat16, requires_grad=True)
     position_ids = torch.arange(SEQ, device="cuda").expand(BATCH, SEQ)
@@ -178,7 +203,19 @@ def _run_one_layer(setup: dict) -> dict:
     return _measure(step)
 
 
-CASES = [(adapters, case) for adapters in ("fp32", "bf16") for case in ("hf_checkpointing", "offload", "one_layer")]
+CASE_INFO = {
+    "hf_checkpointing": "HF non-reentrant gradient checkpointing, HF modules (baseline)",
+    "offload": "fastgrpo offload checkpointing, HF modules, untiled MLP",
+    "offload_tiled": "offload + tiled MLP (8192-token chunks), HF modules otherwise",
+    "patched_offload": "product: patch_model(model, offload_activations=True) = fused kernels + offload + tiled MLP",
+    "one_layer": "one decoder layer fwd+bwd, not checkpointed, untiled MLP",
+    "one_layer_tiled": "one decoder layer fwd+bwd, not checkpointed, tiled MLP",
+}
+PATCHES = {  # patch_model options of the cases that go through it
+    "offload_tiled": dict(rms_norm=False, rope=False, swiglu=False, fused_loss=False, offload_activations=True),
+    "patched_offload": dict(offload_activations=True),
+}
+CASES = [(adapters, case) for adapters in ("fp32", "bf16") for case in CASE_INFO]
 
 
 @pytest.mark.parametrize("adapters,case", CASES, ids=[f"{a}-{c}" for a, c in CASES])
@@ -189,14 +226,14 @@ def test_case(adapters, case):
     try:
         if case == "hf_checkpointing":
             measured = _run_hf(setup)
-        elif case == "offload":
-            measured = _run_offload(setup, hf)
+        elif case.startswith("one_layer"):
+            measured = _run_one_layer(setup, tiled=case == "one_layer_tiled")
         else:
-            measured = _run_one_layer(setup)
+            measured = _run_offload(setup, hf, PATCHES.get(case))
     finally:
         setup["model"].zero_grad(set_to_none=True)
     row = {"case": case, "adapters": adapters, "tokens": BATCH * SEQ, **measured}
-    if case != "one_layer":
+    if not case.startswith("one_layer"):
         row["tokens_per_s"] = BATCH * SEQ / row["ms"] * 1e3
     ROWS.append(row)
     _write()
@@ -211,12 +248,15 @@ def _write() -> None:
         "loss": "fused_linear_logprobs through the frozen lm_head (sum of hidden states if missing)",
         "checkpoint_inputs_gib_hf": QWEN25_15B["num_hidden_layers"] * hidden_bytes / GIB,
         "targets": {"peak_vs_hf": 0.60, "step_vs_hf": 1.05},
+        "cases": CASE_INFO,
     })
 
 
 def teardown_module(module):
     if ROWS:
         print()
+        for case, info in CASE_INFO.items():
+            print(f"{case:<17} {info}")
         print_table(ROWS, ["case", "adapters", "ms", "peak_gib", "step_vs_hf", "peak_vs_hf", "copy_ms_per_step",
                            "exposed_ms", "hidden_ms", "pinned_gib", "lora_grad_max_rel_diff"])
 
