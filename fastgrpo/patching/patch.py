@@ -83,7 +83,9 @@ def patch_model(
     offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing.
     tiled_mlp: run each MLP over chunks of mlp_chunk_tokens tokens, keeping only its input for the backward
     (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
-    of the peak), True / False force it.
+    of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
+    MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
+    one more MLP forward. mlp_chunk_tokens: tokens per chunk.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
     reason for anything left alone). Patching again with the same options does nothing; with other options the
