@@ -89,17 +89,24 @@ def test_patched_matches_unpatched(model_type):
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
 def test_patched_matches_unpatched_on_cuda(model_type):
-    # The compiled Triton kernels (the CPU tests run the interpreter): fp32 on the GPU, same tolerances.
+    # The compiled Triton kernels (the CPU tests run the interpreter), fp32 on the GPU. Gradients are judged against
+    # an fp64 run: the patched error may be at most twice the unpatched fp32 error (+1e-6 of the norm). An
+    # elementwise fp32-vs-fp32 check is noise-bound here: Gemma-3's tied embedding gradient (max 23) differs by
+    # 2.5e-5 between two fp32 runs even with fused_loss=False (H200, 2026-11-26).
     model = tiny_model(model_type).cuda()
     patched = patch_model(copy.deepcopy(model))
     ids, mask = (t.cuda() for t in batch())
     hidden, logps, grads = forward_logps_grads(model, ids, mask)
     hidden_p, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    _, _, grads64 = forward_logps_grads(copy.deepcopy(model).double(), ids, mask)
     for h, h_p in zip(hidden, hidden_p):
         torch.testing.assert_close(h_p, h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
-    for name in grads:
-        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    for name, g64 in grads64.items():
+        norm = g64.norm().item()
+        err_patched = (grads_p[name].double() - g64).norm().item() / norm
+        err_eager = (grads[name].double() - g64).norm().item() / norm
+        assert err_patched <= 2 * err_eager + 1e-6, (name, err_patched, err_eager)
 
 
 @pytest.mark.parametrize("model_type", ["qwen2", "gemma3_text", "phi3"])
