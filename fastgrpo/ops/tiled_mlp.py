@@ -21,7 +21,7 @@ recompute: the RNG state is restored, as torch's checkpoint does.
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,15 +36,16 @@ def _chunked_forward(forward: Callable, x2: torch.Tensor, chunk_tokens: int, wid
     """forward over row chunks of x2 [N, H] into one [N, width] output (no list + cat: that would hold it twice)."""
     out = None
     for start in range(0, x2.shape[0], chunk_tokens):
-        y = forward(x2[start : start + chunk_tokens])  # y: [n, width]
-        if y.shape[-1] != width or y.shape[:-1] != x2[start : start + chunk_tokens].shape[:-1]:
+        xc = x2[start : start + chunk_tokens]  # xc: [n, H]
+        y = forward(xc)  # y: [n, width]
+        if y.shape != (xc.shape[0], width):
             raise ValueError(
                 f"module: tiled_mlp needs a forward mapping [..., {x2.shape[-1]}] to [..., {width}], "
-                f"got {list(y.shape)} from {list(x2[start : start + chunk_tokens].shape)}"
+                f"got {list(y.shape)} from {list(xc.shape)}"
             )
         if out is None:
             out = y.new_empty(x2.shape[0], width)
-        out[start : start + y.shape[0]] = y
+        out[start : start + xc.shape[0]] = y
     return out
 
 
@@ -118,13 +119,11 @@ def tiled_mlp(
     *,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     forward: Callable[[torch.Tensor], torch.Tensor] | None = None,
-    params: Sequence[torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """module's MLP applied to x [..., H] -> [..., H], over chunks of `chunk_tokens` tokens (rows of x).
 
-    forward: what computes one chunk (default module.forward; patch_model passes the forward it wraps).
-    params: the tensors gradients are returned for (default: module's parameters that require grad); anything
-        else the forward reads gets no gradient.
+    forward: what computes one chunk (default module.forward; patch_model passes the forward it wraps). Gradients
+        go to x and to module's parameters that require grad; other tensors the forward reads get none.
     Inputs of at most chunk_tokens tokens run forward(x) as is. Under no_grad (or with nothing requiring grad)
     the chunks just run. Otherwise only x is kept for the backward, which recomputes each chunk.
     """
@@ -135,8 +134,8 @@ def tiled_mlp(
     forward = module.forward if forward is None else forward
     if x.numel() // max(x.shape[-1], 1) <= chunk_tokens:
         return forward(x)
-    params = tuple(p for p in module.parameters() if p.requires_grad) if params is None else tuple(params)
-    if not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))):
+    params = tuple(p for p in module.parameters() if p.requires_grad)
+    if not (torch.is_grad_enabled() and (x.requires_grad or params)):
         with torch.no_grad():
             return _chunked_forward(forward, x.reshape(-1, x.shape[-1]), chunk_tokens, x.shape[-1]).view(x.shape)
     token = _SavedInput.apply(x, forward, chunk_tokens, *params)
