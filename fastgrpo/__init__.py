@@ -18,6 +18,7 @@ _PUBLIC = {
     "offload_checkpoint": "fastgrpo.offload",
     "enable_offload_checkpointing": "fastgrpo.offload",
     "disable_offload_checkpointing": "fastgrpo.offload",
+    "tiled_mlp": "fastgrpo.ops.tiled_mlp",
     "generate": "fastgrpo.rollout",
     "RolloutResult": "fastgrpo.rollout",
     "AdaptiveKLController": "fastgrpo.algorithms",
