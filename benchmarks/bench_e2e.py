@@ -55,6 +55,8 @@ def test_train_step(benchmark, model_name, lora_rank, length, system):
         row.update(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / GIB, tokens_per_s=tokens / ms * 1e3)
     except torch.OutOfMemoryError:
         row.update(ms=None, peak_gib=None, oom=True)
+    except Exception as error:  # a baseline that breaks is reported in its row, not lost
+        row.update(ms=None, peak_gib=None, error=f"{type(error).__name__}: {str(error)[:200]}")
     finally:
         step = None
         gc.collect()

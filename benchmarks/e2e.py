@@ -144,6 +144,9 @@ def loss_fn(model, batch: dict[str, torch.Tensor], setup: StepSetup) -> torch.Te
 
 def make_step(setup: StepSetup):
     """Build the model, optimizer and batch; return a zero-argument function running one training step."""
+    if setup.system == "liger":
+        # Liger's loss is torch.compile'd; on torch 2.11 its recompile for a second shape fails (H200, 2026-11-26).
+        torch._dynamo.reset()
     model = build_model(setup)
     params = [p for p in model.parameters() if p.requires_grad]
     fused = setup.device == "cuda"
