@@ -3,8 +3,11 @@
     python -m pytest benchmarks/bench_context.py -q -s
 
 The card is capped with torch.cuda.set_per_process_memory_fraction (an RTX 4090 has 24 GiB); lengths double
-from 512 until a step runs out of memory, then bisect to 512-token resolution. Also measures the peak memory of
-one Llama-3.1-8B LoRA step at 8 x 20K tokens (uncapped). Rows go to benchmarks/results/context-<card>.json.
+from 512 until a step runs out of memory, then bisect to FASTGRPO_CONTEXT_RESOLUTION tokens (512). A step is
+forward + backward + AdamW over all 8 generations, in micro-batches of FASTGRPO_MICRO_BATCH sequences (8: one
+forward over all of them; 1: gradient accumulation one sequence at a time). Rows go to
+benchmarks/results/context_mb<N>-<card>.json. Also measures the peak memory of
+one Llama-3.1-8B LoRA step at 8 x 20K tokens (uncapped).
 """
 from __future__ import annotations
 
@@ -19,6 +22,8 @@ from benchmarks.e2e import SYSTEMS, StepSetup, make_step
 
 BUDGET_GIB = float(os.environ.get("FASTGRPO_BUDGET_GIB", "24"))
 MAX_LENGTH = int(os.environ.get("FASTGRPO_MAX_LENGTH", "65536"))
+RESOLUTION = int(os.environ.get("FASTGRPO_CONTEXT_RESOLUTION", "512"))
+MICRO_BATCH = int(os.environ.get("FASTGRPO_MICRO_BATCH", "8"))
 ROWS: list[dict] = []
 
 
@@ -42,7 +47,10 @@ def _fits(setup: StepSetup) -> tuple[bool, float | None]:
 
 def _record(row):
     ROWS.append(row)
-    write_results("context", ROWS, {"budget_gib": BUDGET_GIB, "prompt_length": 256, "lora_rank": 16})
+    write_results(f"context_mb{MICRO_BATCH}", ROWS, {
+        "budget_gib": BUDGET_GIB, "prompt_length": 256, "lora_rank": 16, "micro_batch_size": MICRO_BATCH,
+        "resolution": RESOLUTION,
+    })
 
 
 @pytest.mark.parametrize("system", SYSTEMS)
@@ -54,33 +62,36 @@ def test_longest_completion_in_budget(system):
     try:
         ok_len, ok_peak, bad_len, length = None, None, None, 512
         while length <= MAX_LENGTH:
-            fits, peak = _fits(StepSetup(system=system, completion_length=length))
+            fits, peak = _fits(StepSetup(system=system, completion_length=length, micro_batch_size=MICRO_BATCH))
             if not fits:
                 bad_len = length
                 break
             ok_len, ok_peak, length = length, peak, length * 2
-        while ok_len is not None and bad_len is not None and bad_len - ok_len > 512:
-            mid = (ok_len + bad_len) // 2 // 512 * 512
-            fits, peak = _fits(StepSetup(system=system, completion_length=mid))
+        while ok_len is not None and bad_len is not None and bad_len - ok_len > RESOLUTION:
+            mid = (ok_len + bad_len) // 2 // RESOLUTION * RESOLUTION
+            fits, peak = _fits(StepSetup(system=system, completion_length=mid, micro_batch_size=MICRO_BATCH))
             if fits:
                 ok_len, ok_peak = mid, peak
             else:
                 bad_len = mid
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    _record({"test": "longest_completion", "model": "qwen2.5-1.5b", "system": system, "budget_gib": BUDGET_GIB,
+    _record({"test": "longest_completion", "model": "qwen2.5-1.5b", "system": system, "micro_batch": MICRO_BATCH,
+             "budget_gib": BUDGET_GIB,
              "longest_completion": ok_len, "peak_gib": ok_peak, "first_oom": bad_len,
              "searched_up_to": MAX_LENGTH})
 
 
 def test_llama8b_20k_peak():
-    setup = StepSetup(model_name="llama-3.1-8b", system="fastgrpo", completion_length=20480 - 256)
+    setup = StepSetup(model_name="llama-3.1-8b", system="fastgrpo", completion_length=20480 - 256,
+                      micro_batch_size=MICRO_BATCH)
     fits, peak = _fits(setup)
-    _record({"test": "llama8b_8x20k", "model": "llama-3.1-8b", "system": "fastgrpo", "fits": fits,
+    _record({"test": "llama8b_8x20k", "model": "llama-3.1-8b", "system": "fastgrpo", "micro_batch": MICRO_BATCH,
+             "fits": fits,
              "peak_gib": peak, "tokens_per_sequence": 20480})
 
 
 def teardown_module(module):
     if ROWS:
         print()
-        print_table(ROWS, ["test", "model", "system", "longest_completion", "first_oom", "fits", "peak_gib"])
+        print_table(ROWS, ["test", "model", "system", "micro_batch", "longest_completion", "first_oom", "fits", "peak_gib"])

@@ -44,6 +44,7 @@ class StepSetup:
     num_generations: int = 8
     prompt_length: int = 256
     completion_length: int = 1024
+    micro_batch_size: int | None = None  # sequences per forward/backward (gradient accumulation); None: all at once
     dtype: torch.dtype = torch.bfloat16
     device: str = "cuda"
 
@@ -153,9 +154,15 @@ def make_step(setup: StepSetup):
     optimizer = torch.optim.AdamW(params, lr=1e-5, fused=fused, foreach=not fused)
     batch = make_batch(setup, model.config.vocab_size)
 
+    micro = setup.micro_batch_size or setup.num_generations
+    micro_batches = [
+        {k: v[i : i + micro] for k, v in batch.items()} for i in range(0, setup.num_generations, micro)
+    ]
+
     def step():
-        loss = loss_fn(model, batch, setup)
-        loss.backward()
+        for micro_batch in micro_batches:
+            loss = loss_fn(model, micro_batch, setup) / len(micro_batches)
+            loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return loss.detach()
