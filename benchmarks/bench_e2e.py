@@ -2,8 +2,9 @@
 
     python -m pytest benchmarks/bench_e2e.py -q -s --benchmark-disable-gc
 
-Each case writes its row to benchmarks/results/e2e-<card>.json as soon as it is measured.
-Set FASTGRPO_E2E_LENGTHS=1024,4096 (completion lengths) and FASTGRPO_E2E_MODELS to narrow the run.
+Each case writes its row to benchmarks/results/e2e_<models>-<card>.json as soon as it is measured.
+Narrow the run with FASTGRPO_E2E_LENGTHS=1024,4096 (completion lengths), FASTGRPO_E2E_MODELS=qwen2.5-1.5b,llama-3.1-8b
+and FASTGRPO_E2E_MODES=lora,full.
 """
 from __future__ import annotations
 
@@ -18,12 +19,13 @@ from benchmarks.e2e import SYSTEMS, StepSetup, make_step
 
 LENGTHS = [int(x) for x in os.environ.get("FASTGRPO_E2E_LENGTHS", "1024,4096").split(",")]
 MODELS = os.environ.get("FASTGRPO_E2E_MODELS", "qwen2.5-1.5b").split(",")
+MODES = os.environ.get("FASTGRPO_E2E_MODES", "lora,full").split(",")
 ROWS: list[dict] = []
 
 
 def _cases():
     for model_name in MODELS:
-        for lora_rank in (16, None):
+        for lora_rank in [{"lora": 16, "full": None}[mode] for mode in MODES]:
             for length in LENGTHS:
                 for system in SYSTEMS:
                     yield pytest.param(model_name, lora_rank, length, system,
@@ -62,7 +64,7 @@ def test_train_step(benchmark, model_name, lora_rank, length, system):
         gc.collect()
         torch.cuda.empty_cache()
     ROWS.append(row)
-    write_results("e2e", ROWS, {"what": "one GRPO training step: forward + backward + AdamW, bf16, on-policy"})
+    write_results("e2e_" + "_".join(MODELS), ROWS, {"what": "one GRPO training step: forward + backward + AdamW, bf16, on-policy"})
     benchmark.extra_info.update(row)
 
 

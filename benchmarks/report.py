@@ -1,6 +1,6 @@
 """Render benchmarks/results/*.json into one markdown report and a PNG chart.
 
-    python -m benchmarks.report            # writes benchmarks/results/REPORT.md and e2e.png
+    python -m benchmarks.report            # writes benchmarks/results/REPORT.md and one e2e_*.png per e2e suite
 """
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
     (RESULTS_DIR / "REPORT.md").write_text(render_markdown(results))
     for result in results:
-        if result["suite"] == "e2e":
-            render_e2e_chart(result, RESULTS_DIR / "e2e.png")
+        if result["suite"].startswith("e2e"):
+            render_e2e_chart(result, RESULTS_DIR / f"{result['suite']}.png")
     print(f"wrote {RESULTS_DIR / 'REPORT.md'} from {len(results)} result files")
 
 
