@@ -28,12 +28,8 @@ import statistics
 import pytest
 import torch
 
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import QWEN25_15B, GIB, print_table, write_results
 
-QWEN25_15B = dict(
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
-)
 BATCH, SEQ = 8, int(os.environ.get("FASTGRPO_OFFLOAD_SEQ", "8192"))
 WARMUP, STEPS = 2, 5
 ROWS: list[dict] = []

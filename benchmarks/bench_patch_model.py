@@ -19,12 +19,8 @@ import os
 import pytest
 import torch
 
-from benchmarks.common import measure, print_table, write_results
+from benchmarks.common import QWEN25_15B, measure, print_table, write_results
 
-QWEN25_15B = dict(
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6,
-)
 BATCH = 8
 SEQS = [int(s) for s in os.environ.get("FASTGRPO_PATCH_SEQS", "1024,4096,8192").split(",")]
 ROWS: list[dict] = []

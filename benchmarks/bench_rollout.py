@@ -20,12 +20,8 @@ import time
 import pytest
 import torch
 
-from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.common import QWEN25_15B, GIB, card_name, print_table, write_results
 
-QWEN25_15B = dict(
-    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
-)
 PROMPTS, GENERATIONS, PROMPT_LEN = 8, 8, 256
 NEW_TOKENS = int(os.environ.get("FASTGRPO_ROLLOUT_NEW_TOKENS", "1024"))
 REPEATS = int(os.environ.get("FASTGRPO_ROLLOUT_REPEATS", "3"))

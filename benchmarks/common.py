@@ -17,6 +17,16 @@ import torch
 RESULTS_DIR = Path(__file__).parent / "results"
 GIB = 1024**3
 
+# Shapes of the public checkpoints; the suites use random weights (no model hub on the GPU machine).
+QWEN25_15B = dict(
+    hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
+    vocab_size=151936, tie_word_embeddings=True, max_position_embeddings=32768, rope_theta=1e6, rms_norm_eps=1e-6,
+)
+LLAMA31_8B = dict(
+    hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+    vocab_size=128256, tie_word_embeddings=False, max_position_embeddings=131072, rope_theta=5e5, rms_norm_eps=1e-5,
+)
+
 
 def card_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"

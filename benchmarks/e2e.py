@@ -14,20 +14,14 @@ import dataclasses
 
 import torch
 
+from benchmarks.common import LLAMA31_8B, QWEN25_15B
+
 SYSTEMS = ("hf", "liger", "fastgrpo")
 
 MODEL_CONFIGS = {
-    # Shapes of the public checkpoints; the weights are random (no model hub on the GPU machine).
-    "qwen2.5-1.5b": dict(
-        model_type="qwen2", hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
-        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True,
-        max_position_embeddings=131072, rope_theta=1e6,
-    ),
-    "llama-3.1-8b": dict(
-        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-        num_attention_heads=32, num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False,
-        max_position_embeddings=131072, rope_theta=5e5,
-    ),
+    # 64K-token completions need positions past Qwen2.5's 32K (RoPE is computed on the fly: nothing else changes).
+    "qwen2.5-1.5b": dict(QWEN25_15B, model_type="qwen2", max_position_embeddings=131072),
+    "llama-3.1-8b": dict(LLAMA31_8B, model_type="llama"),
     # A few-MB model with the same code path, to check this file on a CPU.
     "tiny-qwen2": dict(
         model_type="qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
