@@ -2,7 +2,7 @@
 
     python -m pytest benchmarks/bench_rollout.py -q -s
 
-Qwen2.5-1.5B shapes (random weights), bf16, 8 prompts x 8 generations, prompt 256 tokens (random ids), 1024 new
+Qwen2.5-1.5B shapes (FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b for Llama-3.1-8B; random weights), bf16, 8 prompts x 8 generations, prompt 256 tokens (random ids), 1024 new
 tokens, pure sampling (temperature 1, no top-k/top-p) with EOS ignored, so every row generates exactly 1024
 tokens. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then timed
 calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above
@@ -20,11 +20,13 @@ import time
 import pytest
 import torch
 
-from benchmarks.common import QWEN25_15B, GIB, card_name, print_table, write_results
+from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.e2e import MODEL_CONFIGS
 
 PROMPTS, GENERATIONS, PROMPT_LEN = 8, 8, 256
 NEW_TOKENS = int(os.environ.get("FASTGRPO_ROLLOUT_NEW_TOKENS", "1024"))
 REPEATS = int(os.environ.get("FASTGRPO_ROLLOUT_REPEATS", "3"))
+MODEL = os.environ.get("FASTGRPO_ROLLOUT_MODEL", "qwen2.5-1.5b")
 ROWS: list[dict] = []
 _SETUP: dict = {}
 
@@ -33,24 +35,25 @@ def _setup() -> dict:
     if _SETUP:
         return _SETUP
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast, Qwen2Config
+    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
+    fields = dict(MODEL_CONFIGS[MODEL])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_15B), dtype=torch.bfloat16,
-                                                 attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
     # EOS ignored: nothing stops a row, so all engines generate exactly NEW_TOKENS per row
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     # a real fast tokenizer over the whole vocabulary (decoding the texts is part of our call's cost)
-    vocab = {f"t{i} ": i for i in range(QWEN25_15B["vocab_size"])}
+    vocab = {f"t{i} ": i for i in range(config.vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0 "))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.Fuse()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0 ")
     g = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(1, QWEN25_15B["vocab_size"], (PROMPTS, PROMPT_LEN), generator=g)
+    prompt_ids = torch.randint(1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=g)
     _SETUP.update(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, weights=torch.cuda.memory_allocated())
     return _SETUP
 
@@ -173,8 +176,8 @@ def test_hf_generate(engine):
 
 
 def _write(roofline_ms) -> None:
-    write_results("rollout", ROWS, {
-        "model": "qwen2.5-1.5b shapes, random weights, bf16, sdpa", "card": card_name(),
+    write_results(f"rollout_{MODEL}", ROWS, {
+        "model": f"{MODEL} shapes, random weights, bf16, sdpa", "card": card_name(),
         "prompts": PROMPTS, "generations": GENERATIONS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
         "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored", "timed_calls": REPEATS,
         "copy_bandwidth_tb_s": _SETUP.get("bandwidth", 0) / 1e12, "roofline_ms_per_step": roofline_ms,
