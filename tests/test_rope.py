@@ -84,3 +84,15 @@ def test_bad_input():
         apply_rotary(q, k, torch.randn(1, 3, 10), torch.randn(1, 3, 10))
     with pytest.raises(ValueError, match="unsqueeze_dim"):
         apply_rotary(q, k, cos, sin, unsqueeze_dim=0)
+
+
+def test_cos_of_one_position_broadcasts_over_the_sequence():
+    # cos/sin [1, 1, D] against q [B, H, T, D]: HF's q * cos broadcasts; the kernel reads T rows of cos, so the
+    # torch path must run.
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(2, 3, 5, 8, generator=g), torch.randn(2, 1, 5, 8, generator=g)
+    cos, sin = _cos_sin(1, 1, 8, g)
+    got = apply_rotary(q, k, cos, sin)
+    want = reference.apply_rotary(q, k, cos, sin)
+    for g_, w_ in zip(got, want):
+        torch.testing.assert_close(g_, w_)

@@ -57,6 +57,7 @@ def _fits_kernel(q, k, cos, sin) -> bool:
         and q.dtype == k.dtype
         and cos.dim() == 3
         and cos.shape[0] in (1, q.shape[0])
+        and cos.shape[1] == q.shape[2]  # the kernel reads one cos row per position: no broadcast of [*, 1, R]
         and cos.shape == sin.shape
     )
 
