@@ -85,9 +85,11 @@ def grpo_loss(
     attention_mask, completion_mask [B, T]; advantages [B] or [B, T]; old_logps / ref_logps [B, T] as returned
     by sequence_logprobs. Options as in fused_linear_grpo_loss. Returns (loss, metrics).
     """
+    check_shape("input_ids", input_ids, (None, None))
     B, T = input_ids.shape
-    if advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
-        raise ValueError(f"advantages: expected shape [{B}] or [{B}, {T}], got {list(advantages.shape)}")
+    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
+        got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
     for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if logps is not None:
             check_shape(name, logps, (B, T))

@@ -141,6 +141,10 @@ def test_bad_input():
         grpo_loss(model, ids, mask, bad, torch.ones(B))
     with pytest.raises(ValueError, match="advantages"):
         grpo_loss(model, ids, mask, completion, torch.ones(B + 1))
+    with pytest.raises(ValueError, match="input_ids"):
+        grpo_loss(model, ids[0], mask, completion, torch.ones(B))
+    with pytest.raises(ValueError, match="advantages"):
+        grpo_loss(model, ids, mask, completion, [1.0] * B)
     with pytest.raises(ValueError, match="old_logps"):
         grpo_loss(model, ids, mask, completion, torch.ones(B), old_logps=torch.zeros(B, T - 1))
     with pytest.raises(ValueError, match="attention_mask"):
