@@ -195,7 +195,8 @@ class GRPOTrainer:
         if self.updates_per_step > 1 or self.beta > 0:
             old_logps = self._logprobs(model, batch)
         if self.beta > 0:
-            ref_logps = self._logprobs(self.ref_model or model, batch, disable_adapter=self.ref_model is None)
+            ref_model = model if self.ref_model is None else self.ref_model
+            ref_logps = self._logprobs(ref_model, batch, disable_adapter=self.ref_model is None)
         t_reference = time.perf_counter()
 
         # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches.
@@ -286,7 +287,9 @@ class GRPOTrainer:
         n = batch["input_ids"].shape[0]
         mb_size, micro = n // config.num_minibatches, config.micro_batch_size
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        sums = {"loss": 0.0, "grad_norm": 0.0, "clip_ratio": 0.0, "entropy": 0.0}
+        # fp64 sums on the device: one host sync per step (at the return), none per micro-batch
+        sums = {k: torch.zeros((), dtype=torch.float64, device=self.device)
+                for k in ("loss", "grad_norm", "clip_ratio", "entropy")}
         micro_count = 0
         model.train()
         for iteration in range(config.num_iterations):
@@ -313,20 +316,20 @@ class GRPOTrainer:
                     )
                     scale = 1.0 if config.loss_type == "dapo" else len(rows) / mb_size
                     (loss * scale).backward()
-                    sums["loss"] += loss.item() * scale
-                    sums["clip_ratio"] += float(metrics.get("clip_ratio", 0.0))
-                    sums["entropy"] += float(metrics.get("entropy", 0.0))
+                    sums["loss"] += loss.detach().double() * scale
+                    for k in ("clip_ratio", "entropy"):
+                        sums[k] += torch.as_tensor(metrics.get(k, 0.0)).detach()
                     micro_count += 1
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-                sums["grad_norm"] += grad_norm.item()
+                sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
         updates = self.updates_per_step
+        loss, grad_norm, clip_ratio, entropy = torch.stack(list(sums.values())).tolist()
         return {
-            "loss": sums["loss"] / updates,
-            "grad_norm": sums["grad_norm"] / updates,
-            "clip_ratio": sums["clip_ratio"] / micro_count,
-            "entropy": sums["entropy"] / micro_count,
+            "loss": loss / updates,
+            "grad_norm": grad_norm / updates,
+            "clip_ratio": clip_ratio / micro_count,
+            "entropy": entropy / micro_count,
         }
 
     # ---- the run ----
