@@ -72,3 +72,21 @@ def test_patched_4bit_model_matches_unpatched(qlora_model):
         ref = fastgrpo.sequence_logprobs(patched, ids, attention, completion, disable_adapter=True)
         pol = fastgrpo.sequence_logprobs(patched, ids, attention, completion)
     assert not torch.allclose(ref, pol)  # the reference really is the 4-bit base without the adapter
+
+
+def test_export_merges_lora_into_the_dequantized_base(qlora_model, tmp_path):
+    from fastgrpo.checkpoint import export_model
+
+    out = export_model(qlora_model, None, tmp_path / "merged", dtype=torch.float32)
+    merged = AutoModelForCausalLM.from_pretrained(out)
+    assert getattr(merged.config, "quantization_config", None) is None
+    assert all(type(m).__name__ != "Linear4bit" for m in merged.modules())
+    ids = torch.randint(3, SIZES["vocab_size"], (2, 10), generator=torch.Generator().manual_seed(2))
+    qlora_model.train()  # see the fixture: no eval-mode forward on this CPU model
+    with torch.no_grad():
+        want = qlora_model(input_ids=ids).logits
+        got = merged(input_ids=ids).logits
+        with qlora_model.disable_adapter():
+            without_adapter = qlora_model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(without_adapter, want, atol=1e-3)  # the adapter was merged, not dropped
