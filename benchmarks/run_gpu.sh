@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Reproduces every GPU number of the README on a CUDA machine, from the repository root:
 #   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused layers patch offload rollout train e2e context
-# Installs the baseline wheels from .whl/ when present (a machine without a registry), then runs the suites;
-# each writes benchmarks/results/<suite>-<card>.json; the last step renders REPORT.md and e2e.png.
+# Installs the baseline wheels from .whl/ when present (a machine without a registry), then runs the suites with
+# the settings the README quotes; each writes benchmarks/results/<suite>-<card>.json; the last step renders
+# REPORT.md and the charts. Baseline wheels for a machine without a registry:
+#   ../shared/tools/device-wheels.sh liger-kernel==0.8.5 bitsandbytes==0.50.2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -22,10 +24,16 @@ for suite in $suites; do
     layers)  python3 -m pytest benchmarks/bench_layers.py -q -s ;;
     patch)   python3 -m pytest benchmarks/bench_patch_model.py -q -s ;;
     offload) python3 -m pytest benchmarks/bench_offload.py -q -s ;;
-    rollout) python3 -m pytest benchmarks/bench_rollout.py -q -s ;;
+    rollout) python3 -m pytest benchmarks/bench_rollout.py -q -s &&
+             FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b FASTGRPO_ROLLOUT_REPEATS=2 \
+               python3 -m pytest benchmarks/bench_rollout.py -q -s ;;
     train)   python3 -m pytest benchmarks/bench_train_loop.py -q -s ;;
-    e2e)     python3 -m pytest benchmarks/bench_e2e.py -q -s ;;
-    context) python3 -m pytest benchmarks/bench_context.py -q -s ;;
+    e2e)     python3 -m pytest benchmarks/bench_e2e.py -q -s &&
+             FASTGRPO_E2E_MODELS=llama-3.1-8b FASTGRPO_E2E_MODES=lora FASTGRPO_E2E_LENGTHS=1024 \
+               python3 -m pytest benchmarks/bench_e2e.py -q -s ;;
+    context) FASTGRPO_MICRO_BATCH=8 FASTGRPO_MAX_LENGTH=32768 python3 -m pytest benchmarks/bench_context.py -q -s &&
+             FASTGRPO_MICRO_BATCH=1 FASTGRPO_MAX_LENGTH=65536 FASTGRPO_CONTEXT_RESOLUTION=4096 \
+               python3 -m pytest benchmarks/bench_context.py -q -s -k longest ;;
     *) echo "unknown suite $suite"; status=2 ;;
   esac || status=1
 done
