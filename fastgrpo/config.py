@@ -12,6 +12,7 @@ from pathlib import Path
 
 from fastgrpo._checks import check_choice
 from fastgrpo.algorithms import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from fastgrpo.rollout.sampling import SamplingParams
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
@@ -116,6 +117,9 @@ class GRPOConfig:
         check_choice("dtype", self.dtype, DTYPES)
         if not self.temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
+        SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         if self.beta < 0:
             raise ValueError(f"beta: expected >= 0, got {self.beta}")
         if self.kl_target is not None and self.beta == 0:
