@@ -12,7 +12,7 @@ import torch
 
 from fastgrpo._checks import check_mask, check_shape
 from fastgrpo.ops.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
-from fastgrpo.patching.patch import architecture, unwrap_peft
+from fastgrpo.patching.patch import adapters_active, architecture, unwrap_peft
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> None:
@@ -38,6 +38,11 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     head = hf_model.get_output_embeddings()
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         raise ValueError(f"model: expected an lm_head with a [V, H] weight, got {type(head).__name__}")
+    if adapters_active(head):
+        raise ValueError(
+            f"model: the lm_head ({type(head).__name__}) has active PEFT adapters, which the fused loss would skip "
+            "(it reads lm_head.weight); leave lm_head out of target_modules, or merge the adapters first"
+        )
     return getattr(hf_model, hf_model.base_model_prefix), head
 
 

@@ -125,6 +125,42 @@ def test_peft_reference_logprobs_disable_the_adapter():
     assert all(p.grad is None for n, p in peft_model.named_parameters() if "lora_" not in n)
 
 
+def test_lora_on_lm_head_is_rejected_unless_disabled():
+    # The fused loss reads lm_head.weight: on a LoRA layer that is the base weight, the adapter would be skipped.
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    ids, mask, completion = rollout_batch()
+    with pytest.raises(ValueError, match="lm_head"):
+        grpo_loss(peft_model, ids, mask, completion, torch.ones(B))
+    with pytest.raises(ValueError, match="lm_head"):
+        sequence_logprobs(peft_model, ids, mask, completion)
+    with torch.no_grad():
+        base = eager_logps(model, ids, mask, completion)  # LoRA B starts at 0: the adapter adds nothing yet
+    ref = sequence_logprobs(peft_model, ids, mask, completion, disable_adapter=True)
+    torch.testing.assert_close(ref.double(), base, rtol=1e-5, atol=1e-5)
+
+
+def test_modules_to_save_lm_head_trains_its_copy():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_qwen2()
+    model.config.tie_word_embeddings = False
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().clone())
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
+    ids, mask, completion = rollout_batch()
+    with torch.no_grad():
+        for n, p in peft_model.named_parameters():
+            if "modules_to_save" in n:
+                p.add_(torch.randn_like(p))
+        want = eager_logps(peft_model, ids, mask, completion)
+    torch.testing.assert_close(sequence_logprobs(peft_model, ids, mask, completion).double(), want, rtol=1e-5,
+                               atol=1e-5)
+
+
 def test_no_completion_tokens_gives_zero_loss():
     model = tiny_qwen2()
     ids, mask, _ = rollout_batch()

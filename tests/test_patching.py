@@ -235,6 +235,23 @@ def test_peft_lora_parity_and_unpatch():
     assert all(f is None for f in _instance_forwards(patched).values())
 
 
+def test_lora_on_lm_head_keeps_the_library_loss():
+    # The fused loss reads lm_head.weight, which on a LoRA layer is the base weight alone.
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("llama"), LoraConfig(r=4, target_modules=["q_proj", "lm_head"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, 0.0, 0.5)
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = batch(5)
+    labels = ids.masked_fill(mask == 0, -100)
+    out, out_p = model(input_ids=ids, attention_mask=mask, labels=labels), patched(
+        input_ids=ids, attention_mask=mask, labels=labels
+    )
+    torch.testing.assert_close(out_p.loss, out.loss, rtol=1e-5, atol=1e-6)
+
+
 def test_accelerate_hooks_are_kept():
     # device_map / 4-bit loading wraps module forwards with accelerate hooks that call `_old_forward`.
     accelerate_hooks = pytest.importorskip("accelerate.hooks", reason="accelerate is not installed")

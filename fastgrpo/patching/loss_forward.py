@@ -8,16 +8,18 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.patching.patch import adapters_active
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str) -> Callable:
-    """Without labels: `previous` (the library forward). With labels: HF's loss (shifted labels, sum over the
-    non-ignored tokens divided by their count or by num_items_in_batch), returned with logits=None."""
+    """Without labels, or with PEFT adapters on the lm_head (the fused loss reads its weight alone): `previous`
+    (the library forward). With labels: HF's loss (shifted labels, sum over the non-ignored tokens divided by their
+    count or by num_items_in_batch), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
-        if kwargs.get("labels") is None:
+        if kwargs.get("labels") is None or adapters_active(self.get_output_embeddings()):
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)

@@ -26,6 +26,15 @@ def unwrap_peft(model: nn.Module) -> nn.Module:
     return model
 
 
+def adapters_active(module: nn.Module) -> bool:
+    """A PEFT tuner layer (e.g. LoRA) whose unmerged adapters run in its forward: its `.weight` is the base alone."""
+    return (
+        hasattr(module, "base_layer")
+        and not getattr(module, "disable_adapters", False)
+        and not getattr(module, "merged", False)
+    )
+
+
 def architecture(model: nn.Module) -> Architecture:
     """The table entry of a transformers causal LM; ValueError for anything else."""
     config = getattr(model, "config", None)
