@@ -38,12 +38,12 @@ PRESET = dict(
 REWARD_FUNCS = ["fastgrpo.default_task:repeat_letter_reward"]
 
 
-def build_tokenizer():
-    """A character-level fast tokenizer: one token per character of CHARACTERS, left padding, <eos>."""
+def build_tokenizer(characters: str = CHARACTERS):
+    """A character-level fast tokenizer, left padding: <pad>=0, <eos>=1, <unk>=2, then one id per character."""
     from tokenizers import Tokenizer, decoders, models
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(CHARACTERS))}
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(characters))}
     # BPE without merges splits text into single characters; Fuse() decodes them back without spaces.
     backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
     backend.decoder = decoders.Fuse()

@@ -1,7 +1,6 @@
 """fastgrpo.rollout.generate on tiny CPU models: HF generate parity, log-probs, stops, seeds, shared weights, errors."""
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -10,11 +9,11 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Phi3Config,
-    PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen3Config,
 )
 
+from fastgrpo import default_task
 from fastgrpo.rollout import generate
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 
@@ -23,13 +22,9 @@ PAD, EOS = 0, 1
 PROMPTS = ["hello world", "abc", "the quick brown fox jumps"]
 
 
-def char_tokenizer() -> PreTrainedTokenizerFast:
-    """One token per character; <pad>=0, <eos>=1, <unk>=2."""
-    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": 2, **{c: i + 3 for i, c in enumerate(CHARS)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
-    tok.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
+def char_tokenizer():
+    """One token per character of CHARS; <pad>=0, <eos>=1, <unk>=2 (the built-in task's tokenizer builder)."""
+    return default_task.build_tokenizer(CHARS)
 
 
 SIZES = dict(
