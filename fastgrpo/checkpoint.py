@@ -110,7 +110,8 @@ def _ancestors(root: torch.nn.Module, name: str):
 
 
 def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save an HF model directory (weights in `dtype`, config, tokenizer); a LoRA model is merged first."""
+    """Save an HF model directory (weights, config, tokenizer). A LoRA model is merged and saved in `dtype`; a
+    fully fine-tuned model is saved as it is, in its own dtype."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
