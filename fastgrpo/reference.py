@@ -27,7 +27,7 @@ def linear_logprobs(
     return_entropy: bool = False,
     upcast: torch.dtype | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log softmax(hidden @ weight.T + bias) / temperature)[target]: hidden [..., H], weight [V, H] -> [...]."""
+    """log softmax((hidden @ weight.T + bias) / temperature)[target]: hidden [..., H], weight [V, H] -> [...]."""
     check_linear_args(hidden, weight, bias, temperature)
     hidden, weight, bias = _cast(upcast, hidden, weight, bias)
     logits = F.linear(hidden, weight, bias) / temperature  # [..., V]
