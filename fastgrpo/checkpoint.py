@@ -49,9 +49,20 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
     """Copy the saved trainable parameters into `model`, restore the RNG states; return the rest of the state."""
     state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
     params = dict(model.named_parameters())
-    missing = sorted(set(state["trainable"]) - set(params))
+    saved = state["trainable"]
+    missing = sorted(set(saved) - set(params))
     if missing:
         raise ValueError(f"checkpoint: parameters {missing[:3]} are not in the model; was it built the same way?")
+    untrained = sorted(n for n, p in params.items() if p.requires_grad and n not in saved)
+    if untrained:
+        raise ValueError(f"checkpoint: lacks the model's trainable parameters {untrained[:3]}; "
+                         "was it built the same way?")
+    # copy_ would broadcast e.g. a rank-1 LoRA A [1, H] into a rank-4 one [4, H] without a word
+    shapes = [(n, tuple(v.shape), tuple(params[n].shape)) for n, v in saved.items() if v.shape != params[n].shape]
+    if shapes:
+        name, got, want = shapes[0]
+        raise ValueError(f"checkpoint: parameter {name} has shape {got}, the model's has {want}; "
+                         "was it built the same way?")
     with torch.no_grad():
         for name, value in state.pop("trainable").items():
             params[name].copy_(value)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastgrpo import default_task
-from fastgrpo.checkpoint import export_model, latest_checkpoint
+from fastgrpo.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import GRPOConfig
 from fastgrpo.trainer import GRPOTrainer
 
@@ -51,6 +51,24 @@ def test_resume_is_bit_identical(tmp_path, lora):
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="resume: no checkpoint"):
         _trainer(tmp_path, False, resume=True).train()
+
+
+def test_checkpoint_of_another_model_is_an_error(tmp_path):
+    from peft import LoraConfig, get_peft_model
+
+    tokenizer = default_task.build_tokenizer()
+
+    def lora(rank, targets):
+        model = default_task.build_model(tokenizer)
+        return get_peft_model(model, LoraConfig(r=rank, lora_alpha=8, target_modules=targets))
+
+    save_checkpoint(tmp_path / "a", lora(1, ["q_proj"]), {"step": 1})
+    with pytest.raises(ValueError, match=r"checkpoint: parameter .*lora_A.* has shape \(1, 64\)"):
+        load_checkpoint(tmp_path / "a", lora(4, ["q_proj"]))  # [1, 64] would broadcast into [4, 64]
+    with pytest.raises(ValueError, match="checkpoint: lacks the model's trainable parameters .*v_proj"):
+        load_checkpoint(tmp_path / "a", lora(1, ["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="checkpoint: parameters .* are not in the model"):
+        load_checkpoint(tmp_path / "a", lora(1, ["v_proj"]))
 
 
 def test_lora_export_merges_into_the_base(tmp_path):
