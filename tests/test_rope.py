@@ -96,3 +96,12 @@ def test_cos_of_one_position_broadcasts_over_the_sequence():
     want = reference.apply_rotary(q, k, cos, sin)
     for g_, w_ in zip(got, want):
         torch.testing.assert_close(g_, w_)
+
+
+def test_fp64_keeps_fp64_precision():
+    # The kernel computes in fp32: fp64 inputs take the torch path.
+    g = torch.Generator().manual_seed(7)
+    q, k = (torch.randn(2, 2, 5, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    cos, sin = _cos_sin(1, 5, 8, g, dtype=torch.float64)
+    for got, want in zip(apply_rotary(q, k, cos, sin), reference.apply_rotary(q, k, cos, sin)):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)

@@ -69,3 +69,11 @@ def test_bad_input():
         glu(torch.randn(2, 3), torch.randn(2, 3), "relu")
     with pytest.raises(ValueError, match="up"):
         swiglu(torch.randn(2, 3), torch.randn(2, 4))
+
+
+def test_fp64_keeps_fp64_precision():
+    # The kernels compute in fp32: fp64 inputs take the torch path.
+    g = torch.Generator().manual_seed(6)
+    gate, up = (torch.randn(5, 37, generator=g, dtype=torch.float64) for _ in range(2))
+    torch.testing.assert_close(swiglu(gate, up), reference.swiglu(gate, up), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(geglu(gate, up), reference.geglu(gate, up), rtol=1e-12, atol=1e-12)

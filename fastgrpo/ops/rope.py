@@ -55,6 +55,7 @@ def _fits_kernel(q, k, cos, sin) -> bool:
         _use_triton(q, k, cos, sin)
         and not (cos.requires_grad or sin.requires_grad)
         and q.dtype == k.dtype
+        and q.dtype != torch.float64  # the kernel computes in fp32
         and cos.dim() == 3
         and cos.shape[0] in (1, q.shape[0])
         and cos.shape[1] == q.shape[2]  # the kernel reads one cos row per position: no broadcast of [*, 1, R]

@@ -53,7 +53,8 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
     """act(gate) * up for act in ("silu", "gelu_tanh"); gate and up [..., I] of one dtype."""
     check_choice("activation", activation, ACTIVATIONS)
     check_same_shape("up", up, "gate", gate)
-    if gate.dtype != up.dtype or not _use_triton(gate, up):
+    # fp64 stays in torch: the kernels compute in fp32.
+    if gate.dtype != up.dtype or gate.dtype == torch.float64 or not _use_triton(gate, up):
         return glu_torch(gate, up, activation)
     return GLUFunction.apply(gate, up, activation)
 
