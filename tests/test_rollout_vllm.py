@@ -24,6 +24,8 @@ def test_sampling_kwargs_carry_every_option():
     )
     with pytest.raises(ValueError, match="num_generations"):
         sampling_kwargs(0, params, [], [], None)
+    with pytest.raises(ValueError, match="seed: expected an int or None"):
+        sampling_kwargs(2, params, [], [], 1.5)
 
 
 def test_to_result_groups_pads_and_masks():

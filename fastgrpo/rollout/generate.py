@@ -74,10 +74,7 @@ def generate_with_config(
     config: EngineConfig = EngineConfig(),
 ) -> RolloutResult:
     """generate() with the sampling parameters as one object and the engine settings exposed."""
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-        raise ValueError(f"num_generations: expected an int >= 1, got {num_generations!r}")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-        raise ValueError(f"seed: expected an int or None, got {seed!r}")
+    _check_request(num_generations, seed)
     vocab = model.get_input_embeddings().weight.shape[0]
     stop_strings, stop_ids = _split_stop(stop, vocab)
     prompt_ids = _tokenize(tokenizer, prompts, vocab)
@@ -149,6 +146,13 @@ class _rollout_mode:
         self.model.config._attn_implementation = self.attn
         for module, training in self.modes:
             module.training = training
+
+
+def _check_request(num_generations, seed) -> None:
+    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
+        raise ValueError(f"num_generations: expected an int >= 1, got {num_generations!r}")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ValueError(f"seed: expected an int or None, got {seed!r}")
 
 
 def _unknown_options_message(unknown: dict) -> str:

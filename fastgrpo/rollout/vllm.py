@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.rollout.generate import RolloutResult, _pad_id, _split_stop, _tokenize, _unknown_options_message
+from fastgrpo.rollout.generate import (
+    RolloutResult,
+    _check_request,
+    _pad_id,
+    _split_stop,
+    _tokenize,
+    _unknown_options_message,
+)
 from fastgrpo.rollout.sampling import SamplingParams
 
 
@@ -17,8 +24,7 @@ def sampling_kwargs(
     num_generations: int, params: SamplingParams, stop_strings: list[str], stop_ids: list[int], seed: int | None
 ) -> dict:
     """Keyword arguments of vllm.SamplingParams for one request of ours."""
-    if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
-        raise ValueError(f"num_generations: expected an int >= 1, got {num_generations!r}")
+    _check_request(num_generations, seed)
     return dict(
         n=num_generations, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
