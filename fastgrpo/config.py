@@ -120,8 +120,16 @@ class GRPOConfig:
         # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
         SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
-        if self.beta < 0:
-            raise ValueError(f"beta: expected >= 0, got {self.beta}")
+        for name in ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "learning_rate", "weight_decay",
+                     "warmup_steps", "save_steps", "lora_rank", "lora_dropout"):
+            if not getattr(self, name) >= 0:
+                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        if not self.epsilon_low < 1:
+            raise ValueError(f"epsilon_low: expected < 1 (the lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")
+        if not self.max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm: expected > 0, got {self.max_grad_norm}")
+        if self.kl_target is not None and not self.kl_target > 0:
+            raise ValueError(f"kl_target: expected > 0 (none: fixed beta), got {self.kl_target}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target: adaptive beta needs an initial beta > 0, got beta=0")
         if self.load_in_4bit and self.lora_rank == 0:

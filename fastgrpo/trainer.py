@@ -80,7 +80,8 @@ class GRPOTrainer:
         self.reward_weights = torch.tensor(weights, dtype=torch.float64)
         self.beta = config.beta
         self.kl_controller = (
-            AdaptiveKLController(config.beta, config.kl_target, config.kl_max_log_step) if config.kl_target else None
+            AdaptiveKLController(config.beta, config.kl_target, config.kl_max_log_step)
+            if config.kl_target is not None else None
         )
         # LoRA: the reference is the base model with the adapter disabled; full fine-tuning needs a frozen copy.
         self.ref_model = None

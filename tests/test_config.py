@@ -28,6 +28,13 @@ def _parse(argv):
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(beta=-1.0), "beta"),
     (dict(kl_target=0.1), "kl_target"),
+    (dict(beta=0.1, kl_target=0.0), "kl_target: expected > 0"),
+    (dict(epsilon_low=-0.1), "epsilon_low: expected >= 0"),
+    (dict(epsilon_low=1.0), "epsilon_low: expected < 1"),
+    (dict(epsilon_high=-0.1), "epsilon_high"),
+    (dict(learning_rate=-1e-6), "learning_rate"),
+    (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(lora_rank=-1), "lora_rank"),
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(load_in_4bit=True), "load_in_4bit"),
 ])
