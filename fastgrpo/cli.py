@@ -11,7 +11,7 @@ import json
 import sys
 from pathlib import Path
 
-from fastgrpo.config import GRPOConfig, add_config_arguments
+from fastgrpo.config import GRPOConfig, add_config_arguments, read_yaml
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,20 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
-    import yaml
-
     from fastgrpo import default_task
 
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    from_yaml = {}
-    if args.config is not None:
-        from_yaml = yaml.safe_load(args.config.read_text()) or {}
-        if not isinstance(from_yaml, dict):
-            raise ValueError(f"config: expected a YAML mapping of field: value in {args.config}")
+    from_yaml = read_yaml(args.config) if args.config is not None else {}
     merged = {**from_yaml, **flags}
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
-        preset["reward_funcs"] = default_task.REWARD_FUNCS
+        preset["reward_funcs"] = list(default_task.REWARD_FUNCS)
     return GRPOConfig.from_dict({**preset, **merged})
 
 

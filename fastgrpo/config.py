@@ -138,12 +138,7 @@ class GRPOConfig:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> GRPOConfig:
         """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
-        import yaml
-
-        data = yaml.safe_load(Path(path).read_text()) or {}
-        if not isinstance(data, dict):
-            raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
-        return cls.from_dict({**data, **overrides})
+        return cls.from_dict({**read_yaml(path), **overrides})
 
     @classmethod
     def from_dict(cls, data: dict) -> GRPOConfig:
@@ -155,6 +150,16 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+
+def read_yaml(path: str | Path) -> dict:
+    """The {field: value} mapping of a YAML config file (an empty file is {})."""
+    import yaml
+
+    data = yaml.safe_load(Path(path).read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
+    return data
 
 
 def _base_type(annotation) -> tuple[type, bool, bool]:

@@ -34,7 +34,12 @@ def test_builtin_preset_yaml_then_flags(tmp_path):
     assert _config(["--dataset", "d.jsonl"]).learning_rate == default_task.PRESET["learning_rate"]
 
 
-def test_bad_arguments_exit_with_a_message(capsys):
+def test_bad_arguments_exit_with_a_message(capsys, tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("- 1\n")
+    with pytest.raises(SystemExit):
+        main(["train", "--config", str(path)])
+    assert "config: expected a YAML mapping" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["train", "--reward-funcs", "nonsense"])
     assert "unknown reward 'nonsense'" in capsys.readouterr().err
