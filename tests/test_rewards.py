@@ -86,6 +86,8 @@ def test_unknown_constraint_is_a_value_error():
         check_constraint("x", {"type": "rhymes"})
     with pytest.raises(ValueError, match="bad arguments"):
         check_constraint("x", {"type": "num_words", "most": 3})
+    with pytest.raises(ValueError, match="letter_case expects case 'upper' or 'lower', got 'title'"):
+        check_constraint("x", {"type": "letter_case", "case": "title"})
 
 
 @given(st.text(max_size=300))

@@ -58,8 +58,10 @@ def json_output(text: str) -> bool:
 
 def letter_case(text: str, case: str) -> bool:
     """case 'upper' or 'lower': every cased letter is in it (a text with no letters passes neither)."""
+    if case not in ("upper", "lower"):
+        raise ValueError(f"constraints: letter_case expects case 'upper' or 'lower', got {case!r}")
     letters = [c for c in text if c.isalpha()]
-    if not letters or case not in ("upper", "lower"):
+    if not letters:
         return False
     return all(c.isupper() for c in letters) if case == "upper" else all(c.islower() for c in letters)
 
