@@ -106,7 +106,7 @@ class GRPOTrainer:
         self.history: list[dict] = []
         self._loggers = self._external_loggers()
 
-    # ---- input checks (deliverable 8: all before any compute) ----
+    # ---- input checks: all before any compute ----
     def _check_inputs(self) -> None:
         config, dataset = self.config, self.dataset
         if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
