@@ -74,7 +74,7 @@ def rollout(
     stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
     """
     device = _device_of(model)
-    B, G, S = len(prompts), num_generations, params.max_new_tokens
+    G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
     M = -(-(P + S) // config.length_bucket) * config.length_bucket
     dtype = model.get_input_embeddings().weight.dtype
@@ -82,10 +82,7 @@ def rollout(
     cache_kw = _cache_keyword(model)
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
-    prompt = torch.full((B, P), pad_id, dtype=torch.long)
-    for i, ids in enumerate(prompts):
-        prompt[i, P - len(ids):] = torch.tensor(ids, dtype=torch.long)
-    prompt = prompt.to(device)
+    prompt = left_pad(prompts, pad_id)[0].to(device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     offset = P - lengths
     slots = torch.arange(M, device=device)
@@ -107,6 +104,17 @@ def rollout(
         valid=state.out_valid[:, :steps_done],
         stopped=state.done.clone(),
     )
+
+
+def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token id lists -> (ids [B, P] int64 left-padded with pad_id, mask [B, P] int64: 1 on real tokens), on the CPU."""
+    P = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, P - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, P - len(p):] = 1
+    return ids, mask
 
 
 def _decode(step, state: _State, S: int, generator, stop_check, config: EngineConfig) -> int:

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from fastgrpo.rollout.attention import registered_name
-from fastgrpo.rollout.engine import EngineConfig, rollout
+from fastgrpo.rollout.engine import EngineConfig, left_pad, rollout
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.stops import StopStrings
 
@@ -109,12 +109,7 @@ def _result(tokenizer, prompt_ids, G, out, stops, pad_id) -> RolloutResult:
     L = max(len(ids) for ids in rows)
     device = out.tokens.device
     mask = valid[:, :L].to(device)
-    P = max(len(p) for p in prompt_ids)
-    prompt = torch.full((len(prompt_ids), P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(len(prompt_ids), P, dtype=torch.long)
-    for i, ids in enumerate(prompt_ids):
-        prompt[i, P - len(ids):] = torch.tensor(ids)
-        prompt_mask[i, P - len(ids):] = 1
+    prompt, prompt_mask = left_pad(prompt_ids, pad_id)
     return RolloutResult(
         prompt_ids=prompt.repeat_interleave(G, dim=0).to(device),
         prompt_mask=prompt_mask.repeat_interleave(G, dim=0).to(device),

@@ -17,6 +17,7 @@ from fastgrpo.rollout.generate import (
     _tokenize,
     _unknown_options_message,
 )
+from fastgrpo.rollout.engine import left_pad
 from fastgrpo.rollout.sampling import SamplingParams
 
 
@@ -61,17 +62,13 @@ def to_result(outputs, pad_id: int, num_generations: int) -> RolloutResult:
     N, G = len(rows), num_generations
     if N != len(outputs) * G:
         raise ValueError(f"outputs: expected {G} completions per prompt, got {N} for {len(outputs)} prompts")
-    P = max(len(p) for p, _ in rows)
     L = max(len(c.token_ids) for _, c in rows)
-    prompt_ids = torch.full((N, P), pad_id, dtype=torch.long)
-    prompt_mask = torch.zeros(N, P, dtype=torch.long)
+    prompt_ids, prompt_mask = left_pad([list(p) for p, _ in rows], pad_id)
     completion_ids = torch.full((N, L), pad_id, dtype=torch.long)
     completion_mask = torch.zeros(N, L, dtype=torch.long)
     logprobs = torch.zeros(N, L, dtype=torch.float32)
-    for r, (prompt, c) in enumerate(rows):
+    for r, (_, c) in enumerate(rows):
         n = len(c.token_ids)
-        prompt_ids[r, P - len(prompt):] = torch.tensor(prompt)
-        prompt_mask[r, P - len(prompt):] = 1
         completion_ids[r, :n] = torch.tensor(c.token_ids)
         completion_mask[r, :n] = 1
         # c.logprobs[t]: {token id: Logprob} holding the sampled token (logprobs=0 asks for it alone)
