@@ -21,7 +21,7 @@ from fastgrpo._checks import check_choice
 from fastgrpo.algorithms import AdaptiveKLController, kl_penalty
 from fastgrpo.checkpoint import export_model, is_peft_model, latest_checkpoint, load_checkpoint, save_checkpoint
 from fastgrpo.config import GRPOConfig
-from fastgrpo.rewards.scoring import required_columns, reward_name, score
+from fastgrpo.rewards.scoring import required_columns, reward_name, reward_names, score
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -213,11 +213,12 @@ class GRPOTrainer:
         self.step += 1
         lengths = batch["completion_mask"].sum(-1).float()  # lengths: [N]
         grouped = rewards.view(-1, G)
+        names = reward_names(self.reward_funcs)
         metrics = {
             "step": self.step,
             "reward": rewards.mean().item(),
             "reward_std": rewards.std().item(),
-            **{f"rewards/{reward_name(f)}": per_func[:, j].mean().item() for j, f in enumerate(self.reward_funcs)},
+            **{f"rewards/{name}": per_func[:, j].mean().item() for j, name in enumerate(names)},
             "reward_errors": len(errors),
             "frac_reward_zero_std": (grouped.amax(-1) == grouped.amin(-1)).float().mean().item(),
             "kl": kl.mean().item() if kl is not None else 0.0,

@@ -1,5 +1,6 @@
 """Verifiable rewards: correct scores on known cases, deterministic and in range on arbitrary text, and a failing
 reward function reported and scored 0 rather than raised."""
+import functools
 import math
 
 import pytest
@@ -133,6 +134,17 @@ def test_score_reports_failures_and_scores_them_zero():
     assert rewards[:, 1:].abs().sum() == 0
     assert set(errors) == {"raises", "short"} and "boom" in errors["raises"]
     assert all(math.isfinite(v) for v in rewards.flatten().tolist())
+
+
+def test_repeated_reward_names_stay_apart():
+    from fastgrpo.rewards.scoring import reward_names
+
+    half = functools.partial(length_reward, target_length=2)
+    funcs = [lambda p, c, **kw: 1 / 0, half, lambda p, c, **kw: 1 / 0, half]
+    names = reward_names(funcs)
+    assert names == ["<lambda>", "partial", "<lambda>_2", "partial_2"]
+    _, errors = score(funcs, ["p"], ["ab"], {})
+    assert set(errors) == {"<lambda>", "<lambda>_2"}
 
 
 def test_score_passes_dataset_columns():

@@ -20,6 +20,17 @@ def reward_name(func: Callable) -> str:
     return getattr(func, "__name__", type(func).__name__)
 
 
+def reward_names(funcs: Sequence[Callable]) -> list[str]:
+    """One distinct name per function for metrics and errors: a repeated name gets _2, _3, ... (two lambdas,
+    two functools.partial of one function)."""
+    names, seen = [], {}
+    for func in funcs:
+        name = reward_name(func)
+        seen[name] = seen.get(name, 0) + 1
+        names.append(name if seen[name] == 1 else f"{name}_{seen[name]}")
+    return names
+
+
 def required_columns(func: Callable) -> list[str]:
     """Dataset columns `func` needs: keyword parameters after (prompts, completions) that have no default."""
     try:
@@ -45,8 +56,7 @@ def score(
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
     errors = {}
-    for j, func in enumerate(reward_funcs):
-        name = reward_name(func)
+    for j, (func, name) in enumerate(zip(reward_funcs, reward_names(reward_funcs))):
         try:
             values = list(func(prompts, completions, **columns))
             if len(values) != n:
