@@ -87,6 +87,8 @@ def test_unknown_constraint_is_a_value_error():
         check_constraint("x", {"type": "rhymes"})
     with pytest.raises(ValueError, match="bad arguments"):
         check_constraint("x", {"type": "num_words", "most": 3})
+    with pytest.raises(ValueError, match="constraints: expected a dict"):
+        check_constraint("x", "num_words")
     with pytest.raises(ValueError, match="letter_case expects case 'upper' or 'lower', got 'title'"):
         check_constraint("x", {"type": "letter_case", "case": "title"})
 

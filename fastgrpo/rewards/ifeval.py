@@ -89,6 +89,8 @@ CONSTRAINTS = {
 
 def check_constraint(text: str, constraint: dict) -> bool:
     """One constraint {"type": name, **arguments}; an unknown type or bad arguments raise ValueError."""
+    if not isinstance(constraint, dict):
+        raise ValueError(f"constraints: expected a dict {{'type': name, **arguments}}, got {constraint!r}")
     kind = constraint.get("type")
     if kind not in CONSTRAINTS:
         raise ValueError(f"constraints: unknown type {kind!r}, expected one of {sorted(CONSTRAINTS)}")
