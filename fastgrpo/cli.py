@@ -64,6 +64,8 @@ def load_dataset(config: GRPOConfig):
     if config.dataset is None:
         return default_task.build_dataset(seed=config.seed)
     path = Path(config.dataset)
+    if path.suffix in (".jsonl", ".json") and not path.is_file():
+        raise ValueError(f"dataset: no such file {path}")
     if path.suffix == ".jsonl":
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     if path.suffix == ".json":

@@ -41,6 +41,9 @@ def test_bad_arguments_exit_with_a_message(capsys, tmp_path):
         main(["train", "--config", str(path)])
     assert "config: expected a YAML mapping" in capsys.readouterr().err
     with pytest.raises(SystemExit):
+        main(["train", "--dataset", str(tmp_path / "missing.jsonl")])
+    assert "dataset: no such file" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
         main(["train", "--reward-funcs", "nonsense"])
     assert "unknown reward 'nonsense'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
