@@ -72,12 +72,7 @@ def check_grpo_loss_args(
     check_linear_args(hidden, weight, bias, temperature)
     check_shape("target_ids", target_ids, (B, T))
     check_mask("completion_mask", completion_mask, "target_ids", target_ids)
-    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
-        got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
-    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
-        if logps is not None:
-            check_shape(name, logps, (B, T))
+    check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
     if beta < 0:
         raise ValueError(f"beta: expected >= 0, got {beta}")
     if beta > 0 and ref_logps is None:
@@ -122,3 +117,15 @@ def check_floating(name: str, tensor: torch.Tensor) -> None:
 def check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+
+
+def check_per_token_inputs(
+    B: int, T: int, advantages: torch.Tensor, old_logps: torch.Tensor | None, ref_logps: torch.Tensor | None
+) -> None:
+    """advantages [B] or [B, T]; old_logps / ref_logps [B, T] when given."""
+    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
+        got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
+        raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
+    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
+        if logps is not None:
+            check_shape(name, logps, (B, T))

@@ -10,7 +10,7 @@ import contextlib
 
 import torch
 
-from fastgrpo._checks import check_mask, check_shape
+from fastgrpo._checks import check_mask, check_per_token_inputs, check_shape
 from fastgrpo.ops.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
 from fastgrpo.patching.patch import adapters_active, architecture, unwrap_peft
 
@@ -91,13 +91,7 @@ def grpo_loss(
     by sequence_logprobs. Options as in fused_linear_grpo_loss. Returns (loss, metrics).
     """
     check_shape("input_ids", input_ids, (None, None))
-    B, T = input_ids.shape
-    if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
-        got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
-        raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
-    for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
-        if logps is not None:
-            check_shape(name, logps, (B, T))
+    check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
     hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
 
     def window(t):
