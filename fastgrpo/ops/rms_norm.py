@@ -6,18 +6,12 @@ Gemma (offset 1: x * rstd * (1 + w) in fp32, output in x's dtype).
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from fastgrpo._checks import check_dtype, check_shape
+from fastgrpo.ops._backend import use_triton
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (CPU tests); plain torch otherwise."""
-    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _out_dtype(x: torch.Tensor, weight: torch.Tensor, cast_before_weight: bool) -> torch.dtype:
@@ -67,6 +61,6 @@ def rms_norm(
     """x / sqrt(mean(x^2) + eps) * (offset + weight) over the last dim: x [..., H], weight [H]."""
     check_dtype("x", x, _FLOATS)
     check_shape("weight", weight, (x.shape[-1],))
-    if not _use_triton(x, weight):
+    if not use_triton(x, weight):
         return rms_norm_torch(x, weight, eps, offset, cast_before_weight)
     return RMSNormFunction.apply(x, weight, float(eps), float(offset), bool(cast_before_weight))

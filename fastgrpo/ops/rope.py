@@ -6,16 +6,10 @@ cos/sin are constants (they come from the rotary buffer); when they need a gradi
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from fastgrpo._checks import check_shape
-
-
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (CPU tests); plain torch otherwise."""
-    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
+from fastgrpo.ops._backend import use_triton
 
 
 def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
@@ -52,7 +46,7 @@ def _apply_torch(q, k, cos, sin):
 
 def _fits_kernel(q, k, cos, sin) -> bool:
     return (
-        _use_triton(q, k, cos, sin)
+        use_triton(q, k, cos, sin)
         and not (cos.requires_grad or sin.requires_grad)
         and q.dtype == k.dtype
         and q.dtype != torch.float64  # the kernel computes in fp32

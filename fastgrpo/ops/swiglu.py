@@ -4,19 +4,13 @@ Saves only gate and up for the backward (eager PyTorch also keeps act(gate)): on
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
 from fastgrpo._checks import check_choice, check_same_shape
+from fastgrpo.ops._backend import use_triton
 
 ACTIVATIONS = ("silu", "gelu_tanh")
-
-
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton on CUDA tensors, or anywhere under TRITON_INTERPRET=1 (CPU tests); plain torch otherwise."""
-    return all(t.is_cuda for t in tensors) or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -54,7 +48,7 @@ def glu(gate: torch.Tensor, up: torch.Tensor, activation: str = "silu") -> torch
     check_choice("activation", activation, ACTIVATIONS)
     check_same_shape("up", up, "gate", gate)
     # fp64 stays in torch: the kernels compute in fp32.
-    if gate.dtype != up.dtype or gate.dtype == torch.float64 or not _use_triton(gate, up):
+    if gate.dtype != up.dtype or gate.dtype == torch.float64 or not use_triton(gate, up):
         return glu_torch(gate, up, activation)
     return GLUFunction.apply(gate, up, activation)
 
