@@ -29,7 +29,7 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(backbone, lm_head) of a supported causal LM or PEFT wrapper; tied embeddings share the weight already."""
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
-    softcap = arch.logit_softcap_attr and getattr(hf_model.config, arch.logit_softcap_attr, None)
+    softcap = arch.logit_softcap(hf_model.config)
     if softcap:
         raise ValueError(
             f"model: config.{arch.logit_softcap_attr}={softcap} soft-caps the logits, which the fused loss does not "

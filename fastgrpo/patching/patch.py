@@ -143,7 +143,7 @@ def patch_model(
             _bind(undo, module, lambda _: forward)
             patched["rope"] += 1
     if fused_loss:
-        softcap = arch.logit_softcap_attr and getattr(hf_model.config, arch.logit_softcap_attr, None)
+        softcap = arch.logit_softcap(hf_model.config)
         if softcap:
             skipped["fused_loss"] = f"config.{arch.logit_softcap_attr}={softcap}: soft-capped logits are not fused"
         else:

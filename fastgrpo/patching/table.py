@@ -19,6 +19,10 @@ class Architecture:
     mlp_act_attr: str
     logit_softcap_attr: str | None = None  # config field that soft-caps the logits (the fused loss cannot)
 
+    def logit_softcap(self, config) -> float | None:
+        """The soft-cap a model of this architecture applies to its logits, or None."""
+        return getattr(config, self.logit_softcap_attr, None) if self.logit_softcap_attr else None
+
 
 def _llama_like(prefix: str) -> Architecture:
     return Architecture(
