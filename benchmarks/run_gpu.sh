@@ -29,7 +29,7 @@ for suite in $suites; do
                python3 -m pytest benchmarks/bench_rollout.py -q -s ;;
     train)   python3 -m pytest benchmarks/bench_train_loop.py -q -s ;;
     e2e)     python3 -m pytest benchmarks/bench_e2e.py -q -s &&
-             FASTGRPO_E2E_MODELS=llama-3.1-8b FASTGRPO_E2E_MODES=lora FASTGRPO_E2E_LENGTHS=1024 \
+             FASTGRPO_E2E_MODELS=llama-3.1-8b FASTGRPO_E2E_MODES=lora,full FASTGRPO_E2E_LENGTHS=1024 \
                python3 -m pytest benchmarks/bench_e2e.py -q -s ;;
     context) FASTGRPO_MICRO_BATCH=8 FASTGRPO_MAX_LENGTH=32768 python3 -m pytest benchmarks/bench_context.py -q -s &&
              FASTGRPO_MICRO_BATCH=1 FASTGRPO_MAX_LENGTH=65536 FASTGRPO_CONTEXT_RESOLUTION=4096 \
