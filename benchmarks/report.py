@@ -37,7 +37,7 @@ def render_markdown(results: list[dict]) -> str:
 
 
 def render_e2e_chart(result: dict, path: Path) -> None:
-    """Step time and peak memory against completion length, one line per system and mode."""
+    """Step time and peak memory against completion length: a colour per system, a line style per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -47,14 +47,16 @@ def render_e2e_chart(result: dict, path: Path) -> None:
     series: dict[tuple, list[dict]] = {}
     for row in result["rows"]:
         series.setdefault((row["model"], row["mode"], row["system"]), []).append(row)
+    colours = {"hf": "tab:orange", "liger": "tab:green", "fastgrpo": "tab:blue"}
     for (model, mode, system), rows in sorted(series.items()):
         rows = sorted((r for r in rows if r.get("ms") is not None), key=lambda r: r["completion_length"])
         if not rows:
             continue
         x = [r["completion_length"] for r in rows]
-        label = f"{system} ({model}, {mode})"
-        ax_time.plot(x, [r["ms"] / 1e3 for r in rows], marker="o", label=label)
-        ax_mem.plot(x, [r["peak_gib"] for r in rows], marker="o", label=label)
+        style = dict(marker="o", color=colours.get(system), linestyle="--" if mode == "full" else "-",
+                     label=f"{system} ({model}, {mode})")
+        ax_time.plot(x, [r["ms"] / 1e3 for r in rows], **style)
+        ax_mem.plot(x, [r["peak_gib"] for r in rows], **style)
     for ax, ylabel in ((ax_time, "step time (s)"), (ax_mem, "peak memory (GiB)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("completion length (tokens, 8 generations)")
