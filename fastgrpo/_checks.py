@@ -1,6 +1,8 @@
 """Argument checks shared by the public functions: each raises ValueError naming the argument."""
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Sequence
 
 import torch
@@ -63,13 +65,14 @@ def check_grpo_loss_args(
     max_completion_length: int | None,
     temperature: float,
     bias: torch.Tensor | None,
+    softcap: float | None,
 ) -> None:
     """The checks shared by fastgrpo.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
     from fastgrpo.algorithms import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 
     check_shape("hidden", hidden, (None, None, None))
     B, T, H = hidden.shape
-    check_linear_args(hidden, weight, bias, temperature)
+    check_linear_args(hidden, weight, bias, temperature, softcap)
     check_shape("target_ids", target_ids, (B, T))
     check_mask("completion_mask", completion_mask, "target_ids", target_ids)
     check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
@@ -85,9 +88,14 @@ def check_grpo_loss_args(
 
 
 def check_linear_args(
-    hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    temperature: float,
+    softcap: float | None,
 ) -> None:
-    """hidden [..., H] and weight [V, H] (and bias [V]) of one floating dtype; temperature > 0."""
+    """hidden [..., H] and weight [V, H] (and bias [V]) of one floating dtype; temperature > 0; softcap None or a
+    positive finite number."""
     if not isinstance(hidden, torch.Tensor) or hidden.dim() < 1:
         raise ValueError("hidden: expected a tensor of shape [..., H]")
     check_shape("weight", weight, (None, hidden.shape[-1]))
@@ -98,6 +106,10 @@ def check_linear_args(
         check_shape("bias", bias, (weight.shape[0],))
     if not temperature > 0:
         raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if softcap is not None and (
+        isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf
+    ):
+        raise ValueError(f"softcap: expected None or a positive finite float, got {softcap!r}")
 
 
 def check_binary_mask(name: str, mask: torch.Tensor, like_name: str, like: torch.Tensor) -> None:

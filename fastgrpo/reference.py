@@ -26,11 +26,18 @@ def linear_logprobs(
     bias: torch.Tensor | None = None,
     return_entropy: bool = False,
     upcast: torch.dtype | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """log softmax((hidden @ weight.T + bias) / temperature)[target]: hidden [..., H], weight [V, H] -> [...]."""
-    check_linear_args(hidden, weight, bias, temperature)
+    """log softmax((hidden @ weight.T + bias) / temperature)[target]: hidden [..., H], weight [V, H] -> [...].
+
+    softcap: the logits become softcap * tanh(logits / softcap) first, as Hugging Face's Gemma-2 computes them.
+    """
+    check_linear_args(hidden, weight, bias, temperature, softcap)
     hidden, weight, bias = _cast(upcast, hidden, weight, bias)
-    logits = F.linear(hidden, weight, bias) / temperature  # [..., V]
+    logits = F.linear(hidden, weight, bias)  # [..., V]
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    logits = logits / temperature
     log_probs = torch.log_softmax(logits, dim=-1)
     logps = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
@@ -58,6 +65,7 @@ def grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
     return_entropy: bool = False,
     upcast: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -68,12 +76,12 @@ def grpo_loss(
     """
     check_grpo_loss_args(
         hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, beta, loss_type,
-        importance_sampling_level, max_completion_length, temperature, bias,
+        importance_sampling_level, max_completion_length, temperature, bias, softcap,
     )
     hidden, weight, bias, advantages, old_logps, ref_logps = _cast(
         upcast, hidden, weight, bias, advantages, old_logps, ref_logps
     )
-    out = linear_logprobs(hidden, weight, target_ids, temperature, bias, return_entropy)
+    out = linear_logprobs(hidden, weight, target_ids, temperature, bias, return_entropy, softcap=softcap)
     logps, entropy = out if return_entropy else (out, None)
     mask = completion_mask.to(logps.dtype)
     per_token_loss, per_token_kl, low, high = grpo_per_token_loss(

@@ -59,35 +59,48 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
+def _as_float(softcap: float | None) -> float | None:
+    """An int or numpy cap as a Python float: Triton would specialize an int 1 into a constant."""
+    return None if softcap is None else float(softcap)
+
+
 # --- Row passes over one chunk of logits (torch backend) -------------------------------------------------------
 
 
-def _torch_row_stats(logits, bias, targets, inv_tau, with_entropy):
-    """logits: [C, V] raw h W^T -> (lse [C], logp [C], entropy [C] or None) of z = (logits + bias) * inv_tau."""
-    z = _scaled_logits(logits, bias, inv_tau)
+def _torch_row_stats(logits, bias, targets, inv_tau, softcap, with_entropy):
+    """logits: [C, V] raw h W^T -> (lse [C], logp [C], entropy [C] or None) of z = (logits + bias) * inv_tau,
+    soft-capped first when softcap is not None."""
+    z, _ = _scaled_logits(logits, bias, inv_tau, softcap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
     entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
     return lse, logp, entropy
 
 
-def _torch_row_grad(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_tau):
+def _torch_row_grad(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_tau, softcap):
     """Overwrite logits [C, V] with dL/d(logits) for dL/dlogp = grad_logp [C] (and dL/dentropy = grad_entropy)."""
-    z = _scaled_logits(logits, bias, inv_tau)
+    z, slope = _scaled_logits(logits, bias, inv_tau, softcap)
     probs = torch.exp(z - lse.unsqueeze(-1))
     dz = -grad_logp.unsqueeze(-1) * probs
     dz.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
     if grad_entropy is not None:
         # d entropy / dz_j = -p_j (z_j - E_p[z]), and E_p[z] = lse - entropy.
         dz -= grad_entropy.unsqueeze(-1) * probs * (z - (lse - entropy).unsqueeze(-1))
+    if slope is not None:
+        dz *= slope
     logits.copy_(dz * inv_tau)
 
 
-def _scaled_logits(logits, bias, inv_tau):
+def _scaled_logits(logits, bias, inv_tau, softcap):
+    """(z, dz/d(logits) * tau): z = cap tanh((logits + bias) / cap) * inv_tau, the slope 1 - tanh^2 (None
+    without a cap, where it is 1)."""
     z = logits.to(_acc_dtype(logits.dtype))
     if bias is not None:
         z = z + bias.to(z.dtype)
-    return z * inv_tau
+    if softcap is None:
+        return z * inv_tau, None
+    t = torch.tanh(z / softcap)
+    return t * (softcap * inv_tau), 1.0 - t * t
 
 
 @dataclass(frozen=True)
@@ -152,6 +165,7 @@ def _chunk_loop(
     targets: torch.Tensor,
     rows: torch.Tensor | None,
     temperature: float,
+    softcap: float | None,
     with_entropy: bool,
     kernels: _RowKernels,
     grad_fn: Callable | None = None,
@@ -188,14 +202,14 @@ def _chunk_loop(
         logits = buffer[: stop - start]
         torch.mm(h, weight.t(), out=logits)
         tgt = targets[start:stop]
-        lse_c, logp_c, ent_c = kernels.stats(logits, bias, tgt, inv_tau, with_entropy)
+        lse_c, logp_c, ent_c = kernels.stats(logits, bias, tgt, inv_tau, softcap, with_entropy)
         logp[start:stop] = logp_c
         if with_entropy:
             entropy[start:stop] = ent_c
         if grad_fn is None:
             continue
         grad_logp, grad_entropy = grad_fn(start, stop, logp_c)
-        kernels.grad(logits, bias, tgt, lse_c, ent_c, grad_logp, grad_entropy, inv_tau)  # logits := dL/dlogits
+        kernels.grad(logits, bias, tgt, lse_c, ent_c, grad_logp, grad_entropy, inv_tau, softcap)  # := dL/dlogits
         if grads.hidden is not None:
             if rows is None:
                 torch.mm(logits, weight, out=grads.hidden[start:stop])
@@ -222,18 +236,20 @@ class _LinearLogprobs(torch.autograd.Function):
     """hidden [N, H] -> (logp [N], entropy [N]); the backward recomputes each chunk's logits (3 GEMMs)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, with_entropy, kernels):
+    def forward(ctx, hidden, weight, bias, targets, temperature, softcap, with_entropy, kernels):
         ctx.set_materialize_grads(False)
-        logp, entropy, _ = _chunk_loop(hidden, weight, bias, targets, None, temperature, with_entropy, kernels)
+        logp, entropy, _ = _chunk_loop(
+            hidden, weight, bias, targets, None, temperature, softcap, with_entropy, kernels
+        )
         ctx.save_for_backward(hidden, weight, bias, targets)
-        ctx.temperature, ctx.with_entropy, ctx.kernels = temperature, with_entropy, kernels
+        ctx.temperature, ctx.softcap, ctx.kernels = temperature, softcap, kernels
         return logp, entropy
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, bias, targets = ctx.saved_tensors
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         acc = _acc_dtype(hidden.dtype)
         grad_logp = torch.zeros_like(targets, dtype=acc) if grad_logp is None else grad_logp.to(acc)
         if grad_entropy is not None:
@@ -244,10 +260,10 @@ class _LinearLogprobs(torch.autograd.Function):
 
         need = ctx.needs_input_grad
         _, _, grads = _chunk_loop(
-            hidden, weight, bias, targets, None, ctx.temperature, grad_entropy is not None, ctx.kernels,
-            grad_fn, *need[:3],
+            hidden, weight, bias, targets, None, ctx.temperature, ctx.softcap, grad_entropy is not None,
+            ctx.kernels, grad_fn, *need[:3],
         )
-        return (*_finish_grads(grads, weight, bias), None, None, None, None)
+        return (*_finish_grads(grads, weight, bias), None, None, None, None, None)
 
 
 def fused_linear_logprobs(
@@ -257,15 +273,18 @@ def fused_linear_logprobs(
     *,
     temperature: float = 1.0,
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
     return_entropy: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """log softmax((hidden @ weight.T + bias) / temperature)[target_ids] without materializing the logits.
 
     hidden [..., H], weight [V, H], target_ids [...] -> fp32 log-probs [...] (and entropy [...] when asked),
-    differentiable with respect to hidden, weight and bias (entropy too). backend: "auto" | "triton" | "torch".
+    differentiable with respect to hidden, weight and bias (entropy too). softcap: the logits become
+    softcap * tanh(logits / softcap) before the temperature (Gemma-2's final_logit_softcapping); None: no cap.
+    backend: "auto" | "triton" | "torch".
     """
-    check_linear_args(hidden, weight, bias, temperature)
+    check_linear_args(hidden, weight, bias, temperature, softcap)
     if target_ids.shape != hidden.shape[:-1]:
         raise ValueError(f"target_ids: expected shape {list(hidden.shape[:-1])}, got {list(target_ids.shape)}")
     check_index_range("target_ids", target_ids, weight.shape[0])
@@ -274,7 +293,7 @@ def fused_linear_logprobs(
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # hidden2d: [N, H]
     targets = target_ids.reshape(-1).contiguous()
     logp, entropy = _LinearLogprobs.apply(
-        hidden2d, weight.contiguous(), bias, targets, temperature, return_entropy, kernels
+        hidden2d, weight.contiguous(), bias, targets, temperature, _as_float(softcap), return_entropy, kernels
     )
     logp = logp.view(shape)
     return (logp, entropy.view(shape)) if return_entropy else logp
@@ -292,6 +311,7 @@ class _LossConfig:
     loss_type: str
     importance_sampling_level: str
     temperature: float
+    softcap: float | None
     max_completion_length: int | None
     num_items_in_batch: float | torch.Tensor | None
     return_entropy: bool
@@ -344,14 +364,14 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, re
     any_grad = any(need)
     one_pass = token_level and any_grad
     logp_v, entropy_v, grads = _chunk_loop(
-        hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.return_entropy, kernels,
+        hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, cfg.return_entropy, kernels,
         token_grad_fn if one_pass else None, *need,
     )
     logps = torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, logp_v).view(B, T)
     if any_grad and not token_level:
         grad_logps = _grad_wrt_logps(cfg, logps, m, advantages, old, ref, weights).reshape(-1)[valid]
         _, _, grads = _chunk_loop(
-            hidden2d, weight, bias, flat_targets, rows, cfg.temperature, False, kernels,
+            hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, False, kernels,
             lambda start, stop, _: (grad_logps[start:stop], None), *need,
         )
     per_token_loss, per_token_kl, low, high = _per_token_loss(cfg, logps, m, advantages, old, ref)
@@ -416,6 +436,7 @@ def fused_linear_grpo_loss(
     max_completion_length: int | None = None,
     num_items_in_batch: float | torch.Tensor | None = None,
     bias: torch.Tensor | None = None,
+    softcap: float | None = None,
     return_entropy: bool = False,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -424,14 +445,15 @@ def fused_linear_grpo_loss(
 
     Returns (loss, metrics): `clip_ratio`, `clip_ratio_low`, `clip_ratio_high`, `kl` (beta > 0), `entropy` (when
     asked). old_logps=None is on-policy. Gradients reach hidden, weight (skipped when frozen) and bias.
+    softcap: soft-cap the logits before the temperature, as fused_linear_logprobs.
     """
     check_grpo_loss_args(
         hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, beta, loss_type,
-        importance_sampling_level, max_completion_length, temperature, bias,
+        importance_sampling_level, max_completion_length, temperature, bias, softcap,
     )
     kernels = _row_kernels(_resolve_backend(backend, hidden.device))
     cfg = _LossConfig(
-        beta, epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level, temperature,
+        beta, epsilon_low, epsilon_high, delta, loss_type, importance_sampling_level, temperature, _as_float(softcap),
         max_completion_length, num_items_in_batch, return_entropy,
     )
     args = (hidden.contiguous(), weight.contiguous(), bias, target_ids, completion_mask, advantages.detach())
