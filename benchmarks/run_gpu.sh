@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces every GPU number of the README on a CUDA machine, from the repository root:
-#   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused layers patch offload rollout train e2e context
+#   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused softcap layers patch offload rollout train e2e context
 # Installs the baseline wheels from .whl/ when present (a machine without a registry), then runs the suites with
 # the settings the README quotes; each writes benchmarks/results/<suite>-<card>.json; the last step renders
 # REPORT.md and the charts. Baseline wheels for a machine without a registry:
@@ -14,13 +14,14 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
-suites=${*:-tests fused layers patch offload rollout train e2e context}
+suites=${*:-tests fused softcap layers patch offload rollout train e2e context}
 status=0
 for suite in $suites; do
   echo "=== $suite"
   case $suite in
     tests)   python3 -m pytest tests -q -m gpu -p no:cacheprovider ;;
     fused)   python3 -m pytest benchmarks/bench_fused_linear.py -q -s ;;
+    softcap) python3 -m pytest benchmarks/bench_softcap.py -q -s ;;
     layers)  python3 -m pytest benchmarks/bench_layers.py -q -s ;;
     patch)   python3 -m pytest benchmarks/bench_patch_model.py -q -s ;;
     offload) python3 -m pytest benchmarks/bench_offload.py -q -s ;;
