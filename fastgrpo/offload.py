@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import functools
 import threading
-import types
 import warnings
 import weakref
 from collections.abc import Callable, Iterable
@@ -31,6 +30,7 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from fastgrpo._weak_method import WeakBoundMethod
 from fastgrpo.offload_pool import HostBufferPool, OffloadMemoryError
 
 __all__ = [
@@ -44,9 +44,18 @@ __all__ = [
 ]
 
 _STATE_ATTR = "_fastgrpo_offload"
-_MISSING = object()
 # HF decoder layers take the KV cache under one of these names; a recomputed layer would write it a second time.
 _CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")
+
+
+class _Missing:
+    """No instance attribute was there. One object, also in a deepcopy of a layer (the `is _MISSING` tests)."""
+
+    def __deepcopy__(self, memo: dict) -> _Missing:
+        return self
+
+
+_MISSING = _Missing()
 
 
 # --- Copies: a side CUDA stream, or synchronous CPU copies to run the same logic without a GPU ----------------
@@ -165,6 +174,9 @@ class ActivationOffloader:
         self._live: list[weakref.ref[_OffloadedInput]] = []  # in forward order
         # Re-entrant: a handle's __del__ (gc may run anywhere, autograd's thread included) takes it too.
         self._lock = threading.RLock()
+
+    def __deepcopy__(self, memo: dict) -> ActivationOffloader:
+        return self  # a per-device resource (stream, host pool): a deepcopy of a model shares it
 
     def accepts(self, tensor: torch.Tensor) -> bool:
         return (
@@ -348,7 +360,7 @@ def offload_checkpoint(
 
 @dataclass
 class _LayerState:
-    inner: Callable  # what layer.forward was: the class's bound forward or an earlier instance-level one
+    inner: Callable  # what layer.forward was: the class's forward (weakly bound) or an earlier instance-level one
     instance_forward: Any  # layer.__dict__["forward"] before, or _MISSING
     hf_turned_off: bool  # HF's gradient_checkpointing flag was on and we turned it off
     hf_flag: Any  # layer.__dict__["gradient_checkpointing"] before that, or _MISSING
@@ -406,16 +418,19 @@ def enable_offload_checkpointing(
             state.offloader = offloader or state.offloader
             continue
         hf_on = bool(getattr(layer, "gradient_checkpointing", False))
+        own = layer.__dict__.get("forward", _MISSING)
         layer.__dict__[_STATE_ATTR] = _LayerState(
-            inner=layer.forward,
-            instance_forward=layer.__dict__.get("forward", _MISSING),
+            # Weakly bound (and so is the forward below): a layer -> forward -> layer cycle would keep the model's
+            # memory after `del model` until gc runs.
+            inner=own if own is not _MISSING else WeakBoundMethod(type(layer).forward, layer),
+            instance_forward=own,
             hf_turned_off=hf_on,
             hf_flag=layer.__dict__.get("gradient_checkpointing", _MISSING),
             offloader=offloader,
         )
         if hf_on:
             layer.gradient_checkpointing = False
-        layer.forward = types.MethodType(_offloaded_forward, layer)
+        layer.forward = WeakBoundMethod(_offloaded_forward, layer)
 
 
 def disable_offload_checkpointing(layers: Iterable[nn.Module]) -> None:

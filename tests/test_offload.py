@@ -554,6 +554,23 @@ def _gpu_batches(n=2, B=2, T=512):
             for _ in range(n)]
 
 
+# --- giving host memory back ------------------------------------------------------------------------------------
+
+
+def test_del_frees_an_enabled_layer_without_gc():
+    block = Block()
+    enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
+    block(torch.randn(2, 16, requires_grad=True)).sum().backward()
+    ref = weakref.ref(block)
+    gc.collect()
+    gc.disable()
+    try:
+        del block
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
 def _max_rel_err(got: dict, want: dict) -> float:
     return max(((got[k].float() - want[k].float()).norm() / want[k].float().norm()).item() for k in want)
 

@@ -1,7 +1,9 @@
 """patch_model / unpatch_model on tiny configs of every supported architecture (fp32, CPU interpreter)."""
 import copy
+import gc
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -305,6 +307,51 @@ def test_offload_activations_with_the_real_module():
         torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
     unpatch_model(patched)
     assert _instance_forwards(patched) == before
+
+
+@pytest.mark.parametrize("wrap", ["plain", "peft"])
+def test_del_frees_a_patched_model_without_gc(wrap):
+    """Instance-bound forwards hold their module weakly: reference counting alone frees a patched model (a cycle
+    would keep its GPU memory until the next gc pass, after `del model; torch.cuda.empty_cache()`)."""
+    model = tiny_model("qwen2").train()
+    if wrap == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "gate_proj"]))
+    patch_model(model, offload_activations=True, mlp_chunk_tokens=4)  # CPU: offload falls back to checkpointing
+    ids, _ = batch(8)
+    model(input_ids=ids, labels=ids).loss.backward()
+    hf_model = model.get_base_model() if wrap == "peft" else model
+    refs = [weakref.ref(hf_model), weakref.ref(hf_model.model.layers[0]), weakref.ref(hf_model.model.layers[0].mlp)]
+    del hf_model
+    gc.collect()  # what the library or earlier tests left in cycles
+    gc.disable()
+    try:
+        del model
+        assert [ref() is None for ref in refs] == [True, True, True]
+    finally:
+        gc.enable()
+
+
+def test_deepcopy_of_a_patched_model_is_its_own():
+    """The copy's forwards (and the ones they wrap: tiled MLP, fused loss) run the copy's weights; its unpatch
+    restores the copy's modules (GRPOTrainer deep-copies a patched model for the KL reference)."""
+    model = patch_model(tiny_model("qwen2").train(), offload_activations=True, mlp_chunk_tokens=4)
+    twin = copy.deepcopy(model)
+    ids, mask = batch(9)
+    with torch.no_grad():
+        want = twin(input_ids=ids, attention_mask=mask).logits
+        for p in model.parameters():
+            p.add_(0.5)
+        assert torch.equal(twin(input_ids=ids, attention_mask=mask).logits, want)
+    twin(input_ids=ids, labels=ids).loss.backward()  # tiled MLP recompute + offload checkpointing on the copy
+    assert all(p.grad is None for p in model.parameters())
+    assert twin.model.layers[0].mlp.gate_proj.weight.grad is not None
+    unpatch_model(twin)
+    assert all(f is None for f in _instance_forwards(twin).values())
+    assert "_fastgrpo_offload" not in twin.model.layers[0].__dict__
+    assert model.model.layers[0].mlp.__dict__.get("forward") is not None
+    assert "_fastgrpo_offload" in model.model.layers[0].__dict__
 
 
 @pytest.mark.gpu

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastgrpo._weak_method import copy_function
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
@@ -44,14 +45,6 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
     return forward
 
 
-def _copy_function(fn: types.FunctionType, scope: dict, closure: tuple | None) -> types.FunctionType:
-    copy = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__, closure)
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    copy.__dict__.update(fn.__dict__)
-    return copy
-
-
 def _cell_holds(cell: types.CellType, obj: object) -> bool:
     try:
         return cell.cell_contents is obj
@@ -72,13 +65,13 @@ def with_globals(fn: types.FunctionType, overrides: dict[str, object]) -> types.
     if inner is None:
         if not set(overrides) <= set(fn.__code__.co_names):
             return None
-        return _copy_function(fn, {**fn.__globals__, **overrides}, fn.__closure__)
+        return copy_function(fn, {**fn.__globals__, **overrides}, fn.__closure__)
     new_inner = with_globals(inner, overrides)
     cells = fn.__closure__ or ()
     if new_inner is None or not any(_cell_holds(c, inner) for c in cells):
         return None
     closure = tuple(types.CellType(new_inner) if _cell_holds(c, inner) else c for c in cells)
-    copy = _copy_function(fn, fn.__globals__, closure)
+    copy = copy_function(fn, fn.__globals__, closure)
     copy.__wrapped__ = new_inner
     return copy
 

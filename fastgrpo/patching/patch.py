@@ -4,13 +4,13 @@ Nothing outside the given model changes: no transformers class, module or functi
 """
 from __future__ import annotations
 
-import types
 from collections import Counter
 from collections.abc import Callable
 
 from torch import nn
 
 from fastgrpo._checks import check_positive_int
+from fastgrpo._weak_method import WeakBoundMethod
 from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
 from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward, tiled_mlp_forward
 from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
@@ -60,16 +60,17 @@ def _bind(undo: list[Callable], module: nn.Module, make_forward: Callable[[Calla
     """Bind make_forward(previous) as the instance's forward; accelerate's hooks keep theirs in `_old_forward`."""
     attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
     own = module.__dict__.get(attr)
-    previous = own if own is not None else type(module).forward.__get__(module)
-    module.__dict__[attr] = types.MethodType(make_forward(previous), module)
+    # Weakly bound (here and in undo): a module -> forward -> module cycle would outlive `del model` until gc runs.
+    previous = own if own is not None else WeakBoundMethod(type(module).forward, module)
+    module.__dict__[attr] = WeakBoundMethod(make_forward(previous), module)
 
-    def restore() -> None:
+    def restore(module: nn.Module) -> None:
         if own is None:
             del module.__dict__[attr]
         else:
             module.__dict__[attr] = own
 
-    undo.append(restore)
+    undo.append(WeakBoundMethod(restore, module))  # bound to the module: a deepcopy restores its own modules
 
 
 def patch_model(
@@ -156,7 +157,8 @@ def patch_model(
 
         layers = decoder_layers(hf_model, arch)
         enable_offload_checkpointing(layers)
-        undo.append(lambda: disable_offload_checkpointing(layers))
+        # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
+        undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
         patched["offload_activations"] += len(layers)
     hf_model.__dict__[_UNDO_ATTR] = undo
     hf_model.__dict__[SUMMARY_ATTR] = {
@@ -174,5 +176,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     undo = hf_model.__dict__.pop(_UNDO_ATTR, None)
     hf_model.__dict__.pop(SUMMARY_ATTR, None)
     for restore in reversed(undo or []):
-        restore()
+        try:
+            restore()
+        except ReferenceError:  # a module replaced since, and freed: nothing left to restore
+            pass
     return model
