@@ -41,6 +41,7 @@ __all__ = [
     "disable_offload_checkpointing",
     "enable_offload_checkpointing",
     "offload_checkpoint",
+    "release_host_memory",
 ]
 
 _STATE_ATTR = "_fastgrpo_offload"
@@ -284,6 +285,8 @@ class _OffloadedInput:
 
 
 _DEFAULT_OFFLOADERS: dict[torch.device, ActivationOffloader] = {}
+# Layers enabled without an offloader of their own: the last one disabled releases the default offloaders' memory.
+_DEFAULT_USERS: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def default_offloader(device: torch.device | str) -> ActivationOffloader:
@@ -295,6 +298,25 @@ def default_offloader(device: torch.device | str) -> ActivationOffloader:
     if device not in _DEFAULT_OFFLOADERS:
         _DEFAULT_OFFLOADERS[device] = ActivationOffloader(device)
     return _DEFAULT_OFFLOADERS[device]
+
+
+def release_host_memory(offloader: ActivationOffloader | None = None) -> None:
+    """Give the host memory of `offloader`'s pool back (None: of every default offloader's pool).
+
+    Safe at any time: a buffer that holds an offloaded input whose graph is still alive stays with it, and leaves
+    the pool when that graph is freed. The pool grows again on the next offload. Pinned buffers freed by torch
+    go to its pinned-memory cache first; that cache is emptied too, so the pages go back to the OS.
+    disable_offload_checkpointing (and unpatch_model) calls this for the default offloaders once no layer uses them.
+    """
+    if offloader is not None and not isinstance(offloader, ActivationOffloader):
+        raise ValueError(f"offloader: expected an ActivationOffloader or None, got {type(offloader).__name__}")
+    for each in [offloader] if offloader is not None else list(_DEFAULT_OFFLOADERS.values()):
+        each.pool.clear()
+    if torch.cuda.is_initialized():  # else no pinned memory was ever allocated
+        # newer torch: torch.accelerator.empty_host_cache; older: only the private name.
+        empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+        if empty is not None:
+            empty()
 
 
 # --- The checkpoint ------------------------------------------------------------------------------------------
@@ -416,29 +438,39 @@ def enable_offload_checkpointing(
         state = layer.__dict__.get(_STATE_ATTR)
         if state is not None:
             state.offloader = offloader or state.offloader
-            continue
-        hf_on = bool(getattr(layer, "gradient_checkpointing", False))
-        own = layer.__dict__.get("forward", _MISSING)
-        layer.__dict__[_STATE_ATTR] = _LayerState(
-            # Weakly bound (and so is the forward below): a layer -> forward -> layer cycle would keep the model's
-            # memory after `del model` until gc runs.
-            inner=own if own is not _MISSING else WeakBoundMethod(type(layer).forward, layer),
-            instance_forward=own,
-            hf_turned_off=hf_on,
-            hf_flag=layer.__dict__.get("gradient_checkpointing", _MISSING),
-            offloader=offloader,
-        )
-        if hf_on:
-            layer.gradient_checkpointing = False
-        layer.forward = WeakBoundMethod(_offloaded_forward, layer)
+        else:
+            hf_on = bool(getattr(layer, "gradient_checkpointing", False))
+            own = layer.__dict__.get("forward", _MISSING)
+            state = layer.__dict__[_STATE_ATTR] = _LayerState(
+                # Weakly bound (and so is the forward below): a layer -> forward -> layer cycle would keep the
+                # model's memory after `del model` until gc runs.
+                inner=own if own is not _MISSING else WeakBoundMethod(type(layer).forward, layer),
+                instance_forward=own,
+                hf_turned_off=hf_on,
+                hf_flag=layer.__dict__.get("gradient_checkpointing", _MISSING),
+                offloader=offloader,
+            )
+            if hf_on:
+                layer.gradient_checkpointing = False
+            layer.forward = WeakBoundMethod(_offloaded_forward, layer)
+        if state.offloader is None:
+            _DEFAULT_USERS.add(layer)
+        else:
+            _DEFAULT_USERS.discard(layer)
 
 
 def disable_offload_checkpointing(layers: Iterable[nn.Module]) -> None:
-    """Undo enable_offload_checkpointing on these layers exactly (layers never enabled are left alone)."""
+    """Undo enable_offload_checkpointing on these layers exactly (layers never enabled are left alone).
+
+    When this disables the last layer that used the default offloaders, their host memory is released
+    (release_host_memory()); an offloader passed to enable is left as it is.
+    """
+    had_users = bool(_DEFAULT_USERS)
     for layer in _check_layers(layers):
         state = layer.__dict__.pop(_STATE_ATTR, None)
         if state is None:
             continue
+        _DEFAULT_USERS.discard(layer)
         if state.instance_forward is _MISSING:
             del layer.__dict__["forward"]
         else:
@@ -449,3 +481,5 @@ def disable_offload_checkpointing(layers: Iterable[nn.Module]) -> None:
                 del layer.__dict__["gradient_checkpointing"]
             else:
                 layer.__dict__["gradient_checkpointing"] = state.hf_flag
+    if had_users and not _DEFAULT_USERS:
+        release_host_memory()

@@ -65,6 +65,9 @@ class HostBufferPool:
         self.class_steps = 1 if pin_memory else 8
         self._allocate = allocator or (_pinned_bytes if pin_memory else _pageable_bytes)
         self._free: dict[int, list[torch.Tensor]] = defaultdict(list)
+        # data_ptr of each buffer in use -> the clear() count when it was handed out: older ones are dropped on return.
+        self._in_use: dict[int, int] = {}
+        self._clears = 0
         # Buffers come back from autograd's backward thread, or from a __del__ that gc runs inside acquire().
         self._lock = threading.RLock()
         self.bytes_in_use = 0
@@ -94,20 +97,26 @@ class HostBufferPool:
                 buf = self._allocate_or_raise(size)
                 self.num_allocations += 1
             self.bytes_in_use += size
+            self._in_use[buf.data_ptr()] = self._clears
         return buf
 
     def release(self, buf: torch.Tensor) -> None:
         size = buf.numel()
         with self._lock:
-            self._free[size].append(buf)
             self.bytes_in_use -= size
-            self.bytes_free += size
+            if self._in_use.pop(buf.data_ptr()) == self._clears:
+                self._free[size].append(buf)
+                self.bytes_free += size
 
     def clear(self) -> None:
-        """Drop every free buffer (buffers in use are kept by their holders and return later)."""
+        """Drop the free buffers now, and those in use when they are released: the pool then holds nothing.
+
+        A buffer in use stays with its holder (an offloaded input whose graph is alive) until it is released.
+        """
         with self._lock:
             self._free.clear()
             self.bytes_free = 0
+            self._clears += 1
 
     def _make_room(self, size: int) -> None:
         if self.max_bytes is None:

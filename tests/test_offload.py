@@ -557,6 +557,57 @@ def _gpu_batches(n=2, B=2, T=512):
 # --- giving host memory back ------------------------------------------------------------------------------------
 
 
+def test_clear_while_offloaded_keeps_the_inputs_and_drops_their_buffers_after():
+    blocks = [Block() for _ in range(3)]
+    x = torch.randn(4, 16)
+    want = stack_step(blocks, x, plain=True)
+    off = ActivationOffloader("cpu")
+    x = x.detach().requires_grad_()
+    h = x * 1.0
+    for block in blocks:
+        h = offload_checkpoint(block, h, offloader=off)
+    in_flight = off.pool.bytes_in_use
+    offload.release_host_memory(off)
+    assert off.pool.bytes_held == in_flight  # what the live inputs hold stays with them
+    # New requests get new buffers, never the in-flight ones: spoil what they get.
+    spoiled = [off.pool.acquire(1) for _ in range(3)]
+    for buf in spoiled:
+        buf.fill_(255)
+    h.square().sum().backward()
+    got = [x.grad] + [p.grad for b in blocks for p in b.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    for buf in spoiled:
+        off.pool.release(buf)
+    assert off.pool.bytes_in_use == 0 and off.pool.bytes_held == sum(buf.numel() for buf in spoiled)
+    offload.release_host_memory(off)
+    assert off.pool.bytes_held == 0 and off.pool.num_free == 0
+
+
+def test_release_host_memory_empties_the_default_pools(monkeypatch):
+    monkeypatch.setattr(offload, "_DEFAULT_OFFLOADERS", {})
+    pool = offload.default_offloader("cpu").pool
+    pool.release(pool.acquire(3 * MIB))
+    assert pool.bytes_held > 0
+    offload.release_host_memory()
+    assert pool.bytes_held == 0
+    with pytest.raises(ValueError, match="offloader: expected an ActivationOffloader or None, got HostBufferPool"):
+        offload.release_host_memory(pool)
+
+
+def test_disabling_the_last_layer_on_the_default_offloader_releases_it(monkeypatch):
+    monkeypatch.setattr(offload, "_DEFAULT_OFFLOADERS", {})
+    monkeypatch.setattr(offload, "_DEFAULT_USERS", weakref.WeakSet())
+    pool = offload.default_offloader("cpu").pool
+    a, b, own = Block(), Block(), Block()
+    enable_offload_checkpointing([a, b])
+    enable_offload_checkpointing([own], offloader=ActivationOffloader("cpu"))
+    pool.release(pool.acquire(MIB))
+    disable_offload_checkpointing([a, own])
+    assert pool.bytes_held == MIB  # b still uses it
+    disable_offload_checkpointing([b])
+    assert pool.bytes_held == 0
+
+
 def test_del_frees_an_enabled_layer_without_gc():
     block = Block()
     enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
@@ -663,3 +714,62 @@ def test_gpu_exception_in_layer_leaves_stream_and_pool_usable():
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert off.pool.num_allocations == 3
+
+
+@pytest.mark.gpu
+def test_gpu_unpatch_gives_the_pinned_memory_back(monkeypatch):
+    from fastgrpo.patching import patch_model, unpatch_model
+
+    monkeypatch.setattr(offload, "_DEFAULT_USERS", weakref.WeakSet())  # layers earlier tests left enabled
+    model = _gpu_model()
+    offload.release_host_memory()  # what earlier tests left in the default pools and torch's pinned cache
+    pinned_before = _pinned_bytes()
+    patch_model(model, offload_activations=True)
+    train_step(model, _gpu_batches(n=1))
+    torch.cuda.synchronize()
+    pool = offload.default_offloader("cuda").pool
+    assert pool.pin_memory and pool.bytes_held >= (len(decoder(model).layers) - 1) * MIB
+    unpatch_model(model)
+    assert pool.bytes_held == 0
+    if pinned_before is None:
+        pytest.skip("no torch.cuda.host_memory_stats in this torch: the pool is empty, torch's pinned pages unchecked")
+    assert _pinned_bytes() <= pinned_before  # torch's pinned cache emptied too: the pages went back to the OS
+
+
+def _pinned_bytes() -> int | None:
+    """Pinned host bytes torch's host allocator holds (in use + cached), or None where torch does not say."""
+    stats = torch.cuda.host_memory_stats() if hasattr(torch.cuda, "host_memory_stats") else {}
+    return stats.get("allocated_bytes.current")
+
+
+@pytest.mark.gpu
+def test_gpu_del_frees_a_patched_model_without_gc():
+    from fastgrpo.patching import patch_model
+
+    ids, mask = _gpu_batches(n=1)[0]
+
+    def trained_patched_model():
+        model = patch_model(_gpu_model(), offload_activations=True)
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()  # fused loss + offload + tiled MLP
+        return model
+
+    trained_patched_model()  # warm-up: cuBLAS workspaces, kernels and the copy stream outlive the model
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_allocated()
+    model = trained_patched_model()
+    tensors = [t for p in model.parameters() for t in (p, p.grad) if t is not None]
+    weights_and_grads = sum(t.numel() * t.element_size() for t in tensors)
+    del tensors
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - baseline >= weights_and_grads
+    gc.collect()  # anything else in cycles goes now: below, only reference counting frees memory
+    gc.disable()
+    try:
+        del model
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()  # inputs freed under record_stream count until their events are processed
+        assert torch.cuda.memory_allocated() <= baseline
+    finally:
+        gc.enable()

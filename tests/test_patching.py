@@ -283,14 +283,14 @@ def test_accelerate_hooks_are_kept():
 def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     calls = []
     fake = types.ModuleType("fastgrpo.offload")
-    fake.enable_offload_checkpointing = lambda layers: calls.append(("enable", list(layers)))
+    fake.enable_offload_checkpointing = lambda layers, offloader: calls.append(("enable", list(layers), offloader))
     fake.disable_offload_checkpointing = lambda layers: calls.append(("disable", list(layers)))
     monkeypatch.setitem(sys.modules, "fastgrpo.offload", fake)
     model = tiny_model("llama")
     patch_model(model, offload_activations=True)
     unpatch_model(model)
     layers = list(model.model.layers)
-    assert calls == [("enable", layers), ("disable", layers)]
+    assert calls == [("enable", layers, None), ("disable", layers)]
 
 
 def test_offload_activations_with_the_real_module():
@@ -352,6 +352,37 @@ def test_deepcopy_of_a_patched_model_is_its_own():
     assert "_fastgrpo_offload" not in twin.model.layers[0].__dict__
     assert model.model.layers[0].mlp.__dict__.get("forward") is not None
     assert "_fastgrpo_offload" in model.model.layers[0].__dict__
+
+
+def test_offload_activations_takes_an_offloader():
+    from fastgrpo.offload import ActivationOffloader, HostBufferPool, OffloadMemoryError, release_host_memory
+
+    model = tiny_model("qwen2").train()
+    mib = 1 << 20
+    # A CPU offloader: the offload path itself runs on CPU tensors (the default one falls back to checkpointing).
+    offloader = ActivationOffloader("cpu", pool=HostBufferPool(max_bytes=2 * mib, pin_memory=False))
+    patched = patch_model(copy.deepcopy(model), offload_activations=offloader)
+    assert patched.fastgrpo_patch_summary["options"]["offload_activations"] is offloader
+    ids, mask = batch(10)
+    _, logps, grads = forward_logps_grads(model, ids, mask)
+    _, logps_p, grads_p = forward_logps_grads(patched, ids, mask)
+    assert offloader.pool.num_allocations == 2  # one 1 MiB buffer per layer input: the pool given is the one used
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    for name in grads:
+        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert copy.deepcopy(patched).model.layers[0]._fastgrpo_offload.offloader is offloader  # shared, not copied
+
+    small = ActivationOffloader("cpu", pool=HostBufferPool(max_bytes=1 * mib, pin_memory=False))
+    patch_model(patched, offload_activations=small)  # another offloader: repatched; its bound holds
+    with pytest.raises(OffloadMemoryError, match="max_bytes"):
+        forward_logps_grads(patched, ids, mask)
+    unpatch_model(patched)
+    assert offloader.pool.bytes_held > 0  # the caller's offloader: unpatch leaves it alone
+    release_host_memory(offloader)
+    assert offloader.pool.bytes_held == 0
+
+    with pytest.raises(ValueError, match="offload_activations: expected a bool or .*ActivationOffloader, got str"):
+        patch_model(model, offload_activations="cpu")
 
 
 @pytest.mark.gpu

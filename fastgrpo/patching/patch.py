@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -14,6 +15,9 @@ from fastgrpo._weak_method import WeakBoundMethod
 from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
 from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward, tiled_mlp_forward
 from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
+
+if TYPE_CHECKING:
+    from fastgrpo.offload import ActivationOffloader
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
 _UNDO_ATTR = "_fastgrpo_undo"
@@ -80,7 +84,7 @@ def patch_model(
     rope: bool = True,
     swiglu: bool = True,
     fused_loss: bool = True,
-    offload_activations: bool = False,
+    offload_activations: bool | ActivationOffloader = False,
     tiled_mlp: bool | None = None,
     mlp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
 ) -> nn.Module:
@@ -90,7 +94,11 @@ def patch_model(
     a PEFT wrapper of one, or one with a bitsandbytes 4-bit base. swiglu also covers Gemma's GeGLU.
     fused_loss: with `labels`, the model's forward computes the loss from hidden states without [B, T, V] logits
     (fastgrpo.grpo_loss / sequence_logprobs are fused whether or not the model is patched).
-    offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing.
+    offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing. True uses the
+    default offloader of the inputs' device: its pinned host pool is unbounded and kept for reuse until the last
+    layer using it is unpatched (or fastgrpo.offload.release_host_memory()). An ActivationOffloader is used instead,
+    e.g. ActivationOffloader("cuda", pool=HostBufferPool(max_bytes=8 << 30)) to bound the pinned memory; it is
+    yours: release_host_memory(offloader) gives its memory back.
     tiled_mlp: run each MLP over chunks of mlp_chunk_tokens tokens, keeping only its input for the backward
     (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
     of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
@@ -104,7 +112,15 @@ def patch_model(
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
     check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
-    tiled_mlp = offload_activations if tiled_mlp is None else tiled_mlp
+    if not isinstance(offload_activations, bool):
+        from fastgrpo.offload import ActivationOffloader
+
+        if not isinstance(offload_activations, ActivationOffloader):
+            raise ValueError(
+                "offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
+                f"got {type(offload_activations).__name__}"
+            )
+    tiled_mlp = offload_activations is not False if tiled_mlp is None else tiled_mlp
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
@@ -152,11 +168,11 @@ def patch_model(
 
             _bind(undo, hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix))
             patched["fused_loss"] += 1
-    if offload_activations:
+    if offload_activations is not False:
         from fastgrpo.offload import disable_offload_checkpointing, enable_offload_checkpointing
 
         layers = decoder_layers(hf_model, arch)
-        enable_offload_checkpointing(layers)
+        enable_offload_checkpointing(layers, offloader=None if offload_activations is True else offload_activations)
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
         patched["offload_activations"] += len(layers)
