@@ -25,6 +25,8 @@ BACKENDS = [
 ]
 # ||out - ref|| / ||ref|| bounds: fp64 math lands near 1e-15; fp32 GEMMs + fp32 logsumexp near 1e-7.
 TOL = {torch.float64: 1e-10, torch.float32: 2e-5}
+# Logit soft-caps: off, or from 0.5 (logits here reach +-4, so tanh saturates: tanh(8) = 1 - 2e-7) to 50 (~linear).
+SOFTCAPS = st.one_of(st.none(), st.sampled_from([0.5, 50.0]), st.floats(0.5, 50.0))
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -44,14 +46,16 @@ def make_inputs(seed, B, T, H, V, dtype, *, bias=True, scale=1.0):
     return g, hidden, weight, b, targets
 
 
-def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=True):
+def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=True, softcap=None):
     """Mask with an all-masked sequence, mixed-sign advantages, old/ref log-probs near the policy's."""
     B, T = targets.shape
     mask = torch.rand(B, T, generator=g) < 0.75
     if all_masked_row and B > 1:
         mask[-1] = False
     with torch.no_grad():
-        logps = reference.linear_logprobs(hidden, weight, targets, temperature, bias, upcast=torch.float64)
+        logps = reference.linear_logprobs(
+            hidden, weight, targets, temperature, bias, upcast=torch.float64, softcap=softcap
+        )
     old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4  # ratios e^{+-0.4}: both clips fire
     ref = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
     advantages = torch.randn(B, generator=g, dtype=torch.float64)
@@ -70,15 +74,17 @@ def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=Tr
     temperature=st.sampled_from([1.0, 0.7]),
     with_bias=st.booleans(),
     rows=st.sampled_from([1, 4, None]),
+    softcap=SOFTCAPS,
 )
-def test_logprobs_entropy_and_grads(backend, seed, B, T, H, V, dtype, temperature, with_bias, rows):
+def test_logprobs_entropy_and_grads(backend, seed, B, T, H, V, dtype, temperature, with_bias, rows, softcap):
     _, hidden, weight, bias, targets = make_inputs(seed, B, T, H, V, dtype, bias=with_bias)
     ref_lp, ref_ent = reference.linear_logprobs(
-        hidden, weight, targets, temperature, bias, return_entropy=True, upcast=torch.float64
+        hidden, weight, targets, temperature, bias, return_entropy=True, upcast=torch.float64, softcap=softcap
     )
     with chunk_rows(rows):
         lp, ent = fused_linear_logprobs(
-            hidden, weight, targets, temperature=temperature, bias=bias, return_entropy=True, backend=backend
+            hidden, weight, targets, temperature=temperature, bias=bias, softcap=softcap, return_entropy=True,
+            backend=backend,
         )
     assert lp.dtype == torch.promote_types(dtype, torch.float32) and lp.shape == targets.shape
     assert rel_err(lp, ref_lp) < TOL[dtype] and rel_err(ent, ref_ent) < TOL[dtype]
@@ -102,6 +108,7 @@ LOSS_CASES = st.fixed_dictionaries(
         "temperature": st.sampled_from([1.0, 0.7]),
         "on_policy": st.booleans(),
         "num_items_in_batch": st.sampled_from([None, 11.0]),
+        "softcap": SOFTCAPS,
     }
 )
 
@@ -122,7 +129,9 @@ def test_grpo_loss_matches_reference(backend, seed, B, T, H, V, case, frozen, ro
     g, hidden, weight, bias, targets = make_inputs(seed, B, T, H, V, torch.float64)
     weight.requires_grad_(not frozen)
     temperature = case.pop("temperature")
-    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, temperature)
+    mask, advantages, old, ref = grpo_extras(
+        g, hidden, weight, bias, targets, temperature, softcap=case["softcap"]
+    )
     old = None if case.pop("on_policy") else old
     kwargs = dict(
         case, old_logps=old, ref_logps=ref, temperature=temperature, bias=bias, max_completion_length=T + 2,
@@ -200,6 +209,31 @@ def test_padding_values_at_masked_positions_do_not_leak(backend, level):
         assert torch.allclose(got, exp, rtol=1e-8, atol=1e-12)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_softcap_saturated_and_banned_tokens(backend, dtype):
+    """Cap 0.5 on logits up to ~30 (tanh is +-1 to the last bit) and banned tokens (bias -inf), which the cap turns
+    into a finite -cap as in HF. V = 300 pads the last block: padding must get no probability, not -cap's."""
+    g, hidden, weight, bias, targets = make_inputs(13, 2, 8, 48, 300, dtype, scale=8.0)
+    with torch.no_grad():
+        bias[::7] = float("-inf")
+    targets[0, 0] = 7  # one target is a banned token
+    params = (hidden, weight, bias)
+    want = reference.linear_logprobs(hidden, weight, targets, 0.7, bias, True, torch.float64, softcap=0.5)
+    with chunk_rows(5):
+        got = fused_linear_logprobs(
+            hidden, weight, targets, temperature=0.7, bias=bias, softcap=0.5, return_entropy=True, backend=backend
+        )
+    for out, ref in zip(got, want):
+        assert rel_err(out, ref) < TOL[dtype]
+    coef = torch.randn(2, 2, 8, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad((coef[0] * want[0] + coef[1] * want[1]).sum(), params)
+    grads = torch.autograd.grad((coef[0] * got[0] + coef[1] * got[1]).sum(), params)
+    for name, out, ref in zip(("hidden", "weight", "bias"), grads, want_grads):
+        assert rel_err(out, ref) < TOL[dtype] * 10, name
+    assert torch.all(grads[2][::7] == 0)  # saturated: 1 - tanh^2 = 0
+
+
 class _Spy:
     """Records the chunk shapes the row passes see and the dW GEMMs the chunk loop issues."""
 
@@ -265,10 +299,11 @@ def test_no_grad_forms_no_gradient(monkeypatch):
     assert spy.grad_rows == [] and spy.dweight_calls == 0
 
 
-def test_bf16_error_no_larger_than_eager_bf16():
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_bf16_error_no_larger_than_eager_bf16(softcap):
     g, hidden, weight, bias, targets = make_inputs(11, 2, 32, 48, 300, torch.bfloat16, scale=2.0)
-    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 1.0)
-    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.04, bias=bias)
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 1.0, softcap=softcap)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.04, bias=bias, softcap=softcap)
     exact, _ = reference.grpo_loss(hidden, weight, targets, mask, advantages, upcast=torch.float64, **kwargs)
     eager, _ = reference.grpo_loss(hidden, weight, targets, mask, advantages, **kwargs)
     ours, _ = fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, backend="torch", **kwargs)
@@ -293,6 +328,12 @@ def test_bf16_error_no_larger_than_eager_bf16():
         (dict(importance_sampling_level="segment"), "importance_sampling_level"),
         (dict(loss_type="dr_grpo"), "max_completion_length"),
         (dict(backend="jax"), "backend"),
+        (dict(softcap=0.0), "softcap"),
+        (dict(softcap=-30.0), "softcap"),
+        (dict(softcap=float("inf")), "softcap"),
+        (dict(softcap=float("nan")), "softcap"),
+        (dict(softcap=True), "softcap"),
+        (dict(softcap="30"), "softcap"),
     ],
 )
 def test_bad_input_names_the_argument(change, name):
@@ -302,7 +343,7 @@ def test_bad_input_names_the_argument(change, name):
     weight = change.pop("weight", weight)
     with pytest.raises(ValueError, match=name):
         fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2, 3), torch.ones(2), **change)
-    if not set(change) - {"backend"}:
+    if not set(change) - {"backend", "softcap"}:
         with pytest.raises(ValueError, match=name):
             fused_linear_logprobs(hidden, weight, targets, **change)
 

@@ -1,5 +1,6 @@
 """GPU checks of the fused linear log-probs / GRPO loss: bf16 and fp32 against fp64, no worse than eager PyTorch on
-the same inputs; 262144 rows and one 65536-token sequence, with chunks whose [chunk, V] passes 2^31 elements.
+the same inputs; 262144 rows and one 65536-token sequence, with chunks whose [chunk, V] passes 2^31 elements;
+Gemma-2's soft-capped logits at its vocabulary and hidden size.
 
     python -m pytest tests/test_fused_linear_gpu.py -q -m gpu
 """
@@ -24,11 +25,11 @@ def rel_err(out, ref):
     return float((out.detach().double() - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def inputs(B, T, H, dtype, seed=0, scale=1.0):
+def inputs(B, T, H, dtype, seed=0, scale=1.0, vocab=V):
     g = torch.Generator(device="cuda").manual_seed(seed)
     hidden = (torch.randn(B, T, H, device="cuda", generator=g) * scale).to(dtype).requires_grad_()
-    weight = (torch.randn(V, H, device="cuda", generator=g) / H**0.5).to(dtype).requires_grad_()
-    targets = torch.randint(0, V, (B, T), device="cuda", generator=g)
+    weight = (torch.randn(vocab, H, device="cuda", generator=g) / H**0.5).to(dtype).requires_grad_()
+    targets = torch.randint(0, vocab, (B, T), device="cuda", generator=g)
     mask = torch.rand(B, T, device="cuda", generator=g) < 0.9
     advantages = torch.randn(B, device="cuda", generator=g)
     return g, hidden, weight, targets, mask, advantages
@@ -107,3 +108,51 @@ def test_262144_rows_and_a_65536_token_sequence():
     assert rel_err(loss, loss_t) < 1e-5
     for o, t in zip(grads, grads_t):
         assert rel_err(o, t) < 1e-2
+
+
+def hf_softcapped_logps(hidden, weight, targets, temperature, softcap):
+    """What HF Gemma-2 + TRL compute: logits soft-capped in the model's dtype (its forward), log_softmax in fp32."""
+    logits = torch.tanh(F.linear(hidden, weight) / softcap) * softcap
+    return torch.log_softmax(logits.float() / temperature, -1).gather(-1, targets[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_softcap_at_gemma2_size_no_worse_than_eager(level):
+    """Gemma-2-2B's V = 256000, H = 2304 and final_logit_softcapping = 30, bf16, 2048 rows; raw logits of std 8
+    (max ~40) reach the cap's bend. Each loss and its gradients are formed and freed in turn: the fp64 oracle holds
+    a few 4.2 GB [2048, 256000] buffers."""
+    B, T, H, vocab, cap, tau = 2, 1024, 2304, 256000, 30.0, 0.9
+    g, hidden, weight, targets, mask, advantages = inputs(B, T, H, torch.bfloat16, scale=8.0, vocab=vocab)
+    params = (hidden, weight)
+    with torch.no_grad():
+        exact_lp = reference.linear_logprobs(hidden, weight, targets, tau, None, False, torch.float64, softcap=cap)
+        eager_lp = hf_softcapped_logps(hidden, weight, targets, tau, cap)
+        ours_lp = fused_linear_logprobs(hidden, weight, targets, temperature=tau, softcap=cap, backend="triton")
+    assert rel_err(ours_lp, exact_lp) <= rel_err(eager_lp, exact_lp) * 1.1 + SLACK
+    old = (exact_lp + 0.3 * torch.randn(B, T, device="cuda", generator=g, dtype=torch.float64)).float()
+    ref = (exact_lp + 0.3 * torch.randn(B, T, device="cuda", generator=g, dtype=torch.float64)).float()
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.04, importance_sampling_level=level, temperature=tau,
+                  softcap=cap)
+
+    def eager_loss():  # GRPO (bnpo) on the HF + TRL log-probs
+        logps = hf_softcapped_logps(hidden, weight, targets, tau, cap)
+        m = mask.float()
+        per_token, *_ = grpo_per_token_loss(logps, m, advantages, old, ref, 0.04, 0.2, None, None, level)
+        return (per_token * aggregation_weights(m, "bnpo")).sum()
+
+    results = {}
+    for name, make_loss in (
+        ("exact", lambda: reference.grpo_loss(
+            hidden, weight, targets, mask, advantages, upcast=torch.float64, **kwargs)[0]),
+        ("eager", eager_loss),
+        ("ours", lambda: fused_linear_grpo_loss(
+            hidden, weight, targets, mask, advantages, backend="triton", **kwargs)[0]),
+    ):
+        loss = make_loss()
+        results[name] = (loss.detach(), torch.autograd.grad(loss, params))
+        del loss
+    (exact, exact_g), (eager, eager_g), (ours, ours_g) = (results[k] for k in ("exact", "eager", "ours"))
+    assert rel_err(ours, exact) <= rel_err(eager, exact) + SLACK
+    for name, o, e, x in zip(("hidden", "weight"), ours_g, eager_g, exact_g):
+        assert o.dtype == torch.bfloat16
+        assert rel_err(o, x) <= rel_err(e, x) * 1.1 + SLACK, name

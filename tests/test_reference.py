@@ -13,7 +13,8 @@ f64 = torch.float64
 
 
 def hand_grpo_loss(hidden, weight, targets, mask, advantages, old, ref, *, beta, eps_low, eps_high, delta,
-                   loss_type, level, temperature, max_completion_length=None, num_items_in_batch=None, bias=None):
+                   loss_type, level, temperature, max_completion_length=None, num_items_in_batch=None, bias=None,
+                   softcap=None):
     """The GRPO loss of DESIGN.md one token at a time, on Python floats."""
     B, T, _ = hidden.shape
     hidden, weight, mask, advantages = hidden.tolist(), weight.tolist(), mask.tolist(), advantages.tolist()
@@ -21,7 +22,10 @@ def hand_grpo_loss(hidden, weight, targets, mask, advantages, old, ref, *, beta,
     logp = [[0.0] * T for _ in range(B)]
     for b in range(B):
         for t in range(T):
-            z = [(sum(h * w for h, w in zip(hidden[b][t], row)) + c) / temperature for row, c in zip(weight, bias)]
+            z = [sum(h * w for h, w in zip(hidden[b][t], row)) + c for row, c in zip(weight, bias)]
+            if softcap is not None:
+                z = [softcap * math.tanh(v / softcap) for v in z]
+            z = [v / temperature for v in z]
             top = max(z)
             logp[b][t] = z[targets[b][t]] - (top + math.log(sum(math.exp(v - top) for v in z)))
     old = logp if old is None else old.tolist()
@@ -100,6 +104,26 @@ def test_grpo_loss_matches_the_hand_computation(loss_type, level):
     assert metrics["clip_ratio"].item() == pytest.approx(want_clip)
     known = {"token": (2 / 6, 1 / 6), "sequence": (3 / 6, 0.0)}[level]  # (low, high): see random_problem
     assert (want_metrics["clip_ratio_low"], want_metrics["clip_ratio_high"]) == pytest.approx(known)
+
+
+def test_grpo_loss_soft_caps_the_logits_before_the_temperature():
+    hidden, weight, bias, targets, mask, advantages, old, ref = random_problem(seed=7)
+    common = dict(beta=0.04, delta=None, temperature=0.7, bias=bias, loss_type="bnpo")
+    loss, metrics = reference.grpo_loss(
+        hidden, weight, targets, mask, advantages, old_logps=old, ref_logps=ref, epsilon_low=0.2,
+        epsilon_high=0.28, importance_sampling_level="token", softcap=1.5, **common,
+    )
+    want, want_metrics = hand_grpo_loss(
+        hidden, weight, targets.tolist(), mask, advantages, old, ref, eps_low=0.2, eps_high=0.28, level="token",
+        softcap=1.5, **common,
+    )
+    uncapped, _ = hand_grpo_loss(
+        hidden, weight, targets.tolist(), mask, advantages, old, ref, eps_low=0.2, eps_high=0.28, level="token",
+        **common,
+    )
+    assert loss.item() == pytest.approx(want, rel=1e-10, abs=1e-12)
+    assert metrics["kl"].item() == pytest.approx(want_metrics["kl"], rel=1e-10, abs=1e-12)
+    assert abs(want - uncapped) > 1e-2  # logits of std ~2 here: a cap of 1.5 bends them
 
 
 def test_grpo_loss_on_policy_and_per_token_advantages():
@@ -191,6 +215,8 @@ def test_grpo_loss_upcasts_on_request():
         ({"beta": 0.1}, "ref_logps"),
         ({"loss_type": "dr_grpo"}, "max_completion_length"),
         ({"temperature": 0.0}, "temperature"),
+        ({"softcap": 0.0}, "softcap"),
+        ({"softcap": float("inf")}, "softcap"),
         ({"old_logps": torch.zeros(2, 3, dtype=f64)}, "old_logps"),
     ],
 )
@@ -205,17 +231,21 @@ def test_grpo_loss_bad_arguments(kwargs, name):
 # --- linear_logprobs ---------------------------------------------------------------------------------------------
 
 
-@given(st.integers(1, 4), st.integers(2, 9), st.integers(0, 2**31 - 1), st.sampled_from([0.5, 1.0, 3.0]))
-def test_linear_logprobs_on_explicit_logits(rows, vocab, seed, temperature):
+@given(
+    st.integers(1, 4), st.integers(2, 9), st.integers(0, 2**31 - 1), st.sampled_from([0.5, 1.0, 3.0]),
+    st.sampled_from([None, 0.5, 30.0]),
+)
+def test_linear_logprobs_on_explicit_logits(rows, vocab, seed, temperature, softcap):
     gen = torch.Generator().manual_seed(seed)
     logits = 5 * torch.randn(rows, vocab, generator=gen, dtype=f64)
     targets = torch.randint(0, vocab, (rows,), generator=gen)
-    want = torch.log_softmax(logits / temperature, -1)
+    capped = logits if softcap is None else softcap * torch.tanh(logits / softcap)  # 0.5: saturated
+    want = torch.log_softmax(capped / temperature, -1)
     # hidden = the logits through an identity lm_head; and row 0's logits as the bias of a zero hidden state.
     logps, entropy = reference.linear_logprobs(logits, torch.eye(vocab, dtype=f64), targets, temperature,
-                                               return_entropy=True)
+                                               return_entropy=True, softcap=softcap)
     from_bias = reference.linear_logprobs(torch.zeros(rows, 2, dtype=f64), torch.randn(vocab, 2, dtype=f64),
-                                          targets, temperature, bias=logits[0])
+                                          targets, temperature, bias=logits[0], softcap=softcap)
     torch.testing.assert_close(logps, want[torch.arange(rows), targets], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(from_bias, want[0][targets], rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(entropy, -(want.exp() * want).sum(-1), rtol=1e-12, atol=1e-12)
