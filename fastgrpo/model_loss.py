@@ -28,13 +28,7 @@ def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, complet
 def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
     """(backbone, lm_head) of a supported causal LM or PEFT wrapper; tied embeddings share the weight already."""
     hf_model = unwrap_peft(model)
-    arch = architecture(hf_model)
-    softcap = arch.logit_softcap(hf_model.config)
-    if softcap:
-        raise ValueError(
-            f"model: config.{arch.logit_softcap_attr}={softcap} soft-caps the logits, which the fused loss does not "
-            "compute; set it to None to train without it"
-        )
+    architecture(hf_model)  # a ValueError for an unsupported model, before the backbone runs
     head = hf_model.get_output_embeddings()
     if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
         raise ValueError(f"model: expected an lm_head with a [V, H] weight, got {type(head).__name__}")
@@ -44,6 +38,12 @@ def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
             "(it reads lm_head.weight); leave lm_head out of target_modules, or merge the adapters first"
         )
     return getattr(hf_model, hf_model.base_model_prefix), head
+
+
+def _logit_softcap(model: torch.nn.Module) -> float | None:
+    """The soft-cap the model applies to its logits (Gemma-2: config.final_logit_softcapping), or None."""
+    hf_model = unwrap_peft(model)
+    return architecture(hf_model).logit_softcap(hf_model.config)
 
 
 def _window(completion_mask: torch.Tensor) -> slice:
@@ -104,7 +104,7 @@ def grpo_loss(
         epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
         importance_sampling_level=importance_sampling_level, temperature=temperature,
         max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch, bias=head.bias,
-        return_entropy=return_entropy, backend=backend,
+        softcap=_logit_softcap(model), return_entropy=return_entropy, backend=backend,
     )
 
 
@@ -129,7 +129,7 @@ def sequence_logprobs(
         hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
     out = fused_linear_logprobs(
         hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
-        return_entropy=return_entropy, backend=backend,
+        softcap=_logit_softcap(model), return_entropy=return_entropy, backend=backend,
     )
     mask = completion_mask[:, cols].bool()
     full = []

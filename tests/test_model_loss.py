@@ -7,6 +7,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from fastgrpo import reference
+from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
 from fastgrpo.model_loss import grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model
 
@@ -17,6 +18,16 @@ def tiny_qwen2(seed=0, **overrides):
     config = transformers.Qwen2Config(
         vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0, **overrides,
+    )
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def tiny_gemma2(softcap, seed=0):
+    config = transformers.Gemma2Config(
+        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, query_pre_attn_scalar=16, final_logit_softcapping=softcap, pad_token_id=0,
     )
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -100,6 +111,46 @@ def test_grpo_loss_matches_reference(name):
     grads = dict(model.named_parameters())
     for n, p in patched.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def hf_grpo_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps, ref_logps, beta,
+                 temperature):
+    """Token-level bnpo GRPO loss on the logits of the model's own forward (soft-capped there), shifted by one."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1] / temperature
+    logps = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    mask = completion_mask[:, 1:].to(logps.dtype)
+    per_token_loss, *_ = grpo_per_token_loss(
+        logps, mask, advantages, old_logps[:, 1:], ref_logps[:, 1:], beta, 0.2, 0.28, None, "token"
+    )
+    return (per_token_loss * aggregation_weights(mask, "bnpo")).sum()
+
+
+def test_gemma2_soft_capped_logits_match_hf():
+    # A cap of 0.2 against logits of std 0.14 (max 0.5) in this tiny model: tanh bends them; 30 would be linear.
+    model = tiny_gemma2(softcap=0.2, seed=3)
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask, completion = rollout_batch(3)
+    g = torch.Generator().manual_seed(3)
+    advantages = torch.randn(B, generator=g)
+    with torch.no_grad():
+        base = eager_logps(model, ids, mask, completion, temperature=0.8).float()
+    old = base + 0.2 * torch.randn(B, T, generator=g) * completion
+    ref = base + 0.3 * torch.randn(B, T, generator=g) * completion
+    options = dict(old_logps=old, ref_logps=ref, beta=0.05, epsilon_high=0.28, temperature=0.8)
+    logps = sequence_logprobs(patched, ids, mask, completion, temperature=0.8)
+    torch.testing.assert_close(logps.double(), base.double(), rtol=1e-5, atol=1e-5)
+    loss, _ = grpo_loss(patched, ids, mask, completion, advantages, **options)
+    want = hf_grpo_loss(model, ids, mask, completion, advantages, old, ref, 0.05, 0.8)
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
+    loss.backward()
+    want.backward()
+    grads = dict(model.named_parameters())
+    for n, p in patched.named_parameters():
+        torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+    # The cap matters at these tolerances: the same weights without it are far off.
+    patched.config.final_logit_softcapping = None
+    uncapped = sequence_logprobs(patched, ids, mask, completion, temperature=0.8)
+    assert (uncapped - logps).abs().max() > 1e-2
 
 
 def test_peft_reference_logprobs_disable_the_adapter():
@@ -187,9 +238,3 @@ def test_bad_input():
         sequence_logprobs(model, ids, mask[:, 1:], completion)
     with pytest.raises(ValueError, match="disable_adapter"):
         sequence_logprobs(model, ids, mask, completion, disable_adapter=True)
-    gemma2 = AutoModelForCausalLM.from_config(transformers.Gemma2Config(
-        vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=16, final_logit_softcapping=30.0,
-    ))
-    with pytest.raises(ValueError, match="final_logit_softcapping"):
-        sequence_logprobs(gemma2, ids, mask, completion)

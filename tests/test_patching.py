@@ -23,8 +23,8 @@ CONFIGS = {
     "qwen2": lambda: transformers.Qwen2Config(**TINY),
     "qwen3": lambda: transformers.Qwen3Config(**TINY),
     "gemma": lambda: transformers.GemmaConfig(**TINY),
-    # The fused loss does not soft-cap logits (tested below): off here so every module is patched.
-    "gemma2": lambda: transformers.Gemma2Config(**TINY, final_logit_softcapping=None, query_pre_attn_scalar=8),
+    # A logit cap of 0.2 against tiny-model logits of std 0.14 (max 0.5): tanh bends them (30 would be linear here).
+    "gemma2": lambda: transformers.Gemma2Config(**TINY, final_logit_softcapping=0.2, query_pre_attn_scalar=8),
     # sliding_window < T: local and global layers both run.
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**TINY, sliding_window=4, query_pre_attn_scalar=8),
     # Phi-3 rotates half of each head (partial rotary) and fuses gate_up_proj.
@@ -126,8 +126,9 @@ def test_generate_with_kv_cache(model_type):
         torch.testing.assert_close(s_p, s, rtol=1e-5, atol=1e-5)
 
 
-def test_labels_loss_without_logits_matches_hf():
-    model = tiny_model("llama")
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: soft-capped logits
+def test_labels_loss_without_logits_matches_hf(model_type):
+    model = tiny_model(model_type)
     patched = patch_model(copy.deepcopy(model))
     ids, mask = batch(2)
     labels = ids.masked_fill(mask == 0, -100)
@@ -141,12 +142,19 @@ def test_labels_loss_without_logits_matches_hf():
     torch.testing.assert_close(patched.lm_head.weight.grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
 
 
-def test_soft_capped_logits_skip_the_fused_loss_with_a_reason():
-    config = CONFIGS["gemma2"]()
-    config.final_logit_softcapping = 30.0
-    model = patch_model(AutoModelForCausalLM.from_config(config))
-    assert "final_logit_softcapping" in model.fastgrpo_patch_summary["skipped"]["fused_loss"]
-    assert "fused_loss" not in model.fastgrpo_patch_summary["patched"]
+def test_labels_loss_reads_the_soft_cap_from_the_config():
+    model = tiny_model("gemma2")
+    patched = patch_model(copy.deepcopy(model))
+    assert patched.fastgrpo_patch_summary["patched"]["fused_loss"] == 1
+    ids, mask = batch(2)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        capped = patched(input_ids=ids, attention_mask=mask, labels=labels).loss
+        for m in (model, patched):
+            m.config.final_logit_softcapping = None
+        uncapped = patched(input_ids=ids, attention_mask=mask, labels=labels).loss
+        torch.testing.assert_close(uncapped, model(input_ids=ids, attention_mask=mask, labels=labels).loss)
+    assert abs(float(capped - uncapped)) > 1e-3  # the cap changes the loss by far more than the tolerance
 
 
 def _instance_forwards(model):

@@ -9,14 +9,15 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
 from fastgrpo.patching.patch import adapters_active
+from fastgrpo.patching.table import Architecture
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 
 
-def causal_lm_forward(previous: Callable, backbone_attr: str) -> Callable:
+def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
     """Without labels, or with PEFT adapters on the lm_head (the fused loss reads its weight alone): `previous`
     (the library forward). With labels: HF's loss (shifted labels, sum over the non-ignored tokens divided by their
-    count or by num_items_in_batch), returned with logits=None."""
+    count or by num_items_in_batch, on logits soft-capped as the config says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
         if kwargs.get("labels") is None or adapters_active(self.get_output_embeddings()):
@@ -29,7 +30,9 @@ def causal_lm_forward(previous: Callable, backbone_attr: str) -> Callable:
         valid = targets != IGNORE_INDEX
         hidden = out.last_hidden_state[:, :-1][valid]  # hidden: [n, H]
         lm_head = self.get_output_embeddings()
-        logps = fused_linear_logprobs(hidden, lm_head.weight, targets[valid], bias=lm_head.bias)
+        logps = fused_linear_logprobs(
+            hidden, lm_head.weight, targets[valid], bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
+        )
         denom = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         loss = -logps.sum() / torch.as_tensor(denom, device=logps.device, dtype=logps.dtype)
         return CausalLMOutputWithPast(

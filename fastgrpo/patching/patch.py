@@ -160,14 +160,10 @@ def patch_model(
             _bind(undo, module, lambda _: forward)
             patched["rope"] += 1
     if fused_loss:
-        softcap = arch.logit_softcap(hf_model.config)
-        if softcap:
-            skipped["fused_loss"] = f"config.{arch.logit_softcap_attr}={softcap}: soft-capped logits are not fused"
-        else:
-            from fastgrpo.patching.loss_forward import causal_lm_forward
+        from fastgrpo.patching.loss_forward import causal_lm_forward
 
-            _bind(undo, hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix))
-            patched["fused_loss"] += 1
+        _bind(undo, hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix, arch))
+        patched["fused_loss"] += 1
     if offload_activations is not False:
         from fastgrpo.offload import disable_offload_checkpointing, enable_offload_checkpointing
 

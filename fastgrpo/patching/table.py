@@ -17,7 +17,7 @@ class Architecture:
     mlp_classes: tuple[str, ...]
     mlp_fused_gate_up: bool  # Phi-3: one gate_up_proj, chunked in two
     mlp_act_attr: str
-    logit_softcap_attr: str | None = None  # config field that soft-caps the logits (the fused loss cannot)
+    logit_softcap_attr: str | None = None  # config field that soft-caps the logits (passed to the fused loss)
 
     def logit_softcap(self, config) -> float | None:
         """The soft-cap a model of this architecture applies to its logits, or None."""
