@@ -27,12 +27,14 @@ INTERPRET_BLOCK_V = 64
 
 @triton.jit
 def _softcap(x, cap):
-    """(cap tanh(x / cap), 1 - tanh(x / cap)^2) from one exp: tl has no tanh (libdevice's returns None under the
-    interpreter). u = exp(-2|x| / cap) in [0, 1] cannot overflow, tanh(+-inf) = +-1, and 4u / (1 + u)^2 keeps the
-    slope's relative precision where 1 - tanh^2 cancels. fp32 tanh: 1.0e-7 absolute error (torch's 5.4e-8)."""
-    u = tl.exp(-2.0 * tl.abs(x) / cap)
-    t = (1.0 - u) / (1.0 + u)
-    return cap * tl.where(x < 0, -t, t), 4.0 * u / ((1.0 + u) * (1.0 + u))
+    """(cap tanh(x / cap), 1 - tanh(x / cap)^2) from one exp and one division per element: tl has no tanh
+    (libdevice's returns None under the interpreter). u = exp(-2|x| / cap) in [0, 1] cannot overflow, tanh(+-inf)
+    = +-1, and 4u / (1 + u)^2 keeps the slope's relative precision where 1 - tanh^2 cancels. fp32 tanh: 1.2e-7
+    absolute error (torch's 5.4e-8)."""
+    u = tl.exp(tl.abs(x) * (-2.0 / cap))
+    r = 1.0 / (1.0 + u)
+    t = (1.0 - u) * r
+    return cap * tl.where(x < 0, -t, t), 4.0 * u * r * r
 
 
 @triton.jit
