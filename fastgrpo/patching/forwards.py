@@ -7,8 +7,10 @@ import types
 from collections.abc import Callable
 
 import torch
+from torch import nn
 
 from fastgrpo._weak_method import copy_function
+from fastgrpo.ops.lora import lora_delta
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
@@ -43,6 +45,53 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
         return tiled_mlp(self, x, chunk_tokens=chunk_tokens, forward=previous)
 
     return forward
+
+
+def lora_linear_forward(previous: Callable) -> Callable:
+    """PEFT's LoRA Linear forward with fastgrpo.ops.lora's delta where PEFT would run its vanilla branch alone;
+    `previous` (PEFT's own forward) for everything else."""
+
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        adapters = _vanilla_adapters(self, x, args, kwargs)
+        if adapters is None:
+            return previous(x, *args, **kwargs)
+        result = self.base_layer(x)
+        result_dtype = result.dtype
+        for lora_a, lora_b, scaling in adapters:
+            result = result + lora_delta(x, lora_a.weight, lora_b.weight, scaling)
+        return result.to(result_dtype)
+
+    return forward
+
+
+def _vanilla_adapters(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> list[tuple] | None:
+    """(lora_A, lora_B, scaling) of each active adapter when PEFT's Linear.forward (0.21) would compute
+    base_layer(x) + lora_B(lora_A(x.to(A.dtype))) * scaling for each and nothing else; None when it would not."""
+    if args or kwargs or layer.disable_adapters or layer.merged:
+        return None  # arguments for the base layer or adapter_names (a mixed batch); base alone; merged weights
+    if not getattr(layer, "cast_input_dtype_enabled", True) or torch.is_autocast_enabled(x.device.type):
+        return None  # x not cast, or lora_A / lora_B run in the autocast dtype
+    adapters, dtypes = [], set()
+    for name in layer.active_adapters:
+        if name not in layer.lora_A:
+            continue
+        lora_a, lora_b, dropout = layer.lora_A[name], layer.lora_B[name], layer.lora_dropout[name]
+        if name in layer.lora_variant or not (_plain_linear(lora_a) and _plain_linear(lora_b)):
+            return None  # DoRA and other variants; lora_bias; hooked or replaced adapter linears
+        if not (type(dropout) is nn.Identity or (type(dropout) is nn.Dropout and not dropout.training)):
+            return None  # a dropout mask would have to be kept for the backward
+        adapters.append((lora_a, lora_b, layer.scaling[name]))
+        dtypes |= {lora_a.weight.dtype, lora_b.weight.dtype}
+    # PEFT casts x to each adapter's dtype in turn (fp32 -> bf16 -> fp32 would round); lora_delta casts once.
+    return adapters if len(dtypes) <= 1 else None
+
+
+def _plain_linear(module: nn.Module) -> bool:
+    return (
+        type(module) is nn.Linear
+        and module.bias is None
+        and not (module._forward_hooks or module._forward_pre_hooks or "forward" in module.__dict__)
+    )
 
 
 def _cell_holds(cell: types.CellType, obj: object) -> bool:

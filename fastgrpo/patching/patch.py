@@ -4,6 +4,7 @@ Nothing outside the given model changes: no transformers class, module or functi
 """
 from __future__ import annotations
 
+import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -13,7 +14,13 @@ from torch import nn
 from fastgrpo._checks import check_positive_int
 from fastgrpo._weak_method import WeakBoundMethod
 from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
-from fastgrpo.patching.forwards import mlp_forward, rms_norm_forward, rope_attention_forward, tiled_mlp_forward
+from fastgrpo.patching.forwards import (
+    lora_linear_forward,
+    mlp_forward,
+    rms_norm_forward,
+    rope_attention_forward,
+    tiled_mlp_forward,
+)
 from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
 
 if TYPE_CHECKING:
@@ -87,6 +94,7 @@ def patch_model(
     offload_activations: bool | ActivationOffloader = False,
     tiled_mlp: bool | None = None,
     mlp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    fused_lora: bool = True,
 ) -> nn.Module:
     """Replace RMSNorm, rotary embedding and gated-MLP math of `model` with fastgrpo's fused kernels.
 
@@ -104,6 +112,10 @@ def patch_model(
     of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
     MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
     one more MLP forward. mlp_chunk_tokens: tokens per chunk.
+    fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear) compute their vanilla adapter branch with
+    fastgrpo.ops.lora, which keeps the layer's input for the backward instead of a copy in the adapter's dtype
+    (fp32 adapters on a bf16 base: 4 B per input element and layer); DoRA, dropout in training, merged or disabled
+    adapters, adapter_names, autocast run PEFT's forward.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
     reason for anything left alone). Patching again with the same options does nothing; with other options the
@@ -124,6 +136,7 @@ def patch_model(
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
+        "fused_lora": fused_lora,
     }
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
@@ -134,9 +147,14 @@ def patch_model(
     patched: Counter = Counter()
     skipped: dict[str, str] = {}
     rope_forwards: dict[type, Callable | None] = {}
+    # A model holding PEFT LoRA layers has imported their module; looked up, not imported (no peft import cost).
+    lora_linear = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None) if fused_lora else None
     for module in hf_model.modules():
         name = type(module).__name__
-        if rms_norm and name in arch.norm_classes:
+        if lora_linear is not None and type(module) is lora_linear:  # exactly: subclasses have forwards of their own
+            _bind(undo, module, lora_linear_forward)
+            patched["fused_lora"] += 1
+        elif rms_norm and name in arch.norm_classes:
             _bind(undo, module, lambda _: rms_norm_forward(
                 arch.norm_eps_attr, arch.norm_offset, arch.norm_cast_before_weight))
             patched["rms_norm"] += 1
