@@ -10,7 +10,10 @@ A step is forward + backward + AdamW step; the data are random token ids (speed 
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
+from collections.abc import Iterator
 
 import torch
 
@@ -41,6 +44,23 @@ class StepSetup:
     micro_batch_size: int | None = None  # sequences per forward/backward (gradient accumulation); None: all at once
     dtype: torch.dtype = torch.bfloat16
     device: str = "cuda"
+
+
+@contextlib.contextmanager
+def modeling_globals_restored() -> Iterator[None]:
+    """Undo, on exit, what a case did to the names of transformers' Llama / Qwen2 modeling modules.
+
+    Liger's apply_liger_kernel_to_* replaces module-level names (apply_rotary_pos_emb, Qwen2RMSNorm, Qwen2MLP), so
+    every model built later in the process, plain HF and fastgrpo alike, carries Liger's modules. Measured on an
+    H200: the fastgrpo step at 8 x 13312 tokens peaked at 17.5 GiB after a Liger case against 9.2 GiB without one.
+    """
+    modules = [importlib.import_module(f"transformers.models.{name}.modeling_{name}") for name in ("llama", "qwen2")]
+    saved = [(module, dict(vars(module))) for module in modules]
+    try:
+        yield
+    finally:
+        for module, names in saved:
+            vars(module).update(names)
 
 
 def build_model(setup: StepSetup) -> torch.nn.Module:
