@@ -3,8 +3,10 @@ so LoRA layers, 4-bit linears and tied weights keep working, and only the fused 
 """
 from __future__ import annotations
 
+import sys
 import types
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -47,30 +49,67 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
     return forward
 
 
-def lora_linear_forward(previous: Callable) -> Callable:
-    """PEFT's LoRA Linear forward with fastgrpo.ops.lora's delta where PEFT would run its vanilla branch alone;
-    `previous` (PEFT's own forward) for everything else."""
+@dataclass(frozen=True)
+class LoRAClass:
+    """A PEFT LoRA class whose vanilla branch patch_model fuses, and how its forward (PEFT 0.21) differs from
+    peft.tuners.lora.layer.Linear's around that branch."""
+
+    module: str  # where PEFT defines it; looked up in sys.modules, never imported
+    name: str
+    clone_base: bool = False  # result = base_layer(x).clone() (PEFT's "defensive" clone for 4-bit)
+    # Each delta cast to the base result's dtype before the add (a bf16 result adds bf16 deltas), instead of
+    # PEFT Linear's sum in the promoted dtype (fp32 for fp32 adapters) cast once at the end.
+    delta_in_result_dtype: bool = False
+
+
+LORA_CLASSES = (
+    LoRAClass("peft.tuners.lora.layer", "Linear"),
+    LoRAClass("peft.tuners.lora.bnb", "Linear4bit", clone_base=True, delta_in_result_dtype=True),
+    LoRAClass("peft.tuners.lora.bnb", "Linear8bitLt", delta_in_result_dtype=True),
+)
+
+
+def loaded_lora_classes() -> dict[type, LoRAClass]:
+    """The LORA_CLASSES PEFT has loaded: a model holding such layers has imported their module (peft.tuners.lora.bnb
+    defines its classes only when bitsandbytes is installed)."""
+    found = {}
+    for lora_class in LORA_CLASSES:
+        cls = getattr(sys.modules.get(lora_class.module), lora_class.name, None)
+        if cls is not None:
+            found[cls] = lora_class
+    return found
+
+
+def lora_linear_forward(previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0]) -> Callable:
+    """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's delta where PEFT would run its vanilla branch
+    alone; `previous` (PEFT's own forward) for everything else."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = _vanilla_adapters(self, x, args, kwargs)
         if adapters is None:
             return previous(x, *args, **kwargs)
         result = self.base_layer(x)
+        if lora_class.clone_base:
+            result = result.clone()
         result_dtype = result.dtype
         for lora_a, lora_b, scaling in adapters:
-            result = result + lora_delta(x, lora_a.weight, lora_b.weight, scaling)
+            delta = lora_delta(x, lora_a.weight, lora_b.weight, scaling)
+            result = result + (delta.to(result_dtype) if lora_class.delta_in_result_dtype else delta)
         return result.to(result_dtype)
 
     return forward
 
 
 def _vanilla_adapters(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> list[tuple] | None:
-    """(lora_A, lora_B, scaling) of each active adapter when PEFT's Linear.forward (0.21) would compute
-    base_layer(x) + lora_B(lora_A(x.to(A.dtype))) * scaling for each and nothing else; None when it would not."""
+    """(lora_A, lora_B, scaling) of each active adapter when the forward of PEFT's LORA_CLASSES (0.21) would add
+    lora_B(lora_A(x.to(A.dtype))) * scaling for each to base_layer(x) and do nothing else; None when it would not."""
     if args or kwargs or layer.disable_adapters or layer.merged:
         return None  # arguments for the base layer or adapter_names (a mixed batch); base alone; merged weights
-    if not getattr(layer, "cast_input_dtype_enabled", True) or torch.is_autocast_enabled(x.device.type):
-        return None  # x not cast, or lora_A / lora_B run in the autocast dtype
+    if not getattr(layer, "cast_input_dtype_enabled", True):
+        return None  # x not cast
+    # lora_A / lora_B run in the autocast dtype; PEFT's bitsandbytes layers test CUDA's autocast, whatever x's device.
+    if torch.is_autocast_enabled(x.device.type) or torch.is_autocast_enabled("cuda"):
+        return None
     adapters, dtypes = [], set()
     for name in layer.active_adapters:
         if name not in layer.lora_A:

@@ -4,7 +4,6 @@ Nothing outside the given model changes: no transformers class, module or functi
 """
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -15,6 +14,7 @@ from fastgrpo._checks import check_positive_int
 from fastgrpo._weak_method import WeakBoundMethod
 from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
 from fastgrpo.patching.forwards import (
+    loaded_lora_classes,
     lora_linear_forward,
     mlp_forward,
     rms_norm_forward,
@@ -112,10 +112,11 @@ def patch_model(
     of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
     MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
     one more MLP forward. mlp_chunk_tokens: tokens per chunk.
-    fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear) compute their vanilla adapter branch with
-    fastgrpo.ops.lora, which keeps the layer's input for the backward instead of a copy in the adapter's dtype
-    (fp32 adapters on a bf16 base: 4 B per input element and layer); DoRA, dropout in training, merged or disabled
-    adapters, adapter_names, autocast run PEFT's forward.
+    fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear, and the QLoRA classes bnb.Linear4bit /
+    Linear8bitLt over a bitsandbytes base) compute their vanilla adapter branch with fastgrpo.ops.lora, which keeps
+    the layer's input for the backward instead of a copy in the adapter's dtype (fp32 adapters on a bf16 input: 4 B
+    per input element and layer); DoRA, dropout in training, merged or disabled adapters, adapter_names, autocast
+    run PEFT's forward.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
     reason for anything left alone). Patching again with the same options does nothing; with other options the
@@ -147,12 +148,12 @@ def patch_model(
     patched: Counter = Counter()
     skipped: dict[str, str] = {}
     rope_forwards: dict[type, Callable | None] = {}
-    # A model holding PEFT LoRA layers has imported their module; looked up, not imported (no peft import cost).
-    lora_linear = getattr(sys.modules.get("peft.tuners.lora.layer"), "Linear", None) if fused_lora else None
+    lora_classes = loaded_lora_classes() if fused_lora else {}
     for module in hf_model.modules():
         name = type(module).__name__
-        if lora_linear is not None and type(module) is lora_linear:  # exactly: subclasses have forwards of their own
-            _bind(undo, module, lora_linear_forward)
+        lora_class = lora_classes.get(type(module))  # exactly: subclasses have forwards of their own
+        if lora_class is not None:
+            _bind(undo, module, lambda previous: lora_linear_forward(previous, lora_class))
             patched["fused_lora"] += 1
         elif rms_norm and name in arch.norm_classes:
             _bind(undo, module, lambda _: rms_norm_forward(
