@@ -56,7 +56,9 @@ class LoRAClass:
 
     module: str  # where PEFT defines it; looked up in sys.modules, never imported
     name: str
-    clone_base: bool = False  # result = base_layer(x).clone() (PEFT's "defensive" clone for 4-bit)
+    # result = base_layer(x).clone(): PEFT's "defensive" 4-bit clone; the base output is a view made by bitsandbytes'
+    # autograd Function, on which in-place ops fail (it is the layer's output when none of its adapters is active).
+    clone_base: bool = False
     # Each delta cast to the base result's dtype before the add (a bf16 result adds bf16 deltas), instead of
     # PEFT Linear's sum in the promoted dtype (fp32 for fp32 adapters) cast once at the end.
     delta_in_result_dtype: bool = False
