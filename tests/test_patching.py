@@ -394,13 +394,18 @@ def test_offload_activations_takes_an_offloader():
 
 
 @pytest.mark.gpu
-def test_bitsandbytes_4bit_base_with_lora(tmp_path):
+def test_bitsandbytes_4bit_base_with_lora(tmp_path, monkeypatch):
     bnb = pytest.importorskip(
         "bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)"
     )
     from peft import LoraConfig, get_peft_model
 
+    import fastgrpo.patching.forwards as forwards
     from fastgrpo.model_loss import grpo_loss
+
+    delta_calls = []
+    lora_delta = forwards.lora_delta
+    monkeypatch.setattr(forwards, "lora_delta", lambda *a, **k: delta_calls.append(a[0].shape) or lora_delta(*a, **k))
 
     config = transformers.Qwen2Config(**{**TINY, "hidden_size": 128, "intermediate_size": 256})
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -414,8 +419,12 @@ def test_bitsandbytes_4bit_base_with_lora(tmp_path):
         return get_peft_model(base, LoraConfig(r=8, target_modules=["q_proj", "v_proj", "gate_proj"]))
 
     model, patched = load(), patch_model(load())
-    assert isinstance(patched.base_model.model.model.layers[0].mlp.gate_proj.base_layer, bnb.nn.Linear4bit)
+    gate_proj = patched.base_model.model.model.layers[0].mlp.gate_proj
+    assert isinstance(gate_proj.base_layer, bnb.nn.Linear4bit)
+    # PEFT's QLoRA layer class, with fused_lora's forward bound on the instance
+    assert type(gate_proj).__module__ == "peft.tuners.lora.bnb" and "forward" in gate_proj.__dict__
     assert patched.fastgrpo_patch_summary["patched"]["swiglu"] == 2
+    assert patched.fastgrpo_patch_summary["patched"]["fused_lora"] == 3 * 2  # q, v, gate_proj of 2 layers
     ids, mask = (t.cuda() for t in batch(5))
     completion = torch.zeros_like(mask)
     completion[:, 6:] = 1
@@ -426,6 +435,7 @@ def test_bitsandbytes_4bit_base_with_lora(tmp_path):
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten().float() for n, p in m.named_parameters() if p.grad is not None]))
+    assert len(delta_calls) == 3 * 2  # the patched forward ran the fused branch in every 4-bit LoRA layer
     # bf16 compute on both sides: the patched step must agree with the unpatched one to bf16 noise.
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99
