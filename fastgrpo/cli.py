@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 from fastgrpo.config import GRPOConfig, add_config_arguments, read_yaml
+from fastgrpo.offload_pool import OffloadMemoryError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -126,8 +127,22 @@ def load_model_and_tokenizer(config: GRPOConfig):
     if config.patch:
         from fastgrpo.patching import patch_model
 
-        patch_model(model, offload_activations=config.offload_activations)
+        patch_model(model, offload_activations=_offload_setting(config, device))
     return model, tokenizer
+
+
+def _offload_setting(config: GRPOConfig, device: str):
+    """patch_model's offload_activations: a bool, or an offloader whose host pool is bounded as configured (on the
+    CPU too, where it copies to pageable buffers: the same code path, so the bound is tested without a GPU)."""
+    if config.offload_host_memory_gib is None:
+        return config.offload_activations
+    import torch
+
+    from fastgrpo.offload import ActivationOffloader, HostBufferPool
+
+    device = torch.device(device)
+    pool = HostBufferPool(max_bytes=int(config.offload_host_memory_gib * 2**30), pin_memory=device.type == "cuda")
+    return ActivationOffloader(device, pool=pool)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +164,10 @@ def main(argv: list[str] | None = None) -> int:
         trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config)
     except ValueError as err:
         parser.error(str(err))
-    history = trainer.train()
+    try:
+        history = trainer.train()
+    except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
+        parser.exit(1, f"fastgrpo train: error: {err} [max_bytes: --offload-host-memory-gib]\n")
     first, last = history[0] if history else None, history[-1] if history else None
     if first and last:
         print(f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}); "

@@ -44,9 +44,12 @@ class GRPOConfig:
     lora_dropout: float = option(0.0, "LoRA dropout")
     lora_target_modules: list[str] = option(["all-linear"], "modules LoRA wraps")
     load_in_4bit: bool = option(False, "QLoRA: a 4-bit NF4 base (needs bitsandbytes, a GPU and lora_rank > 0)")
-    patch: bool = option(True, "fastgrpo.patch_model: fused RMSNorm / RoPE / SwiGLU (the loss is fused always)")
+    patch: bool = option(True, "fastgrpo.patch_model: fused RMSNorm / RoPE / SwiGLU / LoRA (the loss is fused always)")
     gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)")
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory")
+    offload_host_memory_gib: float | None = option(
+        None, "with offload_activations: most pinned CPU memory the offloaded inputs may take, in GiB (a larger "
+              "step is an error naming this field); none: what a step needs (8 x 8K tokens of Qwen2.5-1.5B: 7 GiB)")
     # Rollout.
     batch_size: int = option(64, "completions per step, in groups of num_generations completions of one prompt")
     num_generations: int = option(8, "completions per prompt (the group of the advantage)")
@@ -134,6 +137,12 @@ class GRPOConfig:
             raise ValueError("kl_target: adaptive beta needs an initial beta > 0, got beta=0")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+        if self.offload_host_memory_gib is not None:
+            if not self.offload_host_memory_gib > 0:
+                raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {self.offload_host_memory_gib}")
+            if not (self.offload_activations and self.patch):
+                raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
+                                 "(it needs patch and offload_activations)")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> GRPOConfig:

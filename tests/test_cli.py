@@ -87,3 +87,25 @@ def test_local_hf_model_with_lora_patched_and_exported(tmp_path):
     assert metrics[0]["kl"] == 0.0 and {"rewards/repeat_letter_reward", "rewards/length_reward"} <= set(metrics[0])
     assert (out / "checkpoint-2" / "adapter_model.safetensors").exists()
     assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+
+
+def test_offload_host_memory_bound(tmp_path, capsys):
+    # Checked before any model loads: a bound without offload, or not > 0, names the field.
+    for argv, message in [
+        (["--offload-host-memory-gib", "1"], "offload_host_memory_gib: bounds the memory of offload_activations"),
+        (["--offload-activations", "--offload-host-memory-gib", "0"], "offload_host_memory_gib: expected > 0"),
+    ]:
+        with pytest.raises(SystemExit):
+            main(["train", *argv])
+        assert message in capsys.readouterr().err
+    # The built-in run with 1 KiB of host memory for offloaded inputs (a layer input takes a 1 MiB buffer): the
+    # offload of the first training step passes the bound, and the run ends with a message naming the flag.
+    argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "2", "--patch",
+            "--offload-activations", "--offload-host-memory-gib", str(2**-20)]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 1
+    err = capsys.readouterr().err
+    assert "activation offload needs" in err and "--offload-host-memory-gib" in err, err
+    # A bound the step fits in trains as without one.
+    assert main([*argv[:-1], "1"]) == 0
