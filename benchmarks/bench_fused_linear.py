@@ -19,10 +19,8 @@ import os
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from benchmarks.common import measure, print_table, write_results
-from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+from benchmarks.common import eager_grpo_loss, measure, print_table, write_results
 from fastgrpo.ops import fused_linear
 
 V, B, BETA = 151936, 8, 0.04
@@ -57,13 +55,6 @@ def _data(H: int, T: int) -> dict:
     return _DATA
 
 
-def _eager(d):
-    logits = F.linear(d["hidden"], d["weight"]).float()  # logits: [B, T, V] fp32
-    logps = torch.log_softmax(logits, -1).gather(-1, d["targets"][..., None]).squeeze(-1)
-    per_token, *_ = grpo_per_token_loss(logps, d["mask"], d["advantages"], d["old"], d["ref"], BETA)
-    return (per_token * aggregation_weights(d["mask"], "bnpo")).sum()
-
-
 def _liger(d):
     from liger_kernel.chunked_loss import LigerFusedLinearGRPOLoss
 
@@ -88,7 +79,9 @@ def _step_fn(case: str, d: dict, chunk: int | None):
         h2d = hidden.detach().view(-1, hidden.shape[-1])
         return lambda: torch.mm(h2d, weight.t())
     weight.requires_grad_(case != "ours_frozen")
-    loss_fn = {"eager": _eager, "liger": _liger, "ours_full": _ours, "ours_frozen": _ours}[case]
+    loss_fn = {
+        "eager": lambda d: eager_grpo_loss(d, BETA), "liger": _liger, "ours_full": _ours, "ours_frozen": _ours,
+    }[case]
 
     def step():
         hidden.grad = weight.grad = None
