@@ -19,6 +19,19 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+def pytest_report_header(config):
+    """The versions this session tests against (a fresh machine gets the newest that pyproject allows)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("torch", "triton", "transformers", "peft", "bitsandbytes", "trl", "hypothesis"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"{name} absent")
+    return "fastgrpo tested against: " + ", ".join(found)
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -84,8 +84,21 @@ def test_patched_matches_unpatched(model_type):
         torch.testing.assert_close(h_p, h, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
     assert grads.keys() == grads_p.keys() and len(grads) == len(list(model.parameters()))
-    for name in grads:
-        torch.testing.assert_close(grads_p[name], grads[name], rtol=1e-4, atol=1e-5, msg=name)
+    assert_fp32_grads_close(grads_p, grads)
+
+
+def assert_fp32_grads_close(grads_p: dict, grads: dict, ulps: int = 64) -> None:
+    """Two correct fp32 backward passes that round in another order differ by a few fp32 eps times the size of
+    the terms each gradient element sums, and those are bounded by the model's largest gradient element, not the
+    element's own (a k_proj bias gradient is ~0 by cancellation). Seen over 8 architectures x 4 seeds: at most 11
+    eps x that scale; the bound is `ulps` eps. A wrong gradient is off by the order of the gradient itself."""
+    scale = max(g.abs().max().item() for g in grads.values())
+    tol = ulps * torch.finfo(torch.float32).eps * scale
+    for name, g in grads.items():
+        err = (grads_p[name] - g).abs().max().item()
+        assert err <= tol, (
+            f"{name}: max |patched - unpatched| = {err:.3g} > {tol:.3g} ({ulps} fp32 eps x max |grad| {scale:.3g})"
+        )
 
 
 @pytest.mark.gpu
