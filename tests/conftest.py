@@ -19,8 +19,9 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-def pytest_report_header(config):
-    """The versions this session tests against (a fresh machine gets the newest that pyproject allows)."""
+def pytest_sessionstart(session):
+    """Print the versions this session tests against (a fresh machine gets the newest that pyproject allows), also
+    under -q, which hides pytest's report header."""
     from importlib.metadata import PackageNotFoundError, version
 
     found = []
@@ -29,7 +30,9 @@ def pytest_report_header(config):
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
             found.append(f"{name} absent")
-    return "fastgrpo tested against: " + ", ".join(found)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line("fastgrpo tested against: " + ", ".join(found))
 
 
 def pytest_collection_modifyitems(config, items):
