@@ -1,4 +1,4 @@
-"""Issue 8: the longest completion length (8 generations) whose training step fits a 24 GiB card, per system.
+"""The longest completion length (8 generations) whose training step fits a 24 GiB card, per system.
 
     python -m pytest benchmarks/bench_context.py -q -s
 

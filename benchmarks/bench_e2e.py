@@ -1,4 +1,4 @@
-"""Issue 8: a full GRPO training step (forward + backward + AdamW) per system, and a rollout, on GPU.
+"""A full GRPO training step (forward + backward + AdamW) per system, and a rollout, on GPU.
 
     python -m pytest benchmarks/bench_e2e.py -q -s --benchmark-disable-gc
 

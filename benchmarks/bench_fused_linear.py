@@ -1,11 +1,11 @@
-"""Issue 3: fwd+bwd of the GRPO loss through the lm_head, ours vs eager PyTorch vs Liger vs one cuBLAS GEMM.
+"""Fwd+bwd of the GRPO loss through the lm_head, ours vs eager PyTorch vs Liger vs one cuBLAS GEMM.
 
     python -m pytest benchmarks/bench_fused_linear.py -q -s
 
 bf16, B = 8, V = 151936, H in {1536, 4096}, T in {1024, 2048, 4096, 8192}; token-level bnpo loss with old and
 ref log-probs, beta = 0.04, every token valid. Cases per shape: `gemm` (one [N, H] x [H, V] GEMM, bf16 out: the
 floor is 3 of them with a trained lm_head, 2 with a frozen one), `eager` (logits + fp32 log_softmax + the loss from
-fastgrpo.algorithms, autograd), `liger` (LigerFusedLinearGRPOLoss from the liger-kernel wheel, when installed), and
+fastgrpo.loss.grpo, autograd), `liger` (LigerFusedLinearGRPOLoss from the liger-kernel wheel, when installed), and
 `ours_full` / `ours_frozen` (fastgrpo.fused_linear_grpo_loss with the lm_head trained / frozen). Median ms
 (triton.testing.do_bench) and peak GiB above the inputs, incl. the gradients. Targets: ours_full <= 1.2x 3 GEMMs,
 ours_frozen <= 1.2x 2 GEMMs, peak <= Liger's.
@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from benchmarks.common import eager_grpo_loss, measure, print_table, write_results
+from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.ops import fused_linear
 
 V, B, BETA = 151936, 8, 0.04
@@ -66,7 +67,7 @@ def _liger(d):
 
 
 def _ours(d):
-    loss, _ = fused_linear.fused_linear_grpo_loss(
+    loss, _ = fused_linear_grpo_loss(
         d["hidden"], d["weight"], d["targets"], d["mask"], d["advantages"], old_logps=d["old"], ref_logps=d["ref"],
         beta=BETA, backend="triton",
     )

@@ -1,4 +1,4 @@
-"""Issue 4: each fused layer kernel against the Hugging Face module it replaces; forward, backward, full.
+"""Each fused layer kernel against the Hugging Face module it replaces; forward, backward, full.
 
     python -m pytest benchmarks/bench_layers.py -q -s
 

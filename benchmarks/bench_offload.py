@@ -1,4 +1,4 @@
-"""Issue 5: activation-offload checkpointing vs HF non-reentrant gradient checkpointing, same run, same card.
+"""Activation-offload checkpointing vs HF non-reentrant gradient checkpointing, same run, same card.
 
     python -m pytest benchmarks/bench_offload.py -q -s
 

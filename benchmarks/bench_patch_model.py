@@ -1,4 +1,4 @@
-"""Issue 4, deliverable 6: one GRPO step (forward + backward) of Qwen2.5-1.5B, patched vs unpatched HF, same run.
+"""One GRPO step (forward + backward) of Qwen2.5-1.5B, patched vs unpatched HF, same run.
 
     python -m pytest benchmarks/bench_patch_model.py -q -s
 
@@ -70,8 +70,8 @@ def _batch(seq: int):
 
 
 def _eager_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, prompt):
-    """TRL's path: logits of the completion positions, fp32 log_softmax, the GRPO math of fastgrpo.algorithms."""
-    from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+    """TRL's path: logits of the completion positions, fp32 log_softmax, the GRPO math of fastgrpo.loss.grpo."""
+    from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
 
     keep = ids.shape[1] - prompt + 1
     logits = model(input_ids=ids, attention_mask=attention_mask, logits_to_keep=keep).logits[:, :-1]
@@ -83,7 +83,7 @@ def _eager_loss(model, ids, attention_mask, completion_mask, advantages, old_log
 
 
 def _fused_loss(model, ids, attention_mask, completion_mask, advantages, old_logps, prompt):
-    from fastgrpo.model_loss import grpo_loss
+    from fastgrpo.loss.model import grpo_loss
 
     return grpo_loss(model, ids, attention_mask, completion_mask, advantages, old_logps=old_logps)[0]
 

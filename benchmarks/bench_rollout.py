@@ -1,4 +1,4 @@
-"""Issue 6: fastgrpo.rollout.generate vs HF generate (dynamic cache; static cache + torch.compile), same run.
+"""fastgrpo.rollout.generate vs HF generate (dynamic cache; static cache + torch.compile), same run.
 
     python -m pytest benchmarks/bench_rollout.py -q -s
 
@@ -8,7 +8,7 @@ tokens. Each engine gets one untimed warm-up call (full size where it compiles: 
 calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above
 the weights, total peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies,
 lm_head included, plus the K/V of the tokens so far, averaged over the steps) / measured copy bandwidth, divided
-by the measured time per step. Target: ours >= 8x HF default (anchor, H200: HF default 1207 tok/s, peak 5.2 GiB).
+by the measured time per step. Target: ours >= 8x HF default.
 """
 from __future__ import annotations
 
@@ -137,7 +137,7 @@ def test_fastgrpo_rollout():
     del result
     measured = _timed(call, REPEATS)
     measured["first_call_s"] = first
-    # the KV cache and step buffers go back when the call returns (issue: within 64 MiB)
+    # the KV cache and step buffers go back when the call returns (within 64 MiB)
     measured["kv_released"] = measured["left_allocated_mib"] <= 64
     _row("fastgrpo", measured)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from benchmarks.common import eager_grpo_loss, measure, print_table, write_results
-from fastgrpo.ops.fused_linear import fused_linear_grpo_loss
+from fastgrpo.loss.fused import fused_linear_grpo_loss
 
 H, V, CAP, B, T, BETA = 2304, 256000, 30.0, 8, 2048, 0.04
 ROWS: list[dict] = []

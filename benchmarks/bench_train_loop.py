@@ -1,4 +1,4 @@
-"""Issue 7, deliverable 7: 10 steps of the whole GRPO loop on GPU with a Qwen2.5-1.5B-shaped model and LoRA.
+"""10 steps of the whole GRPO loop on GPU with a Qwen2.5-1.5B-shaped model and LoRA.
 
     python -m pytest benchmarks/bench_train_loop.py -q -s
 
@@ -43,9 +43,9 @@ def _dataset(vocab_size: int, rows: int = 64, prompt_length: int = 100):
 
 
 def test_train_loop_qwen_1_5b_lora(tmp_path):
-    from fastgrpo.config import GRPOConfig
+    from fastgrpo.train.config import GRPOConfig
     from fastgrpo.rewards import length_reward
-    from fastgrpo.trainer import GRPOTrainer
+    from fastgrpo.train.trainer import GRPOTrainer
 
     model = build_model(StepSetup(model_name="qwen2.5-1.5b", system="fastgrpo", lora_rank=16))
     vocab = model.config.vocab_size

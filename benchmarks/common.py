@@ -103,11 +103,11 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
 def eager_grpo_loss(d: dict, beta: float, softcap: float | None = None) -> torch.Tensor:
     """The eager baseline of the fused-loss suites: fp32 logits [B, T, V] of d["hidden"] @ d["weight"].T (soft-capped
     as HF does when softcap is given), log_softmax, and the token-level bnpo GRPO loss with old and ref log-probs."""
-    from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+    from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
 
     logits = torch.nn.functional.linear(d["hidden"], d["weight"]).float()  # logits: [B, T, V] fp32
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     logps = torch.log_softmax(logits, -1).gather(-1, d["targets"][..., None]).squeeze(-1)
-    per_token, *_ = grpo_per_token_loss(logps, d["mask"], d["advantages"], d["old"], d["ref"], beta)
+    per_token, *_ = grpo_per_token_loss(logps, d["mask"], d["advantages"], d["old"], d["ref"], beta=beta)
     return (per_token * aggregation_weights(d["mask"], "bnpo")).sum()

@@ -1,4 +1,4 @@
-"""End-to-end GRPO training steps for the reports of issue 8: one builder per system, same data for all.
+"""End-to-end GRPO training steps: one builder per system, same data for all.
 
 Systems:
   hf        plain Hugging Face: non-reentrant gradient checkpointing, logits of the completion positions, eager
@@ -51,8 +51,8 @@ def modeling_globals_restored() -> Iterator[None]:
     """Undo, on exit, what a case did to the names of transformers' Llama / Qwen2 modeling modules.
 
     Liger's apply_liger_kernel_to_* replaces module-level names (apply_rotary_pos_emb, Qwen2RMSNorm, Qwen2MLP), so
-    every model built later in the process, plain HF and fastgrpo alike, carries Liger's modules. Measured on an
-    H200: the fastgrpo step at 8 x 13312 tokens peaked at 17.5 GiB after a Liger case against 9.2 GiB without one.
+    every model built later in the process, plain HF and fastgrpo alike, carries Liger's modules (what that did to
+    the measured peaks: benchmarks/NOTES.md).
     """
     modules = [importlib.import_module(f"transformers.models.{name}.modeling_{name}") for name in ("llama", "qwen2")]
     saved = [(module, dict(vars(module))) for module in modules]
@@ -119,7 +119,7 @@ def _lm_head(model):
 
 
 def _grpo_over_logps(logps, batch, setup):
-    from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+    from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
 
     mask = batch["completion_mask"][:, setup.prompt_length:].float()
     loss, _, _, _ = grpo_per_token_loss(logps, mask, batch["advantages"])

@@ -3,8 +3,10 @@
 #   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused softcap layers patch offload rollout train e2e context
 # Installs the baseline wheels from .whl/ when present (a machine without a registry), then runs the suites with
 # the settings the README quotes; each writes benchmarks/results/<suite>-<card>.json; the last step renders
-# REPORT.md and the charts. Baseline wheels for a machine without a registry:
-#   ../shared/tools/device-wheels.sh liger-kernel==0.8.5 bitsandbytes==0.50.2
+# REPORT.md and the charts. On a machine without a package registry, download the baseline wheels (x86-64,
+# CPython 3.12) into .whl/ on a machine with one, as the README says:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \
+#       --platform manylinux_2_17_x86_64 -d .whl liger-kernel==0.8.5 bitsandbytes==0.50.2
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ls .whl/*.whl >/dev/null 2>&1; then

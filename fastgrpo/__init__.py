@@ -10,21 +10,24 @@ __version__ = "0.1.0"
 
 _PUBLIC = {
     "fused_linear_logprobs": "fastgrpo.ops.fused_linear",
-    "fused_linear_grpo_loss": "fastgrpo.ops.fused_linear",
+    "fused_linear_grpo_loss": "fastgrpo.loss.fused",
+    "GRPOLossConfig": "fastgrpo.loss.config",
     "patch_model": "fastgrpo.patching",
     "unpatch_model": "fastgrpo.patching",
-    "grpo_loss": "fastgrpo.model_loss",
-    "sequence_logprobs": "fastgrpo.model_loss",
+    "grpo_loss": "fastgrpo.loss.model",
+    "sequence_logprobs": "fastgrpo.loss.model",
     "offload_checkpoint": "fastgrpo.offload",
     "enable_offload_checkpointing": "fastgrpo.offload",
     "disable_offload_checkpointing": "fastgrpo.offload",
     "tiled_mlp": "fastgrpo.ops.tiled_mlp",
     "generate": "fastgrpo.rollout",
     "RolloutResult": "fastgrpo.rollout",
-    "AdaptiveKLController": "fastgrpo.algorithms",
-    "compute_group_normalized_rewards": "fastgrpo.algorithms",
-    "GRPOConfig": "fastgrpo.config",
-    "GRPOTrainer": "fastgrpo.trainer",
+    "RolloutEngine": "fastgrpo.rollout",
+    "BuiltinEngine": "fastgrpo.rollout",
+    "AdaptiveKLController": "fastgrpo.train.kl_control",
+    "compute_group_normalized_rewards": "fastgrpo.course",
+    "GRPOConfig": "fastgrpo.train.config",
+    "GRPOTrainer": "fastgrpo.train.trainer",
 }
 
 __all__ = sorted(_PUBLIC)

@@ -51,42 +51,6 @@ def check_index_range(name: str, ids: torch.Tensor, upper: int) -> None:
         raise ValueError(f"{name}: expected ids in [0, {upper}), got min {int(ids.min())} max {int(ids.max())}")
 
 
-def check_grpo_loss_args(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    target_ids: torch.Tensor,
-    completion_mask: torch.Tensor,
-    advantages: torch.Tensor,
-    old_logps: torch.Tensor | None,
-    ref_logps: torch.Tensor | None,
-    beta: float,
-    loss_type: str,
-    importance_sampling_level: str,
-    max_completion_length: int | None,
-    temperature: float,
-    bias: torch.Tensor | None,
-    softcap: float | None,
-) -> None:
-    """The checks shared by fastgrpo.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
-    from fastgrpo.algorithms import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
-
-    check_shape("hidden", hidden, (None, None, None))
-    B, T, H = hidden.shape
-    check_linear_args(hidden, weight, bias, temperature, softcap)
-    check_shape("target_ids", target_ids, (B, T))
-    check_mask("completion_mask", completion_mask, "target_ids", target_ids)
-    check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
-    if beta < 0:
-        raise ValueError(f"beta: expected >= 0, got {beta}")
-    if beta > 0 and ref_logps is None:
-        raise ValueError("ref_logps: required when beta > 0, got None")
-    check_choice("loss_type", loss_type, LOSS_TYPES)
-    check_choice("importance_sampling_level", importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-    if loss_type == "dr_grpo" and max_completion_length is None:
-        raise ValueError("max_completion_length: required for loss_type='dr_grpo', got None")
-    check_index_range("target_ids", target_ids, weight.shape[0])
-
-
 def check_linear_args(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -1,4 +1,4 @@
-"""fastgrpo.algorithms against hand computations in fp64, on the CPU."""
+"""fastgrpo.loss.grpo, fastgrpo.course and the KL controller against hand computations in fp64, on the CPU."""
 import math
 import statistics
 
@@ -7,7 +7,10 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo import algorithms as alg
+from fastgrpo import course
+from fastgrpo.loss import config as loss_config
+from fastgrpo.loss import grpo
+from fastgrpo.train.kl_control import AdaptiveKLController
 
 f64 = torch.float64
 PG_LOSS_TYPES = ["no_baseline", "reinforce_with_baseline", "grpo_clip"]
@@ -27,7 +30,7 @@ def lookup_reward_fn(rewards, extra=None):
 
 def group_rewards(rewards, group_size, normalize_by_std, eps=1e-6, extra=None):
     n = len(rewards)
-    return alg.compute_group_normalized_rewards(
+    return course.compute_group_normalized_rewards(
         lookup_reward_fn(rewards, extra), [str(i) for i in range(n)], ["gt"] * n, group_size, eps, normalize_by_std
     )
 
@@ -96,7 +99,7 @@ def test_kl_estimators_against_closed_forms_on_a_small_vocab(logits):
     exact_kl = torch.distributions.kl_divergence(
         torch.distributions.Categorical(probs=p), torch.distributions.Categorical(probs=q)
     )
-    k1, k2, k3 = (alg.kl_penalty(logp, ref, e) for e in ("k1", "k2", "k3"))
+    k1, k2, k3 = (grpo.kl_penalty(logp, ref, e) for e in ("k1", "k2", "k3"))
     torch.testing.assert_close((p * k1).sum(), exact_kl, rtol=1e-9, atol=1e-12)
     torch.testing.assert_close((p * k3).sum(), exact_kl, rtol=1e-9, atol=1e-12)  # unbiased: sum q = 1
     torch.testing.assert_close((p * k2).sum(), 0.5 * (p * torch.log(p / q) ** 2).sum(), rtol=1e-9, atol=1e-12)
@@ -112,7 +115,7 @@ def test_k2_is_kl_to_second_order_for_nearby_policies():
         logp, ref = torch.log_softmax(logits, -1), torch.log_softmax(logits + step * direction, -1)
         p = logp.exp()
         exact = (p * (logp - ref)).sum()
-        k2 = (p * alg.kl_penalty(logp, ref, "k2")).sum()
+        k2 = (p * grpo.kl_penalty(logp, ref, "k2")).sum()
         assert abs(k2 - exact) / exact < 10 * step  # the cubic term is the first that differs
 
 
@@ -120,7 +123,7 @@ def test_k2_is_kl_to_second_order_for_nearby_policies():
 def test_k3_is_nonnegative(pairs):
     for dtype in (torch.float32, f64):
         logp, ref = (torch.tensor(column, dtype=dtype) for column in zip(*pairs))
-        assert bool((alg.kl_penalty(logp, ref, "k3") >= 0).all())
+        assert bool((grpo.kl_penalty(logp, ref, "k3") >= 0).all())
 
 
 # --- Masked reductions and aggregations ------------------------------------------------------------------------
@@ -145,7 +148,7 @@ LOSS = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]], dtype=f64)
 )
 def test_aggregations_on_hand_made_cases(mask, loss_type, kwargs, want):
     for dtype in (torch.bool, torch.int64, f64):
-        got = alg.aggregate_loss(LOSS, torch.tensor(mask).to(dtype), loss_type, **kwargs)
+        got = grpo.aggregate_loss(LOSS, torch.tensor(mask).to(dtype), loss_type, **kwargs)
         assert got.item() == pytest.approx(want, rel=1e-12)
 
 
@@ -157,12 +160,12 @@ def test_masked_mean_and_normalize_match_loops(rows, cols, seed):
     mask[0, 0] = True
     kept = [[values[i, j].item() if mask[i, j] else None for j in range(cols)] for i in range(rows)]
     flat = [v for row in kept for v in row if v is not None]
-    assert alg.masked_mean(values, mask).item() == pytest.approx(sum(flat) / len(flat), rel=1e-12)
-    assert alg.masked_normalize(values, mask, normalize_constant=3.0).item() == pytest.approx(sum(flat) / 3)
-    row_sums = alg.masked_normalize(values, mask, dim=-1, normalize_constant=2.0)
+    assert grpo.masked_mean(values, mask).item() == pytest.approx(sum(flat) / len(flat), rel=1e-12)
+    assert grpo.masked_normalize(values, mask, normalize_constant=3.0).item() == pytest.approx(sum(flat) / 3)
+    row_sums = grpo.masked_normalize(values, mask, dim=-1, normalize_constant=2.0)
     want = [sum(v for v in row if v is not None) / 2 for row in kept]
     torch.testing.assert_close(row_sums, torch.tensor(want, dtype=f64), rtol=1e-12, atol=1e-12)
-    col_means = alg.masked_mean(values, mask, dim=0)
+    col_means = grpo.masked_mean(values, mask, dim=0)
     for j in range(cols):
         col = [kept[i][j] for i in range(rows) if kept[i][j] is not None]
         assert math.isnan(col_means[j]) if not col else col_means[j].item() == pytest.approx(sum(col) / len(col))
@@ -171,9 +174,9 @@ def test_masked_mean_and_normalize_match_loops(rows, cols, seed):
 def test_masked_reductions_ignore_non_finite_values_at_masked_positions():
     values = torch.tensor([[1.0, -math.inf, math.nan], [2.0, 4.0, math.inf]], requires_grad=True)
     mask = torch.tensor([[1, 0, 0], [1, 1, 0]], dtype=torch.bool)
-    assert alg.masked_mean(values, mask).item() == pytest.approx(7 / 3)
-    torch.testing.assert_close(alg.masked_normalize(values, mask, dim=1), torch.tensor([1.0, 6.0]))
-    alg.masked_mean(values, mask).backward()
+    assert grpo.masked_mean(values, mask).item() == pytest.approx(7 / 3)
+    torch.testing.assert_close(grpo.masked_normalize(values, mask, dim=1), torch.tensor([1.0, 6.0]))
+    grpo.masked_mean(values, mask).backward()
     torch.testing.assert_close(values.grad, mask.float() / 3)
 
 
@@ -201,21 +204,21 @@ def test_prompt_only_padding_leaves_loss_and_kl_unchanged(rows, cols, pad, seed)
         "ref": pad_left(ref, pad, garbage),
         "mask": pad_left(mask, pad, lambda b, w: torch.zeros(b, w, dtype=torch.bool)),
     }
-    kl = alg.masked_mean(alg.kl_penalty(logp, ref, "k3"), mask)
-    kl_padded = alg.masked_mean(alg.kl_penalty(padded["logp"], padded["ref"], "k3"), padded["mask"])
+    kl = grpo.masked_mean(grpo.kl_penalty(logp, ref, "k3"), mask)
+    kl_padded = grpo.masked_mean(grpo.kl_penalty(padded["logp"], padded["ref"], "k3"), padded["mask"])
     torch.testing.assert_close(kl_padded, kl, rtol=1e-12, atol=1e-12)
     for loss_type in PG_LOSS_TYPES:
         results = []
         for inputs in ({"logp": logp, "old": old, "mask": mask}, padded):
             leaf = inputs["logp"].clone().requires_grad_()
-            per_token, _ = alg.compute_policy_gradient_loss(
+            per_token, _ = course.compute_policy_gradient_loss(
                 leaf, loss_type, advantages, advantages, inputs["old"], 0.2
             )
             aggregated = [
-                alg.aggregate_loss(per_token, inputs["mask"], agg, max_completion_length=16)
-                for agg in alg.LOSS_TYPES
+                grpo.aggregate_loss(per_token, inputs["mask"], agg, max_completion_length=16)
+                for agg in loss_config.LOSS_TYPES
             ]
-            step_loss, _ = alg.grpo_microbatch_train_step(
+            step_loss, _ = course.grpo_microbatch_train_step(
                 leaf, inputs["mask"], 2, loss_type, advantages, advantages, inputs["old"], 0.2
             )
             results.append((torch.stack(aggregated + [step_loss]), leaf.grad))
@@ -234,7 +237,7 @@ def test_grpo_clip_loss_on_known_ratios():
     old = torch.full_like(ratios, -1.0)
     logp = (old + ratios.log()).requires_grad_()
     advantages = torch.tensor([[1.0], [-1.0]], dtype=f64)
-    loss, meta = alg.compute_grpo_clip_loss(advantages, logp, old, 0.2)
+    loss, meta = course.compute_grpo_clip_loss(advantages, logp, old, 0.2)
     want = torch.tensor([[-0.5, -1.0, -1.2], [0.8, 1.0, 1.5]], dtype=f64)
     torch.testing.assert_close(loss, want, rtol=1e-12, atol=1e-12)
     assert meta["clipped"].tolist() == [[False, False, True], [True, False, False]]
@@ -252,18 +255,18 @@ def test_policy_gradient_losses_match_their_formulas(rows, cols, seed):
     logp = -torch.rand(rows, cols, generator=gen, dtype=f64) * 3
     old = logp + 0.4 * torch.randn(rows, cols, generator=gen, dtype=f64)
     rewards, advantages = torch.rand(rows, 1, generator=gen, dtype=f64), torch.randn(rows, 1, generator=gen, dtype=f64)
-    naive, meta = alg.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=rewards)
+    naive, meta = course.compute_policy_gradient_loss(logp, "no_baseline", raw_rewards=rewards)
     torch.testing.assert_close(naive, -rewards * logp)
     assert meta == {}
-    baseline, _ = alg.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=advantages)
+    baseline, _ = course.compute_policy_gradient_loss(logp, "reinforce_with_baseline", advantages=advantages)
     torch.testing.assert_close(baseline, -advantages * logp)
-    clip, _ = alg.compute_policy_gradient_loss(
+    clip, _ = course.compute_policy_gradient_loss(
         logp, "grpo_clip", advantages=advantages, old_log_probs=old, cliprange=0.1
     )
     ratio = torch.exp(logp - old)
     want = -torch.minimum(ratio * advantages, ratio.clamp(0.9, 1.1) * advantages)
     torch.testing.assert_close(clip, want, rtol=1e-12, atol=1e-12)
-    torch.testing.assert_close(alg.compute_naive_policy_gradient_loss(advantages.view(-1), logp), baseline)
+    torch.testing.assert_close(course.compute_naive_policy_gradient_loss(advantages.view(-1), logp), baseline)
 
 
 # --- Microbatch train steps ------------------------------------------------------------------------------------
@@ -272,12 +275,12 @@ def test_policy_gradient_losses_match_their_formulas(rows, cols, seed):
 def test_sft_microbatch_step_matches_its_formula_and_accumulates():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.25, -4.0]], dtype=f64, requires_grad=True)
     mask = torch.tensor([[1, 1, 0], [0, 1, 1]], dtype=torch.bool)
-    loss, meta = alg.sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=4, normalize_constant=2.0)
+    loss, meta = course.sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=4, normalize_constant=2.0)
     assert loss.item() == pytest.approx(((1 + 2) / 2 + (0.25 + 4) / 2) / 2 / 4)
     assert meta["response_tokens"].item() == 4
     once = -mask.to(f64) / (2.0 * 2 * 4)  # -1 / (normalize_constant * B * gradient_accumulation_steps)
     torch.testing.assert_close(logp.grad, once)
-    alg.sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=4, normalize_constant=2.0)
+    course.sft_microbatch_train_step(logp, mask, gradient_accumulation_steps=4, normalize_constant=2.0)
     torch.testing.assert_close(logp.grad, 2 * once)
 
 
@@ -294,17 +297,17 @@ def test_grpo_microbatch_steps_accumulate_like_one_full_batch(loss_type):
     # Two microbatches of 3 with gradient_accumulation_steps=2 == one batch of 6 with 1.
     total = 0.0
     for part in (slice(0, 3), slice(3, 6)):
-        loss, _ = alg.grpo_microbatch_train_step(
+        loss, _ = course.grpo_microbatch_train_step(
             theta[part], mask[part], 2, loss_type, rewards[part], advantages[part], old[part], 0.2
         )
         total += loss.item()
     accumulated = theta.grad.clone()
     theta.grad = None
-    full, _ = alg.grpo_microbatch_train_step(theta, mask, 1, loss_type, rewards, advantages, old, 0.2)
+    full, _ = course.grpo_microbatch_train_step(theta, mask, 1, loss_type, rewards, advantages, old, 0.2)
     torch.testing.assert_close(accumulated, theta.grad, rtol=1e-12, atol=1e-14)
     assert total == pytest.approx(full.item(), rel=1e-12)
-    per_token, _ = alg.compute_policy_gradient_loss(theta.detach(), loss_type, rewards, advantages, old, 0.2)
-    assert full.item() == pytest.approx(alg.masked_mean(per_token, mask, dim=-1).mean().item(), rel=1e-12)
+    per_token, _ = course.compute_policy_gradient_loss(theta.detach(), loss_type, rewards, advantages, old, 0.2)
+    assert full.item() == pytest.approx(grpo.masked_mean(per_token, mask, dim=-1).mean().item(), rel=1e-12)
     if loss_type == "reinforce_with_baseline":
         want = -advantages * mask / (mask.sum(-1, keepdim=True) * rows)
         torch.testing.assert_close(theta.grad, want, rtol=1e-12, atol=1e-14)
@@ -314,7 +317,7 @@ def test_grpo_microbatch_step_reports_the_clip_fraction():
     logp = torch.tensor([[0.0, 0.0, 0.0]], dtype=f64, requires_grad=True)
     old = torch.tensor([[0.0, -1.0, -1.0]], dtype=f64)  # ratios 1, e, e: both e's clip for A > 0
     mask = torch.tensor([[1, 1, 0]], dtype=torch.bool)
-    _, meta = alg.grpo_microbatch_train_step(logp, mask, 1, "grpo_clip", advantages=torch.ones(1, 1, dtype=f64),
+    _, meta = course.grpo_microbatch_train_step(logp, mask, 1, "grpo_clip", advantages=torch.ones(1, 1, dtype=f64),
                                              old_log_probs=old, cliprange=0.2)
     assert meta["clip_fraction"].item() == pytest.approx(0.5)
 
@@ -331,7 +334,7 @@ def test_toy_length_reward_pushes_longer_completions_up(loss_type):
         tokens[row, : n - 1] = 0  # n - 1 continues, then a stop
         mask[row, :n] = True
     responses = ["x" * n for n in lengths]
-    advantages, raw, _ = alg.compute_group_normalized_rewards(
+    advantages, raw, _ = course.compute_group_normalized_rewards(
         lambda response, _: {"reward": float(min(len(response), cap))}, responses, [""] * len(lengths),
         group_size=len(lengths), advantage_eps=1e-6, normalize_by_std=True,
     )
@@ -342,7 +345,7 @@ def test_toy_length_reward_pushes_longer_completions_up(loss_type):
 
     logp = sequence_logp(theta)
     logp.retain_grad()
-    alg.grpo_microbatch_train_step(
+    course.grpo_microbatch_train_step(
         logp, mask, 1, loss_type, raw_rewards=raw.view(-1, 1).double(), advantages=advantages.view(-1, 1).double(),
         old_log_probs=logp.detach(), cliprange=0.2,
     )
@@ -365,23 +368,23 @@ def test_compute_entropy_matches_the_definition(rows, vocab, seed, scale):
     logits = scale * torch.randn(rows, 2, vocab, generator=gen, dtype=f64)
     p = torch.softmax(logits, -1)
     want = -(p * torch.log(p)).nan_to_num().sum(-1)  # nan_to_num: 0 * log 0
-    got = alg.compute_entropy(logits)
+    got = course.compute_entropy(logits)
     assert got.shape == (rows, 2) and got.dtype == f64
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
     shifted = (logits + 1e4).float()  # fp32 would overflow exp(1e4) in a naive softmax
-    torch.testing.assert_close(alg.compute_entropy(shifted).double(), alg.compute_entropy(shifted.double()),
+    torch.testing.assert_close(course.compute_entropy(shifted).double(), course.compute_entropy(shifted.double()),
                                rtol=1e-4, atol=1e-5)
 
 
 def test_compute_entropy_edge_cases():
-    assert alg.compute_entropy(torch.zeros(7)).item() == pytest.approx(math.log(7))
+    assert course.compute_entropy(torch.zeros(7)).item() == pytest.approx(math.log(7))
     logits = torch.tensor([0.0, 0.0, -math.inf], requires_grad=True)
-    entropy = alg.compute_entropy(logits)
+    entropy = course.compute_entropy(logits)
     assert entropy.item() == pytest.approx(math.log(2))
     entropy.backward()
     assert bool(torch.isfinite(logits.grad).all())
-    assert alg.compute_entropy(torch.tensor([1e4, 0.0])).item() == 0.0
-    assert alg.compute_entropy(torch.zeros(2, 3, dtype=torch.bfloat16)).dtype == torch.float32
+    assert course.compute_entropy(torch.tensor([1e4, 0.0])).item() == 0.0
+    assert course.compute_entropy(torch.zeros(2, 3, dtype=torch.bfloat16)).dtype == torch.float32
 
 
 CHARS = list("abcdefghijklmnopqrstuvwxyz0123456789 +=?.")
@@ -403,7 +406,7 @@ def char_ids(text):
 
 
 def test_tokenize_prompt_and_output_layout():
-    out = alg.tokenize_prompt_and_output(["12+1=", "ab", "z"], ["13", "cde", ""], char_tokenizer())
+    out = course.tokenize_prompt_and_output(["12+1=", "ab", "z"], ["13", "cde", ""], char_tokenizer())
     rows = [char_ids("12+1=13"), char_ids("abcde") + [0, 0], char_ids("z") + [0] * 6]
     full = torch.tensor(rows)
     assert set(out) == {"input_ids", "labels", "response_mask"}
@@ -414,8 +417,8 @@ def test_tokenize_prompt_and_output_layout():
         [False, True, True, True, False, False],
         [False] * 6,
     ]
-    no_pad = alg.tokenize_prompt_and_output(["ab"], ["c"], char_tokenizer(with_pad=False))
-    longer = alg.tokenize_prompt_and_output(["ab", "abcd"], ["c", "e"], char_tokenizer(with_pad=False))
+    no_pad = course.tokenize_prompt_and_output(["ab"], ["c"], char_tokenizer(with_pad=False))
+    longer = course.tokenize_prompt_and_output(["ab", "abcd"], ["c", "e"], char_tokenizer(with_pad=False))
     assert no_pad["labels"].tolist() == [char_ids("bc")]
     assert longer["labels"][0].tolist() == char_ids("bc") + [1, 1]  # padded with eos
 
@@ -434,35 +437,35 @@ def tiny_llama(vocab_size):
 def test_get_response_log_probs_of_a_tiny_llama():
     tokenizer = char_tokenizer()
     model = tiny_llama(len(tokenizer))
-    alone = alg.tokenize_prompt_and_output(["1+1="], ["2"], tokenizer)
-    batch = alg.tokenize_prompt_and_output(["1+1=", "what is 12+30?"], ["2", " 42."], tokenizer)
+    alone = course.tokenize_prompt_and_output(["1+1="], ["2"], tokenizer)
+    batch = course.tokenize_prompt_and_output(["1+1=", "what is 12+30?"], ["2", " 42."], tokenizer)
     with torch.no_grad():
-        out = alg.get_response_log_probs(model, batch["input_ids"], batch["labels"], return_token_entropy=True)
+        out = course.get_response_log_probs(model, batch["input_ids"], batch["labels"], return_token_entropy=True)
         logits = model(batch["input_ids"]).logits.double()
-        single = alg.get_response_log_probs(model, alone["input_ids"], alone["labels"])
+        single = course.get_response_log_probs(model, alone["input_ids"], alone["labels"])
     assert out["log_probs"].shape == out["token_entropy"].shape == batch["labels"].shape
     want = torch.log_softmax(logits, -1).gather(-1, batch["labels"].unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(out["log_probs"].double(), want, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(out["token_entropy"].double(), alg.compute_entropy(logits), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(out["token_entropy"].double(), course.compute_entropy(logits), rtol=1e-5, atol=1e-5)
     assert "token_entropy" not in single
     # Row 0 gains right padding in the batch; its response log-probs and SFT loss must not move.
     width = alone["labels"].shape[1]
     mask = alone["response_mask"]
     torch.testing.assert_close(out["log_probs"][:1, :width][mask], single["log_probs"][mask], rtol=1e-5, atol=1e-6)
-    sft = alg.masked_normalize(-single["log_probs"], mask, dim=-1)
-    sft_batch = alg.masked_normalize(-out["log_probs"], batch["response_mask"], dim=-1)[:1]
+    sft = grpo.masked_normalize(-single["log_probs"], mask, dim=-1)
+    sft_batch = grpo.masked_normalize(-out["log_probs"], batch["response_mask"], dim=-1)[:1]
     torch.testing.assert_close(sft_batch, sft, rtol=1e-5, atol=1e-6)
     with pytest.raises(ValueError, match="labels"):
-        alg.get_response_log_probs(model, batch["input_ids"], batch["labels"] + len(tokenizer))
+        course.get_response_log_probs(model, batch["input_ids"], batch["labels"] + len(tokenizer))
     with pytest.raises(ValueError, match="labels"):
-        alg.get_response_log_probs(model, batch["input_ids"], batch["labels"][:, 1:])
+        course.get_response_log_probs(model, batch["input_ids"], batch["labels"][:, 1:])
 
 
 # --- Adaptive KL ---------------------------------------------------------------------------------------------
 
 
 def test_adaptive_kl_controller_follows_its_update_rule():
-    controller = alg.AdaptiveKLController(init_beta=0.1, target_kl=0.05)
+    controller = AdaptiveKLController(init_beta=0.1, target_kl=0.05)
     assert controller.beta == 0.1
     assert controller.update(0.06) == pytest.approx(0.1 * math.exp(0.2))  # error 0.2: at the bound
     assert controller.update(torch.tensor(0.055)) == pytest.approx(0.1 * math.exp(0.2) * math.exp(0.1))
@@ -488,11 +491,11 @@ BAD_MASKS = {
 @pytest.mark.parametrize(
     "call, name",
     [
-        (lambda m: alg.masked_mean(X, m), "mask"),
-        (lambda m: alg.masked_normalize(X, m, dim=-1), "mask"),
-        (lambda m: alg.aggregate_loss(X, m, "grpo"), "mask"),
-        (lambda m: alg.sft_microbatch_train_step(X.requires_grad_(), m, 1), "response_mask"),
-        (lambda m: alg.grpo_microbatch_train_step(X, m, 1, "no_baseline", raw_rewards=torch.ones(2, 1)),
+        (lambda m: grpo.masked_mean(X, m), "mask"),
+        (lambda m: grpo.masked_normalize(X, m, dim=-1), "mask"),
+        (lambda m: grpo.aggregate_loss(X, m, "grpo"), "mask"),
+        (lambda m: course.sft_microbatch_train_step(X.requires_grad_(), m, 1), "response_mask"),
+        (lambda m: course.grpo_microbatch_train_step(X, m, 1, "no_baseline", raw_rewards=torch.ones(2, 1)),
          "response_mask"),
     ],
 )
@@ -504,7 +507,7 @@ def test_bad_masks_raise_naming_the_argument(call, name, bad):
 def pg(**kwargs):
     args = {"policy_log_probs": X, "loss_type": "grpo_clip", "raw_rewards": torch.ones(2, 1),
             "advantages": torch.ones(2, 1), "old_log_probs": X, "cliprange": 0.2}
-    return alg.compute_policy_gradient_loss(**{**args, **kwargs})
+    return course.compute_policy_gradient_loss(**{**args, **kwargs})
 
 
 @pytest.mark.parametrize(
@@ -513,14 +516,14 @@ def pg(**kwargs):
         (lambda: group_rewards([0.0, 1.0, 2.0, 3.0], 3, False), "group_size"),
         (lambda: group_rewards([0.0, 1.0], 0, False), "group_size"),
         (lambda: group_rewards([0.0, 1.0], 1, True), "group_size"),
-        (lambda: alg.compute_group_normalized_rewards(lookup_reward_fn([1.0]), ["0"], [], 1, 1e-6, False),
+        (lambda: course.compute_group_normalized_rewards(lookup_reward_fn([1.0]), ["0"], [], 1, 1e-6, False),
          "repeated_ground_truths"),
-        (lambda: alg.compute_group_normalized_rewards(lambda r, g: {"score": 1.0}, ["0"], ["g"], 1, 1e-6, False),
+        (lambda: course.compute_group_normalized_rewards(lambda r, g: {"score": 1.0}, ["0"], ["g"], 1, 1e-6, False),
          "reward_fn"),
-        (lambda: alg.kl_penalty(X, X, "k4"), "estimator"),
-        (lambda: alg.kl_penalty(X, X[:, :2]), "ref_logp"),
-        (lambda: alg.aggregate_loss(X, X.bool(), "mean"), "loss_type"),
-        (lambda: alg.aggregate_loss(X, X.bool(), "dr_grpo"), "max_completion_length"),
+        (lambda: grpo.kl_penalty(X, X, "k4"), "estimator"),
+        (lambda: grpo.kl_penalty(X, X[:, :2]), "ref_logp"),
+        (lambda: grpo.aggregate_loss(X, X.bool(), "mean"), "loss_type"),
+        (lambda: grpo.aggregate_loss(X, X.bool(), "dr_grpo"), "max_completion_length"),
         (lambda: pg(loss_type="ppo"), "loss_type"),
         (lambda: pg(loss_type="no_baseline", raw_rewards=None), "raw_rewards"),
         (lambda: pg(loss_type="reinforce_with_baseline", advantages=None), "advantages"),
@@ -532,15 +535,15 @@ def pg(**kwargs):
         (lambda: pg(advantages=torch.ones(2, 3)), "advantages"),
         (lambda: pg(loss_type="no_baseline", raw_rewards=torch.ones(2, 1, dtype=torch.long)), "raw_rewards"),
         (lambda: pg(policy_log_probs=torch.zeros(2, 3, 4)), "policy_log_probs"),
-        (lambda: alg.compute_naive_policy_gradient_loss(torch.ones(2, 1), X.long()), "policy_log_probs"),
-        (lambda: alg.sft_microbatch_train_step(X, X.bool(), 0), "gradient_accumulation_steps"),
-        (lambda: alg.sft_microbatch_train_step(X, X.bool(), 1, normalize_constant=0.0), "normalize_constant"),
-        (lambda: alg.compute_entropy(torch.ones(3, dtype=torch.long)), "logits"),
-        (lambda: alg.tokenize_prompt_and_output(["a", "b"], ["c"], char_tokenizer()), "output_strs"),
-        (lambda: alg.tokenize_prompt_and_output([], [], char_tokenizer()), "prompt_strs"),
-        (lambda: alg.AdaptiveKLController(0.1, 0.0), "target_kl"),
-        (lambda: alg.AdaptiveKLController(-1.0, 0.1), "init_beta"),
-        (lambda: alg.AdaptiveKLController(0.1, 0.1).update(math.nan), "observed_kl"),
+        (lambda: course.compute_naive_policy_gradient_loss(torch.ones(2, 1), X.long()), "policy_log_probs"),
+        (lambda: course.sft_microbatch_train_step(X, X.bool(), 0), "gradient_accumulation_steps"),
+        (lambda: course.sft_microbatch_train_step(X, X.bool(), 1, normalize_constant=0.0), "normalize_constant"),
+        (lambda: course.compute_entropy(torch.ones(3, dtype=torch.long)), "logits"),
+        (lambda: course.tokenize_prompt_and_output(["a", "b"], ["c"], char_tokenizer()), "output_strs"),
+        (lambda: course.tokenize_prompt_and_output([], [], char_tokenizer()), "prompt_strs"),
+        (lambda: AdaptiveKLController(0.1, 0.0), "target_kl"),
+        (lambda: AdaptiveKLController(-1.0, 0.1), "init_beta"),
+        (lambda: AdaptiveKLController(0.1, 0.1).update(math.nan), "observed_kl"),
     ],
 )
 def test_bad_arguments_raise_naming_the_argument(call, name):

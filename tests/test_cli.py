@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-from fastgrpo import default_task
-from fastgrpo.cli import build_parser, config_from_args, main, resolve_reward
+from fastgrpo.train import default_task
+from fastgrpo.train.cli import build_parser, config_from_args, main, resolve_reward
 from fastgrpo.rewards import length_reward
 
 
@@ -13,7 +13,7 @@ def _config(argv):
 
 
 def test_default_run_reward_rises(tmp_path, capsys):
-    # The default run shortened from 100 to 40 steps (~10 s on 2 idle cores): the reward goes ~0.03 -> ~0.25.
+    # The default run shortened from 100 to 40 steps: the reward goes ~0.03 -> ~0.25.
     assert main(["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "40"]) == 0
     rewards = [json.loads(line)["reward"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
@@ -53,9 +53,9 @@ def test_bad_arguments_exit_with_a_message(capsys, tmp_path):
 
 def test_resolve_reward():
     assert resolve_reward("length") is length_reward
-    assert resolve_reward("fastgrpo.default_task:repeat_letter_reward") is default_task.repeat_letter_reward
+    assert resolve_reward("fastgrpo.train.default_task:repeat_letter_reward") is default_task.repeat_letter_reward
     with pytest.raises(ValueError, match="cannot import"):
-        resolve_reward("fastgrpo.default_task:missing")
+        resolve_reward("fastgrpo.train.default_task:missing")
 
 
 def test_user_dataset_file_and_missing_column(tmp_path, capsys):
@@ -79,7 +79,7 @@ def test_local_hf_model_with_lora_patched_and_exported(tmp_path):
     data.write_text("\n".join(json.dumps({"prompt": f"{i} say c", "letter": "c"}) for i in range(4)))
     out = tmp_path / "o"
     assert main(["train", "--model", str(tmp_path / "model"), "--dataset", str(data), "--output-dir", str(out),
-                 "--reward-funcs", "fastgrpo.default_task:repeat_letter_reward", "length", "--reward-weights", "1",
+                 "--reward-funcs", "fastgrpo.train.default_task:repeat_letter_reward", "length", "--reward-weights", "1",
                  "0.1", "--lora-rank", "4", "--beta", "0.1", "--batch-size", "4", "--num-generations", "2",
                  "--micro-batch-size", "2", "--max-prompt-length", "16", "--max-completion-length", "4",
                  "--max-steps", "2", "--learning-rate", "1e-3", "--dtype", "float32", "--no-progress-bar"]) == 0

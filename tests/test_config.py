@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from fastgrpo.config import GRPOConfig, add_config_arguments
+from fastgrpo.train.config import GRPOConfig, add_config_arguments
 
 
 def _parse(argv):

@@ -6,8 +6,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from fastgrpo import reference
-from fastgrpo.model_loss import grpo_loss, sequence_logprobs
+from fastgrpo.loss import reference
+from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model
 
 B, T, PROMPT = 4, 12, 5

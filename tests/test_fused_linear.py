@@ -12,9 +12,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fastgrpo import reference
+from fastgrpo.loss import reference
+from fastgrpo.loss import fused as fused_loss
 from fastgrpo.ops import fused_linear
-from fastgrpo.ops.fused_linear import chunk_rows, fused_linear_grpo_loss, fused_linear_logprobs
+from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.ops.fused_linear import chunk_rows, fused_linear_logprobs
 
 BACKENDS = [
     "torch",
@@ -239,7 +241,7 @@ class _Spy:
 
     def __init__(self, monkeypatch, backend):
         self.stats_rows, self.grad_rows, self.dweight_calls = [], [], 0
-        inner = fused_linear._row_kernels(backend)
+        inner = fused_linear.row_kernels(backend)
 
         def stats(logits, *args):
             self.stats_rows.append(logits.shape[0])
@@ -255,7 +257,9 @@ class _Spy:
             self.dweight_calls += 1
             return real_addmm(*args)
 
-        monkeypatch.setattr(fused_linear, "_row_kernels", lambda _: fused_linear._RowKernels(stats, grad))
+        spied = lambda _: fused_linear.RowKernels(stats, grad)  # noqa: E731
+        monkeypatch.setattr(fused_linear, "row_kernels", spied)
+        monkeypatch.setattr(fused_loss, "row_kernels", spied)
         monkeypatch.setattr(fused_linear, "_addmm_acc", addmm)
 
 

@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastgrpo import reference
-from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
-from fastgrpo.ops.fused_linear import chunk_rows, fused_linear_grpo_loss, fused_linear_logprobs
+from fastgrpo.loss import reference
+from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
+from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.ops.fused_linear import chunk_rows, fused_linear_logprobs
 
 pytestmark = pytest.mark.gpu
 V = 151936
@@ -137,7 +138,9 @@ def test_softcap_at_gemma2_size_no_worse_than_eager(level):
     def eager_loss():  # GRPO (bnpo) on the HF + TRL log-probs
         logps = hf_softcapped_logps(hidden, weight, targets, tau, cap)
         m = mask.float()
-        per_token, *_ = grpo_per_token_loss(logps, m, advantages, old, ref, 0.04, 0.2, None, None, level)
+        per_token, *_ = grpo_per_token_loss(
+            logps, m, advantages, old, ref, beta=0.04, epsilon_low=0.2, importance_sampling_level=level
+        )
         return (per_token * aggregation_weights(m, "bnpo")).sum()
 
     results = {}

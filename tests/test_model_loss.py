@@ -1,4 +1,4 @@
-"""fastgrpo.model_loss: grpo_loss and sequence_logprobs of a model against the eager oracle on its hidden states."""
+"""fastgrpo.loss.model: grpo_loss and sequence_logprobs of a model against the eager oracle on its hidden states."""
 import copy
 
 import pytest
@@ -6,9 +6,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from fastgrpo import reference
-from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
-from fastgrpo.model_loss import grpo_loss, sequence_logprobs
+from fastgrpo.loss import reference
+from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
+from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model
 
 B, T, PROMPT = 3, 11, 5
@@ -120,7 +120,7 @@ def hf_grpo_loss(model, input_ids, attention_mask, completion_mask, advantages, 
     logps = torch.log_softmax(logits, -1).gather(-1, input_ids[:, 1:, None])[..., 0]
     mask = completion_mask[:, 1:].to(logps.dtype)
     per_token_loss, *_ = grpo_per_token_loss(
-        logps, mask, advantages, old_logps[:, 1:], ref_logps[:, 1:], beta, 0.2, 0.28, None, "token"
+        logps, mask, advantages, old_logps[:, 1:], ref_logps[:, 1:], beta=beta, epsilon_low=0.2, epsilon_high=0.28
     )
     return (per_token_loss * aggregation_weights(mask, "bnpo")).sum()
 

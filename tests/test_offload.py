@@ -19,13 +19,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo import offload
+from fastgrpo.offload import checkpointing as checkpointing_module
+from fastgrpo.offload import offloader as offloader_module
 from fastgrpo.offload import (
     ActivationOffloader,
     disable_offload_checkpointing,
     enable_offload_checkpointing,
     offload_checkpoint,
 )
-from fastgrpo.offload_pool import HostBufferPool, OffloadMemoryError, size_class
+from fastgrpo.offload.pool import HostBufferPool, OffloadMemoryError, size_class
 
 transformers = pytest.importorskip("transformers")
 
@@ -142,7 +144,7 @@ def test_grads_bitwise_equal_to_plain_checkpointing(arch, path):
     hf_checkpointing(model, False)
 
     offloader = ActivationOffloader("cpu") if path == "offload" else None
-    defaults = dict(offload._DEFAULT_OFFLOADERS)  # earlier GPU tests may have made one for their CUDA device
+    defaults = dict(offloader_module._DEFAULT_OFFLOADERS)  # earlier GPU tests may have made one for their CUDA device
     enable_offload_checkpointing(decoder(model).layers, offloader=offloader)
     got = train_step(model, data)
     assert_grads_equal(got, want)
@@ -150,7 +152,7 @@ def test_grads_bitwise_equal_to_plain_checkpointing(arch, path):
         assert offloader.pool.num_allocations == len(decoder(model).layers)  # every layer went through the pool
         assert offloader.pool.bytes_in_use == 0 and offloader.num_live == 0
     else:
-        assert offload._DEFAULT_OFFLOADERS == defaults  # CPU tensors never reach a (CUDA) default offloader
+        assert offloader_module._DEFAULT_OFFLOADERS == defaults  # CPU tensors never reach a (CUDA) default offloader
 
 
 def test_recompute_reads_the_host_copy():
@@ -256,7 +258,7 @@ def test_retain_graph_twice_doubles_the_gradients():
 # --- prefetch order ----------------------------------------------------------------------------------------------
 
 
-class LoggingCopies(offload._SyncCopies):
+class LoggingCopies(offloader_module._SyncCopies):
     """Logs ("fetch", host ptr) when a copy back starts and ("use", host ptr) when the layer waits on it."""
 
     def __init__(self, log):
@@ -584,7 +586,7 @@ def test_clear_while_offloaded_keeps_the_inputs_and_drops_their_buffers_after():
 
 
 def test_release_host_memory_empties_the_default_pools(monkeypatch):
-    monkeypatch.setattr(offload, "_DEFAULT_OFFLOADERS", {})
+    monkeypatch.setattr(offloader_module, "_DEFAULT_OFFLOADERS", {})
     pool = offload.default_offloader("cpu").pool
     pool.release(pool.acquire(3 * MIB))
     assert pool.bytes_held > 0
@@ -595,8 +597,8 @@ def test_release_host_memory_empties_the_default_pools(monkeypatch):
 
 
 def test_disabling_the_last_layer_on_the_default_offloader_releases_it(monkeypatch):
-    monkeypatch.setattr(offload, "_DEFAULT_OFFLOADERS", {})
-    monkeypatch.setattr(offload, "_DEFAULT_USERS", weakref.WeakSet())
+    monkeypatch.setattr(offloader_module, "_DEFAULT_OFFLOADERS", {})
+    monkeypatch.setattr(checkpointing_module, "_DEFAULT_USERS", weakref.WeakSet())
     pool = offload.default_offloader("cpu").pool
     a, b, own = Block(), Block(), Block()
     enable_offload_checkpointing([a, b])

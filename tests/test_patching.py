@@ -2,7 +2,6 @@
 import copy
 import gc
 import sys
-import types
 import weakref
 
 import pytest
@@ -10,8 +9,9 @@ import torch
 import transformers
 from transformers import AutoModel, AutoModelForCausalLM
 
+from fastgrpo.patching import patch as patch_module
 from fastgrpo.patching import patch_model, unpatch_model
-from fastgrpo.patching.table import ARCHITECTURES
+from fastgrpo.hf.architectures import ARCHITECTURES
 
 TINY = dict(
     vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -303,10 +303,10 @@ def test_accelerate_hooks_are_kept():
 
 def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     calls = []
-    fake = types.ModuleType("fastgrpo.offload")
-    fake.enable_offload_checkpointing = lambda layers, offloader: calls.append(("enable", list(layers), offloader))
-    fake.disable_offload_checkpointing = lambda layers: calls.append(("disable", list(layers)))
-    monkeypatch.setitem(sys.modules, "fastgrpo.offload", fake)
+    monkeypatch.setattr(patch_module, "enable_offload_checkpointing",
+                        lambda layers, offloader: calls.append(("enable", list(layers), offloader)))
+    monkeypatch.setattr(patch_module, "disable_offload_checkpointing",
+                        lambda layers: calls.append(("disable", list(layers))))
     model = tiny_model("llama")
     patch_model(model, offload_activations=True)
     unpatch_model(model)
@@ -315,7 +315,6 @@ def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
 
 
 def test_offload_activations_with_the_real_module():
-    pytest.importorskip("fastgrpo.offload", reason="fastgrpo.offload (issue 5) is not in this checkout")
     model = tiny_model("qwen2").train()
     before = _instance_forwards(model)
     patched = patch_model(copy.deepcopy(model), offload_activations=True)
@@ -414,7 +413,7 @@ def test_bitsandbytes_4bit_base_with_lora(tmp_path, monkeypatch):
     from peft import LoraConfig, get_peft_model
 
     import fastgrpo.patching.forwards as forwards
-    from fastgrpo.model_loss import grpo_loss
+    from fastgrpo.loss.model import grpo_loss
 
     delta_calls = []
     lora_delta = forwards.lora_delta

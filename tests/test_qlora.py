@@ -20,7 +20,8 @@ from torch import nn  # noqa: E402
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, Qwen2Config  # noqa: E402
 
 import fastgrpo  # noqa: E402
-from fastgrpo.patching.forwards import loaded_lora_classes, lora_linear_forward  # noqa: E402
+from fastgrpo.hf.architectures import loaded_lora_classes
+from fastgrpo.patching.forwards import lora_linear_forward  # noqa: E402
 from fastgrpo.rollout import generate  # noqa: E402
 from tests.test_lora import ONLY_LORA, delta_calls, loss_and_grads, saved_tensors  # noqa: E402, F401 (a fixture)
 from tests.test_rollout import EOS, PAD, PROMPTS, SIZES, char_tokenizer, completions, hf_greedy  # noqa: E402
@@ -84,7 +85,7 @@ def test_patched_4bit_model_matches_unpatched(qlora_model):
 
 
 def test_export_merges_lora_into_the_dequantized_base(qlora_model, tmp_path):
-    from fastgrpo.checkpoint import export_model
+    from fastgrpo.train.checkpoint import export_model
 
     out = export_model(qlora_model, None, tmp_path / "merged", dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(out)

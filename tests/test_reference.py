@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo import reference
+from fastgrpo.loss import reference
 
 f64 = torch.float64
 

@@ -5,10 +5,10 @@ import shutil
 import pytest
 import torch
 
-from fastgrpo import default_task
-from fastgrpo.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from fastgrpo.config import GRPOConfig
-from fastgrpo.trainer import GRPOTrainer
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.trainer import GRPOTrainer
 
 KEYS = ("reward", "reward_std", "loss", "grad_norm", "kl", "kl_p95", "beta", "entropy", "clip_ratio", "lr",
         "completion_length")

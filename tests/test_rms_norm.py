@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo import reference
+from fastgrpo.loss import reference
 from fastgrpo.ops.rms_norm import rms_norm, rms_norm_torch
 
 VARIANTS = [(0.0, True), (1.0, False)]  # (offset, cast_before_weight): Llama, Gemma

@@ -13,7 +13,7 @@ from transformers import (
     Qwen3Config,
 )
 
-from fastgrpo import default_task
+from fastgrpo.train import default_task
 from fastgrpo.rollout import generate
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 

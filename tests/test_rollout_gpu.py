@@ -10,7 +10,7 @@ from test_rollout import EOS, PAD, PROMPTS, char_tokenizer, completions, hf_gree
 from transformers import AutoModelForCausalLM, Qwen2Config
 
 from fastgrpo.rollout import generate
-from fastgrpo.rollout.engine import EngineConfig
+from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo import reference
+from fastgrpo.loss import reference
 from fastgrpo.ops.swiglu import geglu, glu, glu_torch, swiglu
 
 REFERENCES = {"silu": reference.swiglu, "gelu_tanh": reference.geglu}

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from fastgrpo import default_task
-from fastgrpo.config import GRPOConfig
-from fastgrpo.trainer import GRPOTrainer, group_advantages, lr_factor
+from fastgrpo.train import default_task
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.loss.grpo import group_advantages
+from fastgrpo.train.trainer import ADVANTAGE_EPS, GRPOTrainer, lr_factor
 
 SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=5, max_steps=2,
              export=False, progress_bar=False)
@@ -28,14 +29,14 @@ def _trainer(tmp_path, rewards=default_task.repeat_letter_reward, dataset=None, 
 
 def test_group_advantages_match_fp64_hand_math():
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 2.0, 2.0, 2.0], dtype=torch.float64)
-    got = group_advantages(rewards, 4, "group")
+    got = group_advantages(rewards, 4, "group", ADVANTAGE_EPS)
     g = rewards.view(2, 4)
     centered = g - g.mean(-1, keepdim=True)
     expected = (centered / (g.std(-1, keepdim=True) + 1e-4)).flatten()
     torch.testing.assert_close(got, expected, rtol=0, atol=1e-12)
     assert got[4:].abs().max() == 0  # a group of equal rewards carries no signal
-    torch.testing.assert_close(group_advantages(rewards, 4, "none"), centered.flatten())
-    torch.testing.assert_close(group_advantages(rewards, 4, "batch"), centered.flatten() / (rewards.std() + 1e-4))
+    torch.testing.assert_close(group_advantages(rewards, 4, "none", ADVANTAGE_EPS), centered.flatten())
+    torch.testing.assert_close(group_advantages(rewards, 4, "batch", ADVANTAGE_EPS), centered.flatten() / (rewards.std() + 1e-4))
 
 
 def test_lr_schedule():
@@ -64,7 +65,7 @@ def test_bad_input_raises_before_compute(tmp_path, dataset, rewards, fields, mat
 
 def test_long_prompts_left_truncated_with_warning(tmp_path, caplog):
     rows = [{"prompt": "0123456789 say a", "letter": "a"}]
-    with caplog.at_level(logging.WARNING, logger="fastgrpo.trainer"):
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.trainer"):
         trainer = _trainer(tmp_path, dataset=rows, max_prompt_length=5, truncate_prompts=True)
     assert trainer.tokenizer.decode(trainer.prompts[0]) == "say a"
     assert "left-truncated" in caplog.text

@@ -15,10 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
-# 4096 lanes: 16-byte bf16 loads. Measured on an H200 over a [4096, 151936] bf16 buffer (NOTES_fused_linear.md):
-# the stats pass 0.356 ms with 4 warps vs 0.383 with 8 (3.5 vs 3.3 TB/s), the gradient pass 0.641 ms with 8 vs
-# 0.654 with 4 (3.9 TB/s, a copy runs at 4.25). Under the CPU interpreter a small block makes the tests cross
-# several blocks and a ragged tail with V <= 300.
+# 4096 lanes: 16-byte bf16 loads; the warp counts are the faster of 4 and 8 per pass, measured in
+# benchmarks/NOTES_fused_linear.md. Under the CPU interpreter a small block makes the tests cross several blocks
+# and a ragged tail with V <= 300.
 BLOCK_V = 4096
 STATS_WARPS = 4
 GRAD_WARPS = 8
@@ -48,7 +47,7 @@ def _row_stats_kernel(
     base = logits_ptr + row * stride_row
     cols = tl.arange(0, BLOCK_V)
     # One running max per row, not per lane: one exp per element (per-lane maxima need a second exp per element
-    # to rescale; v1 did that and its stats pass ran at 2.1 TB/s on an H200, the gradient pass at 3.9).
+    # to rescale, which made the stats pass bandwidth-starved: benchmarks/NOTES_fused_linear.md).
     m = tl.full((), float("-inf"), ACC)
     s = tl.zeros([BLOCK_V], ACC)  # per-lane sum of exp(z - m)
     t = tl.zeros([BLOCK_V], ACC)  # per-lane sum of exp(z - m) * z, for the entropy

@@ -2,8 +2,7 @@
 
 PEFT keeps adapter weights in fp32 and casts a bf16 input to fp32 before lora_A, so autograd saves that fp32 copy
 for lora_A's weight gradient: one [N, in] fp32 tensor per adapted linear, and q, k and v each keep their own copy
-of the same input. In a LoRA GRPO step of Qwen2.5-1.5B (r = 16 on all linears, H200) those copies were 29.7 of the
-68.7 KiB per token of activations at the memory peak.
+of the same input: most of a LoRA step's activation memory at its peak (measured: benchmarks/NOTES.md).
 
 Here the forward runs PEFT's ops in PEFT's order and dtypes (its output is bitwise PEFT's), but saves x itself
 (the tensor the base layer reads: q, k and v share one, at half the bytes of an fp32 copy when it is bf16) and the

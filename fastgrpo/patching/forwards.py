@@ -3,15 +3,14 @@ so LoRA layers, 4-bit linears and tied weights keep working, and only the fused 
 """
 from __future__ import annotations
 
-import sys
 import types
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from fastgrpo._weak_method import copy_function
+from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
+from fastgrpo.hf.binding import copy_function
 from fastgrpo.ops.lora import lora_delta
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
@@ -47,39 +46,6 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
         return tiled_mlp(self, x, chunk_tokens=chunk_tokens, forward=previous)
 
     return forward
-
-
-@dataclass(frozen=True)
-class LoRAClass:
-    """A PEFT LoRA class whose vanilla branch patch_model fuses, and how its forward (PEFT 0.21) differs from
-    peft.tuners.lora.layer.Linear's around that branch."""
-
-    module: str  # where PEFT defines it; looked up in sys.modules, never imported
-    name: str
-    # result = base_layer(x).clone(): PEFT's "defensive" 4-bit clone; the base output is a view made by bitsandbytes'
-    # autograd Function, on which in-place ops fail (it is the layer's output when none of its adapters is active).
-    clone_base: bool = False
-    # Each delta cast to the base result's dtype before the add (a bf16 result adds bf16 deltas), instead of
-    # PEFT Linear's sum in the promoted dtype (fp32 for fp32 adapters) cast once at the end.
-    delta_in_result_dtype: bool = False
-
-
-LORA_CLASSES = (
-    LoRAClass("peft.tuners.lora.layer", "Linear"),
-    LoRAClass("peft.tuners.lora.bnb", "Linear4bit", clone_base=True, delta_in_result_dtype=True),
-    LoRAClass("peft.tuners.lora.bnb", "Linear8bitLt", delta_in_result_dtype=True),
-)
-
-
-def loaded_lora_classes() -> dict[type, LoRAClass]:
-    """The LORA_CLASSES PEFT has loaded: a model holding such layers has imported their module (peft.tuners.lora.bnb
-    defines its classes only when bitsandbytes is installed)."""
-    found = {}
-    for lora_class in LORA_CLASSES:
-        cls = getattr(sys.modules.get(lora_class.module), lora_class.name, None)
-        if cls is not None:
-            found[cls] = lora_class
-    return found
 
 
 def lora_linear_forward(previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0]) -> Callable:

@@ -7,9 +7,9 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fastgrpo.hf.architectures import Architecture
+from fastgrpo.hf.models import adapters_active
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
-from fastgrpo.patching.patch import adapters_active
-from fastgrpo.patching.table import Architecture
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 

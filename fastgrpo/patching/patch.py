@@ -6,82 +6,26 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 from torch import nn
 
 from fastgrpo._checks import check_positive_int
-from fastgrpo._weak_method import WeakBoundMethod
+from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
+from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
+from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
+from fastgrpo.hf.versions import check_supported
+from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
 from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
 from fastgrpo.patching.forwards import (
-    loaded_lora_classes,
     lora_linear_forward,
     mlp_forward,
     rms_norm_forward,
     rope_attention_forward,
     tiled_mlp_forward,
 )
-from fastgrpo.patching.table import ACTIVATIONS, ARCHITECTURES, Architecture
-
-if TYPE_CHECKING:
-    from fastgrpo.offload import ActivationOffloader
+from fastgrpo.patching.loss_forward import causal_lm_forward
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
 _UNDO_ATTR = "_fastgrpo_undo"
-
-
-def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper, or the model itself."""
-    if hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None)):
-        return model.get_base_model()
-    return model
-
-
-def adapters_active(module: nn.Module) -> bool:
-    """A PEFT tuner layer (e.g. LoRA) whose unmerged adapters run in its forward: its `.weight` is the base alone."""
-    return (
-        hasattr(module, "base_layer")
-        and not getattr(module, "disable_adapters", False)
-        and not getattr(module, "merged", False)
-    )
-
-
-def architecture(model: nn.Module) -> Architecture:
-    """The table entry of a transformers causal LM; ValueError for anything else."""
-    config = getattr(model, "config", None)
-    get_head = getattr(model, "get_output_embeddings", None)
-    if config is None or not callable(get_head) or get_head() is None:
-        raise ValueError(
-            f"model: expected a causal LM with an lm_head (e.g. from AutoModelForCausalLM), got {type(model).__name__}"
-        )
-    model_type = getattr(config, "model_type", None)
-    if model_type not in ARCHITECTURES:
-        raise ValueError(f"model: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}")
-    return ARCHITECTURES[model_type]
-
-
-def decoder_layers(model: nn.Module, arch: Architecture) -> list[nn.Module]:
-    """The modules whose direct child is an attention module of the architecture, in model order."""
-    return [
-        m for m in model.modules() if any(type(c).__name__ in arch.attention_classes for c in m.children())
-    ]
-
-
-def _bind(undo: list[Callable], module: nn.Module, make_forward: Callable[[Callable], Callable]) -> None:
-    """Bind make_forward(previous) as the instance's forward; accelerate's hooks keep theirs in `_old_forward`."""
-    attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
-    own = module.__dict__.get(attr)
-    # Weakly bound (here and in undo): a module -> forward -> module cycle would outlive `del model` until gc runs.
-    previous = own if own is not None else WeakBoundMethod(type(module).forward, module)
-    module.__dict__[attr] = WeakBoundMethod(make_forward(previous), module)
-
-    def restore(module: nn.Module) -> None:
-        if own is None:
-            del module.__dict__[attr]
-        else:
-            module.__dict__[attr] = own
-
-    undo.append(WeakBoundMethod(restore, module))  # bound to the module: a deepcopy restores its own modules
 
 
 def patch_model(
@@ -124,10 +68,10 @@ def patch_model(
     """
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
+    for library in ("transformers", "peft"):
+        check_supported(library)
     check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     if not isinstance(offload_activations, bool):
-        from fastgrpo.offload import ActivationOffloader
-
         if not isinstance(offload_activations, ActivationOffloader):
             raise ValueError(
                 "offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
@@ -144,7 +88,11 @@ def patch_model(
         if existing["options"] == options:
             return model
         unpatch_model(model)
-    undo: list[Callable] = []
+    undo: list[Callable[[], None]] = []
+
+    def bind(module, make_forward):
+        undo.append(bind_forward(module, make_forward).restore)
+
     patched: Counter = Counter()
     skipped: dict[str, str] = {}
     rope_forwards: dict[type, Callable | None] = {}
@@ -153,10 +101,10 @@ def patch_model(
         name = type(module).__name__
         lora_class = lora_classes.get(type(module))  # exactly: subclasses have forwards of their own
         if lora_class is not None:
-            _bind(undo, module, lambda previous: lora_linear_forward(previous, lora_class))
+            bind(module, lambda previous: lora_linear_forward(previous, lora_class))
             patched["fused_lora"] += 1
         elif rms_norm and name in arch.norm_classes:
-            _bind(undo, module, lambda _: rms_norm_forward(
+            bind(module, lambda _: rms_norm_forward(
                 arch.norm_eps_attr, arch.norm_offset, arch.norm_cast_before_weight))
             patched["rms_norm"] += 1
         elif name in arch.mlp_classes:
@@ -164,10 +112,10 @@ def patch_model(
             if swiglu and act_name not in ACTIVATIONS:
                 skipped["swiglu"] = f"{name}: activation {act_name} has no fused kernel"
             elif swiglu:
-                _bind(undo, module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
+                bind(module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
                 patched["swiglu"] += 1
             if tiled_mlp:  # bound last: it chunks whichever forward the MLP has now
-                _bind(undo, module, lambda previous: tiled_mlp_forward(previous, mlp_chunk_tokens))
+                bind(module, lambda previous: tiled_mlp_forward(previous, mlp_chunk_tokens))
                 patched["tiled_mlp"] += 1
         elif rope and name in arch.attention_classes:
             if type(module) not in rope_forwards:
@@ -176,16 +124,16 @@ def patch_model(
             if forward is None:
                 skipped["rope"] = f"{name}.forward does not call apply_rotary_pos_emb through its module globals"
                 continue
-            _bind(undo, module, lambda _: forward)
+            bind(module, lambda _: forward)
             patched["rope"] += 1
+    for kind, enabled, classes in (("rms_norm", rms_norm, arch.norm_classes), ("swiglu", swiglu, arch.mlp_classes),
+                                   ("rope", rope, arch.attention_classes)):
+        if enabled and not patched[kind] and kind not in skipped:
+            skipped[kind] = f"no module of class {list(classes)} in this {type(hf_model).__name__}"
     if fused_loss:
-        from fastgrpo.patching.loss_forward import causal_lm_forward
-
-        _bind(undo, hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix, arch))
+        bind(hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix, arch))
         patched["fused_loss"] += 1
     if offload_activations is not False:
-        from fastgrpo.offload import disable_offload_checkpointing, enable_offload_checkpointing
-
         layers = decoder_layers(hf_model, arch)
         enable_offload_checkpointing(layers, offloader=None if offload_activations is True else offload_activations)
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.

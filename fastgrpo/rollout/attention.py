@@ -12,6 +12,8 @@ import functools
 
 import torch.nn.functional as F
 
+from fastgrpo.hf.models import register_attention
+
 NAME = "fastgrpo_rollout_sdpa"
 
 
@@ -34,7 +36,5 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
 @functools.cache
 def registered_name() -> str:
     """Register grouped_sdpa with transformers once, on first use; returns the name to set as the implementation."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(NAME, grouped_sdpa)
+    register_attention(NAME, grouped_sdpa)
     return NAME

@@ -9,15 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.rollout.generate import (
-    RolloutResult,
-    _check_request,
-    _pad_id,
-    _split_stop,
-    _tokenize,
-    _unknown_options_message,
-)
-from fastgrpo.rollout.engine import left_pad
+from fastgrpo.rollout.base import RolloutResult
+from fastgrpo.rollout.decode import left_pad
+from fastgrpo.rollout.requests import check_request, pad_token_id, split_stop, tokenize_prompts, unknown_options_message
 from fastgrpo.rollout.sampling import SamplingParams
 
 
@@ -25,7 +19,7 @@ def sampling_kwargs(
     num_generations: int, params: SamplingParams, stop_strings: list[str], stop_ids: list[int], seed: int | None
 ) -> dict:
     """Keyword arguments of vllm.SamplingParams for one request of ours."""
-    _check_request(num_generations, seed)
+    check_request(num_generations, seed)
     return dict(
         n=num_generations, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
@@ -40,12 +34,12 @@ def generate_vllm(
 ) -> RolloutResult:
     """fastgrpo.rollout.generate's signature and result, on a vllm.LLM."""
     if unknown:
-        raise ValueError(_unknown_options_message(unknown))
+        raise ValueError(unknown_options_message(unknown))
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
                             min_p=min_p, repetition_penalty=repetition_penalty)
     vocab = len(tokenizer)
-    stop_strings, stop_ids = _split_stop(stop, vocab)
-    prompt_ids = _tokenize(tokenizer, prompts, vocab)
+    stop_strings, stop_ids = split_stop(stop, vocab)
+    prompt_ids = tokenize_prompts(tokenizer, prompts, vocab)
     kwargs = sampling_kwargs(num_generations, params, stop_strings, stop_ids, seed)
 
     import vllm
@@ -53,7 +47,7 @@ def generate_vllm(
     outputs = llm.generate(
         [{"prompt_token_ids": ids} for ids in prompt_ids], vllm.SamplingParams(**kwargs), use_tqdm=False
     )
-    return to_result(outputs, _pad_id(tokenizer), num_generations)
+    return to_result(outputs, pad_token_id(tokenizer), num_generations)
 
 
 def to_result(outputs, pad_id: int, num_generations: int) -> RolloutResult:

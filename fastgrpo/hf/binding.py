@@ -1,8 +1,10 @@
-"""A method bound to a module instance that does not keep the instance alive.
+"""Reversible binding of forwards on module instances, shared by patch_model and activation offload.
 
-patch_model and enable_offload_checkpointing put forwards in a module's __dict__. A types.MethodType there holds
-the module (module -> __dict__ -> method -> module): a reference cycle, so `del model; torch.cuda.empty_cache()`
-gave no GPU memory back until the next gc pass. WeakBoundMethod reaches the module through a weak reference.
+`bind_forward` puts a new forward in one module's __dict__ (accelerate's hooked modules keep theirs in
+`_old_forward`) and returns how to restore exactly what was there; no class is modified. A types.MethodType in a
+module's __dict__ would hold the module (module -> __dict__ -> method -> module): a reference cycle, so
+`del model; torch.cuda.empty_cache()` gave no GPU memory back until the next gc pass. WeakBoundMethod reaches the
+module through a weak reference instead.
 """
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import inspect
 import types
 import weakref
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 
 class WeakBoundMethod:
@@ -78,3 +80,28 @@ def copy_function(fn: types.FunctionType, scope: dict, closure: tuple | None) ->
     clone.__qualname__ = fn.__qualname__
     clone.__dict__.update(fn.__dict__)
     return clone
+
+
+class Binding(NamedTuple):
+    previous: Callable  # the forward that was in effect (the class's, weakly bound, or an instance-level one)
+    restore: Callable[[], None]  # puts back exactly what was there; weakly bound to the module
+
+
+def bind_forward(module: Any, make_forward: Callable[[Callable], Callable]) -> Binding:
+    """Bind make_forward(previous) on this instance as its forward, `previous` being the forward in effect.
+
+    The new forward is bound weakly (it receives the module as its first argument). A deepcopy of the module copies
+    the binding with it, and the copy's `restore` restores the copy.
+    """
+    attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
+    own = module.__dict__.get(attr)
+    previous = own if own is not None else WeakBoundMethod(type(module).forward, module)
+    module.__dict__[attr] = WeakBoundMethod(make_forward(previous), module)
+
+    def restore(module: Any) -> None:
+        if own is None:
+            del module.__dict__[attr]
+        else:
+            module.__dict__[attr] = own
+
+    return Binding(previous, WeakBoundMethod(restore, module))

@@ -10,40 +10,23 @@ import contextlib
 
 import torch
 
-from fastgrpo._checks import check_mask, check_per_token_inputs, check_shape
-from fastgrpo.ops.fused_linear import fused_linear_grpo_loss, fused_linear_logprobs
-from fastgrpo.patching.patch import adapters_active, architecture, unwrap_peft
+from fastgrpo._checks import check_binary_mask, check_index_range, check_per_token_inputs, check_shape
+from fastgrpo.hf.models import backbone_and_head, logit_softcap
+from fastgrpo.loss.config import GRPOLossConfig, resolve
+from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.ops.fused_linear import fused_linear_logprobs
 
 
 def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> None:
     check_shape("input_ids", input_ids, (None, None))
-    check_mask("attention_mask", attention_mask, "input_ids", input_ids)
-    check_mask("completion_mask", completion_mask, "input_ids", input_ids)
+    if input_ids.shape[0] == 0:
+        raise ValueError(f"input_ids: expected at least one sequence [B>=1, T], got {list(input_ids.shape)}")
+    check_binary_mask("attention_mask", attention_mask, "input_ids", input_ids)
+    check_binary_mask("completion_mask", completion_mask, "input_ids", input_ids)
     if input_ids.shape[1] < 2:
         raise ValueError(f"input_ids: expected at least 2 positions [B, T>=2], got {list(input_ids.shape)}")
     if completion_mask[:, 0].any():
         raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
-
-
-def _lm_head(model: torch.nn.Module) -> tuple[torch.nn.Module, torch.nn.Module]:
-    """(backbone, lm_head) of a supported causal LM or PEFT wrapper; tied embeddings share the weight already."""
-    hf_model = unwrap_peft(model)
-    architecture(hf_model)  # a ValueError for an unsupported model, before the backbone runs
-    head = hf_model.get_output_embeddings()
-    if not isinstance(getattr(head, "weight", None), torch.Tensor) or head.weight.dim() != 2:
-        raise ValueError(f"model: expected an lm_head with a [V, H] weight, got {type(head).__name__}")
-    if adapters_active(head):
-        raise ValueError(
-            f"model: the lm_head ({type(head).__name__}) has active PEFT adapters, which the fused loss would skip "
-            "(it reads lm_head.weight); leave lm_head out of target_modules, or merge the adapters first"
-        )
-    return getattr(hf_model, hf_model.base_model_prefix), head
-
-
-def _logit_softcap(model: torch.nn.Module) -> float | None:
-    """The soft-cap the model applies to its logits (Gemma-2: config.final_logit_softcapping), or None."""
-    hf_model = unwrap_peft(model)
-    return architecture(hf_model).logit_softcap(hf_model.config)
 
 
 def _window(completion_mask: torch.Tensor) -> slice:
@@ -57,7 +40,8 @@ def _window(completion_mask: torch.Tensor) -> slice:
 def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and the window."""
     _check_inputs(input_ids, attention_mask, completion_mask)
-    backbone, head = _lm_head(model)
+    backbone, head = backbone_and_head(model)
+    check_index_range("input_ids", input_ids, head.weight.shape[0])
     cols = _window(completion_mask)
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
@@ -73,25 +57,23 @@ def grpo_loss(
     *,
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    loss_type: str = "bnpo",
-    importance_sampling_level: str = "token",
-    temperature: float = 1.0,
-    max_completion_length: int | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
+    config: GRPOLossConfig | None = None,
     return_entropy: bool = False,
     backend: str = "auto",
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of `model` on input_ids [B, T] through fastgrpo.fused_linear_grpo_loss (no [B, T, V] logits).
 
-    attention_mask, completion_mask [B, T]; advantages [B] or [B, T]; old_logps / ref_logps [B, T] as returned
-    by sequence_logprobs. Options as in fused_linear_grpo_loss. Returns (loss, metrics).
+    model: any transformers causal LM (or PEFT wrapper) whose get_output_embeddings() has a [V, H] weight and whose
+    base model returns last_hidden_state, patched or not. attention_mask, completion_mask [B, T]; advantages [B] or
+    [B, T]; old_logps / ref_logps [B, T] as returned by sequence_logprobs. config / options: a GRPOLossConfig and
+    keyword fields on top (softcap defaults to the model's own). Returns (loss, metrics).
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
+    if "softcap" not in options and (config is None or config.softcap is None):
+        options["softcap"] = logit_softcap(model)
+    cfg = resolve(config, options)
     hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
 
     def window(t):
@@ -100,11 +82,8 @@ def grpo_loss(
     return fused_linear_grpo_loss(
         hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
-        old_logps=window(old_logps), ref_logps=window(ref_logps), beta=beta, epsilon_low=epsilon_low,
-        epsilon_high=epsilon_high, delta=delta, loss_type=loss_type,
-        importance_sampling_level=importance_sampling_level, temperature=temperature,
-        max_completion_length=max_completion_length, num_items_in_batch=num_items_in_batch, bias=head.bias,
-        softcap=_logit_softcap(model), return_entropy=return_entropy, backend=backend,
+        old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head.bias,
+        return_entropy=return_entropy, backend=backend,
     )
 
 
@@ -129,7 +108,7 @@ def sequence_logprobs(
         hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
     out = fused_linear_logprobs(
         hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
-        softcap=_logit_softcap(model), return_entropy=return_entropy, backend=backend,
+        softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
     )
     mask = completion_mask[:, cols].bool()
     full = []

@@ -1,6 +1,6 @@
 """`fastgrpo train [--config X.yaml] [--field value ...]`: build the model, data and rewards a config names; train.
 
-With neither --model nor --dataset it runs the built-in default (fastgrpo.default_task) on the CPU; either one
+With neither --model nor --dataset it runs the built-in default (fastgrpo.train.default_task) on the CPU; either one
 alone swaps in the user's model or data.
 """
 from __future__ import annotations
@@ -11,8 +11,14 @@ import json
 import sys
 from pathlib import Path
 
-from fastgrpo.config import GRPOConfig, add_config_arguments, read_yaml
-from fastgrpo.offload_pool import OffloadMemoryError
+import torch
+
+from fastgrpo.offload import ActivationOffloader, HostBufferPool, OffloadMemoryError
+from fastgrpo.patching import patch_model
+from fastgrpo.rewards import REGISTRY
+from fastgrpo.train import default_task
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, read_yaml
+from fastgrpo.train.trainer import GRPOTrainer
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     train = commands.add_parser(
         "train", help="run GRPO training", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
         description="Every GRPOConfig field is a flag; flags override the YAML file given with --config. Without "
-                    "--model, the built-in tiny model's settings (fastgrpo.default_task.PRESET) replace some defaults; "
+                    "--model, the built-in tiny model's settings (fastgrpo.train.default_task.PRESET) replace some defaults; "
                     "without --dataset, the built-in task and its reward are used.",
     )
     train.add_argument("--config", type=Path, help="YAML file of GRPOConfig fields")
@@ -31,8 +37,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
-    from fastgrpo import default_task
-
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     from_yaml = read_yaml(args.config) if args.config is not None else {}
     merged = {**from_yaml, **flags}
@@ -44,8 +48,6 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
 
 def resolve_reward(name: str):
     """A name of fastgrpo.rewards.REGISTRY, or "package.module:function" for a user's reward function."""
-    from fastgrpo.rewards import REGISTRY
-
     if name in REGISTRY:
         return REGISTRY[name]
     module, _, attr = name.partition(":")
@@ -60,8 +62,6 @@ def resolve_reward(name: str):
 
 def load_dataset(config: GRPOConfig):
     """Rows of a local .jsonl / .json file, a Hugging Face dataset (needs `datasets`), or the built-in task."""
-    from fastgrpo import default_task
-
     if config.dataset is None:
         return default_task.build_dataset(seed=config.seed)
     path = Path(config.dataset)
@@ -84,10 +84,6 @@ def load_dataset(config: GRPOConfig):
 
 def load_model_and_tokenizer(config: GRPOConfig):
     """The model (LoRA-wrapped, patched, checkpointed as configured) on its device, and its tokenizer."""
-    import torch
-
-    from fastgrpo import default_task
-
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     dtype_name = config.dtype
     if dtype_name == "auto":
@@ -125,8 +121,6 @@ def load_model_and_tokenizer(config: GRPOConfig):
             target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
         ))
     if config.patch:
-        from fastgrpo.patching import patch_model
-
         patch_model(model, offload_activations=_offload_setting(config, device))
     return model, tokenizer
 
@@ -136,10 +130,6 @@ def _offload_setting(config: GRPOConfig, device: str):
     CPU too, where it copies to pageable buffers: the same code path, so the bound is tested without a GPU)."""
     if config.offload_host_memory_gib is None:
         return config.offload_activations
-    import torch
-
-    from fastgrpo.offload import ActivationOffloader, HostBufferPool
-
     device = torch.device(device)
     pool = HostBufferPool(max_bytes=int(config.offload_host_memory_gib * 2**30), pin_memory=device.type == "cuda")
     return ActivationOffloader(device, pool=pool)
@@ -154,10 +144,6 @@ def main(argv: list[str] | None = None) -> int:
         dataset = load_dataset(config)
     except ValueError as err:
         parser.error(str(err))
-    import torch
-
-    from fastgrpo.trainer import GRPOTrainer
-
     torch.manual_seed(config.seed)  # LoRA's initialization
     model, tokenizer = load_model_and_tokenizer(config)
     try:

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import inspect
 import warnings
 from collections.abc import Callable
 
 import torch
 
+from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
 from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
 
@@ -79,7 +79,7 @@ def rollout(
     M = -(-(P + S) // config.length_bucket) * config.length_bucket
     dtype = model.get_input_embeddings().weight.dtype
     cache = StaticKVCache(G, M, device)
-    cache_kw = _cache_keyword(model)
+    cache_kw = cache_keyword(model)
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
     prompt = left_pad(prompts, pad_id)[0].to(device)
@@ -282,10 +282,3 @@ def _check_stop_strings(state: _State, steps_done: int, stop_check) -> None:
 
 def _device_of(model: torch.nn.Module) -> torch.device:
     return model.get_input_embeddings().weight.device
-
-
-def _cache_keyword(model: torch.nn.Module) -> str:
-    """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
-    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
-    # the class's forward: patch_model may bind a (*args, **kwargs) wrapper on the instance
-    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"

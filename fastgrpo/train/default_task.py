@@ -18,8 +18,8 @@ CHARACTERS = string.ascii_lowercase + string.digits + " :"
 SPECIAL_TOKENS = ("<pad>", "<eos>", "<unk>")
 
 # Config fields for the built-in model instead of GRPOConfig's defaults (which suit real models); a YAML file
-# or command-line flags still override them. 100 steps of 64 completions: 11.5 s on an idle 2-core CPU (wall,
-# start-up included; reward 0.022 -> 0.929); minutes when other processes share the cores (3m46s beside a test run).
+# or command-line flags still override them. The reward climbs from ~0.02 to ~0.9 in the 100 steps (timings:
+# benchmarks/NOTES.md).
 PRESET = dict(
     batch_size=64,
     num_generations=8,
@@ -31,12 +31,12 @@ PRESET = dict(
     loss_type="dapo",
     dtype="float32",
     device="cpu",
-    # The fused kernels are for GPUs; on the CPU their torch fallback runs this 64-wide model ~1.7x slower
-    # (10.5 s vs 6.1 s for 8 steps) with identical rewards. `--patch` turns them on.
+    # The fused kernels are for GPUs; on the CPU their torch fallback runs this 64-wide model slower with identical
+    # rewards (benchmarks/NOTES.md). `--patch` turns them on.
     patch=False,
 )
 # The reward of the built-in dataset, used when no --dataset is given.
-REWARD_FUNCS = ["fastgrpo.default_task:repeat_letter_reward"]
+REWARD_FUNCS = ["fastgrpo.train.default_task:repeat_letter_reward"]
 
 
 def build_tokenizer(characters: str = CHARACTERS):

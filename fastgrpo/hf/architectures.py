@@ -1,9 +1,11 @@
-"""What patch_model replaces, per Hugging Face model_type: the one place where architectures differ.
+"""What patch_model replaces, per Hugging Face model_type and per PEFT LoRA class: the one place where
+architectures differ.
 
 Modules are found by class name on the model instance. Everything not listed here runs the library's own code.
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 
@@ -80,3 +82,36 @@ ACTIVATIONS: dict[str, str] = {
     "PytorchGELUTanh": "gelu_tanh",
     "NewGELUActivation": "gelu_tanh",
 }
+
+
+@dataclass(frozen=True)
+class LoRAClass:
+    """A PEFT LoRA class whose vanilla branch patch_model fuses, and how its forward (PEFT 0.21) differs from
+    peft.tuners.lora.layer.Linear's around that branch."""
+
+    module: str  # where PEFT defines it; looked up in sys.modules, never imported
+    name: str
+    # result = base_layer(x).clone(): PEFT's "defensive" 4-bit clone; the base output is a view made by bitsandbytes'
+    # autograd Function, on which in-place ops fail (it is the layer's output when none of its adapters is active).
+    clone_base: bool = False
+    # Each delta cast to the base result's dtype before the add (a bf16 result adds bf16 deltas), instead of
+    # PEFT Linear's sum in the promoted dtype (fp32 for fp32 adapters) cast once at the end.
+    delta_in_result_dtype: bool = False
+
+
+LORA_CLASSES = (
+    LoRAClass("peft.tuners.lora.layer", "Linear"),
+    LoRAClass("peft.tuners.lora.bnb", "Linear4bit", clone_base=True, delta_in_result_dtype=True),
+    LoRAClass("peft.tuners.lora.bnb", "Linear8bitLt", delta_in_result_dtype=True),
+)
+
+
+def loaded_lora_classes() -> dict[type, LoRAClass]:
+    """The LORA_CLASSES PEFT has loaded: a model holding such layers has imported their module (peft.tuners.lora.bnb
+    defines its classes only when bitsandbytes is installed)."""
+    found = {}
+    for lora_class in LORA_CLASSES:
+        cls = getattr(sys.modules.get(lora_class.module), lora_class.name, None)
+        if cls is not None:
+            found[cls] = lora_class
+    return found

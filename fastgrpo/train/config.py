@@ -11,7 +11,7 @@ import typing
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
-from fastgrpo.algorithms import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.sampling import SamplingParams
 
 LR_SCHEDULERS = ("constant", "linear", "cosine")

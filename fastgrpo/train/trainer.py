@@ -7,6 +7,7 @@ rollout -> rewards -> group advantages -> old / reference log-probs -> num_itera
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 import logging
@@ -18,25 +19,19 @@ from pathlib import Path
 import torch
 
 from fastgrpo._checks import check_choice
-from fastgrpo.algorithms import AdaptiveKLController, kl_penalty
-from fastgrpo.checkpoint import export_model, is_peft_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from fastgrpo.config import GRPOConfig
+from fastgrpo.hf.models import is_peft_model
+from fastgrpo.loss.config import GRPOLossConfig
+from fastgrpo.loss.grpo import group_advantages, kl_penalty
+from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import required_columns, reward_name, reward_names, score
+from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.train.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.kl_control import AdaptiveKLController
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 ADVANTAGE_EPS = 1e-4
-
-
-def group_advantages(rewards: torch.Tensor, num_generations: int, scale_rewards: str) -> torch.Tensor:
-    """rewards [N] in consecutive groups of num_generations -> advantages [N]: r - group mean, over a std."""
-    grouped = rewards.view(-1, num_generations)  # grouped: [N / G, G]
-    centered = grouped - grouped.mean(-1, keepdim=True)
-    if scale_rewards == "group":
-        centered = centered / (grouped.std(-1, keepdim=True) + ADVANTAGE_EPS)
-    elif scale_rewards == "batch":
-        centered = centered / (rewards.std() + ADVANTAGE_EPS)
-    return centered.reshape(-1)
 
 
 def lr_factor(update: int, *, total: int, warmup: int, kind: str) -> float:
@@ -69,13 +64,22 @@ class GRPOTrainer:
         reward_funcs: Callable | Sequence[Callable],
         train_dataset,
         config: GRPOConfig | None = None,
+        engine: RolloutEngine | None = None,
     ):
+        """engine: where rollouts come from (default: BuiltinEngine(model, tokenizer), the model's own modules)."""
         self.config = config = config or GRPOConfig()
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self._check_inputs()
         self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
         self.device = next(model.parameters()).device
+        self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
+        if not isinstance(self.engine, RolloutEngine):
+            raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
+        self.sampling = SamplingParams(
+            max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+            top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+        )
         weights = config.reward_weights or [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor(weights, dtype=torch.float64)
         self.beta = config.beta
@@ -189,7 +193,7 @@ class GRPOTrainer:
         rewards = per_func @ self.reward_weights  # rewards: [N]
 
         # 3. Group-normalized advantages.
-        advantages = group_advantages(rewards, G, config.scale_rewards).float().to(self.device)  # [N]
+        advantages = group_advantages(rewards, G, config.scale_rewards, ADVANTAGE_EPS).float().to(self.device)  # [N]
 
         # 4. Old log-probs (only when the policy moves within the step) and reference log-probs (beta > 0).
         old_logps = ref_logps = None
@@ -243,16 +247,14 @@ class GRPOTrainer:
 
     def _rollout(self, prompt_ids: list[list[int]]) -> dict:
         """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
-        from fastgrpo.rollout import generate
-
         config = self.config
         # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
-        out = generate(
-            self.model, self.tokenizer, prompt_ids, num_generations=config.num_generations,
-            max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
-            top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
-            stop=config.stop, seed=config.seed * 1_000_003 + self.step,
+        self.engine.reacquire_memory()
+        out = self.engine.generate(
+            prompt_ids, num_generations=config.num_generations, sampling=self.sampling, stop=config.stop,
+            seed=config.seed * 1_000_003 + self.step,
         )
+        self.engine.release_memory()
         prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
         return {
             "input_ids": torch.cat([out.prompt_ids, out.completion_ids], 1).to(self.device),  # [N, P + L]
@@ -265,8 +267,6 @@ class GRPOTrainer:
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict, disable_adapter: bool = False) -> torch.Tensor:
         """Per-token log-probs [N, P + L] of the sampled tokens, micro-batch by micro-batch, without grad."""
-        from fastgrpo.model_loss import sequence_logprobs
-
         was_training = model.training
         model.eval()
         size = self.config.micro_batch_size
@@ -283,9 +283,12 @@ class GRPOTrainer:
 
     def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps) -> dict:
         """num_iterations x num_minibatches optimizer steps; returns the mean loss / grad norm / clip / entropy."""
-        from fastgrpo.model_loss import grpo_loss
-
         config, model = self.config, self.model
+        loss_config = GRPOLossConfig(
+            beta=self.beta, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, delta=config.delta,
+            loss_type=config.loss_type, importance_sampling_level=config.importance_sampling_level,
+            temperature=config.temperature, max_completion_length=config.max_completion_length,
+        )
         n = batch["input_ids"].shape[0]
         mb_size, micro = n // config.num_minibatches, config.micro_batch_size
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -301,7 +304,10 @@ class GRPOTrainer:
             for start in range(0, n, mb_size):
                 minibatch = order[start:start + mb_size]
                 # dapo divides by the active tokens of the whole minibatch; the others are per-micro-batch means.
-                num_items = batch["completion_mask"][minibatch].sum()
+                num_items = int(batch["completion_mask"][minibatch].sum())
+                minibatch_config = dataclasses.replace(
+                    loss_config, num_items_in_batch=max(num_items, 1) if config.loss_type == "dapo" else None
+                )
                 self.optimizer.zero_grad(set_to_none=True)
                 for m in range(0, mb_size, micro):
                     rows = minibatch[m:m + micro]
@@ -309,12 +315,8 @@ class GRPOTrainer:
                         model, batch["input_ids"][rows], batch["attention_mask"][rows],
                         batch["completion_mask"][rows], advantages[rows],
                         old_logps=None if old_logps is None else old_logps[rows],
-                        ref_logps=None if ref_logps is None else ref_logps[rows],
-                        beta=self.beta, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high,
-                        delta=config.delta, loss_type=config.loss_type,
-                        importance_sampling_level=config.importance_sampling_level,
-                        temperature=config.temperature, max_completion_length=config.max_completion_length,
-                        num_items_in_batch=num_items if config.loss_type == "dapo" else None, return_entropy=True,
+                        ref_logps=None if ref_logps is None else ref_logps[rows], config=minibatch_config,
+                        return_entropy=True,
                     )
                     scale = 1.0 if config.loss_type == "dapo" else len(rows) / mb_size
                     (loss * scale).backward()

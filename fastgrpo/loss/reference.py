@@ -8,8 +8,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from fastgrpo._checks import check_grpo_loss_args, check_linear_args
-from fastgrpo.algorithms import aggregation_weights, grpo_per_token_loss
+from fastgrpo._checks import check_linear_args
+from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, resolve
+from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss, loss_metrics
 
 
 def _cast(upcast: torch.dtype | None, *tensors: torch.Tensor | None):
@@ -55,52 +56,29 @@ def grpo_loss(
     *,
     old_logps: torch.Tensor | None = None,
     ref_logps: torch.Tensor | None = None,
-    beta: float = 0.0,
-    epsilon_low: float = 0.2,
-    epsilon_high: float | None = None,
-    delta: float | None = None,
-    loss_type: str = "bnpo",
-    importance_sampling_level: str = "token",
-    temperature: float = 1.0,
-    max_completion_length: int | None = None,
-    num_items_in_batch: float | torch.Tensor | None = None,
+    config: GRPOLossConfig | None = None,
     bias: torch.Tensor | None = None,
-    softcap: float | None = None,
     return_entropy: bool = False,
     upcast: torch.dtype | None = None,
+    **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of hidden [B, T, H] through lm_head weight [V, H]; the oracle of fused_linear_grpo_loss.
 
-    Returns (loss, metrics) with metrics `clip_ratio`, `clip_ratio_low`, `clip_ratio_high` (fractions of valid
-    tokens on the clipped branch), `kl` (masked mean k3 KL, when beta > 0) and `entropy` (when asked).
+    config / options: a GRPOLossConfig and keyword fields on top of it. Returns (loss, metrics) with the metrics of
+    fastgrpo.loss.grpo.loss_metrics.
     """
-    check_grpo_loss_args(
-        hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, beta, loss_type,
-        importance_sampling_level, max_completion_length, temperature, bias, softcap,
-    )
+    cfg = resolve(config, options)
+    check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias)
     hidden, weight, bias, advantages, old_logps, ref_logps = _cast(
         upcast, hidden, weight, bias, advantages, old_logps, ref_logps
     )
-    out = linear_logprobs(hidden, weight, target_ids, temperature, bias, return_entropy, softcap=softcap)
+    out = linear_logprobs(hidden, weight, target_ids, cfg.temperature, bias, return_entropy, softcap=cfg.softcap)
     logps, entropy = out if return_entropy else (out, None)
     mask = completion_mask.to(logps.dtype)
-    per_token_loss, per_token_kl, low, high = grpo_per_token_loss(
-        logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, beta, epsilon_low, epsilon_high, delta,
-        importance_sampling_level,
-    )
-    weights = aggregation_weights(mask, loss_type, max_completion_length, num_items_in_batch)
-    loss = (per_token_loss * weights).sum()
-    valid = mask.sum().clamp(min=1.0)
-    metrics = {
-        "clip_ratio_low": (low * mask).sum() / valid,
-        "clip_ratio_high": (high * mask).sum() / valid,
-    }
-    metrics["clip_ratio"] = metrics["clip_ratio_low"] + metrics["clip_ratio_high"]
-    if per_token_kl is not None:
-        metrics["kl"] = (per_token_kl.detach() * mask).sum() / valid
-    if entropy is not None:
-        metrics["entropy"] = (entropy.detach() * mask).sum() / valid
-    return loss, metrics
+    terms = grpo_per_token_loss(logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, cfg)
+    weights = aggregation_weights(mask, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch)
+    loss = (terms.loss * weights).sum()
+    return loss, loss_metrics(mask, terms, entropy)
 
 
 # --- Layers fused by patch_model -------------------------------------------------------------------------------

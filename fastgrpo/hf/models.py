@@ -1,0 +1,123 @@
+"""Lookups on a Hugging Face causal LM (or a PEFT wrapper of one): the transformers internals the rest of fastgrpo
+needs, in one place.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from fastgrpo.hf.architectures import ARCHITECTURES, Architecture
+
+
+def unwrap_peft(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PEFT wrapper, or the model itself."""
+    if is_peft_model(model):
+        return model.get_base_model()
+    return model
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
+
+
+def adapters_active(module: nn.Module) -> bool:
+    """A PEFT tuner layer (e.g. LoRA) whose unmerged adapters run in its forward: its `.weight` is the base alone."""
+    return (
+        hasattr(module, "base_layer")
+        and not getattr(module, "disable_adapters", False)
+        and not getattr(module, "merged", False)
+    )
+
+
+def architecture(model: nn.Module) -> Architecture:
+    """The patch table's entry of a transformers causal LM; ValueError for anything else."""
+    config = getattr(model, "config", None)
+    get_head = getattr(model, "get_output_embeddings", None)
+    if config is None or not callable(get_head) or get_head() is None:
+        raise ValueError(
+            f"model: expected a causal LM with an lm_head (e.g. from AutoModelForCausalLM), got {type(model).__name__}"
+        )
+    model_type = getattr(config, "model_type", None)
+    if model_type not in ARCHITECTURES:
+        raise ValueError(f"model: model_type {model_type!r} is not supported; supported: {sorted(ARCHITECTURES)}")
+    return ARCHITECTURES[model_type]
+
+
+def decoder_layers(model: nn.Module, arch: Architecture) -> list[nn.Module]:
+    """The modules whose direct child is an attention module of the architecture, in model order."""
+    return [
+        m for m in model.modules() if any(type(c).__name__ in arch.attention_classes for c in m.children())
+    ]
+
+
+def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """(backbone, lm_head) of any transformers causal LM or PEFT wrapper of one: the lm_head is
+    get_output_embeddings() with a [V, H] weight, the backbone the base model (it returns last_hidden_state).
+
+    Tied embeddings share the weight already. Weights on the meta device (accelerate's CPU / disk offload hooks move
+    them there between calls) are an error: the fused loss reads lm_head.weight directly and would compute garbage.
+    """
+    hf_model = unwrap_peft(model)
+    get_head = getattr(hf_model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        raise ValueError(f"model: expected a causal LM whose get_output_embeddings() has a [V, H] weight, got "
+                         f"{type(hf_model).__name__}")
+    if weight.is_meta:
+        raise ValueError("model: lm_head.weight is on the meta device (accelerate offload hooks?); the fused loss "
+                         "reads the weight itself: load the model onto one device (no device_map offload)")
+    if adapters_active(head):
+        raise ValueError(
+            f"model: the lm_head ({type(head).__name__}) has active PEFT adapters, which the fused loss would skip "
+            "(it reads lm_head.weight); leave lm_head out of target_modules, or merge the adapters first"
+        )
+    prefix = getattr(hf_model, "base_model_prefix", "")
+    backbone = getattr(hf_model, prefix, None) if prefix else None
+    if not isinstance(backbone, nn.Module):
+        raise ValueError(f"model: found no base model at base_model_prefix {prefix!r} of {type(hf_model).__name__}")
+    return backbone, head
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """The soft-cap the model applies to its logits (Gemma-2: config.final_logit_softcapping), or None; None for a
+    model outside the patch table that has no such setting."""
+    hf_model = unwrap_peft(model)
+    config = getattr(hf_model, "config", None)
+    arch = ARCHITECTURES.get(getattr(config, "model_type", None))
+    if arch is not None:
+        return arch.logit_softcap(config)
+    return getattr(config, "final_logit_softcapping", None)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
+    inner = unwrap_peft(model)
+    # the class's forward: patch_model may bind a (*args, **kwargs) wrapper on the instance
+    return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
+
+
+@contextlib.contextmanager
+def attention_implementation(model: nn.Module, name: str | None) -> Iterator[str]:
+    """Within the block the model's attention runs through the registered attention function `name` (None: keep
+    the model's); yields the implementation the model had, which is restored afterwards."""
+    config = unwrap_peft(model).config
+    previous = config._attn_implementation
+    if name is not None:
+        config._attn_implementation = name
+    try:
+        yield previous
+    finally:
+        config._attn_implementation = previous
+
+
+def register_attention(name: str, function) -> None:
+    """Make `function` selectable as a model's attention implementation under `name` (transformers'
+    AttentionInterface)."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(name, function)

@@ -1,0 +1,130 @@
+"""GRPOLossConfig: every option of the GRPO loss, held once and validated once.
+
+fastgrpo.loss.reference.grpo_loss, fastgrpo.fused_linear_grpo_loss, fastgrpo.grpo_loss and the trainer take one
+of these (`config=`), or the same options as keywords, folded into one here (`resolve`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+
+import torch
+
+from fastgrpo._checks import (
+    check_binary_mask,
+    check_choice,
+    check_index_range,
+    check_linear_args,
+    check_per_token_inputs,
+    check_shape,
+)
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
+
+
+@dataclasses.dataclass(frozen=True)
+class GRPOLossConfig:
+    """Options of the GRPO loss (see DESIGN: the loss math).
+
+    beta: weight of the k3 KL to the reference (0: none, no ref_logps needed). epsilon_low / epsilon_high: the
+    ratio is clipped to [1 - epsilon_low, 1 + epsilon_high] (epsilon_high None: epsilon_low). delta: cap on the
+    unclipped ratio (two-sided clipping, TRL's), None: off. loss_type: the aggregation (grpo, bnpo, dr_grpo, dapo).
+    importance_sampling_level: "token" ratios, or "sequence" (the mean log-ratio of a sequence's tokens).
+    temperature: divides the logits. max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo's
+    normalizer (the active tokens of the whole accumulation window; None: this call's). softcap: the logits become
+    softcap * tanh(logits / softcap) before the temperature (Gemma-2's final_logit_softcapping).
+    """
+
+    beta: float = 0.0
+    epsilon_low: float = 0.2
+    epsilon_high: float | None = None
+    delta: float | None = None
+    loss_type: str = "bnpo"
+    importance_sampling_level: str = "token"
+    temperature: float = 1.0
+    max_completion_length: int | None = None
+    num_items_in_batch: float | torch.Tensor | None = None
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_real("beta", self.beta, "a finite float >= 0", lambda v: 0 <= v < math.inf)
+        _check_real("epsilon_low", self.epsilon_low, "a float in [0, 1)", lambda v: 0 <= v < 1)
+        _check_optional_real("epsilon_high", self.epsilon_high, "None or a finite float >= 0",
+                             lambda v: 0 <= v < math.inf)
+        _check_optional_real("delta", self.delta, "None or a float >= 1", lambda v: 1 <= v < math.inf)
+        check_choice("loss_type", self.loss_type, LOSS_TYPES)
+        check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
+        _check_real("temperature", self.temperature, "a finite float > 0", lambda v: 0 < v < math.inf)
+        _check_optional_real("softcap", self.softcap, "None or a positive finite float", lambda v: 0 < v < math.inf)
+        if self.softcap is not None:  # an int cap would be specialized by Triton into a constant
+            object.__setattr__(self, "softcap", float(self.softcap))
+        length = self.max_completion_length
+        if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
+            raise ValueError(f"max_completion_length: expected None or an int >= 1, got {length!r}")
+        if self.loss_type == "dr_grpo" and length is None:
+            raise ValueError("max_completion_length: required for loss_type='dr_grpo', got None")
+        items = self.num_items_in_batch
+        if items is not None:
+            if isinstance(items, torch.Tensor):
+                if items.numel() != 1:
+                    raise ValueError(f"num_items_in_batch: expected a number or a one-element tensor, got shape "
+                                     f"{list(items.shape)}")
+                value = float(items)  # one host sync: a wrong normalizer must not pass silently
+            elif isinstance(items, numbers.Real) and not isinstance(items, bool):
+                value = float(items)
+            else:
+                raise ValueError(f"num_items_in_batch: expected None or a number > 0, got {items!r}")
+            if not 0 < value < math.inf:
+                raise ValueError(f"num_items_in_batch: expected None or a number > 0, got {value}")
+
+    @property
+    def clip_high(self) -> float:
+        return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+
+def resolve(config: GRPOLossConfig | None, options: dict) -> GRPOLossConfig:
+    """`config` with the keyword `options` on top (either may be absent); unknown option names are an error."""
+    if config is not None and not isinstance(config, GRPOLossConfig):
+        raise ValueError(f"config: expected a fastgrpo.GRPOLossConfig or None, got {type(config).__name__}")
+    names = {f.name for f in dataclasses.fields(GRPOLossConfig)}
+    unknown = sorted(set(options) - names)
+    if unknown:
+        raise ValueError(f"unknown loss option {unknown}: expected fields of GRPOLossConfig {sorted(names)}")
+    if config is None:
+        return GRPOLossConfig(**options)
+    return dataclasses.replace(config, **options) if options else config
+
+
+def check_loss_inputs(
+    cfg: GRPOLossConfig,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    old_logps: torch.Tensor | None,
+    ref_logps: torch.Tensor | None,
+    bias: torch.Tensor | None,
+) -> None:
+    """The tensor checks shared by fastgrpo.loss.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
+    check_shape("hidden", hidden, (None, None, None))
+    B, T, _ = hidden.shape
+    check_linear_args(hidden, weight, bias, cfg.temperature, cfg.softcap)
+    check_shape("target_ids", target_ids, (B, T))
+    check_binary_mask("completion_mask", completion_mask, "target_ids", target_ids)
+    check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
+    if cfg.beta > 0 and ref_logps is None:
+        raise ValueError("ref_logps: required when beta > 0, got None")
+    check_index_range("target_ids", target_ids, weight.shape[0])
+
+
+def _check_real(name: str, value: object, expected: str, ok) -> None:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not ok(float(value)):
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _check_optional_real(name: str, value: object, expected: str, ok) -> None:
+    if value is not None:
+        _check_real(name, value, expected, ok)
