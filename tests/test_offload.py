@@ -722,7 +722,7 @@ def test_gpu_exception_in_layer_leaves_stream_and_pool_usable():
 def test_gpu_unpatch_gives_the_pinned_memory_back(monkeypatch):
     from fastgrpo.patching import patch_model, unpatch_model
 
-    monkeypatch.setattr(offload, "_DEFAULT_USERS", weakref.WeakSet())  # layers earlier tests left enabled
+    monkeypatch.setattr(checkpointing_module, "_DEFAULT_USERS", weakref.WeakSet())  # layers earlier tests left enabled
     model = _gpu_model()
     offload.release_host_memory()  # what earlier tests left in the default pools and torch's pinned cache
     pinned_before = _pinned_bytes()

@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo.hf.binding import bind_forward
-from fastgrpo.offload.offloader import ActivationOffloader, OffloadedInput, release_host_memory
+from fastgrpo.offload.offloader import ActivationOffloader, OffloadedInput, default_offloader, release_host_memory
 
 _STATE_ATTR = "_fastgrpo_offload"
 # Layers enabled without an offloader of their own: the last one disabled releases the default offloaders' memory.

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 
