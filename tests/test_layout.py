@@ -1,7 +1,11 @@
-"""The package's shape: no import cycles between fastgrpo's modules (function-local imports count) and no module
-over 500 lines."""
+"""The package's shape: no import cycles between fastgrpo's modules (function-local imports count), no module
+over 500 lines, no undefined or unused names (pyflakes: a name left behind by a move fails only on the path that
+reaches it, e.g. only on a GPU)."""
 import ast
 from pathlib import Path
+
+import pyflakes.api
+import pyflakes.reporter
 
 import fastgrpo
 
@@ -61,3 +65,24 @@ def test_no_module_over_500_lines():
     sizes = {str(p.relative_to(ROOT.parent)): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
     long = {name: n for name, n in sizes.items() if n > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_no_undefined_or_unused_names():
+    messages = []
+
+    class Collect(pyflakes.reporter.Reporter):
+        def __init__(self):
+            pass
+
+        def flake(self, message):
+            messages.append(str(message))
+
+        def syntaxError(self, filename, msg, lineno, offset, text):  # noqa: N802 - pyflakes' interface
+            messages.append(f"{filename}:{lineno}: {msg}")
+
+        def unexpectedError(self, filename, msg):  # noqa: N802
+            messages.append(f"{filename}: {msg}")
+
+    for path in sorted(ROOT.rglob("*.py")):
+        pyflakes.api.checkPath(str(path), Collect())
+    assert not messages, "\n".join(messages)
