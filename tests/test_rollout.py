@@ -156,6 +156,22 @@ def test_same_seed_same_samples_and_other_seed_differs():
     assert len({tuple(x) for x in completions(a)[:4]}) > 1
 
 
+def test_prompt_keys_make_a_prompts_samples_independent_of_the_call():
+    """A data-parallel rank generates for its share of a batch: with the same seed and keys (positions in the whole
+    batch), its rows equal the whole batch's rows of those prompts; without keys the default is the position."""
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    kw = dict(num_generations=3, max_new_tokens=12, temperature=1.0, top_p=0.95, seed=4)
+    whole = generate(model, tok, PROMPTS, **kw)
+    assert completions(generate(model, tok, PROMPTS, prompt_keys=[0, 1, 2], **kw)) == completions(whole)
+    share = generate(model, tok, PROMPTS[1:], prompt_keys=[1, 2], **kw)
+    assert completions(share) == completions(whole)[3:]
+    torch.testing.assert_close(share.logprobs, whole.logprobs[3:, : share.logprobs.shape[1]], atol=1e-5, rtol=0)
+    shifted = generate(model, tok, PROMPTS[1:], **kw)  # keys 0, 1: other samples of the same prompts
+    assert completions(shifted) != completions(whole)[3:]
+    with pytest.raises(ValueError, match="prompt_keys"):
+        generate(model, tok, PROMPTS, prompt_keys=[0, 1], **kw)
+
+
 def test_stop_string_cuts_ids_mask_and_text_consistently():
     tok, model = char_tokenizer(), tiny_model("llama")
     free = generate(model, tok, PROMPTS, max_new_tokens=24, temperature=0)

@@ -16,8 +16,11 @@ from transformers.generation.logits_process import (
 from fastgrpo.rollout.sampling import (
     SamplingParams,
     apply_repetition_penalty,
+    keyed_exponential,
     min_p_filter,
+    mix32,
     process_logits,
+    row_keys,
     sample,
     top_k_filter,
     top_p_filter,
@@ -179,3 +182,50 @@ def test_zero_noise_never_picks_a_filtered_token():
 def test_sampling_params_reject_bad_values(kwargs, name):
     with pytest.raises(ValueError, match=name):
         SamplingParams(**kwargs)
+
+
+def lowbias32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & 0xFFFFFFFF
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & 0xFFFFFFFF
+    return x ^ (x >> 16)
+
+
+def test_mix32_is_lowbias32_exactly():
+    """The int64 torch ops give the 32-bit hash's exact bits (no product overflows), also at the extremes."""
+    xs = torch.cat([torch.randint(0, 2**32, (20_000,), generator=torch.Generator().manual_seed(0)),
+                    torch.tensor([0, 1, 2**31 - 1, 2**31, 2**32 - 1])])
+    assert mix32(xs).tolist() == [lowbias32(x) for x in xs.tolist()]
+
+
+def test_keyed_race_draws_from_softmax():
+    """The exponential race on keyed noise: 60k draws (rows x positions) within 5 sigma of softmax, never the
+    filtered token; draws of different rows and positions are independent enough to pass the same bound."""
+    logits = torch.tensor([1.0, 0.0, -1.0, 2.0, NEG, 0.5])
+    keys, vocab = row_keys(11, range(2000), 6), mix32(torch.arange(6))
+    tokens = torch.cat([sample(logits.expand(len(keys), 6), keyed_exponential(keys, torch.tensor([t]), vocab))[0]
+                        for t in range(5)])
+    n = tokens.numel()
+    probs = logits.double().softmax(-1)
+    freq = torch.bincount(tokens, minlength=6).double() / n
+    sigma = (probs * (1 - probs) / n).sqrt()
+    assert freq[4] == 0
+    assert torch.all((freq - probs).abs() <= 5 * sigma + 1e-12), (freq, probs)
+
+
+def test_keyed_noise_is_a_function_of_the_sample_key_alone():
+    """A sample's noise depends on (seed, prompt key, index in group, position) only: the same key in another call
+    (another batch, another prompt order) draws the same; another seed, key, index or position draws differently."""
+    vocab = mix32(torch.arange(40))
+    pos = torch.tensor([3])
+    both = keyed_exponential(row_keys(5, [10, 20], 3), pos, vocab)  # rows: 10/0, 10/1, 10/2, 20/0, 20/1, 20/2
+    alone = keyed_exponential(row_keys(5, [20], 3), pos, vocab)
+    assert torch.equal(both[3:], alone)
+    assert torch.equal(keyed_exponential(row_keys(5, [20, 10], 3), pos, vocab)[3:], both[:3])
+    others = [keyed_exponential(row_keys(6, [20], 3), pos, vocab), keyed_exponential(row_keys(5, [21], 3), pos, vocab),
+              keyed_exponential(row_keys(5, [20], 3), torch.tensor([4]), vocab)]
+    for other in others:
+        assert not torch.isclose(other, alone).any(dim=1).all()
+    assert len({tuple(row.tolist()) for row in alone}) == 3  # the samples of a group differ
+    assert torch.all(alone > 0) and torch.all(torch.isfinite(alone))

@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
+from collections.abc import Sequence
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -31,13 +33,26 @@ class RolloutEngine(Protocol):
     log-prob of each sampled token under the sampling distribution. release_memory / reacquire_memory: give back
     what the engine keeps between rollouts (KV cache, graphs) for the training phase, and take it again before the
     next rollout. load_weights: make the next rollout use the model's current weights.
+
+    prompt_keys (optional; engines written before it are called without it, see `accepts_prompt_keys`): one int
+    per prompt. An engine that takes it makes sample g of a prompt a function of (seed, that key, g) alone, so
+    data-parallel ranks that each generate their share of a batch sample what one process would.
     """
 
     def generate(self, prompts, *, num_generations: int, sampling: SamplingParams, stop=None,
-                 seed: int | None = None) -> RolloutResult: ...
+                 seed: int | None = None, prompt_keys: Sequence[int] | None = None) -> RolloutResult: ...
 
     def release_memory(self) -> None: ...
 
     def reacquire_memory(self) -> None: ...
 
     def load_weights(self, model: torch.nn.Module) -> None: ...
+
+
+def accepts_prompt_keys(engine) -> bool:
+    """Whether engine.generate takes `prompt_keys` (by name or through **kwargs)."""
+    try:
+        params = inspect.signature(engine.generate).parameters.values()
+    except (TypeError, ValueError):
+        return False
+    return any(p.name == "prompt_keys" or p.kind is inspect.Parameter.VAR_KEYWORD for p in params)

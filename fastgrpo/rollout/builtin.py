@@ -19,9 +19,9 @@ class BuiltinEngine:
         self.config = config
 
     def generate(self, prompts, *, num_generations: int, sampling: SamplingParams, stop=None,
-                 seed: int | None = None) -> RolloutResult:
+                 seed: int | None = None, prompt_keys=None) -> RolloutResult:
         return generate_with_config(self.model, self.tokenizer, prompts, num_generations, sampling, stop=stop,
-                                    seed=seed, config=self.config)
+                                    seed=seed, prompt_keys=prompt_keys, config=self.config)
 
     def release_memory(self) -> None:
         """Nothing is kept between calls."""

@@ -3,7 +3,7 @@
 One call: the B distinct prompts are prefilled once (left-padded to P), their K/V broadcast to the N = B x G rows
 of the cache; then every decode step feeds one token per row at the same cache slot. All per-step state lives in
 preallocated device tensors and is updated in place, so on CUDA the step (model forward, filters, sampling,
-bookkeeping) is compiled once and replayed as a CUDA graph; the host only draws the sampling noise and replays.
+bookkeeping, the sampling noise) is compiled once and replayed as a CUDA graph; the host only replays.
 Stop tokens are tracked on the device; the host syncs every `check_every` steps to stop early and to look for
 stop strings. The graph, the cache and the buffers are locals: they are freed when the call returns.
 """
@@ -18,7 +18,7 @@ import torch
 
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
-from fastgrpo.rollout.sampling import SamplingParams, process_logits, sample
+from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +48,8 @@ class _State:
     visible: torch.Tensor  # [N, M] bool, cache slots holding a real (non-pad) token
     key_pos: torch.Tensor  # [M] slot ids
     seen: torch.Tensor | None  # [N, V] bool, tokens seen so far (repetition penalty only)
-    noise: torch.Tensor | None  # [N, V] fp32 Exp(1) draws (sampling only)
+    keys: torch.Tensor | None  # [N] int64 per-sample noise keys (sampling only; greedy: None)
+    vocab_keys: torch.Tensor | None  # [V] int64 hashed vocabulary ids (sampling only)
     stop_ids: torch.Tensor | None  # [K] stop token ids
     done: torch.Tensor  # [N] bool
     step: torch.Tensor  # [1] next output column
@@ -65,12 +66,13 @@ def rollout(
     *,
     stop_ids: list[int],
     pad_id: int,
-    generator: torch.Generator | None,
+    keys: torch.Tensor | None,
     stop_check: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
     config: EngineConfig = EngineConfig(),
 ) -> Completions:
     """Generate params.max_new_tokens (or until every row stops) for each of the G copies of each prompt.
 
+    keys: [N] int64 per-sample keys (sampling.row_keys), or None for greedy decoding.
     stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
     """
     device = _device_of(model)
@@ -91,13 +93,13 @@ def rollout(
     with torch.no_grad():
         logits = _prefill(model, cache, cache_kw, prompt, real[:, :P], slots[:P], offset, dtype)
         logits = logits.repeat_interleave(G, dim=0)  # [N, V]
-        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, generator)
+        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, keys)
         state.positions.copy_(lengths.repeat_interleave(G)[:, None])
         cache.slot.fill_(P)
-        _record(state, *sample(process_logits(logits, params, state.seen), state.noise), pad_id)
+        _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
         del logits
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
-        steps_done = _decode(step, state, S, generator, stop_check, config)
+        steps_done = _decode(step, state, S, stop_check, config)
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],
@@ -117,7 +119,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _decode(step, state: _State, S: int, generator, stop_check, config: EngineConfig) -> int:
+def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> int:
     """Run decode steps until S tokens or every row stopped; returns the number of tokens per row generated.
 
     The CUDA graph and its memory pool live in this frame: they are freed when it returns.
@@ -129,8 +131,6 @@ def _decode(step, state: _State, S: int, generator, stop_check, config: EngineCo
         run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
     steps_done = 1  # the prefill sampled the first token
     while steps_done < S:
-        if state.noise is not None:
-            state.noise.exponential_(generator=generator)
         run()
         steps_done += 1
         if steps_done % config.check_every == 0:  # the only host syncs of the loop
@@ -162,7 +162,12 @@ def _forward_sample(model, cache, cache_kw, state, params, dtype):
         logits_to_keep=1, **{cache_kw: cache},
     )
     logits = process_logits(out.logits[:, -1], params, state.seen)
-    return sample(logits, state.noise)
+    return sample(logits, _noise(state))
+
+
+def _noise(state: _State) -> torch.Tensor | None:
+    """Exp(1) draws [N, V] for the token at column state.step (None: greedy); a function of the keys alone."""
+    return None if state.keys is None else keyed_exponential(state.keys, state.step, state.vocab_keys)
 
 
 @functools.cache
@@ -243,7 +248,7 @@ class _GraphedStep:
         self.warmup -= 1
 
 
-def _new_state(prompt, real, slots, G, S, V, params, stop_ids, generator) -> _State:
+def _new_state(prompt, real, slots, G, S, V, params, stop_ids, keys) -> _State:
     device = prompt.device
     N = prompt.shape[0] * G
     seen = None
@@ -252,16 +257,15 @@ def _new_state(prompt, real, slots, G, S, V, params, stop_ids, generator) -> _St
         counts = torch.zeros(prompt.shape[0], V, dtype=torch.int32, device=device)
         counts.scatter_add_(1, prompt, real[:, : prompt.shape[1]].int())
         seen = (counts > 0).repeat_interleave(G, dim=0)
-    noise = None
-    if not params.greedy:
-        noise = torch.empty(N, V, dtype=torch.float32, device=device).exponential_(generator=generator)
+    sampled = not params.greedy
     return _State(
         tokens=torch.zeros(N, 1, dtype=torch.long, device=device),
         positions=torch.zeros(N, 1, dtype=torch.long, device=device),
         visible=real.repeat_interleave(G, dim=0),
         key_pos=slots,
         seen=seen,
-        noise=noise,
+        keys=keys.to(device) if sampled else None,
+        vocab_keys=mix32(torch.arange(V, device=device)) if sampled else None,
         stop_ids=torch.tensor(sorted(set(stop_ids)), dtype=torch.long, device=device) if stop_ids else None,
         done=torch.zeros(N, dtype=torch.bool, device=device),
         step=torch.zeros(1, dtype=torch.long, device=device),

@@ -23,7 +23,7 @@ from fastgrpo.rollout.requests import (
     tokenize_prompts,
     unknown_options_message,
 )
-from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.rollout.sampling import SamplingParams, row_keys
 from fastgrpo.rollout.stops import StopStrings
 
 
@@ -41,6 +41,7 @@ def generate(
     repetition_penalty: float = 1.0,
     stop: str | int | Sequence[str | int] | None = None,
     seed: int | None = None,
+    prompt_keys: Sequence[int] | None = None,
     **unknown,
 ) -> RolloutResult:
     """Sample `num_generations` completions of each prompt with the model's own weights.
@@ -49,7 +50,9 @@ def generate(
     temperature=0 is greedy; its log-probs are then those at temperature 1 after the filters. The filters apply
     in HF's order: repetition_penalty, temperature, top_k (0: off), top_p, min_p (0: off). stop: strings and/or
     token ids; the tokenizer's and the model's generation-config EOS ids always stop. seed: a fixed seed gives
-    the same samples; None draws from torch's global generator.
+    the same samples; None draws one from torch's global generator. prompt_keys: one int per prompt (default: its
+    position in `prompts`); sample g of a prompt is a function of (seed, its key, g) alone, so a prompt keeps its
+    completions whichever prompts share the call (the trainer passes positions in the whole step's batch).
     """
     if unknown:
         raise ValueError(unknown_options_message(unknown))
@@ -57,15 +60,17 @@ def generate(
         max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         repetition_penalty=repetition_penalty,
     )
-    return generate_with_config(model, tokenizer, prompts, num_generations, params, stop=stop, seed=seed)
+    return generate_with_config(model, tokenizer, prompts, num_generations, params, stop=stop, seed=seed,
+                                prompt_keys=prompt_keys)
 
 
 def generate_with_config(
     model, tokenizer, prompts, num_generations: int, params: SamplingParams, *, stop=None, seed=None,
-    config: EngineConfig = EngineConfig(),
+    prompt_keys=None, config: EngineConfig = EngineConfig(),
 ) -> RolloutResult:
     """generate() with the sampling parameters as one object and the engine settings exposed."""
     check_request(num_generations, seed)
+    prompt_keys = _check_prompt_keys(prompt_keys, prompts)
     vocab = model.get_input_embeddings().weight.shape[0]
     stop_strings, stop_ids = split_stop(stop, vocab)
     prompt_ids = tokenize_prompts(tokenizer, prompts, vocab)
@@ -76,15 +81,27 @@ def generate_with_config(
     eos = [tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
     stop_ids = [*stop_ids, *(i for i in eos if i is not None)]
     stops = StopStrings(tokenizer, stop_strings, config.check_every) if stop_strings else None
-    device = model.get_input_embeddings().weight.device
-    generator = torch.Generator(device=device).manual_seed(seed) if seed is not None else None
+    if seed is None:
+        seed = int(torch.randint(0, 2**62, ()))
+    keys = row_keys(seed, prompt_keys, num_generations)
 
     with _rollout_mode(model):
         out = rollout(
-            model, prompt_ids, num_generations, params, stop_ids=stop_ids, pad_id=pad_id, generator=generator,
+            model, prompt_ids, num_generations, params, stop_ids=stop_ids, pad_id=pad_id, keys=keys,
             stop_check=stops.running_hits if stops else None, config=config,
         )
     return _result(tokenizer, prompt_ids, num_generations, out, stops, pad_id)
+
+
+def _check_prompt_keys(prompt_keys, prompts) -> list[int]:
+    if prompt_keys is None:
+        return list(range(len(prompts))) if isinstance(prompts, Sequence) else []
+    keys = list(prompt_keys) if isinstance(prompt_keys, Sequence) else None
+    if keys is None or not all(isinstance(k, int) and not isinstance(k, bool) for k in keys):
+        raise ValueError(f"prompt_keys: expected a list of ints (one per prompt), got {prompt_keys!r}")
+    if isinstance(prompts, Sequence) and len(keys) != len(prompts):
+        raise ValueError(f"prompt_keys: expected one key per prompt ({len(prompts)}), got {len(keys)}")
+    return keys
 
 
 def _result(tokenizer, prompt_ids, G, out, stops, pad_id) -> RolloutResult:

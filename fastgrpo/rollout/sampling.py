@@ -3,13 +3,18 @@
 The filters follow HF `generate`'s order and semantics (repetition penalty, temperature, top_k, top_p, min_p), so
 a user's generation config means the same thing here. Filtered tokens get -inf; every filter keeps at least the
 top token. Sampling uses the exponential race, argmax(logp - log E) with E ~ Exp(1), which draws from softmax(logp)
-without torch.multinomial's host sync and fits inside a CUDA graph when E is drawn into a static buffer.
+without torch.multinomial's host sync. E comes from a counter-based hash of (row key, token position, vocabulary id)
+in plain int64 torch ops (`keyed_exponential`): no generator state, so it is computed inside the compiled, CUDA-
+graphed decode step, and a sample's randomness depends on its own key only, not on which rows share the call.
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 import torch
+
+MASK32 = 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,3 +112,51 @@ def sample(logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tens
     score = logp if noise is None else logp - noise.clamp_min(torch.finfo(noise.dtype).tiny).log()
     tokens = score.argmax(dim=-1)
     return tokens, logp.gather(-1, tokens[:, None])[:, 0]
+
+
+# ---- counter-based noise: 32-bit words held in int64 tensors ----
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32): split c in 16-bit halves so that no product passes 2**48 (int64
+    overflow is undefined behaviour in C++ and differs between backends; these products are exact everywhere)."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & MASK32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit integer hash (Wellons' lowbias32) of int64 values in [0, 2**32)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def _fold(h: torch.Tensor, word) -> torch.Tensor:
+    """Hash `word` (tensor or int in [0, 2**32)) into the running key h."""
+    return mix32(((h ^ mix32(torch.as_tensor(word, dtype=torch.int64) & MASK32)) + 0x9E3779B9) & MASK32)
+
+
+def row_keys(seed: int, prompt_keys: Sequence[int], num_generations: int) -> torch.Tensor:
+    """The key [B * G] int64 (CPU) of each sample: a hash of (seed, its prompt's key, its index in the group).
+
+    A sample's noise depends on these three alone, so a prompt's completions are the same whichever prompts share
+    the call or the process (the trainer passes each prompt's position in the step's whole batch). Ints of any
+    sign are taken mod 2**64."""
+    words = [(int(k) & MASK32, (int(k) >> 32) & MASK32) for k in prompt_keys]
+    lo, hi = (torch.tensor(w, dtype=torch.int64) for w in zip(*words))
+    h = _fold(_fold(torch.tensor(0x2545F491), seed & MASK32), (seed >> 32) & MASK32)
+    h = _fold(_fold(h, lo), hi)  # h: [B]
+    return _fold(h.repeat_interleave(num_generations), torch.arange(len(words) * num_generations) % num_generations)
+
+
+def keyed_exponential(keys: torch.Tensor, position: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws [N, V] fp32 for the token at output column `position` ([1] int64) of each row.
+
+    keys: [N] from row_keys; vocab_keys: [V] = mix32(arange(V)), built once per call. Element (n, v) is a hash of
+    (keys[n], position, v): 24 of its bits make a uniform u in (0, 1), and -log(u) is the draw. Every op is
+    elementwise on static shapes, with no generator and no host sync, so it runs inside the CUDA graph.
+    """
+    step_keys = _fold(keys, position)  # [N]
+    second = mix32(step_keys ^ 0x85EBCA6B)  # a second word: rows whose step keys xor to a vocab key's still differ
+    bits = mix32(mix32(step_keys[:, None] ^ vocab_keys[None, :]) ^ second[:, None])  # bits: [N, V] in [0, 2**32)
+    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # in (0, 1): exact in fp32
+    return -torch.log(uniform)
