@@ -1,13 +1,28 @@
 """Checkpoints for exact resume, and export of the trained model as a Hugging Face directory.
 
 A checkpoint `<output_dir>/checkpoint-<step>/` holds `trainer_state.pt` (the trainable parameters, optimizer,
-LR scheduler, RNG states, step, data position, beta) and, for LoRA, the adapter in PEFT's format. Loading it
-restores every tensor bit for bit, so N straight steps equal k steps + resume + N - k steps.
+LR scheduler, RNG states, step, data position, beta, the resolved config), `run_config.json` (the same config,
+readable without loading the state) and, for LoRA, the adapter in PEFT's format. Loading it restores every tensor
+bit for bit, so N straight steps equal k steps + resume + N - k steps.
+
+Safety: a checkpoint is written into a hidden sibling folder, fsynced and renamed into place, so a kill leaves
+either the whole checkpoint or none (`.checkpoint-*` leftovers are not checkpoints). The state is read with
+`torch.load(weights_only=True)`: tensors and plain containers only, so a crafted file cannot run code. A checkpoint
+that still fails to load (torn by a file system without atomic rename, a disk error) raises TornCheckpoint, and
+`load_latest_checkpoint` falls back to the next older one with a warning.
 """
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
+import os
+import pickle
 import random
 import re
+import shutil
+import zipfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -15,38 +30,113 @@ import torch
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import merged_state_dict
 
+logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
+CONFIG_FILE = "run_config.json"
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 
+class TornCheckpoint(Exception):
+    """A checkpoint folder whose state cannot be read back (incomplete or damaged)."""
+
+
 def rng_states() -> dict:
-    states = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    """Python, torch and CUDA RNG states as tensors and plain lists (loadable with weights_only=True)."""
+    version, state, gauss = random.getstate()
+    states = {"python": [version, list(state), gauss], "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
 
 
 def set_rng_states(states: dict) -> None:
-    random.setstate(states["python"])
+    version, state, gauss = states["python"]
+    random.setstate((version, tuple(state), gauss))
     torch.set_rng_state(states["torch"])
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
-    """Write `state` (optimizer, scheduler, step, ...) plus the trainable parameters and RNG states to `path`."""
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error it is fsynced
+    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one."""
     path = Path(path)
-    path.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        _fsync(tmp)
+        if path.exists():
+            # Two renames, not rmtree first: the old folder stays whole until the new one is in place.
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
+    """Write `state` (optimizer, scheduler, step, config, ...) plus the trainable parameters and RNG states (taken
+    now unless state["rng"] holds earlier ones) to the folder `path`, atomically."""
+    path = Path(path)
     trainable = {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
-    torch.save({**state, "trainable": trainable, "rng": rng_states()}, path / STATE_FILE)
-    if is_peft_model(model):
-        model.save_pretrained(path)  # the adapter alone, loadable with PeftModel.from_pretrained
+    state = {**state, "trainable": trainable, "rng": state.get("rng") or rng_states()}
+    with atomic_directory(path) as tmp:
+        torch.save(state, tmp / STATE_FILE)
+        if "config" in state:
+            (tmp / CONFIG_FILE).write_text(json.dumps(state["config"], indent=1) + "\n")
+        if is_peft_model(model):
+            model.save_pretrained(tmp)  # the adapter alone, loadable with PeftModel.from_pretrained
     return path
 
 
-def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
-    """Copy the saved trainable parameters into `model`, restore the RNG states; return the rest of the state."""
-    state = torch.load(Path(path) / STATE_FILE, map_location="cpu", weights_only=False)
+def read_checkpoint(path: str | Path) -> dict:
+    """The saved state of checkpoint folder `path` (tensors on the CPU), without touching any model.
+
+    Raises TornCheckpoint when the file is incomplete or damaged, ValueError when it holds anything but tensors
+    and plain containers (refused: unpickling it could run code)."""
+    file = Path(path) / STATE_FILE
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "weights_only" in str(err) or "Weights only" in str(err):
+            raise ValueError(f"checkpoint: {file} holds objects other than tensors and plain containers; refused, "
+                             "since loading it could run code (was it written by fastgrpo?)") from None
+        raise TornCheckpoint(f"{file}: {str(err).splitlines()[0]}") from None
+    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
+        raise TornCheckpoint(f"{file}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
+
+
+def read_run_config(path: str | Path) -> dict:
+    """The resolved config of the run that wrote checkpoint folder `path`: its run_config.json, or (a checkpoint
+    from before that file) the state's "config", memory-mapped so the weights are not read."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return json.loads((path / CONFIG_FILE).read_text())
+    try:
+        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
+    except pickle.UnpicklingError:
+        raise ValueError(f"checkpoint: {path / STATE_FILE} holds objects other than tensors and plain containers; "
+                         "refused, since loading it could run code") from None
+    config = state.get("config") if isinstance(state, dict) else None
+    if not isinstance(config, dict):
+        raise ValueError(f"checkpoint: {path / STATE_FILE} holds no run config")
+    return config
+
+
+def restore_checkpoint(state: dict, model: torch.nn.Module) -> dict:
+    """Copy the saved trainable parameters of `state` (from read_checkpoint) into `model`, restore the RNG states;
+    return the rest of the state."""
     params = dict(model.named_parameters())
     saved = state["trainable"]
     missing = sorted(set(saved) - set(params))
@@ -62,6 +152,7 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
         name, got, want = shapes[0]
         raise ValueError(f"checkpoint: parameter {name} has shape {got}, the model's has {want}; "
                          "was it built the same way?")
+    state = dict(state)
     with torch.no_grad():
         for name, value in state.pop("trainable").items():
             params[name].copy_(value)
@@ -69,31 +160,78 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
     return state
 
 
-def latest_checkpoint(output_dir: str | Path) -> Path | None:
+def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
+    """read_checkpoint + restore_checkpoint: load `path` into `model` and the RNGs; return the rest of the state."""
+    return restore_checkpoint(read_checkpoint(path), model)
+
+
+def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of each checkpoint-<step> with a trainer state, oldest first."""
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.search(p.name))]
-    found = [(step, p) for step, p in found if (p / STATE_FILE).exists()]
-    return max(found)[1] if found else None
+    return sorted((step, p) for step, p in found if (p / STATE_FILE).exists())
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    found = list_checkpoints(output_dir)
+    return found[-1][1] if found else None
+
+
+def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
+    """(folder, state) of the newest checkpoint of output_dir that reads back; torn ones are skipped with a
+    warning. ValueError when there is none."""
+    found = list_checkpoints(output_dir)
+    if not found:
+        raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {output_dir}; start without "
+                         "--resume")
+    for _, path in reversed(found):
+        try:
+            return path, read_checkpoint(path)
+        except TornCheckpoint as err:
+            logger.warning("resume: skipped %s, which is incomplete or damaged (%s)", path.name, err)
+    raise ValueError(f"resume: every checkpoint in {output_dir} is incomplete or damaged (see the warnings)")
+
+
+def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
+    """Delete all but the newest `keep` checkpoints (None: keep all); returns the deleted folders."""
+    found = list_checkpoints(output_dir)
+    if keep is None or len(found) <= keep:
+        return []
+    doomed = [path for _, path in found[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
-    """Save an HF model directory (weights, config, tokenizer). A LoRA model is merged and saved in `dtype`; a
-    fully fine-tuned model is saved as it is, in its own dtype."""
+    """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
+    `dtype`; a fully fine-tuned model is saved as it is, in its own dtype."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
-    if not is_peft_model(model):
-        model.save_pretrained(path)
-    else:
-        config = model.get_base_model().config
-        config = config.__class__.from_dict({k: v for k, v in config.to_dict().items() if k != "quantization_config"})
-        with torch.device("meta"):
-            fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
-        fresh.tie_weights()
-        missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-        if missing:
-            raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
-        fresh.save_pretrained(path)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
+    with atomic_directory(path) as tmp:
+        if not is_peft_model(model):
+            model.save_pretrained(tmp)
+        else:
+            config = model.get_base_model().config
+            config = config.__class__.from_dict(
+                {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+            )
+            with torch.device("meta"):
+                fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
+            fresh.tie_weights()
+            missing = [n for n, p in fresh.named_parameters() if p.is_meta]
+            if missing:
+                raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
+            fresh.save_pretrained(tmp)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
     return path
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,94 @@
+"""The console of a run: one plain line every `every` steps, readable in a terminal and in a log file alike.
+
+    step 10/100 | reward 0.253 | kl 0 | entropy 2.31 | clip 0 | length 8.0 | 9.1K tok/s gen, 35K train | 0.12 s/step | peak 0.41 GiB RSS
+
+Each line holds the means over the steps since the previous line (peak memory: their maximum). A tqdm bar runs
+between the lines only when stderr is a terminal (in a file its redraws make one line of many kilobytes).
+Another command's loop uses it the same way: `console = ConsoleLog(every, total)`, `console.add(metrics)` once per
+step with the keys it has (missing ones are left out of the line), `console.close()` at the end.
+"""
+from __future__ import annotations
+
+import resource
+import sys
+
+# (metrics key, label, format); tokens/s and time are composed in _line
+_FIELDS = (
+    ("reward", "reward", "{:.3f}"),
+    ("loss", "loss", "{:.4g}"),
+    ("kl", "kl", "{:.3g}"),
+    ("entropy", "entropy", "{:.3g}"),
+    ("clip_ratio", "clip", "{:.3g}"),
+    ("completion_length", "length", "{:.1f}"),
+)
+
+
+class ConsoleLog:
+    def __init__(self, every: int, total: int, *, initial: int = 0, progress_bar: bool = True, stream=None):
+        self.every, self.total = every, total
+        self.stream = stream if stream is not None else sys.stdout
+        self._window: list[dict] = []
+        self._bar = None
+        if progress_bar and sys.stderr.isatty():
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, desc="fastgrpo", leave=False)
+
+    def add(self, metrics: dict) -> None:
+        """Take one step's metrics; print a line every `every` steps and at the last step."""
+        if self._bar is not None:
+            self._bar.update(1)
+        if not self.every:
+            return
+        self._window.append(metrics)
+        step = metrics.get("step", 0)
+        if step % self.every == 0 or step >= self.total:
+            self.print(_line(self._window, self.total))
+            self._window = []
+
+    def print(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+
+def _mean(window: list[dict], key: str) -> float | None:
+    values = [m[key] for m in window if isinstance(m.get(key), (int, float))]
+    return sum(values) / len(values) if values else None
+
+
+def _line(window: list[dict], total: int) -> str:
+    parts = [f"step {window[-1].get('step', '?')}/{total}"]
+    for key, label, fmt in _FIELDS:
+        value = _mean(window, key)
+        if value is not None:
+            parts.append(f"{label} {fmt.format(value)}")
+    rollout, train = _mean(window, "rollout_tokens_per_s"), _mean(window, "train_tokens_per_s")
+    if rollout is not None and train is not None:
+        parts.append(f"{_si(rollout)} tok/s gen, {_si(train)} train")
+    seconds = _mean(window, "step_s")
+    if seconds is not None:
+        parts.append(f"{seconds:.3g} s/step")
+    parts.append(_peak_memory(window))
+    return " | ".join(parts)
+
+
+def _peak_memory(window: list[dict]) -> str:
+    gpu = max((m.get("peak_gpu_mem_gib", 0.0) for m in window), default=0.0)
+    if gpu > 0:
+        return f"peak {gpu:.2f} GiB GPU"
+    # On the CPU the process's peak resident memory (ru_maxrss is in KiB on Linux).
+    return f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+
+
+def _si(value: float) -> str:
+    for unit, scale in (("M", 1e6), ("K", 1e3)):
+        if value >= scale:
+            return f"{value / scale:.3g}{unit}"
+    return f"{value:.3g}"

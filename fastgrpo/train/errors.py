@@ -1,0 +1,85 @@
+"""One-line errors for fastgrpo's commands, and the exit code each kind of ending gets.
+
+  a mistake in the input (ValueError naming the argument: flags, YAML, data, paths)   one line, exit 2
+  a run stopped by what it met (RunError, e.g. a failing reward; OSError: disk full)  one line, exit 1
+  SIGINT / SIGTERM (fastgrpo.train.interrupts.Interrupted, after its checkpoint)      one line, exit 128 + signal
+  anything else is a bug                                                              the traceback, exit 1
+`--debug` shows the traceback of every error instead of the line.
+
+A command of `fastgrpo` (train, sft, ei, eval, ...) gets this by being registered in fastgrpo.train.cli.COMMANDS:
+cli.main runs each command's `run(args)` under `run_command`. Raise ValueError for bad input (the codebase's
+convention: `name: expected ..., got ...`), RunError (or a subclass) where the run itself cannot go on.
+"""
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable
+
+from fastgrpo.train.interrupts import Interrupted
+
+USAGE_EXIT = 2
+RUN_EXIT = 1
+
+
+class RunError(RuntimeError):
+    """A run cannot go on because of what it met (a reward function failing, a memory bound): one line, exit 1."""
+
+
+class _LineFormatter(logging.Formatter):
+    """`fastgrpo train: warning: ...` for warnings, `fastgrpo train: ...` for info."""
+
+    def __init__(self, prog: str):
+        super().__init__()
+        self.prog = prog
+
+    def format(self, record: logging.LogRecord) -> str:
+        level = f"{record.levelname.lower()}: " if record.levelno >= logging.WARNING else ""
+        return f"{self.prog}: {level}{record.getMessage()}"
+
+
+def one_line(err: BaseException) -> str:
+    """The message of `err` on one line (a foreign library's message may span several: the first line, which names
+    the problem, is kept)."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    if not lines:
+        return type(err).__name__
+    return lines[0] if len(lines) == 1 else f"{lines[0]} (--debug shows the rest)"
+
+
+def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
+                run_errors: tuple[type[BaseException], ...] = ()) -> int:
+    """Run a command's body and turn its ending into an exit code, printing one line to stderr for the ends the
+    module docstring lists. run_errors: more exception types to treat as RunError (e.g. OffloadMemoryError).
+    fastgrpo's log records (warnings, info) print to stderr as `prog: ...` lines meanwhile."""
+    logger = logging.getLogger("fastgrpo")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_LineFormatter(prog))
+    saved = (logger.level, logger.propagate)
+    logger.addHandler(handler)
+    logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    logger.propagate = False
+    try:
+        return body()
+    except Interrupted as stop:  # not an error: the run saved its state and says how to continue
+        print(f"{prog}: {stop}", file=sys.stderr, flush=True)
+        return stop.exit_code
+    except KeyboardInterrupt:  # before the run loop took over the signals (while loading, say)
+        if debug:
+            raise
+        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
+        return 130
+    except ValueError as err:
+        if debug:
+            raise
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return USAGE_EXIT
+    except (RunError, OSError, *run_errors) as err:
+        if debug:
+            raise
+        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        return RUN_EXIT
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]

@@ -1,0 +1,98 @@
+"""SIGINT / SIGTERM during a run: stop at a step boundary with a checkpoint, never halfway through an update.
+
+A training step has two phases. Before its update (rollout, rewards, reference log-probs) the weights, optimizer
+and step counter are still as the previous step left them: a signal there abandons the step at once, and the loop
+saves the state the step began from (with the RNG states it captured at the step's start). Once the update has
+begun, a signal lets the step finish and the loop stops after it. A second signal stops at once, wherever the step
+is (no checkpoint then). The loop raises Interrupted, a KeyboardInterrupt, once its checkpoint is written;
+`fastgrpo` prints it as one line and exits 128 + the signal number (130 for SIGINT, 143 for SIGTERM).
+
+A command's loop uses it as GRPOTrainer.train does:
+
+    with InterruptGuard() as guard:
+        while step < max_steps:
+            rng = rng_states()
+            guard.abandonable = True        # nothing has changed yet
+            try:
+                ...rollout, rewards...      # a signal raises Interrupted here
+            except Interrupted as stop:
+                raise stop.saved(step, save_checkpoint(..., rng=rng))
+            guard.abandonable = False       # the update: a signal waits for the step to end
+            ...update; step += 1...
+            if guard.requested:
+                raise guard.interrupted(step, save_checkpoint(...))
+
+Outside the main thread (where Python cannot take signals) the guard does nothing.
+"""
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Interrupted(KeyboardInterrupt):
+    """A run stopped by a signal. checkpoint: where the state of `step` was saved (None: stopped at once, after the
+    last periodic checkpoint). how_to_resume: the command that continues it (a CLI fills in its own)."""
+
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None):
+        super().__init__(signum)
+        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.how_to_resume = "train again with resume=True (`fastgrpo train ... --resume`)"
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
+
+    def saved(self, step: int, checkpoint: Path | None) -> Interrupted:
+        """This interrupt, after the loop saved `step` to `checkpoint`."""
+        out = Interrupted(self.signum, step, checkpoint)
+        out.how_to_resume = self.how_to_resume
+        return out
+
+    def __str__(self) -> str:
+        name = signal.Signals(self.signum).name
+        if self.checkpoint is None and self.step == 0:
+            return f"stopped by {name} before the first step ended; nothing to keep: run the same command again"
+        if self.checkpoint is not None:
+            return f"stopped by {name}: step {self.step} saved in {self.checkpoint}; continue with {self.how_to_resume}"
+        return (f"stopped by {name} in the middle of a step, without a new checkpoint; continue from the last "
+                f"checkpoint with {self.how_to_resume}")
+
+
+class InterruptGuard:
+    """Handles SIGINT and SIGTERM while entered (the previous handlers come back on exit); see the module doc."""
+
+    def __init__(self):
+        self.requested: int | None = None  # the first signal received
+        self.abandonable = False  # True while the current step has changed nothing
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> InterruptGuard:
+        if threading.current_thread() is threading.main_thread():
+            for signum in SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
+        """The exception to raise once the loop has saved `step` after a requested stop."""
+        return Interrupted(self.requested, step, checkpoint)
+
+    def _handle(self, signum: int, frame) -> None:
+        first = self.requested is None
+        if first:
+            self.requested = signum
+        if self.abandonable or not first:
+            raise Interrupted(signum)
+        name = signal.Signals(signum).name
+        logger.warning("%s: finishing the current step, then saving a checkpoint (another %s stops at once)",
+                       name, name)

@@ -1,0 +1,212 @@
+"""The output folder of a run: one run at a time, and never the files of two runs mixed.
+
+RunLock: `<output_dir>/.fastgrpo.lock` holds the PID and host of the run using the folder, under an flock, so a
+second run into the same folder stops with a message naming that PID. The OS drops an flock when its process
+dies, so a lock file left by a killed run is known to be stale: it is taken over with a warning. Where the file
+system has no flock (some Lustre / FUSE mounts) the PID alone decides, on the same host.
+
+RunDirectory: the lock, plus the check that a fresh run does not start in a folder that holds another run's
+checkpoints, metrics or export (a one-line error suggesting --resume or --overwrite-output-dir); overwriting
+deletes those files first. Any command that writes a run folder uses it the same way:
+
+    with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
+        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+        ...                                                 # the lock is held until the block ends
+
+`artifacts` names what a run leaves in the folder (glob patterns); the default is what `fastgrpo train` writes.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import socket
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not on Windows: the PID check alone
+    fcntl = None
+
+logger = logging.getLogger(__name__)
+LOCK_FILE = ".fastgrpo.lock"
+# What `fastgrpo train` leaves in its folder; hidden .checkpoint-* / .final.* are partial writes of a killed run.
+TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", ".checkpoint-*", ".final.*")
+_NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
+
+
+class RunLock:
+    """An exclusive lock on a run folder, held by this process from acquire() to release()."""
+
+    def __init__(self, directory: str | Path, *, use_flock: bool = True):
+        self.path = Path(directory) / LOCK_FILE
+        self.use_flock = use_flock and fcntl is not None
+        self._fd: int | None = None
+
+    def acquire(self) -> None:
+        """Take the lock or raise ValueError naming the run that holds it; a stale lock is taken over (warning)."""
+        if self._fd is not None:
+            return
+        if self.use_flock:
+            try:
+                self._acquire_flock()
+                return
+            except OSError as err:
+                if err.errno not in _NO_FLOCK:
+                    raise
+                self.use_flock = False
+        self._acquire_by_pid()
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink()
+        except FileNotFoundError:
+            pass
+        os.close(self._fd)  # closing drops the flock; unlinking first means no later run finds a used file
+        self._fd = None
+
+    def _acquire_flock(self) -> None:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read_holder(fd)
+                os.close(fd)
+                raise ValueError(self._in_use(holder)) from None
+            except OSError:
+                os.close(fd)
+                raise
+            # The holder we waited on may have unlinked this file as it released it: lock the file at the path.
+            if _same_file(fd, self.path):
+                break
+            os.close(fd)
+        stale = _read_holder(fd)
+        if stale:
+            logger.warning("output_dir: took over the lock of a run that ended without releasing it (%s)",
+                           _describe(stale))
+        self._write_holder(fd)
+
+    def _acquire_by_pid(self) -> None:
+        while True:
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+                break
+            except FileExistsError:
+                holder = _read_holder_at(self.path)
+                same_host = holder.get("host") == socket.gethostname()
+                if not (same_host and not _alive(holder.get("pid"))):
+                    raise ValueError(self._in_use(holder)) from None
+                logger.warning("output_dir: removed the stale lock of %s, which no longer runs", _describe(holder))
+                try:
+                    self.path.unlink()
+                except FileNotFoundError:
+                    pass
+        self._write_holder(fd)
+
+    def _write_holder(self, fd: int) -> None:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+
+    def _in_use(self, holder: dict) -> str:
+        return (f"output_dir: {self.path.parent} is in use by another run ({_describe(holder)}); wait for it to "
+                f"end or pick another --output-dir (if that run is gone, delete {self.path})")
+
+
+class RunDirectory:
+    """A run folder under a RunLock, checked for another run's files; see the module docstring."""
+
+    def __init__(self, path: str | Path, *, artifacts: tuple[str, ...] = TRAIN_ARTIFACTS):
+        self.path = Path(path)
+        self.artifacts = artifacts
+        self.lock = RunLock(self.path)
+
+    def __enter__(self) -> RunDirectory:
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.lock.release()
+
+    def previous_run(self) -> list[Path]:
+        """The files and folders another run left here (an empty metrics.jsonl holds nothing and does not count)."""
+        return [p for p in self._found(self.artifacts) if not (p.is_file() and p.stat().st_size == 0)]
+
+    def _found(self, patterns) -> list[Path]:
+        return sorted({p for pattern in patterns for p in self.path.glob(pattern)})
+
+    def prepare(self, *, resume: bool, overwrite: bool) -> None:
+        """A fresh run needs a folder without another run's files (overwrite: delete them); resume keeps them."""
+        if resume and overwrite:
+            raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
+                             "of --resume and --overwrite-output-dir")
+        if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
+            for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
+                shutil.rmtree(path, ignore_errors=True)
+                logger.info("output_dir: deleted %s, a partial write of a stopped run", path.name)
+            return
+        found = self.previous_run()
+        if found and not overwrite:
+            names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
+            raise ValueError(f"output_dir: {self.path} holds another run ({names}); continue it with --resume, "
+                             f"or start afresh with --overwrite-output-dir (deletes those files)")
+        for path in found:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        if found:
+            logger.info("output_dir: deleted the previous run's %s", ", ".join(p.name for p in found))
+        for path in self.path.glob("metrics.jsonl"):  # an empty log of a run that never finished a step
+            path.unlink()
+
+
+def _read_holder(fd: int) -> dict:
+    data = os.pread(fd, 4096, 0)
+    return _parse_holder(data)
+
+
+def _read_holder_at(path: Path) -> dict:
+    try:
+        return _parse_holder(path.read_bytes())
+    except FileNotFoundError:
+        return {}
+
+
+def _parse_holder(data: bytes) -> dict:
+    if not data.strip():
+        return {}
+    try:
+        holder = json.loads(data)
+    except ValueError:
+        return {"unreadable": data[:80].decode(errors="replace")}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _describe(holder: dict) -> str:
+    if "pid" in holder:
+        return f"PID {holder['pid']} on {holder.get('host', '?')}"
+    return f"lock file content {holder.get('unreadable', '')!r}"
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    try:
+        return os.fstat(fd).st_ino == os.stat(path).st_ino
+    except FileNotFoundError:
+        return False
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True

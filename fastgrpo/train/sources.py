@@ -1,0 +1,146 @@
+"""Where a run's inputs come from, checked before anything heavy runs: the user's reward code, data files, the
+model's path or hub name, the device. Each mistake is a one-line ValueError naming the field (and the file:line
+for data), which the commands print as `fastgrpo <command>: error: ...` (fastgrpo.train.errors).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+
+def import_function(spec: str, field: str):
+    """The callable that "module:function" or "path/to/file.py:function" names.
+
+    A module is looked up as `python -m` would: the current folder first (so `myrewards:fn` finds ./myrewards.py
+    from the `fastgrpo` console script too), then sys.path. A .py path is loaded from that file."""
+    target, sep, attr = spec.rpartition(":")
+    if not sep or not target or not attr:
+        raise ValueError(f"{field}: expected 'module:function' or 'path/to/file.py:function', got {spec!r}")
+    if target.endswith(".py"):
+        module = _module_from_file(Path(target).expanduser(), field)
+    else:
+        try:
+            with _on_sys_path(os.getcwd()):
+                module = importlib.import_module(target)
+        except ModuleNotFoundError as err:
+            if err.name and (target == err.name or target.startswith(err.name + ".")):
+                raise ValueError(f"{field}: no module {target!r} in the current folder or on sys.path "
+                                 f"(for a file, name it as path/to/file.py:{attr})") from None
+            raise ValueError(f"{field}: importing {target!r} failed: {err}") from None
+        except Exception as err:  # the user's module is run: any error in it is theirs to see, in one line
+            raise ValueError(f"{field}: importing {target!r} failed: {type(err).__name__}: {err}") from None
+    func = getattr(module, attr, None)
+    if not callable(func):
+        raise ValueError(f"{field}: {target} has no function {attr!r}")
+    return func
+
+
+def _module_from_file(path: Path, field: str):
+    if not path.is_file():
+        raise ValueError(f"{field}: no such file {path}")
+    name = f"fastgrpo_user.{path.stem}"  # a name of its own: a file named like a real module must not shadow it
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # so pickling and dataclasses find it
+    try:
+        with _on_sys_path(str(path.resolve().parent)):  # its sibling modules import as they would from there
+            spec.loader.exec_module(module)
+    except Exception as err:
+        del sys.modules[name]
+        raise ValueError(f"{field}: loading {path} failed: {type(err).__name__}: {err}") from None
+    return module
+
+
+@contextlib.contextmanager
+def _on_sys_path(folder: str):
+    added = folder not in sys.path
+    if added:
+        sys.path.insert(0, folder)
+    try:
+        yield
+    finally:
+        if added and folder in sys.path:
+            sys.path.remove(folder)
+
+
+def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
+    """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects; a
+    bad row is reported as `file:line: ...`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"{field}: no such file {path}")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{err.lineno}: invalid JSON in --{_flag(field)} ({err.msg}, column "
+                             f"{err.colno})") from None
+        if not isinstance(rows, list):
+            raise ValueError(f"{field}: expected a JSON list of row objects in {path}, got {type(rows).__name__}")
+        for i, row in enumerate(rows):
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}: row {i} is {type(row).__name__}, expected a JSON object")
+        return rows
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: invalid JSON in --{_flag(field)} ({err.msg}, column "
+                             f"{err.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: expected a JSON object (one row), got {type(row).__name__}")
+        rows.append(row)
+    return rows
+
+
+def _flag(field: str) -> str:
+    return field.replace("_", "-")
+
+
+def resolve_device(device: str) -> str:
+    """"auto" -> cuda when torch sees a GPU, else cpu; an explicit CUDA device must exist."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError):
+        raise ValueError(f"device: expected auto, cpu, cuda or cuda:N, got {device!r}") from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device: {device!r} needs a CUDA GPU, and torch {torch.__version__} sees none; pass "
+                             "--device cpu, or auto to use a GPU when there is one")
+        if parsed.index is not None and parsed.index >= torch.cuda.device_count():
+            raise ValueError(f"device: {device!r}, but torch sees {torch.cuda.device_count()} GPU(s)")
+    return device
+
+
+def check_model_source(model: str) -> None:
+    """A model that is written as a local path must exist (a hub name like Qwen/Qwen2.5-1.5B is left to the hub);
+    otherwise transformers answers with a hub error about a repo id."""
+    path = Path(model).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {model} is not a Hugging Face model folder (no config.json in it)")
+        return
+    looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
+    if looks_local:
+        raise ValueError(f"model: no such folder {model}")
+
+
+def model_load_error(model: str, err: Exception) -> ValueError:
+    """A one-line ValueError for a model (or tokenizer) that transformers could not load."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    first = lines[0] if lines else type(err).__name__
+    where = "the local folder" if Path(model).expanduser().is_dir() else "a local folder or the Hugging Face Hub"
+    return ValueError(f"model: cannot load {model!r} from {where}: {first}")
