@@ -37,6 +37,18 @@ def _parse(argv):
     (dict(lora_rank=-1), "lora_rank"),
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(load_in_4bit=True), "load_in_4bit"),
+    (dict(seed=10**14), r"seed: expected an int in \[0, 2\*\*32\), got 100000000000000"),
+    (dict(seed=-1), "seed: expected an int in"),
+    (dict(stop=["</answer>", ""]), "stop: expected non-empty strings"),
+    (dict(save_total_limit=0), "save_total_limit: expected >= 1 or none"),
+    (dict(logging_steps=-1), "logging_steps: expected >= 0"),
+    (dict(reward_errors="ignore"), "reward_errors: expected one of"),
+    (dict(resume=True, overwrite_output_dir=True), "overwrite_output_dir: deletes the checkpoints"),
+    (dict(learning_rate="fast"), "learning_rate: expected a number, got 'fast'"),
+    (dict(max_steps=2.5), "max_steps: expected an integer, got 2.5"),
+    (dict(patch="yes"), "patch: expected true or false, got 'yes'"),
+    (dict(model=7), "model: expected a string, got 7"),
+    (dict(reward_funcs={"a": 1}), "reward_funcs: expected a list of strings"),
 ])
 def test_invalid_fields_raise_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
@@ -50,6 +62,39 @@ def test_yaml_round_trip(tmp_path):
     config = GRPOConfig.from_yaml(path, max_steps=7)
     assert config.learning_rate == 2e-5 and config.reward_funcs == ["r1_zero_math", "length"]
     assert config.reward_weights == [1.0, 0.1] and config.beta == 0.04 and config.max_steps == 7
+
+
+def test_yaml_numeric_strings_take_the_field_type(tmp_path):
+    path = tmp_path / "run.yaml"
+    # PyYAML (YAML 1.1) reads 1e-6 and 5e3 as strings: a float needs a dot there
+    path.write_text("learning_rate: 1e-6\nmax_steps: 5e3\nseed: '7'\nreward_weights: [1, '2e-1']\nstop: </a>\n")
+    config = GRPOConfig.from_yaml(path)
+    assert (config.learning_rate, config.max_steps, config.seed) == (1e-6, 5000, 7)
+    assert type(config.max_steps) is int and config.reward_weights == [1.0, 0.2] and config.stop == ["</a>"]
+    path.write_text("beta: [0.1\n")
+    with pytest.raises(ValueError, match=rf"config: {path}:2:1: malformed YAML"):
+        GRPOConfig.from_yaml(path)
+    with pytest.raises(ValueError, match=f"config: no such file {tmp_path / 'none.yaml'}"):
+        GRPOConfig.from_yaml(tmp_path / "none.yaml")
+
+
+def test_resume_compares_the_run_defining_fields():
+    from fastgrpo.train.config import config_changes, run_control_fields
+
+    saved = GRPOConfig().to_dict()
+    assert config_changes(saved, GRPOConfig()) == []
+    changed = GRPOConfig(learning_rate=0.5, seed=3, max_steps=7, save_steps=3, logging_steps=5, output_dir="x")
+    assert config_changes(saved, changed) == ["learning_rate: 1e-06 in the checkpoint, 0.5 now",
+                                              "seed: 0 in the checkpoint, 3 now"]
+    # What may change: how the run is carried out and reported, not what it computes.
+    control = set(run_control_fields())
+    assert {"max_steps", "save_steps", "logging_steps", "output_dir", "resume", "micro_batch_size"} <= control
+    assert not {"model", "dataset", "reward_funcs", "seed", "learning_rate", "beta", "loss_type", "temperature",
+                "num_generations", "batch_size", "max_completion_length", "lora_rank", "dtype"} & control
+    # A checkpoint older than a field counts with the field's default.
+    del saved["top_k"]
+    assert config_changes(saved, GRPOConfig()) == [] and config_changes(saved, GRPOConfig(top_k=5)) == [
+        "top_k: 0 in the checkpoint, 5 now"]
 
 
 def test_yaml_unknown_key_is_named(tmp_path):

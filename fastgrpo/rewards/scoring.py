@@ -1,18 +1,18 @@
-"""Run reward functions over a batch safely: a function that raises, returns the wrong count or non-numbers
-is reported and its samples score 0.0 (a failure), so one bad function never crashes a training run.
+"""Run reward functions over a batch and report every failure: a function that raises, returns the wrong number
+of rewards, or a value that is not a finite number. Its failed samples score 0.0; the caller decides whether a
+failure stops the run (GRPOTrainer's default, reward_errors="raise": RewardError names the function and the first
+bad row) or is logged and trained through (reward_errors="skip").
 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion.
 """
 from __future__ import annotations
 
 import inspect
-import logging
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
-logger = logging.getLogger(__name__)
 FAILURE = 0.0
 
 
@@ -41,29 +41,72 @@ def required_columns(func: Callable) -> list[str]:
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
-def _as_float(value) -> float:
+class RewardError(RuntimeError):
+    """A reward function failed and the run stops (reward_errors="raise")."""
+
+
+class RewardFailure(str):
+    """The message of one reward function's failure on a batch ("raised KeyError: 'x'", "returned nan, ..."), a
+    str (it goes into metrics and JSON as it is) that also carries the function's name and `row`: the first
+    completion (batch position) the failure shows on, None when no single row is to blame (a wrong count)."""
+
+    function: str
+    row: int | None
+
+    def __new__(cls, function: str, problem: str, row: int | None = None):
+        out = super().__new__(cls, problem)
+        out.function, out.row = function, row
+        return out
+
+
+def _as_float(value) -> float | None:
+    """A finite float, or None for anything else (NaN, inf, None, text)."""
+    if isinstance(value, bool):
+        return float(value)
     try:
         out = float(value)
     except (TypeError, ValueError):
-        return FAILURE
-    return out if math.isfinite(out) else FAILURE
+        return None
+    return out if math.isfinite(out) else None
+
+
+def _first_line(err: BaseException) -> str:
+    lines = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
 def score(
     reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list]
-) -> tuple[torch.Tensor, dict[str, str]]:
-    """Rewards [N, F] (float64) of N completions under F functions, and {name: error} for those that failed."""
+) -> tuple[torch.Tensor, dict[str, RewardFailure]]:
+    """Rewards [N, F] (float64) of N completions under F functions, and {name: failure} for those that failed
+    (their failed samples score FAILURE)."""
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
-    errors = {}
+    failures = {}
     for j, (func, name) in enumerate(zip(reward_funcs, reward_names(reward_funcs))):
         try:
             values = list(func(prompts, completions, **columns))
-            if len(values) != n:
-                raise ValueError(f"returned {len(values)} rewards for {n} completions")
-        except Exception as err:  # a user's function may raise anything; the step must go on
-            errors[name] = f"{type(err).__name__}: {err}"
-            logger.warning("reward function %s failed; its %d samples score %s: %s", name, n, FAILURE, errors[name])
+        except Exception as err:  # a user's function may raise anything; the caller decides what happens
+            failures[name] = RewardFailure(name, f"raised {_first_line(err)}")
             continue
-        rewards[:, j] = torch.tensor([_as_float(v) for v in values], dtype=torch.float64)
-    return rewards, errors
+        if len(values) != n:
+            failures[name] = RewardFailure(name, f"returned {len(values)} rewards for {n} completions")
+            continue
+        parsed = [_as_float(v) for v in values]
+        bad = [i for i, v in enumerate(parsed) if v is None]
+        if bad:
+            more = f" ({len(bad) - 1} more rows too)" if len(bad) > 1 else ""
+            failures[name] = RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number{more}", bad[0])
+        rewards[:, j] = torch.tensor([FAILURE if v is None else v for v in parsed], dtype=torch.float64)
+    return rewards, failures
+
+
+def first_failing_row(func: Callable, prompts: list, completions: list[str], columns: dict[str, list]) -> int | None:
+    """The first row on which `func`, called on that row alone, raises; None if every row alone passes. For the
+    message of a function that raised on the batch (it costs up to one call per row: only when the run stops)."""
+    for i in range(len(completions)):
+        try:
+            func(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+        except Exception:
+            return i
+    return None

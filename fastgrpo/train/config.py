@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import logging
 import types
 import typing
 from pathlib import Path
@@ -14,16 +16,26 @@ from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.sampling import SamplingParams
 
+logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+REWARD_ERRORS = ("raise", "skip")
+# Seeds derive per-step generator seeds (seed * 1_000_003 + step, then * 131 + epoch) that must stay in int64.
+MAX_SEED = 2**32
 
 
-def option(default, help: str):
-    """A config field with its --help text; list defaults are copied per instance."""
+def option(default, help: str, *, run_control: bool = False):
+    """A config field with its --help text; list defaults are copied per instance.
+
+    run_control: the field says how a run is carried out or reported (steps, saving, logging, devices, memory
+    knobs), not what it computes, so `--resume` accepts a new value. Every other field defines the run: a resumed
+    run must match the checkpoint's value (config_changes), so a new field is compared unless it says otherwise.
+    """
+    metadata = {"help": help, "run_control": run_control}
     if isinstance(default, list):
-        return dataclasses.field(default_factory=lambda: list(default), metadata={"help": help})
-    return dataclasses.field(default=default, metadata={"help": help})
+        return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
+    return dataclasses.field(default=default, metadata=metadata)
 
 
 @dataclasses.dataclass
@@ -34,22 +46,28 @@ class GRPOConfig:
                                        "none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
-    reward_funcs: list[str] = option(["length"], "names in fastgrpo.rewards.REGISTRY or module:function")
+    reward_funcs: list[str] = option(["length"], "names in fastgrpo.rewards.REGISTRY, module:function (a module "
+                                                 "in the current folder too) or path/to/file.py:function")
     reward_weights: list[float] | None = option(None, "one weight per reward function; none: all 1.0")
     dtype: str = option("auto", f"one of {DTYPES}; auto: bfloat16 on a GPU that has it, else float32")
-    device: str = option("auto", "auto: cuda when available, else cpu")
+    device: str = option("auto", "auto: cuda when available, else cpu; cpu, cuda or cuda:N", run_control=True)
     # Model set-up.
     lora_rank: int = option(0, "LoRA rank; 0: full fine-tuning (with a frozen reference copy when beta > 0)")
     lora_alpha: int = option(32, "LoRA alpha")
     lora_dropout: float = option(0.0, "LoRA dropout")
     lora_target_modules: list[str] = option(["all-linear"], "modules LoRA wraps")
     load_in_4bit: bool = option(False, "QLoRA: a 4-bit NF4 base (needs bitsandbytes, a GPU and lora_rank > 0)")
-    patch: bool = option(True, "fastgrpo.patch_model: fused RMSNorm / RoPE / SwiGLU / LoRA (the loss is fused always)")
-    gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)")
-    offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory")
+    patch: bool = option(True, "fastgrpo.patch_model: fused RMSNorm / RoPE / SwiGLU / LoRA (the loss is fused always)",
+                         run_control=True)
+    gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)", run_control=True)
+    fsdp_cpu_offload: bool = option(False, "under torchrun, full fine-tuning: FSDP2 keeps the weight, gradient and "
+                                           "AdamW shards in CPU memory (the optimizer steps there)", run_control=True)
+    offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
+                                       run_control=True)
     offload_host_memory_gib: float | None = option(
         None, "with offload_activations: most pinned CPU memory the offloaded inputs may take, in GiB (a larger "
-              "step is an error naming this field); none: what a step needs (8 x 8K tokens of Qwen2.5-1.5B: 7 GiB)")
+              "step is an error naming this field); none: what a step needs (8 x 8K tokens of Qwen2.5-1.5B: 7 GiB)",
+        run_control=True)
     # Rollout.
     batch_size: int = option(64, "completions per step, in groups of num_generations completions of one prompt")
     num_generations: int = option(8, "completions per prompt (the group of the advantage)")
@@ -65,7 +83,8 @@ class GRPOConfig:
     # Policy update.
     num_iterations: int = option(1, "epochs over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per epoch")
-    micro_batch_size: int = option(8, "completions per forward/backward; gradients accumulate over a minibatch")
+    micro_batch_size: int = option(8, "completions per forward/backward; gradients accumulate over a minibatch",
+                                   run_control=True)
     loss_type: str = option("dapo", f"aggregation, one of {LOSS_TYPES}")
     importance_sampling_level: str = option("token", f"ratio per token or per sequence {IMPORTANCE_SAMPLING_LEVELS}")
     epsilon_low: float = option(0.2, "lower clip: ratio >= 1 - epsilon_low")
@@ -85,17 +104,43 @@ class GRPOConfig:
     max_grad_norm: float = option(1.0, "gradient clipping by global norm")
     lr_scheduler: str = option("constant", f"after warm-up, one of {LR_SCHEDULERS}")
     warmup_steps: int = option(0, "linear warm-up, in optimizer steps")
-    # Run control and output.
-    max_steps: int = option(100, "training steps (one rollout batch each)")
-    seed: int = option(0, "seed of data order, sampling and initialization")
-    output_dir: str = option("fastgrpo_output", "metrics.jsonl, checkpoint-<step>/ and final/ go here")
-    save_steps: int = option(0, "checkpoint every N steps; 0: only at the end")
-    resume: bool = option(False, "continue from the latest checkpoint in output_dir")
-    export: bool = option(True, "save an HF model directory to output_dir/final (LoRA merged into a bf16 base)")
-    report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard")
-    progress_bar: bool = option(True, "tqdm progress bar")
+    reward_errors: str = option(
+        "raise", f"one of {REWARD_ERRORS}: a reward function that raises, returns the wrong count or NaN / inf "
+                 "stops the run naming the function and the first bad row (raise), or scores those rows 0 and "
+                 "logs reward_errors (skip)", run_control=True)
+    seed: int = option(0, "seed of data order, sampling and initialization, in [0, 2**32)")
+    # Run control and output: free to change on --resume.
+    max_steps: int = option(100, "training steps (one rollout batch each); on --resume, a larger value extends "
+                                 "the run (a linear / cosine schedule then decays over the new length)",
+                            run_control=True)
+    output_dir: str = option("fastgrpo_output", "metrics.jsonl, checkpoint-<step>/ and final/ go here; one run "
+                                                "at a time (a lock file holds its PID)", run_control=True)
+    overwrite_output_dir: bool = option(False, "start afresh in an output_dir that holds another run: its "
+                                               "checkpoints, metrics and final/ are deleted first", run_control=True)
+    # Periodic checkpoints bound what a crash or a kill without warning loses (SIGINT / SIGTERM save one anyway):
+    # 50 steps is ~10 s of the built-in run and minutes to an hour of a real one; save_minutes caps the loss where
+    # steps are slow (long completions), and save_total_limit keeps the disk bounded (a full fine-tuning checkpoint
+    # holds the weights and two AdamW states).
+    save_steps: int = option(50, "checkpoint every N steps, and at the end; 0: only at the end", run_control=True)
+    save_minutes: float = option(30.0, "also checkpoint when this many minutes passed since the last one; 0: off",
+                                 run_control=True)
+    save_total_limit: int | None = option(2, "keep the newest N checkpoints, delete older ones; none: keep all",
+                                          run_control=True)
+    resume: bool = option(False, "continue from the newest complete checkpoint in output_dir; the settings that "
+                                 "define the run must match its own (see resume_allow_changes)", run_control=True)
+    resume_allow_changes: bool = option(False, "with resume: continue although settings that define the run "
+                                               "(all but the run-control ones) differ from the checkpoint's",
+                                        run_control=True)
+    export: bool = option(True, "save an HF model directory to output_dir/final (LoRA merged into a bf16 base)",
+                          run_control=True)
+    logging_steps: int = option(1, "print one line of metrics every N steps (their means); 0: none",
+                                run_control=True)
+    report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard", run_control=True)
+    progress_bar: bool = option(True, "tqdm progress bar between the lines, when stderr is a terminal",
+                                run_control=True)
 
     def __post_init__(self):
+        coerce_fields(self)
         for name in ("batch_size", "num_generations", "max_prompt_length", "max_completion_length",
                      "num_iterations", "num_minibatches", "micro_batch_size", "max_steps"):
             if getattr(self, name) < 1:
@@ -118,13 +163,18 @@ class GRPOConfig:
         check_choice("scale_rewards", self.scale_rewards, SCALE_REWARDS)
         check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         check_choice("dtype", self.dtype, DTYPES)
+        check_choice("reward_errors", self.reward_errors, REWARD_ERRORS)
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
         if not self.temperature > 0:
             raise ValueError(f"temperature: expected > 0, got {self.temperature}")
         # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
         SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         for name in ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "learning_rate", "weight_decay",
-                     "warmup_steps", "save_steps", "lora_rank", "lora_dropout"):
+                     "warmup_steps", "save_steps", "save_minutes", "logging_steps", "lora_rank", "lora_dropout"):
             if not getattr(self, name) >= 0:
                 raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
         if not self.epsilon_low < 1:
@@ -135,6 +185,11 @@ class GRPOConfig:
             raise ValueError(f"kl_target: expected > 0 (none: fixed beta), got {self.kl_target}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target: adaptive beta needs an initial beta > 0, got beta=0")
+        if self.save_total_limit is not None and self.save_total_limit < 1:
+            raise ValueError(f"save_total_limit: expected >= 1 or none (keep all), got {self.save_total_limit}")
+        if self.resume and self.overwrite_output_dir:
+            raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
+                             "of --resume and --overwrite-output-dir")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
         if self.offload_host_memory_gib is not None:
@@ -162,13 +217,131 @@ class GRPOConfig:
 
 
 def read_yaml(path: str | Path) -> dict:
-    """The {field: value} mapping of a YAML config file (an empty file is {})."""
+    """The {field: value} mapping of a YAML config file (an empty file is {}); a missing file or bad YAML is a
+    one-line ValueError with the file and line."""
     import yaml
 
-    data = yaml.safe_load(Path(path).read_text()) or {}
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ValueError(f"config: no such file {path}") from None
+    except OSError as err:
+        raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
+    try:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise ValueError(f"config: {where}: malformed YAML ({problem})") from None
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
     return data
+
+
+def coerce_fields(config) -> None:
+    """Give each field of a config dataclass its annotated type, or raise a ValueError naming it.
+
+    YAML 1.1 reads `learning_rate: 1e-6` as a string (a float needs a dot there), so numeric strings become the
+    field's int / float; an integral float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element
+    list (`reward_funcs: length`). Any config dataclass may call it first thing in its __post_init__.
+    """
+    hints = _type_hints(type(config))
+    for field in dataclasses.fields(config):
+        scalar, is_list, optional = _base_type(hints[field.name])
+        value = getattr(config, field.name)
+        if value is None:
+            if not optional:
+                raise ValueError(f"{field.name}: expected {_describe(scalar, is_list)}, got None")
+            continue
+        if is_list:
+            items = [value] if isinstance(value, (str, int, float)) else value
+            if not isinstance(items, (list, tuple)):
+                raise ValueError(f"{field.name}: expected {_describe(scalar, True)}, got {value!r}")
+            value = [_coerce(field.name, item, scalar) for item in items]
+        else:
+            value = _coerce(field.name, value, scalar)
+        setattr(config, field.name, value)
+
+
+def _coerce(name: str, value, scalar: type):
+    if scalar is bool:
+        if isinstance(value, bool):
+            return value
+    elif scalar is int:
+        number = _number(value)
+        if number is not None and float(number).is_integer():
+            return int(number)
+    elif scalar is float:
+        number = _number(value)
+        if number is not None:
+            return float(number)
+    elif isinstance(value, scalar):
+        return value
+    raise ValueError(f"{name}: expected {_describe(scalar, False)}, got {value!r}")
+
+
+def _number(value) -> int | float | None:
+    """An int or float from a number or a numeric string (not a bool); None otherwise."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, (int, float)):
+        return value
+    if isinstance(value, str):
+        for parse in (int, float):
+            try:
+                return parse(value.strip())
+            except ValueError:
+                pass
+    return None
+
+
+def _describe(scalar: type, is_list: bool) -> str:
+    word = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(scalar, scalar.__name__)
+    return f"a list of {word.removeprefix('an ').removeprefix('a ')}s" if is_list else word
+
+
+@functools.cache
+def _type_hints(config_class: type) -> dict:
+    return typing.get_type_hints(config_class)
+
+
+def run_control_fields(config_class: type = None) -> list[str]:
+    """The fields `--resume` lets change (option(..., run_control=True)); all others define the run."""
+    return [f.name for f in dataclasses.fields(config_class or GRPOConfig) if f.metadata.get("run_control")]
+
+
+def config_changes(saved: dict, config) -> list[str]:
+    """`name: <saved> in the checkpoint, <now> now` for each run-defining field of `config` that differs from the
+    checkpoint's resolved config `saved` (a field the checkpoint predates counts with its default)."""
+    changes = []
+    for field in dataclasses.fields(config):
+        if field.metadata.get("run_control"):
+            continue
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+        before, now = saved.get(field.name, default), getattr(config, field.name)
+        if _plain(before) != _plain(now):
+            changes.append(f"{field.name}: {before!r} in the checkpoint, {now!r} now")
+    return changes
+
+
+def check_resume(saved: dict, config, checkpoint: str) -> None:
+    """Raise a ValueError naming every run-defining field whose value differs from the checkpoint's config `saved`;
+    with config.resume_allow_changes, log them as a warning instead."""
+    changes = config_changes(saved, config)
+    if not changes:
+        return
+    if getattr(config, "resume_allow_changes", False):
+        logger.warning("resume: continuing %s with changed settings: %s", checkpoint, "; ".join(changes))
+        return
+    raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; pass "
+                     "--resume-allow-changes to continue with the new ones")
+
+
+def _plain(value):
+    """Lists and tuples compare alike (a config read back from JSON has lists)."""
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
 def _base_type(annotation) -> tuple[type, bool, bool]:
@@ -193,14 +366,19 @@ def _parser_for(scalar: type, optional: bool):
     return parse
 
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    """One `--field-name` flag per GRPOConfig field; unset flags stay absent from the parsed namespace."""
-    hints = typing.get_type_hints(GRPOConfig)
-    for field in dataclasses.fields(GRPOConfig):
+def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = GRPOConfig,
+                         notes: dict[str, str] | None = None) -> None:
+    """One `--field-name` flag per field of config_class (a config dataclass such as GRPOConfig); unset flags stay
+    absent from the parsed namespace. notes: {field: text} appended to the default in --help, for defaults that a
+    preset replaces (`default: 1e-06; 0.003 for the built-in model`)."""
+    hints = _type_hints(config_class)
+    notes = notes or {}
+    for field in dataclasses.fields(config_class):
         scalar, is_list, optional = _base_type(hints[field.name])
         flag = "--" + field.name.replace("_", "-")
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        help_text = f"{field.metadata.get('help', '')} (default: {default})"
+        note = f"; {notes[field.name]}" if field.name in notes else ""
+        help_text = f"{field.metadata.get('help', '')} (default: {default}{note})".replace("%", "%%")
         if scalar is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)

@@ -1,0 +1,87 @@
+"""The loss API refuses, with a ValueError naming the argument, every input the issue found accepted: loss options
+out of range given as keywords to the model-level loss, masks outside {0, 1}, ids outside [0, V), float ids, an
+empty batch, and an lm_head on `meta` under accelerate's CPU offload hooks (wrong log-probs before)."""
+import pytest
+import torch
+
+from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.loss.model import grpo_loss, sequence_logprobs
+from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.train import default_task
+
+
+def _model_and_batch(B=2, T=6):
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    ids = torch.randint(3, len(tokenizer), (B, T), generator=torch.Generator().manual_seed(0))
+    attention = torch.ones_like(ids)
+    completion = torch.zeros_like(ids)
+    completion[:, T // 2:] = 1
+    return model, ids, attention, completion
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(epsilon_low=-0.1), r"epsilon_low: expected a float in \[0, 1\), got -0.1"),
+    (dict(epsilon_low=1.0), r"epsilon_low: expected a float in \[0, 1\), got 1.0"),
+    (dict(epsilon_high=-0.2), "epsilon_high: expected None or a finite float >= 0"),
+    (dict(delta=0.9), "delta: expected None or a float >= 1"),
+    (dict(loss_type="dr_grpo", max_completion_length=0), "max_completion_length: expected None or an int >= 1"),
+    (dict(loss_type="dr_grpo", max_completion_length=-4), "max_completion_length: expected None or an int >= 1"),
+    (dict(num_items_in_batch=0), "num_items_in_batch: expected None or a number > 0"),
+    (dict(num_items_in_batch=torch.tensor(-2.0)), "num_items_in_batch: expected None or a number > 0"),
+])
+def test_model_level_loss_refuses_bad_options(options, message):
+    model, ids, attention, completion = _model_and_batch()
+    with pytest.raises(ValueError, match=f"^{message}"):
+        grpo_loss(model, ids, attention, completion, torch.ones(2), **options)
+
+
+@pytest.mark.parametrize("change, message", [
+    ("completion_half", r"^completion_mask: expected a bool mask or 0/1 values"),
+    ("attention_two", r"^attention_mask: expected a bool mask or 0/1 values"),
+    ("ids_vocab", r"^input_ids: expected ids in \[0, 41\)"),
+    ("ids_negative", r"^input_ids: expected ids in \[0, 41\)"),
+    ("ids_float", r"^input_ids: expected an integer dtype"),
+    ("empty", r"^input_ids: expected at least one sequence"),
+])
+def test_model_level_loss_and_logprobs_refuse_bad_tensors(change, message):
+    model, ids, attention, completion = _model_and_batch()
+    advantages = torch.ones(2)
+    if change == "completion_half":
+        completion = completion * 0.5
+    elif change == "attention_two":
+        attention = attention * 2
+    elif change == "ids_vocab":
+        ids[0, 1] = 41
+    elif change == "ids_negative":
+        ids[1, 4] = -1
+    elif change == "ids_float":
+        ids = ids.float()
+    else:
+        ids, attention, completion, advantages = ids[:0], attention[:0], completion[:0], advantages[:0]
+    with pytest.raises(ValueError, match=message):
+        grpo_loss(model, ids, attention, completion, advantages)
+    with pytest.raises(ValueError, match=message):
+        sequence_logprobs(model, ids, attention, completion)
+
+
+def test_fused_functions_refuse_float_ids_and_binary_masks():
+    hidden, weight = torch.randn(2, 3, 8, dtype=torch.float64), torch.randn(11, 8, dtype=torch.float64)
+    ids = torch.randint(0, 11, (2, 3))
+    with pytest.raises(ValueError, match="^target_ids: expected an integer dtype"):
+        fused_linear_logprobs(hidden, weight, ids.double())
+    with pytest.raises(ValueError, match="^target_ids: expected an integer dtype"):
+        fused_linear_grpo_loss(hidden, weight, ids.double(), torch.ones(2, 3), torch.ones(2))
+    with pytest.raises(ValueError, match="^completion_mask: expected a bool mask or 0/1 values"):
+        fused_linear_grpo_loss(hidden, weight, ids, torch.full((2, 3), 0.5), torch.ones(2))
+
+
+def test_weights_on_meta_under_accelerate_cpu_offload_are_an_error():
+    accelerate = pytest.importorskip("accelerate")
+    model, ids, attention, completion = _model_and_batch()
+    accelerate.cpu_offload(model, execution_device=torch.device("cpu"))  # weights on meta between calls
+    assert model.lm_head.weight.is_meta
+    for call in (lambda: sequence_logprobs(model, ids, attention, completion),
+                 lambda: grpo_loss(model, ids, attention, completion, torch.ones(2))):
+        with pytest.raises(ValueError, match="^model: lm_head.weight is on the meta device"):
+            call()
