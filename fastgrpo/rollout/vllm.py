@@ -1,90 +1,287 @@
-"""A thin adapter that runs the same request on a vLLM engine and returns the same RolloutResult.
+"""VLLMEngine: vLLM (0.24) in the trainer's process and on its GPU, behind the RolloutEngine interface.
 
-vLLM keeps its own copy of the weights: after each optimizer step call `sync_weights(llm, model)`. Construct the
-LLM with `logprobs_mode="processed_logprobs"` so its log-probs are, like ours, under the sampling distribution
-(after temperature and filters); vLLM's default returns the raw model's. Stop strings stay in the text
-(include_stop_str_in_output), as in fastgrpo.rollout.generate. Nothing here imports vllm until it is called.
+Weights. vLLM allocates its model without reading a checkpoint (load_format="dummy"); the trainer's values are
+copied in once and the trainer's parameters become views of vLLM's tensors (fastgrpo.rollout.vllm_weights), so
+the base weights are stored once and an optimizer step is what the next rollout runs. What cannot alias is
+copied by `load_weights` each step, in memory: LoRA-adapted weights merged with the adapter (lora_sync="merge",
+the default), or every weight with share_weights=False. lora_sync="adapter" sends the adapter tensors through
+vLLM's LoRA path instead (fastgrpo.rollout.vllm_lora), so vLLM's base is the trainer's frozen base.
+
+KV cache. It lives in vLLM's CuMem pool (enable_sleep_mode). vLLM's sleep() would also unmap the weights, which
+are now the trainer's, so `release_memory` unmaps the KV cache's pages alone and `reacquire_memory` maps them back
+at the same addresses (CUDA graphs stay valid) through vLLM's own wake-up, then drops the prefix cache (the pages
+come back holding garbage). vLLM's CuMem pool is one per process: a second engine in the same process must pass
+release=False.
+
+Log-probs are vLLM's processed_logprobs: under the sampling distribution (after penalties, temperature, top-k/p),
+as the built-in engine returns them; greedy (temperature 0) gives those at temperature 1.
+
+Side effects of building vLLM in-process that are undone here: it reseeds Python's, NumPy's and torch's global
+RNGs, sets torch's float32 matmul precision to "highest" and gc.freeze()s every live object. Left in place: a
+one-process torch.distributed group, and VLLM_ENABLE_V1_MULTIPROCESSING=0 for the rest of the process.
 """
 from __future__ import annotations
 
+import contextlib
+import copy
+import gc
+import os
+import random
+import tempfile
+
 import torch
 
+from fastgrpo._checks import check_choice
+from fastgrpo.hf.models import is_peft_model, unwrap_peft
 from fastgrpo.rollout.base import RolloutResult
-from fastgrpo.rollout.decode import left_pad
-from fastgrpo.rollout.requests import check_request, pad_token_id, split_stop, tokenize_prompts, unknown_options_message
+from fastgrpo.rollout.requests import as_list, check_request, pad_token_id, split_stop, tokenize_prompts
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.rollout.vllm_requests import check_prompt_keys, fan_out, request_seeds, sampling_kwargs, to_result
+from fastgrpo.rollout.vllm_weights import bind
+
+VLLM_VERSION = "0.24.0"
+INSTALL_HINT = f'pip install "fastgrpo[vllm]" (vllm=={VLLM_VERSION})'
+LORA_SYNCS = ("adapter", "merge")
+EXECUTIONS = ("graphs", "compile", "eager")
+ADAPTER = ("fastgrpo", 1, "mem://fastgrpo/adapter")  # name, id, path of the one LoRA adapter
 
 
-def sampling_kwargs(
-    num_generations: int, params: SamplingParams, stop_strings: list[str], stop_ids: list[int], seed: int | None
-) -> dict:
-    """Keyword arguments of vllm.SamplingParams for one request of ours."""
-    check_request(num_generations, seed)
-    return dict(
-        n=num_generations, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
-        top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
-        stop=stop_strings or None, stop_token_ids=stop_ids or None, seed=seed, logprobs=0,
-        include_stop_str_in_output=True, skip_special_tokens=True,
-    )
+def require_vllm():
+    """The vllm module, or a one-line ValueError naming the extra to install."""
+    try:
+        import vllm
+    except ImportError as err:
+        raise ValueError(f"rollout_engine 'vllm' needs vLLM: {INSTALL_HINT}; import failed: {err}") from None
+    return vllm
 
 
-def generate_vllm(
-    llm, tokenizer, prompts, *, num_generations=1, max_new_tokens=256, temperature=1.0, top_p=1.0, top_k=0,
-    min_p=0.0, repetition_penalty=1.0, stop=None, seed=None, **unknown,
-) -> RolloutResult:
-    """fastgrpo.rollout.generate's signature and result, on a vllm.LLM."""
-    if unknown:
-        raise ValueError(unknown_options_message(unknown))
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
-                            min_p=min_p, repetition_penalty=repetition_penalty)
-    vocab = len(tokenizer)
-    stop_strings, stop_ids = split_stop(stop, vocab)
-    prompt_ids = tokenize_prompts(tokenizer, prompts, vocab)
-    kwargs = sampling_kwargs(num_generations, params, stop_strings, stop_ids, seed)
-
-    import vllm
-
-    outputs = llm.generate(
-        [{"prompt_token_ids": ids} for ids in prompt_ids], vllm.SamplingParams(**kwargs), use_tqdm=False
-    )
-    return to_result(outputs, pad_token_id(tokenizer), num_generations)
+def kv_bytes_per_token(config, dtype: torch.dtype) -> int:
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return config.num_hidden_layers * 2 * kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
 
-def to_result(outputs, pad_id: int, num_generations: int) -> RolloutResult:
-    """vLLM RequestOutputs (one per prompt, `num_generations` completions each) -> RolloutResult on the CPU."""
-    rows = [(out.prompt_token_ids, c) for out in outputs for c in out.outputs]
-    N, G = len(rows), num_generations
-    if N != len(outputs) * G:
-        raise ValueError(f"outputs: expected {G} completions per prompt, got {N} for {len(outputs)} prompts")
-    L = max(len(c.token_ids) for _, c in rows)
-    prompt_ids, prompt_mask = left_pad([list(p) for p, _ in rows], pad_id)
-    completion_ids = torch.full((N, L), pad_id, dtype=torch.long)
-    completion_mask = torch.zeros(N, L, dtype=torch.long)
-    logprobs = torch.zeros(N, L, dtype=torch.float32)
-    for r, (_, c) in enumerate(rows):
-        n = len(c.token_ids)
-        completion_ids[r, :n] = torch.tensor(c.token_ids)
-        completion_mask[r, :n] = 1
-        # c.logprobs[t]: {token id: Logprob} holding the sampled token (logprobs=0 asks for it alone)
-        logprobs[r, :n] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, c.token_ids)])
-    return RolloutResult(
-        prompt_ids=prompt_ids, prompt_mask=prompt_mask, completion_ids=completion_ids,
-        completion_mask=completion_mask, logprobs=logprobs, texts=[c.text for _, c in rows],
-        finish_reasons=["stop" if c.finish_reason == "stop" else "length" for _, c in rows], num_generations=G,
-    )
+def default_kv_cache_bytes(config, dtype: torch.dtype, max_num_seqs: int, max_model_len: int, block: int = 16) -> int:
+    """KV bytes for max_num_seqs sequences of max_model_len tokens in vLLM's blocks, plus one block each (a rollout
+    batch never waits for memory) and 64 MiB."""
+    blocks = max_num_seqs * (-(-max_model_len // block) + 1)
+    return blocks * block * kv_bytes_per_token(config, dtype) + (64 << 20)
 
 
-def sync_weights(llm, model: torch.nn.Module) -> None:
-    """Copy the trainer's current weights into the vLLM engine through each worker's model.load_weights.
+def execution_kwargs(execution: str, max_num_seqs: int) -> dict:
+    """vLLM constructor arguments of an execution mode.
 
-    The weights travel to the workers by pickling: meant for an in-process engine
-    (VLLM_ENABLE_V1_MULTIPROCESSING=0), where nothing is copied but into vLLM's own parameters.
+    graphs: the decode step replayed as one CUDA graph per batch size, no torch.compile (starts in seconds);
+    compile: vLLM's default, torch.compile + piecewise graphs (its first start compiles for minutes);
+    eager: neither (slowest decode, quickest start; for tests).
     """
-    if hasattr(model, "merge_and_unload"):
-        raise ValueError("model: merge the LoRA adapter into a copy first; vLLM loads plain weights")
-    llm.collective_rpc(_load_weights, args=(list(model.state_dict().items()),))
+    check_choice("execution", execution, EXECUTIONS)
+    if execution == "eager":
+        return {"enforce_eager": True}
+    if execution == "compile":
+        return {}
+    from vllm.config import CompilationConfig
+    from vllm.config.compilation import CompilationMode, CUDAGraphMode
+
+    return {"compilation_config": CompilationConfig(
+        mode=CompilationMode.NONE, cudagraph_mode=CUDAGraphMode.FULL_DECODE_ONLY,
+        max_cudagraph_capture_size=max(1, max_num_seqs),
+    )}
 
 
-def _load_weights(worker, weights) -> None:
-    """Runs inside each vLLM worker."""
-    worker.model_runner.model.load_weights(weights)
+@contextlib.contextmanager
+def _process_state_kept():
+    """Undo what building an in-process vLLM engine does to the trainer's process (see the module docstring)."""
+    import numpy as np
+
+    states = (random.getstate(), np.random.get_state(), torch.get_rng_state(), torch.cuda.get_rng_state_all())
+    precision = torch.get_float32_matmul_precision()
+    device = torch.cuda.current_device()
+    previous = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    # in-process engine core: the model is an nn.Module of this process, not of a worker process
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    try:
+        yield
+    finally:
+        random.setstate(states[0])
+        np.random.set_state(states[1])
+        torch.set_rng_state(states[2])
+        torch.cuda.set_rng_state_all(states[3])
+        torch.set_float32_matmul_precision(precision)
+        torch.cuda.set_device(device)
+        gc.unfreeze()
+        if previous is not None and previous != "0":
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = previous
+
+
+def check_model(model: torch.nn.Module) -> None:
+    base = unwrap_peft(model)
+    if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False) or any(
+        type(p).__name__ in ("Params4bit", "Int8Params") for p in base.parameters()
+    ):
+        raise ValueError("model: vLLM cannot share a bitsandbytes-quantized base; use rollout_engine='builtin' "
+                         "(it generates with the 4-bit model) or a bf16 base")
+    weight = base.get_input_embeddings().weight
+    if weight.device.type != "cuda":
+        raise ValueError(f"model: the vLLM engine shares the model's GPU memory; move it to CUDA first "
+                         f"(it is on {weight.device})")
+
+
+def write_model_dir(path: str, model: torch.nn.Module, tokenizer) -> None:
+    """config.json (the architecture vLLM builds), generation_config.json and the tokenizer: all vLLM reads."""
+    base = unwrap_peft(model)
+    config = copy.deepcopy(base.config)
+    config.__dict__.pop("quantization_config", None)
+    config.architectures = [type(base).__name__]
+    config.save_pretrained(path)
+    if getattr(base, "generation_config", None) is not None:
+        base.generation_config.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+
+
+class VLLMEngine:
+    """fastgrpo's RolloutEngine on vLLM, colocated: one process and one GPU with the trainer's model.
+
+    max_model_len: longest prompt + completion (the trainer's max_prompt_length + max_completion_length).
+    max_num_seqs: rows generated at once (the trainer's batch_size). KV cache: kv_cache_bytes, else vLLM's
+    gpu_memory_utilization (vLLM's share of the card for its activations and KV cache, on top of what the
+    process already holds), else one rollout batch's worth (default_kv_cache_bytes).
+    lora_sync: how a PEFT LoRA adapter reaches vLLM each step: "merge" (W + BA written into vLLM's own copy of
+    each adapted weight; vLLM decodes the plain model; the faster on an H200, benchmarks/NOTES_vllm.md) or "adapter"
+    (vLLM's LoRA path: the whole base stored once, a copy of the adapted weights less GPU memory).
+    share_weights=False keeps a full copy in vLLM, refreshed by every load_weights (TRL's colocate mode).
+    """
+
+    def __init__(self, model: torch.nn.Module, tokenizer, *, max_model_len: int, max_num_seqs: int = 256,
+                 kv_cache_bytes: int | None = None, gpu_memory_utilization: float | None = None,
+                 lora_sync: str = "merge", share_weights: bool = True, execution: str = "graphs",
+                 release: bool = True, seed: int = 0, max_num_batched_tokens: int = 8192) -> None:
+        vllm = require_vllm()
+        check_choice("lora_sync", lora_sync, LORA_SYNCS)
+        check_choice("execution", execution, EXECUTIONS)
+        if gpu_memory_utilization is not None and not 0 < gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization: expected a number in (0, 1], got {gpu_memory_utilization}")
+        check_model(model)
+        from fastgrpo.rollout import vllm_lora
+
+        self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
+        base = unwrap_peft(model)
+        self.vocab = base.get_input_embeddings().weight.shape[0]
+        self.device = base.get_input_embeddings().weight.device
+        dtype = base.get_input_embeddings().weight.dtype
+        self.lora_sync = lora_sync if is_peft_model(model) and vllm_lora.lora_layers(model) else None
+        self.release = release
+        self._dir = tempfile.TemporaryDirectory(prefix="fastgrpo-vllm-")
+        write_model_dir(self._dir.name, model, tokenizer)
+
+        kwargs = dict(
+            model=self._dir.name, load_format="dummy", dtype=str(dtype).removeprefix("torch."), seed=seed,
+            max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max(max_num_batched_tokens, max_model_len), enable_sleep_mode=release,
+            logprobs_mode="processed_logprobs", enable_prefix_caching=True,
+            **execution_kwargs(execution, max_num_seqs),
+        )
+        if gpu_memory_utilization is not None and kv_cache_bytes is None:
+            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
+        else:
+            kv = kv_cache_bytes or default_kv_cache_bytes(base.config, dtype, max_num_seqs, max_model_len)
+            # vLLM still checks that total x gpu_memory_utilization is free at start: ask for a sliver
+            kwargs.update(kv_cache_memory_bytes=int(kv), gpu_memory_utilization=0.01)
+        if self.lora_sync == "adapter":
+            self._adapter_config = vllm_lora.adapter_config(model)
+            kwargs.update(enable_lora=True, max_loras=1,
+                          max_lora_rank=vllm_lora.vllm_rank(self._adapter_config["r"]))
+        with _process_state_kept():
+            self.llm = vllm.LLM(**kwargs)
+        executor = getattr(self.llm.llm_engine, "model_executor", None)
+        if executor is None:
+            raise RuntimeError("vLLM built its engine in another process; set VLLM_ENABLE_V1_MULTIPROCESSING=0 "
+                               "before vLLM is first used in this process")
+        self.worker = executor.driver_worker.worker
+        self.vllm_model = self.worker.model_runner.get_model()
+
+        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}
+        self.copies = bind(model, self.vllm_model, share=share_weights, merged=merged)
+        self._adapters = None
+        if self.lora_sync == "adapter":
+            self._adapters = vllm_lora.InMemoryAdapters(self.worker.model_runner.lora_manager)
+            from vllm.lora.request import LoRARequest
+
+            self._lora_request = LoRARequest(*ADAPTER)
+            self._lora_reload = LoRARequest(*ADAPTER, load_inplace=True)
+        torch.cuda.empty_cache()  # the trainer's own copies of the now-shared weights
+        self._released = False
+        self.load_weights(model)
+
+    # ---- RolloutEngine ----
+    def generate(self, prompts, *, num_generations: int, sampling: SamplingParams, stop=None,
+                 seed: int | None = None, prompt_keys=None) -> RolloutResult:
+        """`num_generations` samples of each prompt, rows grouped by prompt, with per-token log-probs.
+
+        seed: each prompt's samples are seeded from (seed, its key in prompt_keys, default its position), so they
+        do not depend on the other prompts of the call; None samples from vLLM's global generators."""
+        import vllm
+
+        check_request(num_generations, seed)
+        stop_strings, stop_ids = split_stop(stop, self.vocab)
+        prompt_ids = tokenize_prompts(self.tokenizer, prompts, self.vocab)
+        seeds = request_seeds(seed, check_prompt_keys(prompt_keys, len(prompt_ids)), num_generations)
+        longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        if len(prompt_ids[longest]) + sampling.max_new_tokens > self.max_model_len:
+            raise ValueError(f"prompts[{longest}]: {len(prompt_ids[longest])} tokens + max_new_tokens "
+                             f"{sampling.max_new_tokens} exceeds the engine's max_model_len {self.max_model_len}")
+        generation_config = getattr(unwrap_peft(self.model), "generation_config", None)
+        eos = [self.tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
+        stop_ids = list(dict.fromkeys([*stop_ids, *(i for i in eos if i is not None)]))
+        requests, n = fan_out(prompt_ids, num_generations, sampling)
+        seeds = [s for s in seeds for _ in range(len(requests) // len(prompt_ids))]
+        params = [vllm.SamplingParams(**sampling_kwargs(n, sampling, stop_strings, stop_ids, s)) for s in seeds]
+        self.reacquire_memory()
+        outputs = self.llm.generate(
+            [{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False,
+            lora_request=self._lora_request if self._adapters is not None else None,
+        )
+        return to_result(outputs, self.tokenizer, pad_token_id(self.tokenizer), num_generations, self.device,
+                         per_request=n)
+
+    def release_memory(self) -> None:
+        """Unmap the KV cache's pages (the weights stay: they are the trainer's)."""
+        if not self.release or self._released:
+            return
+        from vllm.device_allocator.cumem import CuMemAllocator, unmap_and_release
+
+        torch.cuda.synchronize()
+        for data in CuMemAllocator.get_instance().pointer_to_data.values():
+            if data.tag == "kv_cache":
+                unmap_and_release(data.handle)
+        self._released = True
+
+    def reacquire_memory(self) -> None:
+        """Map the KV cache back (vLLM's wake-up of the kv_cache tag) and forget the prefix cache."""
+        if not self._released:
+            return
+        torch.cuda.empty_cache()  # physical pages the trainer's allocator holds but does not use
+        self.worker.wake_up(["kv_cache"])
+        self._released = False
+        self._reset_prefix_cache()
+
+    def load_weights(self, model: torch.nn.Module) -> None:
+        """Bring vLLM to the model's current weights: refresh the copies (shared weights need none), send the
+        adapter, drop the prefix cache (its K/V came from the old weights)."""
+        if model is not self.model:
+            raise ValueError("model: the vLLM engine shares the weights of the model it was built on; build "
+                             "another VLLMEngine for a different model")
+        with torch.no_grad():
+            for rows in self.copies:
+                rows.refresh()
+            if self._adapters is not None:
+                from fastgrpo.rollout.vllm_lora import adapter_tensors
+
+                self._adapters.put(ADAPTER[2], adapter_tensors(model), self._adapter_config)
+                self.llm.llm_engine.add_lora(self._lora_reload)
+        if not self._released:
+            self._reset_prefix_cache()
+
+    def _reset_prefix_cache(self) -> None:
+        if not self.llm.reset_prefix_cache():
+            raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")

@@ -15,12 +15,14 @@ from pathlib import Path
 from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REWARD_ERRORS = ("raise", "skip")
+ROLLOUT_ENGINES = ("builtin", "vllm")
 # Seeds derive per-step generator seeds (seed * 1_000_003 + step, then * 131 + epoch) that must stay in int64.
 MAX_SEED = 2**32
 
@@ -80,6 +82,18 @@ class GRPOConfig:
     min_p: float = option(0.0, "min-p sampling; 0: off")
     repetition_penalty: float = option(1.0, "HF-style repetition penalty; 1: off")
     stop: list[str] | None = option(None, "stop strings (the EOS token always stops)")
+    rollout_engine: str = option("builtin", f"one of {ROLLOUT_ENGINES}: builtin (the model's own modules) or vllm "
+                                            "(vLLM in this process, sharing the weights; `pip install "
+                                            "\"fastgrpo[vllm]\"`, a GPU)", run_control=True)
+    vllm_gpu_memory_utilization: float | None = option(
+        None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
+              "none: a KV cache for one batch of max_prompt_length + max_completion_length tokens", run_control=True)
+    vllm_lora_sync: str = option("merge", "vllm: how the LoRA adapter reaches vLLM each step: merge (W + BA "
+                                          "written into vLLM's own copy of each adapted weight; the faster) or "
+                                          "adapter (vLLM's LoRA path: the base stored once, less memory)",
+                                 run_control=True)
+    vllm_execution: str = option("graphs", "vllm: graphs (CUDA-graphed decode, no torch.compile), compile (vLLM's "
+                                           "default; minutes to start) or eager", run_control=True)
     # Policy update.
     num_iterations: int = option(1, "epochs over each rollout batch")
     num_minibatches: int = option(1, "optimizer steps per epoch")
@@ -192,12 +206,27 @@ class GRPOConfig:
                              "of --resume and --overwrite-output-dir")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+        self._check_rollout_engine()
         if self.offload_host_memory_gib is not None:
             if not self.offload_host_memory_gib > 0:
                 raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {self.offload_host_memory_gib}")
             if not (self.offload_activations and self.patch):
                 raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
                                  "(it needs patch and offload_activations)")
+
+    def _check_rollout_engine(self) -> None:
+        check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
+        check_choice("vllm_lora_sync", self.vllm_lora_sync, LORA_SYNCS)
+        check_choice("vllm_execution", self.vllm_execution, EXECUTIONS)
+        utilization = self.vllm_gpu_memory_utilization
+        if utilization is not None and not 0 < utilization <= 1:
+            raise ValueError(f"vllm_gpu_memory_utilization: expected a number in (0, 1] or none, got {utilization}")
+        if self.rollout_engine == "vllm" and self.load_in_4bit:
+            raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
+                             "with --load-in-4bit, or a bf16 base with vllm")
+        if self.rollout_engine == "vllm" and self.device == "cpu":
+            raise ValueError("rollout_engine: vllm runs on a CUDA GPU; pass --device cuda (the built-in task's "
+                             "preset is the CPU)")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> GRPOConfig:

@@ -66,13 +66,23 @@ class GRPOTrainer:
         config: GRPOConfig | None = None,
         engine: RolloutEngine | None = None,
     ):
-        """engine: where rollouts come from (default: BuiltinEngine(model, tokenizer), the model's own modules)."""
+        """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
+        the model's own modules, or a VLLMEngine sharing the model's weights)."""
         self.config = config = config or GRPOConfig()
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self._check_inputs()
         self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
         self.device = next(model.parameters()).device
+        if engine is None and config.rollout_engine == "vllm":
+            from fastgrpo.rollout.vllm import VLLMEngine
+
+            # built before the optimizer and the reference copy: it re-points the model's parameters at vLLM's
+            engine = VLLMEngine(
+                model, tokenizer, max_model_len=config.max_prompt_length + config.max_completion_length,
+                max_num_seqs=config.batch_size, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+                lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
+            )
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
         if not isinstance(self.engine, RolloutEngine):
             raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
@@ -248,6 +258,8 @@ class GRPOTrainer:
     def _rollout(self, prompt_ids: list[list[int]]) -> dict:
         """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
         config = self.config
+        # The weights of the last optimizer step (or of a resumed checkpoint) reach the engine before it samples.
+        self.engine.load_weights(self.model)
         # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
         self.engine.reacquire_memory()
         out = self.engine.generate(

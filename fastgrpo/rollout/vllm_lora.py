@@ -1,0 +1,104 @@
+"""The trainer's LoRA adapter for vLLM, without a disk round trip: as vLLM adapter tensors, or merged into weights.
+
+vLLM 0.24's LoRARequest only names a path, and its worker's `_load_adapter` reads adapter_config.json and the
+safetensors from there. `InMemoryAdapters` binds, on the one worker LoRA manager of the in-process engine, a
+`_load_adapter` that serves paths under mem:// from tensors held here and hands any other path to vLLM's own.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+MEM_PREFIX = "mem://"
+# vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
+VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """Full module name -> PEFT LoRA layer with adapters (empty for a model without PEFT LoRA)."""
+    return {name: m for name, m in model.named_modules() if hasattr(m, "lora_A") and hasattr(m, "base_layer")
+            and len(m.lora_A) + len(getattr(m, "lora_embedding_A", {})) > 0}
+
+
+def adapter_config(model: nn.Module) -> dict:
+    """r, lora_alpha, target_modules, use_rslora of the model's active adapter, as vLLM's PEFTHelper reads them."""
+    name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
+    cfg = model.peft_config[name]
+    unsupported = [f for f in ("use_dora", "modules_to_save") if getattr(cfg, f, None)]
+    if getattr(cfg, "bias", "none") != "none":
+        unsupported.append("bias")
+    if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None):
+        unsupported.append("rank_pattern/alpha_pattern")
+    if unsupported:
+        raise ValueError(f"model: vLLM's LoRA does not run adapters with {unsupported}; use lora_sync='merge'")
+    targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
+    return {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "target_modules": targets, "use_rslora": bool(cfg.use_rslora)}
+
+
+def vllm_rank(r: int) -> int:
+    """The smallest max_lora_rank vLLM accepts that holds rank r."""
+    for rank in VLLM_RANKS:
+        if rank >= r:
+            return rank
+    raise ValueError(f"lora_rank: vLLM runs LoRA ranks up to {VLLM_RANKS[-1]}, got {r}")
+
+
+def merged_weight(layer: nn.Module) -> torch.Tensor:
+    """W + sum of the active adapters' B A * scale, in the weight's dtype (merged in fp32; W is untouched)."""
+    weight = layer.base_layer.weight
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return weight.detach()
+    out = weight.detach().float()
+    for name in layer.active_adapters:
+        if name in layer.lora_A or name in getattr(layer, "lora_embedding_A", {}):
+            out = out + layer.get_delta_weight(name).float()  # not +=: .float() of an fp32 weight is the weight
+    return out.to(weight.dtype)
+
+
+def merged_sources(model: nn.Module) -> dict:
+    """Full parameter name of each LoRA layer's base weight -> a function giving its merged value."""
+    return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer)
+            for name, layer in lora_layers(model).items()}
+
+
+def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """PEFT-named adapter tensors (base_model.model....lora_A.weight), cloned: vLLM scales lora_B in place when it
+    loads an adapter (LoRALayerWeights.optimize), which would otherwise rescale the trainer's parameters."""
+    from peft import get_peft_model_state_dict
+
+    return {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+
+
+class InMemoryAdapters:
+    """Adapters served to vLLM's worker from memory under mem:// paths."""
+
+    def __init__(self, worker_lora_manager) -> None:
+        self.manager = worker_lora_manager
+        self.adapters: dict[str, tuple[dict[str, torch.Tensor], dict]] = {}
+        stock = worker_lora_manager._load_adapter
+        worker_lora_manager._load_adapter = functools.partial(self._load, stock)
+
+    def put(self, path: str, tensors: dict[str, torch.Tensor], config: dict) -> None:
+        if not path.startswith(MEM_PREFIX):
+            raise ValueError(f"path: expected {MEM_PREFIX}..., got {path!r}")
+        self.adapters[path] = (tensors, config)
+
+    def _load(self, stock, request):
+        if not request.lora_path.startswith(MEM_PREFIX):
+            return stock(request)
+        from vllm.lora.peft_helper import PEFTHelper
+
+        manager = self.manager
+        tensors, config = self.adapters[request.lora_path]
+        helper = PEFTHelper.from_dict({**config, "vllm_max_position_embeddings": manager.max_position_embeddings})
+        helper.validate_legal(manager.lora_config)
+        model = manager._adapter_manager.model
+        device = next(iter(tensors.values())).device
+        return manager._lora_model_cls.from_lora_tensors(
+            lora_model_id=request.lora_int_id, tensors=tensors, peft_helper=helper, device=str(device),
+            dtype=manager.lora_config.lora_dtype, model_vocab_size=manager.vocab_size,
+            weights_mapper=getattr(model, "hf_to_vllm_mapper", None),
+            skip_prefixes=getattr(model, "lora_skip_prefixes", None),
+        )
