@@ -1,0 +1,269 @@
+"""VLLMEngine on a real vLLM, against the built-in engine and the trainer's own log-probs, on tiny bf16 models.
+
+    python -m pytest tests/test_vllm_gpu.py -q -n 5 --dist loadgroup
+
+vLLM's CuMem pool (what release_memory frees) is one per process, and vLLM engines are not freed reliably within
+a process: each xdist group builds one engine in its own worker. Run in one process, the later engines are built
+with release=False. Engines run eager (enforce_eager): no compile or graph capture to wait for.
+"""
+import pytest
+import torch
+from test_rollout import EOS, PAD, PROMPTS, char_tokenizer, completions
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+from fastgrpo.loss.model import grpo_loss, sequence_logprobs
+from fastgrpo.rollout import BuiltinEngine, SamplingParams
+from fastgrpo.rollout.decode import EngineConfig
+
+pytestmark = [pytest.mark.gpu, pytest.mark.vllm]
+pytest.importorskip("vllm", reason='needs vLLM: pip install "fastgrpo[vllm]"')
+
+from fastgrpo.rollout.vllm import VLLMEngine  # noqa: E402
+
+SIZES = dict(
+    hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=256, eos_token_id=EOS, pad_token_id=PAD, bos_token_id=None,
+)
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0)
+MAX_MODEL_LEN, MAX_SEQS = 128, 64
+KV_BYTES = 2 << 30
+# Random weights at HF's init scale give near-uniform next-token distributions, where bf16 kernels that differ
+# (vLLM's vs HF's) flip greedy choices: a larger final-norm weight scales the logits up. Larger o_proj / down_proj
+# let the layers' outputs, not the token's own embedding, dominate the residual stream (with tied embeddings the
+# model would otherwise only repeat its last token).
+LOGIT_SCALE, OUTPUT_SCALE = 10.0, 10.0
+
+
+def tiny(arch: str = "qwen2", lora: bool = False, seed: int = 0):
+    tok = char_tokenizer()
+    config = (Qwen2Config(tie_word_embeddings=True, vocab_size=len(tok), **SIZES) if arch == "qwen2"
+              else LlamaConfig(tie_word_embeddings=False, vocab_size=len(tok), **SIZES))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").cuda()
+    with torch.no_grad():
+        model.model.norm.weight.mul_(LOGIT_SCALE)
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(OUTPUT_SCALE)
+            layer.mlp.down_proj.weight.mul_(OUTPUT_SCALE)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        # init_lora_weights=False: a non-zero adapter from the start, so it shows in the outputs
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                                 init_lora_weights=False))
+    return model, tok
+
+
+def cumem_free() -> bool:
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return CuMemAllocator.instance is None or CuMemAllocator.instance.get_current_usage() == 0
+
+
+def build_engine(model, tok, **kwargs):
+    return VLLMEngine(model, tok, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_SEQS, execution="eager",
+                      release=cumem_free(), **kwargs)
+
+
+def run(engine, prompts=PROMPTS, G=2, sampling=GREEDY, **kwargs):
+    engine.reacquire_memory()
+    out = engine.generate(prompts, num_generations=G, sampling=sampling, **kwargs)
+    engine.release_memory()
+    return out
+
+
+def builtin(model, tok, **kwargs):
+    return run(BuiltinEngine(model, tok, EngineConfig(compile=False)), **kwargs)
+
+
+def next_logprobs(model, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids], device="cuda")).logits[0, -1]
+    return logits.float().log_softmax(-1)
+
+
+def assert_same_greedy(got, want, model, tok, prompts=PROMPTS):
+    """Token-for-token equal rows; where a row differs, the trainer's model must rank the two tokens at the first
+    difference within bf16 noise (a near-tie either kernel may break), and most rows must agree exactly."""
+    a, b = completions(got), completions(want)
+    G = got.num_generations
+    for r, (x, y) in enumerate(zip(a, b)):
+        if x == y:
+            continue
+        i = next((k for k, (s, t) in enumerate(zip(x, y)) if s != t), min(len(x), len(y)))
+        assert i < min(len(x), len(y)), f"row {r}: one completion is a prefix of the other: {x} vs {y}"
+        prompt = tok(prompts[r // G], add_special_tokens=False)["input_ids"]
+        logp = next_logprobs(model, prompt + x[:i])
+        gap = (logp[x[i]] - logp[y[i]]).abs().item()
+        assert gap < 0.15, f"row {r} differs at token {i} ({x[i]} vs {y[i]}) with a log-prob gap of {gap:.3f}"
+    assert sum(x == y for x, y in zip(a, b)) * 2 >= len(a), (a, b)
+
+
+def adamw_step(model, lr: float) -> None:
+    """One real training step (GRPO loss on random rows, AdamW) on the model's trainable parameters."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(3, 40, (4, 20), generator=g).cuda()
+    mask = torch.ones_like(ids)
+    cmask = torch.zeros_like(ids)
+    cmask[:, 8:] = 1
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr)
+    loss, _ = grpo_loss(model, ids, mask, cmask, torch.tensor([1.0, -1.0, 0.5, -0.5], device="cuda"))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+# ---- full fine-tuning, weights shared (one engine for the group) ----
+@pytest.fixture(scope="module")
+def shared():
+    model, tok = tiny()
+    # a KV cache far larger than what the other test workers allocate meanwhile on the same card
+    return model, tok, build_engine(model, tok, kv_cache_bytes=KV_BYTES)
+
+
+@pytest.mark.xdist_group("shared")
+def test_parameters_are_views_of_vllm_weights(shared):
+    model, _, engine = shared
+    attn = engine.vllm_model.model.layers[0].self_attn
+    q = model.model.layers[0].self_attn.q_proj.weight
+    k = model.model.layers[0].self_attn.k_proj.weight
+    assert q.data_ptr() == attn.qkv_proj.weight.data_ptr()
+    assert k.data_ptr() == attn.qkv_proj.weight[q.shape[0]:].data_ptr()
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied
+    assert engine.copies == []  # nothing for load_weights to copy
+
+
+@pytest.mark.xdist_group("shared")
+def test_greedy_tokens_match_builtin_engine(shared):
+    model, tok, engine = shared
+    got, want = run(engine), builtin(model, tok)
+    assert len({t for row in completions(got) for t in row}) > 3  # not a model that repeats one token
+    assert_same_greedy(got, want, model, tok)
+    assert got.prompt_ids.tolist() == want.prompt_ids.tolist()  # rows grouped by prompt, left-padded alike
+    assert got.texts[0] == tok.decode(completions(got)[0], skip_special_tokens=True)
+
+
+@pytest.mark.xdist_group("shared")
+def test_logprobs_match_sequence_logprobs(shared):
+    """vLLM's per-token log-probs (temperature 0.7: the processed distribution, not the raw one) against the
+    trainer's fused log-probs on the same tokens; the bf16 noise bound is the built-in engine's own disagreement."""
+    model, tok, engine = shared
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.7)
+    errors = {}
+    for name, out in (("vllm", run(engine, G=8, sampling=sampling, seed=3)),
+                      ("builtin", builtin(model, tok, G=8, sampling=sampling, seed=3))):
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1).cuda()
+        mask = torch.cat([out.prompt_mask, out.completion_mask], 1).cuda()
+        cmask = torch.cat([torch.zeros_like(out.prompt_mask), out.completion_mask], 1).cuda()
+        with torch.no_grad():
+            ref = sequence_logprobs(model, ids, mask, cmask, temperature=0.7)[:, out.prompt_ids.shape[1]:]
+        valid = out.completion_mask.bool().cuda()
+        assert (out.logprobs.cuda()[~valid] == 0).all()
+        errors[name] = (out.logprobs.cuda() - ref)[valid].abs()
+        assert (ref[valid] < -1e-2).float().mean() > 0.2  # sampled tokens of some uncertainty, not all logp = 0
+    print({k: (round(v.mean().item(), 5), round(v.max().item(), 4)) for k, v in errors.items()})
+    assert errors["vllm"].mean() <= 3 * errors["builtin"].mean() + 5e-3
+    assert errors["vllm"].mean() < 0.05
+
+
+@pytest.mark.xdist_group("shared")
+def test_stop_strings_cut_like_the_builtin_engine(shared):
+    model, tok, engine = shared
+    sampling = SamplingParams(max_new_tokens=40, temperature=1.0)
+    free = run(engine, G=8, sampling=sampling, seed=5)
+    stop = max(set("".join(free.texts)) - {" "}, key="".join(free.texts).count)
+    out = run(engine, G=8, sampling=sampling, seed=5, stop=[stop])
+    hits = 0
+    for ids, text, reason in zip(completions(out), out.texts, out.finish_reasons):
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        if stop in text:
+            hits += 1
+            assert reason == "stop" and stop not in tok.decode(ids[:-1], skip_special_tokens=True)
+        else:
+            assert reason == "length" or ids[-1] == EOS
+    assert hits > 0
+
+
+@pytest.mark.xdist_group("shared")
+def test_release_gives_the_kv_cache_back(shared):
+    model, tok, engine = shared
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    if not engine.release:
+        pytest.skip("another vLLM engine in this process holds the CuMem pool; run with -n 5 --dist loadgroup")
+    before = run(engine)
+    engine.reacquire_memory()
+    torch.cuda.synchronize()
+    awake = torch.cuda.mem_get_info()[0]
+    kv = sum(d.handle[1] for d in CuMemAllocator.get_instance().pointer_to_data.values() if d.tag == "kv_cache")
+    engine.release_memory()
+    released = torch.cuda.mem_get_info()[0]
+    engine.reacquire_memory()
+    again = torch.cuda.mem_get_info()[0]
+    engine.release_memory()
+    print(f"kv {kv / 2**20:.1f} MiB, freed {(released - awake) / 2**20:.1f} MiB, "
+          f"taken back {(released - again) / 2**20:.1f} MiB")
+    assert kv >= 0.95 * KV_BYTES
+    # cudaMemGetInfo is the whole card's: other test workers allocate meanwhile, hence 10%
+    assert released - awake >= 0.9 * kv
+    assert abs(again - awake) <= 0.1 * kv
+    assert completions(run(engine)) == completions(before)  # the weights survived, the stale KV was not read
+
+
+@pytest.mark.xdist_group("shared")
+def test_optimizer_step_reaches_vllm(shared):
+    model, tok, engine = shared
+    before = run(engine)
+    adamw_step(model, lr=5e-2)
+    engine.load_weights(model)
+    after, want = run(engine), builtin(model, tok)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, want, model, tok)
+
+
+# ---- the syncs that copy: a skipped sync leaves vLLM on the old weights ----
+@pytest.mark.xdist_group("copy")
+def test_full_copy_mode_needs_the_sync():
+    model, tok = tiny(seed=1)
+    engine = build_engine(model, tok, share_weights=False)
+    assert len(engine.copies) == len(list(model.parameters()))
+    before = run(engine)
+    adamw_step(model, lr=5e-2)
+    assert completions(run(engine)) == completions(before)  # no sync yet: vLLM still runs its own copy
+    engine.load_weights(model)
+    after = run(engine)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, builtin(model, tok), model, tok)
+
+
+@pytest.mark.parametrize("lora_sync", [pytest.param(s, marks=pytest.mark.xdist_group(f"lora_{s}"))
+                                       for s in ("adapter", "merge")])
+def test_lora_sync_changes_outputs(lora_sync):
+    model, tok = tiny(lora=True, seed=2)
+    engine = build_engine(model, tok, lora_sync=lora_sync)
+    before = run(engine)
+    assert_same_greedy(before, builtin(model, tok), model, tok)  # the adapter is in vLLM's outputs
+    adamw_step(model, lr=5e-2)
+    assert completions(run(engine)) == completions(before)  # no sync yet
+    lora = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
+    engine.load_weights(model)
+    assert all(torch.equal(p, lora[n]) for n, p in model.named_parameters() if "lora_" in n)  # sync left them
+    after = run(engine)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, builtin(model, tok), model, tok)
+
+
+# ---- Llama: untied lm_head, vLLM's V2 model runner ----
+@pytest.mark.xdist_group("llama")
+def test_llama_release_update_sync():
+    model, tok = tiny("llama", seed=3)
+    engine = build_engine(model, tok)
+    assert model.lm_head.weight.data_ptr() == engine.vllm_model.lm_head.weight.data_ptr()
+    before = run(engine)
+    assert_same_greedy(before, builtin(model, tok), model, tok)
+    adamw_step(model, lr=5e-2)
+    engine.load_weights(model)
+    after = run(engine)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, builtin(model, tok), model, tok)
