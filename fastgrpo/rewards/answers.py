@@ -58,13 +58,18 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def r1_zero_grades(completion: str, answer) -> tuple[float, float]:
+    """(format_reward, answer_reward) of one completion: format 1.0 for `... </think> <answer> X </answer>`, answer
+    1.0 when, in addition, X equals `answer` (the course's r1_zero grading; its reward is the answer reward)."""
+    match = _ANSWER.search(completion)
+    if match is None:
+        return 0.0, 0.0
+    return 1.0, float(is_equivalent(match.group(1), answer))
+
+
 def r1_zero_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
     """1.0 for `... </think> <answer> X </answer>` with X equal to `answer`, else 0.0 (format alone scores 0)."""
-    rewards = []
-    for completion, gold in zip(completions, answer):
-        match = _ANSWER.search(completion)
-        rewards.append(float(match is not None and is_equivalent(match.group(1), gold)))
-    return rewards
+    return [r1_zero_grades(completion, gold)[1] for completion, gold in zip(completions, answer)]
 
 
 def boxed_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:

@@ -37,6 +37,49 @@ PRESET = dict(
 )
 # The reward of the built-in dataset, used when no --dataset is given.
 REWARD_FUNCS = ["fastgrpo.train.default_task:repeat_letter_reward"]
+# The built-in SFT answer: the letter SFT_REPEATS times ("417 say c" -> "cccc"), then EOS.
+SFT_REPEATS = 4
+# `fastgrpo sft` with no --model: SFTConfig fields for the tiny model, as PRESET is for `fastgrpo train`: three
+# epochs over the 512 rows, in which the loss falls to near 0 (measured: benchmarks/NOTES.md).
+SFT_PRESET = dict(
+    batch_size=32,
+    micro_batch_size=8,
+    max_seq_length=16,
+    learning_rate=3e-3,
+    num_epochs=3,
+    dtype="float32",
+    device="cpu",
+    patch=False,
+    eval_max_new_tokens=8,
+    eval_max_examples=64,
+)
+# `fastgrpo ei` with no --model. A completion is 2 characters, correct (reward 1.0) when both are the letter: the
+# random model gets a few right (its tied embeddings lean to repeating the prompt's last character) and each
+# round's SFT on those lifts the next round's share. With 4 characters the first rounds keep too few to learn from
+# (benchmarks/NOTES.md).
+EI_PRESET = dict(
+    ei_steps=8,
+    questions_per_step=64,
+    num_generations=16,  # with 8 a letter that the first rounds miss can stay unlearned (benchmarks/NOTES.md)
+    max_prompt_length=16,
+    max_completion_length=2,
+    sft_epochs=2,
+    batch_size=32,
+    micro_batch_size=32,
+    learning_rate=3e-3,
+    eval_max_examples=64,
+    dtype="float32",
+    device="cpu",
+    patch=False,
+)
+# `fastgrpo eval` of the tiny model (no --model, or a checkpoint of a run on it).
+EVAL_PRESET = dict(max_new_tokens=8, dtype="float32", device="cpu")
+# What a command uses on the built-in rows (no --dataset), as REWARD_FUNCS for `fastgrpo train`.
+BUILTIN_DATA = {
+    "sft": dict(eval_reward_funcs=REWARD_FUNCS),
+    "ei": dict(reward_funcs=REWARD_FUNCS, prompt_format="raw"),
+    "eval": dict(reward_funcs=REWARD_FUNCS, prompt_format="raw"),
+}
 
 
 def build_tokenizer(characters: str = CHARACTERS):
@@ -80,3 +123,8 @@ def build_dataset(num_rows: int = 512, seed: int = 0) -> list[dict]:
 def repeat_letter_reward(prompts: list, completions: list[str], letter: list[str], **kwargs) -> list[float]:
     """The fraction of the completion's characters equal to the row's letter (0.0 for an empty completion)."""
     return [text.count(c) / len(text) if text else 0.0 for text, c in zip(completions, letter)]
+
+
+def build_sft_dataset(num_rows: int = 512, seed: int = 0) -> list[dict]:
+    """build_dataset's rows with a "response" column: the letter SFT_REPEATS times ("417 say c" -> "cccc")."""
+    return [{**row, "response": row["letter"] * SFT_REPEATS} for row in build_dataset(num_rows, seed)]

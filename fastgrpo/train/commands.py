@@ -1,0 +1,202 @@
+"""`fastgrpo sft`, `fastgrpo ei` and `fastgrpo eval`: their flags, built-in presets and runs, as rows of
+fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad input, exit 2).
+
+Precedence, as for `fastgrpo train`: dataclass defaults < the built-in presets (no --model: the tiny model's
+settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags.
+Heavy modules (transformers, the trainers) are imported inside the run functions, so `fastgrpo --help` stays quick.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+from pathlib import Path
+
+from fastgrpo.train import default_task
+from fastgrpo.train.config import add_config_arguments, check_resume, read_yaml
+from fastgrpo.train.ei_config import EIConfig
+from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.sft_config import SFTConfig
+
+CONFIGS = {"sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
+MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
+# What `fastgrpo eval` leaves in its output folder; another evaluation's files there are refused (or overwritten).
+EVAL_ARTIFACTS = ("results.jsonl", "summary.json")
+
+SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
+EI_HELP = "expert iteration: sample, keep the correct completions, fine-tune on them, repeat"
+EVAL_HELP = "evaluate a model or checkpoint with the rollout engine: per-example JSONL and a summary"
+
+
+def description(name: str) -> str:
+    config = CONFIGS[name].__name__
+    return (f"Every {config} field is a flag; flags override the YAML file given with --config. Without --model "
+            f"(for eval: and without a --checkpoint of a run on a real model), the built-in tiny model's settings "
+            f"replace some defaults (each flag's help says so); without --dataset, the built-in task is used.")
+
+
+def _add_arguments(name: str):
+    def add(parser: argparse.ArgumentParser) -> None:
+        notes = {k: f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()}
+        notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA[name].items()})
+        parser.add_argument("--config", type=Path, help=f"YAML file of {CONFIGS[name].__name__} fields")
+        add_config_arguments(parser, CONFIGS[name], notes=notes)
+
+    return add
+
+
+add_sft_arguments, add_ei_arguments, add_eval_arguments = (_add_arguments(n) for n in ("sft", "ei", "eval"))
+
+
+def config_from_args(name: str, args: argparse.Namespace):
+    """defaults < built-in presets < YAML < flags, as a CONFIGS[name]."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
+    merged = {**(read_yaml(args.config) if args.config is not None else {}), **flags}
+    preset = dict(MODEL_PRESETS[name]) if _builtin_model(name, merged) else {}
+    if merged.get("dataset") is None:
+        preset.update(default_task.BUILTIN_DATA[name])
+    return CONFIGS[name].from_dict({**preset, **merged})
+
+
+def _builtin_model(name: str, merged: dict) -> bool:
+    """Does the run use the tiny built-in model: no --model, and for eval no checkpoint of a run on a real one?"""
+    if merged.get("model") is not None:
+        return False
+    if name == "eval" and merged.get("checkpoint") is not None:
+        from fastgrpo.train.checkpoint import read_run_config
+        from fastgrpo.train.loading import find_checkpoint
+
+        return read_run_config(find_checkpoint(merged["checkpoint"])).get("model") is None
+    return True
+
+
+def _resume_command(argv: list[str]) -> str:
+    """The command line that continues the run `argv` started (as cli.resume_command, which this module cannot
+    import: cli imports it)."""
+    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
+    return shlex.join(["fastgrpo", *kept, "--resume"])
+
+
+def _check_sources(config) -> None:
+    from fastgrpo.train.sources import check_model_source, resolve_device
+
+    resolve_device(config.device)
+    if config.model is not None:
+        check_model_source(config.model)
+
+
+def _load_model(config):
+    from fastgrpo.train.loading import load_model_and_tokenizer
+    from fastgrpo.train.sources import model_load_error
+
+    try:
+        return load_model_and_tokenizer(config)
+    except OSError as err:  # transformers' answer for a folder without a model or an unknown hub name
+        if config.model is None:
+            raise
+        raise model_load_error(config.model, err) from err
+
+
+def _train(config, make_trainer, args) -> list[dict]:
+    """Lock the output folder, check a resume against the checkpoint, load the model, build and run the trainer."""
+    import torch
+
+    from fastgrpo.offload import OffloadMemoryError
+    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
+    from fastgrpo.train.errors import RunError
+    from fastgrpo.train.interrupts import Interrupted
+    from fastgrpo.train.run_dir import RunDirectory
+    from fastgrpo.train.sft import RUN_ARTIFACTS
+
+    with RunDirectory(config.output_dir, artifacts=RUN_ARTIFACTS) as run_dir:
+        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+        newest = latest_checkpoint(config.output_dir) if config.resume else None
+        if newest is not None and (newest / CONFIG_FILE).is_file():  # before the model loads; the trainer rechecks
+            check_resume(json.loads((newest / CONFIG_FILE).read_text()), config, newest.name)
+        torch.manual_seed(config.seed)  # LoRA's initialization
+        model, tokenizer = _load_model(config)
+        trainer = make_trainer(model, tokenizer)
+        try:
+            return trainer.train(run_dir)
+        except Interrupted as stop:
+            stop.how_to_resume = f"`{_resume_command(args.argv)}`"
+            raise
+        except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
+            raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
+
+
+def _rows(config, builtin):
+    from fastgrpo.train.loading import load_rows
+
+    return builtin() if config.dataset is None else load_rows(config.dataset, config.dataset_split)
+
+
+def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.sft import SFTTrainer
+
+    config = config_from_args("sft", args)
+    _check_sources(config)
+    rows = _rows(config, lambda: default_task.build_sft_dataset(seed=config.seed))
+    history = _train(config, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
+    if history:
+        first, last = history[0], history[-1]
+        print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
+              f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.expert_iteration import ExpertIteration
+    from fastgrpo.train.loading import resolve_reward
+
+    config = config_from_args("ei", args)
+    _check_sources(config)
+    reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
+    rows = _rows(config, lambda: default_task.build_dataset(seed=config.seed))
+    history = _train(config, lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows,
+                                                                             config), args)
+    if history:
+        first, last = history[0], history[-1]
+        print(f"reward {first['reward']:.3f} (round {first['round']}) -> {last['reward']:.3f} (round "
+              f"{last['round']}), kept {first['kept_frac']:.3f} -> {last['kept_frac']:.3f}; metrics in "
+              f"{Path(config.output_dir) / 'metrics.jsonl'}")
+    return 0
+
+
+def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
+
+    from fastgrpo.rollout import BuiltinEngine
+    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
+    from fastgrpo.train.loading import find_checkpoint, load_inference_model, resolve_reward
+    from fastgrpo.train.run_dir import RunDirectory
+
+    config = config_from_args("eval", args)
+    _check_sources(config)
+    reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
+    rows = _rows(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
+                                                                 seed=config.seed + 1))
+    checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+    output = Path(config.output_dir)
+    with RunDirectory(output, artifacts=EVAL_ARTIFACTS) as run_dir:
+        run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir)
+        torch.manual_seed(config.seed)
+        model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
+                                                seed=config.seed, checkpoint=checkpoint)
+        task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
+                               prompt_format=config.prompt_format, reward_funcs=reward_funcs,
+                               reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
+                               max_examples=config.max_examples, field="dataset")
+        records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
+                                    stop=config.stop_strings, num_generations=config.num_generations,
+                                    seed=config.seed, batch_size=config.batch_size,
+                                    reward_errors=config.reward_errors)
+        summary = {**summary, "model": config.model, "checkpoint": str(checkpoint) if checkpoint else None,
+                   "dataset": config.dataset, "config": config.to_dict()}
+        write_eval(records, summary, output / "results.jsonl", output / "summary.json")
+    log_generations(records, config.log_generations, "eval")
+    rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "
+                                                       f"answer {summary['answer_rate']:.3f}")
+    print(f"accuracy {summary['accuracy']:.3f}, reward {summary['reward']:.3f}{rates} over {summary['num_samples']} "
+          f"completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
+    return 0

@@ -1,0 +1,127 @@
+"""EIConfig: every setting of `fastgrpo ei` (expert iteration), loadable from YAML, each field a flag."""
+from __future__ import annotations
+
+import dataclasses
+
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train.config import REWARD_ERRORS, coerce_fields, option
+from fastgrpo.train.options import (
+    ConfigFile, check_at_least, check_model_options, check_optimizer_options, check_run_options, inherited,
+)
+from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
+from fastgrpo.train.sft_config import SFTConfig
+
+# Fields an EI run passes on to the SFT of each round under the same names.
+_SFT_FIELDS = ("batch_size", "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+               "adam_epsilon", "max_grad_norm", "lr_scheduler", "warmup_steps", "dtype", "device", "patch",
+               "lora_rank", "output_dir")
+
+
+@dataclasses.dataclass
+class EIConfig(ConfigFile):
+    COMMAND = "ei"
+    # Model and data.
+    model: str | None = inherited("model")
+    dataset: str | None = option(None, "a .jsonl / .json file of question rows (with the reward's columns, e.g. "
+                                       "answer), or an HF dataset name; none: the built-in task")
+    dataset_split: str = inherited("dataset_split")
+    prompt_column: str = option("prompt", "column with the question: text, or chat messages")
+    prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts)")
+    reward_funcs: list[str] = option(["r1_zero_math"], "names in fastgrpo.rewards.REGISTRY, module:function or "
+                                                       "path/to/file.py:function")
+    reward_weights: list[float] | None = inherited("reward_weights")
+    correct_threshold: float = option(1.0, "a completion is kept when its (weighted) reward is >= this")
+    reward_errors: str = inherited("reward_errors")
+    dtype: str = inherited("dtype")
+    device: str = inherited("device")
+    # Model set-up.
+    lora_rank: int = inherited("lora_rank", help="LoRA rank; 0: full fine-tuning")
+    lora_alpha: int = inherited("lora_alpha")
+    lora_dropout: float = inherited("lora_dropout")
+    lora_target_modules: list[str] = inherited("lora_target_modules")
+    load_in_4bit: bool = inherited("load_in_4bit")
+    patch: bool = inherited("patch")
+    gradient_checkpointing: bool = inherited("gradient_checkpointing")
+    offload_activations: bool = inherited("offload_activations")
+    offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
+    # Sampling.
+    questions_per_step: int = option(512, "questions sampled per round (a seeded walk through the dataset)")
+    num_generations: int = option(4, "completions sampled per question (G)")
+    max_prompt_length: int = inherited("max_prompt_length")
+    max_completion_length: int = option(1024, "tokens generated per completion at most")
+    temperature: float = inherited("temperature")
+    top_p: float = inherited("top_p")
+    stop: list[str] | None = option(None, "stop strings (EOS always stops); none: </answer> under the r1_zero "
+                                          "prompt format")
+    # The SFT of each round (a fresh AdamW and schedule per round: its data are new each time).
+    sft_epochs: int = option(1, "passes over a round's kept completions")
+    batch_size: int = option(32, "kept completions per optimizer step")
+    micro_batch_size: int = option(4, "completions per forward/backward; gradients accumulate over the step",
+                                   run_control=True)
+    learning_rate: float = option(1e-5, "peak learning rate of each round's SFT")
+    weight_decay: float = inherited("weight_decay")
+    adam_beta1: float = inherited("adam_beta1")
+    adam_beta2: float = inherited("adam_beta2")
+    adam_epsilon: float = inherited("adam_epsilon")
+    max_grad_norm: float = inherited("max_grad_norm")
+    lr_scheduler: str = inherited("lr_scheduler")
+    warmup_steps: int = inherited("warmup_steps")
+    seed: int = inherited("seed")
+    # Run control and output: free to change on --resume.
+    ei_steps: int = option(5, "rounds of sample -> keep the correct -> SFT; on --resume, a larger value extends "
+                              "the run", run_control=True)
+    output_dir: str = option("fastgrpo_ei_output", "metrics.jsonl (one line per round), checkpoint-<round>/, eval/ "
+                                                   "and final/ go here; one run at a time", run_control=True)
+    overwrite_output_dir: bool = inherited("overwrite_output_dir")
+    save_steps: int = inherited("save_steps", default=1, help="checkpoint every N rounds, and at the end; 0: only "
+                                                              "at the end")
+    save_total_limit: int | None = inherited("save_total_limit")
+    resume: bool = inherited("resume")
+    resume_allow_changes: bool = inherited("resume_allow_changes")
+    export: bool = inherited("export")
+    logging_steps: int = inherited("logging_steps", help="print one line of metrics every N rounds; 0: none")
+    report_to: list[str] | None = inherited("report_to")
+    progress_bar: bool = inherited("progress_bar")
+    eval_steps: int = option(0, "evaluate every N rounds (before the first one too) and at the end; 0: off",
+                             run_control=True)
+    eval_dataset: str | None = option(None, "rows to evaluate on with the same prompt format and rewards (an HF "
+                                            "dataset: its test split); none: the built-in task's held-out rows "
+                                            "when training on the built-in task", run_control=True)
+    eval_max_examples: int = option(256, "evaluate on the first N rows", run_control=True)
+
+    def __post_init__(self):
+        coerce_fields(self)
+        check_at_least(self, ("ei_steps", "questions_per_step", "num_generations", "max_prompt_length",
+                              "max_completion_length", "sft_epochs", "batch_size", "micro_batch_size",
+                              "eval_max_examples"), 1)
+        check_at_least(self, ("eval_steps", "save_steps", "logging_steps"), 0)
+        if self.batch_size % self.micro_batch_size:
+            raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
+                             f"got {self.micro_batch_size}")
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
+        self.sampling()
+        check_run_options(self)
+        check_model_options(self)
+        check_optimizer_options(self)
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature,
+                              top_p=self.top_p)
+
+    @property
+    def stop_strings(self) -> list[str] | None:
+        return self.stop if self.stop is not None or self.prompt_format != "r1_zero" else list(R1_ZERO_STOP)
+
+    def sft_config(self, round_index: int) -> SFTConfig:
+        """The SFT of round `round_index`: this run's batching and optimizer, sft_epochs passes, its own seed."""
+        return SFTConfig(
+            **{name: getattr(self, name) for name in _SFT_FIELDS},
+            max_seq_length=self.max_prompt_length + self.max_completion_length, num_epochs=self.sft_epochs,
+            seed=(self.seed * 1_000_003 + round_index) % 2**32, progress_bar=False, export=False,
+            logging_steps=0, save_steps=0,
+        )

@@ -1,0 +1,67 @@
+"""EvalConfig: every setting of `fastgrpo eval`, loadable from YAML, each field a flag."""
+from __future__ import annotations
+
+import dataclasses
+
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train.config import REWARD_ERRORS, coerce_fields, option
+from fastgrpo.train.options import ConfigFile, check_at_least, inherited
+from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
+
+
+@dataclasses.dataclass
+class EvalConfig(ConfigFile):
+    COMMAND = "eval"
+    model: str | None = inherited("model", help="HF model path or hub name (e.g. a run's final/); none: the "
+                                                "built-in tiny model; with --checkpoint: the base model's new path")
+    checkpoint: str | None = option(None, "a run's checkpoint-<step>/ folder, or its output_dir (the newest "
+                                          "checkpoint): the model that run trained, with the checkpoint's weights")
+    dataset: str | None = option(None, "a .jsonl / .json file of rows, or an HF dataset name; none: the built-in "
+                                       "task's held-out rows")
+    dataset_split: str = option("test", "split of an HF dataset")
+    prompt_column: str = option("prompt", "column with the question: text, or chat messages")
+    prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts)")
+    reward_funcs: list[str] = option(["r1_zero_math"], "names in fastgrpo.rewards.REGISTRY, module:function or "
+                                                       "path/to/file.py:function; r1_zero_math alone also fills "
+                                                       "format_reward / answer_reward")
+    reward_weights: list[float] | None = inherited("reward_weights")
+    correct_threshold: float = option(1.0, "a completion is correct when its (weighted) reward is >= this")
+    reward_errors: str = inherited("reward_errors")
+    max_examples: int = option(0, "evaluate on the first N rows; 0: all")
+    num_generations: int = option(1, "completions per prompt")
+    max_new_tokens: int = option(1024, "tokens generated per completion at most")
+    temperature: float = option(1.0, "sampling temperature; 0: greedy")
+    top_p: float = inherited("top_p")
+    stop: list[str] | None = option(None, "stop strings (EOS always stops); none: </answer> under the r1_zero "
+                                          "prompt format or reward")
+    batch_size: int = option(64, "prompts per rollout call")
+    dtype: str = inherited("dtype")
+    device: str = inherited("device")
+    seed: int = inherited("seed")
+    output_dir: str = option("fastgrpo_eval_output", "results.jsonl (one line per completion) and summary.json "
+                                                     "go here")
+    overwrite_output_dir: bool = option(False, "write into an output_dir that holds another evaluation's files "
+                                               "(they are deleted first)")
+    log_generations: int = option(3, "generations printed to the log")
+
+    def __post_init__(self):
+        coerce_fields(self)
+        check_at_least(self, ("num_generations", "max_new_tokens", "batch_size"), 1)
+        check_at_least(self, ("max_examples", "log_generations"), 0)
+        if self.prompt_format not in PROMPT_FORMATS:
+            raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
+        if self.reward_errors not in REWARD_ERRORS:
+            raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
+        if self.stop is not None and not all(self.stop):
+            raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
+        self.sampling()
+
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(max_new_tokens=self.max_new_tokens, temperature=self.temperature, top_p=self.top_p)
+
+    @property
+    def stop_strings(self) -> list[str] | None:
+        if self.stop is not None:
+            return self.stop
+        r1_zero = self.prompt_format == "r1_zero" or "r1_zero_math" in self.reward_funcs
+        return list(R1_ZERO_STOP) if r1_zero else None

@@ -1,0 +1,184 @@
+"""Evaluation with the rollout engine: generate for each row's prompt, score, write per-example JSONL + a summary.
+
+`evaluate` is the one code path of `fastgrpo eval` and of the periodic evaluation inside `train`, `sft` and `ei`
+(`PeriodicEval`, every --eval-steps). With the `r1_zero_math` reward alone (the default of `eval`) each example
+also gets the course's split: format_reward (the `</think> <answer> ... </answer>` shape) and answer_reward (that
+shape with the right answer; the reward is the answer reward). Other rewards leave those two fields null.
+A completion counts as correct when its (weighted) reward is >= correct_threshold; accuracy is the correct fraction.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fastgrpo.rewards import r1_zero_math_reward
+from fastgrpo.rewards.answers import r1_zero_grades
+from fastgrpo.rewards.scoring import RewardError, required_columns, reward_name, reward_names, score
+from fastgrpo.rollout import RolloutEngine, SamplingParams
+from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.prompts import prompt_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class EvalTask:
+    """Rows to evaluate on (reward functions read their columns), each with its prompt's token ids."""
+
+    rows: list[dict]
+    prompt_ids: list[list[int]]
+    prompt_column: str
+    reward_funcs: list[Callable]
+    reward_weights: list[float] | None = None
+    correct_threshold: float = 1.0
+
+    @property
+    def splits_r1_zero(self) -> bool:
+        return self.reward_funcs == [r1_zero_math_reward]
+
+
+def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, reward_funcs: Sequence[Callable],
+                    reward_weights: Sequence[float] | None = None, correct_threshold: float = 1.0,
+                    max_examples: int = 0, max_prompt_length: int | None = None,
+                    field: str = "eval_dataset") -> EvalTask:
+    """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors."""
+    if rows is None or len(rows) == 0:
+        raise ValueError(f"{field}: expected at least one row, got an empty dataset")
+    if not reward_funcs or not all(callable(f) for f in reward_funcs):
+        raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward function), "
+                         f"got {len(reward_weights)}")
+    if max_examples < 0:
+        raise ValueError(f"max_examples: expected >= 0 (0: every row), got {max_examples}")
+    rows = [rows[i] for i in range(min(len(rows), max_examples) if max_examples else len(rows))]
+    columns = list(rows[0])
+    if prompt_column not in columns:
+        raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}")
+    for func in reward_funcs:
+        missing = [c for c in required_columns(func) if c not in columns]
+        if missing:
+            raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
+                             f"dataset lacks (columns: {columns})")
+    ids = []
+    for i, row in enumerate(rows):
+        try:
+            ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
+        except ValueError as err:
+            raise ValueError(f"{field}: row {i}: {err}") from None
+        if max_prompt_length is not None and len(ids[-1]) > max_prompt_length:
+            raise ValueError(f"{field}: row {i} has a {len(ids[-1])}-token prompt, over max_prompt_length "
+                             f"({max_prompt_length})")
+    return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
+                    correct_threshold)
+
+
+def check_reward_failures(failures: dict, reward_errors: str) -> None:
+    """What a command does with score()'s failures: "raise" stops with a RewardError naming the first failing
+    function; "skip" logs each (their failed samples scored 0)."""
+    if not failures:
+        return
+    if reward_errors == "skip":
+        for name, failure in failures.items():
+            logger.warning("reward function %s failed; its failed samples score 0: %s", name, failure)
+        return
+    name, failure = next(iter(failures.items()))
+    raise RewardError(f"reward function {name} {failure}; --reward-errors skip scores such rows 0 instead")
+
+
+def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
+             num_generations: int = 1, seed: int = 0, batch_size: int = 64,
+             reward_errors: str = "raise") -> tuple[list[dict], dict]:
+    """Generate num_generations completions per row, batch_size prompts per engine call; (records, summary).
+    reward_errors: see check_reward_failures; the summary counts the failures of each function either way."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size: expected >= 1 prompts per rollout call, got {batch_size}")
+    names = reward_names(task.reward_funcs)
+    weights = torch.tensor(task.reward_weights or [1.0] * len(names), dtype=torch.float64)
+    records, errors, tokens, t0 = [], {}, 0, time.perf_counter()
+    keyed = accepts_prompt_keys(engine)
+    engine.reacquire_memory()
+    for start in range(0, len(task.rows), batch_size):
+        rows = task.rows[start:start + batch_size]
+        # keyed by row: a row's samples do not depend on batch_size or on the rows beside it
+        keys = {"prompt_keys": list(range(start, start + len(rows)))} if keyed else {}
+        out = engine.generate(task.prompt_ids[start:start + batch_size], num_generations=num_generations,
+                              sampling=sampling, stop=stop, seed=seed if keyed else seed + start, **keys)
+        expanded = [row for row in rows for _ in range(num_generations)]
+        # what the model saw, chat template and special tokens included
+        prompt_texts = tokenizer.batch_decode(task.prompt_ids[start:start + batch_size])
+        prompts = [row[task.prompt_column] for row in expanded]
+        columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != task.prompt_column}
+        per_func, failures = score(task.reward_funcs, prompts, out.texts, columns)  # per_func: [n, F]
+        check_reward_failures(failures, reward_errors)
+        for name, failure in failures.items():
+            errors[name] = str(failure)
+        rewards = (per_func @ weights).tolist()
+        lengths = out.completion_mask.sum(-1).tolist()
+        tokens += sum(lengths)
+        for k, (row, text) in enumerate(zip(expanded, out.texts)):
+            grades = r1_zero_grades(text, row["answer"]) if task.splits_r1_zero else (None, None)
+            record = {
+                "index": start + k // num_generations, "sample": k % num_generations,
+                "prompt": prompt_texts[k // num_generations], "completion": text,
+                "format_reward": grades[0], "answer_reward": grades[1], "reward": rewards[k],
+                "correct": rewards[k] >= task.correct_threshold, "length": int(lengths[k]),
+                "finish_reason": out.finish_reasons[k],
+            }
+            if len(names) > 1:
+                record.update({f"rewards/{name}": per_func[k, j].item() for j, name in enumerate(names)})
+            if "answer" in row:
+                record["answer"] = row["answer"]
+            records.append(record)
+    engine.release_memory()
+    seconds = time.perf_counter() - t0
+    return records, summarize(records, names, errors, seconds, tokens)
+
+
+def summarize(records: list[dict], names: list[str], errors: dict, seconds: float, tokens: int) -> dict:
+    def mean(values):
+        values = list(values)
+        return sum(values) / len(values) if values else None
+
+    correct = [r for r in records if r["correct"]]
+    wrong = [r for r in records if not r["correct"]]
+    split = records[0]["format_reward"] is not None
+    return {
+        "num_examples": len({r["index"] for r in records}),
+        "num_samples": len(records),
+        "accuracy": mean(r["correct"] for r in records),
+        "reward": mean(r["reward"] for r in records),
+        "format_rate": mean(r["format_reward"] for r in records) if split else None,
+        "answer_rate": mean(r["answer_reward"] for r in records) if split else None,
+        "completion_length": mean(r["length"] for r in records),
+        "completion_length_correct": mean(r["length"] for r in correct),
+        "completion_length_wrong": mean(r["length"] for r in wrong),
+        "completion_length_max": max(r["length"] for r in records),
+        "truncated_frac": mean(r["finish_reason"] == "length" for r in records),
+        "reward_funcs": names,
+        "reward_errors": errors,
+        "seconds": seconds,
+        "tokens_per_s": tokens / max(seconds, 1e-9),
+    }
+
+
+def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
+    """One JSON line per completion to examples_path; the summary as a JSON object to summary_path."""
+    for path in (examples_path, summary_path):
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(examples_path).write_text("".join(json.dumps(r) + "\n" for r in records))
+    Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+
+
+def log_generations(records: list[dict], count: int, title: str) -> None:
+    """A few generations to the console log: the first `count` records, prompt tail and completion."""
+    for r in records[:count]:
+        logger.info("%s | ...%s -> %r | reward %.3f%s", title, r["prompt"][-60:], r["completion"][:200], r["reward"],
+                    "" if r["format_reward"] is None else f" (format {r['format_reward']:.0f}, "
+                                                          f"answer {r['answer_reward']:.0f})")

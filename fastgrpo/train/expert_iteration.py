@@ -1,0 +1,226 @@
+"""Expert iteration: for each round, sample G completions per question with the rollout engine, keep those the
+reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) for sft_epochs; repeat ei_steps times.
+
+A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold)
+-> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
+Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
+resumed run continues at the next round with the weights and RNG states of a straight one.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import torch
+
+from fastgrpo.rewards.scoring import required_columns, reward_name, reward_names, score
+from fastgrpo.rollout import BuiltinEngine, RolloutEngine
+from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.checkpoint import (
+    export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, rng_states, save_checkpoint,
+)
+from fastgrpo.train.config import check_resume
+from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.ei_config import EIConfig
+from fastgrpo.train.evaluate import check_reward_failures
+from fastgrpo.train.interrupts import InterruptGuard, Interrupted
+from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.periodic_eval import ei_evaluator
+from fastgrpo.train.prompts import prompt_ids
+from fastgrpo.train.run_dir import RunDirectory
+from fastgrpo.train.sft import RUN_ARTIFACTS, SFTTrainer
+from fastgrpo.train.sft_data import SFTExample
+
+logger = logging.getLogger(__name__)
+class ExpertIteration:
+    def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
+                 train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
+        """engine: where samples come from (default: BuiltinEngine on the model's own modules)."""
+        self.config = config = config or EIConfig()
+        self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
+        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        self._check_inputs()
+        self.prompts = []
+        for i in range(len(train_dataset)):
+            try:
+                self.prompts.append(prompt_ids(tokenizer, train_dataset[i][config.prompt_column], config.prompt_format))
+            except ValueError as err:
+                raise ValueError(f"train_dataset: row {i}: {err}") from None
+            if len(self.prompts[-1]) > config.max_prompt_length:
+                raise ValueError(f"train_dataset: row {i} has a {len(self.prompts[-1])}-token prompt, over "
+                                 f"max_prompt_length ({config.max_prompt_length})")
+        self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
+        self.sampling = config.sampling()
+        self.weights = torch.tensor(config.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float64)
+        self.round = 0
+        self.output_dir = Path(config.output_dir)
+        self.history: list[dict] = []
+        self.evaluator = ei_evaluator(self)  # None unless eval_steps
+        self._guard: InterruptGuard | None = None  # while train() runs
+        self.last_kept: list[SFTExample] = []  # the SFT examples of the latest round
+
+    def _check_inputs(self) -> None:
+        config, dataset = self.config, self.dataset
+        if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
+            raise ValueError(f"reward_funcs: expected one or more callables, got {self.reward_funcs!r}")
+        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
+            raise ValueError(f"reward_weights: expected {len(self.reward_funcs)} weights (one per reward "
+                             f"function), got {len(config.reward_weights)}")
+        if dataset is None or len(dataset) == 0:
+            raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+        columns = list(getattr(dataset, "column_names", None) or dataset[0])
+        if config.prompt_column not in columns:
+            raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
+                             f"columns: {columns}")
+        for func in self.reward_funcs:
+            missing = [c for c in required_columns(func) if c not in columns]
+            if missing:
+                raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
+                                 f"which the dataset lacks (columns: {columns})")
+        if self.tokenizer.pad_token_id is None:
+            raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
+        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
+        if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
+            raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
+                             f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
+                             f"max_position_embeddings ({positions})")
+
+    def _questions(self, round_index: int) -> list[int]:
+        """Dataset rows of a round: epochs of seeded permutations, so a round's questions depend on its index only."""
+        n, per_round = len(self.dataset), self.config.questions_per_step
+        indices = []
+        for position in range(round_index * per_round, (round_index + 1) * per_round):
+            epoch, offset = divmod(position, n)
+            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch)).tolist()
+            indices.append(order[offset])
+        return indices
+
+    def run_round(self) -> dict:
+        config, G = self.config, self.config.num_generations
+        t_start = time.perf_counter()
+
+        # 1. Sample G completions per question.
+        indices = self._questions(self.round)
+        rows = [self.dataset[i] for i in indices]
+        self.engine.load_weights(self.model)  # the previous round's SFT reaches an engine with its own weights
+        self.engine.reacquire_memory()
+        # keyed by the position in the run's walk through the data (unique, also when a round wraps an epoch)
+        first = self.round * config.questions_per_step
+        keys = {"prompt_keys": list(range(first, first + len(indices)))} if accepts_prompt_keys(self.engine) else {}
+        out = self.engine.generate([self.prompts[i] for i in indices], num_generations=G, sampling=self.sampling,
+                                   stop=config.stop_strings, seed=config.seed * 1_000_003 + self.round, **keys)
+        self.engine.release_memory()
+        t_rollout = time.perf_counter()
+
+        # 2. Score; keep the completions marked correct, as (prompt ids, sampled completion ids).
+        prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
+        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
+        per_func, errors = score(self.reward_funcs, prompts, out.texts, columns)  # per_func: [N, F]
+        check_reward_failures(errors, config.reward_errors)
+        rewards = per_func @ self.weights  # rewards: [N]
+        correct = rewards >= config.correct_threshold
+        completion_ids, completion_mask = out.completion_ids.cpu(), out.completion_mask.cpu().bool()
+        self.last_kept = kept = [
+            SFTExample(tuple(self.prompts[indices[k // G]]), tuple(completion_ids[k][completion_mask[k]].tolist()))
+            for k in correct.nonzero().flatten().tolist() if completion_mask[k].any()
+        ]
+
+        # 3. SFT on the kept completions (none kept: the round leaves the weights as they are). From here a signal
+        # lets the round finish.
+        if self._guard is not None:
+            self._guard.abandonable = False
+        sft = []
+        if kept:
+            trainer = SFTTrainer(self.model, self.tokenizer, kept, config.sft_config(self.round))
+            sft = [trainer.train_step() for _ in range(trainer.total_steps)]
+        t_sft = time.perf_counter()
+
+        self.round += 1
+        lengths = completion_mask.sum(-1).float()
+        metrics = {
+            "round": self.round,
+            "reward": rewards.mean().item(),
+            "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
+            **{f"rewards/{name}": per_func[:, j].mean().item() for j, name in enumerate(reward_names(self.reward_funcs))},
+            "reward_errors": len(errors),
+            "kept": len(kept),
+            "kept_frac": len(kept) / rewards.numel(),
+            "questions_solved_frac": correct.view(-1, G).any(-1).float().mean().item(),
+            "sft_steps": len(sft),
+            "sft_loss_first": sft[0]["loss"] if sft else None,
+            "sft_loss_last": sft[-1]["loss"] if sft else None,
+            "completion_length": lengths.mean().item(),
+            "truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+            "rollout_s": t_rollout - t_start,
+            "sft_s": t_sft - t_rollout,
+        }
+        for name, err in errors.items():
+            metrics[f"reward_error/{name}"] = err
+        return metrics
+
+    def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
+        """Run (or, with config.resume, continue) to config.ei_steps rounds; returns this call's round metrics.
+
+        As GRPOTrainer.train: the output folder is locked and a fresh run refuses one holding another run (run_dir:
+        a RunDirectory the caller opened already). A signal while a round samples abandons it (the checkpoint is the
+        previous round's); once its SFT began, the round finishes, is saved, and Interrupted is raised.
+        """
+        config = self.config
+        with contextlib.ExitStack() as stack:
+            if run_dir is None:
+                run_dir = stack.enter_context(RunDirectory(self.output_dir, artifacts=RUN_ARTIFACTS))
+                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+            log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict(), key="round")
+            if config.resume:
+                self.resume()
+            log.start_at(self.round)
+            if self.evaluator is not None and self.round == 0:
+                log.write({"round": 0, **self.evaluator(0, force=True)})  # the starting point the rounds improve on
+            console = ConsoleLog(config.logging_steps, config.ei_steps, initial=self.round,
+                                 progress_bar=config.progress_bar)
+            stack.callback(console.close)
+            self._guard = guard = stack.enter_context(InterruptGuard())
+            stack.callback(setattr, self, "_guard", None)
+            saved = self.round if config.resume else None
+            while self.round < config.ei_steps:
+                rng = rng_states()
+                guard.abandonable = True  # until the round's SFT starts
+                try:
+                    metrics = self.run_round()
+                except Interrupted as stop:
+                    if not guard.abandonable:
+                        raise
+                    path = self.save_checkpoint(rng) if self.round > 0 and saved != self.round else None
+                    raise stop.saved(self.round, path) from None
+                if self.evaluator is not None:
+                    metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps))
+                self.history.append(metrics)
+                log.write(metrics)
+                console.add({**metrics, "step": metrics["round"], "loss": metrics["sft_loss_last"]})
+                if (config.save_steps and self.round % config.save_steps == 0) or guard.requested:
+                    path, saved = self.save_checkpoint(), self.round
+                if guard.requested:
+                    raise guard.interrupted(self.round, path)
+            if saved != self.round:
+                self.save_checkpoint()
+            if config.export:
+                export_model(self.model, self.tokenizer, self.output_dir / "final")
+        return self.history
+
+    def save_checkpoint(self, rng: dict | None = None) -> Path:
+        """checkpoint-<round> (weights, RNG states, round); the oldest past save_total_limit are deleted."""
+        state = {"step": self.round, "round": self.round, "config": self.config.to_dict(),
+                 **({"rng": rng} if rng is not None else {})}
+        path = save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, state)
+        prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        return path
+
+    def resume(self) -> None:
+        """Load the newest complete round checkpoint of output_dir: weights, RNG states, round."""
+        path, state = load_latest_checkpoint(self.output_dir)
+        check_resume(state.get("config", {}), self.config, path.name)
+        self.round = restore_checkpoint(state, self.model)["round"]
+        logger.info("resumed from %s after round %d", path, self.round)

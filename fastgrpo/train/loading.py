@@ -1,0 +1,142 @@
+"""Build what a command's config names: reward functions, dataset rows, the model and its tokenizer.
+
+Shared by `fastgrpo train`, `sft`, `ei` and `eval`: the model loader reads only the model-loading fields (model,
+dtype, device, lora_*, load_in_4bit, gradient_checkpointing, patch, offload_*), which every config has under the
+same names.
+"""
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+from fastgrpo.offload import ActivationOffloader, HostBufferPool
+from fastgrpo.patching import patch_model
+from fastgrpo.rewards import REGISTRY
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.sources import import_function, read_json_rows
+
+
+def resolve_reward(name: str):
+    """A name of fastgrpo.rewards.REGISTRY, or a user's reward function: "module:function" (a module.py in the
+    current folder too) or "path/to/file.py:function" (fastgrpo.train.sources.import_function)."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    if ":" not in name:
+        raise ValueError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REGISTRY)}, "
+                         "'module:function' or 'path/to/file.py:function'")
+    return import_function(name, "reward_funcs")
+
+
+def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
+    """Rows of a local .jsonl / .json file or of a Hugging Face dataset (needs `datasets`); `field` names the
+    config field in errors."""
+    path = Path(dataset)
+    if path.suffix in (".jsonl", ".json") and not path.is_file():
+        raise ValueError(f"{field}: no such file {path}")
+    if path.suffix in (".jsonl", ".json"):
+        return read_json_rows(path, field)  # a bad row is an error at file:line
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{field}: {dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
+                         "needs `pip install datasets`") from None
+    return datasets.load_dataset(dataset, split=split)
+
+
+def load_dataset(config):
+    """The rows of config.dataset, or the built-in GRPO task when it is None."""
+    if config.dataset is None:
+        return default_task.build_dataset(seed=config.seed)
+    return load_rows(config.dataset, config.dataset_split)
+
+
+def resolve_device_dtype(config) -> tuple[str, torch.dtype]:
+    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype_name = config.dtype
+    if dtype_name == "auto":
+        dtype_name = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    return device, getattr(torch, dtype_name)
+
+
+def load_model_and_tokenizer(config):
+    """The model (LoRA-wrapped, patched, checkpointed as configured) on its device, and its tokenizer."""
+    device, dtype = resolve_device_dtype(config)
+    if config.model is None:
+        tokenizer = default_task.build_tokenizer()
+        model = default_task.build_model(tokenizer, seed=config.seed).to(device=device, dtype=dtype)
+    else:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(config.model)
+        tokenizer.padding_side = "left"
+        if tokenizer.pad_token is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        extra = {}
+        if config.load_in_4bit:
+            from transformers import BitsAndBytesConfig
+
+            extra["quantization_config"] = BitsAndBytesConfig(
+                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
+            )
+            extra["device_map"] = {"": device}
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation="sdpa", **extra)
+        if not config.load_in_4bit:
+            model.to(device)
+    if config.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if config.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = config.lora_target_modules
+        model = get_peft_model(model, LoraConfig(
+            r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+            target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
+        ))
+    if config.patch:
+        patch_model(model, offload_activations=_offload_setting(config, device))
+    return model, tokenizer
+
+
+def _offload_setting(config, device: str):
+    """patch_model's offload_activations: a bool, or an offloader whose host pool is bounded as configured (on the
+    CPU too, where it copies to pageable buffers: the same code path, so the bound is tested without a GPU)."""
+    if config.offload_host_memory_gib is None:
+        return config.offload_activations
+    device = torch.device(device)
+    pool = HostBufferPool(max_bytes=int(config.offload_host_memory_gib * 2**30), pin_memory=device.type == "cuda")
+    return ActivationOffloader(device, pool=pool)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """A checkpoint-<step>/ folder of a run, or the latest one in a run's output_dir."""
+    path = Path(path)
+    if (path / STATE_FILE).is_file():
+        return path
+    latest = latest_checkpoint(path) if path.is_dir() else None
+    if latest is None:
+        raise ValueError(f"checkpoint: {path} is neither a checkpoint-<step>/ folder (with {STATE_FILE}) nor an "
+                         "output_dir holding one")
+    return latest
+
+
+def load_inference_model(*, model: str | None, dtype: str, device: str, seed: int = 0,
+                         checkpoint: Path | None = None):
+    """A model and tokenizer for evaluation: unpatched, without gradient checkpointing, in eval mode. With a
+    checkpoint: the model its run trained (base and LoRA settings from the run's config) with its weights, `model`
+    then being a new path of the base model (None: the saved one)."""
+    fields = dict(model=None, lora_rank=0, lora_alpha=32, lora_dropout=0.0, lora_target_modules=["all-linear"],
+                  load_in_4bit=False, seed=seed)
+    if checkpoint is not None:
+        saved = read_run_config(checkpoint)
+        fields.update({name: saved[name] for name in fields if name in saved})
+    if model is not None:
+        fields["model"] = model
+    setup = types.SimpleNamespace(**fields, dtype=dtype, device=device, gradient_checkpointing=False, patch=False,
+                                  offload_activations=False, offload_host_memory_gib=None)
+    built, tokenizer = load_model_and_tokenizer(setup)
+    if checkpoint is not None:
+        load_checkpoint(checkpoint, built)
+    return built.eval(), tokenizer

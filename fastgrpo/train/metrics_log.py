@@ -1,0 +1,80 @@
+"""The metrics of a run: one JSON line per step in <output_dir>/metrics.jsonl (as `fastgrpo train` writes it), and
+the same scalars to wandb / tensorboard when asked."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from fastgrpo._checks import check_choice
+
+logger = logging.getLogger(__name__)
+REPORTERS = ("wandb", "tensorboard")
+
+
+class MetricsLog:
+    """`key` names the step counter of each line ("step" for SFT, "round" for expert iteration)."""
+
+    def __init__(self, output_dir: str | Path, *, report_to: list[str] | None = None, run_config: dict | None = None,
+                 key: str = "step"):
+        self.path = Path(output_dir) / "metrics.jsonl"
+        self.key = key
+        self._loggers: list[Callable[[int, dict], None]] = []
+        for name in report_to or []:
+            check_choice("report_to", name, REPORTERS)
+            try:
+                self._loggers.append(_wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent))
+            except ImportError as err:
+                raise ValueError(f"report_to: {name!r} needs `pip install {name}` ({err})") from None
+
+    def start_at(self, step: int) -> None:
+        """Keep the log consistent with the weights a run starts from: drop the lines past `step`. A line that does
+        not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        lines = self.path.read_text().splitlines() if self.path.exists() else []
+        kept, torn = [], []
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                torn.append(number)
+                continue
+            if isinstance(row, dict) and row.get(self.key, 0) <= step:
+                kept.append(line + "\n")
+        if torn:
+            logger.warning("%s: dropped unreadable line %s (a write cut short by a kill)", self.path,
+                           ", ".join(map(str, torn)))
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("".join(kept))
+        os.replace(tmp, self.path)  # a kill during the rewrite leaves the old log, not half of it
+
+    def write(self, metrics: dict) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != self.key}
+        for log in self._loggers:
+            log(metrics[self.key], scalars)
+
+
+def _wandb(run_config: dict) -> Callable[[int, dict], None]:
+    import wandb
+
+    run = wandb.init(project="fastgrpo", config=run_config)
+    return lambda step, scalars: run.log(scalars, step=step)
+
+
+def _tensorboard(output_dir: Path) -> Callable[[int, dict], None]:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(output_dir / "tensorboard"))
+
+    def log(step: int, scalars: dict) -> None:
+        for key, value in scalars.items():
+            writer.add_scalar(key, value, step)
+        writer.flush()
+
+    return log

@@ -1,0 +1,85 @@
+"""What the configs of `fastgrpo sft`, `ei` and `eval` share with GRPOConfig: model-loading fields (same names,
+defaults and help, so fastgrpo.train.loading builds the model from any of them), YAML / dict I/O and checks.
+
+Each config stays a flat dataclass (one field = one flag = one YAML key); `inherited` copies a GRPOConfig field
+instead of restating its default and help text.
+"""
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from fastgrpo._checks import check_choice
+from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, GRPOConfig, option, read_yaml
+
+_GRPO_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
+
+
+def inherited(name: str, default=dataclasses.MISSING, help: str | None = None):
+    """GRPOConfig's field `name` (default, --help text, run_control), optionally with another default or help."""
+    field = _GRPO_FIELDS[name]
+    if default is dataclasses.MISSING:
+        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
+    return option(default, help if help is not None else field.metadata["help"],
+                  run_control=field.metadata.get("run_control", False))
+
+
+class ConfigFile:
+    """from_yaml / from_dict / to_dict for a config dataclass; COMMAND names its subcommand in messages."""
+
+    COMMAND = "train"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides):
+        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
+        return cls.from_dict({**read_yaml(path), **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - names)
+        if unknown:
+            raise ValueError(f"config: unknown fields {unknown}; see `fastgrpo {cls.COMMAND} --help`")
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def check_at_least(config, names: tuple[str, ...], low: float) -> None:
+    for name in names:
+        value = getattr(config, name)
+        if not value >= low:
+            raise ValueError(f"{name}: expected >= {low:g}, got {value}")
+
+
+def check_run_options(config) -> None:
+    """The checks GRPOConfig makes of the seed and the output-folder fields, for a config that has them."""
+    if not 0 <= config.seed < MAX_SEED:
+        raise ValueError(f"seed: expected an int in [0, 2**32), got {config.seed}")
+    if config.resume and config.overwrite_output_dir:
+        raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
+                         "of --resume and --overwrite-output-dir")
+    if getattr(config, "save_total_limit", None) is not None and config.save_total_limit < 1:
+        raise ValueError(f"save_total_limit: expected >= 1 or none (keep all), got {config.save_total_limit}")
+
+
+def check_model_options(config) -> None:
+    """The checks GRPOConfig makes of the model-loading fields, for a config that has them."""
+    check_choice("dtype", config.dtype, DTYPES)
+    check_at_least(config, ("lora_rank", "lora_dropout"), 0)
+    if config.load_in_4bit and config.lora_rank == 0:
+        raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+    if config.offload_host_memory_gib is not None:
+        if not config.offload_host_memory_gib > 0:
+            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
+        if not (config.offload_activations and config.patch):
+            raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
+                             "(it needs patch and offload_activations)")
+
+
+def check_optimizer_options(config) -> None:
+    check_choice("lr_scheduler", config.lr_scheduler, LR_SCHEDULERS)
+    check_at_least(config, ("learning_rate", "weight_decay", "warmup_steps"), 0)
+    if not config.max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm: expected > 0, got {config.max_grad_norm}")

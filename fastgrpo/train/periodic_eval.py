@@ -1,0 +1,96 @@
+"""Evaluation every --eval-steps inside `fastgrpo train`, `sft` and `ei`: PeriodicEval, and one builder per config.
+
+Each builder returns None when eval_steps is 0. The rows come from eval_dataset (an HF dataset: its test split),
+or, when the run trains on a built-in task (dataset is None), from held-out rows of that task; a run on its own
+data with eval_steps but no eval_dataset is an error naming eval_dataset. The prompt format, rewards and sampling
+are the run's own, so an evaluation scores what the run optimises.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.train import default_task
+from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
+from fastgrpo.train.loading import load_rows, resolve_reward
+from fastgrpo.train.prompts import R1_ZERO_STOP
+
+EVAL_SPLIT = "test"
+
+
+class PeriodicEval:
+    """Evaluation every `every` steps, into <output_dir>/eval/step-<N>.jsonl and step-<N>_summary.json; returns the
+    summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due."""
+
+    def __init__(self, model, engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *,
+                 every: int, output_dir: str | Path, stop=None, seed: int = 0, reward_errors: str = "raise",
+                 log_count: int = 3):
+        if every < 1:
+            raise ValueError(f"eval_steps: expected >= 1 for a periodic evaluation, got {every}")
+        self.model, self.engine, self.tokenizer, self.task, self.sampling = model, engine, tokenizer, task, sampling
+        self.reward_errors = reward_errors
+        self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
+        self.seed, self.log_count = seed, log_count
+
+    def __call__(self, step: int, *, force: bool = False) -> dict:
+        if not force and step % self.every:
+            return {}
+        self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
+        records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
+                                    seed=self.seed, reward_errors=self.reward_errors)
+        write_eval(records, summary, self.directory / f"step-{step}.jsonl",
+                   self.directory / f"step-{step}_summary.json")
+        log_generations(records, self.log_count, f"eval step {step}")
+        return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def _rows(config):
+    if config.eval_dataset is not None:
+        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset")
+    if config.dataset is None:
+        # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
+        return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
+    raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
+                     "--eval-dataset (a .jsonl / .json file or an HF dataset name)")
+
+
+def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
+    """For an SFTConfig: its prompt column and format, eval_reward_funcs, eval_max_new_tokens, eval_temperature."""
+    if not config.eval_steps:
+        return None
+    rewards = [resolve_reward(name) for name in config.eval_reward_funcs]
+    task = build_eval_task(_rows(config), tokenizer, prompt_column=config.prompt_column,
+                           prompt_format=config.prompt_format, reward_funcs=rewards,
+                           max_examples=config.eval_max_examples)
+    sampling = SamplingParams(max_new_tokens=config.eval_max_new_tokens, temperature=config.eval_temperature)
+    r1_zero = config.prompt_format == "r1_zero" or "r1_zero_math" in config.eval_reward_funcs
+    return PeriodicEval(model, BuiltinEngine(model, tokenizer), tokenizer, task, sampling, every=config.eval_steps,
+                        output_dir=config.output_dir, stop=list(R1_ZERO_STOP) if r1_zero else None, seed=config.seed)
+
+
+def ei_evaluator(run) -> PeriodicEval | None:
+    """For an ExpertIteration: its prompt format, rewards, threshold, sampling, stop strings and engine."""
+    config = run.config
+    if not config.eval_steps:
+        return None
+    task = build_eval_task(_rows(config), run.tokenizer, prompt_column=config.prompt_column,
+                           prompt_format=config.prompt_format, reward_funcs=run.reward_funcs,
+                           reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
+                           max_examples=config.eval_max_examples)
+    return PeriodicEval(run.model, run.engine, run.tokenizer, task, run.sampling, every=config.eval_steps,
+                        output_dir=config.output_dir, stop=config.stop_strings, seed=config.seed,
+                        reward_errors=config.reward_errors)
+
+
+def grpo_evaluator(trainer) -> PeriodicEval | None:
+    """For a GRPOTrainer: its prompts' format (text as is, messages through the chat template), rewards and weights,
+    sampling, stop strings and engine; one completion per prompt."""
+    config = trainer.config
+    if not config.eval_steps:
+        return None
+    task = build_eval_task(_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
+                           prompt_format="raw", reward_funcs=trainer.reward_funcs,
+                           reward_weights=config.reward_weights, max_examples=config.eval_max_examples)
+    return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
+                        every=config.eval_steps, output_dir=config.output_dir, stop=config.stop, seed=config.seed,
+                        reward_errors=config.reward_errors)

@@ -1,0 +1,90 @@
+"""Prompt and response token ids of a dataset row, one rule for `fastgrpo sft`, `ei` and `eval`.
+
+Prompt formats:
+  raw      text as it is (tokenized with the tokenizer's special tokens, as `fastgrpo train` does); a list of chat
+           messages goes through the chat template.
+  chat     the tokenizer's chat template; a text prompt is one user message.
+  auto     chat when the tokenizer has a chat template, else raw.
+  r1_zero  the R1-Zero prompt (R1_ZERO_PROMPT) around the text, then raw: the course's format for base models, and
+           the one the `r1_zero_math` reward grades (`... </think> <answer> ... </answer>`).
+A response is the assistant turn of the chat template where the prompt went through it, else its text followed by
+the EOS token, so that a trained model learns to stop.
+"""
+from __future__ import annotations
+
+from fastgrpo._checks import check_choice
+
+PROMPT_FORMATS = ("raw", "chat", "auto", "r1_zero")
+R1_ZERO_PROMPT = (
+    "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The Assistant "
+    "first thinks about the reasoning process in the mind and then provides the User with the answer. The reasoning "
+    "process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> tags, respectively, "
+    "i.e., <think> reasoning process here </think> <answer> answer here </answer>.\nUser: {question}\nAssistant: <think>"
+)
+# Generation stops at the closing tag under r1_zero: the reward reads nothing after it.
+R1_ZERO_STOP = ["</answer>"]
+
+
+def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:
+    check_choice("prompt_format", prompt_format, PROMPT_FORMATS)
+    if prompt_format == "r1_zero":
+        return False
+    if not isinstance(prompt, str):
+        return True
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    if prompt_format == "chat" and not has_template:
+        raise ValueError("prompt_format: 'chat' needs a tokenizer with a chat template; use 'raw' or 'auto'")
+    return prompt_format == "chat" or (prompt_format == "auto" and has_template)
+
+
+def _messages(prompt) -> list[dict]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt):
+        return list(prompt)
+    raise ValueError(f"prompt: expected a string or a list of chat messages {{'role': ..., 'content': ...}}, "
+                     f"got {type(prompt).__name__}")
+
+
+def _ids(encoded) -> list[int]:
+    """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding, depending on the transformers version."""
+    return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
+
+
+def prompt_text(prompt, prompt_format: str) -> str | list:
+    """The prompt after the R1-Zero template (other formats: unchanged)."""
+    if prompt_format != "r1_zero":
+        return prompt
+    if not isinstance(prompt, str):
+        raise ValueError("prompt_format: 'r1_zero' wraps a text question; got chat messages (use 'chat' or 'raw')")
+    return R1_ZERO_PROMPT.format(question=prompt)
+
+
+def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
+    """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation."""
+    if uses_chat_template(tokenizer, prompt, prompt_format):
+        return _ids(tokenizer.apply_chat_template(_messages(prompt), add_generation_prompt=True, tokenize=True))
+    text = prompt_text(prompt, prompt_format)
+    if not isinstance(text, str):
+        raise ValueError("prompt: chat messages need a tokenizer with a chat template")
+    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+
+
+def response_ids(tokenizer, prompt, response: str, prompt_format: str) -> list[int]:
+    """Token ids of `response` as it follows prompt_ids(tokenizer, prompt, prompt_format)."""
+    if not isinstance(response, str):
+        raise ValueError(f"response: expected a string, got {type(response).__name__}")
+    if uses_chat_template(tokenizer, prompt, prompt_format):
+        messages = _messages(prompt)
+        head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        full = tokenizer.apply_chat_template(
+            [*messages, {"role": "assistant", "content": response}], tokenize=False
+        )
+        # The assistant turn is what the full conversation adds after the generation prompt (its end-of-turn token
+        # included); templates that rewrite earlier turns (e.g. drop reasoning) fall back to text + EOS below.
+        if full.startswith(head):
+            return list(tokenizer(full[len(head):], add_special_tokens=False)["input_ids"])
+    ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer: needs an eos_token_id (appended to each response so the model learns to stop)")
+    return ids + [tokenizer.eos_token_id]

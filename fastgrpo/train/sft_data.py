@@ -1,0 +1,98 @@
+"""SFT examples (prompt ids + response ids), the length-sorted micro-batches of an optimizer step, and padding.
+
+Micro-batches are length-aware by SORTING, not packing: each optimizer step takes `batch_size` rows of a seeded
+shuffle of the data (so a step's contents are not biased by length), sorts them by length and cuts them into
+micro-batches of neighbours, each right-padded only to its own longest row. Packing would need block-diagonal
+attention (position ids per packed row), which not every attention implementation or patched forward honours;
+sorting leaves a little padding (reported as `padding_frac`) and works with all of them. The loss is normalised by
+the step's response tokens, so how a step is cut into micro-batches does not change its gradient.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import torch
+
+from fastgrpo.train.prompts import prompt_ids, response_ids
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTExample:
+    prompt_ids: tuple[int, ...]
+    response_ids: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, prompt_format: str,
+                  max_seq_length: int, truncate: bool) -> list[SFTExample]:
+    """One SFTExample per row. A row longer than max_seq_length is an error naming it, unless `truncate`: then its
+    response loses its end (with a warning); a row left without response tokens is an error either way."""
+    if rows is None or len(rows) == 0:
+        raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+    columns = list(getattr(rows, "column_names", None) or rows[0])
+    for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
+        if column not in columns:
+            raise ValueError(f"train_dataset: no column {column!r} ({name}); columns: {columns}")
+    examples = []
+    for i in range(len(rows)):
+        row = rows[i]
+        prompt, response = row[prompt_column], row[response_column]
+        try:
+            p, r = prompt_ids(tokenizer, prompt, prompt_format), response_ids(tokenizer, prompt, response, prompt_format)
+        except ValueError as err:
+            raise ValueError(f"train_dataset: row {i}: {err}") from None
+        if not p:
+            raise ValueError(f"train_dataset: row {i} has an empty prompt (its first response token would have no "
+                             "token to be predicted from)")
+        if len(p) + len(r) > max_seq_length:
+            if not truncate:
+                raise ValueError(f"train_dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
+                                 f"({max_seq_length}); raise max_seq_length or pass --truncate-sequences")
+            logger.warning("row %d: %d tokens cut to max_seq_length=%d", i, len(p) + len(r), max_seq_length)
+            r = r[: max(0, max_seq_length - len(p))]
+        if not r:
+            raise ValueError(f"train_dataset: row {i} has no response tokens (a {len(p)}-token prompt, "
+                             f"max_seq_length {max_seq_length})")
+        examples.append(SFTExample(tuple(p), tuple(r)))
+    return examples
+
+
+def steps_per_epoch(num_examples: int, batch_size: int) -> int:
+    return -(-num_examples // batch_size)
+
+
+def step_micro_batches(lengths: list[int], step: int, *, batch_size: int, micro_batch_size: int,
+                       seed: int) -> list[list[int]]:
+    """Example indices of optimizer step `step` (0-based, counted over all epochs), as micro-batches.
+
+    Epoch e is the seeded permutation torch.randperm(n, seed + e) cut into steps of batch_size (the last step of an
+    epoch may be smaller); a step's rows are sorted longest first and cut into micro-batches of micro_batch_size.
+    A function of `step` alone, so a resumed run sees exactly the batches of a straight one.
+    """
+    n = len(lengths)
+    per_epoch = steps_per_epoch(n, batch_size)
+    epoch, position = divmod(step, per_epoch)
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+    rows = order[position * batch_size:(position + 1) * batch_size]
+    rows.sort(key=lambda i: -lengths[i])
+    return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
+
+
+def collate(examples: list[SFTExample], pad_id: int, device) -> dict[str, torch.Tensor]:
+    """Right-padded input_ids, attention_mask and response_mask [b, L] (L: the longest example)."""
+    L = max(len(e) for e in examples)
+    input_ids = torch.full((len(examples), L), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(examples), L), dtype=torch.long)
+    response_mask = torch.zeros((len(examples), L), dtype=torch.long)
+    for row, e in enumerate(examples):
+        p, n = len(e.prompt_ids), len(e)
+        input_ids[row, :n] = torch.tensor(e.prompt_ids + e.response_ids)
+        attention_mask[row, :n] = 1
+        response_mask[row, p:n] = 1
+    return {k: v.to(device) for k, v in
+            (("input_ids", input_ids), ("attention_mask", attention_mask), ("response_mask", response_mask))}

@@ -1,0 +1,88 @@
+"""`fastgrpo ei`: the built-in expert iteration raises its reward; a round keeps exactly the sampled tokens of the
+completions marked correct; a round with nothing kept leaves the weights alone; resume continues a straight run."""
+import json
+
+import pytest
+import torch
+
+from fastgrpo.rewards import r1_zero_math_reward
+from fastgrpo.rewards.scoring import RewardError
+from fastgrpo.train import default_task
+from fastgrpo.train.cli import main
+from fastgrpo.train.ei_config import EIConfig
+from fastgrpo.train.expert_iteration import ExpertIteration
+
+ROUNDS = ["--ei-steps", "5", "--no-progress-bar", "--logging-steps", "0", "--no-export"]
+
+
+def _metrics(path):
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def builtin_run(tmp_path_factory):
+    """The built-in `fastgrpo ei`, shortened to 5 rounds, evaluated before the first round and after the last."""
+    out = tmp_path_factory.mktemp("ei")
+    assert main(["ei", "--output-dir", str(out), *ROUNDS, "--eval-steps", "5", "--eval-max-examples", "32"]) == 0
+    return out
+
+
+def test_builtin_reward_and_kept_fraction_rise(builtin_run):
+    start, *rounds = _metrics(builtin_run)
+    assert start["round"] == 0 and [m["round"] for m in rounds] == [1, 2, 3, 4, 5]
+    rewards = [m["reward"] for m in rounds]
+    assert rewards[-1] > 3 * rewards[0] and rewards[-1] > rewards[0] + 0.2, rewards
+    assert rounds[-1]["kept_frac"] > rounds[0]["kept_frac"]
+    assert rounds[-1]["eval/accuracy"] > start["eval/accuracy"]
+    assert all(m["kept"] == round(m["kept_frac"] * 64 * 16) for m in rounds)
+
+
+def test_resume_continues_the_straight_run(builtin_run, tmp_path):
+    straight = [m["reward"] for m in _metrics(builtin_run)[1:]]
+    argv = ["ei", "--output-dir", str(tmp_path), *ROUNDS]
+    assert main([*argv[:3], "--ei-steps", "2", *argv[5:]]) == 0
+    assert main([*argv, "--resume"]) == 0
+    assert [m["reward"] for m in _metrics(tmp_path)] == straight
+
+
+def _run(reward, tmp_path, **fields):
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "questions_per_step": 4,
+                         "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "sft_epochs": 1,
+                         "output_dir": str(tmp_path), **fields})
+    return model, ExpertIteration(model, tokenizer, reward, default_task.build_dataset(num_rows=8), config)
+
+
+def test_a_round_keeps_the_sampled_tokens_of_correct_completions(tmp_path):
+    seen = []
+
+    def every_other(prompts, completions, **columns):  # completions 0, 2, 4, 6 are correct
+        seen.extend(completions)
+        return [float(i % 2 == 0) for i in range(len(completions))]
+
+    _, run = _run(every_other, tmp_path)
+    metrics = run.run_round()
+    assert metrics["kept"] == 4 and metrics["kept_frac"] == 0.5 and metrics["sft_steps"] == 1
+    questions = run._questions(0)
+    for example, k in zip(run.last_kept, (0, 2, 4, 6)):
+        assert list(example.prompt_ids) == run.prompts[questions[k // 2]]
+        assert run.tokenizer.decode(example.response_ids, skip_special_tokens=True) == seen[k]
+
+
+def test_nothing_kept_leaves_the_weights(tmp_path):
+    model, run = _run(lambda prompts, completions, **c: [0.0] * len(completions), tmp_path)
+    before = [p.detach().clone() for p in model.parameters()]
+    metrics = run.run_round()
+    assert metrics["kept"] == 0 and metrics["sft_steps"] == 0 and metrics["sft_loss_first"] is None
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_bad_input_and_failing_rewards(tmp_path):
+    with pytest.raises(ValueError, match="needs columns \\['answer'\\]"):
+        _run(r1_zero_math_reward, tmp_path)
+    with pytest.raises(ValueError, match="micro_batch_size: expected a divisor of batch_size"):
+        EIConfig(batch_size=6, micro_batch_size=4)
+    _, run = _run(lambda prompts, completions, **c: [float("nan")] * len(completions), tmp_path)
+    with pytest.raises(RewardError, match="not a finite number"):
+        run.run_round()

@@ -1,0 +1,86 @@
+"""`fastgrpo eval` and the periodic evaluation: per-example JSONL and a summary from the rollout engine, a run's
+checkpoint evaluated with its trained weights, the r1_zero format / answer split, evaluation inside `train`."""
+import json
+
+import pytest
+
+from fastgrpo.rewards import r1_zero_math_reward
+from fastgrpo.rewards.answers import r1_zero_grades
+from fastgrpo.rollout import BuiltinEngine, SamplingParams
+from fastgrpo.train import default_task
+from fastgrpo.train.cli import main
+from fastgrpo.train.evaluate import build_eval_task, evaluate
+
+QUIET = ["--no-progress-bar", "--logging-steps", "0"]
+KEYS = {"prompt", "completion", "format_reward", "answer_reward", "reward", "correct", "length", "finish_reason"}
+
+
+def _results(out):
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    return records, json.loads((out / "summary.json").read_text())
+
+
+def test_builtin_eval_writes_its_files_and_guards_them(tmp_path, capsys):
+    assert main(["eval", "--output-dir", str(tmp_path), "--max-examples", "16"]) == 0
+    records, summary = _results(tmp_path)
+    assert len(records) == 16 and KEYS <= set(records[0]) and records[0]["format_reward"] is None
+    assert summary["num_examples"] == 16 and summary["format_rate"] is None
+    assert summary["accuracy"] == sum(r["correct"] for r in records) / 16
+    assert summary["reward"] == pytest.approx(sum(r["reward"] for r in records) / 16)
+    assert summary["completion_length"] == sum(r["length"] for r in records) / 16
+    capsys.readouterr()
+    assert main(["eval", "--output-dir", str(tmp_path)]) == 2
+    assert "holds another run" in capsys.readouterr().err
+    assert main(["eval", "--output-dir", str(tmp_path), "--overwrite-output-dir", "--max-examples", "4"]) == 0
+    assert len(_results(tmp_path)[0]) == 4
+
+
+def test_checkpoint_of_a_run_is_evaluated_with_its_weights(tmp_path):
+    run = tmp_path / "sft"
+    assert main(["sft", "--output-dir", str(run), "--max-steps", "24", "--no-export", *QUIET]) == 0
+    untrained, trained = tmp_path / "untrained", tmp_path / "trained"
+    assert main(["eval", "--output-dir", str(untrained), "--max-examples", "32"]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(trained), "--max-examples", "32"]) == 0
+    before, after = _results(untrained)[1], _results(trained)[1]
+    assert after["checkpoint"].endswith("checkpoint-24")
+    assert after["accuracy"] > before["accuracy"] + 0.3, (before["accuracy"], after["accuracy"])
+
+
+def test_r1_zero_grades():
+    assert r1_zero_grades("so 2 + 2 </think> <answer> 4 </answer>", "4") == (1.0, 1.0)
+    assert r1_zero_grades("so 2 + 2 </think> <answer> 5 </answer>", "4") == (1.0, 0.0)
+    assert r1_zero_grades("the answer is 4", "4") == (0.0, 0.0)
+
+
+def test_r1_zero_split_and_prompt_format():
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    rows = [{"prompt": f"{i} say a", "answer": "a"} for i in range(3)]
+    task = build_eval_task(rows, tokenizer, prompt_column="prompt", prompt_format="raw",
+                           reward_funcs=[r1_zero_math_reward])
+    records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, SamplingParams(max_new_tokens=4),
+                                num_generations=2, batch_size=2)
+    assert [(r["index"], r["sample"]) for r in records] == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert all(r["format_reward"] == 0.0 and r["answer_reward"] == 0.0 and r["answer"] == "a" for r in records)
+    assert summary["format_rate"] == 0.0 and summary["num_samples"] == 6 and summary["num_examples"] == 3
+    with pytest.raises(ValueError, match="row 0: prompt_format: 'r1_zero' wraps a text question"):
+        build_eval_task([{"prompt": [{"role": "user", "content": "q"}], "answer": "1"}], tokenizer,
+                        prompt_column="prompt", prompt_format="r1_zero", reward_funcs=[r1_zero_math_reward])
+    with pytest.raises(ValueError, match="needs columns \\['answer'\\]"):
+        build_eval_task([{"prompt": "q"}], tokenizer, prompt_column="prompt", prompt_format="raw",
+                        reward_funcs=[r1_zero_math_reward])
+
+
+def test_periodic_eval_inside_train(tmp_path, capsys):
+    out = tmp_path / "grpo"
+    assert main(["train", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "16", "--micro-batch-size", "16", "--eval-steps", "2",
+                 "--eval-max-examples", "8", "--no-export", *QUIET]) == 0
+    last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
+    summary = json.loads((out / "eval" / "step-2_summary.json").read_text())
+    assert last["eval/accuracy"] == summary["accuracy"] and summary["num_examples"] == 8
+    assert len((out / "eval" / "step-2.jsonl").read_text().splitlines()) == 8
+    assert "eval step 2 |" in capsys.readouterr().err  # a few generations in the log
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"prompt": "1 say a", "letter": "a"}) + "\n")
+    assert main(["train", "--dataset", str(data), "--eval-steps", "1", "--output-dir", str(tmp_path / "x")]) == 2
+    assert "eval_dataset: eval_steps > 0 on your own dataset" in capsys.readouterr().err
