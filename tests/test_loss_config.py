@@ -15,6 +15,10 @@ BAD = [
     ("delta", 0.5), ("loss_type", "mean"), ("importance_sampling_level", "batch"), ("temperature", 0.0),
     ("max_completion_length", 0), ("max_completion_length", 2.5), ("num_items_in_batch", 0),
     ("num_items_in_batch", -3.0), ("num_items_in_batch", torch.tensor(0.0)), ("softcap", 0.0), ("softcap", True),
+    ("loss_type", "gspo"), ("sapo_temperature_pos", 0.0), ("sapo_temperature_neg", -1.0), ("vespo_k_pos", -0.5),
+    ("vespo_lambda_pos", math.inf), ("vespo_k_neg", math.nan), ("vespo_lambda_neg", "2"), ("top_entropy_quantile", 0.0),
+    ("top_entropy_quantile", 1.5), ("off_policy_mask_threshold", math.inf), ("use_bias_correction_kl", 1),
+    ("entropy_coef", math.nan),
 ]
 
 
@@ -59,7 +63,8 @@ def test_config_and_keyword_options_give_the_same_loss_and_metrics(loss):
                   epsilon_low=0.1, epsilon_high=0.3, loss_type="dapo")
     for other in (by_config, on_top):
         assert torch.equal(other[0], by_keywords[0])
-        assert other[1].keys() == by_keywords[1].keys() == {"clip_ratio", "clip_ratio_low", "clip_ratio_high"}
+        assert other[1].keys() == by_keywords[1].keys() == {
+            "clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_low_min", "clip_ratio_high_max"}
         for key in other[1]:
             assert torch.equal(other[1][key], by_keywords[1][key])
     with pytest.raises(ValueError, match="config: expected a fastgrpo.GRPOLossConfig or None, got dict"):

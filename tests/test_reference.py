@@ -168,8 +168,10 @@ def test_clip_ratio_at_sequence_level():
     hidden, weight, targets, mask, advantages, old = identity_problem(ratios, [1.0, 1.0], [[1, 1, 0], [1, 1, 1]])
     loss, metrics = reference.grpo_loss(hidden, weight, targets, mask, advantages, old_logps=old, epsilon_low=0.2,
                                         epsilon_high=0.28, loss_type="grpo", importance_sampling_level="sequence")
-    assert metrics["clip_ratio_high"].item() == pytest.approx(2 / 5)
+    # One ratio per sequence: the clip shares count sequences, as TRL's global_masked_mean does.
+    assert metrics["clip_ratio_high"].item() == pytest.approx(1 / 2)
     assert metrics["clip_ratio_low"].item() == 0.0
+    assert metrics["clip_ratio_high_max"].item() == 1.0 and metrics["clip_ratio_low_min"].item() == 0.0
     assert loss.item() == pytest.approx((-1.28 - 1.0) / 2, rel=1e-12)
 
 

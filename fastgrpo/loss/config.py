@@ -20,7 +20,9 @@ from fastgrpo._checks import (
     check_shape,
 )
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+# The first four are aggregations of the PPO-clipped objective; cispo, sapo, luspo and vespo are TRL 1.15 / 1.16's
+# other loss types (formulas in fastgrpo.loss.grpo, each cited to TRL's code).
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")
 
 
@@ -35,6 +37,15 @@ class GRPOLossConfig:
     temperature: divides the logits. max_completion_length: dr_grpo's normalizer. num_items_in_batch: dapo's
     normalizer (the active tokens of the whole accumulation window; None: this call's). softcap: the logits become
     softcap * tanh(logits / softcap) before the temperature (Gemma-2's final_logit_softcapping).
+
+    The options of TRL's GRPOConfig with TRL's names and defaults (except use_bias_correction_kl, see there):
+    sapo_temperature_pos / _neg: SAPO's gate temperatures for A > 0 / A <= 0. vespo_k_pos / _neg, vespo_lambda_pos /
+    _neg: VESPO's gamma weight phi(w) = e^lambda w^k e^(-lambda w) for A >= 0 / A < 0. top_entropy_quantile: the
+    policy term keeps only the tokens whose entropy is at or above the (1 - q) quantile of the batch's valid
+    tokens (1: all). off_policy_mask_threshold: drop the sequences with A < 0 whose mean log(pi_sampler / pi) is
+    above this (DeepSeek-V3.2's off-policy sequence mask), None: off. use_bias_correction_kl: multiply the KL term
+    by the importance ratio (TRL's default True; False here, the plain k3 KL of fastgrpo's earlier releases).
+    entropy_coef: subtract entropy_coef x the mean entropy of the tokens the policy term acts on (0: off).
     """
 
     beta: float = 0.0
@@ -47,6 +58,16 @@ class GRPOLossConfig:
     max_completion_length: int | None = None
     num_items_in_batch: float | torch.Tensor | None = None
     softcap: float | None = None
+    sapo_temperature_pos: float = 1.0
+    sapo_temperature_neg: float = 1.05
+    vespo_k_pos: float = 2.0
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
+    top_entropy_quantile: float = 1.0
+    off_policy_mask_threshold: float | None = None
+    use_bias_correction_kl: bool = False
+    entropy_coef: float = 0.0
 
     def __post_init__(self) -> None:
         _check_real("beta", self.beta, "a finite float >= 0", lambda v: 0 <= v < math.inf)
@@ -60,6 +81,16 @@ class GRPOLossConfig:
         _check_optional_real("softcap", self.softcap, "None or a positive finite float", lambda v: 0 < v < math.inf)
         if self.softcap is not None:  # an int cap would be specialized by Triton into a constant
             object.__setattr__(self, "softcap", float(self.softcap))
+        for name in ("sapo_temperature_pos", "sapo_temperature_neg"):
+            _check_real(name, getattr(self, name), "a finite float > 0", lambda v: 0 < v < math.inf)
+        for name in ("vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg"):
+            _check_real(name, getattr(self, name), "a finite float >= 0", lambda v: 0 <= v < math.inf)
+        _check_real("top_entropy_quantile", self.top_entropy_quantile, "a float in (0, 1]", lambda v: 0 < v <= 1)
+        _check_optional_real("off_policy_mask_threshold", self.off_policy_mask_threshold, "None or a finite float",
+                             math.isfinite)
+        if not isinstance(self.use_bias_correction_kl, bool):
+            raise ValueError(f"use_bias_correction_kl: expected True or False, got {self.use_bias_correction_kl!r}")
+        _check_real("entropy_coef", self.entropy_coef, "a finite float", math.isfinite)
         length = self.max_completion_length
         if length is not None and (isinstance(length, bool) or not isinstance(length, numbers.Integral) or length < 1):
             raise ValueError(f"max_completion_length: expected None or an int >= 1, got {length!r}")
@@ -82,6 +113,18 @@ class GRPOLossConfig:
     @property
     def clip_high(self) -> float:
         return self.epsilon_low if self.epsilon_high is None else self.epsilon_high
+
+    @property
+    def needs_entropy(self) -> bool:
+        """The loss reads per-token entropies: the top-entropy mask or the entropy bonus."""
+        return self.top_entropy_quantile < 1 or self.entropy_coef != 0
+
+    @property
+    def whole_sequence(self) -> bool:
+        """A token's dL/dlogp needs other tokens' log-probs (or entropies) first: sequence-level ratios, VESPO's
+        sequence sum, the off-policy mask's sequence mean, the entropy quantile (the fused loss's two passes)."""
+        return (self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
+                or self.off_policy_mask_threshold is not None or self.top_entropy_quantile < 1)
 
 
 def resolve(config: GRPOLossConfig | None, options: dict) -> GRPOLossConfig:
@@ -107,6 +150,8 @@ def check_loss_inputs(
     old_logps: torch.Tensor | None,
     ref_logps: torch.Tensor | None,
     bias: torch.Tensor | None,
+    token_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
 ) -> None:
     """The tensor checks shared by fastgrpo.loss.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
     check_shape("hidden", hidden, (None, None, None))
@@ -115,9 +160,20 @@ def check_loss_inputs(
     check_shape("target_ids", target_ids, (B, T))
     check_binary_mask("completion_mask", completion_mask, "target_ids", target_ids)
     check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
+    check_extra_inputs(B, T, token_weights, sampling_logps)
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError("ref_logps: required when beta > 0, got None")
     check_index_range("target_ids", target_ids, weight.shape[0])
+
+
+def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:
+    """token_weights (per-token weights of the policy term, e.g. a rollout importance-sampling correction) and
+    sampling_logps (the rollout engine's log-probs, for the off-policy mask): floating [B, T] when given."""
+    for name, tensor in (("token_weights", token_weights), ("sampling_logps", sampling_logps)):
+        if tensor is not None:
+            check_shape(name, tensor, (B, T))
+            if not tensor.dtype.is_floating_point:
+                raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
 
 
 def _check_real(name: str, value: object, expected: str, ok) -> None:

@@ -4,78 +4,105 @@ per-token loss of fastgrpo.loss.grpo.
 Where the gradient of each log-prob is known once the log-prob is (token-level ratios: the aggregation is linear in
 the per-token losses, with weights known up front from the mask), a chunk's logits buffer turns in place into
 dL/dlogits, followed by the dH and dW GEMMs: 3 GEMMs in all (2 with a frozen lm_head), computed in the forward and
-scaled by grad_output in the backward (Liger-style). Sequence-level ratios need every log-prob of a sequence first:
-a second pass (4 GEMMs).
+scaled by grad_output in the backward (Liger-style). The entropy bonus adds dL/dentropy to the same pass. Options
+whose gradient needs every log-prob (or entropy) of a sequence or batch first (GRPOLossConfig.whole_sequence:
+sequence-level ratios, VESPO's sequence sum, the off-policy mask, the entropy quantile) take a second pass (4 GEMMs).
 """
 from __future__ import annotations
 
 import torch
 
 from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, resolve
-from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss, loss_metrics
+from fastgrpo.loss.grpo import aggregation_weights, entropy_weights, grpo_objective, loss_metrics
 from fastgrpo.ops.fused_linear import acc_dtype, chunk_loop, finish_grads, resolve_backend, row_kernels
 
 
-def _grad_wrt_logps(cfg, logps, mask, advantages, old_logps, ref_logps, weights) -> torch.Tensor:
-    """dL/dlogps through fastgrpo.loss.grpo (the single home of the formula): logps and the rest [R, S]."""
+def _objective_grads(cfg, logps, entropy, mask, advantages, extras, weights, bonus_weights):
+    """(dL/dlogps, dL/dentropy or None) through fastgrpo.loss.grpo.grpo_objective (the single home of the
+    formula): logps, entropy, mask, advantages and the `extras` (old, ref, token_weights, sampling_logps) [R, S]."""
+    old, ref, token_weights, sampling_logps = extras
     with torch.enable_grad():
         logps = logps.detach().requires_grad_()
-        per_token_loss = grpo_per_token_loss(logps, mask, advantages, old_logps, ref_logps, cfg).loss
-        (grad,) = torch.autograd.grad((per_token_loss * weights).sum(), logps)
-    return grad
+        leaves = [logps]
+        if cfg.entropy_coef != 0:
+            entropy = entropy.detach().requires_grad_()
+            leaves.append(entropy)
+        objective = grpo_objective(
+            logps, mask, advantages, old, ref, cfg, entropy=entropy, token_weights=token_weights,
+            sampling_logps=sampling_logps, weights=weights, bonus_weights=bonus_weights,
+        )
+        grads = torch.autograd.grad(objective.loss, leaves, allow_unused=True)
+    grads = [torch.zeros_like(leaf) if g is None else g for g, leaf in zip(grads, leaves)]
+    return grads[0], grads[1] if len(grads) > 1 else None
 
 
-def _grpo_forward(hidden, weight, bias, targets, mask, advantages, old_logps, ref_logps, cfg, entropy, kernels, need):
-    """hidden [B, T, H] etc. -> (loss, metrics dict, (dhidden, dweight, dbias) or None)."""
+def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, need):
+    """hidden [B, T, H] etc. -> (loss, metrics dict, (dhidden, dweight, dbias) or None). per_token: old_logps,
+    ref_logps, token_weights, sampling_logps ([B, T] or None)."""
     B, T, H = hidden.shape
     acc = acc_dtype(hidden.dtype)
     m = mask.to(acc)  # m: [B, T]
+    keep = m.bool()
     valid = m.reshape(-1).nonzero().squeeze(-1)  # valid: [n] row ids; masked rows cost no GEMM work
-    # Masked positions get logp = old = ref = 0 (ratio 1, KL 0, weight 0): padding values can't turn into inf * 0.
-    advantages = (advantages if advantages.dim() == 2 else advantages[:, None]).to(acc).expand(B, T)
-    old = None if old_logps is None else torch.where(m.bool(), old_logps.to(acc), 0.0)
-    ref = None if ref_logps is None else torch.where(m.bool(), ref_logps.to(acc), 0.0)
+    # Masked positions get logp = old = ref = 0 and weight 1 (ratio 1, KL 0, aggregation weight 0): padding values
+    # can't turn into inf * 0.
+    advantages = (advantages if advantages.dim() == 2 else advantages[:, None]).to(acc)  # [B, 1] or [B, T]
+    fills = (0.0, 0.0, 1.0, 0.0)
+    extras = tuple(None if t is None else torch.where(keep, t.to(acc), fill) for t, fill in zip(per_token, fills))
     weights = aggregation_weights(m, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch).to(acc)
     hidden2d, flat_targets = hidden.reshape(B * T, H), targets.reshape(-1)[valid]
     rows = None if valid.numel() == B * T else valid  # no mask: slices, no gather/scatter of hidden rows
-    token_level = cfg.importance_sampling_level == "token"
+    with_entropy = entropy or cfg.needs_entropy
+    any_grad = any(need)
+    # One pass when each token's gradient is known from its own log-prob: formed chunk by chunk in the forward.
+    one_pass = any_grad and not cfg.whole_sequence
 
     def valid_rows(t):  # [B, T] -> [1, n] over the valid rows
-        return None if t is None else t.reshape(-1)[valid][None]
+        return None if t is None else t.expand(B, T).reshape(-1)[valid][None]
 
-    adv_v, old_v, ref_v, w_v, m_v = (valid_rows(t) for t in (advantages, old, ref, weights, m))
+    if one_pass:
+        flat = [valid_rows(t) for t in (m, advantages, weights, *extras)]
+        # Without the entropy mask, the bonus weights are known up front; the bonus is linear in the entropy, so
+        # its gradient needs no entropy value (zeros stand in).
+        bonus = valid_rows(entropy_weights(m)) if cfg.entropy_coef != 0 else None
 
     def token_grad_fn(start, stop, logp_c):
         sl = slice(start, stop)
-        grad = _grad_wrt_logps(
-            cfg, logp_c[None], m_v[:, sl], adv_v[:, sl], None if old_v is None else old_v[:, sl],
-            None if ref_v is None else ref_v[:, sl], w_v[:, sl],
+        m_c, adv_c, w_c, *extras_c = (None if t is None else t[:, sl] for t in flat)
+        zeros = torch.zeros_like(logp_c[None]) if bonus is not None else None
+        grad_logp, grad_entropy = _objective_grads(
+            cfg, logp_c[None], zeros, m_c, adv_c, extras_c, w_c, None if bonus is None else bonus[:, sl]
         )
-        return grad[0], None
+        return grad_logp[0], None if grad_entropy is None else grad_entropy[0]
 
-    any_grad = any(need)
-    one_pass = token_level and any_grad
     logp_v, entropy_v, grads = chunk_loop(
-        hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, entropy, kernels,
+        hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, with_entropy, kernels,
         token_grad_fn if one_pass else None, *need,
     )
-    logps = torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, logp_v).view(B, T)
-    if any_grad and not token_level:
-        grad_logps = _grad_wrt_logps(cfg, logps, m, advantages, old, ref, weights).reshape(-1)[valid]
+
+    def full(values):  # [n] over the valid rows -> [B, T], 0 elsewhere
+        return torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, values).view(B, T)
+
+    logps = full(logp_v)
+    ent = None if entropy_v is None else full(entropy_v)
+    if any_grad and not one_pass:  # the second pass: every log-prob (and entropy) is known now
+        grad_logp, grad_entropy = _objective_grads(cfg, logps, ent, m, advantages, extras, weights, None)
+        grad_logp = grad_logp.reshape(-1)[valid]
+        grad_entropy = None if grad_entropy is None else grad_entropy.reshape(-1)[valid]
         _, _, grads = chunk_loop(
-            hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, False, kernels,
-            lambda start, stop, _: (grad_logps[start:stop], None), *need,
+            hidden2d, weight, bias, flat_targets, rows, cfg.temperature, cfg.softcap, grad_entropy is not None,
+            kernels,
+            lambda start, stop, _: (grad_logp[start:stop], None if grad_entropy is None else grad_entropy[start:stop]),
+            *need,
         )
-    terms = grpo_per_token_loss(logps, m, advantages, old, ref, cfg)
-    loss = (terms.loss * weights).sum()
-    entropy = None
-    if entropy_v is not None:
-        entropy = torch.zeros(B * T, dtype=acc, device=hidden.device).index_copy_(0, valid, entropy_v).view(B, T)
-    metrics = loss_metrics(m, terms, entropy)
+    old, ref, token_weights, sampling_logps = extras
+    objective = grpo_objective(logps, m, advantages, old, ref, cfg, entropy=ent, token_weights=token_weights,
+                               sampling_logps=sampling_logps, weights=weights)
+    metrics = loss_metrics(m, objective, ent if entropy else None)
     if grads is None:
-        return loss, metrics, None
+        return objective.loss, metrics, None
     dhidden, dweight, dbias = finish_grads(grads, weight, bias)
-    return loss, metrics, (None if dhidden is None else dhidden.view(B, T, H), dweight, dbias)
+    return objective.loss, metrics, (None if dhidden is None else dhidden.view(B, T, H), dweight, dbias)
 
 
 class _GRPOLoss(torch.autograd.Function):
@@ -83,11 +110,10 @@ class _GRPOLoss(torch.autograd.Function):
     written into the dict passed in (they carry no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, mask, advantages, old_logps, ref_logps, cfg, entropy, kernels,
-                metrics):
+    def forward(ctx, hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, metrics):
         need = ctx.needs_input_grad[:3]  # hidden, weight, bias (False for a bias that is None)
         loss, values, grads = _grpo_forward(
-            hidden, weight, bias, targets, mask, advantages, old_logps, ref_logps, cfg, entropy, kernels, need
+            hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, need
         )
         metrics.update(values)
         ctx.grads = grads
@@ -104,7 +130,7 @@ class _GRPOLoss(torch.autograd.Function):
             )
         if bool(grad_loss != 1.0):
             grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 8))
 
 
 def fused_linear_grpo_loss(
@@ -119,6 +145,8 @@ def fused_linear_grpo_loss(
     config: GRPOLossConfig | None = None,
     bias: torch.Tensor | None = None,
     return_entropy: bool = False,
+    token_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     backend: str = "auto",
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -127,18 +155,21 @@ def fused_linear_grpo_loss(
 
     config: a GRPOLossConfig; keyword `options` (its field names: beta, epsilon_low, loss_type, softcap, ...) are
     applied on top of it. Returns (loss, metrics) with the metrics of fastgrpo.loss.grpo.loss_metrics.
-    old_logps=None is on-policy. Gradients reach hidden, weight (skipped when frozen) and bias.
+    old_logps=None is on-policy. token_weights [B, T]: per-token weights of the policy term (a rollout
+    importance-sampling correction); sampling_logps [B, T]: the rollout engine's log-probs for the off-policy mask.
+    Gradients reach hidden, weight (skipped when frozen) and bias.
     """
     cfg = resolve(config, options)
-    check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias)
+    check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
+                      token_weights, sampling_logps)
     kernels = row_kernels(resolve_backend(backend, hidden.device))
     args = (hidden.contiguous(), weight.contiguous(), bias, target_ids, completion_mask, advantages.detach())
-    logps = tuple(None if t is None else t.detach() for t in (old_logps, ref_logps))
+    per_token = tuple(None if t is None else t.detach() for t in (old_logps, ref_logps, token_weights, sampling_logps))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         metrics: dict[str, torch.Tensor] = {}
-        loss = _GRPOLoss.apply(*args, *logps, cfg, return_entropy, kernels, metrics)
+        loss = _GRPOLoss.apply(*args, per_token, cfg, return_entropy, kernels, metrics)
         return loss, metrics
-    loss, metrics, _ = _grpo_forward(*args, *logps, cfg, return_entropy, kernels, (False, False, False))
+    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, kernels, (False, False, False))
     return loss, metrics
 
 

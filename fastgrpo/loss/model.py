@@ -12,7 +12,7 @@ import torch
 
 from fastgrpo._checks import check_binary_mask, check_index_range, check_per_token_inputs, check_shape
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
-from fastgrpo.loss.config import GRPOLossConfig, resolve
+from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, resolve
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
 
@@ -59,6 +59,8 @@ def grpo_loss(
     ref_logps: torch.Tensor | None = None,
     config: GRPOLossConfig | None = None,
     return_entropy: bool = False,
+    token_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     backend: str = "auto",
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -66,11 +68,14 @@ def grpo_loss(
 
     model: any transformers causal LM (or PEFT wrapper) whose get_output_embeddings() has a [V, H] weight and whose
     base model returns last_hidden_state, patched or not. attention_mask, completion_mask [B, T]; advantages [B] or
-    [B, T]; old_logps / ref_logps [B, T] as returned by sequence_logprobs. config / options: a GRPOLossConfig and
+    [B, T]; old_logps / ref_logps [B, T] as returned by sequence_logprobs; token_weights [B, T] (per-token weights
+    of the policy term, e.g. a rollout importance-sampling correction) and sampling_logps [B, T] (the rollout
+    engine's log-probs, for the off-policy mask) aligned the same way. config / options: a GRPOLossConfig and
     keyword fields on top (softcap defaults to the model's own). Returns (loss, metrics).
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
+    check_extra_inputs(*input_ids.shape, token_weights, sampling_logps)
     if "softcap" not in options and (config is None or config.softcap is None):
         options["softcap"] = logit_softcap(model)
     cfg = resolve(config, options)
@@ -83,7 +88,8 @@ def grpo_loss(
         hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
         old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head.bias,
-        return_entropy=return_entropy, backend=backend,
+        return_entropy=return_entropy, token_weights=window(token_weights), sampling_logps=window(sampling_logps),
+        backend=backend,
     )
 
 

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from fastgrpo._checks import check_linear_args
 from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, resolve
-from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss, loss_metrics
+from fastgrpo.loss.grpo import grpo_objective, loss_metrics
 
 
 def _cast(upcast: torch.dtype | None, *tensors: torch.Tensor | None):
@@ -59,26 +59,33 @@ def grpo_loss(
     config: GRPOLossConfig | None = None,
     bias: torch.Tensor | None = None,
     return_entropy: bool = False,
+    token_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
     upcast: torch.dtype | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GRPO loss of hidden [B, T, H] through lm_head weight [V, H]; the oracle of fused_linear_grpo_loss.
 
-    config / options: a GRPOLossConfig and keyword fields on top of it. Returns (loss, metrics) with the metrics of
+    config / options: a GRPOLossConfig and keyword fields on top of it. token_weights [B, T]: per-token weights of
+    the policy term (e.g. a rollout importance-sampling correction); sampling_logps [B, T]: the rollout engine's
+    log-probs for the off-policy mask (fastgrpo.loss.grpo.grpo_terms). Returns (loss, metrics) with the metrics of
     fastgrpo.loss.grpo.loss_metrics.
     """
     cfg = resolve(config, options)
-    check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias)
-    hidden, weight, bias, advantages, old_logps, ref_logps = _cast(
-        upcast, hidden, weight, bias, advantages, old_logps, ref_logps
+    check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
+                      token_weights, sampling_logps)
+    hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps = _cast(
+        upcast, hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps
     )
-    out = linear_logprobs(hidden, weight, target_ids, cfg.temperature, bias, return_entropy, softcap=cfg.softcap)
-    logps, entropy = out if return_entropy else (out, None)
+    with_entropy = return_entropy or cfg.needs_entropy
+    out = linear_logprobs(hidden, weight, target_ids, cfg.temperature, bias, with_entropy, softcap=cfg.softcap)
+    logps, entropy = out if with_entropy else (out, None)
     mask = completion_mask.to(logps.dtype)
-    terms = grpo_per_token_loss(logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, cfg)
-    weights = aggregation_weights(mask, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch)
-    loss = (terms.loss * weights).sum()
-    return loss, loss_metrics(mask, terms, entropy)
+    objective = grpo_objective(
+        logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, cfg, entropy=entropy,
+        token_weights=token_weights, sampling_logps=sampling_logps,
+    )
+    return objective.loss, loss_metrics(mask, objective, entropy if return_entropy else None)
 
 
 # --- Layers fused by patch_model -------------------------------------------------------------------------------
