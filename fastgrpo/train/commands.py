@@ -194,7 +194,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         summary = {**summary, "model": config.model, "checkpoint": str(checkpoint) if checkpoint else None,
                    "dataset": config.dataset, "config": config.to_dict()}
         write_eval(records, summary, output / "results.jsonl", output / "summary.json")
-    log_generations(records, config.log_generations, "eval")
+    log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "
                                                        f"answer {summary['answer_rate']:.3f}")
     print(f"accuracy {summary['accuracy']:.3f}, reward {summary['reward']:.3f}{rates} over {summary['num_samples']} "

@@ -35,6 +35,8 @@ from fastgrpo.train.sft import RUN_ARTIFACTS, SFTTrainer
 from fastgrpo.train.sft_data import SFTExample
 
 logger = logging.getLogger(__name__)
+
+
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
                  train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
@@ -91,11 +93,12 @@ class ExpertIteration:
     def _questions(self, round_index: int) -> list[int]:
         """Dataset rows of a round: epochs of seeded permutations, so a round's questions depend on its index only."""
         n, per_round = len(self.dataset), self.config.questions_per_step
-        indices = []
+        orders, indices = {}, []
         for position in range(round_index * per_round, (round_index + 1) * per_round):
             epoch, offset = divmod(position, n)
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch)).tolist()
-            indices.append(order[offset])
+            if epoch not in orders:
+                orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch))
+            indices.append(int(orders[epoch][offset]))
         return indices
 
     def run_round(self) -> dict:

@@ -99,7 +99,7 @@ class SFTTrainer:
         # 2. Forward/backward per micro-batch: fused cross-entropy of the response tokens, accumulated in .grad.
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
-        nll = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device: one sync per step
+        nll = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device, read once per step
         padded = 0
         for batch_examples in examples:
             batch = collate(batch_examples, self.tokenizer.pad_token_id, self.device)
