@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Reproduces every GPU number of the README on a CUDA machine, from the repository root:
-#   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused softcap layers patch offload rollout train e2e context
+#   bash benchmarks/run_gpu.sh [suite ...]      # suites: tests fused softcap layers patch offload rollout train sft e2e context
 # Installs the baseline wheels from .whl/ when present (a machine without a registry), then runs the suites with
 # the settings the README quotes; each writes benchmarks/results/<suite>-<card>.json; the last step renders
 # REPORT.md and the charts. On a machine without a package registry, download the baseline wheels (x86-64,
@@ -16,7 +16,7 @@ else
   export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 fi
 export PYTHONUNBUFFERED=1
-suites=${*:-tests fused softcap layers patch offload rollout train e2e context}
+suites=${*:-tests fused softcap layers patch offload rollout train sft e2e context}
 status=0
 for suite in $suites; do
   echo "=== $suite"
@@ -31,6 +31,7 @@ for suite in $suites; do
              FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b FASTGRPO_ROLLOUT_REPEATS=2 \
                python3 -m pytest benchmarks/bench_rollout.py -q -s ;;
     train)   python3 -m pytest benchmarks/bench_train_loop.py -q -s ;;
+    sft)     python3 -m pytest benchmarks/bench_sft.py -q -s ;;
     e2e)     python3 -m pytest benchmarks/bench_e2e.py -q -s &&
              FASTGRPO_E2E_MODELS=llama-3.1-8b FASTGRPO_E2E_MODES=lora,full FASTGRPO_E2E_LENGTHS=1024 \
                python3 -m pytest benchmarks/bench_e2e.py -q -s ;;
