@@ -28,6 +28,11 @@ _PUBLIC = {
     "compute_group_normalized_rewards": "fastgrpo.course",
     "GRPOConfig": "fastgrpo.train.config",
     "GRPOTrainer": "fastgrpo.train.trainer",
+    "sft_loss": "fastgrpo.loss.sft",
+    "SFTConfig": "fastgrpo.train.sft_config",
+    "SFTTrainer": "fastgrpo.train.sft",
+    "EIConfig": "fastgrpo.train.ei_config",
+    "ExpertIteration": "fastgrpo.train.expert_iteration",
 }
 
 __all__ = sorted(_PUBLIC)
