@@ -1,0 +1,756 @@
+"""One whole GRPO step of each stack a user picks from: same models, data and settings, one process per system.
+
+    python -m benchmarks.bench_loop --shapes qwen2.5-1.5b-lora --completions 1024 4096
+    python -m benchmarks.bench_loop --max-fit                  # longest completion in a 24 GiB cap
+    python -m benchmarks.bench_loop --dry-run                  # CPU: tiny folders, fastgrpo steps, error rows
+
+Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; Unsloth rewrites TRL's classes):
+  fastgrpo       fastgrpo.GRPOTrainer + GRPOConfig, the built-in engine, patch_model(offload_activations=True)
+  fastgrpo-vllm  the same with GRPOConfig(rollout_engine="vllm") (vLLM shares the trainer's weights)
+  trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
+  trl-liger      the same with use_liger_kernel=True
+  unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
+                 patched TRL GRPOTrainer, use_gradient_checkpointing="unsloth"
+  unsloth-hf     (not run by default) Unsloth with fast_inference=False: its own generation, for what vLLM refuses
+Shapes <model>-<mode>: qwen2.5-1.5b / llama-3.1-8b (benchmarks.e2e configs, random weights saved once to
+--models-dir with a word-level tokenizer built here: token i is "t<i>", a chat template; no hub); lora: r=16,
+alpha 32 on the 7 linears of every layer, bf16 base; full: bf16 weights and AdamW; qlora: NF4 base (double quant,
+bf16 compute) + the same LoRA.
+
+The same for every system: --prompts prompts of --prompt-length random tokens, --generations completions each of
+exactly C tokens (EOS ignored: vLLM's ignore_eos, HF's min_new_tokens, fastgrpo's tokenizer without EOS), sampling
+at temperature 1, --micro-batch sequences per forward/backward, one fused AdamW step per GRPO step (lr 1e-5 LoRA,
+1e-6 full; no weight decay, clip 1.0), beta (k3 KL to the reference: the adapter disabled, or a frozen copy),
+loss_type dapo, eps 0.2 / 0.28, one reward (the share of "7" in the completion text). vLLM's memory, for TRL and
+Unsloth: the weights it holds + the KV cache of the whole batch + 3 GiB (capped by --max-fit's cap); fastgrpo-vllm
+sizes its KV cache for the batch itself. UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE=1: in standby Unsloth would otherwise
+take 0.925 x 0.95 of the card, a reservation that measures the card, not the step.
+
+Phases, exclusive seconds per step, CUDA-synchronized at every boundary: rollout (the engine's generate with its
+wake-up/sleep), sync (weights or adapter into the engine, even when it happens inside generate), logprobs (no-grad
+forwards: old and reference), rewards, update (the rest: loss forward/backward over micro-batches, optimizer,
+the trainer's bookkeeping). Medians over --steps after --warmup steps. peak_gib: the device's used memory (NVML,
+sampled every 10 ms) above its level when the case's process started: what a card must hold, vLLM's pool and the
+CUDA context included, over the whole case; peak_gib_<phase> per phase; torch_peak_gib: torch's own count.
+
+--max-fit (default shapes qwen2.5-1.5b-lora, llama-3.1-8b-qlora; one prompt x G completions): each probe is a
+fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step; it fits when the step
+ends and the NVML peak stays under the cap. C doubles from --fit-start until a probe fails (out of memory) or
+passes --fit-max, then bisects to --fit-resolution. A failure that is not out-of-memory ends the search as an error.
+
+Results: benchmarks/results/loop_<shape>-<card>.json, common.write_results' payload (suite, card, date, versions,
+config, rows); rows {"system", "kind": "step" | "max_fit", "completion", "step_s", "peak_gib", "<phase>_s", ...}
+replace earlier rows of the same system, kind and completion. A case that fails leaves "error": the exception and
+its last frames (the failing call), or the log's tail when the process died. Logs: --log-dir/<case>.log.
+"""
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import os
+import queue
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+
+SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "trl", "trl-liger", "unsloth")
+ALL_SYSTEMS = SYSTEMS + ("unsloth-hf",)
+SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
+FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
+DRY_SHAPES = ("tiny-qwen2-lora", "tiny-llama-qlora")
+MODES = ("lora", "full", "qlora")
+PHASES = ("rollout", "sync", "logprobs", "rewards")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+PAD, EOS, UNK = 0, 1, 2  # token ids of the built tokenizer; "t<i>" is id i for i >= 3
+CHAT_TEMPLATE = ("{% for message in messages %}t3 {{ message['content'] }} t4 {% endfor %}"
+                 "{% if add_generation_prompt %}t5 {% endif %}")
+GIB = 1024**3
+RESULTS_DIR = Path(__file__).parent / "results"
+TINY_LLAMA = dict(model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256, max_position_embeddings=8192)
+VERSIONED = ("torch", "triton", "transformers", "peft", "accelerate", "trl", "vllm", "unsloth", "unsloth_zoo",
+             "liger-kernel", "bitsandbytes", "torchao", "datasets", "fastgrpo")
+
+
+@dataclasses.dataclass
+class Case:
+    system: str
+    shape: str
+    completion: int
+    folder: str = ""
+    prompts: int = 8
+    generations: int = 8
+    prompt_length: int = 256
+    micro_batch: int = 8
+    steps: int = 2
+    warmup: int = 1
+    beta: float = 0.04
+    cap_gib: float | None = None
+    vllm_memory_utilization: float | None = None
+    device: str = "cuda"
+    gpu: int = 0
+
+    @property
+    def model(self) -> str:
+        return self.shape.rsplit("-", 1)[0]
+
+    @property
+    def mode(self) -> str:
+        return self.shape.rsplit("-", 1)[1]
+
+    @property
+    def lr(self) -> float:
+        return 1e-6 if self.mode == "full" else 1e-5
+
+    @property
+    def batch(self) -> int:
+        return self.prompts * self.generations
+
+
+# ---- model folders, tokenizer, data, reward ----
+def model_fields(model: str) -> dict:
+    from benchmarks.e2e import MODEL_CONFIGS
+
+    return dict(TINY_LLAMA if model == "tiny-llama" else MODEL_CONFIGS[model])
+
+
+def build_tokenizer(vocab_size: int):
+    """A real fast tokenizer over the whole vocabulary: "t<i>" is id i, words split on whitespace and decoded with
+    spaces between them; <pad> 0, <eos> 1, <unk> 2; a chat template for systems that look for one."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": PAD, "<eos>": EOS, "<unk>": UNK, **{f"t{i}": i for i in range(3, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                        unk_token="<unk>", model_max_length=1 << 20, padding_side="left")
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def build_folder(model: str, root: Path, device: str) -> Path:
+    """Random bf16 weights of `model`'s shapes (HF's initialization) and the tokenizer, saved once to root/model."""
+    folder = root / model
+    if (folder / "READY").exists():
+        return folder
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = model_fields(model)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields, bos_token_id=None, eos_token_id=EOS,
+                                  pad_token_id=PAD)
+    torch.manual_seed(0)
+    with torch.device(device):
+        weights = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    weights.generation_config.eos_token_id, weights.generation_config.pad_token_id = EOS, PAD
+    weights.save_pretrained(folder)
+    build_tokenizer(config.vocab_size).save_pretrained(folder)
+    # transformers 5 loads a qwen2 folder's tokenizer as Qwen2Tokenizer (a byte-level BPE that encodes "t5" to
+    # nothing) whatever tokenizer_class says; an auto_map skips that override (and, without trust_remote_code,
+    # loads the generic TokenizersBackend from tokenizer.json): AutoTokenizer in vLLM and Unsloth then reads ours.
+    path = folder / "tokenizer_config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()),
+                                "auto_map": {"AutoTokenizer": [None, "TokenizersBackend"]}}, indent=2))
+    (folder / "READY").write_text(f"{model}: random weights, {datetime.date.today()}\n")
+    return folder
+
+
+def dataset_rows(case: Case) -> list[dict]:
+    """prompts x (warmup + steps) prompts of prompt_length random words, the same for every system (seeded)."""
+    import random
+
+    vocab = json.loads((Path(case.folder) / "config.json").read_text())["vocab_size"]
+    rng = random.Random(1)
+    rows = case.prompts * (case.warmup + case.steps)
+    return [{"prompt": " ".join(f"t{rng.randrange(3, vocab)}" for _ in range(case.prompt_length))}
+            for _ in range(rows)]
+
+
+def count_sevens(prompts, completions, **kwargs) -> list[float]:
+    """Share of "7" among the characters of each completion: unequal within every group of random text, so no
+    system can skip a group for zero advantage."""
+    texts = [c if isinstance(c, str) else " ".join(m["content"] for m in c) for c in completions]
+    return [text.count("7") / max(len(text), 1) for text in texts]
+
+
+def load_hf(case: Case):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    dtype = torch.bfloat16 if case.device == "cuda" else torch.float32
+    extra = {}
+    if case.mode == "qlora":
+        from transformers import BitsAndBytesConfig
+
+        extra = dict(device_map={"": case.device}, quantization_config=BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype))
+    model = AutoModelForCausalLM.from_pretrained(case.folder, dtype=dtype, attn_implementation="sdpa", **extra)
+    return model if extra else model.to(case.device)
+
+
+def load_tokenizer(case: Case, eos: bool = True):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(case.folder)
+    tokenizer.padding_side = "left"
+    if not eos:
+        tokenizer.eos_token = None
+    return tokenizer
+
+
+def lora_config():
+    from peft import LoraConfig
+
+    return LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS, task_type="CAUSAL_LM")
+
+
+def vllm_fraction(case: Case) -> float:
+    """vLLM's gpu_memory_utilization for TRL and Unsloth: the weights it holds + the whole batch's KV cache + 3 GiB
+    (activations, CUDA graphs, sampler), at most the cap less what the process holds less 2 GiB under --max-fit."""
+    import torch
+
+    if case.vllm_memory_utilization is not None:
+        return case.vllm_memory_utilization
+    config = json.loads((Path(case.folder) / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kv_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
+    weights = sum(p.stat().st_size for p in Path(case.folder).glob("*.safetensors"))
+    need = kv_token * case.batch * (case.prompt_length + case.completion) + 3 * GIB
+    need += weights * (0.35 if case.mode == "qlora" else 1.0)  # NF4 linears, bf16 embeddings
+    if case.cap_gib is not None:
+        need = min(need, case.cap_gib * GIB - torch.cuda.memory_reserved() - 2 * GIB)
+    return round(max(need / torch.cuda.mem_get_info()[1], 0.02), 4)
+
+
+# ---- measurement ----
+class PhaseTimer:
+    """Exclusive seconds per phase inside each step, CUDA-synchronized at every boundary: a phase entered inside
+    another (a weight sync inside the generate call) pauses it. Time in a step outside every phase is update."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.stack, self.steps, self.t0 = cuda, [], [], None
+        self.info = {}  # settings a runner chose (vLLM's memory share), merged into the row
+
+    def _now(self) -> float:
+        if self.cuda:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def _charge(self) -> None:
+        now = self._now()
+        if self.t0 is not None and self.stack:
+            self.acc[self.stack[-1]] += now - self.last
+        self.last = now
+
+    @property
+    def phase(self) -> str:
+        return self.stack[-1] if self.stack else ("update" if self.t0 is not None else "setup")
+
+    def begin_step(self) -> None:
+        self.acc, self.stack = dict.fromkeys(PHASES, 0.0), []
+        self.t0 = self.last = self._now()
+
+    def end_step(self, **extra) -> None:
+        step = self._now() - self.t0
+        record = {"step_s": step, **{f"{p}_s": s for p, s in self.acc.items()}}
+        record["update_s"] = step - sum(self.acc.values())
+        self.steps.append({**record, **extra})
+        self.t0 = None
+
+    def wrap(self, obj, name: str, phase: str, when=None):
+        """Time obj.name (an instance attribute from now on) as `phase`; when: a predicate checked per call."""
+        fn = getattr(obj, name)
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            if when is not None and not when():
+                return fn(*args, **kwargs)
+            self._charge()
+            self.stack.append(phase)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._charge()
+                self.stack.pop()
+
+        setattr(obj, name, timed)
+        return timed
+
+    def timed_function(self, fn, phase: str):
+        holder = type("Holder", (), {})()
+        holder.fn = fn
+        return self.wrap(holder, "fn", phase)
+
+
+class DeviceMemory:
+    """The device's used memory above its level at the start (NVML, every 10 ms), the peak per timer phase."""
+
+    def __init__(self, index: int, timer: PhaseTimer):
+        import pynvml
+
+        pynvml.nvmlInit()
+        self.nvml, self.timer, self.peaks = pynvml, timer, {}
+        self.handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+        self.base = self._used()
+        self._stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _used(self) -> int:
+        return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.01):
+            used, phase = (self._used() - self.base) / GIB, self.timer.phase
+            self.peaks[phase] = max(used, self.peaks.get(phase, 0.0))
+
+    def stop(self) -> dict:
+        self._stop.set()
+        self.thread.join()
+        return {"peak_gib": max(self.peaks.values(), default=None),
+                **{f"peak_gib_{phase}": gib for phase, gib in sorted(self.peaks.items())}}
+
+
+# ---- the systems (run inside the case's process) ----
+def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None:
+    import fastgrpo
+
+    model = load_hf(case)
+    model.generation_config.eos_token_id = None  # EOS ignored: every completion runs to C tokens
+    if case.mode != "full":
+        from peft import get_peft_model
+
+        model = get_peft_model(model, lora_config())
+    fastgrpo.patch_model(model, offload_activations=case.device == "cuda")
+    fields = dict(
+        model=case.folder, lora_rank=0 if case.mode == "full" else 16, load_in_4bit=case.mode == "qlora",
+        batch_size=case.batch, num_generations=case.generations, max_prompt_length=case.prompt_length,
+        max_completion_length=case.completion, micro_batch_size=case.micro_batch, temperature=1.0, beta=case.beta,
+        loss_type="dapo", epsilon_low=0.2, epsilon_high=0.28, learning_rate=case.lr, weight_decay=0.0,
+        max_grad_norm=1.0, max_steps=case.warmup + case.steps, seed=0, device=case.device, export=False,
+        progress_bar=False, output_dir=tempfile.mkdtemp(prefix="bench-loop-fastgrpo-"),
+    )
+    if engine == "vllm":
+        if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
+            raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
+        fields["rollout_engine"] = "vllm"
+    config = fastgrpo.GRPOConfig(**fields)
+    reward = timer.timed_function(count_sevens, "rewards")
+    trainer = fastgrpo.GRPOTrainer(model, load_tokenizer(case, eos=False), reward, dataset_rows(case), config)
+    timer.wrap(trainer.engine, "generate", "rollout")
+    timer.wrap(trainer.engine, "load_weights", "sync")
+    if hasattr(trainer, "_logprobs"):  # old and reference log-probs; else they count as update
+        timer.wrap(trainer, "_logprobs", "logprobs")
+    for _ in range(case.warmup + case.steps):
+        timer.begin_step()
+        metrics = trainer.train_step()
+        timer.end_step(completion_tokens=metrics.get("completion_length"))
+
+
+def run_trl(case: Case, timer: PhaseTimer, liger: bool = False, unsloth: bool = False,
+            fast_inference: bool = True) -> None:
+    import torch
+
+    cuda = case.device == "cuda"
+    use_vllm = cuda and fast_inference
+    if unsloth:  # UNSLOTH_VLLM_STANDBY was set before this process imported anything
+        from unsloth import FastLanguageModel
+
+        model, tokenizer = FastLanguageModel.from_pretrained(
+            model_name=case.folder, max_seq_length=case.prompt_length + case.completion, dtype=torch.bfloat16,
+            load_in_4bit=case.mode == "qlora", full_finetuning=case.mode == "full", fast_inference=fast_inference,
+            gpu_memory_utilization=timer.info.setdefault("vllm_gpu_memory_utilization", vllm_fraction(case))
+            if use_vllm else 0.5, max_lora_rank=16,
+            use_exact_model_name=True,
+        )
+        if case.mode != "full":
+            model = FastLanguageModel.get_peft_model(
+                model, r=16, lora_alpha=32, lora_dropout=0, target_modules=LORA_TARGETS,
+                use_gradient_checkpointing="unsloth", random_state=0)
+        if hasattr(model, "load_lora"):  # Unsloth hands the adapter to vLLM through it, inside generate
+            timer.wrap(model, "load_lora", "sync")
+        peft_config = None
+    else:
+        model, tokenizer = load_hf(case), load_tokenizer(case)
+        peft_config = None if case.mode == "full" else lora_config()
+    from datasets import Dataset
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    args = dict(
+        output_dir=tempfile.mkdtemp(prefix="bench-loop-trl-"), max_steps=case.warmup + case.steps,
+        per_device_train_batch_size=case.micro_batch, gradient_accumulation_steps=case.batch // case.micro_batch,
+        num_generations=case.generations, max_completion_length=case.completion, temperature=1.0, top_p=1.0,
+        top_k=0, beta=case.beta, loss_type="dapo", epsilon=0.2, epsilon_high=0.28, learning_rate=case.lr,
+        weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", seed=0, shuffle_dataset=False,
+        optim="adamw_torch_fused" if cuda else "adamw_torch", bf16=cuda, use_cpu=not cuda, use_liger_kernel=liger,
+        logging_steps=10**6, save_strategy="no", report_to="none", disable_tqdm=True, log_completions=False,
+        use_vllm=use_vllm, generation_kwargs={"ignore_eos": True} if use_vllm else {"min_new_tokens": case.completion},
+    )
+    if not unsloth:
+        args.update(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
+    if use_vllm:
+        args.update(vllm_mode="colocate", vllm_enable_sleep_mode=True,
+                    vllm_max_model_length=case.prompt_length + case.completion)
+        if not unsloth:
+            args["vllm_gpu_memory_utilization"] = timer.info["vllm_gpu_memory_utilization"] = vllm_fraction(case)
+
+    class Steps(TrainerCallback):
+        def on_step_begin(self, *a, **k):
+            timer.begin_step()
+
+        def on_step_end(self, *a, **k):
+            lengths = trainer._metrics["train"].get("completions/mean_length") or [None]
+            timer.end_step(completion_tokens=lengths[-1])
+
+    trainer = GRPOTrainer(
+        model=model, reward_funcs=timer.timed_function(count_sevens, "rewards"), args=GRPOConfig(**args),
+        train_dataset=Dataset.from_list(dataset_rows(case)), processing_class=tokenizer, peft_config=peft_config,
+        callbacks=[Steps()])
+    generation = getattr(trainer, "vllm_generation", None)
+    if hasattr(trainer, "_generate_single_turn"):  # TRL 1.15 and Unsloth's rewrite of it: generate (+ sync)
+        timer.wrap(trainer, "_generate_single_turn", "rollout")
+    elif generation is not None:
+        timer.wrap(generation, "generate", "rollout")
+    if generation is not None:
+        timer.wrap(generation, "sync_weights", "sync")
+    timer.wrap(trainer, "_get_per_token_logps_and_entropies", "logprobs", when=lambda: not torch.is_grad_enabled())
+    trainer.train()
+
+
+RUNNERS = {
+    "fastgrpo": run_fastgrpo,
+    "fastgrpo-vllm": functools.partial(run_fastgrpo, engine="vllm"),
+    "trl": run_trl,
+    "trl-liger": functools.partial(run_trl, liger=True),
+    "unsloth": functools.partial(run_trl, unsloth=True),
+    "unsloth-hf": functools.partial(run_trl, unsloth=True, fast_inference=False),
+}
+
+
+def describe(err: BaseException) -> str:
+    """The exception and the last frames of its traceback: the failing call, verbatim."""
+    frames = "".join(traceback.format_exception(err)[-6:])
+    return (f"{type(err).__name__}: {err}"[:1500] + "\n" + frames[-2500:]).strip()
+
+
+def summarize(steps: list[dict], warmup: int) -> dict:
+    timed = steps[warmup:] or steps
+    numbers = [k for k in timed[0] if all(isinstance(s.get(k), (int, float)) for s in timed)]
+    out = {k: statistics.median(s[k] for s in timed) for k in numbers}
+    return {**out, "steps_timed": len(timed), "first_step_s": steps[0]["step_s"],
+            "step_s_all": [round(s["step_s"], 3) for s in steps]}
+
+
+def child(case: Case, out: Path) -> int:
+    """One case in this process: write its row (with "error" when it fails) to `out`."""
+    start = time.perf_counter()
+    row = {"system": case.system, "kind": "step", "completion": case.completion, "model": case.model,
+           "mode": case.mode, "prompts": case.prompts, "generations": case.generations,
+           "prompt_length": case.prompt_length, "micro_batch": case.micro_batch, "cap_gib": case.cap_gib}
+    cuda = case.device == "cuda"
+    timer, memory = PhaseTimer(cuda), None
+    try:
+        if cuda:
+            try:
+                memory = DeviceMemory(case.gpu, timer)
+            except Exception as err:  # noqa: BLE001 -- no NVML: torch's reserved peak, a lower bound
+                row["peak_note"] = f"NVML unavailable ({err}); peak_gib is torch's max_memory_reserved"
+            import torch
+
+            if not torch.cuda.is_available():
+                raise RuntimeError("torch.cuda.is_available() is False")
+            if case.cap_gib is not None:
+                torch.cuda.set_per_process_memory_fraction(min(1.0, case.cap_gib * GIB / torch.cuda.mem_get_info()[1]))
+        RUNNERS[case.system](case, timer)
+    except BaseException as err:  # noqa: BLE001 -- every failure becomes the row's error
+        row["error"] = describe(err)
+    row.update(timer.info)
+    if timer.steps:
+        row.update(summarize(timer.steps, case.warmup))
+    if cuda:
+        import torch
+
+        row.update(memory.stop() if memory else {})
+        with contextlib.suppress(Exception):  # a CUDA error may have left the context unusable
+            row["torch_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
+            row.setdefault("peak_gib", torch.cuda.max_memory_reserved() / GIB)
+    row["case_s"] = time.perf_counter() - start
+    out.write_text(json.dumps([row]))
+    return 0
+
+
+# ---- the driver ----
+def card_name(gpu: int | None) -> str:
+    """The card's name as torch reports it (NVML gives the same string), without a CUDA context here."""
+    if gpu is None:
+        return "cpu"
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        name = pynvml.nvmlDeviceGetName(pynvml.nvmlDeviceGetHandleByIndex(gpu))
+        return name.decode() if isinstance(name, bytes) else name
+    except Exception:  # noqa: BLE001 -- no NVML: name it from torch
+        import torch
+
+        return torch.cuda.get_device_name(gpu) if torch.cuda.is_available() else "cpu"
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+    import platform
+
+    out = {"python": platform.python_version()}
+    for pkg in VERSIONED:
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            pass
+    return out
+
+
+class Results:
+    """benchmarks/results/loop_<shape>-<card>.json with write_results' payload; new rows replace the rows of the
+    same (system, kind, completion), the others stay (cases run in several device calls add up)."""
+
+    def __init__(self, directory: Path, card: str, config: dict):
+        self.directory, self.card, self.config, self.lock = directory, card, config, threading.Lock()
+
+    def path(self, shape: str) -> Path:
+        return self.directory / f"loop_{shape}-{re.sub(r'[^a-z0-9]+', '-', self.card.lower()).strip('-')}.json"
+
+    def add(self, shape: str, rows: list[dict]) -> Path:
+        key = lambda r: (r.get("system"), r.get("kind"), r.get("completion"))  # noqa: E731
+        with self.lock:
+            path = self.path(shape)
+            old = json.loads(path.read_text())["rows"] if path.exists() else []
+            new = {key(r) for r in rows}
+            payload = {"suite": f"loop_{shape}", "card": self.card,
+                       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                       "versions": versions(), "config": self.config,
+                       "rows": [r for r in old if key(r) not in new] + rows}
+            self.directory.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(payload, indent=2) + "\n")
+        return path
+
+
+def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID")
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), env.get("PYTHONPATH")]))
+    env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
+    if system.startswith("unsloth"):
+        env.update(UNSLOTH_VLLM_STANDBY="1", UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE="1",
+                   UNSLOTH_COMPILE_LOCATION=str(Path(tempfile.gettempdir()) / "unsloth_compiled_cache"))
+        if dry_run:
+            env["UNSLOTH_ALLOW_CPU"] = "1"  # import it on a CPU: the install check goes as far as it can
+    if dry_run:
+        env["TRITON_INTERPRET"] = "1"  # TRL 1.15's fused LM head and Liger are Triton kernels
+    return env
+
+
+def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
+    """The case in a fresh process (killed with its group after `timeout` s); its row, or an error row."""
+    name = f"{case.shape}-{case.system}-{case.completion}" + (f"-cap{case.cap_gib:g}" if case.cap_gib else "")
+    log, out = log_dir / f"{name}.log", Path(tempfile.mkstemp(suffix=".json")[1])
+    cmd = [sys.executable, "-m", "benchmarks.bench_loop", "--child", json.dumps(dataclasses.asdict(case)),
+           "--out", str(out)]
+    gpu = None if case.device == "cpu" else case.gpu
+    print(f"--- {name} (gpu {gpu}) ...", flush=True)
+    with open(log, "w") as stream:
+        proc = subprocess.Popen(cmd, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
+                                env=child_env(case.system, gpu, dry_run), cwd=Path(__file__).parent.parent)
+        try:
+            proc.wait(timeout=timeout)
+            error = None if proc.returncode == 0 else f"the process exited with {proc.returncode}"
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            error = f"timed out after {timeout:g} s"
+    rows = json.loads(out.read_text()) if out.stat().st_size else []
+    out.unlink()
+    if not rows:
+        rows = [{"system": case.system, "kind": "step", "completion": case.completion, "model": case.model,
+                 "mode": case.mode, "error": f"{error}; log tail:\n{log.read_text()[-2500:]}"}]
+    row = rows[0]
+    row["log"] = log.name
+    status = f"error: {row['error'].splitlines()[0][:160]}" if "error" in row else \
+        f"step {row.get('step_s', 0):.2f} s, peak {row.get('peak_gib') or 0:.1f} GiB"
+    print(f"    {name}: {status}", flush=True)
+    return row
+
+
+def out_of_memory(row: dict) -> bool:
+    if row.get("peak_gib") is not None and row.get("cap_gib") and row["peak_gib"] > row["cap_gib"]:
+        return True
+    text = row.get("error", "").lower()
+    return any(s in text for s in ("out of memory", "outofmemory", "cuda error: out of memory",
+                                   "no available memory for the cache blocks", "free memory on device"))
+
+
+def fit_search(case: Case, args, run) -> dict:
+    """Longest completion whose whole step fits the cap: doubling, then bisection to --fit-resolution."""
+    probes, lo, hi, length = [], None, None, args.fit_start
+
+    def probe(c: int) -> bool | None:
+        row = run(dataclasses.replace(case, completion=c))
+        fits = "error" not in row and not out_of_memory(row)
+        probes.append({k: row.get(k) for k in ("completion", "step_s", "peak_gib", "peak_gib_rollout",
+                                                 "peak_gib_update", "error", "log")} | {"fits": fits})
+        return True if fits else (False if out_of_memory(row) else None)
+
+    while length <= args.fit_max:
+        verdict = probe(length)
+        if verdict is None:
+            return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
+                    "max_completion": lo, "error": probes[-1]["error"], "probes": probes}
+        if not verdict:
+            hi = length
+            break
+        lo, length = length, length * 2
+    while hi is not None and hi - (lo or 0) > args.fit_resolution:
+        mid = ((lo or 0) + hi) // 2 // args.fit_resolution * args.fit_resolution
+        if mid <= (lo or 0):
+            break
+        verdict = probe(mid)
+        if verdict is None:
+            break
+        lo, hi = (mid, hi) if verdict else (lo, mid)
+    return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
+            "max_completion": lo, "first_failure": hi, "searched_to": args.fit_max, "probes": probes}
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog="Details: the module docstring.")
+    p.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=ALL_SYSTEMS)
+    p.add_argument("--shapes", nargs="+", help=f"default {SHAPES}; --max-fit: {FIT_SHAPES}; --dry-run: {DRY_SHAPES}")
+    p.add_argument("--completions", nargs="+", type=int, default=[1024, 4096])
+    p.add_argument("--prompts", type=int, help="prompts per step (default 8; --max-fit 1)")
+    p.add_argument("--generations", type=int, default=8)
+    p.add_argument("--prompt-length", type=int, default=256)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per forward/backward")
+    p.add_argument("--steps", type=int, default=2, help="timed steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--beta", type=float, default=0.04)
+    p.add_argument("--vllm-memory-utilization", type=float,
+                   help="gpu_memory_utilization of TRL's and Unsloth's vLLM (default: weights it holds + the batch's "
+                        "KV cache + 3 GiB, as a share of the card)")
+    p.add_argument("--max-fit", action="store_true", help="search the longest completion in --cap-gib")
+    p.add_argument("--cap-gib", type=float, default=24.0)
+    p.add_argument("--fit-start", type=int, default=2048)
+    p.add_argument("--fit-max", type=int, default=32768)
+    p.add_argument("--fit-resolution", type=int, default=2048)
+    p.add_argument("--gpus", default="0", help="comma-separated GPU indices; cases run concurrently, one per GPU")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per case process")
+    p.add_argument("--models-dir", type=Path, default=Path(os.environ.get("BENCH_LOOP_MODELS", "/tmp/bench-loop-models")))
+    p.add_argument("--results-dir", type=Path, help="default benchmarks/results (--dry-run: a temporary folder)")
+    p.add_argument("--log-dir", type=Path, default=Path(tempfile.gettempdir()) / "bench-loop-logs")
+    p.add_argument("--dry-run", action="store_true", help="CPU check: tiny models, 16 + 16 tokens, every system")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--build", help=argparse.SUPPRESS)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.child:
+        child(Case(**json.loads(args.child)), args.out)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)  # the row is written: skip vLLM's and NCCL's teardown, which can hang a process at exit
+    if args.build:
+        print(build_folder(args.build, args.models_dir, "cuda"))
+        return 0
+    dry = args.dry_run
+    gpus = [None] if dry else [int(g) for g in args.gpus.split(",")]
+    shapes = args.shapes or list(DRY_SHAPES if dry else FIT_SHAPES if args.max_fit else SHAPES)
+    for shape in shapes:
+        if shape.rsplit("-", 1)[-1] not in MODES:
+            raise SystemExit(f"--shapes: {shape!r} is not <model>-<{'|'.join(MODES)}>")
+    if dry:
+        args.models_dir = Path(tempfile.mkdtemp(prefix="bench-loop-models-"))
+        args.completions, args.prompt_length, args.micro_batch, args.steps = [16], 16, 4, 1
+        args.generations, args.prompts = 4, args.prompts or 2
+        args.fit_start, args.fit_max, args.fit_resolution = 8, 32, 8
+    prompts = args.prompts or (1 if args.max_fit else 8)
+    args.log_dir.mkdir(parents=True, exist_ok=True)
+    results_dir = args.results_dir or (Path(tempfile.mkdtemp(prefix="bench-loop-results-")) if dry else RESULTS_DIR)
+
+    folders = {}
+    for model in dict.fromkeys(s.rsplit("-", 1)[0] for s in shapes):
+        if dry:
+            folders[model] = build_folder(model, args.models_dir, "cpu")
+            continue
+        env = dict(child_env("build", gpus[0], False))
+        subprocess.run([sys.executable, "-m", "benchmarks.bench_loop", "--build", model, "--models-dir",
+                        str(args.models_dir)], check=True, env=env, cwd=Path(__file__).parent.parent)
+        folders[model] = args.models_dir / model
+
+    config = {"prompts": prompts, "generations": args.generations, "prompt_length": args.prompt_length,
+              "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "beta": args.beta,
+              "lr": "1e-5 LoRA/QLoRA, 1e-6 full", "loss": "dapo, eps 0.2/0.28, AdamW fused, clip 1.0",
+              "lora": "r16 alpha32 q,k,v,o,gate,up,down", "qlora": "nf4, double quant, bf16 compute",
+              "sampling": "temperature 1, EOS ignored", "reward": "share of '7' in the text",
+              "vllm_memory": args.vllm_memory_utilization or "weights held + batch KV + 3 GiB (TRL, Unsloth)",
+              "max_fit": {"cap_gib": args.cap_gib} if args.max_fit else None, "dry_run": dry}
+    results = Results(results_dir, card_name(gpus[0]), config)
+    free = queue.Queue()
+    for gpu in gpus:
+        free.put(gpu)
+
+    def run(case: Case) -> dict:
+        gpu = free.get()
+        try:
+            return run_case(dataclasses.replace(case, gpu=gpu or 0), args.log_dir, args.timeout, dry)
+        finally:
+            free.put(gpu)
+
+    def job(system: str, shape: str, completion: int | None) -> tuple[str, dict]:
+        case = Case(system=system, shape=shape, completion=completion or args.fit_start,
+                    folder=str(folders[shape.rsplit("-", 1)[0]]), prompts=prompts, generations=args.generations,
+                    prompt_length=args.prompt_length, micro_batch=min(args.micro_batch, prompts * args.generations),
+                    steps=1 if args.max_fit else args.steps, warmup=0 if args.max_fit else args.warmup,
+                    beta=args.beta, cap_gib=args.cap_gib if args.max_fit else None,
+                    vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda")
+        row = fit_search(case, args, run) if args.max_fit else run(case)
+        results.add(shape, [row])
+        return shape, row
+
+    specs = [(system, shape, None if args.max_fit else c) for shape in shapes
+             for c in ([None] if args.max_fit else args.completions) for system in args.systems]
+    # serial per GPU: one case at a time on a card; --gpus 0,1 runs two cases side by side
+    with concurrent.futures.ThreadPoolExecutor(max_workers=len(gpus)) as pool:
+        done = [f.result() for f in [pool.submit(job, *spec) for spec in specs]]
+
+    from benchmarks.common import print_table
+
+    table = [{"shape": shape, **row, "error": row["error"].splitlines()[0][:70] if row.get("error") else None}
+             for shape, row in done]
+    columns = (["shape", "system", "max_completion", "first_failure", "error"] if args.max_fit else
+               ["shape", "system", "completion", "step_s", "rollout_s", "sync_s", "logprobs_s", "rewards_s",
+                "update_s", "peak_gib", "completion_tokens", "error"])
+    print()
+    print_table(table, columns)
+    print(f"results: {sorted({str(results.path(s)) for s in shapes})}; logs: {args.log_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
