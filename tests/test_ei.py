@@ -70,6 +70,17 @@ def test_a_round_keeps_the_sampled_tokens_of_correct_completions(tmp_path):
         assert run.tokenizer.decode(example.response_ids, skip_special_tokens=True) == seen[k]
 
 
+def test_samples_do_not_depend_on_the_generation_batch(tmp_path):
+    texts = {}
+    for per_call in (1, 3, 4):
+        def record(prompts, completions, **columns):
+            texts[per_call] = list(completions)
+            return [0.0] * len(completions)
+
+        _run(record, tmp_path / str(per_call), generation_batch_size=per_call)[1].run_round()
+    assert len(texts[4]) == 8 and texts[1] == texts[3] == texts[4]
+
+
 def test_nothing_kept_leaves_the_weights(tmp_path):
     model, run = _run(lambda prompts, completions, **c: [0.0] * len(completions), tmp_path)
     before = [p.detach().clone() for p in model.parameters()]

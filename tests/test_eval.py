@@ -73,8 +73,8 @@ def test_r1_zero_split_and_prompt_format():
 
 def test_periodic_eval_inside_train(tmp_path, capsys):
     out = tmp_path / "grpo"
-    assert main(["train", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "16", "--micro-batch-size", "16", "--eval-steps", "2",
-                 "--eval-max-examples", "8", "--no-export", *QUIET]) == 0
+    assert main(["train", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "16", "--micro-batch-size",
+                 "16", "--eval-steps", "2", "--eval-max-examples", "8", "--no-export", *QUIET]) == 0
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     summary = json.loads((out / "eval" / "step-2_summary.json").read_text())
     assert last["eval/accuracy"] == summary["accuracy"] and summary["num_examples"] == 8

@@ -47,6 +47,8 @@ class EIConfig(ConfigFile):
     # Sampling.
     questions_per_step: int = option(512, "questions sampled per round (a seeded walk through the dataset)")
     num_generations: int = option(4, "completions sampled per question (G)")
+    generation_batch_size: int = option(64, "questions per rollout-engine call (its KV cache holds this many x "
+                                            "num_generations sequences)", run_control=True)
     max_prompt_length: int = inherited("max_prompt_length")
     max_completion_length: int = option(1024, "tokens generated per completion at most")
     temperature: float = inherited("temperature")
@@ -91,9 +93,9 @@ class EIConfig(ConfigFile):
 
     def __post_init__(self):
         coerce_fields(self)
-        check_at_least(self, ("ei_steps", "questions_per_step", "num_generations", "max_prompt_length",
-                              "max_completion_length", "sft_epochs", "batch_size", "micro_batch_size",
-                              "eval_max_examples"), 1)
+        check_at_least(self, ("ei_steps", "questions_per_step", "num_generations", "generation_batch_size",
+                              "max_prompt_length", "max_completion_length", "sft_epochs", "batch_size",
+                              "micro_batch_size", "eval_max_examples"), 1)
         check_at_least(self, ("eval_steps", "save_steps", "logging_steps"), 0)
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "

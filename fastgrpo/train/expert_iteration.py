@@ -105,30 +105,23 @@ class ExpertIteration:
         config, G = self.config, self.config.num_generations
         t_start = time.perf_counter()
 
-        # 1. Sample G completions per question.
+        # 1. Sample G completions per question, generation_batch_size questions per engine call.
         indices = self._questions(self.round)
         rows = [self.dataset[i] for i in indices]
-        self.engine.load_weights(self.model)  # the previous round's SFT reaches an engine with its own weights
-        self.engine.reacquire_memory()
-        # keyed by the position in the run's walk through the data (unique, also when a round wraps an epoch)
-        first = self.round * config.questions_per_step
-        keys = {"prompt_keys": list(range(first, first + len(indices)))} if accepts_prompt_keys(self.engine) else {}
-        out = self.engine.generate([self.prompts[i] for i in indices], num_generations=G, sampling=self.sampling,
-                                   stop=config.stop_strings, seed=config.seed * 1_000_003 + self.round, **keys)
-        self.engine.release_memory()
+        samples = self._sample(indices)  # (completion ids, text, finish reason) of each of the N completions
         t_rollout = time.perf_counter()
 
         # 2. Score; keep the completions marked correct, as (prompt ids, sampled completion ids).
+        texts = [text for _, text, _ in samples]
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
-        per_func, errors = score(self.reward_funcs, prompts, out.texts, columns)  # per_func: [N, F]
+        per_func, errors = score(self.reward_funcs, prompts, texts, columns)  # per_func: [N, F]
         check_reward_failures(errors, config.reward_errors)
         rewards = per_func @ self.weights  # rewards: [N]
         correct = rewards >= config.correct_threshold
-        completion_ids, completion_mask = out.completion_ids.cpu(), out.completion_mask.cpu().bool()
         self.last_kept = kept = [
-            SFTExample(tuple(self.prompts[indices[k // G]]), tuple(completion_ids[k][completion_mask[k]].tolist()))
-            for k in correct.nonzero().flatten().tolist() if completion_mask[k].any()
+            SFTExample(tuple(self.prompts[indices[k // G]]), tuple(samples[k][0]))
+            for k in correct.nonzero().flatten().tolist() if samples[k][0]
         ]
 
         # 3. SFT on the kept completions (none kept: the round leaves the weights as they are). From here a signal
@@ -142,12 +135,13 @@ class ExpertIteration:
         t_sft = time.perf_counter()
 
         self.round += 1
-        lengths = completion_mask.sum(-1).float()
+        lengths = torch.tensor([len(ids) for ids, _, _ in samples], dtype=torch.float32)
         metrics = {
             "round": self.round,
             "reward": rewards.mean().item(),
             "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            **{f"rewards/{name}": per_func[:, j].mean().item() for j, name in enumerate(reward_names(self.reward_funcs))},
+            **{f"rewards/{name}": per_func[:, j].mean().item()
+               for j, name in enumerate(reward_names(self.reward_funcs))},
             "reward_errors": len(errors),
             "kept": len(kept),
             "kept_frac": len(kept) / rewards.numel(),
@@ -156,13 +150,34 @@ class ExpertIteration:
             "sft_loss_first": sft[0]["loss"] if sft else None,
             "sft_loss_last": sft[-1]["loss"] if sft else None,
             "completion_length": lengths.mean().item(),
-            "truncated_frac": sum(r == "length" for r in out.finish_reasons) / len(out.finish_reasons),
+            "truncated_frac": sum(reason == "length" for _, _, reason in samples) / len(samples),
             "rollout_s": t_rollout - t_start,
             "sft_s": t_sft - t_rollout,
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
         return metrics
+
+    def _sample(self, indices: list[int]) -> list[tuple[list[int], str, str]]:
+        """(completion token ids, text, finish reason) of num_generations samples per question, in row order."""
+        config, G, per_call = self.config, self.config.num_generations, self.config.generation_batch_size
+        self.engine.load_weights(self.model)  # the previous round's SFT reaches an engine with its own weights
+        self.engine.reacquire_memory()
+        keyed, round_seed = accepts_prompt_keys(self.engine), config.seed * 1_000_003 + self.round
+        samples = []
+        for start in range(0, len(indices), per_call):
+            chunk = indices[start:start + per_call]
+            # Keyed by the position in the run's walk through the data (unique, also when a round wraps an epoch),
+            # so the samples do not depend on generation_batch_size; an engine without keys gets a seed per call.
+            first = self.round * config.questions_per_step + start
+            keys = {"prompt_keys": list(range(first, first + len(chunk)))} if keyed else {}
+            seed = round_seed if keyed else round_seed * 65_537 + start
+            out = self.engine.generate([self.prompts[i] for i in chunk], num_generations=G, sampling=self.sampling,
+                                       stop=config.stop_strings, seed=seed, **keys)
+            ids, mask = out.completion_ids.cpu(), out.completion_mask.cpu().bool()
+            samples += [(ids[k][mask[k]].tolist(), out.texts[k], out.finish_reasons[k]) for k in range(len(out.texts))]
+        self.engine.release_memory()
+        return samples
 
     def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
         """Run (or, with config.resume, continue) to config.ei_steps rounds; returns this call's round metrics.

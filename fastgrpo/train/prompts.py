@@ -19,7 +19,8 @@ R1_ZERO_PROMPT = (
     "A conversation between User and Assistant. The User asks a question, and the Assistant solves it. The Assistant "
     "first thinks about the reasoning process in the mind and then provides the User with the answer. The reasoning "
     "process is enclosed within <think> </think> and answer is enclosed within <answer> </answer> tags, respectively, "
-    "i.e., <think> reasoning process here </think> <answer> answer here </answer>.\nUser: {question}\nAssistant: <think>"
+    "i.e., <think> reasoning process here </think> <answer> answer here </answer>.\nUser: {question}\n"
+    "Assistant: <think>"
 )
 # Generation stops at the closing tag under r1_zero: the reward reads nothing after it.
 R1_ZERO_STOP = ["</answer>"]

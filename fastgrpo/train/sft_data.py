@@ -43,7 +43,8 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
         row = rows[i]
         prompt, response = row[prompt_column], row[response_column]
         try:
-            p, r = prompt_ids(tokenizer, prompt, prompt_format), response_ids(tokenizer, prompt, response, prompt_format)
+            p = prompt_ids(tokenizer, prompt, prompt_format)
+            r = response_ids(tokenizer, prompt, response, prompt_format)
         except ValueError as err:
             raise ValueError(f"train_dataset: row {i}: {err}") from None
         if not p:
