@@ -1,10 +1,13 @@
-"""`fastgrpo train`: the built-in default learns on the CPU; YAML < flags; user data and rewards by name."""
+"""`fastgrpo train`: the built-in default learns on the CPU; YAML < flags; user data and rewards by name; every
+mistake is one line and exit code 2 (--debug: the traceback); --help shows the defaults a run really uses."""
 import json
 
 import pytest
+import torch
 
 from fastgrpo.train import default_task
-from fastgrpo.train.cli import build_parser, config_from_args, main, resolve_reward
+from fastgrpo.train.cli import build_parser, config_from_args, main
+from fastgrpo.train.loading import resolve_reward
 from fastgrpo.rewards import length_reward
 
 
@@ -19,7 +22,12 @@ def test_default_run_reward_rises(tmp_path, capsys):
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert len(rewards) == 40 and last > 2 * first and last > first + 0.05, rewards
     assert (tmp_path / "final" / "tokenizer.json").exists()
-    assert "reward" in capsys.readouterr().out
+    # One plain line per step (--logging-steps 1), then the summary.
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(" | ")[0] for line in lines[:-1]] == [f"step {i}/40" for i in range(1, 41)]
+    for label in ("| reward ", "| kl ", "| entropy ", "| clip ", "| length ", " tok/s gen, ", " s/step | peak "):
+        assert label in lines[0], lines[0]
+    assert lines[-1].startswith("reward ")
 
 
 def test_builtin_preset_yaml_then_flags(tmp_path):
@@ -34,28 +42,76 @@ def test_builtin_preset_yaml_then_flags(tmp_path):
     assert _config(["--dataset", "d.jsonl"]).learning_rate == default_task.PRESET["learning_rate"]
 
 
-def test_bad_arguments_exit_with_a_message(capsys, tmp_path):
+def test_yaml_numbers_written_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("- 1\n")
-    with pytest.raises(SystemExit):
-        main(["train", "--config", str(path)])
-    assert "config: expected a YAML mapping" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--dataset", str(tmp_path / "missing.jsonl")])
-    assert "dataset: no such file" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--reward-funcs", "nonsense"])
-    assert "unknown reward 'nonsense'" in capsys.readouterr().err
-    with pytest.raises(SystemExit):
-        main(["train", "--batch-size", "10", "--num-generations", "4"])
-    assert "batch_size: expected a multiple of num_generations" in capsys.readouterr().err
+    path.write_text("learning_rate: 1e-6\nmax_steps: '20'\nbeta: 4e-2\nreward_funcs: length\n")
+    config = _config(["--config", str(path)])  # PyYAML reads 1e-6 as a string (YAML 1.1 wants 1.0e-6)
+    assert (config.learning_rate, config.max_steps, config.beta, config.reward_funcs) == (1e-6, 20, 0.04, ["length"])
 
 
-def test_resolve_reward():
+def _bad_inputs(tmp_path):
+    (tmp_path / "list.yaml").write_text("- 1\n")
+    (tmp_path / "broken.yaml").write_text("learning_rate: 1e-6\nbeta: [0.1\n")
+    (tmp_path / "rows.jsonl").write_text('{"prompt": "1 say a"}\n\n{"prompt": "2 say b",}\n')
+    cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
+    return [
+        (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
+        (["--config", str(tmp_path / "missing.yaml")], f"config: no such file {tmp_path / 'missing.yaml'}"),
+        (["--config", str(tmp_path / "broken.yaml")], f"config: {tmp_path / 'broken.yaml'}:3:1: malformed YAML"),
+        (["--model", "/nonexistent"], "model: no such folder /nonexistent"),
+        (["--model", str(tmp_path)], f"model: {tmp_path} is not a Hugging Face model folder (no config.json"),
+        (["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"], "device: 'cuda"),
+        (["--device", "tpu7"], "device: expected auto, cpu, cuda or cuda:N, got 'tpu7'"),
+        (["--seed", str(10**14)], "seed: expected an int in [0, 2**32), got 100000000000000"),
+        (["--stop", ""], "stop: expected non-empty strings"),
+        (["--dataset", str(tmp_path / "missing.jsonl")], "dataset: no such file"),
+        (["--dataset", str(tmp_path / "rows.jsonl")], f"{tmp_path / 'rows.jsonl'}:3: invalid JSON in --dataset"),
+        (["--reward-funcs", "nonsense"], "unknown reward 'nonsense'"),
+        (["--reward-funcs", "no_such_module:f"], "reward_funcs: no module 'no_such_module' in the current folder"),
+        (["--reward-funcs", "fastgrpo.train.default_task:missing"], "has no function 'missing'"),
+        (["--batch-size", "10", "--num-generations", "4"], "batch_size: expected a multiple of num_generations"),
+    ], cuda
+
+
+def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a run that got past the checks would write here: none may
+    cases, cuda = _bad_inputs(tmp_path)
+    for argv, message in cases:
+        assert main(["train", *argv]) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("fastgrpo train: error: ") and err.count("\n") == 1, err
+        assert (cuda if argv[0] == "--device" and "tpu7" not in argv else message) in err, (argv, err)
+    assert not (tmp_path / "fastgrpo_output" / "metrics.jsonl").exists()
+    with pytest.raises(ValueError, match="seed: expected"):  # --debug: the traceback
+        main(["train", "--seed", str(10**14), "--debug"])
+
+
+def test_reward_functions_from_the_current_folder_and_from_a_file(tmp_path, monkeypatch):
     assert resolve_reward("length") is length_reward
     assert resolve_reward("fastgrpo.train.default_task:repeat_letter_reward") is default_task.repeat_letter_reward
-    with pytest.raises(ValueError, match="cannot import"):
-        resolve_reward("fastgrpo.train.default_task:missing")
+    (tmp_path / "myrewards_cwd.py").write_text("def fn(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "helper_mod.py").write_text("SCORE = 2.0\n")
+    (tmp_path / "sub" / "rewards.py").write_text(
+        "from helper_mod import SCORE\n\ndef fn(prompts, completions, **kw):\n    return [SCORE] * len(completions)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert resolve_reward("myrewards_cwd:fn")([], ["a", "b"]) == [1.0, 1.0]
+    assert resolve_reward("sub/rewards.py:fn")([], ["a"]) == [2.0]  # its sibling modules import
+    with pytest.raises(ValueError, match="reward_funcs: no such file sub/missing.py"):
+        resolve_reward("sub/missing.py:fn")
+
+
+def test_version_and_help_show_what_a_run_uses(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--version"])
+    assert exit_info.value.code == 0 and capsys.readouterr().out.startswith("fastgrpo 0.")
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "(default: 1e-06; 0.003 for the built-in model)" in text  # --learning-rate
+    assert "(default: 8; 32 for the built-in model)" in text  # --micro-batch-size
+    assert "repeat_letter_reward'] without --dataset)" in text and "--overwrite-output-dir" in text
 
 
 def test_user_dataset_file_and_missing_column(tmp_path, capsys):
@@ -66,8 +122,7 @@ def test_user_dataset_file_and_missing_column(tmp_path, capsys):
               "--learning-rate", "1e-3", "--no-progress-bar", "--no-export"]
     assert main([*common, "--reward-funcs", "length"]) == 0
     assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 1
-    with pytest.raises(SystemExit):
-        main([*common, "--reward-funcs", "r1_zero_math"])
+    assert main([*common, "--reward-funcs", "r1_zero_math", "--overwrite-output-dir"]) == 2
     assert "needs columns ['answer']" in capsys.readouterr().err
 
 
@@ -95,16 +150,13 @@ def test_offload_host_memory_bound(tmp_path, capsys):
         (["--offload-host-memory-gib", "1"], "offload_host_memory_gib: bounds the memory of offload_activations"),
         (["--offload-activations", "--offload-host-memory-gib", "0"], "offload_host_memory_gib: expected > 0"),
     ]:
-        with pytest.raises(SystemExit):
-            main(["train", *argv])
+        assert main(["train", *argv]) == 2
         assert message in capsys.readouterr().err
     # The built-in run with 1 KiB of host memory for offloaded inputs (a layer input takes a 1 MiB buffer): the
     # offload of the first training step passes the bound, and the run ends with a message naming the flag.
     argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "2", "--patch",
             "--offload-activations", "--offload-host-memory-gib", str(2**-20)]
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 1
+    assert main(argv) == 1
     err = capsys.readouterr().err
     assert "activation offload needs" in err and "--offload-host-memory-gib" in err, err
     # A bound the step fits in trains as without one.

@@ -1,6 +1,6 @@
-"""Checkpoint / resume: 6 steps straight and 3 + resume + 3 give bit-identical losses and rewards; LoRA export
-merges the adapter into the base."""
-import shutil
+"""Checkpoint / resume: 6 steps straight and 3 + resume + 3 give bit-identical losses and rewards (the newest
+checkpoint torn by a kill is skipped with a warning); LoRA export merges the adapter into the base."""
+import logging
 
 import pytest
 import torch
@@ -32,13 +32,16 @@ def _trainer(tmp_path, lora: bool, **fields):
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
-def test_resume_is_bit_identical(tmp_path, lora):
+def test_resume_is_bit_identical(tmp_path, lora, caplog):
     straight = _trainer(tmp_path, lora).train()
     assert [m["step"] for m in straight] == list(range(1, 7))
-    shutil.rmtree(tmp_path / "checkpoint-6")
-    assert latest_checkpoint(tmp_path).name == "checkpoint-3"
+    state = tmp_path / "checkpoint-6" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn, as by a file system without rename
+    assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     torch.manual_seed(12345)  # a different global RNG state: the checkpoint's must be restored
-    resumed = _trainer(tmp_path, lora, resume=True).train()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
+        resumed = _trainer(tmp_path, lora, resume=True).train()
+    assert "skipped checkpoint-6, which is incomplete or damaged" in caplog.text
     assert [m["step"] for m in resumed] == [4, 5, 6]
     for a, b in zip(straight[3:], resumed):
         assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}

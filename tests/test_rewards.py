@@ -1,6 +1,8 @@
-"""Verifiable rewards: correct scores on known cases, deterministic and in range on arbitrary text, and a failing
-reward function reported and scored 0 rather than raised."""
+"""Verifiable rewards: correct scores on known cases, deterministic and in range on arbitrary text; a failing
+reward function (raises, wrong count, NaN / inf / non-numbers) is reported with its first bad row and scored 0,
+and stops a training run with one line naming the function and the dataset row unless reward_errors="skip"."""
 import functools
+import json
 import math
 
 import pytest
@@ -123,7 +125,7 @@ def test_score_reports_failures_and_scores_them_zero():
         return [1.5] * len(completions)
 
     def raises(prompts, completions, **kw):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\nsecond line")
 
     def short(prompts, completions, **kw):
         return [1.0]
@@ -131,11 +133,62 @@ def test_score_reports_failures_and_scores_them_zero():
     def junk(prompts, completions, **kw):
         return [float("nan"), None, "x"]
 
-    rewards, errors = score([ok, raises, short, junk], ["p"] * 3, ["a", "b", "c"], {})
+    def infinite(prompts, completions, **kw):
+        return [1, True, float("-inf")]
+
+    rewards, errors = score([ok, raises, short, junk, infinite], ["p"] * 3, ["a", "b", "c"], {})
     assert rewards[:, 0].tolist() == [1.5] * 3
-    assert rewards[:, 1:].abs().sum() == 0
-    assert set(errors) == {"raises", "short"} and "boom" in errors["raises"]
+    assert rewards[:, 1:4].abs().sum() == 0 and rewards[:, 4].tolist() == [1.0, 1.0, 0.0]
+    assert errors == {"raises": "raised RuntimeError: boom", "short": "returned 1 rewards for 3 completions",
+                      "junk": "returned nan, not a finite number (2 more rows too)",
+                      "infinite": "returned -inf, not a finite number"}
+    assert [(e.function, e.row) for e in errors.values()] == [
+        ("raises", None), ("short", None), ("junk", 0), ("infinite", 2)]
+    assert json.loads(json.dumps(errors)) == errors  # plain strings in metrics.jsonl
     assert all(math.isfinite(v) for v in rewards.flatten().tolist())
+
+
+def _trainer(tmp_path, reward, **fields):
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 4, "max_steps": 3, "export": False, "progress_bar": False,
+                           "logging_steps": 0, "output_dir": str(tmp_path), **fields})
+    tokenizer = default_task.build_tokenizer()
+    return GRPOTrainer(default_task.build_model(tokenizer), tokenizer, [default_task.repeat_letter_reward, reward],
+                       default_task.build_dataset(16), config)
+
+
+@pytest.mark.parametrize("failure, message", [
+    ("raise", r"reward function flaky raised ZeroDivisionError: division by zero on dataset row \d+ \(completion 3 "
+              r"of 4: '.*'\)"),
+    ("count", r"reward function flaky returned 7 rewards for 8 completions; --reward-errors skip"),
+    ("nan", r"reward function flaky returned nan, not a finite number on dataset row \d+ \(completion 3 of 4"),
+])
+def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failure, message):
+    """flaky works in step 1 and fails in step 2 on the third completion: the run stops with one line, after
+    saving step 1 for --resume."""
+    from fastgrpo.rewards.scoring import RewardError
+    from fastgrpo.train.checkpoint import list_checkpoints
+
+    calls = []
+
+    def flaky(prompts, completions, **kwargs):
+        calls.append(len(completions))
+        n = len(completions)
+        if len(calls) == 1:
+            return [0.5] * n
+        if failure == "raise":  # the batch of step 2 raises, then (called row by row) its third row alone does
+            if len(calls) in (2, 5):
+                raise ZeroDivisionError("division by zero")
+            return [0.5] * n
+        return [0.5] * (n - 1) if failure == "count" else [0.5, 0.5, float("nan")] + [0.5] * (n - 3)
+
+    with pytest.raises(RewardError, match=message + r".*step 1 is saved in .*checkpoint-1: continue with --resume"):
+        _trainer(tmp_path, flaky).train()
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
 
 
 def test_repeated_reward_names_stay_apart():

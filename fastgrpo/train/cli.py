@@ -1,43 +1,110 @@
-"""`fastgrpo train [--config X.yaml] [--field value ...]`: build the model, data and rewards a config names; train.
+"""`fastgrpo <command> ...` (also `python -m fastgrpo <command> ...`, e.g. under torchrun).
 
-With neither --model nor --dataset it runs the built-in default (fastgrpo.train.default_task) on the CPU; either one
-alone swaps in the user's model or data.
+Commands are rows of COMMANDS: a name, its help, a function adding its flags and a function running it. main()
+parses, finds the row and runs it under fastgrpo.train.errors.run_command, which turns every ending into one line
+and an exit code (2: bad input, 1: the run could not go on, 130 / 143: SIGINT / SIGTERM after a checkpoint);
+`--debug`, added to every command, shows tracebacks instead. To add a command, append a Command whose `run` raises
+ValueError for bad input, and import what is heavy inside `run`.
+
+`fastgrpo train [--config X.yaml] [--field value ...]` builds the model, data and rewards a config names and
+trains. With neither --model nor --dataset it runs the built-in default (fastgrpo.train.default_task) on the CPU;
+either one alone swaps in the user's model or data.
 """
 from __future__ import annotations
 
 import argparse
-import importlib
+import dataclasses
 import json
+import shlex
 import sys
+from collections.abc import Callable
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-import torch
-
-from fastgrpo.offload import ActivationOffloader, HostBufferPool, OffloadMemoryError
-from fastgrpo.patching import patch_model
-from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, read_yaml
-from fastgrpo.train.trainer import GRPOTrainer
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume, read_yaml, run_control_fields
+from fastgrpo.train.errors import RunError, run_command
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    name: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    run: Callable[[argparse.ArgumentParser, argparse.Namespace], int]  # (its parser, parsed args) -> exit code
+    description: str = ""
+
+
+class _Version(argparse.Action):
+    """--version: fastgrpo's version and those of the libraries it runs on (argparse's own action re-wraps it)."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the versions and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        found = []
+        for name in ("torch", "triton", "transformers", "peft"):
+            try:
+                found.append(f"{name} {version(name)}")
+            except PackageNotFoundError:
+                pass
+        from fastgrpo import __version__
+
+        print(f"fastgrpo {__version__} ({', '.join(found)})")
+        parser.exit(0)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="fastgrpo", description="Memory-lean GRPO post-training.")
+    parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
-    train = commands.add_parser(
-        "train", help="run GRPO training", formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-        description="Every GRPOConfig field is a flag; flags override the YAML file given with --config. Without "
-                    "--model, the built-in tiny model's settings (fastgrpo.train.default_task.PRESET) replace some defaults; "
-                    "without --dataset, the built-in task and its reward are used.",
-    )
-    train.add_argument("--config", type=Path, help="YAML file of GRPOConfig fields")
-    add_config_arguments(train)
+    parser.command_parsers = {}
+    for command in COMMANDS:
+        sub = commands.add_parser(command.name, help=command.help, description=command.description or command.help)
+        sub.add_argument("--debug", action="store_true", help="show the traceback of an error instead of one line")
+        command.add_arguments(sub)
+        parser.command_parsers[command.name] = sub
     return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.argv = argv  # for a command's "continue with ..." hint
+    command = next(c for c in COMMANDS if c.name == args.command)
+    subparser = parser.command_parsers[command.name]
+    from fastgrpo.offload import OffloadMemoryError
+    from fastgrpo.rewards.scoring import RewardError
+
+    return run_command(f"fastgrpo {command.name}", lambda: command.run(subparser, args), debug=args.debug,
+                       run_errors=(RewardError, OffloadMemoryError))
+
+
+# ---- fastgrpo train ----
+TRAIN_DESCRIPTION = (
+    "Every GRPOConfig field is a flag; flags override the YAML file given with --config. Without --model, the "
+    "built-in tiny model's settings (fastgrpo.train.default_task.PRESET) replace some defaults (each flag's help "
+    "says so); without --dataset, the built-in task and its reward are used. --resume continues the newest "
+    "complete checkpoint in --output-dir; these settings may change on resume, every other one must match the "
+    f"checkpoint's (or pass --resume-allow-changes): {', '.join(run_control_fields())}."
+)
+
+
+def _preset_notes() -> dict[str, str]:
+    notes = {name: f"{value} for the built-in model" for name, value in default_task.PRESET.items()}
+    notes["reward_funcs"] = f"{default_task.REWARD_FUNCS} without --dataset"
+    return notes
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path, help="YAML file of GRPOConfig fields")
+    add_config_arguments(parser, GRPOConfig, notes=_preset_notes())
 
 
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     from_yaml = read_yaml(args.config) if args.config is not None else {}
     merged = {**from_yaml, **flags}
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
@@ -46,120 +113,64 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     return GRPOConfig.from_dict({**preset, **merged})
 
 
-def resolve_reward(name: str):
-    """A name of fastgrpo.rewards.REGISTRY, or "package.module:function" for a user's reward function."""
-    if name in REGISTRY:
-        return REGISTRY[name]
-    module, _, attr = name.partition(":")
-    if not attr:
-        raise ValueError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REGISTRY)} "
-                         f"or 'module:function'")
-    try:
-        return getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError) as err:
-        raise ValueError(f"reward_funcs: cannot import {name!r}: {err}") from None
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues the run `argv` started: the same flags, --resume, no overwrite."""
+    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
+    return shlex.join(["fastgrpo", *kept, "--resume"])
 
 
-def load_dataset(config: GRPOConfig):
-    """Rows of a local .jsonl / .json file, a Hugging Face dataset (needs `datasets`), or the built-in task."""
-    if config.dataset is None:
-        return default_task.build_dataset(seed=config.seed)
-    path = Path(config.dataset)
-    if path.suffix in (".jsonl", ".json") and not path.is_file():
-        raise ValueError(f"dataset: no such file {path}")
-    if path.suffix == ".jsonl":
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix == ".json":
-        rows = json.loads(path.read_text())
-        if not isinstance(rows, list):
-            raise ValueError(f"dataset: expected a JSON list of row objects in {path}")
-        return rows
-    try:
-        import datasets
-    except ImportError:
-        raise ValueError(f"dataset: {config.dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
-                         "needs `pip install datasets`") from None
-    return datasets.load_dataset(config.dataset, split=config.dataset_split)
+def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    import torch
 
+    from fastgrpo.offload import OffloadMemoryError
+    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
+    from fastgrpo.train.interrupts import Interrupted
+    from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
+    from fastgrpo.train.run_dir import RunDirectory
+    from fastgrpo.train.sources import check_model_source, model_load_error, resolve_device
+    from fastgrpo.train.trainer import GRPOTrainer
 
-def load_model_and_tokenizer(config: GRPOConfig):
-    """The model (LoRA-wrapped, patched, checkpointed as configured) on its device, and its tokenizer."""
-    device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = config.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    dtype = getattr(torch, dtype_name)
-    if config.model is None:
-        tokenizer = default_task.build_tokenizer()
-        model = default_task.build_model(tokenizer, seed=config.seed).to(device=device, dtype=dtype)
-    else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+    # Everything a user can get wrong is checked before the model loads.
+    config = config_from_args(args)
+    resolve_device(config.device)
+    if config.model is not None:
+        check_model_source(config.model)
+    reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
+    dataset = load_dataset(config)
+    with RunDirectory(config.output_dir) as run_dir:
+        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+        newest = latest_checkpoint(config.output_dir) if config.resume else None
+        if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
+            check_resume(json.loads((newest / CONFIG_FILE).read_text()), config, newest.name)
+        if not sys.stderr.isatty():  # HF's own bars (loading, writing shards) are one long line in a log file
+            from transformers.utils import logging as hf_logging
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        extra = {}
-        if config.load_in_4bit:
-            from transformers import BitsAndBytesConfig
-
-            extra["quantization_config"] = BitsAndBytesConfig(
-                load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
-            )
-            extra["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation="sdpa", **extra)
-        if not config.load_in_4bit:
-            model.to(device)
-    if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if config.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        targets = config.lora_target_modules
-        model = get_peft_model(model, LoraConfig(
-            r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
-        ))
-    if config.patch:
-        patch_model(model, offload_activations=_offload_setting(config, device))
-    return model, tokenizer
-
-
-def _offload_setting(config: GRPOConfig, device: str):
-    """patch_model's offload_activations: a bool, or an offloader whose host pool is bounded as configured (on the
-    CPU too, where it copies to pageable buffers: the same code path, so the bound is tested without a GPU)."""
-    if config.offload_host_memory_gib is None:
-        return config.offload_activations
-    device = torch.device(device)
-    pool = HostBufferPool(max_bytes=int(config.offload_host_memory_gib * 2**30), pin_memory=device.type == "cuda")
-    return ActivationOffloader(device, pool=pool)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    try:
-        config = config_from_args(args)
-        reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-        dataset = load_dataset(config)
-    except ValueError as err:
-        parser.error(str(err))
-    torch.manual_seed(config.seed)  # LoRA's initialization
-    model, tokenizer = load_model_and_tokenizer(config)
-    try:
+            hf_logging.disable_progress_bar()
+        torch.manual_seed(config.seed)  # LoRA's initialization
+        try:
+            model, tokenizer = load_model_and_tokenizer(config)
+        except OSError as err:  # transformers' answer for a folder without a model or an unknown hub name
+            if config.model is None:
+                raise
+            raise model_load_error(config.model, err) from err
         trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config)
-    except ValueError as err:
-        parser.error(str(err))
-    try:
-        history = trainer.train()
-    except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
-        parser.exit(1, f"fastgrpo train: error: {err} [max_bytes: --offload-host-memory-gib]\n")
-    first, last = history[0] if history else None, history[-1] if history else None
-    if first and last:
+        try:
+            history = trainer.train(run_dir)
+        except Interrupted as stop:
+            stop.how_to_resume = f"`{resume_command(args.argv)}`"
+            raise
+        except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
+            raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
+    if history:
+        first, last = history[0], history[-1]
         print(f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}); "
               f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
     return 0
 
+
+COMMANDS: list[Command] = [
+    Command("train", "run GRPO training", add_train_arguments, run_train, TRAIN_DESCRIPTION),
+]
 
 if __name__ == "__main__":
     sys.exit(main())

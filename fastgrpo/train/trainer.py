@@ -6,10 +6,10 @@ rollout -> rewards -> group advantages -> old / reference log-probs -> num_itera
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
-import json
 import logging
 import math
 import time
@@ -18,16 +18,26 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo._checks import check_choice
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.grpo import group_advantages, kl_penalty
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
-from fastgrpo.rewards.scoring import required_columns, reward_name, reward_names, score
+from fastgrpo.rewards.scoring import RewardError, first_failing_row, required_columns, reward_name, reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
-from fastgrpo.train.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
-from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.checkpoint import (
+    export_model,
+    load_latest_checkpoint,
+    prune_checkpoints,
+    restore_checkpoint,
+    rng_states,
+    save_checkpoint,
+)
+from fastgrpo.train.config import GRPOConfig, check_resume
+from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
+from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -118,7 +128,10 @@ class GRPOTrainer:
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
-        self._loggers = self._external_loggers()
+        self.metrics_log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
+        self._guard: InterruptGuard | None = None  # while train() runs
+        self._saved_step = self._saved_path = None  # the newest checkpoint written or resumed from
+        self._saved_time = time.monotonic()
 
     # ---- input checks: all before any compute ----
     def _check_inputs(self) -> None:
@@ -196,10 +209,13 @@ class GRPOTrainer:
         batch = self._rollout([self.prompts[i] for i in indices])
         t_rollout = time.perf_counter()
 
-        # 2. Rewards: every function on every completion; a failing function scores its samples 0.
+        # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
+        # or scores its failed samples 0 (reward_errors="skip").
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, batch["texts"], columns)  # per_func: [N, F]
+        if errors:
+            self._check_rewards(errors, indices, prompts, batch["texts"], columns)
         rewards = per_func @ self.reward_weights  # rewards: [N]
 
         # 3. Group-normalized advantages.
@@ -215,6 +231,7 @@ class GRPOTrainer:
         t_reference = time.perf_counter()
 
         # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches.
+        self._begin_update()
         train = self._update(batch, advantages, old_logps, ref_logps)
         t_train = time.perf_counter()
 
@@ -349,41 +366,75 @@ class GRPOTrainer:
         }
 
     # ---- the run ----
-    def train(self) -> list[dict]:
-        """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps."""
-        from tqdm.auto import tqdm
+    def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
+        """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps.
 
+        The output folder is locked for the run, and a fresh run refuses a folder that holds another run unless
+        overwrite_output_dir (fastgrpo.train.run_dir); run_dir: a folder the caller opened already (the CLI does,
+        before it loads the model). SIGINT / SIGTERM end the run at a step boundary with a checkpoint, then raise
+        Interrupted (fastgrpo.train.interrupts); a failing reward function (reward_errors="raise") saves the step
+        before it, then raises RewardError.
+        """
         config = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path = self.output_dir / "metrics.jsonl"
-        if config.resume:
-            self.resume()
-        # Keep the log consistent with the weights: drop lines past the step we start from.
-        kept = [line for line in _read_lines(metrics_path) if json.loads(line)["step"] <= self.step]
-        metrics_path.write_text("".join(kept))
-        bar = tqdm(total=config.max_steps, initial=self.step, disable=not config.progress_bar, desc="fastgrpo")
-        while self.step < config.max_steps:
-            metrics = self.train_step()
-            self.history.append(metrics)
-            with metrics_path.open("a") as f:
-                f.write(json.dumps(metrics) + "\n")
-            self._log_external(metrics)
-            bar.set_postfix_str(
-                f"reward {metrics['reward']:.3f} kl {metrics['kl']:.3g} len {metrics['completion_length']:.0f} "
-                f"loss {metrics['loss']:.3g} tok/s {metrics['rollout_tokens_per_s']:.0f}/"
-                f"{metrics['train_tokens_per_s']:.0f}"
-            )
-            bar.update(1)
-            if config.save_steps and self.step % config.save_steps == 0:
+        with contextlib.ExitStack() as stack:
+            if run_dir is None:
+                run_dir = stack.enter_context(RunDirectory(self.output_dir))
+                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+            if config.resume:
+                self.resume()
+            self.metrics_log.start_at(self.step)
+            self._saved_time = time.monotonic()
+            console = ConsoleLog(config.logging_steps, config.max_steps, initial=self.step,
+                                 progress_bar=config.progress_bar)
+            stack.callback(console.close)
+            self._guard = stack.enter_context(InterruptGuard())
+            stack.callback(setattr, self, "_guard", None)
+            self._run_steps(console)
+            if self._saved_step != self.step:
                 self.save_checkpoint()
-        bar.close()
-        if not (config.save_steps and self.step % config.save_steps == 0):
-            self.save_checkpoint()
-        if config.export:
-            self.export(self.output_dir / "final")
+            if config.export:
+                self.export(self.output_dir / "final")
         return self.history
 
-    def save_checkpoint(self) -> Path:
+    def _run_steps(self, console: ConsoleLog) -> None:
+        config, guard = self.config, self._guard
+        while self.step < config.max_steps:
+            rng, t_start = rng_states(), time.perf_counter()
+            guard.abandonable = True  # until train_step calls _begin_update
+            try:
+                metrics = self.train_step()
+            except (Interrupted, RewardError) as stop:
+                if not guard.abandonable:  # a second signal in the middle of the update: nothing whole to save
+                    raise
+                guard.abandonable = False
+                # The step changed nothing yet: save the state it began from (with its RNG states), so that
+                # --resume redoes it exactly.
+                path = self.save_checkpoint(rng) if self.step > 0 and self._saved_step != self.step else None
+                path = path or self._saved_path
+                if isinstance(stop, Interrupted):
+                    raise stop.saved(self.step, path) from None
+                where = f"; step {self.step} is saved in {path}: continue with --resume once fixed" if path else ""
+                raise RewardError(f"{stop}{where}") from stop
+            guard.abandonable = False
+            metrics["step_s"] = time.perf_counter() - t_start
+            self.history.append(metrics)
+            self.metrics_log.write(metrics)
+            console.add(metrics)
+            every_steps = config.save_steps and self.step % config.save_steps == 0
+            every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
+            if every_steps or every_minutes or guard.requested:
+                self.save_checkpoint()
+            if guard.requested:
+                raise guard.interrupted(self.step, self._saved_path)
+
+    def _begin_update(self) -> None:
+        """Called by train_step as the update starts: from here a signal lets the step finish (see train)."""
+        if self._guard is not None:
+            self._guard.abandonable = False
+
+    def save_checkpoint(self, rng: dict | None = None) -> Path:
+        """checkpoint-<step> of the current state (rng: RNG states captured earlier, for a step that was abandoned);
+        then the oldest checkpoints past save_total_limit are deleted."""
         state = {
             "step": self.step,
             "data_position": self.step * (self.config.batch_size // self.config.num_generations),
@@ -391,61 +442,47 @@ class GRPOTrainer:
             "scheduler": self.scheduler.state_dict(),
             "beta": self.beta,
             "config": self.config.to_dict(),
+            **({"rng": rng} if rng is not None else {}),
         }
-        return save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
+        path = save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
+        self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
+        prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        return path
 
     def resume(self) -> None:
-        """Load the latest checkpoint of output_dir: weights, optimizer, scheduler, RNG, step, beta."""
-        path = latest_checkpoint(self.output_dir)
-        if path is None:
-            raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {self.output_dir}")
-        state = load_checkpoint(path, self.model)
+        """Load the newest complete checkpoint of output_dir (a torn one is skipped with a warning): weights,
+        optimizer, scheduler, RNG, step, beta. Its run-defining settings must match the config's (config_changes)."""
+        path, state = load_latest_checkpoint(self.output_dir)
+        check_resume(state.get("config", {}), self.config, path.name)
+        state = restore_checkpoint(state, self.model)
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta
+        self._saved_step, self._saved_path = self.step, path
         logger.info("resumed from %s at step %d", path, self.step)
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
         return export_model(self.model, self.tokenizer, path)
 
-    def _external_loggers(self) -> list[Callable[[int, dict], None]]:
-        loggers = []
-        for name in self.config.report_to or []:
-            check_choice("report_to", name, ("wandb", "tensorboard"))
-            try:
-                loggers.append(_wandb_logger(self.config) if name == "wandb" else _tensorboard_logger(self.output_dir))
-            except ImportError as err:
-                raise ValueError(f"report_to: {name!r} needs `pip install {name}` ({err})") from None
-        return loggers
-
-    def _log_external(self, metrics: dict) -> None:
-        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}
-        for log in self._loggers:
-            log(metrics["step"], scalars)
-
-
-def _wandb_logger(config: GRPOConfig) -> Callable[[int, dict], None]:
-    import wandb
-
-    run = wandb.init(project="fastgrpo", config=config.to_dict())
-    return lambda step, scalars: run.log(scalars, step=step)
-
-
-def _tensorboard_logger(output_dir: Path) -> Callable[[int, dict], None]:
-    from torch.utils.tensorboard import SummaryWriter
-
-    writer = SummaryWriter(str(output_dir / "tensorboard"))
-
-    def log(step: int, scalars: dict) -> None:
-        for key, value in scalars.items():
-            writer.add_scalar(key, value, step)
-        writer.flush()
-
-    return log
-
-
-def _read_lines(path: Path) -> list[str]:
-    return path.read_text().splitlines(keepends=True) if path.exists() else []
+    def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
+                       columns: dict) -> None:
+        """reward_errors="skip": log each failure (the samples scored 0). "raise": RewardError naming the function,
+        what went wrong and the first bad row (the dataset row and which of its completions)."""
+        if self.config.reward_errors == "skip":
+            for failure in failures.values():
+                logger.warning("reward function %s failed; its failed samples score 0: %s", failure.function,
+                               failure)
+            return
+        failure = next(iter(failures.values()))
+        row = failure.row
+        if row is None and failure.startswith("raised"):
+            func = self.reward_funcs[reward_names(self.reward_funcs).index(failure.function)]
+            row = first_failing_row(func, prompts, completions, columns)
+        G = self.config.num_generations
+        where = "" if row is None else (f" on dataset row {indices[row // G]} (completion {row % G + 1} of {G}: "
+                                        f"{completions[row][:40]!r})")
+        raise RewardError(f"reward function {failure.function} {failure}{where}; --reward-errors skip scores such "
+                          "rows 0 instead")

@@ -1,0 +1,127 @@
+"""SIGINT / SIGTERM: a step that has changed nothing is abandoned and the state it began from is saved; a step in
+its update finishes and is saved; either way --resume reaches the metrics of an uninterrupted run. A second signal
+stops at once. The command line prints one line and exits 130 / 143."""
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import list_checkpoints
+from fastgrpo.train.cli import main
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.interrupts import Interrupted
+from fastgrpo.train.trainer import GRPOTrainer
+
+STEPS = 5
+KEYS = ("reward", "loss", "grad_norm", "entropy", "clip_ratio", "kl", "lr")
+SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=4, num_minibatches=2, max_completion_length=5,
+             max_steps=STEPS, save_steps=100, export=False, progress_bar=False, logging_steps=0, beta=0.05)
+
+
+def _trainer(path, reward=default_task.repeat_letter_reward, **fields):
+    config = GRPOConfig(**{**default_task.PRESET, **SMALL, "output_dir": str(path), **fields})
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, seed=1)
+    return GRPOTrainer(model, tokenizer, reward, default_task.build_dataset(32), config)
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    return _trainer(tmp_path_factory.mktemp("straight")).train()
+
+
+def _signal_at_rewards(step: int, signum: int):
+    """The built-in reward, which sends `signum` to this process while scoring step `step` (before the update)."""
+    calls = []
+
+    def reward(prompts, completions, letter, **kwargs):
+        calls.append(1)
+        if len(calls) == step:
+            os.kill(os.getpid(), signum)
+        return default_task.repeat_letter_reward(prompts, completions, letter)
+
+    return reward
+
+
+def _signal_at_update(trainer, step: int, signums: list[int]):
+    """Send `signums` to this process at the first optimizer step of step `step` (inside its update)."""
+    updates_per_step = trainer.updates_per_step
+    count = []
+
+    def hook(optimizer, args, kwargs):
+        count.append(1)
+        if len(count) == (step - 1) * updates_per_step + 1:
+            for signum in signums:
+                os.kill(os.getpid(), signum)
+
+    trainer.optimizer.register_step_pre_hook(hook)
+
+
+def _resumed_equal(path, straight, first_step):
+    torch.manual_seed(999)  # the checkpoint's RNG states must be restored
+    resumed = _trainer(path, resume=True).train()
+    assert [m["step"] for m in resumed] == list(range(first_step, STEPS + 1))
+    for a, b in zip(straight[first_step - 1:], resumed):
+        assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
+    assert [json.loads(line)["step"] for line in (path / "metrics.jsonl").read_text().splitlines()] == \
+        list(range(1, STEPS + 1))
+
+
+def test_signal_before_the_update_abandons_the_step(tmp_path, straight):
+    with pytest.raises(Interrupted) as stop:
+        _trainer(tmp_path, reward=_signal_at_rewards(3, signal.SIGINT)).train()
+    assert stop.value.exit_code == 130 and stop.value.step == 2
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2]  # the state step 3 began from
+    assert "stopped by SIGINT: step 2 saved in" in str(stop.value) and "resume" in str(stop.value)
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+    _resumed_equal(tmp_path, straight, first_step=3)
+
+
+def test_signal_during_the_update_finishes_the_step(tmp_path, straight):
+    trainer = _trainer(tmp_path)
+    _signal_at_update(trainer, 3, [signal.SIGTERM])
+    with pytest.raises(Interrupted) as stop:
+        trainer.train()
+    assert stop.value.exit_code == 143 and stop.value.step == 3
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3]
+    _resumed_equal(tmp_path, straight, first_step=4)
+
+
+def test_second_signal_stops_at_once_without_a_checkpoint(tmp_path):
+    trainer = _trainer(tmp_path, save_steps=1)
+    _signal_at_update(trainer, 2, [signal.SIGINT, signal.SIGINT])
+    with pytest.raises(Interrupted) as stop:
+        trainer.train()
+    assert stop.value.checkpoint is None and "without a new checkpoint" in str(stop.value)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+
+
+def test_command_line_run_is_refused_while_another_holds_the_folder_and_stops_on_sigint(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "--output-dir", str(out), "--max-steps", "100000", "--logging-steps", "1", "--save-steps", "0"]
+    child = subprocess.Popen([sys.executable, "-m", "fastgrpo", *argv], stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (out / "metrics.jsonl").exists() or not (out / "metrics.jsonl").read_text().count("\n") >= 2:
+            assert child.poll() is None and time.monotonic() < deadline, child.communicate()
+            time.sleep(0.2)
+        assert main(argv) == 2
+        assert f"is in use by another run (PID {child.pid} on" in capsys.readouterr().err
+        child.send_signal(signal.SIGINT)
+        stdout, stderr = child.communicate(timeout=60)
+    finally:
+        child.kill()
+    assert child.returncode == 130, stderr
+    # One line (a signal in the middle of an update first says that the step is being finished), no traceback.
+    *before, last = stderr.strip().splitlines()
+    assert all("finishing the current step" in line for line in before), stderr
+    assert last.startswith("fastgrpo train: stopped by SIGINT: step ") and last.endswith("--resume`"), stderr
+    assert stdout.splitlines()[0].startswith("step 1/100000 | reward ")
+    assert list_checkpoints(out)

@@ -1,0 +1,133 @@
+"""A run folder holds one run: another run's files stop a fresh run (or are deleted with overwrite), a second
+concurrent run is refused by the lock, a stale lock is taken over; checkpoints are written atomically and read
+with weights_only; a torn or crafted checkpoint never loads; resume refuses changed run-defining settings."""
+import json
+import logging
+import os
+import pickle
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import list_checkpoints, read_run_config, save_checkpoint
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.run_dir import LOCK_FILE, RunDirectory, RunLock
+from fastgrpo.train.trainer import GRPOTrainer
+
+TINY = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=4, export=False,
+            progress_bar=False, logging_steps=0)
+
+
+def _trainer(tmp_path, **fields):
+    config = GRPOConfig(**{**default_task.PRESET, **TINY, "output_dir": str(tmp_path), **fields})
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, seed=1)
+    return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
+
+
+def _dead_pid() -> int:
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+@pytest.mark.parametrize("use_flock", [True, False], ids=["flock", "pid-only"])
+def test_second_run_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog, use_flock):
+    held = RunLock(tmp_path, use_flock=use_flock)
+    held.acquire()
+    with pytest.raises(ValueError, match=rf"in use by another run \(PID {os.getpid()} on "):
+        RunLock(tmp_path, use_flock=use_flock).acquire()
+    held.release()
+    assert not (tmp_path / LOCK_FILE).exists()
+    # A run killed without releasing leaves its lock file: its PID no longer runs (and it holds no flock).
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": _dead_pid(), "host": os.uname().nodename}))
+    lock = RunLock(tmp_path, use_flock=use_flock)
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.run_dir"):
+        lock.acquire()
+    assert "stale" in caplog.text or "ended without releasing" in caplog.text, caplog.text
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    lock.release()
+
+
+def test_fresh_run_refuses_another_runs_folder_and_overwrite_deletes_it(tmp_path):
+    first = _trainer(tmp_path, max_steps=3, save_steps=1, save_total_limit=None).train()
+    (tmp_path / "run.yaml").write_text("seed: 0\n")  # the user's own file stays
+    with pytest.raises(ValueError, match=r"holds another run \(checkpoint-1, checkpoint-2, checkpoint-3, "
+                                         r"metrics.jsonl\); continue it with --resume, or start afresh with "
+                                         r"--overwrite-output-dir"):
+        _trainer(tmp_path, max_steps=2).train()
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # untouched
+    second = _trainer(tmp_path, max_steps=2, overwrite_output_dir=True).train()
+    assert [m["step"] for m in second] == [1, 2] and second[0]["reward"] == first[0]["reward"]
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2]  # the old run's 1 and 3 are gone
+    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert (tmp_path / "run.yaml").exists() and not (tmp_path / LOCK_FILE).exists()
+    with pytest.raises(ValueError, match="overwrite_output_dir: deletes the checkpoints that resume continues"):
+        RunDirectory(tmp_path).prepare(resume=True, overwrite=True)
+
+
+def test_save_total_limit_keeps_the_newest(tmp_path):
+    _trainer(tmp_path, max_steps=4, save_steps=1, save_total_limit=2).train()
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [3, 4]
+
+
+def test_a_failed_write_leaves_no_checkpoint_and_the_old_one_whole(tmp_path):
+    model = default_task.build_model(default_task.build_tokenizer())
+    save_checkpoint(tmp_path / "checkpoint-1", model, {"step": 1})
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        save_checkpoint(tmp_path / "checkpoint-1", model, {"step": 1, "bad": lambda: None})  # fails mid-write
+    with pytest.raises((pickle.PicklingError, AttributeError, TypeError)):
+        save_checkpoint(tmp_path / "checkpoint-2", model, {"step": 2, "bad": lambda: None})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1"]  # no checkpoint-2, no temporary folder
+    assert torch.load(tmp_path / "checkpoint-1" / "trainer_state.pt", weights_only=True)["step"] == 1
+
+
+class _CreatesAFile:
+    """Unpickling this calls open(path, "w"): code run by loading a checkpoint."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return open, (str(self.path), "w")
+
+
+def test_a_crafted_checkpoint_runs_nothing(tmp_path):
+    marker = tmp_path / "pwned"
+    folder = tmp_path / "out" / "checkpoint-1"
+    folder.mkdir(parents=True)
+    torch.save({"step": 1, "config": {}, "payload": _CreatesAFile(marker)}, folder / "trainer_state.pt")
+    assert not marker.exists()
+    trainer = _trainer(tmp_path / "out", max_steps=2, resume=True)
+    with pytest.raises(ValueError, match="holds objects other than tensors and plain containers; refused"):
+        trainer.train()
+    with pytest.raises(ValueError, match="refused"):
+        read_run_config(folder)  # `fastgrpo eval --checkpoint` reads the config the same way
+    assert not marker.exists()
+
+
+def test_resume_names_each_changed_setting(tmp_path, caplog):
+    _trainer(tmp_path, max_steps=1).train()
+    with pytest.raises(ValueError, match=r"resume: checkpoint-1 was made with other settings: temperature: 1.0 in "
+                                         r"the checkpoint, 0.5 now; learning_rate: 0.003 in the checkpoint, 0.5 now;"
+                                         r" seed: 0 in the checkpoint, 3 now; pass --resume-allow-changes"):
+        _trainer(tmp_path, max_steps=2, resume=True, learning_rate=0.5, seed=3, temperature=0.5).train()
+    # Run-control settings may change; the run continues where it was.
+    history = _trainer(tmp_path, max_steps=2, resume=True, save_steps=7, logging_steps=3, micro_batch_size=4).train()
+    assert [m["step"] for m in history] == [2]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.config"):
+        history = _trainer(tmp_path, max_steps=3, resume=True, learning_rate=0.5, resume_allow_changes=True).train()
+    assert [m["step"] for m in history] == [3] and "learning_rate: 0.003 in the checkpoint, 0.5 now" in caplog.text
+
+
+def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
+    lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2, 3)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rew')  # killed mid-write
+    with caplog.at_level(logging.WARNING):
+        MetricsLog(tmp_path).start_at(2)
+    assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
+    assert "dropped unreadable line 4" in caplog.text
