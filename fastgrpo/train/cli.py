@@ -22,6 +22,10 @@ from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from fastgrpo.train import default_task
+from fastgrpo.train.commands import (
+    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, description, run_ei,
+    run_eval, run_sft,
+)
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume, read_yaml, run_control_fields
 from fastgrpo.train.errors import RunError, run_command
 
@@ -170,6 +174,9 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 COMMANDS: list[Command] = [
     Command("train", "run GRPO training", add_train_arguments, run_train, TRAIN_DESCRIPTION),
+    Command("sft", SFT_HELP, add_sft_arguments, run_sft, description("sft")),
+    Command("ei", EI_HELP, add_ei_arguments, run_ei, description("ei")),
+    Command("eval", EVAL_HELP, add_eval_arguments, run_eval, description("eval")),
 ]
 
 if __name__ == "__main__":
