@@ -152,9 +152,19 @@ class GRPOConfig:
     report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard", run_control=True)
     progress_bar: bool = option(True, "tqdm progress bar between the lines, when stderr is a terminal",
                                 run_control=True)
+    # Periodic evaluation with the rollout engine (fastgrpo.train.periodic_eval): this run's rewards and sampling.
+    eval_steps: int = option(0, "evaluate every N steps and at the end, into output_dir/eval/; 0: off",
+                             run_control=True)
+    eval_dataset: str | None = option(None, "rows to evaluate on (an HF dataset: its test split); none: the built-in "
+                                            "task's held-out rows when training on the built-in task",
+                                      run_control=True)
+    eval_max_examples: int = option(256, "evaluate on the first N rows, one completion each", run_control=True)
 
     def __post_init__(self):
         coerce_fields(self)
+        if self.eval_steps < 0 or self.eval_max_examples < 1:
+            raise ValueError(f"eval_steps / eval_max_examples: expected >= 0 / >= 1, got {self.eval_steps} / "
+                             f"{self.eval_max_examples}")
         for name in ("batch_size", "num_generations", "max_prompt_length", "max_completion_length",
                      "num_iterations", "num_minibatches", "micro_batch_size", "max_steps"):
             if getattr(self, name) < 1:

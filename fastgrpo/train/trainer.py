@@ -37,6 +37,7 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -132,6 +133,7 @@ class GRPOTrainer:
         self._guard: InterruptGuard | None = None  # while train() runs
         self._saved_step = self._saved_path = None  # the newest checkpoint written or resumed from
         self._saved_time = time.monotonic()
+        self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
 
     # ---- input checks: all before any compute ----
     def _check_inputs(self) -> None:
@@ -417,6 +419,8 @@ class GRPOTrainer:
                 raise RewardError(f"{stop}{where}") from stop
             guard.abandonable = False
             metrics["step_s"] = time.perf_counter() - t_start
+            if self.evaluator is not None:
+                metrics.update(self.evaluator(self.step, force=self.step == config.max_steps))
             self.history.append(metrics)
             self.metrics_log.write(metrics)
             console.add(metrics)
