@@ -130,18 +130,19 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
-    from fastgrpo.train.run_dir import RunDirectory
+    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.sources import check_model_source, model_load_error, resolve_device
     from fastgrpo.train.trainer import GRPOTrainer
 
     # Everything a user can get wrong is checked before the model loads.
     config = config_from_args(args)
     resolve_device(config.device)
+    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     if config.model is not None:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     dataset = load_dataset(config)
-    with RunDirectory(config.output_dir) as run_dir:
+    with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
@@ -165,7 +166,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
-    if history:
+    if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"reward {first['reward']:.3f} (step {first['step']}) -> {last['reward']:.3f} (step {last['step']}); "
               f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")

@@ -28,12 +28,11 @@ from fastgrpo.train.checkpoint import (
     export_model,
     load_latest_checkpoint,
     prune_checkpoints,
-    restore_checkpoint,
     rng_states,
-    save_checkpoint,
 )
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.metrics_log import MetricsLog
@@ -112,6 +111,7 @@ class GRPOTrainer:
         self.ref_model = None
         if config.beta > 0 and not is_peft_model(model):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
+        self.dist = Distributed.wrap(model, self.ref_model, config)  # DDP (LoRA) / FSDP2 under torchrun; else as is
         params = [p for p in model.parameters() if p.requires_grad]
         if not params:
             raise ValueError("model: has no trainable parameters")
@@ -129,7 +129,8 @@ class GRPOTrainer:
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
-        self.metrics_log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
+        self.metrics_log = self.dist.on_main(MetricsLog, self.output_dir, report_to=config.report_to,
+                                             run_config=config.to_dict())
         self._guard: InterruptGuard | None = None  # while train() runs
         self._saved_step = self._saved_path = None  # the newest checkpoint written or resumed from
         self._saved_time = time.monotonic()
@@ -206,9 +207,9 @@ class GRPOTrainer:
         t_start = time.perf_counter()
 
         # 1. Rollout: G completions per prompt, one generation config for the whole batch.
-        indices = self._batch_indices(self.step)
+        keys, indices = self.dist.shard(self._batch_indices(self.step))  # this rank's groups, keyed by position
         rows = [self.dataset[i] for i in indices]
-        batch = self._rollout([self.prompts[i] for i in indices])
+        batch = self._rollout([self.prompts[i] for i in indices], keys)
         t_rollout = time.perf_counter()
 
         # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
@@ -216,12 +217,14 @@ class GRPOTrainer:
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, batch["texts"], columns)  # per_func: [N, F]
-        if errors:
-            self._check_rewards(errors, indices, prompts, batch["texts"], columns)
+        self.dist.raise_together(lambda: errors and self._check_rewards(errors, indices, prompts, batch["texts"],
+                                                                        columns))
         rewards = per_func @ self.reward_weights  # rewards: [N]
+        per_func, rewards = self.dist.gather_rows(per_func), self.dist.gather_rows(rewards)  # the whole batch's
 
         # 3. Group-normalized advantages.
         advantages = group_advantages(rewards, G, config.scale_rewards, ADVANTAGE_EPS).float().to(self.device)  # [N]
+        advantages = self.dist.own_rows(advantages)  # this rank's rows
 
         # 4. Old log-probs (only when the policy moves within the step) and reference log-probs (beta > 0).
         old_logps = ref_logps = None
@@ -239,12 +242,13 @@ class GRPOTrainer:
 
         # 6. Adaptive beta from the KL the policy had at rollout.
         kl = kl_penalty(old_logps, ref_logps)[batch["completion_mask"].bool()] if ref_logps is not None else None
+        kl = self.dist.gather_ragged(kl)  # every rank adapts beta from the same KL
         if self.kl_controller is not None:
             self.beta = self.kl_controller.update(kl.mean())
 
         # 7. Log.
         self.step += 1
-        lengths = batch["completion_mask"].sum(-1).float()  # lengths: [N]
+        lengths = self.dist.gather_rows(batch["completion_mask"].sum(-1).float())  # lengths: [N]
         grouped = rewards.view(-1, G)
         names = reward_names(self.reward_funcs)
         metrics = {
@@ -272,18 +276,18 @@ class GRPOTrainer:
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
-        return metrics
+        return self.dist.combine_metrics(metrics)
 
-    def _rollout(self, prompt_ids: list[list[int]]) -> dict:
+    def _rollout(self, prompt_ids: list[list[int]], keys: list[int]) -> dict:
         """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
         config = self.config
         # The weights of the last optimizer step (or of a resumed checkpoint) reach the engine before it samples.
         self.engine.load_weights(self.model)
         # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
         self.engine.reacquire_memory()
-        out = self.engine.generate(
-            prompt_ids, num_generations=config.num_generations, sampling=self.sampling, stop=config.stop,
-            seed=config.seed * 1_000_003 + self.step,
+        out = self.dist.generate(
+            self.engine, prompt_ids, keys, num_generations=config.num_generations, sampling=self.sampling,
+            stop=config.stop, seed=config.seed * 1_000_003 + self.step,
         )
         self.engine.release_memory()
         prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
@@ -302,8 +306,8 @@ class GRPOTrainer:
         model.eval()
         size = self.config.micro_batch_size
         out = [
-            sequence_logprobs(
-                model, batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
+            self.dist.forward(
+                sequence_logprobs, model, batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
                 batch["completion_mask"][i:i + size], temperature=self.config.temperature,
                 disable_adapter=disable_adapter,
             ).float()
@@ -334,32 +338,34 @@ class GRPOTrainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.device)
             for start in range(0, n, mb_size):
                 minibatch = order[start:start + mb_size]
-                # dapo divides by the active tokens of the whole minibatch; the others are per-micro-batch means.
-                num_items = int(batch["completion_mask"][minibatch].sum())
+                # dapo divides by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average over ranks:
+                # its loss is scaled by their count below); the others are per-micro-batch means.
+                num_items = int(self.dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))
                 minibatch_config = dataclasses.replace(
                     loss_config, num_items_in_batch=max(num_items, 1) if config.loss_type == "dapo" else None
                 )
                 self.optimizer.zero_grad(set_to_none=True)
                 for m in range(0, mb_size, micro):
                     rows = minibatch[m:m + micro]
-                    loss, metrics = grpo_loss(
-                        model, batch["input_ids"][rows], batch["attention_mask"][rows],
+                    self.dist.sync_gradients(m + micro >= mb_size)  # DDP: all-reduce on the last micro-batch only
+                    loss, metrics = self.dist.forward(
+                        grpo_loss, model, batch["input_ids"][rows], batch["attention_mask"][rows],
                         batch["completion_mask"][rows], advantages[rows],
                         old_logps=None if old_logps is None else old_logps[rows],
                         ref_logps=None if ref_logps is None else ref_logps[rows], config=minibatch_config,
                         return_entropy=True,
                     )
-                    scale = 1.0 if config.loss_type == "dapo" else len(rows) / mb_size
+                    scale = float(self.dist.world_size) if config.loss_type == "dapo" else len(rows) / mb_size
                     (loss * scale).backward()
                     sums["loss"] += loss.detach().double() * scale
                     for k in ("clip_ratio", "entropy"):
                         sums[k] += torch.as_tensor(metrics.get(k, 0.0)).detach()
                     micro_count += 1
-                sums["grad_norm"] += torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+                sums["grad_norm"] += self.dist.finish_gradients(params, config.max_grad_norm)
                 self.optimizer.step()
                 self.scheduler.step()
         updates = self.updates_per_step
-        loss, grad_norm, clip_ratio, entropy = torch.stack(list(sums.values())).tolist()
+        loss, grad_norm, clip_ratio, entropy = self.dist.mean(torch.stack(list(sums.values()))).tolist()
         return {
             "loss": loss / updates,
             "grad_norm": grad_norm / updates,
@@ -386,8 +392,8 @@ class GRPOTrainer:
                 self.resume()
             self.metrics_log.start_at(self.step)
             self._saved_time = time.monotonic()
-            console = ConsoleLog(config.logging_steps, config.max_steps, initial=self.step,
-                                 progress_bar=config.progress_bar)
+            console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
+                                        progress_bar=config.progress_bar)
             stack.callback(console.close)
             self._guard = stack.enter_context(InterruptGuard())
             stack.callback(setattr, self, "_guard", None)
@@ -426,7 +432,7 @@ class GRPOTrainer:
             console.add(metrics)
             every_steps = config.save_steps and self.step % config.save_steps == 0
             every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
-            if every_steps or every_minutes or guard.requested:
+            if self.dist.any(every_steps or every_minutes or guard.requested):  # all ranks save, or none
                 self.save_checkpoint()
             if guard.requested:
                 raise guard.interrupted(self.step, self._saved_path)
@@ -448,9 +454,10 @@ class GRPOTrainer:
             "config": self.config.to_dict(),
             **({"rng": rng} if rng is not None else {}),
         }
-        path = save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
+        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer, state)
         self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
-        prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        if self.dist.is_main:
+            prune_checkpoints(self.output_dir, self.config.save_total_limit)
         return path
 
     def resume(self) -> None:
@@ -458,8 +465,7 @@ class GRPOTrainer:
         optimizer, scheduler, RNG, step, beta. Its run-defining settings must match the config's (config_changes)."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
-        state = restore_checkpoint(state, self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
         if self.kl_controller is not None:
@@ -469,7 +475,7 @@ class GRPOTrainer:
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
-        return export_model(self.model, self.tokenizer, path)
+        return self.dist.export(export_model, self.model, self.tokenizer, path)
 
     def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
                        columns: dict) -> None:

@@ -1,0 +1,415 @@
+"""Data-parallel GRPO over torch.distributed: `torchrun --nproc_per_node N -m fastgrpo train ...`.
+
+One process per device (nccl on CUDA, gloo on the CPU). Each step's prompts are split into N equal shares of whole
+groups: a rank generates, scores and trains on its own groups, with the sampling noise of each sample keyed by its
+prompt's position in the whole batch (fastgrpo.rollout.sampling.row_keys), so the rollouts are the ones a single
+process would draw. Rewards are gathered so that advantages (batch scaling too) and logged metrics cover the whole
+batch. Gradients are averaged over ranks by PyTorch's own engines:
+- LoRA: DistributedDataParallel over the adapters (the frozen base is replicated), all-reducing once per
+  minibatch (no_sync on the other micro-batches); rank 0 writes the checkpoint, which is the same on every rank.
+- full fine-tuning: FSDP2 (`fully_shard`) on every decoder layer plus a root group holding the embeddings, final
+  norm and lm_head; every rank writes its shard with Distributed Checkpoint. The root group stays gathered from
+  the first micro-batch's forward to the minibatch's last backward: the fused loss reads lm_head.weight in every
+  chunk, and the gathered weight serves them all, once per optimizer step. For a rollout every group is gathered
+  (and hooks told not to reshard) and released after, so the engine decodes with plain tensors and CUDA graphs.
+
+The trainer's loss and log-prob passes call the model's backbone and lm_head.weight directly, never
+model.forward, so both engines get a wrapper module (_Policy) whose forward runs those functions: DDP's reducer
+and FSDP2's all-gathers see the pass. With one process every method here is the identity and the trainer runs as
+it always did.
+"""
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
+from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, atomic_directory, restore_checkpoint, rng_states
+from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
+from fastgrpo.train.checkpoint import set_rng_states
+from fastgrpo.train.run_dir import RunDirectory
+
+logger = logging.getLogger(__name__)
+SHARDS = "shards"  # the Distributed Checkpoint folder inside checkpoint-<step>/ (FSDP2)
+# metrics that each rank measures on its own share: combined over ranks (sum, max or mean) for rank 0's log
+SUMMED, MAXED, AVERAGED = ("rollout_tokens_per_s", "train_tokens_per_s", "reward_errors"), ("peak_gpu_mem_gib",), \
+    ("truncated_frac",)
+
+
+def init_distributed(device: str = "auto") -> Distributed:
+    """Join the process group torchrun describes (WORLD_SIZE > 1 in the environment); a no-op otherwise.
+
+    On CUDA each process takes the GPU of its LOCAL_RANK (before any model is loaded, so "cuda" means that GPU)
+    and NCCL; on the CPU, gloo."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
+        if cuda and ":" in device:
+            raise ValueError(f"device: {device!r} under torchrun; pass --device cuda (each process takes the GPU of "
+                             "its LOCAL_RANK)")
+        if cuda:
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group("nccl" if cuda else "gloo")
+        atexit.register(dist.destroy_process_group)  # NCCL warns about a group left open at exit
+    return Distributed.current()
+
+
+class _Policy(torch.nn.Module):
+    """forward(fn, *args) = fn(model, *args): the module DDP / FSDP2 wrap, so they see grpo_loss and
+    sequence_logprobs, which read the backbone and lm_head.weight without calling model.forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, fn: Callable, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)
+
+
+def _no_pass(model):
+    return None
+
+
+class _Silent:
+    """Stands in for rank 0's metrics log and console on the other ranks: every method does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
+class Distributed:
+    """This process's place in the run (rank, world size) and the collective steps the trainer takes."""
+
+    def __init__(self, rank: int = 0, world_size: int = 1):
+        self.rank, self.world_size = rank, world_size
+        self.is_main = rank == 0
+        self.active = world_size > 1
+        # where small collectives' tensors go: NCCL takes CUDA tensors only
+        nccl = self.active and dist.get_backend() == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+        self._wrappers: dict[int, torch.nn.Module] = {}  # id(model) -> its DDP / FSDP2 _Policy
+        self._ddp = self._fsdp = None  # the trained model's wrapper, by kind
+
+    @classmethod
+    def current(cls) -> Distributed:
+        if dist.is_available() and dist.is_initialized():
+            return cls(dist.get_rank(), dist.get_world_size())
+        return cls()
+
+    # ---- set-up ----
+    @classmethod
+    def wrap(cls, model: torch.nn.Module, ref_model: torch.nn.Module | None, config) -> Distributed:
+        """The Distributed of this process, with `model` wrapped for data parallelism when there are several: DDP for
+        a PEFT (LoRA) model, FSDP2 otherwise (the frozen reference copy is sharded too). Call before building the
+        optimizer: FSDP2 replaces the parameters by their shards."""
+        self = cls.current()
+        if not self.active:
+            return self
+        self._check_sizes(config)
+        if is_peft_model(model):
+            from torch.nn.parallel import DistributedDataParallel
+
+            # device_ids=None: the module is on one device already and DDP leaves the inputs where they are
+            self._ddp = DistributedDataParallel(_Policy(model))
+            self._wrappers[id(model)] = self._ddp
+        else:
+            self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False))
+            if ref_model is not None:
+                self._shard(ref_model, trained=False, cpu_offload=False)
+        return self
+
+    def _check_sizes(self, config) -> None:
+        groups = config.batch_size // config.num_generations
+        if groups % self.world_size:
+            raise ValueError(f"batch_size: {groups} prompts per step ({config.batch_size} / num_generations "
+                             f"{config.num_generations}) do not split into {self.world_size} processes' equal shares "
+                             "of whole groups")
+        local = config.batch_size // self.world_size
+        if local % config.num_minibatches or (local // config.num_minibatches) % config.micro_batch_size:
+            raise ValueError(f"micro_batch_size: each of the {self.world_size} processes trains on {local} completions "
+                             f"in {config.num_minibatches} minibatch(es); micro_batch_size "
+                             f"{config.micro_batch_size} must divide {local // config.num_minibatches}")
+        if config.rollout_engine != "builtin":
+            logger.warning("rollout_engine %s under %d processes: its samples depend on how the batch is split",
+                           config.rollout_engine, self.world_size)
+
+    def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool) -> torch.nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        for layer in decoder_layers(model, architecture(model)):
+            fully_shard(layer, mesh=mesh, offload_policy=offload)
+        # The root group: embeddings, final norm, lm_head. A frozen copy drops them after each pass; the trained
+        # model keeps them from the first micro-batch to the last backward (finish_gradients releases them).
+        policy = fully_shard(_Policy(model), mesh=mesh, offload_policy=offload, reshard_after_forward=not trained)
+        if trained:
+            policy.set_reshard_after_backward(False, recurse=False)
+        # FSDP2 picks its root at the first forward: make it the _Policy now, before a rollout runs the layers alone.
+        policy(_no_pass)
+        policy.reshard()
+        self._wrappers[id(model)] = policy
+        return policy
+
+    # ---- the step ----
+    def shard(self, indices: list[int]) -> tuple[list[int], list[int]]:
+        """(keys, indices) of this rank's equal share of the step's prompts: keys are their positions in the whole
+        batch (the sampling noise's key), indices their dataset rows."""
+        per_rank = len(indices) // self.world_size
+        keys = list(range(self.rank * per_rank, (self.rank + 1) * per_rank))
+        return keys, [indices[k] for k in keys]
+
+    def generate(self, engine, prompts, keys: list[int], **kwargs):
+        """engine.generate for this rank's prompts, keyed by their positions when the engine takes keys; under
+        FSDP2 with every weight gathered for the call."""
+        if accepts_prompt_keys(engine):
+            kwargs["prompt_keys"] = keys
+        with self.full_weights():
+            return engine.generate(prompts, **kwargs)
+
+    @contextlib.contextmanager
+    def full_weights(self):
+        """FSDP2: all-gather every group, keep it through the block (forward hooks then do no communication, so
+        the decode step can be compiled and CUDA-graphed), release it after."""
+        if self._fsdp is None:
+            yield
+            return
+        from torch.distributed.fsdp import FSDPModule
+
+        modules = [m for m in self._fsdp.modules() if isinstance(m, FSDPModule)]
+        for m in modules:
+            m.unshard()
+            m.set_reshard_after_forward(False, recurse=False)
+        try:
+            yield
+        finally:
+            for m in modules:
+                m.set_reshard_after_forward(m is not self._fsdp, recurse=False)
+                m.reshard()
+
+    def forward(self, fn: Callable, model: torch.nn.Module, *args, **kwargs):
+        """fn(model, *args, **kwargs), through model's DDP / FSDP2 wrapper when it has one."""
+        wrapper = self._wrappers.get(id(model))
+        return fn(model, *args, **kwargs) if wrapper is None else wrapper(fn, *args, **kwargs)
+
+    def sync_gradients(self, sync: bool) -> None:
+        """DDP: whether the next forward/backward all-reduces (the minibatch's last micro-batch) or only
+        accumulates locally (what DDP.no_sync sets). FSDP2 reduce-scatters every backward into sharded gradients,
+        which keeps the unsharded gradients of one layer alive at a time."""
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = sync
+
+    def finish_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
+        """After a minibatch's last backward: release FSDP2's gathered root weights (the optimizer steps the
+        shards), clip the gradients to max_norm by their global norm; returns that norm (a plain tensor)."""
+        if self._fsdp is None:
+            return torch.nn.utils.clip_grad_norm_(params, max_norm)
+        from torch.distributed.tensor import DTensor
+
+        self._fsdp.reshard()
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in params if p.grad is not None]
+        # the shards are disjoint: the global squared norm is the sum of the ranks' (computed here rather than by
+        # clip_grad_norm_ on DTensors, which cannot reduce shards that CPU offload keeps in host memory)
+        squares = sum(n.double().square().to(self.device) for n in torch._foreach_norm(grads, 2.0))
+        dist.all_reduce(squares)
+        norm = squares.sqrt().float()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # clip_grad_norm_'s formula
+        for device in {g.device for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.device == device], coef.to(device))
+        return norm
+
+    # ---- collectives on small tensors ----
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.active:
+            return value
+        out = value.detach().to(self.device, copy=True)
+        dist.all_reduce(out)
+        return out.to(value.device)
+
+    def mean(self, value: torch.Tensor) -> torch.Tensor:
+        return self.all_reduce_sum(value) / self.world_size if self.active else value
+
+    def any(self, flag) -> bool:
+        """True on every rank when `flag` is true on any: decisions that lead into collectives (saving) agree."""
+        if not self.active:
+            return bool(flag)
+        return bool(self.all_reduce_sum(torch.tensor(float(bool(flag)))) > 0)
+
+    def gather_rows(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows [n, ...] -> the whole batch's [world * n, ...] in rank order (every share equal)."""
+        if not self.active:
+            return value
+        local = value.detach().to(self.device).contiguous()
+        parts = [torch.empty_like(local) for _ in range(self.world_size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(value.device)
+
+    def gather_ragged(self, value: torch.Tensor | None) -> torch.Tensor | None:
+        """A 1-D tensor of any length per rank -> their concatenation in rank order (None stays None)."""
+        if not self.active or value is None:
+            return value
+        sizes = self.gather_rows(torch.tensor([value.numel()], device=self.device)).tolist()
+        padded = torch.zeros(max(sizes), dtype=value.dtype, device=self.device)
+        padded[: value.numel()] = value.detach().reshape(-1)
+        parts = self.gather_rows(padded[None])
+        return torch.cat([row[:n] for row, n in zip(parts, sizes)]).to(value.device)
+
+    def own_rows(self, value: torch.Tensor) -> torch.Tensor:
+        """This rank's rows of a whole-batch tensor (the inverse of gather_rows)."""
+        n = value.shape[0] // self.world_size
+        return value[self.rank * n:(self.rank + 1) * n]
+
+    def raise_together(self, check: Callable[[], object]) -> None:
+        """Run `check`; if it raises on any rank, raise on every rank (the others with the first failing rank's
+        message), so that no rank goes on into a collective that the failed ones will never join."""
+        if not self.active:
+            check()
+            return
+        try:
+            check()
+            failure = None
+        except Exception as err:  # noqa: BLE001 - re-raised below, on this rank and on the others
+            failure = err
+        messages = [None] * self.world_size
+        dist.all_gather_object(messages, None if failure is None else (type(failure), str(failure)))
+        if failure is not None:
+            raise failure
+        first = next((m for m in messages if m is not None), None)
+        if first is not None:
+            kind, text = first
+            raise kind(f"(on process {messages.index(first)}) {text}")
+
+    def combine_metrics(self, metrics: dict) -> dict:
+        """Rank 0's view of the step: the per-rank throughputs and error counts summed, the peak memory the
+        highest, fractions averaged (every rank holds an equal share)."""
+        if not self.active:
+            return metrics
+        names = [k for k in (*SUMMED, *MAXED, *AVERAGED) if k in metrics]
+        values = torch.tensor([float(metrics[k]) for k in names], dtype=torch.float64)
+        summed = self.all_reduce_sum(values).tolist()
+        highest = values.to(self.device)
+        dist.all_reduce(highest, op=dist.ReduceOp.MAX)
+        for name, total, top in zip(names, summed, highest.tolist()):
+            metrics[name] = top if name in MAXED else total / self.world_size if name in AVERAGED else total
+        return metrics
+
+    def on_main(self, factory: Callable, *args, **kwargs):
+        """factory(*args, **kwargs) on rank 0 (metrics log, console); a do-nothing stand-in on the others."""
+        return factory(*args, **kwargs) if self.is_main else _Silent()
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def run_directory(self, output_dir):
+        """Rank 0 locks and prepares output_dir (fastgrpo.train.run_dir); the others wait until it has."""
+        if not self.is_main:
+            yield _Follower(self)
+            return
+        with RunDirectory(output_dir) as run_dir:
+            yield _Leader(run_dir, self)
+
+    # ---- checkpoints ----
+    def save_checkpoint(self, path: Path, model: torch.nn.Module, optimizer, state: dict) -> Path:
+        """checkpoint-<step>/ of this run. One process or DDP: rank 0 writes it (fastgrpo.train.checkpoint; the
+        state is the same on every rank). FSDP2: every rank writes its shard of the weights and AdamW states with
+        Distributed Checkpoint into <path>/shards, rank 0 the rest; the folder appears whole or not at all."""
+        path = Path(path)
+        if self.active:
+            state = {**state, "world_size": self.world_size}
+        if self._fsdp is None:
+            if self.is_main:
+                save_plain_checkpoint(path, model, state)
+            self.barrier()
+            return path
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        state = {**state, "rng": state.get("rng") or rng_states(), "sharded": True}
+        state.pop("optimizer", None)
+        with atomic_directory(path) if self.is_main else contextlib.nullcontext() as tmp:
+            where = [str(tmp)]
+            dist.broadcast_object_list(where, src=0)
+            model_state, optimizer_state = get_state_dict(model, optimizer)
+            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(where[0]) / SHARDS)
+            if self.is_main:
+                torch.save(state, tmp / STATE_FILE)
+                (tmp / CONFIG_FILE).write_text(json.dumps(state.get("config", {}), indent=1) + "\n")
+        self.barrier()
+        return path
+
+    def restore_checkpoint(self, path: Path, state: dict, model: torch.nn.Module, optimizer) -> dict:
+        """Load checkpoint `path` (its state read by read_checkpoint) into model, optimizer and the RNGs; return
+        the rest of the state (step, scheduler, beta, ...)."""
+        saved_world = state.pop("world_size", 1)
+        if saved_world != self.world_size:
+            logger.warning("resume: %s was written by %d process(es), this run has %d", path.name, saved_world,
+                           self.world_size)
+        if not state.pop("sharded", False):
+            if self._fsdp is not None:
+                raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
+                                 "resume it with the process count that wrote it")
+            state = restore_checkpoint(state, model)
+            optimizer.load_state_dict(state.pop("optimizer"))
+            return state
+        if self._fsdp is None:
+            raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "
+                             f"torchrun --nproc_per_node {saved_world}")
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        saved = {"model": model_state, "optimizer": optimizer_state}
+        dcp.load(saved, checkpoint_id=Path(path) / SHARDS)
+        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+        set_rng_states(state.pop("rng"))
+        return state
+
+    def export(self, export: Callable, model: torch.nn.Module, tokenizer, path: Path) -> Path:
+        """export(model, tokenizer, path) on rank 0; under FSDP2 the full weights are gathered first (every rank
+        takes part) and the model is saved from them."""
+        if self._fsdp is None:
+            if self.is_main:
+                export(model, tokenizer, path)
+            self.barrier()
+            return Path(path)
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        if self.is_main:
+            with atomic_directory(path) as tmp:
+                model.save_pretrained(tmp, state_dict=full)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(tmp)
+        self.barrier()
+        return Path(path)
+
+
+class _Leader:
+    """Rank 0's run directory: prepares it, then lets the other ranks go on."""
+
+    def __init__(self, run_dir: RunDirectory, group: Distributed):
+        self.run_dir, self.group = run_dir, group
+
+    def prepare(self, **kwargs) -> None:
+        self.run_dir.prepare(**kwargs)
+        self.group.barrier()
+
+
+class _Follower:
+    def __init__(self, group: Distributed):
+        self.group = group
+
+    def prepare(self, **kwargs) -> None:
+        self.group.barrier()

@@ -1,0 +1,188 @@
+"""Data-parallel GRPO on 2 gloo processes (real torch.distributed, spawned) against one process on the same global
+batch: the first step's rollouts and rewards are identical, and the update (FSDP2 for full fine-tuning, DDP for
+LoRA) equals one process's within fp32 rounding; an FSDP2 run resumed from its Distributed Checkpoint continues
+bit for bit.
+
+Tolerance of "equal within fp32": the 1-process and the 2-process gradients are two fp32 evaluations of one
+quantity that differ only in the order of their sums (micro-batches per rank, then the all-reduce / reduce-
+scatter). Each one's error against an fp64 evaluation of the same batch is rounding of that kind, so the
+2-process error may be a small multiple of the 1-process error (measured here, e1), never orders of magnitude
+more: |g2 - g1| <= 8 e1 + 8 ulp(max|g|). A real fault (a rank's gradient dropped, dapo's normaliser per rank,
+advantages from half a batch) moves gradients by a sizeable fraction of their size. AdamW's first step maps g to
+lr g / (|g| + eps) elementwise, whose slope is at most lr / eps, so with eps = 1e-3 here the updated weights may
+differ by lr * tol_g / eps plus an ulp of the weights; with the default eps = 1e-8 near-zero gradients would turn
+rounding into whole steps (sign flips) and the comparison would check nothing.
+"""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastgrpo.rollout import BuiltinEngine
+from fastgrpo.train import default_task
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.trainer import GRPOTrainer
+
+WORLD = 2
+# 4 prompts x 4 samples: 2 groups per rank; micro-batches of 4, so each rank accumulates 2 before its all-reduce
+FIELDS = dict(default_task.PRESET, batch_size=16, num_generations=4, micro_batch_size=4, max_completion_length=6,
+              adam_epsilon=1e-3, export=False, progress_bar=False, logging_steps=0)
+U32 = 2.0**-23  # fp32 unit roundoff (ulp of 1)
+
+
+class _Replay:
+    """An engine that returns one recorded rollout (the fp64 reference trains on the fp32 run's samples)."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def generate(self, prompts, **kwargs):
+        return self.result
+
+    def release_memory(self):
+        pass
+
+    def reacquire_memory(self):
+        pass
+
+    def load_weights(self, model):
+        pass
+
+
+def _model(lora: bool, dtype=torch.float32, seed: int = 0):
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer, seed=seed)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    return model.to(dtype), tokenizer
+
+
+def _full(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
+
+
+def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: int = 0):
+    """One GRPO step: (trainer, metrics, rollouts of this process, gradients at the optimizer, weights after)."""
+    model, tokenizer = _model(lora, dtype, seed)
+    config = GRPOConfig(**FIELDS, output_dir=str(output_dir))
+    engine = _Replay(replay) if replay is not None else BuiltinEngine(model, tokenizer)
+    rollouts, generate = [], engine.generate
+
+    def recording(*args, **kwargs):
+        rollouts.append(generate(*args, **kwargs))
+        return rollouts[-1]
+
+    engine.generate = recording
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
+                          config, engine=engine)
+    grads = {}
+
+    def capture(optimizer, args, kwargs):
+        grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+
+    hook = trainer.optimizer.register_step_pre_hook(capture)
+    metrics = trainer.train_step()
+    hook.remove()
+    return trainer, metrics, rollouts[0], grads, _weights(model)
+
+
+def _weights(model) -> dict:
+    return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _worker(rank: int, store: str, out: str, tmp: str) -> None:
+    torch.set_num_threads(1)  # 2 processes on a 2-core CI machine; and no OpenMP pool inherited through fork
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        found, trainers = {}, {}
+        for lora in (False, True):
+            trainers[lora], metrics, rollout, grads, weights = _one_step(lora, os.path.join(tmp, f"run-{lora}"))
+            texts = [None] * WORLD
+            dist.all_gather_object(texts, (rollout.texts, rollout.completion_ids.tolist()))
+            found[lora] = dict(metrics=metrics, texts=[t for part, _ in texts for t in part],
+                               ids=[row for _, part in texts for row in part], grads=grads, weights=weights)
+        # FSDP2 resume: the full fine-tuning run checkpoints after step 1 (every rank writes its shard) and takes
+        # step 2; a model built from another seed resumes from the checkpoint and takes step 2 again.
+        first = trainers[False]
+        first.save_checkpoint()
+        found["straight"] = dict(metrics=first.train_step(), weights=_weights(first.model))
+        model, tokenizer = _model(False, seed=1)
+        resumed = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
+                              GRPOConfig(**FIELDS, output_dir=first.config.output_dir))
+        resumed.resume()
+        found["resumed"] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
+        found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))
+        if rank == 0:
+            torch.save(found, out)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def two_processes(tmp_path_factory):
+    """The 2-process results, and the 1-process runs (fp32 and the fp64 reference on the same samples) computed
+    while the two processes run. They are forked after this process imported what they use (a spawned process
+    spends longer importing transformers than training)."""
+    tmp = tmp_path_factory.mktemp("dist")
+    out = str(tmp / "found.pt")
+    _model(True)  # import transformers' model classes and PEFT before the fork
+    import torch.distributed.checkpoint  # noqa: F401
+    import torch.distributed.fsdp  # noqa: F401
+
+    context = mp.start_processes(_worker, args=(str(tmp / "store"), out, str(tmp)), nprocs=WORLD,
+                                 start_method="fork", join=False)
+    single = {}
+    for lora in (False, True):
+        _, metrics, rollout, grads, weights = _one_step(lora, tmp / f"one-{lora}")
+        reference = _one_step(lora, tmp / f"fp64-{lora}", dtype=torch.float64, replay=rollout)[3]
+        single[lora] = dict(metrics=metrics, rollout=rollout, grads=grads, weights=weights, reference=reference)
+    while not context.join():
+        pass
+    return torch.load(out, weights_only=False), single
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["fsdp2-full", "ddp-lora"])
+def test_two_processes_sample_and_update_as_one(two_processes, lora):
+    got = two_processes[0][lora]
+    one = two_processes[1][lora]
+    metrics, rollout, grads, weights, reference = (one[k] for k in ("metrics", "rollout", "grads", "weights",
+                                                                     "reference"))
+    # the rollouts and rewards of the first step: exactly one process's
+    assert got["texts"] == rollout.texts
+    assert got["ids"] == rollout.completion_ids.tolist()
+    for key in ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_frac"):
+        assert got["metrics"][key] == metrics[key], key
+    # the update: within the fp32 tolerance derived in the module docstring, from an fp64 run on the same samples
+    assert got["grads"].keys() == grads.keys() == reference.keys() and grads
+    flat = {name: torch.cat([g[k].flatten() for k in sorted(grads)]) for name, g in
+            (("two", got["grads"]), ("one", grads), ("fp64", reference))}
+    e1 = (flat["one"] - flat["fp64"]).abs().max().item()
+    tol_g = 8 * e1 + 8 * U32 * flat["fp64"].abs().max().item()
+    diff = (flat["two"] - flat["one"]).abs().max().item()
+    assert diff <= tol_g, f"gradients differ by {diff:.3g} > {tol_g:.3g} (1-process fp32 error {e1:.3g})"
+    assert flat["one"].abs().max() > 1e3 * tol_g  # the gradients are not all rounding
+    lr = metrics["lr"]
+    for name, w in weights.items():
+        tol_w = lr * tol_g / FIELDS["adam_epsilon"] + 2 * U32 * w.abs().max().item()
+        assert (got["weights"][name] - w).abs().max().item() <= tol_w, name
+    assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_two_processes_resume_from_their_shards(two_processes):
+    found = two_processes[0]
+    straight, resumed = found["straight"], found["resumed"]
+    assert resumed["step"] == 2
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(found["files"])
+    for key in ("reward", "loss", "grad_norm"):
+        assert resumed["metrics"][key] == straight["metrics"][key], key
+    for name, w in straight["weights"].items():
+        assert torch.equal(resumed["weights"][name], w), name
