@@ -64,8 +64,6 @@ class GRPOConfig:
     gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)", run_control=True)
     fsdp_cpu_offload: bool = option(False, "under torchrun, full fine-tuning: FSDP2 keeps the weight, gradient and "
                                            "AdamW shards in CPU memory (the optimizer steps there)", run_control=True)
-    fsdp_cpu_offload: bool = option(False, "under torchrun, full fine-tuning: FSDP2 keeps the weight, gradient and "
-                                           "AdamW shards in CPU memory (the optimizer steps there)", run_control=True)
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
                                        run_control=True)
     offload_host_memory_gib: float | None = option(
