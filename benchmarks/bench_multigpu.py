@@ -1,0 +1,229 @@
+"""Data-parallel GRPO on 2 GPUs vs 1: Qwen2.5-1.5B LoRA (DDP) and full fine-tuning (FSDP2), and Llama-3.1-8B full
+fine-tuning with FSDP2 on 2 GPUs capped at 24 GiB each (torch.cuda.set_per_process_memory_fraction).
+
+    python -m benchmarks.bench_multigpu                 # every case; writes results/multigpu-<card>.json, table last
+    torchrun --nproc_per_node 2 -m benchmarks.bench_multigpu --case qwen-full --out rows.jsonl   # one case
+
+A step here is the trainer's update of one global batch (GRPOTrainer._update: forward + backward of every micro-
+batch, the gradient all-reduce / reduce-scatter, clipping, AdamW), on random token ids with the completion mask and
+advantages of a GRPO batch: the part that data parallelism divides (the rollout's decode is latency-bound and
+takes about as long for half the rows). The global batch is the same on 1 and 2 GPUs (whole groups of 8 per rank),
+so steps/s on 2 GPUs over 1 GPU is the speed-up; peak memory is the highest of the ranks'. The 2-GPU full fine-
+tuning case also runs one whole train_step (rollout of 32 tokens under FSDP2 with gathered weights, rewards,
+update) to check the per-rank engine on CUDA. Models are built from configs with random weights and patched
+(fastgrpo.patch_model, no activation offload or checkpointing); bf16 weights, AdamW states in bf16.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from pathlib import Path
+
+import torch
+
+from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.e2e import MODEL_CONFIGS
+
+CASES = {
+    # Qwen2.5-1.5B, 2 prompts x 8 generations of 256 + 1024 tokens (the README's e2e shape, two groups)
+    "qwen-lora": dict(model="qwen2.5-1.5b", lora_rank=16, groups=2, prompt=256, completion=1024, micro=8, steps=4),
+    "qwen-full": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4),
+    # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
+    # ranks is 30 GiB a GPU without offload), micro-batches of 4
+    "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
+                         cap_gib=24, cpu_offload=True),
+    # one whole train_step of the FSDP2 model (last: its decode step compiles for a while)
+    "qwen-full-rollout": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
+                              steps=1, rollout_check=True),
+}
+G = 8
+TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "llama8b-full": 110, "qwen-full-rollout": 90}  # seconds per launch
+DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "280"))  # for all launches together
+# FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
+CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
+if CPU:
+    CASES = {name: dict(spec, model="tiny-qwen2", prompt=16, completion=16, micro=4, steps=2)
+             for name, spec in CASES.items()}
+DEVICE = "cpu" if CPU else "cuda"
+
+
+def _tokenizer(vocab_size: int):
+    """Token i is the word `t<i>`, so any sampled id decodes."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+                                   padding_side="left")
+
+
+def _reward(prompts, completions, **columns):
+    return [len(text) % 97 / 97 for text in completions]
+
+
+def _build(spec: dict):
+    import fastgrpo
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = dict(MODEL_CONFIGS[spec["model"]])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    torch.manual_seed(0)
+    with torch.device(DEVICE):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    if spec["lora_rank"]:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"],
+                                                 target_modules="all-linear"))
+    model.config.use_cache = False
+    return fastgrpo.patch_model(model).train()
+
+
+def _batch(spec: dict, vocab: int, device) -> tuple[dict, torch.Tensor]:
+    """The global batch: groups x G sequences of prompt + completion random ids, every completion token counted."""
+    g = torch.Generator().manual_seed(1)
+    n, P, C = spec["groups"] * G, spec["prompt"], spec["completion"]
+    ids = torch.randint(2, vocab, (n, P + C), generator=g)
+    completion = torch.zeros(n, P + C, dtype=torch.long)
+    completion[:, P:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+    return {k: v.to(device) for k, v in batch.items()}, torch.randn(n, generator=g).to(device)
+
+
+def run_case(name: str, out: str) -> None:
+    """One case in this process (one of torchrun's ranks, or alone): rank 0 appends its row to `out`."""
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    spec = CASES[name]
+    group = init_distributed(DEVICE)
+    if "cap_gib" in spec and not CPU:
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        torch.cuda.set_per_process_memory_fraction(spec["cap_gib"] * GIB / total)
+    spec = dict(spec, cpu_offload=spec.get("cpu_offload", False) and not CPU)
+    t0 = time.perf_counter()
+    model = _build(spec)
+    vocab = model.config.vocab_size
+    dataset = [{"prompt": " ".join(f"t{i}" for i in torch.randint(2, vocab, (spec["prompt"],)).tolist())}
+               for _ in range(4 * spec["groups"])]
+    config = GRPOConfig(
+        model=spec["model"], lora_rank=spec["lora_rank"], batch_size=spec["groups"] * G, num_generations=G,
+        micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
+        learning_rate=1e-6, fsdp_cpu_offload=spec["cpu_offload"], output_dir=tempfile.mkdtemp(), export=False,
+        progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
+    )
+    trainer = GRPOTrainer(model, _tokenizer(vocab), _reward, dataset, config)
+    build_s = time.perf_counter() - t0
+    batch, advantages = _batch(spec, vocab, trainer.device)
+    batch = {k: trainer.dist.own_rows(v) for k, v in batch.items()}
+    advantages = trainer.dist.own_rows(advantages)
+    if not CPU:
+        torch.cuda.reset_peak_memory_stats()
+    times, losses = [], []
+    for _ in range(spec["steps"]):
+        _sync()
+        start = time.perf_counter()
+        losses.append(trainer._update(batch, advantages, None, None)["loss"])
+        _sync()
+        times.append(time.perf_counter() - start)
+    peak = torch.tensor([0.0 if CPU else torch.cuda.max_memory_allocated() / GIB], device=group.device)
+    if group.active:
+        torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
+    step = statistics.median(times[1:] or times)  # the first step pays for Triton's autotuning
+    row = {
+        "case": name, "model": spec["model"], "mode": "lora16" if spec["lora_rank"] else "full",
+        "gpus": group.world_size, "engine": ("ddp" if spec["lora_rank"] else "fsdp2") if group.active else "single",
+        "global_batch": f"{spec['groups'] * G} x ({spec['prompt']} + {spec['completion']})",
+        "micro_batch": spec["micro"], "step_ms": 1000 * step, "steps_s": 1 / step,
+        "step_ms_all": [1000 * t for t in times], "loss": losses, "loss_finite": all(map(math.isfinite, losses)),
+        "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
+        "build_s": build_s,
+    }
+    if spec.get("rollout_check") and group.active:
+        row.update(_whole_step(trainer))
+    if group.is_main:
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def _whole_step(trainer) -> dict:
+    """One train_step with a 32-token rollout: the engine on gathered FSDP2 weights, compiled and CUDA-graphed."""
+    import dataclasses
+
+    trainer.sampling = dataclasses.replace(trainer.sampling, max_new_tokens=32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        metrics = trainer.train_step()
+    fallbacks = [str(w.message)[:160] for w in caught if "rollout:" in str(w.message)]
+    return {"whole_step": {k: metrics[k] for k in ("reward", "loss", "rollout_s", "train_s", "completion_length")},
+            "rollout_fallback_warnings": fallbacks}
+
+
+def _sync() -> None:
+    if not CPU:
+        torch.cuda.synchronize()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--case", choices=sorted(CASES))
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    if args.case:
+        run_case(args.case, args.out)
+        return
+    out = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
+    me = [sys.executable, "-m", "benchmarks.bench_multigpu"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    status, start = {}, time.monotonic()
+    # the 1-GPU baselines side by side, one on each GPU; then the 2-GPU runs one after another
+    phases = [[(c, me, {"CUDA_VISIBLE_DEVICES": str(i)}) for i, c in enumerate(("qwen-lora", "qwen-full"))],
+              *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "llama8b-full", "qwen-full-rollout"))]
+    for phase in phases:
+        left = DEADLINE_S - (time.monotonic() - start)
+        if left < 20:
+            status.update({f"{c}/{'1' if env else '2'}gpu": "skipped (deadline)" for c, _, env in phase})
+            continue
+        running = [(c, subprocess.Popen(cmd + ["--case", c, "--out", out], env={**os.environ, **env}), env)
+                   for c, cmd, env in phase]
+        for case, proc, env in running:
+            key = f"{case}/{'1' if env else '2'}gpu"
+            remaining = DEADLINE_S - (time.monotonic() - start)
+            try:
+                status[key] = proc.wait(timeout=max(1.0, min(TIMEOUTS[case], remaining)))
+            except subprocess.TimeoutExpired:
+                proc.terminate()  # SIGTERM: torchrun's agent stops its workers first (SIGKILL would orphan them)
+                try:
+                    proc.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                status[key] = "timeout"
+    rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
+    single = {r["case"]: r for r in rows if r["gpus"] == 1}
+    for r in rows:
+        base = single.get(r["case"]) if r["gpus"] > 1 else None
+        r["speedup"] = base["step_ms"] / r["step_ms"] if base else None
+    path = write_results("multigpu", rows, {"cases": CASES, "exit_codes": status, "card": card_name(),
+                                            "gpus_visible": torch.cuda.device_count()})
+    print(json.dumps(status))
+    print(f"wrote {path}")
+    for r in rows:
+        if "whole_step" in r or r["cpu_offload"]:
+            print(r["case"], {k: r.get(k) for k in ("step_ms_all", "loss", "whole_step", "rollout_fallback_warnings")})
+    print_table(rows, ["case", "gpus", "engine", "global_batch", "step_ms", "steps_s", "speedup",
+                       "peak_gib_per_gpu", "cap_gib", "loss_finite"])
+
+
+if __name__ == "__main__":
+    main()
