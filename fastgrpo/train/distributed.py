@@ -138,9 +138,6 @@ class Distributed:
             raise ValueError(f"micro_batch_size: each of the {self.world_size} processes trains on {local} completions "
                              f"in {config.num_minibatches} minibatch(es); micro_batch_size "
                              f"{config.micro_batch_size} must divide {local // config.num_minibatches}")
-        if config.rollout_engine != "builtin":
-            logger.warning("rollout_engine %s under %d processes: its samples depend on how the batch is split",
-                           config.rollout_engine, self.world_size)
 
     def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
