@@ -89,7 +89,8 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
 def test_reward_functions_from_the_current_folder_and_from_a_file(tmp_path, monkeypatch):
     assert resolve_reward("length") is length_reward
     assert resolve_reward("fastgrpo.train.default_task:repeat_letter_reward") is default_task.repeat_letter_reward
-    (tmp_path / "myrewards_cwd.py").write_text("def fn(prompts, completions, **kw):\n    return [1.0] * len(completions)\n")
+    (tmp_path / "myrewards_cwd.py").write_text("def fn(prompts, completions, **kw):\n"
+                                               "    return [1.0] * len(completions)\n")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "helper_mod.py").write_text("SCORE = 2.0\n")
     (tmp_path / "sub" / "rewards.py").write_text(

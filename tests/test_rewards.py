@@ -163,7 +163,7 @@ def _trainer(tmp_path, reward, **fields):
 
 @pytest.mark.parametrize("failure, message", [
     ("raise", r"reward function flaky raised ZeroDivisionError: division by zero on dataset row \d+ \(completion 3 "
-              r"of 4: '.*'\)"),
+              r"of 4\): '.*'"),
     ("count", r"reward function flaky returned 7 rewards for 8 completions; --reward-errors skip"),
     ("nan", r"reward function flaky returned nan, not a finite number on dataset row \d+ \(completion 3 of 4"),
 ])

@@ -8,11 +8,13 @@ Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[
 from __future__ import annotations
 
 import inspect
+import logging
 import math
 from collections.abc import Callable, Sequence
 
 import torch
 
+logger = logging.getLogger(__name__)
 FAILURE = 0.0
 
 
@@ -110,3 +112,24 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
         except Exception:
             return i
     return None
+
+
+def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Callable], prompts: list,
+                   completions: list[str], columns: dict[str, list], *, on_error: str,
+                   describe_row: Callable[[int], str] = lambda row: f"row {row}") -> None:
+    """What a run does with score()'s failures. on_error="skip": log each one (its samples scored 0). "raise":
+    RewardError naming the first failing function, what went wrong and the first bad row, as describe_row(batch
+    position) words it (a trainer names the dataset row); for a function that raised on the batch, the row is
+    found by calling it on each row alone."""
+    if on_error == "skip":
+        for failure in failures.values():
+            logger.warning("reward function %s failed; its failed samples score 0: %s", failure.function, failure)
+        return
+    failure = next(iter(failures.values()))
+    row = failure.row
+    if row is None and failure.startswith("raised"):
+        func = reward_funcs[reward_names(reward_funcs).index(failure.function)]
+        row = first_failing_row(func, prompts, completions, columns)
+    where = "" if row is None else f" on {describe_row(row)}: {completions[row][:40]!r}"
+    raise RewardError(f"reward function {failure.function} {failure}{where}; --reward-errors skip scores such rows "
+                      "0 instead")

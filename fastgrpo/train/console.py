@@ -1,6 +1,7 @@
 """The console of a run: one plain line every `every` steps, readable in a terminal and in a log file alike.
 
-    step 10/100 | reward 0.253 | kl 0 | entropy 2.31 | clip 0 | length 8.0 | 9.1K tok/s gen, 35K train | 0.12 s/step | peak 0.41 GiB RSS
+    step 10/100 | reward 0.253 | loss -0.0093 | kl 0 | entropy 2.31 | clip 0 | length 8.0 | 9.1K tok/s gen,
+    35K train | 0.12 s/step | peak 0.41 GiB RSS            (one line, cut in two here)
 
 Each line holds the means over the steps since the previous line (peak memory: their maximum). A tqdm bar runs
 between the lines only when stderr is a terminal (in a file its redraws make one line of many kilobytes).

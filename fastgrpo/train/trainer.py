@@ -22,7 +22,7 @@ from fastgrpo.hf.models import is_peft_model
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.grpo import group_advantages, kl_penalty
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
-from fastgrpo.rewards.scoring import RewardError, first_failing_row, required_columns, reward_name, reward_names, score
+from fastgrpo.rewards.scoring import RewardError, check_failures, required_columns, reward_name, reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train.checkpoint import (
     export_model,
@@ -479,20 +479,7 @@ class GRPOTrainer:
 
     def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
                        columns: dict) -> None:
-        """reward_errors="skip": log each failure (the samples scored 0). "raise": RewardError naming the function,
-        what went wrong and the first bad row (the dataset row and which of its completions)."""
-        if self.config.reward_errors == "skip":
-            for failure in failures.values():
-                logger.warning("reward function %s failed; its failed samples score 0: %s", failure.function,
-                               failure)
-            return
-        failure = next(iter(failures.values()))
-        row = failure.row
-        if row is None and failure.startswith("raised"):
-            func = self.reward_funcs[reward_names(self.reward_funcs).index(failure.function)]
-            row = first_failing_row(func, prompts, completions, columns)
+        """reward_errors: "skip" logs the failures; "raise" stops naming the function and the first bad row."""
         G = self.config.num_generations
-        where = "" if row is None else (f" on dataset row {indices[row // G]} (completion {row % G + 1} of {G}: "
-                                        f"{completions[row][:40]!r})")
-        raise RewardError(f"reward function {failure.function} {failure}{where}; --reward-errors skip scores such "
-                          "rows 0 instead")
+        check_failures(failures, self.reward_funcs, prompts, completions, columns, on_error=self.config.reward_errors,
+                       describe_row=lambda row: f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})")
