@@ -96,7 +96,9 @@ TRAIN_DESCRIPTION = (
 
 
 def _preset_notes() -> dict[str, str]:
-    notes = {name: f"{value} for the built-in model" for name, value in default_task.PRESET.items()}
+    defaults = GRPOConfig()
+    notes = {name: f"{value} for the built-in model" for name, value in default_task.PRESET.items()
+             if value != getattr(defaults, name)}
     notes["reward_funcs"] = f"{default_task.REWARD_FUNCS} without --dataset"
     return notes
 
