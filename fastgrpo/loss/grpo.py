@@ -175,11 +175,12 @@ def grpo_terms(
         policy = -phi * advantages * logps
     else:  # grpo, bnpo, dr_grpo, dapo, luspo: the PPO-clipped ratio
         clipped_ratio = torch.clamp(ratio, 1.0 - cfg.epsilon_low, 1.0 + cfg.clip_high)
-        # The min() takes the clipped branch exactly here (where the clamp also stops the gradient).
-        low = (ratio.detach() < 1.0 - cfg.epsilon_low) & (advantages < 0)
-        high = (ratio.detach() > 1.0 + cfg.clip_high) & (advantages > 0)
         if cfg.delta is not None:  # two-sided clipping: the unclipped ratio is capped at delta
             ratio = torch.clamp(ratio, max=cfg.delta)
+        # The min() takes the clipped branch exactly here (where the clamp also stops the gradient); with delta, of
+        # the capped ratio, as TRL counts it.
+        low = (ratio.detach() < 1.0 - cfg.epsilon_low) & (advantages < 0)
+        high = (ratio.detach() > 1.0 + cfg.clip_high) & (advantages > 0)
         policy = -torch.min(ratio * advantages, clipped_ratio * advantages)
     policy = policy.expand_as(logps)
     if cfg.off_policy_mask_threshold is not None:
@@ -318,8 +319,9 @@ def loss_metrics(mask: torch.Tensor, objective: Objective, entropy: torch.Tensor
     0), or of sequences for sequence-level ratios, and clip_ratio their sum; clip_ratio_low_min /
     clip_ratio_high_max: the extremes over sequences of their per-sequence shares (0 without a valid token). kl
     (beta > 0): the mean KL term; entropy (when given): the mean entropy; vespo_phi: the mean sequence weight;
-    entropy_mask_ratio (top_entropy_quantile < 1): the share of valid tokens kept; policy_loss and entropy_bonus
-    (entropy_coef != 0). The means follow TRL 1.16's global_masked_mean (one process).
+    entropy_mask_ratio (top_entropy_quantile < 1): the share of valid tokens kept, and entropy_kept (with entropy)
+    their mean entropy (what the entropy bonus averages); policy_loss (entropy_coef != 0): the loss before the
+    bonus. The means follow TRL 1.16's global_masked_mean (one process).
     """
     terms = objective.terms
     m = mask.to(terms.loss.dtype)
@@ -356,10 +358,12 @@ def loss_metrics(mask: torch.Tensor, objective: Objective, entropy: torch.Tensor
     if terms.phi is not None:
         metrics["vespo_phi"] = mean(terms.phi)
     if terms.entropy_mask is not None:
-        metrics["entropy_mask_ratio"] = mean(terms.entropy_mask)
+        kept = terms.entropy_mask.to(m.dtype)
+        metrics["entropy_mask_ratio"] = mean(kept)
+        if entropy is not None:
+            metrics["entropy_kept"] = torch.where(kept.bool(), entropy.detach(), 0.0).sum() / kept.sum().clamp(min=1.0)
     if objective.entropy_bonus is not None:
         metrics["policy_loss"] = objective.policy_loss.detach()
-        metrics["entropy_bonus"] = objective.entropy_bonus.detach()
     return metrics
 
 
@@ -374,3 +378,22 @@ def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: fl
     elif scale == "batch":
         centered = centered / (rewards.std() + eps)
     return centered.reshape(-1)
+
+
+MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
+
+
+def reward_advantages(per_func: torch.Tensor, weights: torch.Tensor, group_size: int, scale: str, eps: float,
+                      aggregation: str = "sum_then_normalize") -> torch.Tensor:
+    """per_func [N, F] rewards of F functions -> advantages [N]. sum_then_normalize: group_advantages of the
+    weighted sum. normalize_then_sum (GDPO, TRL 1.16 GRPOTrainer._generate_and_score_completions): each function's
+    rewards are standardized within their group ((r - mean) / (std + eps)), weighted and summed, and that sum is
+    standardized over the batch; `scale` does not apply."""
+    check_choice("multi_objective_aggregation", aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+    weights = weights.to(per_func.dtype)
+    if aggregation == "sum_then_normalize":
+        return group_advantages(per_func @ weights, group_size, scale, eps)
+    grouped = per_func.view(-1, group_size, per_func.shape[-1])  # grouped: [N / G, G, F]
+    standardized = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + eps)
+    summed = standardized.reshape(per_func.shape) @ weights  # summed: [N]
+    return (summed - summed.mean()) / (summed.std() + eps)

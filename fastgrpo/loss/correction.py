@@ -1,0 +1,90 @@
+"""The rollout importance-sampling correction: per-token weights of the policy term from the log-probs the rollout
+engine sampled with and the trainer's log-probs of the same tokens, for any engine that returns log-probs.
+
+The engine (vLLM, or fastgrpo's own bf16 decode with a KV cache) and the training forward score the same tokens a
+little differently; the samples then come from a distribution pi_rollout that is not the pi_old the ratio assumes.
+TRL's `vllm_importance_sampling_correction` (1.16 GRPOTrainer._generate_and_score_completions) weights the policy
+term by rho = pi_old / pi_rollout, per token or per sequence (the product over its tokens), bounded by truncation
+(clamp to [clip_min, clip_max]) or masking (weight 0 outside it). The weights go to the loss as `token_weights`.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fastgrpo._checks import check_binary_mask, check_choice, check_same_shape
+
+ROLLOUT_CORRECTIONS = ("none", "truncate", "mask")
+ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+
+
+def check_rollout_correction(mode: str, level: str, clip_min: float | None, clip_max: float | None) -> None:
+    """The checks of TRL 1.16 GRPOConfig.__post_init__ for these options, each a ValueError naming the field."""
+    check_choice("rollout_correction", mode, ROLLOUT_CORRECTIONS)
+    check_choice("rollout_correction_level", level, ROLLOUT_CORRECTION_LEVELS)
+    for name, value in (("rollout_correction_clip_min", clip_min), ("rollout_correction_clip_max", clip_max)):
+        if value is not None and (isinstance(value, bool) or not 0 <= value < math.inf):
+            raise ValueError(f"{name}: expected None or a finite number >= 0, got {value!r}")
+    if clip_min is not None and clip_max is not None and clip_min >= clip_max:
+        raise ValueError(f"rollout_correction_clip_min: expected < rollout_correction_clip_max ({clip_max}), "
+                         f"got {clip_min}")
+    if mode == "truncate" and clip_min is None and clip_max is None:
+        raise ValueError("rollout_correction_clip_max: truncate needs a bound (clip_max, clip_min or both), got None")
+
+
+def rollout_correction(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    level: str = "sequence",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """(token_weights [B, T], metrics) of the correction of rollout_logps [B, T] (the engine's) towards train_logps
+    [B, T] (the trainer's old log-probs) on the tokens of mask [B, T].
+
+    rho = exp(train - rollout) per token, or exp(sum over the sequence's valid tokens) for level "sequence" (each of
+    its tokens gets it); NaN differences (tokens an engine could not score) count 0. mode "truncate": clamp rho to
+    [clip_min, clip_max]; "mask": rho, or 0 outside [clip_min, clip_max]; None: unbounded on that side. As TRL
+    1.16 GRPOTrainer._generate_and_score_completions (`if self.use_vllm and self.vllm_importance_sampling_correction`).
+
+    metrics: rollout_logp_diff / _max, the mean / largest |train - rollout| over the valid tokens (NaN left out);
+    rollout_is_weight_mean / _min / _max, the weights over the valid tokens (or the sequences); rollout_masked_frac
+    (mask) or rollout_truncated_frac (truncate), the share of tokens (or sequences) the bound changed.
+    """
+    check_rollout_correction(mode, level, clip_min, clip_max)
+    if mode == "none":
+        raise ValueError("rollout_correction: 'none' computes no weights; call this with 'truncate' or 'mask'")
+    check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
+    check_binary_mask("mask", mask, "train_logps", train_logps)
+    valid = mask.bool()
+    diff = torch.nan_to_num(torch.where(valid, train_logps - rollout_logps, 0.0), nan=0.0)  # diff: [B, T]
+    log_ratio = diff.sum(-1, keepdim=True) if level == "sequence" else diff  # [B, 1] or [B, T]
+    ratio = torch.exp(log_ratio)
+    if mode == "truncate":
+        weights = ratio.clamp(min=clip_min, max=clip_max)
+    else:
+        low = -math.inf if clip_min is None else clip_min
+        high = math.inf if clip_max is None else clip_max
+        weights = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    changed = weights != ratio
+    counted = torch.ones_like(log_ratio, dtype=torch.bool) if level == "sequence" else valid
+
+    delta = (train_logps - rollout_logps).abs()
+    delta = delta[valid & ~torch.isnan(delta)]
+    kept = weights[counted]
+    metrics = {
+        "rollout_logp_diff": delta.mean().item() if delta.numel() else 0.0,
+        "rollout_logp_diff_max": delta.max().item() if delta.numel() else 0.0,
+        "rollout_is_weight_mean": kept.mean().item() if kept.numel() else 0.0,
+        "rollout_is_weight_min": kept.min().item() if kept.numel() else 0.0,
+        "rollout_is_weight_max": kept.max().item() if kept.numel() else 0.0,
+        f"rollout_{'truncated' if mode == 'truncate' else 'masked'}_frac":
+            changed[counted].float().mean().item() if kept.numel() else 0.0,
+    }
+    return weights.expand_as(train_logps), metrics
+
+
+__all__ = ["rollout_correction", "check_rollout_correction", "ROLLOUT_CORRECTIONS", "ROLLOUT_CORRECTION_LEVELS"]
