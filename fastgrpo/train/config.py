@@ -16,6 +16,7 @@ from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
+from fastgrpo.train.loss_setup import check_loss_options
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -109,6 +110,37 @@ class GRPOConfig:
     beta: float = option(0.0, "k3 KL weight; 0: no reference log-probs at all")
     kl_target: float | None = option(None, "adaptive beta toward this KL (needs beta > 0); none: fixed beta")
     kl_max_log_step: float = option(0.2, "adaptive beta changes by at most exp(+-this) per step")
+    # Loss options from TRL 1.15 / 1.16, TRL's names and defaults (formulas: fastgrpo/loss/grpo.py), and the rollout
+    # correction (TRL's vllm_importance_sampling_*) for any engine's log-probs (fastgrpo/loss/correction.py).
+    sapo_temperature_pos: float = option(1.0, "sapo: gate temperature of tokens with A > 0")
+    sapo_temperature_neg: float = option(1.05, "sapo: gate temperature of tokens with A <= 0")
+    vespo_k_pos: float = option(2.0, "vespo: exponent k of phi(w) = e^lambda w^k e^(-lambda w) for A >= 0")
+    vespo_lambda_pos: float = option(3.0, "vespo: decay lambda of phi(w) for A >= 0")
+    vespo_k_neg: float = option(3.0, "vespo: exponent k for A < 0")
+    vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for A < 0")
+    top_entropy_quantile: float = option(1.0, "the policy term keeps the tokens in this top fraction by entropy "
+                                              "(1: all)")
+    off_policy_mask_threshold: float | None = option(
+        None, "drop sequences with A < 0 whose mean log(pi_rollout / pi) over their tokens is above this "
+              "(DeepSeek-V3.2's off-policy sequence mask); none: off")
+    use_bias_correction_kl: bool = option(False, "multiply the KL term by the importance ratio (TRL's default: on)")
+    entropy_coef: float = option(0.0, "subtract this x the mean entropy of the tokens the policy term acts on")
+    use_adaptive_entropy: bool = option(False, "adapt entropy_coef toward entropy_target (applied only while the "
+                                               "last step's entropy is <= entropy_target)")
+    entropy_coef_min: float = option(0.0, "adaptive entropy: lowest coefficient")
+    entropy_coef_max: float = option(1.0, "adaptive entropy: highest coefficient")
+    entropy_coef_delta: float = option(0.005, "adaptive entropy: change of the coefficient per optimizer step")
+    entropy_target: float = option(0.2, "adaptive entropy: target mean entropy")
+    mask_truncated_completions: bool = option(False, "completions cut at max_completion_length add no loss (they "
+                                                     "still count in their group's advantages)")
+    multi_objective_aggregation: str = option(
+        "sum_then_normalize", "several reward functions: sum_then_normalize (weighted sum, then scale_rewards) or "
+                              "normalize_then_sum (GDPO: each standardized in its group, summed, then over the batch)")
+    rollout_correction: str = option("none", "weight the policy term by pi_old / pi_rollout from the engine's "
+                                             "log-probs: none, truncate (clamp) or mask (0 outside the clip range)")
+    rollout_correction_level: str = option("sequence", "rollout correction per token or per sequence")
+    rollout_correction_clip_min: float | None = option(None, "rollout correction: lower bound; none: unbounded")
+    rollout_correction_clip_max: float | None = option(3.0, "rollout correction: upper bound C; none: unbounded")
     # Optimizer (AdamW: fused on CUDA, foreach on the CPU).
     learning_rate: float = option(1e-6, "peak learning rate")
     weight_decay: float = option(0.0, "AdamW weight decay")
@@ -216,6 +248,7 @@ class GRPOConfig:
                              "of --resume and --overwrite-output-dir")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+        check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         self._check_rollout_engine()
         if self.offload_host_memory_gib is not None:
             if not self.offload_host_memory_gib > 0:

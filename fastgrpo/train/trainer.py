@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import logging
 import math
@@ -19,8 +18,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.loss.config import GRPOLossConfig
-from fastgrpo.loss.grpo import group_advantages, kl_penalty
+from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, check_failures, required_columns, reward_name, reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
@@ -35,6 +33,8 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
+from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
+from fastgrpo.train.loss_setup import prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.run_dir import RunDirectory
@@ -107,6 +107,7 @@ class GRPOTrainer:
             AdaptiveKLController(config.beta, config.kl_target, config.kl_max_log_step)
             if config.kl_target is not None else None
         )
+        self.entropy = AdaptiveEntropy(config)  # the entropy bonus's coefficient (fixed or adaptive)
         # LoRA: the reference is the base model with the adapter disabled; full fine-tuning needs a frozen copy.
         self.ref_model = None
         if config.beta > 0 and not is_peft_model(model):
@@ -223,12 +224,13 @@ class GRPOTrainer:
         per_func, rewards = self.dist.gather_rows(per_func), self.dist.gather_rows(rewards)  # the whole batch's
 
         # 3. Group-normalized advantages.
-        advantages = group_advantages(rewards, G, config.scale_rewards, ADVANTAGE_EPS).float().to(self.device)  # [N]
+        advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
+                                       config.multi_objective_aggregation).float().to(self.device)  # [N]
         advantages = self.dist.own_rows(advantages)  # this rank's rows
 
-        # 4. Old log-probs (only when the policy moves within the step) and reference log-probs (beta > 0).
+        # 4. Old log-probs (when the policy moves within the step, or to correct the rollout's) and reference ones.
         old_logps = ref_logps = None
-        if self.updates_per_step > 1 or self.beta > 0:
+        if self.updates_per_step > 1 or self.beta > 0 or config.rollout_correction != "none":
             old_logps = self._logprobs(model, batch)
         if self.beta > 0:
             ref_model = model if self.ref_model is None else self.ref_model
@@ -237,7 +239,8 @@ class GRPOTrainer:
 
         # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches.
         self._begin_update()
-        train = self._update(batch, advantages, old_logps, ref_logps)
+        loss_batch, correction = prepare_loss_batch(config, batch, old_logps)  # truncated rows, rollout correction
+        train = {**correction, **self._update(loss_batch, advantages, old_logps, ref_logps)}
         t_train = time.perf_counter()
 
         # 6. Adaptive beta from the KL the policy had at rollout.
@@ -297,6 +300,7 @@ class GRPOTrainer:
             "completion_mask": torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1).to(self.device),
             "texts": list(out.texts),
             "finish_reasons": list(out.finish_reasons),
+            "rollout_logps": torch.cat([prompt_mask * 0.0, out.logprobs.float()], 1).to(self.device),  # the engine's
         }
 
     @torch.no_grad()
@@ -319,11 +323,7 @@ class GRPOTrainer:
     def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps) -> dict:
         """num_iterations x num_minibatches optimizer steps; returns the mean loss / grad norm / clip / entropy."""
         config, model = self.config, self.model
-        loss_config = GRPOLossConfig(
-            beta=self.beta, epsilon_low=config.epsilon_low, epsilon_high=config.epsilon_high, delta=config.delta,
-            loss_type=config.loss_type, importance_sampling_level=config.importance_sampling_level,
-            temperature=config.temperature, max_completion_length=config.max_completion_length,
-        )
+        base_config = loss_config(config, self.beta)
         n = batch["input_ids"].shape[0]
         mb_size, micro = n // config.num_minibatches, config.micro_batch_size
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
@@ -338,12 +338,11 @@ class GRPOTrainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.device)
             for start in range(0, n, mb_size):
                 minibatch = order[start:start + mb_size]
-                # dapo divides by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average over ranks:
-                # its loss is scaled by their count below); the others are per-micro-batch means.
+                # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
+                # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
                 num_items = int(self.dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))
-                minibatch_config = dataclasses.replace(
-                    loss_config, num_items_in_batch=max(num_items, 1) if config.loss_type == "dapo" else None
-                )
+                micro_config = minibatch_config(config, base_config, num_items, micro / mb_size / self.dist.world_size,
+                                                self.entropy.applied())
                 self.optimizer.zero_grad(set_to_none=True)
                 for m in range(0, mb_size, micro):
                     rows = minibatch[m:m + micro]
@@ -352,17 +351,19 @@ class GRPOTrainer:
                         grpo_loss, model, batch["input_ids"][rows], batch["attention_mask"][rows],
                         batch["completion_mask"][rows], advantages[rows],
                         old_logps=None if old_logps is None else old_logps[rows],
-                        ref_logps=None if ref_logps is None else ref_logps[rows], config=minibatch_config,
-                        return_entropy=True,
+                        ref_logps=None if ref_logps is None else ref_logps[rows], config=micro_config,
+                        return_entropy=True, **{k: batch[k][rows] for k in LOSS_EXTRAS if k in batch},
                     )
-                    scale = float(self.dist.world_size) if config.loss_type == "dapo" else len(rows) / mb_size
+                    scale = float(self.dist.world_size) if config.loss_type in TOKEN_SUM_TYPES else len(rows) / mb_size
                     (loss * scale).backward()
                     sums["loss"] += loss.detach().double() * scale
                     for k in ("clip_ratio", "entropy"):
                         sums[k] += torch.as_tensor(metrics.get(k, 0.0)).detach()
                     micro_count += 1
+                    self.entropy.add(metrics, batch["completion_mask"][rows].sum())
                 sums["grad_norm"] += self.dist.finish_gradients(params, config.max_grad_norm)
                 self.optimizer.step()
+                self.entropy.step()
                 self.scheduler.step()
         updates = self.updates_per_step
         loss, grad_norm, clip_ratio, entropy = self.dist.mean(torch.stack(list(sums.values()))).tolist()
@@ -371,6 +372,7 @@ class GRPOTrainer:
             "grad_norm": grad_norm / updates,
             "clip_ratio": clip_ratio / micro_count,
             "entropy": entropy / micro_count,
+            "entropy_coef": self.entropy.coef,
         }
 
     # ---- the run ----

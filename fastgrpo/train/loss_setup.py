@@ -1,0 +1,122 @@
+"""The trainer's side of the loss options: GRPOConfig's loss fields as a GRPOLossConfig, the truncated-completion
+mask and the rollout correction applied to a rollout batch, and the adaptive entropy coefficient.
+
+Kept out of trainer.py so that the loop reads top to bottom; each piece mirrors TRL 1.15 / 1.16's GRPOTrainer.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+
+from fastgrpo._checks import check_choice
+from fastgrpo.loss.config import GRPOLossConfig
+from fastgrpo.loss.correction import check_rollout_correction, rollout_correction
+from fastgrpo.loss.grpo import MULTI_OBJECTIVE_AGGREGATIONS
+
+# Loss types whose aggregation divides by the tokens of the whole minibatch (num_items_in_batch): their
+# micro-batch losses add up; the others are per-micro-batch means, weighted by the micro-batch's share.
+TOKEN_SUM_TYPES = ("dapo", "cispo", "vespo")
+# The per-token inputs of the loss that prepare_loss_batch may add to a batch (fastgrpo.grpo_loss's arguments).
+LOSS_EXTRAS = ("token_weights", "sampling_logps")
+# GRPOConfig fields that GRPOLossConfig has under the same name.
+_SHARED = ("epsilon_low", "epsilon_high", "delta", "loss_type", "importance_sampling_level", "temperature",
+           "max_completion_length", "sapo_temperature_pos", "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos",
+           "vespo_k_neg", "vespo_lambda_neg", "top_entropy_quantile", "off_policy_mask_threshold",
+           "use_bias_correction_kl", "entropy_coef")
+
+
+def loss_config(config, beta: float) -> GRPOLossConfig:
+    """The GRPOLossConfig of a GRPOConfig (the loss fields share their names) at the current beta."""
+    return GRPOLossConfig(beta=beta, **{name: getattr(config, name) for name in _SHARED})
+
+
+def check_loss_options(config) -> None:
+    """GRPOConfig's loss and trainer-side options, each a ValueError naming the field (before any model loads)."""
+    loss_config(config, config.beta)
+    check_choice("multi_objective_aggregation", config.multi_objective_aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
+    check_rollout_correction(config.rollout_correction, config.rollout_correction_level,
+                             config.rollout_correction_clip_min, config.rollout_correction_clip_max)
+    correcting = config.rollout_correction != "none"
+    if config.loss_type == "vespo" and correcting and config.rollout_correction_level != "token":
+        raise ValueError("rollout_correction_level: vespo folds the correction into its sequence weight token by token "
+                         "(TRL's rule); set 'token'")
+    for name in ("entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target"):
+        value = getattr(config, name)
+        if not 0 <= value < math.inf:
+            raise ValueError(f"{name}: expected a finite number >= 0, got {value}")
+    if config.entropy_coef_min > config.entropy_coef_max:
+        raise ValueError(f"entropy_coef_min: expected <= entropy_coef_max ({config.entropy_coef_max}), got "
+                         f"{config.entropy_coef_min}")
+
+
+def prepare_loss_batch(config, batch: dict, old_logps: torch.Tensor | None) -> tuple[dict, dict]:
+    """(the batch the loss sees, metrics): completion_mask without the truncated completions when
+    mask_truncated_completions (they still counted in the group statistics, as in TRL), the rollout correction's
+    token_weights, and the engine's log-probs as sampling_logps for the off-policy mask. batch: the trainer's
+    rollout batch ([N, P + L] tensors, finish_reasons)."""
+    out, metrics = dict(batch), {}
+    if config.mask_truncated_completions:
+        device = batch["completion_mask"].device
+        finished = torch.tensor([reason != "length" for reason in batch["finish_reasons"]], device=device)
+        out["completion_mask"] = batch["completion_mask"] * finished[:, None]
+    if config.rollout_correction != "none":
+        weights, metrics = rollout_correction(
+            old_logps, batch["rollout_logps"], out["completion_mask"], config.rollout_correction,
+            config.rollout_correction_level, config.rollout_correction_clip_min, config.rollout_correction_clip_max,
+        )
+        out["token_weights"] = weights
+    if config.off_policy_mask_threshold is not None:
+        out["sampling_logps"] = batch["rollout_logps"]
+    return out, metrics
+
+
+def minibatch_config(config, base: GRPOLossConfig, num_items: int, share: float, entropy_coef: float) -> GRPOLossConfig:
+    """The loss config of one micro-batch: token-sum types divide by the minibatch's tokens; the entropy bonus is a
+    per-micro-batch mean weighted by the micro-batch's share of the minibatch whatever the loss type (TRL: / GA)."""
+    token_sum = config.loss_type in TOKEN_SUM_TYPES
+    return dataclasses.replace(base, num_items_in_batch=max(num_items, 1) if token_sum else None,
+                               entropy_coef=entropy_coef * share if token_sum else entropy_coef)
+
+
+class AdaptiveEntropy:
+    """The entropy coefficient of TRL 1.16's use_adaptive_entropy (GRPOTrainer._compute_loss): the bonus applies
+    the coefficient while the previous optimizer step's entropy is <= entropy_target (none before the first step);
+    after each step the coefficient rises by entropy_coef_delta (entropy at or below target) or falls by it, within
+    [entropy_coef_min, entropy_coef_max]. The step's entropy is the token-weighted mean over the tokens the policy
+    term acts on. Static (use_adaptive_entropy off): entropy_coef always."""
+
+    def __init__(self, config) -> None:
+        self.config = config
+        self.coef = config.entropy_coef
+        self.last_entropy = math.inf
+        self._sums = None  # [entropy sum, token count] of the current optimizer step
+
+    def applied(self) -> float:
+        if not self.config.use_adaptive_entropy:
+            return self.coef
+        return self.coef if self.last_entropy <= self.config.entropy_target else 0.0
+
+    def add(self, metrics: dict, valid_tokens: torch.Tensor) -> None:
+        """One micro-batch's loss metrics (with entropy) and its count of valid tokens."""
+        if not self.config.use_adaptive_entropy:
+            return
+        count = valid_tokens * metrics.get("entropy_mask_ratio", 1.0)
+        mean = metrics.get("entropy_kept", metrics["entropy"])
+        sums = torch.stack([torch.as_tensor(mean * count).double(), torch.as_tensor(count).double()])
+        self._sums = sums if self._sums is None else self._sums + sums
+
+    def step(self) -> None:
+        """At an optimizer step: move the coefficient by the step's entropy (one host sync)."""
+        if not self.config.use_adaptive_entropy or self._sums is None:
+            return
+        total, count = self._sums.tolist()
+        self._sums = None
+        entropy = total / max(count, 1.0)
+        cfg = self.config
+        if entropy <= cfg.entropy_target:
+            self.coef = min(self.coef + cfg.entropy_coef_delta, cfg.entropy_coef_max)
+        else:
+            self.coef = max(self.coef - cfg.entropy_coef_delta, cfg.entropy_coef_min)
+        self.last_entropy = entropy
