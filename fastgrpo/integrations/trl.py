@@ -1,0 +1,244 @@
+"""FastGRPOTrainer: TRL's GRPOTrainer with its log-probs, entropies and loss computed by fastgrpo.
+
+A TRL script changes two lines: `from fastgrpo.integrations.trl import FastGRPOTrainer`, and `FastGRPOTrainer(...)`
+where it built `GRPOTrainer(...)`: same arguments, same trl.GRPOConfig. Generation, rewards, advantages, logging and
+checkpoints stay TRL's. Two of its documented override points are replaced:
+
+- `_get_per_token_logps_and_entropies`, the one place TRL computes the old, the reference (and its own policy)
+  log-probs: the backbone's hidden states through fastgrpo's chunked lm_head + log-softmax (no [B, T, V] logits);
+- `_compute_loss`: fastgrpo.fused_linear_grpo_loss, which forms the gradient through the lm_head chunk by chunk in the
+  forward pass (3 GEMMs, 2 with a frozen lm_head), with every loss type and option of TRL 1.15 / 1.16, and logs the
+  metrics TRL logs, with TRL's names and aggregation.
+
+The model is patched (fastgrpo.patch_model: fused RMSNorm, RoPE, SwiGLU, LoRA) unless patch=False;
+offload_activations=True (or an ActivationOffloader) also keeps checkpointed layers' inputs in CPU memory. What it
+cannot compute the same way is refused when it is built (_refusals), never run differently.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from packaging.specifiers import SpecifierSet
+from transformers import ProcessorMixin
+
+from fastgrpo.hf.models import backbone_and_head, is_peft_model, logit_softcap, unwrap_peft
+from fastgrpo.loss.config import GRPOLossConfig
+from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.patching import patch_model
+
+# The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
+# below) this module was checked against; pyproject's `trl` extra says the same (tests/test_trl.py compares them).
+SUPPORTED_TRL = SpecifierSet(">=1.15,<1.17")
+
+
+def _import_trl():
+    try:
+        import trl
+    except ImportError as err:
+        raise ImportError('fastgrpo.integrations.trl needs TRL: pip install "fastgrpo[trl]"') from err
+    if not SUPPORTED_TRL.contains(trl.__version__, prereleases=True):
+        raise ImportError(
+            f"fastgrpo.integrations.trl supports trl {SUPPORTED_TRL} (it overrides GRPOTrainer methods whose "
+            f"contracts it mirrors); trl {trl.__version__} is installed: pip install \"fastgrpo[trl]\""
+        )
+    return trl
+
+
+trl = _import_trl()
+
+CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
+TOKEN_SUM_TYPES = ("cispo", "dapo", "vespo")  # normalized by the generation batch's tokens (num_items_in_batch)
+LOGIT_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+
+
+def _refusals(args) -> list[str]:
+    """What a trl.GRPOConfig asks that FastGRPOTrainer cannot do as TRL does."""
+    found = []
+    if args.use_liger_kernel:
+        found.append("use_liger_kernel: Liger's layer kernels would replace the ones fastgrpo.patch_model binds, and "
+                     "FastGRPOTrainer computes the loss itself; set use_liger_kernel=False")
+    if args.world_size > 1 or args.deepspeed or args.fsdp:
+        found.append("one process only: fastgrpo's loss reads the lm_head weight and runs the backbone outside the "
+                     "DDP / DeepSpeed / FSDP wrapper; launch a single process (or use trl.GRPOTrainer)")
+    return found
+
+
+def _model_refusals(trainer) -> list[str]:
+    """What the model and processing class ask that FastGRPOTrainer cannot do as TRL does."""
+    found = []
+    if isinstance(trainer.processing_class, ProcessorMixin):
+        found.append("processing_class: vision-language models (a processor) are not supported; their forward "
+                     "takes pixel inputs fastgrpo's text-only loss path does not pass")
+    if getattr(trainer, "aux_loss_enabled", False):
+        found.append("router_aux_loss_coef: the MoE load-balancing loss is not computed by fastgrpo's loss; set "
+                     "router_aux_loss_coef=0 or output_router_logits=False")
+    config = getattr(unwrap_peft(trainer.model), "config", None)
+    for name in LOGIT_SCALES:
+        value = getattr(getattr(config, "get_text_config", lambda: config)(), name, None)
+        if value not in (None, 1, 1.0):
+            found.append(f"model: config.{name}={value} scales the logits, which fastgrpo's lm_head kernels don't")
+    if is_peft_model(trainer.model) and any(c.is_prompt_learning for c in trainer.model.peft_config.values()):
+        found.append("peft_config: prompt-learning adapters (prefix / prompt tuning) change the model's forward, "
+                     "which fastgrpo bypasses to run the backbone; use LoRA")
+    try:
+        backbone_and_head(trainer.model)
+    except ValueError as err:
+        found.append(str(err))
+    return found
+
+
+class FastGRPOTrainer(trl.GRPOTrainer):
+    """trl.GRPOTrainer on fastgrpo's kernels: same constructor and trl.GRPOConfig, plus
+
+    patch: fastgrpo.patch_model the policy (and a reference copy) before training (fused RMSNorm, RoPE, SwiGLU,
+    LoRA). offload_activations: True or a fastgrpo.offload.ActivationOffloader keeps checkpointed layers' inputs
+    in pinned CPU memory (with gradient_checkpointing, TRL's default; needs patch). backend: "auto" (Triton on CUDA,
+    chunked PyTorch on the CPU), "triton" or "torch".
+    """
+
+    def __init__(self, *args, patch: bool = True, offload_activations=False, backend: str = "auto", **kwargs):
+        config = kwargs.get("args", args[2] if len(args) > 2 else None)
+        problems = _refusals(config) if config is not None else []
+        if offload_activations is not False and not patch:
+            problems.append("offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True")
+        if problems:  # before TRL loads any model
+            raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
+        super().__init__(*args, **kwargs)
+        problems = _refusals(self.args) + _model_refusals(self)
+        if problems:
+            raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
+        self.fastgrpo_backend = backend
+        if patch:  # draws no random numbers: TRL's seeding at the end of its __init__ still decides the run
+            patch_model(self.model, fused_loss=False, offload_activations=offload_activations)
+            if self.ref_model is not None:
+                patch_model(self.ref_model, fused_loss=False)
+
+    def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
+        """hidden [B, T, H] of the positions that predict the last T = logits_to_keep tokens, in the lm_head's dtype
+        (an fp32 head with cast_lm_head_to_fp32), and the lm_head."""
+        backbone, head = backbone_and_head(model)
+        with self.accelerator.autocast():
+            out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        hidden = out.last_hidden_state[:, -logits_to_keep - 1:-1]
+        return hidden.to(head.weight.dtype), head
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """TRL's contract: (log-probs [B, T], entropies [B, T] or None, None) of the last T = logits_to_keep tokens
+        at temperature self.temperature, 0 where attention_mask is 0; differentiable when grad is on."""
+        if compute_aux_loss or any(value is not None for value in multimodal.values()):
+            raise ValueError("FastGRPOTrainer: MoE auxiliary losses and multimodal inputs are not supported")
+        batch_size = batch_size or input_ids.size(0)
+        logps, entropies = [], []
+        for start in range(0, input_ids.size(0), batch_size):
+            rows = slice(start, start + batch_size)
+            hidden, head = self._completion_hidden(model, input_ids[rows], attention_mask[rows], logits_to_keep)
+            out = fused_linear_logprobs(
+                hidden, head.weight, input_ids[rows, -logits_to_keep:], temperature=self.temperature, bias=head.bias,
+                softcap=logit_softcap(model), return_entropy=compute_entropy, backend=self.fastgrpo_backend,
+            )
+            valid = attention_mask[rows, -logits_to_keep:].bool()
+            lp, ent = out if compute_entropy else (out, None)
+            logps.append(torch.where(valid, lp, 0.0))
+            if compute_entropy:
+                entropies.append(torch.where(valid, ent, 0.0))
+        return torch.cat(logps), torch.cat(entropies) if compute_entropy else None, None
+
+    def _loss_config(self, model, mode: str, inputs) -> GRPOLossConfig:
+        """TRL's options for this micro-batch (TRL 1.16 GRPOTrainer._compute_loss's normalizers)."""
+        args = self.args
+        accumulation = self.current_gradient_accumulation_steps if mode == "train" else 1
+        num_items, coef = None, 0.0
+        if self.loss_type in TOKEN_SUM_TYPES:  # num_items_in_batch spans the generation batch: one window's share
+            num_items = inputs["num_items_in_batch"].clamp(min=1.0) / self.accelerator.num_processes
+            if mode == "train":
+                num_items = num_items * accumulation / args.steps_per_generation
+        if self._entropy_bonus_enabled:  # the bonus is a mean / accumulation whatever the loss type normalizes by
+            coef = self.entropy_coef
+            if self.use_adaptive_entropy and not self._last_world_entropy <= args.entropy_target:
+                coef = 0.0
+            coef = coef / accumulation if self.loss_type in TOKEN_SUM_TYPES else coef
+        return GRPOLossConfig(
+            beta=self.beta, epsilon_low=self.epsilon_low, epsilon_high=self.epsilon_high, delta=args.delta,
+            loss_type=self.loss_type, importance_sampling_level=self.importance_sampling_level,
+            temperature=self.temperature, max_completion_length=self.max_completion_length,
+            num_items_in_batch=num_items, softcap=logit_softcap(model),
+            sapo_temperature_pos=args.sapo_temperature_pos, sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos, vespo_lambda_pos=args.vespo_lambda_pos, vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg, top_entropy_quantile=self.top_entropy_quantile,
+            off_policy_mask_threshold=self.off_policy_mask_threshold,
+            use_bias_correction_kl=args.use_bias_correction_kl, entropy_coef=coef,
+        )
+
+    def _compute_loss(self, model, inputs):
+        """TRL's contract: the micro-batch loss, scaled for gradient accumulation, with TRL's metrics logged."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        completion_mask = inputs["completion_mask"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], completion_mask], dim=1)
+        mask = completion_mask if "tool_mask" not in inputs else completion_mask * inputs["tool_mask"]
+        mode = "train" if self.model.training else "eval"
+        config = self._loss_config(model, mode, inputs)
+        B, T = completion_ids.shape
+        # TRL multiplies the policy term by the rollout correction with vLLM (vespo folds it into its weight).
+        weights = None
+        if (self.use_vllm and self.vllm_importance_sampling_correction) or self.loss_type == "vespo":
+            weights = inputs.get("importance_sampling_ratio")
+            weights = None if weights is None else weights.expand(B, T)
+        hidden, head = self._completion_hidden(model, input_ids, attention_mask, T)
+        loss, metrics = fused_linear_grpo_loss(
+            hidden, head.weight, completion_ids, mask, inputs["advantages"],
+            old_logps=inputs.get("old_per_token_logps"),
+            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None, config=config,
+            bias=head.bias, return_entropy=True, token_weights=weights,
+            sampling_logps=inputs.get("sampling_per_token_logps"), backend=self.fastgrpo_backend,
+        )
+        policy_loss = metrics.get("policy_loss", loss.detach())
+        if self.loss_type not in TOKEN_SUM_TYPES:
+            loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
+        self._log_loss_metrics(mode, metrics, mask, policy_loss)
+        return loss
+
+    def _log_loss_metrics(self, mode: str, metrics: dict, mask: torch.Tensor, policy_loss: torch.Tensor) -> None:
+        """TRL 1.16 _compute_loss's metrics (one process: its reduce / gather are the identity) and its adaptive
+        entropy controller, whose state (entropy_coef, _last_world_entropy) TRL saves with each checkpoint."""
+        logged = self._metrics[mode]
+        if self._entropy_bonus_enabled:
+            logged["policy_loss"].append(policy_loss.item())
+            if self.use_adaptive_entropy and mode == "train":
+                count = mask.sum() * metrics.get("entropy_mask_ratio", 1.0)
+                stats = torch.stack([metrics.get("entropy_kept", metrics["entropy"]) * count, count]).detach()
+                self._entropy_window_stats = stats if self._entropy_window_stats is None else (
+                    self._entropy_window_stats + stats)
+                if self.accelerator.sync_gradients:
+                    window = self._entropy_window_stats
+                    world_entropy = (window[0] / window[1].clamp(min=1.0)).item()
+                    step = self.args.entropy_coef_delta
+                    if world_entropy <= self.args.entropy_target:
+                        self.entropy_coef = min(self.entropy_coef + step, self.args.entropy_coef_max)
+                    else:
+                        self.entropy_coef = max(self.entropy_coef - step, self.args.entropy_coef_min)
+                    self._last_world_entropy, self._entropy_window_stats = world_entropy, None
+            if mode == "train" and self.accelerator.sync_gradients:
+                logged["entropy_coef"].append(self.entropy_coef)
+        if self.beta != 0.0:
+            logged["kl"].append(metrics["kl"].item())
+        logged["entropy"].append(metrics["entropy"].item())
+        if self.loss_type in CLIP_LOSS_TYPES:
+            low, high = metrics["clip_ratio_low"].item(), metrics["clip_ratio_high"].item()
+            logged["clip_ratio/low_mean"].append(low)
+            logged["clip_ratio/high_mean"].append(high)
+            logged["clip_ratio/region_mean"].append(low + high)  # disjoint: A < 0 and A > 0
+            # TRL's per-sequence shares are NaN for a sequence without tokens at token level: all NaN, NaN.
+            empty = self.importance_sampling_level == "token" and not bool(mask.any())
+            logged["clip_ratio/low_min"].append(math.nan if empty else metrics["clip_ratio_low_min"].item())
+            logged["clip_ratio/high_max"].append(math.nan if empty else metrics["clip_ratio_high_max"].item())
+        elif self.loss_type == "cispo":
+            logged["cispo_clip_ratio"].append(metrics["clip_ratio_high"].item())
+        elif self.loss_type == "vespo":
+            logged["vespo/phi_seq_mean"].append(metrics["vespo_phi"].item())
+
+
+__all__ = ["FastGRPOTrainer", "SUPPORTED_TRL"]
