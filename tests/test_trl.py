@@ -214,6 +214,31 @@ def micro_batch(trainer, vllm: str | None, sampled: bool, tool_mask: bool) -> di
     return inputs
 
 
+DEFAULTS = dict(loss_type="dapo", importance_sampling_level="token", beta=0.0, top_entropy_quantile=1.0,
+                off_policy_mask_threshold=None, entropy_coef=0.0, use_adaptive_entropy=False, delta=None,
+                use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05, vespo_k_pos=2.0,
+                vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0, entropy_target=0.2, epsilon_high=0.28)
+
+
+def configure(trainer, case: dict, vllm: str | None = None) -> None:
+    """Set what TRL's _compute_loss reads (trainer attributes and args fields) to `case` over TRL's defaults, as
+    inside the second micro-batch of an accumulation window of 2; clear the logged metrics and gradients."""
+    settings = {**DEFAULTS, **case}
+    for name in ATTRS:
+        setattr(trainer, name, settings[name])
+    for name in ARGS:
+        setattr(trainer.args, name, settings[name])
+    trainer.epsilon_high = settings["epsilon_high"]
+    trainer._entropy_bonus_enabled = settings["entropy_coef"] != 0.0 or settings["use_adaptive_entropy"]
+    trainer._last_world_entropy = 1.0  # as after a first step: the adaptive bonus applies (entropy <= target)
+    trainer._entropy_window_stats = None
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = vllm is not None
+    trainer.current_gradient_accumulation_steps = 2
+    trainer.model.train()
+    trainer._metrics["train"].clear()
+    trainer.model.zero_grad(set_to_none=True)
+
+
 @pytest.fixture(scope="module")
 def trainer_pair(model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("pair")
@@ -228,25 +253,7 @@ def test_compute_loss_matches_trl(trainer_pair, case):
     inputs = micro_batch(trainer_pair[0], vllm, sampled, tool)
     results = []
     for trainer in trainer_pair:
-        defaults = dict(loss_type="dapo", importance_sampling_level="token", beta=0.0, top_entropy_quantile=1.0,
-                        off_policy_mask_threshold=None, entropy_coef=0.0, use_adaptive_entropy=False, delta=None,
-                        use_bias_correction_kl=True, sapo_temperature_pos=1.0, sapo_temperature_neg=1.05,
-                        vespo_k_pos=2.0, vespo_lambda_pos=3.0, vespo_k_neg=3.0, vespo_lambda_neg=2.0,
-                        entropy_target=0.2, epsilon_high=0.28)
-        settings = {**defaults, **case}
-        for name in ATTRS:
-            setattr(trainer, name, settings[name])
-        for name in ARGS:
-            setattr(trainer.args, name, settings[name])
-        trainer.epsilon_high = settings["epsilon_high"]
-        trainer._entropy_bonus_enabled = settings["entropy_coef"] != 0.0 or settings["use_adaptive_entropy"]
-        trainer._last_world_entropy = 1.0  # as after a first step: the adaptive bonus applies (entropy <= target)
-        trainer._entropy_window_stats = None
-        trainer.use_vllm = trainer.vllm_importance_sampling_correction = vllm is not None
-        trainer.current_gradient_accumulation_steps = 2
-        trainer.model.train()
-        trainer._metrics["train"].clear()
-        trainer.model.zero_grad(set_to_none=True)
+        configure(trainer, case, vllm)
         loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
@@ -273,9 +280,7 @@ def test_patched_offloaded_checkpointed_step_matches_trl(trainer_pair, model_dir
     inputs = micro_batch(trainer_pair[0], None, False, False)
     results = []
     for trainer in (trainer_pair[0], offloaded):
-        trainer.loss_type, trainer.beta, trainer.current_gradient_accumulation_steps = "dapo", 0.04, 2
-        trainer.model.train()
-        trainer.model.zero_grad(set_to_none=True)
+        configure(trainer, dict(loss_type="dapo", beta=0.04))
         loss = trainer._compute_loss(trainer.model, inputs)
         loss.backward()
         results.append((loss.item(), {n: p.grad for n, p in trainer.model.named_parameters()}))
