@@ -89,6 +89,12 @@ def _model_refusals(trainer) -> list[str]:
     return found
 
 
+def _no_autocast(tensor: torch.Tensor):
+    """The fused lm_head runs in its inputs' dtype with fp32 accumulation (an fp32 dW accumulator among them), which
+    an enclosing autocast (mixed precision) would recast."""
+    return torch.autocast(tensor.device.type, enabled=False)
+
+
 class FastGRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer on fastgrpo's kernels: same constructor and trl.GRPOConfig, plus
 
@@ -135,10 +141,12 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         for start in range(0, input_ids.size(0), batch_size):
             rows = slice(start, start + batch_size)
             hidden, head = self._completion_hidden(model, input_ids[rows], attention_mask[rows], logits_to_keep)
-            out = fused_linear_logprobs(
-                hidden, head.weight, input_ids[rows, -logits_to_keep:], temperature=self.temperature, bias=head.bias,
-                softcap=logit_softcap(model), return_entropy=compute_entropy, backend=self.fastgrpo_backend,
-            )
+            with _no_autocast(hidden):
+                out = fused_linear_logprobs(
+                    hidden, head.weight, input_ids[rows, -logits_to_keep:], temperature=self.temperature,
+                    bias=head.bias, softcap=logit_softcap(model), return_entropy=compute_entropy,
+                    backend=self.fastgrpo_backend,
+                )
             valid = attention_mask[rows, -logits_to_keep:].bool()
             lp, ent = out if compute_entropy else (out, None)
             logps.append(torch.where(valid, lp, 0.0))
@@ -188,13 +196,14 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             weights = inputs.get("importance_sampling_ratio")
             weights = None if weights is None else weights.expand(B, T)
         hidden, head = self._completion_hidden(model, input_ids, attention_mask, T)
-        loss, metrics = fused_linear_grpo_loss(
-            hidden, head.weight, completion_ids, mask, inputs["advantages"],
-            old_logps=inputs.get("old_per_token_logps"),
-            ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None, config=config,
-            bias=head.bias, return_entropy=True, token_weights=weights,
-            sampling_logps=inputs.get("sampling_per_token_logps"), backend=self.fastgrpo_backend,
-        )
+        with _no_autocast(hidden):
+            loss, metrics = fused_linear_grpo_loss(
+                hidden, head.weight, completion_ids, mask, inputs["advantages"],
+                old_logps=inputs.get("old_per_token_logps"),
+                ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None, config=config,
+                bias=head.bias, return_entropy=True, token_weights=weights,
+                sampling_logps=inputs.get("sampling_per_token_logps"), backend=self.fastgrpo_backend,
+            )
         policy_loss = metrics.get("policy_loss", loss.detach())
         if self.loss_type not in TOKEN_SUM_TYPES:
             loss = loss / (self.current_gradient_accumulation_steps if mode == "train" else 1.0)
