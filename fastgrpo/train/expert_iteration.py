@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.rewards.scoring import required_columns, reward_name, reward_names, score
+from fastgrpo.rewards.scoring import reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
@@ -26,6 +26,7 @@ from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
+from fastgrpo.train.input_checks import check_sampling_inputs
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import ei_evaluator
@@ -44,7 +45,7 @@ class ExpertIteration:
         self.config = config = config or EIConfig()
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
-        self._check_inputs()
+        check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         self.prompts = []
         for i in range(len(train_dataset)):
             try:
@@ -63,32 +64,6 @@ class ExpertIteration:
         self.evaluator = ei_evaluator(self)  # None unless eval_steps
         self._guard: InterruptGuard | None = None  # while train() runs
         self.last_kept: list[SFTExample] = []  # the SFT examples of the latest round
-
-    def _check_inputs(self) -> None:
-        config, dataset = self.config, self.dataset
-        if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
-            raise ValueError(f"reward_funcs: expected one or more callables, got {self.reward_funcs!r}")
-        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights: expected {len(self.reward_funcs)} weights (one per reward "
-                             f"function), got {len(config.reward_weights)}")
-        if dataset is None or len(dataset) == 0:
-            raise ValueError("train_dataset: expected at least one row, got an empty dataset")
-        columns = list(getattr(dataset, "column_names", None) or dataset[0])
-        if config.prompt_column not in columns:
-            raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
-                             f"columns: {columns}")
-        for func in self.reward_funcs:
-            missing = [c for c in required_columns(func) if c not in columns]
-            if missing:
-                raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
-                                 f"which the dataset lacks (columns: {columns})")
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
-            raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
-                             f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
-                             f"max_position_embeddings ({positions})")
 
     def _questions(self, round_index: int) -> list[int]:
         """Dataset rows of a round: epochs of seeded permutations, so a round's questions depend on its index only."""

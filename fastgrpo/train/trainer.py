@@ -20,7 +20,7 @@ import torch
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
-from fastgrpo.rewards.scoring import RewardError, check_failures, required_columns, reward_name, reward_names, score
+from fastgrpo.rewards.scoring import RewardError, check_failures, reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train.checkpoint import (
     export_model,
@@ -31,6 +31,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.input_checks import check_sampling_inputs
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
@@ -61,11 +62,6 @@ def _epoch_order(n: int, seed: int) -> list[int]:
     return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def _columns(dataset) -> list[str]:
-    names = getattr(dataset, "column_names", None)
-    return list(names) if names is not None else list(dataset[0])
-
-
 class GRPOTrainer:
     def __init__(
         self,
@@ -81,7 +77,7 @@ class GRPOTrainer:
         self.config = config = config or GRPOConfig()
         self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
-        self._check_inputs()
+        check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
         self.device = next(model.parameters()).device
         if engine is None and config.rollout_engine == "vllm":
@@ -138,37 +134,6 @@ class GRPOTrainer:
         self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
 
     # ---- input checks: all before any compute ----
-    def _check_inputs(self) -> None:
-        config, dataset = self.config, self.dataset
-        if not self.reward_funcs or not all(callable(f) for f in self.reward_funcs):
-            raise ValueError(f"reward_funcs: expected one or more callables, got {self.reward_funcs!r}")
-        if config.reward_weights is not None and len(config.reward_weights) != len(self.reward_funcs):
-            raise ValueError(f"reward_weights: expected {len(self.reward_funcs)} weights (one per reward "
-                             f"function), got {len(config.reward_weights)}")
-        if dataset is None or len(dataset) == 0:
-            raise ValueError("train_dataset: expected at least one row, got an empty dataset")
-        columns = _columns(dataset)
-        if config.prompt_column not in columns:
-            raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
-                             f"columns: {columns}")
-        for func in self.reward_funcs:
-            missing = [c for c in required_columns(func) if c not in columns]
-            if missing:
-                raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
-                                 f"which the dataset lacks (columns: {columns})")
-        if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
-            for i in range(len(dataset)):
-                if set(dataset[i]) != set(columns):
-                    raise ValueError(f"train_dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
-                                     f"{sorted(columns)}; every row needs the same columns")
-        if self.tokenizer.pad_token_id is None:
-            raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-        positions = getattr(getattr(self.model, "config", None), "max_position_embeddings", None)
-        if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
-            raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
-                             f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
-                             f"max_position_embeddings ({positions})")
-
     def _prompt_ids(self, index: int) -> list[int]:
         """Token ids of row `index`'s prompt (chat messages go through the chat template).
 

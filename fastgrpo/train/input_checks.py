@@ -1,0 +1,45 @@
+"""The checks of a sampling loop's inputs (GRPO and expert iteration), all before any compute."""
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from fastgrpo.rewards.scoring import required_columns, reward_name
+
+
+def dataset_columns(dataset) -> list[str]:
+    names = getattr(dataset, "column_names", None)
+    return list(names) if names is not None else list(dataset[0])
+
+
+def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
+    """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads),
+    the tokenizer's pad token, and prompt + completion lengths against the model's positions: one ValueError naming
+    the argument. `config` has reward_weights, prompt_column, max_prompt_length and max_completion_length."""
+    if not reward_funcs or not all(callable(f) for f in reward_funcs):
+        raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
+    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward "
+                         f"function), got {len(config.reward_weights)}")
+    if dataset is None or len(dataset) == 0:
+        raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+    columns = dataset_columns(dataset)
+    if config.prompt_column not in columns:
+        raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
+                         f"columns: {columns}")
+    for func in reward_funcs:
+        missing = [c for c in required_columns(func) if c not in columns]
+        if missing:
+            raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
+                             f"which the dataset lacks (columns: {columns})")
+    if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
+        for i in range(len(dataset)):
+            if set(dataset[i]) != set(columns):
+                raise ValueError(f"train_dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
+                                 f"{sorted(columns)}; every row needs the same columns")
+    if tokenizer.pad_token_id is None:
+        raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
+    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
+        raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
+                         f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
+                         f"max_position_embeddings ({positions})")
