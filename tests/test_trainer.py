@@ -10,7 +10,8 @@ import torch
 from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.loss.grpo import group_advantages
-from fastgrpo.train.trainer import ADVANTAGE_EPS, GRPOTrainer, lr_factor
+from fastgrpo.train.optim import lr_factor
+from fastgrpo.train.trainer import ADVANTAGE_EPS, GRPOTrainer
 
 SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=5, max_steps=2,
              export=False, progress_bar=False)

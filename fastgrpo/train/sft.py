@@ -8,7 +8,6 @@ evaluation, checkpoints (exact resume) and the export, as GRPOTrainer does.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
 import time
 from pathlib import Path
@@ -27,7 +26,7 @@ from fastgrpo.train.periodic_eval import sft_evaluator
 from fastgrpo.train.run_dir import TRAIN_ARTIFACTS, RunDirectory
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import SFTExample, collate, step_micro_batches, steps_per_epoch, tokenize_rows
-from fastgrpo.train.trainer import lr_factor
+from fastgrpo.train.optim import adamw_with_schedule
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -65,19 +64,9 @@ class SFTTrainer:
             )
         self.lengths = [len(e) for e in self.examples]
         self.device = next(model.parameters()).device
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("model: has no trainable parameters")
-        cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-            weight_decay=config.weight_decay, fused=cuda or None, foreach=None if cuda else True,
-        )
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
         self.total_steps = config.max_steps or config.num_epochs * self.steps_per_epoch
-        schedule = functools.partial(lr_factor, total=self.total_steps, warmup=config.warmup_steps,
-                                     kind=config.lr_scheduler)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
+        self.optimizer, self.scheduler = adamw_with_schedule(model, config, self.device, self.total_steps)
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []

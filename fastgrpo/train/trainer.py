@@ -10,7 +10,6 @@ import contextlib
 import copy
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -37,24 +36,13 @@ from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
 from fastgrpo.train.loss_setup import prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 ADVANTAGE_EPS = 1e-4
-
-
-def lr_factor(update: int, *, total: int, warmup: int, kind: str) -> float:
-    """LR multiplier at optimizer update `update` (0-based): linear warm-up, then constant / linear / cosine."""
-    if update < warmup:
-        return (update + 1) / warmup
-    progress = (update - warmup) / max(1, total - warmup)
-    if kind == "linear":
-        return max(0.0, 1.0 - progress)
-    if kind == "cosine":
-        return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
-    return 1.0
 
 
 @functools.lru_cache(maxsize=2)
@@ -109,20 +97,10 @@ class GRPOTrainer:
         if config.beta > 0 and not is_peft_model(model):
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.dist = Distributed.wrap(model, self.ref_model, config)  # DDP (LoRA) / FSDP2 under torchrun; else as is
-        params = [p for p in model.parameters() if p.requires_grad]
-        if not params:
-            raise ValueError("model: has no trainable parameters")
-        cuda = self.device.type == "cuda"
-        self.optimizer = torch.optim.AdamW(
-            params, lr=config.learning_rate, betas=(config.adam_beta1, config.adam_beta2), eps=config.adam_epsilon,
-            weight_decay=config.weight_decay, fused=cuda or None, foreach=None if cuda else True,
-        )
         self.updates_per_step = config.num_iterations * config.num_minibatches
-        schedule = functools.partial(
-            lr_factor, total=config.max_steps * self.updates_per_step, warmup=config.warmup_steps,
-            kind=config.lr_scheduler,
+        self.optimizer, self.scheduler = adamw_with_schedule(
+            model, config, self.device, config.max_steps * self.updates_per_step
         )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, schedule)
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
