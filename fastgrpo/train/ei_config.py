@@ -4,9 +4,10 @@ from __future__ import annotations
 import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.train.config import REWARD_ERRORS, coerce_fields, option
+from fastgrpo.train.config import coerce_fields, option
 from fastgrpo.train.options import (
-    ConfigFile, check_at_least, check_model_options, check_optimizer_options, check_run_options, inherited,
+    ConfigFile, check_at_least, check_model_options, check_optimizer_options, check_run_options, check_scoring_options,
+    inherited,
 )
 from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
 from fastgrpo.train.sft_config import SFTConfig
@@ -100,12 +101,7 @@ class EIConfig(ConfigFile):
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
                              f"got {self.micro_batch_size}")
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
-        if self.reward_errors not in REWARD_ERRORS:
-            raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
-        if self.stop is not None and not all(self.stop):
-            raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
+        check_scoring_options(self)
         self.sampling()
         check_run_options(self)
         check_model_options(self)

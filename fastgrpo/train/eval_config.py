@@ -4,8 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.train.config import REWARD_ERRORS, coerce_fields, option
-from fastgrpo.train.options import ConfigFile, check_at_least, inherited
+from fastgrpo.train.config import coerce_fields, option
+from fastgrpo.train.options import ConfigFile, check_at_least, check_scoring_options, inherited
 from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
 
 
@@ -48,12 +48,7 @@ class EvalConfig(ConfigFile):
         coerce_fields(self)
         check_at_least(self, ("num_generations", "max_new_tokens", "batch_size"), 1)
         check_at_least(self, ("max_examples", "log_generations"), 0)
-        if self.prompt_format not in PROMPT_FORMATS:
-            raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
-        if self.reward_errors not in REWARD_ERRORS:
-            raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {self.reward_errors!r}")
-        if self.stop is not None and not all(self.stop):
-            raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
+        check_scoring_options(self)
         self.sampling()
 
     def sampling(self) -> SamplingParams:

@@ -10,7 +10,8 @@ import dataclasses
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
-from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, GRPOConfig, option, read_yaml
+from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, option, read_yaml
+from fastgrpo.train.prompts import PROMPT_FORMATS
 
 _GRPO_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
 
@@ -83,3 +84,13 @@ def check_optimizer_options(config) -> None:
     check_at_least(config, ("learning_rate", "weight_decay", "warmup_steps"), 0)
     if not config.max_grad_norm > 0:
         raise ValueError(f"max_grad_norm: expected > 0, got {config.max_grad_norm}")
+
+
+def check_scoring_options(config) -> None:
+    """prompt_format, reward_errors and stop of a command that samples and scores (ei, eval)."""
+    if config.prompt_format not in PROMPT_FORMATS:
+        raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {config.prompt_format!r}")
+    if config.reward_errors not in REWARD_ERRORS:
+        raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {config.reward_errors!r}")
+    if config.stop is not None and not all(config.stop):
+        raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {config.stop!r}")
