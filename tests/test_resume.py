@@ -11,7 +11,10 @@ from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.trainer import GRPOTrainer
 
 KEYS = ("reward", "reward_std", "loss", "grad_norm", "kl", "kl_p95", "beta", "entropy", "clip_ratio", "lr",
-        "completion_length")
+        "completion_length", "entropy_coef")
+# The full run adapts an entropy bonus too: its coefficient rises every update (entropy under the target).
+ADAPTIVE_ENTROPY = {"entropy_coef": 0.01, "use_adaptive_entropy": True, "entropy_target": 100.0,
+                    "entropy_coef_delta": 0.01}
 
 
 def _trainer(tmp_path, lora: bool, **fields):
@@ -33,20 +36,23 @@ def _trainer(tmp_path, lora: bool, **fields):
 
 @pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 def test_resume_is_bit_identical(tmp_path, lora, caplog):
-    straight = _trainer(tmp_path, lora).train()
+    fields = {} if lora else ADAPTIVE_ENTROPY
+    straight = _trainer(tmp_path, lora, **fields).train()
     assert [m["step"] for m in straight] == list(range(1, 7))
     state = tmp_path / "checkpoint-6" / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])  # torn, as by a file system without rename
     assert latest_checkpoint(tmp_path).name == "checkpoint-6"
     torch.manual_seed(12345)  # a different global RNG state: the checkpoint's must be restored
     with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
-        resumed = _trainer(tmp_path, lora, resume=True).train()
+        resumed = _trainer(tmp_path, lora, resume=True, **fields).train()
     assert "skipped checkpoint-6, which is incomplete or damaged" in caplog.text
     assert [m["step"] for m in resumed] == [4, 5, 6]
     for a, b in zip(straight[3:], resumed):
         assert {k: a[k] for k in KEYS} == {k: b[k] for k in KEYS}
     assert straight[0]["kl"] == 0.0 and straight[-1]["kl"] > 0  # the reference is the initial policy
     assert straight[-1]["beta"] != 0.05  # adaptive beta moved, and was restored on resume
+    if not lora:
+        assert straight[-1]["entropy_coef"] > straight[3]["entropy_coef"] > 0.01  # moved, and restored on resume
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 6  # the resumed run replaced steps 4-6, it did not append a second copy
 

@@ -396,6 +396,8 @@ class GRPOTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "beta": self.beta,
+            "entropy_coef": self.entropy.coef,  # the adaptive entropy bonus's state
+            "last_entropy": self.entropy.last_entropy,
             "config": self.config.to_dict(),
             **({"rng": rng} if rng is not None else {}),
         }
@@ -407,12 +409,13 @@ class GRPOTrainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (a torn one is skipped with a warning): weights,
-        optimizer, scheduler, RNG, step, beta. Its run-defining settings must match the config's (config_changes)."""
+        optimizer, scheduler, RNG, step, beta, the entropy coefficient. Its run-defining settings must match the config's (config_changes)."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
+        self.entropy.coef, self.entropy.last_entropy = state["entropy_coef"], state["last_entropy"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta
         self._saved_step, self._saved_path = self.step, path
