@@ -106,9 +106,8 @@ def _train(config, make_trainer, args) -> list[dict]:
     from fastgrpo.train.errors import RunError
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.run_dir import RunDirectory
-    from fastgrpo.train.sft import RUN_ARTIFACTS
 
-    with RunDirectory(config.output_dir, artifacts=RUN_ARTIFACTS) as run_dir:
+    with RunDirectory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # before the model loads; the trainer rechecks

@@ -32,7 +32,7 @@ from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.prompts import prompt_ids
 from fastgrpo.train.run_dir import RunDirectory
-from fastgrpo.train.sft import RUN_ARTIFACTS, SFTTrainer
+from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft_data import SFTExample
 
 logger = logging.getLogger(__name__)
@@ -164,7 +164,7 @@ class ExpertIteration:
         config = self.config
         with contextlib.ExitStack() as stack:
             if run_dir is None:
-                run_dir = stack.enter_context(RunDirectory(self.output_dir, artifacts=RUN_ARTIFACTS))
+                run_dir = stack.enter_context(RunDirectory(self.output_dir))
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
             log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict(), key="round")
             if config.resume:

@@ -32,8 +32,9 @@ except ImportError:  # not on Windows: the PID check alone
 
 logger = logging.getLogger(__name__)
 LOCK_FILE = ".fastgrpo.lock"
-# What `fastgrpo train` leaves in its folder; hidden .checkpoint-* / .final.* are partial writes of a killed run.
-TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", ".checkpoint-*", ".final.*")
+# What `fastgrpo train`, `sft` and `ei` leave in their folder (eval/: --eval-steps); hidden .checkpoint-* / .final.*
+# are partial writes of a killed run.
+TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*")
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 

@@ -23,7 +23,7 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.interrupts import InterruptGuard
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import sft_evaluator
-from fastgrpo.train.run_dir import TRAIN_ARTIFACTS, RunDirectory
+from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import SFTExample, collate, step_micro_batches, steps_per_epoch, tokenize_rows
 from fastgrpo.train.optim import adamw_with_schedule
@@ -31,7 +31,6 @@ from fastgrpo.train.optim import adamw_with_schedule
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 # What a run leaves in its output folder (a fresh run refuses a folder holding these): train's, and the evaluations.
-RUN_ARTIFACTS = (*TRAIN_ARTIFACTS, "eval")
 
 
 def _is_examples(data) -> bool:
@@ -136,7 +135,7 @@ class SFTTrainer:
         config = self.config
         with contextlib.ExitStack() as stack:
             if run_dir is None:
-                run_dir = stack.enter_context(RunDirectory(self.output_dir, artifacts=RUN_ARTIFACTS))
+                run_dir = stack.enter_context(RunDirectory(self.output_dir))
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
             log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
             if config.resume:
