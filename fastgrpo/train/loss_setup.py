@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -107,11 +108,12 @@ class AdaptiveEntropy:
         sums = torch.stack([torch.as_tensor(mean * count).double(), torch.as_tensor(count).double()])
         self._sums = sums if self._sums is None else self._sums + sums
 
-    def step(self) -> None:
-        """At an optimizer step: move the coefficient by the step's entropy (one host sync)."""
+    def step(self, all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] = lambda sums: sums) -> None:
+        """At an optimizer step: move the coefficient by the step's entropy (one host sync). all_reduce_sum sums the
+        [entropy, tokens] sums over the processes of a distributed run, so every rank moves the same coefficient."""
         if not self.config.use_adaptive_entropy or self._sums is None:
             return
-        total, count = self._sums.tolist()
+        total, count = all_reduce_sum(self._sums).tolist()
         self._sums = None
         entropy = total / max(count, 1.0)
         cfg = self.config

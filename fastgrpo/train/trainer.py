@@ -306,7 +306,7 @@ class GRPOTrainer:
                     self.entropy.add(metrics, batch["completion_mask"][rows].sum())
                 sums["grad_norm"] += self.dist.finish_gradients(params, config.max_grad_norm)
                 self.optimizer.step()
-                self.entropy.step()
+                self.entropy.step(self.dist.all_reduce_sum)
                 self.scheduler.step()
         updates = self.updates_per_step
         loss, grad_norm, clip_ratio, entropy = self.dist.mean(torch.stack(list(sums.values()))).tolist()
