@@ -81,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.rewards.scoring import RewardError
 
+    if not sys.stderr.isatty():  # HF's own bars (loading, writing shards) are one long line in a log file
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     return run_command(f"fastgrpo {command.name}", lambda: command.run(subparser, args), debug=args.debug,
                        run_errors=(RewardError, OffloadMemoryError))
 
@@ -149,10 +153,6 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
             check_resume(json.loads((newest / CONFIG_FILE).read_text()), config, newest.name)
-        if not sys.stderr.isatty():  # HF's own bars (loading, writing shards) are one long line in a log file
-            from transformers.utils import logging as hf_logging
-
-            hf_logging.disable_progress_bar()
         torch.manual_seed(config.seed)  # LoRA's initialization
         try:
             model, tokenizer = load_model_and_tokenizer(config)
