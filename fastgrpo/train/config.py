@@ -65,6 +65,10 @@ class GRPOConfig:
     gradient_checkpointing: bool = option(False, "HF gradient checkpointing (non-reentrant)", run_control=True)
     fsdp_cpu_offload: bool = option(False, "under torchrun, full fine-tuning: FSDP2 keeps the weight, gradient and "
                                            "AdamW shards in CPU memory (the optimizer steps there)", run_control=True)
+    fsdp_reshard_after_forward: bool = option(
+        True, "under torchrun, full fine-tuning: FSDP2 frees each layer's gathered weights after its forward and "
+              "gathers them again for the backward (off: keeps them until the backward, one all-gather fewer per "
+              "layer and micro-batch for a full copy of the weights per GPU)", run_control=True)
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
                                        run_control=True)
     offload_host_memory_gib: float | None = option(

@@ -98,6 +98,7 @@ class Distributed:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._wrappers: dict[int, torch.nn.Module] = {}  # id(model) -> its DDP / FSDP2 _Policy
         self._ddp = self._fsdp = None  # the trained model's wrapper, by kind
+        self._reshard_layers = True  # FSDP2: layers free their gathered weights after forward
 
     @classmethod
     def current(cls) -> Distributed:
@@ -122,9 +123,11 @@ class Distributed:
             self._ddp = DistributedDataParallel(_Policy(model))
             self._wrappers[id(model)] = self._ddp
         else:
-            self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False))
+            self._reshard_layers = getattr(config, "fsdp_reshard_after_forward", True)
+            self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False),
+                                     reshard_layers=self._reshard_layers)
             if ref_model is not None:
-                self._shard(ref_model, trained=False, cpu_offload=False)
+                self._shard(ref_model, trained=False, cpu_offload=False, reshard_layers=True)
         return self
 
     def _check_sizes(self, config) -> None:
@@ -139,14 +142,15 @@ class Distributed:
                              f"in {config.num_minibatches} minibatch(es); micro_batch_size "
                              f"{config.micro_batch_size} must divide {local // config.num_minibatches}")
 
-    def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool) -> torch.nn.Module:
+    def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool,
+               reshard_layers: bool) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
         for layer in decoder_layers(model, architecture(model)):
-            fully_shard(layer, mesh=mesh, offload_policy=offload)
+            fully_shard(layer, mesh=mesh, offload_policy=offload, reshard_after_forward=reshard_layers)
         # The root group: embeddings, final norm, lm_head. A frozen copy drops them after each pass; the trained
         # model keeps them from the first micro-batch to the last backward (finish_gradients releases them).
         policy = fully_shard(_Policy(model), mesh=mesh, offload_policy=offload, reshard_after_forward=not trained)
@@ -191,7 +195,7 @@ class Distributed:
             yield
         finally:
             for m in modules:
-                m.set_reshard_after_forward(m is not self._fsdp, recurse=False)
+                m.set_reshard_after_forward(self._reshard_layers and m is not self._fsdp, recurse=False)
                 m.reshard()
 
     def forward(self, fn: Callable, model: torch.nn.Module, *args, **kwargs):
