@@ -18,8 +18,9 @@ then runs the plain model: its rollout speed is full fine-tuning's) and times a 
 own load_weights (what a vLLM that keeps its own copy pays per step); lora-adapter-qwen2.5-1.5b the same LoRA
 through vLLM's LoRA path.
 
-grpo: `fastgrpo train` of the built-in task on the GPU (bf16), once per engine, same seed; reward curves side by
-side in vllm_grpo_rewards.png.
+grpo: `fastgrpo train` of the built-in task on the GPU (bf16) for each arm (built-in engine; vLLM; vLLM with the
+rollout correction) and each of GRPO_SEEDS, all at once; reward curves (mean over seeds, min-max band) side by side
+in vllm_grpo_rewards.png, and per arm the mean and seed-to-seed spread of the last ten steps' reward.
 """
 from __future__ import annotations
 
@@ -41,6 +42,7 @@ PROMPTS, GENERATIONS, PROMPT_LEN = 8, 8, 256
 NEW_TOKENS = int(os.environ.get("FASTGRPO_VLLM_NEW_TOKENS", "1024"))
 HF_NEW_TOKENS = int(os.environ.get("FASTGRPO_VLLM_HF_NEW_TOKENS", "64"))
 GRPO_STEPS = int(os.environ.get("FASTGRPO_VLLM_GRPO_STEPS", "100"))
+GRPO_SEEDS = [int(s) for s in os.environ.get("FASTGRPO_VLLM_GRPO_SEEDS", "0 1 2").split()]
 LORA_RANK = 16
 CASES = ("grpo", "rollout-qwen2.5-1.5b", "lora-adapter-qwen2.5-1.5b", "rollout-llama-3.1-8b")
 
@@ -217,31 +219,55 @@ def case_lora_adapter(model_name: str) -> list[dict]:
     return rows
 
 
+GRPO_ARMS = {  # name: extra `fastgrpo train` flags
+    "builtin": ["--rollout-engine", "builtin"],
+    "vllm": ["--rollout-engine", "vllm", "--vllm-execution", "eager"],
+    # the same vLLM run with TRL's rollout correction (its metrics measure the engine/trainer log-prob gap)
+    "vllm-truncate": ["--rollout-engine", "vllm", "--vllm-execution", "eager", "--rollout-correction", "truncate"],
+}
+
+
 def case_grpo() -> list[dict]:
-    """Both engines' runs at once (the curves, not the speed, are compared), each `fastgrpo train`."""
+    """Every arm x seed at once (the curves, not the speed, are compared), each its own `fastgrpo train`."""
     runs = {}
-    for engine in ("builtin", "vllm"):
-        out = Path(tempfile.mkdtemp(prefix=f"grpo-{engine}-"))
-        cmd = [sys.executable, "-m", "fastgrpo.train.cli", "train", "--device", "cuda", "--dtype", "bfloat16",
-               "--max-steps", str(GRPO_STEPS), "--output-dir", str(out / "run"), "--rollout-engine", engine,
-               "--vllm-execution", "eager", "--no-export", "--no-progress-bar"]
-        log = open(out / "log", "w")
-        runs[engine] = (out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
+    for arm, flags in GRPO_ARMS.items():
+        for seed in GRPO_SEEDS:
+            out = Path(tempfile.mkdtemp(prefix=f"grpo-{arm}-{seed}-"))
+            cmd = [sys.executable, "-m", "fastgrpo.train.cli", "train", "--device", "cuda", "--dtype", "bfloat16",
+                   "--max-steps", str(GRPO_STEPS), "--seed", str(seed), "--output-dir", str(out / "run"), *flags,
+                   "--no-export", "--no-progress-bar"]
+            log = open(out / "log", "w")
+            runs[arm, seed] = (out, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), time.perf_counter())
     rows = []
-    for engine, (out, proc, start) in runs.items():
+    for (arm, seed), (out, proc, start) in runs.items():
         rc = proc.wait()
         metrics = out / "run" / "metrics.jsonl"
         steps = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
         rewards = [m["reward"] for m in steps]
-        row = {"engine": engine, "case": "grpo", "rc": rc, "steps": len(steps), "wall_s": time.perf_counter() - start,
+        gaps = [m["rollout_logp_diff"] for m in steps if "rollout_logp_diff" in m]
+        row = {"engine": arm, "seed": seed, "case": "grpo", "rc": rc, "steps": len(steps),
+               "wall_s": time.perf_counter() - start,
                "reward_first10": statistics.mean(rewards[:10]) if rewards else None,
                "reward_last10": statistics.mean(rewards[-10:]) if rewards else None, "rewards": rewards,
+               "rollout_logp_diff_mean": statistics.mean(gaps) if gaps else None,
                "peak_gpu_mem_gib": max((m.get("peak_gpu_mem_gib", 0) for m in steps), default=None)}
         if rc:
             row["error"] = (out / "log").read_text()[-1500:]
         rows.append(row)
     _plot(rows)
     return rows
+
+
+def grpo_summary(rows: list[dict]) -> list[dict]:
+    """Per arm over its seeds: the mean and the seed-to-seed standard deviation of the last ten steps' reward."""
+    summary = []
+    for arm in dict.fromkeys(r["engine"] for r in rows):
+        last = [r["reward_last10"] for r in rows if r["engine"] == arm and r.get("reward_last10") is not None]
+        summary.append({"engine": arm, "seeds": len(last),
+                        "reward_last10_mean": statistics.mean(last) if last else None,
+                        "reward_last10_sd": statistics.stdev(last) if len(last) > 1 else None,
+                        "reward_last10_all": [round(x, 3) for x in last]})
+    return summary
 
 
 def _plot(rows: list[dict]) -> None:
@@ -251,8 +277,13 @@ def _plot(rows: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    for row in rows:
-        ax.plot(range(1, len(row["rewards"]) + 1), row["rewards"], label=row["engine"])
+    for arm in dict.fromkeys(r["engine"] for r in rows):
+        curves = torch.tensor([r["rewards"] for r in rows if r["engine"] == arm and len(r["rewards"]) == GRPO_STEPS])
+        if not len(curves):
+            continue
+        steps = range(1, GRPO_STEPS + 1)
+        line, = ax.plot(steps, curves.mean(0), label=f"{arm} (mean of {len(curves)} seeds)")
+        ax.fill_between(steps, curves.min(0).values, curves.max(0).values, color=line.get_color(), alpha=0.2)
     ax.set(xlabel="step", ylabel="mean reward", title=f"GRPO, built-in task, {card_name()}")
     ax.legend()
     fig.tight_layout()
@@ -286,7 +317,8 @@ def record(case: str, rows: list[dict]) -> None:
                    versions={**versions(), "vllm": _vllm_version()}, config={
                        "prompts": PROMPTS, "generations": GENERATIONS, "prompt_len": PROMPT_LEN,
                        "new_tokens": NEW_TOKENS, "hf_new_tokens": HF_NEW_TOKENS, "lora_rank": LORA_RANK,
-                       "grpo_steps": GRPO_STEPS, "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored"})
+                       "grpo_steps": GRPO_STEPS, "grpo_seeds": GRPO_SEEDS,
+                       "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored"})
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(payload, indent=2) + "\n")
 
@@ -332,8 +364,10 @@ def main() -> int:
         ([r for r in rows if r["case"] != "grpo"],
          ["case", "engine", "tokens_per_s", "tokens_per_s_unseeded", "sync_ms", "full_copy_sync_ms", "kv_cache_gib",
           "rollout_extra_gib", "training_extra_gib", "build_s", "first_call_s", "error"]),
-        ([r for r in rows if r["case"] == "grpo"], ["engine", "steps", "reward_first10", "reward_last10", "wall_s",
-                                                     "error"]),
+        ([r for r in rows if r["case"] == "grpo"], ["engine", "seed", "steps", "reward_first10", "reward_last10",
+                                                     "rollout_logp_diff_mean", "wall_s", "error"]),
+        (grpo_summary([r for r in rows if r["case"] == "grpo"]),
+         ["engine", "seeds", "reward_last10_mean", "reward_last10_sd", "reward_last10_all"]),
     ):
         if selected:
             print_table(selected, columns)
