@@ -36,6 +36,9 @@ CASES = {
     # Qwen2.5-1.5B, 2 prompts x 8 generations of 256 + 1024 tokens (the README's e2e shape, two groups)
     "qwen-lora": dict(model="qwen2.5-1.5b", lora_rank=16, groups=2, prompt=256, completion=1024, micro=8, steps=4),
     "qwen-full": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4),
+    # the same with fsdp_reshard_after_forward off: each layer gathered once per micro-batch, not twice
+    "qwen-full-keep": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
+                           reshard=False),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -45,10 +48,13 @@ CASES = {
                               steps=1, rollout_check=True),
 }
 G = 8
-TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "llama8b-full": 110, "qwen-full-rollout": 90}  # seconds per launch
+# seconds per launch
+TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "qwen-full-keep": 75, "llama8b-full": 110, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "280"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
+PROFILE = bool(os.environ.get("FASTGRPO_BENCH_PROFILE"))  # one more step under torch.profiler, summary printed
+SAMPLE = 4096  # weight elements per tensor compared before and after the steps
 if CPU:
     CASES = {name: dict(spec, model="tiny-qwen2", prompt=16, completion=16, micro=4, steps=2)
              for name, spec in CASES.items()}
@@ -120,7 +126,8 @@ def run_case(name: str, out: str) -> None:
     config = GRPOConfig(
         model=spec["model"], lora_rank=spec["lora_rank"], batch_size=spec["groups"] * G, num_generations=G,
         micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
-        learning_rate=1e-6, fsdp_cpu_offload=spec["cpu_offload"], output_dir=tempfile.mkdtemp(), export=False,
+        learning_rate=1e-6, fsdp_cpu_offload=spec["cpu_offload"], fsdp_reshard_after_forward=spec.get("reshard", True),
+        output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
     trainer = GRPOTrainer(model, _tokenizer(vocab), _reward, dataset, config)
@@ -130,6 +137,7 @@ def run_case(name: str, out: str) -> None:
     advantages = trainer.dist.own_rows(advantages)
     if not CPU:
         torch.cuda.reset_peak_memory_stats()
+    before = _weight_sample(trainer.model), _mean_logp(trainer, batch)
     times, losses = [], []
     for _ in range(spec["steps"]):
         _sync()
@@ -137,6 +145,11 @@ def run_case(name: str, out: str) -> None:
         losses.append(trainer._update(batch, advantages, None, None)["loss"])
         _sync()
         times.append(time.perf_counter() - start)
+    moved = _moved(before, trainer, batch, group)
+    if PROFILE and group.is_main:
+        _profile_step(trainer, batch, advantages, name, group.world_size)
+    elif PROFILE:
+        trainer._update(batch, advantages, None, None)  # rank 0's profiled step needs its partner's collectives
     peak = torch.tensor([0.0 if CPU else torch.cuda.max_memory_allocated() / GIB], device=group.device)
     if group.active:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
@@ -148,13 +161,64 @@ def run_case(name: str, out: str) -> None:
         "micro_batch": spec["micro"], "step_ms": 1000 * step, "steps_s": 1 / step,
         "step_ms_all": [1000 * t for t in times], "loss": losses, "loss_finite": all(map(math.isfinite, losses)),
         "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
-        "build_s": build_s,
+        "build_s": build_s, **moved,
     }
     if spec.get("rollout_check") and group.active:
         row.update(_whole_step(trainer))
     if group.is_main:
         with open(out, "a") as f:
             f.write(json.dumps(row) + "\n")
+
+
+def _weight_sample(model) -> list[torch.Tensor]:
+    """The first SAMPLE elements of this rank's part of every trained weight, copied."""
+    from torch.distributed.tensor import DTensor
+
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in model.parameters() if p.requires_grad]
+    # clone: .float() of an fp32 tensor on the CPU is the tensor itself
+    return [p.detach().flatten()[:SAMPLE].float().cpu().clone() for p in local]
+
+
+def _mean_logp(trainer, batch: dict) -> float:
+    """Mean log-prob of this rank's completion tokens under the current weights (moves when the model trains)."""
+    mask = batch["completion_mask"].bool()
+    return trainer._logprobs(trainer.model, batch)[mask].float().mean().item()
+
+
+def _moved(before: tuple, trainer, batch: dict, group) -> dict:
+    """Whether the steps changed the model: the share of sampled weight elements that changed (bf16 weights lose
+    updates far below their precision unless rounded stochastically) and the mean completion log-prob before and
+    after, both over all ranks."""
+    weights, logp = before
+    after = _weight_sample(trainer.model)
+    counts = torch.tensor([float(sum((a != b).sum().item() for a, b in zip(after, weights))),
+                           float(sum(b.numel() for b in weights)), logp, _mean_logp(trainer, batch)],
+                          device=group.device)
+    if group.active:
+        torch.distributed.all_reduce(counts)
+        counts[2:] /= group.world_size
+    changed, total, logp_before, logp_after = counts.tolist()
+    return {"weights_changed_frac": changed / max(total, 1.0), "logp_before": logp_before, "logp_after": logp_after}
+
+
+def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, gpus: int) -> None:
+    """One more update under torch.profiler: the kernels that take the step's GPU time (collectives by name)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([] if CPU else [ProfilerActivity.CUDA])
+    _sync()
+    start = time.perf_counter()
+    with profile(activities=activities) as prof:
+        trainer._update(batch, advantages, None, None)
+        _sync()
+    wall_ms = 1000 * (time.perf_counter() - start)
+    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if not CPU else []
+    busy_ms = sum(e.self_device_time_total for e in events) / 1000
+    nccl_ms = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()) / 1000
+    print(f"--- profile {name} on {gpus} GPU(s), rank 0: wall {wall_ms:.1f} ms (profiled), kernels {busy_ms:.1f} ms "
+          f"(collectives {nccl_ms:.1f} ms; they overlap compute on their own stream)")
+    sort = "self_cpu_time_total" if CPU else "self_device_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=70))
 
 
 def _whole_step(trainer) -> dict:
@@ -189,7 +253,8 @@ def main() -> None:
     status, start = {}, time.monotonic()
     # the 1-GPU baselines side by side, one on each GPU; then the 2-GPU runs one after another
     phases = [[(c, me, {"CUDA_VISIBLE_DEVICES": str(i)}) for i, c in enumerate(("qwen-lora", "qwen-full"))],
-              *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "llama8b-full", "qwen-full-rollout"))]
+              *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "qwen-full-keep", "llama8b-full",
+                                                        "qwen-full-rollout"))]
     for phase in phases:
         left = DEADLINE_S - (time.monotonic() - start)
         if left < 20:
@@ -211,6 +276,7 @@ def main() -> None:
                 status[key] = "timeout"
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
     single = {r["case"]: r for r in rows if r["gpus"] == 1}
+    single["qwen-full-keep"] = single.get("qwen-full")  # the same 1-GPU step: resharding is FSDP2's alone
     for r in rows:
         base = single.get(r["case"]) if r["gpus"] > 1 else None
         r["speedup"] = base["step_ms"] / r["step_ms"] if base else None
@@ -222,7 +288,7 @@ def main() -> None:
         if "whole_step" in r or r["cpu_offload"]:
             print(r["case"], {k: r.get(k) for k in ("step_ms_all", "loss", "whole_step", "rollout_fallback_warnings")})
     print_table(rows, ["case", "gpus", "engine", "global_batch", "step_ms", "steps_s", "speedup",
-                       "peak_gib_per_gpu", "cap_gib", "loss_finite"])
+                       "peak_gib_per_gpu", "cap_gib", "weights_changed_frac", "logp_before", "logp_after"])
 
 
 if __name__ == "__main__":
