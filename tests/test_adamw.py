@@ -1,0 +1,444 @@
+"""StochasticRoundingAdamW (fastgrpo.train.stochastic_adamw) and its Triton kernel (fastgrpo.kernels.adamw).
+
+References: an fp64 evaluation of torch.optim.AdamW's formulas on the same inputs, and torch.optim.AdamW itself.
+Tolerances are derived, not picked: each fp32 operation adds at most one unit roundoff (U32 = 2^-24) relative to
+its result, so counting the operations of the update gives a first-order bound on |fp32 - fp64| per element, which
+_step_reference carries along a trajectory (the moments' and the parameter's errors shrink by beta1, beta2 and the
+decay factor each step; the gradients do not depend on the parameters here, so errors do not feed back).
+A bf16 result must be one of the two bf16 neighbours of the fp32 value, hence of [fp64 - bound, fp64 + bound].
+
+The triton backend runs under TRITON_INTERPRET=1 (set by conftest without CUDA); the torch backend is the eager
+path (TRITON_INTERPRET unset). The GPU test runs the kernel on CUDA.
+"""
+import copy
+import io
+import os
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo.kernels.adamw import adamw_step_
+from fastgrpo.train import stochastic_adamw
+from fastgrpo.train.stochastic_adamw import StochasticRoundingAdamW, adamw_step_torch_, step_seed
+
+U32 = 2.0**-24  # fp32 unit roundoff
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+BACKENDS = [
+    pytest.param("triton", marks=pytest.mark.skipif(
+        not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1; test_cuda_* covers CUDA")),
+    "torch",
+]
+
+
+def _backend(name: str):
+    """Environment in which the optimizer picks `name` for CPU tensors (fastgrpo.ops._backend.use_triton)."""
+    env = mock.patch.dict(os.environ)
+    env.start()
+    if name == "torch":
+        os.environ.pop("TRITON_INTERPRET", None)
+    return env
+
+
+def _step_reference(p, m, v, g, step, hp, err=(0.0, 0.0, 0.0)):
+    """torch.optim.AdamW's step in fp64 on fp64 inputs: (p, m, v) after it, and the bound (dp, dm, dv) on how far
+    an fp32 evaluation of it may land, given that its inputs were within `err` of these fp64 inputs."""
+    lr, (beta1, beta2), eps, wd = hp["lr"], hp["betas"], hp["eps"], hp["weight_decay"]
+    dp, dm, dv = err
+    decay, step_size, bias2_sqrt = 1 - lr * wd, lr / (1 - beta1**step), (1 - beta2**step) ** 0.5
+    m1 = m + (1 - beta1) * (g - m)
+    v1 = v * beta2 + (1 - beta2) * g * g
+    denom = v1.sqrt() / bias2_sqrt + eps
+    update = step_size * m1 / denom
+    p1 = p * decay - update
+    # m1: one rounding of the result, three of the (g - m) term (difference, weight, product); torch's lerp with a
+    # weight >= 0.5 (g - (g - m) beta1) has as many. Doubled for headroom.
+    dm = beta1 * dm + 2 * U32 * m1.abs() + 6 * U32 * (g - m).abs()
+    dv = beta2 * dv + 6 * U32 * v1  # five roundings of non-negative terms (beta2, two products, weight, sum)
+    # denom: half v1's relative error through the sqrt, then sqrt, division, bias2_sqrt, eps and the sum
+    rel_denom = torch.where(v1 > 0, dv / (2 * v1.clamp_min(1e-300)), 0) + 5 * U32
+    d_update = step_size * dm / denom + update.abs() * (rel_denom + 4 * U32)  # quotient, step_size, product
+    dp = decay * dp + 2 * U32 * p.abs() + U32 * p1.abs() + d_update
+    return (p1, m1, v1), (dp, dm, dv)
+
+
+def _hp(draw_lr, beta1, beta2, eps, wd):
+    return dict(lr=10.0**draw_lr, betas=(beta1, beta2), eps=eps, weight_decay=wd)
+
+
+HP = dict(
+    draw_lr=st.floats(-6, -1), beta1=st.floats(0.0, 0.99), beta2=st.floats(0.5, 0.9999),
+    eps=st.sampled_from([1e-8, 1e-6, 1e-3]), wd=st.floats(0.0, 0.1),
+)
+
+
+def _worst(name, got, want, tol, extra=None):
+    """Message naming the worst element of a failed comparison, all numbers printed."""
+    i = int(((got - want).abs() / tol.clamp_min(1e-300)).argmax())
+    out = f"{name}[{i}]: got {got[i].item():.10g}, want {want[i].item():.10g} +- {tol[i].item():.3g}"
+    return out + (f", {extra[0]} {extra[1][i].item():.10g}" if extra else "")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 300), steps=st.integers(1, 4), seed=st.integers(0, 2**16), **HP)
+def test_fp32_equals_torch_adamw(backend, n, steps, seed, draw_lr, beta1, beta2, eps, wd):
+    hp = _hp(draw_lr, beta1, beta2, eps, wd)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen)
+    grads = [torch.randn(n, generator=gen) * 10.0 ** (torch.rand((), generator=gen).item() * 4 - 3)
+             for _ in range(steps)]
+    ours, theirs = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    opt_ours = StochasticRoundingAdamW([ours], **hp, seed=seed)
+    opt_theirs = torch.optim.AdamW([theirs], **hp, foreach=False)
+    ref, err = (p0.double(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)), (0, 0, 0)
+    env = _backend(backend)
+    try:
+        for step, g in enumerate(grads, 1):
+            ours.grad, theirs.grad = g.clone(), g.clone()
+            opt_ours.step()
+            opt_theirs.step()
+            ref, err = _step_reference(*ref, g.double(), step, hp, err)
+    finally:
+        env.stop()
+    got = (ours.detach(), opt_ours.state[ours]["exp_avg"], opt_ours.state[ours]["exp_avg_sq"])
+    torch_ = (theirs.detach(), opt_theirs.state[theirs]["exp_avg"], opt_theirs.state[theirs]["exp_avg_sq"])
+    for name, a, b, want, tol in zip(("param", "exp_avg", "exp_avg_sq"), got, torch_, ref, err):
+        a, b = a.double(), b.double()
+        assert ((b - want).abs() <= tol).all(), "the bound misses torch: " + _worst(name, b, want, tol)
+        assert ((a - want).abs() <= tol).all(), _worst(name, a, want, tol, ("torch", b))
+        assert ((a - b).abs() <= 2 * tol).all(), _worst(name, a, b, 2 * tol, ("fp64", want))
+
+
+def _bf16_floor(x):
+    """Largest bf16 <= x (fp64 in, fp64 out): fp64 -> bf16 gives one of x's two neighbours, then step down."""
+    z = x.to(torch.bfloat16)
+    z = torch.where(z.double() > x, torch.nextafter(z, torch.full_like(z, -float("inf"))), z)
+    return z.double()
+
+
+def _bf16_ceil(x):
+    return -_bf16_floor(-x)
+
+
+def _assert_bf16_neighbour(name, got, want, tol):
+    """got (bf16) is a bf16 neighbour of some value within tol of want (fp64)."""
+    lo, hi = _bf16_floor(want - tol), _bf16_ceil(want + tol)
+    got = got.double()
+    bad = (got < lo) | (got > hi)
+    assert not bad.any(), _worst(name, torch.where(bad, got, want), want, hi - lo, ("neighbours from", lo))
+
+
+def _check_bf16_steps(n, steps, seed, hp, device):
+    """Several steps on bf16 tensors: after each, the parameter and both moments are bf16 neighbours of the fp64
+    step from the same (bf16) inputs."""
+    gen = torch.Generator().manual_seed(seed)
+    p = torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).bfloat16().to(device))
+    opt = StochasticRoundingAdamW([p], **hp, seed=seed)
+    zeros = torch.zeros(n, dtype=torch.float64, device=device)
+    for step in range(1, steps + 1):
+        g = torch.randn(n, generator=gen).bfloat16().to(device)
+        state = opt.state[p]
+        inputs = [p.detach().double()] + [state[k].double() if state else zeros for k in ("exp_avg", "exp_avg_sq")]
+        p.grad = g
+        opt.step()
+        want, tol = _step_reference(*inputs, g.double(), step, hp)
+        for name, got, w, t in zip(("param", "exp_avg", "exp_avg_sq"), (p.detach(), state["exp_avg"],
+                                                                       state["exp_avg_sq"]), want, tol):
+            assert got.dtype == torch.bfloat16
+            _assert_bf16_neighbour(f"step {step} {name}", got, w, t)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(n=st.integers(1, 300), steps=st.integers(1, 4), seed=st.integers(0, 2**16), **HP)
+def test_bf16_results_are_neighbours_of_fp64(backend, n, steps, seed, draw_lr, beta1, beta2, eps, wd):
+    env = _backend(backend)
+    try:
+        _check_bf16_steps(n, steps, seed, _hp(draw_lr, beta1, beta2, eps, wd), "cpu")
+    finally:
+        env.stop()
+
+
+def _rounding_bias(results, exact):
+    """(mean of results - exact, its standard error if results are unbiased stochastic roundings of exact):
+    results [draws, n] bf16, exact [n] fp64. A draw lands on the upper neighbour with probability q, the fraction
+    of the spacing s that exact lies above the lower one, so its variance is s^2 q (1 - q)."""
+    lo, hi = _bf16_floor(exact), _bf16_ceil(exact)
+    spacing = hi - lo
+    q = torch.where(spacing > 0, (exact - lo) / spacing.clamp_min(1e-300), 0)
+    draws = results.shape[0]
+    mean = (results.double() - exact).mean().item()
+    se = ((spacing**2 * q * (1 - q)).sum() * draws).sqrt().item() / results.numel()
+    return mean, se
+
+
+def _check_unbiased(device, n=4096, draws=16):
+    """One step at lr 1e-6 on weights of magnitude ~0.02 (bf16 spacing 2^-13 = 1.2e-4, so each update is ~1% of
+    it), gradients all positive so every update has one sign: the mean rounded result, over n elements x `draws`
+    seeds, is the exact one within 5 standard errors plus the fp32 math's bound. Round to nearest (torch's bf16
+    AdamW) keeps every weight, off by the whole update (~1e-6 vs 5 SE ~2e-7): it must fail the same check."""
+    gen = torch.Generator().manual_seed(0)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    p0 = (sign * (0.016 + 0.014 * torch.rand(n, generator=gen))).bfloat16().to(device)
+    g = (0.5 + torch.rand(n, generator=gen)).bfloat16().to(device)
+    hp = dict(lr=1e-6, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    results = []
+    for seed in range(draws):
+        p = torch.nn.Parameter(p0.clone())
+        p.grad = g
+        StochasticRoundingAdamW([p], **hp, seed=seed).step()
+        results.append(p.detach())
+    zeros = torch.zeros(n, dtype=torch.float64, device=device)
+    (exact, _, _), (tol, _, _) = _step_reference(p0.double(), zeros, zeros, g.double(), 1, hp)
+    mean, se = _rounding_bias(torch.stack(results), exact)
+    allowed = 5 * se + tol.mean().item()
+    assert abs(mean) <= allowed, f"stochastic rounding: mean error {mean:.3g}, allowed {allowed:.3g} (SE {se:.3g})"
+    nearest = torch.nn.Parameter(p0.clone())
+    nearest.grad = g
+    torch.optim.AdamW([nearest], **hp, foreach=False).step()
+    mean_nearest, _ = _rounding_bias(nearest.detach()[None], exact)
+    assert abs(mean_nearest) > allowed, f"round to nearest passes the check too: mean error {mean_nearest:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_rounding_is_unbiased(backend):
+    env = _backend(backend)
+    try:
+        _check_unbiased("cpu")
+    finally:
+        env.stop()
+
+
+def test_bf16_trains_at_lr_1e_6_where_round_to_nearest_does_not():
+    """200 steps at lr 1e-6 on n weights ~0.02 with mostly positive gradients: torch's bf16 AdamW leaves every
+    weight where it was; this optimizer moves them on average as fp64 AdamW does. Allowed difference of the mean
+    displacement: the parameter's rounding errors are zero-mean and independent across elements and steps, each of
+    variance <= spacing^2 / 4, so the mean's standard deviation is <= spacing sqrt(T / (4 n)) (5 of them); plus
+    T lr 2^-6 for the bf16 moments, which change each update by under 2^-6 of it (and average out besides)."""
+    n, steps, lr = 16384, 200, 1e-6
+    gen = torch.Generator().manual_seed(0)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    p0 = (sign * (0.016 + 0.014 * torch.rand(n, generator=gen))).bfloat16()
+    grads = [(1 + 0.5 * torch.randn(n, generator=gen)).bfloat16() for _ in range(steps)]
+    hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    ours, nearest, exact = (torch.nn.Parameter(p0.clone().to(dtype)) for dtype in (p0.dtype, p0.dtype, torch.float64))
+    optimizers = [StochasticRoundingAdamW([ours], **hp), torch.optim.AdamW([nearest], **hp, foreach=False),
+                  torch.optim.AdamW([exact], **hp, foreach=False)]
+    for g in grads:
+        for p, opt in zip((ours, nearest, exact), optimizers):
+            p.grad = g.to(p.dtype)
+            opt.step()
+    assert torch.equal(nearest.detach(), p0), "round to nearest moved the weights: the toy no longer shows the bug"
+    moved, want = (ours.detach().double() - p0.double()).mean().item(), (exact.detach() - p0.double()).mean().item()
+    spacing = 2.0 ** (torch.floor(torch.log2(torch.cat([p0, ours.detach()]).double().abs().max())).item() - 7)
+    allowed = 5 * spacing * (steps / (4 * n)) ** 0.5 + steps * lr * 2**-6
+    assert abs(moved - want) <= allowed, f"mean displacement {moved:.4g}, fp64 AdamW {want:.4g}, allowed {allowed:.3g}"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_exact_and_special_values_pass_through(backend):
+    """A zero update leaves bf16 values as they are (their low 16 bits are 0, so no carry), NaN and inf included."""
+    values = [float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 1.5, -3.0e38, 2.0**-126]
+    if backend == "torch":  # Triton 3.9's interpreter loads bf16 subnormals wrong (2^-133 -> 0, 1e-39 -> 4.4e-39)
+        values.append(2.0**-133)
+    p = torch.tensor(values * 64).bfloat16()
+    zeros = torch.zeros_like(p)
+    out = p.clone()
+    opt_step = adamw_step_ if backend == "triton" else adamw_step_torch_
+    opt_step(out, zeros, zeros.clone(), zeros.clone(), decay=1.0, beta1=0.9, beta2=0.999, step_size=0.0,
+             bias2_sqrt=1.0, eps=1e-8, seed=step_seed(0, 0, 1))
+    assert torch.equal(out.view(torch.int16)[~p.isnan()], p.view(torch.int16)[~p.isnan()]), out[:8]
+    assert out[p.isnan()].isnan().all()
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_triton_and_eager_do_the_same_math(dtype):
+    """fp32 / fp16 results are bit-identical (the same correctly rounded fp32 operations in the same order; the
+    interpreter does not contract to FMA). bf16 results draw different bits, but both are bf16 neighbours of the
+    fp32 result of the same math (the eager path on fp32 copies)."""
+    gen = torch.Generator().manual_seed(0)
+    n = 1000
+    p, m = (torch.randn(n, generator=gen) * 0.1).to(dtype), (torch.randn(n, generator=gen) * 1e-2).to(dtype)
+    v, g = (torch.rand(n, generator=gen) * 1e-3).to(dtype), torch.randn(n, generator=gen)
+    scalars = dict(decay=1 - 1e-4, beta1=0.9, beta2=0.999, step_size=1e-3 / (1 - 0.9**3),
+                   bias2_sqrt=(1 - 0.999**3) ** 0.5, eps=1e-8, seed=step_seed(0, 0, 3))
+    kernel, eager, fp32 = ([t.clone() for t in (p, m, v)] for _ in range(3))
+    adamw_step_(kernel[0], g, kernel[1], kernel[2], **scalars)
+    adamw_step_torch_(eager[0], g, eager[1], eager[2], **scalars)
+    fp32 = [t.float() for t in fp32]
+    adamw_step_torch_(fp32[0], g, fp32[1], fp32[2], **scalars)
+    for name, a, b, x in zip(("param", "exp_avg", "exp_avg_sq"), kernel, eager, fp32):
+        if dtype != torch.bfloat16:
+            assert torch.equal(a, b), _worst(name, a.double(), b.double(), torch.zeros(n, dtype=torch.float64))
+        else:
+            for got in (a, b):
+                _assert_bf16_neighbour(name, got, x.double(), torch.zeros(n, dtype=torch.float64))
+
+
+def test_backend_choice(monkeypatch):
+    """Under the interpreter (or on CUDA) the kernel runs; on the CPU without it, and for fp64, the eager path."""
+    calls = []
+    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_step_", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr(stochastic_adamw, "adamw_step_torch_", lambda *a, **k: calls.append("torch"))
+    for interpret, dtype in (("1", torch.bfloat16), (None, torch.bfloat16), ("1", torch.float64)):
+        if interpret:
+            monkeypatch.setenv("TRITON_INTERPRET", interpret)
+        else:
+            monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+        p = torch.nn.Parameter(torch.ones(3, dtype=dtype))
+        p.grad = torch.ones_like(p)
+        StochasticRoundingAdamW([p]).step()
+    assert calls == ["triton", "torch", "torch"]
+
+
+def _mixed_model(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+            for shape, dtype in (((33, 7), torch.bfloat16), ((5,), torch.float32), ((129,), torch.bfloat16))]
+
+
+def _run(params, opt, grads):
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.to(p.dtype)
+        opt.step()
+
+
+def _groups(params, seed):
+    return StochasticRoundingAdamW([{"params": params[:2]}, {"params": params[2:], "lr": 3e-3}], lr=1e-3,
+                                   weight_decay=0.1, seed=seed)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_resume_from_state_dict_is_bit_identical(backend):
+    """3 + 3 steps through torch.save / torch.load equal 6 straight steps bit for bit (the seed is restored from the
+    state_dict: the resumed optimizer is built with another one); a different seed draws different bits."""
+    gen = torch.Generator().manual_seed(1)
+    grads = [[torch.randn(p.shape, generator=gen) for p in _mixed_model(0)] for _ in range(6)]
+    env = _backend(backend)
+    try:
+        straight = _mixed_model(0)
+        straight_opt = _groups(straight, seed=7)
+        _run(straight, straight_opt, grads)
+        first = _mixed_model(0)
+        first_opt = _groups(first, seed=7)
+        _run(first, first_opt, grads[:3])
+        buffer = io.BytesIO()
+        torch.save({"params": [p.detach() for p in first], "optimizer": first_opt.state_dict()}, buffer)
+        buffer.seek(0)
+        saved = torch.load(buffer)
+        resumed = [torch.nn.Parameter(t.clone()) for t in saved["params"]]
+        resumed_opt = _groups(resumed, seed=12345)
+        resumed_opt.load_state_dict(saved["optimizer"])
+        _run(resumed, resumed_opt, grads[3:])
+        other = _mixed_model(0)
+        _run(other, _groups(other, seed=8), grads)
+    finally:
+        env.stop()
+    for i, (a, b) in enumerate(zip(straight, resumed)):
+        assert torch.equal(a, b), f"param {i}"
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(straight_opt.state[a][key], resumed_opt.state[b][key]), f"param {i} {key}"
+    assert not torch.equal(straight[0], other[0]), "seed 7 and seed 8 drew the same bits"
+
+
+def test_loads_a_torch_adamw_checkpoint():
+    """torch.optim.AdamW's fp32 state_dict loads (its groups lack `seed`: the default is used), and 2 further steps
+    stay within the fp32 bound of torch continuing itself; amsgrad is refused (the update would differ)."""
+    gen = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-8, weight_decay=0.05)
+    p_torch = torch.nn.Parameter(torch.randn(40, generator=gen))
+    grads = [torch.randn(40, generator=gen) for _ in range(5)]
+    opt_torch = torch.optim.AdamW([p_torch], **hp, foreach=False)
+    _run([p_torch], opt_torch, [[g] for g in grads[:3]])
+    p_ours = torch.nn.Parameter(p_torch.detach().clone())
+    opt_ours = StochasticRoundingAdamW([p_ours], lr=1.0)
+    opt_ours.load_state_dict(copy.deepcopy(opt_torch.state_dict()))  # as from a file: torch's load aliases tensors
+    assert opt_ours.param_groups[0]["seed"] == 0 and opt_ours.param_groups[0]["lr"] == hp["lr"]
+    state = opt_torch.state[p_torch]
+    ref = (p_torch.detach().double(), state["exp_avg"].double(), state["exp_avg_sq"].double())
+    err = (0, 0, 0)
+    for step, g in enumerate(grads[3:], 4):
+        ref, err = _step_reference(*ref, g.double(), step, hp, err)
+    _run([p_torch], opt_torch, [[g] for g in grads[3:]])
+    _run([p_ours], opt_ours, [[g] for g in grads[3:]])
+    ours, theirs = p_ours.detach().double(), p_torch.detach().double()
+    assert ((ours - theirs).abs() <= 2 * err[0]).all(), _worst("param", ours, theirs, 2 * err[0])
+    amsgrad = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)
+    with pytest.raises(ValueError, match="amsgrad"):
+        StochasticRoundingAdamW([torch.nn.Parameter(torch.zeros(2))]).load_state_dict(amsgrad.state_dict())
+
+
+def test_lambda_lr_sets_the_step_size():
+    """LambdaLR writes param_groups' lr: a factor of 0 leaves bf16 weights exactly where they are, 1 moves them."""
+    p = torch.nn.Parameter(torch.randn(64).bfloat16())
+    opt = StochasticRoundingAdamW([p], lr=1e-2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda update: float(update > 0))
+    before = p.detach().clone()
+    p.grad = torch.randn(64).bfloat16()
+    opt.step()
+    assert torch.equal(p.detach(), before)
+    schedule.step()
+    opt.step()
+    assert (p.detach() != before).float().mean() > 0.9
+
+
+def test_step_seed():
+    """Keys differ by seed, parameter, step and shard coordinates; all-zero coordinates are rank 0's unsharded key;
+    every key is an int64 above 2^62."""
+    keys = {step_seed(s, i, t, c) for s in (0, 1) for i in (0, 1) for t in (1, 2) for c in ((), (1, 0), (0, 1))}
+    assert len(keys) == 24 and all(2**62 <= k < 2**63 for k in keys)
+    assert step_seed(0, 3, 5, (0, 0)) == step_seed(0, 3, 5)
+
+
+@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
+def test_dtensor_parameters_update_their_local_shard():
+    """An FSDP2-style DTensor parameter (Shard(0) on a 1-rank gloo mesh) gets the same update as the plain tensor
+    (coordinate 0 draws the unsharded bits) and DTensor moments, as torch's AdamW keeps them."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized")
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        full = torch.randn(37, 5).bfloat16()
+        plain, sharded = torch.nn.Parameter(full.clone()), torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
+        opts = StochasticRoundingAdamW([plain], lr=1e-2), StochasticRoundingAdamW([sharded], lr=1e-2)
+        for _ in range(3):
+            g = torch.randn(37, 5).bfloat16()
+            plain.grad, sharded.grad = g, distribute_tensor(g, mesh, [Shard(0)])
+            for opt in opts:
+                opt.step()
+        assert isinstance(opts[1].state[sharded]["exp_avg"], DTensor)
+        assert torch.equal(sharded.full_tensor(), plain.detach())
+        assert torch.equal(opts[1].state[sharded]["exp_avg_sq"].full_tensor(), opts[0].state[plain]["exp_avg_sq"])
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.gpu
+def test_cuda_kernel_against_fp64():
+    """The kernel on CUDA: bf16 results are neighbours of fp64 over several steps (odd size, many programs) and
+    unbiased at lr 1e-6; fp32 within the derived bound of fp64, as torch's fused AdamW is."""
+    _check_bf16_steps((1 << 16) + 3, 4, 0, dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01), "cuda")
+    _check_unbiased("cuda", n=1 << 16, draws=8)
+    hp = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    p0 = torch.randn(100_003, device="cuda")
+    ours, fused = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    optimizers = StochasticRoundingAdamW([ours], **hp), torch.optim.AdamW([fused], **hp, fused=True)
+    zeros = torch.zeros_like(p0, dtype=torch.float64)
+    ref, err = (p0.double(), zeros, zeros), (0, 0, 0)
+    for step in range(1, 4):
+        g = torch.randn_like(p0)
+        ours.grad, fused.grad = g, g.clone()
+        for opt in optimizers:
+            opt.step()
+        ref, err = _step_reference(*ref, g.double(), step, hp, err)
+    for name, p in (("fused torch", fused), ("ours", ours)):
+        got = p.detach().double()
+        assert ((got - ref[0]).abs() <= err[0]).all(), _worst(name, got, ref[0], err[0])
