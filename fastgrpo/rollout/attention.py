@@ -5,23 +5,35 @@ writes and re-reads G copies of the whole cache per layer: Qwen2.5-1.5B (G=6), 6
 layer, ~28 GB per step, 10x the weights. For one query token the G query heads of a K/V head are instead laid out
 as G query rows of one head ([N, H_kv, G, D]), so every row reads the shared cache once. Multi-token calls
 (prefill) use SDPA's enable_gqa. Masks are the engine's bool [N, 1, Q, M].
+
+With EngineConfig(attention="triton") the engine passes the filled cache length (a device tensor [1]) as the
+keyword LENGTH_KWARG, which HF hands through to this function; a one-token call then runs the Triton
+flash-decoding kernel (fastgrpo.ops.decode_attention), which reads only slots < length instead of all M. The mask
+row [N, M] is its `visible` (sliding windows are already in it). Soft-capped or sink attention stays on SDPA.
 """
 from __future__ import annotations
 
 import functools
 
+import torch
 import torch.nn.functional as F
 
 from fastgrpo.hf.models import register_attention
+from fastgrpo.ops.decode_attention import decode_attention
 
 NAME = "fastgrpo_rollout_sdpa"
+LENGTH_KWARG = "fastgrpo_decode_length"
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [N, Hq, Q, D], key/value: [N, Hkv, M, D], attention_mask: [N, 1, Q, M] bool -> ([N, Q, Hq, D], None)."""
     N, Hq, Q, D = query.shape
     Hkv = key.shape[1]
-    if Q == 1:
+    length = kwargs.get(LENGTH_KWARG)
+    if Q == 1 and length is not None and _kernel_fits(attention_mask, kwargs):
+        q = query.reshape(N, Hkv, Hq // Hkv, D)
+        out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling).reshape(N, Hq, 1, D)
+    elif Q == 1:
         # query head h reads K/V head h // G (HF's repeat_kv order), so [N, Hq, 1, D] -> [N, Hkv, G, D]
         q = query.reshape(N, Hkv, Hq // Hkv, D)
         out = F.scaled_dot_product_attention(q, key, value, attn_mask=attention_mask, scale=scaling)
@@ -31,6 +43,12 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
             query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=Hq != Hkv
         )
     return out.transpose(1, 2).contiguous(), None
+
+
+def _kernel_fits(attention_mask, kwargs) -> bool:
+    """The decode kernel takes a bool mask [N, 1, 1, M] and plain softmax attention (no soft-cap, no sinks)."""
+    plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
+    return plain and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
 
 
 @functools.cache

@@ -17,6 +17,7 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo.hf.models import cache_keyword
+from fastgrpo.rollout.attention import LENGTH_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
@@ -29,6 +30,15 @@ class EngineConfig:
     # cache length rounded up to a multiple of this, so prompts of varying length reuse one compiled step
     length_bucket: int = 128
     warmup_steps: int = 2  # compiled steps run eagerly before the graph capture
+    # one-token attention: "sdpa" (one SDPA call over all M cache slots, masked) or "triton" (the flash-decoding
+    # kernel of fastgrpo.ops.decode_attention, reading only the filled slots). "sdpa" stays the default until
+    # "triton" is measured on a GPU (benchmarks/NOTES_rollout.md: attention is 1.0 / 3.9 ms of a decode step).
+    # Models kept on "eager" attention (soft-capping, e.g. gemma2) ignore it.
+    attention: str = "sdpa"
+
+    def __post_init__(self):
+        if self.attention not in ("sdpa", "triton"):
+            raise ValueError(f"EngineConfig.attention: expected 'sdpa' or 'triton', got {self.attention!r}")
 
 
 @dataclasses.dataclass
@@ -47,6 +57,7 @@ class _State:
     positions: torch.Tensor  # [N, 1] its position id
     visible: torch.Tensor  # [N, M] bool, cache slots holding a real (non-pad) token
     key_pos: torch.Tensor  # [M] slot ids
+    decode_kernel: bool  # pass the filled length to the attention (EngineConfig.attention == "triton")
     seen: torch.Tensor | None  # [N, V] bool, tokens seen so far (repetition penalty only)
     keys: torch.Tensor | None  # [N] int64 per-sample noise keys (sampling only; greedy: None)
     vocab_keys: torch.Tensor | None  # [V] int64 hashed vocabulary ids (sampling only)
@@ -93,7 +104,8 @@ def rollout(
     with torch.no_grad():
         logits = _prefill(model, cache, cache_kw, prompt, real[:, :P], slots[:P], offset, dtype)
         logits = logits.repeat_interleave(G, dim=0)  # [N, V]
-        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, keys)
+        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, keys,
+                           decode_kernel=config.attention == "triton")
         state.positions.copy_(lengths.repeat_interleave(G)[:, None])
         cache.slot.fill_(P)
         _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
@@ -157,9 +169,11 @@ def _prefill(model, cache, cache_kw, prompt, visible, slots, offset, dtype) -> t
 def _forward_sample(model, cache, cache_kw, state, params, dtype):
     """One decode forward at cache.slot for all rows, then filters and sampling: (tokens [N], logprobs [N])."""
     masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
+    # the slots written so far, this step's included: [1] on the device, read by the decode kernel
+    length = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
     out = model(
         input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
-        logits_to_keep=1, **{cache_kw: cache},
+        logits_to_keep=1, **{cache_kw: cache}, **length,
     )
     logits = process_logits(out.logits[:, -1], params, state.seen)
     return sample(logits, _noise(state))
@@ -248,7 +262,7 @@ class _GraphedStep:
         self.warmup -= 1
 
 
-def _new_state(prompt, real, slots, G, S, V, params, stop_ids, keys) -> _State:
+def _new_state(prompt, real, slots, G, S, V, params, stop_ids, keys, decode_kernel: bool = False) -> _State:
     device = prompt.device
     N = prompt.shape[0] * G
     seen = None
@@ -263,6 +277,7 @@ def _new_state(prompt, real, slots, G, S, V, params, stop_ids, keys) -> _State:
         positions=torch.zeros(N, 1, dtype=torch.long, device=device),
         visible=real.repeat_interleave(G, dim=0),
         key_pos=slots,
+        decode_kernel=decode_kernel,
         seen=seen,
         keys=keys.to(device) if sampled else None,
         vocab_keys=mix32(torch.arange(V, device=device)) if sampled else None,

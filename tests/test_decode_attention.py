@@ -1,0 +1,208 @@
+"""Decode attention (fastgrpo.ops.decode_attention) against the fp64 masked softmax: odd shapes, left padding,
+any filled length, splits, the shared-prefix layout, and the engine's rollout with attention="triton".
+
+Tolerance, derived per element (`bound`): bf16/fp16/fp32 inputs are exact in fp64, so the kernel's error comes from
+(1) the output's rounding to the input dtype: one ulp of |ref| (the interpreter truncates instead of rounding);
+(2) on a GPU, p rounded to v's dtype before p.v: half an ulp of each weight, at most eps/2 sum_j p_j |v_j|;
+(3) fp32 arithmetic: a score's D-term dot carries ~(D + 2) 2^-24 sum|q_d k_d| scale, which moves the softmax
+weights by twice that relatively; exp2 a few ulps; the sum over the M keys M 2^-24 sum_j p_j |v_j|.
+Measured under the interpreter: bf16 errors reach ~0.6 of the bound, fp16 ~0.3, fp32 ~0.01 (worst-case sums).
+"""
+import warnings
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo.ops.decode_attention import decode_attention, decode_attention_torch
+from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.generate import generate_with_config
+from fastgrpo.rollout.sampling import SamplingParams
+from tests.test_rollout import PROMPTS, char_tokenizer, completions, tiny_model
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def bound(ref, q, k, v, keep, scale, dtype):
+    """Per-element error bound of the kernel's output vs the fp64 `ref` (see the module docstring)."""
+    eps = torch.finfo(dtype).eps
+    keep4 = keep[:, None, :, None]
+    k = torch.where(keep4, k.double(), 0.0)  # only the keys the row reads
+    # pv_abs: sum_j p_j |v_j|, the size of what p.v adds up, per output element (fp64)
+    pv_abs = decode_attention_torch(q.double(), k, torch.where(keep4, v.double(), 0.0).abs(), keep, keep.new_tensor(
+        [keep.shape[-1]], dtype=torch.long), scale)
+    smax = (q.double().abs() @ k.abs().transpose(-1, -2)).amax(-1, keepdim=True) * abs(scale)  # [N, H, G, 1]
+    D, M = q.shape[-1], keep.shape[-1]
+    fp32 = 2.0**-24 * pv_abs * (2 * (D + 2) * smax + M + 8)
+    p_round = 0.0 if dtype == torch.float32 else eps / 2 * pv_abs
+    return eps * ref.abs() + torch.finfo(dtype).tiny + p_round + 2 * fp32
+
+
+def assert_within(got, ref, tol, what):
+    err = (got.double() - ref).abs()
+    worst = (err - tol).argmax()
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    assert (err <= tol).all(), (
+        f"{what}: |err| {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
+        f"(ref {ref.flatten()[worst]:.4f}); max err {err.max():.3e}"
+    )
+
+
+def make_cache(g, N, H, M, D, length, dtype, pad_fill):
+    """Random left-padded rows: k/v [N, H, M, D] with NaN at slots >= length and `pad_fill` on the pads."""
+    k = torch.randn(N, H, M, D, generator=g).to(dtype)
+    v = torch.randn(N, H, M, D, generator=g).to(dtype)
+    offset = torch.randint(0, length, (N,), generator=g)  # first real slot of each row
+    slots = torch.arange(M)
+    visible = (slots[None, :] >= offset[:, None]) & (torch.rand(N, M, generator=g) > 0.1)  # and some holes
+    visible[:, length - 1] = True  # the query's own slot
+    for t in (k, v):
+        t[:, :, length:] = float("nan")  # never to be read
+        t.masked_fill_(~visible[:, None, :, None] & (slots < length)[None, None, :, None], pad_fill)
+    return k, v, visible
+
+
+@given(
+    N=st.integers(1, 4), H=st.integers(1, 3), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32, 64]),
+    M=st.integers(1, 70), length_frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from([None, 0.3, 1.7]), splits=st.sampled_from([None, 1, 2, 5]),
+    pad_fill=st.sampled_from([float("nan"), 1e4]), seed=st.integers(0, 2**16),
+)
+def test_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, scale, splits, pad_fill, seed):
+    g = torch.Generator().manual_seed(seed)
+    length = 1 + round(length_frac * (M - 1))
+    q = torch.randn(N, H, G, D, generator=g).to(dtype)
+    k, v, visible = make_cache(g, N, H, M, D, length, dtype, pad_fill)
+    L = torch.tensor([length])
+    got = decode_attention(q, k, v, visible, L, scale, splits=splits)
+    s = D**-0.5 if scale is None else scale
+    ref = decode_attention_torch(q.double(), k.double(), v.double(), visible, L, s)
+    keep = visible & (torch.arange(M) < length)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_within(got, ref, bound(ref, q, k, v, keep, s, dtype), f"{dtype} N{N} H{H} G{G} D{D} M{M} len{length}")
+
+
+@pytest.mark.parametrize("splits, length", [(1, 67), (2, 61)])
+def test_running_max_across_tiles(splits, length):
+    """Several tiles per split, keys growing along the sequence: each tile raises the running max, so the
+    rescaling of what came before is exercised (random draws can leave every split one tile long)."""
+    g = torch.Generator().manual_seed(1)
+    N, H, G, D, M = 2, 1, 3, 16, 67
+    q = torch.randn(N, H, G, D, generator=g) * 2
+    k, v, visible = make_cache(g, N, H, M, D, length, torch.float32, float("nan"))
+    k[:, :, :length] += torch.linspace(0, 2, length)[:, None] * q.mean(2, keepdim=True)  # later keys score higher
+    L = torch.tensor([length])
+    got = decode_attention(q, k, v, visible, L, splits=splits)
+    ref = decode_attention_torch(q.double(), k.double(), v.double(), visible, L)
+    keep = visible & (torch.arange(M) < length)
+    assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, torch.float32), f"splits {splits}")
+
+
+@given(
+    B=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 2), G=st.integers(1, 4), D=st.sampled_from([16, 32]),
+    P=st.integers(1, 40), M=st.integers(1, 40), length_frac=st.floats(0, 1), splits=st.sampled_from([None, 1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_shared_prefix_equals_unshared(B, S, H, G, D, P, M, length_frac, splits, seed):
+    """The prefix kernel on (prefix once per group, suffix per row) == the plain kernel on each row's whole keys."""
+    g = torch.Generator().manual_seed(seed)
+    N, length = B * S, 1 + round(length_frac * (M - 1))
+    q = torch.randn(N, H, G, D, generator=g)
+    pk, pv = torch.randn(B, H, P, D, generator=g), torch.randn(B, H, P, D, generator=g)
+    pvis = torch.arange(P)[None, :] >= torch.randint(0, P + 1, (B, 1), generator=g)  # left-padded prompts
+    k, v, visible = make_cache(g, N, H, M, D, length, torch.float32, float("nan"))
+    L = torch.tensor([length])
+    shared = decode_attention(q, k, v, visible, L, prefix_k=pk, prefix_v=pv, prefix_visible=pvis, splits=splits)
+    # unshared: every row holds its prompt's copy, then its suffix; NaN stays past P + length
+    fk = torch.cat([pk.repeat_interleave(S, 0), k], dim=2)
+    fv = torch.cat([pv.repeat_interleave(S, 0), v], dim=2)
+    fvis = torch.cat([pvis.repeat_interleave(S, 0), visible], dim=1)
+    plain = decode_attention(q, fk, fv, fvis, torch.tensor([P + length]), splits=splits)
+    ref = decode_attention_torch(q.double(), fk.double(), fv.double(), fvis, torch.tensor([P + length]))
+    keep = fvis & (torch.arange(P + M) < P + length)
+    tol = bound(ref, q, fk, fv, keep, D**-0.5, torch.float32)
+    assert_within(shared, ref, tol, f"shared B{B} S{S} P{P} M{M} len{length}")
+    assert_within(shared, plain.double(), 2 * tol, "shared vs plain")
+
+
+def test_engine_triton_attention_gives_sdpa_tokens():
+    # qwen2_sliding: masks by layer type, one layer windowed (8 slots < prompt + completion); llama's single mask
+    # tensor runs in the GPU test. 5 tokens: the interpreter takes ~0.3-0.6 s per layer and step.
+    tok, model = char_tokenizer(), tiny_model("qwen2_sliding")
+    params = SamplingParams(max_new_tokens=5, temperature=0)
+    out = {
+        name: generate_with_config(model, tok, PROMPTS, 2, params, config=EngineConfig(attention=name))
+        for name in ("sdpa", "triton")
+    }
+    assert completions(out["triton"]) == completions(out["sdpa"])
+    torch.testing.assert_close(out["triton"].logprobs, out["sdpa"].logprobs, atol=1e-4, rtol=0)
+
+
+def test_torch_path_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 2, 3, 16, generator=g)
+    k, v, visible = make_cache(g, 2, 2, 9, 16, 7, torch.float32, float("nan"))
+    L = torch.tensor([7])
+    torch.testing.assert_close(decode_attention(q, k, v, visible, L), decode_attention_torch(q, k, v, visible, L))
+
+
+def test_bad_input():
+    q, kv = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 9, 16)
+    visible, L = torch.ones(2, 9, dtype=torch.bool), torch.tensor([3])
+    with pytest.raises(ValueError, match="visible"):
+        decode_attention(q, kv, kv, visible[:, :8], L)
+    with pytest.raises(ValueError, match="dtype"):
+        decode_attention(q, kv.half(), kv, visible, L)
+    with pytest.raises(ValueError, match="groups"):
+        pk = torch.randn(3, 2, 4, 16)
+        decode_attention(q, kv, kv, visible, L, prefix_k=pk, prefix_v=pk, prefix_visible=torch.ones(3, 4).bool())
+    with pytest.raises(ValueError, match="attention"):
+        EngineConfig(attention="flash")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, G", [(2, 6), (8, 4)])  # Qwen2.5-1.5B, Llama-3.1-8B
+def test_gpu_realistic_decode(H, G):
+    """64 rows (8 prompts x 8 samples), 1280 slots, 768 filled, bf16: within the bound, and no worse than SDPA in
+    bf16 over the same slots; the shared-prefix layout (256-slot prompt) agrees too."""
+    g = torch.Generator().manual_seed(0)
+    N, M, D, length, P, S = 64, 1280, 128, 768, 256, 8
+    q = torch.randn(N, H, G, D, generator=g).bfloat16()
+    k, v, visible = make_cache(g, N, H, M, D, length, torch.bfloat16, float("nan"))
+    q, k, v, visible, L = (t.cuda() for t in (q, k, v, visible, torch.tensor([length])))
+    got = decode_attention(q, k, v, visible, L)
+    ref = decode_attention_torch(q.double(), k.double(), v.double(), visible, L)
+    keep = visible & (torch.arange(M, device="cuda") < length)
+    assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, torch.bfloat16), f"gpu H{H} G{G}")
+    sdpa = torch.nn.functional.scaled_dot_product_attention(
+        q, k[:, :, :length], v[:, :, :length], attn_mask=keep[:, None, None, :length])
+    assert (got.double() - ref).abs().max() <= 1.5 * (sdpa.double() - ref).abs().max() + 1e-3
+    # shared prefix: the first P slots of the rows of each group of S made identical, then split off
+    for t in (k, v):
+        t[:, :, :P] = t[::S, :, :P].repeat_interleave(S, 0)
+    visible[:, :P] = visible[::S, :P].repeat_interleave(S, 0)
+    keep = visible & (torch.arange(M, device="cuda") < length)
+    plain = decode_attention(q, k, v, visible, L)
+    shared = decode_attention(q, k[:, :, P:], v[:, :, P:], visible[:, P:], L - P, prefix_k=k[::S, :, :P],
+                              prefix_v=v[::S, :, :P], prefix_visible=visible[::S, :P])
+    ref = decode_attention_torch(q.double(), k.double(), v.double(), visible, L)
+    assert_within(shared, ref, bound(ref, q, k, v, keep, D**-0.5, torch.bfloat16), "gpu shared")
+    assert_within(plain, ref, bound(ref, q, k, v, keep, D**-0.5, torch.bfloat16), "gpu plain, prefix layout")
+
+
+@pytest.mark.gpu
+def test_gpu_engine_triton_gives_sdpa_tokens():
+    """On CUDA the decode step is compiled and replayed as a CUDA graph: the kernel must survive both."""
+    tok, model = char_tokenizer(), tiny_model("qwen2").cuda()
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        out = {
+            name: generate_with_config(model, tok, PROMPTS, 2, params, config=EngineConfig(attention=name))
+            for name in ("sdpa", "triton")
+        }
+    fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
+    assert not fallbacks, fallbacks  # compile or graph capture failed: the kernel would run eagerly
+    assert completions(out["triton"]) == completions(out["sdpa"])
