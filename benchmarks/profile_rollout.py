@@ -2,6 +2,7 @@
 
     python -m benchmarks.profile_rollout                # GPU: both shapes, ~3.3 min on an H200 (~1 min compiling)
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
+    python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -64,7 +65,10 @@ DRY_SHAPE = "tiny-qwen2"
 DEADLINE_S = 240  # the whole GPU run; each shape's first call compiles for ~25-40 s
 SHAPE_TIMEOUT_S = 150
 # mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape)
-MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False)}
+MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
+         # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
+         "triton": (EngineConfig(attention="triton"), True)}
+DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 
 # Kernel (GPU) or aten op (CPU dry run) name -> category: the first pattern that matches, case-insensitive.
@@ -339,8 +343,8 @@ def print_top(row: dict) -> None:
         print(f"  {row['trace_note']}")
 
 
-def child(shape: str, dry: bool, trace_dir: Path) -> None:
-    """One shape, both modes; rows go to <trace_dir>/<shape>.rows.json after each mode (a timeout keeps them)."""
+def child(shape: str, dry: bool, trace_dir: Path, modes: list[str]) -> None:
+    """One shape, each of `modes`; rows go to <trace_dir>/<shape>.rows.json after each mode (a timeout keeps them)."""
     began = time.perf_counter()
     device, sizes = ("cpu", DRY_SIZES) if dry else ("cuda", GPU_SIZES)
     setup = build(shape, sizes, device) | {"shape": shape}
@@ -348,7 +352,8 @@ def child(shape: str, dry: bool, trace_dir: Path) -> None:
     print(f"{shape} on {device}: built in {time.perf_counter() - began:.0f} s, copy bandwidth "
           f"{bandwidth / 1e12:.3f} TB/s", flush=True)
     rows = []
-    for mode, (config, timed) in MODES.items():
+    for mode in modes:
+        config, timed = MODES[mode]
         began = time.perf_counter()
         try:
             row = {"shape": shape} | profile_mode(setup, sizes, mode, config, timed, bandwidth, trace_dir)
@@ -362,13 +367,14 @@ def child(shape: str, dry: bool, trace_dir: Path) -> None:
         sys.stdout.flush()
 
 
-def run_shape(shape: str, dry: bool, trace_dir: Path, timeout: float) -> list[dict]:
+def run_shape(shape: str, dry: bool, trace_dir: Path, timeout: float, modes: list[str]) -> list[dict]:
     """Run `child` for one shape in a fresh process (its own session, so a timeout kills its compile workers)."""
     rows_file = trace_dir / f"{shape}.rows.json"
     rows_file.unlink(missing_ok=True)  # a reused trace dir: no rows of an earlier run
     if timeout < 30:
         return [{"shape": shape, "error": "skipped: global deadline reached"}]
-    cmd = [sys.executable, "-m", "benchmarks.profile_rollout", "--child", shape, "--trace-dir", str(trace_dir)]
+    cmd = [sys.executable, "-m", "benchmarks.profile_rollout", "--child", shape, "--trace-dir", str(trace_dir),
+           "--modes", ",".join(modes)]
     proc = subprocess.Popen(cmd + (["--dry-run"] if dry else []), cwd=Path(__file__).parents[1],
                             start_new_session=True)
     error = None
@@ -389,19 +395,24 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU (also FASTGRPO_PROFILE_CPU=1)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--trace-dir", help="where key_averages tables and traces go (default: a new temp dir)")
+    parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: profile this one shape in this process
     args = parser.parse_args(argv)
     dry = args.dry_run or os.environ.get("FASTGRPO_PROFILE_CPU") == "1"
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="rollout_profile_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(args.child, dry, trace_dir)
+        child(args.child, dry, trace_dir, modes)
         return
     print(f"key_averages tables, chrome traces and per-shape rows: {trace_dir}", flush=True)
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []
     for shape in [DRY_SHAPE] if dry else args.shapes.split(","):
-        rows += run_shape(shape, dry, trace_dir, min(SHAPE_TIMEOUT_S, deadline - time.monotonic()))
+        rows += run_shape(shape, dry, trace_dir, min(SHAPE_TIMEOUT_S, deadline - time.monotonic()), modes)
     sizes = DRY_SIZES if dry else GPU_SIZES
     config = {"model": "random weights, bf16, sdpa", "card": card_name(), **dataclasses.asdict(sizes),
               "mean_context": sizes.mean_context, "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
