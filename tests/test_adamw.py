@@ -7,9 +7,11 @@ _step_reference carries along a trajectory (the moments' and the parameter's err
 decay factor each step; the gradients do not depend on the parameters here, so errors do not feed back).
 A bf16 result must be one of the two bf16 neighbours of the fp32 value, hence of [fp64 - bound, fp64 + bound].
 
-The triton backend runs under TRITON_INTERPRET=1 (set by conftest without CUDA); the torch backend is the eager
-path (TRITON_INTERPRET unset). The GPU test runs the kernel on CUDA.
+bf16 parameters on the CPU keep an fp32 master by default; the stochastic-rounding tests make them round
+stochastically instead (_path patches keeps_master), with the kernel ("triton", under TRITON_INTERPRET=1, set by
+conftest without CUDA) or its eager twin ("torch", TRITON_INTERPRET unset). The GPU test runs the kernel on CUDA.
 """
+import contextlib
 import copy
 import io
 import os
@@ -23,7 +25,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.kernels.adamw import adamw_step_
 from fastgrpo.train import stochastic_adamw
-from fastgrpo.train.stochastic_adamw import StochasticRoundingAdamW, adamw_step_torch_, step_seed
+from fastgrpo.train.stochastic_adamw import StochasticRoundingAdamW, adamw_step_master_, adamw_step_torch_, step_seed
 
 U32 = 2.0**-24  # fp32 unit roundoff
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -34,13 +36,19 @@ BACKENDS = [
 ]
 
 
-def _backend(name: str):
-    """Environment in which the optimizer picks `name` for CPU tensors (fastgrpo.ops._backend.use_triton)."""
-    env = mock.patch.dict(os.environ)
-    env.start()
-    if name == "torch":
-        os.environ.pop("TRITON_INTERPRET", None)
-    return env
+@contextlib.contextmanager
+def _path(name: str):
+    """The optimizer's path for CPU tensors: "master" is its own choice (an fp32 master for bf16); any other name
+    makes bf16 round stochastically, "torch" with the eager twin (TRITON_INTERPRET unset), else with the path
+    fastgrpo.ops._backend.use_triton picks (the kernel under TRITON_INTERPRET=1). Other dtypes follow use_triton."""
+    with mock.patch.dict(os.environ):
+        if name == "torch":
+            os.environ.pop("TRITON_INTERPRET", None)
+        if name == "master":
+            yield
+            return
+        with mock.patch.object(stochastic_adamw, "keeps_master", lambda param: False):
+            yield
 
 
 def _step_reference(p, m, v, g, step, hp, err=(0.0, 0.0, 0.0)):
@@ -94,15 +102,12 @@ def test_fp32_equals_torch_adamw(backend, n, steps, seed, draw_lr, beta1, beta2,
     opt_ours = StochasticRoundingAdamW([ours], **hp, seed=seed)
     opt_theirs = torch.optim.AdamW([theirs], **hp, foreach=False)
     ref, err = (p0.double(), torch.zeros(n, dtype=torch.float64), torch.zeros(n, dtype=torch.float64)), (0, 0, 0)
-    env = _backend(backend)
-    try:
+    with _path(backend):
         for step, g in enumerate(grads, 1):
             ours.grad, theirs.grad = g.clone(), g.clone()
             opt_ours.step()
             opt_theirs.step()
             ref, err = _step_reference(*ref, g.double(), step, hp, err)
-    finally:
-        env.stop()
     got = (ours.detach(), opt_ours.state[ours]["exp_avg"], opt_ours.state[ours]["exp_avg_sq"])
     torch_ = (theirs.detach(), opt_theirs.state[theirs]["exp_avg"], opt_theirs.state[theirs]["exp_avg_sq"])
     for name, a, b, want, tol in zip(("param", "exp_avg", "exp_avg_sq"), got, torch_, ref, err):
@@ -154,11 +159,8 @@ def _check_bf16_steps(n, steps, seed, hp, device):
 @pytest.mark.parametrize("backend", BACKENDS)
 @given(n=st.integers(1, 300), steps=st.integers(1, 4), seed=st.integers(0, 2**16), **HP)
 def test_bf16_results_are_neighbours_of_fp64(backend, n, steps, seed, draw_lr, beta1, beta2, eps, wd):
-    env = _backend(backend)
-    try:
+    with _path(backend):
         _check_bf16_steps(n, steps, seed, _hp(draw_lr, beta1, beta2, eps, wd), "cpu")
-    finally:
-        env.stop()
 
 
 def _rounding_bias(results, exact):
@@ -204,37 +206,132 @@ def _check_unbiased(device, n=4096, draws=16):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_bf16_rounding_is_unbiased(backend):
-    env = _backend(backend)
-    try:
+    with _path(backend):
         _check_unbiased("cpu")
-    finally:
-        env.stop()
 
 
-def test_bf16_trains_at_lr_1e_6_where_round_to_nearest_does_not():
+@pytest.mark.parametrize("path", ["stochastic", "master"])
+def test_bf16_trains_at_lr_1e_6_where_round_to_nearest_does_not(path):
     """200 steps at lr 1e-6 on n weights ~0.02 with mostly positive gradients: torch's bf16 AdamW leaves every
-    weight where it was; this optimizer moves them on average as fp64 AdamW does. Allowed difference of the mean
-    displacement: the parameter's rounding errors are zero-mean and independent across elements and steps, each of
-    variance <= spacing^2 / 4, so the mean's standard deviation is <= spacing sqrt(T / (4 n)) (5 of them); plus
-    T lr 2^-6 for the bf16 moments, which change each update by under 2^-6 of it (and average out besides)."""
+    weight where it was; this optimizer moves them as fp64 AdamW does. With an fp32 master, each weight is the
+    nearest bf16 of the master, which is within the fp32 bound of fp64 AdamW. Rounding stochastically, on average:
+    allowed difference of the mean displacement: the parameter's rounding errors are zero-mean and independent
+    across elements and steps, each of variance <= spacing^2 / 4, so the mean's standard deviation is
+    <= spacing sqrt(T / (4 n)) (5 of them); plus T lr 2^-6 for the bf16 moments, which change each update by under
+    2^-6 of it (and average out besides)."""
     n, steps, lr = 16384, 200, 1e-6
     gen = torch.Generator().manual_seed(0)
     sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
     p0 = (sign * (0.016 + 0.014 * torch.rand(n, generator=gen))).bfloat16()
     grads = [(1 + 0.5 * torch.randn(n, generator=gen)).bfloat16() for _ in range(steps)]
     hp = dict(lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-    ours, nearest, exact = (torch.nn.Parameter(p0.clone().to(dtype)) for dtype in (p0.dtype, p0.dtype, torch.float64))
-    optimizers = [StochasticRoundingAdamW([ours], **hp), torch.optim.AdamW([nearest], **hp, foreach=False),
-                  torch.optim.AdamW([exact], **hp, foreach=False)]
-    for g in grads:
-        for p, opt in zip((ours, nearest, exact), optimizers):
-            p.grad = g.to(p.dtype)
-            opt.step()
+    ours, nearest = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.clone())
+    optimizers = StochasticRoundingAdamW([ours], **hp), torch.optim.AdamW([nearest], **hp, foreach=False)
+    zeros = torch.zeros(n, dtype=torch.float64)
+    exact, err = (p0.double(), zeros, zeros), (0.0, 0.0, 0.0)
+    with _path(path):
+        for step, g in enumerate(grads, 1):
+            for p, opt in zip((ours, nearest), optimizers):
+                p.grad = g
+                opt.step()
+            exact, err = _step_reference(*exact, g.double(), step, hp, err)
     assert torch.equal(nearest.detach(), p0), "round to nearest moved the weights: the toy no longer shows the bug"
-    moved, want = (ours.detach().double() - p0.double()).mean().item(), (exact.detach() - p0.double()).mean().item()
+    if path == "master":
+        master = optimizers[0].state[ours]["master"]
+        assert torch.equal(ours.detach(), master.bfloat16()), "the weights are not their master rounded to nearest"
+        got = master.double()
+        assert ((got - exact[0]).abs() <= err[0]).all(), _worst("master", got, exact[0], err[0])
+        return
+    moved, want = (ours.detach().double() - p0.double()).mean().item(), (exact[0] - p0.double()).mean().item()
     spacing = 2.0 ** (torch.floor(torch.log2(torch.cat([p0, ours.detach()]).double().abs().max())).item() - 7)
     allowed = 5 * spacing * (steps / (4 * n)) ** 0.5 + steps * lr * 2**-6
     assert abs(moved - want) <= allowed, f"mean displacement {moved:.4g}, fp64 AdamW {want:.4g}, allowed {allowed:.3g}"
+
+
+@given(n=st.integers(1, 300), steps=st.integers(1, 4), seed=st.integers(0, 2**16), **HP)
+def test_cpu_bf16_master_follows_fp64_adamw(n, steps, seed, draw_lr, beta1, beta2, eps, wd):
+    """bf16 on the CPU: after every step the parameter is its fp32 master rounded to nearest; the master and the
+    fp32 moments stay within the fp32 bound of fp64 AdamW from the same bf16 start and equal torch's fused AdamW on
+    an fp32 copy bit for bit (the same kernel)."""
+    hp = _hp(draw_lr, beta1, beta2, eps, wd)
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(n, generator=gen).bfloat16()
+    ours, fused = torch.nn.Parameter(p0.clone()), torch.nn.Parameter(p0.float())
+    opt, opt_fused = StochasticRoundingAdamW([ours], **hp, seed=seed), torch.optim.AdamW([fused], **hp, fused=True)
+    zeros = torch.zeros(n, dtype=torch.float64)
+    ref, err = (p0.double(), zeros, zeros), (0, 0, 0)
+    for step in range(1, steps + 1):
+        g = (torch.randn(n, generator=gen) * 10.0 ** (torch.rand((), generator=gen).item() * 4 - 3)).bfloat16()
+        ours.grad, fused.grad = g, g.float()
+        opt.step()
+        opt_fused.step()
+        ref, err = _step_reference(*ref, g.double(), step, hp, err)
+        assert torch.equal(ours.detach(), opt.state[ours]["master"].bfloat16()), f"step {step}"
+    theirs = (fused.detach(), opt_fused.state[fused]["exp_avg"], opt_fused.state[fused]["exp_avg_sq"])
+    for name, b, want, tol in zip(("master", "exp_avg", "exp_avg_sq"), theirs, ref, err):
+        a = opt.state[ours][name]
+        assert a.dtype == torch.float32 and torch.equal(a, b), _worst(name, a.double(), b.double(), tol)
+        assert ((a.double() - want).abs() <= tol).all(), _worst(name, a.double(), want, tol)
+
+
+def test_master_step_in_chunks_of_any_layout():
+    """adamw_step_master_ in chunks (a multiple of the SIMD width: each element takes the kernel's vector or scalar
+    path as in one call) equals torch's fused AdamW on the whole fp32 tensor bit for bit, also for a transposed
+    parameter and a grad of another layout (torch's fused CPU kernel itself needs one layout for all)."""
+    gen = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-2, beta1=0.9, beta2=0.99, weight_decay=0.1, eps=1e-8)
+    param = torch.randn(41, 37, generator=gen).bfloat16().t()  # [37, 41], not contiguous
+    master, m, v = param.float().contiguous(), torch.zeros(37, 41), torch.zeros(37, 41)
+    fused = torch.nn.Parameter(param.float().contiguous())
+    opt = torch.optim.AdamW([fused], lr=hp["lr"], betas=(hp["beta1"], hp["beta2"]), eps=hp["eps"],
+                            weight_decay=hp["weight_decay"], fused=True)
+    step = torch.tensor(0.0)
+    for _ in range(3):
+        grad = torch.randn(37, 41, generator=gen).bfloat16()
+        step += 1
+        adamw_step_master_(param, grad, master, m, v, step, **hp, chunk=64)
+        fused.grad = grad.float()
+        opt.step()
+        assert torch.equal(master, fused.detach()), _worst("master", master.double().flatten(),
+                                                          fused.detach().double().flatten(), torch.zeros(37 * 41))
+        assert torch.equal(param, master.bfloat16())
+
+
+def test_loads_the_state_of_the_other_path():
+    """A state without masters, with bf16 moments (this optimizer on the GPU), loads for bf16 parameters on the CPU:
+    the master is the parameter, the moments are converted exactly, and further steps equal torch's fused AdamW
+    continuing from the same fp32 values. A master state loaded where bf16 rounds stochastically drops the master
+    and rounds the moments to nearest."""
+    gen = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    grads = [[torch.randn(57, generator=gen).bfloat16()] for _ in range(4)]
+    gpu_like = torch.nn.Parameter(torch.randn(57, generator=gen).bfloat16())
+    gpu_opt = StochasticRoundingAdamW([gpu_like], **hp)
+    with _path("torch"):
+        _run([gpu_like], gpu_opt, grads[:2])
+    saved = gpu_opt.state_dict()
+    assert "master" not in saved["state"][0] and saved["state"][0]["exp_avg"].dtype == torch.bfloat16
+    ours = torch.nn.Parameter(gpu_like.detach().clone())
+    opt = StochasticRoundingAdamW([ours], lr=1.0)
+    opt.load_state_dict(copy.deepcopy(saved))
+    state = opt.state[ours]
+    assert torch.equal(state["master"], ours.detach().float())
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert state[key].dtype == torch.float32 and torch.equal(state[key], saved["state"][0][key].float()), key
+    fused = torch.nn.Parameter(gpu_like.detach().float())
+    fused_opt = torch.optim.AdamW([fused], **hp, fused=True)
+    fused_opt.load_state_dict(copy.deepcopy(saved))  # torch casts the bf16 moments to fp32, exactly
+    _run([ours], opt, grads[2:])
+    _run([fused], fused_opt, grads[2:])
+    assert torch.equal(state["master"], fused.detach()) and torch.equal(ours.detach(), fused.detach().bfloat16())
+    back = torch.nn.Parameter(ours.detach().clone())
+    back_opt = StochasticRoundingAdamW([back], lr=1.0)
+    with _path("torch"):
+        back_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    loaded = back_opt.state[back]
+    assert sorted(loaded) == ["exp_avg", "exp_avg_sq", "step"] and loaded["step"].item() == 4
+    for key in ("exp_avg", "exp_avg_sq"):
+        assert torch.equal(loaded[key], state[key].bfloat16()), key
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -279,11 +376,15 @@ def test_triton_and_eager_do_the_same_math(dtype):
 
 
 def test_backend_choice(monkeypatch):
-    """Under the interpreter (or on CUDA) the kernel runs; on the CPU without it, and for fp64, the eager path."""
+    """bf16 on the CPU steps its fp32 master, with or without the interpreter; other dtypes the kernel under the
+    interpreter (or on CUDA), the eager path without it, and the eager path for fp64."""
     calls = []
     monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_step_", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_torch_", lambda *a, **k: calls.append("torch"))
-    for interpret, dtype in (("1", torch.bfloat16), (None, torch.bfloat16), ("1", torch.float64)):
+    monkeypatch.setattr(stochastic_adamw, "adamw_step_master_", lambda *a, **k: calls.append("master"))
+    cases = [("1", torch.bfloat16, "master"), (None, torch.bfloat16, "master"), ("1", torch.float32, "triton"),
+             (None, torch.float32, "torch"), ("1", torch.float16, "triton"), ("1", torch.float64, "torch")]
+    for interpret, dtype, _ in cases:
         if interpret:
             monkeypatch.setenv("TRITON_INTERPRET", interpret)
         else:
@@ -291,7 +392,7 @@ def test_backend_choice(monkeypatch):
         p = torch.nn.Parameter(torch.ones(3, dtype=dtype))
         p.grad = torch.ones_like(p)
         StochasticRoundingAdamW([p]).step()
-    assert calls == ["triton", "torch", "torch"]
+    assert calls == [want for _, _, want in cases]
 
 
 def _mixed_model(seed: int):
@@ -312,14 +413,14 @@ def _groups(params, seed):
                                    weight_decay=0.1, seed=seed)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_resume_from_state_dict_is_bit_identical(backend):
-    """3 + 3 steps through torch.save / torch.load equal 6 straight steps bit for bit (the seed is restored from the
-    state_dict: the resumed optimizer is built with another one); a different seed draws different bits."""
+@pytest.mark.parametrize("path", [*BACKENDS, "master"])
+def test_resume_from_state_dict_is_bit_identical(path):
+    """3 + 3 steps through torch.save / torch.load equal 6 straight steps bit for bit, fp32 masters included (the
+    seed is restored from the state_dict: the resumed optimizer is built with another one); a different seed draws
+    different bits, or, with masters (no random bits), gives the same weights."""
     gen = torch.Generator().manual_seed(1)
     grads = [[torch.randn(p.shape, generator=gen) for p in _mixed_model(0)] for _ in range(6)]
-    env = _backend(backend)
-    try:
+    with _path(path):
         straight = _mixed_model(0)
         straight_opt = _groups(straight, seed=7)
         _run(straight, straight_opt, grads)
@@ -336,13 +437,14 @@ def test_resume_from_state_dict_is_bit_identical(backend):
         _run(resumed, resumed_opt, grads[3:])
         other = _mixed_model(0)
         _run(other, _groups(other, seed=8), grads)
-    finally:
-        env.stop()
     for i, (a, b) in enumerate(zip(straight, resumed)):
         assert torch.equal(a, b), f"param {i}"
-        for key in ("exp_avg", "exp_avg_sq", "step"):
+        master = path == "master" and a.dtype == torch.bfloat16
+        keys = ("exp_avg", "exp_avg_sq", "step") + (("master",) if master else ())
+        assert sorted(resumed_opt.state[b]) == sorted(keys), f"param {i}: {sorted(resumed_opt.state[b])}"
+        for key in keys:
             assert torch.equal(straight_opt.state[a][key], resumed_opt.state[b][key]), f"param {i} {key}"
-    assert not torch.equal(straight[0], other[0]), "seed 7 and seed 8 drew the same bits"
+    assert torch.equal(straight[0], other[0]) == (path == "master"), "seed 7 and seed 8: bits differ only if drawn"
 
 
 def test_loads_a_torch_adamw_checkpoint():
@@ -394,31 +496,96 @@ def test_step_seed():
     assert step_seed(0, 3, 5, (0, 0)) == step_seed(0, 3, 5)
 
 
-@pytest.mark.skipif(not dist.is_available(), reason="torch.distributed is not built in")
-def test_dtensor_parameters_update_their_local_shard():
-    """An FSDP2-style DTensor parameter (Shard(0) on a 1-rank gloo mesh) gets the same update as the plain tensor
-    (coordinate 0 draws the unsharded bits) and DTensor moments, as torch's AdamW keeps them."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
 
+
+@pytest.fixture
+def one_rank_mesh():
+    """A 1-rank gloo device mesh on the CPU, where FSDP2's CPU offload keeps the shards."""
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not built in")
     if dist.is_initialized():
         pytest.skip("a process group is already initialized")
+    from torch.distributed.device_mesh import init_device_mesh
+
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
-        mesh = init_device_mesh("cpu", (1,))
-        full = torch.randn(37, 5).bfloat16()
-        plain, sharded = torch.nn.Parameter(full.clone()), torch.nn.Parameter(distribute_tensor(full, mesh, [Shard(0)]))
-        opts = StochasticRoundingAdamW([plain], lr=1e-2), StochasticRoundingAdamW([sharded], lr=1e-2)
-        for _ in range(3):
-            g = torch.randn(37, 5).bfloat16()
-            plain.grad, sharded.grad = g, distribute_tensor(g, mesh, [Shard(0)])
-            for opt in opts:
-                opt.step()
-        assert isinstance(opts[1].state[sharded]["exp_avg"], DTensor)
-        assert torch.equal(sharded.full_tensor(), plain.detach())
-        assert torch.equal(opts[1].state[sharded]["exp_avg_sq"].full_tensor(), opts[0].state[plain]["exp_avg_sq"])
+        yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("path", ["stochastic", "master"])
+def test_dtensor_parameters_update_their_local_shard(one_rank_mesh, path):
+    """An FSDP2-style DTensor parameter (Shard(0) on a 1-rank gloo mesh) gets the same update as the plain tensor
+    (rounding stochastically, coordinate 0 draws the unsharded bits) and DTensor states, as torch's AdamW keeps
+    them; with masters, the master is a DTensor too."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+
+    full = torch.randn(37, 5).bfloat16()
+    plain = torch.nn.Parameter(full.clone())
+    sharded = torch.nn.Parameter(distribute_tensor(full, one_rank_mesh, [Shard(0)]))
+    opts = StochasticRoundingAdamW([plain], lr=1e-2), StochasticRoundingAdamW([sharded], lr=1e-2)
+    with _path(path):
+        for _ in range(3):
+            g = torch.randn(37, 5).bfloat16()
+            plain.grad, sharded.grad = g, distribute_tensor(g, one_rank_mesh, [Shard(0)])
+            for opt in opts:
+                opt.step()
+    assert torch.equal(sharded.full_tensor(), plain.detach())
+    keys = ("exp_avg", "exp_avg_sq") + (("master",) if path == "master" else ())
+    for key in keys:
+        state = opts[1].state[sharded][key]
+        assert isinstance(state, DTensor) and state.placements == sharded.placements, key
+        assert torch.equal(state.full_tensor(), opts[0].state[plain][key]), key
+
+
+def test_distributed_checkpoint_keeps_the_masters(one_rank_mesh, tmp_path):
+    """FSDP2 (fully_shard) on a 1-rank CPU mesh, bf16: as fastgrpo.train.distributed saves and restores, with
+    Distributed Checkpoint, the masters and fp32 moments go through as DTensors; 2 + 2 steps through a checkpoint,
+    restored into a model and optimizer built afresh from other weights, equal 4 straight steps bit for bit (with
+    masters re-derived from the bf16 weights they would not: the guard checks that the masters hold more)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)).bfloat16()
+        for layer in model:
+            fully_shard(layer, mesh=one_rank_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        return model, StochasticRoundingAdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+
+    gen = torch.Generator().manual_seed(0)
+    grads = [[torch.randn(p.shape, generator=gen).bfloat16() for p in build(0)[0].parameters()] for _ in range(4)]
+
+    def run(model, opt, step_grads):
+        for gs in step_grads:
+            for p, g in zip(model.parameters(), gs):
+                p.grad = distribute_tensor(g, one_rank_mesh, p.placements)
+            opt.step()
+
+    straight = build(0)
+    run(*straight, grads)
+    first = build(0)
+    run(*first, grads[:2])
+    masters = [first[1].state[p]["master"].full_tensor() for p in first[0].parameters()]
+    assert any(not torch.equal(m, p.full_tensor().float()) for m, p in zip(masters, first[0].parameters()))
+    model_state, optim_state = get_state_dict(*first)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp_path)
+    resumed = build(1)
+    model_state, optim_state = get_state_dict(*resumed)
+    saved = {"model": model_state, "optimizer": optim_state}
+    dcp.load(saved, checkpoint_id=tmp_path)
+    set_state_dict(*resumed, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    run(*resumed, grads[2:])
+    for (name, a), b in zip(straight[0].named_parameters(), resumed[0].parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+        for key in ("master", "exp_avg", "exp_avg_sq", "step"):
+            want, got = (_full(opt.state[p][key]) for opt, p in ((straight[1], a), (resumed[1], b)))
+            assert got.dtype == want.dtype and torch.equal(got, want), f"{name} {key}"
 
 
 @pytest.mark.gpu

@@ -1,4 +1,5 @@
-"""StochasticRoundingAdamW: torch.optim.AdamW's update computed in fp32 and rounded stochastically into bf16.
+"""StochasticRoundingAdamW: torch.optim.AdamW's update computed in fp32 and rounded stochastically into bf16, or,
+for bf16 parameters on the CPU, applied to an fp32 master copy.
 
 Why: full fine-tuning keeps bf16 weights, and at lr 1e-6 AdamW moves each weight by about 1e-6, less than half a
 bf16 ulp of any weight above 2^-12 (~2.4e-4). torch's AdamW rounds to nearest, so the update is dropped and the
@@ -10,16 +11,24 @@ Random bits come from Philox keyed by (seed, the parameter's index in the optimi
 coordinates on a device mesh]), so a run resumed from a state_dict draws the same bits as one that never stopped,
 replicas (DDP, or replicated mesh dimensions) round alike, and FSDP shards draw independent bits.
 
-The Triton kernel (fastgrpo.kernels.adamw) runs on CUDA tensors and under TRITON_INTERPRET=1; elsewhere an eager
-torch version of the same math and rounding rule runs, with bits from a torch.Generator (same distribution, not
-the same bits). One launch per tensor (H200, bf16): 1.51 ms for 2^28 elements vs 1.39 ms for torch's fused AdamW;
-9.7 ms vs 8.1 ms for Qwen2.5-1.5B's 253 tensors; each launch costs ~35 us of host time (Triton launcher and this
-loop), which shows only with many small tensors (256 x 1536^2: 9.2 ms vs 3.2 ms).
-fp16 parameters are rounded to nearest: small updates are lost there as with torch's AdamW.
+The Triton kernel (fastgrpo.kernels.adamw) runs on CUDA tensors and under TRITON_INTERPRET=1; for tensors it cannot
+take (non-contiguous, fp64) an eager torch version of the same math and rounding rule runs, with bits from a
+torch.Generator (same distribution, not the same bits). Each launch has a fixed host cost (Triton launcher and this
+loop), which shows only with many small tensors. fp16 parameters are rounded to nearest: small updates are lost
+there as with torch's AdamW.
+
+bf16 parameters whose (local) tensor is on the CPU, as FSDP2's CPUOffloadPolicy keeps them, take neither: the eager
+path draws three random tensors and builds about twenty fp32 temporaries per element, far slower than torch's fused
+CPU AdamW, and the optimizer of an offloaded model steps billions of elements on the host. They keep an fp32 master
+copy and fp32 moments instead (host memory is what offloading trades for), step those with torch's fused AdamW
+(torch._fused_adamw_, what torch.optim.AdamW(fused=True) runs), and set the bf16 parameter to the master rounded to
+nearest: the master accumulates the updates that bf16 cannot hold, no random bits are needed, and the parameter is
+always the master's nearest bf16.
 """
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -76,6 +85,35 @@ def adamw_step_torch_(
     exp_avg_sq.copy_(v)
 
 
+def keeps_master(param: torch.Tensor) -> bool:
+    """Whether param (a local tensor) steps an fp32 master copy instead of rounding stochastically: bf16 on the CPU."""
+    return param.dtype == torch.bfloat16 and param.device.type == "cpu"
+
+
+def adamw_step_master_(
+    param: torch.Tensor, grad: torch.Tensor, master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+    step: torch.Tensor, *, lr: float, beta1: float, beta2: float, weight_decay: float, eps: float,
+    chunk: int = 1 << 20,
+) -> None:
+    """torch.optim.AdamW(fused=True)'s step on the fp32 master and moments (`step`, a CPU fp32 scalar, already
+    counts this step), then param = master rounded to nearest. The grad is converted to fp32 `chunk` elements at a
+    time into one reused buffer: an fp32 copy of the whole grad is fresh memory every step, and its page faults cost
+    more than the conversion. A chunk that is a multiple of the SIMD width sends each element down the kernel's
+    vector or scalar path as one call on the whole tensor would: the master equals torch's fused AdamW on an fp32
+    copy bit for bit. master and the moments are contiguous (torch's fused CPU kernel walks the tensors' storage in
+    order, so they and the grad chunk must share one layout); param and grad may have any layout."""
+    grad = grad.reshape(-1)
+    buffer = torch.empty(min(chunk, grad.numel()), dtype=torch.float32)
+    flat = [t.view(-1) for t in (master, exp_avg, exp_avg_sq)]
+    for start in range(0, grad.numel(), chunk):
+        end = min(start + chunk, grad.numel())
+        g = buffer[: end - start].copy_(grad[start:end])
+        p, m, v = (t[start:end] for t in flat)
+        torch._fused_adamw_([p], [g], [m], [v], [], [step], lr=lr, beta1=beta1, beta2=beta2,
+                            weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False)
+    param.copy_(master)
+
+
 @functools.cache
 def _dtensor_type() -> type | tuple:
     """torch's DTensor class, or () where torch.distributed is not built in (isinstance(x, ()) is False)."""
@@ -112,9 +150,17 @@ def _kernel_fits(param, grad, exp_avg, exp_avg_sq) -> bool:
 
 class StochasticRoundingAdamW(torch.optim.Optimizer):
     """torch.optim.AdamW (decoupled weight decay, bias correction, eps added after the square root) whose bf16
-    parameters and moments are rounded stochastically; the moments are kept in the parameter's dtype, as torch
-    does. state_dict() holds torch's per-parameter state (step, exp_avg, exp_avg_sq), so a torch AdamW checkpoint
-    loads (amsgrad and maximize excepted); `seed` is a param-group entry like lr and travels with it."""
+    parameters and moments are rounded stochastically, or (bf16 on the CPU) kept as fp32 masters.
+
+    Per-parameter state, as state_dict() holds it: torch's step (a CPU fp32 scalar), exp_avg and exp_avg_sq, in the
+    parameter's dtype as torch keeps them; for a bf16 parameter on the CPU the moments are fp32 and `master` (fp32,
+    the parameter's shape) is added. The tensors are shaped like the parameter and are DTensors when it is one
+    (FSDP2), so Distributed Checkpoint saves and reshards them. load_state_dict gives each parameter the layout of
+    its own path, whatever path wrote the state: a state without master (torch's AdamW, or this optimizer on the
+    GPU) takes the master from the parameter and its moments exactly in fp32; a master state loaded for a parameter
+    off the CPU drops the master and rounds the moments to the parameter's dtype to nearest, as torch's load casts
+    them. A torch AdamW checkpoint loads (amsgrad and maximize excepted); `seed` is a param-group entry like lr and
+    travels with it."""
 
     def __init__(self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, seed: int = 0):
@@ -149,6 +195,38 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             if "step" in param_state:
                 param_state["step"] = torch.as_tensor(param_state["step"], dtype=torch.float32).cpu()
 
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's load, which casts every floating-point state to its parameter's dtype, then the fp32 states of
+        parameters that keep a master taken again from the tensors as saved (see the class docstring)."""
+        saved_ids = itertools.chain.from_iterable(group["params"] for group in state_dict["param_groups"])
+        params = itertools.chain.from_iterable(group["params"] for group in self.param_groups)
+        saved = {p: state_dict["state"].get(i) for i, p in zip(saved_ids, params)}
+        super().load_state_dict(state_dict)
+        for p, src in saved.items():
+            state = self.state.get(p)
+            if not src or not state:
+                continue
+            if not keeps_master(_local(p)):
+                state.pop("master", None)
+                continue
+            master = src["master"] if "master" in src else p.detach()
+            state["master"] = master.to(dtype=torch.float32, device=p.device).contiguous()
+            for key in ("exp_avg", "exp_avg_sq"):
+                state[key] = src[key].to(dtype=torch.float32, device=p.device).contiguous()
+
+    @staticmethod
+    def _new_state(p: torch.Tensor) -> dict:
+        """A parameter's state before its first step (torch's, plus an fp32 master where it keeps one)."""
+        if not keeps_master(_local(p)):
+            return dict(step=torch.tensor(0.0, dtype=torch.float32),
+                        exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                        exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        state = {"step": torch.tensor(0.0, dtype=torch.float32)}
+        for key in ("master", "exp_avg", "exp_avg_sq"):
+            state[key] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+        _local(state["master"]).copy_(_local(p))
+        return state
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = None
@@ -167,10 +245,13 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
                     raise RuntimeError("StochasticRoundingAdamW does not support sparse gradients")
                 state = self.state[p]
                 if not state:
-                    state["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    state.update(self._new_state(p))
                 state["step"] += 1
+                if "master" in state:
+                    adamw_step_master_(*(_local(t) for t in (p, p.grad, state["master"], state["exp_avg"],
+                                                             state["exp_avg_sq"])), state["step"], lr=lr,
+                                       beta1=beta1, beta2=beta2, weight_decay=weight_decay, eps=group["eps"])
+                    continue
                 step = int(state["step"].item())
                 tensors = [_local(t) for t in (p, p.grad, state["exp_avg"], state["exp_avg_sq"])]
                 scalars = dict(
