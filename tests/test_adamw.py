@@ -588,6 +588,44 @@ def test_distributed_checkpoint_keeps_the_masters(one_rank_mesh, tmp_path):
             assert got.dtype == want.dtype and torch.equal(got, want), f"{name} {key}"
 
 
+def test_sharded_checkpoint_without_masters_restores_with_masters(one_rank_mesh, tmp_path):
+    """A Distributed Checkpoint written by a run whose bf16 weights rounded stochastically (on the GPU: no
+    masters) resumes into a CPU-offloaded FSDP2 run through fastgrpo.train.distributed.load_sharded_state: the
+    weights and moments are the checkpoint's, the masters are the loaded weights in fp32 (not the fresh model's)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+    from torch.distributed.tensor import distribute_tensor
+
+    from fastgrpo.train.distributed import load_sharded_state
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.Linear(6, 3)).bfloat16()
+        for layer in model:
+            fully_shard(layer, mesh=one_rank_mesh, offload_policy=CPUOffloadPolicy(pin_memory=False))
+        return model, StochasticRoundingAdamW(model.parameters(), lr=1e-3)
+
+    written = build(0)
+    with _path("torch"):
+        for _ in range(2):
+            for p in written[0].parameters():
+                p.grad = distribute_tensor(torch.randn(p.shape).bfloat16(), one_rank_mesh, p.placements)
+            written[1].step()
+    assert all("master" not in written[1].state[p] for p in written[0].parameters())
+    model_state, optim_state = get_state_dict(*written)
+    dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=tmp_path)
+    resumed = build(1)
+    load_sharded_state(tmp_path, *resumed)
+    for (name, a), b in zip(written[0].named_parameters(), resumed[0].parameters()):
+        assert torch.equal(a.full_tensor(), b.full_tensor()), name
+        state = resumed[1].state[b]
+        assert torch.equal(_full(state["master"]), b.full_tensor().float()), name
+        for key in ("exp_avg", "exp_avg_sq"):
+            want = _full(written[1].state[a][key]).float()
+            assert _full(state[key]).dtype == torch.float32 and torch.equal(_full(state[key]), want), f"{name} {key}"
+
+
 @pytest.mark.gpu
 def test_cuda_kernel_against_fp64():
     """The kernel on CUDA: bf16 results are neighbours of fp64 over several steps (odd size, many programs) and

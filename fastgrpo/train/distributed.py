@@ -86,6 +86,24 @@ class _Silent:
         return lambda *args, **kwargs: None
 
 
+def load_sharded_state(shards: Path, model: torch.nn.Module, optimizer) -> None:
+    """Load the weights and optimizer state Distributed Checkpoint wrote to `shards` into model and optimizer. An
+    optimizer state this run keeps but the checkpoint lacks (StochasticRoundingAdamW's fp32 `master` of offloaded
+    weights, when the run that wrote it stepped on the GPU) is left out of the load; the optimizer's
+    load_state_dict then derives it from the loaded weights."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    stored = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    for fqn, param_state in optimizer_state.get("state", {}).items():
+        for key in [k for k in param_state if f"optimizer.state.{fqn}.{k}" not in stored]:
+            del param_state[key]
+    saved = {"model": model_state, "optimizer": optimizer_state}
+    dcp.load(saved, checkpoint_id=shards)
+    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+
+
 class Distributed:
     """This process's place in the run (rank, world size) and the collective steps the trainer takes."""
 
@@ -367,13 +385,7 @@ class Distributed:
         if self._fsdp is None:
             raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "
                              f"torchrun --nproc_per_node {saved_world}")
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-        model_state, optimizer_state = get_state_dict(model, optimizer)
-        saved = {"model": model_state, "optimizer": optimizer_state}
-        dcp.load(saved, checkpoint_id=Path(path) / SHARDS)
-        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+        load_sharded_state(Path(path) / SHARDS, model, optimizer)
         set_rng_states(state.pop("rng"))
         return state
 
