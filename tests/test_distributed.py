@@ -31,6 +31,8 @@ WORLD = 2
 FIELDS = dict(default_task.PRESET, batch_size=16, num_generations=4, micro_batch_size=4, max_completion_length=6,
               adam_epsilon=1e-3, export=False, progress_bar=False, logging_steps=0)
 U32 = 2.0**-23  # fp32 unit roundoff (ulp of 1)
+# adaptive entropy: the coefficient moves by the whole batch's entropy, the same on every rank
+ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=1.0)
 
 
 class _Replay:
@@ -69,10 +71,10 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
 
 
-def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: int = 0):
+def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: int = 0, overrides=None):
     """One GRPO step: (trainer, metrics, rollouts of this process, gradients at the optimizer, weights after)."""
     model, tokenizer = _model(lora, dtype, seed)
-    config = GRPOConfig(**FIELDS, output_dir=str(output_dir))
+    config = GRPOConfig(**{**FIELDS, **(overrides or {})}, output_dir=str(output_dir))
     engine = _Replay(replay) if replay is not None else BuiltinEngine(model, tokenizer)
     rollouts, generate = [], engine.generate
 
@@ -123,6 +125,9 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
         resumed.resume()
         found["resumed"] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
         found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))
+        adaptive = _one_step(True, os.path.join(tmp, "run-adaptive"), overrides=ADAPTIVE)[0].entropy
+        found["adaptive"] = [None] * WORLD
+        dist.all_gather_object(found["adaptive"], (adaptive.last_entropy, adaptive.coef))
         if rank == 0:
             torch.save(found, out)
     finally:
@@ -147,6 +152,8 @@ def two_processes(tmp_path_factory):
         _, metrics, rollout, grads, weights = _one_step(lora, tmp / f"one-{lora}")
         reference = _one_step(lora, tmp / f"fp64-{lora}", dtype=torch.float64, replay=rollout)[3]
         single[lora] = dict(metrics=metrics, rollout=rollout, grads=grads, weights=weights, reference=reference)
+    adaptive = _one_step(True, tmp / "one-adaptive", overrides=ADAPTIVE)[0].entropy
+    single["adaptive"] = (adaptive.last_entropy, adaptive.coef)
     while not context.join():
         pass
     return torch.load(out, weights_only=False), single
@@ -188,3 +195,12 @@ def test_two_processes_resume_from_their_shards(two_processes):
         assert resumed["metrics"][key] == straight["metrics"][key], key
     for name, w in straight["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
+
+
+def test_two_processes_adapt_entropy_as_one(two_processes):
+    """Both ranks move the adaptive entropy coefficient by the whole batch's entropy: the one process's entropy
+    (within fp32 rounding of sums taken in another order) and the same coefficient on every rank."""
+    found, single = two_processes[0]["adaptive"], two_processes[1]["adaptive"]
+    (entropy0, coef0), (entropy1, coef1) = found
+    assert entropy0 == entropy1 and coef0 == coef1
+    assert entropy0 == pytest.approx(single[0], rel=1e-5) and coef0 == single[1]
