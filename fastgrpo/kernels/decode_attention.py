@@ -1,10 +1,9 @@
 """Flash-decoding in Triton: one query token per row over a static K/V cache, grouped K/V heads, split over keys.
 
-Why: the rollout engine's decode step ran one SDPA call per layer over all M padded cache slots (masked), 1.0 ms a
-step for Qwen2.5-1.5B and 3.9 ms for Llama-3.1-8B on an H200 at 64 rows x 1280 slots, where reading only the
-filled slots would take 0.33 / 1.5 ms (benchmarks/NOTES_rollout.md). Here each program reads only slots < length,
-where length is a device tensor [1]: the grid is fixed (CUDA-graph capturable), the work of a split follows the
-current length, and nothing at or past it is loaded.
+Why: the rollout engine's decode step ran one SDPA call per layer over all M padded cache slots (masked), about
+three times what reading only the filled slots takes (measured: benchmarks/NOTES_rollout.md). Here each program
+reads only slots < length, where length is a device tensor [1]: the grid is fixed (CUDA-graph capturable), the
+work of a split follows the current length, and nothing at or past it is loaded.
 
 Layout: q [N, Hkv, G, D] (the G query heads of a K/V head as G rows, rollout/attention.py's layout), cache
 k/v [N, Hkv, M, D], visible [N, M] (bool: slots holding a real token). Optional shared prefix: S consecutive rows

@@ -32,7 +32,7 @@ class EngineConfig:
     warmup_steps: int = 2  # compiled steps run eagerly before the graph capture
     # one-token attention: "sdpa" (one SDPA call over all M cache slots, masked) or "triton" (the flash-decoding
     # kernel of fastgrpo.ops.decode_attention, reading only the filled slots). "sdpa" stays the default until
-    # "triton" is measured on a GPU (benchmarks/NOTES_rollout.md: attention is 1.0 / 3.9 ms of a decode step).
+    # "triton" is measured on a GPU (benchmarks/NOTES_rollout.md: attention is the largest gap to the roofline).
     # Models kept on "eager" attention (soft-capping, e.g. gemma2) ignore it.
     attention: str = "sdpa"
 
