@@ -67,7 +67,9 @@ SHAPE_TIMEOUT_S = 150
 # mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape)
 MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
          # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
-         "triton": (EngineConfig(attention="triton"), True)}
+         "triton": (EngineConfig(attention="triton"), True),
+         # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
+         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 

@@ -6,6 +6,8 @@ preallocated device tensors and is updated in place, so on CUDA the step (model 
 bookkeeping, the sampling noise) is compiled once and replayed as a CUDA graph; the host only replays.
 Stop tokens are tracked on the device; the host syncs every `check_every` steps to stop early and to look for
 stop strings. The graph, the cache and the buffers are locals: they are freed when the call returns.
+With EngineConfig.shared_prefix the prompt's K/V stay once per group instead (rollout/kv_cache.py) and the rows'
+cache slots count the generated tokens only; position ids are the same either way.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo.hf.models import cache_keyword
-from fastgrpo.rollout.attention import LENGTH_KWARG
+from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
@@ -35,10 +37,19 @@ class EngineConfig:
     # "triton" is measured on a GPU (benchmarks/NOTES_rollout.md: attention is the largest gap to the roofline).
     # Models kept on "eager" attention (soft-capping, e.g. gemma2) ignore it.
     attention: str = "sdpa"
+    # attention="triton" only: store each prompt's K/V once for its G samples (prefix_len = bucket(P) slots per
+    # prompt, S = max_new_tokens slots per row instead of bucket(P + S); formula in rollout/kv_cache.py) and let
+    # the decode kernel read it once per group. Off until measured on a GPU. Rows keep their own copy (plain path,
+    # silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would cut into
+    # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
+    shared_prefix: bool = False
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "triton"):
             raise ValueError(f"EngineConfig.attention: expected 'sdpa' or 'triton', got {self.attention!r}")
+        if self.shared_prefix and self.attention != "triton":
+            raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
+                             f"shared prefix), got attention={self.attention!r}")
 
 
 @dataclasses.dataclass
@@ -55,7 +66,7 @@ class _State:
 
     tokens: torch.Tensor  # [N, 1] last sampled token, fed to the next step
     positions: torch.Tensor  # [N, 1] its position id
-    visible: torch.Tensor  # [N, M] bool, cache slots holding a real (non-pad) token
+    visible: torch.Tensor  # [N, M] bool, cache slots holding a real (non-pad) token (shared prefix: M = S)
     key_pos: torch.Tensor  # [M] slot ids
     decode_kernel: bool  # pass the filled length to the attention (EngineConfig.attention == "triton")
     seen: torch.Tensor | None  # [N, V] bool, tokens seen so far (repetition penalty only)
@@ -89,25 +100,38 @@ def rollout(
     device = _device_of(model)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
-    M = -(-(P + S) // config.length_bucket) * config.length_bucket
     dtype = model.get_input_embeddings().weight.dtype
-    cache = StaticKVCache(G, M, device)
     cache_kw = cache_keyword(model)
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
     prompt = left_pad(prompts, pad_id)[0].to(device)
     lengths = torch.tensor([len(p) for p in prompts], device=device)
     offset = P - lengths
-    slots = torch.arange(M, device=device)
-    real = slots[None, :] >= offset[:, None]  # [B, M]
+    slots = torch.arange(P, device=device)
+    real = slots[None, :] >= offset[:, None]  # [B, P]
+    if _shares_prefix(model, G, config):
+        # the prompt once per group, in bucket(P) slots so prompts of other lengths reuse the compiled step; the
+        # rows cache only their S generated tokens (slot 0 on), all real: positions still continue the prompt's
+        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P, config))
+        prefix_slots = torch.arange(cache.prefix_len, device=device)
+        cache.prefix_visible = (prefix_slots[None, :] >= offset[:, None]) & (prefix_slots[None, :] < P)
+        key_pos = torch.arange(S, device=device)
+        visible = torch.ones(len(prompts) * G, S, dtype=torch.bool, device=device)  # visible: [N, S]
+        first_slot = 0
+    else:
+        M = _bucket(P + S, config)
+        cache = StaticKVCache(G, M, device)
+        key_pos = torch.arange(M, device=device)
+        visible = (key_pos[None, :] >= offset[:, None]).repeat_interleave(G, dim=0)  # visible: [N, M]
+        first_slot = P
 
     with torch.no_grad():
-        logits = _prefill(model, cache, cache_kw, prompt, real[:, :P], slots[:P], offset, dtype)
+        logits = _prefill(model, cache, cache_kw, prompt, real, slots, offset, dtype)
         logits = logits.repeat_interleave(G, dim=0)  # [N, V]
-        state = _new_state(prompt, real, slots, G, S, logits.shape[-1], params, stop_ids, keys,
+        state = _new_state(prompt, real, visible, key_pos, G, S, logits.shape[-1], params, stop_ids, keys,
                            decode_kernel=config.attention == "triton")
         state.positions.copy_(lengths.repeat_interleave(G)[:, None])
-        cache.slot.fill_(P)
+        cache.slot.fill_(first_slot)
         _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
         del logits
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
@@ -118,6 +142,31 @@ def rollout(
         valid=state.out_valid[:, :steps_done],
         stopped=state.done.clone(),
     )
+
+
+def _bucket(length: int, config: EngineConfig) -> int:
+    """length rounded up to a multiple of config.length_bucket (cache lengths: fewer distinct compiled shapes)."""
+    return -(-length // config.length_bucket) * config.length_bucket
+
+
+def _shares_prefix(model, G: int, config: EngineConfig) -> bool:
+    """Whether this rollout stores each prompt's K/V once per group (EngineConfig.shared_prefix)."""
+    if not config.shared_prefix or G == 1:
+        return False
+    model_config = model.config
+    window = getattr(model_config, "sliding_window", None)
+    layer_types = getattr(model_config, "layer_types", None)
+    # attention_masks' rule: a window applies to every layer without layer_types, to the sliding ones with them
+    if window and (layer_types is None or "sliding_attention" in layer_types):
+        return False
+    implementation = model_config._attn_implementation
+    if implementation == "eager":  # kept on eager by _rollout_mode (soft-capping): a documented model property
+        return False
+    if implementation != ATTENTION_NAME:
+        warnings.warn(f"rollout: shared_prefix needs the engine's attention ({ATTENTION_NAME}), the model runs "
+                      f"{implementation!r}; decoding without a shared prefix", stacklevel=3)
+        return False
+    return True
 
 
 def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -170,10 +219,12 @@ def _forward_sample(model, cache, cache_kw, state, params, dtype):
     """One decode forward at cache.slot for all rows, then filters and sampling: (tokens [N], logprobs [N])."""
     masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
     # the slots written so far, this step's included: [1] on the device, read by the decode kernel
-    length = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
+    kernel = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
+    if cache.shares_prefix:  # the attention reads each layer's prompt K/V from the cache
+        kernel[PREFIX_KWARG] = cache
     out = model(
         input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
-        logits_to_keep=1, **{cache_kw: cache}, **length,
+        logits_to_keep=1, **{cache_kw: cache}, **kernel,
     )
     logits = process_logits(out.logits[:, -1], params, state.seen)
     return sample(logits, _noise(state))
@@ -262,21 +313,24 @@ class _GraphedStep:
         self.warmup -= 1
 
 
-def _new_state(prompt, real, slots, G, S, V, params, stop_ids, keys, decode_kernel: bool = False) -> _State:
+def _new_state(
+    prompt, real, visible, key_pos, G, S, V, params, stop_ids, keys, decode_kernel: bool = False
+) -> _State:
+    """prompt, real: [B, P] ids and real-token mask; visible: [N, M] the decode cache's real slots, key_pos: [M]."""
     device = prompt.device
     N = prompt.shape[0] * G
     seen = None
     if params.uses_seen_tokens:
         # seen: [B, V] from the prompt's real tokens (scatter_add: pads and repeats must not race)
         counts = torch.zeros(prompt.shape[0], V, dtype=torch.int32, device=device)
-        counts.scatter_add_(1, prompt, real[:, : prompt.shape[1]].int())
+        counts.scatter_add_(1, prompt, real.int())
         seen = (counts > 0).repeat_interleave(G, dim=0)
     sampled = not params.greedy
     return _State(
         tokens=torch.zeros(N, 1, dtype=torch.long, device=device),
         positions=torch.zeros(N, 1, dtype=torch.long, device=device),
-        visible=real.repeat_interleave(G, dim=0),
-        key_pos=slots,
+        visible=visible,
+        key_pos=key_pos,
         decode_kernel=decode_kernel,
         seen=seen,
         keys=keys.to(device) if sampled else None,

@@ -9,6 +9,14 @@ Prefill runs the B distinct prompts once: `update` broadcasts each prompt's K/V 
 one slot per step at `slot` (a device tensor, so a captured CUDA graph replays it) and returns the whole cache;
 the mask hides empty slots. The buffers are allocated at the first update of each layer (its dtype, heads and
 head dim come from the model) and freed with this object.
+
+Shared prefix (`prefix_len` set, EngineConfig.shared_prefix): prefill stores each prompt's K/V once for its group,
+in prefix_keys/prefix_values [B, H_kv, prefix_len, D] (slots >= P stay zero, hidden by `prefix_visible` [B,
+prefix_len], which the engine sets), and keys/values hold only the generated tokens, [N, H_kv, max_len, D] with
+max_len = S new tokens and `slot` counting from 0. `update` then returns the suffix alone; the decode attention
+reads the prefix through `prefix(layer_idx)` (rollout/attention.py). Memory, per layer, for each of K and V, in
+elements of H_kv x D: plain N x M with M = bucket(P + S); shared B x bucket(P) + N x S (bucket: rounded up to
+EngineConfig.length_bucket). With N = B x G that saves about N x bucket(P) x (1 - 1/G).
 """
 from __future__ import annotations
 
@@ -16,16 +24,29 @@ import torch
 
 
 class StaticKVCache:
-    def __init__(self, num_generations: int, max_len: int, device: torch.device):
+    def __init__(self, num_generations: int, max_len: int, device: torch.device, prefix_len: int | None = None):
         self.num_generations = num_generations
         self.max_len = max_len
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
         self.prefilling = True
         self.slot = torch.zeros(1, dtype=torch.long, device=device)  # slot: [1], the decode write position
+        # shared prefix (None: every row holds its prompt's copy)
+        self.prefix_len = prefix_len
+        self.prefix_keys: dict[int, torch.Tensor] = {}
+        self.prefix_values: dict[int, torch.Tensor] = {}
+        self.prefix_visible: torch.Tensor | None = None  # [B, prefix_len] bool, set by the engine
+
+    @property
+    def shares_prefix(self) -> bool:
+        return self.prefix_len is not None
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key, value: [B, H_kv, P, D] when prefilling, [N, H_kv, 1, D] when decoding
+        if self.prefilling and self.shares_prefix:
+            self._store_prefix(self.prefix_keys, self.keys, key, layer_idx)
+            self._store_prefix(self.prefix_values, self.values, value, layer_idx)
+            return key, value
         if self.prefilling:
             self._store_prompt(self.keys, key, layer_idx)
             self._store_prompt(self.values, value, layer_idx)
@@ -43,11 +64,25 @@ class StaticKVCache:
         # each prompt's K/V copied to the G rows of its group
         store[layer_idx].view(B, G, H, self.max_len, D)[:, :, :, :P] = states[:, None]
 
+    def _store_prefix(self, prefix, suffix, states: torch.Tensor, layer_idx: int) -> None:
+        B, H, P, D = states.shape
+        if layer_idx not in prefix:
+            prefix[layer_idx] = torch.zeros(B, H, self.prefix_len, D, dtype=states.dtype, device=states.device)
+            suffix[layer_idx] = torch.zeros(B * self.num_generations, H, self.max_len, D, dtype=states.dtype,
+                                            device=states.device)
+        prefix[layer_idx][:, :, :P] = states
+
+    def prefix(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """The decode_attention keywords of one layer's shared prefix (rollout/attention.py passes them on)."""
+        return dict(prefix_k=self.prefix_keys[layer_idx], prefix_v=self.prefix_values[layer_idx],
+                    prefix_visible=self.prefix_visible)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("StaticKVCache: pass position_ids explicitly; the cache keeps no sequence length")
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys.values(), *self.values.values()))
+        stores = (self.keys, self.values, self.prefix_keys, self.prefix_values)
+        return sum(t.numel() * t.element_size() for store in stores for t in store.values())
 
 
 def attention_masks(config, visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, dtype):
