@@ -188,3 +188,21 @@ def test_shared_step_compiles_to_one_graph(monkeypatch, caches):
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert_same(got, run(model, PROMPTS, 3, params, SHARED), "compiled vs eager step")
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_gpu_compiled_graphed_shared_prefix_gives_sdpa_tokens(arch):
+    """On CUDA the step is compiled with Inductor and replayed as a CUDA graph: sharing must survive both, with no
+    fallback warning, and give sdpa's sampled tokens."""
+    import warnings
+
+    model = tiny_model(arch).cuda()
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(model, PROMPTS + SHORT_PROMPTS, 4, params, SHARED)
+        want = run(model, PROMPTS + SHORT_PROMPTS, 4, params, EngineConfig())
+    fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
+    assert not fallbacks, fallbacks
+    assert_same(got, want, f"{arch} gpu", atol=1e-4)
