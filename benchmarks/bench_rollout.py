@@ -34,16 +34,26 @@ _SETUP: dict = {}
 def _setup() -> dict:
     if _SETUP:
         return _SETUP
+    model, tokenizer = build_model(MODEL, "cuda")
+    g = torch.Generator().manual_seed(1)
+    prompt_ids = torch.randint(1, model.config.vocab_size, (PROMPTS, PROMPT_LEN), generator=g)
+    _SETUP.update(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, weights=torch.cuda.memory_allocated())
+    return _SETUP
+
+
+def build_model(name: str, device: str):
+    """(model, tokenizer): random bf16 weights of MODEL_CONFIGS[name] on `device`, EOS ignored, and a word-level
+    fast tokenizer over the whole vocabulary."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
 
-    fields = dict(MODEL_CONFIGS[MODEL])
+    fields = dict(MODEL_CONFIGS[name])
     config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(0)
-    with torch.device("cuda"):
+    with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
     model.eval()
-    # EOS ignored: nothing stops a row, so all engines generate exactly NEW_TOKENS per row
+    # EOS ignored: nothing stops a row, so all engines generate exactly the requested tokens per row
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     # a real fast tokenizer over the whole vocabulary (decoding the texts is part of our call's cost)
@@ -51,11 +61,7 @@ def _setup() -> dict:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t0 "))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0 ")
-    g = torch.Generator().manual_seed(1)
-    prompt_ids = torch.randint(1, config.vocab_size, (PROMPTS, PROMPT_LEN), generator=g)
-    _SETUP.update(model=model, tokenizer=tokenizer, prompt_ids=prompt_ids, weights=torch.cuda.memory_allocated())
-    return _SETUP
+    return model, PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0 ")
 
 
 def _copy_bandwidth() -> float:
@@ -68,16 +74,22 @@ def _copy_bandwidth() -> float:
     return 2 * src.numel() * 2 / (ms * 1e-3)
 
 
+def weight_bytes(model) -> int:
+    """Bytes of every weight a decode step multiplies: all but the embedding table (a 64-row gather), unless tied."""
+    embed = model.get_input_embeddings().weight
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    return total if model.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
+
+
+def kv_bytes_per_token(config) -> int:
+    head_dim = config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
+
+
 def _step_bytes(model) -> float:
     """Bytes a decode step reads at least: weights it multiplies (not the embedding gather) + the mean K/V so far."""
-    embed = model.get_input_embeddings().weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    if not model.config.tie_word_embeddings:
-        weights -= embed.numel() * embed.element_size()  # the gather reads 64 rows, not the table
-    c = model.config
-    kv_per_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
     mean_context = PROMPT_LEN + NEW_TOKENS / 2
-    return weights + PROMPTS * GENERATIONS * kv_per_token * mean_context
+    return weight_bytes(model) + PROMPTS * GENERATIONS * kv_bytes_per_token(model.config) * mean_context
 
 
 def _timed(call, repeats: int) -> dict:

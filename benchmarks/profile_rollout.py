@@ -55,9 +55,8 @@ from unittest import mock
 import torch
 
 from benchmarks import common
-from benchmarks.bench_rollout import _copy_bandwidth
+from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
 from benchmarks.common import card_name, print_table, write_results
-from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.rollout.decode import EngineConfig
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
@@ -154,23 +153,9 @@ class StepClock:
 
 def build(shape: str, sizes: Sizes, device: str) -> dict:
     """The model (random weights, bf16), a fast tokenizer over its vocabulary and random prompts, as bench_rollout."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedTokenizerFast
-
-    fields = dict(MODEL_CONFIGS[shape])
-    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
-    model.eval()
-    model.generation_config.eos_token_id = None  # EOS ignored: every row runs to the end
-    model.generation_config.pad_token_id = 0
-    tok = Tokenizer(models.WordLevel({f"t{i} ": i for i in range(config.vocab_size)}, unk_token="t0 "))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok.decoder = decoders.Fuse()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0 ")
+    model, tokenizer = build_model(shape, device)
     g = torch.Generator().manual_seed(1)
-    prompts = torch.randint(1, config.vocab_size, (sizes.prompts, sizes.prompt_len), generator=g).tolist()
+    prompts = torch.randint(1, model.config.vocab_size, (sizes.prompts, sizes.prompt_len), generator=g).tolist()
     return {"model": model, "tokenizer": tokenizer, "prompts": prompts, "device": device}
 
 
@@ -201,18 +186,6 @@ def rollout(setup: dict, sizes: Sizes, config: EngineConfig, clock: StepClock) -
 def _sync(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
-
-
-def weight_bytes(model) -> int:
-    """Bytes of every weight a decode step multiplies: all but the embedding table (a 64-row gather), unless tied."""
-    embed = model.get_input_embeddings().weight
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    return total if model.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
-
-
-def kv_bytes_per_token(config) -> int:
-    head_dim = config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
 
 
 def profile_mode(setup: dict, sizes: Sizes, mode: str, config: EngineConfig, timed: bool, bandwidth: float,
