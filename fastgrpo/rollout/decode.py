@@ -20,7 +20,7 @@ import torch
 
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
-from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
+from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
 
@@ -153,13 +153,9 @@ def _shares_prefix(model, G: int, config: EngineConfig) -> bool:
     """Whether this rollout stores each prompt's K/V once per group (EngineConfig.shared_prefix)."""
     if not config.shared_prefix or G == 1:
         return False
-    model_config = model.config
-    window = getattr(model_config, "sliding_window", None)
-    layer_types = getattr(model_config, "layer_types", None)
-    # attention_masks' rule: a window applies to every layer without layer_types, to the sliding ones with them
-    if window and (layer_types is None or "sliding_attention" in layer_types):
+    if has_sliding_window(model.config):
         return False
-    implementation = model_config._attn_implementation
+    implementation = model.config._attn_implementation
     if implementation == "eager":  # kept on eager by _rollout_mode (soft-capping): a documented model property
         return False
     if implementation != ATTENTION_NAME:
