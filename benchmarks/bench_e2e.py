@@ -8,13 +8,11 @@ and FASTGRPO_E2E_MODES=lora,full.
 """
 from __future__ import annotations
 
-import gc
 import os
 
 import pytest
-import torch
 
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import measure_step, print_table, write_results
 from benchmarks.e2e import SYSTEMS, StepSetup, make_step, modeling_globals_restored
 
 LENGTHS = [int(x) for x in os.environ.get("FASTGRPO_E2E_LENGTHS", "1024,4096").split(",")]
@@ -41,30 +39,8 @@ def test_train_step(benchmark, model_name, lora_rank, length, system):
            "num_generations": setup.num_generations, "prompt_length": setup.prompt_length, "system": system}
     # Liger's patches reach transformers' module names: undone after the case, so they touch no other case.
     with modeling_globals_restored():
-        try:
-            gc.collect()
-            torch.cuda.empty_cache()
-            step = make_step(setup)
-            torch.cuda.reset_peak_memory_stats()
-            step()  # warm-up: kernels compiled, optimizer state allocated
-            torch.cuda.synchronize()
-
-            def synced_step():
-                step()
-                torch.cuda.synchronize()
-
-            benchmark.pedantic(synced_step, rounds=3, iterations=1, warmup_rounds=0)
-            ms = benchmark.stats.stats.median * 1e3
-            tokens = setup.num_generations * (setup.prompt_length + length)
-            row.update(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / GIB, tokens_per_s=tokens / ms * 1e3)
-        except torch.OutOfMemoryError:
-            row.update(ms=None, peak_gib=None, oom=True)
-        except Exception as error:  # a baseline that breaks is reported in its row, not lost
-            row.update(ms=None, peak_gib=None, error=f"{type(error).__name__}: {str(error)[:200]}")
-        finally:
-            step = None
-            gc.collect()
-            torch.cuda.empty_cache()
+        tokens = setup.num_generations * (setup.prompt_length + length)
+        row.update(measure_step(benchmark, lambda: make_step(setup), tokens))
     ROWS.append(row)
     write_results("e2e_" + "_".join(MODELS), ROWS, {"what": "one GRPO training step: forward + backward + AdamW, bf16, on-policy"})
     benchmark.extra_info.update(row)

@@ -17,13 +17,12 @@ Narrow the run with FASTGRPO_SFT_MODES=lora,full and FASTGRPO_SFT_SYSTEMS=hf,hf+
 from __future__ import annotations
 
 import dataclasses
-import gc
 import os
 
 import pytest
 import torch
 
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import measure_step, print_table, write_results
 from benchmarks.e2e import StepSetup, build_model, modeling_globals_restored
 
 SYSTEMS = ("hf", "hf+fused_ce", "liger", "fastgrpo")
@@ -117,34 +116,10 @@ def test_sft_step(benchmark, mode, system):
            "batch_size": setup.batch_size, "seq_length": setup.seq_length, "prompt_length": setup.prompt_length}
     # Liger's patches reach transformers' module names: undone after the case, so they touch no other case.
     with modeling_globals_restored():
-        step = None
-        try:
-            if system == "liger":
-                torch._dynamo.reset()  # as bench_e2e: Liger's compiled pieces must not see another case's shapes
-            gc.collect()
-            torch.cuda.empty_cache()
-            step = make_sft_step(setup)
-            torch.cuda.reset_peak_memory_stats()
-            loss = step()  # warm-up: kernels compiled, optimizer state allocated
-            torch.cuda.synchronize()
-
-            def synced_step():
-                step()
-                torch.cuda.synchronize()
-
-            benchmark.pedantic(synced_step, rounds=3, iterations=1, warmup_rounds=0)
-            ms = benchmark.stats.stats.median * 1e3
-            tokens = setup.batch_size * setup.seq_length
-            row.update(ms=ms, peak_gib=torch.cuda.max_memory_allocated() / GIB, tokens_per_s=tokens / ms * 1e3,
-                       first_loss=loss.item())
-        except torch.OutOfMemoryError:
-            row.update(ms=None, peak_gib=None, oom=True)
-        except Exception as error:  # a baseline that breaks is reported in its row, not lost
-            row.update(ms=None, peak_gib=None, error=f"{type(error).__name__}: {str(error)[:200]}")
-        finally:
-            step = None
-            gc.collect()
-            torch.cuda.empty_cache()
+        if system == "liger":
+            torch._dynamo.reset()  # as bench_e2e: Liger's compiled pieces must not see another case's shapes
+        row.update(measure_step(benchmark, lambda: make_sft_step(setup), setup.batch_size * setup.seq_length,
+                                on_warmup=lambda loss: {"first_loss": loss.item()}))
     ROWS.append(row)
     write_results("sft", ROWS, {"what": "one SFT step: forward + backward + AdamW, bf16, mean cross-entropy of "
                                         "the response tokens", "shapes": "Qwen2.5-1.5B, 8 x 4096 tokens (prompt 256)"})

@@ -68,6 +68,41 @@ def measure(fn, *, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:
     return {"ms": ms, "peak_gib": peak, "oom": False}
 
 
+def measure_step(benchmark, make_step, tokens: int, on_warmup=None) -> dict:
+    """One training-step case of a pytest-benchmark suite: build the step (make_step()), one warm-up call (kernels
+    compiled, optimizer state allocated), then 3 synchronized calls timed by `benchmark`. Returns {ms, peak_gib,
+    tokens_per_s} (plus on_warmup(the warm-up's return value), e.g. its loss); a case that runs out of memory or
+    breaks returns ms / peak_gib None with oom or error, so a failing baseline is reported in its row, not lost.
+    The step is freed before returning."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    try:
+        return _timed_step(benchmark, make_step, tokens, on_warmup)
+    except torch.OutOfMemoryError:
+        return {"ms": None, "peak_gib": None, "oom": True}
+    except Exception as error:  # noqa: BLE001 - reported in the row
+        return {"ms": None, "peak_gib": None, "error": f"{type(error).__name__}: {str(error)[:200]}"}
+    finally:
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def _timed_step(benchmark, make_step, tokens: int, on_warmup) -> dict:
+    step = make_step()
+    torch.cuda.reset_peak_memory_stats()
+    first = step()
+    torch.cuda.synchronize()
+
+    def synced_step():
+        step()
+        torch.cuda.synchronize()
+
+    benchmark.pedantic(synced_step, rounds=3, iterations=1, warmup_rounds=0)
+    ms = benchmark.stats.stats.median * 1e3
+    out = {"ms": ms, "peak_gib": torch.cuda.max_memory_allocated() / GIB, "tokens_per_s": tokens / ms * 1e3}
+    return {**out, **(on_warmup(first) if on_warmup else {})}
+
+
 def write_results(suite: str, rows: list[dict], config: dict | None = None) -> Path:
     """Write rows (one dict per measured case) with the card and library versions; returns the path."""
     RESULTS_DIR.mkdir(parents=True, exist_ok=True)
