@@ -176,8 +176,9 @@ def test_gpu_realistic_decode(H, G):
     ref = decode_attention_torch(q.double(), k.double(), v.double(), visible, L)
     keep = visible & (torch.arange(M, device="cuda") < length)
     assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, torch.bfloat16), f"gpu H{H} G{G}")
-    sdpa = torch.nn.functional.scaled_dot_product_attention(
-        q, k[:, :, :length], v[:, :, :length], attn_mask=keep[:, None, None, :length])
+    # SDPA multiplies every key, masked or not: the NaN of the unwritten slots must not reach it
+    k0, v0 = (torch.where(keep[:, None, :, None], t, 0.0)[:, :, :length] for t in (k, v))
+    sdpa = torch.nn.functional.scaled_dot_product_attention(q, k0, v0, attn_mask=keep[:, None, None, :length])
     assert (got.double() - ref).abs().max() <= 1.5 * (sdpa.double() - ref).abs().max() + 1e-3
     # shared prefix: the first P slots of the rows of each group of S made identical, then split off
     for t in (k, v):

@@ -28,7 +28,7 @@ import triton.language as tl
 
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
-NEG: tl.constexpr = -1.0e30
+NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
 BLOCK_N = 64  # key slots per tile
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
 
@@ -175,23 +175,22 @@ def decode_attention_fwd(
     block_d = max(16, triton.next_power_of_2(D))
     if splits is None:
         splits = default_splits(B * H, P + S * k.shape[2], q.device)
-    # bool tensors are read as bytes (a view, no copy)
-    vis = visible.view(torch.uint8) if visible.dtype == torch.bool else visible
+    # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
+    # lowering when the engine compiles the decode step
     if has_prefix:
-        pk, pv = prefix_k, prefix_v
-        pvis = prefix_visible.view(torch.uint8) if prefix_visible.dtype == torch.bool else prefix_visible
+        pk, pv, pvis = prefix_k, prefix_v, prefix_visible
     else:  # unused by the kernel (HAS_PREFIX=False): any tensors of the right dtype
-        pk, pv, pvis = k, v, vis
+        pk, pv, pvis = k, v, visible
     m_part = torch.empty(B * H, splits, block_r, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H, splits, block_r, block_d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _decode_attention_kernel[(B * H, splits)](
-        q, k, v, vis, length, pk, pv, pvis, m_part, l_part, acc_part,
+        q, k, v, visible, length, pk, pv, pvis, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
-        vis.stride(0),
+        visible.stride(0),
         pk.stride(0), pk.stride(1), pk.stride(2),
         pv.stride(0), pv.stride(1), pv.stride(2),
         pvis.stride(0),
