@@ -100,7 +100,8 @@ def _decode_attention_kernel(
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k))
-        s = tl.where(use, s * qk_scale, float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
+        # the cast: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
+        s = tl.where(use, (s * qk_scale).to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
