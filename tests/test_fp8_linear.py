@@ -110,11 +110,11 @@ def test_kernel_matches_fp64_reference(M, N, K, dtype):
     assert_within(got, ref, bound(ref, x, q, scale, bias, dtype, splits), f"{dtype} M{M} N{N} K{K}")
 
 
-@pytest.mark.parametrize("split_k, block_k", [(1, 16), (2, 32), (4, 16), (7, 16)])
+@pytest.mark.parametrize("split_k, block_k", [(1, 16), (2, 32), (4, 16), (7, 16), (12, 16)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_kernel_splits(split_k, block_k, with_bias):
-    """Each split-K count gives the reference (K = 100: the last split ragged; 7 splits of 16 -> the 7th empty
-    of work but still taking its ticket), bitwise the same twice, and the tickets are all back to 0."""
+    """Each split-K count gives the reference (K = 100: the last split ragged; 12 asked of 16-wide K steps gives
+    7), bitwise the same twice, and the tickets are all back to 0."""
     from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, fp8_linear_fwd
 
     g = torch.Generator().manual_seed(split_k)
@@ -122,7 +122,7 @@ def test_kernel_splits(split_k, block_k, with_bias):
     config = Fp8LinearConfig(block_m=16, block_n=16, block_k=block_k, split_k=split_k)
     got = fp8_linear_fwd(x, q, scale, bias, config)
     ref = reference(x, q, scale, bias)
-    assert_within(got, ref, bound(ref, x, q, scale, bias, torch.bfloat16, split_k), f"split {split_k}")
+    assert_within(got, ref, bound(ref, x, q, scale, bias, torch.bfloat16, min(split_k, 7)), f"split {split_k}")
     assert torch.equal(fp8_linear_fwd(x, q, scale, bias, config), got)
     assert not _counters(torch.device("cpu")).any()
 

@@ -14,7 +14,7 @@ operand: BLOCK_N output features on the MMA's long side, the few rows on its sho
 Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 64 tiles of 64 features
 for 132 SMs, too few to keep the reads in flight. Each (tile, split) program then writes its fp32 partial to a
 workspace and takes a ticket from a per-tile counter (atomic, acq_rel); the program that draws the last ticket
-sums the SPLIT_K partials in split order (bitwise reproducible whichever program arrives last), applies scale and
+sums the partials in split order (bitwise reproducible whichever program arrives last), applies scale and
 bias, writes y, and resets the counter to 0, so the counters are zero again between launches (and across CUDA
 graph replays) with no memset. Partials are read with .cg (L2, not a possibly stale L1 line of an earlier launch).
 Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's interpreter returns garbage for bf16 tl.dot,
@@ -49,13 +49,13 @@ class Fp8LinearConfig:
 def _fp8_linear_kernel(
     X, W, SCALE, BIAS, Y, PARTIAL, COUNTS,
     stride_xm, stride_wn, stride_ym,
-    M, N, K, k_per_split,
-    HAS_BIAS: tl.constexpr, SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    M, N, K, k_per_split, splits,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    tile = pid // SPLIT_K  # the SPLIT_K programs of a tile are adjacent: they start together
-    split = pid % SPLIT_K
+    tile = pid // splits  # the programs of a tile's splits are adjacent: they start together
+    split = pid % splits
     tiles_n = tl.cdiv(N, BLOCK_N)
     feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features n
     rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # input rows m
@@ -83,17 +83,18 @@ def _fp8_linear_kernel(
 
     y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
     y_mask = feat_ok[:, None] & row_ok[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
     else:
-        part = rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [SPLIT_K, M, N] fp32
-        tl.store(PARTIAL + split * M * N + part, acc, mask=y_mask)
+        part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [splits, M, N] fp32
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
         tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
         ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
-        if ticket == SPLIT_K - 1:
+        if ticket == splits - 1:
             total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for s in range(SPLIT_K):
-                total += tl.load(PARTIAL + s * M * N + part, mask=y_mask, other=0.0, cache_modifier=".cg")
+            for _ in range(0, splits):
+                total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
+                part += M * N
             _epilogue(total, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
             tl.atomic_xchg(COUNTS + tile, 0)
 
@@ -157,13 +158,14 @@ def fp8_linear_fwd(
     if split > 1 and tiles > MAX_TILES:
         raise ValueError(f"fp8_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    partial = torch.empty(split if split > 1 else 0, M, N, dtype=torch.float32, device=x.device)
-    counts = _counters(x.device) if split > 1 else partial
+    # without splits the kernel touches neither: any tensors of the right dtypes
+    partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else scale
+    counts = _counters(x.device)
     _fp8_linear_kernel[(tiles * split,)](
         x, weight, scale, bias if bias is not None else scale, y, partial, counts,
         x.stride(0), weight.stride(0), y.stride(0),
-        M, N, K, k_per_split,
-        HAS_BIAS=bias is not None, SPLIT_K=split, EVEN_K=K % config.block_k == 0,
+        M, N, K, k_per_split, split,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=K % config.block_k == 0,
         FP32_DOT=interpret or x.dtype == torch.float32,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         num_warps=config.num_warps, num_stages=config.num_stages,
