@@ -9,8 +9,8 @@ log-prob gap to the trainer, on the same samples.
 Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
 256 random ids, 1024 new tokens, temperature 1, EOS ignored):
   gemm rows     each distinct linear of a decode step at 64 rows: cuBLAS bf16 (F.linear) against fp8_linear with
-                default_config and the best of SWEEP (tiles, splits); us, and GB/s of weight read over the measured
-                copy bandwidth (share). The sweep is there to tune default_config, which nothing tuned yet.
+                default_config and the best of `sweep` (tiles, warps, splits); us, and the weight bytes read per
+                second over the measured copy bandwidth (share). The sweep is there to tune default_config.
   rollout rows  one engine mode each (MODES): first call (compile + graph capture + 1024 tokens) then `repeats`
                 timed calls (wall, synchronized): tok_s, ms_step, speedup over bf16, peak GiB above the weights,
                 the FP8 copy's GiB (fp8.fp8_bytes) and build seconds (one fp8_weights entry, synchronized).
@@ -80,21 +80,14 @@ DRY_SIZES = Sizes(prompts=2, generations=2, prompt_len=8, new_tokens=16)
 
 
 def sweep(M: int, N: int, K: int, device: torch.device) -> list:
-    """Alternatives to default_config for one GEMM: 32 / 64 / 128 features x 128 / 256 of K per step, splits for
-    about 2 or 4 programs per SM (none past 2 K steps per split)."""
-    import triton
-
-    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig
+    """Alternatives to default_config for one GEMM: 64 / 128 / 256 features (256 with 8 warps only: 4 spill)
+    x 4 / 8 warps x splits for one or two programs per SM, 128 of K per step and 3 stages; and 256 of K per step."""
+    from fastgrpo.kernels.fp8_linear import config_for
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
-    configs = set()
-    for block_n in (32, 64, 128):
-        for block_k in (128, 256):
-            tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-            for per_sm in (2, 4):
-                split = max(1, min(triton.cdiv(per_sm * sms, tiles), K // (2 * block_k)))
-                configs.add(Fp8LinearConfig(block_m, block_n, block_k, split))
+    configs = {config_for(M, N, K, sms, block_n, 128, per_sm, warps, 3)
+               for block_n in (64, 128, 256) for warps in (4, 8) for per_sm in (1, 2) if (block_n, warps) != (256, 4)}
+    configs |= {config_for(M, N, K, sms, 128, 256, per_sm, 8, 3) for per_sm in (1, 2)}
     return sorted(configs, key=dataclasses.astuple)
 
 
@@ -112,7 +105,7 @@ def _time_ms(fn, device: str) -> float:
     if device == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
     fn()
     start = time.perf_counter()
     for _ in range(3):

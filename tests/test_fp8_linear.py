@@ -10,6 +10,9 @@ so the error comes from (1) fp32 accumulation of K products (exact for 16-bit x:
 SPLIT_K partial sums, the scale product and the bias add: (K + splits + 4) 2^-24 scale sum_k |x_k q_k| +
 2^-24 (|bias| + |ref|); (2) the output's rounding to x's dtype: one ulp of it (the interpreter truncates).
 """
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from hypothesis import given
@@ -134,6 +137,42 @@ def test_bound_catches_a_wrong_scale():
     ref = reference(x, q, scale, bias)
     wrong = fp8_linear_torch(x, q, scale.roll(1), bias)
     assert ((wrong.double() - ref).abs() > bound(ref, x, q, scale, bias, torch.bfloat16, 1)).any()
+
+
+HOPPER_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastgrpo.kernels.fp8_linear import _fp8_linear_kernel as fn
+sig = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16", "PARTIAL": "*fp32",
+       "COUNTS": "*i32", **{a: "i32" for a in fn.arg_names[7:15]}, **{a: "constexpr" for a in fn.arg_names[15:]}}
+# what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16)
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(14)}
+for split in (True, False):
+    consts = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 8, "num_stages": 3})
+    ir = kernel.asm["ttgir"]
+    print(split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared)
+"""
+
+
+def test_compiles_for_hopper():
+    """The default GPU config compiles for sm_90 on the CPU (Triton's own ptxas, no GPU): wgmma, loads pipelined
+    with cp.async (3 stages x 2 loads), shared memory for two programs per SM. CI never sees a GPU; this keeps an
+    edit that breaks the real compile, or its pipelining, from passing as the interpreter would."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).parents[1])
+    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
+        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.split("\n")[:2]:
+        _, wgmma, copies, shared = line.split()
+        assert wgmma == "True" and int(copies) == 6 and int(shared) <= 228 * 1024 // 2, line
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ Layout: x [M, K] (unit stride along K), W [N, K] e4m3 (nn.Linear's layout), scal
 in x's dtype. One program computes a BLOCK_N x BLOCK_M tile of y^T = W x^T (the weight tile is the left
 operand: BLOCK_N output features on the MMA's long side, the few rows on its short side) over one split of K.
 
-Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 64 tiles of 64 features
+Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 32 tiles of 128 features
 for 132 SMs, too few to keep the reads in flight. Each (tile, split) program then writes its fp32 partial to a
 workspace and takes a ticket from a per-tile counter (atomic, acq_rel); the program that draws the last ticket
 sums the partials in split order (bitwise reproducible whichever program arrives last), applies scale and
@@ -115,18 +115,27 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearCon
     """Tiles and splits for y [M, N] = x [M, K] W^T: a function of the shape and the SM count only (no autotuning:
     the split order fixes the fp32 sums, so a given card always computes the same bits).
 
-    GPU: 64 features x (up to) 64 rows x 128 of K per step; enough splits for about two programs per SM, each split
-    at least two K steps. Not yet tuned on a GPU (benchmarks/bench_fp8.py sweeps alternatives). Interpreter: 16-wide
-    tiles, so small test shapes cross tiles, splits and ragged edges.
+    GPU, not yet tuned on one (benchmarks/bench_fp8.py times alternatives beside it): 128 features x (up to) 64 rows
+    x 128 of K per step, 8 warps, 3 stages. Why 128 features: every program re-reads its rows of x (2 bytes each)
+    for its 1-byte weights, so x's L2 traffic is 128 / BLOCK_N times the weights'. Compiled for sm_90 (on the CPU):
+    wgmma, 3-stage cp.async pipeline, 80 KiB of shared memory and 128 registers a thread, so two programs fit an SM;
+    the splits fill one such wave (2 x SMs programs, not more: a second, partial wave would idle most SMs), each
+    split at least two K steps. Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
-    block_n, block_k = 64, 128
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    split = max(1, min(triton.cdiv(2 * sms, tiles), K // (2 * block_k)))
-    return Fp8LinearConfig(block_m=block_m, block_n=block_n, block_k=block_k, split_k=split)
+    return config_for(M, N, K, sms, block_n=128, block_k=128, programs_per_sm=2, num_warps=8, num_stages=3)
+
+
+def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
+               num_warps: int, num_stages: int) -> Fp8LinearConfig:
+    """A GPU config with as many K splits as fill `programs_per_sm` x `sms` programs (at least one, and none
+    shorter than two K steps)."""
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    split = max(1, min(programs_per_sm * sms // tiles, K // (2 * block_k)))
+    return Fp8LinearConfig(block_m, block_n, block_k, split, num_warps, num_stages)
 
 
 @functools.cache
