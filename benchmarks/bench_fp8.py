@@ -4,7 +4,7 @@ log-prob gap to the trainer, on the same samples.
     python -m benchmarks.bench_fp8                      # GPU: Qwen2.5-1.5B then Llama-3.1-8B shapes, one H200 ~4 min
     python -m benchmarks.bench_fp8 --dry-run            # CPU check: a tiny model, the same code (torch path of the op)
     python -m benchmarks.bench_fp8 --modes bf16,fp8,bf16-triton,fp8-triton   # also with the Triton decode attention
-    python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-fp8   # + a bitsandbytes NF4 base (needs bitsandbytes)
+    python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-dense,4bit-fp8   # + an NF4 base (needs bitsandbytes)
 
 Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
 256 random ids, 1024 new tokens, temperature 1, EOS ignored):
@@ -13,7 +13,9 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 second over the measured copy bandwidth (share). The sweep is there to tune default_config.
   rollout rows  one engine mode each (MODES): first call (compile + graph capture + 1024 tokens) then `repeats`
                 timed calls (wall, synchronized): tok_s, ms_step, speedup over bf16, peak GiB above the weights,
-                the FP8 copy's GiB (fp8.fp8_bytes) and build seconds (one fp8_weights entry, synchronized).
+                the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
+                the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense" and
+                "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one.
   gap           on the last timed call's samples: the trainer's log-probs of them (loss.model.sequence_logprobs,
                 8 rows at a time: pi_old in training) against the engine's: loss.correction.logprob_gap (mean and
                 max |gap| per token, k1 / k3 estimates of KL(engine || trainer) per token) and xent, the sampled
@@ -43,7 +45,7 @@ from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import fp8_linear, quantize_fp8
-from fastgrpo.rollout import fp8
+from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
@@ -57,6 +59,8 @@ MODES = {
     "fp8": (EngineConfig(weights="fp8"), "bf16"),
     "bf16-triton": (EngineConfig(attention="triton"), "bf16"),
     "fp8-triton": (EngineConfig(attention="triton", weights="fp8"), "bf16"),
+    "4bit": (EngineConfig(), "4bit"),  # bitsandbytes' own forward: each step dequantizes every weight
+    "4bit-dense": (EngineConfig(weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(weights="fp8"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
@@ -139,7 +143,8 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
 
 
 def to_4bit(model) -> None:
-    """Replace the decoder's nn.Linear layers (not lm_head) with bitsandbytes NF4 Linear4bit, in place, on the GPU."""
+    """Replace the decoder's nn.Linear layers (not lm_head) with bitsandbytes NF4 Linear4bit, in place, quantized on
+    the weights' device (on the CPU without bitsandbytes' AVX512-BF16 repacking, which the copies cannot read)."""
     import bitsandbytes as bnb
 
     head = model.get_output_embeddings()
@@ -148,13 +153,16 @@ def to_4bit(model) -> None:
             continue
         layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
                                   compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
-        layer.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to("cuda")
+        layer.support_avx512bf16_for_cpu = False
+        device = module.weight.device
+        layer.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(device)
         if module.bias is not None:
             layer.bias = module.bias
         parent, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent), child, layer)
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def _sync(device: str) -> None:
@@ -197,13 +205,13 @@ def rollout_row(setup: dict, sizes: Sizes, mode: str) -> dict:
     if device == "cuda":
         row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - weights) / GIB
     row["weights_gib"] = weights / GIB
-    if config.weights == "fp8":
-        row["fp8_copy_gib"] = fp8.fp8_bytes(model) / GIB
+    if config.weights != "model":
+        row["copy_gib"] = copy_bytes(model, config.weights) / GIB
         _sync(device)
         start = time.perf_counter()
-        with fp8.fp8_weights(model):
+        with copied_weights(model, config.weights):
             _sync(device)
-            row["fp8_build_s"] = time.perf_counter() - start
+            row["copy_build_s"] = time.perf_counter() - start
     row.update(gap(model, result))
     return row
 
@@ -230,7 +238,7 @@ def run_shape(shape: str, sizes: Sizes, modes: list[str], deadline: float, devic
     setup = {"shape": shape, "model": model, "tokenizer": tokenizer, "prompts": prompts, "device": device}
     bandwidth = _copy_bandwidth() if device == "cuda" else 1e10
     print(f"{shape}: built in {time.perf_counter() - began:.0f} s; weights {weight_bytes(model) / GIB:.2f} GiB "
-          f"(bf16), FP8 copy {fp8.fp8_bytes(model) / GIB:.2f} GiB", flush=True)
+          f"(bf16), FP8 copy {copy_bytes(model) / GIB:.2f} GiB", flush=True)
     write(gemm_rows(shape, model, sizes.rows, bandwidth, device), [])
     bf16 = None
     for mode in sorted(modes, key=lambda m: MODES[m][1] == "4bit"):  # the 4-bit conversion is one-way: last
@@ -275,7 +283,7 @@ def main(argv: list[str] | None = None) -> None:
     results_dir = Path(tempfile.mkdtemp(prefix="bench_fp8_")) if args.dry_run else common.RESULTS_DIR
     gemms: list[dict] = []
     rollouts: list[dict] = []
-    config = {"model": "random weights, bf16 (4bit-fp8: decoder linears NF4), sdpa unless -triton",
+    config = {"model": "random weights, bf16 (4bit*: decoder linears NF4), sdpa unless -triton",
               **dataclasses.asdict(sizes), "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
               "gap": "trainer sequence_logprobs vs engine log-probs on the engine's samples"}
 
@@ -297,7 +305,7 @@ def main(argv: list[str] | None = None) -> None:
                         "best_us", "best", "default"])
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "first_s", "peak_extra_gib",
-                           "fp8_copy_gib", "fp8_build_s", "tokens", "mean_abs_gap", "max_abs_gap", "kl_k1", "kl_k3",
+                           "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap", "kl_k1", "kl_k3",
                            "xent", "error"])
 
 

@@ -137,7 +137,7 @@ def _row(engine: str, measured: dict, weights: int | None = None) -> None:
 def test_fastgrpo_rollout(weights):
     """weights="fp8": EngineConfig(weights="fp8"), the decode steps on an e4m3 copy of the weights (its roofline
     counts the copy's bytes; benchmarks/bench_fp8.py has the GEMMs and the log-prob gap)."""
-    from fastgrpo.rollout import fp8
+    from fastgrpo.rollout.decode_weights import copy_bytes
     from fastgrpo.rollout.decode import EngineConfig
     from fastgrpo.rollout.generate import generate_with_config
     from fastgrpo.rollout.sampling import SamplingParams
@@ -161,7 +161,7 @@ def test_fastgrpo_rollout(weights):
     # the KV cache and step buffers go back when the call returns (within 64 MiB)
     measured["kv_released"] = measured["left_allocated_mib"] <= 64
     if weights == "fp8":
-        _row("fastgrpo-fp8", measured, fp8.fp8_bytes(setup["model"]))
+        _row("fastgrpo-fp8", measured, copy_bytes(setup["model"], "fp8"))
     else:
         _row("fastgrpo", measured)
 

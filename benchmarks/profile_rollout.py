@@ -59,7 +59,7 @@ from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
 from benchmarks.common import card_name, print_table, write_results
 from fastgrpo.rollout.decode import EngineConfig
-from fastgrpo.rollout.fp8 import fp8_bytes
+from fastgrpo.rollout.decode_weights import copy_bytes
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
@@ -71,7 +71,7 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          "triton": (EngineConfig(attention="triton"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
          "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
-         # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/fp8.py): its roofline
+         # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its roofline
          # counts the copy's bytes
          "fp8": (EngineConfig(weights="fp8"), True)}
 DEFAULT_MODES = "default,eager"
@@ -218,7 +218,7 @@ def profile_mode(setup: dict, sizes: Sizes, mode: str, config: EngineConfig, tim
         row.update(decode_ms=window.ms_per_step(every, marks[0]), decode_steps=f"{every + 1}-{marks[0]}")
     row.update(prof_ms=window.ms_per_step(start, end), profiled_steps=f"{start + 1}-{end}")
     row.update(summarise(*_work(profiler, setup["device"]), sizes.profile_steps, row["prof_ms"]))
-    copy = fp8_bytes(setup["model"]) if config.weights == "fp8" else None
+    copy = copy_bytes(setup["model"], "fp8") if config.weights == "fp8" else None
     row.update(roofline(setup["model"], sizes, bandwidth, row, copy))
     _save(profiler, trace_dir / f"{setup['shape']}-{mode}", setup["device"])
     return row

@@ -1,5 +1,6 @@
 """PEFT and bitsandbytes internals: LoRA adapters merged into a (dequantized) base for export and weight sync, and the
-dense linears of a model with their effective weights (FP8 rollout weights, fastgrpo/rollout/fp8.py)."""
+dense linears of a model with their effective weights (the rollout's decode weights,
+fastgrpo/rollout/decode_weights.py)."""
 from __future__ import annotations
 
 import torch
@@ -53,7 +54,7 @@ def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` whose whole forward is one dense map x W^T + b, outermost first: nn.Linear (plain or a
     bitsandbytes 4-bit base) and PEFT LoRA layers over one, whose adapters `dense_weight` merges. Left out, with all
     they hold (they keep running their own forward): other PEFT tuner layers, LoRA variants (DoRA, ...) and LoRA
-    biases (not in get_delta_weight), 8-bit bases."""
+    biases (not in get_delta_weight), 8-bit bases, 4-bit bases that bitsandbytes repacked for its CPU kernel."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -83,8 +84,13 @@ def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _dense_base(linear: torch.nn.Module) -> bool:
-    kind = type(linear.weight).__name__
-    return isinstance(linear, torch.nn.Linear) and (kind == "Params4bit" or linear.weight.is_floating_point())
+    if not isinstance(linear, torch.nn.Linear):
+        return False
+    if type(linear.weight).__name__ == "Params4bit":
+        # bitsandbytes >= 0.49 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval forward on
+        # such a CPU; dequantize_bnb_weight then returns wrong values (seen with 0.50.2): keep the layer whole
+        return not getattr(linear.weight.quant_state, "packing_format_for_cpu", False)
+    return linear.weight.is_floating_point()
 
 
 def dense_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -20,7 +20,7 @@ import torch
 
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
-from fastgrpo.rollout.fp8 import WEIGHTS, decode_weights
+from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
@@ -44,9 +44,10 @@ class EngineConfig:
     # silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would cut into
     # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
     shared_prefix: bool = False
-    # the weights the decode steps multiply: "model" (the modules' own) or "fp8" (an e4m3 copy of every dense
-    # linear, built from the current weights when decoding starts and freed when it ends; the prefill keeps the
-    # model's own: rollout/fp8.py)
+    # the weights the decode steps multiply: "model" (the modules' own), or a copy of every dense linear's current
+    # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads) or
+    # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer). The prefill keeps the model's own
+    # (rollout/decode_weights.py).
     weights: str = "model"
 
     def __post_init__(self):

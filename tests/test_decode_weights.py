@@ -1,4 +1,5 @@
-"""EngineConfig(weights="fp8"): the decode steps multiply an e4m3 copy of the model's current weights.
+"""EngineConfig(weights="fp8" | "dense"): the decode steps multiply a copy of the model's current weights, e4m3 or
+in the model's dtype.
 
 Checked here: every dense linear (lm_head, LoRA layers merged, a 4-bit base dequantized once per rollout) runs
 fp8_linear over quantize_fp8 of its effective weight inside the context and its own forward after; on weights
@@ -23,7 +24,7 @@ from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.loss.correction import logprob_gap, rollout_correction
 from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, FP8_MAX, dequantize_fp8, quantize_fp8
-from fastgrpo.rollout import decode, fp8
+from fastgrpo.rollout import decode, decode_weights
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
@@ -84,7 +85,7 @@ def test_fp8_engine_equals_the_model_on_fp8_grid_weights(arch):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_every_dense_linear_runs_its_fp8_copy(lora):
-    """Inside fp8_weights each dense linear (7 per layer and lm_head; a LoRA layer counts once, its adapters
+    """Inside copied_weights("fp8") each dense linear (7 per layer and lm_head; a LoRA layer counts once, its adapters
     merged) computes F.linear with its dequantized copy; outside, the module's own forward, bit for bit."""
     model = tiny_model("llama", lora=lora)
     modules = dense_linears(model)
@@ -95,7 +96,7 @@ def test_every_dense_linear_runs_its_fp8_copy(lora):
     with torch.no_grad():
         before = {m: m(inputs[m]) for m in modules}
         expected = {m: fake_quantized(m)(inputs[m]) for m in modules}
-        with fp8.fp8_weights(model) as swapped:
+        with decode_weights.copied_weights(model, "fp8") as swapped:
             assert swapped == modules
             for m in modules:
                 torch.testing.assert_close(m(inputs[m]), expected[m], atol=1e-6, rtol=1e-6)
@@ -127,7 +128,7 @@ def test_trainer_state_is_untouched():
     for n, p in model.named_parameters():
         assert torch.equal(p, params[n][0]) and torch.equal(p.grad, params[n][1]), n
     assert {id(m): m.__dict__.get("forward") for m in model.modules()} == bound
-    assert all(f.q is None and f.scale is None and f.bias is None for f in fp8._FORWARDS.values())
+    assert all(f.q is None and f.scale is None and f.bias is None for f in decode_weights._FORWARDS.values())
 
 
 def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
@@ -150,12 +151,30 @@ def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
     torch._dynamo.reset()
 
 
+def test_dense_copy_merges_lora_and_copies_only_what_it_must():
+    """weights="dense": the LoRA layers' merged weights are the only copy (plain weights are used as they are), and
+    the engine decodes as the model does (one GEMM instead of base + adapter: fp32 rounding apart)."""
+    model = tiny_model("llama", lora=True)
+    H = SIZES["hidden_size"]
+    kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
+    assert decode_weights.copy_bytes(model, "dense") == LAYERS * (H * H + kv * H) * 4  # q_proj, v_proj in fp32
+    assert decode_weights.copy_bytes(tiny_model("llama"), "dense") == 0
+    with decode_weights.copied_weights(model, "dense") as modules:
+        plain = [m for m in modules if not hasattr(m, "base_layer")]
+        assert all(decode_weights._FORWARDS[m].weight.data_ptr() == m.weight.data_ptr() for m in plain)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=10)
+    for params in (SamplingParams(max_new_tokens=20, temperature=0), sampled):
+        got, want = run(model, EngineConfig(weights="dense"), params), run(model, EngineConfig(), params)
+        assert completions(got) == completions(want)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
 def test_copy_bytes():
     model = tiny_model("llama")
     H, I, V = SIZES["hidden_size"], SIZES["intermediate_size"], SIZES["vocab_size"]
     kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
     per_layer = (H + 4) * (2 * H + 2 * kv) + (H + 4) * 2 * I + (I + 4) * H  # q, o, k, v; gate, up; down
-    assert fp8.fp8_bytes(model) == LAYERS * per_layer + (H + 4) * V
+    assert decode_weights.copy_bytes(model, "fp8") == LAYERS * per_layer + (H + 4) * V
 
 
 def test_gap_metrics_match_hand_math():
@@ -209,17 +228,21 @@ def four_bit_model(path):
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
     base = AutoModelForCausalLM.from_pretrained(path, quantization_config=quant, device_map="cpu")
     lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "gate_proj"], init_lora_weights=False)
-    return get_peft_model(base, lora).eval()
+    model = get_peft_model(base, lora).eval()
+    for module in model.modules():  # bitsandbytes' CPU repacking (test_4bit_cpu_repacked_layers_stay_whole) off
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
+    return model
 
 
 def test_4bit_base_is_dequantized_once_per_rollout(monkeypatch, tmp_path):
-    """A bitsandbytes 4-bit base with LoRA: the copy is quantize_fp8(dequantized base + delta), built once per
-    rollout (one dequantization per 4-bit layer, not per token); the 4-bit weights are untouched."""
+    """A bitsandbytes 4-bit base with LoRA: the copy is quantize_fp8(dequantized base + delta) ("fp8") or the
+    dequantized base + delta ("dense", which decodes as the model does), built once per rollout (one dequantization
+    per 4-bit layer, not per token); the 4-bit weights are untouched."""
     pytest.importorskip("bitsandbytes")
     from peft.utils import integrations
 
     model = four_bit_model(tmp_path)
-    run(model, EngineConfig(), SamplingParams(max_new_tokens=2, temperature=0))  # bnb's CPU repacking, if any
     packed = {n: p.detach().clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
     assert len(packed) == 7 * LAYERS
     calls = []
@@ -230,8 +253,14 @@ def test_4bit_base_is_dequantized_once_per_rollout(monkeypatch, tmp_path):
         return dequantize(*args, **kwargs)
 
     monkeypatch.setattr(integrations, "dequantize_bnb_weight", counted)
-    result = run(model, FP8, SamplingParams(max_new_tokens=12, temperature=0))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0)
+    result = run(model, FP8, greedy)
     assert result.completion_ids.shape[1] == 12 and len(calls) == len(packed)
+    calls.clear()
+    dense, own = run(model, EngineConfig(weights="dense"), greedy), run(model, EngineConfig(), greedy)
+    assert len(calls) == len(packed)  # "dense" too: once per rollout (the model's own forward is bitsandbytes')
+    assert completions(dense) == completions(own)
+    torch.testing.assert_close(dense.logprobs, own.logprobs, atol=1e-4, rtol=0)
     for n, p in model.named_parameters():
         if n in packed:
             assert torch.equal(p, packed[n]), n
@@ -239,6 +268,18 @@ def test_4bit_base_is_dequantized_once_per_rollout(monkeypatch, tmp_path):
     with torch.no_grad():
         want = dequantize(layer.base_layer.weight, state=layer.base_layer.weight.quant_state).float()
         torch.testing.assert_close(dense_weight(layer)[0], want + layer.get_delta_weight("default").float())
+
+
+def test_4bit_cpu_repacked_layers_stay_whole(tmp_path):
+    """After bitsandbytes repacks a 4-bit weight for its AVX512-BF16 CPU kernel (at its first eval forward on such a
+    CPU) the weight cannot be dequantized: that layer keeps its own forward."""
+    pytest.importorskip("bitsandbytes")
+    model = four_bit_model(tmp_path)
+    layer = model.base_model.model.model.layers[0].mlp.down_proj
+    assert layer in dense_linears(model)
+    layer.weight.quant_state.packing_format_for_cpu = True  # what the repacking sets (bitsandbytes 0.50)
+    assert layer not in dense_linears(model) and len(dense_linears(model)) == 7 * LAYERS
+    layer.weight.quant_state.packing_format_for_cpu = False
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------
