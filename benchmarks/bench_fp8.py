@@ -11,8 +11,10 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
   gemm rows     each distinct linear of a decode step at 64 rows: cuBLAS bf16 (F.linear) against fp8_linear with
                 default_config and the best of `sweep` (tiles, warps, splits); us, and the weight bytes read per
                 second over the measured copy bandwidth (share). The sweep is there to tune default_config.
-  rollout rows  one engine mode each (MODES): first call (compile + graph capture + 1024 tokens) then `repeats`
-                timed calls (wall, synchronized): tok_s, ms_step, speedup over bf16, peak GiB above the weights,
+  rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
+                capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
+                (prefill and text decoding included), decode_ms (decode steps 17-1024 alone), speedup over bf16,
+                peak GiB above the weights,
                 the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
                 the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense" and
                 "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one.
@@ -40,6 +42,7 @@ import torch.nn.functional as F
 
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
+from benchmarks.profile_rollout import StepClock, rollout
 from benchmarks.common import GIB, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
@@ -47,8 +50,6 @@ from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import fp8_linear, quantize_fp8
 from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes
 from fastgrpo.rollout.decode import EngineConfig
-from fastgrpo.rollout.generate import generate_with_config
-from fastgrpo.rollout.sampling import SamplingParams
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
@@ -64,6 +65,7 @@ MODES = {
     "4bit-fp8": (EngineConfig(weights="fp8"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
+WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +82,7 @@ class Sizes:
 
 
 GPU_SIZES = Sizes()
-DRY_SIZES = Sizes(prompts=2, generations=2, prompt_len=8, new_tokens=16)
+DRY_SIZES = Sizes(prompts=2, generations=2, prompt_len=8, new_tokens=64)
 
 
 def sweep(M: int, N: int, K: int, device: torch.device) -> list:
@@ -175,33 +177,26 @@ def _allocated(device: str) -> int:
 
 
 def rollout_row(setup: dict, sizes: Sizes, mode: str) -> dict:
+    """Warm-up (compile + capture, stopped after WARMUP_STEPS steps: the same request, so the same compiled step),
+    then `repeats` timed calls; the copy's size and build time; the gap on the last call's samples."""
     config, _ = MODES[mode]
     model, device = setup["model"], setup["device"]
-    params = SamplingParams(max_new_tokens=sizes.new_tokens, temperature=1.0)
-
-    def call():
-        return generate_with_config(model, setup["tokenizer"], setup["prompts"], sizes.generations, params, seed=0,
-                                    config=config)
-
-    _sync(device)
-    start = time.perf_counter()
-    call()
-    _sync(device)
-    row = {"shape": setup["shape"], "mode": mode, "first_s": time.perf_counter() - start}
+    first_s, _ = rollout(setup, sizes, config, StepClock(stop_at=WARMUP_STEPS))
+    row = {"shape": setup["shape"], "mode": mode, "first_s": first_s}
     weights = _allocated(device)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, decode = [], []
     for _ in range(sizes.repeats):
         gc.collect()
-        _sync(device)
-        start = time.perf_counter()
-        result = call()
-        _sync(device)
-        times.append(time.perf_counter() - start)
+        clock = StepClock()
+        seconds, result = rollout(setup, sizes, config, clock)
+        times.append(seconds)
+        decode.append(clock.ms_per_step(config.check_every, sizes.new_tokens))
     seconds = statistics.median(times)
     assert result.completion_ids.shape == (sizes.rows, sizes.new_tokens), result.completion_ids.shape
-    row.update(tok_s=sizes.rows * sizes.new_tokens / seconds, ms_step=seconds / sizes.new_tokens * 1e3)
+    row.update(tok_s=sizes.rows * sizes.new_tokens / seconds, ms_step=seconds / sizes.new_tokens * 1e3,
+               decode_ms=statistics.median(decode))
     if device == "cuda":
         row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - weights) / GIB
     row["weights_gib"] = weights / GIB
@@ -304,9 +299,9 @@ def main(argv: list[str] | None = None) -> None:
     print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "speedup", "bf16_share", "fp8_share",
                         "best_us", "best", "default"])
     print()
-    print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "first_s", "peak_extra_gib",
-                           "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap", "kl_k1", "kl_k3",
-                           "xent", "error"])
+    print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
+                           "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",
+                           "kl_k1", "kl_k3", "xent", "error"])
 
 
 if __name__ == "__main__":

@@ -71,8 +71,8 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          "triton": (EngineConfig(attention="triton"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
          "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
-         # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its roofline
-         # counts the copy's bytes
+         # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
+         # roofline counts the copy's bytes
          "fp8": (EngineConfig(weights="fp8"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
