@@ -123,12 +123,12 @@ def test_trainer_state_is_untouched():
     for p in model.parameters():
         p.grad = torch.randn(p.shape, generator=g)
     params = {n: (p.detach().clone(), p.grad.clone()) for n, p in model.named_parameters()}
-    bound = {id(m): m.__dict__.get("forward") for m in model.modules()}
+    before = {id(m): (type(m), dict(m.__dict__)) for m in model.modules()}
+    assert sum("forward" in d for _, d in before.values()) > 0  # patch_model's bound forwards
     run(model, FP8)
     for n, p in model.named_parameters():
         assert torch.equal(p, params[n][0]) and torch.equal(p.grad, params[n][1]), n
-    assert {id(m): m.__dict__.get("forward") for m in model.modules()} == bound
-    assert all(f.q is None and f.scale is None and f.bias is None for f in decode_weights._FORWARDS.values())
+    assert {id(m): (type(m), dict(m.__dict__)) for m in model.modules()} == before
 
 
 def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
@@ -161,12 +161,31 @@ def test_dense_copy_merges_lora_and_copies_only_what_it_must():
     assert decode_weights.copy_bytes(tiny_model("llama"), "dense") == 0
     with decode_weights.copied_weights(model, "dense") as modules:
         plain = [m for m in modules if not hasattr(m, "base_layer")]
-        assert all(decode_weights._FORWARDS[m].weight.data_ptr() == m.weight.data_ptr() for m in plain)
+        assert all(m.fastgrpo_copy_weight.data_ptr() == m.weight.data_ptr() for m in plain)
     sampled = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=10)
     for params in (SamplingParams(max_new_tokens=20, temperature=0), sampled):
         got, want = run(model, EngineConfig(weights="dense"), params), run(model, EngineConfig(), params)
         assert completions(got) == completions(want)
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_per_layer_compiled_code_traces_once_for_all_layers():
+    """Compiled per decoder layer (one code object run for every layer, as a regionally compiled step does): the
+    copy's forward is guarded by class and tensor shapes, the same in every layer of a shape, so the layers of
+    the tiny llama (2 layers, one shape each) trace once in all, across two rollouts' copies."""
+    model = tiny_model("llama")
+    layers = list(model.model.layers)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    mlp = torch.compile(lambda layer, x: layer.mlp(x), backend="eager", fullgraph=True, dynamic=False)
+    x = torch.randn(3, 1, SIZES["hidden_size"], generator=torch.Generator().manual_seed(0))
+    for _ in range(2):
+        with torch.no_grad(), decode_weights.copied_weights(model, "fp8"):
+            outs = [mlp(layer, x) for layer in layers]
+        with torch.no_grad():
+            assert not torch.equal(outs[0], layers[0].mlp(x))  # the copy ran, not the model's own weights
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
 
 
 def test_copy_bytes():

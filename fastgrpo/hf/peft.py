@@ -54,7 +54,8 @@ def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules of `model` whose whole forward is one dense map x W^T + b, outermost first: nn.Linear (plain or a
     bitsandbytes 4-bit base) and PEFT LoRA layers over one, whose adapters `dense_weight` merges. Left out, with all
     they hold (they keep running their own forward): other PEFT tuner layers, LoRA variants (DoRA, ...) and LoRA
-    biases (not in get_delta_weight), 8-bit bases, 4-bit bases that bitsandbytes repacked for its CPU kernel."""
+    biases (not in get_delta_weight), 8-bit bases, 4-bit bases that bitsandbytes repacked for its CPU kernel,
+    layers whose weight an accelerate hook brings in (offloaded)."""
     from peft.tuners.lora import LoraLayer
     from peft.tuners.tuners_utils import BaseTunerLayer
 
@@ -84,7 +85,8 @@ def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def _dense_base(linear: torch.nn.Module) -> bool:
-    if not isinstance(linear, torch.nn.Linear):
+    # an accelerate-hooked or meta weight may live elsewhere (offloaded) until the hook brings it in
+    if not isinstance(linear, torch.nn.Linear) or hasattr(linear, "_hf_hook") or linear.weight.device.type == "meta":
         return False
     if type(linear.weight).__name__ == "Params4bit":
         # bitsandbytes >= 0.49 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval forward on

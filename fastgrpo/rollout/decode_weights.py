@@ -16,14 +16,16 @@ call (copy_bytes): fp8, 1 byte per weight plus 4 per output channel, about half 
 element size per weight that had to be made (a plain weight of the model's dtype is not copied). The build holds
 one layer's fp32 temporaries at a time.
 
-The object installed as a module's forward is made once per module and kept (weakly) for the module's lifetime:
-torch.compile guards on its identity, so the compiled decode step of one rollout serves the next; only its tensors
-are new each rollout, and those are guarded by shape and dtype, not identity.
+How the forward is swapped: the module's class becomes a subclass of it whose forward is the one GEMM (made once
+per class), and the copy's tensors are attributes of the module; an instance-level forward (patch_model's) is
+moved aside meanwhile. torch.compile then guards on the class and on the tensors' shapes and dtypes, both the same
+for every layer and every rollout: a callable object installed per module would be guarded by identity, a new
+trace per layer (for per-layer compiled code) and per rollout.
 """
 from __future__ import annotations
 
 import contextlib
-import weakref
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -33,27 +35,22 @@ from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
 
 WEIGHTS = ("model", "fp8", "dense")
+# the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] ("fp8"), weight [N, K] ("dense"), bias [N]
+_ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
 
 
-class _CopyForward:
-    """A linear module's forward during decoding: one GEMM over the copy of its weight (fp8 if q is set)."""
-
-    def __init__(self) -> None:
-        self.q: torch.Tensor | None = None  # [N, K] float8_e4m3fn
-        self.scale: torch.Tensor | None = None  # [N] fp32
-        self.weight: torch.Tensor | None = None  # [N, K] in the model's dtype ("dense")
-        self.bias: torch.Tensor | None = None  # [N], the module's own
-
-    def __call__(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        if self.q is not None:
-            return fp8_linear(x, self.q, self.scale, self.bias)
-        return F.linear(x, self.weight, self.bias)
-
-    def clear(self) -> None:
-        self.q = self.scale = self.weight = self.bias = None
+def _copy_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A dense linear's forward during decoding: one GEMM over the copy of its weight."""
+    if self.fastgrpo_copy_q is not None:
+        return fp8_linear(x, self.fastgrpo_copy_q, self.fastgrpo_copy_scale, self.fastgrpo_copy_bias)
+    return F.linear(x, self.fastgrpo_copy_weight, self.fastgrpo_copy_bias)
 
 
-_FORWARDS: weakref.WeakKeyDictionary[torch.nn.Module, _CopyForward] = weakref.WeakKeyDictionary()
+@functools.cache
+def _copy_class(base: type) -> type:
+    """`base` with the copy's forward: one subclass per class, shared by every module of that class (its name kept,
+    for code that looks classes up by name)."""
+    return type(base.__name__, (base,), {"forward": _copy_forward, "__module__": __name__})
 
 
 def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractContextManager:
@@ -66,37 +63,34 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
 @contextlib.contextmanager
 def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[torch.nn.Module]]:
     """Within the block, each of dense_linears(model) (yielded) computes x W^T + b from a copy of its current weight
-    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); on exit every module's
-    forward is what it was (patched ones included) and the copy is freed."""
+    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); on exit every module is
+    what it was (class, patched forward) and the copy is freed."""
     dtype = model.get_input_embeddings().weight.dtype
     modules = dense_linears(model)
-    installed = []
+    swapped = []
     try:
         with torch.no_grad():
             for module in modules:
-                forward = _FORWARDS.setdefault(module, _CopyForward())
-                weight, forward.bias = dense_weight(module)
+                weight, bias = dense_weight(module)  # a merged or dequantized weight: one layer's at a time
                 if kind == "fp8":
-                    forward.q, forward.scale = quantize_fp8(weight)
-                    prepare_fp8_linear(forward.q.device)
+                    q, scale = quantize_fp8(weight)
+                    prepare_fp8_linear(q.device)
+                    copy = (q, scale, None, bias)
                 else:  # a plain weight of the model's dtype is used as it is (no copy)
-                    forward.weight = weight.to(dtype)
-                del weight  # a merged or dequantized weight is a temporary: one layer's at a time
-                # accelerate's hooked modules call _old_forward (as hf.binding.bind_forward does)
-                attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
-                installed.append((module, attr, module.__dict__.get(attr)))
-                module.__dict__[attr] = forward
+                    copy = (None, None, weight.to(dtype), bias)
+                del weight
+                base, own = type(module), module.__dict__.pop("forward", None)
+                module.__dict__.update(zip(_ATTRS, copy))
+                module.__class__ = _copy_class(base)
+                swapped.append((module, base, own))
         yield modules
     finally:
-        for module, attr, own in reversed(installed):
-            if own is None:
-                del module.__dict__[attr]
-            else:
-                module.__dict__[attr] = own
-        for module in modules:  # the copy goes (also what a failed build had made)
-            forward = _FORWARDS.get(module)
-            if forward is not None:
-                forward.clear()
+        for module, base, own in reversed(swapped):
+            module.__class__ = base
+            for name in _ATTRS:
+                del module.__dict__[name]
+            if own is not None:
+                module.__dict__["forward"] = own
 
 
 def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
