@@ -318,9 +318,10 @@ def test_gpu_fp8_engine_compiled_and_graphed(arch, lora):
     eager = run(model, EngineConfig(weights="fp8", compile=False), params, G=4)
     assert completions(graphed) == completions(eager)
     torch.testing.assert_close(graphed.logprobs, eager.logprobs, atol=1e-4, rtol=0)
-    if not lora:
+    if not lora:  # eager steps (compiling is checked above): the kernel against cuBLAS, on fp8-grid weights
         on_fp8_grid(model)
-        got, want = run(model, FP8, params, G=4), run(model, EngineConfig(), params, G=4)
+        got = run(model, EngineConfig(weights="fp8", compile=False), params, G=4)
+        want = run(model, EngineConfig(compile=False), params, G=4)
         assert completions(got) == completions(want)
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
     torch._dynamo.reset()
@@ -328,8 +329,9 @@ def test_gpu_fp8_engine_compiled_and_graphed(arch, lora):
 
 @pytest.mark.gpu
 def test_gpu_bf16_model_fp8_gap_is_small():
-    """bf16 weights of a tiny llama, 64 rows: the FP8 engine's log-probs against the trainer's stay within a small
-    gap (KL per token well under the model engine's entropy), measured, not a claim about large models."""
+    """bf16 weights of a tiny llama, 48 rows, compiled and graphed: the gap of the FP8 engine's log-probs to the
+    trainer's goes through logprob_gap finite, with a KL estimate under a loose 0.05 nats per token (a sanity
+    check of the bf16 path end to end, not a claim about trained models)."""
     model = tiny_model("llama").cuda().bfloat16()
     params = SamplingParams(max_new_tokens=32, temperature=1.0)
     result = run(model, FP8, params, G=16, seed=1)
