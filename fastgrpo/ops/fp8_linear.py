@@ -11,6 +11,8 @@ step (the kernel's split-K tickets are none of the compiler's business: every la
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from fastgrpo._checks import check_dtype, check_shape
@@ -58,8 +60,9 @@ def fp8_linear_torch(
     return y.to(x.dtype)
 
 
+# the op's schema is inferred from these annotations: Optional[...], the form torch.library documents
 @torch.library.custom_op("fastgrpo::fp8_linear", mutates_args=())
-def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
     if not use_triton(x, q, scale):
         return fp8_linear_torch(x, q, scale, bias)
     from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
