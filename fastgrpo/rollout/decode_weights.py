@@ -65,6 +65,8 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
     """Within the block, each of dense_linears(model) (yielded) computes x W^T + b from a copy of its current weight
     W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); on exit every module is
     what it was (class, patched forward) and the copy is freed."""
+    if kind not in WEIGHTS[1:]:
+        raise ValueError(f"kind: expected one of {list(WEIGHTS[1:])}, got {kind!r}")
     dtype = model.get_input_embeddings().weight.dtype
     modules = dense_linears(model)
     swapped = []
