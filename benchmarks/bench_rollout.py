@@ -86,10 +86,12 @@ def kv_bytes_per_token(config) -> int:
     return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
 
 
-def _step_bytes(model) -> float:
-    """Bytes a decode step reads at least: weights it multiplies (not the embedding gather) + the mean K/V so far."""
+def _step_bytes(model, weights: int | None = None) -> float:
+    """Bytes a decode step reads at least: weights it multiplies (not the embedding gather; `weights` when not the
+    model's own, e.g. an FP8 copy) + the mean K/V so far."""
     mean_context = PROMPT_LEN + NEW_TOKENS / 2
-    return weight_bytes(model) + PROMPTS * GENERATIONS * kv_bytes_per_token(model.config) * mean_context
+    weights = weight_bytes(model) if weights is None else weights
+    return weights + PROMPTS * GENERATIONS * kv_bytes_per_token(model.config) * mean_context
 
 
 def _timed(call, repeats: int) -> dict:
@@ -118,11 +120,11 @@ def _timed(call, repeats: int) -> dict:
     }
 
 
-def _row(engine: str, measured: dict) -> None:
+def _row(engine: str, measured: dict, weights: int | None = None) -> None:
     setup = _setup()
     if "bandwidth" not in setup:
         setup["bandwidth"] = _copy_bandwidth()
-    roofline_ms = _step_bytes(setup["model"]) / setup["bandwidth"] * 1e3
+    roofline_ms = _step_bytes(setup["model"], weights) / setup["bandwidth"] * 1e3
     ROWS.append({"engine": engine, **measured, "roofline_share": roofline_ms / measured["ms_per_step"]})
     hf = next((r for r in ROWS if r["engine"] == "hf_default"), None)
     for row in ROWS:
@@ -131,15 +133,22 @@ def _row(engine: str, measured: dict) -> None:
     _write(roofline_ms)
 
 
-def test_fastgrpo_rollout():
-    from fastgrpo.rollout import generate
+@pytest.mark.parametrize("weights", ["model", "fp8"])
+def test_fastgrpo_rollout(weights):
+    """weights="fp8": EngineConfig(weights="fp8"), the decode steps on an e4m3 copy of the weights (its roofline
+    counts the copy's bytes; benchmarks/bench_fp8.py has the GEMMs and the log-prob gap)."""
+    from fastgrpo.rollout.decode_weights import copy_bytes
+    from fastgrpo.rollout.decode import EngineConfig
+    from fastgrpo.rollout.generate import generate_with_config
+    from fastgrpo.rollout.sampling import SamplingParams
 
     setup = _setup()
     prompts = setup["prompt_ids"].tolist()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
 
     def call():
-        return generate(setup["model"], setup["tokenizer"], prompts, num_generations=GENERATIONS,
-                        max_new_tokens=NEW_TOKENS, temperature=1.0, seed=0)
+        return generate_with_config(setup["model"], setup["tokenizer"], prompts, GENERATIONS, params, seed=0,
+                                    config=EngineConfig(weights=weights))
 
     first = time.perf_counter()
     result = call()
@@ -151,7 +160,10 @@ def test_fastgrpo_rollout():
     measured["first_call_s"] = first
     # the KV cache and step buffers go back when the call returns (within 64 MiB)
     measured["kv_released"] = measured["left_allocated_mib"] <= 64
-    _row("fastgrpo", measured)
+    if weights == "fp8":
+        _row("fastgrpo-fp8", measured, copy_bytes(setup["model"], "fp8"))
+    else:
+        _row("fastgrpo", measured)
 
 
 def _hf_call(static: bool, new_tokens: int):

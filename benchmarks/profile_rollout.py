@@ -3,6 +3,7 @@
     python -m benchmarks.profile_rollout                # GPU: both shapes, ~3.3 min on an H200 (~1 min compiling)
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
     python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
+    python -m benchmarks.profile_rollout --modes default,fp8      # bf16 vs FP8 decode weights (EngineConfig.weights)
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -58,6 +59,7 @@ from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
 from benchmarks.common import card_name, print_table, write_results
 from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.decode_weights import copy_bytes
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
@@ -68,7 +70,10 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
          "triton": (EngineConfig(attention="triton"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
-         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True)}
+         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
+         # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
+         # roofline counts the copy's bytes
+         "fp8": (EngineConfig(weights="fp8"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 
@@ -79,7 +84,7 @@ KERNEL_CATEGORIES = (
     # SDPA (cuDNN, flash, memory-efficient fmha_cutlassF_*: before gemm, it is cutlass too) and the Inductor
     # kernel named after it, which builds its inputs (mask, RoPE)
     ("attention", r"fmha|flash|attention|sdpa|mha_"),
-    ("gemm", r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|triton_tem_|matmul|aten::(mm|addmm|bmm)$"),
+    ("gemm", r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|triton_tem_|matmul|fp8_linear|aten::(mm|addmm|bmm)$"),
     # logits -> token: (log-)softmax, argmax, top-k / sort, the log-prob gather, the keyed-exponential noise (an
     # int64 hash: xor, shifts; in eager mode also its <long> Functors, log and clamp; the other int64 ops, the mask
     # comparisons and position updates, are [N, M] and [N, 1], small next to the hash's [N, V])
@@ -213,7 +218,8 @@ def profile_mode(setup: dict, sizes: Sizes, mode: str, config: EngineConfig, tim
         row.update(decode_ms=window.ms_per_step(every, marks[0]), decode_steps=f"{every + 1}-{marks[0]}")
     row.update(prof_ms=window.ms_per_step(start, end), profiled_steps=f"{start + 1}-{end}")
     row.update(summarise(*_work(profiler, setup["device"]), sizes.profile_steps, row["prof_ms"]))
-    row.update(roofline(setup["model"], sizes, bandwidth, row))
+    copy = copy_bytes(setup["model"], "fp8") if config.weights == "fp8" else None
+    row.update(roofline(setup["model"], sizes, bandwidth, row, copy))
     _save(profiler, trace_dir / f"{setup['shape']}-{mode}", setup["device"])
     return row
 
@@ -279,9 +285,11 @@ def _union_us(intervals: list[tuple[float, float]]) -> float:
     return busy
 
 
-def roofline(model, sizes: Sizes, bandwidth: float, row: dict) -> dict:
-    """bench_rollout's roofline at the mean context (that of the profiled steps too) and its shares."""
-    weights, kv = weight_bytes(model), kv_bytes_per_token(model.config) * sizes.rows
+def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | None = None) -> dict:
+    """bench_rollout's roofline at the mean context (that of the profiled steps too) and its shares; `weights`: the
+    bytes of the weights a step multiplies when not the model's own (an FP8 copy)."""
+    weights = weight_bytes(model) if weights is None else weights
+    kv = kv_bytes_per_token(model.config) * sizes.rows
     bucket = EngineConfig().length_bucket
     cache_len = -(-(sizes.prompt_len + sizes.new_tokens) // bucket) * bucket  # the engine's M
     roof_ms = (weights + kv * sizes.mean_context) / bandwidth * 1e3

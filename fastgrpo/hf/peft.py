@@ -1,4 +1,6 @@
-"""PEFT and bitsandbytes internals: LoRA adapters merged into a (dequantized) base for export and weight sync."""
+"""PEFT and bitsandbytes internals: LoRA adapters merged into a (dequantized) base for export and weight sync, and the
+dense linears of a model with their effective weights (the rollout's decode weights,
+fastgrpo/rollout/decode_weights.py)."""
 from __future__ import annotations
 
 import torch
@@ -46,3 +48,67 @@ def _ancestors(root: torch.nn.Module, name: str):
     parts = name.split(".") if name else []
     for i in range(1, len(parts)):
         yield root.get_submodule(".".join(parts[:i]))
+
+
+def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules of `model` whose whole forward is one dense map x W^T + b, outermost first: nn.Linear (plain or a
+    bitsandbytes 4-bit base) and PEFT LoRA layers over one, whose adapters `dense_weight` merges. Left out, with all
+    they hold (they keep running their own forward): other PEFT tuner layers, LoRA variants (DoRA, ...) and LoRA
+    biases (not in get_delta_weight), 8-bit bases, 4-bit bases that bitsandbytes repacked for its CPU kernel,
+    layers whose weight an accelerate hook brings in (offloaded)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    found, seen = [], set()
+
+    def visit(module: torch.nn.Module) -> None:
+        if id(module) in seen:  # a module shared by two parents
+            return
+        seen.add(id(module))
+        if isinstance(module, LoraLayer):
+            adapters = [a for a in module.active_adapters if a in module.lora_A]
+            plain = not any(a in module.lora_variant or module.lora_bias.get(a) for a in adapters)
+            if plain and _dense_base(module.base_layer):
+                found.append(module)
+            return
+        if isinstance(module, BaseTunerLayer):
+            return
+        if isinstance(module, torch.nn.Linear):
+            if _dense_base(module):
+                found.append(module)
+            return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _dense_base(linear: torch.nn.Module) -> bool:
+    # an accelerate-hooked or meta weight may live elsewhere (offloaded) until the hook brings it in
+    if not isinstance(linear, torch.nn.Linear) or hasattr(linear, "_hf_hook") or linear.weight.device.type == "meta":
+        return False
+    if type(linear.weight).__name__ == "Params4bit":
+        # bitsandbytes >= 0.49 repacks a 4-bit weight for its AVX512-BF16 CPU kernel at the first eval forward on
+        # such a CPU; dequantize_bnb_weight then returns wrong values (seen with 0.50.2): keep the layer whole
+        return not getattr(linear.weight.quant_state, "packing_format_for_cpu", False)
+    return linear.weight.is_floating_point()
+
+
+def dense_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight [N, K], bias [N] or None) of one of dense_linears(model) as its forward computes them now: the base
+    weight (dequantized if 4-bit) plus each active, unmerged LoRA delta B A * scale, summed in fp32; without a delta
+    or dequantization, the parameter itself (no copy)."""
+    if not hasattr(module, "base_layer"):
+        return _dequantized(module.weight), _detached(module.bias)
+    base = module.base_layer
+    weight = _dequantized(base.weight)
+    if not module.disable_adapters and not module.merged:
+        for adapter in module.active_adapters:
+            if adapter in module.lora_A:
+                weight = weight.float() + module.get_delta_weight(adapter).float()
+    return weight, _detached(base.bias)
+
+
+def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
+    return None if bias is None else bias.detach()

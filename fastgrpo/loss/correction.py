@@ -87,4 +87,22 @@ def rollout_correction(
     return weights.expand_as(train_logps), metrics
 
 
-__all__ = ["rollout_correction", "check_rollout_correction", "ROLLOUT_CORRECTIONS", "ROLLOUT_CORRECTION_LEVELS"]
+def logprob_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's sampling distribution is from the trainer's, on the tokens the engine sampled: with
+    d = rollout - train per token of mask [B, T] (in fp64), mean_abs_gap / max_abs_gap: mean and largest |d|;
+    kl_k1 = mean d and kl_k3 = mean (exp(-d) - 1 + d), two estimates of KL(pi_rollout || pi_train) per token from
+    samples of pi_rollout (both unbiased; k3 is >= 0 token by token, so less noisy); tokens: how many counted. Tokens
+    the engine could not score (NaN) are left out. A measure for choosing an engine (e.g. FP8 weights against
+    bf16); rollout_correction is what corrects for the gap in the loss."""
+    check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
+    check_binary_mask("mask", mask, "train_logps", train_logps)
+    d = (rollout_logps.double() - train_logps.double())[mask.bool()]
+    d = d[~torch.isnan(d)]
+    if not d.numel():
+        return {"tokens": 0, "mean_abs_gap": 0.0, "max_abs_gap": 0.0, "kl_k1": 0.0, "kl_k3": 0.0}
+    return {"tokens": d.numel(), "mean_abs_gap": d.abs().mean().item(), "max_abs_gap": d.abs().max().item(),
+            "kl_k1": d.mean().item(), "kl_k3": (torch.expm1(-d) + d).mean().item()}
+
+
+__all__ = ["rollout_correction", "check_rollout_correction", "logprob_gap", "ROLLOUT_CORRECTIONS",
+           "ROLLOUT_CORRECTION_LEVELS"]

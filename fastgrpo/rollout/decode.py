@@ -20,6 +20,7 @@ import torch
 
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
+from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
@@ -43,8 +44,15 @@ class EngineConfig:
     # silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would cut into
     # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
     shared_prefix: bool = False
+    # the weights the decode steps multiply: "model" (the modules' own), or a copy of every dense linear's current
+    # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads) or
+    # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer). The prefill keeps the model's own
+    # (rollout/decode_weights.py).
+    weights: str = "model"
 
     def __post_init__(self):
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"EngineConfig.weights: expected one of {list(WEIGHTS)}, got {self.weights!r}")
         if self.attention not in ("sdpa", "triton"):
             raise ValueError(f"EngineConfig.attention: expected 'sdpa' or 'triton', got {self.attention!r}")
         if self.shared_prefix and self.attention != "triton":
@@ -135,7 +143,8 @@ def rollout(
         _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
         del logits
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
-        steps_done = _decode(step, state, S, stop_check, config)
+        with decode_weights(model, config.weights):
+            steps_done = _decode(step, state, S, stop_check, config)
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],

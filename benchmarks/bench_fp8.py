@@ -1,0 +1,308 @@
+"""FP8 rollouts (EngineConfig(weights="fp8")) against bf16: the decode GEMMs, rollout tokens/s and memory, and the
+log-prob gap to the trainer, on the same samples.
+
+    python -m benchmarks.bench_fp8                      # GPU: Qwen2.5-1.5B then Llama-3.1-8B shapes, one H200 ~4 min
+    python -m benchmarks.bench_fp8 --dry-run            # CPU check: a tiny model, the same code (torch path of the op)
+    python -m benchmarks.bench_fp8 --modes bf16,fp8,bf16-triton,fp8-triton   # also with the Triton decode attention
+    python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-dense,4bit-fp8   # + an NF4 base (needs bitsandbytes)
+
+Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
+256 random ids, 1024 new tokens, temperature 1, EOS ignored):
+  gemm rows     each distinct linear of a decode step at 64 rows: cuBLAS bf16 (F.linear) against fp8_linear with
+                default_config and the best of `sweep` (tiles, warps, splits); us, and the weight bytes read per
+                second over the measured copy bandwidth (share). The sweep is there to tune default_config.
+  rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
+                capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
+                (prefill and text decoding included), decode_ms (decode steps 17-1024 alone), speedup over bf16,
+                peak GiB above the weights,
+                the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
+                the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense" and
+                "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one.
+  gap           on the last timed call's samples: the trainer's log-probs of them (loss.model.sequence_logprobs,
+                8 rows at a time: pi_old in training) against the engine's: loss.correction.logprob_gap (mean and
+                max |gap| per token, k1 / k3 estimates of KL(engine || trainer) per token) and xent, the sampled
+                tokens' mean -log p under the engine. bf16's own gap is the engine/trainer mismatch without FP8.
+Random weights give flat distributions (xent near ln V): the gap here shows the plumbing and an order of magnitude,
+not what a trained checkpoint loses (measure that on real weights before relying on it).
+Writes benchmarks/results/fp8-<card>.json after every row (dry run: a temp dir) and prints the tables last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from unittest import mock
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks import common
+from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
+from benchmarks.profile_rollout import StepClock, rollout
+from benchmarks.common import GIB, print_table, write_results
+from fastgrpo.hf.peft import dense_linears
+from fastgrpo.loss.correction import logprob_gap
+from fastgrpo.loss.model import sequence_logprobs
+from fastgrpo.ops.fp8_linear import fp8_linear, quantize_fp8
+from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes
+from fastgrpo.rollout.decode import EngineConfig
+
+SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
+DRY_SHAPE = "tiny-qwen2"
+DEADLINE_S = 230  # the rollout modes of a shape are skipped past it (the gemm rows are quick)
+# mode -> (EngineConfig, base): base "bf16" is the built model, "4bit" its decoder linears in bitsandbytes NF4
+MODES = {
+    "bf16": (EngineConfig(), "bf16"),
+    "fp8": (EngineConfig(weights="fp8"), "bf16"),
+    "bf16-triton": (EngineConfig(attention="triton"), "bf16"),
+    "fp8-triton": (EngineConfig(attention="triton", weights="fp8"), "bf16"),
+    "4bit": (EngineConfig(), "4bit"),  # bitsandbytes' own forward: each step dequantizes every weight
+    "4bit-dense": (EngineConfig(weights="dense"), "4bit"),
+    "4bit-fp8": (EngineConfig(weights="fp8"), "4bit"),
+}
+SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
+WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+    prompts: int = 8
+    generations: int = 8
+    prompt_len: int = 256
+    new_tokens: int = 1024
+    repeats: int = 1
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
+
+
+GPU_SIZES = Sizes()
+DRY_SIZES = Sizes(prompts=2, generations=2, prompt_len=8, new_tokens=64)
+
+
+def sweep(M: int, N: int, K: int, device: torch.device) -> list:
+    """Alternatives to default_config for one GEMM: 64 / 128 / 256 features (256 with 8 warps only: 4 spill)
+    x 4 / 8 warps x splits for one or two programs per SM, 128 of K per step and 3 stages; and 256 of K per step."""
+    from fastgrpo.kernels.fp8_linear import config_for
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = {config_for(M, N, K, sms, block_n, 128, per_sm, warps, 3)
+               for block_n in (64, 128, 256) for warps in (4, 8) for per_sm in (1, 2) if (block_n, warps) != (256, 4)}
+    configs |= {config_for(M, N, K, sms, 128, 256, per_sm, 8, 3) for per_sm in (1, 2)}
+    return sorted(configs, key=dataclasses.astuple)
+
+
+def linear_shapes(model) -> dict[tuple[int, int], str]:
+    """(N, K) -> the names of the dense linears of that shape (layer 0's and lm_head)."""
+    names: dict[tuple[int, int], list[str]] = {}
+    dense = set(dense_linears(model))
+    for name, module in model.named_modules():
+        if module in dense and (".layers.0." in name or name.endswith("lm_head")):
+            names.setdefault((module.out_features, module.in_features), []).append(name.rsplit(".", 1)[-1])
+    return {shape: "/".join(n) for shape, n in names.items()}
+
+
+def _time_ms(fn, device: str) -> float:
+    if device == "cuda":
+        import triton.testing
+
+        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
+    fn()
+    start = time.perf_counter()
+    for _ in range(3):
+        fn()
+    return (time.perf_counter() - start) / 3 * 1e3
+
+
+def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> list[dict]:
+    from fastgrpo.kernels.fp8_linear import default_config, fp8_linear_fwd
+
+    out = []
+    g = torch.Generator(device=device).manual_seed(0)
+    for (N, K), names in linear_shapes(model).items():
+        x = torch.randn(rows, K, device=device, generator=g).bfloat16()
+        w = (torch.randn(N, K, device=device, generator=g) * 0.02).bfloat16()
+        q, scale = quantize_fp8(w)
+        row = {"shape": shape, "linear": names, "N": N, "K": K,
+               "bf16_us": _time_ms(lambda: F.linear(x, w), device) * 1e3,
+               "fp8_us": _time_ms(lambda: fp8_linear(x, q, scale), device) * 1e3}
+        if device == "cuda":
+            row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
+            timed = {c: _time_ms(lambda c=c: fp8_linear_fwd(x, q, scale, None, c), device)
+                     for c in sweep(rows, N, K, x.device)}
+            best = min(timed, key=timed.get)
+            row.update(best_us=timed[best] * 1e3, best=str(dataclasses.astuple(best)))
+        row["speedup"] = row["bf16_us"] / row["fp8_us"]
+        row["bf16_share"] = N * K * 2 / (row["bf16_us"] * 1e-6) / bandwidth
+        row["fp8_share"] = N * K / (row["fp8_us"] * 1e-6) / bandwidth
+        out.append(row)
+    return out
+
+
+def to_4bit(model) -> None:
+    """Replace the decoder's nn.Linear layers (not lm_head) with bitsandbytes NF4 Linear4bit, in place, quantized on
+    the weights' device (on the CPU without bitsandbytes' AVX512-BF16 repacking, which the copies cannot read)."""
+    import bitsandbytes as bnb
+
+    head = model.get_output_embeddings()
+    for name, module in list(model.named_modules()):
+        if type(module) is not torch.nn.Linear or module is head:
+            continue
+        layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
+                                  compute_dtype=torch.bfloat16, quant_type="nf4", device="meta")
+        layer.support_avx512bf16_for_cpu = False
+        device = module.weight.device
+        layer.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4").to(device)
+        if module.bias is not None:
+            layer.bias = module.bias
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _allocated(device: str) -> int:
+    return torch.cuda.memory_allocated() if device == "cuda" else 0
+
+
+def rollout_row(setup: dict, sizes: Sizes, mode: str) -> dict:
+    """Warm-up (compile + capture, stopped after WARMUP_STEPS steps: the same request, so the same compiled step),
+    then `repeats` timed calls; the copy's size and build time; the gap on the last call's samples."""
+    config, _ = MODES[mode]
+    model, device = setup["model"], setup["device"]
+    first_s, _ = rollout(setup, sizes, config, StepClock(stop_at=WARMUP_STEPS))
+    row = {"shape": setup["shape"], "mode": mode, "first_s": first_s}
+    weights = _allocated(device)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times, decode = [], []
+    for _ in range(sizes.repeats):
+        gc.collect()
+        clock = StepClock()
+        seconds, result = rollout(setup, sizes, config, clock)
+        times.append(seconds)
+        decode.append(clock.ms_per_step(config.check_every, sizes.new_tokens))
+    seconds = statistics.median(times)
+    assert result.completion_ids.shape == (sizes.rows, sizes.new_tokens), result.completion_ids.shape
+    row.update(tok_s=sizes.rows * sizes.new_tokens / seconds, ms_step=seconds / sizes.new_tokens * 1e3,
+               decode_ms=statistics.median(decode))
+    if device == "cuda":
+        row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - weights) / GIB
+    row["weights_gib"] = weights / GIB
+    if config.weights != "model":
+        row["copy_gib"] = copy_bytes(model, config.weights) / GIB
+        _sync(device)
+        start = time.perf_counter()
+        with copied_weights(model, config.weights):
+            _sync(device)
+            row["copy_build_s"] = time.perf_counter() - start
+    row.update(gap(model, result))
+    return row
+
+
+def gap(model, result) -> dict:
+    """The trainer's log-probs of the engine's samples against the engine's: logprob_gap, and xent."""
+    prompt_mask, completion_mask = result.prompt_mask, result.completion_mask
+    ids = torch.cat([result.prompt_ids, result.completion_ids], 1)
+    attention = torch.cat([prompt_mask, completion_mask], 1)
+    mask = torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1)
+    engine = torch.cat([prompt_mask * 0.0, result.logprobs.float()], 1)
+    train = torch.cat([sequence_logprobs(model, ids[i:i + SCORE_ROWS], attention[i:i + SCORE_ROWS],
+                                         mask[i:i + SCORE_ROWS]).float()
+                       for i in range(0, ids.shape[0], SCORE_ROWS)])
+    valid = mask.bool()
+    return {**logprob_gap(train, engine, mask), "xent": -engine[valid].double().mean().item()}
+
+
+def run_shape(shape: str, sizes: Sizes, modes: list[str], deadline: float, device: str, write) -> None:
+    began = time.perf_counter()
+    model, tokenizer = build_model(shape, device)
+    g = torch.Generator().manual_seed(1)
+    prompts = torch.randint(1, model.config.vocab_size, (sizes.prompts, sizes.prompt_len), generator=g).tolist()
+    setup = {"shape": shape, "model": model, "tokenizer": tokenizer, "prompts": prompts, "device": device}
+    bandwidth = _copy_bandwidth() if device == "cuda" else 1e10
+    print(f"{shape}: built in {time.perf_counter() - began:.0f} s; weights {weight_bytes(model) / GIB:.2f} GiB "
+          f"(bf16), FP8 copy {copy_bytes(model) / GIB:.2f} GiB", flush=True)
+    write(gemm_rows(shape, model, sizes.rows, bandwidth, device), [])
+    bf16 = None
+    for mode in sorted(modes, key=lambda m: MODES[m][1] == "4bit"):  # the 4-bit conversion is one-way: last
+        if time.monotonic() > deadline:
+            write([], [{"shape": shape, "mode": mode, "error": "skipped: deadline reached"}])
+            continue
+        began = time.perf_counter()
+        try:
+            if MODES[mode][1] == "4bit" and not setup.get("4bit"):
+                to_4bit(model)
+                setup["4bit"] = True
+            row = rollout_row(setup, sizes, mode)
+        except Exception as err:  # noqa: BLE001 - a failed mode is reported; the others still run
+            row = {"shape": shape, "mode": mode, "error": repr(err)[:300]}
+        if mode == "bf16" and "tok_s" in row:
+            bf16 = row["tok_s"]
+        if bf16 and "tok_s" in row:
+            row["speedup_vs_bf16"] = row["tok_s"] / bf16
+        print(f"{shape} / {mode}: {time.perf_counter() - began:.0f} s", flush=True)
+        write([], [row])
+    del setup, model
+    torch._dynamo.reset()  # the compiled steps hold the model's modules
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    parser.add_argument("--modes", default="bf16,fp8", help="comma-separated, of " + ", ".join(MODES))
+    parser.add_argument("--repeats", type=int, default=GPU_SIZES.repeats, help="timed calls per mode (median)")
+    args = parser.parse_args(argv)
+    modes = args.modes.split(",")
+    unknown = sorted(set(modes) - set(MODES))
+    if unknown:
+        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
+    device = "cpu" if args.dry_run else "cuda"
+    sizes = dataclasses.replace(DRY_SIZES if args.dry_run else GPU_SIZES, repeats=args.repeats)
+    shapes = [DRY_SHAPE] if args.dry_run else args.shapes.split(",")
+    results_dir = Path(tempfile.mkdtemp(prefix="bench_fp8_")) if args.dry_run else common.RESULTS_DIR
+    gemms: list[dict] = []
+    rollouts: list[dict] = []
+    config = {"model": "random weights, bf16 (4bit*: decoder linears NF4), sdpa unless -triton",
+              **dataclasses.asdict(sizes), "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
+              "gap": "trainer sequence_logprobs vs engine log-probs on the engine's samples"}
+
+    def write(new_gemms: list[dict], new_rollouts: list[dict]) -> None:
+        gemms.extend(new_gemms)
+        rollouts.extend(new_rollouts)
+        with mock.patch.object(common, "RESULTS_DIR", results_dir):
+            path = write_results("fp8", [*gemms, *rollouts], config)
+        print(f"wrote {path}", flush=True)
+
+    # the dry run exercises the op's plain-torch path (the kernel's CPU checks are tests/test_fp8_linear.py)
+    env = mock.patch.dict("os.environ", {"TRITON_INTERPRET": "0"}) if args.dry_run else mock.patch.dict("os.environ")
+    deadline = time.monotonic() + DEADLINE_S
+    with env:
+        for shape in shapes:
+            run_shape(shape, sizes, modes, deadline, device, write)
+    print()
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "speedup", "bf16_share", "fp8_share",
+                        "best_us", "best", "default"])
+    print()
+    print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
+                           "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",
+                           "kl_k1", "kl_k3", "xent", "error"])
+
+
+if __name__ == "__main__":
+    main()

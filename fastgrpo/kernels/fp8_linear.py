@@ -1,0 +1,182 @@
+"""Weight-only FP8 linear for skinny GEMMs (decode steps): y = x W^T * scale + bias, W in e4m3, x in 16 bits.
+
+Why: a decode step multiplies every weight by 64 rows or so, which reads each weight once and does ~128 FLOPs
+per weight byte: the GEMMs are bound by the weight reads (benchmarks/NOTES_rollout.md: 4.8 ms of a Llama-3.1-8B
+step, at 74% of the read roofline). Storing W in e4m3 (1 byte) halves what is read; each tile is upcast in
+registers (e4m3 -> bf16 is exact) and multiplied on the 16-bit tensor cores with fp32 accumulation (W8A16:
+activations keep their precision). The per-output-channel scale is constant along K, so it is applied once
+to the accumulator, exactly.
+
+Layout: x [M, K] (unit stride along K), W [N, K] e4m3 (nn.Linear's layout), scale [N] fp32, bias [N], y [M, N]
+in x's dtype. One program computes a BLOCK_N x BLOCK_M tile of y^T = W x^T (the weight tile is the left
+operand: BLOCK_N output features on the MMA's long side, the few rows on its short side) over one split of K.
+
+Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 32 tiles of 128 features
+for 132 SMs, too few to keep the reads in flight. Each (tile, split) program then writes its fp32 partial to a
+workspace and takes a ticket from a per-tile counter (atomic, acq_rel); the program that draws the last ticket
+sums the partials in split order (bitwise reproducible whichever program arrives last), applies scale and
+bias, writes y, and resets the counter to 0, so the counters are zero again between launches (and across CUDA
+graph replays) with no memset. Partials are read with .cg (L2, not a possibly stale L1 line of an earlier launch).
+Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's interpreter returns garbage for bf16 tl.dot,
+shared/DESIGN.md); fp32 activations use "ieee" dots on a GPU too.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+# Tickets of one launch; the counters are shared by all launches on a device (one stream at a time: the engine's
+# steps run in order), so this bounds tiles per launch: 64K tiles of 64 features is a 4M-wide output.
+MAX_TILES = 1 << 16
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8LinearConfig:
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    num_warps: int = 4
+    num_stages: int = 4
+
+
+@triton.jit
+def _fp8_linear_kernel(
+    X, W, SCALE, BIAS, Y, PARTIAL, COUNTS,
+    stride_xm, stride_wn, stride_ym,
+    M, N, K, k_per_split, splits,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // splits  # the programs of a tile's splits are adjacent: they start together
+    split = pid % splits
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features n
+    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # input rows m
+    feat_ok = feats < N
+    row_ok = rows < M
+    ks = tl.arange(0, BLOCK_K)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    w_ptrs = W + feats[:, None].to(tl.int64) * stride_wn + ks[None, :]  # [BLOCK_N, BLOCK_K]
+    x_ptrs = X + rows[None, :].to(tl.int64) * stride_xm + ks[:, None]  # [BLOCK_K, BLOCK_M]: x^T
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        if EVEN_K:  # no mask along the contiguous dimension: loads stay vectorized
+            w = tl.load(w_ptrs + k, mask=feat_ok[:, None], other=0.0)
+            x = tl.load(x_ptrs + k, mask=row_ok[None, :], other=0.0)
+        else:
+            k_ok = (k + ks) < k_end
+            w = tl.load(w_ptrs + k, mask=feat_ok[:, None] & k_ok[None, :], other=0.0)
+            x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
+        if FP32_DOT:
+            acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+        else:
+            acc += tl.dot(w.to(x.dtype), x)
+
+    y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
+    y_mask = feat_ok[:, None] & row_ok[None, :]
+    if not SPLIT:
+        _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+    else:
+        part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [splits, M, N] fp32
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
+        if ticket == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for _ in range(0, splits):
+                total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
+                part += M * N
+            _epilogue(total, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+            tl.atomic_xchg(COUNTS + tile, 0)
+
+
+@triton.jit
+def _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS: tl.constexpr):
+    y = acc * tl.load(SCALE + feats, mask=feat_ok, other=0.0)[:, None]
+    if HAS_BIAS:
+        y += tl.load(BIAS + feats, mask=feat_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
+def _interpreting(x: torch.Tensor) -> bool:
+    return os.environ.get("TRITON_INTERPRET") == "1" and not x.is_cuda
+
+
+def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearConfig:
+    """Tiles and splits for y [M, N] = x [M, K] W^T: a function of the shape and the SM count only (no autotuning:
+    the split order fixes the fp32 sums, so a given card always computes the same bits).
+
+    GPU, not yet tuned on one (benchmarks/bench_fp8.py times alternatives beside it): 128 features x (up to) 64 rows
+    x 128 of K per step, 8 warps, 3 stages. Why 128 features: every program re-reads its rows of x (2 bytes each)
+    for its 1-byte weights, so x's L2 traffic is 128 / BLOCK_N times the weights'. Compiled for sm_90 (on the CPU):
+    wgmma, 3-stage cp.async pipeline, 80 KiB of shared memory and 128 registers a thread, so two programs fit an SM;
+    the splits fill one such wave (2 x SMs programs, not more: a second, partial wave would idle most SMs), each
+    split at least two K steps. Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
+    """
+    if device.type != "cuda":
+        return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return config_for(M, N, K, sms, block_n=128, block_k=128, programs_per_sm=2, num_warps=8, num_stages=3)
+
+
+def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
+               num_warps: int, num_stages: int) -> Fp8LinearConfig:
+    """A GPU config with as many K splits as fill `programs_per_sm` x `sms` programs (at least one, and none
+    shorter than two K steps)."""
+    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
+    split = max(1, min(programs_per_sm * sms // tiles, K // (2 * block_k)))
+    return Fp8LinearConfig(block_m, block_n, block_k, split, num_warps, num_stages)
+
+
+@functools.cache
+def _counters(device: torch.device) -> torch.Tensor:
+    """The split-K tickets of a device: zero between launches (each launch resets what it used)."""
+    return torch.zeros(MAX_TILES, dtype=torch.int32, device=device)
+
+
+def prepare(device: torch.device) -> None:
+    """Allocate the device's counters now (outside any CUDA graph capture, whose pool would otherwise own them)."""
+    _counters(device)
+
+
+def fp8_linear_fwd(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
+    config: Fp8LinearConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit stride along K), weight [N, K] float8_e4m3fn contiguous, scale [N] fp32, bias [N] or None
+    -> y [M, N] in x's dtype."""
+    M, K = x.shape
+    N = weight.shape[0]
+    interpret = _interpreting(x)
+    if config is None:
+        config = default_config(M, N, K, torch.device("cpu") if interpret else x.device)
+    # each split a whole number of K steps (so only the last K step of the last split may be ragged: EVEN_K)
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)
+    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
+    if split > 1 and tiles > MAX_TILES:
+        raise ValueError(f"fp8_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    # without splits the kernel touches neither: any tensors of the right dtypes
+    partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else scale
+    counts = _counters(x.device)
+    _fp8_linear_kernel[(tiles * split,)](
+        x, weight, scale, bias if bias is not None else scale, y, partial, counts,
+        x.stride(0), weight.stride(0), y.stride(0),
+        M, N, K, k_per_split, split,
+        HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=K % config.block_k == 0,
+        FP32_DOT=interpret or x.dtype == torch.float32,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return y

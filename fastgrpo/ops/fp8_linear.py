@@ -1,0 +1,103 @@
+"""FP8 (e4m3) weight-only linear: the quantizer, the eager reference, and the op over the Triton kernel.
+
+`quantize_fp8(weight)` -> (q [N, K] float8_e4m3fn, scale [N] fp32) with one scale per output channel, amax / 448,
+so each row's largest weight lands on e4m3's largest value; relative error of a weight <= 2^-4 (3 mantissa bits,
+round to nearest), absolute <= 2^-10 scale below e4m3's normal range.
+`fp8_linear(x, q, scale, bias)` = x (q scale)^T + bias: the Triton kernel (fastgrpo.kernels.fp8_linear) on CUDA
+tensors or under TRITON_INTERPRET=1, else `fp8_linear_torch`, the eager reference (any float dtype; tests run it
+in fp64, where q, scale and a 16-bit x are exact). No autograd: FP8 weights serve the rollout, which runs under
+no_grad. The op is a torch.library custom op, so torch.compile keeps it as one opaque call in the compiled decode
+step (the kernel's split-K tickets are none of the compiler's business: every launch leaves them as it found them).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastgrpo._checks import check_dtype, check_shape
+from fastgrpo.ops._backend import use_triton
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0  # e4m3's largest finite value
+# elements per chunk of the quantizer's fp32 temporaries (64 MiB): an lm_head of 128K x 4096 is 2 GiB in fp32
+QUANT_CHUNK = 1 << 24
+_ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@torch.no_grad()
+def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (q [N, K] float8_e4m3fn, scale [N] fp32), on weight's device.
+
+    scale = amax over the row / 448, at least fp32's smallest normal (an all-zero row gets q = 0, not 0/0).
+    Rows go through fp32 in chunks of QUANT_CHUNK elements, so the temporaries stay small whatever the weight."""
+    check_shape("weight", weight, (None, None))
+    N, K = weight.shape
+    q = torch.empty(N, K, dtype=FP8_DTYPE, device=weight.device)
+    scale = torch.empty(N, dtype=torch.float32, device=weight.device)
+    rows = max(1, QUANT_CHUNK // max(K, 1))
+    for start in range(0, N, rows):
+        w = weight[start:start + rows].float()
+        s = (w.abs().amax(1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+        q[start:start + rows] = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        scale[start:start + rows] = s
+    return q, scale
+
+
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """q [N, K] e4m3, scale [N] -> q scale [N, K] in `dtype` (exact in fp32 and fp64)."""
+    return (q.to(torch.float64 if dtype == torch.float64 else torch.float32) * scale[:, None]).to(dtype)
+
+
+def fp8_linear_torch(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] @ q^T [K, N], times scale [N], plus bias, in fp32 (fp64 for fp64 x) -> [..., N] in x's dtype."""
+    work = torch.promote_types(x.dtype, torch.float32)
+    y = (x.to(work) @ q.to(work).T) * scale.to(work)
+    if bias is not None:
+        y = y + bias.to(work)
+    return y.to(x.dtype)
+
+
+# the op's schema is inferred from these annotations: Optional[...], the form torch.library documents
+@torch.library.custom_op("fastgrpo::fp8_linear", mutates_args=())
+def _fp8_linear_op(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    if not use_triton(x, q, scale):
+        return fp8_linear_torch(x, q, scale, bias)
+    from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
+
+    return fp8_linear_fwd(x, q, scale, bias)
+
+
+@_fp8_linear_op.register_fake
+def _(x, q, scale, bias):
+    return x.new_empty(x.shape[0], q.shape[0])
+
+
+def fp8_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] (fp16, bf16 or fp32), q [N, K] float8_e4m3fn, scale [N] fp32, bias [N] -> [..., N] in x's dtype."""
+    check_dtype("x", x, _ACTIVATIONS)
+    check_dtype("q", q, (FP8_DTYPE,))
+    check_shape("q", q, (None, x.shape[-1]))
+    N = q.shape[0]
+    check_shape("scale", scale, (N,))
+    check_dtype("scale", scale, (torch.float32,))
+    if bias is not None:
+        check_shape("bias", bias, (N,))
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, x.shape[-1])
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    bias = bias.contiguous() if bias is not None else None
+    return _fp8_linear_op(x2, q.contiguous(), scale.contiguous(), bias).reshape(*lead, N)
+
+
+def prepare_fp8_linear(device: torch.device) -> None:
+    """Allocate what the kernel keeps per CUDA device (its split-K tickets) now, before any CUDA graph capture."""
+    if device.type == "cuda":
+        from fastgrpo.kernels.fp8_linear import prepare
+
+        prepare(device)

@@ -1,0 +1,111 @@
+"""The weights the decode steps multiply (EngineConfig.weights): the model's own, or a copy of them made for the
+decode of one rollout, "fp8" (e4m3) or "dense" (the model's dtype).
+
+Why: a decode step of 64 rows reads every weight once for ~128 FLOPs per byte, so its GEMMs cost what the weight
+reads cost (benchmarks/NOTES_rollout.md). "fp8": per-channel e4m3 copies (fastgrpo.ops.fp8_linear, W8A16) halve
+those reads. "dense": a plain copy in the model's dtype, for models whose own linears do more than one GEMM per
+step: a bitsandbytes 4-bit base (dequantized per call) then decodes with the GEMMs of a bf16 base of its shape,
+and a LoRA layer with one GEMM instead of three.
+
+When decoding starts, every dense linear of the model (hf.peft.dense_linears: nn.Linear, lm_head included, a
+4-bit base dequantized, a LoRA layer with its adapters merged in fp32) gets a copy of its weight as it is now, and
+its forward becomes one GEMM over that copy; when decoding ends the forwards come back and the copy is freed. So a
+4-bit base is dequantized once per rollout, not per token, and the trainer's parameters and their grads are only
+read. The prefill keeps the model's own weights (its GEMMs have B x P rows: not bandwidth-bound). Memory for the
+call (copy_bytes): fp8, 1 byte per weight plus 4 per output channel, about half the bf16 weights; dense, the
+element size per weight that had to be made (a plain weight of the model's dtype is not copied). The build holds
+one layer's fp32 temporaries at a time.
+
+How the forward is swapped: the module's class becomes a subclass of it whose forward is the one GEMM (made once
+per class), and the copy's tensors are attributes of the module; an instance-level forward (patch_model's) is
+moved aside meanwhile. torch.compile then guards on the class and on the tensors' shapes and dtypes, both the same
+for every layer and every rollout: a callable object installed per module would be guarded by identity, a new
+trace per layer (for per-layer compiled code) and per rollout.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from fastgrpo.hf.peft import dense_linears, dense_weight
+from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
+
+WEIGHTS = ("model", "fp8", "dense")
+# the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] ("fp8"), weight [N, K] ("dense"), bias [N]
+_ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
+
+
+def _copy_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A dense linear's forward during decoding: one GEMM over the copy of its weight."""
+    if self.fastgrpo_copy_q is not None:
+        return fp8_linear(x, self.fastgrpo_copy_q, self.fastgrpo_copy_scale, self.fastgrpo_copy_bias)
+    return F.linear(x, self.fastgrpo_copy_weight, self.fastgrpo_copy_bias)
+
+
+@functools.cache
+def _copy_class(base: type) -> type:
+    """`base` with the copy's forward: one subclass per class, shared by every module of that class (its name kept,
+    for code that looks classes up by name)."""
+    return type(base.__name__, (base,), {"forward": _copy_forward, "__module__": __name__})
+
+
+def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractContextManager:
+    """The context the engine decodes in: the model's own weights ("model") or a copy of them ("fp8", "dense")."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights: expected one of {list(WEIGHTS)}, got {weights!r}")
+    return contextlib.nullcontext() if weights == "model" else copied_weights(model, weights)
+
+
+@contextlib.contextmanager
+def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[torch.nn.Module]]:
+    """Within the block, each of dense_linears(model) (yielded) computes x W^T + b from a copy of its current weight
+    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); on exit every module is
+    what it was (class, patched forward) and the copy is freed."""
+    if kind not in WEIGHTS[1:]:
+        raise ValueError(f"kind: expected one of {list(WEIGHTS[1:])}, got {kind!r}")
+    dtype = model.get_input_embeddings().weight.dtype
+    modules = dense_linears(model)
+    swapped = []
+    try:
+        with torch.no_grad():
+            for module in modules:
+                weight, bias = dense_weight(module)  # a merged or dequantized weight: one layer's at a time
+                if kind == "fp8":
+                    q, scale = quantize_fp8(weight)
+                    prepare_fp8_linear(q.device)
+                    copy = (q, scale, None, bias)
+                else:  # a plain weight of the model's dtype is used as it is (no copy)
+                    copy = (None, None, weight.to(dtype), bias)
+                del weight
+                base, own = type(module), module.__dict__.pop("forward", None)
+                module.__dict__.update(zip(_ATTRS, copy))
+                module.__class__ = _copy_class(base)
+                swapped.append((module, base, own))
+        yield modules
+    finally:
+        for module, base, own in reversed(swapped):
+            module.__class__ = base
+            for name in _ATTRS:
+                del module.__dict__[name]
+            if own is not None:
+                module.__dict__["forward"] = own
+
+
+def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
+    """Bytes of the copy copied_weights(model, kind) builds: fp8, 1 per weight and 4 per output channel; dense, the
+    model dtype's size per weight of the layers whose weight is not already a plain one of that dtype (LoRA-merged,
+    4-bit; biases are the modules' own)."""
+    embedding = model.get_input_embeddings().weight
+    total = 0
+    for module in dense_linears(model):
+        layer = getattr(module, "base_layer", module)
+        n, k = layer.out_features, layer.in_features
+        if kind == "fp8":
+            total += n * (k + 4)
+        elif module is not layer or layer.weight.dtype != embedding.dtype:
+            total += n * k * embedding.element_size()
+    return total

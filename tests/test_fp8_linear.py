@@ -1,0 +1,261 @@
+"""FP8 weight-only linear (fastgrpo.ops.fp8_linear): the quantizer's error bound, the kernel against the fp64
+dequantize-then-matmul reference (odd shapes, several tiles and splits, ragged K), its split-K tickets, the op's
+dispatch and checks; on a GPU, bf16 at the decode shapes of Qwen2.5-1.5B and Llama-3.1-8B, compiled and graphed.
+
+Triton's interpreter reads float8_e4m3fn exactly (every finite code, checked against torch), so the kernel runs
+on the CPU here with fp32 dots (kernels/fp8_linear.py).
+
+Kernel tolerance, derived per element (`bound`): x (16-bit or fp32), q (e4m3) and scale (fp32) are exact in fp64,
+so the error comes from (1) fp32 accumulation of K products (exact for 16-bit x: 8 x 4 mantissa bits) plus the
+SPLIT_K partial sums, the scale product and the bias add: (K + splits + 4) 2^-24 scale sum_k |x_k q_k| +
+2^-24 (|bias| + |ref|); (2) the output's rounding to x's dtype: one ulp of it (the interpreter truncates).
+"""
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fastgrpo.ops import fp8_linear as ops
+from fastgrpo.ops.fp8_linear import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_linear, fp8_linear_torch, quantize_fp8
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+U32 = 2.0**-24
+
+
+def bound(ref, x, q, scale, bias, dtype, splits):
+    """Per-element error bound of the kernel's [M, N] output vs the fp64 `ref` (module docstring)."""
+    K = x.shape[-1]
+    sum_abs = (x.double().abs() @ q.double().abs().T) * scale.double()  # scale sum_k |x_k q_k|
+    fp32 = U32 * ((K + splits + 4) * sum_abs + ref.abs() + (0.0 if bias is None else bias.double().abs()))
+    eps = torch.finfo(dtype).eps
+    return eps * (ref.abs() + fp32) + fp32 + torch.finfo(dtype).tiny
+
+
+def assert_within(got, ref, tol, what):
+    err = (got.double() - ref).abs()
+    assert torch.isfinite(got).all(), f"{what}: non-finite output"
+    worst = (err - tol).argmax()
+    assert (err <= tol).all(), (
+        f"{what}: |err| {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
+        f"(ref {ref.flatten()[worst]:.4f}); max err {err.max():.3e}")
+
+
+def make(g, M, N, K, dtype, with_bias=True, device="cpu"):
+    """x [M, K] in dtype, a random weight [N, K] quantized, bias [N] in dtype (or None)."""
+    x = torch.randn(M, K, generator=g).to(dtype).to(device)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 0.1  # rows of different scales
+    q, scale = quantize_fp8(w.to(device))
+    bias = torch.randn(N, generator=g).to(dtype).to(device) if with_bias else None
+    return x, q, scale, bias
+
+
+def reference(x, q, scale, bias):
+    return fp8_linear_torch(x.double(), q, scale.double(), None if bias is None else bias.double())
+
+
+# ---- the quantizer -------------------------------------------------------------------------------------------
+
+@given(N=st.integers(1, 9), K=st.integers(1, 70), spread=st.sampled_from([1e-3, 1.0, 1e3]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_quantizer_error_bound(N, K, spread, dtype, seed):
+    """|w - q scale| <= 2^-4 |w| (3 mantissa bits, nearest) or 2^-10 scale (e4m3's subnormal step) per weight; the
+    row's largest |w| becomes +-448 exactly. Truncating instead of rounding breaks the bound (2^-3 |w|)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * spread * torch.rand(N, 1, generator=g)).to(dtype)
+    q, scale = quantize_fp8(w)
+    assert q.dtype == FP8_DTYPE and q.shape == (N, K) and scale.shape == (N,) and scale.dtype == torch.float32
+    w64 = w.double()
+    err = (w64 - dequantize_fp8(q, scale, torch.float64)).abs()
+    tol = (2.0**-4 + 2.0**-23) * w64.abs() + 2.0**-10 * scale.double()[:, None]
+    assert (err <= tol).all(), f"max excess {(err - tol).max():.3e}"
+    top = w64.abs().argmax(1)
+    assert (q.float().abs().gather(1, top[:, None]) == FP8_MAX).all()
+
+
+def test_quantizer_zero_rows_and_chunks(monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(11, 37, generator=g)
+    w[3] = 0.0
+    q, scale = quantize_fp8(w)
+    assert (q[3].float() == 0).all() and torch.isfinite(scale).all() and scale[3] > 0
+    monkeypatch.setattr(ops, "QUANT_CHUNK", 40)  # one row per chunk
+    q2, scale2 = quantize_fp8(w)
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
+
+
+def test_quantizer_keeps_fp8_weights():
+    """Weights already on the grid (power-of-two row scales, one +-448 per row) come back bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    q = (torch.randn(6, 20, generator=g) * 100).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    q[:, 0] = FP8_MAX
+    scale = 2.0 ** torch.randint(-12, 2, (6,), generator=g).float()
+    q2, scale2 = quantize_fp8(dequantize_fp8(q, scale))
+    assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
+
+
+# ---- the kernel (Triton interpreter on the CPU) ----------------------------------------------------------------
+
+@pytest.mark.parametrize("M, N, K", [(1, 16, 16), (5, 47, 100), (37, 33, 64), (70, 20, 48)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_kernel_matches_fp64_reference(M, N, K, dtype):
+    """Default tiles (16 wide under the interpreter): several feature and row tiles, up to 3 splits, ragged K."""
+    from fastgrpo.kernels.fp8_linear import default_config
+
+    g = torch.Generator().manual_seed(M * 1000 + N + K)
+    x, q, scale, bias = make(g, M, N, K, dtype)
+    got = fp8_linear(x, q, scale, bias)
+    ref = reference(x, q, scale, bias)
+    splits = default_config(M, N, K, torch.device("cpu")).split_k
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert_within(got, ref, bound(ref, x, q, scale, bias, dtype, splits), f"{dtype} M{M} N{N} K{K}")
+
+
+@pytest.mark.parametrize("split_k, block_k", [(1, 16), (2, 32), (4, 16), (7, 16), (12, 16)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_kernel_splits(split_k, block_k, with_bias):
+    """Each split-K count gives the reference (K = 100: the last split ragged; 12 asked of 16-wide K steps gives
+    7), bitwise the same twice, and the tickets are all back to 0."""
+    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, fp8_linear_fwd
+
+    g = torch.Generator().manual_seed(split_k)
+    x, q, scale, bias = make(g, 9, 40, 100, torch.bfloat16, with_bias)
+    config = Fp8LinearConfig(block_m=16, block_n=16, block_k=block_k, split_k=split_k)
+    got = fp8_linear_fwd(x, q, scale, bias, config)
+    ref = reference(x, q, scale, bias)
+    assert_within(got, ref, bound(ref, x, q, scale, bias, torch.bfloat16, min(split_k, 7)), f"split {split_k}")
+    assert torch.equal(fp8_linear_fwd(x, q, scale, bias, config), got)
+    assert not _counters(torch.device("cpu")).any()
+
+
+def test_bound_catches_a_wrong_scale():
+    """The bound is tight enough to fail a kernel that scales by a neighbouring row's scale."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 4, 16, 64, torch.bfloat16)
+    ref = reference(x, q, scale, bias)
+    wrong = fp8_linear_torch(x, q, scale.roll(1), bias)
+    assert ((wrong.double() - ref).abs() > bound(ref, x, q, scale, bias, torch.bfloat16, 1)).any()
+
+
+HOPPER_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastgrpo.kernels.fp8_linear import _fp8_linear_kernel as fn
+sig = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16", "PARTIAL": "*fp32",
+       "COUNTS": "*i32", **{a: "i32" for a in fn.arg_names[7:15]}, **{a: "constexpr" for a in fn.arg_names[15:]}}
+# what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16)
+attrs = {(i,): [["tt.divisibility", 16]] for i in range(14)}
+for split in (True, False):
+    consts = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 8, "num_stages": 3})
+    ir = kernel.asm["ttgir"]
+    print(split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared)
+"""
+
+
+def test_compiles_for_hopper():
+    """The default GPU config compiles for sm_90 on the CPU (Triton's own ptxas, no GPU): wgmma, loads pipelined
+    with cp.async (3 stages x 2 loads), shared memory for two programs per SM. CI never sees a GPU; this keeps an
+    edit that breaks the real compile, or its pipelining, from passing as the interpreter would."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).parents[1])
+    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
+        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    for line in done.stdout.split("\n")[:2]:
+        _, wgmma, copies, shared = line.split()
+        assert wgmma == "True" and int(copies) == 6 and int(shared) <= 228 * 1024 // 2, line
+
+
+# ---- the op ----------------------------------------------------------------------------------------------------
+
+def test_op_leading_dims_and_strides():
+    """[N, 1, K] decode-step inputs and a non-contiguous x give the 2-D results, reshaped."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 6, 24, 32, torch.bfloat16)
+    flat = fp8_linear(x, q, scale, bias)
+    assert torch.equal(fp8_linear(x[:, None], q, scale, bias), flat[:, None])
+    wide = torch.cat([x, x], 1)[:, ::2]  # stride 2 along K
+    assert torch.equal(fp8_linear(wide, q, scale, bias), fp8_linear(wide.contiguous(), q, scale, bias))
+
+
+def test_op_torch_path_without_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 5, 12, 20, torch.float32)
+    torch.testing.assert_close(fp8_linear(x, q, scale, bias), fp8_linear_torch(x, q, scale, bias), rtol=0, atol=0)
+
+
+def test_op_bad_input():
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 2, 8, 16, torch.float32)
+    with pytest.raises(ValueError, match="q"):
+        fp8_linear(x, q.float(), scale, bias)
+    with pytest.raises(ValueError, match="q"):
+        fp8_linear(x[:, :15], q, scale, bias)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_linear(x, q, scale[:7], bias)
+    with pytest.raises(ValueError, match="scale"):
+        fp8_linear(x, q, scale.double(), bias)
+    with pytest.raises(ValueError, match="bias"):
+        fp8_linear(x, q, scale, bias[:3])
+    with pytest.raises(ValueError, match="x"):
+        fp8_linear(x.double(), q, scale, bias)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------------
+
+# (M, N, K): the decode GEMMs of 64 rows (q, k/v, o, gate/up, down, lm_head) and odd ones (ragged K, M < 16)
+GPU_SHAPES = [(64, 4096, 4096), (64, 1024, 4096), (64, 14336, 4096), (64, 4096, 14336), (64, 128256, 4096),
+              (64, 256, 1536), (64, 8960, 1536), (64, 1536, 8960), (37, 1000, 1000), (3, 300, 2000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", GPU_SHAPES)
+def test_gpu_matches_fp64_and_cublas(M, N, K):
+    """bf16 within the bound, no worse than cuBLAS on the dequantized bf16 weight (plus an ulp), bitwise the same
+    on a second call (the split order fixes the sums)."""
+    from fastgrpo.kernels.fp8_linear import default_config
+
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, M, N, K, torch.bfloat16, device="cuda")
+    got = fp8_linear(x, q, scale, bias)
+    ref = reference(x, q, scale, bias)
+    splits = default_config(M, N, K, x.device).split_k
+    assert_within(got, ref, bound(ref, x, q, scale, bias, torch.bfloat16, splits), f"gpu M{M} N{N} K{K}")
+    cublas = torch.nn.functional.linear(x, dequantize_fp8(q, scale, torch.bfloat16), bias)
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (got.double() - ref).abs().max() <= (cublas.double() - ref).abs().max() + eps * ref.abs().max()
+    assert torch.equal(fp8_linear(x, q, scale, bias), got)
+
+
+@pytest.mark.gpu
+def test_gpu_compiled_and_graphed():
+    """In a torch.compile'd function replayed as a CUDA graph (the decode step's setting) the op gives its eager
+    bits, replay after replay (the split-K tickets reset themselves)."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 64, 4096, 4096, torch.bfloat16, device="cuda")
+    ops.prepare_fp8_linear(x.device)
+    want = fp8_linear(x, q, scale, bias)
+    step = torch.compile(lambda t: fp8_linear(t, q, scale, bias).relu(), dynamic=False)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want.relu())
