@@ -11,14 +11,16 @@ so lengths are about geometric with mean V / k, cut at the budget: k = round(V /
 1024 is an assumption about math tasks, not a measurement; a geometric law also has more very short rows than a
 task's. A random model's distribution is not exactly uniform, so the realized lengths are recorded per mode.
 
-Per mode (torch._dynamo reset before each, so first_s includes its compile): one warm-up call, then REPEATS timed
-calls of the same request (seed 0), wall clock, synchronized. Row columns:
+Per mode: one warm-up call, then `repeats` timed calls of the same request (seed 0), wall clock, synchronized.
+torch._dynamo is reset when the attention (the mode's first word) changes, so the modes of one attention share the
+compiled steps they can ("skip" replays "keep"'s; "compact" adds its dynamic-batch step). Row columns:
   useful_tok_s   valid completion tokens (up to and including the stop token) / median wall seconds
   slot_tok_s     rows x steps / seconds: what the engine ran, finished rows included (bench_rollout's tok/s)
   speedup        useful_tok_s over the same attention's "keep" row
   steps          tokens of the longest row (the decode steps run); mean_len .. at_budget: the realized lengths
-  buckets        the batch sizes a "compact" call went through; graphs: dynamo graphs compiled in the mode
-  first_s        the warm-up call (compile + CUDA-graph captures); peak_extra_gib: peak above the weights (GPU)
+  buckets        the batch sizes a "compact" call went through; graphs: dynamo graphs this mode added
+  first_s        the warm-up call (compiles this mode adds, CUDA-graph captures); peak_extra_gib: peak above the
+                 weights in the timed calls (GPU)
 Writes benchmarks/results/rollout_lengths-<card>.json (the dry run: its temp dir) after each mode.
 """
 from __future__ import annotations
@@ -117,8 +119,7 @@ def lengths_of(result) -> dict:
 def measure(setup: dict, sizes: Sizes, mode: str) -> dict:
     """Warm-up and timed calls of one mode -> its row."""
     config = MODES[mode]
-    torch._dynamo.reset()
-    torch._dynamo.utils.counters.clear()
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     buckets: list[int] = []
     compact = compaction.FinishedRows.compact
 
@@ -142,7 +143,7 @@ def measure(setup: dict, sizes: Sizes, mode: str) -> dict:
     row.update(useful_tok_s=row["useful_tokens"] / seconds,
                slot_tok_s=sizes.prompts * sizes.generations * row["steps"] / seconds,
                buckets=buckets if config.finished_rows == "compact" else None,
-               graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"],
+               graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
                fallbacks=[str(x.message)[:200] for x in w if str(x.message).startswith("rollout:")])
     if setup["device"] == "cuda":
         row["peak_extra_gib"] = (torch.cuda.max_memory_allocated() - setup["weights"]) / GIB
@@ -183,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
         config[f"{shape}_stop_ids"] = len(setup["stop"])
         print(f"{shape} on {device}: built in {time.perf_counter() - began:.0f} s, {len(setup['stop'])} stop ids of "
               f"{setup['model'].config.vocab_size}", flush=True)
+        attention = None
         for mode in modes:
+            if mode.split("-")[0] != attention:
+                attention = mode.split("-")[0]
+                torch._dynamo.reset()
             if time.monotonic() > deadline:
                 rows.append({"shape": shape, "mode": mode, "error": "skipped: deadline reached"})
                 continue
@@ -197,6 +202,7 @@ def main(argv: list[str] | None = None) -> None:
             with mock.patch.object(common, "RESULTS_DIR", results_dir):
                 path = write_results("rollout_lengths", with_speedups(rows), config)
         del setup
+        torch._dynamo.reset()  # the compiled steps hold the model
         gc.collect()
     print(f"\nwrote {path}")
     for row in rows:
