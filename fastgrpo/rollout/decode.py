@@ -8,6 +8,8 @@ Stop tokens are tracked on the device; the host syncs every `check_every` steps 
 stop strings. The graph, the cache and the buffers are locals: they are freed when the call returns.
 With EngineConfig.shared_prefix the prompt's K/V stay once per group instead (rollout/kv_cache.py) and the rows'
 cache slots count the generated tokens only; position ids are the same either way.
+With EngineConfig.finished_rows the rows that have stopped are hidden from the decode kernel, or gathered away into
+a smaller batch, at the host syncs (rollout/compaction.py).
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ import torch
 
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
+from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
@@ -49,12 +52,24 @@ class EngineConfig:
     # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer). The prefill keeps the model's own
     # (rollout/decode_weights.py).
     weights: str = "model"
+    # rows that finished (stop token or string) while others decode on (rollout/compaction.py): "keep" (they run
+    # every step to the end, as pads), "skip" (attention="triton" only: the decode kernel reads none of their cache),
+    # "compact" (skip, and the running rows are gathered into a batch of half the rows, a quarter..., whenever they
+    # fit). Same tokens and log-probs in all three. "keep" until the others are measured on a GPU
+    # (benchmarks/bench_rollout_lengths.py).
+    finished_rows: str = "keep"
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights: expected one of {list(WEIGHTS)}, got {self.weights!r}")
         if self.attention not in ("sdpa", "triton"):
             raise ValueError(f"EngineConfig.attention: expected 'sdpa' or 'triton', got {self.attention!r}")
+        if self.finished_rows not in ("keep", "skip", "compact"):
+            raise ValueError("EngineConfig.finished_rows: expected 'keep', 'skip' or 'compact', got "
+                             f"{self.finished_rows!r}")
+        if self.finished_rows == "skip" and self.attention != "triton":
+            raise ValueError("EngineConfig.finished_rows='skip': needs attention='triton' (SDPA reads every slot "
+                             f"whatever the mask), got attention={self.attention!r}")
         if self.shared_prefix and self.attention != "triton":
             raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
                              f"shared prefix), got attention={self.attention!r}")
@@ -142,9 +157,16 @@ def rollout(
         cache.slot.fill_(first_slot)
         _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
         del logits
-        step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
+        rows = FinishedRows(config.finished_rows, state, cache, G)
+        steps_done = 1  # the prefill sampled the first token
         with decode_weights(model, config.weights):
-            steps_done = _decode(step, state, S, stop_check, config)
+            while True:  # once, unless finished_rows="compact" stops the loop to go on with fewer rows
+                step = functools.partial(_decode_step, model, cache, cache_kw, rows.state, params, pad_id, dtype)
+                steps_done = _decode(step, rows.state, S, stop_check, config, steps_done, pause=rows.at_sync)
+                if not rows.pending:
+                    break
+                rows.compact()
+        rows.finish(pad_id)
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],
@@ -185,8 +207,10 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> int:
-    """Run decode steps until S tokens or every row stopped; returns the number of tokens per row generated.
+def _decode(step, state: _State, S: int, stop_check, config: EngineConfig, steps_done: int = 1,
+            pause: Callable[[], bool] | None = None) -> int:
+    """Run decode steps until S tokens, every row stopped or pause() (called at the host syncs) says so; returns the
+    number of tokens per row generated. steps_done: the tokens per row so far.
 
     The CUDA graph and its memory pool live in this frame: they are freed when it returns.
     """
@@ -195,7 +219,6 @@ def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> in
     if config.compile or (config.compile is None and device.type == "cuda"):
         compiled = functools.partial(step, forward=_compiled_forward_sample())
         run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
-    steps_done = 1  # the prefill sampled the first token
     while steps_done < S:
         run()
         steps_done += 1
@@ -203,6 +226,8 @@ def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> in
             if stop_check is not None:
                 _check_stop_strings(state, steps_done, stop_check)
             if bool(state.done.all()):
+                break
+            if pause is not None and steps_done < S and pause():
                 break
     return steps_done
 

@@ -1,0 +1,257 @@
+"""EngineConfig(finished_rows="skip" / "compact"): finished rows stop costing compute, the samples stay the same.
+
+The sampling noise is keyed per (seed, prompt, sample, step) (rollout/sampling.py), so a row's tokens depend on its
+own state alone: a compacted rollout must give the tokens, log-probs, masks, texts and finish reasons of the plain
+one BIT FOR BIT (torch.equal, no tolerance), sampled as well as greedy, with the lengths spread by stop tokens.
+That holds where the matmuls round a row alike at every batch size: on this CPU (MKL) the tiny models' GEMMs do at
+>= 6 rows but not below (their down projection, 128 -> 64, rounds differently at 3-5 rows), so the exact tests
+keep MIN_ROWS = 8, and the one that shrinks batches to 2 rows checks tokens equal and log-probs within 1e-6.
+
+The engine runs on the op's plain-torch attention path here (TRITON_INTERPRET unset, as test_shared_prefix's long
+runs do): the interpreted kernel would take minutes for 32 rows x 48 steps, and the kernel's per-row reads are
+tested against the torch path in tests/test_decode_attention.py.
+"""
+import warnings
+
+import pytest
+import torch
+
+from fastgrpo.rollout import attention, compaction, decode
+from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.generate import generate_with_config
+from fastgrpo.rollout.sampling import SamplingParams, row_keys
+from tests.test_rollout import PROMPTS, char_tokenizer, completions, teacher_forced_logprobs, tiny_model
+
+# 8 prompts x 4 samples = 32 rows: batches of 32, 16 and 8 under the default MIN_ROWS
+MORE_PROMPTS = PROMPTS + ["a", "xyz!?", "hello world", "the end", "abc def", "zzz"]
+G = 4
+CHECK_EVERY = 4  # host syncs (and so compactions) every 4 steps: several within 48 tokens
+
+
+@pytest.fixture(autouse=True)
+def torch_attention_path(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture
+def buckets(monkeypatch):
+    """(rows of the state, rows of layer 0's cached keys) after each compaction: proof that it ran, and shrank."""
+    sizes = []
+    compact = compaction.FinishedRows.compact
+
+    def spy(self):
+        compact(self)
+        sizes.append((self.state.done.shape[0], self.cache.keys[0].shape[0]))
+
+    monkeypatch.setattr(compaction.FinishedRows, "compact", spy)
+    return sizes
+
+
+def run(model, params, mode, stop, seed=3, prompts=MORE_PROMPTS, **config):
+    config = EngineConfig(finished_rows=mode, check_every=CHECK_EVERY, **config)
+    return generate_with_config(model, char_tokenizer(), prompts, G, params, seed=seed, stop=stop, config=config)
+
+
+def stop_ids(chars: str) -> list[int]:
+    return char_tokenizer()(chars, add_special_tokens=False)["input_ids"]
+
+
+def assert_identical(got, want, what):
+    assert torch.equal(got.completion_ids, want.completion_ids), what
+    assert torch.equal(got.logprobs, want.logprobs), what
+    assert torch.equal(got.completion_mask, want.completion_mask), what
+    assert got.finish_reasons == want.finish_reasons and got.texts == want.texts, what
+
+
+def test_bucket_halves_down_to_min_rows(monkeypatch):
+    assert compaction.MIN_ROWS == 8
+    assert [compaction.bucket(64, live) for live in (64, 33, 32, 17, 16, 9, 8, 1)] == [64, 64, 32, 32, 16, 16, 8, 8]
+    assert compaction.bucket(12, 1) == 12  # 6 < MIN_ROWS: not worth a batch of its own
+    assert compaction.bucket(8, 1) == 8 and compaction.bucket(5, 1) == 5
+    monkeypatch.setattr(compaction, "MIN_ROWS", 2)
+    assert [compaction.bucket(12, live) for live in (7, 6, 4, 3, 2, 1)] == [12, 6, 6, 3, 2, 2]
+
+
+# (arch, attention options, sampling options, stop characters): greedy rows of a prompt end together, sampled ones
+# apart; top-k and the repetition penalty bring the seen-token set ([N, V], gathered too); mistral's sliding window
+# and gemma2's eager attention (additive float masks) take the masks' other forms
+CASES = {
+    "qwen2 sdpa greedy": ("qwen2", {}, dict(temperature=0.0), "eo"),
+    "qwen2 sdpa sampled": ("qwen2", {}, dict(temperature=1.0, top_k=20, repetition_penalty=1.2), "e"),
+    "llama triton sampled": ("llama", dict(attention="triton"), dict(temperature=0.9, top_p=0.95), "o"),
+    "qwen2 shared sampled": ("qwen2", dict(attention="triton", shared_prefix=True), dict(temperature=1.0), "eo"),
+    "llama shared greedy": ("llama", dict(attention="triton", shared_prefix=True), dict(temperature=0.0), "e "),
+    "mistral sampled": ("mistral", {}, dict(temperature=1.0, min_p=0.02), "e"),
+    "gemma2 sampled": ("gemma2", {}, dict(temperature=1.0), "o"),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_compacted_rollout_is_bit_identical(case, buckets):
+    arch, options, sampling, stop = CASES[case]
+    model = tiny_model(arch, seed=2)
+    params = SamplingParams(max_new_tokens=48, **sampling)
+    want = run(model, params, "keep", stop_ids(stop), **options)
+    assert not buckets
+    got = run(model, params, "compact", stop_ids(stop), **options)
+    lengths = want.completion_mask.sum(1)
+    assert len(set(lengths.tolist())) > 2, lengths  # a spread of lengths, the point of the test
+    assert buckets and all(rows == cached < 32 for rows, cached in buckets), buckets
+    assert_identical(got, want, case)
+
+
+def test_engine_outputs_are_identical(buckets):
+    """decode.rollout's own outputs, [N, S] each: rows gathered away early read pad / 0 / False after their end,
+    as the rows that ran to the end as pads do, and `stopped` comes back for every row."""
+    model, tok = tiny_model("llama", seed=2), char_tokenizer()
+    prompts = [tok(p, add_special_tokens=False)["input_ids"] for p in MORE_PROMPTS]
+    params = SamplingParams(max_new_tokens=48, temperature=1.0)
+    keys = row_keys(5, range(len(prompts)), G)
+    # a pad id that is not 0: the buffers start as zeros
+    out = {mode: decode.rollout(model, prompts, G, params, stop_ids=stop_ids("o"), pad_id=7, keys=keys,
+                                config=EngineConfig(finished_rows=mode, check_every=CHECK_EVERY))
+           for mode in ("keep", "compact")}
+    assert buckets
+    for field in ("tokens", "logprobs", "valid", "stopped"):
+        assert torch.equal(getattr(out["compact"], field), getattr(out["keep"], field)), field
+    assert not out["keep"].stopped.all() and out["keep"].stopped.any()
+
+
+def test_skip_is_bit_identical_and_compact_samples_from_the_sampling_distribution(buckets):
+    """"skip" changes nothing but the finished rows' masks; a compacted rollout's log-probs are those of its tokens
+    under the filters (teacher-forced, fp64), as the plain rollout's are (tests/test_rollout.py)."""
+    model = tiny_model("qwen2", seed=2)
+    params = SamplingParams(max_new_tokens=48, temperature=0.8, top_k=15, top_p=0.9)
+    want = run(model, params, "keep", stop_ids("e"), attention="triton")
+    assert_identical(run(model, params, "skip", stop_ids("e"), attention="triton"), want, "skip")
+    assert not buckets
+    got = run(model, params, "compact", stop_ids("e"), attention="triton")
+    assert buckets
+    forced = teacher_forced_logprobs(model, got, params)
+    torch.testing.assert_close(got.logprobs.double(), forced, atol=1e-4, rtol=0)
+
+
+def test_stop_strings_see_the_compacted_rows(buckets):
+    """Stop strings are found on the host at each sync from the current rows' tokens: after a compaction those rows
+    are a subset of the call's, whose tokens so far travel with them."""
+    model = tiny_model("llama", seed=2)
+    params = SamplingParams(max_new_tokens=48, temperature=1.0)
+    stop = ["ab", "e ", "o", *stop_ids("?")]
+    want = run(model, params, "keep", stop)
+    got = run(model, params, "compact", stop)
+    assert buckets
+    assert_identical(got, want, "stop strings")
+    assert "stop" in want.finish_reasons and "length" in want.finish_reasons
+
+
+def test_batches_down_to_two_rows(monkeypatch, buckets):
+    """MIN_ROWS lowered to 2: many compactions, odd sizes, per-row prompt copies compacted again. MKL rounds some
+    GEMMs of <= 5 rows differently from the same rows in a larger batch (x[:n] @ W.T != (x @ W.T)[:n] for the
+    128 -> 64 projection at n = 3..5, torch 2.13), so here: same tokens, log-probs within 1e-6."""
+    monkeypatch.setattr(compaction, "MIN_ROWS", 2)
+    model = tiny_model("qwen2", seed=2)
+    params = SamplingParams(max_new_tokens=48, temperature=1.0)
+    want = run(model, params, "keep", stop_ids("eo"), attention="triton", shared_prefix=True)
+    got = run(model, params, "compact", stop_ids("eo"), attention="triton", shared_prefix=True)
+    assert len(buckets) >= 3 and buckets[-1][0] <= 4, buckets
+    assert completions(got) == completions(want) and got.texts == want.texts
+    assert torch.equal(got.completion_mask, want.completion_mask)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_skip_hides_finished_rows_from_the_kernel(shared, monkeypatch):
+    """At the first sync after a row's stop token, its mask row keeps only the slot the step writes (the kernel
+    reads nothing else of its cache), and a prompt shared by a group is hidden once the whole group has finished;
+    running rows see exactly what they see under "keep"."""
+    seen = []
+    op = attention.decode_attention
+
+    def spy(q, k, v, visible, length, scale=None, prefix_visible=None, **kwargs):
+        seen.append((visible.sum(1), None if prefix_visible is None else prefix_visible.sum(1)))
+        return op(q, k, v, visible, length, scale, prefix_visible=prefix_visible, **kwargs)
+
+    monkeypatch.setattr(attention, "decode_attention", spy)
+    model = tiny_model("qwen2", seed=2)
+    layers = model.config.num_hidden_layers
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    options = dict(attention="triton", shared_prefix=shared)
+    want = run(model, params, "keep", stop_ids("e"), **options)
+    keep, seen[:] = list(seen), []
+    got = run(model, params, "skip", stop_ids("e"), **options)
+    assert_identical(got, want, "skip")
+    assert len(seen) == len(keep)
+
+    lengths = want.completion_mask.sum(1)
+    stopped = torch.tensor([reason == "stop" for reason in want.finish_reasons])
+    # the stop token is column L - 1; the sync after `steps` columns comes at a multiple of CHECK_EVERY; the decode
+    # call of step s (writing column s) runs after the syncs of s columns and fewer
+    hidden_from = torch.where(stopped, -(-lengths // CHECK_EVERY) * CHECK_EVERY, 10**9)
+    group_hidden_from = hidden_from.view(-1, G).amax(1)
+    hid = 0
+    for call, ((rows, prefix), (rows_keep, prefix_keep)) in enumerate(zip(seen, keep)):
+        s = call // layers + 1
+        hidden = s >= hidden_from
+        assert torch.equal(rows[~hidden], rows_keep[~hidden]), call
+        assert torch.all(rows[hidden] == 1), call
+        hid += int(hidden.sum())
+        if shared:
+            group_hidden = s >= group_hidden_from
+            assert torch.equal(prefix[~group_hidden], prefix_keep[~group_hidden]), call
+            assert torch.all(prefix[group_hidden] == 0), call
+            hid += int(group_hidden.sum())
+    assert hid > 0
+
+
+def test_compacted_step_traces_once_for_every_batch_size(monkeypatch, buckets):
+    """The batch dimension is marked dynamic from the first step: torch.compile traces the step once for the 32, 16
+    and 8 rows (each batch size would otherwise compile anew on a GPU). A shared prefix traces twice: rows grouped
+    by prompt, then rows with their own prompt copy. Backend "eager", fullgraph: the trace is the point."""
+    step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
+    monkeypatch.setattr(decode, "_compiled_forward_sample", lambda: step)
+    model = tiny_model("qwen2", seed=2)
+    params = SamplingParams(max_new_tokens=48, temperature=1.0, repetition_penalty=1.2)
+    for options, graphs in (({}, 1), (dict(attention="triton"), 1),
+                            (dict(attention="triton", shared_prefix=True), 2)):
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
+        buckets.clear()
+        got = run(model, params, "compact", stop_ids("e"), compile=True, **options)
+        assert len(buckets) >= 2, (options, buckets)
+        assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs, options
+        assert_identical(got, run(model, params, "keep", stop_ids("e"), **options), f"compiled {options}")
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(finished_rows="drop"), "finished_rows"),
+    (dict(finished_rows="skip"), "needs attention='triton'"),
+])
+def test_bad_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(**kwargs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("options", [{}, dict(attention="triton"), dict(attention="triton", shared_prefix=True)],
+                         ids=["sdpa", "triton", "shared"])
+def test_gpu_compacted_graphed_rollout_gives_keep_tokens(options, buckets):
+    """Compiled with Inductor, each batch size replayed as its own CUDA graph: no fallback warning, one trace for all
+    batch sizes (two with a shared prefix), and the plain rollout's tokens (fp32: cuBLAS may pick other kernels for
+    other batch sizes, so log-probs within 1e-4, as tests/test_rollout_gpu.py allows compiled vs eager)."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2", seed=2).cuda()
+    params = SamplingParams(max_new_tokens=96, temperature=1.0, top_k=20)
+    want = run(model, params, "keep", stop_ids("e"), **options)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(model, params, "compact", stop_ids("e"), **options)
+    assert not [str(w.message) for w in caught if str(w.message).startswith("rollout:")]
+    assert len(buckets) >= 2, buckets
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (2 if options.get("shared_prefix") else 1)
+    assert completions(got) == completions(want)
+    assert got.finish_reasons == want.finish_reasons
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    torch._dynamo.reset()
