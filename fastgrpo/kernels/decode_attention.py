@@ -30,6 +30,7 @@ LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
 BLOCK_N = 64  # key slots per tile
+COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
 
 
@@ -124,20 +125,20 @@ def _combine_kernel(
     M_IN, L_IN, ACC_IN, O,
     stride_on, stride_oh, stride_og,
     H, G, D, S, splits,
-    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, ROWS: tl.constexpr,
 ):
-    """Merge the splits' partial softmax states of one (group, head) and write the S*G output rows."""
+    """Merge the splits' partial softmax states of ROWS of the S*G rows of one (group, head) and write them."""
     bh = tl.program_id(0)
     b = (bh // H).to(tl.int64)
     h = (bh % H).to(tl.int64)
-    rows = tl.arange(0, BLOCK_R)
+    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
     dims = tl.arange(0, BLOCK_D)
     base = bh.to(tl.int64) * splits
-    m = tl.full([BLOCK_R], NEG, tl.float32)
+    m = tl.full([ROWS], NEG, tl.float32)
     for i in range(0, splits):
         m = tl.maximum(m, tl.load(M_IN + (base + i) * BLOCK_R + rows))
-    l_sum = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    l_sum = tl.zeros([ROWS], tl.float32)
+    acc = tl.zeros([ROWS, BLOCK_D], tl.float32)
     for i in range(0, splits):
         w = tl.exp2(tl.load(M_IN + (base + i) * BLOCK_R + rows) - m)
         l_sum += w * tl.load(L_IN + (base + i) * BLOCK_R + rows)
@@ -149,12 +150,19 @@ def _combine_kernel(
     tl.store(o_ptrs + dims[None, :], out.to(O.dtype.element_ty), mask=o_mask)
 
 
-def default_splits(programs: int, max_slots: int, device: torch.device) -> int:
-    """Splits per (group, head): about 4 programs per SM in all, but no split shorter than 2 tiles at full length."""
+def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv_bytes: int,
+                   device: torch.device) -> int:
+    """Splits per (group, head): about 4 programs per SM in all, no split shorter than 2 tiles at full length, and
+    the fp32 [block_r, block_d] partial each split writes (and the combine reads back) under a quarter of the K/V
+    bytes a program reads at full length: with few, tall shared-prefix programs that traffic had outgrown the
+    attention itself (H100 profile, benchmarks/NOTES_rollout.md)."""
     if device.type != "cuda":
         return max(1, min(3, triton.cdiv(max_slots, 2 * INTERPRET_BLOCK_N)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(max_slots, 2 * BLOCK_N)))
+    kv_read = max_slots * block_d * 2 * kv_bytes  # K and V
+    partial = block_r * block_d * 4 * 2  # fp32, written and read back
+    by_partials = kv_read // (4 * partial)
+    return max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(max_slots, 2 * BLOCK_N), by_partials))
 
 
 def decode_attention_fwd(
@@ -175,7 +183,7 @@ def decode_attention_fwd(
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(16, triton.next_power_of_2(D))
     if splits is None:
-        splits = default_splits(B * H, P + S * k.shape[2], q.device)
+        splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device)
     # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
     # lowering when the engine compiles the decode step
     if has_prefix:
@@ -199,8 +207,9 @@ def decode_attention_fwd(
         HAS_PREFIX=has_prefix, FP32_DOT=interpret or q.dtype == torch.float32,
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
     )
-    _combine_kernel[(B * H,)](
+    rows = min(block_r, COMBINE_ROWS)  # row tiles as programs: one program per (group, head) left SMs idle
+    _combine_kernel[(B * H, block_r // rows)](
         m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
-        H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d,
+        H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d, ROWS=rows,
     )
     return out
