@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
+from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
 from fastgrpo.train.loss_setup import check_loss_options
@@ -90,6 +91,13 @@ class GRPOConfig:
     rollout_engine: str = option("builtin", f"one of {ROLLOUT_ENGINES}: builtin (the model's own modules) or vllm "
                                             "(vLLM in this process, sharing the weights; `pip install "
                                             "\"fastgrpo[vllm]\"`, a GPU)", run_control=True)
+    rollout_attention: str = option("sdpa", "builtin: one-token attention, sdpa (one SDPA call over the padded cache) "
+                                            "or triton (a flash-decoding kernel reading only the filled slots)",
+                                    run_control=True)
+    rollout_weights: str = option("model", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: the "
+                                           "modules' own, a copy of LoRA-merged / 4-bit layers in the model's "
+                                           "dtype (one GEMM each; costs their bf16 bytes during the rollout), or "
+                                           "an e4m3 copy of every linear", run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
               "none: a KV cache for one batch of max_prompt_length + max_completion_length tokens", run_control=True)
@@ -263,6 +271,8 @@ class GRPOConfig:
 
     def _check_rollout_engine(self) -> None:
         check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
+        check_choice("rollout_attention", self.rollout_attention, ("sdpa", "triton"))
+        check_choice("rollout_weights", self.rollout_weights, WEIGHTS)
         check_choice("vllm_lora_sync", self.vllm_lora_sync, LORA_SYNCS)
         check_choice("vllm_execution", self.vllm_execution, EXECUTIONS)
         utilization = self.vllm_gpu_memory_utilization

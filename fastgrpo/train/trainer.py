@@ -21,6 +21,7 @@ from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, check_failures, reward_names, score
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.train.checkpoint import (
     export_model,
     load_latest_checkpoint,
@@ -77,7 +78,10 @@ class GRPOTrainer:
                 max_num_seqs=config.batch_size, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
                 lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
             )
-        self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
+        if engine is None:
+            engine = BuiltinEngine(model, tokenizer, EngineConfig(attention=config.rollout_attention,
+                                                                  weights=config.rollout_weights))
+        self.engine = engine
         if not isinstance(self.engine, RolloutEngine):
             raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
         self.sampling = SamplingParams(
