@@ -7,6 +7,8 @@
 Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; Unsloth rewrites TRL's classes):
   fastgrpo       fastgrpo.GRPOTrainer + GRPOConfig, the built-in engine, patch_model(offload_activations=True)
   fastgrpo-vllm  the same with GRPOConfig(rollout_engine="vllm") (vLLM shares the trainer's weights)
+  fastgrpo-fast  the built-in engine with rollout_attention="triton" (the decode kernel) and, for LoRA / QLoRA,
+                 rollout_weights="dense" (decoding multiplies a merged bf16 copy, built per rollout)
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
@@ -64,7 +66,7 @@ import time
 import traceback
 from pathlib import Path
 
-SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "trl", "trl-liger", "unsloth")
+SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "fastgrpo-fast", "trl", "trl-liger", "unsloth")
 ALL_SYSTEMS = SYSTEMS + ("unsloth-hf",)
 SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
 FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
@@ -345,6 +347,8 @@ def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None
         max_grad_norm=1.0, max_steps=case.warmup + case.steps, seed=0, device=case.device, export=False,
         progress_bar=False, output_dir=tempfile.mkdtemp(prefix="bench-loop-fastgrpo-"),
     )
+    if engine == "fast":
+        fields.update(rollout_attention="triton", rollout_weights="model" if case.mode == "full" else "dense")
     if engine == "vllm":
         if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
             raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
@@ -436,6 +440,7 @@ def run_trl(case: Case, timer: PhaseTimer, liger: bool = False, unsloth: bool = 
 RUNNERS = {
     "fastgrpo": run_fastgrpo,
     "fastgrpo-vllm": functools.partial(run_fastgrpo, engine="vllm"),
+    "fastgrpo-fast": functools.partial(run_fastgrpo, engine="fast"),
     "trl": run_trl,
     "trl-liger": functools.partial(run_trl, liger=True),
     "unsloth": functools.partial(run_trl, unsloth=True),
