@@ -43,6 +43,12 @@ class EngineConfig:
     # silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would cut into
     # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
     shared_prefix: bool = False
+    # attention="triton" only: size every call's cache for prompts of up to this many tokens (cache length
+    # bucket(max_prompt_length + S), shared prefix bucket(max_prompt_length)) instead of for the call's longest
+    # prompt P, so calls whose prompts differ in length keep the decode step's shapes and recompile nothing. The
+    # kernel reads only the filled slots: the larger cache costs memory, not attention time (sdpa reads every slot,
+    # hence the restriction; models kept on "eager" attention do too). A longer prompt is an error. None: per call.
+    max_prompt_length: int | None = None
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "triton"):
@@ -50,6 +56,12 @@ class EngineConfig:
         if self.shared_prefix and self.attention != "triton":
             raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
                              f"shared prefix), got attention={self.attention!r}")
+        if self.max_prompt_length is not None and self.attention != "triton":
+            raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' (sdpa would attend over "
+                             f"every slot of the larger cache at each step), got attention={self.attention!r}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"EngineConfig.max_prompt_length: expected a positive int or None, got "
+                             f"{self.max_prompt_length!r}")
 
 
 @dataclasses.dataclass
@@ -100,6 +112,10 @@ def rollout(
     device = _device_of(model)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
+    if config.max_prompt_length is not None and P > config.max_prompt_length:
+        raise ValueError(f"prompts: a {P}-token prompt exceeds EngineConfig.max_prompt_length "
+                         f"({config.max_prompt_length})")
+    P_cache = P if config.max_prompt_length is None else config.max_prompt_length  # the prompt slots to allocate
     dtype = model.get_input_embeddings().weight.dtype
     cache_kw = cache_keyword(model)
 
@@ -112,14 +128,14 @@ def rollout(
     if _shares_prefix(model, G, config):
         # the prompt once per group, in bucket(P) slots so prompts of other lengths reuse the compiled step; the
         # rows cache only their S generated tokens (slot 0 on), all real: positions still continue the prompt's
-        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P, config))
+        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P_cache, config))
         prefix_slots = torch.arange(cache.prefix_len, device=device)
         cache.prefix_visible = (prefix_slots[None, :] >= offset[:, None]) & (prefix_slots[None, :] < P)
         key_pos = torch.arange(S, device=device)
         visible = torch.ones(len(prompts) * G, S, dtype=torch.bool, device=device)  # visible: [N, S]
         first_slot = 0
     else:
-        M = _bucket(P + S, config)
+        M = _bucket(P_cache + S, config)
         cache = StaticKVCache(G, M, device)
         key_pos = torch.arange(M, device=device)
         visible = (key_pos[None, :] >= offset[:, None]).repeat_interleave(G, dim=0)  # visible: [N, M]
@@ -184,7 +200,7 @@ def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> in
     device = state.done.device
     run = step
     if config.compile or (config.compile is None and device.type == "cuda"):
-        compiled = functools.partial(step, forward=_compiled_forward_sample())
+        compiled = functools.partial(step, forward=_compiled(_forward_sample))
         run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
     steps_done = 1  # the prefill sampled the first token
     while steps_done < S:
@@ -232,9 +248,10 @@ def _noise(state: _State) -> torch.Tensor | None:
 
 
 @functools.cache
-def _compiled_forward_sample():
-    # dynamic=False: N and M are fixed per call (M bucketed), and static shapes are what CUDA graphs need
-    return torch.compile(_forward_sample, dynamic=False)
+def _compiled(fn):
+    # dynamic=False: N and M are fixed per call (M bucketed, or fixed by max_prompt_length), and static shapes are
+    # what CUDA graphs need
+    return torch.compile(fn, dynamic=False)
 
 
 def _decode_step(model, cache, cache_kw, state, params, pad_id, dtype, forward=_forward_sample) -> None:
