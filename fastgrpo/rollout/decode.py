@@ -21,6 +21,7 @@ import torch
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
+from fastgrpo.rollout.regional import compiled_layers, layer_indices
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
 
@@ -49,6 +50,12 @@ class EngineConfig:
     # kernel reads only the filled slots: the larger cache costs memory, not attention time (sdpa reads every slot,
     # hence the restriction; models kept on "eager" attention do too). A longer prompt is an error. None: per call.
     max_prompt_length: int | None = None
+    # what torch.compile compiles: "step" (the whole decode step as one graph, every layer traced and lowered) or
+    # "layers" (one decoder layer's code, run by every layer, plus the sampling: rollout/regional.py; less to
+    # compile, some fusions across layer boundaries lost). Either way a CUDA step is captured as one CUDA graph.
+    # "step" stays the default until "layers" is measured per step on a GPU. Models outside the patch table
+    # (hf/architectures.py) fall back to "step" with a warning.
+    compile_scope: str = "step"
 
     def __post_init__(self):
         if self.attention not in ("sdpa", "triton"):
@@ -56,6 +63,8 @@ class EngineConfig:
         if self.shared_prefix and self.attention != "triton":
             raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
                              f"shared prefix), got attention={self.attention!r}")
+        if self.compile_scope not in ("step", "layers"):
+            raise ValueError(f"EngineConfig.compile_scope: expected 'step' or 'layers', got {self.compile_scope!r}")
         if self.max_prompt_length is not None and self.attention != "triton":
             raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' (sdpa would attend over "
                              f"every slot of the larger cache at each step), got attention={self.attention!r}")
@@ -148,10 +157,10 @@ def rollout(
                            decode_kernel=config.attention == "triton")
         state.positions.copy_(lengths.repeat_interleave(G)[:, None])
         cache.slot.fill_(first_slot)
-        _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
+        _record(state, *_sample_logits(logits, params, state), pad_id)
         del logits
         step = functools.partial(_decode_step, model, cache, cache_kw, state, params, pad_id, dtype)
-        steps_done = _decode(step, state, S, stop_check, config)
+        steps_done = _decode(step, model, state, S, stop_check, config)
     return Completions(
         tokens=state.out_tokens[:, :steps_done],
         logprobs=state.out_logprobs[:, :steps_done],
@@ -192,7 +201,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> int:
+def _decode(step, model, state: _State, S: int, stop_check, config: EngineConfig) -> int:
     """Run decode steps until S tokens or every row stopped; returns the number of tokens per row generated.
 
     The CUDA graph and its memory pool live in this frame: they are freed when it returns.
@@ -200,7 +209,7 @@ def _decode(step, state: _State, S: int, stop_check, config: EngineConfig) -> in
     device = state.done.device
     run = step
     if config.compile or (config.compile is None and device.type == "cuda"):
-        compiled = functools.partial(step, forward=_compiled(_forward_sample))
+        compiled = functools.partial(step, forward=_compiled_forward(model, config))
         run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
     steps_done = 1  # the prefill sampled the first token
     while steps_done < S:
@@ -229,6 +238,11 @@ def _prefill(model, cache, cache_kw, prompt, visible, slots, offset, dtype) -> t
 
 def _forward_sample(model, cache, cache_kw, state, params, dtype):
     """One decode forward at cache.slot for all rows, then filters and sampling: (tokens [N], logprobs [N])."""
+    return _sample_logits(_logits(model, cache, cache_kw, state, dtype), params, state)
+
+
+def _logits(model, cache, cache_kw, state, dtype) -> torch.Tensor:
+    """One decode forward at cache.slot for all rows: next-token logits [N, V]."""
     masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
     # the slots written so far, this step's included: [1] on the device, read by the decode kernel
     kernel = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
@@ -238,8 +252,12 @@ def _forward_sample(model, cache, cache_kw, state, params, dtype):
         input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
         logits_to_keep=1, **{cache_kw: cache}, **kernel,
     )
-    logits = process_logits(out.logits[:, -1], params, state.seen)
-    return sample(logits, _noise(state))
+    return out.logits[:, -1]
+
+
+def _sample_logits(logits, params, state):
+    """Filters and sampling of one step's logits [N, V]: (tokens [N], logprobs [N])."""
+    return sample(process_logits(logits, params, state.seen), _noise(state))
 
 
 def _noise(state: _State) -> torch.Tensor | None:
@@ -252,6 +270,24 @@ def _compiled(fn):
     # dynamic=False: N and M are fixed per call (M bucketed, or fixed by max_prompt_length), and static shapes are
     # what CUDA graphs need
     return torch.compile(fn, dynamic=False)
+
+
+def _compiled_forward(model, config: EngineConfig):
+    """The step's forward and sampling as config.compile_scope compiles it."""
+    if config.compile_scope == "step":
+        return _compiled(_forward_sample)
+    layers = layer_indices(model)
+    if layers is None:
+        warnings.warn(f"rollout: compile_scope='layers' does not know the decoder layers of "
+                      f"{type(model).__name__}; compiling the whole step", stacklevel=4)
+        return _compiled(_forward_sample)
+
+    def forward(model, cache, cache_kw, state, params, dtype):
+        with compiled_layers(layers, cache, cache_kw, _compiled):
+            logits = _logits(model, cache, cache_kw, state, dtype)
+        return _compiled(_sample_logits)(logits, params, state)
+
+    return forward
 
 
 def _decode_step(model, cache, cache_kw, state, params, pad_id, dtype, forward=_forward_sample) -> None:
