@@ -3,6 +3,7 @@
     python -m benchmarks.profile_rollout                # GPU: both shapes, ~3.3 min on an H200 (~1 min compiling)
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
     python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
+    python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -68,7 +69,11 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
          "triton": (EngineConfig(attention="triton"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
-         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True)}
+         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
+         # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
+         # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
+         # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement
+         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 
