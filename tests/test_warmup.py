@@ -30,7 +30,7 @@ from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.test_rollout import SIZES, char_tokenizer, completions, tiny_model
 
-# longest prompts of 3, 20 and 37 tokens: with length_bucket=16 three different per-call cache lengths
+# longest prompts of 3, 22 and 39 tokens: with length_bucket=16 three different per-call cache lengths (16, 32, 64)
 PROMPT_SETS = [["abc", "a"], ["hello world, hello you", "xyz"], ["the quick brown fox jumps over the lazy", "b"]]
 FIXED = dict(attention="triton", max_prompt_length=40, length_bucket=16, compile=True)
 PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20)
