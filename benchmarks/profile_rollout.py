@@ -4,6 +4,7 @@
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
     python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
     python -m benchmarks.profile_rollout --modes default,fp8      # bf16 vs FP8 decode weights (EngineConfig.weights)
+    python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -73,7 +74,11 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
          # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
          # roofline counts the copy's bytes
-         "fp8": (EngineConfig(weights="fp8"), True)}
+         "fp8": (EngineConfig(weights="fp8"), True),
+         # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
+         # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
+         # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement
+         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 

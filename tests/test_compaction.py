@@ -208,7 +208,7 @@ def test_compacted_step_traces_once_for_every_batch_size(monkeypatch, buckets):
     and 8 rows (each batch size would otherwise compile anew on a GPU). A shared prefix traces twice: rows grouped
     by prompt, then rows with their own prompt copy. Backend "eager", fullgraph: the trace is the point."""
     step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(decode, "_compiled_forward_sample", lambda: step)
+    monkeypatch.setattr(decode, "_compiled", {decode._forward_sample: step}.__getitem__)
     model = tiny_model("qwen2", seed=2)
     params = SamplingParams(max_new_tokens=48, temperature=1.0, repetition_penalty=1.2)
     for options, graphs in (({}, 1), (dict(attention="triton"), 1),

@@ -142,7 +142,7 @@ def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(decode, "_compiled_forward_sample", lambda: step)
+    monkeypatch.setattr(decode, "_compiled", {decode._forward_sample: step}.__getitem__)
     model = tiny_model("qwen2")
     compiled_fp8 = EngineConfig(weights="fp8", compile=True)
     first = run(model, compiled_fp8)

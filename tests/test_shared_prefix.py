@@ -179,7 +179,7 @@ def test_shared_step_compiles_to_one_graph(monkeypatch, caches):
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
-    monkeypatch.setattr(decode, "_compiled_forward_sample", lambda: step)
+    monkeypatch.setattr(decode, "_compiled", {decode._forward_sample: step}.__getitem__)
     model = tiny_model("qwen2")
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     # no prefix_calls spy here: its list, appended to at each step, would itself make dynamo recompile

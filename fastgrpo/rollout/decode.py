@@ -25,6 +25,7 @@ from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PRE
 from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
+from fastgrpo.rollout.regional import compiled_layers, layer_indices
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
 
@@ -58,6 +59,18 @@ class EngineConfig:
     # fit). Same tokens and log-probs in all three. "keep" until the others are measured on a GPU
     # (benchmarks/bench_rollout_lengths.py).
     finished_rows: str = "keep"
+    # attention="triton" only: size every call's cache for prompts of up to this many tokens (cache length
+    # bucket(max_prompt_length + S), shared prefix bucket(max_prompt_length)) instead of for the call's longest
+    # prompt P, so calls whose prompts differ in length keep the decode step's shapes and recompile nothing. The
+    # kernel reads only the filled slots: the larger cache costs memory, not attention time (sdpa reads every slot,
+    # hence the restriction; models kept on "eager" attention do too). A longer prompt is an error. None: per call.
+    max_prompt_length: int | None = None
+    # what torch.compile compiles: "step" (the whole decode step as one graph, every layer traced and lowered) or
+    # "layers" (one decoder layer's code, run by every layer, plus the sampling: rollout/regional.py; less to
+    # compile, some fusions across layer boundaries lost). Either way a CUDA step is captured as one CUDA graph.
+    # "step" stays the default until "layers" is measured per step on a GPU. Models outside the patch table
+    # (hf/architectures.py) fall back to "step" with a warning.
+    compile_scope: str = "step"
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -73,6 +86,14 @@ class EngineConfig:
         if self.shared_prefix and self.attention != "triton":
             raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
                              f"shared prefix), got attention={self.attention!r}")
+        if self.compile_scope not in ("step", "layers"):
+            raise ValueError(f"EngineConfig.compile_scope: expected 'step' or 'layers', got {self.compile_scope!r}")
+        if self.max_prompt_length is not None and self.attention != "triton":
+            raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' (sdpa would attend over "
+                             f"every slot of the larger cache at each step), got attention={self.attention!r}")
+        if self.max_prompt_length is not None and self.max_prompt_length < 1:
+            raise ValueError(f"EngineConfig.max_prompt_length: expected a positive int or None, got "
+                             f"{self.max_prompt_length!r}")
 
 
 @dataclasses.dataclass
@@ -123,6 +144,10 @@ def rollout(
     device = _device_of(model)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
+    if config.max_prompt_length is not None and P > config.max_prompt_length:
+        raise ValueError(f"prompts: a {P}-token prompt exceeds EngineConfig.max_prompt_length "
+                         f"({config.max_prompt_length})")
+    P_cache = P if config.max_prompt_length is None else config.max_prompt_length  # the prompt slots to allocate
     dtype = model.get_input_embeddings().weight.dtype
     cache_kw = cache_keyword(model)
 
@@ -135,14 +160,14 @@ def rollout(
     if _shares_prefix(model, G, config):
         # the prompt once per group, in bucket(P) slots so prompts of other lengths reuse the compiled step; the
         # rows cache only their S generated tokens (slot 0 on), all real: positions still continue the prompt's
-        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P, config))
+        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P_cache, config))
         prefix_slots = torch.arange(cache.prefix_len, device=device)
         cache.prefix_visible = (prefix_slots[None, :] >= offset[:, None]) & (prefix_slots[None, :] < P)
         key_pos = torch.arange(S, device=device)
         visible = torch.ones(len(prompts) * G, S, dtype=torch.bool, device=device)  # visible: [N, S]
         first_slot = 0
     else:
-        M = _bucket(P + S, config)
+        M = _bucket(P_cache + S, config)
         cache = StaticKVCache(G, M, device)
         key_pos = torch.arange(M, device=device)
         visible = (key_pos[None, :] >= offset[:, None]).repeat_interleave(G, dim=0)  # visible: [N, M]
@@ -155,14 +180,15 @@ def rollout(
                            decode_kernel=config.attention == "triton")
         state.positions.copy_(lengths.repeat_interleave(G)[:, None])
         cache.slot.fill_(first_slot)
-        _record(state, *sample(process_logits(logits, params, state.seen), _noise(state)), pad_id)
+        _record(state, *_sample_logits(logits, params, state), pad_id)
         del logits
         rows = FinishedRows(config.finished_rows, state, cache, G)
         steps_done = 1  # the prefill sampled the first token
         with decode_weights(model, config.weights):
             while True:  # once, unless finished_rows="compact" stops the loop to go on with fewer rows
                 step = functools.partial(_decode_step, model, cache, cache_kw, rows.state, params, pad_id, dtype)
-                steps_done = _decode(step, rows.state, S, stop_check, config, steps_done, pause=rows.at_sync)
+                steps_done = _decode(step, model, rows.state, S, stop_check, config, steps_done,
+                                     pause=rows.at_sync)
                 if not rows.pending:
                     break
                 rows.compact()
@@ -207,7 +233,7 @@ def left_pad(prompts: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch
     return ids, mask
 
 
-def _decode(step, state: _State, S: int, stop_check, config: EngineConfig, steps_done: int = 1,
+def _decode(step, model, state: _State, S: int, stop_check, config: EngineConfig, steps_done: int = 1,
             pause: Callable[[], bool] | None = None) -> int:
     """Run decode steps until S tokens, every row stopped or pause() (called at the host syncs) says so; returns the
     number of tokens per row generated. steps_done: the tokens per row so far.
@@ -217,7 +243,7 @@ def _decode(step, state: _State, S: int, stop_check, config: EngineConfig, steps
     device = state.done.device
     run = step
     if config.compile or (config.compile is None and device.type == "cuda"):
-        compiled = functools.partial(step, forward=_compiled_forward_sample())
+        compiled = functools.partial(step, forward=_compiled_forward(model, config))
         run = _GraphedStep(compiled, step, config.warmup_steps) if device.type == "cuda" else compiled
     while steps_done < S:
         run()
@@ -247,6 +273,11 @@ def _prefill(model, cache, cache_kw, prompt, visible, slots, offset, dtype) -> t
 
 def _forward_sample(model, cache, cache_kw, state, params, dtype):
     """One decode forward at cache.slot for all rows, then filters and sampling: (tokens [N], logprobs [N])."""
+    return _sample_logits(_logits(model, cache, cache_kw, state, dtype), params, state)
+
+
+def _logits(model, cache, cache_kw, state, dtype) -> torch.Tensor:
+    """One decode forward at cache.slot for all rows: next-token logits [N, V]."""
     masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
     # the slots written so far, this step's included: [1] on the device, read by the decode kernel
     kernel = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
@@ -256,8 +287,12 @@ def _forward_sample(model, cache, cache_kw, state, params, dtype):
         input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
         logits_to_keep=1, **{cache_kw: cache}, **kernel,
     )
-    logits = process_logits(out.logits[:, -1], params, state.seen)
-    return sample(logits, _noise(state))
+    return out.logits[:, -1]
+
+
+def _sample_logits(logits, params, state):
+    """Filters and sampling of one step's logits [N, V]: (tokens [N], logprobs [N])."""
+    return sample(process_logits(logits, params, state.seen), _noise(state))
 
 
 def _noise(state: _State) -> torch.Tensor | None:
@@ -266,9 +301,28 @@ def _noise(state: _State) -> torch.Tensor | None:
 
 
 @functools.cache
-def _compiled_forward_sample():
-    # dynamic=False: N and M are fixed per call (M bucketed), and static shapes are what CUDA graphs need
-    return torch.compile(_forward_sample, dynamic=False)
+def _compiled(fn):
+    # dynamic=False: N and M are fixed per call (M bucketed, or fixed by max_prompt_length), and static shapes are
+    # what CUDA graphs need
+    return torch.compile(fn, dynamic=False)
+
+
+def _compiled_forward(model, config: EngineConfig):
+    """The step's forward and sampling as config.compile_scope compiles it."""
+    if config.compile_scope == "step":
+        return _compiled(_forward_sample)
+    layers = layer_indices(model)
+    if layers is None:
+        warnings.warn(f"rollout: compile_scope='layers' does not know the decoder layers of "
+                      f"{type(model).__name__}; compiling the whole step", stacklevel=4)
+        return _compiled(_forward_sample)
+
+    def forward(model, cache, cache_kw, state, params, dtype):
+        with compiled_layers(layers, cache, cache_kw, _compiled):
+            logits = _logits(model, cache, cache_kw, state, dtype)
+        return _compiled(_sample_logits)(logits, params, state)
+
+    return forward
 
 
 def _decode_step(model, cache, cache_kw, state, params, pad_id, dtype, forward=_forward_sample) -> None:

@@ -77,12 +77,35 @@ class StaticKVCache:
         return dict(prefix_k=self.prefix_keys[layer_idx], prefix_v=self.prefix_values[layer_idx],
                     prefix_visible=self.prefix_visible)
 
+    def layer(self, layer_idx: int) -> LayerCache:
+        """One layer's decode buffers, as a cache that needs no layer index (rollout/regional.py)."""
+        prefix = self.prefix(layer_idx) if self.shares_prefix else None
+        return LayerCache(self.keys[layer_idx], self.values[layer_idx], self.slot, prefix)
+
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("StaticKVCache: pass position_ids explicitly; the cache keeps no sequence length")
 
     def nbytes(self) -> int:
         stores = (self.keys, self.values, self.prefix_keys, self.prefix_values)
         return sum(t.numel() * t.element_size() for store in stores for t in store.values())
+
+
+class LayerCache:
+    """The decode half of StaticKVCache for one layer: writes at `slot` into its own buffers and ignores the layer
+    index it is handed, so a compiled decoder layer traces the same code for every layer (an int index read by the
+    trace would be specialized on: one recompile per layer)."""
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, prefix: dict | None):
+        self.keys, self.values, self.slot = keys, values, slot  # keys, values: [N, H_kv, M, D]; slot: [1]
+        self._prefix = prefix
+
+    def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
+        self.keys.index_copy_(2, self.slot, key)
+        self.values.index_copy_(2, self.slot, value)
+        return self.keys, self.values
+
+    def prefix(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        return self._prefix
 
 
 def has_sliding_window(config) -> bool:

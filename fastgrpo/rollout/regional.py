@@ -1,0 +1,80 @@
+"""Regional compilation of the decode step (EngineConfig.compile_scope="layers"): one decoder layer's code is
+compiled once and run by every layer, instead of the whole step, all layers unrolled, being one graph.
+
+Why: the whole-step compile traces and lowers every layer again (28 on Qwen2.5-1.5B, 32 on Llama-3.1-8B), though
+their code is the same and only their weights and cache buffers differ; the first call spends 26 / 30 s compiling
+and capturing on an H200 (benchmarks/NOTES_rollout.md). Dynamo lifts a module's parameters to graph inputs (torch
+>= 2.5, inline_inbuilt_nn_modules), so one compiled layer serves every layer of its class unless the trace reads
+something that differs per layer. Two things do, and are handled here for the step:
+- `cache.update(..., self.layer_idx)` indexes the engine's cache by an int attribute of the module, which dynamo
+  specializes on. Each layer gets a LayerCache of its own buffers as its cache (and as the shared-prefix keyword),
+  which never reads the index.
+- an instance-level forward that is not a types.MethodType is guarded by identity: patch_model's WeakBoundMethod
+  forwards (norms, MLPs, attention, LoRA linears) become MethodTypes of the same functions (guarded by code).
+Either would cost one recompile per layer, and past dynamo's recompile limit (8) the rest would run eagerly.
+The layer's compiled forward is its class's: an instance-level forward of the layer itself (patch_model's activation
+offload, training-only) is skipped. Everything is bound for one step and restored after it (hf/binding.py), so
+the prefill and training never see it. The rest of the step (embedding, rotary tables, final norm, lm_head: once
+per step) runs eagerly and the sampling is compiled apart; on CUDA the whole step is still captured as one CUDA
+graph, so the eager parts cost no host time at replay.
+"""
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Callable, Iterator
+
+from torch import nn
+
+from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
+from fastgrpo.hf.models import architecture, decoder_layers
+from fastgrpo.rollout.attention import PREFIX_KWARG
+from fastgrpo.rollout.kv_cache import StaticKVCache
+
+
+def layer_indices(model: nn.Module) -> dict[nn.Module, int] | None:
+    """Each decoder layer -> the cache index of its attention; None for a model outside the patch table (whose
+    layers this module cannot find)."""
+    try:
+        arch = architecture(model)
+    except ValueError:
+        return None
+    found = {}
+    for layer in decoder_layers(model, arch):
+        attention = next(c for c in layer.children() if type(c).__name__ in arch.attention_classes)
+        found[layer] = attention.layer_idx
+    return found
+
+
+@contextlib.contextmanager
+def compiled_layers(layers: dict[nn.Module, int], cache: StaticKVCache, cache_kw: str,
+                    compiled: Callable[[Callable], Callable]) -> Iterator[None]:
+    """Within the block each decoder layer runs compiled(its class's forward) on a LayerCache of its own buffers.
+
+    compiled(fn) -> the compiled fn, the same object for the same fn (the engine's cached torch.compile)."""
+    with contextlib.ExitStack() as undo:
+        for layer, index in layers.items():
+            forward = _layer_forward(compiled(type(layer).forward), cache.layer(index), cache_kw)
+            undo.callback(bind_forward(layer, lambda _previous, forward=forward: forward).restore)
+            for module in layer.modules():
+                _as_method(module, undo)
+        yield
+
+
+def _layer_forward(forward: Callable, view, cache_kw: str) -> Callable:
+    def run(layer, *args, **kwargs):
+        kwargs[cache_kw] = view
+        if PREFIX_KWARG in kwargs:  # the shared prefix's reader: the same view, with this layer's prefix
+            kwargs[PREFIX_KWARG] = view
+        return forward(layer, *args, **kwargs)
+
+    return run
+
+
+def _as_method(module: nn.Module, undo: contextlib.ExitStack) -> None:
+    """For the block, a WeakBoundMethod forward of `module` becomes a types.MethodType of the same function (the
+    module docstring says why); the strong reference cycle this makes is undone with it."""
+    bound = module.__dict__.get("forward")
+    if isinstance(bound, WeakBoundMethod):
+        module.__dict__["forward"] = types.MethodType(bound.__func__, module)
+        undo.callback(module.__dict__.__setitem__, "forward", bound)
