@@ -68,6 +68,8 @@ DEADLINE_S = 540  # the whole GPU run, inside the device's 10-minute call
 MODE_TIMEOUT_S = 80  # one mode of one shape: its first call compiles and captures for ~30-50 s
 # mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape)
 MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
+         # the engine's default until 2026-11-26: SDPA over the padded cache, the whole step compiled
+         "sdpa-step": (EngineConfig(attention="sdpa", compile_scope="step"), True),
          # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
          "triton": (EngineConfig(attention="triton"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)

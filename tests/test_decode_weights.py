@@ -144,12 +144,12 @@ def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
     step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
     monkeypatch.setattr(decode, "_compiled", {decode._forward_sample: step}.__getitem__)
     model = tiny_model("qwen2")
-    compiled_fp8 = EngineConfig(weights="fp8", compile=True)
+    compiled_fp8 = EngineConfig(weights="fp8", compile=True, compile_scope="step")
     first = run(model, compiled_fp8)
     with torch.no_grad():  # a training step changes the weights in place between rollouts
         model.lm_head.weight.mul_(1.5)
     second = run(model, compiled_fp8)
-    run(model, EngineConfig(compile=True))
+    run(model, EngineConfig(compile=True, compile_scope="step"))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch.equal(first.logprobs, second.logprobs)  # the second copy was built from the new weights
     torch.testing.assert_close(second.logprobs, run(model, FP8).logprobs, atol=1e-5, rtol=0)

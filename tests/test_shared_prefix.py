@@ -154,7 +154,7 @@ def test_foreign_attention_warns_and_falls_back(monkeypatch, prefix_calls):
     assert not any(prefix_calls) and out.tokens.shape == (6, 6)
 
 
-@pytest.mark.parametrize("kwargs", [dict(shared_prefix=True), dict(attention="sdpa", shared_prefix=True)])
+@pytest.mark.parametrize("kwargs", [dict(attention="sdpa", shared_prefix=True)])
 def test_bad_options_raise(kwargs):
     with pytest.raises(ValueError, match="shared_prefix"):
         EngineConfig(**kwargs)
@@ -183,7 +183,7 @@ def test_shared_step_compiles_to_one_graph(monkeypatch, caches):
     model = tiny_model("qwen2")
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     # no prefix_calls spy here: its list, appended to at each step, would itself make dynamo recompile
-    got = run(model, PROMPTS, 3, params, EngineConfig(attention="triton", shared_prefix=True, compile=True))
+    got = run(model, PROMPTS, 3, params, EngineConfig(attention="triton", shared_prefix=True, compile=True, compile_scope="step"))
     assert caches[0].shares_prefix and caches[0].prefix_keys
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert_same(got, run(model, PROMPTS, 3, params, SHARED), "compiled vs eager step")

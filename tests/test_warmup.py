@@ -92,7 +92,7 @@ def deep_model(arch="qwen2", lora=False):
 @pytest.mark.parametrize("shared", [False, True])
 def test_fixed_cache_compiles_the_step_once_across_prompt_lengths(compiles, caches, shared):
     model = tiny_model("qwen2")
-    config = EngineConfig(**FIXED, shared_prefix=shared)
+    config = EngineConfig(**FIXED, shared_prefix=shared, compile_scope="step")
     counts = []
     for prompts in PROMPT_SETS:
         run(model, prompts, config)
@@ -107,7 +107,7 @@ def test_fixed_cache_compiles_the_step_once_across_prompt_lengths(compiles, cach
 def test_per_call_cache_recompiles_for_each_length_bucket(compiles):
     """The control: the same calls without max_prompt_length compile once per cache length (3)."""
     model = tiny_model("qwen2")
-    config = EngineConfig(**{**FIXED, "max_prompt_length": None})
+    config = EngineConfig(**{**FIXED, "max_prompt_length": None}, compile_scope="step")
     for prompts in PROMPT_SETS:
         run(model, prompts, config)
     assert compiles.frame_count == 3
@@ -133,7 +133,7 @@ def test_prompt_longer_than_max_prompt_length_raises():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(max_prompt_length=64), "max_prompt_length"),  # sdpa: the larger cache would cost attention time
+    (dict(attention="sdpa", max_prompt_length=64), "max_prompt_length"),  # sdpa: the larger cache would cost attention time
     (dict(attention="triton", max_prompt_length=0), "max_prompt_length"),
     (dict(compile_scope="model"), "compile_scope"),
 ])

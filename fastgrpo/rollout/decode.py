@@ -37,11 +37,12 @@ class EngineConfig:
     # cache length rounded up to a multiple of this, so prompts of varying length reuse one compiled step
     length_bucket: int = 128
     warmup_steps: int = 2  # compiled steps run eagerly before the graph capture
-    # one-token attention: "sdpa" (one SDPA call over all M cache slots, masked) or "triton" (the flash-decoding
-    # kernel of fastgrpo.ops.decode_attention, reading only the filled slots). "sdpa" stays the default until
-    # "triton" is measured on a GPU (benchmarks/NOTES_rollout.md: attention is the largest gap to the roofline).
+    # one-token attention: "sdpa" (one SDPA call over all M cache slots, masked), "triton" (the flash-decoding
+    # kernel of fastgrpo.ops.decode_attention, reading only the filled slots; 9% / 16% faster decode steps than sdpa
+    # for Qwen2.5-1.5B / Llama-3.1-8B shapes on an H100, benchmarks/NOTES_rollout.md) or "auto": "triton" on CUDA
+    # and wherever an option below needs the kernel, else "sdpa" (the kernel's CPU fallback is plain torch).
     # Models kept on "eager" attention (soft-capping, e.g. gemma2) ignore it.
-    attention: str = "sdpa"
+    attention: str = "auto"
     # attention="triton" only: store each prompt's K/V once for its G samples (prefix_len = bucket(P) slots per
     # prompt, S = max_new_tokens slots per row instead of bucket(P + S); formula in rollout/kv_cache.py) and let
     # the decode kernel read it once per group. Off until measured on a GPU. Rows keep their own copy (plain path,
@@ -68,32 +69,41 @@ class EngineConfig:
     # what torch.compile compiles: "step" (the whole decode step as one graph, every layer traced and lowered) or
     # "layers" (one decoder layer's code, run by every layer, plus the sampling: rollout/regional.py; less to
     # compile, some fusions across layer boundaries lost). Either way a CUDA step is captured as one CUDA graph.
-    # "step" stays the default until "layers" is measured per step on a GPU. Models outside the patch table
-    # (hf/architectures.py) fall back to "step" with a warning.
-    compile_scope: str = "step"
+    # "layers": first call 13 s instead of 46 s for Qwen2.5-1.5B shapes on an H100 (cold compile caches), the same
+    # time per token (benchmarks/NOTES_rollout.md, D5). Models outside the patch table (hf/architectures.py) fall
+    # back to "step" with a warning.
+    compile_scope: str = "layers"
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights: expected one of {list(WEIGHTS)}, got {self.weights!r}")
-        if self.attention not in ("sdpa", "triton"):
-            raise ValueError(f"EngineConfig.attention: expected 'sdpa' or 'triton', got {self.attention!r}")
+        if self.attention not in ("auto", "sdpa", "triton"):
+            raise ValueError(f"EngineConfig.attention: expected 'auto', 'sdpa' or 'triton', got {self.attention!r}")
         if self.finished_rows not in ("keep", "skip", "compact"):
             raise ValueError("EngineConfig.finished_rows: expected 'keep', 'skip' or 'compact', got "
                              f"{self.finished_rows!r}")
-        if self.finished_rows == "skip" and self.attention != "triton":
-            raise ValueError("EngineConfig.finished_rows='skip': needs attention='triton' (SDPA reads every slot "
-                             f"whatever the mask), got attention={self.attention!r}")
-        if self.shared_prefix and self.attention != "triton":
-            raise ValueError("EngineConfig.shared_prefix: needs attention='triton' (the decode kernel reads the "
-                             f"shared prefix), got attention={self.attention!r}")
+        if self.finished_rows == "skip" and self.attention == "sdpa":
+            raise ValueError("EngineConfig.finished_rows='skip': needs attention='triton' or 'auto' (SDPA reads "
+                             f"every slot whatever the mask), got attention={self.attention!r}")
+        if self.shared_prefix and self.attention == "sdpa":
+            raise ValueError("EngineConfig.shared_prefix: needs attention='triton' or 'auto' (the decode kernel "
+                             f"reads the shared prefix), got attention={self.attention!r}")
         if self.compile_scope not in ("step", "layers"):
             raise ValueError(f"EngineConfig.compile_scope: expected 'step' or 'layers', got {self.compile_scope!r}")
-        if self.max_prompt_length is not None and self.attention != "triton":
-            raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' (sdpa would attend over "
-                             f"every slot of the larger cache at each step), got attention={self.attention!r}")
+        if self.max_prompt_length is not None and self.attention == "sdpa":
+            raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' or 'auto' (sdpa would "
+                             "attend over every slot of the larger cache at each step), got "
+                             f"attention={self.attention!r}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"EngineConfig.max_prompt_length: expected a positive int or None, got "
                              f"{self.max_prompt_length!r}")
+
+    def resolved(self, device: torch.device) -> EngineConfig:
+        """The config with attention "auto" made concrete for a model on `device`."""
+        if self.attention != "auto":
+            return self
+        needs_kernel = self.shared_prefix or self.max_prompt_length is not None or self.finished_rows == "skip"
+        return dataclasses.replace(self, attention="triton" if device.type == "cuda" or needs_kernel else "sdpa")
 
 
 @dataclasses.dataclass
@@ -142,6 +152,7 @@ def rollout(
     stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
     """
     device = _device_of(model)
+    config = config.resolved(device)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
     if config.max_prompt_length is not None and P > config.max_prompt_length:

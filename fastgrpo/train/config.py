@@ -91,9 +91,9 @@ class GRPOConfig:
     rollout_engine: str = option("builtin", f"one of {ROLLOUT_ENGINES}: builtin (the model's own modules) or vllm "
                                             "(vLLM in this process, sharing the weights; `pip install "
                                             "\"fastgrpo[vllm]\"`, a GPU)", run_control=True)
-    rollout_attention: str = option("sdpa", "builtin: one-token attention, sdpa (one SDPA call over the padded cache) "
-                                            "or triton (a flash-decoding kernel reading only the filled slots)",
-                                    run_control=True)
+    rollout_attention: str = option("auto", "builtin: one-token attention, sdpa (one SDPA call over the padded "
+                                            "cache), triton (a flash-decoding kernel reading only the filled "
+                                            "slots) or auto (triton on a GPU)", run_control=True)
     rollout_weights: str = option("model", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: the "
                                            "modules' own, a copy of LoRA-merged / 4-bit layers in the model's "
                                            "dtype (one GEMM each; costs their bf16 bytes during the rollout), or "
@@ -271,7 +271,7 @@ class GRPOConfig:
 
     def _check_rollout_engine(self) -> None:
         check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
-        check_choice("rollout_attention", self.rollout_attention, ("sdpa", "triton"))
+        check_choice("rollout_attention", self.rollout_attention, ("auto", "sdpa", "triton"))
         check_choice("rollout_weights", self.rollout_weights, WEIGHTS)
         check_choice("vllm_lora_sync", self.vllm_lora_sync, LORA_SYNCS)
         check_choice("vllm_execution", self.vllm_execution, EXECUTIONS)

@@ -79,8 +79,13 @@ class GRPOTrainer:
                 lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
             )
         if engine is None:
-            engine = BuiltinEngine(model, tokenizer, EngineConfig(attention=config.rollout_attention,
-                                                                  weights=config.rollout_weights))
+            # on a GPU the decode kernel's cache is sized for max_prompt_length (prompts never exceed it), so steps
+            # whose longest prompts differ compile nothing new; on the CPU attention stays plain torch per call
+            kernel = config.rollout_attention == "triton" or (
+                config.rollout_attention == "auto" and self.device.type == "cuda")
+            engine = BuiltinEngine(model, tokenizer, EngineConfig(
+                attention=config.rollout_attention, weights=config.rollout_weights,
+                max_prompt_length=config.max_prompt_length if kernel else None))
         self.engine = engine
         if not isinstance(self.engine, RolloutEngine):
             raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
