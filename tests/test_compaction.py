@@ -242,12 +242,12 @@ def test_gpu_compacted_graphed_rollout_gives_keep_tokens(options, buckets):
     torch._dynamo.reset()
     model = tiny_model("qwen2", seed=2).cuda()
     params = SamplingParams(max_new_tokens=96, temperature=1.0, top_k=20)
-    want = run(model, params, "keep", stop_ids("e"), **options)
+    want = run(model, params, "keep", stop_ids("e"), compile_scope="step", **options)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        got = run(model, params, "compact", stop_ids("e"), **options)
+        got = run(model, params, "compact", stop_ids("e"), compile_scope="step", **options)
     assert not [str(w.message) for w in caught if str(w.message).startswith("rollout:")]
     assert len(buckets) >= 2, buckets
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (2 if options.get("shared_prefix") else 1)

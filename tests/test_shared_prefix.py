@@ -183,7 +183,8 @@ def test_shared_step_compiles_to_one_graph(monkeypatch, caches):
     model = tiny_model("qwen2")
     params = SamplingParams(max_new_tokens=8, temperature=1.0)
     # no prefix_calls spy here: its list, appended to at each step, would itself make dynamo recompile
-    got = run(model, PROMPTS, 3, params, EngineConfig(attention="triton", shared_prefix=True, compile=True, compile_scope="step"))
+    config = EngineConfig(attention="triton", shared_prefix=True, compile=True, compile_scope="step")
+    got = run(model, PROMPTS, 3, params, config)
     assert caches[0].shares_prefix and caches[0].prefix_keys
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert_same(got, run(model, PROMPTS, 3, params, SHARED), "compiled vs eager step")

@@ -133,7 +133,8 @@ def test_prompt_longer_than_max_prompt_length_raises():
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    (dict(attention="sdpa", max_prompt_length=64), "max_prompt_length"),  # sdpa: the larger cache would cost attention time
+    # sdpa: the larger cache would cost attention time
+    (dict(attention="sdpa", max_prompt_length=64), "max_prompt_length"),
     (dict(attention="triton", max_prompt_length=0), "max_prompt_length"),
     (dict(compile_scope="model"), "compile_scope"),
 ])
