@@ -143,15 +143,16 @@ HOPPER_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastgrpo.kernels.fp8_linear import _fp8_linear_kernel as fn
+from fastgrpo.kernels.fp8_linear import GPU_TILES as t, _fp8_linear_kernel as fn
 sig = {"X": "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16", "PARTIAL": "*fp32",
        "COUNTS": "*i32", **{a: "i32" for a in fn.arg_names[7:15]}, **{a: "constexpr" for a in fn.arg_names[15:]}}
 # what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16)
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(14)}
 for split in (True, False):
-    consts = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+    consts = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, BLOCK_M=64, BLOCK_N=t["block_n"],
+                  BLOCK_K=t["block_k"])
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": 8, "num_stages": 3})
+                            options={"num_warps": t["num_warps"], "num_stages": t["num_stages"]})
     ir = kernel.asm["ttgir"]
     print(split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared)
 """

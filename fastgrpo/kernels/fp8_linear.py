@@ -33,6 +33,7 @@ import triton.language as tl
 # Tickets of one launch; the counters are shared by all launches on a device (one stream at a time: the engine's
 # steps run in order), so this bounds tiles per launch: 64K tiles of 64 features is a 4M-wide output.
 MAX_TILES = 1 << 16
+GPU_TILES = dict(block_n=64, block_k=128, programs_per_sm=2, num_warps=4, num_stages=3)  # see default_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,17 +116,17 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearCon
     """Tiles and splits for y [M, N] = x [M, K] W^T: a function of the shape and the SM count only (no autotuning:
     the split order fixes the fp32 sums, so a given card always computes the same bits).
 
-    GPU, not yet tuned on one (benchmarks/bench_fp8.py times alternatives beside it): 128 features x (up to) 64 rows
-    x 128 of K per step, 8 warps, 3 stages. Why 128 features: every program re-reads its rows of x (2 bytes each)
-    for its 1-byte weights, so x's L2 traffic is 128 / BLOCK_N times the weights'. Compiled for sm_90 (on the CPU):
-    wgmma, 3-stage cp.async pipeline, 80 KiB of shared memory and 128 registers a thread, so two programs fit an SM;
-    the splits fill one such wave (2 x SMs programs, not more: a second, partial wave would idle most SMs), each
-    split at least two K steps. Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
+    GPU: GPU_TILES, the fastest of benchmarks/bench_fp8.py's sweep for every decode linear of Llama-3.1-8B shapes on
+    an H100 (64 rows; q/o, k/v, gate/up, down, lm_head: 64 features x 128 of K, 4 warps, 3 stages; the first tiles,
+    128 features and 8 warps, took 7-182% longer). The splits fill one wave of two programs per SM (not more: a
+    second, partial wave would idle most SMs), each split at least two K steps; that is the sweep's best split for
+    4 of the 5 shapes (k/v: 16 where 8 was best). Interpreter: 16-wide tiles, so small test shapes cross tiles,
+    splits and edges.
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return config_for(M, N, K, sms, block_n=128, block_k=128, programs_per_sm=2, num_warps=8, num_stages=3)
+    return config_for(M, N, K, sms, **GPU_TILES)
 
 
 def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
