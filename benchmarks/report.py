@@ -69,12 +69,44 @@ def render_e2e_chart(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+LOOP_PHASES = ("rollout_s", "sync_s", "logprobs_s", "rewards_s", "update_s")
+
+
+def render_loop_chart(result: dict, path: Path) -> None:
+    """One whole GRPO step per system and completion length: a bar stacked by phase, peak memory on the label."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = sorted((r for r in result["rows"] if r.get("kind") == "step" and r.get("step_s")),
+                  key=lambda r: (r["completion"], r["step_s"]))
+    if not rows:
+        return
+    fig, ax = plt.subplots(figsize=(9, 0.5 * len(rows) + 1.5))
+    labels = [f"{r['system']} ({r['completion']}), {r['peak_gib']:.1f} GiB" for r in rows]
+    left = [0.0] * len(rows)
+    for phase in LOOP_PHASES:
+        widths = [r.get(phase) or 0.0 for r in rows]
+        ax.barh(labels, widths, left=left, label=phase.removesuffix("_s"))
+        left = [a + b for a, b in zip(left, widths)]
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds per GRPO step")
+    ax.grid(axis="x", alpha=0.3)
+    ax.legend(fontsize=8, ncol=len(LOOP_PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    fig.suptitle(f"{result['suite']}, {result['card']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+
+
 def main() -> None:
     results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
     (RESULTS_DIR / "REPORT.md").write_text(render_markdown(results))
     for result in results:
         if result["suite"].startswith("e2e"):
             render_e2e_chart(result, RESULTS_DIR / f"{result['suite']}.png")
+        if result["suite"].startswith("loop_"):
+            render_loop_chart(result, RESULTS_DIR / f"{result['suite']}.png")
     print(f"wrote {RESULTS_DIR / 'REPORT.md'} from {len(results)} result files")
 
 
