@@ -73,6 +73,20 @@ def test_weights_option_is_checked():
         EngineConfig(weights="int4")
 
 
+@pytest.mark.parametrize("lora", [False, True])
+def test_auto_keeps_the_model_weights_on_the_cpu(lora):
+    model = tiny_model("llama", lora=lora)
+    assert decode_weights.resolved_weights(model, "auto") == "model"
+    assert decode_weights.resolved_weights(model, "dense") == "dense"
+
+
+def test_auto_copies_only_what_exists_and_fits():
+    headroom = decode_weights.AUTO_HEADROOM_BYTES
+    assert not decode_weights.dense_copy_fits(0, 10 * headroom)  # a plain bf16 model: nothing to copy
+    assert decode_weights.dense_copy_fits(headroom, 2 * headroom)
+    assert not decode_weights.dense_copy_fits(headroom + 1, 2 * headroom)
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fp8_engine_equals_the_model_on_fp8_grid_weights(arch):
     """Weights the copy holds exactly: the FP8 engine decodes as the model does (greedy and sampled), while on

@@ -51,9 +51,10 @@ class EngineConfig:
     shared_prefix: bool = False
     # the weights the decode steps multiply: "model" (the modules' own), or a copy of every dense linear's current
     # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads) or
-    # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer). The prefill keeps the model's own
+    # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer), or "auto": "dense" on CUDA for LoRA /
+    # 4-bit models when the copy fits the free memory, else "model". The prefill keeps the model's own
     # (rollout/decode_weights.py).
-    weights: str = "model"
+    weights: str = "auto"
     # rows that finished (stop token or string) while others decode on (rollout/compaction.py): "keep" (they run
     # every step to the end, as pads), "skip" (attention="triton" only: the decode kernel reads none of their cache),
     # "compact" (skip, and the running rows are gathered into a batch of half the rows, a quarter..., whenever they

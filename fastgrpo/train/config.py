@@ -94,10 +94,11 @@ class GRPOConfig:
     rollout_attention: str = option("auto", "builtin: one-token attention, sdpa (one SDPA call over the padded "
                                             "cache), triton (a flash-decoding kernel reading only the filled "
                                             "slots) or auto (triton on a GPU)", run_control=True)
-    rollout_weights: str = option("model", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: the "
-                                           "modules' own, a copy of LoRA-merged / 4-bit layers in the model's "
-                                           "dtype (one GEMM each; costs their bf16 bytes during the rollout), or "
-                                           "an e4m3 copy of every linear", run_control=True)
+    rollout_weights: str = option("auto", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: auto "
+                                          "(dense on a GPU when the copy fits the free memory), the modules' own, "
+                                          "an e4m3 copy of every linear, or a copy of LoRA-merged / 4-bit layers "
+                                          "in the model's dtype (one GEMM each; costs their bytes during the "
+                                          "rollout)", run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
               "none: a KV cache for one batch of max_prompt_length + max_completion_length tokens", run_control=True)
