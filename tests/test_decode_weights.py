@@ -80,6 +80,21 @@ def test_auto_keeps_the_model_weights_on_the_cpu(lora):
     assert decode_weights.resolved_weights(model, "dense") == "dense"
 
 
+def test_dense_copy_keeps_each_layer_dtype_and_counts_only_lora_and_4bit():
+    """A plain layer in another dtype than the embedding (an fp32 lm_head) is no reason for a copy, and its dense
+    'copy' is its own weight, dtype kept: a cast to the embedding's dtype would break its fp32 input."""
+    model = tiny_model("llama").bfloat16()
+    model.lm_head.float()
+    assert decode_weights.copy_bytes(model, "dense") == 0
+    with decode_weights.copied_weights(model, "dense"):
+        copy = model.lm_head.fastgrpo_copy_weight
+        assert copy.dtype == torch.float32 and copy.data_ptr() == model.lm_head.weight.data_ptr()
+    lora = tiny_model("llama", lora=True)
+    H = SIZES["hidden_size"]
+    kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
+    assert decode_weights.copy_bytes(lora, "dense") == LAYERS * (H + kv) * H * 4  # q_proj, v_proj; an fp32 model
+
+
 def test_auto_copies_only_what_exists_and_fits():
     headroom = decode_weights.AUTO_HEADROOM_BYTES
     assert not decode_weights.dense_copy_fits(0, 10 * headroom)  # a plain bf16 model: nothing to copy

@@ -66,8 +66,9 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
 
 def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     """"auto": "dense" for a model on CUDA with LoRA or 4-bit layers whose copy fits the memory free now with
-    AUTO_HEADROOM_BYTES to spare (a LoRA rollout of Qwen2.5-1.5B shapes took 3.97 s instead of 7.42 s with it and
-    the Triton attention on an H100, README), else "model". Anything else is returned as it is."""
+    AUTO_HEADROOM_BYTES to spare, else "model". (A LoRA rollout of Qwen2.5-1.5B shapes on an H100 took 3.97 s with
+    the dense copy and the Triton attention, 7.42 s with neither, at 11.1 against 10.0 GiB peak; README. The copy
+    alone was not measured.) Anything else is returned as it is."""
     if weights != "auto":
         return weights
     device = model.get_input_embeddings().weight.device
@@ -91,6 +92,10 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
     what it was (class, patched forward) and the copy is freed."""
     if kind not in ("fp8", "dense"):
         raise ValueError(f"kind: expected 'fp8' or 'dense', got {kind!r}")
+    device = model.get_input_embeddings().weight.device
+    if kind == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"weights: 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for e4m3; "
+                         f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     dtype = model.get_input_embeddings().weight.dtype
     modules = dense_linears(model)
     swapped = []
@@ -102,8 +107,10 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
                     q, scale = quantize_fp8(weight)
                     prepare_fp8_linear(q.device)
                     copy = (q, scale, None, bias)
-                else:  # a plain weight of the model's dtype is used as it is (no copy)
-                    copy = (None, None, weight.to(dtype), bias)
+                else:  # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
+                    layer = getattr(module, "base_layer", module)
+                    own = layer.weight.dtype if layer.weight.is_floating_point() else dtype
+                    copy = (None, None, weight.to(own), bias)
                 del weight
                 base, own = type(module), module.__dict__.pop("forward", None)
                 module.__dict__.update(zip(_ATTRS, copy))
@@ -121,8 +128,8 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
 
 def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
     """Bytes of the copy copied_weights(model, kind) builds: fp8, 1 per weight and 4 per output channel; dense, the
-    model dtype's size per weight of the layers whose weight is not already a plain one of that dtype (LoRA-merged,
-    4-bit; biases are the modules' own)."""
+    model dtype's size per weight of the LoRA and 4-bit layers (the others decode with their own weight; biases are
+    the modules' own)."""
     embedding = model.get_input_embeddings().weight
     total = 0
     for module in dense_linears(model):
@@ -130,6 +137,6 @@ def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
         n, k = layer.out_features, layer.in_features
         if kind == "fp8":
             total += n * (k + 4)
-        elif module is not layer or layer.weight.dtype != embedding.dtype:
+        elif module is not layer or not layer.weight.is_floating_point():
             total += n * k * embedding.element_size()
     return total
