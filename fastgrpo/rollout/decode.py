@@ -66,7 +66,8 @@ class EngineConfig:
     # bucket(max_prompt_length + S), shared prefix bucket(max_prompt_length)) instead of for the call's longest
     # prompt P, so calls whose prompts differ in length keep the decode step's shapes and recompile nothing. The
     # kernel reads only the filled slots: the larger cache costs memory, not attention time (sdpa reads every slot,
-    # hence the restriction; models kept on "eager" attention do too). A longer prompt is an error. None: per call.
+    # hence the restriction; models kept on "eager" attention do too, and ignore it). A longer prompt gets a cache of
+    # its own size (a new compile). None: per call.
     max_prompt_length: int | None = None
     # what torch.compile compiles: "step" (the whole decode step as one graph, every layer traced and lowered) or
     # "layers" (one decoder layer's code, run by every layer, plus the sampling: rollout/regional.py; less to
@@ -157,10 +158,10 @@ def rollout(
     config = config.resolved(device)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
-    if config.max_prompt_length is not None and P > config.max_prompt_length:
-        raise ValueError(f"prompts: a {P}-token prompt exceeds EngineConfig.max_prompt_length "
-                         f"({config.max_prompt_length})")
-    P_cache = P if config.max_prompt_length is None else config.max_prompt_length  # the prompt slots to allocate
+    # the prompt slots to allocate: max_prompt_length's, unless a prompt is longer (e.g. an evaluation's: it gets a
+    # cache of its own size, one more compile) or the model reads every slot (kept on "eager" attention)
+    fixed = config.max_prompt_length is not None and model.config._attn_implementation != "eager"
+    P_cache = max(P, config.max_prompt_length) if fixed else P
     dtype = model.get_input_embeddings().weight.dtype
     cache_kw = cache_keyword(model)
 
