@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -79,13 +80,12 @@ class GRPOTrainer:
                 lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
             )
         if engine is None:
-            # on a GPU the decode kernel's cache is sized for max_prompt_length (prompts never exceed it), so steps
-            # whose longest prompts differ compile nothing new; on the CPU attention stays plain torch per call
-            kernel = config.rollout_attention == "triton" or (
-                config.rollout_attention == "auto" and self.device.type == "cuda")
-            engine = BuiltinEngine(model, tokenizer, EngineConfig(
-                attention=config.rollout_attention, weights=config.rollout_weights,
-                max_prompt_length=config.max_prompt_length if kernel else None))
+            # with the decode kernel (a GPU, or asked for) the cache is sized for max_prompt_length, so steps whose
+            # longest prompts differ compile nothing new
+            engine_config = EngineConfig(attention=config.rollout_attention, weights=config.rollout_weights)
+            if engine_config.resolved(self.device).attention == "triton":
+                engine_config = dataclasses.replace(engine_config, max_prompt_length=config.max_prompt_length)
+            engine = BuiltinEngine(model, tokenizer, engine_config)
         self.engine = engine
         if not isinstance(self.engine, RolloutEngine):
             raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
