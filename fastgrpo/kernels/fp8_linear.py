@@ -11,7 +11,7 @@ Layout: x [M, K] (unit stride along K), W [N, K] e4m3 (nn.Linear's layout), scal
 in x's dtype. One program computes a BLOCK_N x BLOCK_M tile of y^T = W x^T (the weight tile is the left
 operand: BLOCK_N output features on the MMA's long side, the few rows on its short side) over one split of K.
 
-Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 32 tiles of 128 features
+Split-K without a second kernel: with 64 rows, q_proj of Llama-3.1-8B (N = 4096) has 64 tiles of 64 features
 for 132 SMs, too few to keep the reads in flight. Each (tile, split) program then writes its fp32 partial to a
 workspace and takes a ticket from a per-tile counter (atomic, acq_rel); the program that draws the last ticket
 sums the partials in split order (bitwise reproducible whichever program arrives last), applies scale and

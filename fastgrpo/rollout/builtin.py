@@ -11,7 +11,8 @@ from fastgrpo.rollout.sampling import SamplingParams
 
 class BuiltinEngine:
     """fastgrpo's RolloutEngine over the model the trainer trains: the KV cache, buffers and CUDA graph of a call
-    are freed when it returns, and the weights are the model's own, so there is nothing to release or to load."""
+    are freed when it returns, and the weights are the model's own (a decode copy, EngineConfig.weights, is freed
+    with the call), so there is nothing to release or to load."""
 
     def __init__(self, model: torch.nn.Module, tokenizer, config: EngineConfig = EngineConfig()) -> None:
         self.model = model
