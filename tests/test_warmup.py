@@ -197,6 +197,16 @@ def test_layers_scope_compiles_one_layer_of_a_patched_model(compiles, offload):
     torch.testing.assert_close(got.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
+def test_layers_scope_with_a_dense_lora_copy_compiles_one_layer(compiles):
+    """What a LoRA model decodes with on a GPU by default (weights 'auto' -> 'dense' when it fits): the copy swaps
+    each linear's class, the same for every layer, so one layer frame still serves them all."""
+    model = fastgrpo.patch_model(deep_model("llama", lora=True))
+    got = run(model, PROMPT_SETS[1], EngineConfig(**FIXED, compile_scope="layers", weights="dense"))
+    assert compiles.frame_count == 2
+    eager = run(model, PROMPT_SETS[1], EngineConfig(**{**FIXED, "compile": False}, weights="dense"))
+    assert completions(got) == completions(eager)
+
+
 def test_layers_scope_leaves_the_model_as_it_was(compiles):
     """The compiled forwards are bound for a step only: afterwards (and for the prefill) every module has the
     forward it had (patch_model's included), and a training forward matches an untouched copy's."""
