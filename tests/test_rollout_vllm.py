@@ -257,6 +257,10 @@ def test_config_checks_the_rollout_engine():
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization"),
         (dict(vllm_lora_sync="both"), "vllm_lora_sync"),
         (dict(vllm_execution="fast"), "vllm_execution"),
+        (dict(rollout_engine="vllm", rollout_weights="fp8"), "rollout_weights: applies to the builtin engine"),
+        (dict(rollout_engine="vllm", rollout_attention="sdpa"), "rollout_attention: applies to the builtin engine"),
+        (dict(rollout_attention="flash"), "rollout_attention"),
+        (dict(rollout_weights="int4"), "rollout_weights"),
     ]:
         with pytest.raises(ValueError, match=match):
             GRPOConfig(**fields)

@@ -279,6 +279,10 @@ class GRPOConfig:
         utilization = self.vllm_gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization: expected a number in (0, 1] or none, got {utilization}")
+        for name in ("rollout_attention", "rollout_weights"):
+            if self.rollout_engine == "vllm" and getattr(self, name) != "auto":
+                raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it auto "
+                                 f"(got {getattr(self, name)!r})")
         if self.rollout_engine == "vllm" and self.load_in_4bit:
             raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
                              "with --load-in-4bit, or a bf16 base with vllm")
