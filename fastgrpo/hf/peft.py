@@ -101,13 +101,18 @@ def dense_weight(module: torch.nn.Module) -> tuple[torch.Tensor, torch.Tensor | 
     or dequantization, the parameter itself (no copy)."""
     if not hasattr(module, "base_layer"):
         return _dequantized(module.weight), _detached(module.bias)
-    base = module.base_layer
-    weight = _dequantized(base.weight)
-    if not module.disable_adapters and not module.merged:
-        for adapter in module.active_adapters:
-            if adapter in module.lora_A:
-                weight = weight.float() + module.get_delta_weight(adapter).float()
-    return weight, _detached(base.bias)
+    return with_lora_deltas(module, _dequantized(module.base_layer.weight)), _detached(module.base_layer.bias)
+
+
+def with_lora_deltas(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` (the PEFT LoRA layer's base weight, detached or dequantized) plus each active adapter's B A * scale,
+    summed in fp32; `weight` itself when no adapter applies (disabled, already merged, or none active)."""
+    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
+        return weight
+    for adapter in layer.active_adapters:
+        if adapter in layer.lora_A or adapter in getattr(layer, "lora_embedding_A", {}):
+            weight = weight.float() + layer.get_delta_weight(adapter).float()  # not +=: the base may be fp32
+    return weight
 
 
 def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -11,6 +11,8 @@ import functools
 import torch
 from torch import nn
 
+from fastgrpo.hf.peft import with_lora_deltas
+
 MEM_PREFIX = "mem://"
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
@@ -48,13 +50,7 @@ def vllm_rank(r: int) -> int:
 def merged_weight(layer: nn.Module) -> torch.Tensor:
     """W + sum of the active adapters' B A * scale, in the weight's dtype (merged in fp32; W is untouched)."""
     weight = layer.base_layer.weight
-    if getattr(layer, "disable_adapters", False) or getattr(layer, "merged", False):
-        return weight.detach()
-    out = weight.detach().float()
-    for name in layer.active_adapters:
-        if name in layer.lora_A or name in getattr(layer, "lora_embedding_A", {}):
-            out = out + layer.get_delta_weight(name).float()  # not +=: .float() of an fp32 weight is the weight
-    return out.to(weight.dtype)
+    return with_lora_deltas(layer, weight.detach()).to(weight.dtype)
 
 
 def merged_sources(model: nn.Module) -> dict:
