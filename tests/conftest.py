@@ -35,6 +35,22 @@ def pytest_sessionstart(session):
         reporter.write_line("fastgrpo tested against: " + ", ".join(found))
 
 
+@pytest.fixture
+def caches(monkeypatch):
+    """The rollout engine's StaticKVCache objects, in creation order."""
+    from fastgrpo.rollout import decode
+
+    made = []
+
+    class Recorded(decode.StaticKVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(decode, "StaticKVCache", Recorded)
+    return made
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -38,20 +38,6 @@ def prefix_calls(monkeypatch):
     return calls
 
 
-@pytest.fixture
-def caches(monkeypatch):
-    """The engine's StaticKVCache objects, in creation order."""
-    made = []
-
-    class Recorded(decode.StaticKVCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(decode, "StaticKVCache", Recorded)
-    return made
-
-
 def run(model, prompts, G, params, config, seed=3, **kwargs):
     return generate_with_config(model, char_tokenizer(), prompts, G, params, seed=seed, config=config, **kwargs)
 

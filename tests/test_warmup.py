@@ -48,19 +48,6 @@ def compiles(monkeypatch):
     torch._dynamo.reset()
 
 
-@pytest.fixture
-def caches(monkeypatch):
-    made = []
-
-    class Recorded(decode.StaticKVCache):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            made.append(self)
-
-    monkeypatch.setattr(decode, "StaticKVCache", Recorded)
-    return made
-
-
 def run(model, prompts, config, G=3, seed=7):
     return generate_with_config(model, char_tokenizer(), prompts, G, PARAMS, seed=seed, config=config)
 
