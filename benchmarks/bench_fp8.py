@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
 from benchmarks.profile_rollout import StepClock, rollout
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import GIB, RolloutSizes, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
@@ -54,31 +54,25 @@ from fastgrpo.rollout.decode import EngineConfig
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
 DEADLINE_S = 230  # the rollout modes of a shape are skipped past it (the gemm rows are quick)
-# mode -> (EngineConfig, base): base "bf16" is the built model, "4bit" its decoder linears in bitsandbytes NF4
+# mode -> (EngineConfig, base): base "bf16" is the built model, "4bit" its decoder linears in bitsandbytes NF4;
+# attention and weights named, not left to EngineConfig's "auto" defaults, so each mode is what its name says
+SDPA, TRITON = dict(attention="sdpa"), dict(attention="triton")
 MODES = {
-    "bf16": (EngineConfig(), "bf16"),
-    "fp8": (EngineConfig(weights="fp8"), "bf16"),
-    "bf16-triton": (EngineConfig(attention="triton"), "bf16"),
-    "fp8-triton": (EngineConfig(attention="triton", weights="fp8"), "bf16"),
-    "4bit": (EngineConfig(), "4bit"),  # bitsandbytes' own forward: each step dequantizes every weight
-    "4bit-dense": (EngineConfig(weights="dense"), "4bit"),
-    "4bit-fp8": (EngineConfig(weights="fp8"), "4bit"),
+    "bf16": (EngineConfig(**SDPA, weights="model"), "bf16"),
+    "fp8": (EngineConfig(**SDPA, weights="fp8"), "bf16"),
+    "bf16-triton": (EngineConfig(**TRITON, weights="model"), "bf16"),
+    "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
+    "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
+    "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
+    "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
-    prompts: int = 8
-    generations: int = 8
-    prompt_len: int = 256
-    new_tokens: int = 1024
+class Sizes(RolloutSizes):
     repeats: int = 1
-
-    @property
-    def rows(self) -> int:
-        return self.prompts * self.generations
 
 
 GPU_SIZES = Sizes()
@@ -285,8 +279,7 @@ def main(argv: list[str] | None = None) -> None:
     def write(new_gemms: list[dict], new_rollouts: list[dict]) -> None:
         gemms.extend(new_gemms)
         rollouts.extend(new_rollouts)
-        with mock.patch.object(common, "RESULTS_DIR", results_dir):
-            path = write_results("fp8", [*gemms, *rollouts], config)
+        path = write_results("fp8", [*gemms, *rollouts], config, results_dir)
         print(f"wrote {path}", flush=True)
 
     # the dry run exercises the op's plain-torch path (the kernel's CPU checks are tests/test_fp8_linear.py)

@@ -41,15 +41,15 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import build_model
-from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.common import GIB, RolloutSizes, card_name, print_table, write_results
 from fastgrpo.rollout import compaction
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 
 MODES = {
-    "sdpa-keep": EngineConfig(),
-    "sdpa-compact": EngineConfig(finished_rows="compact"),
+    "sdpa-keep": EngineConfig(attention="sdpa"),
+    "sdpa-compact": EngineConfig(attention="sdpa", finished_rows="compact"),
     "triton-keep": EngineConfig(attention="triton"),
     "triton-skip": EngineConfig(attention="triton", finished_rows="skip"),
     "triton-compact": EngineConfig(attention="triton", finished_rows="compact"),
@@ -63,11 +63,7 @@ COLUMNS = ["shape", "mode", "useful_tok_s", "speedup", "slot_tok_s", "seconds", 
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
-    prompts: int = 8
-    generations: int = 8
-    prompt_len: int = 256
-    new_tokens: int = 1024
+class Sizes(RolloutSizes):
     mean_length: int = 320  # the target mean completion length (see the module docstring)
     repeats: int = 2
 
@@ -141,7 +137,7 @@ def measure(setup: dict, sizes: Sizes, mode: str) -> dict:
     seconds = statistics.median(times)
     row = {"shape": setup["shape"], "mode": mode, "first_s": first_s, "seconds": seconds, **lengths_of(result)}
     row.update(useful_tok_s=row["useful_tokens"] / seconds,
-               slot_tok_s=sizes.prompts * sizes.generations * row["steps"] / seconds,
+               slot_tok_s=sizes.rows * row["steps"] / seconds,
                buckets=buckets if config.finished_rows == "compact" else None,
                graphs=torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs,
                fallbacks=[str(x.message)[:200] for x in w if str(x.message).startswith("rollout:")])
@@ -199,8 +195,7 @@ def main(argv: list[str] | None = None) -> None:
                 traceback.print_exc()
                 rows.append({"shape": shape, "mode": mode, "error": repr(err)[:300]})
             print(f"{shape} / {mode}: {time.perf_counter() - began:.0f} s", flush=True)
-            with mock.patch.object(common, "RESULTS_DIR", results_dir):
-                path = write_results("rollout_lengths", with_speedups(rows), config)
+            path = write_results("rollout_lengths", with_speedups(rows), config, results_dir)
         del setup
         torch._dynamo.reset()  # the compiled steps hold the model
         gc.collect()

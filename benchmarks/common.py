@@ -5,6 +5,7 @@ what was allocated before the case, and writes one JSON file per suite and card 
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import gc
 import json
@@ -16,6 +17,21 @@ import torch
 
 RESULTS_DIR = Path(__file__).parent / "results"
 GIB = 1024**3
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSizes:
+    """The rollout the rollout benchmarks time (bench_rollout's setting): prompts x generations rows, prompts of
+    prompt_len tokens, new_tokens generated; each benchmark adds its own fields."""
+
+    prompts: int = 8
+    generations: int = 8
+    prompt_len: int = 256
+    new_tokens: int = 1024
+
+    @property
+    def rows(self) -> int:
+        return self.prompts * self.generations
 
 # Shapes of the public checkpoints; the suites use random weights (no model hub on the GPU machine).
 QWEN25_15B = dict(
@@ -103,12 +119,14 @@ def _timed_step(benchmark, make_step, tokens: int, on_warmup) -> dict:
     return {**out, **(on_warmup(first) if on_warmup else {})}
 
 
-def write_results(suite: str, rows: list[dict], config: dict | None = None) -> Path:
-    """Write rows (one dict per measured case) with the card and library versions; returns the path."""
-    RESULTS_DIR.mkdir(parents=True, exist_ok=True)
+def write_results(suite: str, rows: list[dict], config: dict | None = None, directory: Path | None = None) -> Path:
+    """Write rows (one dict per measured case) with the card and library versions into `directory` (default
+    RESULTS_DIR; dry runs pass a temp dir); returns the path."""
+    directory = RESULTS_DIR if directory is None else directory
+    directory.mkdir(parents=True, exist_ok=True)
     card = card_name()
     slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-    path = RESULTS_DIR / f"{suite}-{slug}.json"
+    path = directory / f"{suite}-{slug}.json"
     payload = {
         "suite": suite,
         "card": card,

@@ -58,7 +58,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
-from benchmarks.common import card_name, print_table, write_results
+from benchmarks.common import RolloutSizes, card_name, print_table, write_results
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.decode_weights import copy_bytes
 
@@ -70,10 +70,10 @@ MODE_TIMEOUT_S = 80  # one mode of one shape: its first call compiles and captur
 MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
          # the engine's default until 2026-11-26: SDPA over the padded cache, the whole step compiled
          "sdpa-step": (EngineConfig(attention="sdpa", compile_scope="step"), True),
-         # the Triton flash-decoding attention (EngineConfig.attention), compiled and graphed like "default"
-         "triton": (EngineConfig(attention="triton"), True),
+         # the Triton flash-decoding attention (EngineConfig.attention), the whole step compiled (as in NOTES' D2)
+         "triton": (EngineConfig(attention="triton", compile_scope="step"), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
-         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True), True),
+         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True, compile_scope="step"), True),
          # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
          # roofline counts the copy's bytes
          "fp8": (EngineConfig(weights="fp8"), True),
@@ -109,17 +109,9 @@ COLUMNS = ["shape", "mode", "tok_s", "ms_step", "decode_ms", "first_s", "prof_ms
 
 
 @dataclasses.dataclass(frozen=True)
-class Sizes:
-    prompts: int = 8
-    generations: int = 8
-    prompt_len: int = 256
-    new_tokens: int = 1024
+class Sizes(RolloutSizes):
     warmup_steps: int = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1)
     profile_steps: int = 32
-
-    @property
-    def rows(self) -> int:
-        return self.prompts * self.generations
 
     @property
     def mean_context(self) -> int:
@@ -405,12 +397,11 @@ def main(argv: list[str] | None = None) -> None:
         timeout = min(MODE_TIMEOUT_S * len(modes), deadline - time.monotonic())
         rows += run_shape(shape, dry, trace_dir, timeout, modes)
     sizes = DRY_SIZES if dry else GPU_SIZES
-    config = {"model": "random weights, bf16, sdpa", "card": card_name(), **dataclasses.asdict(sizes),
+    config = {"model": "random weights, bf16", "card": card_name(), **dataclasses.asdict(sizes),
               "mean_context": sizes.mean_context, "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
               "categories": dict(KERNEL_CATEGORIES), "trace_dir": str(trace_dir)}
     results_dir = trace_dir if dry else common.RESULTS_DIR  # the dry run's results stay out of benchmarks/results/
-    with mock.patch.object(common, "RESULTS_DIR", results_dir):
-        path = write_results("rollout_profile", rows, config)
+    path = write_results("rollout_profile", rows, config, results_dir)
     print(f"\nwrote {path}")
     for row in rows:
         if "error" in row:
