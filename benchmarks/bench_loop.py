@@ -329,7 +329,9 @@ class DeviceMemory:
 
 
 # ---- the systems (run inside the case's process) ----
-def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None:
+def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, offload: bool | None = None):
+    """The fastgrpo GRPOTrainer of a case: the folder's model (+ LoRA), patch_model (activation offload on CUDA
+    unless `offload` says), the benchmark's settings; engine: builtin, fast or vllm (see the module doc)."""
     import fastgrpo
 
     model = load_hf(case)
@@ -338,7 +340,7 @@ def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config())
-    fastgrpo.patch_model(model, offload_activations=case.device == "cuda")
+    fastgrpo.patch_model(model, offload_activations=case.device == "cuda" if offload is None else offload)
     fields = dict(
         model=case.folder, lora_rank=0 if case.mode == "full" else 16, load_in_4bit=case.mode == "qlora",
         batch_size=case.batch, num_generations=case.generations, max_prompt_length=case.prompt_length,
@@ -354,8 +356,11 @@ def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None
             raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
         fields["rollout_engine"] = "vllm"
     config = fastgrpo.GRPOConfig(**fields)
-    reward = timer.timed_function(count_sevens, "rewards")
-    trainer = fastgrpo.GRPOTrainer(model, load_tokenizer(case, eos=False), reward, dataset_rows(case), config)
+    return fastgrpo.GRPOTrainer(model, load_tokenizer(case, eos=False), reward, dataset_rows(case), config)
+
+
+def run_fastgrpo(case: Case, timer: PhaseTimer, engine: str = "builtin") -> None:
+    trainer = fastgrpo_trainer(case, engine, reward=timer.timed_function(count_sevens, "rewards"))
     timer.wrap(trainer.engine, "generate", "rollout")
     timer.wrap(trainer.engine, "load_weights", "sync")
     if hasattr(trainer, "_logprobs"):  # old and reference log-probs; else they count as update

@@ -203,23 +203,26 @@ def _moved(before: tuple, trainer, batch: dict, group) -> dict:
 
 
 def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, gpus: int) -> None:
-    """One more update under torch.profiler: the kernels that take the step's GPU time (collectives by name)."""
-    from torch.profiler import ProfilerActivity, profile
+    """One more update under torch.profiler: the kernels that take the step's GPU time, and the GPU's idle gaps
+    charged to the host code that was late (benchmarks.trace_gaps); the trace is kept in FASTGRPO_BENCH_TRACE_DIR."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from benchmarks.trace_gaps import Trace, print_summary
 
     activities = [ProfilerActivity.CPU] + ([] if CPU else [ProfilerActivity.CUDA])
     _sync()
-    start = time.perf_counter()
     with profile(activities=activities) as prof:
-        trainer._update(batch, advantages, None, None)
-        _sync()
-    wall_ms = 1000 * (time.perf_counter() - start)
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"] if not CPU else []
-    busy_ms = sum(e.self_device_time_total for e in events) / 1000
-    nccl_ms = sum(e.self_device_time_total for e in events if "nccl" in e.key.lower()) / 1000
-    print(f"--- profile {name} on {gpus} GPU(s), rank 0: wall {wall_ms:.1f} ms (profiled), kernels {busy_ms:.1f} ms "
-          f"(collectives {nccl_ms:.1f} ms; they overlap compute on their own stream)")
-    sort = "self_cpu_time_total" if CPU else "self_device_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=70))
+        with record_function("update"):
+            trainer._update(batch, advantages, None, None)
+            _sync()
+    if CPU:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
+        return
+    path = Path(os.environ.get("FASTGRPO_BENCH_TRACE_DIR") or tempfile.mkdtemp()) / f"{name}-{gpus}gpu-rank0.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(path))
+    trace = Trace.load(path)
+    print_summary(f"profile {name} on {gpus} GPU(s), rank 0 (trace {path})", trace.summary(trace.window("update")))
 
 
 def _whole_step(trainer) -> dict:

@@ -1,0 +1,160 @@
+"""Where the training half of a fastgrpo GRPO step goes: the old and reference log-prob passes and the update
+(loss forward, backward, optimizer) of bench_loop's fastgrpo system, on a synthetic rollout batch.
+
+    python -m benchmarks.profile_update                          # qwen2.5-1.5b-lora, C = 1024, three variants
+    python -m benchmarks.profile_update --variants offload --trace-dir /tmp/traces
+    python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2, 16 + 16 tokens
+
+The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
+completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
+phases are called as GRPOTrainer.train_step calls them. Variants, the same model re-patched:
+  offload     patch_model(offload_activations=True): bench_loop's setting (layer inputs to pinned host memory,
+              each layer recomputed in the backward)
+  checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
+  plain       no offload, no checkpointing: every activation kept
+Per variant: one warm-up repeat (Triton autotuning), --repeats timed ones (median wall seconds and torch's peak
+GiB per phase), then one repeat under torch.profiler summarized per phase by benchmarks.trace_gaps (GPU busy by
+kernel category, the top kernels, idle gaps by the host code that was late). JSON: results/update_profile-<card>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import gzip
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.bench_loop import Case, build_folder, fastgrpo_trainer
+from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.trace_gaps import Trace, print_summary
+
+PHASES = ("logprobs_old", "logprobs_ref", "update")
+VARIANTS = ("offload", "checkpoint", "plain")
+
+
+def synthetic_batch(case: Case, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
+    """A rollout batch of prompts x generations rows of prompt_length + completion random ids."""
+    g = torch.Generator().manual_seed(0)
+    n, P, C = case.batch, case.prompt_length, case.completion
+    ids = torch.randint(3, vocab, (n, P + C), generator=g)
+    completion = torch.zeros(n, P + C, dtype=torch.long)
+    completion[:, P:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
+             "rollout_logps": torch.zeros(n, P + C)}
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["finish_reasons"] = ["length"] * n
+    return batch, torch.randn(n, generator=g).to(device)
+
+
+def repeat(trainer, batch: dict, advantages: torch.Tensor, clock) -> None:
+    """The log-prob passes and the update as train_step runs them (steps 4 and 5)."""
+    from fastgrpo.train.loss_setup import prepare_loss_batch
+
+    with clock("logprobs_old"):
+        old = trainer._logprobs(trainer.model, batch)
+    with clock("logprobs_ref"):
+        ref = trainer._logprobs(trainer.model, batch, disable_adapter=True)
+    with clock("update"):
+        loss_batch, _ = prepare_loss_batch(trainer.config, batch, old)
+        trainer._update(loss_batch, advantages, old, ref)
+
+
+class Clock:
+    """Wall seconds and torch's peak GiB per phase, synchronized; each phase also a profiler range."""
+
+    def __init__(self, cuda: bool):
+        self.cuda, self.seconds, self.peaks = cuda, {}, {}
+
+    @contextlib.contextmanager
+    def __call__(self, phase: str):
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
+        with torch.profiler.record_function(phase):
+            yield
+            if self.cuda:
+                torch.cuda.synchronize()
+        self.seconds.setdefault(phase, []).append(time.perf_counter() - start)
+        peak = torch.cuda.max_memory_allocated() / GIB if self.cuda else 0.0
+        self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
+
+
+def set_variant(trainer, variant: str) -> None:
+    import fastgrpo
+
+    model = trainer.model
+    if getattr(model, "is_gradient_checkpointing", False):
+        model.gradient_checkpointing_disable()
+    fastgrpo.patch_model(model, offload_activations=variant == "offload")
+    if variant == "checkpoint":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trace_dir: Path) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = trainer.device.type == "cuda"
+    set_variant(trainer, variant)
+    repeat(trainer, batch, advantages, Clock(cuda))  # warm-up: Triton autotuning, allocator
+    clock = Clock(cuda)
+    for _ in range(repeats):
+        repeat(trainer, batch, advantages, clock)
+    row = {"variant": variant, **{f"{p}_s": statistics.median(clock.seconds[p]) for p in PHASES},
+           **{f"{p}_peak_gib": clock.peaks[p] for p in PHASES}}
+    row["total_s"] = sum(row[f"{p}_s"] for p in PHASES)
+    if not cuda:  # the dry run checks the phases, not the trace
+        return row
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        repeat(trainer, batch, advantages, Clock(cuda))
+    path = trace_dir / f"update-{variant}.json"
+    prof.export_chrome_trace(str(path))
+    trace = Trace.load(path)
+    for phase in PHASES:
+        summary = trace.summary(trace.window(phase))
+        print_summary(f"{variant} / {phase}", summary)
+        row[f"{phase}_profile"] = summary
+    with open(path, "rb") as src, gzip.open(f"{path}.gz", "wb") as dst:
+        shutil.copyfileobj(src, dst)
+    path.unlink()
+    return row
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="qwen2.5-1.5b-lora")
+    parser.add_argument("--completion", type=int, default=1024)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir()) / "fastgrpo-bench-models"))
+    parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 LoRA, 2 x 4 x (16 + 16)")
+    args = parser.parse_args(argv)
+    trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
+    trace_dir.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.dry_run else "cuda"
+    case = Case(system="fastgrpo", shape=args.shape, completion=args.completion, device=device)
+    if args.dry_run:
+        case = dataclasses.replace(case, shape="tiny-qwen2-lora", completion=16, prompt_length=16, prompts=2,
+                                   generations=4, micro_batch=4)
+        args.models_dir = tempfile.mkdtemp(prefix="profile-update-models-")
+    case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
+    trainer = fastgrpo_trainer(case)
+    batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
+    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir) for v in args.variants.split(",")]
+    config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
+              f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
+              "card": card_name(), "trace_dir": str(trace_dir)}
+    directory = Path(tempfile.mkdtemp()) if args.dry_run else None
+    print(f"wrote {write_results('update_profile', rows, config, directory)}")
+    print_table(rows, ["variant", *[f"{p}_s" for p in PHASES], "total_s", *[f"{p}_peak_gib" for p in PHASES]])
+
+
+if __name__ == "__main__":
+    main()
