@@ -261,14 +261,16 @@ class GRPOTrainer:
         was_training = model.training
         model.eval()
         size = self.config.micro_batch_size
-        out = [
-            self.dist.forward(
-                sequence_logprobs, model, batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
-                batch["completion_mask"][i:i + size], temperature=self.config.temperature,
-                disable_adapter=disable_adapter,
-            ).float()
-            for i in range(0, batch["input_ids"].shape[0], size)
-        ]
+        # The adapter is switched off once for the pass: PEFT's switch walks every LoRA layer (37 ms for 28 layers
+        # x 7 adapted linears on a 2-core CPU), and done per micro-batch it left the GPU idle in between.
+        with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
+            out = [
+                self.dist.forward(
+                    sequence_logprobs, model, batch["input_ids"][i:i + size], batch["attention_mask"][i:i + size],
+                    batch["completion_mask"][i:i + size], temperature=self.config.temperature,
+                ).float()
+                for i in range(0, batch["input_ids"].shape[0], size)
+            ]
         model.train(was_training)
         return torch.cat(out)
 
