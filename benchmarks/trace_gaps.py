@@ -111,8 +111,11 @@ class Trace:
         for e in work:
             per_cat[category(e["name"])] += e["dur"]
             per_kernel[e["name"][:90]] += e["dur"]
-        # compute streams: busy time without the collectives' streams (they overlap compute)
-        nccl_streams = {e["args"].get("stream") for e in work if "nccl" in e["name"].lower()}
+        # compute streams: busy time without the streams that run only collectives (they overlap compute)
+        streams = collections.defaultdict(set)
+        for e in work:
+            streams[e["args"].get("stream")].add("nccl" in e["name"].lower())
+        nccl_streams = {stream for stream, kinds in streams.items() if kinds == {True}}
         compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in work if e["args"].get("stream") not in nccl_streams])
         gaps = collections.Counter()
         kinds = collections.Counter()
