@@ -39,6 +39,13 @@ CASES = {
     # the same with fsdp_reshard_after_forward off: each layer gathered once per micro-batch, not twice
     "qwen-full-keep": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
                            reshard=False),
+    # the same with 2 / 4 consecutive layers per FSDP2 group: fewer collectives and per-group hooks on the host
+    "qwen-full-g2": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
+                         layers_per_group=2),
+    "qwen-full-g4": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
+                         layers_per_group=4),
+    "qwen-full-keep-g4": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
+                              steps=4, reshard=False, layers_per_group=4),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -49,7 +56,8 @@ CASES = {
 }
 G = 8
 # seconds per launch
-TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "qwen-full-keep": 75, "llama8b-full": 150, "qwen-full-rollout": 90}
+TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "qwen-full-keep": 75, "qwen-full-g2": 75, "qwen-full-g4": 75,
+            "qwen-full-keep-g4": 75, "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "280"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
@@ -127,6 +135,7 @@ def run_case(name: str, out: str) -> None:
         model=spec["model"], lora_rank=spec["lora_rank"], batch_size=spec["groups"] * G, num_generations=G,
         micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
         learning_rate=1e-6, fsdp_cpu_offload=spec["cpu_offload"], fsdp_reshard_after_forward=spec.get("reshard", True),
+        fsdp_layers_per_group=spec.get("layers_per_group", 1),
         output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
@@ -159,7 +168,8 @@ def run_case(name: str, out: str) -> None:
         "case": name, "model": spec["model"], "mode": "lora16" if spec["lora_rank"] else "full",
         "gpus": group.world_size, "engine": ("ddp" if spec["lora_rank"] else "fsdp2") if group.active else "single",
         "global_batch": f"{spec['groups'] * G} x ({spec['prompt']} + {spec['completion']})",
-        "micro_batch": spec["micro"], "step_ms": 1000 * step, "steps_s": 1 / step,
+        "micro_batch": spec["micro"], "reshard_after_forward": spec.get("reshard", True),
+        "layers_per_group": spec.get("layers_per_group", 1), "step_ms": 1000 * step, "steps_s": 1 / step,
         "step_ms_all": [1000 * t for t in times], "loss": losses, "loss_finite": all(map(math.isfinite, losses)),
         "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
         "build_s": build_s, **moved,
@@ -257,7 +267,8 @@ def main() -> None:
     status, start = {}, time.monotonic()
     # the 1-GPU baselines side by side, one on each GPU; then the 2-GPU runs one after another
     phases = [[(c, me, {"CUDA_VISIBLE_DEVICES": str(i)}) for i, c in enumerate(("qwen-lora", "qwen-full"))],
-              *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "qwen-full-keep", "llama8b-full",
+              *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-g2",
+                                                        "qwen-full-g4", "qwen-full-keep-g4", "llama8b-full",
                                                         "qwen-full-rollout"))]
     for phase in phases:
         left = DEADLINE_S - (time.monotonic() - start)
@@ -280,7 +291,9 @@ def main() -> None:
                 status[key] = "timeout"
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
     single = {r["case"]: r for r in rows if r["gpus"] == 1}
-    single["qwen-full-keep"] = single.get("qwen-full")  # the same 1-GPU step: resharding is FSDP2's alone
+    for case in CASES:  # the same 1-GPU step: resharding and grouping are FSDP2's alone
+        if case.startswith("qwen-full-") and case != "qwen-full-rollout":
+            single[case] = single.get("qwen-full")
     for r in rows:
         base = single.get(r["case"]) if r["gpus"] > 1 else None
         r["speedup"] = base["step_ms"] / r["step_ms"] if base else None

@@ -1,7 +1,8 @@
 """Data-parallel GRPO on 2 gloo processes (real torch.distributed, spawned) against one process on the same global
 batch: the first step's rollouts and rewards are identical, and the update (FSDP2 for full fine-tuning, DDP for
 LoRA) equals one process's within fp32 rounding; an FSDP2 run resumed from its Distributed Checkpoint continues
-bit for bit (resumed with fsdp_reshard_after_forward off, which changes when weights are gathered, not the math).
+bit for bit (resumed with fsdp_reshard_after_forward off and two layers per FSDP2 group, which change when and in
+which collectives weights are gathered, not the math).
 
 Tolerance of "equal within fp32": the 1-process and the 2-process gradients are two fp32 evaluations of one
 quantity that differ only in the order of their sums (micro-batches per rank, then the all-reduce / reduce-
@@ -114,14 +115,15 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
                                ids=[row for _, part in texts for row in part], grads=grads, weights=weights)
         # FSDP2 resume: the full fine-tuning run checkpoints after step 1 (every rank writes its shard) and takes
         # step 2; a model built from another seed resumes from the checkpoint and takes step 2 again, keeping its
-        # layers' gathered weights from forward to backward (the same numbers, gathered fewer times).
+        # layers' gathered weights from forward to backward and gathering two layers as one group (the same
+        # numbers, gathered fewer times in fewer collectives).
         first = trainers[False]
         first.save_checkpoint()
         found["straight"] = dict(metrics=first.train_step(), weights=_weights(first.model))
         model, tokenizer = _model(False, seed=1)
         resumed = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
                               GRPOConfig(**FIELDS, output_dir=first.config.output_dir,
-                                         fsdp_reshard_after_forward=False))
+                                         fsdp_reshard_after_forward=False, fsdp_layers_per_group=2))
         resumed.resume()
         found["resumed"] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
         found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))

@@ -70,6 +70,10 @@ class GRPOConfig:
         True, "under torchrun, full fine-tuning: FSDP2 frees each layer's gathered weights after its forward and "
               "gathers them again for the backward (off: keeps them until the backward, one all-gather fewer per "
               "layer and micro-batch for a full copy of the weights per GPU)", run_control=True)
+    fsdp_layers_per_group: int = option(
+        1, "under torchrun, full fine-tuning: consecutive decoder layers that FSDP2 gathers, frees and reduces as one "
+           "group (fewer, larger collectives and fewer of FSDP2's per-group hooks on the host, for more gathered "
+           "weights held at a time)", run_control=True)
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
                                        run_control=True)
     offload_host_memory_gib: float | None = option(
@@ -211,7 +215,7 @@ class GRPOConfig:
             raise ValueError(f"eval_steps / eval_max_examples: expected >= 0 / >= 1, got {self.eval_steps} / "
                              f"{self.eval_max_examples}")
         for name in ("batch_size", "num_generations", "max_prompt_length", "max_completion_length",
-                     "num_iterations", "num_minibatches", "micro_batch_size", "max_steps"):
+                     "num_iterations", "num_minibatches", "micro_batch_size", "max_steps", "fsdp_layers_per_group"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
         if self.num_generations < 2:

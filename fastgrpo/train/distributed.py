@@ -142,10 +142,12 @@ class Distributed:
             self._wrappers[id(model)] = self._ddp
         else:
             self._reshard_layers = getattr(config, "fsdp_reshard_after_forward", True)
+            per_group = getattr(config, "fsdp_layers_per_group", 1)
             self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False),
-                                     reshard_layers=self._reshard_layers)
+                                     reshard_layers=self._reshard_layers, layers_per_group=per_group)
             if ref_model is not None:
-                self._shard(ref_model, trained=False, cpu_offload=False, reshard_layers=True)
+                self._shard(ref_model, trained=False, cpu_offload=False, reshard_layers=True,
+                            layers_per_group=per_group)
         return self
 
     def _check_sizes(self, config) -> None:
@@ -160,15 +162,18 @@ class Distributed:
                              f"in {config.num_minibatches} minibatch(es); micro_batch_size "
                              f"{config.micro_batch_size} must divide {local // config.num_minibatches}")
 
-    def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool,
-               reshard_layers: bool) -> torch.nn.Module:
+    def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool, reshard_layers: bool,
+               layers_per_group: int) -> torch.nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
         offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-        for layer in decoder_layers(model, architecture(model)):
-            fully_shard(layer, mesh=mesh, offload_policy=offload, reshard_after_forward=reshard_layers)
+        layers = decoder_layers(model, architecture(model))
+        for start in range(0, len(layers), layers_per_group):
+            group = layers[start:start + layers_per_group]  # one FSDP2 group: gathered and reduced together
+            fully_shard(group if len(group) > 1 else group[0], mesh=mesh, offload_policy=offload,
+                        reshard_after_forward=reshard_layers)
         # The root group: embeddings, final norm, lm_head. A frozen copy drops them after each pass; the trained
         # model keeps them from the first micro-batch to the last backward (finish_gradients releases them).
         policy = fully_shard(_Policy(model), mesh=mesh, offload_policy=offload, reshard_after_forward=not trained)
