@@ -51,6 +51,26 @@ def caches(monkeypatch):
     return made
 
 
+@pytest.fixture
+def delta_calls(monkeypatch):
+    """The names of the LoRA ops (lora_add, lora_delta) the patched forwards call, one entry per call."""
+    import fastgrpo.patching.forwards as forwards
+    from fastgrpo.ops.lora import lora_add, lora_delta
+
+    calls = []
+
+    def counting(op):
+        def call(*args, **kwargs):
+            calls.append(op.__name__)
+            return op(*args, **kwargs)
+
+        return call
+
+    for op in (lora_add, lora_delta):
+        monkeypatch.setattr(forwards, op.__name__, counting(op))
+    return calls
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

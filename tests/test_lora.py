@@ -1,8 +1,10 @@
 """fastgrpo.ops.lora and patch_model's fused_lora against PEFT 0.21's LoRA Linear (real PEFT, tiny shapes, CPU).
 
-The claims: the forward is bitwise PEFT's and so are the gradients of one chunk; chunked gradients are within fp32
-rounding of fp64; every case PEFT's vanilla branch does not cover runs PEFT's forward; the backward keeps the
-layer's input instead of a copy in the adapter's dtype.
+The claims: lora_dtype="input" (lora_add, the default) is within a derived rounding bound of fp64, for the op and for
+every LoRA layer of a patched model, as PEFT's forward under autocast is; lora_dtype="adapter" (lora_delta) is
+bitwise PEFT's forward and one-chunk gradients, chunked gradients within fp32 rounding of fp64; every case PEFT's
+vanilla branch does not cover runs PEFT's forward; the backward keeps the layer's input instead of a copy in the
+adapter's dtype.
 """
 from __future__ import annotations
 
@@ -19,8 +21,7 @@ from peft.helpers import disable_input_dtype_casting
 import torch.nn.functional as F
 from torch import nn
 
-import fastgrpo.patching.forwards as forwards
-from fastgrpo.ops.lora import lora_delta
+from fastgrpo.ops.lora import lora_add, lora_delta
 from fastgrpo.patching import patch_model, unpatch_model
 from fastgrpo.patching.forwards import lora_linear_forward
 from tests.test_patching import batch, tiny_model
@@ -36,6 +37,7 @@ DTYPES = [
 # Relative to the largest fp64 value: fp32 sums of <= 100 products; bf16 rounds h and the output (eps 7.8e-3).
 TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 ONLY_LORA = dict(rms_norm=False, rope=False, swiglu=False, fused_loss=False)  # the rest stays PEFT's / HF's
+PEFT_BITWISE = dict(ONLY_LORA, lora_dtype="adapter")
 
 
 class Proj(nn.Module):
@@ -59,9 +61,9 @@ def lora_layer(in_features, out_features, r, alpha, base_dtype, adapter_dtype, s
     return layer
 
 
-def fused(layer):
-    """The forward patch_model binds, on one layer."""
-    return types.MethodType(lora_linear_forward(layer.forward), layer)
+def fused(layer, lora_dtype="adapter"):
+    """The forward patch_model binds, on one layer (lora_dtype "adapter": the bitwise-PEFT one)."""
+    return types.MethodType(lora_linear_forward(layer.forward, lora_dtype=lora_dtype), layer)
 
 
 def out_and_grads(layer, forward, x, grad_out):
@@ -121,10 +123,11 @@ def test_chunked_grads_within_rounding_of_fp64(n, in_features, out_features, r, 
     assert [t.dtype for t in got[1:]] == [base_dtype, adapter_dtype, adapter_dtype]
 
 
-def test_frozen_input_gets_no_gradient():
+@pytest.mark.parametrize("lora_dtype", ["input", "adapter"])
+def test_frozen_input_gets_no_gradient(lora_dtype):
     layer = lora_layer(8, 6, 2, 4, torch.bfloat16, torch.float32)
     x = torch.randn(5, 8, dtype=torch.bfloat16)  # e.g. the first layer's input without enable_input_require_grads
-    fused(layer)(x).sum().backward()
+    fused(layer, lora_dtype)(x).sum().backward()
     assert x.grad is None and layer.lora_A["default"].weight.grad is not None
 
 
@@ -142,6 +145,151 @@ def test_bad_input():
         lora_delta(torch.randn(3, 8), a, b, torch.tensor(2.0))
     with pytest.raises(ValueError, match="^chunk_tokens: "):
         lora_delta(torch.randn(3, 8), a, b, 2.0, chunk_tokens=0)
+
+
+# --- lora_add (lora_dtype="input") against fp64 -------------------------------------------------------------------
+# The bound, derived. x's dtype rounds with unit u (bf16 2^-8, fp16 2^-11, fp32 2^-24); each GEMM accumulates in
+# fp32 (unit 2^-24) and rounds its output once (the CPU's addmm too: result is added before that rounding, checked
+# against fp64). Every output element is a sum of products of exact inputs, and on its way each product picks up at
+# most 4 rounding factors (1 + d), |d| <= u: out: the casts of A and B, h, the addmm output; dx: the cast of
+# B * scaling, dh, the cast of A, dx; dA: B * scaling, dh, dA; dB: the cast of A, h, dB (scaled in fp32 after); and
+# at most K = N + in + out + r + 2 fp32 accumulation factors (the GEMMs' inner sizes, the add, the fp32 scale). So
+#   |computed - exact| <= ((1 + u)^4 (1 + 2^-24)^K - 1) * (the same formula evaluated on |inputs|).
+# No underflow term: drawn magnitudes are in [2^-4, 4] and scaling >= 2^-2, so the abs-product of every intermediate
+# is >= 2^-10, above fp16's smallest normal 2^-14, and a subnormal's rounding error (<= u 2^-14) stays inside.
+UNIT = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-24}
+FP32_UNIT = 2.0**-24
+LORA_ADD_ROUNDINGS = 4
+
+
+def rounding_bound(dtype: torch.dtype, roundings: int, terms: int) -> float:
+    """Relative to the abs-product: `roundings` roundings in `dtype` and `terms` fp32 accumulation steps."""
+    return (1 + UNIT[dtype]) ** roundings * (1 + FP32_UNIT) ** terms - 1
+
+
+def branch_exact(result, x, a, b, scaling, grad_out):
+    """[out, d_result, dx, dA, dB] of out = result + scaling * x A^T B^T, by the chain rule in the inputs' dtype
+    (fp64 here); on |inputs| the same formula gives each element's abs-product."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # x2: [N, in], g2: [N, out]
+    h = x2 @ a.T  # h: [N, r]
+    gb = g2 @ b  # gb: [N, r]
+    out = result + scaling * (h @ b.T).view(result.shape)
+    return [out, grad_out, scaling * (gb @ a).view(x.shape), scaling * gb.T @ x2, scaling * g2.T @ h]
+
+
+def error_ratio(got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, rel: float) -> tuple[float, str]:
+    """The largest |got - exact| / (rel * magnitude), and a line saying where and how large."""
+    if not got.numel():
+        return 0.0, "empty"
+    err = (got.double() - exact).abs()
+    bound = rel * magnitude
+    ratio = err / bound
+    i = int(ratio.argmax())
+    worst = f"max error {err.max().item():.3g}; at the worst element error {err.flatten()[i].item():.3g}"
+    return ratio.max().item(), f"{worst} vs bound {bound.flatten()[i].item():.3g} (rel {rel:.3g})"
+
+
+def assert_within(name: str, got: torch.Tensor, exact: torch.Tensor, magnitude: torch.Tensor, rel: float) -> None:
+    ratio, where = error_ratio(got, exact, magnitude, rel)
+    assert ratio <= 1, f"{name}: {where}"
+
+
+def draw(shape, dtype, g):
+    """Random values of magnitude in [2^-4, 4], either sign (see the bound above: no subnormal products)."""
+    t = torch.randn(shape, generator=g, dtype=torch.float64)
+    return (torch.where(t < 0, -1.0, 1.0) * t.abs().clamp(2.0**-4, 4.0)).to(dtype)
+
+
+def lora_add_case(lead, in_features, out_features, r, x_dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    result, x = draw((*lead, out_features), x_dtype, g), draw((*lead, in_features), x_dtype, g)
+    a, b = draw((r, in_features), torch.float32, g), draw((out_features, r), torch.float32, g)
+    return result, x, a, b, draw((*lead, out_features), x_dtype, g)
+
+
+def lora_add_out_and_grads(result, x, a, b, scaling, grad_out):
+    result, x, a, b = (t.detach().requires_grad_() for t in (result, x, a, b))
+    out = lora_add(result, x, a, b, scaling)
+    return [out.detach(), *torch.autograd.grad(out, (result, x, a, b), grad_out)]
+
+
+def lora_add_ratios(got, inputs, scaling, x_dtype):
+    """Max error / bound of [out, dx, dA, dB] (d_result must equal grad_out: it is passed through)."""
+    exact = branch_exact(*(t.double() for t in inputs[:4]), scaling, inputs[4].double())
+    magnitude = branch_exact(*(t.double().abs() for t in inputs[:4]), scaling, inputs[4].double().abs())
+    x, a, b = inputs[1:4]
+    terms = x[..., 0].numel() + x.shape[-1] + b.shape[0] + a.shape[0] + 2
+    rel = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS, terms)
+    return {name: error_ratio(got[i], exact[i], magnitude[i], rel) for i, name in [(0, "out"), (2, "dx"),
+                                                                                    (3, "dA"), (4, "dB")]}
+
+
+@given(
+    lead=st.sampled_from([(), (1,), (2,)]), n=st.integers(1, 33), in_features=st.integers(1, 40),
+    out_features=st.integers(1, 40), r=st.integers(1, 8), scaling=st.floats(0.25, 4.0),
+    x_dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]),
+)
+def test_lora_add_within_the_rounding_bound_of_fp64(lead, n, in_features, out_features, r, scaling, x_dtype):
+    inputs = lora_add_case((*lead, n), in_features, out_features, r, x_dtype, seed=n * 41 + r)
+    got = lora_add_out_and_grads(*inputs[:4], scaling, inputs[4])
+    assert [t.dtype for t in got] == [x_dtype] * 3 + [torch.float32] * 2  # fp32 adapters get fp32 gradients
+    assert torch.equal(got[1], inputs[4])  # d_result is grad_out
+    for name, (ratio, where) in lora_add_ratios(got, inputs, scaling, x_dtype).items():
+        assert ratio <= 1, f"{name}: {where}"
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_lora_add_bound_catches_a_missing_scaling(x_dtype):
+    """The bound is tight enough to fail: the same inputs with scaling 1 instead of 4 break it for every output."""
+    inputs = lora_add_case((2, 5), 6, 7, 3, x_dtype, seed=0)
+    right = lora_add_ratios(lora_add_out_and_grads(*inputs[:4], 4.0, inputs[4]), inputs, 4.0, x_dtype)
+    wrong = lora_add_ratios(lora_add_out_and_grads(*inputs[:4], 1.0, inputs[4]), inputs, 4.0, x_dtype)
+    assert all(ratio <= 1 for ratio, _ in right.values()), right
+    assert all(ratio > 1 for ratio, _ in wrong.values()), wrong
+
+
+def test_lora_add_skips_what_needs_no_gradient():
+    """Frozen adapters: neither x nor h is saved and no weight gradient is formed; no grad: nothing is saved."""
+    result, x, a, b, grad_out = lora_add_case((3,), 8, 6, 2, torch.bfloat16, seed=1)
+    x.requires_grad_()
+    saved = saved_tensors(lambda: lora_add(result, x, a, b, 2.0).backward(grad_out))
+    assert {t.data_ptr() for t in saved} == {a.data_ptr(), b.data_ptr()} and x.grad is not None
+    a.requires_grad_(), b.requires_grad_()
+    with torch.no_grad():
+        assert saved_tensors(lambda: lora_add(result, x, a, b, 2.0)) == []
+    saved = saved_tensors(lambda: lora_add(result, x.detach(), a, b, 2.0))
+    assert sorted(t.shape for t in saved if t.data_ptr() not in {a.data_ptr(), b.data_ptr()}) == [(3, 2), (3, 8)]
+
+
+def test_lora_add_output_takes_in_place_ops():
+    """As PEFT's output does: a custom Function's output that is a view would refuse them (and so would the model)."""
+    result, x, a, b, grad_out = lora_add_case((2, 3), 8, 6, 2, torch.bfloat16, seed=2)
+    twice = [lora_add_out_and_grads(result, x, a, b, 2.0, grad_out * 2)]
+    result, x, a, b = (t.detach().requires_grad_() for t in (result, x, a, b))
+    out = lora_add(result, x, a, b, 2.0)
+    out.mul_(2)
+    twice.append([out.detach(), *torch.autograd.grad(out, (result, x, a, b), grad_out)])
+    assert torch.equal(twice[1][0], twice[0][0] * 2)
+    for got, want in zip(twice[1][1:], twice[0][1:]):
+        assert torch.equal(got, want)
+
+
+def test_lora_add_bad_input():
+    result, x, a, b = torch.randn(3, 6), torch.randn(3, 8), torch.randn(4, 8), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="^x: expected a floating tensor"):
+        lora_add(result, x.long(), a, b, 2.0)
+    with pytest.raises(ValueError, match="^weight_a: expected shape \\[\\*, 8\\], got \\[4, 7\\]$"):
+        lora_add(result, x, a[:, :7], b, 2.0)
+    with pytest.raises(ValueError, match="^weight_b: expected shape \\[\\*, 4\\]"):
+        lora_add(result, x, a, b.t(), 2.0)
+    with pytest.raises(ValueError, match="^weight_b: expected a floating dtype, got int64$"):
+        lora_add(result, x, a, b.long(), 2.0)
+    with pytest.raises(ValueError, match="^result: expected shape \\[3, 6\\], got \\[3, 5\\]$"):
+        lora_add(result[:, :5], x, a, b, 2.0)
+    with pytest.raises(ValueError, match="^result: expected the dtype of x torch.float32, got torch.bfloat16$"):
+        lora_add(result.bfloat16(), x, a, b, 2.0)
+    with pytest.raises(ValueError, match="^scaling: expected a real number, got Tensor$"):
+        lora_add(result, x, a, b, torch.tensor(2.0))
 
 
 # --- patched PEFT models -------------------------------------------------------------------------------------------
@@ -167,26 +315,13 @@ def loss_and_grads(model, ids, mask, **kwargs):
     return out.logits.detach(), grads
 
 
-@pytest.fixture
-def delta_calls(monkeypatch):
-    """Counts the calls of lora_delta from the patched forwards."""
-    calls = []
-
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return lora_delta(*args, **kwargs)
-
-    monkeypatch.setattr(forwards, "lora_delta", counting)
-    return calls
-
-
 def test_patched_fp32_model_matches_unpatched(delta_calls):
     model = lora_model()
-    patched = patch_model(copy.deepcopy(model), **ONLY_LORA)
+    patched = patch_model(copy.deepcopy(model), **PEFT_BITWISE)
     ids, mask = batch(1)
     logits, grads = loss_and_grads(model, ids, mask)
     logits_p, grads_p = loss_and_grads(patched, ids, mask)
-    assert len(delta_calls) == len(TARGETS) * 2
+    assert delta_calls == ["lora_delta"] * len(TARGETS) * 2
     assert torch.equal(logits_p, logits)
     assert grads.keys() == grads_p.keys() and sum("lora_A" in n for n in grads) == len(TARGETS) * 2
     for name in grads:  # dx of q, k, v adds up in another order: fp32 rounding, no more
@@ -195,7 +330,7 @@ def test_patched_fp32_model_matches_unpatched(delta_calls):
 
 def test_patched_bf16_base_is_as_close_to_fp64_as_peft():
     model = lora_model(torch.bfloat16)
-    patched = patch_model(copy.deepcopy(model), **ONLY_LORA)
+    patched = patch_model(copy.deepcopy(model), **PEFT_BITWISE)
     ids, mask = batch(2)
     mask = torch.ones_like(mask)  # fp64 eager attention gives NaN on fully masked (left-padded) rows
     logits, grads = loss_and_grads(model, ids, mask)
@@ -247,7 +382,7 @@ def test_cases_outside_the_vanilla_branch_run_peft(case, delta_calls):
 
 def test_dropout_in_eval_mode_takes_the_fused_path(delta_calls):
     model = lora_model(lora_dropout=0.5).eval()
-    patched = patch_model(copy.deepcopy(model), **ONLY_LORA)
+    patched = patch_model(copy.deepcopy(model), **PEFT_BITWISE)
     ids, mask = batch(3)
     assert torch.equal(loss_and_grads(patched, ids, mask)[0], loss_and_grads(model, ids, mask)[0])
     assert len(delta_calls) == len(TARGETS) * 2
@@ -255,8 +390,9 @@ def test_dropout_in_eval_mode_takes_the_fused_path(delta_calls):
 
 @pytest.mark.parametrize("second_dtype", [torch.float32, torch.bfloat16])
 def test_two_active_adapters(second_dtype, delta_calls):
-    """Both adapters' deltas are added; adapters of different dtypes run PEFT, which casts x to each in turn
-    (fp32 -> bf16 -> fp32 rounds x for the second one)."""
+    """Both adapters' deltas are added; lora_dtype "adapter": adapters of different dtypes run PEFT, which casts x to
+    each in turn (fp32 -> bf16 -> fp32 rounds x for the second one); "input": both run in x's dtype, chained
+    addmm's within the bound of fp64 (one more rounding for the second add, of the first sum)."""
     layer = lora_layer(12, 10, 3, 6, torch.float32, torch.float32)
     torch.manual_seed(1)
     layer.update_layer("second", 2, 4, LoraConfig(r=2, lora_alpha=4, init_lora_weights=False))
@@ -269,6 +405,16 @@ def test_two_active_adapters(second_dtype, delta_calls):
     want, got = layer.forward(x), fused(layer)(x)
     assert torch.equal(got, want) and not torch.equal(want, layer.base_layer(x))
     assert len(delta_calls) == (2 if second_dtype == torch.float32 else 0)
+    delta_calls.clear()
+    got = fused(layer, "input")(x)
+    assert delta_calls == ["lora_add"] * 2
+    with torch.no_grad():
+        exact, magnitude = layer.base_layer(x).double(), layer.base_layer(x).double().abs()
+    for name in order:
+        a, b, scaling = layer.lora_A[name].weight, layer.lora_B[name].weight, layer.scaling[name]
+        exact += scaling * x.double() @ a.double().T @ b.double().T
+        magnitude += scaling * x.double().abs() @ a.double().abs().T @ b.double().abs().T
+    assert_within("out", got, exact, magnitude, rounding_bound(torch.float32, LORA_ADD_ROUNDINGS + 1, 12 + 3 + 2 + 2))
 
 
 def saved_tensors(run):
@@ -284,9 +430,11 @@ def saved_tensors(run):
     return saved
 
 
-def test_saved_tensors_hold_the_input_not_an_fp32_copy():
+@pytest.mark.parametrize("lora_dtype", ["input", "adapter"])
+def test_saved_tensors_hold_the_input_not_an_fp32_copy(lora_dtype):
     """q, k and v of a bf16 Qwen2 with fp32 adapters on one input: PEFT saves three fp32 copies of it (4 B per
-    element each); the patched layers save the input itself (2 B per element, once)."""
+    element each); the patched layers save the input itself (2 B per element, once), and the [N, r] lora_A output
+    (fp32 in "adapter", bf16 in "input")."""
     model = lora_model(torch.bfloat16)
     attn = model.base_model.model.model.layers[0].self_attn
     layers = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -299,15 +447,17 @@ def test_saved_tensors_hold_the_input_not_an_fp32_copy():
         return list(unique.values())
 
     peft_saved = activations([m.forward for m in layers])
-    fused_saved = activations([fused(m) for m in layers])
+    fused_saved = activations([fused(m, lora_dtype) for m in layers])
+
     def inputs(saved):  # tensors of x's size (linear saves x as [N, in] rows)
         return [t for t in saved if t.numel() == x.numel() and t.shape[-1] == x.shape[-1]]
 
     assert [t.dtype for t in inputs(peft_saved)] == [torch.float32] * 3
     assert [t.data_ptr() for t in inputs(fused_saved)] == [x.data_ptr()]
     nbytes = [sum(t.nbytes for t in s) for s in (peft_saved, fused_saved)]
-    r_outputs = 3 * 2 * 9 * 4 * 4  # the [N, r] fp32 lora_A outputs, kept by both
-    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + r_outputs]
+    r_outputs = 3 * 2 * 9 * 4 * 4  # the [N, r] fp32 lora_A outputs PEFT keeps
+    fused_r_outputs = r_outputs // (2 if lora_dtype == "input" else 1)
+    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + fused_r_outputs]
 
 
 def test_summary_option_and_unpatch():
@@ -318,6 +468,7 @@ def test_summary_option_and_unpatch():
     patch_model(model)
     summary = model.fastgrpo_patch_summary
     assert summary["options"]["fused_lora"] and summary["patched"]["fused_lora"] == len(TARGETS) * 2
+    assert summary["options"]["lora_dtype"] == "input"
     assert "forward" in layer.__dict__
     unpatch_model(model)
     assert "forward" not in layer.__dict__ and not hasattr(model.get_base_model(), "fastgrpo_patch_summary")
@@ -355,6 +506,81 @@ def test_offload_checkpointing_and_tiled_mlp_recompute_the_fused_forward(delta_c
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
+
+LORA_LINEAR = "peft.tuners.lora.layer.Linear"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_model_lora_layers_within_the_bound_as_peft_under_autocast(dtype, delta_calls):
+    """The default lora_dtype="input" on a tiny Qwen2 with fp32 adapters: every LoRA layer's output (on the input it
+    got) and its adapters' gradients (from the output gradient it got) are within lora_add's bound of fp64. On the
+    bf16 model, PEFT's forward under CPU autocast, on the same inputs, is within the bound of its own roundings:
+    out 6 (the casts of A and B, h, lora_B's output, * scaling, the add), dA and dB 4 (g * scaling, a cast, dh or
+    h, the GEMM)."""
+    model = patch_model(lora_model(dtype), **ONLY_LORA)
+    assert model.fastgrpo_patch_summary["options"]["lora_dtype"] == "input"
+    layers = {n: m for n, m in model.named_modules() if f"{type(m).__module__}.{type(m).__name__}" == LORA_LINEAR}
+    assert len(layers) == len(TARGETS) * 2
+    seen = {}
+
+    def record(name):
+        def hook(module, args, output):
+            seen[name] = {"x": args[0].detach(), "out": output.detach()}
+            output.register_hook(lambda g: seen[name].update(g=g))
+
+        return hook
+
+    handles = [layer.register_forward_hook(record(name)) for name, layer in layers.items()]
+    ids, mask = batch(2)
+    loss_and_grads(model, ids, torch.ones_like(mask))
+    for handle in handles:
+        handle.remove()
+    assert delta_calls == ["lora_add"] * len(layers)
+    for name, layer in layers.items():
+        x, g = seen[name]["x"], seen[name]["g"]
+        a, b, scaling = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+        with torch.no_grad():
+            result = layer.base_layer(x)
+        inputs = (result, x, a, b)
+        exact = branch_exact(*(t.double() for t in inputs), scaling, g.double())
+        magnitude = branch_exact(*(t.double().abs() for t in inputs), scaling, g.double().abs())
+        terms = x[..., 0].numel() + a.shape[1] + b.shape[0] + a.shape[0] + 2
+        rel = {k: rounding_bound(dtype, k, terms) for k in (4, 6)}
+        for i, what, got in [(0, "out", seen[name]["out"]), (3, "dA", a.grad), (4, "dB", b.grad)]:
+            assert got.dtype == (dtype if what == "out" else torch.float32)
+            assert_within(f"{name} {what}", got, exact[i], magnitude[i], rel[LORA_ADD_ROUNDINGS])
+        if dtype == torch.bfloat16:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = type(layer).forward(layer, x)  # PEFT's own forward
+            autocast = [out.detach(), *torch.autograd.grad(out, (a, b), g)]  # .grad is left alone
+            for i, what, got, k in [(0, "out", autocast[0], 6), (3, "dA", autocast[1], 4), (4, "dB", autocast[2], 4)]:
+                assert_within(f"{name} {what} (PEFT under autocast)", got, exact[i], magnitude[i], rel[k])
+
+
+def test_patching_again_with_another_lora_dtype_repatches(delta_calls):
+    model = lora_model()
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    ids, _ = batch(6)
+    patch_model(model, **ONLY_LORA)
+    forward = layer.__dict__["forward"]
+    assert patch_model(model, **ONLY_LORA) is model and layer.__dict__["forward"] is forward  # same options
+    with torch.no_grad():
+        model(input_ids=ids)
+    assert set(delta_calls) == {"lora_add"}
+    delta_calls.clear()
+    patch_model(model, **PEFT_BITWISE)
+    assert layer.__dict__["forward"] is not forward
+    assert model.fastgrpo_patch_summary["options"]["lora_dtype"] == "adapter"
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        assert set(delta_calls) == {"lora_delta"}
+        assert torch.equal(logits, unpatch_model(model)(input_ids=ids).logits)
+
+
+def test_bad_lora_dtype():
+    with pytest.raises(ValueError, match=r"^lora_dtype: expected one of \['input', 'adapter'\], got 'bf16'$"):
+        patch_model(lora_model(), lora_dtype="bf16")
+
 # --- GPU -----------------------------------------------------------------------------------------------------------
 
 
@@ -362,7 +588,8 @@ def test_offload_checkpointing_and_tiled_mlp_recompute_the_fused_forward(delta_c
 def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
     """Two Qwen2.5-1.5B-shaped layers (bf16 base, fp32 LoRA r=16 on all linears) at 2 x 4096 tokens, patched with
     every other option the same: PEFT's saved fp32 input copies are (6 x 1536 + 8960) x 4 B = 72.6 KiB per token
-    and layer; the fused branch keeps the bf16 inputs (at most 24 KiB where nothing else holds them)."""
+    and layer; the fused branch keeps the bf16 inputs (at most 24 KiB where nothing else holds them), in both
+    lora_dtypes ("input" also keeps its [N, r] lora_A outputs in bf16, not fp32)."""
     config = transformers.Qwen2Config(
         vocab_size=4096, hidden_size=1536, intermediate_size=8960, num_hidden_layers=2, num_attention_heads=12,
         num_key_value_heads=2, max_position_embeddings=8192,
@@ -376,8 +603,9 @@ def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
     assert model.base_model.model.model.layers[0].mlp.down_proj.lora_A["default"].weight.dtype == torch.float32
     ids = torch.randint(0, config.vocab_size, (2, 4096), generator=torch.Generator().manual_seed(1)).cuda()
     losses, grads, peaks = {}, {}, {}
-    for fused_lora in (False, True):
-        patch_model(model, fused_lora=fused_lora)
+    cases = {"peft": dict(fused_lora=False), "adapter": dict(lora_dtype="adapter"), "input": dict(lora_dtype="input")}
+    for case, options in cases.items():
+        patch_model(model, **options)
         model.zero_grad(set_to_none=True)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
@@ -386,17 +614,23 @@ def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
         loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         torch.cuda.synchronize()
-        peaks[fused_lora] = torch.cuda.max_memory_allocated() - start
-        losses[fused_lora] = loss.detach()
-        grads[fused_lora] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
+        peaks[case] = torch.cuda.max_memory_allocated() - start
+        losses[case] = loss.detach()
+        grads[case] = {n: p.grad.float() for n, p in model.named_parameters() if p.grad is not None}
         del loss
-    assert model.fastgrpo_patch_summary["patched"]["fused_lora"] == len(TARGETS) * config.num_hidden_layers
+        if case != "peft":
+            assert model.fastgrpo_patch_summary["patched"]["fused_lora"] == len(TARGETS) * config.num_hidden_layers
     unpatch_model(model)
-    # Same ops in the forward (bitwise on the CPU, see above); the backward sums dx of q, k, v in another order, so
-    # LoRA grads of earlier layers differ by bf16 rounding of the activation gradients.
-    torch.testing.assert_close(losses[True], losses[False], rtol=1e-5, atol=1e-6)
-    assert grads[True].keys() == grads[False].keys() and len(grads[True]) == 2 * len(TARGETS) * 2
-    for name, want in grads[False].items():
-        assert (grads[True][name] - want).norm() <= 2e-2 * want.norm(), name
+    # "adapter": the same ops in the forward (bitwise on the CPU, see above); the backward sums dx of q, k, v in
+    # another order, so LoRA grads of earlier layers differ by bf16 rounding of the activation gradients.
+    torch.testing.assert_close(losses["adapter"], losses["peft"], rtol=1e-5, atol=1e-6)
+    assert grads["adapter"].keys() == grads["peft"].keys() and len(grads["peft"]) == 2 * len(TARGETS) * 2
+    for name, want in grads["peft"].items():
+        assert (grads["adapter"][name] - want).norm() <= 2e-2 * want.norm(), name
+    # "input": bf16 LoRA math (its per-layer bound is checked on the CPU); here the step agrees to bf16 noise.
+    torch.testing.assert_close(losses["input"], losses["peft"], rtol=2e-3, atol=0)
+    flat = [torch.cat([g[n].flatten() for n in sorted(g)]) for g in (grads["peft"], grads["input"])]
+    assert torch.nn.functional.cosine_similarity(*flat, dim=0) > 0.99
     copies = config.num_hidden_layers * ids.numel() * (6 * 1536 + 8960) * 4
-    assert peaks[False] - peaks[True] >= 0.4 * copies, (peaks, copies)
+    assert peaks["peft"] - peaks["adapter"] >= 0.4 * copies, (peaks, copies)
+    assert peaks["input"] <= peaks["adapter"] + (1 << 20), peaks  # bf16 [N, r] outputs, no fp32 transients

@@ -406,18 +406,13 @@ def test_offload_activations_takes_an_offloader():
 
 
 @pytest.mark.gpu
-def test_bitsandbytes_4bit_base_with_lora(tmp_path, monkeypatch):
+def test_bitsandbytes_4bit_base_with_lora(tmp_path, delta_calls):
     bnb = pytest.importorskip(
         "bitsandbytes", reason="bitsandbytes is not installed (GPU wheel: tools/device-wheels.sh)"
     )
     from peft import LoraConfig, get_peft_model
 
-    import fastgrpo.patching.forwards as forwards
     from fastgrpo.loss.model import grpo_loss
-
-    delta_calls = []
-    lora_delta = forwards.lora_delta
-    monkeypatch.setattr(forwards, "lora_delta", lambda *a, **k: delta_calls.append(a[0].shape) or lora_delta(*a, **k))
 
     config = transformers.Qwen2Config(**{**TINY, "hidden_size": 128, "intermediate_size": 256})
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
@@ -447,7 +442,8 @@ def test_bitsandbytes_4bit_base_with_lora(tmp_path, monkeypatch):
         loss.backward()
         losses.append(loss.detach())
         grads.append(torch.cat([p.grad.flatten().float() for n, p in m.named_parameters() if p.grad is not None]))
-    assert len(delta_calls) == 3 * 2  # the patched forward ran the fused branch in every 4-bit LoRA layer
+    # the patched forward ran the fused branch in every 4-bit LoRA layer, in the default lora_dtype="input"
+    assert delta_calls == ["lora_add"] * 3 * 2
     # bf16 compute on both sides: the patched step must agree with the unpatched one to bf16 noise.
     torch.testing.assert_close(losses[1], losses[0], rtol=2e-2, atol=2e-2)
     assert torch.nn.functional.cosine_similarity(grads[0], grads[1], dim=0) > 0.99

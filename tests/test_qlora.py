@@ -3,7 +3,8 @@
 The same model objects serve the rollout engine, patch_model and the fused loss: greedy rollouts equal HF
 generate on the 4-bit model with its LoRA adapter active, and a patched 4-bit model gives the same log-probs and
 LoRA gradients as the unpatched one. fused_lora on PEFT's bitsandbytes LoRA classes (Linear4bit, Linear8bitLt):
-forward and one-chunk gradients bitwise PEFT's, the input saved instead of fp32 copies, fallbacks run PEFT.
+lora_dtype "adapter": forward and one-chunk gradients bitwise PEFT's; "input" (the default): within lora_add's
+rounding bound of fp64; both save the input instead of fp32 copies; fallbacks run PEFT.
 """
 import contextlib
 import copy
@@ -23,8 +24,10 @@ import fastgrpo  # noqa: E402
 from fastgrpo.hf.architectures import loaded_lora_classes
 from fastgrpo.patching.forwards import lora_linear_forward  # noqa: E402
 from fastgrpo.rollout import generate  # noqa: E402
-from tests.test_lora import ONLY_LORA, delta_calls, loss_and_grads, saved_tensors  # noqa: E402, F401 (a fixture)
-from tests.test_rollout import EOS, PAD, PROMPTS, SIZES, char_tokenizer, completions, hf_greedy  # noqa: E402
+from tests.test_lora import (  # noqa: E402
+    LORA_ADD_ROUNDINGS, PEFT_BITWISE, assert_within, branch_exact, loss_and_grads, rounding_bound, saved_tensors,
+)
+from tests.test_rollout import PROMPTS, SIZES, char_tokenizer, completions, hf_greedy  # noqa: E402
 
 
 @pytest.fixture
@@ -105,7 +108,7 @@ def test_export_merges_lora_into_the_dequantized_base(qlora_model, tmp_path):
 def test_fused_4bit_lora_layers_match_unpatched(qlora_model, delta_calls):
     """fused_lora alone: logits bitwise; LoRA grads to fp32 rounding (dx of q and v adds up in another order)."""
     qlora_model.train()  # see the fixture: no eval-mode forward on this CPU model
-    patched = fastgrpo.patch_model(copy.deepcopy(qlora_model), **ONLY_LORA)
+    patched = fastgrpo.patch_model(copy.deepcopy(qlora_model), **PEFT_BITWISE)
     layers = SIZES["num_hidden_layers"]
     assert patched.base_model.model.fastgrpo_patch_summary["patched"] == {"fused_lora": 3 * layers}
     ids = torch.randint(3, SIZES["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(3))
@@ -155,9 +158,10 @@ def quantized_lora_layer(bits, in_features, out_features, r, alpha, x_dtype, ada
     return layer.train()
 
 
-def fused(layer):
-    """The forward patch_model binds on the layer, found in the same table."""
-    return types.MethodType(lora_linear_forward(layer.forward, loaded_lora_classes()[type(layer)]), layer)
+def fused(layer, lora_dtype="adapter"):
+    """The forward patch_model binds on the layer, found in the same table (lora_dtype "adapter": bitwise PEFT)."""
+    forward = lora_linear_forward(layer.forward, loaded_lora_classes()[type(layer)], lora_dtype)
+    return types.MethodType(forward, layer)
 
 
 def out_and_grads(layer, forward, x, grad_out, **kwargs):
@@ -193,13 +197,36 @@ def test_fused_quantized_layer_is_bitwise_peft(bits, dtypes, n, in_features, out
     grad_out = torch.randn(2, n, out_features, generator=g)
     want = out_and_grads(layer, layer.forward, x, grad_out)
     got = out_and_grads(layer, fused(layer), x, grad_out)
-    assert len(delta_calls) == 1
+    assert delta_calls == ["lora_delta"]
     assert want[0].dtype == dtypes[0]
     assert_bitwise(got, want)
 
 
 @pytest.mark.parametrize("bits", BITS)
-def test_quantized_layers_save_the_input_not_fp32_copies(bits):
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_fused_quantized_layer_in_the_input_dtype_is_within_the_bound(bits, x_dtype, delta_calls):
+    """lora_dtype "input" on fp32 adapters: the output and the adapters' gradients within lora_add's bound of fp64 on
+    the base layer's own output (a bf16 delta_in_result_dtype layer adds in bf16 anyway: one rounding, in the GEMM)."""
+    n, in_features, out_features, r = 13, 64, 40, 8
+    layer = quantized_lora_layer(bits, in_features, out_features, r, 32, x_dtype, torch.float32)
+    g = torch.Generator().manual_seed(bits)
+    x = torch.randn(2, n, in_features, generator=g).to(x_dtype)
+    grad_out = torch.randn(2, n, out_features, generator=g).to(x_dtype)
+    out, _, grad_a, grad_b = out_and_grads(layer, fused(layer, "input"), x, grad_out)
+    assert delta_calls == ["lora_add"] and out.dtype == x_dtype
+    a, b, scaling = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
+    with torch.no_grad():
+        inputs = (layer.base_layer(x), x, a, b)
+    exact = branch_exact(*(t.double() for t in inputs), scaling, grad_out.double())
+    magnitude = branch_exact(*(t.double().abs() for t in inputs), scaling, grad_out.double().abs())
+    rel = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS, 2 * n + in_features + out_features + r + 2)
+    for i, name, got in [(0, "out", out), (3, "dA", grad_a), (4, "dB", grad_b)]:
+        assert_within(name, got, exact[i], magnitude[i], rel)
+
+
+@pytest.mark.parametrize("lora_dtype", ["input", "adapter"])
+@pytest.mark.parametrize("bits", BITS)
+def test_quantized_layers_save_the_input_not_fp32_copies(bits, lora_dtype):
     """q, k and v analogues on one bf16 input with fp32 adapters: PEFT's bnb layers save three fp32 copies of it
     (4 B per element each); the fused layers save the input itself (2 B per element, once). The bnb base layers
     keep theirs on ctx attributes, unseen by saved-tensor hooks, on both sides."""
@@ -216,12 +243,12 @@ def test_quantized_layers_save_the_input_not_fp32_copies(bits):
         return [t for t in saved if t.numel() == x.numel() and t.shape[-1] == x.shape[-1]]
 
     peft_saved = activations([m.forward for m in layers])
-    fused_saved = activations([fused(m) for m in layers])
+    fused_saved = activations([fused(m, lora_dtype) for m in layers])
     assert [t.dtype for t in inputs(peft_saved)] == [torch.float32] * 3
     assert [t.data_ptr() for t in inputs(fused_saved)] == [x.data_ptr()]
     nbytes = [sum(t.nbytes for t in s) for s in (peft_saved, fused_saved)]
-    r_outputs = 3 * 2 * 9 * 4 * 4  # the [N, r] fp32 lora_A outputs, kept by both
-    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + r_outputs]
+    r_outputs = 3 * 2 * 9 * 4 * 4  # the [N, r] fp32 lora_A outputs PEFT keeps ("input": bf16, half of it)
+    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + r_outputs // (2 if lora_dtype == "input" else 1)]
 
 
 @contextlib.contextmanager
@@ -266,7 +293,7 @@ def test_quantized_cases_outside_the_vanilla_branch_run_peft(bits, case, delta_c
         kwargs = dict(adapter_names=["default", "__base__"])
     x, grad_out = torch.randn(2, 5, 48), torch.randn(2, 5, 40)
     results = []
-    for forward in (layer.forward, fused(layer)):
+    for forward in (layer.forward, fused(layer, "input")):  # patch_model's default
         torch.manual_seed(5)  # the same dropout masks
         with context():
             results.append(out_and_grads(layer, forward, x, grad_out, **kwargs))
@@ -274,11 +301,12 @@ def test_quantized_cases_outside_the_vanilla_branch_run_peft(bits, case, delta_c
     assert_bitwise(results[1], results[0])
 
 
-def test_4bit_output_is_cloned_as_in_peft():
+@pytest.mark.parametrize("lora_dtype", ["input", "adapter"])
+def test_4bit_output_is_cloned_as_in_peft(lora_dtype):
     """PEFT clones the 4-bit base output, a view made by bitsandbytes' autograd Function: with no adapter of the
     layer active (the active one targets other modules) that clone is the output, and in-place ops on it work."""
     layer = quantized_lora_layer(4, 48, 40, 4, 8, torch.float32, torch.float32)
     layer._active_adapter = ["elsewhere"]
     x = torch.randn(2, 5, 48, requires_grad=True)
-    outputs = [forward(x).mul_(2) for forward in (layer.forward, fused(layer))]
+    outputs = [forward(x).mul_(2) for forward in (layer.forward, fused(layer, lora_dtype))]
     assert torch.equal(outputs[1], outputs[0])

@@ -11,7 +11,7 @@ from torch import nn
 
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
-from fastgrpo.ops.lora import lora_delta
+from fastgrpo.ops.lora import lora_add, lora_delta
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
@@ -48,15 +48,25 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
     return forward
 
 
-def lora_linear_forward(previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0]) -> Callable:
-    """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's delta where PEFT would run its vanilla branch
-    alone; `previous` (PEFT's own forward) for everything else."""
+def lora_linear_forward(
+    previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input"
+) -> Callable:
+    """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's branch where PEFT would run its vanilla branch
+    alone; `previous` (PEFT's own forward) for everything else. lora_dtype "input": lora_add in x's dtype (autocast's
+    math); "adapter": lora_delta in the adapter's dtype (bitwise PEFT)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-        adapters = _vanilla_adapters(self, x, args, kwargs)
+        adapters = _vanilla_adapters(self, x, args, kwargs, one_dtype=lora_dtype == "adapter")
         if adapters is None:
             return previous(x, *args, **kwargs)
         result = self.base_layer(x)
+        if lora_dtype == "input":
+            if result.dtype != x.dtype:  # no LORA_CLASSES base does this (nn.Linear, bnb return x's dtype)
+                return previous(x, *args, **kwargs)
+            for lora_a, lora_b, scaling in adapters:  # out-of-place: lora_class.clone_base holds
+                result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling)
+            # Each delta is added in result's dtype whatever delta_in_result_dtype says: it is x's dtype here.
+            return result.clone() if lora_class.clone_base and not adapters else result
         if lora_class.clone_base:
             result = result.clone()
         result_dtype = result.dtype
@@ -68,9 +78,12 @@ def lora_linear_forward(previous: Callable, lora_class: LoRAClass = LORA_CLASSES
     return forward
 
 
-def _vanilla_adapters(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict) -> list[tuple] | None:
+def _vanilla_adapters(
+    layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, one_dtype: bool = True
+) -> list[tuple] | None:
     """(lora_A, lora_B, scaling) of each active adapter when the forward of PEFT's LORA_CLASSES (0.21) would add
-    lora_B(lora_A(x.to(A.dtype))) * scaling for each to base_layer(x) and do nothing else; None when it would not."""
+    lora_B(lora_A(x.to(A.dtype))) * scaling for each to base_layer(x) and do nothing else; None when it would not.
+    one_dtype: also None when the adapters' dtypes differ (for lora_delta, which casts x once)."""
     if args or kwargs or layer.disable_adapters or layer.merged:
         return None  # arguments for the base layer or adapter_names (a mixed batch); base alone; merged weights
     if not getattr(layer, "cast_input_dtype_enabled", True):
@@ -90,7 +103,7 @@ def _vanilla_adapters(layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: di
         adapters.append((lora_a, lora_b, layer.scaling[name]))
         dtypes |= {lora_a.weight.dtype, lora_b.weight.dtype}
     # PEFT casts x to each adapter's dtype in turn (fp32 -> bf16 -> fp32 would round); lora_delta casts once.
-    return adapters if len(dtypes) <= 1 else None
+    return adapters if len(dtypes) <= 1 or not one_dtype else None
 
 
 def _plain_linear(module: nn.Module) -> bool:

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from torch import nn
 
-from fastgrpo._checks import check_positive_int
+from fastgrpo._checks import check_choice, check_positive_int
 from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
@@ -26,6 +26,7 @@ from fastgrpo.patching.loss_forward import causal_lm_forward
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
 _UNDO_ATTR = "_fastgrpo_undo"
+LORA_DTYPES = ("input", "adapter")
 
 
 def patch_model(
@@ -39,6 +40,7 @@ def patch_model(
     tiled_mlp: bool | None = None,
     mlp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     fused_lora: bool = True,
+    lora_dtype: str = "input",
 ) -> nn.Module:
     """Replace RMSNorm, rotary embedding and gated-MLP math of `model` with fastgrpo's fused kernels.
 
@@ -61,6 +63,12 @@ def patch_model(
     the layer's input for the backward instead of a copy in the adapter's dtype (fp32 adapters on a bf16 input: 4 B
     per input element and layer); DoRA, dropout in training, merged or disabled adapters, adapter_names, autocast
     run PEFT's forward.
+    lora_dtype: the precision of that branch. "input": in the dtype of the layer's input, as under torch autocast
+    (TRL's bf16 Trainer, Unsloth): the adapter weights are cast to it per call and the delta is added to the base
+    output inside the second GEMM (fastgrpo.ops.lora.lora_add): on a bf16 model, bf16 tensor-core GEMMs with fp32
+    accumulation, adapter weights and their gradients staying fp32. "adapter": PEFT's own math without autocast,
+    bitwise (input cast to the fp32 adapters, fp32 GEMMs, an fp32 [tokens, out] delta added and cast back), which
+    measured on an H100 costs more GPU time than the base model in a Qwen2.5-1.5B LoRA step (ops/lora.py).
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
     reason for anything left alone). Patching again with the same options does nothing; with other options the
@@ -71,6 +79,7 @@ def patch_model(
     for library in ("transformers", "peft"):
         check_supported(library)
     check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
+    check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
     if not isinstance(offload_activations, bool):
         if not isinstance(offload_activations, ActivationOffloader):
             raise ValueError(
@@ -81,7 +90,7 @@ def patch_model(
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
-        "fused_lora": fused_lora,
+        "fused_lora": fused_lora, "lora_dtype": lora_dtype,
     }
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
@@ -101,7 +110,7 @@ def patch_model(
         name = type(module).__name__
         lora_class = lora_classes.get(type(module))  # exactly: subclasses have forwards of their own
         if lora_class is not None:
-            bind(module, lambda previous: lora_linear_forward(previous, lora_class))
+            bind(module, lambda previous: lora_linear_forward(previous, lora_class, lora_dtype))
             patched["fused_lora"] += 1
         elif rms_norm and name in arch.norm_classes:
             bind(module, lambda _: rms_norm_forward(
