@@ -46,6 +46,10 @@ CASES = {
                          layers_per_group=4),
     "qwen-full-keep-g4": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
                               steps=4, reshard=False, layers_per_group=4),
+    "qwen-full-keep-g7": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
+                              steps=4, reshard=False, layers_per_group=7),
+    "qwen-full-keep-g14": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
+                               steps=4, reshard=False, layers_per_group=14),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -57,7 +61,8 @@ CASES = {
 G = 8
 # seconds per launch
 TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "qwen-full-keep": 75, "qwen-full-g2": 75, "qwen-full-g4": 75,
-            "qwen-full-keep-g4": 75, "llama8b-full": 150, "qwen-full-rollout": 90}
+            "qwen-full-keep-g4": 75, "qwen-full-keep-g7": 75, "qwen-full-keep-g14": 75,
+            "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "280"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
@@ -268,7 +273,8 @@ def main() -> None:
     # the 1-GPU baselines side by side, one on each GPU; then the 2-GPU runs one after another
     phases = [[(c, me, {"CUDA_VISIBLE_DEVICES": str(i)}) for i, c in enumerate(("qwen-lora", "qwen-full"))],
               *([(c, torchrun + me[1:], {})] for c in ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-g2",
-                                                        "qwen-full-g4", "qwen-full-keep-g4", "llama8b-full",
+                                                        "qwen-full-g4", "qwen-full-keep-g4", "qwen-full-keep-g7",
+                                                        "qwen-full-keep-g14", "llama8b-full",
                                                         "qwen-full-rollout"))]
     for phase in phases:
         left = DEADLINE_S - (time.monotonic() - start)
