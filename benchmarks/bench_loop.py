@@ -30,10 +30,11 @@ take 0.925 x 0.95 of the card, a reservation that measures the card, not the ste
 
 Phases, exclusive seconds per step, CUDA-synchronized at every boundary: rollout (the engine's generate with its
 wake-up/sleep), sync (weights or adapter into the engine, even when it happens inside generate), logprobs (no-grad
-forwards: old and reference), rewards, update (the rest: loss forward/backward over micro-batches, optimizer,
-the trainer's bookkeeping). Medians over --steps after --warmup steps. peak_gib: the device's used memory (NVML,
-sampled every 10 ms) above its level when the case's process started: what a card must hold, vLLM's pool and the
-CUDA context included, over the whole case; peak_gib_<phase> per phase; torch_peak_gib: torch's own count.
+forwards: old, where a system runs that pass, and reference), rewards, update (the rest: loss forward/backward over
+micro-batches, optimizer, the trainer's bookkeeping). Medians over --steps after --warmup steps. peak_gib: the
+device's used memory (NVML, sampled every 10 ms) above its level when the case's process started: what a card must
+hold, vLLM's pool and the CUDA context included, over the whole case; peak_gib_<phase> per phase; torch_peak_gib:
+torch's own count.
 
 --max-fit (default shapes qwen2.5-1.5b-lora, llama-3.1-8b-qlora; one prompt x G completions): each probe is a
 fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step; it fits when the step

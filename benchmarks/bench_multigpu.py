@@ -156,7 +156,7 @@ def run_case(name: str, out: str) -> None:
     for _ in range(spec["steps"]):
         _sync()
         start = time.perf_counter()
-        losses.append(trainer._update(batch, advantages, None, None)["loss"])
+        losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
         _sync()
         times.append(time.perf_counter() - start)
     moved = _moved(before, trainer, batch, group)

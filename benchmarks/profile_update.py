@@ -56,13 +56,13 @@ def repeat(trainer, batch: dict, advantages: torch.Tensor, clock) -> None:
     """The log-prob passes and the update as train_step runs them (steps 4 and 5)."""
     from fastgrpo.train.loss_setup import prepare_loss_batch
 
-    with clock("logprobs_old"):
-        old = trainer._logprobs(trainer.model, batch)
+    with clock("logprobs_old"):  # ~0 s where the trainer skips the pass (one optimizer step, no correction)
+        old = trainer._logprobs(trainer.model, batch) if trainer._needs_old_pass() else None
     with clock("logprobs_ref"):
         ref = trainer._logprobs(trainer.model, batch, disable_adapter=True)
     with clock("update"):
         loss_batch, _ = prepare_loss_batch(trainer.config, batch, old)
-        trainer._update(loss_batch, advantages, old, ref)
+        trainer._update(loss_batch, advantages, old, ref, return_logps=old is None)
 
 
 class Clock:

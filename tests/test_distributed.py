@@ -1,8 +1,9 @@
 """Data-parallel GRPO on 2 gloo processes (real torch.distributed, spawned) against one process on the same global
 batch: the first step's rollouts and rewards are identical, and the update (FSDP2 for full fine-tuning, DDP for
-LoRA) equals one process's within fp32 rounding; an FSDP2 run resumed from its Distributed Checkpoint continues
-bit for bit (resumed with fsdp_reshard_after_forward off and two layers per FSDP2 group, which change when and in
-which collectives weights are gathered, not the math).
+LoRA) equals one process's within fp32 rounding, and so does the KL that beta > 0 logs from the log-probs each rank's
+loss forwards return; an FSDP2 run resumed from its Distributed Checkpoint continues bit for bit (resumed with
+fsdp_reshard_after_forward off and two layers per FSDP2 group, which change when and in which collectives weights
+are gathered, not the math).
 
 Tolerance of "equal within fp32": the 1-process and the 2-process gradients are two fp32 evaluations of one
 quantity that differ only in the order of their sums (micro-batches per rank, then the all-reduce / reduce-
@@ -34,6 +35,8 @@ FIELDS = dict(default_task.PRESET, batch_size=16, num_generations=4, micro_batch
 U32 = 2.0**-23  # fp32 unit roundoff (ulp of 1)
 # adaptive entropy: the coefficient moves by the whole batch's entropy, the same on every rank
 ADAPTIVE = dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_coef_delta=0.01, entropy_target=1.0)
+# a KL penalty with one optimizer step: the KL comes from the log-probs of each rank's loss forwards, gathered
+KL = dict(beta=0.1)
 
 
 class _Replay:
@@ -72,7 +75,20 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
 
 
-def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: int = 0, overrides=None):
+def _move_policy(model) -> None:
+    """Seeded noise on the trained weights (whole or FSDP2-sharded alike), after the trainer took its reference:
+    the first step's KL is then not 0."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in (p for p in model.parameters() if p.requires_grad):
+            noise = torch.randn(p.shape, generator=g, dtype=p.dtype) * 0.02
+            p.add_(distribute_tensor(noise, p.device_mesh, p.placements) if isinstance(p, DTensor) else noise)
+
+
+def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: int = 0, overrides=None,
+              move_policy: bool = False):
     """One GRPO step: (trainer, metrics, rollouts of this process, gradients at the optimizer, weights after)."""
     model, tokenizer = _model(lora, dtype, seed)
     config = GRPOConfig(**{**FIELDS, **(overrides or {})}, output_dir=str(output_dir))
@@ -86,6 +102,8 @@ def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: in
     engine.generate = recording
     trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
                           config, engine=engine)
+    if move_policy:
+        _move_policy(model)
     grads = {}
 
     def capture(optimizer, args, kwargs):
@@ -127,6 +145,9 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
         resumed.resume()
         found["resumed"] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
         found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))
+        for lora in (False, True):
+            found[f"kl-{lora}"] = _one_step(lora, os.path.join(tmp, f"run-kl-{lora}"), overrides=KL,
+                                            move_policy=True)[1]
         adaptive = _one_step(True, os.path.join(tmp, "run-adaptive"), overrides=ADAPTIVE)[0].entropy
         found["adaptive"] = [None] * WORLD
         dist.all_gather_object(found["adaptive"], (adaptive.last_entropy, adaptive.coef))
@@ -154,6 +175,8 @@ def two_processes(tmp_path_factory):
         _, metrics, rollout, grads, weights = _one_step(lora, tmp / f"one-{lora}")
         reference = _one_step(lora, tmp / f"fp64-{lora}", dtype=torch.float64, replay=rollout)[3]
         single[lora] = dict(metrics=metrics, rollout=rollout, grads=grads, weights=weights, reference=reference)
+    for lora in (False, True):
+        single[f"kl-{lora}"] = _one_step(lora, tmp / f"one-kl-{lora}", overrides=KL, move_policy=True)[1]
     adaptive = _one_step(True, tmp / "one-adaptive", overrides=ADAPTIVE)[0].entropy
     single["adaptive"] = (adaptive.last_entropy, adaptive.coef)
     while not context.join():
@@ -197,6 +220,20 @@ def test_two_processes_resume_from_their_shards(two_processes):
         assert resumed["metrics"][key] == straight["metrics"][key], key
     for name, w in straight["weights"].items():
         assert torch.equal(resumed["weights"][name], w), name
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["fsdp2-full", "ddp-lora"])
+def test_two_processes_measure_the_kl_as_one(two_processes, lora):
+    """beta > 0 with one optimizer step: no old pass, the KL is taken from the log-probs that each rank's loss
+    forwards return through the DDP / FSDP2 wrapper, then gathered."""
+    got, want = two_processes[0][f"kl-{lora}"], two_processes[1][f"kl-{lora}"]
+    assert got["reward"] == want["reward"]  # the same samples
+    assert want["kl"] > 1e-3 and want["kl_p95"] > want["kl"]
+    # each token's log-prob takes the same fp32 ops on either side; the means sum in another order
+    for key in ("kl", "kl_p95"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-5)
+    assert got["loss"] == pytest.approx(want["loss"], rel=1e-5, abs=1e-7)
 
 
 def test_two_processes_adapt_entropy_as_one(two_processes):

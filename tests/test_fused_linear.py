@@ -286,6 +286,25 @@ def test_chunking_skips_masked_rows_and_frozen_dweight(monkeypatch, backend, lev
     assert weight.grad is None if frozen else weight.grad.shape == weight.shape
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])  # the gradient formed in the forward / in a second pass
+@pytest.mark.parametrize("grad", [True, False])
+def test_return_logps_gives_the_loss_logprobs(backend, level, grad):
+    g, hidden, weight, bias, targets = make_inputs(12, 3, 7, 48, 300, torch.float64)
+    mask, advantages, old, ref = grpo_extras(g, hidden, weight, bias, targets, 0.7, softcap=5.0)
+    kwargs = dict(old_logps=old, ref_logps=ref, beta=0.04, bias=bias, temperature=0.7, softcap=5.0,
+                  importance_sampling_level=level, return_logps=True)
+    _, want = reference.grpo_loss(hidden, weight, targets, mask, advantages, **kwargs)
+    expected = reference.linear_logprobs(hidden, weight, targets, 0.7, bias, softcap=5.0).detach() * mask
+    assert torch.equal(want["logps"], expected) and not want["logps"].requires_grad  # the oracle's own
+    with chunk_rows(4), torch.set_grad_enabled(grad):
+        loss, metrics = fused_linear_grpo_loss(hidden, weight, targets, mask, advantages, backend=backend, **kwargs)
+    logps = metrics["logps"]
+    assert logps.dtype == torch.float64 and not logps.requires_grad and loss.requires_grad == grad
+    assert torch.all(logps[~mask] == 0) and rel_err(logps, expected) < TOL[torch.float64]
+    assert all(float(metrics[k]) == pytest.approx(float(want[k]), abs=1e-10) for k in want if k != "logps")
+
+
 def test_second_backward_says_why():
     _, hidden, weight, bias, targets = make_inputs(2, 2, 3, 5, 37, torch.float64)
     loss, _ = fused_linear_grpo_loss(hidden, weight, targets, torch.ones(2, 3), torch.ones(2), bias=bias)

@@ -1,5 +1,6 @@
 """fastgrpo.loss.model: grpo_loss and sequence_logprobs of a model against the eager oracle on its hidden states."""
 import copy
+import os
 
 import pytest
 import torch
@@ -12,6 +13,12 @@ from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model
 
 B, T, PROMPT = 3, 11, 5
+BACKENDS = [
+    "torch",
+    pytest.param("triton", marks=pytest.mark.skipif(
+        os.environ.get("TRITON_INTERPRET") != "1", reason="CPU tensors reach Triton only under TRITON_INTERPRET=1",
+    )),
+]
 
 
 def tiny_qwen2(seed=0, **overrides):
@@ -111,6 +118,56 @@ def test_grpo_loss_matches_reference(name):
     grads = dict(model.named_parameters())
     for n, p in patched.named_parameters():
         torch.testing.assert_close(p.grad, grads[n].grad, rtol=1e-4, atol=1e-6, msg=n)
+
+
+def ragged_batch(seed=4):
+    """4 rows laid out as the trainer lays out a rollout: prompts of 5, 3, 4 and 2 tokens left-padded to 5 columns,
+    completions of 6, 3, 0 and 1 tokens, right-padded to 7 (the last column holds no completion token: it is
+    outside the loss's window)."""
+    prompts, completions, P, L = [5, 3, 4, 2], [6, 3, 0, 1], 5, 7
+    g = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(3, 128, (4, P + L), generator=g)
+    attention_mask = torch.zeros(4, P + L, dtype=torch.long)
+    completion_mask = torch.zeros(4, P + L, dtype=torch.long)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        attention_mask[row, P - p : P + c] = 1
+        completion_mask[row, P : P + c] = 1
+    return input_ids.masked_fill(attention_mask == 0, 0), attention_mask, completion_mask
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("level", ["token", "sequence"])  # the gradient formed in the forward / in a second pass
+def test_grpo_loss_returns_the_logprobs_of_sequence_logprobs(backend, level):
+    model = tiny_qwen2(4)
+    ids, mask, completion = ragged_batch()
+    want = sequence_logprobs(model, ids, mask, completion, temperature=0.8, backend=backend)
+    options = dict(ref_logps=want + 0.1 * completion, beta=0.1, temperature=0.8, importance_sampling_level=level,
+                   backend=backend)
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.0])
+    loss, metrics = grpo_loss(model, ids, mask, completion, advantages, return_logps=True, **options)
+    logps = metrics["logps"]
+    assert logps.shape == ids.shape and logps.dtype == torch.float32 and not logps.requires_grad
+    assert torch.all(logps[completion == 0] == 0) and torch.all(logps[completion == 1] < 0)
+    # The same fp32 ops on the same hidden states: equal to a few ulps of |logp| ~ log(128) = 4.9.
+    torch.testing.assert_close(logps, want, rtol=1e-6, atol=1e-6)
+    loss.backward()
+    assert model.lm_head.weight.grad.abs().max() > 0  # asking for the log-probs leaves the gradient in place
+    with torch.no_grad():
+        _, no_grad = grpo_loss(model, ids, mask, completion, advantages, return_logps=True, **options)
+    torch.testing.assert_close(no_grad["logps"], want, rtol=1e-6, atol=1e-6)
+    assert "logps" not in grpo_loss(model, ids, mask, completion, advantages, **options)[1]
+
+
+def test_reference_grpo_loss_returns_the_logprobs_of_sequence_logprobs():
+    model = tiny_qwen2(4)
+    ids, mask, completion = ragged_batch()
+    want = sequence_logprobs(model, ids, mask, completion)
+    advantages = torch.tensor([1.0, -0.5, 0.3, -1.0])
+    _, metrics = reference_loss(model, ids, mask, completion, advantages, return_logps=True)
+    logps = metrics["logps"]  # [B, T - 1]: the oracle runs on the shifted positions
+    assert logps.dtype == torch.float32 and not logps.requires_grad and torch.all(logps[completion[:, 1:] == 0] == 0)
+    # full [V] logits and log_softmax vs the chunked logsumexp: fp32 rounding apart
+    torch.testing.assert_close(logps, want[:, 1:], rtol=1e-5, atol=1e-5)
 
 
 def hf_grpo_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps, ref_logps, beta,

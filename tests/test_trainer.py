@@ -127,6 +127,63 @@ def test_loop_variants_run(tmp_path, fields):
         assert history[0]["kl"] == 0.0 and history[-1]["beta"] < 0.2  # KL below target: beta shrinks
 
 
+def _counting_logprobs(trainer) -> list:
+    """The model each of trainer._logprobs' calls runs (a spy on the instance)."""
+    calls, logprobs = [], trainer._logprobs
+    trainer._logprobs = lambda model, *args, **kwargs: calls.append(model) or logprobs(model, *args, **kwargs)
+    return calls
+
+
+def _moved_policy_trainer(tmp_path, **fields):
+    """A trainer whose policy differs from its reference (seeded noise on the weights after the reference copy), so
+    that the first step's KL is not 0."""
+    trainer = _trainer(tmp_path, **fields)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return trainer
+
+
+def test_one_update_takes_the_old_logprobs_from_the_loss(tmp_path):
+    """beta > 0, one optimizer step, no rollout correction: only the reference pass runs, and the step equals one
+    with the old pass forced. micro_batch_size=2 splits the batch of 8 into 4 micro-batches visited in a shuffled
+    order, so log-probs put back in the wrong rows would change kl / kl_p95 (every row has its own completion)."""
+    fields = dict(beta=0.1, micro_batch_size=2)
+    fast, forced = _moved_policy_trainer(tmp_path / "fast", **fields), _moved_policy_trainer(tmp_path / "old", **fields)
+    forced._needs_old_pass = lambda: True  # the pass as train_step ran it before: old log-probs from _logprobs
+    fast_calls, forced_calls = _counting_logprobs(fast), _counting_logprobs(forced)
+    got, want = fast.train_step(), forced.train_step()
+    assert fast_calls == [fast.ref_model] and forced_calls == [forced.model, forced.ref_model]
+    assert want["kl"] > 1e-3 and want["kl_p95"] > want["kl"]
+    # Both sides take the same fp32 CPU ops for the log-probs (the loss forward in train mode, no dropout in this
+    # model, vs the no-grad pass), and old == logp gives the ratio exp(0) = 1 exactly: on this machine the two steps
+    # agree bit for bit. 1e-6 relative leaves room for a BLAS that rounds the two forwards differently (fp32 eps
+    # 1.2e-7 times a few operations), and is far below what a wrong row order changes (kl by 20% here).
+    for key in ("kl", "kl_p95", "loss", "grad_norm", "clip_ratio", "entropy"):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    # One AdamW step moves a weight by ~lr * g / |g|: the weights agree to the gradients' rounding.
+    for (name, p), q in zip(fast.model.named_parameters(), forced.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
+        torch.testing.assert_close(p, q, rtol=0, atol=1e-6 * fast.config.learning_rate, msg=name)
+
+
+@pytest.mark.parametrize("fields, passes", [
+    (dict(beta=0.1), ["ref"]),
+    (dict(beta=0.1, num_iterations=2), ["old", "ref"]),
+    (dict(num_minibatches=2, micro_batch_size=4), ["old"]),
+    (dict(beta=0.1, rollout_correction="truncate"), ["old", "ref"]),
+    (dict(beta=0.1, mask_truncated_completions=True), ["old", "ref"]),  # step 6's KL covers the truncated rows too
+    (dict(), []),
+], ids=["beta", "iterations", "minibatches", "rollout-correction", "mask-truncated", "beta0"])
+def test_old_pass_runs_when_the_update_needs_it(tmp_path, fields, passes):
+    trainer = _trainer(tmp_path, max_steps=1, **fields)
+    calls = _counting_logprobs(trainer)
+    metrics = trainer.train_step()
+    assert [("ref" if model is trainer.ref_model else "old") for model in calls] == passes
+    assert math.isfinite(metrics["kl"]) and math.isfinite(metrics["loss"])
+
+
 @pytest.mark.gpu
 def test_patched_bf16_loop_on_gpu(tmp_path):
     import fastgrpo

@@ -36,9 +36,9 @@ def _objective_grads(cfg, logps, entropy, mask, advantages, extras, weights, bon
     return grads[0], grads[1] if len(grads) > 1 else None
 
 
-def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, need):
+def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels, need):
     """hidden [B, T, H] etc. -> (loss, metrics dict, (dhidden, dweight, dbias) or None). per_token: old_logps,
-    ref_logps, token_weights, sampling_logps ([B, T] or None)."""
+    ref_logps, token_weights, sampling_logps ([B, T] or None). logps_out: the metrics also hold "logps" [B, T]."""
     B, T, H = hidden.shape
     acc = acc_dtype(hidden.dtype)
     m = mask.to(acc)  # m: [B, T]
@@ -99,6 +99,8 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cf
     objective = grpo_objective(logps, m, advantages, old, ref, cfg, entropy=ent, token_weights=token_weights,
                                sampling_logps=sampling_logps, weights=weights)
     metrics = loss_metrics(m, objective, ent if entropy else None)
+    if logps_out:
+        metrics["logps"] = logps.detach()
     if grads is None:
         return objective.loss, metrics, None
     dhidden, dweight, dbias = finish_grads(grads, weight, bias)
@@ -110,10 +112,11 @@ class _GRPOLoss(torch.autograd.Function):
     written into the dict passed in (they carry no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, metrics):
+    def forward(ctx, hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels,
+                metrics):
         need = ctx.needs_input_grad[:3]  # hidden, weight, bias (False for a bias that is None)
         loss, values, grads = _grpo_forward(
-            hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, kernels, need
+            hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels, need
         )
         metrics.update(values)
         ctx.grads = grads
@@ -130,7 +133,7 @@ class _GRPOLoss(torch.autograd.Function):
             )
         if bool(grad_loss != 1.0):
             grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
-        return (*grads, *([None] * 8))
+        return (*grads, *([None] * 9))
 
 
 def fused_linear_grpo_loss(
@@ -147,6 +150,7 @@ def fused_linear_grpo_loss(
     return_entropy: bool = False,
     token_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    return_logps: bool = False,
     backend: str = "auto",
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -157,7 +161,9 @@ def fused_linear_grpo_loss(
     applied on top of it. Returns (loss, metrics) with the metrics of fastgrpo.loss.grpo.loss_metrics.
     old_logps=None is on-policy. token_weights [B, T]: per-token weights of the policy term (a rollout
     importance-sampling correction); sampling_logps [B, T]: the rollout engine's log-probs for the off-policy mask.
-    Gradients reach hidden, weight (skipped when frozen) and bias.
+    return_logps: the metrics also hold "logps", the per-token log-probs [B, T] the loss was computed from (detached,
+    fp32 for fp32 / bf16 / fp16 inputs, 0 where completion_mask is 0): the policy's log-probs of the batch without
+    another forward. Gradients reach hidden, weight (skipped when frozen) and bias.
     """
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
@@ -167,9 +173,10 @@ def fused_linear_grpo_loss(
     per_token = tuple(None if t is None else t.detach() for t in (old_logps, ref_logps, token_weights, sampling_logps))
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         metrics: dict[str, torch.Tensor] = {}
-        loss = _GRPOLoss.apply(*args, per_token, cfg, return_entropy, kernels, metrics)
+        loss = _GRPOLoss.apply(*args, per_token, cfg, return_entropy, return_logps, kernels, metrics)
         return loss, metrics
-    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, kernels, (False, False, False))
+    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, return_logps, kernels,
+                                     (False, False, False))
     return loss, metrics
 
 

@@ -37,6 +37,13 @@ def _window(completion_mask: torch.Tensor) -> slice:
     return slice(int(cols.min()), int(cols.max()) + 1)
 
 
+def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:
+    """values [B, W] of the window's columns -> [B, T], 0 outside the window."""
+    full = torch.zeros(shape, dtype=values.dtype, device=values.device)
+    full[:, cols] = values
+    return full
+
+
 def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and the window."""
     _check_inputs(input_ids, attention_mask, completion_mask)
@@ -61,6 +68,7 @@ def grpo_loss(
     return_entropy: bool = False,
     token_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    return_logps: bool = False,
     backend: str = "auto",
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -71,7 +79,10 @@ def grpo_loss(
     [B, T]; old_logps / ref_logps [B, T] as returned by sequence_logprobs; token_weights [B, T] (per-token weights
     of the policy term, e.g. a rollout importance-sampling correction) and sampling_logps [B, T] (the rollout
     engine's log-probs, for the off-policy mask) aligned the same way. config / options: a GRPOLossConfig and
-    keyword fields on top (softcap defaults to the model's own). Returns (loss, metrics).
+    keyword fields on top (softcap defaults to the model's own). Returns (loss, metrics). return_logps: the metrics
+    also hold "logps", the per-token log-probs [B, T] the loss was computed from, laid out as sequence_logprobs
+    returns them (detached, fp32 for a bf16 / fp32 model, 0 where completion_mask is 0): with one optimizer step per
+    batch these are its old log-probs, without a no-grad pass of their own.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
@@ -84,13 +95,16 @@ def grpo_loss(
     def window(t):
         return None if t is None else t[:, cols]
 
-    return fused_linear_grpo_loss(
+    loss, metrics = fused_linear_grpo_loss(
         hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
         old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head.bias,
         return_entropy=return_entropy, token_weights=window(token_weights), sampling_logps=window(sampling_logps),
-        backend=backend,
+        return_logps=return_logps, backend=backend,
     )
+    if return_logps:
+        metrics["logps"] = _unwindow(metrics["logps"], input_ids.shape, cols)
+    return loss, metrics
 
 
 @torch.no_grad()
@@ -117,9 +131,6 @@ def sequence_logprobs(
         softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
     )
     mask = completion_mask[:, cols].bool()
-    full = []
-    for values in out if return_entropy else (out,):
-        padded = torch.zeros(input_ids.shape, dtype=values.dtype, device=values.device)
-        padded[:, cols] = torch.where(mask, values, 0.0)
-        full.append(padded)
+    full = [_unwindow(torch.where(mask, values, 0.0), input_ids.shape, cols)
+            for values in (out if return_entropy else (out,))]
     return tuple(full) if return_entropy else full[0]

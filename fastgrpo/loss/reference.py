@@ -61,6 +61,7 @@ def grpo_loss(
     return_entropy: bool = False,
     token_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
+    return_logps: bool = False,
     upcast: torch.dtype | None = None,
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -69,7 +70,8 @@ def grpo_loss(
     config / options: a GRPOLossConfig and keyword fields on top of it. token_weights [B, T]: per-token weights of
     the policy term (e.g. a rollout importance-sampling correction); sampling_logps [B, T]: the rollout engine's
     log-probs for the off-policy mask (fastgrpo.loss.grpo.grpo_terms). Returns (loss, metrics) with the metrics of
-    fastgrpo.loss.grpo.loss_metrics.
+    fastgrpo.loss.grpo.loss_metrics; return_logps: also "logps", the per-token log-probs [B, T] the loss was computed
+    from (detached, in the computation's dtype, 0 where completion_mask is 0).
     """
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
@@ -85,7 +87,10 @@ def grpo_loss(
         logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, cfg, entropy=entropy,
         token_weights=token_weights, sampling_logps=sampling_logps,
     )
-    return objective.loss, loss_metrics(mask, objective, entropy if return_entropy else None)
+    metrics = loss_metrics(mask, objective, entropy if return_entropy else None)
+    if return_logps:
+        metrics["logps"] = torch.where(mask.bool(), logps, 0.0).detach()
+    return objective.loss, metrics
 
 
 # --- Layers fused by patch_model -------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
 """GRPOTrainer: the GRPO loop, read top to bottom in `train_step`.
 
-rollout -> rewards -> group advantages -> old / reference log-probs -> num_iterations epochs over minibatches
-(gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR schedule -> adaptive beta -> log
--> checkpoint. Bad input is rejected in __init__, before any compute.
+rollout -> rewards -> group advantages -> old (when the update needs them first) / reference log-probs ->
+num_iterations epochs over minibatches (gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR
+schedule -> adaptive beta -> log -> checkpoint. Bad input is rejected in __init__, before any compute.
 """
 from __future__ import annotations
 
@@ -180,19 +180,23 @@ class GRPOTrainer:
                                        config.multi_objective_aggregation).float().to(self.device)  # [N]
         advantages = self.dist.own_rows(advantages)  # this rank's rows
 
-        # 4. Old log-probs (when the policy moves within the step, or to correct the rollout's) and reference ones.
+        # 4. Old log-probs when the update needs them before it starts (see _needs_old_pass), and reference ones.
         old_logps = ref_logps = None
-        if self.updates_per_step > 1 or self.beta > 0 or config.rollout_correction != "none":
+        if self._needs_old_pass():
             old_logps = self._logprobs(model, batch)
         if self.beta > 0:
             ref_model = model if self.ref_model is None else self.ref_model
             ref_logps = self._logprobs(ref_model, batch, disable_adapter=self.ref_model is None)
         t_reference = time.perf_counter()
 
-        # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches.
+        # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches. Without an old pass
+        # the loss is on-policy and hands back the log-probs it computed (the policy's before its step) for step 6.
         self._begin_update()
         loss_batch, correction = prepare_loss_batch(config, batch, old_logps)  # truncated rows, rollout correction
-        train = {**correction, **self._update(loss_batch, advantages, old_logps, ref_logps)}
+        train, policy_logps = self._update(loss_batch, advantages, old_logps, ref_logps,
+                                           return_logps=old_logps is None and ref_logps is not None)
+        train = {**correction, **train}
+        old_logps = policy_logps if old_logps is None else old_logps
         t_train = time.perf_counter()
 
         # 6. Adaptive beta from the KL the policy had at rollout.
@@ -255,6 +259,21 @@ class GRPOTrainer:
             "rollout_logps": torch.cat([prompt_mask * 0.0, out.logprobs.float()], 1).to(self.device),  # the engine's
         }
 
+    def _needs_old_pass(self) -> bool:
+        """Whether train_step runs a no-grad pass for the old log-probs before the update: when the policy moves
+        within the step (several optimizer steps), when the rollout correction compares them with the engine's, and
+        with beta > 0 when mask_truncated_completions hides the truncated rows from the loss (step 6's KL covers
+        every completion token). Otherwise one optimizer step ends the update, so no micro-batch's forward sees a
+        moved policy and the old log-probs are the update's own (TRL: per_token_logps.detach() as old with
+        num_iterations == 1): the loss runs on-policy (ratio exp(logp - logp.detach()) = 1: the gradient of a
+        separate old pass up to the rounding of the two forwards; with dropout, the ratio is no longer moved by it
+        and the KL is taken from the train-mode forward) and returns its log-probs for the KL. That saves one
+        no-grad forward over the batch (measured at 0.5-1.3 s for 64 x 1280 tokens on an H100).
+        """
+        config = self.config
+        return (self.updates_per_step > 1 or config.rollout_correction != "none"
+                or (self.beta > 0 and config.mask_truncated_completions))
+
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict, disable_adapter: bool = False) -> torch.Tensor:
         """Per-token log-probs [N, P + L] of the sampled tokens, micro-batch by micro-batch, without grad."""
@@ -274,8 +293,11 @@ class GRPOTrainer:
         model.train(was_training)
         return torch.cat(out)
 
-    def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps) -> dict:
-        """num_iterations x num_minibatches optimizer steps; returns the mean loss / grad norm / clip / entropy."""
+    def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps,
+                return_logps: bool = False) -> tuple[dict, torch.Tensor | None]:
+        """num_iterations x num_minibatches optimizer steps; returns (the mean loss / grad norm / clip / entropy,
+        the per-token log-probs [N, P + L] fp32 of the loss's forwards in the batch's row order, as _logprobs lays
+        them out, when return_logps, else None). With several updates a row's log-probs are its last forward's."""
         config, model = self.config, self.model
         base_config = loss_config(config, self.beta)
         n = batch["input_ids"].shape[0]
@@ -285,6 +307,7 @@ class GRPOTrainer:
         sums = {k: torch.zeros((), dtype=torch.float64, device=self.device)
                 for k in ("loss", "grad_norm", "clip_ratio", "entropy")}
         micro_count = 0
+        logps = torch.zeros(batch["input_ids"].shape, device=self.device) if return_logps else None  # [N, P + L]
         model.train()
         for iteration in range(config.num_iterations):
             # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
@@ -306,8 +329,11 @@ class GRPOTrainer:
                         batch["completion_mask"][rows], advantages[rows],
                         old_logps=None if old_logps is None else old_logps[rows],
                         ref_logps=None if ref_logps is None else ref_logps[rows], config=micro_config,
-                        return_entropy=True, **{k: batch[k][rows] for k in LOSS_EXTRAS if k in batch},
+                        return_entropy=True, return_logps=return_logps,
+                        **{k: batch[k][rows] for k in LOSS_EXTRAS if k in batch},
                     )
+                    if return_logps:
+                        logps[rows] = metrics["logps"].float()  # rows: shuffled positions in the batch
                     scale = float(self.dist.world_size) if config.loss_type in TOKEN_SUM_TYPES else len(rows) / mb_size
                     (loss * scale).backward()
                     sums["loss"] += loss.detach().double() * scale
@@ -327,7 +353,7 @@ class GRPOTrainer:
             "clip_ratio": clip_ratio / micro_count,
             "entropy": entropy / micro_count,
             "entropy_coef": self.entropy.coef,
-        }
+        }, logps
 
     # ---- the run ----
     def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
