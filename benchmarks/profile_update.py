@@ -97,7 +97,24 @@ def set_variant(trainer, variant: str) -> None:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
 
-def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trace_dir: Path) -> dict:
+def python_profile(trainer, batch, advantages, variant: str, cuda: bool) -> None:
+    """One more repeat under cProfile: where the host's time goes when the GPU waits for it (the Python frames
+    that torch.profiler's trace shows only as gaps)."""
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    repeat(trainer, batch, advantages, Clock(cuda))
+    profiler.disable()
+    print(f"--- {variant}: host time by Python function (cProfile, one repeat)")
+    stats = pstats.Stats(profiler).strip_dirs()
+    stats.sort_stats("tottime").print_stats(30)
+    stats.sort_stats("cumulative").print_stats(30)
+
+
+def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trace_dir: Path,
+                    python: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
@@ -109,6 +126,8 @@ def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trac
     row = {"variant": variant, **{f"{p}_s": statistics.median(clock.seconds[p]) for p in PHASES},
            **{f"{p}_peak_gib": clock.peaks[p] for p in PHASES}}
     row["total_s"] = sum(row[f"{p}_s"] for p in PHASES)
+    if python:
+        python_profile(trainer, batch, advantages, variant, cuda)
     if not cuda:  # the dry run checks the phases, not the trace
         return row
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -134,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir()) / "fastgrpo-bench-models"))
     parser.add_argument("--trace-dir", default=None)
+    parser.add_argument("--python-profile", action="store_true", help="also one repeat under cProfile")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 LoRA, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
@@ -147,7 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
     trainer = fastgrpo_trainer(case)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
-    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir) for v in args.variants.split(",")]
+    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir, args.python_profile)
+            for v in args.variants.split(",")]
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
               "card": card_name(), "trace_dir": str(trace_dir)}
