@@ -249,16 +249,18 @@ def test_lora_add_bound_catches_a_missing_scaling(x_dtype):
 
 
 def test_lora_add_skips_what_needs_no_gradient():
-    """Frozen adapters: neither x nor h is saved and no weight gradient is formed; no grad: nothing is saved."""
+    """Frozen adapters: neither x nor h is saved and no weight gradient is formed, only the adapters' casts to x's
+    dtype (for grad x); no grad: nothing is saved."""
     result, x, a, b, grad_out = lora_add_case((3,), 8, 6, 2, torch.bfloat16, seed=1)
     x.requires_grad_()
     saved = saved_tensors(lambda: lora_add(result, x, a, b, 2.0).backward(grad_out))
-    assert {t.data_ptr() for t in saved} == {a.data_ptr(), b.data_ptr()} and x.grad is not None
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == [((2, 8), x.dtype), ((6, 2), x.dtype)]
+    assert x.grad is not None
     a.requires_grad_(), b.requires_grad_()
     with torch.no_grad():
         assert saved_tensors(lambda: lora_add(result, x, a, b, 2.0)) == []
     saved = saved_tensors(lambda: lora_add(result, x.detach(), a, b, 2.0))
-    assert sorted(t.shape for t in saved if t.data_ptr() not in {a.data_ptr(), b.data_ptr()}) == [(3, 2), (3, 8)]
+    assert sorted(tuple(t.shape) for t in saved) == [(2, 8), (3, 2), (3, 8), (6, 2)]  # casts, h, x
 
 
 def test_lora_add_output_takes_in_place_ops():
@@ -290,6 +292,24 @@ def test_lora_add_bad_input():
         lora_add(result.bfloat16(), x, a, b, 2.0)
     with pytest.raises(ValueError, match="^scaling: expected a real number, got Tensor$"):
         lora_add(result, x, a, b, torch.tensor(2.0))
+    with pytest.raises(ValueError, match="^result: inplace=True needs a tensor that is not a leaf requiring grad$"):
+        lora_add(result.requires_grad_(), x, a, b, 2.0, inplace=True)
+
+
+@pytest.mark.parametrize("grad", [True, False])
+def test_lora_add_in_place_equals_out_of_place(grad):
+    """inplace=True adds into result itself (what the patched layers do with the base output): the same bits as a new
+    tensor, forward and gradients, with and without grad."""
+    result, x, a, b, grad_out = lora_add_case((2, 5), 8, 6, 3, torch.bfloat16, seed=3)
+    want = lora_add_out_and_grads(result, x, a, b, 4.0, grad_out)
+    leaves = [t.detach().requires_grad_(grad) for t in (result, x, a, b)]
+    base = leaves[0] * 1  # not a leaf: it may be added into
+    with torch.set_grad_enabled(grad):
+        out = lora_add(base, *leaves[1:], 4.0, inplace=True)
+    assert out is base and torch.equal(out, want[0])
+    if grad:
+        for got, expected in zip(torch.autograd.grad(out, leaves, grad_out), want[1:]):
+            assert torch.equal(got, expected)
 
 
 # --- patched PEFT models -------------------------------------------------------------------------------------------
@@ -434,7 +454,7 @@ def saved_tensors(run):
 def test_saved_tensors_hold_the_input_not_an_fp32_copy(lora_dtype):
     """q, k and v of a bf16 Qwen2 with fp32 adapters on one input: PEFT saves three fp32 copies of it (4 B per
     element each); the patched layers save the input itself (2 B per element, once), and the [N, r] lora_A output
-    (fp32 in "adapter", bf16 in "input")."""
+    (fp32 in "adapter", bf16 in "input", which also keeps the adapters' bf16 casts)."""
     model = lora_model(torch.bfloat16)
     attn = model.base_model.model.model.layers[0].self_attn
     layers = [attn.q_proj, attn.k_proj, attn.v_proj]
@@ -457,7 +477,10 @@ def test_saved_tensors_hold_the_input_not_an_fp32_copy(lora_dtype):
     nbytes = [sum(t.nbytes for t in s) for s in (peft_saved, fused_saved)]
     r_outputs = 3 * 2 * 9 * 4 * 4  # the [N, r] fp32 lora_A outputs PEFT keeps
     fused_r_outputs = r_outputs // (2 if lora_dtype == "input" else 1)
-    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + fused_r_outputs]
+    # "input" also keeps the adapters' casts to bf16 for the backward: r x (in + out) each, not per token
+    casts = sum(2 * (m.lora_A["default"].weight.numel() + m.lora_B["default"].weight.numel()) for m in layers)
+    fused_casts = casts if lora_dtype == "input" else 0
+    assert nbytes == [3 * x.numel() * 4 + r_outputs, x.numel() * 2 + fused_r_outputs + fused_casts]
 
 
 def test_summary_option_and_unpatch():

@@ -63,10 +63,15 @@ def lora_linear_forward(
         if lora_dtype == "input":
             if result.dtype != x.dtype:  # no LORA_CLASSES base does this (nn.Linear, bnb return x's dtype)
                 return previous(x, *args, **kwargs)
-            for lora_a, lora_b, scaling in adapters:  # out-of-place: lora_class.clone_base holds
-                result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling)
+            # The base output is ours to add into (saving a copy of [N, out] per adapter), unless it is a view
+            # (bitsandbytes' outputs): autograd refuses in-place ops on those, so the first add makes the copy.
+            for i, (lora_a, lora_b, scaling) in enumerate(adapters):
+                inplace = i > 0 or result._base is None
+                result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling, inplace=inplace)
+            if lora_class.clone_base and not adapters:
+                result = result.clone()
             # Each delta is added in result's dtype whatever delta_in_result_dtype says: it is x's dtype here.
-            return result.clone() if lora_class.clone_base and not adapters else result
+            return result
         if lora_class.clone_base:
             result = result.clone()
         result_dtype = result.dtype
