@@ -100,13 +100,14 @@ def render_loop_chart(result: dict, path: Path) -> None:
 
 
 def main() -> None:
-    results = [json.loads(p.read_text()) for p in sorted(RESULTS_DIR.glob("*.json"))]
+    paths = sorted(RESULTS_DIR.glob("*.json"))
+    results = [json.loads(p.read_text()) for p in paths]
     (RESULTS_DIR / "REPORT.md").write_text(render_markdown(results))
-    for result in results:
+    for path, result in zip(paths, results):
         if result["suite"].startswith("e2e"):
             render_e2e_chart(result, RESULTS_DIR / f"{result['suite']}.png")
-        if result["suite"].startswith("loop_"):
-            render_loop_chart(result, RESULTS_DIR / f"{result['suite']}.png")
+        if result["suite"].startswith("loop_"):  # one chart per card: the same shape runs on H100s and H200s
+            render_loop_chart(result, path.with_suffix(".png"))
     print(f"wrote {RESULTS_DIR / 'REPORT.md'} from {len(results)} result files")
 
 
