@@ -131,8 +131,10 @@ class _GRPOLoss(torch.autograd.Function):
                 "fused_linear_grpo_loss: a second backward through the same loss (retain_graph=True) is not "
                 "supported; its gradients are formed in the forward and handed over once"
             )
-        if bool(grad_loss != 1.0):
-            grads = tuple(None if g is None else g * grad_loss.to(g.dtype) for g in grads)
+        # Scaled in place whatever grad_loss is: testing it for 1 would read it on the host, a sync per micro-batch.
+        for g in grads:
+            if g is not None:
+                g.mul_(grad_loss.to(g.dtype))
         return (*grads, *([None] * 9))
 
 
