@@ -231,11 +231,13 @@ def test_quantized_layers_save_the_input_not_fp32_copies(bits, lora_dtype):
     (4 B per element each); the fused layers save the input itself (2 B per element, once). The bnb base layers
     keep theirs on ctx attributes, unseen by saved-tensor hooks, on both sides."""
     layers = [quantized_lora_layer(bits, 64, 40, 4, 8, torch.bfloat16, torch.float32, seed=s) for s in range(3)]
-    params = {p.data_ptr() for m in layers for p in m.parameters()}
     x = torch.randn(2, 9, 64, dtype=torch.bfloat16, requires_grad=True)  # x: [B, T, in]
 
     def activations(forwards):
         saved = saved_tensors(lambda: [f(x) for f in forwards])
+        # the parameters' addresses after the forward: bitsandbytes' first 8-bit forward replaces its weight's
+        # storage, and a saved activation may then be allocated at the freed address
+        params = {p.data_ptr() for m in layers for p in m.parameters()}
         unique = {t.untyped_storage().data_ptr(): t for t in saved if t.data_ptr() not in params}
         return list(unique.values())
 
