@@ -27,9 +27,9 @@ CATEGORIES = (
     ("copy", r"^Memcpy|memcpy|^Memset|copy_kernel|CatArrayBatchedCopy|chunk_cat|split_with_sizes"),
     ("attention", r"flash|fmha|attention|sdpa|softmax"),
     ("gemm", r"gemm|sm90_xmma|sm80_xmma|cutlass|nvjet|cublas|matmul"),
-    ("fused_loss", r"fused_linear|logprob|_grpo|lse|log_softmax"),
+    ("fused_loss", r"fused_linear|logprob|_grpo|_row_stats|_row_grad|logsumexp|\blse\b|log_softmax"),
     ("lora", r"lora"),
-    ("norm_rope_mlp", r"rms|rope|rotary|swiglu|silu|geglu"),
+    ("norm_rope_mlp", r"rms|rope|rotary|swiglu|silu|geglu|_glu_"),
     ("optimizer", r"adam|foreach|multi_tensor"),
     ("elementwise", r"elementwise|vectorized|reduce|triton_"),
 )
@@ -97,8 +97,9 @@ class Trace:
         """The span of the user annotation `name` (the last one so named), or of all device work."""
         if name is not None:
             marks = [e for e in self.annotations if e["name"] == name]
-            if marks:
-                return marks[-1]["ts"], marks[-1]["ts"] + marks[-1]["dur"]
+            if not marks:
+                raise ValueError(f"window: no record_function range named {name!r} in the trace")
+            return marks[-1]["ts"], marks[-1]["ts"] + marks[-1]["dur"]
         return self.device[0]["ts"], max(e["ts"] + e["dur"] for e in self.device)
 
     def summary(self, window: tuple[float, float], min_gap_us: float = 10.0, top: int = 12) -> dict:
@@ -116,11 +117,14 @@ class Trace:
         for e in work:
             streams[e["args"].get("stream")].add("nccl" in e["name"].lower())
         nccl_streams = {stream for stream, kinds in streams.items() if kinds == {True}}
-        compute = _union([(e["ts"], e["ts"] + e["dur"]) for e in work if e["args"].get("stream") not in nccl_streams])
+        compute = _union([(e["ts"], min(e["ts"] + e["dur"], end)) for e in work
+                          if e["args"].get("stream") not in nccl_streams])
         gaps = collections.Counter()
         kinds = collections.Counter()
         edges = [start] + [x for iv in busy for x in iv] + [end]
-        by_start = {e["ts"]: e for e in work}
+        by_start = {}  # the first kernel to start at each time (another stream's may start in the same us)
+        for e in work:
+            by_start.setdefault(e["ts"], e)
         for gap_start, gap_end in zip(edges[0::2], edges[1::2]):
             if gap_end - gap_start < min_gap_us:
                 continue

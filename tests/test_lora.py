@@ -312,6 +312,15 @@ def test_lora_add_in_place_equals_out_of_place(grad):
             assert torch.equal(got, expected)
 
 
+def test_lora_add_in_place_on_a_non_contiguous_result_adds_into_a_copy():
+    result, x, a, b, grad_out = lora_add_case((4, 3), 8, 6, 2, torch.bfloat16, seed=4)
+    want = lora_add_out_and_grads(result, x, a, b, 2.0, grad_out)
+    strided = result.transpose(0, 1).contiguous().transpose(0, 1)  # the same values, another layout
+    before = strided.clone()
+    out = lora_add(strided, x, a, b, 2.0, inplace=True)
+    assert out is not strided and torch.equal(strided, before) and torch.equal(out, want[0])
+
+
 # --- patched PEFT models -------------------------------------------------------------------------------------------
 
 
@@ -529,7 +538,6 @@ def test_offload_checkpointing_and_tiled_mlp_recompute_the_fused_forward(delta_c
         torch.testing.assert_close(got[name], want[name], rtol=1e-5, atol=1e-7, msg=name)
 
 
-
 LORA_LINEAR = "peft.tuners.lora.layer.Linear"
 
 
@@ -604,6 +612,7 @@ def test_bad_lora_dtype():
     with pytest.raises(ValueError, match=r"^lora_dtype: expected one of \['input', 'adapter'\], got 'bf16'$"):
         patch_model(lora_model(), lora_dtype="bf16")
 
+
 # --- GPU -----------------------------------------------------------------------------------------------------------
 
 
@@ -657,3 +666,49 @@ def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
     copies = config.num_hidden_layers * ids.numel() * (6 * 1536 + 8960) * 4
     assert peaks["peft"] - peaks["adapter"] >= 0.4 * copies, (peaks, copies)
     assert peaks["input"] <= peaks["adapter"] + (1 << 20), peaks  # bf16 [N, r] outputs, no fp32 transients
+
+
+def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
+    """The base output is added into when nothing else can hold it: a copy when it is a view (nn.Linear's 3-D output
+    with a bias) or when a forward hook on the base layer saw it; the hook's tensor then stays the base output."""
+    from fastgrpo.patching import forwards
+
+    inplace = []
+    add = forwards.lora_add
+    monkeypatch.setattr(forwards, "lora_add", lambda *a, **k: inplace.append(k["inplace"]) or add(*a, **k))
+    model = lora_model(torch.float32)
+    attn = model.base_model.model.model.layers[0].self_attn
+    x = torch.randn(2, 5, 32)
+    ptrs = {}
+
+    def record(module, args, out):
+        ptrs.setdefault(id(module), []).append((out.data_ptr(), out.clone()))
+
+    for layer, viewed in ((attn.o_proj, False), (attn.q_proj, True)):  # o_proj: no bias; q_proj: bias
+        base = layer.base_layer(x)
+        handle = layer.base_layer.register_forward_hook(record)
+        try:
+            out = fused(layer, "input")(x)
+        finally:
+            handle.remove()
+        (ptr, seen), = ptrs[id(layer.base_layer)]
+        assert out.data_ptr() != ptr and torch.equal(seen, base)  # hooked: a copy, the hook's tensor intact
+        inplace.clear()
+        out = fused(layer, "input")(x)
+        assert (base._base is not None) == viewed and inplace == [not viewed]
+        assert torch.allclose(out, layer(x), atol=1e-5)
+
+
+def test_patched_lora_compiles_in_one_frame_with_and_without_grad():
+    """torch.compile(fullgraph=True) of a patched LoRA layer: the no-grad path's in-place ops and the autograd
+    Function both trace; the compiled output equals eager's."""
+    model = lora_model(torch.float32)
+    layer = model.base_model.model.model.layers[0].self_attn.o_proj
+    forward = fused(layer, "input")
+    x = torch.randn(2, 5, 32)
+    compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            want, got = forward(x), compiled(x)
+        assert got.requires_grad == grad and torch.allclose(got, want, atol=1e-6)
+

@@ -26,3 +26,13 @@ def test_gaps_are_charged_to_the_late_launch_or_to_the_device():
     assert abs(gaps["host | update > FSDP::pre_forward | aten::mm"] - 0.3) < 1e-9, gaps
     assert abs(gaps["device | update > FSDP::pre_forward | FSDP::pre_forward"] - 0.1) < 1e-9, gaps
     assert s["categories_ms"] == {"gemm": 0.19, "norm_rope_mlp": 0.05}
+
+
+def test_kernel_categories_name_fastgrpo_and_library_kernels():
+    from benchmarks.trace_gaps import category
+
+    assert category("_row_stats_kernel") == category("_row_grad_kernel") == "fused_loss"
+    assert category("_glu_fwd_kernel") == category("_rms_norm_fwd_kernel") == "norm_rope_mlp"
+    assert category("void at::native::vectorized_elementwise_kernel<4, Foo<false>>") == "elementwise"
+    assert category("nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_TNT") == "gemm"
+    assert category("ncclDevKernel_AllGather_RING_LL") == "nccl"

@@ -184,6 +184,27 @@ def test_old_pass_runs_when_the_update_needs_it(tmp_path, fields, passes):
     assert math.isfinite(metrics["kl"]) and math.isfinite(metrics["loss"])
 
 
+def test_reference_pass_switches_the_adapter_off_once(tmp_path, monkeypatch):
+    """A LoRA model's reference log-probs come from the model with its adapter off: switched once for the pass
+    (PEFT's switch walks every LoRA layer), not once per micro-batch; the values equal a per-micro-batch switch's."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    trainer = _trainer(tmp_path, max_steps=1, beta=0.1, micro_batch_size=2)
+    trainer.model = get_peft_model(trainer.model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    switches = []
+    switch = PeftModel.disable_adapter
+    monkeypatch.setattr(PeftModel, "disable_adapter", lambda self: switches.append(1) or switch(self))
+    ids = torch.randint(3, 20, (8, 12))
+    completion = torch.zeros_like(ids)
+    completion[:, 6:] = 1
+    batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion}
+    got = trainer._logprobs(trainer.model, batch, disable_adapter=True)
+    assert len(switches) == 1  # 4 micro-batches
+    with switch(trainer.model):
+        want = trainer._logprobs(trainer.model, batch)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 @pytest.mark.gpu
 def test_patched_bf16_loop_on_gpu(tmp_path):
     import fastgrpo

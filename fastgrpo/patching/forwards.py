@@ -61,13 +61,12 @@ def lora_linear_forward(
             return previous(x, *args, **kwargs)
         result = self.base_layer(x)
         if lora_dtype == "input":
-            if result.dtype != x.dtype:  # no LORA_CLASSES base does this (nn.Linear, bnb return x's dtype)
-                return previous(x, *args, **kwargs)
-            # The base output is ours to add into (saving a copy of [N, out] per adapter), unless it is a view
-            # (bitsandbytes' outputs): autograd refuses in-place ops on those, so the first add makes the copy.
+            # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd
+            # refuses in-place ops on a custom Function's view output, as bitsandbytes' are; nn.Linear's 3-D output
+            # with a bias is a view too) and not seen by a forward hook that may keep it. Else the first add copies.
+            own = result._base is None and not (self.base_layer._forward_hooks or _global_forward_hooks())
             for i, (lora_a, lora_b, scaling) in enumerate(adapters):
-                inplace = i > 0 or result._base is None
-                result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling, inplace=inplace)
+                result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling, inplace=own or i > 0)
             if lora_class.clone_base and not adapters:
                 result = result.clone()
             # Each delta is added in result's dtype whatever delta_in_result_dtype says: it is x's dtype here.
@@ -83,8 +82,13 @@ def lora_linear_forward(
     return forward
 
 
+def _global_forward_hooks() -> dict:
+    """torch.nn.modules.module.register_module_forward_hook's hooks (torch keeps them in a module global)."""
+    return getattr(nn.modules.module, "_global_forward_hooks", {})
+
+
 def _vanilla_adapters(
-    layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, one_dtype: bool = True
+    layer: nn.Module, x: torch.Tensor, args: tuple, kwargs: dict, *, one_dtype: bool
 ) -> list[tuple] | None:
     """(lora_A, lora_B, scaling) of each active adapter when the forward of PEFT's LORA_CLASSES (0.21) would add
     lora_B(lora_A(x.to(A.dtype))) * scaling for each to base_layer(x) and do nothing else; None when it would not.

@@ -73,7 +73,7 @@ class GRPOConfig:
     fsdp_layers_per_group: int = option(
         1, "under torchrun, full fine-tuning: consecutive decoder layers that FSDP2 gathers, frees and reduces as one "
            "group (fewer, larger collectives and fewer of FSDP2's per-group hooks on the host, for more gathered "
-           "weights held at a time)", run_control=True)
+           "weights held at a time; a frozen reference copy is grouped alike)", run_control=True)
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
                                        run_control=True)
     offload_host_memory_gib: float | None = option(
