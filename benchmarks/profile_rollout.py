@@ -59,6 +59,7 @@ import torch
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
 from benchmarks.common import RolloutSizes, card_name, print_table, write_results
+from benchmarks.trace_gaps import union
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.decode_weights import copy_bytes
 
@@ -240,7 +241,7 @@ def _work(profiler, device: str) -> tuple[list[tuple[str, float]], float]:
     if device == "cuda":
         # not the GPU side of record_function ranges (ProfilerStep#N spans the whole window)
         gpu = [e for e in events if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        busy = _union_us([(e.time_range.start, e.time_range.end) for e in gpu])
+        busy = sum(end - start for start, end in union([(e.time_range.start, e.time_range.end) for e in gpu]))
         return [(e.name, e.time_range.elapsed_us()) for e in gpu], busy
     cpu = [(e.name, e.self_cpu_time_total) for e in events
            if e.device_type == DeviceType.CPU and e.name.startswith("aten::")]
@@ -273,15 +274,6 @@ def summarise(work: list[tuple[str, float]], busy_us: float, steps: int, wall_ms
         for name, (us, n) in top
     ]
     return out
-
-
-def _union_us(intervals: list[tuple[float, float]]) -> float:
-    """Length of the union of [start, end) intervals (kernels of several streams may overlap)."""
-    busy, reach = 0.0, float("-inf")
-    for begin, finish in sorted(intervals):
-        busy += max(0.0, finish - max(begin, reach))
-        reach = max(reach, finish)
-    return busy
 
 
 def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | None = None) -> dict:

@@ -44,7 +44,8 @@ def _end(e: dict) -> float:
     return e["ts"] + e.get("dur", 0)
 
 
-def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The union of [start, end) intervals as disjoint sorted ones (kernels of several streams may overlap)."""
     merged: list[list[float]] = []
     for start, end in sorted(intervals):
         if merged and start <= merged[-1][1]:
@@ -105,7 +106,7 @@ class Trace:
     def summary(self, window: tuple[float, float], min_gap_us: float = 10.0, top: int = 12) -> dict:
         start, end = window
         work = [e for e in self.device if start <= e["ts"] < end]
-        busy = _union([(e["ts"], min(e["ts"] + e["dur"], end)) for e in work])
+        busy = union([(e["ts"], min(e["ts"] + e["dur"], end)) for e in work])
         busy_us = sum(e - s for s, e in busy)
         per_cat: collections.Counter = collections.Counter()
         per_kernel: collections.Counter = collections.Counter()
@@ -117,7 +118,7 @@ class Trace:
         for e in work:
             streams[e["args"].get("stream")].add("nccl" in e["name"].lower())
         nccl_streams = {stream for stream, kinds in streams.items() if kinds == {True}}
-        compute = _union([(e["ts"], min(e["ts"] + e["dur"], end)) for e in work
+        compute = union([(e["ts"], min(e["ts"] + e["dur"], end)) for e in work
                           if e["args"].get("stream") not in nccl_streams])
         gaps = collections.Counter()
         kinds = collections.Counter()
