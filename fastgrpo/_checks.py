@@ -45,10 +45,39 @@ def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
 
 def check_index_range(name: str, ids: torch.Tensor, upper: int) -> None:
     """Raise unless every id is in [0, upper). Costs one reduction (a host sync on CUDA)."""
-    if ids.dtype.is_floating_point or ids.dtype == torch.bool:
+    check_integer_ids(name, ids)
+    if ids.numel():
+        raise_unless_in_range(name, *read_ints(*ids.aminmax()), upper)
+
+
+def check_integer_ids(name: str, ids: torch.Tensor) -> None:
+    if ids.dtype.is_floating_point or ids.dtype == torch.bool or ids.dtype.is_complex:
         raise ValueError(f"{name}: expected an integer dtype, got {ids.dtype}")
-    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= upper):
-        raise ValueError(f"{name}: expected ids in [0, {upper}), got min {int(ids.min())} max {int(ids.max())}")
+
+
+def raise_unless_in_range(name: str, low: int, high: int, upper: int) -> None:
+    """check_index_range's error, from the ids' min and max read already."""
+    if low < 0 or high >= upper:
+        raise ValueError(f"{name}: expected ids in [0, {upper}), got min {low} max {high}")
+
+
+def read_ints(*values: torch.Tensor) -> list[int]:
+    """0-dim integer / bool tensors -> Python ints in one host read: one sync on CUDA for all the value checks of a
+    call, instead of one per check (each stalls the host until the GPU drains its queue)."""
+    return torch.stack([v.reshape(()).long() for v in values]).tolist()
+
+
+def nonbinary(mask: torch.Tensor) -> torch.Tensor:
+    """0-dim bool: whether mask holds a value other than 0 and 1 (never for a bool mask)."""
+    if mask.dtype == torch.bool:
+        return torch.zeros((), dtype=torch.bool, device=mask.device)
+    return ((mask != 0) & (mask != 1)).any()
+
+
+def raise_if_nonbinary(name: str, flag: int) -> None:
+    """check_binary_mask's error, from nonbinary(mask) read already."""
+    if flag:
+        raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
 
 
 def check_linear_args(
@@ -79,8 +108,8 @@ def check_linear_args(
 def check_binary_mask(name: str, mask: torch.Tensor, like_name: str, like: torch.Tensor) -> None:
     """check_mask, and the values must be 0 or 1: a float mask of weights is rejected. One host sync on CUDA."""
     check_mask(name, mask, like_name, like)
-    if mask.dtype != torch.bool and bool(((mask != 0) & (mask != 1)).any()):
-        raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
+    if mask.dtype != torch.bool:
+        raise_if_nonbinary(name, read_ints(nonbinary(mask))[0])
 
 
 def check_floating(name: str, tensor: torch.Tensor) -> None:

@@ -295,3 +295,71 @@ def test_bad_input():
         sequence_logprobs(model, ids, mask[:, 1:], completion)
     with pytest.raises(ValueError, match="disable_adapter"):
         sequence_logprobs(model, ids, mask, completion, disable_adapter=True)
+
+
+def test_bad_values_name_the_argument():
+    model = tiny_qwen2()
+    ids, mask, completion = rollout_batch()
+    two = mask.clone()
+    two[0, 3] = 2
+    with pytest.raises(ValueError, match="attention_mask: expected a bool mask or 0/1"):
+        grpo_loss(model, ids, two, completion, torch.ones(B))
+    with pytest.raises(ValueError, match="completion_mask: expected a bool mask or 0/1"):
+        grpo_loss(model, ids, mask, completion * 2, torch.ones(B))
+    big = ids.clone()
+    big[2, 7] = 128
+    with pytest.raises(ValueError, match=r"input_ids: expected ids in \[0, 128\), got min \d+ max 128"):
+        grpo_loss(model, big, mask, completion, torch.ones(B))
+    with pytest.raises(ValueError, match="input_ids: expected an integer dtype"):
+        sequence_logprobs(model, ids.float(), mask, completion)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_unpadded_batch_matches_the_reference_with_its_mask(attention):
+    """Without padding, grpo_loss runs the backbone without the all-ones mask (HF would read it to find out it
+    needs none): the loss, metrics and gradients are those of the reference given the mask."""
+    model = tiny_qwen2(attn_implementation=attention).double()
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(3, 128, (B, T), generator=g)
+    mask = torch.ones(B, T, dtype=torch.long)
+    completion = torch.zeros(B, T, dtype=torch.long)
+    completion[:, PROMPT:] = 1
+    advantages = torch.randn(B, generator=g, dtype=torch.float64)
+    loss, metrics = grpo_loss(model, ids, mask, completion, advantages, return_entropy=True)
+    got = torch.autograd.grad(loss, model.lm_head.weight)[0]
+    want_loss, want_metrics = reference_loss(model, ids, mask, completion, advantages, return_entropy=True)
+    want = torch.autograd.grad(want_loss, model.lm_head.weight)[0]
+    torch.testing.assert_close(loss, want_loss, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(metrics["entropy"], want_metrics["entropy"], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.gpu
+def test_gpu_grpo_loss_reads_the_device_once():
+    """One host sync of fastgrpo's per micro-batch (the checks and the completion window, read together), none in the
+    loss or the backward: the host queues the next micro-batch while the GPU runs this one's backward. (transformers
+    adds its own: 1 per forward in 5.17 / 5.24 for an unpadded batch, its packed-sequence test.)"""
+    import warnings
+
+    model = tiny_qwen2(attn_implementation="sdpa").cuda()
+    ids = torch.randint(3, 128, (B, T), device="cuda")
+    mask = torch.ones(B, T, dtype=torch.long, device="cuda")
+    completion = torch.zeros(B, T, dtype=torch.long, device="cuda")
+    completion[:, PROMPT:] = 1
+    completion[1, -2:] = 0  # a shorter completion: masked rows skipped
+    advantages = torch.randn(B, device="cuda")
+    old = torch.randn(B, T, device="cuda")
+    grpo_loss(model, ids, mask, completion, advantages, old_logps=old, ref_logps=old, beta=0.1)[0].backward()
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            loss, _ = grpo_loss(model, ids, mask, completion, advantages, old_logps=old, ref_logps=old, beta=0.1,
+                                return_entropy=True, return_logps=True)
+            loss.backward()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    syncs = [f"{w.filename}:{w.lineno}" for w in caught if "synchroniz" in str(w.message)]
+    ours = [site for site in syncs if "/transformers/" not in site]
+    assert len(ours) == 1, syncs

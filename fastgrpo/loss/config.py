@@ -12,12 +12,16 @@ import numbers
 import torch
 
 from fastgrpo._checks import (
-    check_binary_mask,
     check_choice,
-    check_index_range,
+    check_integer_ids,
     check_linear_args,
+    check_mask,
     check_per_token_inputs,
     check_shape,
+    nonbinary,
+    raise_if_nonbinary,
+    raise_unless_in_range,
+    read_ints,
 )
 
 # The first four are aggregations of the PPO-clipped objective; cispo, sapo, luspo and vespo are TRL 1.15 / 1.16's
@@ -153,17 +157,29 @@ def check_loss_inputs(
     token_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
 ) -> None:
-    """The tensor checks shared by fastgrpo.loss.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss."""
+    """The tensor checks shared by fastgrpo.loss.reference.grpo_loss and fastgrpo.fused_linear_grpo_loss: shapes,
+    dtypes and the options here; the values (one host read) in check_loss_values."""
     check_shape("hidden", hidden, (None, None, None))
     B, T, _ = hidden.shape
     check_linear_args(hidden, weight, bias, cfg.temperature, cfg.softcap)
     check_shape("target_ids", target_ids, (B, T))
-    check_binary_mask("completion_mask", completion_mask, "target_ids", target_ids)
+    check_integer_ids("target_ids", target_ids)
+    check_mask("completion_mask", completion_mask, "target_ids", target_ids)
     check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
     check_extra_inputs(B, T, token_weights, sampling_logps)
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError("ref_logps: required when beta > 0, got None")
-    check_index_range("target_ids", target_ids, weight.shape[0])
+
+
+def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> int:
+    """completion_mask holds only 0 and 1 and target_ids are in [0, vocab_size), read in one host sync; returns the
+    count of completion tokens (the mask's 1s). After check_loss_inputs."""
+    if target_ids.numel() == 0:
+        return 0
+    flag, low, high, count = read_ints(nonbinary(completion_mask), *target_ids.aminmax(), completion_mask.bool().sum())
+    raise_if_nonbinary("completion_mask", flag)
+    raise_unless_in_range("target_ids", low, high, vocab_size)
+    return count
 
 
 def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:

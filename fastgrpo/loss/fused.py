@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, resolve
+from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, check_loss_values, resolve
 from fastgrpo.loss.grpo import aggregation_weights, entropy_weights, grpo_objective, loss_metrics
 from fastgrpo.ops.fused_linear import acc_dtype, chunk_loop, finish_grads, resolve_backend, row_kernels
 
@@ -36,14 +36,17 @@ def _objective_grads(cfg, logps, entropy, mask, advantages, extras, weights, bon
     return grads[0], grads[1] if len(grads) > 1 else None
 
 
-def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels, need):
-    """hidden [B, T, H] etc. -> (loss, metrics dict, (dhidden, dweight, dbias) or None). per_token: old_logps,
-    ref_logps, token_weights, sampling_logps ([B, T] or None). logps_out: the metrics also hold "logps" [B, T]."""
+def _grpo_forward(hidden, weight, bias, targets, mask, valid_tokens, advantages, per_token, cfg, entropy, logps_out,
+                  kernels, need):
+    """hidden [B, T, H] etc. -> (loss, metrics dict, (dhidden, dweight, dbias) or None). valid_tokens: the count of
+    1s in mask. per_token: old_logps, ref_logps, token_weights, sampling_logps ([B, T] or None). logps_out: the
+    metrics also hold "logps" [B, T]."""
     B, T, H = hidden.shape
     acc = acc_dtype(hidden.dtype)
     m = mask.to(acc)  # m: [B, T]
     keep = m.bool()
-    valid = m.reshape(-1).nonzero().squeeze(-1)  # valid: [n] row ids; masked rows cost no GEMM work
+    # valid: [n] row ids (masked rows cost no GEMM work); of a known count: no host sync, unlike nonzero()
+    valid = torch.nonzero_static(keep.reshape(-1), size=valid_tokens).squeeze(-1)
     # Masked positions get logp = old = ref = 0 and weight 1 (ratio 1, KL 0, aggregation weight 0): padding values
     # can't turn into inf * 0.
     advantages = (advantages if advantages.dim() == 2 else advantages[:, None]).to(acc)  # [B, 1] or [B, T]
@@ -51,7 +54,7 @@ def _grpo_forward(hidden, weight, bias, targets, mask, advantages, per_token, cf
     extras = tuple(None if t is None else torch.where(keep, t.to(acc), fill) for t, fill in zip(per_token, fills))
     weights = aggregation_weights(m, cfg.loss_type, cfg.max_completion_length, cfg.num_items_in_batch).to(acc)
     hidden2d, flat_targets = hidden.reshape(B * T, H), targets.reshape(-1)[valid]
-    rows = None if valid.numel() == B * T else valid  # no mask: slices, no gather/scatter of hidden rows
+    rows = None if valid_tokens == B * T else valid  # no mask: slices, no gather/scatter of hidden rows
     with_entropy = entropy or cfg.needs_entropy
     any_grad = any(need)
     # One pass when each token's gradient is known from its own log-prob: formed chunk by chunk in the forward.
@@ -112,11 +115,12 @@ class _GRPOLoss(torch.autograd.Function):
     written into the dict passed in (they carry no gradient)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels,
-                metrics):
+    def forward(ctx, hidden, weight, bias, targets, mask, valid_tokens, advantages, per_token, cfg, entropy,
+                logps_out, kernels, metrics):
         need = ctx.needs_input_grad[:3]  # hidden, weight, bias (False for a bias that is None)
         loss, values, grads = _grpo_forward(
-            hidden, weight, bias, targets, mask, advantages, per_token, cfg, entropy, logps_out, kernels, need
+            hidden, weight, bias, targets, mask, valid_tokens, advantages, per_token, cfg, entropy, logps_out,
+            kernels, need,
         )
         metrics.update(values)
         ctx.grads = grads
@@ -135,7 +139,7 @@ class _GRPOLoss(torch.autograd.Function):
         for g in grads:
             if g is not None:
                 g.mul_(grad_loss.to(g.dtype))
-        return (*grads, *([None] * 9))
+        return (*grads, *([None] * 10))
 
 
 def fused_linear_grpo_loss(
@@ -170,15 +174,50 @@ def fused_linear_grpo_loss(
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
+    valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0])
+    return _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
+                (old_logps, ref_logps, token_weights, sampling_logps), return_entropy, return_logps, backend)
+
+
+def fused_linear_grpo_loss_of_checked_values(
+    valid_tokens: int,
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    config: GRPOLossConfig,
+    old_logps: torch.Tensor | None = None,
+    ref_logps: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    return_entropy: bool = False,
+    token_weights: torch.Tensor | None = None,
+    sampling_logps: torch.Tensor | None = None,
+    return_logps: bool = False,
+    backend: str = "auto",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """fused_linear_grpo_loss for a caller that has checked the values already (completion_mask 0/1, target_ids
+    in [0, V): fastgrpo.grpo_loss does, with its other checks, in one host read) and counted the mask's 1s
+    (valid_tokens): no host sync, so the host can queue the loss and the backward while the GPU runs the forward.
+    Shapes and options are checked here."""
+    check_loss_inputs(config, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
+                      token_weights, sampling_logps)
+    return _run(config, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
+                (old_logps, ref_logps, token_weights, sampling_logps), return_entropy, return_logps, backend)
+
+
+def _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages, per_token, return_entropy,
+         return_logps, backend):
     kernels = row_kernels(resolve_backend(backend, hidden.device))
-    args = (hidden.contiguous(), weight.contiguous(), bias, target_ids, completion_mask, advantages.detach())
-    per_token = tuple(None if t is None else t.detach() for t in (old_logps, ref_logps, token_weights, sampling_logps))
+    args = (hidden.contiguous(), weight.contiguous(), bias, target_ids, completion_mask, valid_tokens,
+            advantages.detach())
+    per_token = tuple(None if t is None else t.detach() for t in per_token)
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias)):
         metrics: dict[str, torch.Tensor] = {}
         loss = _GRPOLoss.apply(*args, per_token, cfg, return_entropy, return_logps, kernels, metrics)
         return loss, metrics
-    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, return_logps, kernels,
-                                     (False, False, False))
+    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, return_logps, kernels, (False, False, False))
     return loss, metrics
 
 

@@ -7,34 +7,62 @@ on all T positions; the fused lm_head + loss runs on the columns that hold compl
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
-from fastgrpo._checks import check_binary_mask, check_index_range, check_per_token_inputs, check_shape
+from fastgrpo._checks import (
+    check_integer_ids,
+    check_mask,
+    check_per_token_inputs,
+    check_shape,
+    nonbinary,
+    raise_if_nonbinary,
+    raise_unless_in_range,
+    read_ints,
+)
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
 from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, resolve
-from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
 
 
-def _check_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor) -> None:
+class _Batch(NamedTuple):
+    """What _inspect reads of a batch's values."""
+
+    window: slice  # the input_ids columns from the first to the last that hold a completion token
+    padded: bool  # attention_mask has a 0
+    completion_tokens: int  # completion_mask's 1s
+
+
+def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+             vocab_size: int) -> _Batch:
+    """Check the inputs and find the completion window, reading their values in one host sync (not one per check:
+    each sync stops the host from queueing work while the GPU finishes the previous micro-batch)."""
     check_shape("input_ids", input_ids, (None, None))
-    if input_ids.shape[0] == 0:
+    B, T = input_ids.shape
+    if B == 0:
         raise ValueError(f"input_ids: expected at least one sequence [B>=1, T], got {list(input_ids.shape)}")
-    check_binary_mask("attention_mask", attention_mask, "input_ids", input_ids)
-    check_binary_mask("completion_mask", completion_mask, "input_ids", input_ids)
-    if input_ids.shape[1] < 2:
+    check_mask("attention_mask", attention_mask, "input_ids", input_ids)
+    check_mask("completion_mask", completion_mask, "input_ids", input_ids)
+    if T < 2:
         raise ValueError(f"input_ids: expected at least 2 positions [B, T>=2], got {list(input_ids.shape)}")
-    if completion_mask[:, 0].any():
+    check_integer_ids("input_ids", input_ids)
+    completion = completion_mask.bool()
+    columns = completion.any(0)  # columns: [T]
+    positions = torch.arange(T, device=columns.device)
+    attention_flag, completion_flag, first_column, low, high, first, last, tokens, padded = read_ints(
+        nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
+        torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
+        ~attention_mask.bool().all(),
+    )
+    raise_if_nonbinary("attention_mask", attention_flag)
+    raise_if_nonbinary("completion_mask", completion_flag)
+    if first_column:
         raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
-
-
-def _window(completion_mask: torch.Tensor) -> slice:
-    """The input_ids columns from the first to the last that hold a completion token (one host sync)."""
-    cols = completion_mask.any(0).nonzero().squeeze(-1)
-    if cols.numel() == 0:
-        return slice(1, 2)
-    return slice(int(cols.min()), int(cols.max()) + 1)
+    raise_unless_in_range("input_ids", low, high, vocab_size)
+    window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
+    return _Batch(window, bool(padded), tokens)
 
 
 def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:
@@ -45,14 +73,16 @@ def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Ten
 
 
 def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
-    """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and the window."""
-    _check_inputs(input_ids, attention_mask, completion_mask)
+    """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
-    check_index_range("input_ids", input_ids, head.weight.shape[0])
-    cols = _window(completion_mask)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+    batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0])
+    # Without padding the mask says nothing causal attention does not: HF builds none then, but reads the mask to
+    # find that out (a host sync) unless it is None.
+    mask = attention_mask if batch.padded else None
+    out = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
+    cols = batch.window
     hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
-    return hidden, head, cols
+    return hidden, head, batch
 
 
 def grpo_loss(
@@ -90,13 +120,14 @@ def grpo_loss(
     if "softcap" not in options and (config is None or config.softcap is None):
         options["softcap"] = logit_softcap(model)
     cfg = resolve(config, options)
-    hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+    hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+    cols = batch.window
 
     def window(t):
         return None if t is None else t[:, cols]
 
-    loss, metrics = fused_linear_grpo_loss(
-        hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
+    loss, metrics = fused_linear_grpo_loss_of_checked_values(
+        batch.completion_tokens, hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
         old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head.bias,
         return_entropy=return_entropy, token_weights=window(token_weights), sampling_logps=window(sampling_logps),
@@ -125,7 +156,8 @@ def sequence_logprobs(
     if disable_adapter and not callable(getattr(model, "disable_adapter", None)):
         raise ValueError(f"disable_adapter: needs a PEFT model, got {type(model).__name__}")
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-        hidden, head, cols = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+        hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
+    cols = batch.window
     out = fused_linear_logprobs(
         hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
         softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
