@@ -379,3 +379,28 @@ def test_gpu_bf16_within_noise_and_less_memory():
     for tiled, untiled in zip(errors["tiled"], errors["untiled"]):
         assert tiled <= 1.5 * untiled + 1e-3
     assert peaks["tiled"] < 0.6 * peaks["untiled"]
+
+
+# --- patch_model's default chunk ----------------------------------------------------------------------------------
+
+
+def test_chunk_tokens_keep_each_intermediate_within_the_budget():
+    from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_BYTES, chunk_tokens_for
+
+    assert chunk_tokens_for(8960, 2) == 14976  # Qwen2.5-1.5B, bf16
+    assert chunk_tokens_for(14336, 2) == 9344  # Llama-3.1-8B, bf16
+    for size, element in ((8960, 2), (14336, 2), (24, 8), (100_000_000, 4)):
+        tokens = chunk_tokens_for(size, element)
+        assert tokens % 128 == 0 and tokens >= 128
+        assert tokens == 128 or tokens * size * element <= DEFAULT_CHUNK_BYTES < (tokens + 128) * size * element
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_patch_model_chunks_by_the_models_intermediate_size(arch):
+    from fastgrpo.ops.tiled_mlp import chunk_tokens_for
+
+    model = tiny_model(arch, dtype=torch.bfloat16)
+    patch_model(model, tiled_mlp=True)
+    options = model.fastgrpo_patch_summary["options"]
+    assert options["mlp_chunk_tokens"] == chunk_tokens_for(TINY["intermediate_size"], 2)
+    assert patch_model(tiny_model(arch), tiled_mlp=False).fastgrpo_patch_summary["options"]["mlp_chunk_tokens"] is None

@@ -30,6 +30,19 @@ from fastgrpo._checks import check_floating, check_positive_int
 
 # 8192 tokens: gate, up and their product of a Qwen2.5-1.5B MLP (I = 8960) are 140 MiB each in bf16.
 DEFAULT_CHUNK_TOKENS = 8192
+# patch_model's default: chunks whose [chunk, I] intermediates are at most 256 MiB each (Qwen2.5-1.5B in bf16: 14976
+# tokens; Llama-3.1-8B, I = 14336: 9344). Fewer tokens run untiled: tiling a few thousand tokens saves little memory
+# and costs host time per chunk (a Qwen2.5-1.5B LoRA update of 8 micro-batches of 8 x 1280 tokens, offloaded: 2.81 s
+# with 8192-token chunks, 2.32 s untiled, +0.12 GiB peak; H100, benchmarks/profile_update.py).
+DEFAULT_CHUNK_BYTES = 256 << 20
+
+
+def chunk_tokens_for(intermediate_size: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
+    """Tokens per chunk (a multiple of 128, at least 128) whose [chunk, intermediate_size] intermediates of
+    element_size bytes take at most chunk_bytes each."""
+    check_positive_int("intermediate_size", intermediate_size)
+    check_positive_int("element_size", element_size)
+    return max(128, chunk_bytes // (intermediate_size * element_size) // 128 * 128)
 
 
 def _chunked_forward(forward: Callable, x2: torch.Tensor, chunk_tokens: int, width: int) -> torch.Tensor:

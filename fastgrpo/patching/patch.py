@@ -14,7 +14,7 @@ from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
 from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
-from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_TOKENS
+from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_BYTES, chunk_tokens_for
 from fastgrpo.patching.forwards import (
     lora_linear_forward,
     mlp_forward,
@@ -38,7 +38,7 @@ def patch_model(
     fused_loss: bool = True,
     offload_activations: bool | ActivationOffloader = False,
     tiled_mlp: bool | None = None,
-    mlp_chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    mlp_chunk_tokens: int | None = None,
     fused_lora: bool = True,
     lora_dtype: str = "input",
 ) -> nn.Module:
@@ -57,7 +57,9 @@ def patch_model(
     (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
     of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
     MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
-    one more MLP forward. mlp_chunk_tokens: tokens per chunk.
+    one more MLP forward. mlp_chunk_tokens: tokens per chunk; None: as many as keep each [chunk, intermediate_size]
+    intermediate within 256 MiB in the model's dtype (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16,
+    14976), so micro-batches of fewer tokens run untiled.
     fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear, and the QLoRA classes bnb.Linear4bit /
     Linear8bitLt over a bitsandbytes base) compute their vanilla adapter branch with fastgrpo.ops.lora, which keeps
     the layer's input for the backward instead of a copy in the adapter's dtype (fp32 adapters on a bf16 input: 4 B
@@ -80,7 +82,8 @@ def patch_model(
     arch = architecture(hf_model)
     for library in ("transformers", "peft"):
         check_supported(library)
-    check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
+    if mlp_chunk_tokens is not None:
+        check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
     if not isinstance(offload_activations, bool):
         if not isinstance(offload_activations, ActivationOffloader):
@@ -89,6 +92,9 @@ def patch_model(
                 f"got {type(offload_activations).__name__}"
             )
     tiled_mlp = offload_activations is not False if tiled_mlp is None else tiled_mlp
+    if tiled_mlp and mlp_chunk_tokens is None:
+        mlp_chunk_tokens = chunk_tokens_for(hf_model.config.get_text_config().intermediate_size,
+                                            hf_model.dtype.itemsize, DEFAULT_CHUNK_BYTES)
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
