@@ -9,7 +9,8 @@ The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); th
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
 phases are called as GRPOTrainer.train_step calls them. Variants, the same model re-patched:
   offload     patch_model(offload_activations=True): bench_loop's setting (layer inputs to pinned host memory,
-              each layer recomputed in the backward)
+              each layer recomputed in the backward; the MLP tiled over 8192-token chunks, patch_model's default)
+  offload-untiled  the same with tiled_mlp=False
   checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
   plain       no offload, no checkpointing: every activation kept
 Per variant: one warm-up repeat (Triton autotuning), --repeats timed ones (median wall seconds and torch's peak
@@ -35,7 +36,7 @@ from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.trace_gaps import Trace, print_summary
 
 PHASES = ("logprobs_old", "logprobs_ref", "update")
-VARIANTS = ("offload", "checkpoint", "plain")
+VARIANTS = ("offload", "offload-untiled", "checkpoint", "plain")
 
 
 def synthetic_batch(case: Case, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
@@ -92,7 +93,8 @@ def set_variant(trainer, variant: str) -> None:
     model = trainer.model
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
-    fastgrpo.patch_model(model, offload_activations=variant == "offload")
+    offload = variant.startswith("offload")
+    fastgrpo.patch_model(model, offload_activations=offload, tiled_mlp=None if variant == "offload" else False)
     if variant == "checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -113,8 +115,41 @@ def python_profile(trainer, batch, advantages, variant: str, cuda: bool) -> None
     stats.sort_stats("cumulative").print_stats(30)
 
 
+def sync_sites(trainer, batch, advantages, variant: str) -> list[tuple[str, int]]:
+    """One more repeat with torch.cuda's sync debug mode: each operation that makes the host wait for the GPU, counted
+    by where it was called from (the innermost frames of fastgrpo, transformers, peft or torch.nn)."""
+    import traceback
+    import warnings
+
+    counts: dict[str, int] = {}
+    keep = ("fastgrpo/", "transformers/", "peft/", "torch/nn/", "benchmarks/")
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack()[:-1] if any(k in f.filename for k in keep)]
+        site = " < ".join(f"{Path(f.filename).parent.name}/{Path(f.filename).name}:{f.lineno} {f.name}"
+                          for f in reversed(frames[-3:]))
+        counts[site] = counts.get(site, 0) + 1
+
+    previous = warnings.showwarning
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            repeat(trainer, batch, advantages, Clock(cuda=False))
+            torch.cuda.synchronize()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = previous
+    ranked = sorted(counts.items(), key=lambda kv: -kv[1])
+    print(f"--- {variant}: {sum(counts.values())} host syncs in one repeat, by call site")
+    for site, n in ranked:
+        print(f"{n:6d}  {site}")
+    return ranked
+
+
 def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trace_dir: Path,
-                    python: bool = False) -> dict:
+                    python: bool = False, syncs: bool = False, no_trace: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
@@ -129,6 +164,10 @@ def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trac
     if python:
         python_profile(trainer, batch, advantages, variant, cuda)
     if not cuda:  # the dry run checks the phases, not the trace
+        return row
+    if syncs:
+        row["sync_sites"] = sync_sites(trainer, batch, advantages, variant)
+    if no_trace:
         return row
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         repeat(trainer, batch, advantages, Clock(cuda))
@@ -154,6 +193,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models-dir", default=str(Path(tempfile.gettempdir()) / "fastgrpo-bench-models"))
     parser.add_argument("--trace-dir", default=None)
     parser.add_argument("--python-profile", action="store_true", help="also one repeat under cProfile")
+    parser.add_argument("--sync-sites", action="store_true", help="also one repeat counting host syncs by call site")
+    parser.add_argument("--no-trace", action="store_true", help="timings only, no profiled repeat")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 LoRA, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
@@ -167,7 +208,11 @@ def main(argv: list[str] | None = None) -> None:
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
     trainer = fastgrpo_trainer(case)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
-    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir, args.python_profile)
+    for variant in args.variants.split(","):
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)}, got {variant!r}")
+    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir, args.python_profile,
+                            args.sync_sites, args.no_trace)
             for v in args.variants.split(",")]
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
