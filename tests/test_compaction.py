@@ -237,7 +237,7 @@ def test_bad_options_raise(kwargs, match):
                          ids=["sdpa", "triton", "shared"])
 def test_gpu_compacted_graphed_rollout_gives_keep_tokens(options, buckets):
     """Compiled with Inductor, each batch size replayed as its own CUDA graph: no fallback warning, one trace for all
-    batch sizes (two with a shared prefix), and the plain rollout's tokens (fp32: cuBLAS may pick other kernels for
+    batch sizes (at most two with a shared prefix: one per layout), and the plain rollout's tokens (fp32: cuBLAS may pick other kernels for
     other batch sizes, so log-probs within 1e-4, as tests/test_rollout_gpu.py allows compiled vs eager)."""
     torch._dynamo.reset()
     model = tiny_model("qwen2", seed=2).cuda()
@@ -250,8 +250,10 @@ def test_gpu_compacted_graphed_rollout_gives_keep_tokens(options, buckets):
         got = run(model, params, "compact", stop_ids("e"), compile_scope="step", **options)
     assert not [str(w.message) for w in caught if str(w.message).startswith("rollout:")]
     assert len(buckets) >= 2, buckets
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == (2 if options.get("shared_prefix") else 1)
     assert completions(got) == completions(want)
     assert got.finish_reasons == want.finish_reasons
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    # At most one trace per layout, none per batch size (3 or more here). Inductor traced the shared-prefix step once
+    # for both layouts on an H100 (the CPU test's eager backend traces twice).
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= (2 if options.get("shared_prefix") else 1)
     torch._dynamo.reset()
