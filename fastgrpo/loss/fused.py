@@ -200,7 +200,8 @@ def fused_linear_grpo_loss_of_checked_values(
     """fused_linear_grpo_loss for a caller that has checked the values already (completion_mask 0/1, target_ids
     in [0, V): fastgrpo.grpo_loss does, with its other checks, in one host read) and counted the mask's 1s
     (valid_tokens): no host sync, so the host can queue the loss and the backward while the GPU runs the forward.
-    Shapes and options are checked here."""
+    Shapes and options are checked here; the count is trusted and must be exact (a larger one would read the last
+    row again in the padding of torch.nonzero_static, silently)."""
     check_loss_inputs(config, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
     return _run(config, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
@@ -217,7 +218,8 @@ def _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, a
         metrics: dict[str, torch.Tensor] = {}
         loss = _GRPOLoss.apply(*args, per_token, cfg, return_entropy, return_logps, kernels, metrics)
         return loss, metrics
-    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, return_logps, kernels, (False, False, False))
+    no_grads = (False, False, False)
+    loss, metrics, _ = _grpo_forward(*args, per_token, cfg, return_entropy, return_logps, kernels, no_grads)
     return loss, metrics
 
 

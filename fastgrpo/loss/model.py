@@ -76,8 +76,9 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0])
-    # Without padding the mask says nothing causal attention does not: HF builds none then, but reads the mask to
-    # find that out (a host sync) unless it is None.
+    # Without padding the mask says nothing causal attention does not. Given the mask, HF reads it twice to find that
+    # out (two host syncs); given None it runs one packed-sequence test on the position ids instead (transformers
+    # 5.17 / 5.24).
     mask = attention_mask if batch.padded else None
     out = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
     cols = batch.window
