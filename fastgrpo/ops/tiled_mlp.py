@@ -30,10 +30,11 @@ from fastgrpo._checks import check_floating, check_positive_int
 
 # 8192 tokens: gate, up and their product of a Qwen2.5-1.5B MLP (I = 8960) are 140 MiB each in bf16.
 DEFAULT_CHUNK_TOKENS = 8192
-# patch_model's default: chunks whose [chunk, I] intermediates are at most 256 MiB each (Qwen2.5-1.5B in bf16: 14976
-# tokens; Llama-3.1-8B, I = 14336: 9344). Fewer tokens run untiled: tiling a few thousand tokens saves little memory
-# and costs host time per chunk (a Qwen2.5-1.5B LoRA update of 8 micro-batches of 8 x 1280 tokens, offloaded: 2.81 s
-# with 8192-token chunks, 2.32 s untiled, +0.12 GiB peak; H100, benchmarks/profile_update.py).
+# patch_model's default: chunks whose widest intermediate ([chunk, I]; Phi-3's gate_up [chunk, 2I]) is at most
+# 256 MiB (Qwen2.5-1.5B in bf16: 14976 tokens; Llama-3.1-8B, I = 14336: 9344). Fewer tokens run untiled: tiling a
+# few thousand tokens saves little memory and costs host time per chunk (a Qwen2.5-1.5B LoRA update of 8 micro-batches
+# of 8 x 1280 tokens, offloaded: 2.81 s with 8192-token chunks, 2.32 s untiled, +0.12 GiB peak; one H100,
+# results/update_profile-nvidia-h100-80gb-hbm3.json, config.later_runs).
 DEFAULT_CHUNK_BYTES = 256 << 20
 
 

@@ -57,9 +57,10 @@ def patch_model(
     (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
     of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
     MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
-    one more MLP forward. mlp_chunk_tokens: tokens per chunk; None: as many as keep each [chunk, intermediate_size]
-    intermediate within 256 MiB in the model's dtype (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16,
-    14976), so micro-batches of fewer tokens run untiled.
+    one more MLP forward. mlp_chunk_tokens: tokens per chunk; None: as many as keep the MLP's widest intermediate
+    ([chunk, intermediate_size], Phi-3's fused gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's
+    dtype (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16, 14976), so micro-batches of fewer tokens
+    run untiled.
     fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear, and the QLoRA classes bnb.Linear4bit /
     Linear8bitLt over a bitsandbytes base) compute their vanilla adapter branch with fastgrpo.ops.lora, which keeps
     the layer's input for the backward instead of a copy in the adapter's dtype (fp32 adapters on a bf16 input: 4 B
@@ -92,9 +93,9 @@ def patch_model(
                 f"got {type(offload_activations).__name__}"
             )
     tiled_mlp = offload_activations is not False if tiled_mlp is None else tiled_mlp
-    if tiled_mlp and mlp_chunk_tokens is None:
-        mlp_chunk_tokens = chunk_tokens_for(hf_model.config.get_text_config().intermediate_size,
-                                            hf_model.dtype.itemsize, DEFAULT_CHUNK_BYTES)
+    if tiled_mlp and mlp_chunk_tokens is None:  # sized by the MLP's widest intermediate (Phi-3's is gate_up's 2I)
+        widest = hf_model.config.get_text_config().intermediate_size * (2 if arch.mlp_fused_gate_up else 1)
+        mlp_chunk_tokens = chunk_tokens_for(widest, hf_model.dtype.itemsize, DEFAULT_CHUNK_BYTES)
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
