@@ -14,10 +14,11 @@ Cases (CASE_INFO, printed above the table):
     offload           fastgrpo.offload checkpointing alone, HF modules, untiled MLP
     offload_tiled     offload + token-tiled MLP (fastgrpo.ops.tiled_mlp, 8192-token chunks), HF modules otherwise
     patched_offload   the product path: patch_model(model, offload_activations=True) = fused RMSNorm / RoPE / SwiGLU
-                      kernels + offload + tiled MLP
+                      kernels + offload + tiled MLP in patch_model's default chunks (14976 tokens for these shapes;
+                      results/offload-nvidia-h200.json ran 8192, the default then)
     one_layer         one decoder layer's forward + backward, not checkpointed, untiled MLP: the part of the peak that
                       no checkpointing of whole layers removes
-    one_layer_tiled   the same with the tiled MLP: what tiling leaves of it
+    one_layer_tiled   the same with the tiled MLP (8192-token chunks): what tiling leaves of it
 """
 from __future__ import annotations
 
@@ -178,7 +179,8 @@ def _run_one_layer(setup: dict, tiled: bool = False) -> dict:
     from fastgrpo.patching import patch_model, unpatch_model
 
     if tiled:
-        patch_model(setup["model"], rms_norm=False, rope=False, swiglu=False, fused_loss=False, tiled_mlp=True)
+        patch_model(setup["model"], rms_norm=False, rope=False, swiglu=False, fused_loss=False, tiled_mlp=True,
+                    mlp_chunk_tokens=8192)
     try:
         return _one_layer_step(setup)
     finally:
@@ -205,10 +207,11 @@ CASE_INFO = {
     "offload_tiled": "offload + tiled MLP (8192-token chunks), HF modules otherwise",
     "patched_offload": "product: patch_model(model, offload_activations=True) = fused kernels + offload + tiled MLP",
     "one_layer": "one decoder layer fwd+bwd, not checkpointed, untiled MLP",
-    "one_layer_tiled": "one decoder layer fwd+bwd, not checkpointed, tiled MLP",
+    "one_layer_tiled": "one decoder layer fwd+bwd, not checkpointed, tiled MLP (8192-token chunks)",
 }
 PATCHES = {  # patch_model options of the cases that go through it
-    "offload_tiled": dict(rms_norm=False, rope=False, swiglu=False, fused_loss=False, offload_activations=True),
+    "offload_tiled": dict(rms_norm=False, rope=False, swiglu=False, fused_loss=False, offload_activations=True,
+                          mlp_chunk_tokens=8192),
     "patched_offload": dict(offload_activations=True),
 }
 CASES = [(adapters, case) for adapters in ("fp32", "bf16") for case in CASE_INFO]

@@ -1,7 +1,7 @@
 """Where the training half of a fastgrpo GRPO step goes: the old and reference log-prob passes and the update
 (loss forward, backward, optimizer) of bench_loop's fastgrpo system, on a synthetic rollout batch.
 
-    python -m benchmarks.profile_update                          # qwen2.5-1.5b-lora, C = 1024, three variants
+    python -m benchmarks.profile_update                          # qwen2.5-1.5b-lora, C = 1024, every variant
     python -m benchmarks.profile_update --variants offload --trace-dir /tmp/traces
     python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2, 16 + 16 tokens
 
@@ -9,12 +9,15 @@ The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); th
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
 phases are called as GRPOTrainer.train_step calls them. Variants, the same model re-patched:
   offload     patch_model(offload_activations=True): bench_loop's setting (layer inputs to pinned host memory,
-              each layer recomputed in the backward; the MLP tiled over 8192-token chunks, patch_model's default)
+              each layer recomputed in the backward; the MLP tiled in patch_model's default chunks: 14976 tokens
+              for Qwen2.5-1.5B, so a micro-batch of 8 x 1280 tokens runs untiled, as offload-untiled)
+  offload-tiled    the same in 8192-token chunks (patch_model's default before 2026-11-26)
   offload-untiled  the same with tiled_mlp=False
   checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
   plain       no offload, no checkpointing: every activation kept
 Per variant: one warm-up repeat (Triton autotuning), --repeats timed ones (median wall seconds and torch's peak
-GiB per phase), then one repeat under torch.profiler summarized per phase by benchmarks.trace_gaps (GPU busy by
+GiB per phase), with --sync-sites one repeat counting the host syncs by call site, then (unless --no-trace) one
+repeat under torch.profiler summarized per phase by benchmarks.trace_gaps (GPU busy by
 kernel category, the top kernels, idle gaps by the host code that was late). JSON: results/update_profile-<card>.json.
 """
 from __future__ import annotations
@@ -36,7 +39,8 @@ from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.trace_gaps import Trace, print_summary
 
 PHASES = ("logprobs_old", "logprobs_ref", "update")
-VARIANTS = ("offload", "offload-untiled", "checkpoint", "plain")
+VARIANTS = ("offload", "offload-tiled", "offload-untiled", "checkpoint", "plain")
+TILING = {"offload": dict(tiled_mlp=None), "offload-tiled": dict(tiled_mlp=True, mlp_chunk_tokens=8192)}
 
 
 def synthetic_batch(case: Case, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
@@ -93,8 +97,8 @@ def set_variant(trainer, variant: str) -> None:
     model = trainer.model
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
-    offload = variant.startswith("offload")
-    fastgrpo.patch_model(model, offload_activations=offload, tiled_mlp=None if variant == "offload" else False)
+    tiling = TILING.get(variant, dict(tiled_mlp=False))
+    fastgrpo.patch_model(model, offload_activations=variant.startswith("offload"), **tiling)
     if variant == "checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -133,8 +137,8 @@ def sync_sites(trainer, batch, advantages, variant: str) -> list[tuple[str, int]
     previous = warnings.showwarning
     with warnings.catch_warnings():
         warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")  # reports itself once: before the recording starts
         warnings.showwarning = record
-        torch.cuda.set_sync_debug_mode("warn")
         try:
             repeat(trainer, batch, advantages, Clock(cuda=False))
             torch.cuda.synchronize()
