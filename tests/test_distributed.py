@@ -1,9 +1,9 @@
 """Data-parallel GRPO on 2 gloo processes (real torch.distributed, spawned) against one process on the same global
 batch: the first step's rollouts and rewards are identical, and the update (FSDP2 for full fine-tuning, DDP for
 LoRA) equals one process's within fp32 rounding, and so does the KL that beta > 0 logs from the log-probs each rank's
-loss forwards return; an FSDP2 run resumed from its Distributed Checkpoint continues bit for bit (resumed with
-fsdp_reshard_after_forward off and two layers per FSDP2 group, which change when and in which collectives weights
-are gathered, not the math).
+loss forwards return; an FSDP2 run resumed from its Distributed Checkpoint continues bit for bit (resumed twice with
+both layers in one FSDP2 group, fsdp_reshard_after_forward off and on: they change when and in which collectives
+weights are gathered, not the math).
 
 Tolerance of "equal within fp32": the 1-process and the 2-process gradients are two fp32 evaluations of one
 quantity that differ only in the order of their sums (micro-batches per rank, then the all-reduce / reduce-
@@ -138,12 +138,14 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
         first = trainers[False]
         first.save_checkpoint()
         found["straight"] = dict(metrics=first.train_step(), weights=_weights(first.model))
-        model, tokenizer = _model(False, seed=1)
-        resumed = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
-                              GRPOConfig(**FIELDS, output_dir=first.config.output_dir,
-                                         fsdp_reshard_after_forward=False, fsdp_layers_per_group=2))
-        resumed.resume()
-        found["resumed"] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
+        # Twice, both layers as one group: kept gathered from forward to backward, and resharded after forward.
+        for name, reshard, group in (("resumed", False, 2), ("resumed-resharded", True, 2)):
+            model, tokenizer = _model(False, seed=1)
+            resumed = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(64),
+                                  GRPOConfig(**FIELDS, output_dir=first.config.output_dir,
+                                             fsdp_reshard_after_forward=reshard, fsdp_layers_per_group=group))
+            resumed.resume()
+            found[name] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
         found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))
         for lora in (False, True):
             found[f"kl-{lora}"] = _one_step(lora, os.path.join(tmp, f"run-kl-{lora}"), overrides=KL,
@@ -211,9 +213,10 @@ def test_two_processes_sample_and_update_as_one(two_processes, lora):
     assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
 
 
-def test_two_processes_resume_from_their_shards(two_processes):
+@pytest.mark.parametrize("run", ["resumed", "resumed-resharded"])
+def test_two_processes_resume_from_their_shards(two_processes, run):
     found = two_processes[0]
-    straight, resumed = found["straight"], found["resumed"]
+    straight, resumed = found["straight"], found[run]
     assert resumed["step"] == 2
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata"} <= set(found["files"])
     for key in ("reward", "loss", "grad_norm"):
