@@ -31,7 +31,6 @@ class _Batch(NamedTuple):
     """What _inspect reads of a batch's values."""
 
     window: slice  # the input_ids columns from the first to the last that hold a completion token
-    padded: bool  # attention_mask has a 0
     completion_tokens: int  # completion_mask's 1s
 
 
@@ -51,10 +50,9 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     completion = completion_mask.bool()
     columns = completion.any(0)  # columns: [T]
     positions = torch.arange(T, device=columns.device)
-    attention_flag, completion_flag, first_column, low, high, first, last, tokens, padded = read_ints(
+    attention_flag, completion_flag, first_column, low, high, first, last, tokens = read_ints(
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
-        ~attention_mask.bool().all(),
     )
     raise_if_nonbinary("attention_mask", attention_flag)
     raise_if_nonbinary("completion_mask", completion_flag)
@@ -62,7 +60,7 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
         raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
     raise_unless_in_range("input_ids", low, high, vocab_size)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
-    return _Batch(window, bool(padded), tokens)
+    return _Batch(window, tokens)
 
 
 def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:
@@ -76,11 +74,7 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0])
-    # Without padding the mask says nothing causal attention does not. Given the mask, HF reads it twice to find that
-    # out (two host syncs); given None it runs one packed-sequence test on the position ids instead (transformers
-    # 5.17 / 5.24).
-    mask = attention_mask if batch.padded else None
-    out = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False)
+    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     cols = batch.window
     hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
     return hidden, head, batch
