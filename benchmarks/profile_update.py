@@ -134,8 +134,7 @@ def sync_sites(trainer, batch, advantages, variant: str) -> list[tuple[str, int]
                           for f in reversed(frames[-3:]))
         counts[site] = counts.get(site, 0) + 1
 
-    previous = warnings.showwarning
-    with warnings.catch_warnings():
+    with warnings.catch_warnings():  # restores showwarning on the way out
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")  # reports itself once: before the recording starts
         warnings.showwarning = record
@@ -144,7 +143,6 @@ def sync_sites(trainer, batch, advantages, variant: str) -> list[tuple[str, int]
             torch.cuda.synchronize()
         finally:
             torch.cuda.set_sync_debug_mode("default")
-            warnings.showwarning = previous
     ranked = sorted(counts.items(), key=lambda kv: -kv[1])
     print(f"--- {variant}: {sum(counts.values())} host syncs in one repeat, by call site")
     for site, n in ranked:
@@ -201,6 +199,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-trace", action="store_true", help="timings only, no profiled repeat")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 LoRA, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
+    variants = args.variants.split(",")
+    for variant in variants:  # before the model is built
+        if variant not in VARIANTS:
+            raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)}, got {variant!r}")
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.dry_run else "cuda"
@@ -212,12 +214,9 @@ def main(argv: list[str] | None = None) -> None:
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
     trainer = fastgrpo_trainer(case)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
-    for variant in args.variants.split(","):
-        if variant not in VARIANTS:
-            raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)}, got {variant!r}")
     rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir, args.python_profile,
                             args.sync_sites, args.no_trace)
-            for v in args.variants.split(",")]
+            for v in variants]
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
               "card": card_name(), "trace_dir": str(trace_dir)}

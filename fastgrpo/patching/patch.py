@@ -14,7 +14,7 @@ from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
 from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
-from fastgrpo.ops.tiled_mlp import DEFAULT_CHUNK_BYTES, chunk_tokens_for
+from fastgrpo.ops.tiled_mlp import chunk_tokens_for
 from fastgrpo.patching.forwards import (
     lora_linear_forward,
     mlp_forward,
@@ -95,7 +95,7 @@ def patch_model(
     tiled_mlp = offload_activations is not False if tiled_mlp is None else tiled_mlp
     if tiled_mlp and mlp_chunk_tokens is None:  # sized by the MLP's widest intermediate (Phi-3's is gate_up's 2I)
         widest = hf_model.config.get_text_config().intermediate_size * (2 if arch.mlp_fused_gate_up else 1)
-        mlp_chunk_tokens = chunk_tokens_for(widest, hf_model.dtype.itemsize, DEFAULT_CHUNK_BYTES)
+        mlp_chunk_tokens = chunk_tokens_for(widest, hf_model.dtype.itemsize)
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
