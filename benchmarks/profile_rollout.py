@@ -4,6 +4,7 @@
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
     python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
     python -m benchmarks.profile_rollout --modes default,fp8      # bf16 vs FP8 decode weights (EngineConfig.weights)
+    python -m benchmarks.profile_rollout --modes default,fused    # q/k/v and gate/up as one GEMM each
     python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
@@ -78,6 +79,9 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
          # roofline counts the copy's bytes
          "fp8": (EngineConfig(weights="fp8"), True),
+         # a copy of q/k/v and gate/up stacked (EngineConfig.weights="fused"): one GEMM per group, as a LoRA model's
+         # "dense" copy runs them; the same bytes a step reads as "default"
+         "fused": (EngineConfig(weights="fused"), True),
          # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
          # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
          # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement

@@ -203,6 +203,94 @@ def test_dense_copy_merges_lora_and_copies_only_what_it_must():
         torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
 
 
+def siblings(model):
+    """Each layer's (q, k, v) and (gate, up) modules: the groups the copy fuses on llama-like models."""
+    layers = model.get_base_model().model.layers if hasattr(model, "get_base_model") else model.model.layers
+    return {g for layer in layers for g in ((layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj),
+                                             (layer.mlp.gate_proj, layer.mlp.up_proj))}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gemma3", "phi3"])
+def test_fp8_fuses_q_k_v_and_gate_up_of_every_layer(arch):
+    """"fp8" copies every linear, so every group of siblings is fused; Phi-3 stores q/k/v and gate/up stacked
+    already: nothing to fuse."""
+    model = tiny_model(arch)
+    groups = decode_weights.fused_groups(model, dense_linears(model), "fp8")
+    assert groups == [] if arch == "phi3" else set(groups) == siblings(model) and len(groups) == 2 * LAYERS
+
+
+def test_dense_fuses_only_groups_it_copies_anyway():
+    """"dense" copies LoRA layers only: with q and v adapted, k would need a copy of its own (memory the copy does
+    not take), so nothing is fused; with every linear adapted, every group is, at the same copy bytes."""
+    for targets, fused in ((("q_proj", "v_proj"), set()), ("all-linear", None)):
+        model = tiny_model("llama", lora=True, targets=targets)
+        groups = decode_weights.fused_groups(model, dense_linears(model), "dense")
+        assert set(groups) == (siblings(model) if fused is None else fused)
+    H, I, V = SIZES["hidden_size"], SIZES["intermediate_size"], SIZES["vocab_size"]
+    kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
+    assert decode_weights.copy_bytes(model, "dense") == LAYERS * (2 * H * H + 2 * kv * H + 3 * H * I) * 4
+
+
+def test_fused_stacks_plain_siblings_at_their_bytes():
+    """"fused" stacks plain q/k/v and gate/up too (a copy: their bytes), o_proj, down_proj and lm_head are used as
+    they are; a model outside the patch table gets no groups."""
+    model = tiny_model("llama")
+    H, I = SIZES["hidden_size"], SIZES["intermediate_size"]
+    kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
+    assert set(decode_weights.fused_groups(model, dense_linears(model), "fused")) == siblings(model)
+    assert decode_weights.copy_bytes(model, "fused") == LAYERS * (H * H + 2 * kv * H + 2 * I * H) * 4
+    assert decode_weights.fused_groups(model.model, dense_linears(model.model), "fused") == []
+
+
+def counted_gemms(monkeypatch):
+    """Calls of the copy's two GEMMs (F.linear for "dense", fp8_linear for "fp8") in decode_weights."""
+    calls = []
+    fp8, linear = decode_weights.fp8_linear, F.linear
+    monkeypatch.setattr(decode_weights, "fp8_linear", lambda *a, **k: calls.append(1) or fp8(*a, **k))
+    monkeypatch.setattr(decode_weights, "F", type(sys)("F_counted"))
+    decode_weights.F.linear = lambda *a, **k: calls.append(1) or linear(*a, **k)
+    return calls
+
+
+@pytest.mark.parametrize("kind, lora", [("fp8", True), ("dense", True), ("fused", False), ("fused", True)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fused_groups_decode_as_unfused_with_4_gemms_per_layer(monkeypatch, arch, kind, lora):
+    """The same tokens and log-probs as the copy without fusion (qwen2: q/k/v biases stacked too), greedy and
+    sampled, and a decode step runs 4 GEMMs per layer (q/k/v, o, gate/up, down) + lm_head instead of 7 + 1 ("fused"
+    stacks plain siblings as well: a model without LoRA or with q and v adapted fuses every group too)."""
+    model = tiny_model(arch, lora=lora, targets="all-linear" if kind != "fused" else ("q_proj", "v_proj"))
+    calls = counted_gemms(monkeypatch)
+    sampled = SamplingParams(max_new_tokens=20, temperature=1.0, top_k=10)
+    for params in (SamplingParams(max_new_tokens=20, temperature=0), sampled):
+        calls.clear()
+        got = run(model, EngineConfig(weights=kind), params)
+        fused_calls = len(calls)
+        with monkeypatch.context() as m:
+            m.setattr(decode_weights, "fused_groups", lambda *args: [])
+            calls.clear()
+            want = run(model, EngineConfig(weights=kind), params)
+        assert completions(got) == completions(want)
+        torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+        assert fused_calls * (7 * LAYERS + 1) == len(calls) * (4 * LAYERS + 1) and fused_calls > 0
+
+
+def test_group_members_called_in_any_order_or_on_other_inputs_give_their_own_outputs():
+    """A member hands its siblings the outputs of its input only: called in another order, twice, or on another
+    input, each returns its own copy's x W^T + b."""
+    model = tiny_model("qwen2")
+    attn = model.model.layers[0].self_attn
+    q, k, v = attn.q_proj, attn.k_proj, attn.v_proj
+    g = torch.Generator().manual_seed(0)
+    x, y = (torch.randn(3, 1, SIZES["hidden_size"], generator=g) for _ in range(2))
+    with torch.no_grad():
+        expected = {(m, t): fake_quantized(m)(inp) for m in (q, k, v) for t, inp in (("x", x), ("y", y))}
+        with decode_weights.copied_weights(model, "fp8"):
+            for calls in ([(v, "x"), (q, "x"), (k, "x")], [(q, "x"), (q, "x"), (k, "y"), (v, "x"), (v, "y")],
+                          [(k, "x"), (k, "y"), (q, "y"), (v, "y")]):
+                for m, t in calls:
+                    torch.testing.assert_close(m(x if t == "x" else y), expected[(m, t)], atol=1e-6, rtol=1e-6)
+
+
 def test_per_layer_compiled_code_traces_once_for_all_layers():
     """Compiled per decoder layer (one code object run for every layer, as a regionally compiled step does): the
     copy's forward is guarded by class and tensor shapes, the same in every layer of a shape, so the layers of
@@ -375,3 +463,25 @@ def test_gpu_bf16_model_fp8_gap_is_small():
     train = sequence_logprobs(model, ids, torch.cat([prompt_mask, comp_mask], 1), mask)
     gap = logprob_gap(train, torch.cat([prompt_mask * 0.0, result.logprobs], 1), mask)
     assert gap["tokens"] > 0 and gap["kl_k3"] < 0.05, gap
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch, lora, kind", [("qwen2", False, "fused"), ("llama", True, "dense")])
+def test_gpu_fused_groups_compiled_and_graphed(arch, lora, kind):
+    """q/k/v and gate/up as one GEMM each, inside the compiled, CUDA-graphed step: the tokens and log-probs of the
+    same copy without fusion (fp32 weights: only the GEMMs' summation order may differ)."""
+    torch._dynamo.reset()
+    model = tiny_model(arch, lora=lora, targets="all-linear").cuda()
+    assert decode_weights.fused_groups(model, dense_linears(model), kind)
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    got = run(model, EngineConfig(weights=kind), params, G=4)
+    unfused = decode_weights.fused_groups
+    try:
+        decode_weights.fused_groups = lambda *args: []
+        torch._dynamo.reset()
+        want = run(model, EngineConfig(weights=kind), params, G=4)
+    finally:
+        decode_weights.fused_groups = unfused
+    assert completions(got) == completions(want)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
+    torch._dynamo.reset()

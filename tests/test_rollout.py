@@ -45,14 +45,14 @@ CONFIGS = {
 }
 
 
-def tiny_model(arch: str, seed: int = 0, lora: bool = False):
+def tiny_model(arch: str, seed: int = 0, lora: bool = False, targets=("q_proj", "v_proj")):
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(CONFIGS[arch]())
     if lora:
         from peft import LoraConfig, get_peft_model
 
         # init_lora_weights=False: a non-zero adapter, so "adapter active" changes the outputs
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     return model.eval()
 
 

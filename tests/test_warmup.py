@@ -66,13 +66,13 @@ DEEP = {  # test_rollout's tiny models with 4 layers: one compiled layer must se
 }
 
 
-def deep_model(arch="qwen2", lora=False):
+def deep_model(arch="qwen2", lora=False, targets=("q_proj", "v_proj")):
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(DEEP[arch]())
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        model = get_peft_model(model, LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     return model.eval()
 
 
@@ -184,10 +184,13 @@ def test_layers_scope_compiles_one_layer_of_a_patched_model(compiles, offload):
     torch.testing.assert_close(got.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
 
-def test_layers_scope_with_a_dense_lora_copy_compiles_one_layer(compiles):
+@pytest.mark.parametrize("targets", [("q_proj", "v_proj"), "all-linear"])
+def test_layers_scope_with_a_dense_lora_copy_compiles_one_layer(compiles, targets):
     """What a LoRA model decodes with on a GPU by default (weights 'auto' -> 'dense' when it fits): the copy swaps
-    each linear's class, the same for every layer, so one layer frame still serves them all."""
-    model = fastgrpo.patch_model(deep_model("llama", lora=True))
+    each linear's class, the same for every layer, so one layer frame still serves them all; with every linear
+    adapted, q/k/v and gate/up run fused (each member holds its siblings and hands them their outputs), still
+    one frame."""
+    model = fastgrpo.patch_model(deep_model("llama", lora=True, targets=targets))
     got = run(model, PROMPT_SETS[1], EngineConfig(**FIXED, compile_scope="layers", weights="dense"))
     assert compiles.frame_count == 2
     eager = run(model, PROMPT_SETS[1], EngineConfig(**{**FIXED, "compile": False}, weights="dense"))

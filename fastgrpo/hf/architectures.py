@@ -20,10 +20,16 @@ class Architecture:
     mlp_fused_gate_up: bool  # Phi-3: one gate_up_proj, chunked in two
     mlp_act_attr: str
     logit_softcap_attr: str | None = None  # config field that soft-caps the logits (passed to the fused loss)
+    # Sibling linears of one module that read the same input (attention q/k/v, MLP gate/up): the rollout's decode
+    # copy stacks each group's weights and runs it as one GEMM (rollout/decode_weights.py). Phi-3 stores them stacked.
+    decode_fused_projections: tuple[tuple[str, ...], ...] = ()
 
     def logit_softcap(self, config) -> float | None:
         """The soft-cap a model of this architecture applies to its logits, or None."""
         return getattr(config, self.logit_softcap_attr, None) if self.logit_softcap_attr else None
+
+
+_SEPARATE_PROJECTIONS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 def _llama_like(prefix: str) -> Architecture:
@@ -36,6 +42,7 @@ def _llama_like(prefix: str) -> Architecture:
         mlp_classes=(f"{prefix}MLP",),
         mlp_fused_gate_up=False,
         mlp_act_attr="act_fn",
+        decode_fused_projections=_SEPARATE_PROJECTIONS,
     )
 
 
@@ -50,6 +57,7 @@ def _gemma_like(prefix: str) -> Architecture:
         mlp_fused_gate_up=False,
         mlp_act_attr="act_fn",
         logit_softcap_attr="final_logit_softcapping",
+        decode_fused_projections=_SEPARATE_PROJECTIONS,
     )
 
 

@@ -1,11 +1,15 @@
 """The weights the decode steps multiply (EngineConfig.weights): the model's own, or a copy of them made for the
-decode of one rollout, "fp8" (e4m3) or "dense" (the model's dtype).
+decode of one rollout, "fp8" (e4m3), "dense" or "fused" (the model's dtype).
 
 Why: a decode step of 64 rows reads every weight once for ~128 FLOPs per byte, so its GEMMs cost what the weight
 reads cost (benchmarks/NOTES_rollout.md). "fp8": per-channel e4m3 copies (fastgrpo.ops.fp8_linear, W8A16) halve
 those reads. "dense": a plain copy in the model's dtype, for models whose own linears do more than one GEMM per
 step: a bitsandbytes 4-bit base (dequantized per call) then decodes with the GEMMs of a bf16 base of its shape,
-and a LoRA layer with one GEMM instead of three.
+and a LoRA layer with one GEMM instead of three. Sibling linears that read the same input (q/k/v, gate/up;
+Architecture.decode_fused_projections) run as one GEMM over their stacked copies where every member is copied
+anyway ("fp8" copies all; "dense" the LoRA and 4-bit ones), as vLLM runs them: a 64-row GEMM per projection is
+too small to reach the weight-read roofline (Qwen2.5-1.5B's K/V projections are 256 wide), and each is a launch
+and a graph node. "fused" is "dense" that stacks plain siblings too: a copy of their weights for fewer GEMMs.
 
 When decoding starts, every dense linear of the model (hf.peft.dense_linears: nn.Linear, lm_head included, a
 4-bit base dequantized, a LoRA layer with its adapters merged in fp32) gets a copy of its weight as it is now, and
@@ -13,14 +17,16 @@ its forward becomes one GEMM over that copy; when decoding ends the forwards com
 4-bit base is dequantized once per rollout, not per token, and the trainer's parameters and their grads are only
 read. The prefill keeps the model's own weights (its GEMMs have B x P rows: not bandwidth-bound). Memory for the
 call (copy_bytes): fp8, 1 byte per weight plus 4 per output channel, about half the bf16 weights; dense, the
-element size per weight that had to be made (a plain weight of the model's dtype is not copied). The build holds
-one layer's fp32 temporaries at a time.
+element size per weight that had to be made (a plain weight of the model's dtype is not copied); "fused", also
+the plain siblings it stacks. The build holds one layer's fp32 temporaries at a time.
 
 How the forward is swapped: the module's class becomes a subclass of it whose forward is the one GEMM (made once
 per class), and the copy's tensors are attributes of the module; an instance-level forward (patch_model's) is
 moved aside meanwhile. torch.compile then guards on the class and on the tensors' shapes and dtypes, both the same
 for every layer and every rollout: a callable object installed per module would be guarded by identity, a new
-trace per layer (for per-layer compiled code) and per rollout.
+trace per layer (for per-layer compiled code) and per rollout. A fused member holds its group (modules, reached
+as attributes like the model's own submodules) and hands each sibling its slice of the output as an attribute
+for the sibling's call with the same input; the members of a traced layer do that inside the trace.
 """
 from __future__ import annotations
 
@@ -31,14 +37,19 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.hf.models import architecture
 from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
 
-WEIGHTS = ("auto", "model", "fp8", "dense")
+WEIGHTS = ("auto", "model", "fp8", "dense", "fused")
 # "auto" makes the dense copy only with this much device memory to spare after it (the decode step's temporaries)
 AUTO_HEADROOM_BYTES = 1 << 30
 # the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] ("fp8"), weight [N, K] ("dense"), bias [N]
 _ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
+# a fused group member's: the group's stacked copy (the four above, rows in member order), its members' output
+# sizes, its members (this one included), and (input, output) that a sibling computed for this module
+_GROUP_ATTRS = ("fastgrpo_group_q", "fastgrpo_group_scale", "fastgrpo_group_weight", "fastgrpo_group_bias",
+                "fastgrpo_group_sizes", "fastgrpo_group", "fastgrpo_pending")
 
 
 def _copy_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -48,11 +59,33 @@ def _copy_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return F.linear(x, self.fastgrpo_copy_weight, self.fastgrpo_copy_bias)
 
 
+def _group_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A fused group member's forward during decoding (q/k/v, gate/up: siblings that read the same input): the
+    output a sibling already computed from this very input, or one GEMM over the group's stacked copy, whose
+    other slices wait on the siblings for their call with the same input (HF's forwards call them in a row)."""
+    pending = self.fastgrpo_pending
+    if pending is not None:
+        self.fastgrpo_pending = None
+        if pending[0] is x:
+            return pending[1]
+    if self.fastgrpo_group_q is not None:
+        out = fp8_linear(x, self.fastgrpo_group_q, self.fastgrpo_group_scale, self.fastgrpo_group_bias)
+    else:
+        out = F.linear(x, self.fastgrpo_group_weight, self.fastgrpo_group_bias)
+    mine = None
+    for member, piece in zip(self.fastgrpo_group, out.split(self.fastgrpo_group_sizes, dim=-1)):
+        if member is self:
+            mine = piece
+        else:
+            member.fastgrpo_pending = (x, piece)
+    return mine
+
+
 @functools.cache
-def _copy_class(base: type) -> type:
-    """`base` with the copy's forward: one subclass per class, shared by every module of that class (its name kept,
-    for code that looks classes up by name)."""
-    return type(base.__name__, (base,), {"forward": _copy_forward, "__module__": __name__})
+def _copy_class(base: type, forward=_copy_forward) -> type:
+    """`base` with the copy's forward: one subclass per class and forward, shared by every module of that class
+    (its name kept, for code that looks classes up by name)."""
+    return type(base.__name__, (base,), {"forward": forward, "__module__": __name__})
 
 
 def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractContextManager:
@@ -88,55 +121,122 @@ def dense_copy_fits(copy: int, free: int) -> bool:
 @contextlib.contextmanager
 def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[torch.nn.Module]]:
     """Within the block, each of dense_linears(model) (yielded) computes x W^T + b from a copy of its current weight
-    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); on exit every module is
-    what it was (class, patched forward) and the copy is freed."""
-    if kind not in ("fp8", "dense"):
-        raise ValueError(f"kind: expected 'fp8' or 'dense', got {kind!r}")
+    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); the siblings of a
+    fused_groups group run as one GEMM over their stacked copies. On exit every module is what it was (class,
+    patched forward) and the copy is freed."""
+    if kind not in ("fp8", "dense", "fused"):
+        raise ValueError(f"kind: expected 'fp8', 'dense' or 'fused', got {kind!r}")
     device = model.get_input_embeddings().weight.device
     if kind == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
         raise ValueError(f"weights: 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for e4m3; "
                          f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     dtype = model.get_input_embeddings().weight.dtype
     modules = dense_linears(model)
+    group_of = {member: group for group in fused_groups(model, modules, kind) for member in group}
     swapped = []
     try:
         with torch.no_grad():
             for module in modules:
-                weight, bias = dense_weight(module)  # a merged or dequantized weight: one layer's at a time
-                if kind == "fp8":
-                    q, scale = quantize_fp8(weight)
-                    prepare_fp8_linear(q.device)
-                    copy = (q, scale, None, bias)
-                else:  # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
-                    layer = getattr(module, "base_layer", module)
-                    own = layer.weight.dtype if layer.weight.is_floating_point() else dtype
-                    copy = (None, None, weight.to(own), bias)
-                del weight
-                base, own = type(module), module.__dict__.pop("forward", None)
-                module.__dict__.update(zip(_ATTRS, copy))
-                module.__class__ = _copy_class(base)
-                swapped.append((module, base, own))
+                group = group_of.get(module)
+                if group is None:
+                    _swap(module, dict(zip(_ATTRS, _copy(module, kind, dtype))), _copy_forward, swapped)
+                elif module is group[0]:
+                    attrs = dict(zip(_GROUP_ATTRS, (*_stacked_copy(group, kind, dtype), group, None)))
+                    for member in group:
+                        _swap(member, attrs, _group_forward, swapped)
         yield modules
     finally:
-        for module, base, own in reversed(swapped):
+        for module, base, own, names in reversed(swapped):
             module.__class__ = base
-            for name in _ATTRS:
+            for name in names:
                 del module.__dict__[name]
             if own is not None:
                 module.__dict__["forward"] = own
 
 
+def fused_groups(model: torch.nn.Module, modules: list[torch.nn.Module], kind: str) -> list[tuple]:
+    """The sibling linears (Architecture.decode_fused_projections, e.g. q/k/v) that the copy runs as one GEMM: each
+    group whose members are all among `modules` and take the same input size; for "dense", only groups whose
+    members it copies anyway (LoRA and 4-bit layers: stacking costs no memory beyond the copy), where "fused"
+    stacks plain weights too. None for a model outside the patch table."""
+    try:
+        arch = architecture(model)
+    except ValueError:
+        return []
+    copied = {m for m in modules if kind != "dense" or _makes_dense_copy(m)}
+    groups = []
+    for parent in model.modules():
+        for names in arch.decode_fused_projections:
+            group = tuple(getattr(parent, name, None) for name in names)
+            if all(m in copied for m in group) and len({_layer(m).in_features for m in group}) == 1:
+                groups.append(group)
+    return groups
+
+
+def _layer(module: torch.nn.Module) -> torch.nn.Module:
+    """The linear that holds the base weight (a LoRA layer's base_layer)."""
+    return getattr(module, "base_layer", module)
+
+
+def _makes_dense_copy(module: torch.nn.Module) -> bool:
+    """Whether "dense" copies this module's weight: a LoRA layer's merge or a dequantized 4-bit base (a plain
+    floating weight is used as it is)."""
+    return module is not _layer(module) or not _layer(module).weight.is_floating_point()
+
+
+def _copy(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> tuple:
+    """(e4m3 weight, scale, None, bias) for "fp8", (None, None, weight, bias) for "dense" and "fused": the module's
+    current weight (merged or dequantized: one layer's temporaries at a time)."""
+    weight, bias = dense_weight(module)
+    if kind == "fp8":
+        q, scale = quantize_fp8(weight)
+        prepare_fp8_linear(q.device)
+        return q, scale, None, bias
+    # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
+    own = _layer(module).weight.dtype if _layer(module).weight.is_floating_point() else dtype
+    return None, None, weight.to(own), bias
+
+
+def _stacked_copy(group: tuple, kind: str, dtype: torch.dtype) -> tuple:
+    """The members' _copy stacked along the output features, rows in member order (one member's temporaries at
+    a time), and their output sizes. A member without a bias gets zeros where another has one."""
+    sizes = tuple(_layer(m).out_features for m in group)
+    stacked, biases, row = None, [], 0
+    for member, size in zip(group, sizes):
+        copy = _copy(member, kind, dtype)
+        if stacked is None:
+            stacked = [None if t is None else t.new_empty((sum(sizes), *t.shape[1:])) for t in copy[:3]]
+        for whole, part in zip(stacked, copy[:3]):
+            if part is not None:
+                whole[row:row + size] = part
+        biases.append(copy[3])
+        row += size
+    like = next((b for b in biases if b is not None), None)
+    bias = None if like is None else torch.cat([like.new_zeros(n) if b is None else b for b, n in zip(biases, sizes)])
+    return (*stacked, bias, sizes)
+
+
+def _swap(module: torch.nn.Module, attrs: dict, forward, swapped: list) -> None:
+    """Give `module` the copy's attributes and the class whose forward reads them; an instance-level forward
+    (patch_model's) is moved aside. Recorded in `swapped` for the undo."""
+    base, own = type(module), module.__dict__.pop("forward", None)
+    module.__dict__.update(attrs)
+    module.__class__ = _copy_class(base, forward)
+    swapped.append((module, base, own, tuple(attrs)))
+
+
 def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
     """Bytes of the copy copied_weights(model, kind) builds: fp8, 1 per weight and 4 per output channel; dense, the
     model dtype's size per weight of the LoRA and 4-bit layers (the others decode with their own weight; biases are
-    the modules' own)."""
+    the modules' own, or stacked: a few KiB, not counted); fused, dense's and the plain members of the groups."""
     embedding = model.get_input_embeddings().weight
+    modules = dense_linears(model)
+    stacked = {m for group in fused_groups(model, modules, kind) for m in group} if kind == "fused" else set()
     total = 0
-    for module in dense_linears(model):
-        layer = getattr(module, "base_layer", module)
-        n, k = layer.out_features, layer.in_features
+    for module in modules:
+        n, k = _layer(module).out_features, _layer(module).in_features
         if kind == "fp8":
             total += n * (k + 4)
-        elif module is not layer or not layer.weight.is_floating_point():
+        elif _makes_dense_copy(module) or module in stacked:
             total += n * k * embedding.element_size()
     return total
