@@ -226,7 +226,7 @@ def test_dense_fuses_only_groups_it_copies_anyway():
         model = tiny_model("llama", lora=True, targets=targets)
         groups = decode_weights.fused_groups(model, dense_linears(model), "dense")
         assert set(groups) == (siblings(model) if fused is None else fused)
-    H, I, V = SIZES["hidden_size"], SIZES["intermediate_size"], SIZES["vocab_size"]
+    H, I = SIZES["hidden_size"], SIZES["intermediate_size"]
     kv = H // SIZES["num_attention_heads"] * SIZES["num_key_value_heads"]
     assert decode_weights.copy_bytes(model, "dense") == LAYERS * (2 * H * H + 2 * kv * H + 3 * H * I) * 4
 
