@@ -97,9 +97,22 @@ def test_dense_copy_keeps_each_layer_dtype_and_counts_only_lora_and_4bit():
 
 def test_auto_copies_only_what_exists_and_fits():
     headroom = decode_weights.AUTO_HEADROOM_BYTES
-    assert not decode_weights.dense_copy_fits(0, 10 * headroom)  # a plain bf16 model: nothing to copy
-    assert decode_weights.dense_copy_fits(headroom, 2 * headroom)
-    assert not decode_weights.dense_copy_fits(headroom + 1, 2 * headroom)
+    assert not decode_weights.copy_fits(0, 10 * headroom)  # a plain bf16 model's dense copy: nothing to copy
+    assert decode_weights.copy_fits(headroom, 2 * headroom)
+    assert not decode_weights.copy_fits(headroom + 1, 2 * headroom)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_auto_takes_the_fused_copy_then_the_dense_one_as_memory_allows(lora):
+    """With q and v adapted, "fused" copies k and gate/up on top of "dense"'s q and v; a plain model has no dense
+    copy to fall back on."""
+    model = tiny_model("llama", lora=lora)
+    fused, dense = (decode_weights.copy_bytes(model, kind) for kind in ("fused", "dense"))
+    assert fused > dense and (dense > 0) == lora
+    headroom = decode_weights.AUTO_HEADROOM_BYTES
+    assert decode_weights.auto_weights(model, fused + headroom) == "fused"
+    assert decode_weights.auto_weights(model, fused + headroom - 1) == ("dense" if lora else "model")
+    assert decode_weights.auto_weights(model, dense + headroom - 1) == "model"
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -485,3 +498,18 @@ def test_gpu_fused_groups_compiled_and_graphed(arch, lora, kind):
     assert completions(got) == completions(want)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-4, rtol=0)
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_gpu_auto_copies_within_a_per_process_memory_cap():
+    """A cap set with set_per_process_memory_fraction (a 24 GB card emulated on a larger one) bounds what "auto"
+    copies, whatever the card has free."""
+    model = tiny_model("llama").cuda()
+    assert decode_weights.resolved_weights(model, "auto") == "fused"
+    total = torch.cuda.get_device_properties(0).total_memory
+    need = torch.cuda.memory_allocated() + decode_weights.AUTO_HEADROOM_BYTES + decode_weights.copy_bytes(model, "fused")
+    try:
+        torch.cuda.set_per_process_memory_fraction((need - 1) / total)
+        assert decode_weights.resolved_weights(model, "auto") == "model"
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)

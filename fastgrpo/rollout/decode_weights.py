@@ -42,7 +42,7 @@ from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
 
 WEIGHTS = ("auto", "model", "fp8", "dense", "fused")
-# "auto" makes the dense copy only with this much device memory to spare after it (the decode step's temporaries)
+# "auto" makes a copy only with this much device memory to spare after it (the decode step's temporaries)
 AUTO_HEADROOM_BYTES = 1 << 30
 # the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] ("fp8"), weight [N, K] ("dense"), bias [N]
 _ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
@@ -98,23 +98,36 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
 
 
 def resolved_weights(model: torch.nn.Module, weights: str) -> str:
-    """"auto": "dense" for a model on CUDA with LoRA or 4-bit layers whose copy fits the memory free now with
-    AUTO_HEADROOM_BYTES to spare, else "model". (A LoRA rollout of Qwen2.5-1.5B shapes on an H100 took 3.97 s with
-    the dense copy and the Triton attention, 7.42 s with neither, at 11.1 against 10.0 GiB peak; README. The copy
-    alone was not measured.) Anything else is returned as it is."""
+    """"auto", for a model on CUDA: "fused" when its copy fits the memory free now with AUTO_HEADROOM_BYTES to
+    spare, else "dense" when a LoRA or 4-bit model's copy does, else "model" (and "model" off CUDA). On an H100,
+    "fused" took a bf16 decode step from 3.57 to 3.26 ms (Qwen2.5-1.5B shapes) and 10.0 to 9.57 ms (Llama-3.1-8B)
+    for a copy of q/k/v and gate/up (benchmarks/NOTES_rollout.md); a LoRA model on all linears copies the same
+    bytes for "dense" and "fused". Anything else is returned as it is."""
     if weights != "auto":
         return weights
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return "model"
-    free, _ = torch.cuda.mem_get_info(device)
-    free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)  # the allocator's cached blocks
-    return "dense" if dense_copy_fits(copy_bytes(model, "dense"), free) else "model"
+    free, total = torch.cuda.mem_get_info(device)
+    allocated = torch.cuda.memory_allocated(device)
+    free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached blocks
+    # a cap set with torch.cuda.set_per_process_memory_fraction (how a 24 GB card is emulated on a larger one)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
+    return auto_weights(model, min(free, int(fraction * total) - allocated))
 
 
-def dense_copy_fits(copy: int, free: int) -> bool:
-    """Whether "auto" makes a dense copy of `copy` bytes with `free` bytes of device memory: only when there is
-    one to make (a model without LoRA or 4-bit layers has none) and it leaves the headroom."""
+def auto_weights(model: torch.nn.Module, free: int) -> str:
+    """What "auto" resolves to with `free` bytes of device memory: the first of "fused" and "dense" whose copy
+    fits, else "model"."""
+    for kind in ("fused", "dense"):
+        if copy_fits(copy_bytes(model, kind), free):
+            return kind
+    return "model"
+
+
+def copy_fits(copy: int, free: int) -> bool:
+    """Whether "auto" makes a copy of `copy` bytes with `free` bytes of device memory: only when there is one to
+    make ("dense" has none for a model without LoRA or 4-bit layers) and it leaves the headroom."""
     return 0 < copy and copy + AUTO_HEADROOM_BYTES <= free
 
 

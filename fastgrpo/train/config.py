@@ -99,7 +99,7 @@ class GRPOConfig:
                                             "cache), triton (a flash-decoding kernel reading only the filled "
                                             "slots) or auto (triton on a GPU)", run_control=True)
     rollout_weights: str = option("auto", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: auto "
-                                          "(dense on a GPU when the copy fits the free memory), the modules' own, "
+                                          "(on a GPU fused, else dense, when the copy fits the free memory), the modules' own, "
                                           "an e4m3 copy of every linear, a copy of LoRA-merged / 4-bit layers "
                                           "in the model's dtype (one GEMM each; costs their bytes during the "
                                           "rollout), or that copy with plain q/k/v and gate/up weights stacked "
