@@ -5,6 +5,7 @@ log-prob gap to the trainer, on the same samples.
     python -m benchmarks.bench_fp8 --dry-run            # CPU check: a tiny model, the same code (torch path of the op)
     python -m benchmarks.bench_fp8 --modes bf16,fp8,bf16-triton,fp8-triton   # also with the Triton decode attention
     python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-dense,4bit-fp8   # + an NF4 base (needs bitsandbytes)
+    python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --modes bf16-triton,fused-triton,fp8-triton,4bit-dense-triton
 
 Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
 256 random ids, 1024 new tokens, temperature 1, EOS ignored):
@@ -17,7 +18,9 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 peak GiB above the weights,
                 the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
                 the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense" and
-                "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one.
+                "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one. The "fp8" and
+                "dense" copies of a 4-bit base run q/k/v and gate/up stacked, one GEMM each; "fused" does that
+                in bf16.
   gap           on the last timed call's samples: the trainer's log-probs of them (loss.model.sequence_logprobs,
                 8 rows at a time: pi_old in training) against the engine's: loss.correction.logprob_gap (mean and
                 max |gap| per token, k1 / k3 estimates of KL(engine || trainer) per token) and xent, the sampled
@@ -62,9 +65,12 @@ MODES = {
     "fp8": (EngineConfig(**SDPA, weights="fp8"), "bf16"),
     "bf16-triton": (EngineConfig(**TRITON, weights="model"), "bf16"),
     "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
+    # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
+    "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
     "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
     "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
+    "4bit-dense-triton": (EngineConfig(**TRITON, weights="dense"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
