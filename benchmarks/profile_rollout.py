@@ -82,6 +82,9 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # a copy of q/k/v and gate/up stacked (EngineConfig.weights="fused"): one GEMM per group, as a LoRA model's
          # "dense" copy runs them; the same bytes a step reads as "default"
          "fused": (EngineConfig(weights="fused"), True),
+         # the engine's defaults with each prompt's K/V stored and read once per group (its combine step rewritten
+         # since "triton-shared" was measured)
+         "shared": (EngineConfig(shared_prefix=True), True),
          # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
          # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
          # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement
