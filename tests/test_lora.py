@@ -21,7 +21,7 @@ from peft.helpers import disable_input_dtype_casting
 import torch.nn.functional as F
 from torch import nn
 
-from fastgrpo.ops.lora import lora_add, lora_delta
+from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
 from fastgrpo.patching import patch_model, unpatch_model
 from fastgrpo.patching.forwards import lora_linear_forward
 from tests.test_patching import batch, tiny_model
@@ -319,6 +319,157 @@ def test_lora_add_in_place_on_a_non_contiguous_result_adds_into_a_copy():
     before = strided.clone()
     out = lora_add(strided, x, a, b, 2.0, inplace=True)
     assert out is not strided and torch.equal(strided, before) and torch.equal(out, want[0])
+
+
+# --- lora_linear: a frozen nn.Linear base and its adapters in one op ------------------------------------------------
+# The bound, derived as lora_add's. The output is rounded after the base GEMM and after each of the k adapters'
+# addmm's, so a product of the base picks up 1 + k roundings in x's dtype and one of adapter i its 4 (the casts of A
+# and B, h, its addmm) plus one per later addmm; the input gradient likewise: g W rounded, then each adapter's GEMM
+# adds (s g B) A (the cast of B, dh, the cast of A) and rounds. So at most LORA_ADD_ROUNDINGS + k - 1 for every
+# output (dA_i, dB_i: lora_add's 4), and K = N + in + out + sum r_i + k + 2 fp32 accumulation steps (the GEMMs' inner
+# sizes, the bias, the adds and scales). The two-op path (F.linear, then lora_add per adapter) rounds each adapter's
+# input-gradient term once more before autograd adds it to the base's: one rounding more for its dx.
+def lora_linear_case(lead, in_features, out_features, adapters, bias, x_dtype, seed, device="cpu"):
+    """x, weight, bias, [(A, B, scaling)] (fp32 adapters, PEFT's default), grad_out; adapters: [(r, scaling)]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def new(shape, dtype=x_dtype):
+        return draw(shape, dtype, g).to(device)
+
+    x, weight = new((*lead, in_features)), new((out_features, in_features))
+    bias = new((out_features,)) if bias else None
+    adapters = [(new((r, in_features), torch.float32), new((out_features, r), torch.float32), scaling)
+                for r, scaling in adapters]
+    return x, weight, bias, adapters, new((*lead, out_features))
+
+
+def linear_exact(x, weight, bias, adapters, grad_out):
+    """[out, dx, dA_1, dB_1, ...] of F.linear(x, weight, bias) + sum_i s_i x A_i^T B_i^T by the chain rule in the
+    inputs' dtype (fp64 here); on |inputs| (scalings > 0) the same formula gives each element's abs-product."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # x2: [N, in], g2: [N, out]
+    out, dx, grads = x2 @ weight.T + (0 if bias is None else bias), g2 @ weight, []
+    for a, b, scaling in adapters:
+        h, gb = x2 @ a.T, g2 @ b  # h, gb: [N, r]
+        out, dx = out + scaling * h @ b.T, dx + scaling * gb @ a
+        grads += [scaling * gb.T @ x2, scaling * g2.T @ h]
+    return [out.view(grad_out.shape), dx.view(x.shape), *grads]
+
+
+def linear_out_and_grads(x, weight, bias, adapters, grad_out, two_op=False):
+    """[out, dx, dA_1, dB_1, ...] of lora_linear, or (two_op) of F.linear and then lora_add per adapter."""
+    x = x.detach().requires_grad_()
+    adapters = [(a.detach().requires_grad_(), b.detach().requires_grad_(), s) for a, b, s in adapters]
+    if two_op:
+        out = F.linear(x, weight, bias)
+        for i, (a, b, scaling) in enumerate(adapters):
+            out = lora_add(out, x, a, b, scaling, inplace=i > 0)
+    else:
+        out = lora_linear(x, weight, bias, adapters)
+    leaves = [x, *(w for a, b, _ in adapters for w in (a, b))]
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+def lora_linear_ratios(got, inputs, x_dtype, extra_dx_roundings=0):
+    """Max error / bound of [out, dx, dA_1, dB_1, ...], by name."""
+    x, weight, bias, adapters, grad_out = inputs
+    exact = linear_exact(*_double(inputs, abs=False))
+    magnitude = linear_exact(*_double(inputs, abs=True))
+    k = len(adapters)
+    terms = x[..., 0].numel() + x.shape[-1] + weight.shape[0] + sum(a.shape[0] for a, _, _ in adapters) + k + 2
+    rel = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS + k - 1, terms)
+    names = ["out", "dx", *(f"{w}_{i}" for i in range(k) for w in ("dA", "dB"))]
+    ratios = {name: error_ratio(got[i], exact[i], magnitude[i], rel) for i, name in enumerate(names)}
+    if extra_dx_roundings:
+        rel_dx = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS + k - 1 + extra_dx_roundings, terms)
+        ratios["dx"] = error_ratio(got[1], exact[1], magnitude[1], rel_dx)
+    return ratios
+
+
+def _double(inputs, abs):
+    x, weight, bias, adapters, grad_out = inputs
+    f = (lambda t: t.double().abs()) if abs else (lambda t: t.double())
+    return (f(x), f(weight), None if bias is None else f(bias), [(f(a), f(b), s) for a, b, s in adapters],
+            f(grad_out))
+
+
+@given(
+    lead=st.sampled_from([(), (1,), (2,)]), n=st.integers(1, 33), in_features=st.integers(1, 40),
+    out_features=st.integers(1, 40),
+    adapters=st.lists(st.tuples(st.integers(1, 8), st.floats(0.25, 4.0)), min_size=1, max_size=2),
+    bias=st.booleans(), x_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+)
+def test_lora_linear_within_the_rounding_bound_of_fp64_as_the_two_op_path(
+    lead, n, in_features, out_features, adapters, bias, x_dtype
+):
+    """lora_linear and the two-op path on the same inputs: both within their bounds of fp64; the forward and the
+    adapters' gradients bit for bit the same (the same GEMMs), only dx's rounding differs."""
+    inputs = lora_linear_case((*lead, n), in_features, out_features, adapters, bias, x_dtype, seed=n * 41 + in_features)
+    got = linear_out_and_grads(*inputs)
+    two_op = linear_out_and_grads(*inputs, two_op=True)
+    assert [t.dtype for t in got] == [x_dtype] * 2 + [torch.float32] * 2 * len(adapters)
+    for name, (ratio, where) in lora_linear_ratios(got, inputs, x_dtype).items():
+        assert ratio <= 1, f"{name}: {where}"
+    for name, (ratio, where) in lora_linear_ratios(two_op, inputs, x_dtype, extra_dx_roundings=1).items():
+        assert ratio <= 1, f"two-op {name}: {where}"
+    for i, (a, b) in enumerate(zip(got, two_op)):
+        assert i == 1 or torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_lora_linear_bound_catches_a_dropped_adapter_input_gradient(x_dtype):
+    """The dx bound is tight enough to fail: the base layer's input gradient alone (the adapter's term dropped, or
+    the base's: the adapter's alone) breaks it."""
+    inputs = lora_linear_case((2, 5), 6, 7, [(3, 2.0)], True, x_dtype, seed=0)
+    x, weight, bias, adapters, grad_out = inputs
+    got = linear_out_and_grads(*inputs)
+    assert lora_linear_ratios(got, inputs, x_dtype)["dx"][0] <= 1
+    base_only = linear_out_and_grads(x, weight, bias, [], grad_out)
+    adapter_only = linear_out_and_grads(x, torch.zeros_like(weight), bias, adapters, grad_out)
+    for dx in (base_only[1], adapter_only[1]):
+        assert lora_linear_ratios([got[0], dx, *got[2:]], inputs, x_dtype)["dx"][0] > 1
+
+
+def test_lora_linear_saves_what_lora_add_does_and_the_base_weight():
+    """x, the [N, r] lora_A outputs and the adapters' casts as lora_add saves them, and the base weight (a parameter,
+    no memory) only where x wants a gradient; without grad nothing."""
+    x, weight, bias, adapters, grad_out = lora_linear_case((3,), 8, 6, [(2, 2.0)], True, torch.bfloat16, seed=1)
+    x.requires_grad_()
+    saved = saved_tensors(lambda: lora_linear(x, weight, bias, adapters).backward(grad_out))
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == [((2, 8), x.dtype), ((6, 2), x.dtype), ((6, 8), x.dtype)]
+    assert weight.data_ptr() in {t.data_ptr() for t in saved} and x.grad is not None
+    for a, b, _ in adapters:
+        a.requires_grad_(), b.requires_grad_()
+    with torch.no_grad():
+        assert saved_tensors(lambda: lora_linear(x, weight, bias, adapters)) == []
+    saved = saved_tensors(lambda: lora_linear(x.detach(), weight, bias, adapters))
+    assert sorted(tuple(t.shape) for t in saved) == [(2, 8), (3, 2), (3, 8), (6, 2)]  # casts, h, x; no weight
+
+
+def test_lora_linear_without_grad_equals_with_grad():
+    inputs = lora_linear_case((2, 5), 8, 6, [(3, 4.0), (2, 0.5)], True, torch.bfloat16, seed=2)
+    x, weight, bias, adapters, _ = inputs
+    with torch.no_grad():
+        out = lora_linear(x, weight, bias, adapters)
+    assert torch.equal(out, linear_out_and_grads(*inputs)[0])
+
+
+def test_lora_linear_bad_input():
+    x, weight, bias, a, b = torch.randn(3, 8), torch.randn(6, 8), torch.randn(6), torch.randn(4, 8), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="^x: expected a floating tensor"):
+        lora_linear(x.long(), weight, bias, [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^weight: expected shape \\[\\*, 8\\], got \\[6, 7\\]$"):
+        lora_linear(x, weight[:, :7], bias, [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^bias: expected shape \\[6\\], got \\[5\\]$"):
+        lora_linear(x, weight, bias[:5], [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^bias: expected the dtype of x torch.float32, got torch.bfloat16$"):
+        lora_linear(x, weight, bias.bfloat16(), [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^weight: expected a frozen base \\(requires_grad=False\\)"):
+        lora_linear(x, weight.requires_grad_(), bias, [(a, b, 2.0)])
+    weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="^adapters\\[1\\].weight_b: expected shape \\[6, 4\\], got \\[5, 4\\]$"):
+        lora_linear(x, weight, bias, [(a, b, 2.0), (a, b[:5], 2.0)])
+    with pytest.raises(ValueError, match="^adapters\\[0\\].scaling: expected a real number, got Tensor$"):
+        lora_linear(x, weight, bias, [(a, b, torch.tensor(2.0))])
 
 
 # --- patched PEFT models -------------------------------------------------------------------------------------------
