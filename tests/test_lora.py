@@ -8,6 +8,7 @@ adapter's dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 
@@ -523,6 +524,91 @@ def test_patched_bf16_base_is_as_close_to_fp64_as_peft():
         assert err_p <= 1.5 * err + 1e-3, name
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_model_runs_lora_linear_on_plain_bases_as_close_to_fp64_as_the_two_op_path(
+    dtype, delta_calls, monkeypatch
+):
+    """patch_model on a tiny Qwen2 (biased q, k, v): each LoRA layer over a frozen nn.Linear runs lora_linear; a hooked
+    base and a trained one run base_layer(x) then lora_add. Against the two-op path (every layer through base_layer
+    and lora_add) on the same model: the logits bit for bit; the gradients together as close to fp64 (PEFT unpatched)
+    as its, within 10% of its error (the house rule); each parameter's gradient differs from its by rounding noise,
+    no more than twice its own distance from fp64 (a dropped input-gradient term is far larger)."""
+    from fastgrpo.patching import forwards
+
+    model = lora_model(dtype)
+    layers = model.base_model.model.model.layers
+    layers[0].self_attn.q_proj.base_layer.register_forward_hook(lambda module, args, out: None)
+    layers[1].mlp.down_proj.base_layer.weight.requires_grad_(True)
+    ids, mask = batch(2)
+    mask = torch.ones_like(mask)  # fp64 eager attention gives NaN on fully masked (left-padded) rows
+    _, want = loss_and_grads(copy.deepcopy(model).double(), ids, mask)
+    patched = patch_model(model, **ONLY_LORA)
+    logits, got = loss_and_grads(patched, ids, mask)
+    n = len(TARGETS) * 2
+    assert sorted(delta_calls) == ["lora_add"] * 2 + ["lora_linear"] * (n - 2)
+    delta_calls.clear()
+    monkeypatch.setattr(forwards, "_frozen_plain_linear", lambda layer, x: False)
+    logits_two_op, two_op = loss_and_grads(patched, ids, mask)
+    assert delta_calls == ["lora_add"] * n
+    assert torch.equal(logits, logits_two_op)
+    assert got.keys() == two_op.keys() == want.keys() and len(want) == 2 * n + 1  # + the trained base weight
+
+    def flat(grads):
+        return torch.cat([grads[name].flatten() for name in sorted(grads)])
+
+    err, err_two_op = ((flat(g) - flat(want)).norm() / flat(want).norm() for g in (got, two_op))
+    assert err <= 1.1 * err_two_op, (err, err_two_op)
+    for name in want:
+        assert (got[name] - two_op[name]).norm() <= 2 * (two_op[name] - want[name]).norm(), name
+
+
+BASE_FALLBACKS = ["forward_hook", "forward_pre_hook", "backward_hook", "global_forward_hook", "own_forward",
+                  "trained_weight", "trained_bias", "non_contiguous_x", "one_dim_x"]
+
+
+@pytest.mark.parametrize("case", BASE_FALLBACKS)
+def test_bases_lora_linear_cannot_stand_in_for_run_base_layer_then_lora_add(case, delta_calls):
+    """The base layer itself runs (its hooks fire, its trained weight gets a gradient, F.linear rounds as it does for
+    an x whose bias it does not add in the GEMM); the result is lora_linear's up to fp32 rounding."""
+    layer = lora_layer(12, 10, 3, 6, torch.float32, torch.float32)
+    base = layer.base_layer
+
+    def run(x):
+        x = x.detach().requires_grad_()
+        out = fused(layer, "input")(x)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    x = torch.randn(2, 7, 12)
+    want = run(x)
+    assert delta_calls == ["lora_linear"]
+    delta_calls.clear()
+    fired = []
+    with contextlib.ExitStack() as stack:
+        if case.endswith("hook"):
+            register = {"forward_hook": base.register_forward_hook, "forward_pre_hook": base.register_forward_pre_hook,
+                        "backward_hook": base.register_full_backward_hook,
+                        "global_forward_hook": nn.modules.module.register_module_forward_hook}[case]
+            stack.callback(register(lambda *args: fired.append(case)).remove)
+        if case == "own_forward":
+            base.forward = lambda x: fired.append(case) or F.linear(x, base.weight, base.bias)
+            stack.callback(base.__dict__.pop, "forward")
+        if case.startswith("trained"):
+            param = getattr(base, case.removeprefix("trained_"))
+            stack.callback(param.requires_grad_, False)
+            param.requires_grad_(True)
+        if case == "non_contiguous_x":
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        if case == "one_dim_x":
+            x, want = x[0, 0], [t[0, 0] for t in want]
+        got = run(x)
+    assert delta_calls == ["lora_add"]
+    assert bool(fired) == (case.endswith("hook") or case == "own_forward")
+    assert [p.grad is not None for p in (base.weight, base.bias)] == [case == "trained_weight", case == "trained_bias"]
+    for name, a, b in zip(["out", "dx"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
+
+
 FALLBACKS = ["dropout_in_training", "dora", "lora_bias", "merged", "disabled", "adapter_names", "autocast",
              "no_input_cast"]
 
@@ -587,7 +673,7 @@ def test_two_active_adapters(second_dtype, delta_calls):
     assert len(delta_calls) == (2 if second_dtype == torch.float32 else 0)
     delta_calls.clear()
     got = fused(layer, "input")(x)
-    assert delta_calls == ["lora_add"] * 2
+    assert delta_calls == ["lora_linear"]  # both adapters in the base layer's op
     with torch.no_grad():
         exact, magnitude = layer.base_layer(x).double(), layer.base_layer(x).double().abs()
     for name in order:
@@ -717,7 +803,7 @@ def test_patched_model_lora_layers_within_the_bound_as_peft_under_autocast(dtype
     loss_and_grads(model, ids, torch.ones_like(mask))
     for handle in handles:
         handle.remove()
-    assert delta_calls == ["lora_add"] * len(layers)
+    assert delta_calls == ["lora_linear"] * len(layers)
     for name, layer in layers.items():
         x, g = seen[name]["x"], seen[name]["g"]
         a, b, scaling = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
@@ -748,7 +834,7 @@ def test_patching_again_with_another_lora_dtype_repatches(delta_calls):
     assert patch_model(model, **ONLY_LORA) is model and layer.__dict__["forward"] is forward  # same options
     with torch.no_grad():
         model(input_ids=ids)
-    assert set(delta_calls) == {"lora_add"}
+    assert set(delta_calls) == {"lora_linear"}
     delta_calls.clear()
     patch_model(model, **PEFT_BITWISE)
     assert layer.__dict__["forward"] is not forward
@@ -819,9 +905,28 @@ def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
     assert peaks["input"] <= peaks["adapter"] + (1 << 20), peaks  # bf16 [N, r] outputs, no fp32 transients
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features, bias", [(1536, True), (8960, False)])  # q_proj-, up_proj-like
+def test_gpu_lora_linear_is_the_two_op_path_with_one_rounding_less(out_features, bias):
+    """bf16 on CUDA, Qwen2.5-1.5B's hidden size, 8192 tokens, two fp32 r16 adapters: the forward (cuBLAS's addmm with
+    the bias in its epilogue, as F.linear's) and the adapters' gradients bit for bit the two-op path's; the input
+    gradient no further from fp64 than its (relative error of the whole tensor, 1% slack)."""
+    adapters = [(16, 2.0), (16, 0.5)]
+    inputs = lora_linear_case((2, 4096), 1536, out_features, adapters, bias, torch.bfloat16, seed=0, device="cuda")
+    got = linear_out_and_grads(*inputs)
+    two_op = linear_out_and_grads(*inputs, two_op=True)
+    exact = linear_exact(*_double(inputs, abs=False))
+    for i, (a, b) in enumerate(zip(got, two_op)):
+        assert i == 1 or torch.equal(a, b), i
+    err, err_two_op = ((dx.double() - exact[1]).norm() / exact[1].norm() for dx in (got[1], two_op[1]))
+    assert err <= 1.01 * err_two_op, (err, err_two_op)
+
+
 def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
-    """The base output is added into when nothing else can hold it: a copy when it is a view (nn.Linear's 3-D output
-    with a bias) or when a forward hook on the base layer saw it; the hook's tensor then stays the base output."""
+    """Where the base layer runs on its own (base_layer(x) then lora_add: here a hooked or a trained base, which
+    lora_linear does not stand in for), its output is added into when nothing else can hold it: a copy when it is a
+    view (nn.Linear's 3-D output with a bias) or when a forward hook on the base layer saw it; the hook's tensor then
+    stays the base output."""
     from fastgrpo.patching import forwards
 
     inplace = []
@@ -837,6 +942,7 @@ def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
 
     for layer, viewed in ((attn.o_proj, False), (attn.q_proj, True)):  # o_proj: no bias; q_proj: bias
         base = layer.base_layer(x)
+        inplace.clear()
         handle = layer.base_layer.register_forward_hook(record)
         try:
             out = fused(layer, "input")(x)
@@ -844,17 +950,23 @@ def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
             handle.remove()
         (ptr, seen), = ptrs[id(layer.base_layer)]
         assert out.data_ptr() != ptr and torch.equal(seen, base)  # hooked: a copy, the hook's tensor intact
+        assert inplace == [False]
         inplace.clear()
-        out = fused(layer, "input")(x)
+        layer.base_layer.weight.requires_grad_(True)
+        try:
+            out = fused(layer, "input")(x)
+        finally:
+            layer.base_layer.weight.requires_grad_(False)
         assert (base._base is not None) == viewed and inplace == [not viewed]
         assert torch.allclose(out, layer(x), atol=1e-5)
 
 
-def test_patched_lora_compiles_in_one_frame_with_and_without_grad():
-    """torch.compile(fullgraph=True) of a patched LoRA layer: the no-grad path's in-place ops and the autograd
-    Function both trace; the compiled output equals eager's."""
+@pytest.mark.parametrize("name", ["o_proj", "q_proj"])  # without and with a bias
+def test_patched_lora_compiles_in_one_frame_with_and_without_grad(name):
+    """torch.compile(fullgraph=True) of a patched LoRA layer (lora_linear): the no-grad path's in-place ops and the
+    autograd Function both trace; the compiled output and gradients equal eager's."""
     model = lora_model(torch.float32)
-    layer = model.base_model.model.model.layers[0].self_attn.o_proj
+    layer = getattr(model.base_model.model.model.layers[0].self_attn, name)
     forward = fused(layer, "input")
     x = torch.randn(2, 5, 32)
     compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
@@ -862,4 +974,8 @@ def test_patched_lora_compiles_in_one_frame_with_and_without_grad():
         with torch.set_grad_enabled(grad):
             want, got = forward(x), compiled(x)
         assert got.requires_grad == grad and torch.allclose(got, want, atol=1e-6)
+    grad_out = torch.randn_like(want)
+    want_grads, got_grads = [out_and_grads(layer, f, x, grad_out)[1:] for f in (forward, compiled)]
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-6)
 
