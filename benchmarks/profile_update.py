@@ -4,6 +4,7 @@
     python -m benchmarks.profile_update                          # qwen2.5-1.5b-lora, C = 1024, every variant
     python -m benchmarks.profile_update --variants offload --trace-dir /tmp/traces
     python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2, 16 + 16 tokens
+    python -m benchmarks.profile_update --variants offload,offload-lora-add   # lora_linear against the two-op path
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
@@ -13,6 +14,8 @@ phases are called as GRPOTrainer.train_step calls them. Variants, the same model
               for Qwen2.5-1.5B, so a micro-batch of 8 x 1280 tokens runs untiled, as offload-untiled)
   offload-tiled    the same in 8192-token chunks (patch_model's default before 2026-11-26)
   offload-untiled  the same with tiled_mlp=False
+  offload-lora-add offload as patched before lora_linear: each LoRA layer's base_layer(x), then lora_add per adapter
+              (autograd adds the base's and the adapters' input gradients: the "add" it takes out, issue 16)
   checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
   plain       no offload, no checkpointing: every activation kept
 Per variant: one warm-up repeat (Triton autotuning), --repeats timed ones (median wall seconds and torch's peak
@@ -39,8 +42,9 @@ from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.trace_gaps import Trace, print_summary
 
 PHASES = ("logprobs_old", "logprobs_ref", "update")
-VARIANTS = ("offload", "offload-tiled", "offload-untiled", "checkpoint", "plain")
-TILING = {"offload": dict(tiled_mlp=None), "offload-tiled": dict(tiled_mlp=True, mlp_chunk_tokens=8192)}
+VARIANTS = ("offload", "offload-tiled", "offload-untiled", "offload-lora-add", "checkpoint", "plain")
+TILING = {"offload": dict(tiled_mlp=None), "offload-lora-add": dict(tiled_mlp=None),
+          "offload-tiled": dict(tiled_mlp=True, mlp_chunk_tokens=8192)}
 
 
 def synthetic_batch(case: Case, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
@@ -101,6 +105,20 @@ def set_variant(trainer, variant: str) -> None:
     fastgrpo.patch_model(model, offload_activations=variant.startswith("offload"), **tiling)
     if variant == "checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+
+@contextlib.contextmanager
+def lora_path(variant: str):
+    """offload-lora-add: patch_model's LoRA forward told that no base is one lora_linear can stand in for."""
+    from fastgrpo.patching import forwards
+
+    check = forwards._frozen_plain_linear
+    if variant == "offload-lora-add":
+        forwards._frozen_plain_linear = lambda layer, x: False
+    try:
+        yield
+    finally:
+        forwards._frozen_plain_linear = check
 
 
 def python_profile(trainer, batch, advantages, variant: str, cuda: bool) -> None:
@@ -214,9 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
     trainer = fastgrpo_trainer(case)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
-    rows = [profile_variant(trainer, batch, advantages, v, args.repeats, trace_dir, args.python_profile,
-                            args.sync_sites, args.no_trace)
-            for v in variants]
+    rows = []
+    for variant in variants:
+        with lora_path(variant):
+            rows.append(profile_variant(trainer, batch, advantages, variant, args.repeats, trace_dir,
+                                        args.python_profile, args.sync_sites, args.no_trace))
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
               "card": card_name(), "trace_dir": str(trace_dir)}

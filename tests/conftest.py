@@ -53,9 +53,9 @@ def caches(monkeypatch):
 
 @pytest.fixture
 def delta_calls(monkeypatch):
-    """The names of the LoRA ops (lora_add, lora_delta) the patched forwards call, one entry per call."""
+    """The names of the LoRA ops (lora_add, lora_delta, lora_linear) the patched forwards call, one entry per call."""
     import fastgrpo.patching.forwards as forwards
-    from fastgrpo.ops.lora import lora_add, lora_delta
+    from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
 
     calls = []
 
@@ -66,7 +66,7 @@ def delta_calls(monkeypatch):
 
         return call
 
-    for op in (lora_add, lora_delta):
+    for op in (lora_add, lora_delta, lora_linear):
         monkeypatch.setattr(forwards, op.__name__, counting(op))
     return calls
 

@@ -8,6 +8,7 @@ adapter's dtype.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import types
 
@@ -21,7 +22,7 @@ from peft.helpers import disable_input_dtype_casting
 import torch.nn.functional as F
 from torch import nn
 
-from fastgrpo.ops.lora import lora_add, lora_delta
+from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
 from fastgrpo.patching import patch_model, unpatch_model
 from fastgrpo.patching.forwards import lora_linear_forward
 from tests.test_patching import batch, tiny_model
@@ -321,6 +322,157 @@ def test_lora_add_in_place_on_a_non_contiguous_result_adds_into_a_copy():
     assert out is not strided and torch.equal(strided, before) and torch.equal(out, want[0])
 
 
+# --- lora_linear: a frozen nn.Linear base and its adapters in one op ------------------------------------------------
+# The bound, derived as lora_add's. The output is rounded after the base GEMM and after each of the k adapters'
+# addmm's, so a product of the base picks up 1 + k roundings in x's dtype and one of adapter i its 4 (the casts of A
+# and B, h, its addmm) plus one per later addmm; the input gradient likewise: g W rounded, then each adapter's GEMM
+# adds (s g B) A (the cast of B, dh, the cast of A) and rounds. So at most LORA_ADD_ROUNDINGS + k - 1 for every
+# output (dA_i, dB_i: lora_add's 4), and K = N + in + out + sum r_i + k + 2 fp32 accumulation steps (the GEMMs' inner
+# sizes, the bias, the adds and scales). The two-op path (F.linear, then lora_add per adapter) rounds each adapter's
+# input-gradient term once more before autograd adds it to the base's: one rounding more for its dx.
+def lora_linear_case(lead, in_features, out_features, adapters, bias, x_dtype, seed, device="cpu"):
+    """x, weight, bias, [(A, B, scaling)] (fp32 adapters, PEFT's default), grad_out; adapters: [(r, scaling)]."""
+    g = torch.Generator().manual_seed(seed)
+
+    def new(shape, dtype=x_dtype):
+        return draw(shape, dtype, g).to(device)
+
+    x, weight = new((*lead, in_features)), new((out_features, in_features))
+    bias = new((out_features,)) if bias else None
+    adapters = [(new((r, in_features), torch.float32), new((out_features, r), torch.float32), scaling)
+                for r, scaling in adapters]
+    return x, weight, bias, adapters, new((*lead, out_features))
+
+
+def linear_exact(x, weight, bias, adapters, grad_out):
+    """[out, dx, dA_1, dB_1, ...] of F.linear(x, weight, bias) + sum_i s_i x A_i^T B_i^T by the chain rule in the
+    inputs' dtype (fp64 here); on |inputs| (scalings > 0) the same formula gives each element's abs-product."""
+    x2, g2 = x.reshape(-1, x.shape[-1]), grad_out.reshape(-1, grad_out.shape[-1])  # x2: [N, in], g2: [N, out]
+    out, dx, grads = x2 @ weight.T + (0 if bias is None else bias), g2 @ weight, []
+    for a, b, scaling in adapters:
+        h, gb = x2 @ a.T, g2 @ b  # h, gb: [N, r]
+        out, dx = out + scaling * h @ b.T, dx + scaling * gb @ a
+        grads += [scaling * gb.T @ x2, scaling * g2.T @ h]
+    return [out.view(grad_out.shape), dx.view(x.shape), *grads]
+
+
+def linear_out_and_grads(x, weight, bias, adapters, grad_out, two_op=False):
+    """[out, dx, dA_1, dB_1, ...] of lora_linear, or (two_op) of F.linear and then lora_add per adapter."""
+    x = x.detach().requires_grad_()
+    adapters = [(a.detach().requires_grad_(), b.detach().requires_grad_(), s) for a, b, s in adapters]
+    if two_op:
+        out = F.linear(x, weight, bias)
+        for i, (a, b, scaling) in enumerate(adapters):
+            out = lora_add(out, x, a, b, scaling, inplace=i > 0)
+    else:
+        out = lora_linear(x, weight, bias, adapters)
+    leaves = [x, *(w for a, b, _ in adapters for w in (a, b))]
+    return [out.detach(), *torch.autograd.grad(out, leaves, grad_out)]
+
+
+def lora_linear_ratios(got, inputs, x_dtype, extra_dx_roundings=0):
+    """Max error / bound of [out, dx, dA_1, dB_1, ...], by name."""
+    x, weight, bias, adapters, grad_out = inputs
+    exact = linear_exact(*_double(inputs, abs=False))
+    magnitude = linear_exact(*_double(inputs, abs=True))
+    k = len(adapters)
+    terms = x[..., 0].numel() + x.shape[-1] + weight.shape[0] + sum(a.shape[0] for a, _, _ in adapters) + k + 2
+    rel = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS + k - 1, terms)
+    names = ["out", "dx", *(f"{w}_{i}" for i in range(k) for w in ("dA", "dB"))]
+    ratios = {name: error_ratio(got[i], exact[i], magnitude[i], rel) for i, name in enumerate(names)}
+    if extra_dx_roundings:
+        rel_dx = rounding_bound(x_dtype, LORA_ADD_ROUNDINGS + k - 1 + extra_dx_roundings, terms)
+        ratios["dx"] = error_ratio(got[1], exact[1], magnitude[1], rel_dx)
+    return ratios
+
+
+def _double(inputs, abs):
+    x, weight, bias, adapters, grad_out = inputs
+    f = (lambda t: t.double().abs()) if abs else (lambda t: t.double())
+    return (f(x), f(weight), None if bias is None else f(bias), [(f(a), f(b), s) for a, b, s in adapters],
+            f(grad_out))
+
+
+@given(
+    lead=st.sampled_from([(), (1,), (2,)]), n=st.integers(1, 33), in_features=st.integers(1, 40),
+    out_features=st.integers(1, 40),
+    adapters=st.lists(st.tuples(st.integers(1, 8), st.floats(0.25, 4.0)), min_size=1, max_size=2),
+    bias=st.booleans(), x_dtype=st.sampled_from([torch.bfloat16, torch.float32]),
+)
+def test_lora_linear_within_the_rounding_bound_of_fp64_as_the_two_op_path(
+    lead, n, in_features, out_features, adapters, bias, x_dtype
+):
+    """lora_linear and the two-op path on the same inputs: both within their bounds of fp64; the forward and the
+    adapters' gradients bit for bit the same (the same GEMMs), only dx's rounding differs."""
+    inputs = lora_linear_case((*lead, n), in_features, out_features, adapters, bias, x_dtype, seed=n * 41 + in_features)
+    got = linear_out_and_grads(*inputs)
+    two_op = linear_out_and_grads(*inputs, two_op=True)
+    assert [t.dtype for t in got] == [x_dtype] * 2 + [torch.float32] * 2 * len(adapters)
+    for name, (ratio, where) in lora_linear_ratios(got, inputs, x_dtype).items():
+        assert ratio <= 1, f"{name}: {where}"
+    for name, (ratio, where) in lora_linear_ratios(two_op, inputs, x_dtype, extra_dx_roundings=1).items():
+        assert ratio <= 1, f"two-op {name}: {where}"
+    for i, (a, b) in enumerate(zip(got, two_op)):
+        assert i == 1 or torch.equal(a, b), i
+
+
+@pytest.mark.parametrize("x_dtype", [torch.bfloat16, torch.float32])
+def test_lora_linear_bound_catches_a_dropped_adapter_input_gradient(x_dtype):
+    """The dx bound is tight enough to fail: the base layer's input gradient alone (the adapter's term dropped, or
+    the base's: the adapter's alone) breaks it."""
+    inputs = lora_linear_case((2, 5), 6, 7, [(3, 2.0)], True, x_dtype, seed=0)
+    x, weight, bias, adapters, grad_out = inputs
+    got = linear_out_and_grads(*inputs)
+    assert lora_linear_ratios(got, inputs, x_dtype)["dx"][0] <= 1
+    base_only = linear_out_and_grads(x, weight, bias, [], grad_out)
+    adapter_only = linear_out_and_grads(x, torch.zeros_like(weight), bias, adapters, grad_out)
+    for dx in (base_only[1], adapter_only[1]):
+        assert lora_linear_ratios([got[0], dx, *got[2:]], inputs, x_dtype)["dx"][0] > 1
+
+
+def test_lora_linear_saves_what_lora_add_does_and_the_base_weight():
+    """x, the [N, r] lora_A outputs and the adapters' casts as lora_add saves them, and the base weight (a parameter,
+    no memory) only where x wants a gradient; without grad nothing."""
+    x, weight, bias, adapters, grad_out = lora_linear_case((3,), 8, 6, [(2, 2.0)], True, torch.bfloat16, seed=1)
+    x.requires_grad_()
+    saved = saved_tensors(lambda: lora_linear(x, weight, bias, adapters).backward(grad_out))
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == [((2, 8), x.dtype), ((6, 2), x.dtype), ((6, 8), x.dtype)]
+    assert weight.data_ptr() in {t.data_ptr() for t in saved} and x.grad is not None
+    for a, b, _ in adapters:
+        a.requires_grad_(), b.requires_grad_()
+    with torch.no_grad():
+        assert saved_tensors(lambda: lora_linear(x, weight, bias, adapters)) == []
+    saved = saved_tensors(lambda: lora_linear(x.detach(), weight, bias, adapters))
+    assert sorted(tuple(t.shape) for t in saved) == [(2, 8), (3, 2), (3, 8), (6, 2)]  # casts, h, x; no weight
+
+
+def test_lora_linear_without_grad_equals_with_grad():
+    inputs = lora_linear_case((2, 5), 8, 6, [(3, 4.0), (2, 0.5)], True, torch.bfloat16, seed=2)
+    x, weight, bias, adapters, _ = inputs
+    with torch.no_grad():
+        out = lora_linear(x, weight, bias, adapters)
+    assert torch.equal(out, linear_out_and_grads(*inputs)[0])
+
+
+def test_lora_linear_bad_input():
+    x, weight, bias, a, b = torch.randn(3, 8), torch.randn(6, 8), torch.randn(6), torch.randn(4, 8), torch.randn(6, 4)
+    with pytest.raises(ValueError, match="^x: expected a floating tensor"):
+        lora_linear(x.long(), weight, bias, [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^weight: expected shape \\[\\*, 8\\], got \\[6, 7\\]$"):
+        lora_linear(x, weight[:, :7], bias, [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^bias: expected shape \\[6\\], got \\[5\\]$"):
+        lora_linear(x, weight, bias[:5], [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^bias: expected the dtype of x torch.float32, got torch.bfloat16$"):
+        lora_linear(x, weight, bias.bfloat16(), [(a, b, 2.0)])
+    with pytest.raises(ValueError, match="^weight: expected a frozen base \\(requires_grad=False\\)"):
+        lora_linear(x, weight.requires_grad_(), bias, [(a, b, 2.0)])
+    weight.requires_grad_(False)
+    with pytest.raises(ValueError, match="^adapters\\[1\\].weight_b: expected shape \\[6, 4\\], got \\[5, 4\\]$"):
+        lora_linear(x, weight, bias, [(a, b, 2.0), (a, b[:5], 2.0)])
+    with pytest.raises(ValueError, match="^adapters\\[0\\].scaling: expected a real number, got Tensor$"):
+        lora_linear(x, weight, bias, [(a, b, torch.tensor(2.0))])
+
+
 # --- patched PEFT models -------------------------------------------------------------------------------------------
 
 
@@ -370,6 +522,91 @@ def test_patched_bf16_base_is_as_close_to_fp64_as_peft():
     for name in want:
         err, err_p = ((g[name] - want[name]).norm() / want[name].norm() for g in (grads, grads_p))
         assert err_p <= 1.5 * err + 1e-3, name
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_patched_model_runs_lora_linear_on_plain_bases_as_close_to_fp64_as_the_two_op_path(
+    dtype, delta_calls, monkeypatch
+):
+    """patch_model on a tiny Qwen2 (biased q, k, v): each LoRA layer over a frozen nn.Linear runs lora_linear; a hooked
+    base and a trained one run base_layer(x) then lora_add. Against the two-op path (every layer through base_layer
+    and lora_add) on the same model: the logits bit for bit; the gradients together as close to fp64 (PEFT unpatched)
+    as its, within 10% of its error (the house rule); each parameter's gradient differs from its by rounding noise,
+    no more than twice its own distance from fp64 (a dropped input-gradient term is far larger)."""
+    from fastgrpo.patching import forwards
+
+    model = lora_model(dtype)
+    layers = model.base_model.model.model.layers
+    layers[0].self_attn.q_proj.base_layer.register_forward_hook(lambda module, args, out: None)
+    layers[1].mlp.down_proj.base_layer.weight.requires_grad_(True)
+    ids, mask = batch(2)
+    mask = torch.ones_like(mask)  # fp64 eager attention gives NaN on fully masked (left-padded) rows
+    _, want = loss_and_grads(copy.deepcopy(model).double(), ids, mask)
+    patched = patch_model(model, **ONLY_LORA)
+    logits, got = loss_and_grads(patched, ids, mask)
+    n = len(TARGETS) * 2
+    assert sorted(delta_calls) == ["lora_add"] * 2 + ["lora_linear"] * (n - 2)
+    delta_calls.clear()
+    monkeypatch.setattr(forwards, "_frozen_plain_linear", lambda layer, x: False)
+    logits_two_op, two_op = loss_and_grads(patched, ids, mask)
+    assert delta_calls == ["lora_add"] * n
+    assert torch.equal(logits, logits_two_op)
+    assert got.keys() == two_op.keys() == want.keys() and len(want) == 2 * n + 1  # + the trained base weight
+
+    def flat(grads):
+        return torch.cat([grads[name].flatten() for name in sorted(grads)])
+
+    err, err_two_op = ((flat(g) - flat(want)).norm() / flat(want).norm() for g in (got, two_op))
+    assert err <= 1.1 * err_two_op, (err, err_two_op)
+    for name in want:
+        assert (got[name] - two_op[name]).norm() <= 2 * (two_op[name] - want[name]).norm(), name
+
+
+BASE_FALLBACKS = ["forward_hook", "forward_pre_hook", "backward_hook", "global_forward_hook", "own_forward",
+                  "trained_weight", "trained_bias", "non_contiguous_x", "one_dim_x"]
+
+
+@pytest.mark.parametrize("case", BASE_FALLBACKS)
+def test_bases_lora_linear_cannot_stand_in_for_run_base_layer_then_lora_add(case, delta_calls):
+    """The base layer itself runs (its hooks fire, its trained weight gets a gradient, F.linear rounds as it does for
+    an x whose bias it does not add in the GEMM); the result is lora_linear's up to fp32 rounding."""
+    layer = lora_layer(12, 10, 3, 6, torch.float32, torch.float32)
+    base = layer.base_layer
+
+    def run(x):
+        x = x.detach().requires_grad_()
+        out = fused(layer, "input")(x)
+        out.backward(torch.ones_like(out))
+        return out.detach(), x.grad
+
+    x = torch.randn(2, 7, 12)
+    want = run(x)
+    assert delta_calls == ["lora_linear"]
+    delta_calls.clear()
+    fired = []
+    with contextlib.ExitStack() as stack:
+        if case.endswith("hook"):
+            register = {"forward_hook": base.register_forward_hook, "forward_pre_hook": base.register_forward_pre_hook,
+                        "backward_hook": base.register_full_backward_hook,
+                        "global_forward_hook": nn.modules.module.register_module_forward_hook}[case]
+            stack.callback(register(lambda *args: fired.append(case)).remove)
+        if case == "own_forward":
+            base.forward = lambda x: fired.append(case) or F.linear(x, base.weight, base.bias)
+            stack.callback(base.__dict__.pop, "forward")
+        if case.startswith("trained"):
+            param = getattr(base, case.removeprefix("trained_"))
+            stack.callback(param.requires_grad_, False)
+            param.requires_grad_(True)
+        if case == "non_contiguous_x":
+            x = x.transpose(0, 1).contiguous().transpose(0, 1)
+        if case == "one_dim_x":
+            x, want = x[0, 0], [t[0, 0] for t in want]
+        got = run(x)
+    assert delta_calls == ["lora_add"]
+    assert bool(fired) == (case.endswith("hook") or case == "own_forward")
+    assert [p.grad is not None for p in (base.weight, base.bias)] == [case == "trained_weight", case == "trained_bias"]
+    for name, a, b in zip(["out", "dx"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)
 
 
 FALLBACKS = ["dropout_in_training", "dora", "lora_bias", "merged", "disabled", "adapter_names", "autocast",
@@ -436,7 +673,7 @@ def test_two_active_adapters(second_dtype, delta_calls):
     assert len(delta_calls) == (2 if second_dtype == torch.float32 else 0)
     delta_calls.clear()
     got = fused(layer, "input")(x)
-    assert delta_calls == ["lora_add"] * 2
+    assert delta_calls == ["lora_linear"]  # both adapters in the base layer's op
     with torch.no_grad():
         exact, magnitude = layer.base_layer(x).double(), layer.base_layer(x).double().abs()
     for name in order:
@@ -566,7 +803,7 @@ def test_patched_model_lora_layers_within_the_bound_as_peft_under_autocast(dtype
     loss_and_grads(model, ids, torch.ones_like(mask))
     for handle in handles:
         handle.remove()
-    assert delta_calls == ["lora_add"] * len(layers)
+    assert delta_calls == ["lora_linear"] * len(layers)
     for name, layer in layers.items():
         x, g = seen[name]["x"], seen[name]["g"]
         a, b, scaling = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
@@ -597,7 +834,7 @@ def test_patching_again_with_another_lora_dtype_repatches(delta_calls):
     assert patch_model(model, **ONLY_LORA) is model and layer.__dict__["forward"] is forward  # same options
     with torch.no_grad():
         model(input_ids=ids)
-    assert set(delta_calls) == {"lora_add"}
+    assert set(delta_calls) == {"lora_linear"}
     delta_calls.clear()
     patch_model(model, **PEFT_BITWISE)
     assert layer.__dict__["forward"] is not forward
@@ -668,9 +905,28 @@ def test_gpu_qwen2_lora_step_peaks_lower_with_matching_grads():
     assert peaks["input"] <= peaks["adapter"] + (1 << 20), peaks  # bf16 [N, r] outputs, no fp32 transients
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features, bias", [(1536, True), (8960, False)])  # q_proj-, up_proj-like
+def test_gpu_lora_linear_is_the_two_op_path_with_one_rounding_less(out_features, bias):
+    """bf16 on CUDA, Qwen2.5-1.5B's hidden size, 8192 tokens, two fp32 r16 adapters: the forward (cuBLAS's addmm with
+    the bias in its epilogue, as F.linear's) and the adapters' gradients bit for bit the two-op path's; the input
+    gradient no further from fp64 than its (relative error of the whole tensor, 1% slack)."""
+    adapters = [(16, 2.0), (16, 0.5)]
+    inputs = lora_linear_case((2, 4096), 1536, out_features, adapters, bias, torch.bfloat16, seed=0, device="cuda")
+    got = linear_out_and_grads(*inputs)
+    two_op = linear_out_and_grads(*inputs, two_op=True)
+    exact = linear_exact(*_double(inputs, abs=False))
+    for i, (a, b) in enumerate(zip(got, two_op)):
+        assert i == 1 or torch.equal(a, b), i
+    err, err_two_op = ((dx.double() - exact[1]).norm() / exact[1].norm() for dx in (got[1], two_op[1]))
+    assert err <= 1.01 * err_two_op, (err, err_two_op)
+
+
 def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
-    """The base output is added into when nothing else can hold it: a copy when it is a view (nn.Linear's 3-D output
-    with a bias) or when a forward hook on the base layer saw it; the hook's tensor then stays the base output."""
+    """Where the base layer runs on its own (base_layer(x) then lora_add: here a hooked or a trained base, which
+    lora_linear does not stand in for), its output is added into when nothing else can hold it: a copy when it is a
+    view (nn.Linear's 3-D output with a bias) or when a forward hook on the base layer saw it; the hook's tensor then
+    stays the base output."""
     from fastgrpo.patching import forwards
 
     inplace = []
@@ -686,6 +942,7 @@ def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
 
     for layer, viewed in ((attn.o_proj, False), (attn.q_proj, True)):  # o_proj: no bias; q_proj: bias
         base = layer.base_layer(x)
+        inplace.clear()
         handle = layer.base_layer.register_forward_hook(record)
         try:
             out = fused(layer, "input")(x)
@@ -693,17 +950,23 @@ def test_patched_layer_adds_into_its_own_base_output_only(monkeypatch):
             handle.remove()
         (ptr, seen), = ptrs[id(layer.base_layer)]
         assert out.data_ptr() != ptr and torch.equal(seen, base)  # hooked: a copy, the hook's tensor intact
+        assert inplace == [False]
         inplace.clear()
-        out = fused(layer, "input")(x)
+        layer.base_layer.weight.requires_grad_(True)
+        try:
+            out = fused(layer, "input")(x)
+        finally:
+            layer.base_layer.weight.requires_grad_(False)
         assert (base._base is not None) == viewed and inplace == [not viewed]
         assert torch.allclose(out, layer(x), atol=1e-5)
 
 
-def test_patched_lora_compiles_in_one_frame_with_and_without_grad():
-    """torch.compile(fullgraph=True) of a patched LoRA layer: the no-grad path's in-place ops and the autograd
-    Function both trace; the compiled output equals eager's."""
+@pytest.mark.parametrize("name", ["o_proj", "q_proj"])  # without and with a bias
+def test_patched_lora_compiles_in_one_frame_with_and_without_grad(name):
+    """torch.compile(fullgraph=True) of a patched LoRA layer (lora_linear): the no-grad path's in-place ops and the
+    autograd Function both trace; the compiled output and gradients equal eager's."""
     model = lora_model(torch.float32)
-    layer = model.base_model.model.model.layers[0].self_attn.o_proj
+    layer = getattr(model.base_model.model.model.layers[0].self_attn, name)
     forward = fused(layer, "input")
     x = torch.randn(2, 5, 32)
     compiled = torch.compile(forward, fullgraph=True, backend="aot_eager")
@@ -711,4 +974,8 @@ def test_patched_lora_compiles_in_one_frame_with_and_without_grad():
         with torch.set_grad_enabled(grad):
             want, got = forward(x), compiled(x)
         assert got.requires_grad == grad and torch.allclose(got, want, atol=1e-6)
+    grad_out = torch.randn_like(want)
+    want_grads, got_grads = [out_and_grads(layer, f, x, grad_out)[1:] for f in (forward, compiled)]
+    for a, b in zip(got_grads, want_grads):
+        assert torch.allclose(a, b, atol=1e-6)
 

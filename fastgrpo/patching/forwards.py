@@ -11,7 +11,7 @@ from torch import nn
 
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
-from fastgrpo.ops.lora import lora_add, lora_delta
+from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
@@ -52,14 +52,19 @@ def lora_linear_forward(
     previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input"
 ) -> Callable:
     """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's branch where PEFT would run its vanilla branch
-    alone; `previous` (PEFT's own forward) for everything else. lora_dtype "input": lora_add in x's dtype (autocast's
-    math); "adapter": lora_delta in the adapter's dtype (bitwise PEFT)."""
+    alone; `previous` (PEFT's own forward) for everything else. lora_dtype "input": in x's dtype (autocast's math),
+    lora_linear where the base is a frozen nn.Linear it can stand in for, else base_layer(x) then lora_add; "adapter":
+    lora_delta in the adapter's dtype (bitwise PEFT)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = _vanilla_adapters(self, x, args, kwargs, one_dtype=lora_dtype == "adapter")
         if adapters is None:
             return previous(x, *args, **kwargs)
-        result = self.base_layer(x)
+        base = self.base_layer
+        if lora_dtype == "input" and _frozen_plain_linear(base, x):
+            # One op for the base and the adapters: the layer's input gradient is written once (lora_linear).
+            return lora_linear(x, base.weight, base.bias, [(a.weight, b.weight, s) for a, b, s in adapters])
+        result = base(x)
         if lora_dtype == "input":
             # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd
             # refuses in-place ops on a custom Function's view output, as bitsandbytes' are; nn.Linear's 3-D output
@@ -85,6 +90,23 @@ def lora_linear_forward(
 def _global_forward_hooks() -> dict:
     """torch.nn.modules.module.register_module_forward_hook's hooks (torch keeps them in a module global)."""
     return getattr(nn.modules.module, "_global_forward_hooks", {})
+
+
+def _frozen_plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
+    """Whether lora_linear can stand in for layer(x), bits and all: layer is an nn.Linear itself (not a bitsandbytes
+    or other subclass) whose call runs nothing but its forward (no hooks of its own or global ones: torch's own test
+    for its call's fast path), weight and bias of x's dtype and not trained (lora_linear computes no gradient for
+    them), x contiguous with 2 or more dims (where F.linear adds the bias in the GEMM, as lora_linear does)."""
+    if type(layer) is not nn.Linear or x.dim() < 2 or not x.is_contiguous():
+        return False
+    module = nn.modules.module
+    hooks = (layer._forward_hooks, layer._forward_pre_hooks, layer._backward_hooks, layer._backward_pre_hooks,
+             module._global_forward_hooks, module._global_forward_pre_hooks, module._global_backward_hooks,
+             module._global_backward_pre_hooks)
+    if any(hooks) or "forward" in layer.__dict__:
+        return False
+    params = [p for p in (layer.weight, layer.bias) if p is not None]
+    return not any(p.requires_grad or p.dtype != x.dtype for p in params)
 
 
 def _vanilla_adapters(

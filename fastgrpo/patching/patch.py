@@ -69,8 +69,11 @@ def patch_model(
     lora_dtype: the precision of that branch. "input": in the dtype of the layer's input, as under torch autocast
     (TRL's bf16 Trainer, Unsloth): the adapter weights are cast to it per call and the delta is added to the base
     output inside the second GEMM (fastgrpo.ops.lora.lora_add): on a bf16 model, bf16 tensor-core GEMMs with fp32
-    accumulation, adapter weights and their gradients staying fp32. The base layer's output is added into in place
-    when nothing else can see it (not a view, no forward hook on the base layer or module-wide), else copied once.
+    accumulation, adapter weights and their gradients staying fp32. Over a frozen, unhooked nn.Linear base the
+    base GEMM is part of the same op (fastgrpo.ops.lora.lora_linear), whose backward adds the adapters' input
+    gradients into the base's in their GEMMs instead of leaving autograd a separate add. Over other bases the base
+    layer's output is added into in place when nothing else can see it (not a view, no forward hook on the base
+    layer or module-wide), else copied once.
     "adapter": PEFT's own math without autocast,
     bitwise (input cast to the fp32 adapters, fp32 GEMMs, an fp32 [tokens, out] delta added and cast back), which
     measured on an H100 costs more GPU time than the base model in a Qwen2.5-1.5B LoRA step (ops/lora.py).
