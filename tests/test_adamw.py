@@ -379,7 +379,7 @@ def test_backend_choice(monkeypatch):
     """bf16 on the CPU steps its fp32 master, with or without the interpreter; other dtypes the kernel under the
     interpreter (or on CUDA), the eager path without it, and the eager path for fp64."""
     calls = []
-    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_step_", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_multi_tensor_step_", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_torch_", lambda *a, **k: calls.append("torch"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_master_", lambda *a, **k: calls.append("master"))
     cases = [("1", torch.bfloat16, "master"), (None, torch.bfloat16, "master"), ("1", torch.float32, "triton"),
