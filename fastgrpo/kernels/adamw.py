@@ -7,7 +7,7 @@ the probability that makes the expected result exact, keeps the update on averag
 exp_avg and exp_avg_sq once and writes param and both moments once (14 bytes per bf16 element).
 
 Many tensors per launch: a launch per tensor cost ~35 us of host time each (Triton's launcher and the optimizer's
-Python around it), and a model has hundreds of tensors: Qwen2.5-1.5B's 253 took 9.7 ms per step against 8.1 ms for
+Python around it), and a model has hundreds of tensors: Qwen2.5-1.5B's took 9.7 ms per step against 8.1 ms for
 torch's fused AdamW on an H200, 256 tensors of 1536 x 1536 9.2 ms against 3.2 ms (benchmarks/NOTES.md).
 """
 from __future__ import annotations
@@ -135,9 +135,10 @@ def _adamw_multi_tensor_kernel(
     # The chunk's whole blocks, then the tensor's last partial block if it falls here: `whole` is a multiple of
     # BLOCK the compiler can see, so the first loop's masks are whole vectors and its accesses 128-bit wide.
     whole = start + (end - start) // BLOCK * BLOCK
-    scalars = decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps, seed
-    _adamw_range(P, G, M, V, start, whole, *scalars, BLOCK, STOCHASTIC)
-    _adamw_range(P, G, M, V, whole, end, *scalars, BLOCK, STOCHASTIC)
+    _adamw_range(P, G, M, V, start, whole, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt,
+                 eps, seed, BLOCK, STOCHASTIC)
+    _adamw_range(P, G, M, V, whole, end, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt,
+                 eps, seed, BLOCK, STOCHASTIC)
 
 
 def adamw_multi_tensor_step_(
@@ -162,9 +163,9 @@ def adamw_multi_tensor_step_(
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     for (device, p_dtype, g_dtype, aligned), tensors in launches.items():
         table, programs = _table(tensors, chunk, device)
-        # the interpreter's cost is per program and per operation, not per element: one step per chunk
-        largest = max(p.numel() for p, *_ in tensors)
-        step_block = block or (min(chunk, triton.next_power_of_2(largest)) if interpreted else 1024)
+        step_block = block or 1024
+        if interpreted and block is None:  # its cost is per program and operation, not per element: one step a chunk
+            step_block = min(chunk, triton.next_power_of_2(max(p.numel() for p, *_ in tensors)))
         _adamw_multi_tensor_kernel[(programs,)](
             table, decay, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bias2_sqrt, eps,
             P_TYPE=_TL_DTYPES[p_dtype], G_TYPE=_TL_DTYPES[g_dtype], ALIGNED=aligned, CHUNK=chunk, BLOCK=step_block,
