@@ -9,10 +9,13 @@ A bf16 result must be one of the two bf16 neighbours of the fp32 value, hence of
 
 bf16 parameters on the CPU keep an fp32 master by default; the stochastic-rounding tests make them round
 stochastically instead (_path patches keeps_master), with the kernel ("triton", under TRITON_INTERPRET=1, set by
-conftest without CUDA) or its eager twin ("torch", TRITON_INTERPRET unset). The GPU test runs the kernel on CUDA.
+conftest without CUDA) or its eager twin ("torch", TRITON_INTERPRET unset). The GPU tests run the kernel on CUDA.
+The optimizer steps many tensors per launch (adamw_multi_tensor_step_); the per-tensor kernel (adamw_step_) is the
+reference it must equal bit for bit.
 """
 import contextlib
 import copy
+import functools
 import io
 import os
 from unittest import mock
@@ -23,7 +26,8 @@ import torch.distributed as dist
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo.kernels.adamw import adamw_step_
+from fastgrpo.kernels import adamw as kernels_adamw
+from fastgrpo.kernels.adamw import adamw_multi_tensor_step_, adamw_step_
 from fastgrpo.train import stochastic_adamw
 from fastgrpo.train.stochastic_adamw import StochasticRoundingAdamW, adamw_step_master_, adamw_step_torch_, step_seed
 
@@ -375,11 +379,155 @@ def test_triton_and_eager_do_the_same_math(dtype):
                 _assert_bf16_neighbour(name, got, x.double(), torch.zeros(n, dtype=torch.float64))
 
 
+class _CountLaunches:
+    """Stands in for a Triton kernel and counts its launches (kernel[grid](...))."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+
+@contextlib.contextmanager
+def _multi_tensor(chunk: int = kernels_adamw.CHUNK, block: int | None = None):
+    """The optimizer's multi-tensor launcher with `chunk` and `block` (small ones spread tensors of a few hundred
+    elements over several programs and loop steps), its kernel's launches counted."""
+    counter = _CountLaunches(kernels_adamw._adamw_multi_tensor_kernel)
+    launcher = functools.partial(kernels_adamw.adamw_multi_tensor_step_, chunk=chunk, block=block)
+    with mock.patch.object(kernels_adamw, "_adamw_multi_tensor_kernel", counter), \
+            mock.patch.object(kernels_adamw, "adamw_multi_tensor_step_", launcher):
+        yield counter
+
+
+def _kernel_scalars(hp: dict, step: int) -> dict:
+    """adamw_step_'s scalars for torch's AdamW hyper-parameters at `step`, the seed aside."""
+    (beta1, beta2), lr = hp["betas"], hp["lr"]
+    return dict(decay=1 - lr * hp["weight_decay"], beta1=beta1, beta2=beta2, step_size=lr / (1 - beta1**step),
+                bias2_sqrt=(1 - beta2**step) ** 0.5, eps=hp["eps"])
+
+
+# sizes around the small chunks and blocks the CPU tests use (16 to 128), and 1
+SIZES = st.one_of(st.sampled_from([1, 15, 16, 17, 64, 65, 129]), st.integers(1, 300))
+CHUNK_BLOCK = st.sampled_from([(16, 16), (64, 16), (128, 32)])
+KERNEL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+@given(tensors=st.lists(st.tuples(SIZES, st.sampled_from(KERNEL_DTYPES), st.sampled_from(KERNEL_DTYPES),
+                                  st.booleans()), min_size=1, max_size=6),
+       chunk_block=CHUNK_BLOCK, seed=st.integers(0, 2**16))
+def test_multi_tensor_kernel_equals_per_tensor_kernel(tensors, chunk_block, seed):
+    """adamw_multi_tensor_step_ on a list of tensors (param and grad dtypes mixed, odd sizes, some not 16-byte
+    aligned: launches of their own) equals adamw_step_ on each with its own seed, bit for bit: stochastic rounding
+    draws the same Philox bits for bf16, fp16 and fp32 round to nearest alike."""
+
+    def make():
+        gen = torch.Generator().manual_seed(seed)
+        out = []
+        for n, dtype, grad_dtype, shifted in tensors:
+            # shifted: a view one element into its buffer, contiguous at an address that is not 16-byte aligned
+            p, m, v = ((torch.randn(n + shifted, generator=gen) * scale).abs_().to(dtype)[shifted:]
+                       for scale in (1.0, 1e-2, 1e-3))
+            out.append((p, torch.randn(n, generator=gen).to(grad_dtype), m, v))
+        return out
+
+    ours, theirs = make(), make()
+    seeds = [step_seed(seed, i, 3) for i in range(len(tensors))]
+    scalars = _kernel_scalars(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), 3)
+    chunk, block = chunk_block
+    adamw_multi_tensor_step_(*(list(column) for column in zip(*ours)), seeds, **scalars, chunk=chunk, block=block)
+    for (p, g, m, v), seed_i in zip(theirs, seeds):
+        adamw_step_(p, g, m, v, **scalars, seed=seed_i)
+    for i, (a, b) in enumerate(zip(ours, theirs)):
+        for name, j in (("param", 0), ("exp_avg", 2), ("exp_avg_sq", 3)):
+            assert torch.equal(a[j], b[j]), f"tensor {i} {tensors[i]} {name}: {(a[j] != b[j]).sum()} elements differ"
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+@given(tensors=st.lists(st.tuples(SIZES, st.sampled_from(KERNEL_DTYPES)), min_size=1, max_size=5),
+       steps=st.integers(1, 3), chunk_block=CHUNK_BLOCK, seed=st.integers(0, 2**16), data=st.data())
+def test_optimizer_launches_once_per_group_step_and_dtype(tensors, steps, chunk_block, seed, data):
+    """Over several steps, two param groups, some grads None (skipped: no state, no step counted, so step counts
+    part ways): each parameter ends each step equal bit for bit to the per-tensor kernel called as the optimizer did
+    before (its own step count, key step_seed(seed, its index, that count)), and the kernel ran once per (group,
+    step count, dtype) with a grad."""
+    gen = torch.Generator().manual_seed(seed)
+    hps = [dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1),
+           dict(lr=3e-3, betas=(0.8, 0.999), eps=1e-6, weight_decay=0.0)]
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dtype)) for n, dtype in tensors]
+    split = data.draw(st.integers(1, len(params)), label="params in the first group")
+    groups = [params[:split], params[split:]]
+    opt = StochasticRoundingAdamW([{"params": ps, **hp} for ps, hp in zip(groups, hps) if ps], seed=seed)
+    group_of = [0] * split + [1] * (len(params) - split)
+    ref = [(p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    counts = [0] * len(params)
+    with _path("triton"), _multi_tensor(*chunk_block) as kernel:
+        for step in range(1, steps + 1):
+            has_grad = data.draw(st.lists(st.booleans(), min_size=len(params), max_size=len(params)),
+                                 label=f"grads at step {step}")
+            launches = kernel.launches
+            for p, has in zip(params, has_grad):
+                p.grad = torch.randn(p.shape, generator=gen).to(p.dtype) if has else None
+            opt.step()
+            for i, (p, has) in enumerate(zip(params, has_grad)):
+                if has:
+                    counts[i] += 1
+                    adamw_step_(ref[i][0], p.grad, *ref[i][1:], **_kernel_scalars(hps[group_of[i]], counts[i]),
+                                seed=step_seed(seed, i, counts[i]))
+            want = {(group_of[i], counts[i], p.dtype) for i, p in enumerate(params) if has_grad[i]}
+            assert kernel.launches - launches == len(want), f"step {step}: launches for {sorted(map(str, want))}"
+            for i, p in enumerate(params):
+                state = opt.state[p]
+                assert bool(state) == (counts[i] > 0), f"step {step} param {i}: state {sorted(state)}"
+                got = (p.detach(), state["exp_avg"], state["exp_avg_sq"]) if state else (p.detach(),)
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"), got, ref[i]):
+                    assert torch.equal(a, b), f"step {step} param {i} {tensors[i]} {name}"
+                assert not state or state["step"].item() == counts[i]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@given(sizes=st.lists(SIZES, min_size=2, max_size=5), steps=st.integers(1, 3), seed=st.integers(0, 2**16), **HP)
+def test_many_tensors_follow_fp64_adamw(backend, sizes, steps, seed, draw_lr, beta1, beta2, eps, wd):
+    """Tensors of odd sizes stepped together (several programs each), fp32 and bf16 alternately: after each step
+    the fp32 ones lie within the derived bound of fp64 AdamW (errors carried along the trajectory), the bf16 ones
+    are bf16 neighbours of the fp64 step from their bf16 inputs."""
+    hp = _hp(draw_lr, beta1, beta2, eps, wd)
+    gen = torch.Generator().manual_seed(seed)
+    dtypes = [(torch.float32, torch.bfloat16)[i % 2] for i in range(len(sizes))]
+    params = [torch.nn.Parameter((torch.randn(n, generator=gen) * 0.05).to(dtype)) for n, dtype in zip(sizes, dtypes)]
+    opt = StochasticRoundingAdamW(params, **hp, seed=seed)
+    zeros = [torch.zeros(n, dtype=torch.float64) for n in sizes]
+    fp32_ref = [((p.detach().double(), z, z), (0.0, 0.0, 0.0)) for p, z in zip(params, zeros)]
+    with _path(backend), _multi_tensor(chunk=64, block=16):
+        for step in range(1, steps + 1):
+            inputs = [[p.detach().double()] + [opt.state[p][k].double() if opt.state[p] else z
+                                                for k in ("exp_avg", "exp_avg_sq")] for p, z in zip(params, zeros)]
+            grads = [torch.randn(n, generator=gen) * 10.0 ** (torch.rand((), generator=gen).item() * 4 - 3)
+                     for n in sizes]
+            for p, g in zip(params, grads):
+                p.grad = g.to(p.dtype)
+            opt.step()
+            for i, (p, g) in enumerate(zip(params, grads)):
+                state = opt.state[p]
+                got = (p.detach(), state["exp_avg"], state["exp_avg_sq"])
+                if p.dtype == torch.bfloat16:
+                    want, tol = _step_reference(*inputs[i], p.grad.double(), step, hp)
+                    for name, a, w, t in zip(("param", "exp_avg", "exp_avg_sq"), got, want, tol):
+                        _assert_bf16_neighbour(f"step {step} param {i} {name}", a, w, t)
+                    continue
+                fp32_ref[i] = want, tol = _step_reference(*fp32_ref[i][0], g.double(), step, hp, fp32_ref[i][1])
+                for name, a, w, t in zip(("param", "exp_avg", "exp_avg_sq"), got, want, tol):
+                    a = a.double()
+                    assert ((a - w).abs() <= t).all(), _worst(f"step {step} param {i} {name}", a, w, t)
+
+
 def test_backend_choice(monkeypatch):
     """bf16 on the CPU steps its fp32 master, with or without the interpreter; other dtypes the kernel under the
     interpreter (or on CUDA), the eager path without it, and the eager path for fp64."""
     calls = []
-    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_step_", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_multi_tensor_step_", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_torch_", lambda *a, **k: calls.append("torch"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_master_", lambda *a, **k: calls.append("master"))
     cases = [("1", torch.bfloat16, "master"), (None, torch.bfloat16, "master"), ("1", torch.float32, "triton"),
@@ -647,3 +795,33 @@ def test_cuda_kernel_against_fp64():
     for name, p in (("fused torch", fused), ("ours", ours)):
         got = p.detach().double()
         assert ((got - ref[0]).abs() <= err[0]).all(), _worst(name, got, ref[0], err[0])
+
+
+@pytest.mark.gpu
+def test_cuda_multi_tensor_step_equals_per_tensor_kernel():
+    """On CUDA, where the kernels are compiled (fused multiply-adds; 128-bit accesses on whole blocks, scalar ones on
+    a tensor's last partial block and at unaligned addresses), 3 optimizer steps equal the per-tensor kernel bit for
+    bit: whole and partial chunks, odd sizes, 1 element, bf16 / fp16 / fp32, and a parameter 2 bytes past a 16-byte
+    boundary; one launch per dtype and alignment per step."""
+    chunk = kernels_adamw.CHUNK
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(n, generator=gen, device="cuda").to(dtype))
+              for dtype in (torch.bfloat16, torch.float16, torch.float32)
+              for n in (3 * chunk, 2 * chunk + 1027, 1, 1536, 257 * 129)]
+    params.append(torch.nn.Parameter(torch.randn(1001, generator=gen, device="cuda").bfloat16()[1:]))
+    assert params[-1].data_ptr() % 16 != 0
+    hp = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01)
+    opt = StochasticRoundingAdamW(params, **hp, seed=5)
+    ref = [(p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in params]
+    with _multi_tensor() as kernel:
+        for step in range(1, 4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen, device="cuda").to(p.dtype)
+            opt.step()
+            for i, (p, (rp, rm, rv)) in enumerate(zip(params, ref)):
+                adamw_step_(rp, p.grad, rm, rv, **_kernel_scalars(hp, step), seed=step_seed(5, i, step))
+                state = opt.state[p]
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"),
+                                      (p.detach(), state["exp_avg"], state["exp_avg_sq"]), (rp, rm, rv)):
+                    assert torch.equal(a, b), f"step {step} param {i} ({p.dtype}, {p.numel()}) {name}"
+    assert kernel.launches == 3 * 4
