@@ -93,7 +93,7 @@ def render_loop_chart(result: dict, path: Path) -> None:
     ax.invert_yaxis()
     ax.set_xlabel("seconds per GRPO step")
     ax.grid(axis="x", alpha=0.3)
-    ax.legend(fontsize=8, ncol=len(LOOP_PHASES), loc="upper center", bbox_to_anchor=(0.5, -0.15))
+    ax.legend(fontsize=8, ncol=len(LOOP_PHASES), loc="lower center", bbox_to_anchor=(0.5, 1.0), frameon=False)
     fig.suptitle(f"{result['suite']}, {result['card']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120, bbox_inches="tight")
