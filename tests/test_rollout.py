@@ -189,11 +189,17 @@ def test_stop_string_cuts_ids_mask_and_text_consistently():
     assert cut.finish_reasons[0] == "stop" and len(completions(cut)[0]) <= 8
 
 
-def test_stop_token_id_ends_the_row_after_it():
+@pytest.mark.parametrize("unseen", [False, True], ids=["one-id", "with-unseen-ids"])
+def test_stop_token_id_ends_the_row_after_it(unseen):
+    """unseen: also every id that no row samples (more than torch.isin's brute-force bound of ~10 N^0.145 ids for N
+    rows, past which it sorts them through torch.unique: the engine looks them up instead)."""
     tok, model = char_tokenizer(), tiny_model("qwen2")
     free = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0)
     stop_id = completions(free)[1][4]
-    cut = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0, stop=stop_id)
+    sampled = {t for row in completions(free) for t in row}
+    others = [i for i in range(model.config.vocab_size) if i not in sampled] if unseen else []
+    assert not unseen or len(others) > 10 * len(PROMPTS) ** 0.145
+    cut = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0, stop=[stop_id, *others])
     for row, ids in enumerate(completions(cut)):
         full = completions(free)[row]
         if stop_id in full:

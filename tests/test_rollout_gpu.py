@@ -84,6 +84,21 @@ def test_stop_strings_and_early_exit_under_graphs():
     assert cut.finish_reasons[0] == "stop"
 
 
+def test_many_stop_ids_keep_the_graph():
+    """One stop id that a row samples and every id that none does (more than torch.isin's brute-force bound, past
+    which it sorts them through torch.unique: a host sync inside the captured step). The step stays graphed and
+    the rows end where the eager engine's do."""
+    tok, model = char_tokenizer(), cuda_model("qwen2")
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    free = generate_with_config(model, tok, PROMPTS, 4, params, config=EAGER)
+    sampled = {t for row in completions(free) for t in row}
+    stop = [completions(free)[1][30], *(i for i in range(model.config.vocab_size) if i not in sampled)]
+    assert len(stop) > 10 * len(completions(free)) ** 0.145
+    graphed = no_fallback_warnings(lambda: generate_with_config(model, tok, PROMPTS, 4, params, stop=stop))
+    eager = generate_with_config(model, tok, PROMPTS, 4, params, stop=stop, config=EAGER)
+    assert completions(graphed) == completions(eager) and "stop" in graphed.finish_reasons
+
+
 def test_in_place_weight_update_is_seen_by_the_next_graphed_call():
     tok, model = char_tokenizer(), cuda_model("qwen2")
     before = generate(model, tok, PROMPTS, max_new_tokens=24, temperature=0)
