@@ -646,6 +646,85 @@ def test_step_seed():
     assert step_seed(0, 3, 5, (0, 0)) == step_seed(0, 3, 5)
 
 
+@given(params=st.lists(st.tuples(st.integers(-2**63, 2**64 - 1), st.integers(0, 10**6),
+                                 st.lists(st.integers(0, 7), max_size=3)), min_size=1, max_size=8),
+       step=st.integers(1, 2**40))
+def test_step_seeds_equal_step_seed(params, step):
+    """The optimizer's vectorized keys (int64 tensor ops that wrap as uint64 does) equal step_seed's Python ints, for
+    any seed, index, step and shard coordinates (all-zero ones dropped, as step_seed drops them)."""
+    shards = [tuple(c) if any(c) else () for _, _, c in params]
+    width = max(map(len, shards))
+    got = stochastic_adamw.step_seeds(
+        torch.tensor([stochastic_adamw.step_key_prefix(seed, index) for seed, index, _ in params]), step,
+        torch.tensor([list(c) + [-1] * (width - len(c)) for c in shards], dtype=torch.int64).reshape(len(params), width))
+    assert got.tolist() == [step_seed(seed, index, step, tuple(c)) for seed, index, c in params]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+def test_plan_is_reused_and_rebuilt_when_what_it_read_changes():
+    """The optimizer plans a group's step once and reuses the plan while the same parameters have grads and their
+    storage, dtypes and states stay: new grad tensors each step (one not 16-byte aligned: a launch of its own, one
+    transposed: copied) keep it. A parameter moved to new storage, a moment replaced, a grad of another dtype, a
+    parameter without a grad (and its return), a changed seed and load_state_dict each make a new plan. After every step each
+    parameter equals the per-tensor kernel bit for bit (its own step count and key)."""
+    gen = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+              for shape, dtype in (((37,), torch.float32), ((5, 9), torch.bfloat16), ((70,), torch.bfloat16))]
+    opt = StochasticRoundingAdamW(params, **hp, seed=3)
+    ref = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+    counts = [0] * len(params)
+    plans = []
+    real_plan = opt._plan
+    opt._plan = lambda *args: plans.append(real_plan(*args)) or plans[-1]
+
+    def grad(i, dtype=None):
+        p = params[i]
+        g = torch.randn(p.shape, generator=gen).to(dtype or p.dtype)
+        if i == 1:  # transposed storage: not contiguous
+            g = torch.randn(tuple(reversed(p.shape)), generator=gen).to(g.dtype).t()
+        if i == 2:  # one element into its buffer: not 16-byte aligned
+            g = torch.randn(p.numel() + 1, generator=gen).to(g.dtype)[1:]
+        return g
+
+    events = ["first", "same", "same", "param storage", "same", "moment", "grad dtype", "grad dtype back", "same",
+              "no grad", "all grads", "seed", "load_state_dict", "same"]
+    replans = {"first", "param storage", "moment", "grad dtype", "grad dtype back", "no grad", "all grads", "seed",
+               "load_state_dict"}
+    if hasattr(params[2], "grad_dtype"):
+        params[2].grad_dtype = None  # torch >= 2.10 refuses a grad of another dtype unless told to take one
+    else:
+        events = [event for event in events if not event.startswith("grad dtype")]
+    with _path("triton"), _multi_tensor(block=16) as kernel:
+        for step, event in enumerate(events):
+            has_grad = [not (event == "no grad" and i == 0) for i in range(len(params))]
+            for i, p in enumerate(params):
+                p.grad = grad(i, torch.float32 if event == "grad dtype" and i == 2 else None) if has_grad[i] else None
+            if event == "param storage":
+                params[1].data = params[1].data.clone()
+            if event == "moment":
+                opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
+            if event == "seed":
+                opt.param_groups[0]["seed"] = 4
+            if event == "load_state_dict":
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            before, launches = len(plans), kernel.launches
+            opt.step()
+            assert len(plans) - before == (event in replans), f"step {step} ({event}): plans made"
+            for i, p in enumerate(params):
+                if has_grad[i]:
+                    counts[i] += 1
+                    adamw_step_(ref[i][0], p.grad, *ref[i][1:], **_kernel_scalars(hp, counts[i]),
+                                seed=step_seed(opt.param_groups[0]["seed"], i, counts[i]))
+                state = opt.state[p]
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"),
+                                      (p.detach(), state["exp_avg"], state["exp_avg_sq"]), ref[i]):
+                    assert torch.equal(a, b), f"step {step} ({event}) param {i} {name}"
+                assert state["step"].item() == counts[i] and state["step"].dtype == torch.float32
+            # fp32 with its aligned grad, bf16 aligned (the transposed grad's copy), bf16 with its unaligned grad
+            assert kernel.launches - launches == (2 if event == "no grad" else 3), f"step {step} ({event}): launches"
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
