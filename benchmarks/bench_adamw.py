@@ -48,12 +48,24 @@ def shapes(name: str, scale: int = 1) -> list[tuple[int, ...]]:
     return [tuple(max(1, d // scale) for d in shape) for shape in found]
 
 
-def _one_launch_per_tensor(params, grads, exp_avgs, exp_avg_sqs, seeds, **scalars) -> None:
-    """adamw_multi_tensor_step_'s signature, the per-tensor kernel behind it."""
+def _one_launch_per_tensor(opt, params: list[torch.nn.Parameter]):
+    """adamw_multi_tensor_launch_'s signature, the per-tensor kernel behind it: each table row's tensors found again
+    by their addresses (the params, their grads and the optimizer's moments), then one adamw_step_ each."""
     from fastgrpo.kernels.adamw import adamw_step_
 
-    for p, g, m, v, seed in zip(params, grads, exp_avgs, exp_avg_sqs, seeds):
-        adamw_step_(p, g, m, v, **scalars, seed=seed)
+    tensors: dict[int, torch.Tensor] = {}
+
+    def launch(rows, device, p_dtype, g_dtype, aligned, **scalars) -> None:
+        for p, g, m, v, _, seed in rows.tolist():
+            if m not in tensors:
+                tensors.clear()
+                for param in params:
+                    state = opt.state[param]
+                    tensors.update({t.data_ptr(): t for t in (param, param.grad, state["exp_avg"],
+                                                              state["exp_avg_sq"])})
+            adamw_step_(tensors[p], tensors[g], tensors[m], tensors[v], **scalars, seed=seed)
+
+    return launch
 
 
 def make_case(case: str, params: list[torch.nn.Parameter]):
@@ -62,9 +74,10 @@ def make_case(case: str, params: list[torch.nn.Parameter]):
 
     if case == "torch_fused":
         return torch.optim.AdamW(params, lr=LR, fused=True), contextlib.nullcontext()
-    context = (mock.patch("fastgrpo.kernels.adamw.adamw_multi_tensor_step_", _one_launch_per_tensor)
-               if case == "per_tensor" else contextlib.nullcontext())
-    return StochasticRoundingAdamW(params, lr=LR), context
+    opt = StochasticRoundingAdamW(params, lr=LR)
+    if case == "multi_tensor":
+        return opt, contextlib.nullcontext()
+    return opt, mock.patch("fastgrpo.kernels.adamw.adamw_multi_tensor_launch_", _one_launch_per_tensor(opt, params))
 
 
 def time_steps(step, warmup: int, steps: int, device: str) -> tuple[float, float]:

@@ -17,7 +17,10 @@ import contextlib
 import copy
 import functools
 import io
+import json
 import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -391,13 +394,13 @@ class _CountLaunches:
 
 
 @contextlib.contextmanager
-def _multi_tensor(chunk: int = kernels_adamw.CHUNK, block: int | None = None):
-    """The optimizer's multi-tensor launcher with `chunk` and `block` (small ones spread tensors of a few hundred
-    elements over several programs and loop steps), its kernel's launches counted."""
+def _multi_tensor(block: int | None = None):
+    """The optimizer's multi-tensor launcher with `block` elements per program (small ones spread tensors of a few
+    hundred elements over several programs), its kernel's launches counted."""
     counter = _CountLaunches(kernels_adamw._adamw_multi_tensor_kernel)
-    launcher = functools.partial(kernels_adamw.adamw_multi_tensor_step_, chunk=chunk, block=block)
+    launcher = functools.partial(kernels_adamw.adamw_multi_tensor_launch_, block=block)
     with mock.patch.object(kernels_adamw, "_adamw_multi_tensor_kernel", counter), \
-            mock.patch.object(kernels_adamw, "adamw_multi_tensor_step_", launcher):
+            mock.patch.object(kernels_adamw, "adamw_multi_tensor_launch_", launcher):
         yield counter
 
 
@@ -408,17 +411,17 @@ def _kernel_scalars(hp: dict, step: int) -> dict:
                 bias2_sqrt=(1 - beta2**step) ** 0.5, eps=hp["eps"])
 
 
-# sizes around the small chunks and blocks the CPU tests use (16 to 128), and 1
+# sizes around the small blocks the CPU tests use (16 to 64), and 1
 SIZES = st.one_of(st.sampled_from([1, 15, 16, 17, 64, 65, 129]), st.integers(1, 300))
-CHUNK_BLOCK = st.sampled_from([(16, 16), (64, 16), (128, 32)])
+BLOCKS = st.sampled_from([16, 32, 64])
 KERNEL_DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
 @given(tensors=st.lists(st.tuples(SIZES, st.sampled_from(KERNEL_DTYPES), st.sampled_from(KERNEL_DTYPES),
                                   st.booleans()), min_size=1, max_size=6),
-       chunk_block=CHUNK_BLOCK, seed=st.integers(0, 2**16))
-def test_multi_tensor_kernel_equals_per_tensor_kernel(tensors, chunk_block, seed):
+       block=BLOCKS, seed=st.integers(0, 2**16))
+def test_multi_tensor_kernel_equals_per_tensor_kernel(tensors, block, seed):
     """adamw_multi_tensor_step_ on a list of tensors (param and grad dtypes mixed, odd sizes, some not 16-byte
     aligned: launches of their own) equals adamw_step_ on each with its own seed, bit for bit: stochastic rounding
     draws the same Philox bits for bf16, fp16 and fp32 round to nearest alike."""
@@ -436,8 +439,7 @@ def test_multi_tensor_kernel_equals_per_tensor_kernel(tensors, chunk_block, seed
     ours, theirs = make(), make()
     seeds = [step_seed(seed, i, 3) for i in range(len(tensors))]
     scalars = _kernel_scalars(dict(lr=1e-2, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.1), 3)
-    chunk, block = chunk_block
-    adamw_multi_tensor_step_(*(list(column) for column in zip(*ours)), seeds, **scalars, chunk=chunk, block=block)
+    adamw_multi_tensor_step_(*(list(column) for column in zip(*ours)), seeds, **scalars, block=block)
     for (p, g, m, v), seed_i in zip(theirs, seeds):
         adamw_step_(p, g, m, v, **scalars, seed=seed_i)
     for i, (a, b) in enumerate(zip(ours, theirs)):
@@ -447,8 +449,8 @@ def test_multi_tensor_kernel_equals_per_tensor_kernel(tensors, chunk_block, seed
 
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
 @given(tensors=st.lists(st.tuples(SIZES, st.sampled_from(KERNEL_DTYPES)), min_size=1, max_size=5),
-       steps=st.integers(1, 3), chunk_block=CHUNK_BLOCK, seed=st.integers(0, 2**16), data=st.data())
-def test_optimizer_launches_once_per_group_step_and_dtype(tensors, steps, chunk_block, seed, data):
+       steps=st.integers(1, 3), block=BLOCKS, seed=st.integers(0, 2**16), data=st.data())
+def test_optimizer_launches_once_per_group_step_and_dtype(tensors, steps, block, seed, data):
     """Over several steps, two param groups, some grads None (skipped: no state, no step counted, so step counts
     part ways): each parameter ends each step equal bit for bit to the per-tensor kernel called as the optimizer did
     before (its own step count, key step_seed(seed, its index, that count)), and the kernel ran once per (group,
@@ -463,7 +465,7 @@ def test_optimizer_launches_once_per_group_step_and_dtype(tensors, steps, chunk_
     group_of = [0] * split + [1] * (len(params) - split)
     ref = [(p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)) for p in params]
     counts = [0] * len(params)
-    with _path("triton"), _multi_tensor(*chunk_block) as kernel:
+    with _path("triton"), _multi_tensor(block) as kernel:
         for step in range(1, steps + 1):
             has_grad = data.draw(st.lists(st.booleans(), min_size=len(params), max_size=len(params)),
                                  label=f"grads at step {step}")
@@ -500,7 +502,7 @@ def test_many_tensors_follow_fp64_adamw(backend, sizes, steps, seed, draw_lr, be
     opt = StochasticRoundingAdamW(params, **hp, seed=seed)
     zeros = [torch.zeros(n, dtype=torch.float64) for n in sizes]
     fp32_ref = [((p.detach().double(), z, z), (0.0, 0.0, 0.0)) for p, z in zip(params, zeros)]
-    with _path(backend), _multi_tensor(chunk=64, block=16):
+    with _path(backend), _multi_tensor(block=16):
         for step in range(1, steps + 1):
             inputs = [[p.detach().double()] + [opt.state[p][k].double() if opt.state[p] else z
                                                 for k in ("exp_avg", "exp_avg_sq")] for p, z in zip(params, zeros)]
@@ -527,7 +529,7 @@ def test_backend_choice(monkeypatch):
     """bf16 on the CPU steps its fp32 master, with or without the interpreter; other dtypes the kernel under the
     interpreter (or on CUDA), the eager path without it, and the eager path for fp64."""
     calls = []
-    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_multi_tensor_step_", lambda *a, **k: calls.append("triton"))
+    monkeypatch.setattr("fastgrpo.kernels.adamw.adamw_multi_tensor_launch_", lambda *a, **k: calls.append("triton"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_torch_", lambda *a, **k: calls.append("torch"))
     monkeypatch.setattr(stochastic_adamw, "adamw_step_master_", lambda *a, **k: calls.append("master"))
     cases = [("1", torch.bfloat16, "master"), (None, torch.bfloat16, "master"), ("1", torch.float32, "triton"),
@@ -642,6 +644,85 @@ def test_step_seed():
     keys = {step_seed(s, i, t, c) for s in (0, 1) for i in (0, 1) for t in (1, 2) for c in ((), (1, 0), (0, 1))}
     assert len(keys) == 24 and all(2**62 <= k < 2**63 for k in keys)
     assert step_seed(0, 3, 5, (0, 0)) == step_seed(0, 3, 5)
+
+
+@given(params=st.lists(st.tuples(st.integers(-2**63, 2**64 - 1), st.integers(0, 10**6),
+                                 st.lists(st.integers(0, 7), max_size=3)), min_size=1, max_size=8),
+       step=st.integers(1, 2**40))
+def test_step_seeds_equal_step_seed(params, step):
+    """The optimizer's vectorized keys (int64 tensor ops that wrap as uint64 does) equal step_seed's Python ints, for
+    any seed, index, step and shard coordinates (all-zero ones dropped, as step_seed drops them)."""
+    shards = [tuple(c) if any(c) else () for _, _, c in params]
+    width = max(map(len, shards))
+    got = stochastic_adamw.step_seeds(
+        torch.tensor([stochastic_adamw.step_key_prefix(seed, index) for seed, index, _ in params]), step,
+        torch.tensor([list(c) + [-1] * (width - len(c)) for c in shards], dtype=torch.int64).reshape(len(params), width))
+    assert got.tolist() == [step_seed(seed, index, step, tuple(c)) for seed, index, c in params]
+
+
+@pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
+def test_plan_is_reused_and_rebuilt_when_what_it_read_changes():
+    """The optimizer plans a group's step once and reuses the plan while the same parameters have grads and their
+    storage, dtypes and states stay: new grad tensors each step (one not 16-byte aligned: a launch of its own, one
+    transposed: copied) keep it. A parameter moved to new storage, a moment replaced, a grad of another dtype, a
+    parameter without a grad (and its return), a changed seed and load_state_dict each make a new plan. After every step each
+    parameter equals the per-tensor kernel bit for bit (its own step count and key)."""
+    gen = torch.Generator().manual_seed(0)
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    params = [torch.nn.Parameter(torch.randn(shape, generator=gen).to(dtype))
+              for shape, dtype in (((37,), torch.float32), ((5, 9), torch.bfloat16), ((70,), torch.bfloat16))]
+    opt = StochasticRoundingAdamW(params, **hp, seed=3)
+    ref = [[p.detach().clone(), torch.zeros_like(p), torch.zeros_like(p)] for p in params]
+    counts = [0] * len(params)
+    plans = []
+    real_plan = opt._plan
+    opt._plan = lambda *args: plans.append(real_plan(*args)) or plans[-1]
+
+    def grad(i, dtype=None):
+        p = params[i]
+        g = torch.randn(p.shape, generator=gen).to(dtype or p.dtype)
+        if i == 1:  # transposed storage: not contiguous
+            g = torch.randn(tuple(reversed(p.shape)), generator=gen).to(g.dtype).t()
+        if i == 2:  # one element into its buffer: not 16-byte aligned
+            g = torch.randn(p.numel() + 1, generator=gen).to(g.dtype)[1:]
+        return g
+
+    events = ["first", "same", "same", "param storage", "same", "moment", "grad dtype", "grad dtype back", "same",
+              "no grad", "all grads", "seed", "load_state_dict", "same"]
+    replans = {"first", "param storage", "moment", "grad dtype", "grad dtype back", "no grad", "all grads", "seed",
+               "load_state_dict"}
+    if hasattr(params[2], "grad_dtype"):
+        params[2].grad_dtype = None  # torch >= 2.10 refuses a grad of another dtype unless told to take one
+    else:
+        events = [event for event in events if not event.startswith("grad dtype")]
+    with _path("triton"), _multi_tensor(block=16) as kernel:
+        for step, event in enumerate(events):
+            has_grad = [not (event == "no grad" and i == 0) for i in range(len(params))]
+            for i, p in enumerate(params):
+                p.grad = grad(i, torch.float32 if event == "grad dtype" and i == 2 else None) if has_grad[i] else None
+            if event == "param storage":
+                params[1].data = params[1].data.clone()
+            if event == "moment":
+                opt.state[params[2]]["exp_avg"] = opt.state[params[2]]["exp_avg"].clone()
+            if event == "seed":
+                opt.param_groups[0]["seed"] = 4
+            if event == "load_state_dict":
+                opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            before, launches = len(plans), kernel.launches
+            opt.step()
+            assert len(plans) - before == (event in replans), f"step {step} ({event}): plans made"
+            for i, p in enumerate(params):
+                if has_grad[i]:
+                    counts[i] += 1
+                    adamw_step_(ref[i][0], p.grad, *ref[i][1:], **_kernel_scalars(hp, counts[i]),
+                                seed=step_seed(opt.param_groups[0]["seed"], i, counts[i]))
+                state = opt.state[p]
+                for name, a, b in zip(("param", "exp_avg", "exp_avg_sq"),
+                                      (p.detach(), state["exp_avg"], state["exp_avg_sq"]), ref[i]):
+                    assert torch.equal(a, b), f"step {step} ({event}) param {i} {name}"
+                assert state["step"].item() == counts[i] and state["step"].dtype == torch.float32
+            # fp32 with its aligned grad, bf16 aligned (the transposed grad's copy), bf16 with its unaligned grad
+            assert kernel.launches - launches == (2 if event == "no grad" else 3), f"step {step} ({event}): launches"
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -801,9 +882,9 @@ def test_cuda_kernel_against_fp64():
 def test_cuda_multi_tensor_step_equals_per_tensor_kernel():
     """On CUDA, where the kernels are compiled (fused multiply-adds; 128-bit accesses on whole blocks, scalar ones on
     a tensor's last partial block and at unaligned addresses), 3 optimizer steps equal the per-tensor kernel bit for
-    bit: whole and partial chunks, odd sizes, 1 element, bf16 / fp16 / fp32, and a parameter 2 bytes past a 16-byte
-    boundary; one launch per dtype and alignment per step."""
-    chunk = kernels_adamw.CHUNK
+    bit: whole and partial blocks, many blocks, odd sizes, 1 element, bf16 / fp16 / fp32, and a parameter 2 bytes
+    past a 16-byte boundary; one launch per dtype and alignment per step."""
+    chunk = 1 << 16
     gen = torch.Generator(device="cuda").manual_seed(0)
     params = [torch.nn.Parameter(torch.randn(n, generator=gen, device="cuda").to(dtype))
               for dtype in (torch.bfloat16, torch.float16, torch.float32)
@@ -825,3 +906,65 @@ def test_cuda_multi_tensor_step_equals_per_tensor_kernel():
                                       (p.detach(), state["exp_avg"], state["exp_avg_sq"]), (rp, rm, rv)):
                     assert torch.equal(a, b), f"step {step} param {i} ({p.dtype}, {p.numel()}) {name}"
     assert kernel.launches == 3 * 4
+
+
+
+def _vector_accesses(cases: list[tuple[str, str, bool]]) -> list[tuple[int, int]] | str:
+    """(ld.global.v4.b32, st.global.v4.b32) counts in the sm_90 PTX of the multi-tensor kernel (BLOCK 1024, 4 warps)
+    for each (param dtype, grad dtype, aligned), compiled by Triton's own stages without a GPU (ptxas is not run).
+    Run it where TRITON_INTERPRET is unset: it compiles the real kernels. A string: why this Triton cannot."""
+    import triton
+    import triton.language as tl
+
+    try:  # Triton's internals, as of 3.9
+        from triton._C import libtriton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        target = GPUTarget("cuda", 90, 32)
+        backend = triton.compiler.make_backend(target)
+        options = backend.parse_options({"num_warps": 4})
+    except (ImportError, AttributeError, TypeError) as error:
+        return f"this Triton does not compile to PTX this way: {error!r}"
+    types = {"bf16": tl.bfloat16, "fp32": tl.float32}
+    scalars = ("decay", "one_minus_beta1", "beta2", "one_minus_beta2", "step_size", "bias2_sqrt", "eps")
+    counts = []
+    for p_dtype, g_dtype, aligned in cases:
+        constexprs = dict(P_TYPE=types[p_dtype], G_TYPE=types[g_dtype], ALIGNED=aligned, BLOCK=1024,
+                          STOCHASTIC=p_dtype == "bf16")
+        signature = {"TABLE": "*i64", "tensors": "i32", **{name: "fp32" for name in scalars},
+                     **{name: "constexpr" for name in constexprs}}
+        source = ASTSource(fn=kernels_adamw._adamw_multi_tensor_kernel, signature=signature, constexprs=constexprs)
+        context = libtriton.ir.context()
+        libtriton.ir.load_dialects(context)
+        backend.load_dialects(context)
+        module = source.make_ir(target, options, backend.get_codegen_implementation(options),
+                                backend.get_module_map(), context)
+        stages = {}
+        backend.add_stages(stages, options, source.language)
+        for name in ("ttir", "ttgir", "llir", "ptx"):
+            module = stages[name](module, {})
+        counts.append((module.count("ld.global.v4.b32"), module.count("st.global.v4.b32")))
+    return counts
+
+
+def test_multi_tensor_kernel_keeps_128_bit_accesses():
+    """In sm_90 PTX, a whole block of 16-byte-aligned tensors reads param, grad and both moments and writes param and
+    both moments with 128-bit accesses (one per 8 bf16 or 4 fp32 values of a thread; a tensor's last partial block
+    takes scalar ones); unaligned tensors get none. Compiled in a fresh process without TRITON_INTERPRET."""
+    cases = [("bf16", "bf16", True), ("bf16", "fp32", True), ("fp32", "fp32", True), ("bf16", "bf16", False)]
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    tests = os.path.dirname(os.path.abspath(__file__))
+    env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(tests), tests, env.get("PYTHONPATH", "")])
+    code = f"import json, test_adamw; print(json.dumps(test_adamw._vector_accesses({cases!r})))"
+    done = subprocess.run([sys.executable, "-c", code], cwd=tests, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    counts = json.loads(done.stdout.strip().splitlines()[-1])
+    if isinstance(counts, str):
+        pytest.skip(counts)
+    per_thread = 1024 // (4 * 32)  # BLOCK over 4 warps of 32 threads: 8 values, 16 bytes of bf16, 32 of fp32
+    vectors = {"bf16": per_thread * 2 // 16, "fp32": per_thread * 4 // 16}
+    want = [(3 * vectors[p] + vectors[g], 3 * vectors[p]) if aligned else (0, 0) for p, g, aligned in cases]
+    assert [tuple(c) for c in counts] == want

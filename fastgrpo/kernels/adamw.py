@@ -91,36 +91,36 @@ def adamw_step_(
     )
 
 
-# Many tensors in one launch. Each program steps CHUNK elements of one tensor, BLOCK at a time; the host sends one
-# int64 table: each program's tensor index, then per tensor _FIELDS values. Large chunks keep the table small (12K
-# programs for the 770M elements of Qwen2.5-1.5B's shard on one of 2 GPUs) and the grid free of idle programs.
-CHUNK = 1 << 16
-_FIELDS = tl.constexpr(7)  # param, grad, exp_avg, exp_avg_sq addresses; numel; Philox seed; the tensor's first program
+# Many tensors in one launch, one BLOCK of one tensor per program (grid = all tensors' blocks). The host sends one
+# int64 table: each tensor's first program (ascending), then _FIELDS values per tensor; a program finds its tensor by
+# a binary search over the first column. Why not the earlier 64K-element chunk per program, stepped 1024 elements at
+# a time: each pass of that loop waited for its own loads (nothing else in flight in the program), and on an H100 it
+# ran Qwen2.5-1.5B's step at 1.18 TB/s against 1.56 for one launch per tensor of 1024-element programs (18.3 vs 13.8
+# ms, benchmarks/NOTES.md). One block per program is that per-tensor kernel's work and schedule, plus ~log2(tensors)
+# dependent loads of a table of a few KiB (9 for Qwen's 338 tensors, L1 hits after the first program on an SM). A
+# table row per block instead would cost 12 MB per step for Qwen (1.5M blocks) and its host-to-device copy.
+BLOCK = 1024
+_FIELDS = tl.constexpr(6)  # param, grad, exp_avg, exp_avg_sq addresses; numel; Philox seed
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32,
               torch.float64: tl.float64}
 
 
-@triton.jit
-def _adamw_range(
-    P, G, M, V, start, end,
-    decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps, seed,
-    BLOCK: tl.constexpr, STOCHASTIC: tl.constexpr,
-):
-    for block_start in range(start, end, BLOCK):
-        offs = block_start + tl.arange(0, BLOCK)
-        _adamw_block(P, G, M, V, offs, offs < end, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
-                     bias2_sqrt, eps, seed, STOCHASTIC)
-
-
-@triton.jit
+@triton.jit(do_not_specialize=["tensors"])
 def _adamw_multi_tensor_kernel(
-    TABLE,
+    TABLE, tensors,
     decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt, eps,
-    P_TYPE: tl.constexpr, G_TYPE: tl.constexpr, ALIGNED: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    P_TYPE: tl.constexpr, G_TYPE: tl.constexpr, ALIGNED: tl.constexpr, BLOCK: tl.constexpr,
     STOCHASTIC: tl.constexpr,
 ):
     program = tl.program_id(0)
-    row = TABLE + tl.num_programs(0) + _FIELDS * tl.load(TABLE + program)
+    # the last tensor whose first program is <= this one (TABLE[0] = 0): branch-free, the same steps in every program
+    tensor = 0
+    size = tensors
+    while size > 1:
+        half = size // 2
+        tensor = tl.where(tl.load(TABLE + tensor + half) <= program, tensor + half, tensor)
+        size -= half
+    row = TABLE + tensors + _FIELDS * tensor
     # Addresses arrive as integers: the compiler knows nothing of their alignment, and without it loads go one
     # element at a time. The host checks 16 bytes (a 128-bit access) and says so through ALIGNED.
     P = tl.load(row).to(tl.pointer_type(P_TYPE))
@@ -130,60 +130,68 @@ def _adamw_multi_tensor_kernel(
     if ALIGNED:
         P, G, M, V = tl.multiple_of(P, 16), tl.multiple_of(G, 16), tl.multiple_of(M, 16), tl.multiple_of(V, 16)
     n, seed = tl.load(row + 4), tl.load(row + 5)
-    start = (program - tl.load(row + 6)) * CHUNK  # a multiple of CHUNK the compiler can see
-    end = tl.minimum(start + CHUNK, n)
-    # The chunk's whole blocks, then the tensor's last partial block if it falls here: `whole` is a multiple of
-    # BLOCK the compiler can see, so the first loop's masks are whole vectors and its accesses 128-bit wide.
-    whole = start + (end - start) // BLOCK * BLOCK
-    _adamw_range(P, G, M, V, start, whole, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt,
-                 eps, seed, BLOCK, STOCHASTIC)
-    _adamw_range(P, G, M, V, whole, end, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, bias2_sqrt,
-                 eps, seed, BLOCK, STOCHASTIC)
+    start = (program - tl.load(TABLE + tensor)) * BLOCK  # int64, a multiple of BLOCK the compiler can see
+    offs = start + tl.arange(0, BLOCK)
+    # A whole block's mask is uniform over BLOCK (its bound a visible multiple of BLOCK), so its accesses stay 128-bit
+    # wide; `offs < n` splits them into single elements (n's divisibility is unknown): only a tensor's last partial
+    # block takes it. Two ifs, not if / else: with an else, Triton 3.9 made both branches scalar (sm_90 PTX).
+    if start + BLOCK <= n:
+        _adamw_block(P, G, M, V, offs, offs < start + BLOCK, decay, one_minus_beta1, beta2, one_minus_beta2,
+                     step_size, bias2_sqrt, eps, seed, STOCHASTIC)
+    if start + BLOCK > n:
+        _adamw_block(P, G, M, V, offs, offs < n, decay, one_minus_beta1, beta2, one_minus_beta2, step_size,
+                     bias2_sqrt, eps, seed, STOCHASTIC)
 
 
 def adamw_multi_tensor_step_(
     params: list[torch.Tensor], grads: list[torch.Tensor], exp_avgs: list[torch.Tensor],
     exp_avg_sqs: list[torch.Tensor], seeds: list[int], *,
     decay: float, beta1: float, beta2: float, step_size: float, bias2_sqrt: float, eps: float,
-    chunk: int = CHUNK, block: int | None = None,
+    block: int | None = None,
 ) -> None:
     """adamw_step_ on every (param, grad, exp_avg, exp_avg_sq, seed) of the lists, with the same scalars for all:
     the same results bit for bit (the same body, Philox keyed by each tensor's seed and element index), in one
     launch per (device, param dtype, grad dtype, 16-byte alignment) instead of one per tensor. The tensors meet
-    adamw_step_'s conditions on a single device each. chunk and block (powers of two, block <= chunk): elements per
-    program and per step of its loop; default block 1024 on a GPU, the whole chunk under the interpreter."""
-    launches: dict[tuple, list] = {}
+    adamw_step_'s conditions on a single device each. See adamw_multi_tensor_launch_ for `block`."""
+    launches: dict[tuple, tuple[list, list]] = {}
     for p, g, m, v, seed in zip(params, grads, exp_avgs, exp_avg_sqs, seeds, strict=True):
         if p.numel() == 0:
             continue
         g = g.contiguous()  # a copy, if any, lives in `launches` until its kernel is queued
-        addresses = p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr()
-        aligned = (addresses[0] | addresses[1] | addresses[2] | addresses[3]) % 16 == 0
-        launches.setdefault((p.device, p.dtype, g.dtype, aligned), []).append((p, g, addresses, seed))
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    for (device, p_dtype, g_dtype, aligned), tensors in launches.items():
-        table, programs = _table(tensors, chunk, device)
-        step_block = block or 1024
-        if interpreted and block is None:  # its cost is per program and operation, not per element: one step a chunk
-            step_block = min(chunk, triton.next_power_of_2(max(p.numel() for p, *_ in tensors)))
-        _adamw_multi_tensor_kernel[(programs,)](
-            table, decay, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bias2_sqrt, eps,
-            P_TYPE=_TL_DTYPES[p_dtype], G_TYPE=_TL_DTYPES[g_dtype], ALIGNED=aligned, CHUNK=chunk, BLOCK=step_block,
-            STOCHASTIC=p_dtype == torch.bfloat16,
-        )
+        row = [p.data_ptr(), g.data_ptr(), m.data_ptr(), v.data_ptr(), p.numel(), seed]
+        aligned = (row[0] | row[1] | row[2] | row[3]) % 16 == 0
+        rows, keep = launches.setdefault((p.device, p.dtype, g.dtype, aligned), ([], []))
+        rows.append(row)
+        keep.append(g)
+    for (device, p_dtype, g_dtype, aligned), (rows, _) in launches.items():
+        adamw_multi_tensor_launch_(torch.tensor(rows, dtype=torch.int64), device, p_dtype, g_dtype, aligned,
+                                   decay=decay, beta1=beta1, beta2=beta2, step_size=step_size,
+                                   bias2_sqrt=bias2_sqrt, eps=eps, block=block)
 
 
-def _table(tensors: list[tuple], chunk: int, device: torch.device) -> tuple[torch.Tensor, int]:
-    """The kernel's int64 table on `device` (each program's tensor index, then _FIELDS values per tensor), built on
-    the host and sent in one copy from pinned memory (torch's caching host allocator keeps a block until the copy
-    that reads it is done), and the number of programs. Per tensor ~1 us of Python: triton.cdiv alone costs 2.7."""
-    rows, counts, programs = [], [], 0
-    for p, _, addresses, seed in tensors:
-        n = p.numel()
-        rows += (*addresses, n, seed, programs)
-        counts.append(-(-n // chunk))
-        programs += counts[-1]
-    host = torch.empty(programs + len(rows), dtype=torch.int64, pin_memory=device.type == "cuda")
-    index = torch.repeat_interleave(torch.arange(len(tensors)), torch.tensor(counts), output_size=programs)
-    torch.cat([index, torch.tensor(rows, dtype=torch.int64)], out=host)
-    return host.to(device, non_blocking=True), programs
+def adamw_multi_tensor_launch_(
+    rows: torch.Tensor, device: torch.device, p_dtype: torch.dtype, g_dtype: torch.dtype, aligned: bool, *,
+    decay: float, beta1: float, beta2: float, step_size: float, bias2_sqrt: float, eps: float,
+    block: int | None = None,
+) -> None:
+    """One launch for the tensors of `rows` (CPU int64 [tensors, 6]: param, grad, exp_avg, exp_avg_sq addresses on
+    `device`, numel > 0, seed), all of p_dtype (grads g_dtype), all 16-byte aligned if `aligned`; the tensors must
+    outlive the launch (stream order). block: elements per program, a power of two; default BLOCK on a GPU, up to
+    64K under the interpreter, whose cost is per program and operation, not per element. The table is built with a
+    few torch ops (no Python per tensor) and sent in one copy from pinned memory (torch's caching host allocator
+    keeps a block until the copy that reads it is done)."""
+    if block is None:
+        block = BLOCK
+        if os.environ.get("TRITON_INTERPRET") == "1":
+            block = min(1 << 16, triton.next_power_of_2(int(rows[:, 4].max())))
+    blocks = (rows[:, 4] + (block - 1)) // block
+    ends = torch.cumsum(blocks, 0)
+    tensors = len(rows)
+    host = torch.empty(tensors * (1 + _FIELDS.value), dtype=torch.int64, pin_memory=device.type == "cuda")
+    torch.cat([ends - blocks, rows.reshape(-1)], out=host)
+    table = host.to(device, non_blocking=True)
+    _adamw_multi_tensor_kernel[(int(ends[-1]),)](
+        table, tensors, decay, 1.0 - beta1, beta2, 1.0 - beta2, step_size, bias2_sqrt, eps,
+        P_TYPE=_TL_DTYPES[p_dtype], G_TYPE=_TL_DTYPES[g_dtype], ALIGNED=aligned, BLOCK=block,
+        STOCHASTIC=p_dtype == torch.bfloat16,
+    )
