@@ -86,8 +86,10 @@ def _set_gradient(p: torch.Tensor, full: torch.Tensor, rank: int) -> None:
     assert tuple(p.placements) == (Shard(0),)
     local = _own(full, True, rank)
     assert local.shape == p.to_local().shape
-    p.grad = DTensor.from_local(local.to(p.to_local().device, copy=True), p.device_mesh, p.placements, run_check=False,
-                                shape=p.shape, stride=p.stride())
+    # a DTensor like the parameter, whose local shard stays where the parameter's is (host memory under CPU
+    # offload, as FSDP2 keeps its gradients there): DTensor.from_local would move it to the mesh's device
+    p.grad = torch.zeros_like(p)
+    p.grad.to_local().copy_(local)
 
 
 def _worker(rank: int, backend: str, store: str, out: str) -> None:
