@@ -665,7 +665,8 @@ def test_plan_is_reused_and_rebuilt_when_what_it_read_changes():
     """The optimizer plans a group's step once and reuses the plan while the same parameters have grads and their
     storage, dtypes and states stay: new grad tensors each step (one not 16-byte aligned: a launch of its own, one
     transposed: copied) keep it. A parameter moved to new storage, a moment replaced, a grad of another dtype, a
-    parameter without a grad (and its return), a changed seed and load_state_dict each make a new plan. After every step each
+    parameter without a grad (and its return), a changed seed, load_state_dict, a step counter written in place (as
+    dcp.load writes into state_dict()'s tensors) and a cleared state each make a new plan. After every step each
     parameter equals the per-tensor kernel bit for bit (its own step count and key)."""
     gen = torch.Generator().manual_seed(0)
     hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
@@ -688,9 +689,10 @@ def test_plan_is_reused_and_rebuilt_when_what_it_read_changes():
         return g
 
     events = ["first", "same", "same", "param storage", "same", "moment", "grad dtype", "grad dtype back", "same",
-              "no grad", "all grads", "seed", "load_state_dict", "same"]
+              "no grad", "all grads", "seed", "load_state_dict", "same", "step in place", "same", "state cleared",
+              "same"]
     replans = {"first", "param storage", "moment", "grad dtype", "grad dtype back", "no grad", "all grads", "seed",
-               "load_state_dict"}
+               "load_state_dict", "step in place", "state cleared"}
     if hasattr(params[2], "grad_dtype"):
         params[2].grad_dtype = None  # torch >= 2.10 refuses a grad of another dtype unless told to take one
     else:
@@ -708,6 +710,14 @@ def test_plan_is_reused_and_rebuilt_when_what_it_read_changes():
                 opt.param_groups[0]["seed"] = 4
             if event == "load_state_dict":
                 opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+            if event == "step in place":
+                opt.state[params[0]]["step"].fill_(1.0)
+                counts[0] = 1
+            if event == "state cleared":  # every parameter starts again from zero moments and step 0
+                opt.state.clear()
+                counts = [0] * len(params)
+                for r in ref:
+                    r[1].zero_(), r[2].zero_()
             before, launches = len(plans), kernel.launches
             opt.step()
             assert len(plans) - before == (event in replans), f"step {step} ({event}): plans made"

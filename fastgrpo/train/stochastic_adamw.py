@@ -14,7 +14,7 @@ replicas (DDP, or replicated mesh dimensions) round alike, and FSDP shards draw 
 The Triton kernel (fastgrpo.kernels.adamw) runs on CUDA tensors and under TRITON_INTERPRET=1; for tensors it cannot
 take (non-contiguous, fp64) an eager torch version of the same math and rounding rule runs, with bits from a
 torch.Generator (same distribution, not the same bits). The kernel steps all of a param group's tensors that it
-takes in one launch (one per step count and dtype): a launch per tensor cost ~35 us of host time each, and
+takes in one launch (one per device, step count, param and grad dtype, and 16-byte alignment): a launch per tensor cost ~35 us of host time each, and
 Qwen2.5-1.5B has 338 tensors. fp16 parameters are rounded to nearest: small updates are lost there as with torch's
 AdamW.
 
@@ -293,8 +293,12 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         grads = [p.grad for p in params]
         plan = self._plans.get(id(group))
         if plan is None or not plan.holds(group, live, grads, self.state):
+            # a removed group's plan would keep its states alive
+            self._plans = {key: kept for key, kept in self._plans.items()
+                           if any(kept.group is g for g in self.param_groups)}
             plan = self._plans[id(group)] = self._plan(group, live)
         plan.counters += 1  # every live parameter's `step`, a view of this one tensor
+        plan.expected.copy_(plan.counters)
         plan.steps += 1
         beta1, beta2 = group["betas"]
         lr, weight_decay = float(group["lr"]), group["weight_decay"]
@@ -359,7 +363,7 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
         width = max((len(item[3]) for items in launches.values() for item in items), default=0)
         return _Plan(
             group=group, seed=group["seed"], state_map=self.state, live=[(index, id(p)) for index, p in live],
-            states=states, counters=counters,
+            states=states, counters=counters, expected=counters.clone(),
             fingerprint=_fingerprint(params, [p.grad for p in params], states), masters=masters, eager=eager,
             launches=[_Launch(
                 positions=[item[0] for item in items], rows=torch.tensor([item[1] for item in items]),
@@ -374,9 +378,10 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
 
 def _fingerprint(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]) -> list[tuple]:
     """What a _Plan read from each parameter, its grad and its state, that may change under it: addresses, shape,
-    dtypes, the grad's layout (sparse grads are refused when planning), the state's step counter."""
-    return [(_local(p).data_ptr(), p.dtype, p.shape, g.dtype, g.layout, _local(s["exp_avg"]).data_ptr(),
-             _local(s["exp_avg_sq"]).data_ptr(), "master" in s, id(s["step"]))
+    dtypes, the grad's layout (sparse grads are refused when planning) and device (a DTensor grad's local shard may
+    move), the state's step counter."""
+    return [(_local(p).data_ptr(), p.dtype, p.shape, g.dtype, g.layout, _local(g).device,
+             _local(s["exp_avg"]).data_ptr(), _local(s["exp_avg_sq"]).data_ptr(), "master" in s, id(s["step"]))
             for p, g, s in zip(params, grads, states)]
 
 
@@ -408,6 +413,7 @@ class _Plan:
     live: list[tuple[int, int]]  # (index, id) of each live parameter
     states: list[dict]
     counters: torch.Tensor  # [live] fp32: the live parameters' `step` states are views of it
+    expected: torch.Tensor  # what counters held after the plan's last step: an in-place write (dcp.load) differs
     fingerprint: list[tuple]
     masters: list[int]
     eager: list[int]
@@ -416,9 +422,12 @@ class _Plan:
 
     def holds(self, group: dict, live: list[tuple[int, torch.Tensor]], grads: list[torch.Tensor],
               state_map: dict) -> bool:
-        # the plan holds references to the parameters and counters, so their ids are not reused while it lives
+        # the plan holds the states (and so the counters), and the state map's keys hold the parameters: their ids
+        # are not reused while it lives
         return (group is self.group and group["seed"] == self.seed and state_map is self.state_map
                 and [(index, id(p)) for index, p in live] == self.live
+                and all(state_map.get(p) is state for (_, p), state in zip(live, self.states))
+                and torch.equal(self.counters, self.expected)
                 and _fingerprint([p for _, p in live], grads, self.states) == self.fingerprint)
 
 
