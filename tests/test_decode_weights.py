@@ -255,6 +255,21 @@ def test_fused_stacks_plain_siblings_at_their_bytes():
     assert decode_weights.fused_groups(model.model, dense_linears(model.model), "fused") == []
 
 
+def test_a_projection_shared_by_two_layers_is_fused_once_and_restored():
+    """Layer 1 reusing layer 0's k_proj (tied weights): layer 0's group is fused, layer 1's is not (its k_proj would be
+    swapped twice), the decode matches the unfused copy's, and every module comes back as it was."""
+    model = tiny_model("llama")
+    layers = model.model.layers
+    layers[1].self_attn.k_proj = layers[0].self_attn.k_proj
+    groups = decode_weights.fused_groups(model, dense_linears(model), "fused")
+    attention = [g for g in groups if len(g) == 3]
+    assert attention == [(layers[0].self_attn.q_proj, layers[0].self_attn.k_proj, layers[0].self_attn.v_proj)]
+    before = {id(m): (type(m), dict(m.__dict__)) for m in model.modules()}
+    got = run(model, EngineConfig(weights="fused"))
+    assert {id(m): (type(m), dict(m.__dict__)) for m in model.modules()} == before
+    assert completions(got) == completions(run(model, EngineConfig()))
+
+
 def counted_gemms(monkeypatch):
     """Calls of the copy's two GEMMs (F.linear for "dense", fp8_linear for "fp8") in decode_weights."""
     calls = []

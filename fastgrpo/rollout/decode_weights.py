@@ -177,12 +177,15 @@ def fused_groups(model: torch.nn.Module, modules: list[torch.nn.Module], kind: s
     except ValueError:
         return []
     copied = {m for m in modules if kind != "dense" or _makes_dense_copy(m)}
-    groups = []
+    groups, grouped = [], set()
     for parent in model.modules():
         for names in arch.decode_fused_projections:
             group = tuple(getattr(parent, name, None) for name in names)
-            if all(m in copied for m in group) and len({_layer(m).in_features for m in group}) == 1:
+            # a module shared by two parents (or twice in one) would be swapped twice: it keeps its own copy
+            distinct = len(set(group)) == len(group) and not grouped.intersection(group)
+            if distinct and all(m in copied for m in group) and len({_layer(m).in_features for m in group}) == 1:
                 groups.append(group)
+                grouped.update(group)
     return groups
 
 
