@@ -1,7 +1,7 @@
 """One StochasticRoundingAdamW step on bf16 weights, its kernel launched once per tensor (as before issue 18) or once
 for all (the multi-tensor kernel), against torch.optim.AdamW(fused=True) (bf16 states, rounding to nearest).
 
-    python -m benchmarks.bench_adamw                # a GPU: both shape sets x 3 cases (not run on one yet)
+    python -m benchmarks.bench_adamw                # a GPU: both shape sets x 3 cases (~30 s on an H100)
     python -m benchmarks.bench_adamw --dry-run      # CPU check: shapes / 256 in fp32 under TRITON_INTERPRET=1
 
 Shape sets: Qwen2.5-1.5B's 338 parameter tensors (the HF model built on the meta device from benchmarks.common's

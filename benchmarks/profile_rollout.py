@@ -4,7 +4,7 @@
     python -m benchmarks.profile_rollout --dry-run      # CPU check: a tiny model, same code (or FASTGRPO_PROFILE_CPU=1)
     python -m benchmarks.profile_rollout --modes default,triton   # SDPA vs the Triton decode attention
     python -m benchmarks.profile_rollout --modes default,fp8      # bf16 vs FP8 decode weights (EngineConfig.weights)
-    python -m benchmarks.profile_rollout --modes default,fused    # q/k/v and gate/up as one GEMM each
+    python -m benchmarks.profile_rollout --modes model,fused      # q/k/v and gate/up as one GEMM each
     python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
@@ -68,19 +68,23 @@ SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
 DEADLINE_S = 540  # the whole GPU run, inside the device's 10-minute call
 MODE_TIMEOUT_S = 80  # one mode of one shape: its first call compiles and captures for ~30-50 s
-# mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape)
+# mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape); the modes
+# that NOTES' D2 measured keep the model's own weights, as then
+MODEL = dict(weights="model")
 MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
          # the engine's default until 2026-11-26: SDPA over the padded cache, the whole step compiled
-         "sdpa-step": (EngineConfig(attention="sdpa", compile_scope="step"), True),
+         "sdpa-step": (EngineConfig(attention="sdpa", compile_scope="step", **MODEL), True),
          # the Triton flash-decoding attention (EngineConfig.attention), the whole step compiled (as in NOTES' D2)
-         "triton": (EngineConfig(attention="triton", compile_scope="step"), True),
+         "triton": (EngineConfig(attention="triton", compile_scope="step", **MODEL), True),
          # and each prompt's K/V stored once per group, read once per group by the kernel (EngineConfig.shared_prefix)
-         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True, compile_scope="step"), True),
+         "triton-shared": (EngineConfig(attention="triton", shared_prefix=True, compile_scope="step", **MODEL), True),
          # the decode steps on an e4m3 copy of the weights (EngineConfig.weights; rollout/decode_weights.py): its
          # roofline counts the copy's bytes
          "fp8": (EngineConfig(weights="fp8"), True),
+         # the model's own weights, one GEMM per linear (weights "auto" takes "fused" on a GPU when it fits)
+         "model": (EngineConfig(**MODEL), True),
          # a copy of q/k/v and gate/up stacked (EngineConfig.weights="fused"): one GEMM per group, as a LoRA model's
-         # "dense" copy runs them; the same bytes a step reads as "default"
+         # "dense" copy runs them; the same bytes a step reads as "model"
          "fused": (EngineConfig(weights="fused"), True),
          # the engine's defaults with each prompt's K/V stored and read once per group (its combine step rewritten
          # since "triton-shared" was measured)
@@ -88,7 +92,7 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
          # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
          # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement
-         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers"), True)}
+         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers", **MODEL), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 

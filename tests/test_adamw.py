@@ -10,8 +10,8 @@ A bf16 result must be one of the two bf16 neighbours of the fp32 value, hence of
 bf16 parameters on the CPU keep an fp32 master by default; the stochastic-rounding tests make them round
 stochastically instead (_path patches keeps_master), with the kernel ("triton", under TRITON_INTERPRET=1, set by
 conftest without CUDA) or its eager twin ("torch", TRITON_INTERPRET unset). The GPU tests run the kernel on CUDA.
-The optimizer steps many tensors per launch (adamw_multi_tensor_step_); the per-tensor kernel (adamw_step_) is the
-reference it must equal bit for bit.
+The optimizer steps many tensors per launch (adamw_multi_tensor_launch_, through plans reused across steps); the
+per-tensor kernel (adamw_step_) is the reference it must equal bit for bit.
 """
 import contextlib
 import copy

@@ -192,7 +192,9 @@ def test_stop_string_cuts_ids_mask_and_text_consistently():
 @pytest.mark.parametrize("unseen", [False, True], ids=["one-id", "with-unseen-ids"])
 def test_stop_token_id_ends_the_row_after_it(unseen):
     """unseen: also every id that no row samples (more than torch.isin's brute-force bound of ~10 N^0.145 ids for N
-    rows, past which it sorts them through torch.unique: the engine looks them up instead)."""
+    rows, past which it sorts them through torch.unique: the engine looks them up instead). This checks the lookup's
+    results; the sync that isin's sorting path made inside a CUDA-graph capture only shows on a GPU
+    (test_rollout_gpu.py: test_many_stop_ids_keep_the_graph)."""
     tok, model = char_tokenizer(), tiny_model("qwen2")
     free = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0)
     stop_id = completions(free)[1][4]

@@ -186,7 +186,7 @@ def test_layers_scope_compiles_one_layer_of_a_patched_model(compiles, offload):
 
 @pytest.mark.parametrize("targets", [("q_proj", "v_proj"), "all-linear"])
 def test_layers_scope_with_a_dense_lora_copy_compiles_one_layer(compiles, targets):
-    """What a LoRA model decodes with on a GPU by default (weights 'auto' -> 'dense' when it fits): the copy swaps
+    """What a LoRA model decodes with on a GPU by default (weights 'auto' -> 'fused' or 'dense' when it fits): the copy swaps
     each linear's class, the same for every layer, so one layer frame still serves them all; with every linear
     adapted, q/k/v and gate/up run fused (each member holds its siblings and hands them their outputs), still
     one frame."""
