@@ -918,7 +918,6 @@ def test_cuda_multi_tensor_step_equals_per_tensor_kernel():
     assert kernel.launches == 3 * 4
 
 
-
 def _vector_accesses(cases: list[tuple[str, str, bool]]) -> list[tuple[int, int]] | str:
     """(ld.global.v4.b32, st.global.v4.b32) counts in the sm_90 PTX of the multi-tensor kernel (BLOCK 1024, 4 warps)
     for each (param dtype, grad dtype, aligned), compiled by Triton's own stages without a GPU (ptxas is not run).
