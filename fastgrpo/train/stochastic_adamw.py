@@ -360,20 +360,26 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             key = (local.device, local.dtype, p.grad.dtype, int(counters[i]))
             launches.setdefault(key, []).append((i, row, step_key_prefix(group["seed"], index),
                                                  shard if any(shard) else (), (row[0] | row[2] | row[3]) % 16 == 0))
-        width = max((len(item[3]) for items in launches.values() for item in items), default=0)
         return _Plan(
             group=group, seed=group["seed"], state_map=self.state, live=[(index, id(p)) for index, p in live],
             states=states, counters=counters, expected=counters.clone(),
             fingerprint=_fingerprint(params, [p.grad for p in params], states), masters=masters, eager=eager,
-            launches=[_Launch(
-                positions=[item[0] for item in items], rows=torch.tensor([item[1] for item in items]),
-                prefixes=torch.tensor([item[2] for item in items], dtype=torch.int64),
-                shards=torch.tensor([list(item[3]) + [-1] * (width - len(item[3])) for item in items],
-                                    dtype=torch.int64).reshape(len(items), width),
-                aligned=torch.tensor([item[4] for item in items]), device=device, p_dtype=p_dtype, g_dtype=g_dtype,
-                first_step=step,
-            ) for (device, p_dtype, g_dtype, step), items in launches.items()],
+            launches=_launches(launches),
         )
+
+
+def _launches(grouped: dict[tuple, list[tuple]]) -> list[_Launch]:
+    """(device, param dtype, grad dtype, step) -> [(position, table row, key prefix, shard coordinates, aligned)]
+    as _plan collects them -> one _Launch each, the coordinates padded with -1 to the longest."""
+    width = max((len(item[3]) for items in grouped.values() for item in items), default=0)
+    return [_Launch(
+        positions=[item[0] for item in items], rows=torch.tensor([item[1] for item in items]),
+        prefixes=torch.tensor([item[2] for item in items], dtype=torch.int64),
+        shards=torch.tensor([list(item[3]) + [-1] * (width - len(item[3])) for item in items],
+                            dtype=torch.int64).reshape(len(items), width),
+        aligned=torch.tensor([item[4] for item in items]), device=device, p_dtype=p_dtype, g_dtype=g_dtype,
+        first_step=step,
+    ) for (device, p_dtype, g_dtype, step), items in grouped.items()]
 
 
 def _fingerprint(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[dict]) -> list[tuple]:
