@@ -3,15 +3,21 @@
 The tokens and log-probs must be those of attention="triton" without sharing and of "sdpa": greedy and SAMPLED.
 The sampling noise is keyed per (seed, step, prompt, sample) (rollout/sampling.py keyed_exponential), so the same
 seed gives the same completions token for token whatever the cache layout, and the sampled tests assert exact
-equality: stronger than comparing token frequencies over many draws, which would pass a small bias unnoticed.
+equality with the unshared engine. Equality does not show that either samples from the model: a statistical test
+(test_samples_follow_the_models_conditionals) compares the shared path's draws with the model's own fp64
+conditional probabilities, and fails on one hidden prompt slot (test_uniformity_test_sees_a_hidden_prompt_slot).
 
 The kernel tests run the Triton kernel under TRITON_INTERPRET=1 (conftest; ~0.4 s per layer and step here), so they
 decode a few tokens. The longer runs (many steps, stop tokens and strings, the cache's size) check the engine's
 wiring through the op's plain-torch path (TRITON_INTERPRET unset), which takes the same prefix arguments; the
 kernel's prefix path is checked against that torch reference in tests/test_decode_attention.py.
 """
+import copy
+import math
+
 import pytest
 import torch
+from transformers.generation import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from fastgrpo.rollout import attention, decode
 from fastgrpo.rollout.decode import EngineConfig
@@ -81,6 +87,107 @@ def test_long_sampled_rollout_through_the_torch_path(arch, monkeypatch, prefix_c
     assert any(prefix_calls)
     assert_same(got, plain, f"{arch}: shared vs triton")
     assert_same(got, want, f"{arch}: shared vs sdpa")
+
+
+# Kolmogorov-Smirnov at false-alarm rate ALPHA. Dvoretzky-Kiefer-Wolfowitz with Massart's constant: for n i.i.d.
+# U(0, 1) draws, P(sqrt(n) D_n > c) <= 2 exp(-2 c^2) for every n, so c = sqrt(ln(2 / ALPHA) / 2) = 2.225.
+ALPHA = 1e-4
+KS_CRITICAL = math.sqrt(math.log(2 / ALPHA) / 2)
+
+
+def sharp_model(arch: str) -> torch.nn.Module:
+    """tiny_model with its matrices scaled by 10. At the default init the next-token distribution is nearly uniform
+    (entropy 3.77 of log 44 = 3.78 nats) and barely depends on the context, so no sampling test could see a wrong
+    context; scaled, the entropy is 2.6-2.8 nats and the attention is sharp."""
+    model = tiny_model(arch)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.mul_(10.0)
+    return model
+
+
+def ks_of_pit(model, result, params: SamplingParams, G: int) -> tuple[float, int, torch.Tensor]:
+    """sqrt(n) D_n of the randomized probability integral transform of every token the engine sampled in a decode
+    step (completion index >= 1; index 0 comes from the prefill), and the reference probabilities of those tokens.
+
+    The reference is HF's own forward in fp64 on prompt + the row's earlier tokens, filtered by HF's warpers in
+    HF's order (temperature, top-k, top-p). With the tokens sorted by falling reference probability, u = F(x-) +
+    V p(x), V ~ U(0, 1), is U(0, 1) given the row's history when x is drawn from p, so (Rosenblatt) the u's of a
+    row are i.i.d. U(0, 1) and, the noise being keyed per sample, so are all rows' together. Sorting makes the
+    statistic sensitive to draws from the wrong context: they land on tokens the reference finds unlikely (u near 1);
+    in token-id order, dropping the whole prefix gave only 1.9 (n = 1,839), under the threshold.
+    """
+    reference = copy.deepcopy(model).double()
+    warpers = LogitsProcessorList()
+    if params.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(params.temperature))
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    uniform = torch.Generator().manual_seed(0)
+    u, p_sampled = [], []
+    for first in range(0, result.completion_ids.shape[0], G):
+        prompt = result.prompt_ids[first][result.prompt_mask[first].bool()]
+        tokens = result.completion_ids[first: first + G]  # [G, L], pads after a stop: causal, so never read
+        with torch.no_grad():
+            logits = reference(torch.cat([prompt.expand(G, -1), tokens], 1)).logits[:, len(prompt) - 1: -1]
+        V = logits.shape[-1]
+        probs = warpers(None, logits.reshape(-1, V)).softmax(-1).reshape(logits.shape)  # [G, L, V]
+        order = torch.sort(probs, dim=-1, descending=True, stable=True).indices
+        ranked = probs.gather(-1, order)
+        below = torch.empty_like(probs).scatter_(-1, order, ranked.cumsum(-1) - ranked)  # F(x-) per token id
+        p = probs.gather(-1, tokens[..., None])[..., 0]
+        draws = below.gather(-1, tokens[..., None])[..., 0] + torch.rand(p.shape, generator=uniform,
+                                                                         dtype=torch.float64) * p
+        decoded = result.completion_mask[first: first + G].bool()
+        decoded[:, 0] = False
+        u.append(draws[decoded])
+        p_sampled.append(p[decoded])
+    u = torch.cat(u).sort().values
+    n = len(u)
+    i = torch.arange(1, n + 1, dtype=torch.float64)
+    D = max((i / n - u).max().item(), (u - (i - 1) / n).max().item())
+    return math.sqrt(n) * D, n, torch.cat(p_sampled)
+
+
+# 6 prompts x 256 samples x 5 decoded tokens: n ~ 7,000 draws, ~1 s each case
+@pytest.mark.parametrize("arch, params", [
+    ("qwen2", SamplingParams(max_new_tokens=6, temperature=1.0)),
+    ("llama", SamplingParams(max_new_tokens=6, temperature=0.8, top_k=12, top_p=0.9)),
+])
+def test_samples_follow_the_models_conditionals(arch, params, monkeypatch, prefix_calls):
+    """Each decode step's token is a draw from the model's exact conditional distribution (KS at ALPHA = 1e-4 on
+    the randomized PIT). Measured: sqrt(n) D = 0.71 (qwen2, n = 7,456), 0.85 (llama, n = 6,872); threshold 2.225."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    model, G = sharp_model(arch), 256
+    result = run(model, PROMPTS + SHORT_PROMPTS, G, params, SHARED, seed=0)
+    assert prefix_calls and all(prefix_calls)
+    stat, n, p_sampled = ks_of_pit(model, result, params, G)
+    assert n > 6000
+    assert torch.all(p_sampled > 0), "sampled a token the filters remove"
+    assert stat < KS_CRITICAL, f"{arch}: sqrt(n) D = {stat:.3f} >= {KS_CRITICAL:.3f} (alpha {ALPHA}, n {n})"
+
+
+def test_uniformity_test_sees_a_hidden_prompt_slot(monkeypatch):
+    """The test above can fail: hiding each prompt's last token from the decode attention (one slot of up to 25)
+    gives sqrt(n) D = 9.2, four times the threshold. Measured the same way: the whole prefix dropped 34, sampling at
+    temperature 1.1 instead of 1.0 5.1 (qwen2, temperature 1)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    op = attention.decode_attention
+
+    def hide_last_prompt_slot(*args, prefix_visible=None, **kwargs):
+        visible = prefix_visible.clone()
+        last = visible.shape[1] - 1 - visible.flip(1).int().argmax(1)  # left padding: the prompt ends there
+        visible[torch.arange(len(visible)), last] = False
+        return op(*args, prefix_visible=visible, **kwargs)
+
+    monkeypatch.setattr(attention, "decode_attention", hide_last_prompt_slot)
+    model, G = sharp_model("qwen2"), 256
+    params = SamplingParams(max_new_tokens=6, temperature=1.0)
+    stat, n, _ = ks_of_pit(model, run(model, PROMPTS + SHORT_PROMPTS, G, params, SHARED, seed=0), params, G)
+    assert stat > 2 * KS_CRITICAL, f"sqrt(n) D = {stat:.3f}, threshold {KS_CRITICAL:.3f} (n {n})"
 
 
 def test_stops_end_rows_early(monkeypatch, prefix_calls):
