@@ -69,7 +69,7 @@ def lora_linear_forward(
             # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd
             # refuses in-place ops on a custom Function's view output, as bitsandbytes' are; nn.Linear's 3-D output
             # with a bias is a view too) and not seen by a forward hook that may keep it. Else the first add copies.
-            own = result._base is None and not (self.base_layer._forward_hooks or _global_forward_hooks())
+            own = result._base is None and not (base._forward_hooks or nn.modules.module._global_forward_hooks)
             for i, (lora_a, lora_b, scaling) in enumerate(adapters):
                 result = lora_add(result, x, lora_a.weight, lora_b.weight, scaling, inplace=own or i > 0)
             if lora_class.clone_base and not adapters:
@@ -85,11 +85,6 @@ def lora_linear_forward(
         return result.to(result_dtype)
 
     return forward
-
-
-def _global_forward_hooks() -> dict:
-    """torch.nn.modules.module.register_module_forward_hook's hooks (torch keeps them in a module global)."""
-    return getattr(nn.modules.module, "_global_forward_hooks", {})
 
 
 def _frozen_plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:

@@ -171,7 +171,7 @@ def fused_groups(model: torch.nn.Module, modules: list[torch.nn.Module], kind: s
     """The sibling linears (Architecture.decode_fused_projections, e.g. q/k/v) that the copy runs as one GEMM: each
     group whose members are all among `modules` and take the same input size; for "dense", only groups whose
     members it copies anyway (LoRA and 4-bit layers: stacking costs no memory beyond the copy), where "fused"
-    stacks plain weights too. None for a model outside the patch table."""
+    stacks plain weights too. An empty list for a model outside the patch table."""
     try:
         arch = architecture(model)
     except ValueError:
