@@ -40,6 +40,8 @@ torch's own count.
 fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step; it fits when the step
 ends and the NVML peak stays under the cap. C doubles from --fit-start until a probe fails (out of memory) or
 passes --fit-max, then bisects to --fit-resolution. A failure that is not out-of-memory ends the search as an error.
+The row is written after every probe ("complete": false until the search ends); --continue-fit reuses the probes
+with a verdict from the file's row of the same system and cap, so a search can go on in a later device call.
 
 Results: benchmarks/results/loop_<shape>-<card>.json, common.write_results' payload (suite, card, date, versions,
 config, rows); rows {"system", "kind": "step" | "max_fit", "completion", "step_s", "peak_gib", "<phase>_s", ...}
@@ -550,12 +552,13 @@ class Results:
         key = lambda r: (r.get("system"), r.get("kind"), r.get("completion"))  # noqa: E731
         with self.lock:
             path = self.path(shape)
-            old = json.loads(path.read_text())["rows"] if path.exists() else []
+            before = json.loads(path.read_text()) if path.exists() else {"rows": [], "config": {}}
             new = {key(r) for r in rows}
+            # the file's notes (config keys a person added) stay; this run's settings update the rest
             payload = {"suite": f"loop_{shape}", "card": self.card,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "versions": versions(), "config": self.config,
-                       "rows": [r for r in old if key(r) not in new] + rows}
+                       "versions": versions(), "config": {**before["config"], **self.config},
+                       "rows": [r for r in before["rows"] if key(r) not in new] + rows}
             self.directory.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(payload, indent=2) + "\n")
         return path
@@ -615,36 +618,70 @@ def out_of_memory(row: dict) -> bool:
                                    "no available memory for the cache blocks", "free memory on device"))
 
 
-def fit_search(case: Case, args, run) -> dict:
-    """Longest completion whose whole step fits the cap: doubling, then bisection to --fit-resolution."""
+def fit_search(case: Case, args, run, known: dict[int, dict] | None = None, report=lambda row: None) -> dict:
+    """Longest completion whose whole step fits the cap: doubling, then bisection to --fit-resolution.
+
+    known: completion -> a probe of an earlier search of this case (--continue-fit), whose verdict is reused instead
+    of running the probe again. report(row) gets the search's row after every probe ("complete": False until it
+    ends), so a search cut off by a device call's deadline keeps the probes it ran."""
     probes, lo, hi, length = [], None, None, args.fit_start
+    known = known or {}
+
+    def row(**fields) -> dict:
+        return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
+                "prompts": case.prompts, "generations": case.generations, "prompt_length": case.prompt_length,
+                "micro_batch": case.micro_batch, "max_completion": lo, "first_failure": hi, "probes": probes,
+                "complete": False, **fields}
 
     def probe(c: int) -> bool | None:
-        row = run(dataclasses.replace(case, completion=c))
-        fits = "error" not in row and not out_of_memory(row)
-        probes.append({k: row.get(k) for k in ("completion", "step_s", "peak_gib", "peak_gib_rollout",
-                                                 "peak_gib_update", "error", "log")} | {"fits": fits})
-        return True if fits else (False if out_of_memory(row) else None)
+        """Run (or reuse) the probe at c, move the bounds by its verdict: True fits, False out of memory, None an
+        error that ends the search."""
+        nonlocal lo, hi
+        if c in known:
+            found = dict(known[c], reused=True)
+        else:
+            result = run(dataclasses.replace(case, completion=c))
+            found = {k: result.get(k) for k in ("completion", "step_s", "rollout_s", "update_s", "peak_gib",
+                                                 "peak_gib_rollout", "peak_gib_update", "error", "log")}
+            found.update(out_of_memory=out_of_memory(result),
+                         fits="error" not in result and not out_of_memory(result))
+        probes.append(found)
+        verdict = True if found["fits"] else (False if found["out_of_memory"] else None)
+        if verdict:
+            lo = c
+        elif verdict is False:
+            hi = c
+        report(row())
+        return verdict
 
     while length <= args.fit_max:
         verdict = probe(length)
         if verdict is None:
-            return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
-                    "max_completion": lo, "error": probes[-1]["error"], "probes": probes}
+            return row(error=probes[-1]["error"], complete=True)
         if not verdict:
-            hi = length
             break
-        lo, length = length, length * 2
+        length *= 2
     while hi is not None and hi - (lo or 0) > args.fit_resolution:
         mid = ((lo or 0) + hi) // 2 // args.fit_resolution * args.fit_resolution
         if mid <= (lo or 0):
             break
-        verdict = probe(mid)
-        if verdict is None:
-            break
-        lo, hi = (mid, hi) if verdict else (lo, mid)
-    return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
-            "max_completion": lo, "first_failure": hi, "searched_to": args.fit_max, "probes": probes}
+        if probe(mid) is None:
+            return row(error=probes[-1]["error"], complete=True)
+    return row(searched_to=args.fit_max, complete=True)
+
+
+def earlier_probes(path: Path, system: str, cap_gib: float) -> dict[int, dict]:
+    """completion -> probe with a verdict (fits, or out of memory) of `system`'s max_fit row at this cap in the
+    results file `path` (--continue-fit); errors are run again."""
+    if not path.exists():
+        return {}
+    rows = json.loads(path.read_text())["rows"]
+    found = {}
+    for row in rows:
+        if row.get("kind") == "max_fit" and row.get("system") == system and row.get("cap_gib") == cap_gib:
+            found.update({p["completion"]: p for p in row.get("probes", [])
+                          if p.get("fits") or p.get("out_of_memory")})
+    return found
 
 
 def parse_args(argv=None):
@@ -667,6 +704,8 @@ def parse_args(argv=None):
     p.add_argument("--fit-start", type=int, default=2048)
     p.add_argument("--fit-max", type=int, default=32768)
     p.add_argument("--fit-resolution", type=int, default=2048)
+    p.add_argument("--continue-fit", action="store_true",
+                   help="reuse the probes (fits / out of memory) of the results file's max_fit row of the same cap")
     p.add_argument("--gpus", default="0", help="comma-separated GPU indices; cases run concurrently, one per GPU")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case process")
     p.add_argument("--models-dir", type=Path, default=Path(os.environ.get("BENCH_LOOP_MODELS", "/tmp/bench-loop-models")))
@@ -714,13 +753,18 @@ def main(argv=None) -> int:
                         str(args.models_dir)], check=True, env=env, cwd=Path(__file__).parent.parent)
         folders[model] = args.models_dir / model
 
-    config = {"prompts": prompts, "generations": args.generations, "prompt_length": args.prompt_length,
-              "micro_batch": args.micro_batch, "steps": args.steps, "warmup": args.warmup, "beta": args.beta,
-              "lr": "1e-5 LoRA/QLoRA, 1e-6 full", "loss": "dapo, eps 0.2/0.28, AdamW fused, clip 1.0",
-              "lora": "r16 alpha32 q,k,v,o,gate,up,down", "qlora": "nf4, double quant, bf16 compute",
-              "sampling": "temperature 1, EOS ignored", "reward": "share of '7' in the text",
+    common = {"beta": args.beta, "lr": "1e-5 LoRA/QLoRA, 1e-6 full",
+              "loss": "dapo, eps 0.2/0.28, AdamW fused, clip 1.0", "lora": "r16 alpha32 q,k,v,o,gate,up,down",
+              "qlora": "nf4, double quant, bf16 compute", "sampling": "temperature 1, EOS ignored",
+              "reward": "share of '7' in the text",
               "vllm_memory": args.vllm_memory_utilization or "weights held + batch KV + 3 GiB (TRL, Unsloth)",
-              "max_fit": {"cap_gib": args.cap_gib} if args.max_fit else None, "dry_run": dry}
+              "dry_run": dry}
+    batch = {"prompts": prompts, "generations": args.generations, "prompt_length": args.prompt_length,
+             "micro_batch": args.micro_batch}
+    # a file holds step rows and max_fit rows: the search's settings go under "max_fit", not over the steps' own
+    config = common | ({"max_fit": {"cap_gib": args.cap_gib, **batch, "fit_start": args.fit_start,
+                                    "fit_max": args.fit_max, "fit_resolution": args.fit_resolution}}
+                       if args.max_fit else {**batch, "steps": args.steps, "warmup": args.warmup})
     results = Results(results_dir, card_name(gpus[0]), config)
     free = queue.Queue()
     for gpu in gpus:
@@ -740,7 +784,11 @@ def main(argv=None) -> int:
                     steps=1 if args.max_fit else args.steps, warmup=0 if args.max_fit else args.warmup,
                     beta=args.beta, cap_gib=args.cap_gib if args.max_fit else None,
                     vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda")
-        row = fit_search(case, args, run) if args.max_fit else run(case)
+        if args.max_fit:
+            known = earlier_probes(results.path(shape), system, args.cap_gib) if args.continue_fit else {}
+            row = fit_search(case, args, run, known, report=lambda partial: results.add(shape, [partial]))
+        else:
+            row = run(case)
         results.add(shape, [row])
         return shape, row
 

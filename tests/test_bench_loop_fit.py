@@ -1,0 +1,71 @@
+"""benchmarks.bench_loop's longest-completion search: the doubling and bisection, the row written after every probe,
+probes reused from an earlier search (--continue-fit), and the results file keeping what it already held."""
+import dataclasses
+import json
+from types import SimpleNamespace
+
+from benchmarks.bench_loop import Case, Results, earlier_probes, fit_search
+
+ARGS = SimpleNamespace(fit_start=2048, fit_max=32768, fit_resolution=2048)
+CASE = Case(system="fastgrpo", shape="qwen2.5-1.5b-lora", completion=2048, prompts=1, cap_gib=24.0)
+
+
+class Card:
+    """A step fits while completion <= limit; above it, the child reports an out-of-memory error."""
+
+    def __init__(self, limit: int, broken_at: int | None = None):
+        self.limit, self.broken_at, self.ran = limit, broken_at, []
+
+    def __call__(self, case: Case) -> dict:
+        self.ran.append(case.completion)
+        row = {"system": case.system, "completion": case.completion, "step_s": 1.0, "peak_gib": 10.0}
+        if case.completion == self.broken_at:
+            return row | {"error": "RuntimeError: something else broke"}
+        if case.completion > self.limit:
+            return row | {"error": "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+        return row
+
+
+def test_search_doubles_then_bisects_to_the_resolution():
+    card = Card(limit=13000)
+    row = fit_search(CASE, ARGS, card)
+    assert card.ran == [2048, 4096, 8192, 16384, 12288, 14336]
+    assert (row["max_completion"], row["first_failure"], row["complete"]) == (12288, 14336, True)
+
+
+def test_every_probe_is_reported_as_it_ends():
+    reported = []
+    fit_search(CASE, ARGS, Card(limit=5000), report=lambda r: reported.append(json.loads(json.dumps(r))))
+    assert [len(r["probes"]) for r in reported] == [1, 2, 3, 4]  # 2048, 4096, 8192, then 6144
+    assert [r["complete"] for r in reported] == [False] * 4
+    assert [(r["max_completion"], r["first_failure"]) for r in reported] == [
+        (2048, None), (4096, None), (4096, 8192), (4096, 6144)]
+
+
+def test_known_probes_are_reused_and_only_the_rest_run():
+    first = fit_search(CASE, ARGS, Card(limit=13000, broken_at=12288))
+    assert "error" in first and first["max_completion"] == 8192  # not out of memory: the search ends there
+    known = {p["completion"]: p for p in first["probes"] if p["fits"] or p["out_of_memory"]}
+    card = Card(limit=13000)
+    row = fit_search(CASE, ARGS, card, known)
+    assert card.ran == [12288, 14336]  # the error probe runs again, the verdicts do not
+    assert [p.get("reused", False) for p in row["probes"]] == [True] * 4 + [False] * 2
+    assert row["max_completion"] == 12288
+
+
+def test_results_keep_notes_and_other_rows(tmp_path):
+    results = Results(tmp_path, "Some Card", {"prompts": 8, "steps": 2})
+    path = results.add("qwen2.5-1.5b-lora", [{"system": "trl", "kind": "step", "completion": 1024, "step_s": 9.0}])
+    payload = json.loads(path.read_text())
+    payload["config"]["note"] = "a person's note"
+    path.write_text(json.dumps(payload))
+
+    searching = Results(tmp_path, "Some Card", {"max_fit": {"cap_gib": 24.0}})
+    row = fit_search(dataclasses.replace(CASE, system="trl"), ARGS, Card(limit=3000),
+                     report=lambda r: searching.add("qwen2.5-1.5b-lora", [r]))
+    searching.add("qwen2.5-1.5b-lora", [row])
+    payload = json.loads(path.read_text())
+    assert payload["config"] == {"prompts": 8, "steps": 2, "note": "a person's note", "max_fit": {"cap_gib": 24.0}}
+    assert [(r["system"], r["kind"]) for r in payload["rows"]] == [("trl", "step"), ("trl", "max_fit")]
+    assert set(earlier_probes(path, "trl", 24.0)) == {2048, 4096}
+    assert earlier_probes(path, "trl", 20.0) == {} and earlier_probes(path, "fastgrpo", 24.0) == {}
