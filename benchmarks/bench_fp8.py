@@ -71,6 +71,8 @@ MODES = {
     "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
     "4bit-dense-triton": (EngineConfig(**TRITON, weights="dense"), "4bit"),
+    # what weights="auto" falls back to when no copy fits: bitsandbytes dequantizes each layer at every step
+    "4bit-triton": (EngineConfig(**TRITON, weights="model"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
