@@ -65,7 +65,9 @@ from fastgrpo.rollout.decode import EngineConfig
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
-DEADLINE_S = 230  # the rollout modes of a shape are skipped past it (the gemm rows are quick)
+# seconds after the start past which a rollout mode is skipped (--deadline). The gemm rows are no longer quick: they
+# compile W8A8's two variants per shape (14 compiles for Llama-3.1-8B), so three modes of one shape may need more
+DEADLINE_S = 230
 # mode -> (EngineConfig, base): base "bf16" is the built model, "4bit" its decoder linears in bitsandbytes NF4;
 # attention and weights named, not left to EngineConfig's "auto" defaults, so each mode is what its name says
 SDPA, TRITON = dict(attention="sdpa"), dict(attention="triton")
@@ -322,6 +324,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--modes", default="bf16,fp8", help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--repeats", type=int, default=GPU_SIZES.repeats, help="timed calls per mode (median)")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S,
+                        help="seconds after the start past which rollout modes are skipped")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
@@ -345,7 +349,7 @@ def main(argv: list[str] | None = None) -> None:
 
     # the dry run exercises the op's plain-torch path (the kernel's CPU checks are tests/test_fp8_linear.py)
     env = mock.patch.dict("os.environ", {"TRITON_INTERPRET": "0"}) if args.dry_run else mock.patch.dict("os.environ")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + args.deadline
     with env:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write)
