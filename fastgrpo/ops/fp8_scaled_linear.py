@@ -16,7 +16,7 @@ linear, nothing else written. The alternative, scalar scales with an fp32 out mu
 reads 4 bytes per output (64 x 28672 x 4 = 7.3 MB each way for Llama-3.1-8B's stacked gate/up, whose e4m3 weights
 are 117 MB) in one more pass; benchmarks/bench_fp8.py times both (w8a8_us, w8a8_tensorwise_us). torch's rowwise
 kernel for Hopper writes bf16 only, so the output and the bias are bf16 whatever x's dtype, then cast to it: for
-fp16 / fp32 activations a rounding of 2^-9 relative, small next to the activations' own 2^-4.
+fp16 / fp32 activations a rounding of 2^-8 relative, small next to the activations' own 2^-4.
 
 Shapes: on CUDA _scaled_mm needs K and N to be multiples of 16 (the e4m3 operands' 16-byte alignment); the CPU
 takes any, but the op applies the CUDA rule everywhere so both devices run the same math. Other shapes (a vocab of
