@@ -1,26 +1,32 @@
-"""FP8 rollouts (EngineConfig(weights="fp8")) against bf16: the decode GEMMs, rollout tokens/s and memory, and the
-log-prob gap to the trainer, on the same samples.
+"""FP8 rollouts (EngineConfig(weights="fp8" | "w8a8")) against bf16: the decode GEMMs, rollout tokens/s and memory,
+and the log-prob gap to the trainer, on the same samples.
 
     python -m benchmarks.bench_fp8                      # GPU: Qwen2.5-1.5B then Llama-3.1-8B shapes, one H200 ~4 min
     python -m benchmarks.bench_fp8 --dry-run            # CPU check: a tiny model, the same code (torch path of the op)
     python -m benchmarks.bench_fp8 --modes bf16,fp8,bf16-triton,fp8-triton   # also with the Triton decode attention
     python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-dense,4bit-fp8   # + an NF4 base (needs bitsandbytes)
     python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --modes bf16-triton,fused-triton,fp8-triton,4bit-dense-triton
+    python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --modes fused-triton,fp8-triton,w8a8-triton   # W8A8
 
 Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
 256 random ids, 1024 new tokens, temperature 1, EOS ignored):
-  gemm rows     each distinct linear of a decode step at 64 rows: cuBLAS bf16 (F.linear) against fp8_linear with
-                default_config and the best of `sweep` (tiles, warps, splits); us, and the weight bytes read per
-                second over the measured copy bandwidth (share). The sweep is there to tune default_config.
+  gemm rows     each distinct linear of a decode step at 64 rows, and each stack of siblings the FP8 copies run as
+                one GEMM (q+k+v, gate+up): cuBLAS bf16 (F.linear) against fp8_linear (W8A16) with default_config
+                and the best of `sweep` (tiles, warps, splits), and fp8_scaled_linear (W8A8, compiled as in the
+                decode step: the activations' quantizer fused) with its rowwise scales (w8a8_us) and with scalar
+                scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
+                take); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
+                and the weight bytes read per second over the measured copy bandwidth (share). The sweep is there
+                to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
                 capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
                 (prefill and text decoding included), decode_ms (decode steps 17-1024 alone), speedup over bf16,
                 peak GiB above the weights,
                 the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
-                the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense" and
-                "fp8" copies of it): a 4-bit base should decode at least as fast as the bf16 one. The "fp8" and
-                "dense" copies of a 4-bit base run q/k/v and gate/up stacked, one GEMM each; "fused" does that
-                in bf16.
+                the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense",
+                "fp8" and "w8a8" copies of it): a 4-bit base should decode at least as fast as the bf16 one. The
+                FP8 and "dense" copies of a 4-bit base run q/k/v and gate/up stacked, one GEMM each; "fused" does
+                that in bf16.
   gap           on the last timed call's samples: the trainer's log-probs of them (loss.model.sequence_logprobs,
                 8 rows at a time: pi_old in training) against the engine's: loss.correction.logprob_gap (mean and
                 max |gap| per token, k1 / k3 estimates of KL(engine || trainer) per token) and xent, the sampled
@@ -33,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
+import math
 import statistics
 import tempfile
 import time
@@ -50,13 +58,16 @@ from benchmarks.common import GIB, RolloutSizes, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
-from fastgrpo.ops.fp8_linear import fp8_linear, quantize_fp8
-from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes
+from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
+from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
+from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes, fused_groups
 from fastgrpo.rollout.decode import EngineConfig
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
-DEADLINE_S = 230  # the rollout modes of a shape are skipped past it (the gemm rows are quick)
+# seconds after the start past which a rollout mode is skipped (--deadline). The gemm rows are no longer quick: they
+# compile W8A8's two variants per shape (14 compiles for Llama-3.1-8B), so three modes of one shape may need more
+DEADLINE_S = 230
 # mode -> (EngineConfig, base): base "bf16" is the built model, "4bit" its decoder linears in bitsandbytes NF4;
 # attention and weights named, not left to EngineConfig's "auto" defaults, so each mode is what its name says
 SDPA, TRITON = dict(attention="sdpa"), dict(attention="triton")
@@ -65,6 +76,7 @@ MODES = {
     "fp8": (EngineConfig(**SDPA, weights="fp8"), "bf16"),
     "bf16-triton": (EngineConfig(**TRITON, weights="model"), "bf16"),
     "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
+    "w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),  # the FP8 copy on the FP8 tensor cores
     # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
     "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
     "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
@@ -73,9 +85,11 @@ MODES = {
     "4bit-dense-triton": (EngineConfig(**TRITON, weights="dense"), "4bit"),
     # what weights="auto" falls back to when no copy fits: bitsandbytes dequantizes each layer at every step
     "4bit-triton": (EngineConfig(**TRITON, weights="model"), "4bit"),
+    "4bit-w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
+GRAPH_CALLS = 20  # GEMM calls per CUDA graph in _kernel_us
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,25 +114,55 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
 
 
 def linear_shapes(model) -> dict[tuple[int, int], str]:
-    """(N, K) -> the names of the dense linears of that shape (layer 0's and lm_head)."""
+    """(N, K) -> the names of the dense linears of that shape (layer 0's and lm_head), and of layer 0's stacks of
+    siblings ("q_proj+k_proj+v_proj": the GEMMs the FP8 copies run)."""
     names: dict[tuple[int, int], list[str]] = {}
-    dense = set(dense_linears(model))
+    dense = dense_linears(model)
+    named = {module: name for name, module in model.named_modules()}
     for name, module in model.named_modules():
         if module in dense and (".layers.0." in name or name.endswith("lm_head")):
             names.setdefault((module.out_features, module.in_features), []).append(name.rsplit(".", 1)[-1])
+    for group in fused_groups(model, dense, "fp8"):
+        if ".layers.0." in named[group[0]]:
+            shape = (sum(m.out_features for m in group), group[0].in_features)
+            names.setdefault(shape, []).append("+".join(named[m].rsplit(".", 1)[-1] for m in group))
     return {shape: "/".join(n) for shape, n in names.items()}
 
 
-def _time_ms(fn, device: str) -> float:
-    if device == "cuda":
-        import triton.testing
+def _kernel_us(calls: list, device: str) -> float:
+    """Microseconds per call of the GEMM each of `calls` runs (one per copy of the weight, taken in turn: a decode
+    step reads each weight from HBM, not from L2). On CUDA, kernel time: GRAPH_CALLS calls captured in one CUDA
+    graph, after warm-up calls outside it (compiles, cuBLAS's workspace), the replay's median (do_bench) divided
+    by GRAPH_CALLS; called from Python outside a graph, a Triton launch's ~35 us of host time exceeds a 64-row
+    GEMM. Elsewhere (dry run) the wall time of eager calls."""
+    if device != "cuda":
+        calls[0]()
+        start = time.perf_counter()
+        for _ in range(3):
+            calls[0]()
+        return (time.perf_counter() - start) / 3 * 1e6
+    import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=10, rep=50, return_mode="median")
-    fn()
-    start = time.perf_counter()
-    for _ in range(3):
-        fn()
-    return (time.perf_counter() - start) / 3 * 1e3
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            calls[i % len(calls)]()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / GRAPH_CALLS
+
+
+def _w8a8_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """fp8_scaled_linear with the scale layout it did not take: scalar scales (1) and an fp32 out, the per-row and
+    per-channel scales multiplied after (fused with the cast under torch.compile)."""
+    xq, sx = quantize_rows(x)
+    one = torch.ones((), device=x.device)
+    y = torch._scaled_mm(xq, q.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    return (y * sx[:, None] * scale).to(x.dtype)
 
 
 def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> list[dict]:
@@ -126,23 +170,36 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
 
     out = []
     g = torch.Generator(device=device).manual_seed(0)
+    cuda = device == "cuda"
+    # on CUDA compiled, as in the decode step (the activations' quantizer fused into one kernel); eager in the dry run
+    w8a8, tensorwise = ((torch.compile(fn, dynamic=False) if cuda else fn)
+                        for fn in (fp8_scaled_linear, _w8a8_tensorwise))
+    if cuda:
+        prepare_fp8_linear(torch.device(device))  # the W8A16 kernel's split-K tickets, before any capture
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     for (N, K), names in linear_shapes(model).items():
+        torch._dynamo.reset()  # a compile per shape: a model has about as many as dynamo's recompile limit (8)
+        copies = min(GRAPH_CALLS, max(1, math.ceil(3 * l2 / (N * K))))  # 3x L2 of e4m3 weights between reuses
         x = torch.randn(rows, K, device=device, generator=g).bfloat16()
-        w = (torch.randn(N, K, device=device, generator=g) * 0.02).bfloat16()
-        q, scale = quantize_fp8(w)
+        ws = [(torch.randn(N, K, device=device, generator=g) * 0.02).bfloat16() for _ in range(copies)]
+        qs = [quantize_fp8(w) for w in ws]
         row = {"shape": shape, "linear": names, "N": N, "K": K,
-               "bf16_us": _time_ms(lambda: F.linear(x, w), device) * 1e3,
-               "fp8_us": _time_ms(lambda: fp8_linear(x, q, scale), device) * 1e3}
-        if device == "cuda":
+               "bf16_us": _kernel_us([functools.partial(F.linear, x, w) for w in ws], device),
+               "fp8_us": _kernel_us([functools.partial(fp8_linear, x, q, s) for q, s in qs], device),
+               "w8a8_us": _kernel_us([functools.partial(w8a8, x, q, s) for q, s in qs], device),
+               "w8a8_tensorwise_us": _kernel_us([functools.partial(tensorwise, x, q, s) for q, s in qs], device)}
+        if cuda:
             row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
-            timed = {c: _time_ms(lambda c=c: fp8_linear_fwd(x, q, scale, None, c), device)
+            timed = {c: _kernel_us([functools.partial(fp8_linear_fwd, x, q, s, None, c) for q, s in qs], device)
                      for c in sweep(rows, N, K, x.device)}
             best = min(timed, key=timed.get)
-            row.update(best_us=timed[best] * 1e3, best=str(dataclasses.astuple(best)))
+            row.update(best_us=timed[best], best=str(dataclasses.astuple(best)))
         row["speedup"] = row["bf16_us"] / row["fp8_us"]
-        row["bf16_share"] = N * K * 2 / (row["bf16_us"] * 1e-6) / bandwidth
-        row["fp8_share"] = N * K / (row["fp8_us"] * 1e-6) / bandwidth
+        row["w8a8_speedup"] = row["bf16_us"] / row["w8a8_us"]
+        for kind, size in (("bf16", 2), ("fp8", 1), ("w8a8", 1)):
+            row[f"{kind}_share"] = N * K * size / (row[f"{kind}_us"] * 1e-6) / bandwidth
         out.append(row)
+        del ws, qs
     return out
 
 
@@ -269,6 +326,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--modes", default="bf16,fp8", help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--repeats", type=int, default=GPU_SIZES.repeats, help="timed calls per mode (median)")
+    parser.add_argument("--deadline", type=float, default=DEADLINE_S,
+                        help="seconds after the start past which rollout modes are skipped")
     args = parser.parse_args(argv)
     modes = args.modes.split(",")
     unknown = sorted(set(modes) - set(MODES))
@@ -292,13 +351,13 @@ def main(argv: list[str] | None = None) -> None:
 
     # the dry run exercises the op's plain-torch path (the kernel's CPU checks are tests/test_fp8_linear.py)
     env = mock.patch.dict("os.environ", {"TRITON_INTERPRET": "0"}) if args.dry_run else mock.patch.dict("os.environ")
-    deadline = time.monotonic() + DEADLINE_S
+    deadline = time.monotonic() + args.deadline
     with env:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write)
     print()
-    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "speedup", "bf16_share", "fp8_share",
-                        "best_us", "best", "default"])
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "speedup",
+                        "w8a8_speedup", "bf16_share", "fp8_share", "w8a8_share", "best_us", "best", "default"])
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
                            "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",

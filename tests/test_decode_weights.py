@@ -178,15 +178,17 @@ def test_trainer_state_is_untouched():
     assert {id(m): (type(m), dict(m.__dict__)) for m in model.modules()} == before
 
 
-def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
+@pytest.mark.parametrize("kind", ["fp8", "w8a8"])
+def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch, kind):
     """Two FP8 rollouts and a model rollout: two graphs (FP8 and model), not one per rollout. fullgraph: the FP8
-    forwards trace whole. Backend "eager": the trace is the point (test_shared_prefix does the same)."""
+    forwards trace whole ("w8a8": the activations' quantizer and _scaled_mm, lm_head's fp8_linear). Backend
+    "eager": the trace is the point (test_shared_prefix does the same)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     step = torch.compile(decode._forward_sample, backend="eager", fullgraph=True, dynamic=False)
     monkeypatch.setattr(decode, "_compiled", {decode._forward_sample: step}.__getitem__)
     model = tiny_model("qwen2")
-    compiled_fp8 = EngineConfig(weights="fp8", compile=True, compile_scope="step")
+    compiled_fp8 = EngineConfig(weights=kind, compile=True, compile_scope="step")
     first = run(model, compiled_fp8)
     with torch.no_grad():  # a training step changes the weights in place between rollouts
         model.lm_head.weight.mul_(1.5)
@@ -194,7 +196,7 @@ def test_compiled_step_traces_once_for_all_fp8_rollouts(monkeypatch):
     run(model, EngineConfig(compile=True, compile_scope="step"))
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 2
     assert not torch.equal(first.logprobs, second.logprobs)  # the second copy was built from the new weights
-    torch.testing.assert_close(second.logprobs, run(model, FP8).logprobs, atol=1e-5, rtol=0)
+    torch.testing.assert_close(second.logprobs, run(model, EngineConfig(weights=kind)).logprobs, atol=1e-5, rtol=0)
     torch._dynamo.reset()
 
 
@@ -271,16 +273,19 @@ def test_a_projection_shared_by_two_layers_is_fused_once_and_restored():
 
 
 def counted_gemms(monkeypatch):
-    """Calls of the copy's two GEMMs (F.linear for "dense", fp8_linear for "fp8") in decode_weights."""
+    """Calls of the copy's GEMMs (F.linear for "dense", fp8_linear for "fp8", fp8_scaled_linear for "w8a8") in
+    decode_weights."""
     calls = []
-    fp8, linear = decode_weights.fp8_linear, F.linear
+    fp8, w8a8, linear = decode_weights.fp8_linear, decode_weights.fp8_scaled_linear, F.linear
     monkeypatch.setattr(decode_weights, "fp8_linear", lambda *a, **k: calls.append(1) or fp8(*a, **k))
+    monkeypatch.setattr(decode_weights, "fp8_scaled_linear", lambda *a, **k: calls.append(1) or w8a8(*a, **k))
     monkeypatch.setattr(decode_weights, "F", type(sys)("F_counted"))
     decode_weights.F.linear = lambda *a, **k: calls.append(1) or linear(*a, **k)
     return calls
 
 
-@pytest.mark.parametrize("kind, lora", [("fp8", True), ("dense", True), ("fused", False), ("fused", True)])
+@pytest.mark.parametrize("kind, lora", [("fp8", True), ("w8a8", True), ("dense", True), ("fused", False),
+                                        ("fused", True)])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fused_groups_decode_as_unfused_with_4_gemms_per_layer(monkeypatch, arch, kind, lora):
     """The same tokens and log-probs as the copy without fusion (qwen2: q/k/v biases stacked too), greedy and

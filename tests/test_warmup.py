@@ -197,6 +197,21 @@ def test_layers_scope_with_a_dense_lora_copy_compiles_one_layer(compiles, target
     assert completions(got) == completions(eager)
 
 
+@pytest.mark.parametrize("weights", ["fp8", "w8a8"])
+def test_layers_scope_with_an_fp8_copy_compiles_one_layer(compiles, weights):
+    """The FP8 copies ("w8a8": each linear quantizes its input and calls _scaled_mm, lm_head its fp8_linear
+    fallback) keep one frame for the layers across calls of three prompt lengths; tokens and log-probs equal the
+    uncompiled engine's with the same copy."""
+    model = deep_model("qwen2")
+    config = EngineConfig(**FIXED, compile_scope="layers", weights=weights)
+    for prompts in PROMPT_SETS:
+        got = run(model, prompts, config)
+        assert compiles.frame_count == 2
+    eager = run(model, PROMPT_SETS[-1], EngineConfig(**{**FIXED, "compile": False}, weights=weights))
+    assert completions(got) == completions(eager)
+    torch.testing.assert_close(got.logprobs, eager.logprobs, atol=1e-5, rtol=0)
+
+
 def test_layers_scope_leaves_the_model_as_it_was(compiles):
     """The compiled forwards are bound for a step only: afterwards (and for the prefill) every module has the
     forward it had (patch_model's included), and a training forward matches an untouched copy's."""
@@ -277,5 +292,29 @@ def test_gpu_no_recompile_and_one_capture_per_call(graphed_steps, scope, shared,
     fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
     assert not fallbacks, fallbacks
     assert graphs == [2 if scope == "layers" else 1] * 3
+    assert [s.captures for s in graphed_steps] == [1, 1, 1]
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["fp8", "w8a8"])
+def test_gpu_fp8_copy_compiles_one_layer_and_captures_once_per_call(graphed_steps, weights):
+    """Inductor and CUDA graphs over a bf16 model's FP8 copy ("w8a8": the activations' quantizer fused by Inductor,
+    _scaled_mm, lm_head's Triton fp8_linear in the same graph): one layer frame and the sampling for all three
+    calls, one capture per call, no fallback to eager."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    model = deep_model("llama").cuda().bfloat16()
+    config = EngineConfig(**{**FIXED, "compile": None}, compile_scope="layers", weights=weights)
+    graphs = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for prompts in PROMPT_SETS:
+            got = run(model, prompts, config)
+            assert torch.isfinite(got.logprobs).all()
+            graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+    fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
+    assert not fallbacks, fallbacks
+    assert graphs == [2, 2, 2]
     assert [s.captures for s in graphed_steps] == [1, 1, 1]
     torch._dynamo.reset()

@@ -37,11 +37,17 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty(N, dtype=torch.float32, device=weight.device)
     rows = max(1, QUANT_CHUNK // max(K, 1))
     for start in range(0, N, rows):
-        w = weight[start:start + rows].float()
-        s = (w.abs().amax(1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
-        q[start:start + rows] = (w / s[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-        scale[start:start + rows] = s
+        q[start:start + rows], scale[start:start + rows] = quantize_rows(weight[start:start + rows])
     return q, scale
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] (any float dtype) -> (q [R, K] float8_e4m3fn, scale [R] fp32): quantize_fp8's rounding without its
+    chunks, in plain torch ops (fastgrpo.ops.fp8_scaled_linear quantizes activations with it inside the compiled
+    decode step, where Inductor fuses it into one kernel). fp64 x is rounded to fp32 first."""
+    x = x.float()
+    scale = (x.abs().amax(1) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -75,18 +81,23 @@ def _(x, q, scale, bias):
     return x.new_empty(x.shape[0], q.shape[0])
 
 
+def check_fp8_linear_args(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+    """The argument checks of fp8_linear and fp8_scaled_linear (one ValueError naming the argument)."""
+    check_dtype("x", x, _ACTIVATIONS)
+    check_dtype("q", q, (FP8_DTYPE,))
+    check_shape("q", q, (None, x.shape[-1]))
+    check_shape("scale", scale, (q.shape[0],))
+    check_dtype("scale", scale, (torch.float32,))
+    if bias is not None:
+        check_shape("bias", bias, (q.shape[0],))
+
+
 def fp8_linear(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """x [..., K] (fp16, bf16 or fp32), q [N, K] float8_e4m3fn, scale [N] fp32, bias [N] -> [..., N] in x's dtype."""
-    check_dtype("x", x, _ACTIVATIONS)
-    check_dtype("q", q, (FP8_DTYPE,))
-    check_shape("q", q, (None, x.shape[-1]))
+    check_fp8_linear_args(x, q, scale, bias)
     N = q.shape[0]
-    check_shape("scale", scale, (N,))
-    check_dtype("scale", scale, (torch.float32,))
-    if bias is not None:
-        check_shape("bias", bias, (N,))
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])
     if x2.stride(-1) != 1:

@@ -51,11 +51,13 @@ class EngineConfig:
     # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
     shared_prefix: bool = False
     # the weights the decode steps multiply: "model" (the modules' own), or a copy of every dense linear's current
-    # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads) or
-    # "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer), "fused" ("dense" that also copies
-    # plain weights to run q/k/v and gate/up as one GEMM each, as "fp8" and "dense" do where they copy all of a
-    # group), or "auto": on CUDA "fused" when its copy fits the free memory, else "dense" for LoRA / 4-bit models
-    # when that fits, else "model". The prefill keeps the model's own (rollout/decode_weights.py).
+    # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads), "w8a8"
+    # (that copy times activations rounded to e4m3 per row, on the FP8 tensor cores: another 2^-4 relative
+    # rounding, never chosen by "auto") or "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer),
+    # "fused" ("dense" that also copies plain weights to run q/k/v and gate/up as one GEMM each, as the FP8 kinds
+    # and "dense" do where they copy all of a group), or "auto": on CUDA "fused" when its copy fits the free
+    # memory, else "dense" for LoRA / 4-bit models when that fits, else "model". The prefill keeps the model's own
+    # (rollout/decode_weights.py).
     weights: str = "auto"
     # rows that finished (stop token or string) while others decode on (rollout/compaction.py): "keep" (they run
     # every step to the end, as pads), "skip" (attention="triton" only: the decode kernel reads none of their cache),

@@ -1,32 +1,36 @@
 """The weights the decode steps multiply (EngineConfig.weights): the model's own, or a copy of them made for the
-decode of one rollout, "fp8" (e4m3), "dense" or "fused" (the model's dtype).
+decode of one rollout, "fp8" or "w8a8" (e4m3), "dense" or "fused" (the model's dtype).
 
 Why: a decode step of 64 rows reads every weight once for ~128 FLOPs per byte, so its GEMMs cost what the weight
 reads cost (benchmarks/NOTES_rollout.md). "fp8": per-channel e4m3 copies (fastgrpo.ops.fp8_linear, W8A16) halve
-those reads. "dense": a plain copy in the model's dtype, for models whose own linears do more than one GEMM per
+those reads. "w8a8": the same copy, multiplied on the FP8 tensor cores with each step's activations quantized per
+row to e4m3 (fastgrpo.ops.fp8_scaled_linear): a second rounding of 2^-4 relative, so "auto" never picks it (nor
+"fp8"). "dense": a plain copy in the model's dtype, for models whose own linears do more than one GEMM per
 step: a bitsandbytes 4-bit base (dequantized per call) then decodes with the GEMMs of a bf16 base of its shape,
 and a LoRA layer with one GEMM instead of three. Sibling linears that read the same input (q/k/v, gate/up;
 Architecture.decode_fused_projections) run as one GEMM over their stacked copies where every member is copied
-anyway ("fp8" copies all; "dense" the LoRA and 4-bit ones), as vLLM runs them: a 64-row GEMM per projection is
-too small to reach the weight-read roofline (Qwen2.5-1.5B's K/V projections are 256 wide), and each is a launch
-and a graph node. "fused" is "dense" that stacks plain siblings too: a copy of their weights for fewer GEMMs.
+anyway ("fp8" and "w8a8" copy all; "dense" the LoRA and 4-bit ones), as vLLM runs them: a 64-row GEMM per
+projection is too small to reach the weight-read roofline (Qwen2.5-1.5B's K/V projections are 256 wide), and each
+is a launch and a graph node. "fused" is "dense" that stacks plain siblings too: a copy of their weights for fewer
+GEMMs.
 
 When decoding starts, every dense linear of the model (hf.peft.dense_linears: nn.Linear, lm_head included, a
 4-bit base dequantized, a LoRA layer with its adapters merged in fp32) gets a copy of its weight as it is now, and
 its forward becomes one GEMM over that copy; when decoding ends the forwards come back and the copy is freed. So a
 4-bit base is dequantized once per rollout, not per token, and the trainer's parameters and their grads are only
 read. The prefill keeps the model's own weights (its GEMMs have B x P rows: not bandwidth-bound). Memory for the
-call (copy_bytes): fp8, 1 byte per weight plus 4 per output channel, about half the bf16 weights; dense, the
-element size per weight that had to be made (a plain weight of the model's dtype is not copied); "fused", also
+call (copy_bytes): fp8 and w8a8, 1 byte per weight plus 4 per output channel, about half the bf16 weights; dense,
+the element size per weight that had to be made (a plain weight of the model's dtype is not copied); "fused", also
 the plain siblings it stacks. The build holds one layer's fp32 temporaries at a time.
 
 How the forward is swapped: the module's class becomes a subclass of it whose forward is the one GEMM (made once
 per class), and the copy's tensors are attributes of the module; an instance-level forward (patch_model's) is
 moved aside meanwhile. torch.compile then guards on the class and on the tensors' shapes and dtypes, both the same
 for every layer and every rollout: a callable object installed per module would be guarded by identity, a new
-trace per layer (for per-layer compiled code) and per rollout. A fused member holds its group (modules, reached
-as attributes like the model's own submodules) and hands each sibling its slice of the output as an attribute
-for the sibling's call with the same input; the members of a traced layer do that inside the trace.
+trace per layer (for per-layer compiled code) and per rollout. The copy's kind is an attribute too (a string, the
+same in every module: guarded by value), read by the forward to pick the GEMM. A fused member holds its group
+(modules, reached as attributes like the model's own submodules) and hands each sibling its slice of the output as
+an attribute for the sibling's call with the same input; the members of a traced layer do that inside the trace.
 """
 from __future__ import annotations
 
@@ -40,23 +44,36 @@ import torch.nn.functional as F
 from fastgrpo.hf.models import architecture
 from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
+from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
 
-WEIGHTS = ("auto", "model", "fp8", "dense", "fused")
+WEIGHTS = ("auto", "model", "fp8", "w8a8", "dense", "fused")
+COPIES = WEIGHTS[2:]  # the kinds copied_weights builds
+FP8_COPIES = ("fp8", "w8a8")  # the kinds whose copy is quantize_fp8's
 # "auto" makes a copy only with this much device memory to spare after it (the decode step's temporaries)
 AUTO_HEADROOM_BYTES = 1 << 30
-# the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] ("fp8"), weight [N, K] ("dense"), bias [N]
+# the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] (FP8_COPIES), weight [N, K] ("dense"),
+# bias [N]; and every swapped module's (group members' too): the copy's kind
 _ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
+_KIND = "fastgrpo_copy_kind"
 # a fused group member's: the group's stacked copy (the four above, rows in member order), its members' output
 # sizes, its members (this one included), and (input, output) that a sibling computed for this module
 _GROUP_ATTRS = ("fastgrpo_group_q", "fastgrpo_group_scale", "fastgrpo_group_weight", "fastgrpo_group_bias",
                 "fastgrpo_group_sizes", "fastgrpo_group", "fastgrpo_pending")
 
 
+def _gemm(kind: str, x: torch.Tensor, q, scale, weight, bias) -> torch.Tensor:
+    """The copy's one GEMM: x (q scale)^T + bias for the FP8 kinds, else x weight^T + bias."""
+    if kind == "w8a8":
+        return fp8_scaled_linear(x, q, scale, bias)
+    if kind == "fp8":
+        return fp8_linear(x, q, scale, bias)
+    return F.linear(x, weight, bias)
+
+
 def _copy_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     """A dense linear's forward during decoding: one GEMM over the copy of its weight."""
-    if self.fastgrpo_copy_q is not None:
-        return fp8_linear(x, self.fastgrpo_copy_q, self.fastgrpo_copy_scale, self.fastgrpo_copy_bias)
-    return F.linear(x, self.fastgrpo_copy_weight, self.fastgrpo_copy_bias)
+    return _gemm(self.fastgrpo_copy_kind, x, self.fastgrpo_copy_q, self.fastgrpo_copy_scale,
+                 self.fastgrpo_copy_weight, self.fastgrpo_copy_bias)
 
 
 def _group_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -68,10 +85,8 @@ def _group_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         self.fastgrpo_pending = None
         if pending[0] is x:
             return pending[1]
-    if self.fastgrpo_group_q is not None:
-        out = fp8_linear(x, self.fastgrpo_group_q, self.fastgrpo_group_scale, self.fastgrpo_group_bias)
-    else:
-        out = F.linear(x, self.fastgrpo_group_weight, self.fastgrpo_group_bias)
+    out = _gemm(self.fastgrpo_copy_kind, x, self.fastgrpo_group_q, self.fastgrpo_group_scale,
+                self.fastgrpo_group_weight, self.fastgrpo_group_bias)
     mine = None
     for member, piece in zip(self.fastgrpo_group, out.split(self.fastgrpo_group_sizes, dim=-1)):
         if member is self:
@@ -89,8 +104,8 @@ def _copy_class(base: type, forward=_copy_forward) -> type:
 
 
 def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractContextManager:
-    """The context the engine decodes in: the model's own weights ("model") or a copy of them ("fp8", "dense");
-    "auto" is resolved_weights'."""
+    """The context the engine decodes in: the model's own weights ("model") or a copy of them (COPIES); "auto" is
+    resolved_weights'."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {list(WEIGHTS)}, got {weights!r}")
     weights = resolved_weights(model, weights)
@@ -134,14 +149,14 @@ def copy_fits(copy: int, free: int) -> bool:
 @contextlib.contextmanager
 def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[torch.nn.Module]]:
     """Within the block, each of dense_linears(model) (yielded) computes x W^T + b from a copy of its current weight
-    W: e4m3 with a scale per output channel (kind "fp8") or in the model's dtype ("dense"); the siblings of a
-    fused_groups group run as one GEMM over their stacked copies. On exit every module is what it was (class,
-    patched forward) and the copy is freed."""
-    if kind not in ("fp8", "dense", "fused"):
-        raise ValueError(f"kind: expected 'fp8', 'dense' or 'fused', got {kind!r}")
+    W: e4m3 with a scale per output channel (kinds "fp8", "w8a8": their GEMMs differ) or in the model's dtype
+    ("dense", "fused"); the siblings of a fused_groups group run as one GEMM over their stacked copies. On exit every
+    module is what it was (class, patched forward) and the copy is freed."""
+    if kind not in COPIES:
+        raise ValueError(f"kind: expected one of {list(COPIES)}, got {kind!r}")
     device = model.get_input_embeddings().weight.device
-    if kind == "fp8" and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"weights: 'fp8' needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for e4m3; "
+    if kind in FP8_COPIES and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"weights: {kind!r} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for e4m3; "
                          f"{torch.cuda.get_device_name(device)} is {torch.cuda.get_device_capability(device)}")
     dtype = model.get_input_embeddings().weight.dtype
     modules = dense_linears(model)
@@ -152,9 +167,11 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
             for module in modules:
                 group = group_of.get(module)
                 if group is None:
-                    _swap(module, dict(zip(_ATTRS, _copy(module, kind, dtype))), _copy_forward, swapped)
+                    attrs = {**dict(zip(_ATTRS, _copy(module, kind, dtype))), _KIND: kind}
+                    _swap(module, attrs, _copy_forward, swapped)
                 elif module is group[0]:
-                    attrs = dict(zip(_GROUP_ATTRS, (*_stacked_copy(group, kind, dtype), group, None)))
+                    stacked = _stacked_copy(group, kind, dtype)
+                    attrs = {**dict(zip(_GROUP_ATTRS, (*stacked, group, None))), _KIND: kind}
                     for member in group:
                         _swap(member, attrs, _group_forward, swapped)
         yield modules
@@ -201,12 +218,12 @@ def _makes_dense_copy(module: torch.nn.Module) -> bool:
 
 
 def _copy(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> tuple:
-    """(e4m3 weight, scale, None, bias) for "fp8", (None, None, weight, bias) for "dense" and "fused": the module's
-    current weight (merged or dequantized: one layer's temporaries at a time)."""
+    """(e4m3 weight, scale, None, bias) for FP8_COPIES, (None, None, weight, bias) for "dense" and "fused": the
+    module's current weight (merged or dequantized: one layer's temporaries at a time)."""
     weight, bias = dense_weight(module)
-    if kind == "fp8":
+    if kind in FP8_COPIES:
         q, scale = quantize_fp8(weight)
-        prepare_fp8_linear(q.device)
+        prepare_fp8_linear(q.device)  # "w8a8" too: fp8_scaled_linear runs fp8_linear where _scaled_mm cannot
         return q, scale, None, bias
     # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
     own = _layer(module).weight.dtype if _layer(module).weight.is_floating_point() else dtype
@@ -242,16 +259,17 @@ def _swap(module: torch.nn.Module, attrs: dict, forward, swapped: list) -> None:
 
 
 def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
-    """Bytes of the copy copied_weights(model, kind) builds: fp8, 1 per weight and 4 per output channel; dense, the
-    model dtype's size per weight of the LoRA and 4-bit layers (the others decode with their own weight; biases are
-    the modules' own, or stacked: a few KiB, not counted); fused, dense's and the plain members of the groups."""
+    """Bytes of the copy copied_weights(model, kind) builds: FP8_COPIES, 1 per weight and 4 per output channel;
+    dense, the model dtype's size per weight of the LoRA and 4-bit layers (the others decode with their own weight;
+    biases are the modules' own, or stacked: a few KiB, not counted); fused, dense's and the plain members of the
+    groups."""
     embedding = model.get_input_embeddings().weight
     modules = dense_linears(model)
     stacked = {m for group in fused_groups(model, modules, kind) for m in group} if kind == "fused" else set()
     total = 0
     for module in modules:
         n, k = _layer(module).out_features, _layer(module).in_features
-        if kind == "fp8":
+        if kind in FP8_COPIES:
             total += n * (k + 4)
         elif _makes_dense_copy(module) or module in stacked:
             total += n * k * embedding.element_size()

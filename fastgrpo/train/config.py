@@ -100,10 +100,12 @@ class GRPOConfig:
                                             "slots) or auto (triton on a GPU)", run_control=True)
     rollout_weights: str = option("auto", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: auto "
                                           "(on a GPU fused, else dense, when the copy fits the free memory), the modules' own, "
-                                          "an e4m3 copy of every linear, a copy of LoRA-merged / 4-bit layers "
-                                          "in the model's dtype (one GEMM each; costs their bytes during the "
-                                          "rollout), or that copy with plain q/k/v and gate/up weights stacked "
-                                          "too (one GEMM per group; costs their bytes)", run_control=True)
+                                          "an e4m3 copy of every linear (fp8: bf16 activations; w8a8: activations "
+                                          "rounded to e4m3 per row too, on the FP8 tensor cores), a copy of "
+                                          "LoRA-merged / 4-bit layers in the model's dtype (one GEMM each; costs "
+                                          "their bytes during the rollout), or that copy with plain q/k/v and "
+                                          "gate/up weights stacked too (one GEMM per group; costs their bytes)",
+                                  run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
               "none: a KV cache for one batch of max_prompt_length + max_completion_length tokens", run_control=True)

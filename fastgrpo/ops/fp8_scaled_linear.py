@@ -1,0 +1,72 @@
+"""W8A8 FP8 linear: per-token e4m3 activations times quantize_fp8's per-channel e4m3 weight on the FP8 tensor cores
+(torch._scaled_mm), and its fp64 reference.
+
+Why: at 64 rows a decode GEMM reads each weight once; fp8_linear (W8A16) halves those bytes but its Triton kernel
+upcasts every weight tile to bf16 in registers, and stayed far from the read roofline on an H100 (a Llama-3.1-8B
+rollout 1.10x bf16's tokens/s, benchmarks/NOTES_rollout.md "D4"). Quantizing the 64 rows of activations instead
+(64 x K values, against N x K weights) lets cuBLASLt / CUTLASS run e4m3 x e4m3 as they are, with their tuned
+small-M GEMMs.
+
+fp8_scaled_linear(x, q, scale, bias) = (xq q^T) sx scale + bias, where each row of x is quantized as quantize_fp8
+quantizes a weight row (quantize_rows: sx = amax / 448, so |x - xq sx| <= 2^-4 |x| for normals, 2^-10 sx below).
+
+Scale layout: _scaled_mm's rowwise scales, scale_a = sx [M, 1] and scale_b = scale [1, N] (both fp32; `scale`'s
+[N] is that [1, N] without a copy), applied with the bias in the GEMM's epilogue, out in bf16: one kernel per
+linear, nothing else written. The alternative, scalar scales with an fp32 out multiplied afterwards, writes then
+reads 4 bytes per output (64 x 28672 x 4 = 7.3 MB each way for Llama-3.1-8B's stacked gate/up, whose e4m3 weights
+are 117 MB) in one more pass; benchmarks/bench_fp8.py times both (w8a8_us, w8a8_tensorwise_us). torch's rowwise
+kernel for Hopper writes bf16 only, so the output and the bias are bf16 whatever x's dtype, then cast to it: for
+fp16 / fp32 activations a rounding of 2^-8 relative, small next to the activations' own 2^-4.
+
+Shapes: on CUDA _scaled_mm needs K and N to be multiples of 16 (the e4m3 operands' 16-byte alignment); the CPU
+takes any, but the op applies the CUDA rule everywhere so both devices run the same math. Other shapes (a vocab of
+32001, a test model's 44) run fp8_linear over the same copy: one odd linear, usually lm_head, decodes at W8A16
+instead of failing the rollout (a raise would make such models unusable with "w8a8" for no numerical reason).
+The choice reads static shapes only: no host sync, nothing data-dependent, so it traces into a compiled decode
+step as plain torch ops (not a custom op: Inductor fuses the quantizer's amax, divide and cast into one kernel)
+with _scaled_mm as an extern GEMM, and is captured in the step's CUDA graph.
+"""
+from __future__ import annotations
+
+import torch
+
+from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_rows
+
+ALIGN = 16  # what torch._scaled_mm asks of K and N on CUDA
+
+
+def scaled_mm_fits(N: int, K: int) -> bool:
+    """Whether a weight [N, K] runs on _scaled_mm (else fp8_scaled_linear runs fp8_linear)."""
+    return N % ALIGN == 0 and K % ALIGN == 0
+
+
+def fp8_scaled_linear(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [..., K] (fp16, bf16 or fp32), q [N, K] float8_e4m3fn, scale [N] fp32, bias [N] -> [..., N] in x's dtype,
+    through bf16 (module docstring). No autograd: it serves the rollout, under no_grad."""
+    check_fp8_linear_args(x, q, scale, bias)
+    N, K = q.shape
+    if not scaled_mm_fits(N, K):
+        return fp8_linear(x, q, scale, bias)
+    lead = x.shape[:-1]
+    xq, sx = quantize_rows(x.reshape(-1, K))  # xq [M, K] e4m3 row-major, sx [M]
+    y = torch._scaled_mm(  # q [N, K] row-major: q.t() is the column-major [K, N] operand the GEMM wants
+        xq, q.contiguous().t(), scale_a=sx[:, None], scale_b=scale.contiguous()[None, :],
+        bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    return y.to(x.dtype).reshape(*lead, N)
+
+
+def fp8_scaled_linear_reference(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The op's math in fp64, eager: x's rows quantized as the op quantizes them, then (xq sx) (q scale)^T + bias,
+    exact but for fp64's rounding; for shapes that do not fit _scaled_mm, fp8_linear's (x unquantized). [..., N]
+    fp64; the bias is taken as given (the op rounds it to bf16)."""
+    N, K = q.shape
+    bias = None if bias is None else bias.double()
+    if not scaled_mm_fits(N, K):
+        return fp8_linear_torch(x.double(), q, scale.double(), bias)
+    xq, sx = quantize_rows(x.reshape(-1, K))
+    x64 = (xq.double() * sx.double()[:, None]).reshape(*x.shape)
+    return fp8_linear_torch(x64, q, scale.double(), bias)

@@ -1,0 +1,249 @@
+"""W8A8 FP8 linear (fastgrpo.ops.fp8_scaled_linear) against its fp64 reference: hypothesis shapes (odd ones fall
+back to fp8_linear), bias or none, bf16 / fp16 / fp32 activations, zero rows, the traced op; on a GPU, the decode
+shapes of Qwen2.5-1.5B and Llama-3.1-8B (stacked q/k/v and gate/up included), compiled with Inductor and graphed.
+torch._scaled_mm runs on the CPU (torch 2.13, rowwise scales included), so the CPU tests run the real op.
+
+Tolerances, derived per element. The op computes y = bf16((xq q^T) sx scale + bf16(bias)) with xq, sx =
+quantize_rows(x) (tests/test_fp8_linear.py bounds that rounding: it is quantize_fp8's), then casts y to x's dtype.
+`reference` does the same quantization and the rest in fp64, where xq, q, sx and scale are exact, so:
+  (a) op vs reference (`bound`): the GEMM's accumulation, acc = c_acc scale sx sum_k |xq_k q_k| + u32 (|ref| + |b|)
+      (bias and scale products; u32 = 2^-24), the bias's rounding to bf16 (u16 |b|, u16 = 2^-8, bf16's unit
+      roundoff), and the bf16 output's: u16 (|ref| + acc + u16 |b|); bf16 -> x's dtype is exact but for fp16's
+      subnormals (one subnormal step). On the CPU the products e4m3 x e4m3 (8 significant bits) are exact in fp32
+      and summed in fp32: c_acc = (K + 4) u32 (K - 1 additions, the two scale products and a dequantization
+      rounding if the library scales the operands first). On Hopper's FP8 tensor cores the sums of one MMA
+      (32 products) are kept to about 13 mantissa bits (DeepSeek-V3 report, section 3.3.2: "around 14 bits"),
+      and torch's kernel without fast accumulation adds them into fp32 every 4 MMAs: c_acc = 4 x 2^-13 + (K + 4) u32
+      (4 truncations per promotion, each relative to the partial sum, which is at most the sum of |products|).
+  (b) op vs the exact product of unquantized x with the dequantized weight: (a)'s bound plus what rounding x costs,
+      sum_k |x_k - xq_k sx| |w_k| <= sum_k ((2^-4 + 2^-23) |x_k| + 2^-10 sx) |w_k| (3 mantissa bits, nearest; an
+      fp32 division before; e4m3's subnormal step 2^-9 sx). Loose (the sum of absolute values) but it fails an
+      activation scale that saturates or ignores a row's own amax.
+(a) has the teeth: test_bound_catches_wrong_scaling shows it fails a per-tensor activation scale, a neighbouring
+row's weight scale and unscaled activations.
+"""
+import pytest
+import torch
+from hypothesis import assume, given
+from hypothesis import strategies as st
+
+from fastgrpo.ops.fp8_linear import FP8_MAX, dequantize_fp8, fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
+from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
+from tests.test_fp8_linear import assert_within
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+U32, U16 = 2.0**-24, 2.0**-8
+CPU_ACC, GPU_ACC = 0.0, 4 * 2.0**-13  # c_acc beyond (K + 4) u32 (module docstring)
+
+
+def make(g, M, N, K, dtype, with_bias=True, device="cpu"):
+    """x [M, K] with rows of different magnitudes (2^-6 .. 2^6: per-token scales differ), a random weight [N, K]
+    quantized with rows of different scales, bias [N] in dtype (or None)."""
+    x = torch.randn(M, K, generator=g) * 2.0 ** torch.randint(-6, 7, (M, 1), generator=g)
+    w = torch.randn(N, K, generator=g) * torch.rand(N, 1, generator=g) * 0.1
+    q, scale = quantize_fp8(w.to(device))
+    bias = torch.randn(N, generator=g).to(dtype).to(device) if with_bias else None
+    return x.to(dtype).to(device), q, scale, bias
+
+
+def sum_abs(x, q, scale):
+    """scale sx sum_k |xq_k q_k| [M, N], fp64: the size of the GEMM's sum."""
+    xq, sx = quantize_rows(x)
+    return (xq.double().abs() @ q.double().abs().T) * sx.double()[:, None] * scale.double()
+
+
+def bound(ref, x, q, scale, bias, dtype, c_acc=CPU_ACC):
+    """(a): |op - reference| per element (module docstring)."""
+    K = x.shape[-1]
+    b = 0.0 if bias is None else bias.double().abs()
+    acc = (c_acc + (K + 4) * U32) * sum_abs(x, q, scale) + U32 * (ref.abs() + b)
+    subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
+    return U16 * (ref.abs() + acc + U16 * b) + acc + U16 * b + subnormal
+
+
+def rounding_x(x, q, scale):
+    """(b)'s extra term: sum_k ((2^-4 + 2^-23) |x_k| + 2^-10 sx) |w_k| [M, N], fp64."""
+    _, sx = quantize_rows(x)
+    w = dequantize_fp8(q, scale, torch.float64).abs()
+    return (2.0**-4 + 2.0**-23) * (x.double().abs() @ w.T) + 2.0**-10 * sx.double()[:, None] * w.sum(1)
+
+
+def exact(x, q, scale, bias):
+    y = x.double() @ dequantize_fp8(q, scale, torch.float64).T
+    return y if bias is None else y + bias.double()
+
+
+def check(x, q, scale, bias, c_acc=CPU_ACC, what=""):
+    got = fp8_scaled_linear(x, q, scale, bias)
+    assert got.dtype == x.dtype and got.shape == (x.shape[0], q.shape[0])
+    ref = fp8_scaled_linear_reference(x, q, scale, bias)
+    tol = bound(ref, x, q, scale, bias, x.dtype, c_acc)
+    assert_within(got, ref, tol, f"{what} vs the reference")
+    assert_within(got, exact(x, q, scale, bias), tol + rounding_x(x, q, scale), f"{what} vs unquantized x")
+    return got
+
+
+# ---- CPU -------------------------------------------------------------------------------------------------------
+
+@given(M=st.integers(1, 20), N=st.integers(1, 6).map(lambda n: 16 * n), K=st.integers(1, 8).map(lambda k: 16 * k),
+       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_matches_reference(M, N, K, dtype, with_bias, seed):
+    """Shapes _scaled_mm takes (K, N multiples of 16, any M) within bounds (a) and (b)."""
+    g = torch.Generator().manual_seed(seed)
+    check(*make(g, M, N, K, dtype, with_bias), what=f"{dtype} M{M} N{N} K{K}")
+
+
+@given(M=st.integers(1, 9), N=st.integers(1, 40), K=st.integers(1, 40), with_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_other_shapes_run_fp8_linear(M, N, K, with_bias, seed):
+    """Where K or N is not a multiple of 16 (what CUDA's _scaled_mm refuses), the op is fp8_linear bit for bit, on
+    the CPU too (which would take any shape): both devices run the same math."""
+    assume(not scaled_mm_fits(N, K))
+    g = torch.Generator().manual_seed(seed)
+    x, q, scale, bias = make(g, M, N, K, torch.bfloat16, with_bias)
+    assert torch.equal(fp8_scaled_linear(x, q, scale, bias), fp8_linear(x, q, scale, bias))
+
+
+def test_runs_one_scaled_mm_with_rowwise_scales(monkeypatch):
+    """One _scaled_mm per call where the shape fits, with scale_a [M, 1] and scale_b [1, N] (what CUDA's rowwise
+    kernel wants) and an e4m3 column-major weight operand; none where it does not."""
+    calls = []
+    scaled_mm = torch._scaled_mm
+
+    def recorded(a, b, **kwargs):
+        calls.append((a.dtype, b.stride(), kwargs["scale_a"].shape, kwargs["scale_b"].shape, kwargs["out_dtype"]))
+        return scaled_mm(a, b, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", recorded)
+    g = torch.Generator().manual_seed(0)
+    fp8_scaled_linear(*make(g, 5, 48, 32, torch.bfloat16))
+    assert calls == [(torch.float8_e4m3fn, (1, 32), (5, 1), (1, 48), torch.bfloat16)]
+    fp8_scaled_linear(*make(g, 5, 44, 32, torch.bfloat16))
+    assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_zero_rows(dtype):
+    """An all-zero row (a padded token) gets scale fp32's smallest normal, not 0/0: its output is the bias (through
+    bf16), and the other rows are untouched; an all-zero x too."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 4, 32, 48, dtype)
+    x[1] = 0
+    got = check(x, q, scale, bias, what=f"{dtype} zero row")
+    assert torch.equal(got[1], bias.bfloat16().to(dtype))
+    assert torch.equal(fp8_scaled_linear(torch.zeros_like(x), q, scale, None), torch.zeros(4, 32, dtype=dtype))
+
+
+def test_bound_catches_wrong_scaling():
+    """Bound (a) fails what a wrong op would compute with the same _scaled_mm: one activation scale for the whole
+    tensor (per-tensor, rows of different magnitudes), a neighbouring row's weight scale, unscaled activations."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 8, 32, 64, torch.bfloat16)
+    ref = fp8_scaled_linear_reference(x, q, scale, bias)
+    tol = bound(ref, x, q, scale, bias, torch.bfloat16)
+
+    def scaled(xq, sx, w_scale):
+        return torch._scaled_mm(xq, q.t(), scale_a=sx[:, None], scale_b=w_scale[None, :], bias=bias,
+                                out_dtype=torch.bfloat16)
+
+    xq, sx = quantize_rows(x)
+    whole = x.float().abs().amax() / FP8_MAX
+    per_tensor = scaled((x.float() / whole).to(torch.float8_e4m3fn), whole.expand(8).contiguous(), scale)
+    unscaled = scaled(x.float().clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), torch.ones(8), scale)
+    for wrong in (per_tensor, scaled(xq, sx, scale.roll(1)), unscaled):
+        assert ((wrong.double() - ref).abs() > tol).any()
+
+
+def test_leading_dims_and_strides():
+    """[B, 1, K] decode-step inputs and a non-contiguous x give the 2-D results, reshaped."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 6, 32, 48, torch.bfloat16)
+    flat = fp8_scaled_linear(x, q, scale, bias)
+    assert torch.equal(fp8_scaled_linear(x[:, None], q, scale, bias), flat[:, None])
+    wide = torch.cat([x, x], 1)[:, ::2]  # stride 2 along K
+    assert torch.equal(fp8_scaled_linear(wide, q, scale, bias), fp8_scaled_linear(wide.contiguous(), q, scale, bias))
+
+
+@pytest.mark.parametrize("N", [48, 44])  # _scaled_mm, fp8_linear
+def test_traced_whole(N):
+    """Traced with fullgraph (no graph break: no host sync, nothing data-dependent) and functionalized
+    (aot_eager, as under Inductor), the op gives its eager bits."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 5, N, 32, torch.bfloat16)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: fp8_scaled_linear(t, q, scale, bias), backend="aot_eager", fullgraph=True,
+                         dynamic=False)
+    assert torch.equal(step(x), fp8_scaled_linear(x, q, scale, bias))
+    torch._dynamo.reset()
+
+
+def test_bad_input():
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 2, 16, 16, torch.float32)
+    for args, name in (((x, q.float(), scale, bias), "q"), ((x[:, :8], q, scale, bias), "q"),
+                       ((x, q, scale[:7], bias), "scale"), ((x, q, scale, bias[:3]), "bias"),
+                       ((x.double(), q, scale, bias), "x")):
+        with pytest.raises(ValueError, match=name):
+            fp8_scaled_linear(*args)
+
+
+# ---- GPU -------------------------------------------------------------------------------------------------------
+
+# (M, N, K): a decode step's GEMMs at 64 rows, stacked as the copy runs them (Llama-3.1-8B q/k/v, o, gate/up, down,
+# lm_head; Qwen2.5-1.5B's), and odd ones: M < 16, ragged K (fp8_linear's path), K = 2000 (a multiple of 16 only)
+GPU_SHAPES = [(64, 6144, 4096), (64, 4096, 4096), (64, 28672, 4096), (64, 4096, 14336), (64, 128256, 4096),
+              (64, 2048, 1536), (64, 1536, 1536), (64, 17920, 1536), (64, 1536, 8960), (3, 304, 2000),
+              (37, 1000, 1000)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", GPU_SHAPES)
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_gpu_matches_reference(M, N, K, with_bias):
+    """bf16 within bounds (a) (Hopper's accumulator) and (b), no worse than cuBLAS's bf16 GEMM of the same e4m3
+    operands (exact in bf16) scaled in fp32, plus an ulp; bitwise the same on a second call."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, M, N, K, torch.bfloat16, with_bias, device="cuda")
+    if not scaled_mm_fits(N, K):
+        assert torch.equal(fp8_scaled_linear(x, q, scale, bias), fp8_linear(x, q, scale, bias))
+        return
+    got = check(x, q, scale, bias, GPU_ACC, f"gpu M{M} N{N} K{K}")
+    ref = fp8_scaled_linear_reference(x, q, scale, bias)
+    xq, sx = quantize_rows(x)
+    cublas = (xq.bfloat16() @ q.bfloat16().T).float() * sx[:, None] * scale
+    cublas = (cublas if bias is None else cublas + bias.float()).bfloat16()
+    eps = torch.finfo(torch.bfloat16).eps
+    assert (got.double() - ref).abs().max() <= (cublas.double() - ref).abs().max() + eps * ref.abs().max()
+    assert torch.equal(fp8_scaled_linear(x, q, scale, bias), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("N", [6144, 1000])  # _scaled_mm, fp8_linear (ragged N)
+def test_gpu_compiled_and_graphed(N):
+    """Inductor-compiled (the quantizer fused, _scaled_mm an extern kernel) and replayed as a CUDA graph, as in the
+    decode step: the eager op's bits, replay after replay. Each row's largest |x| is 448 x 2^-j, so its scale is
+    2^-j whether Inductor divides by 448 or multiplies by its fp32 reciprocal (448 fl(1/448) rounds to 1): the
+    quantized x, and then the GEMM's inputs, are the same bits either way."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 64, N, 4096, torch.bfloat16, device="cuda")
+    top = 2.0 ** torch.randint(-8, 0, (64,), generator=g).cuda()
+    x = (x / x.abs().amax(1, keepdim=True) * 0.99 * FP8_MAX * top[:, None]).bfloat16()
+    x[:, 0] = FP8_MAX * top
+    prepare_fp8_linear(x.device)
+    want = fp8_scaled_linear(x, q, scale, bias)
+    torch._dynamo.reset()
+    step = torch.compile(lambda t: fp8_scaled_linear(t, q, scale, bias).relu(), dynamic=False)
+    static_x = x.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step(static_x)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step(static_x)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want.relu())
+    torch._dynamo.reset()
