@@ -100,19 +100,58 @@ def test_auto_copies_only_what_exists_and_fits():
     assert not decode_weights.copy_fits(0, 10 * headroom)  # a plain bf16 model's dense copy: nothing to copy
     assert decode_weights.copy_fits(headroom, 2 * headroom)
     assert not decode_weights.copy_fits(headroom + 1, 2 * headroom)
+    assert decode_weights.copy_fits(headroom // 2, 2 * headroom, build=headroom // 2)
+    assert not decode_weights.copy_fits(headroom // 2, 2 * headroom, build=headroom // 2 + 1)
+
+
+def test_building_a_copy_needs_room_for_its_largest_merged_layer():
+    """Plain weights are stacked as they are (no temporaries); a LoRA layer's merge holds its base, the delta and
+    their fp32 sum: the largest adapted layer (q_proj: H x H here) times BUILD_BYTES_PER_WEIGHT."""
+    assert decode_weights.build_bytes(tiny_model("llama")) == 0
+    H = SIZES["hidden_size"]
+    assert decode_weights.build_bytes(tiny_model("llama", lora=True)) == H * H * decode_weights.BUILD_BYTES_PER_WEIGHT
 
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_auto_takes_the_fused_copy_then_the_dense_one_as_memory_allows(lora):
     """With q and v adapted, "fused" copies k and gate/up on top of "dense"'s q and v; a plain model has no dense
-    copy to fall back on."""
+    copy to fall back on. Each needs the room to build it too."""
     model = tiny_model("llama", lora=lora)
     fused, dense = (decode_weights.copy_bytes(model, kind) for kind in ("fused", "dense"))
     assert fused > dense and (dense > 0) == lora
-    headroom = decode_weights.AUTO_HEADROOM_BYTES
-    assert decode_weights.auto_weights(model, fused + headroom) == "fused"
-    assert decode_weights.auto_weights(model, fused + headroom - 1) == ("dense" if lora else "model")
-    assert decode_weights.auto_weights(model, dense + headroom - 1) == "model"
+    extra = decode_weights.AUTO_HEADROOM_BYTES + decode_weights.build_bytes(model)
+    assert decode_weights.auto_weights(model, fused + extra) == "fused"
+    assert decode_weights.auto_weights(model, fused + extra - 1) == ("dense" if lora else "model")
+    assert decode_weights.auto_weights(model, dense + extra - 1) == "model"
+
+
+def test_auto_decodes_from_the_model_when_building_its_copy_runs_out_of_memory(monkeypatch):
+    """The copy "auto" chose fails to build (the third layer copied raises the allocator's error): the rollout goes
+    on with the model's own weights, a warning says so, and no module keeps a swapped class or a copy attribute."""
+    model = tiny_model("llama", lora=True)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    copy_layer, calls = decode_weights._copy, []
+
+    def out_of_memory_on_the_third(*args):
+        calls.append(args[0])
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+        return copy_layer(*args)
+
+    monkeypatch.setattr(decode_weights, "_copy", out_of_memory_on_the_third)
+    name, q_proj = next((n, m) for n, m in model.named_modules() if n.endswith("layers.0.self_attn.q_proj"))
+    x = torch.randn(2, 3, SIZES["hidden_size"])
+    want = q_proj(x)
+    with pytest.warns(UserWarning, match="ran out of device memory"):
+        with decode_weights._copy_or_model(model, "dense") as modules:
+            assert modules == []
+            assert {name: type(m) for name, m in model.named_modules()} == classes
+            torch.testing.assert_close(q_proj(x), want, rtol=0, atol=0)
+    assert len(calls) == 3
+    assert not [n for n, m in model.named_modules() if any(a.startswith("fastgrpo_") for a in vars(m))]
+    monkeypatch.setattr(decode_weights, "_copy", copy_layer)
+    with decode_weights._copy_or_model(model, "dense") as modules:  # with the memory there, the copy is made
+        assert modules and type(q_proj) is not classes[name]
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -51,6 +52,11 @@ COPIES = WEIGHTS[2:]  # the kinds copied_weights builds
 FP8_COPIES = ("fp8", "w8a8")  # the kinds whose copy is quantize_fp8's
 # "auto" makes a copy only with this much device memory to spare after it (the decode step's temporaries)
 AUTO_HEADROOM_BYTES = 1 << 30
+# and with room to build it: bytes per weight of the largest layer whose copy is made while dense_weight merges it
+# (a 4-bit base dequantized to bf16, 2; its fp32 copy, 4; the adapter's fp32 delta and its scaled copy, 4 + 4;
+# their sum, 4), one layer at a time. Without it a Llama-3.1-8B QLoRA rollout in a 24 GiB cap picked a copy that
+# fit and ran out of memory building it.
+BUILD_BYTES_PER_WEIGHT = 18
 # the copy's attributes on a module: e4m3 weight [N, K] and fp32 scale [N] (FP8_COPIES), weight [N, K] ("dense"),
 # bias [N]; and every swapped module's (group members' too): the copy's kind
 _ATTRS = ("fastgrpo_copy_q", "fastgrpo_copy_scale", "fastgrpo_copy_weight", "fastgrpo_copy_bias")
@@ -108,13 +114,34 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
     resolved_weights'."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {list(WEIGHTS)}, got {weights!r}")
-    weights = resolved_weights(model, weights)
-    return contextlib.nullcontext() if weights == "model" else copied_weights(model, weights)
+    kind = resolved_weights(model, weights)
+    if kind == "model":
+        return contextlib.nullcontext()
+    return _copy_or_model(model, kind) if weights == "auto" else copied_weights(model, kind)
+
+
+@contextlib.contextmanager
+def _copy_or_model(model: torch.nn.Module, kind: str) -> Iterator[list[torch.nn.Module]]:
+    """copied_weights(model, kind) for "auto"; if building the copy runs out of device memory anyway (the estimate
+    is one, and the allocator's free blocks may be fragmented), the model's own weights, with a warning: the
+    choice was ours, so it must not end the user's run."""
+    with contextlib.ExitStack() as stack:
+        try:
+            modules = stack.enter_context(copied_weights(model, kind))
+        except torch.OutOfMemoryError:
+            modules = None  # the partial copy is freed with the exception, after this block
+        if modules is None:
+            torch.cuda.empty_cache()
+            warnings.warn(f"rollout: weights='auto' took {kind!r}, whose copy ran out of device memory while it was "
+                          "built; decoding with the model's own weights", stacklevel=4)
+            modules = []
+        yield modules
 
 
 def resolved_weights(model: torch.nn.Module, weights: str) -> str:
-    """"auto", for a model on CUDA: "fused" when its copy fits the memory free now with AUTO_HEADROOM_BYTES to
-    spare, else "dense" when a LoRA or 4-bit model's copy does, else "model" (and "model" off CUDA). On an H100,
+    """"auto", for a model on CUDA: "fused" when its copy fits the memory free now, with room to build it
+    (build_bytes) and AUTO_HEADROOM_BYTES to spare, else "dense" when a LoRA or 4-bit model's copy does, else
+    "model" (and "model" off CUDA). On an H100,
     "fused" took a bf16 decode step from 3.57 to 3.26 ms (Qwen2.5-1.5B shapes) and 10.0 to 9.57 ms (Llama-3.1-8B)
     for a copy of q/k/v and gate/up (benchmarks/NOTES_rollout.md); a LoRA model on all linears copies the same
     bytes for "dense" and "fused". Anything else is returned as it is."""
@@ -135,15 +162,23 @@ def auto_weights(model: torch.nn.Module, free: int) -> str:
     """What "auto" resolves to with `free` bytes of device memory: the first of "fused" and "dense" whose copy
     fits, else "model"."""
     for kind in ("fused", "dense"):
-        if copy_fits(copy_bytes(model, kind), free):
+        if copy_fits(copy_bytes(model, kind), free, build_bytes(model)):
             return kind
     return "model"
 
 
-def copy_fits(copy: int, free: int) -> bool:
-    """Whether "auto" makes a copy of `copy` bytes with `free` bytes of device memory: only when there is one to
-    make ("dense" has none for a model without LoRA or 4-bit layers) and it leaves the headroom."""
-    return 0 < copy and copy + AUTO_HEADROOM_BYTES <= free
+def copy_fits(copy: int, free: int, build: int = 0) -> bool:
+    """Whether "auto" makes a copy of `copy` bytes with `free` bytes of device memory, `build` of them needed while
+    it is made: only when there is one to make ("dense" has none for a model without LoRA or 4-bit layers) and it
+    leaves the headroom."""
+    return 0 < copy and copy + build + AUTO_HEADROOM_BYTES <= free
+
+
+def build_bytes(model: torch.nn.Module) -> int:
+    """The most device memory building a "dense" or "fused" copy holds beyond the copy itself: the temporaries of
+    its largest merged or dequantized layer (BUILD_BYTES_PER_WEIGHT); 0 when every copied weight is a plain one."""
+    merged = [m for m in dense_linears(model) if _makes_dense_copy(m)]
+    return max((_layer(m).out_features * _layer(m).in_features for m in merged), default=0) * BUILD_BYTES_PER_WEIGHT
 
 
 @contextlib.contextmanager
