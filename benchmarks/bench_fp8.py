@@ -67,6 +67,9 @@ MODES = {
     "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
     # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
     "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
+    # the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): against fused-triton / fp8-triton
+    "fp8kv-triton": (EngineConfig(**TRITON, weights="fused", kv_cache="fp8"), "bf16"),
+    "fp8-fp8kv-triton": (EngineConfig(**TRITON, weights="fp8", kv_cache="fp8"), "bf16"),
     "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
     "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
