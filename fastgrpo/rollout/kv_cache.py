@@ -14,8 +14,8 @@ Shared prefix (`prefix_len` set, EngineConfig.shared_prefix): prefill stores eac
 in prefix_keys/prefix_values [B, H_kv, prefix_len, D] (slots >= P stay zero, hidden by `prefix_visible` [B,
 prefix_len], which the engine sets), and keys/values hold only the generated tokens, [N, H_kv, max_len, D] with
 max_len = S new tokens and `slot` counting from 0. `update` then returns the suffix alone; the decode attention
-reads the prefix through `prefix(layer_idx)` (rollout/attention.py). Memory, per layer, for each of K and V, in
-elements of H_kv x D: plain N x M with M = bucket(P + S); shared B x bucket(P) + N x S (bucket: rounded up to
+reads the prefix through `decode_kwargs(layer_idx)` (rollout/attention.py). Memory, per layer, for each of K and V,
+in elements of H_kv x D: plain N x M with M = bucket(P + S); shared B x bucket(P) + N x S (bucket: rounded up to
 EngineConfig.length_bucket). With N = B x G that saves about N x bucket(P) x (1 - 1/G).
 
 FP8 (`fp8=True`, EngineConfig.kv_cache="fp8"): every buffer above holds e4m3 (1 byte an element instead of the
