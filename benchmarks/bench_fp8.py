@@ -79,6 +79,10 @@ MODES = {
     "w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),  # the FP8 copy on the FP8 tensor cores
     # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
     "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
+    # the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): against fused-triton / fp8-triton
+    "fp8kv-triton": (EngineConfig(**TRITON, weights="fused", kv_cache="fp8"), "bf16"),
+    "fp8-fp8kv-triton": (EngineConfig(**TRITON, weights="fp8", kv_cache="fp8"), "bf16"),
+    "w8a8-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
     "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
     "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
@@ -284,7 +288,8 @@ def gap(model, result) -> dict:
     return {**logprob_gap(train, engine, mask), "xent": -engine[valid].double().mean().item()}
 
 
-def run_shape(shape: str, sizes: Sizes, modes: list[str], deadline: float, device: str, write) -> None:
+def run_shape(shape: str, sizes: Sizes, modes: list[str], deadline: float, device: str, write,
+              gemms: bool = True) -> None:
     began = time.perf_counter()
     model, tokenizer = build_model(shape, device)
     g = torch.Generator().manual_seed(1)
@@ -293,7 +298,8 @@ def run_shape(shape: str, sizes: Sizes, modes: list[str], deadline: float, devic
     bandwidth = _copy_bandwidth() if device == "cuda" else 1e10
     print(f"{shape}: built in {time.perf_counter() - began:.0f} s; weights {weight_bytes(model) / GIB:.2f} GiB "
           f"(bf16), FP8 copy {copy_bytes(model) / GIB:.2f} GiB", flush=True)
-    write(gemm_rows(shape, model, sizes.rows, bandwidth, device), [])
+    if gemms:
+        write(gemm_rows(shape, model, sizes.rows, bandwidth, device), [])
     bf16 = None
     for mode in sorted(modes, key=lambda m: MODES[m][1] == "4bit"):  # the 4-bit conversion is one-way: last
         if time.monotonic() > deadline:
@@ -326,6 +332,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--modes", default="bf16,fp8", help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--repeats", type=int, default=GPU_SIZES.repeats, help="timed calls per mode (median)")
+    parser.add_argument("--no-gemms", action="store_true", help="only the rollout rows (the gemm rows compile "
+                        "the W8A8 op per shape: about a minute)")
     parser.add_argument("--deadline", type=float, default=DEADLINE_S,
                         help="seconds after the start past which rollout modes are skipped")
     args = parser.parse_args(argv)
@@ -354,7 +362,7 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.monotonic() + args.deadline
     with env:
         for shape in shapes:
-            run_shape(shape, sizes, modes, deadline, device, write)
+            run_shape(shape, sizes, modes, deadline, device, write, gemms=not args.no_gemms)
     print()
     print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "speedup",
                         "w8a8_speedup", "bf16_share", "fp8_share", "w8a8_share", "best_us", "best", "default"])

@@ -6,6 +6,7 @@
     python -m benchmarks.profile_rollout --modes default,fp8      # bf16 vs FP8 decode weights (EngineConfig.weights)
     python -m benchmarks.profile_rollout --modes model,fused      # q/k/v and gate/up as one GEMM each
     python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
+    python -m benchmarks.profile_rollout --modes fused,fp8kv,fp8,fp8-fp8kv   # bf16 vs FP8 KV cache (and FP8 weights)
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -92,7 +93,11 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # one decoder layer compiled for all layers, the step still one CUDA graph (EngineConfig.compile_scope): its
          # per-step cost next to "triton"'s; its first_s is warm after an earlier mode (shared kernels, caches), so
          # compare first calls with benchmarks/bench_warmup.py, which starts a process per measurement
-         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers", **MODEL), True)}
+         "triton-layers": (EngineConfig(attention="triton", compile_scope="layers", **MODEL), True),
+         # "fused" and "fp8" with the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): the decode
+         # attention reads (D + 4) / 2D of the bytes; their rooflines count the e4m3 cache
+         "fp8kv": (EngineConfig(weights="fused", kv_cache="fp8"), True),
+         "fp8-fp8kv": (EngineConfig(weights="fp8", kv_cache="fp8"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 
@@ -230,7 +235,7 @@ def profile_mode(setup: dict, sizes: Sizes, mode: str, config: EngineConfig, tim
     row.update(prof_ms=window.ms_per_step(start, end), profiled_steps=f"{start + 1}-{end}")
     row.update(summarise(*_work(profiler, setup["device"]), sizes.profile_steps, row["prof_ms"]))
     copy = copy_bytes(setup["model"], "fp8") if config.weights == "fp8" else None
-    row.update(roofline(setup["model"], sizes, bandwidth, row, copy))
+    row.update(roofline(setup["model"], sizes, bandwidth, row, copy, config.kv_cache))
     _save(profiler, trace_dir / f"{setup['shape']}-{mode}", setup["device"])
     return row
 
@@ -287,11 +292,16 @@ def summarise(work: list[tuple[str, float]], busy_us: float, steps: int, wall_ms
     return out
 
 
-def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | None = None) -> dict:
+def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | None = None,
+             kv_cache: str = "model") -> dict:
     """bench_rollout's roofline at the mean context (that of the profiled steps too) and its shares; `weights`: the
-    bytes of the weights a step multiplies when not the model's own (an FP8 copy)."""
+    bytes of the weights a step multiplies when not the model's own (an FP8 copy); kv_cache "fp8": each bf16 K/V
+    vector of D (2D bytes) is cached as D e4m3 bytes + a 4-byte scale."""
     weights = weight_bytes(model) if weights is None else weights
     kv = kv_bytes_per_token(model.config) * sizes.rows
+    if kv_cache == "fp8":
+        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        kv = kv * (head_dim + 4) // (2 * head_dim)
     bucket = EngineConfig().length_bucket
     cache_len = -(-(sizes.prompt_len + sizes.new_tokens) // bucket) * bucket  # the engine's M
     roof_ms = (weights + kv * sizes.mean_context) / bandwidth * 1e3

@@ -81,6 +81,10 @@ CASES = {
     "llama triton sampled": ("llama", dict(attention="triton"), dict(temperature=0.9, top_p=0.95), "o"),
     "qwen2 shared sampled": ("qwen2", dict(attention="triton", shared_prefix=True), dict(temperature=1.0), "eo"),
     "llama shared greedy": ("llama", dict(attention="triton", shared_prefix=True), dict(temperature=0.0), "e "),
+    # the e4m3 buffers and their scales gathered together (as bytes: compaction._select_rows)
+    "llama fp8 sampled": ("llama", dict(attention="triton", kv_cache="fp8"), dict(temperature=0.9, top_p=0.95), "o"),
+    "qwen2 fp8 shared sampled": ("qwen2", dict(attention="triton", kv_cache="fp8", shared_prefix=True),
+                                 dict(temperature=1.0), "eo"),
     "mistral sampled": ("mistral", {}, dict(temperature=1.0, min_p=0.02), "e"),
     "gemma2 sampled": ("gemma2", {}, dict(temperature=1.0), "o"),
 }
@@ -212,7 +216,8 @@ def test_compacted_step_traces_once_for_every_batch_size(monkeypatch, buckets):
     model = tiny_model("qwen2", seed=2)
     params = SamplingParams(max_new_tokens=48, temperature=1.0, repetition_penalty=1.2)
     for options, graphs in (({}, 1), (dict(attention="triton"), 1),
-                            (dict(attention="triton", shared_prefix=True), 2)):
+                            (dict(attention="triton", shared_prefix=True), 2),
+                            (dict(attention="triton", kv_cache="fp8"), 1)):
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         buckets.clear()
@@ -233,8 +238,9 @@ def test_bad_options_raise(kwargs, match):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("options", [{}, dict(attention="triton"), dict(attention="triton", shared_prefix=True)],
-                         ids=["sdpa", "triton", "shared"])
+@pytest.mark.parametrize("options", [{}, dict(attention="triton"), dict(attention="triton", shared_prefix=True),
+                                     dict(attention="triton", kv_cache="fp8", shared_prefix=True)],
+                         ids=["sdpa", "triton", "shared", "fp8-shared"])
 def test_gpu_compacted_graphed_rollout_gives_keep_tokens(options, buckets):
     """Compiled with Inductor, each batch size replayed as its own CUDA graph: no fallback warning, one trace for all
     batch sizes (at most two with a shared prefix: one per layout), and the plain rollout's tokens (fp32: cuBLAS may

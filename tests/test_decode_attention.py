@@ -7,6 +7,11 @@ Tolerance, derived per element (`bound`): bf16/fp16/fp32 inputs are exact in fp6
 (3) fp32 arithmetic: a score's D-term dot carries ~(D + 2) 2^-24 sum|q_d k_d| scale, which moves the softmax
 weights by twice that relatively; exp2 a few ulps; the sum over the M keys M 2^-24 sum_j p_j |v_j|.
 Measured under the interpreter: bf16 errors reach ~0.6 of the bound, fp16 ~0.3, fp32 ~0.01 (worst-case sums).
+
+FP8 K/V: the reference is the fp64 softmax over the same dequantized values (q_e4m3 x scale is exact in fp64), so
+the bound is the kernel's own arithmetic: the terms above for the dequantized k/v, plus one fp32 rounding of each
+score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). The quantization
+itself (quantize_kv) has its own bound, half an e4m3 ulp per element (test_quantize_kv_error_bound).
 """
 import warnings
 
@@ -15,7 +20,14 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo.ops.decode_attention import decode_attention, decode_attention_torch
+from fastgrpo.ops.decode_attention import (
+    FP8,
+    FP8_MAX,
+    decode_attention,
+    decode_attention_torch,
+    dequantize_kv,
+    quantize_kv,
+)
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
@@ -24,8 +36,9 @@ from tests.test_rollout import PROMPTS, char_tokenizer, completions, tiny_model
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
 
-def bound(ref, q, k, v, keep, scale, dtype):
-    """Per-element error bound of the kernel's output vs the fp64 `ref` (see the module docstring)."""
+def bound(ref, q, k, v, keep, scale, dtype, fp8=False):
+    """Per-element error bound of the kernel's output vs the fp64 `ref` (see the module docstring); fp8: k, v are the
+    dequantized e4m3 cache (the kernel read the e4m3 values and their scales)."""
     eps = torch.finfo(dtype).eps
     keep4 = keep[:, None, :, None]
     k = torch.where(keep4, k.double(), 0.0)  # only the keys the row reads
@@ -34,7 +47,8 @@ def bound(ref, q, k, v, keep, scale, dtype):
         [keep.shape[-1]], dtype=torch.long), scale)
     smax = (q.double().abs() @ k.abs().transpose(-1, -2)).amax(-1, keepdim=True) * abs(scale)  # [N, H, G, 1]
     D, M = q.shape[-1], keep.shape[-1]
-    fp32 = 2.0**-24 * pv_abs * (2 * (D + 2) * smax + M + 8)
+    extra = 1 if fp8 else 0  # one more rounding per score and per weight
+    fp32 = 2.0**-24 * pv_abs * (2 * (D + 2 + extra) * smax + M + 8 + extra)
     p_round = 0.0 if dtype == torch.float32 else eps / 2 * pv_abs
     return eps * ref.abs() + torch.finfo(dtype).tiny + p_round + 2 * fp32
 
@@ -126,6 +140,102 @@ def test_shared_prefix_equals_unshared(B, S, H, G, D, P, M, length_frac, splits,
     assert_within(shared, plain.double(), 2 * tol, "shared vs plain")
 
 
+def spread(g, *shape):
+    """Log-normal magnitudes (e^(2 z)): vectors whose scales differ by orders, elements down into e4m3's subnormals."""
+    return torch.exp(2 * torch.randn(*shape, generator=g))
+
+
+@given(
+    rows=st.integers(1, 40), D=st.sampled_from([1, 7, 16, 128]), dtype=st.sampled_from([torch.float32, torch.bfloat16]),
+    exponent=st.integers(-30, 30), zero_rows=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_quantize_kv_error_bound(rows, D, dtype, exponent, zero_rows, seed):
+    """Every element within half an e4m3 ulp of its magnitude (2^-4 |x|), or of the subnormal step (2^-10 scale)
+    below e4m3's smallest normal, plus the fp32 rounding of x / scale (2^-24 relative, doubled for the margin of the
+    cast's own rounding of it); scale = amax / 448 per vector; all-zero vectors stay exactly 0."""
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, D, generator=g) * spread(g, rows, D) * spread(g, rows, 1) * 2.0**exponent).to(dtype)
+    if zero_rows:
+        x[::3] = 0
+    q, scale = quantize_kv(x)
+    assert q.dtype == FP8 and scale.dtype == torch.float32 and scale.shape == (rows,)
+    xd = x.double()
+    amax = xd.abs().amax(-1)
+    torch.testing.assert_close(scale.double(), torch.where(amax > 0, amax / FP8_MAX, 1.0), rtol=2**-23, atol=0)
+    err = (dequantize_kv(q, scale, torch.float64) - xd).abs()
+    tol = torch.maximum(xd.abs() * 2.0**-4, scale.double()[:, None] * 2.0**-10) + xd.abs() * 2.0**-22
+    assert (err <= tol).all(), f"max err / bound {(err / tol).max():.4f}"
+
+
+def test_quantize_kv_bound_is_reached():
+    """The bound is not slack: among many draws some element sits next to a rounding midpoint."""
+    x = torch.randn(4096, 128, generator=torch.Generator().manual_seed(0))
+    q, scale = quantize_kv(x)
+    err = (dequantize_kv(q, scale, torch.float64) - x.double()).abs()
+    tol = torch.maximum(x.double().abs() * 2.0**-4, scale.double()[:, None] * 2.0**-10)
+    assert 0.9 < (err / tol).max() <= 1
+
+
+def fp8_cache(g, N, H, M, D, length, pad_fill):
+    """make_cache's rows with magnitudes spread per slot, quantized: (k_q, v_q, k_scale, v_scale, visible); the NaN
+    past `length` and on the pads (pad_fill) become NaN codes and scales, which the kernel must never load."""
+    k, v, visible = make_cache(g, N, H, M, D, length, torch.float32, pad_fill)
+    kq, ks = quantize_kv(k * spread(g, N, H, M, 1))
+    vq, vs = quantize_kv(v * spread(g, N, H, M, 1))
+    return kq, vq, ks, vs, visible
+
+
+@given(
+    N=st.integers(1, 4), H=st.integers(1, 3), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32, 64]),
+    M=st.integers(1, 70), length_frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES),
+    scale=st.sampled_from([None, 0.3]), splits=st.sampled_from([None, 1, 2, 5]),
+    pad_fill=st.sampled_from([float("nan"), 1e4]), seed=st.integers(0, 2**16),
+)
+def test_fp8_cache_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, scale, splits, pad_fill, seed):
+    g = torch.Generator().manual_seed(seed)
+    length = 1 + round(length_frac * (M - 1))
+    q = torch.randn(N, H, G, D, generator=g).to(dtype)
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, pad_fill)
+    L = torch.tensor([length])
+    got = decode_attention(q, kq, vq, visible, L, scale, splits=splits, k_scale=ks, v_scale=vs)
+    s = D**-0.5 if scale is None else scale
+    ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
+    keep = visible & (torch.arange(M) < length)
+    k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    assert got.dtype == dtype and got.shape == q.shape
+    assert_within(got, ref, bound(ref, q, k, v, keep, s, dtype, fp8=True),
+                  f"fp8 {dtype} N{N} H{H} G{G} D{D} M{M} len{length}")
+
+
+@given(
+    B=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 3), G=st.integers(1, 4), D=st.sampled_from([16, 32]),
+    P=st.integers(1, 40), M=st.integers(1, 40), length_frac=st.floats(0, 1), splits=st.sampled_from([None, 1, 3]),
+    dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+)
+def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_frac, splits, dtype, seed):
+    """The prefix layout with e4m3 prefix and suffix: against the fp64 softmax over each row's dequantized keys."""
+    g = torch.Generator().manual_seed(seed)
+    N, length = B * S, 1 + round(length_frac * (M - 1))
+    q = torch.randn(N, H, G, D, generator=g).to(dtype)
+    pkq, pks = quantize_kv(torch.randn(B, H, P, D, generator=g) * spread(g, B, H, P, 1))
+    pvq, pvs = quantize_kv(torch.randn(B, H, P, D, generator=g))
+    pvis = torch.arange(P)[None, :] >= torch.randint(0, P + 1, (B, 1), generator=g)  # left-padded prompts
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, float("nan"))
+    L = torch.tensor([length])
+    got = decode_attention(q, kq, vq, visible, L, prefix_k=pkq, prefix_v=pvq, prefix_visible=pvis, splits=splits,
+                           k_scale=ks, v_scale=vs, prefix_k_scale=pks, prefix_v_scale=pvs)
+    # each row's whole keys in fp64: its prompt's then its own; NaN stays past P + length
+    k = torch.cat([dequantize_kv(pkq, pks, torch.float64).repeat_interleave(S, 0),
+                   dequantize_kv(kq, ks, torch.float64)], dim=2)
+    v = torch.cat([dequantize_kv(pvq, pvs, torch.float64).repeat_interleave(S, 0),
+                   dequantize_kv(vq, vs, torch.float64)], dim=2)
+    fvis = torch.cat([pvis.repeat_interleave(S, 0), visible], dim=1)
+    ref = decode_attention_torch(q.double(), k, v, fvis, torch.tensor([P + length]))
+    keep = fvis & (torch.arange(P + M) < P + length)
+    assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, dtype, fp8=True),
+                  f"fp8 shared {dtype} B{B} S{S} P{P} M{M} len{length}")
+
+
 def test_engine_triton_attention_gives_sdpa_tokens():
     # qwen2_sliding: masks by layer type, one layer windowed (8 slots < prompt + completion); llama's single mask
     # tensor runs in the GPU test. 5 tokens: the interpreter takes ~0.3-0.6 s per layer and step.
@@ -160,6 +270,13 @@ def test_bad_input():
         decode_attention(q, kv, kv, visible, L, prefix_k=pk, prefix_v=pk, prefix_visible=torch.ones(3, 4).bool())
     with pytest.raises(ValueError, match="attention"):
         EngineConfig(attention="flash")
+    kq, ks = quantize_kv(kv)
+    with pytest.raises(ValueError, match="dtype"):  # e4m3 without its scales
+        decode_attention(q, kq, kq, visible, L)
+    with pytest.raises(ValueError, match="dtype"):  # scales for a cache in q's dtype
+        decode_attention(q, kv, kv, visible, L, k_scale=ks, v_scale=ks)
+    with pytest.raises(ValueError, match="v_scale"):
+        decode_attention(q, kq, kq, visible, L, k_scale=ks, v_scale=ks[:, :, :8])
 
 
 @pytest.mark.gpu
@@ -207,3 +324,31 @@ def test_gpu_engine_triton_gives_sdpa_tokens():
     fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
     assert not fallbacks, fallbacks  # compile or graph capture failed: the kernel would run eagerly
     assert completions(out["triton"]) == completions(out["sdpa"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("H, G", [(2, 6), (8, 4)])  # Qwen2.5-1.5B, Llama-3.1-8B
+def test_gpu_realistic_fp8_decode(H, G):
+    """test_gpu_realistic_decode's shapes with an e4m3 cache: within the bound of the dequantized values, in the
+    plain and the shared-prefix layouts."""
+    g = torch.Generator().manual_seed(0)
+    N, M, D, length, P, S = 64, 1280, 128, 768, 256, 8
+    q = torch.randn(N, H, G, D, generator=g).bfloat16()
+    k, v, visible = make_cache(g, N, H, M, D, length, torch.float32, float("nan"))
+    k = k * spread(g, N, H, M, 1)
+    # shared prefix: the first P slots of the rows of each group of S made identical, then split off
+    for t in (k, v):
+        t[:, :, :P] = t[::S, :, :P].repeat_interleave(S, 0)
+    visible[:, :P] = visible[::S, :P].repeat_interleave(S, 0)
+    (kq, ks), (vq, vs) = quantize_kv(k), quantize_kv(v)
+    q, kq, vq, ks, vs, visible, L = (t.cuda() for t in (q, kq, vq, ks, vs, visible, torch.tensor([length])))
+    keep = visible & (torch.arange(M, device="cuda") < length)
+    ref = decode_attention_torch(q.double(), kq, vq, visible, L, k_scale=ks, v_scale=vs)
+    tol = bound(ref, q, dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64), keep, D**-0.5,
+                torch.bfloat16, fp8=True)
+    assert_within(decode_attention(q, kq, vq, visible, L, k_scale=ks, v_scale=vs), ref, tol, f"gpu fp8 H{H} G{G}")
+    shared = decode_attention(
+        q, kq[:, :, P:], vq[:, :, P:], visible[:, P:], L - P, prefix_k=kq[::S, :, :P], prefix_v=vq[::S, :, :P],
+        prefix_visible=visible[::S, :P], k_scale=ks[:, :, P:], v_scale=vs[:, :, P:], prefix_k_scale=ks[::S, :, :P],
+        prefix_v_scale=vs[::S, :, :P])
+    assert_within(shared, ref, tol, f"gpu fp8 shared H{H} G{G}")

@@ -261,6 +261,9 @@ def test_config_checks_the_rollout_engine():
         (dict(rollout_engine="vllm", rollout_attention="sdpa"), "rollout_attention: applies to the builtin engine"),
         (dict(rollout_attention="flash"), "rollout_attention"),
         (dict(rollout_weights="int4"), "rollout_weights"),
+        (dict(rollout_kv_cache="int8"), "rollout_kv_cache"),
+        (dict(rollout_kv_cache="fp8", rollout_attention="sdpa"), "rollout_kv_cache: fp8 is read by the decode"),
+        (dict(rollout_engine="vllm", rollout_kv_cache="fp8"), "rollout_kv_cache: applies to the builtin engine"),
     ]:
         with pytest.raises(ValueError, match=match):
             GRPOConfig(**fields)

@@ -261,7 +261,7 @@ def test_prefix_without_the_kernel_is_an_error():
     module.layer_idx = 0
     with pytest.raises(NotImplementedError, match="shared prefix"):
         attention.grouped_sdpa(module, q, kv, kv, mask, softcap=30.0, **{
-            attention.LENGTH_KWARG: torch.tensor([3]), attention.PREFIX_KWARG: object()})
+            attention.LENGTH_KWARG: torch.tensor([3]), attention.CACHE_KWARG: object()})
 
 
 def test_shared_step_compiles_to_one_graph(monkeypatch, caches):

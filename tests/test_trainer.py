@@ -127,6 +127,16 @@ def test_loop_variants_run(tmp_path, fields):
         assert history[0]["kl"] == 0.0 and history[-1]["beta"] < 0.2  # KL below target: beta shrinks
 
 
+def test_fp8_kv_cache_reaches_the_engine(tmp_path, monkeypatch):
+    """--rollout-kv-cache fp8: the built-in engine decodes over an e4m3 cache (which needs the decode kernel, so the
+    cache is sized for max_prompt_length as with rollout_attention triton) and the loop trains on its rollouts."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # the op's torch path: the interpreter would take minutes
+    trainer = _trainer(tmp_path, max_steps=1, rollout_kv_cache="fp8")
+    config = trainer.engine.config
+    assert config.kv_cache == "fp8" and config.max_prompt_length == trainer.config.max_prompt_length
+    assert all(math.isfinite(m["loss"]) for m in trainer.train())
+
+
 def _counting_logprobs(trainer) -> list:
     """The model each of trainer._logprobs' calls runs (a spy on the instance)."""
     calls, logprobs = [], trainer._logprobs

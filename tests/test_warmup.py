@@ -76,10 +76,10 @@ def deep_model(arch="qwen2", lora=False, targets=("q_proj", "v_proj")):
     return model.eval()
 
 
-@pytest.mark.parametrize("shared", [False, True])
-def test_fixed_cache_compiles_the_step_once_across_prompt_lengths(compiles, caches, shared):
+@pytest.mark.parametrize("shared, kv_cache", [(False, "model"), (True, "model"), (False, "fp8"), (True, "fp8")])
+def test_fixed_cache_compiles_the_step_once_across_prompt_lengths(compiles, caches, shared, kv_cache):
     model = tiny_model("qwen2")
-    config = EngineConfig(**FIXED, shared_prefix=shared, compile_scope="step")
+    config = EngineConfig(**FIXED, shared_prefix=shared, compile_scope="step", kv_cache=kv_cache)
     counts = []
     for prompts in PROMPT_SETS:
         run(model, prompts, config)
@@ -132,20 +132,22 @@ def test_bad_options_raise(kwargs, match):
         EngineConfig(**kwargs)
 
 
-@pytest.mark.parametrize("arch, shared, lora", [
-    ("qwen2", False, False), ("llama", True, False), ("qwen3", False, False), ("llama", False, True)])
-def test_layers_scope_compiles_one_layer_for_all_layers(compiles, arch, shared, lora):
+@pytest.mark.parametrize("arch, shared, lora, kv_cache", [
+    ("qwen2", False, False, "model"), ("llama", True, False, "model"), ("qwen3", False, False, "model"),
+    ("llama", False, True, "model"), ("qwen2", False, False, "fp8"), ("llama", True, False, "fp8")])
+def test_layers_scope_compiles_one_layer_for_all_layers(compiles, arch, shared, lora, kv_cache):
     """4 layers, 3 calls of other prompt lengths: one frame for the layer, one for the sampling, nothing more;
-    tokens and log-probs equal to the uncompiled engine's."""
+    tokens and log-probs equal to the uncompiled engine's. fp8: the scales reach each layer on its LayerCache view."""
     model = deep_model(arch, lora)
-    config = EngineConfig(**FIXED, shared_prefix=shared, compile_scope="layers")
+    config = EngineConfig(**FIXED, shared_prefix=shared, compile_scope="layers", kv_cache=kv_cache)
     counts, got = [], []
     for prompts in PROMPT_SETS:
         got.append(run(model, prompts, config))
         counts.append(compiles.frame_count)
     assert counts == [2, 2, 2]
     for prompts, layered in zip(PROMPT_SETS, got):
-        eager = run(model, prompts, EngineConfig(**{**FIXED, "compile": False}, shared_prefix=shared))
+        eager = run(model, prompts, EngineConfig(**{**FIXED, "compile": False}, shared_prefix=shared,
+                                                 kv_cache=kv_cache))
         assert completions(layered) == completions(eager)
         torch.testing.assert_close(layered.logprobs, eager.logprobs, atol=1e-5, rtol=0)
 
@@ -267,10 +269,12 @@ def graphed_steps(monkeypatch):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("scope, shared, patched", [
-    ("step", False, False), ("step", True, False), ("layers", False, False), ("layers", True, False),
-    ("layers", False, True)])  # patched: patch_model's Triton kernels and fused LoRA inside the compiled layer
-def test_gpu_no_recompile_and_one_capture_per_call(graphed_steps, scope, shared, patched):
+@pytest.mark.parametrize("scope, shared, patched, kv_cache", [
+    ("step", False, False, "model"), ("step", True, False, "model"), ("layers", False, False, "model"),
+    ("layers", True, False, "model"), ("layers", False, True, "model"),
+    ("step", False, False, "fp8"), ("layers", False, False, "fp8"), ("layers", True, True, "fp8")])
+# patched: patch_model's Triton kernels and fused LoRA inside the compiled layer
+def test_gpu_no_recompile_and_one_capture_per_call(graphed_steps, scope, shared, patched, kv_cache):
     """With Inductor and CUDA graphs: the first call compiles, calls with other prompt lengths compile nothing
     (dynamo's unique_graphs stays put), each call captures one CUDA graph and no call falls back; tokens equal those
     of the uncompiled engine with a cache sized per call."""
@@ -278,7 +282,7 @@ def test_gpu_no_recompile_and_one_capture_per_call(graphed_steps, scope, shared,
     torch._dynamo.utils.counters.clear()
     model = fastgrpo.patch_model(deep_model("llama", lora=True)) if patched else deep_model("qwen2")
     model = model.cuda()
-    config = EngineConfig(**{**FIXED, "compile": None}, shared_prefix=shared, compile_scope=scope)
+    config = EngineConfig(**{**FIXED, "compile": None}, shared_prefix=shared, compile_scope=scope, kv_cache=kv_cache)
     graphs = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -287,7 +291,7 @@ def test_gpu_no_recompile_and_one_capture_per_call(graphed_steps, scope, shared,
             graphs.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
             # the reference sizes its cache per call: the kernel must ignore the fixed cache's extra slots
             eager = run(model, prompts, EngineConfig(**{**FIXED, "compile": False, "max_prompt_length": None},
-                                                     shared_prefix=shared))
+                                                     shared_prefix=shared, kv_cache=kv_cache))
             assert completions(got) == completions(eager)
     fallbacks = [str(w.message) for w in caught if "rollout:" in str(w.message)]
     assert not fallbacks, fallbacks

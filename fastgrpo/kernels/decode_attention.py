@@ -17,6 +17,12 @@ i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_comb
 Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's
 interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md); on a GPU q.k is in the input dtype with fp32
 accumulation and p is rounded to v's dtype for p.v, as flash-attention does; fp32 inputs use "ieee" dots.
+
+FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
+is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to q's dtype in
+registers (exact); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
+p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running
+sum l is of the unscaled p.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cros
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, K, V, VIS, LENGTH, PK, PV, PVIS, M_OUT, L_OUT, ACC_OUT,
+    Q, K, V, VIS, LENGTH, PK, PV, PVIS, KS, VS, PKS, PVS, M_OUT, L_OUT, ACC_OUT,
     stride_qn, stride_qh, stride_qg,
     stride_kn, stride_kh, stride_km,
     stride_vn, stride_vh, stride_vm,
@@ -44,8 +50,10 @@ def _decode_attention_kernel(
     stride_pkb, stride_pkh, stride_pkm,
     stride_pvb, stride_pvh, stride_pvm,
     stride_pvisb,
+    stride_ksn, stride_ksh, stride_vsn, stride_vsh,
+    stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)  # group b (plain: row n) x K/V head h
@@ -83,6 +91,9 @@ def _decode_attention_kernel(
             key_ok = tl.load(PVIS + b * stride_pvisb + offs, mask=offs < P, other=0) != 0
             k_ptrs = PK + b * stride_pkb + h * stride_pkh + offs[:, None].to(tl.int64) * stride_pkm
             v_ptrs = PV + b * stride_pvb + h * stride_pvh + offs[:, None].to(tl.int64) * stride_pvm
+            if KV_FP8:
+                ks_ptrs = PKS + b * stride_pksb + h * stride_pksh + offs
+                vs_ptrs = PVS + b * stride_pvsb + h * stride_pvsh + offs
             use = row_ok[:, None] & key_ok[None, :]
         else:  # a suffix tile of one sample: only its G rows read it
             j = t - n_prefix
@@ -92,25 +103,37 @@ def _decode_attention_kernel(
             key_ok = tl.load(VIS + n * stride_visn + offs, mask=offs < length, other=0) != 0
             k_ptrs = K + n * stride_kn + h * stride_kh + offs[:, None].to(tl.int64) * stride_km
             v_ptrs = V + n * stride_vn + h * stride_vh + offs[:, None].to(tl.int64) * stride_vm
+            if KV_FP8:
+                ks_ptrs = KS + n * stride_ksn + h * stride_ksh + offs
+                vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
             use = (row_ok & (sample_of_row == sample))[:, None] & key_ok[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         # masked slots are not loaded at all: a pad or an unwritten slot may hold anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptrs + dims[None, :], mask=kv_mask, other=0.0)
+        # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
-            s = tl.dot(q, tl.trans(k))
-        # the cast: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
-        s = tl.where(use, (s * qk_scale).to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
+            s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        # the casts: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
+        if KV_FP8:
+            k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)  # [BLOCK_N]
+            v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+            s = s * (k_scale * qk_scale).to(tl.float32)[None, :]
+        else:
+            s = s * qk_scale
+        s = tl.where(use, s.to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
+        if KV_FP8:
+            p = p * v_scale[None, :]
         if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
-            pv = tl.dot(p.to(v.dtype), v)
+            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
@@ -168,10 +191,13 @@ def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv
 def decode_attention_fwd(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, length: torch.Tensor, scale: float,
     prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None,
-    prefix_visible: torch.Tensor | None = None, splits: int | None = None,
+    prefix_visible: torch.Tensor | None = None, splits: int | None = None, k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None, prefix_k_scale: torch.Tensor | None = None,
+    prefix_v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
+    fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
     Last dims must have unit stride (the op makes them so)."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
@@ -186,16 +212,20 @@ def decode_attention_fwd(
         splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device)
     # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
     # lowering when the engine compiles the decode step
+    fp8 = k_scale is not None
     if has_prefix:
         pk, pv, pvis = prefix_k, prefix_v, prefix_visible
     else:  # unused by the kernel (HAS_PREFIX=False): any tensors of the right dtype
         pk, pv, pvis = k, v, visible
+    # likewise the scales it does not read (KV_FP8=False, or no prefix)
+    ks, vs = (k_scale, v_scale) if fp8 else (k, v)
+    pks, pvs = (prefix_k_scale, prefix_v_scale) if fp8 and has_prefix else (ks, vs)
     m_part = torch.empty(B * H, splits, block_r, dtype=torch.float32, device=q.device)
     l_part = torch.empty_like(m_part)
     acc_part = torch.empty(B * H, splits, block_r, block_d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
     _decode_attention_kernel[(B * H, splits)](
-        q, k, v, visible, length, pk, pv, pvis, m_part, l_part, acc_part,
+        q, k, v, visible, length, pk, pv, pvis, ks, vs, pks, pvs, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -203,8 +233,9 @@ def decode_attention_fwd(
         pk.stride(0), pk.stride(1), pk.stride(2),
         pv.stride(0), pv.stride(1), pv.stride(2),
         pvis.stride(0),
+        *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        HAS_PREFIX=has_prefix, FP32_DOT=interpret or q.dtype == torch.float32,
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
     )
     rows = min(block_r, COMBINE_ROWS)  # row tiles as programs: one program per (group, head) left SMs idle
@@ -213,3 +244,8 @@ def decode_attention_fwd(
         H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d, ROWS=rows,
     )
     return out
+
+
+def _head_strides(*scales: torch.Tensor) -> list[int]:
+    """(row, head) strides of each [rows, Hkv, slots] scale tensor (or of its stand-in, not read)."""
+    return [stride for t in scales for stride in (t.stride(0), t.stride(1))]

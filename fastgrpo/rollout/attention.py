@@ -11,10 +11,12 @@ keyword LENGTH_KWARG, which HF hands through to this function; a one-token call 
 flash-decoding kernel (fastgrpo.ops.decode_attention), which reads only slots < length instead of all M. The mask
 row [N, M] is its `visible` (sliding windows are already in it). Soft-capped or sink attention stays on SDPA.
 
-With EngineConfig(shared_prefix=True) the engine also passes its StaticKVCache as PREFIX_KWARG: key/value are then
-the per-row suffixes only, and the kernel reads the group's prompt K/V from `cache.prefix(module.layer_idx)`,
-once per group. That call has no SDPA fallback (the suffix alone is not the row's context), so a prefix with
-attention the kernel cannot run is an error; the engine only shares prefixes where the kernel runs.
+With EngineConfig(shared_prefix=True) or EngineConfig(kv_cache="fp8") the engine also passes its StaticKVCache as
+CACHE_KWARG, whose `decode_kwargs(module.layer_idx)` are the kernel's extra keywords for the layer: with a shared
+prefix key/value are the per-row suffixes only and the kernel reads the group's prompt K/V once per group; with fp8
+key/value are e4m3 and the keywords carry their scales. Neither call has an SDPA fallback (the suffix alone is not
+the row's context; SDPA cannot read e4m3), so attention the kernel cannot run is an error there; the engine only
+shares prefixes where the kernel runs, and refuses an fp8 cache for models kept on "eager" attention.
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from fastgrpo.ops.decode_attention import decode_attention
 
 NAME = "fastgrpo_rollout_sdpa"
 LENGTH_KWARG = "fastgrpo_decode_length"
-PREFIX_KWARG = "fastgrpo_decode_prefix"
+CACHE_KWARG = "fastgrpo_decode_cache"
 
 
 def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -36,15 +38,15 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     N, Hq, Q, D = query.shape
     Hkv = key.shape[1]
     length = kwargs.get(LENGTH_KWARG)
-    shared = kwargs.get(PREFIX_KWARG)  # the engine's StaticKVCache when the prompt's K/V are stored once per group
+    cache = kwargs.get(CACHE_KWARG)  # the engine's cache, when the kernel needs more of it than key/value
     if Q == 1 and length is not None and _kernel_fits(attention_mask, kwargs):
         q = query.reshape(N, Hkv, Hq // Hkv, D)
-        prefix = shared.prefix(module.layer_idx) if shared is not None else {}
-        out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling, **prefix)
+        extra = cache.decode_kwargs(module.layer_idx) if cache is not None else {}
+        out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling, **extra)
         out = out.reshape(N, Hq, 1, D)
-    elif Q == 1 and shared is not None:
-        raise NotImplementedError("grouped_sdpa: a shared prefix needs the decode kernel (a bool mask, no soft-cap "
-                                  "or sinks, the filled length)")
+    elif Q == 1 and cache is not None:
+        raise NotImplementedError("grouped_sdpa: a shared prefix or an fp8 cache needs the decode kernel (a bool "
+                                  "mask, no soft-cap or sinks, the filled length)")
     elif Q == 1:
         # query head h reads K/V head h // G (HF's repeat_kv order), so [N, Hq, 1, D] -> [N, Hkv, G, D]
         q = query.reshape(N, Hkv, Hq // Hkv, D)

@@ -51,6 +51,14 @@ def bucket(rows: int, live: int) -> int:
     return size
 
 
+def _select_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """t.index_select(0, idx); an fp8 cache's e4m3 buffers as their bytes (torch's index kernels do not all take
+    float8: index_copy_ has none on the CPU or CUDA)."""
+    if t.dtype == torch.float8_e4m3fn:
+        return t.view(torch.uint8).index_select(0, idx).view(t.dtype)
+    return t.index_select(0, idx)
+
+
 class FinishedRows:
     """The rollout's current state and cache under EngineConfig.finished_rows, from the prefill to the results.
 
@@ -97,15 +105,15 @@ class FinishedRows:
             name: getattr(state, name).index_select(0, idx) for name in ROW_FIELDS if getattr(state, name) is not None
         })
         self.rows = idx if self.rows is None else self.rows[idx]
-        # layer by layer, so the old and new caches coexist one layer at a time
-        for store in (cache.keys, cache.values):
+        # layer by layer, so the old and new caches coexist one layer at a time (fp8: the scales go with them)
+        for store in cache.row_stores():
             for layer in store:
-                store[layer] = store[layer].index_select(0, idx)
+                store[layer] = _select_rows(store[layer], idx)
         if cache.shares_prefix:
             entries = self.prefix_of[idx]
-            for store in (cache.prefix_keys, cache.prefix_values):
+            for store in cache.prefix_stores():
                 for layer in store:
-                    store[layer] = store[layer].index_select(0, entries)
+                    store[layer] = _select_rows(store[layer], entries)
             cache.prefix_visible = cache.prefix_visible.index_select(0, entries)
             self.prefix_of = torch.arange(size, device=idx.device)
         self._mark_dynamic()
@@ -126,8 +134,8 @@ class FinishedRows:
         """The batch dimension of every per-row (and per-prompt) tensor the step reads: one trace for all sizes."""
         cache = self.cache
         tensors = [getattr(self.state, name) for name in ROW_FIELDS]
-        tensors += [*cache.keys.values(), *cache.values.values(), *cache.prefix_keys.values(),
-                    *cache.prefix_values.values(), cache.prefix_visible]
+        tensors += [t for store in (*cache.row_stores(), *cache.prefix_stores()) for t in store.values()]
+        tensors.append(cache.prefix_visible)
         for tensor in tensors:
             if tensor is not None:
                 torch._dynamo.maybe_mark_dynamic(tensor, 0)

@@ -10,6 +10,8 @@ With EngineConfig.shared_prefix the prompt's K/V stay once per group instead (ro
 cache slots count the generated tokens only; position ids are the same either way.
 With EngineConfig.finished_rows the rows that have stopped are hidden from the decode kernel, or gathered away into
 a smaller batch, at the host syncs (rollout/compaction.py).
+With EngineConfig.kv_cache="fp8" the cache stores e4m3 K/V with per-vector scales (rollout/kv_cache.py), which only
+the decode kernel reads.
 """
 from __future__ import annotations
 
@@ -21,7 +23,7 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo.hf.models import cache_keyword
-from fastgrpo.rollout.attention import LENGTH_KWARG, NAME as ATTENTION_NAME, PREFIX_KWARG
+from fastgrpo.rollout.attention import CACHE_KWARG, LENGTH_KWARG, NAME as ATTENTION_NAME
 from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
@@ -79,6 +81,14 @@ class EngineConfig:
     # time per token (benchmarks/NOTES_rollout.md, D5). Models outside the patch table (hf/architectures.py) fall
     # back to "step" with a warning.
     compile_scope: str = "layers"
+    # what the decode KV cache stores: "model" (K/V in the model's dtype) or "fp8" (e4m3 with one fp32 scale per
+    # row, slot and K/V head: 0.52x the bytes at head_dim 128, and half what the decode attention reads; layout and
+    # scale choice in rollout/kv_cache.py and ops/decode_attention.py). The prefill's own attention uses its
+    # unquantized K/V; decode steps attend over the e4m3 cache, so log-probs move by the quantization
+    # (tests/test_fp8_kv_cache.py bounds it). Attention "triton" only (its kernel reads e4m3; SDPA would need a
+    # dequantized copy of the cache every step), with shared_prefix and every finished_rows mode; models kept on
+    # "eager" attention (soft-capping, e.g. gemma2) cannot use it (an error when the rollout starts).
+    kv_cache: str = "model"
 
     def __post_init__(self):
         if self.weights not in WEIGHTS:
@@ -100,6 +110,11 @@ class EngineConfig:
             raise ValueError("EngineConfig.max_prompt_length: needs attention='triton' or 'auto' (sdpa would "
                              "attend over every slot of the larger cache at each step), got "
                              f"attention={self.attention!r}")
+        if self.kv_cache not in ("model", "fp8"):
+            raise ValueError(f"EngineConfig.kv_cache: expected 'model' or 'fp8', got {self.kv_cache!r}")
+        if self.kv_cache == "fp8" and self.attention == "sdpa":
+            raise ValueError("EngineConfig.kv_cache='fp8': needs attention='triton' or 'auto' (the decode kernel "
+                             f"reads the e4m3 cache, SDPA cannot), got attention={self.attention!r}")
         if self.max_prompt_length is not None and self.max_prompt_length < 1:
             raise ValueError(f"EngineConfig.max_prompt_length: expected a positive int or None, got "
                              f"{self.max_prompt_length!r}")
@@ -108,7 +123,8 @@ class EngineConfig:
         """The config with attention "auto" made concrete for a model on `device`."""
         if self.attention != "auto":
             return self
-        needs_kernel = self.shared_prefix or self.max_prompt_length is not None or self.finished_rows == "skip"
+        needs_kernel = (self.shared_prefix or self.max_prompt_length is not None or self.finished_rows == "skip"
+                        or self.kv_cache == "fp8")
         return dataclasses.replace(self, attention="triton" if device.type == "cuda" or needs_kernel else "sdpa")
 
 
@@ -169,6 +185,11 @@ def rollout(
     P_cache = max(P, config.max_prompt_length) if fixed else P
     dtype = model.get_input_embeddings().weight.dtype
     cache_kw = cache_keyword(model)
+    fp8 = config.kv_cache == "fp8"
+    if fp8 and model.config._attn_implementation != ATTENTION_NAME:
+        raise ValueError(f"EngineConfig.kv_cache='fp8': needs the engine's attention ({ATTENTION_NAME}), whose decode "
+                         f"kernel reads e4m3; this model runs {model.config._attn_implementation!r} (models kept on "
+                         "'eager' attention, e.g. soft-capping gemma2, cannot); use kv_cache='model'")
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
     prompt = left_pad(prompts, pad_id)[0].to(device)
@@ -179,7 +200,7 @@ def rollout(
     if _shares_prefix(model, G, config):
         # the prompt once per group, in bucket(P) slots so prompts of other lengths reuse the compiled step; the
         # rows cache only their S generated tokens (slot 0 on), all real: positions still continue the prompt's
-        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P_cache, config))
+        cache = StaticKVCache(G, S, device, prefix_len=_bucket(P_cache, config), fp8=fp8)
         prefix_slots = torch.arange(cache.prefix_len, device=device)
         cache.prefix_visible = (prefix_slots[None, :] >= offset[:, None]) & (prefix_slots[None, :] < P)
         key_pos = torch.arange(S, device=device)
@@ -187,7 +208,7 @@ def rollout(
         first_slot = 0
     else:
         M = _bucket(P_cache + S, config)
-        cache = StaticKVCache(G, M, device)
+        cache = StaticKVCache(G, M, device, fp8=fp8)
         key_pos = torch.arange(M, device=device)
         visible = (key_pos[None, :] >= offset[:, None]).repeat_interleave(G, dim=0)  # visible: [N, M]
         first_slot = P
@@ -300,8 +321,8 @@ def _logits(model, cache, cache_kw, state, dtype) -> torch.Tensor:
     masks = attention_masks(model.config, state.visible, cache.slot, state.key_pos, dtype)
     # the slots written so far, this step's included: [1] on the device, read by the decode kernel
     kernel = {LENGTH_KWARG: cache.slot + 1} if state.decode_kernel else {}
-    if cache.shares_prefix:  # the attention reads each layer's prompt K/V from the cache
-        kernel[PREFIX_KWARG] = cache
+    if cache.shares_prefix or cache.fp8:  # the attention reads each layer's prompt K/V or scales from the cache
+        kernel[CACHE_KWARG] = cache
     out = model(
         input_ids=state.tokens, position_ids=state.positions, attention_mask=masks, use_cache=True,
         logits_to_keep=1, **{cache_kw: cache}, **kernel,

@@ -14,17 +14,27 @@ Shared prefix (`prefix_len` set, EngineConfig.shared_prefix): prefill stores eac
 in prefix_keys/prefix_values [B, H_kv, prefix_len, D] (slots >= P stay zero, hidden by `prefix_visible` [B,
 prefix_len], which the engine sets), and keys/values hold only the generated tokens, [N, H_kv, max_len, D] with
 max_len = S new tokens and `slot` counting from 0. `update` then returns the suffix alone; the decode attention
-reads the prefix through `prefix(layer_idx)` (rollout/attention.py). Memory, per layer, for each of K and V, in
-elements of H_kv x D: plain N x M with M = bucket(P + S); shared B x bucket(P) + N x S (bucket: rounded up to
+reads the prefix through `decode_kwargs(layer_idx)` (rollout/attention.py). Memory, per layer, for each of K and V,
+in elements of H_kv x D: plain N x M with M = bucket(P + S); shared B x bucket(P) + N x S (bucket: rounded up to
 EngineConfig.length_bucket). With N = B x G that saves about N x bucket(P) x (1 - 1/G).
+
+FP8 (`fp8=True`, EngineConfig.kv_cache="fp8"): every buffer above holds e4m3 (1 byte an element instead of the
+model's 2) and each stored vector of D gets one fp32 scale (ops/decode_attention.py's format, written by its
+quantize_kv) in key_scales/value_scales [N, H_kv, M] (prefix_key_scales/prefix_value_scales [B, H_kv, prefix_len]):
+bytes per slot and head 2 x (D + 4) instead of 2 x 2D, 0.52x for D = 128. The prefill quantizes the prompt's K/V
+as it stores them but hands its own attention the unquantized ones (as vLLM does); a decode step quantizes its new
+token's. Only the decode kernel reads this cache, with the scales as keywords (`decode_kwargs`).
 """
 from __future__ import annotations
 
 import torch
 
+from fastgrpo.ops.decode_attention import FP8, quantize_kv
+
 
 class StaticKVCache:
-    def __init__(self, num_generations: int, max_len: int, device: torch.device, prefix_len: int | None = None):
+    def __init__(self, num_generations: int, max_len: int, device: torch.device, prefix_len: int | None = None,
+                 fp8: bool = False):
         self.num_generations = num_generations
         self.max_len = max_len
         self.keys: dict[int, torch.Tensor] = {}
@@ -36,57 +46,95 @@ class StaticKVCache:
         self.prefix_keys: dict[int, torch.Tensor] = {}
         self.prefix_values: dict[int, torch.Tensor] = {}
         self.prefix_visible: torch.Tensor | None = None  # [B, prefix_len] bool, set by the engine
+        # fp8 (EngineConfig.kv_cache): keys/values in e4m3, each vector's fp32 scale in these, [N, H_kv, M] (prefix
+        # [B, H_kv, prefix_len]); empty otherwise
+        self.fp8 = fp8
+        self.key_scales: dict[int, torch.Tensor] = {}
+        self.value_scales: dict[int, torch.Tensor] = {}
+        self.prefix_key_scales: dict[int, torch.Tensor] = {}
+        self.prefix_value_scales: dict[int, torch.Tensor] = {}
 
     @property
     def shares_prefix(self) -> bool:
         return self.prefix_len is not None
 
+    def row_stores(self) -> tuple[dict[int, torch.Tensor], ...]:
+        """The per-layer buffers indexed by row, first dim N (rollout/compaction.py gathers them)."""
+        return self.keys, self.values, self.key_scales, self.value_scales
+
+    def prefix_stores(self) -> tuple[dict[int, torch.Tensor], ...]:
+        """The per-layer buffers indexed by prompt, first dim B (empty without a shared prefix)."""
+        return self.prefix_keys, self.prefix_values, self.prefix_key_scales, self.prefix_value_scales
+
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
         # key, value: [B, H_kv, P, D] when prefilling, [N, H_kv, 1, D] when decoding
-        if self.prefilling and self.shares_prefix:
-            self._store_prefix(self.prefix_keys, self.keys, key, layer_idx)
-            self._store_prefix(self.prefix_values, self.values, value, layer_idx)
-            return key, value
-        if self.prefilling:
-            self._store_prompt(self.keys, key, layer_idx)
-            self._store_prompt(self.values, value, layer_idx)
-            return key, value
-        k, v = self.keys[layer_idx], self.values[layer_idx]
-        k.index_copy_(2, self.slot, key)
-        v.index_copy_(2, self.slot, value)
-        return k, v
+        if not self.prefilling:
+            return self.layer(layer_idx).update(key, value, layer_idx)
+        if layer_idx not in self.keys:
+            self._allocate(key, layer_idx)
+        if self.shares_prefix:
+            self._store_prefix(self.prefix_keys, self.prefix_key_scales, key, layer_idx)
+            self._store_prefix(self.prefix_values, self.prefix_value_scales, value, layer_idx)
+        else:
+            self._store_prompt(self.keys, self.key_scales, key, layer_idx)
+            self._store_prompt(self.values, self.value_scales, value, layer_idx)
+        return key, value  # the prefill attends over its own K/V, in the model's dtype whatever the cache's
 
-    def _store_prompt(self, store: dict[int, torch.Tensor], states: torch.Tensor, layer_idx: int) -> None:
+    def _allocate(self, states: torch.Tensor, layer_idx: int) -> None:
+        """This layer's zeroed buffers, for states [B, H, P, D] of the model's dtype and heads."""
+        B, H, _, D = states.shape
+        dtype = FP8 if self.fp8 else states.dtype
+        shapes = [(self.row_stores(), B * self.num_generations, self.max_len)]
+        if self.shares_prefix:
+            shapes.append((self.prefix_stores(), B, self.prefix_len))
+        for (keys, values, key_scales, value_scales), rows, slots in shapes:
+            for store in (keys, values):
+                store[layer_idx] = torch.zeros(rows, H, slots, D, dtype=dtype, device=states.device)
+            if self.fp8:  # scale 0: an unwritten slot dequantizes to 0 (the kernel never loads one anyway)
+                for store in (key_scales, value_scales):
+                    store[layer_idx] = torch.zeros(rows, H, slots, dtype=torch.float32, device=states.device)
+
+    def _store_prompt(self, store, scales, states: torch.Tensor, layer_idx: int) -> None:
         B, H, P, D = states.shape
         G = self.num_generations
-        if layer_idx not in store:
-            store[layer_idx] = torch.zeros(B * G, H, self.max_len, D, dtype=states.dtype, device=states.device)
+        states, scale = self._encode(states)
         # each prompt's K/V copied to the G rows of its group
         store[layer_idx].view(B, G, H, self.max_len, D)[:, :, :, :P] = states[:, None]
+        if scale is not None:
+            scales[layer_idx].view(B, G, H, self.max_len)[:, :, :, :P] = scale[:, None]
 
-    def _store_prefix(self, prefix, suffix, states: torch.Tensor, layer_idx: int) -> None:
-        B, H, P, D = states.shape
-        if layer_idx not in prefix:
-            prefix[layer_idx] = torch.zeros(B, H, self.prefix_len, D, dtype=states.dtype, device=states.device)
-            suffix[layer_idx] = torch.zeros(B * self.num_generations, H, self.max_len, D, dtype=states.dtype,
-                                            device=states.device)
-        prefix[layer_idx][:, :, :P] = states
+    def _store_prefix(self, store, scales, states: torch.Tensor, layer_idx: int) -> None:
+        P = states.shape[2]
+        states, scale = self._encode(states)
+        store[layer_idx][:, :, :P] = states
+        if scale is not None:
+            scales[layer_idx][:, :, :P] = scale
 
-    def prefix(self, layer_idx: int) -> dict[str, torch.Tensor]:
-        """The decode_attention keywords of one layer's shared prefix (rollout/attention.py passes them on)."""
-        return dict(prefix_k=self.prefix_keys[layer_idx], prefix_v=self.prefix_values[layer_idx],
-                    prefix_visible=self.prefix_visible)
+    def _encode(self, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        return quantize_kv(states) if self.fp8 else (states, None)
 
     def layer(self, layer_idx: int) -> LayerCache:
         """One layer's decode buffers, as a cache that needs no layer index (rollout/regional.py)."""
-        prefix = self.prefix(layer_idx) if self.shares_prefix else None
-        return LayerCache(self.keys[layer_idx], self.values[layer_idx], self.slot, prefix)
+        kwargs = {}
+        if self.shares_prefix:
+            kwargs.update(prefix_k=self.prefix_keys[layer_idx], prefix_v=self.prefix_values[layer_idx],
+                          prefix_visible=self.prefix_visible)
+        if self.fp8:
+            kwargs.update(k_scale=self.key_scales[layer_idx], v_scale=self.value_scales[layer_idx])
+        if self.fp8 and self.shares_prefix:
+            kwargs.update(prefix_k_scale=self.prefix_key_scales[layer_idx],
+                          prefix_v_scale=self.prefix_value_scales[layer_idx])
+        return LayerCache(self.keys[layer_idx], self.values[layer_idx], self.slot, kwargs)
+
+    def decode_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        """The decode_attention keywords of one layer: its shared prefix, its fp8 scales (rollout/attention.py)."""
+        return self.layer(layer_idx).decode_kwargs(layer_idx)
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         raise RuntimeError("StaticKVCache: pass position_ids explicitly; the cache keeps no sequence length")
 
     def nbytes(self) -> int:
-        stores = (self.keys, self.values, self.prefix_keys, self.prefix_values)
+        stores = (*self.row_stores(), *self.prefix_stores())
         return sum(t.numel() * t.element_size() for store in stores for t in store.values())
 
 
@@ -95,17 +143,26 @@ class LayerCache:
     index it is handed, so a compiled decoder layer traces the same code for every layer (an int index read by the
     trace would be specialized on: one recompile per layer)."""
 
-    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, prefix: dict | None):
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor, slot: torch.Tensor, kwargs: dict):
         self.keys, self.values, self.slot = keys, values, slot  # keys, values: [N, H_kv, M, D]; slot: [1]
-        self._prefix = prefix
+        self._kwargs = kwargs  # decode_attention's prefix_* and *_scale keywords of this layer
 
     def update(self, key: torch.Tensor, value: torch.Tensor, layer_idx: int, *args, **kwargs):
-        self.keys.index_copy_(2, self.slot, key)
-        self.values.index_copy_(2, self.slot, value)
+        # key, value: [N, H_kv, 1, D]
+        if "k_scale" not in self._kwargs:
+            self.keys.index_copy_(2, self.slot, key)
+            self.values.index_copy_(2, self.slot, value)
+            return self.keys, self.values
+        for states, store, scales in ((key, self.keys, self._kwargs["k_scale"]),
+                                      (value, self.values, self._kwargs["v_scale"])):
+            states, scale = quantize_kv(states)
+            # index_copy_ has no float8 kernels (CPU or CUDA): the e4m3 bytes go as uint8
+            store.view(torch.uint8).index_copy_(2, self.slot, states.view(torch.uint8))
+            scales.index_copy_(2, self.slot, scale)
         return self.keys, self.values
 
-    def prefix(self, layer_idx: int) -> dict[str, torch.Tensor]:
-        return self._prefix
+    def decode_kwargs(self, layer_idx: int) -> dict[str, torch.Tensor]:
+        return self._kwargs
 
 
 def has_sliding_window(config) -> bool:

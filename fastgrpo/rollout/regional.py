@@ -7,8 +7,8 @@ and capturing on an H200 (benchmarks/NOTES_rollout.md). Dynamo lifts a module's 
 >= 2.5, inline_inbuilt_nn_modules), so one compiled layer serves every layer of its class unless the trace reads
 something that differs per layer. Two things do, and are handled here for the step:
 - `cache.update(..., self.layer_idx)` indexes the engine's cache by an int attribute of the module, which dynamo
-  specializes on. Each layer gets a LayerCache of its own buffers as its cache (and as the shared-prefix keyword),
-  which never reads the index.
+  specializes on. Each layer gets a LayerCache of its own buffers as its cache (and as the keyword that carries the
+  shared prefix and fp8 scales to the attention), which never reads the index.
 - an instance-level forward that is not a types.MethodType is guarded by identity: patch_model's WeakBoundMethod
   forwards (norms, MLPs, attention, LoRA linears) become MethodTypes of the same functions (guarded by code).
 Either would cost one recompile per layer, and past dynamo's recompile limit (8) the rest would run eagerly.
@@ -28,7 +28,7 @@ from torch import nn
 
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers
-from fastgrpo.rollout.attention import PREFIX_KWARG
+from fastgrpo.rollout.attention import CACHE_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache
 
 
@@ -64,8 +64,8 @@ def compiled_layers(layers: dict[nn.Module, int], cache: StaticKVCache, cache_kw
 def _layer_forward(forward: Callable, view, cache_kw: str) -> Callable:
     def run(layer, *args, **kwargs):
         kwargs[cache_kw] = view
-        if PREFIX_KWARG in kwargs:  # the shared prefix's reader: the same view, with this layer's prefix
-            kwargs[PREFIX_KWARG] = view
+        if CACHE_KWARG in kwargs:  # the kernel's extra keywords (shared prefix, fp8 scales): this layer's, same view
+            kwargs[CACHE_KWARG] = view
         return forward(layer, *args, **kwargs)
 
     return run

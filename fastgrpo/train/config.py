@@ -106,6 +106,11 @@ class GRPOConfig:
                                           "their bytes during the rollout), or that copy with plain q/k/v and "
                                           "gate/up weights stacked too (one GEMM per group; costs their bytes)",
                                   run_control=True)
+    rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (K/V in the model's dtype) or fp8 "
+                                            "(e4m3 with an fp32 scale per cached vector: 0.52x the cache's memory "
+                                            "and of what decode attention reads at head_dim 128; log-probs move by "
+                                            "the quantization; needs rollout_attention triton or auto)",
+                                   run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
               "none: a KV cache for one batch of max_prompt_length + max_completion_length tokens", run_control=True)
@@ -281,15 +286,20 @@ class GRPOConfig:
         check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
         check_choice("rollout_attention", self.rollout_attention, ("auto", "sdpa", "triton"))
         check_choice("rollout_weights", self.rollout_weights, WEIGHTS)
+        check_choice("rollout_kv_cache", self.rollout_kv_cache, ("model", "fp8"))
         check_choice("vllm_lora_sync", self.vllm_lora_sync, LORA_SYNCS)
         check_choice("vllm_execution", self.vllm_execution, EXECUTIONS)
         utilization = self.vllm_gpu_memory_utilization
         if utilization is not None and not 0 < utilization <= 1:
             raise ValueError(f"vllm_gpu_memory_utilization: expected a number in (0, 1] or none, got {utilization}")
-        for name in ("rollout_attention", "rollout_weights"):
-            if self.rollout_engine == "vllm" and getattr(self, name) != "auto":
-                raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it auto "
-                                 f"(got {getattr(self, name)!r})")
+        for name, default in (("rollout_attention", "auto"), ("rollout_weights", "auto"),
+                              ("rollout_kv_cache", "model")):
+            if self.rollout_engine == "vllm" and getattr(self, name) != default:
+                raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it "
+                                 f"{default} (got {getattr(self, name)!r})")
+        if self.rollout_kv_cache == "fp8" and self.rollout_attention == "sdpa":
+            raise ValueError("rollout_kv_cache: fp8 is read by the decode kernel; use --rollout-attention triton or "
+                             "auto, not sdpa")
         if self.rollout_engine == "vllm" and self.load_in_4bit:
             raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
                              "with --load-in-4bit, or a bf16 base with vllm")

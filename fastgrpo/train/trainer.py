@@ -82,7 +82,8 @@ class GRPOTrainer:
         if engine is None:
             # with the decode kernel (a GPU, or asked for) the cache is sized for max_prompt_length, so steps whose
             # longest prompts differ compile nothing new
-            engine_config = EngineConfig(attention=config.rollout_attention, weights=config.rollout_weights)
+            engine_config = EngineConfig(attention=config.rollout_attention, weights=config.rollout_weights,
+                                         kv_cache=config.rollout_kv_cache)
             if engine_config.resolved(self.device).attention == "triton":
                 engine_config = dataclasses.replace(engine_config, max_prompt_length=config.max_prompt_length)
             engine = BuiltinEngine(model, tokenizer, engine_config)
