@@ -147,7 +147,7 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
         return f"{v:.3g}" if isinstance(v, float) else str(v)
 
     cells = [[fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    widths = [max([len(c), *(len(row[i]) for row in cells)]) for i, c in enumerate(columns)]  # rows may be none
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
