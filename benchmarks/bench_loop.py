@@ -557,7 +557,9 @@ class Results:
             # the file's notes (config keys a person added) stay; this run's settings update the rest
             payload = {"suite": f"loop_{shape}", "card": self.card,
                        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                       "versions": versions(), "config": {**before["config"], **self.config},
+                       # rows of earlier runs used packages this process may not import (vLLM, TRL)
+                       "versions": {**before.get("versions", {}), **versions()},
+                       "config": {**before["config"], **self.config},
                        "rows": [r for r in before["rows"] if key(r) not in new] + rows}
             self.directory.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(payload, indent=2) + "\n")

@@ -58,6 +58,7 @@ def test_results_keep_notes_and_other_rows(tmp_path):
     path = results.add("qwen2.5-1.5b-lora", [{"system": "trl", "kind": "step", "completion": 1024, "step_s": 9.0}])
     payload = json.loads(path.read_text())
     payload["config"]["note"] = "a person's note"
+    payload["versions"]["vllm"] = "0.24.0"
     path.write_text(json.dumps(payload))
 
     searching = Results(tmp_path, "Some Card", {"max_fit": {"cap_gib": 24.0}})
@@ -66,6 +67,7 @@ def test_results_keep_notes_and_other_rows(tmp_path):
     searching.add("qwen2.5-1.5b-lora", [row])
     payload = json.loads(path.read_text())
     assert payload["config"] == {"prompts": 8, "steps": 2, "note": "a person's note", "max_fit": {"cap_gib": 24.0}}
+    assert payload["versions"]["vllm"] == "0.24.0"  # what an earlier run's rows used, though not importable here
     assert [(r["system"], r["kind"]) for r in payload["rows"]] == [("trl", "step"), ("trl", "max_fit")]
     assert set(earlier_probes(path, "trl", 24.0)) == {2048, 4096}
     assert earlier_probes(path, "trl", 20.0) == {} and earlier_probes(path, "fastgrpo", 24.0) == {}
