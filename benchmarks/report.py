@@ -32,8 +32,21 @@ def render_markdown(results: list[dict]) -> str:
         parts += [f"## {result['suite']} — {result['card']} ({result['date']})", "", f"Versions: {versions}", ""]
         if result.get("config"):
             parts += ["Config: " + ", ".join(f"{k}={v}" for k, v in result["config"].items()), ""]
-        parts += [markdown_table(result["rows"]), ""]
+        fits = [row for row in result["rows"] if row.get("kind") == "max_fit"]
+        rows = [row for row in result["rows"] if row.get("kind") != "max_fit"]
+        parts += [markdown_table(rows), ""] if rows else []
+        parts += ["Longest completion in the cap (bench_loop --max-fit):", "", markdown_table(
+            [max_fit_summary(row) for row in fits]), ""] if fits else []
     return "\n".join(parts)
+
+
+def max_fit_summary(row: dict) -> dict:
+    """A max_fit row with its probes as one cell: completion, verdict and NVML peak each."""
+    verdict = lambda p: "fits" if p.get("fits") else "out of memory" if p.get("out_of_memory") else "error"  # noqa: E731
+    probes = "; ".join(f"{p['completion']}: {verdict(p)}, {_fmt(p.get('peak_gib'))} GiB" for p in row["probes"])
+    return {"system": row["system"], "cap_gib": row.get("cap_gib"), "max_completion": row.get("max_completion"),
+            "first_failure": row.get("first_failure"), "searched_to": row.get("searched_to"),
+            "complete": row.get("complete"), "probes": probes, "note": row.get("note")}
 
 
 def render_e2e_chart(result: dict, path: Path) -> None:
