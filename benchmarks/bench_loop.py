@@ -538,9 +538,21 @@ def versions() -> dict[str, str]:
     return out
 
 
+# what makes two max_fit searches the same search (besides the system and the cap)
+FIT_FIELDS = ("prompts", "generations", "prompt_length", "micro_batch")
+
+
+def row_key(row: dict) -> tuple:
+    """Rows of one results file with the same key replace each other: a step row's system, kind and completion; a
+    max_fit row's system, cap and batch (its completion is None)."""
+    if row.get("kind") == "max_fit":
+        return (row.get("system"), "max_fit", row.get("cap_gib"), *(row.get(f) for f in FIT_FIELDS))
+    return (row.get("system"), row.get("kind"), row.get("completion"))
+
+
 class Results:
     """benchmarks/results/loop_<shape>-<card>.json with write_results' payload; new rows replace the rows of the
-    same (system, kind, completion), the others stay (cases run in several device calls add up)."""
+    same row_key, the others stay (cases run in several device calls add up)."""
 
     def __init__(self, directory: Path, card: str, config: dict):
         self.directory, self.card, self.config, self.lock = directory, card, config, threading.Lock()
@@ -549,7 +561,7 @@ class Results:
         return self.directory / f"loop_{shape}-{re.sub(r'[^a-z0-9]+', '-', self.card.lower()).strip('-')}.json"
 
     def add(self, shape: str, rows: list[dict]) -> Path:
-        key = lambda r: (r.get("system"), r.get("kind"), r.get("completion"))  # noqa: E731
+        key = row_key
         with self.lock:
             path = self.path(shape)
             before = json.loads(path.read_text()) if path.exists() else {"rows": [], "config": {}}
@@ -672,17 +684,21 @@ def fit_search(case: Case, args, run, known: dict[int, dict] | None = None, repo
     return row(searched_to=args.fit_max, complete=True)
 
 
-def earlier_probes(path: Path, system: str, cap_gib: float) -> dict[int, dict]:
-    """completion -> probe with a verdict (fits, or out of memory) of `system`'s max_fit row at this cap in the
-    results file `path` (--continue-fit); errors are run again."""
+def earlier_probes(path: Path, case: Case) -> dict[int, dict]:
+    """completion -> probe with a verdict (fits, or out of memory) of the results file's max_fit row of the same
+    search as `case` (row_key: system, cap, batch) (--continue-fit); errors are run again. Each reused verdict is
+    printed: one from older code may no longer hold (say, an out-of-memory that a fix removed)."""
     if not path.exists():
         return {}
-    rows = json.loads(path.read_text())["rows"]
+    want = row_key({"system": case.system, "kind": "max_fit", "cap_gib": case.cap_gib,
+                    **{f: getattr(case, f) for f in FIT_FIELDS}})
     found = {}
-    for row in rows:
-        if row.get("kind") == "max_fit" and row.get("system") == system and row.get("cap_gib") == cap_gib:
+    for row in json.loads(path.read_text())["rows"]:
+        if row_key(row) == want:
             found.update({p["completion"]: p for p in row.get("probes", [])
                           if p.get("fits") or p.get("out_of_memory")})
+    for c, p in sorted(found.items()):
+        print(f"    reusing {case.system} at {c}: {'fits' if p['fits'] else 'out of memory'} ({path.name})", flush=True)
     return found
 
 
@@ -787,7 +803,7 @@ def main(argv=None) -> int:
                     beta=args.beta, cap_gib=args.cap_gib if args.max_fit else None,
                     vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda")
         if args.max_fit:
-            known = earlier_probes(results.path(shape), system, args.cap_gib) if args.continue_fit else {}
+            known = earlier_probes(results.path(shape), case) if args.continue_fit else {}
             row = fit_search(case, args, run, known, report=lambda partial: results.add(shape, [partial]))
         else:
             row = run(case)

@@ -69,5 +69,15 @@ def test_results_keep_notes_and_other_rows(tmp_path):
     assert payload["config"] == {"prompts": 8, "steps": 2, "note": "a person's note", "max_fit": {"cap_gib": 24.0}}
     assert payload["versions"]["vllm"] == "0.24.0"  # what an earlier run's rows used, though not importable here
     assert [(r["system"], r["kind"]) for r in payload["rows"]] == [("trl", "step"), ("trl", "max_fit")]
-    assert set(earlier_probes(path, "trl", 24.0)) == {2048, 4096}
-    assert earlier_probes(path, "trl", 20.0) == {} and earlier_probes(path, "fastgrpo", 24.0) == {}
+    trl = dataclasses.replace(CASE, system="trl")
+    assert set(earlier_probes(path, trl)) == {2048, 4096}
+    for other in (dataclasses.replace(trl, cap_gib=20.0), dataclasses.replace(trl, prompt_length=512), CASE):
+        assert earlier_probes(path, other) == {}  # another cap, batch or system: another search
+
+
+def test_searches_of_other_caps_or_batches_keep_their_rows(tmp_path):
+    results = Results(tmp_path, "Some Card", {})
+    for case in (CASE, dataclasses.replace(CASE, cap_gib=16.0), dataclasses.replace(CASE, generations=4)):
+        results.add("qwen2.5-1.5b-lora", [fit_search(case, ARGS, Card(limit=3000))])
+    rows = json.loads(results.path("qwen2.5-1.5b-lora").read_text())["rows"]
+    assert [(r["cap_gib"], r["generations"]) for r in rows] == [(24.0, 8), (16.0, 8), (24.0, 4)]
