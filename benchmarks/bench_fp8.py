@@ -45,6 +45,7 @@ import math
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from unittest import mock
 
@@ -240,6 +241,19 @@ def _allocated(device: str) -> int:
 
 
 def rollout_row(setup: dict, sizes: Sizes, mode: str) -> dict:
+    """timed_rollouts' row, from a fresh compile state, with the engine's fallback warnings ("fallbacks")."""
+    # each mode compiles the same layer code again: past dynamo's recompile limit (8) a later mode's layers would
+    # run eagerly, said only in a log line; a fresh start per mode
+    torch._dynamo.reset()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        row = timed_rollouts(setup, sizes, mode)
+    # the engine's fallbacks (a failed compile or graph capture: eager steps) make a row's speed another mode's
+    row["fallbacks"] = sorted({str(w.message)[:300] for w in caught if str(w.message).startswith("rollout:")})
+    return row
+
+
+def timed_rollouts(setup: dict, sizes: Sizes, mode: str) -> dict:
     """Warm-up (compile + capture, stopped after WARMUP_STEPS steps: the same request, so the same compiled step),
     then `repeats` timed calls; the copy's size and build time; the gap on the last call's samples."""
     config, _ = MODES[mode]
@@ -369,7 +383,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
                            "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",
-                           "kl_k1", "kl_k3", "xent", "error"])
+                           "kl_k1", "kl_k3", "xent", "fallbacks", "error"])
 
 
 if __name__ == "__main__":
