@@ -57,14 +57,6 @@ def engine_gap(model, config, G=4, seed=0, new_tokens=16):
     return logprob_gap(train.float(), torch.cat([prompt_mask * 0.0, result.logprobs.float()], 1), mask)
 
 
-def test_auto_never_picks_w8a8():
-    """Whatever the memory, "auto" resolves to a kind with the model's numerics (w8a8 rounds activations)."""
-    model = tiny_model("llama")
-    for free in (0, 1 << 20, 1 << 50):
-        assert decode_weights.auto_weights(model, free) in ("fused", "dense", "model")
-    assert decode_weights.resolved_weights(model, "w8a8") == "w8a8"
-
-
 def test_copy_is_the_fp8_copy():
     """The same e4m3 weights and scales, stacked in the same groups, at the same bytes."""
     model = tiny_model("qwen2")

@@ -154,6 +154,25 @@ def test_auto_decodes_from_the_model_when_building_its_copy_runs_out_of_memory(m
         assert modules and type(q_proj) is not classes[name]
 
 
+def test_auto_falls_back_from_the_fused_copy_to_the_dense_one(monkeypatch):
+    """Through decode_weights(model, "auto"): "fused" (k and gate/up stacked too) fails to build, so the smaller
+    "dense" copy (the adapted q and v) is made, with a warning; only then would the model's weights be used."""
+    model = tiny_model("llama", lora=True)
+    copy_layer = decode_weights._copy
+
+    def fused_runs_out_of_memory(module, kind, dtype):
+        if kind == "fused":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+        return copy_layer(module, kind, dtype)
+
+    monkeypatch.setattr(decode_weights, "_copy", fused_runs_out_of_memory)
+    monkeypatch.setattr(decode_weights, "resolved_weights", lambda model, weights: "fused")
+    with pytest.warns(UserWarning, match="took 'fused'.*decoding with 'dense'"):
+        with decode_weights.decode_weights(model, "auto") as modules:
+            kinds = {getattr(m, "fastgrpo_copy_kind", None) for m in modules}
+            assert kinds == {"dense"} and hasattr(modules[0], "fastgrpo_copy_weight")
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_fp8_engine_equals_the_model_on_fp8_grid_weights(arch):
     """Weights the copy holds exactly: the FP8 engine decodes as the model does (greedy and sampled), while on

@@ -48,7 +48,7 @@ from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
 
 WEIGHTS = ("auto", "model", "fp8", "w8a8", "dense", "fused")
-COPIES = WEIGHTS[2:]  # the kinds copied_weights builds
+COPIES = ("fp8", "w8a8", "dense", "fused")  # the kinds copied_weights builds
 FP8_COPIES = ("fp8", "w8a8")  # the kinds whose copy is quantize_fp8's
 # "auto" makes a copy only with this much device memory to spare after it (the decode step's temporaries)
 AUTO_HEADROOM_BYTES = 1 << 30
@@ -122,19 +122,25 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
 
 @contextlib.contextmanager
 def _copy_or_model(model: torch.nn.Module, kind: str) -> Iterator[list[torch.nn.Module]]:
-    """copied_weights(model, kind) for "auto"; if building the copy runs out of device memory anyway (the estimate
-    is one, and the allocator's free blocks may be fragmented), the model's own weights, with a warning: the
-    choice was ours, so it must not end the user's run."""
+    """copied_weights(model, kind) for "auto". If building the copy runs out of device memory anyway (the room is
+    an estimate, and the allocator's free blocks may be fragmented): the smaller "dense" copy where "fused" was
+    taken and one exists, else the model's own weights, with a warning each time: the choice was ours, so it must
+    not end the user's run."""
+    kinds = [kind]
+    if kind == "fused" and 0 < copy_bytes(model, "dense") < copy_bytes(model, "fused"):
+        kinds.append("dense")
     with contextlib.ExitStack() as stack:
-        try:
-            modules = stack.enter_context(copied_weights(model, kind))
-        except torch.OutOfMemoryError:
-            modules = None  # the partial copy is freed with the exception, after this block
-        if modules is None:
+        modules = []
+        for i, candidate in enumerate(kinds):
+            try:
+                modules = stack.enter_context(copied_weights(model, candidate))
+                break
+            except torch.OutOfMemoryError:
+                pass  # the partial copy is freed with the exception, after this block
             torch.cuda.empty_cache()
-            warnings.warn(f"rollout: weights='auto' took {kind!r}, whose copy ran out of device memory while it was "
-                          "built; decoding with the model's own weights", stacklevel=4)
-            modules = []
+            then = repr(kinds[i + 1]) if i + 1 < len(kinds) else "the model's own weights"
+            warnings.warn(f"rollout: weights='auto' took {candidate!r}, whose copy ran out of device memory while it "
+                          f"was built; decoding with {then}", stacklevel=4)
         yield modules
 
 
