@@ -300,7 +300,8 @@ def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | No
     weights = weight_bytes(model) if weights is None else weights
     kv = kv_bytes_per_token(model.config) * sizes.rows
     if kv_cache == "fp8":
-        head_dim = model.config.hidden_size // model.config.num_attention_heads
+        head_dim = getattr(model.config, "head_dim", None) or \
+            model.config.hidden_size // model.config.num_attention_heads
         kv = kv * (head_dim + 4) // (2 * head_dim)
     bucket = EngineConfig().length_bucket
     cache_len = -(-(sizes.prompt_len + sizes.new_tokens) // bucket) * bucket  # the engine's M

@@ -125,7 +125,11 @@ def test_long_rollout_within_the_first_order_bound(arch, options, monkeypatch):
 
 def test_the_bound_sees_a_wrong_scale(monkeypatch):
     """The control: a cache written right but whose key scales are read one slot off (an easy bug) lands outside
-    the bound."""
+    the bound. Its power comes from the pad slots: a pad token's K is all zero (its embedding row is), stored with
+    scale 1, so the shifted read gives the next slot a scale ~100x its own. Between real tokens a shift is invisible
+    here: the tiny models' K vectors (RMS-normed input) have amaxes within a few percent of each other, an error of
+    the size of the quantization's own (reading another head's, row's or slot's scale stayed at ~6% of the bound).
+    The kernel tests (test_decode_attention.py) are what catch a misread scale between real tokens."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     read = LayerCache.decode_kwargs
 
@@ -200,3 +204,27 @@ def test_gpu_graphed_fp8_rollout_within_the_first_order_bound(shared):
     assert not [str(w.message) for w in caught if str(w.message).startswith("rollout:")]
     assert_within_first_order(model.cpu(), got, f"gpu shared={shared}")
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_gpu_bf16_model_decodes_graphed_from_the_fp8_cache():
+    """A bf16 model (the kernel's e4m3 -> bf16 tiles and bf16 dots; the fp32 test above takes its fp32 branch)
+    decodes compiled and replayed as one CUDA graph: no "rollout:" fallback, which would make the mode's speed an
+    eager step's (the H100 bench measured this mode 1.8x slower per step than the bf16 cache)."""
+    torch._dynamo.reset()
+    model = tiny_model("llama").to(torch.bfloat16).cuda()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        got = run(model, EngineConfig(kv_cache="fp8", length_bucket=16), G=4, new_tokens=40)
+    assert not [str(w.message) for w in caught if str(w.message).startswith("rollout:")]
+    assert torch.isfinite(got.logprobs).all()
+    torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_gpu_before_ada_refuses_the_fp8_cache(monkeypatch):
+    """e4m3 needs compute capability 8.9: an older GPU gets one line naming kv_cache, before any work."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    model = tiny_model("qwen2").cuda()
+    with pytest.raises(ValueError, match="kv_cache='fp8': e4m3 needs a GPU of compute capability 8.9"):
+        run(model, EngineConfig(kv_cache="fp8"))

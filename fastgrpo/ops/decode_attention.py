@@ -31,7 +31,7 @@ def quantize_kv(states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """states [..., D] -> (e4m3 [..., D], fp32 scale [...]): scale = amax over D / 448, states ~= q * scale.
 
     Each element's error is at most half an e4m3 ulp at its magnitude: |x| 2^-4 for normals, and below the smallest
-    normal (2^-6 scale) the fixed subnormal step 2^-10 scale, so |error| <= max(|x| 2^-4, 2^-10 scale)."""
+    normal (2^-6 scale) half the subnormal step of 2^-9 scale, so |error| <= max(|x| 2^-4, 2^-10 scale)."""
     x = states.float()
     scale = x.abs().amax(-1) / FP8_MAX
     scale = torch.where(scale > 0, scale, 1.0)  # an all-zero vector: q = 0 whatever the scale, and no 0 / 0

@@ -87,7 +87,9 @@ class EngineConfig:
     # unquantized K/V; decode steps attend over the e4m3 cache, so log-probs move by the quantization
     # (tests/test_fp8_kv_cache.py bounds it). Attention "triton" only (its kernel reads e4m3; SDPA would need a
     # dequantized copy of the cache every step), with shared_prefix and every finished_rows mode; models kept on
-    # "eager" attention (soft-capping, e.g. gemma2) cannot use it (an error when the rollout starts).
+    # "eager" attention (soft-capping, e.g. gemma2) cannot use it (an error when the rollout starts), nor GPUs
+    # before compute capability 8.9. Measured on an H100 it decoded slower, not faster (Llama-3.1-8B shapes: 17.2
+    # against 9.6 ms a step, cause not found yet; benchmarks/NOTES_rollout.md, D4): it saves memory only.
     kv_cache: str = "model"
 
     def __post_init__(self):
@@ -190,6 +192,10 @@ def rollout(
         raise ValueError(f"EngineConfig.kv_cache='fp8': needs the engine's attention ({ATTENTION_NAME}), whose decode "
                          f"kernel reads e4m3; this model runs {model.config._attn_implementation!r} (models kept on "
                          "'eager' attention, e.g. soft-capping gemma2, cannot); use kv_cache='model'")
+    if fp8 and device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"EngineConfig.kv_cache='fp8': e4m3 needs a GPU of compute capability 8.9 or newer (Ada, "
+                         f"Hopper); {torch.cuda.get_device_name(device)} is "
+                         f"{torch.cuda.get_device_capability(device)}; use kv_cache='model'")
 
     # prompt: [B, P] left-padded; offset: [B] first real slot
     prompt = left_pad(prompts, pad_id)[0].to(device)

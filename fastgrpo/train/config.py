@@ -109,7 +109,9 @@ class GRPOConfig:
     rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (K/V in the model's dtype) or fp8 "
                                             "(e4m3 with an fp32 scale per cached vector: 0.52x the cache's memory "
                                             "and of what decode attention reads at head_dim 128; log-probs move by "
-                                            "the quantization; needs rollout_attention triton or auto)",
+                                            "the quantization; needs rollout_attention triton or auto and a "
+                                            "GPU of compute capability >= 8.9; measured slower per decode step on "
+                                            "an H100: a memory saving only)",
                                    run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
