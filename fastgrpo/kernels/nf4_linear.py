@@ -74,11 +74,11 @@ def _nf4_linear_kernel(
                 w_ok = feat_ok[:, None]
                 x_ok = row_ok[None, :]
                 a_ok = feat_ok
-            else:  # K = k_end: a block past it is masked whole (blocks never straddle rows)
-                inside = kb < k_end
-                w_ok = feat_ok[:, None] & inside
-                x_ok = row_ok[None, :] & inside
-                a_ok = feat_ok & inside
+            else:  # a block past k_end is masked whole (blocks never straddle rows)
+                inside = (kb + 2 * half) < k_end  # [BLOCKSIZE / 2]: all true or all false
+                w_ok = feat_ok[:, None] & inside[None, :]
+                x_ok = inside[:, None] & row_ok[None, :]
+                a_ok = feat_ok & (kb + 0 * feats < k_end)
             block = first_block + kb // BLOCKSIZE
             if NESTED:
                 a = tl.load(ABSMAX + block, mask=a_ok, other=0)
