@@ -14,24 +14,38 @@ only the fp32 summation order differs, (K + splits + 3) 2^-24 relative to sum |x
 8e-6); log-probs of O(1) logits move by about that, twice (the chosen logit and the logsumexp): KERNEL_GAP
 (seen: 2.4e-7), and greedy tokens stay.
 """
+import functools
 import sys
 import warnings
 
 import pytest
 import torch
+from torch._dynamo.testing import CompileCounter
 
-from fastgrpo.rollout import decode_weights
+from fastgrpo.rollout import decode, decode_weights
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.test_rollout import CONFIGS, PROMPTS, char_tokenizer, completions
-from tests.test_warmup import DEEP, FIXED, PROMPT_SETS, compiles  # noqa: F401 (compiles: a fixture)
+from tests.test_warmup import DEEP, FIXED, PROMPT_SETS
 
 bnb = pytest.importorskip("bitsandbytes")
 NF4 = EngineConfig(weights="nf4", compile=False)
 MODEL = EngineConfig(weights="model", compile=False)
 LINEARS = 7  # 4-bit linears per decoder layer: q, k, v, o, gate, up, down
 KERNEL_GAP = 2 * (128 + 3 + 3) * 2.0**-24  # the module docstring's log-prob bound through the kernel
+
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """tests/test_warmup.py's: the engine's torch.compile through a CompileCounter backend (dynamo frames)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    counter = CompileCounter()
+    monkeypatch.setattr(decode, "_compiled", functools.cache(
+        lambda fn: torch.compile(fn, backend=counter, dynamic=False)))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
 
 
 @pytest.fixture
@@ -157,7 +171,7 @@ def test_auto_never_picks_nf4():
 
 
 @pytest.mark.parametrize("lora", [False, True])
-def test_layers_scope_compiles_one_layer(compiles, lora):  # noqa: F811 (compiles: the fixture)
+def test_layers_scope_compiles_one_layer(compiles, lora):
     """compile_scope="layers": one frame for the layers (the swapped Linear4bit class and its NF4 parts are guarded
     by class, shape and value, not identity) and one for the sampling, across calls of three prompt lengths; the
     uncompiled engine's tokens and log-probs."""
