@@ -160,6 +160,20 @@ def test_layers_the_kernel_cannot_read_keep_their_forward(torch_path):
     assert decode_weights.copy_bytes(model, "nf4") == 0
 
 
+def test_a_model_without_nf4_layers_warns(torch_path):
+    """weights="nf4" on a bf16 model: one warning, and the model's own weights (its tokens and log-probs)."""
+    from tests.test_rollout import tiny_model
+
+    torch_path(kernel=False)
+    model = tiny_model("llama")
+    with pytest.warns(UserWarning, match="weights='nf4' found no bitsandbytes NF4 layer"):
+        got = generate_with_config(model, char_tokenizer(), PROMPTS, 2, SamplingParams(max_new_tokens=6), seed=3,
+                                   config=NF4)
+    want = generate_with_config(model, char_tokenizer(), PROMPTS, 2, SamplingParams(max_new_tokens=6), seed=3,
+                                config=MODEL)
+    assert completions(got) == completions(want) and torch.equal(got.logprobs, want.logprobs)
+
+
 def test_auto_never_picks_nf4():
     """Whatever the memory, "auto" resolves to a copy or the model's own weights: nf4 is unmeasured on a GPU."""
     model = nf4_model(CONFIGS["llama"]())

@@ -242,6 +242,9 @@ def nf4_weights(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
     swapped = []
     try:
         modules = nf4_linears(model)
+        if not modules:  # asked for by name: say that it does nothing here
+            warnings.warn("rollout: weights='nf4' found no bitsandbytes NF4 layer that nf4_linear can read; decoding "
+                          "with the model's own weights", stacklevel=4)
         for module in modules:
             packed, state, dtype = four_bit_parts(module)
             prepare_nf4_linear(packed.device)
