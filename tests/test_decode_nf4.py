@@ -22,6 +22,7 @@ import pytest
 import torch
 from torch._dynamo.testing import CompileCounter
 
+import fastgrpo
 from fastgrpo.rollout import decode, decode_weights
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
@@ -98,13 +99,16 @@ def packed_weights(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if type(p).__name__ == "Params4bit"}
 
 
-@pytest.mark.parametrize("arch, nested, lora", [("llama", False, False), ("llama", True, True),
-                                                ("qwen2", True, False), ("qwen2", False, True)])
-def test_nf4_engine_is_bitsandbytes_forward(monkeypatch, torch_path, arch, nested, lora):
+@pytest.mark.parametrize("arch, nested, lora, patched", [("llama", False, False, False), ("llama", True, True, False),
+                                                         ("qwen2", True, False, False), ("qwen2", False, True, True)])
+def test_nf4_engine_is_bitsandbytes_forward(monkeypatch, torch_path, arch, nested, lora, patched):
     """Greedy and sampled: the same tokens and log-probs as weights="model", bit for bit (module docstring); every
-    4-bit base ran nf4_linear once per decode step; classes, forwards and packed weights come back."""
+    4-bit base ran nf4_linear once per decode step, patch_model's LoRA forwards too (they call base_layer(x) for a
+    bitsandbytes base); classes, forwards and packed weights come back."""
     torch_path(kernel=False)
     model = nf4_model(CONFIGS[arch](), nested, lora)
+    if patched:
+        fastgrpo.patch_model(model)
     bases = decode_weights.nf4_linears(model)
     layers = model.config.num_hidden_layers
     assert len(bases) == LINEARS * layers and all(type(b).__name__ == "Linear4bit" for b in bases)
