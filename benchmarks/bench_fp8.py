@@ -18,7 +18,8 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 decode step: the activations' quantizer fused) with its rowwise scales (w8a8_us) and with scalar
                 scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
                 take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
-                bases hold it (blocksize 64, nested absmax; nf4_us); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
+                bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
+                tune its default_config); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
                 and the weight bytes read per second over the measured copy bandwidth (share). The sweep is there
                 to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
@@ -125,6 +126,41 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
     return sorted(configs, key=dataclasses.astuple)
 
 
+def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
+    """Alternatives to nf4_linear's default_config (fp8_linear's rule, unmeasured for NF4): 64 / 128 features
+    (4 / 8 warps) x 128 / 256 of K per step x splits for one or two programs per SM, 3 stages."""
+    from fastgrpo.kernels.fp8_linear import config_for
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, 4 if block_n == 64 else 8, 3)
+               for block_n in (64, 128) for block_k in (128, 256) for per_sm in (1, 2)}
+    return sorted(configs, key=dataclasses.astuple)
+
+
+def _nf4_sweep_row(x: torch.Tensor, fours: list, device: str) -> dict:
+    """nf4_linear's default config and the best of nf4_sweep, us per call; a config past the card's shared memory
+    or registers is skipped (Triton refuses it at the eager warm-up call, before any capture)."""
+    import triton
+
+    from fastgrpo.kernels.nf4_linear import default_config, nf4_linear_fwd
+    from fastgrpo.ops.nf4_linear import nf4_weight
+
+    ws = [nf4_weight(p, st) for p, st in fours]
+    M, K = x.shape
+    N = ws[0].N
+    timed = {}
+    for c in nf4_sweep(M, N, K, x.device):
+        calls = [functools.partial(nf4_linear_fwd, x, w.packed, w.absmax, w.code, w.absmax_code, w.absmax_scale,
+                                   w.offset, None, w.N, w.blocksize, w.nested_blocksize, c) for w in ws]
+        try:
+            timed[c] = _kernel_us(calls, device)
+        except triton.runtime.errors.OutOfResources:
+            continue
+    best = min(timed, key=timed.get)
+    return {"nf4_best_us": timed[best], "nf4_best": str(dataclasses.astuple(best)),
+            "nf4_default": str(dataclasses.astuple(default_config(M, N, K, 64, x.device)))}
+
+
 def linear_shapes(model) -> dict[tuple[int, int], str]:
     """(N, K) -> the names of the dense linears of that shape (layer 0's and lm_head), and of layer 0's stacks of
     siblings ("q_proj+k_proj+v_proj": the GEMMs the FP8 copies run)."""
@@ -211,6 +247,8 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
             row["nf4_us"] = _kernel_us([functools.partial(nf4_linear, x, p, st) for p, st in fours], device)
             row["nf4_speedup"] = row["bf16_us"] / row["nf4_us"]
             row["nf4_share"] = N * K * NF4_BYTES / (row["nf4_us"] * 1e-6) / bandwidth
+            if cuda:
+                row.update(_nf4_sweep_row(x, fours, device))
             del fours
         if cuda:
             row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
@@ -386,7 +424,7 @@ def main(argv: list[str] | None = None) -> None:
     print()
     print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us",
                         "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
-                        "nf4_share", "best_us", "best", "default"])
+                        "nf4_share", "best_us", "best", "default", "nf4_best_us", "nf4_best", "nf4_default"])
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
                            "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",
