@@ -214,23 +214,26 @@ def test_layers_scope_compiles_one_layer(compiles, lora):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch, lora", [("qwen2", False), ("llama", True)])
 def test_gpu_nf4_engine_compiled_and_graphed(arch, lora):
-    """On CUDA (Inductor, CUDA graph, the Triton kernel), a bf16 model with nested NF4: no fallback warning; the
-    eager step gives the same tokens and log-probs; greedy tokens of the model engine (bitsandbytes' CUDA forward:
-    the same bf16 weights, cuBLAS's summation order) on most rows (a near-tie may flip one)."""
+    """On CUDA (Inductor, CUDA graph, the Triton kernel), nested NF4: a bf16 model decodes with no fallback warning
+    and the eager step's tokens and log-probs; an fp32 model (the kernel's "ieee" dots on bitsandbytes' fp32 W) gives
+    the model engine's tokens (bitsandbytes' CUDA forward) with log-probs within KERNEL_GAP (module docstring)."""
     torch._dynamo.reset()
-    model = nf4_model(CONFIGS[arch](), nested=True, lora=lora).cuda().bfloat16()
+    model = nf4_model(CONFIGS[arch](), nested=True, lora=lora).cuda()
+    params = SamplingParams(max_new_tokens=40, temperature=1.0)
+    got = run(model, EngineConfig(weights="nf4", compile=False), params, G=4)
+    want = run(model, EngineConfig(weights="model", compile=False), params, G=4)
+    assert completions(got) == completions(want)
+    gap = (got.logprobs - want.logprobs).abs().max().item()
+    assert gap <= KERNEL_GAP, f"log-prob gap {gap:.3e} > {KERNEL_GAP:.3e}"
+    model.bfloat16()
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.compute_dtype = torch.bfloat16
-    params = SamplingParams(max_new_tokens=40, temperature=1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        graphed = run(model, EngineConfig(weights="nf4"), params, G=4)
+        graphed = generate_with_config(model, char_tokenizer(), PROMPTS, 4, params, seed=3,
+                                       config=EngineConfig(weights="nf4"))
     assert not [w for w in caught if str(w.message).startswith("rollout:")], [str(w.message) for w in caught]
     eager = run(model, EngineConfig(weights="nf4", compile=False), params, G=4)
     assert completions(graphed) == completions(eager)
     torch.testing.assert_close(graphed.logprobs, eager.logprobs, atol=1e-4, rtol=0)
-    greedy = SamplingParams(max_new_tokens=16, temperature=0)
-    got = completions(run(model, EngineConfig(weights="nf4"), greedy, G=1))
-    want = completions(run(model, EngineConfig(weights="model"), greedy, G=1))
-    assert sum(a == b for a, b in zip(got, want)) >= len(want) - 1, (got, want)
