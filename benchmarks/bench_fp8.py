@@ -7,6 +7,8 @@ and the log-prob gap to the trainer, on the same samples.
     python -m benchmarks.bench_fp8 --modes bf16,fp8,4bit-dense,4bit-fp8   # + an NF4 base (needs bitsandbytes)
     python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --modes bf16-triton,fused-triton,fp8-triton,4bit-dense-triton
     python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --modes fused-triton,fp8-triton,w8a8-triton   # W8A8
+    python -m benchmarks.bench_fp8 --shapes llama-3.1-8b --no-gemms \
+        --modes fused-triton,4bit-dense-triton,4bit-triton,4bit-nf4-triton   # NF4 read by the W4A16 kernel
 
 Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's request: 8 prompts x 8 samples, prompt
 256 random ids, 1024 new tokens, temperature 1, EOS ignored):
@@ -15,18 +17,20 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 and the best of `sweep` (tiles, warps, splits), and fp8_scaled_linear (W8A8, compiled as in the
                 decode step: the activations' quantizer fused) with its rowwise scales (w8a8_us) and with scalar
                 scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
-                take); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
+                take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
+                bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
+                tune its default_config); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
                 and the weight bytes read per second over the measured copy bandwidth (share). The sweep is there
                 to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
                 capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
                 (prefill and text decoding included), decode_ms (decode steps 17-1024 alone), speedup over bf16,
                 peak GiB above the weights,
-                the copy's GiB (copy_bytes) and build seconds (one copied_weights entry, synchronized). 4bit*:
+                the copy's GiB (copy_bytes) and build seconds (one decode_weights entry, synchronized). 4bit*:
                 the decoder linears converted to bitsandbytes NF4 in place (the model's own forward, "dense",
-                "fp8" and "w8a8" copies of it): a 4-bit base should decode at least as fast as the bf16 one. The
-                FP8 and "dense" copies of a 4-bit base run q/k/v and gate/up stacked, one GEMM each; "fused" does
-                that in bf16.
+                "fp8" and "w8a8" copies of it, "nf4": no copy, its own 4-bit weights read by nf4_linear): a 4-bit
+                base should decode at least as fast as the bf16 one. The FP8 and "dense" copies of a 4-bit base run
+                q/k/v and gate/up stacked, one GEMM each; "fused" does that in bf16; "nf4" runs them apart.
   gap           on the last timed call's samples: the trainer's log-probs of them (loss.model.sequence_logprobs,
                 8 rows at a time: pi_old in training) against the engine's: loss.correction.logprob_gap (mean and
                 max |gap| per token, k1 / k3 estimates of KL(engine || trainer) per token) and xent, the sampled
@@ -41,6 +45,7 @@ import argparse
 import dataclasses
 import functools
 import gc
+import importlib.util
 import math
 import statistics
 import tempfile
@@ -61,7 +66,8 @@ from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
-from fastgrpo.rollout.decode_weights import copied_weights, copy_bytes, fused_groups
+from fastgrpo.ops.nf4_linear import nf4_linear, prepare_nf4_linear
+from fastgrpo.rollout.decode_weights import copy_bytes, decode_weights, fused_groups
 from fastgrpo.rollout.decode import EngineConfig
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
@@ -91,10 +97,13 @@ MODES = {
     # what weights="auto" falls back to when no copy fits: bitsandbytes dequantizes each layer at every step
     "4bit-triton": (EngineConfig(**TRITON, weights="model"), "4bit"),
     "4bit-w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "4bit"),
+    # no copy: nf4_linear reads each NF4 base's own 4-bit weight (LoRA-free here; lm_head bf16 as in every 4bit mode)
+    "4bit-nf4-triton": (EngineConfig(**TRITON, weights="nf4"), "4bit"),
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
 GRAPH_CALLS = 20  # GEMM calls per CUDA graph in _kernel_us
+NF4_BYTES = 0.5 + 1 / 64  # per weight read by nf4_linear: a nibble, and a uint8 absmax code per block of 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,6 +125,41 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
                for block_n in (64, 128, 256) for warps in (4, 8) for per_sm in (1, 2) if (block_n, warps) != (256, 4)}
     configs |= {config_for(M, N, K, sms, 128, 256, per_sm, 8, 3) for per_sm in (1, 2)}
     return sorted(configs, key=dataclasses.astuple)
+
+
+def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
+    """Alternatives to nf4_linear's default_config (fp8_linear's rule, unmeasured for NF4): 64 / 128 features
+    (4 / 8 warps) x 128 / 256 of K per step x splits for one or two programs per SM, 3 stages."""
+    from fastgrpo.kernels.fp8_linear import config_for
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, 4 if block_n == 64 else 8, 3)
+               for block_n in (64, 128) for block_k in (128, 256) for per_sm in (1, 2)}
+    return sorted(configs, key=dataclasses.astuple)
+
+
+def _nf4_sweep_row(x: torch.Tensor, fours: list, device: str) -> dict:
+    """nf4_linear's default config and the best of nf4_sweep, us per call; a config past the card's shared memory
+    or registers is skipped (Triton refuses it at the eager warm-up call, before any capture)."""
+    import triton
+
+    from fastgrpo.kernels.nf4_linear import default_config, nf4_linear_fwd
+    from fastgrpo.ops.nf4_linear import nf4_weight
+
+    ws = [nf4_weight(p, st) for p, st in fours]
+    M, K = x.shape
+    N = ws[0].N
+    timed = {}
+    for c in nf4_sweep(M, N, K, x.device):
+        calls = [functools.partial(nf4_linear_fwd, x, w.packed, w.absmax, w.code, w.absmax_code, w.absmax_scale,
+                                   w.offset, None, w.N, w.blocksize, w.nested_blocksize, c) for w in ws]
+        try:
+            timed[c] = _kernel_us(calls, device)
+        except triton.runtime.errors.OutOfResources:
+            continue
+    best = min(timed, key=timed.get)
+    return {"nf4_best_us": timed[best], "nf4_best": str(dataclasses.astuple(best)),
+            "nf4_default": str(dataclasses.astuple(default_config(M, N, K, 64, x.device)))}
 
 
 def linear_shapes(model) -> dict[tuple[int, int], str]:
@@ -181,6 +225,8 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
                         for fn in (fp8_scaled_linear, _w8a8_tensorwise))
     if cuda:
         prepare_fp8_linear(torch.device(device))  # the W8A16 kernel's split-K tickets, before any capture
+        prepare_nf4_linear(torch.device(device))
+    nf4 = importlib.util.find_spec("bitsandbytes") is not None
     l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     for (N, K), names in linear_shapes(model).items():
         torch._dynamo.reset()  # a compile per shape: a model has about as many as dynamo's recompile limit (8)
@@ -193,6 +239,18 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
                "fp8_us": _kernel_us([functools.partial(fp8_linear, x, q, s) for q, s in qs], device),
                "w8a8_us": _kernel_us([functools.partial(w8a8, x, q, s) for q, s in qs], device),
                "w8a8_tensorwise_us": _kernel_us([functools.partial(tensorwise, x, q, s) for q, s in qs], device)}
+        if nf4:
+            import bitsandbytes.functional as bnb_functional
+
+            # the 4bit* bases' format (bnb.nn.Params4bit's defaults): blocksize 64, nested absmax
+            fours = [bnb_functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+                     for w in ws]
+            row["nf4_us"] = _kernel_us([functools.partial(nf4_linear, x, p, st) for p, st in fours], device)
+            row["nf4_speedup"] = row["bf16_us"] / row["nf4_us"]
+            row["nf4_share"] = N * K * NF4_BYTES / (row["nf4_us"] * 1e-6) / bandwidth
+            if cuda:
+                row.update(_nf4_sweep_row(x, fours, device))
+            del fours
         if cuda:
             row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
             timed = {c: _kernel_us([functools.partial(fp8_linear_fwd, x, q, s, None, c) for q, s in qs], device)
@@ -281,7 +339,7 @@ def timed_rollouts(setup: dict, sizes: Sizes, mode: str) -> dict:
         row["copy_gib"] = copy_bytes(model, config.weights) / GIB
         _sync(device)
         start = time.perf_counter()
-        with copied_weights(model, config.weights):
+        with decode_weights(model, config.weights):  # "nf4": no copy, only the forwards swapped
             _sync(device)
             row["copy_build_s"] = time.perf_counter() - start
     row.update(gap(model, result))
@@ -378,8 +436,9 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write, gemms=not args.no_gemms)
     print()
-    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "speedup",
-                        "w8a8_speedup", "bf16_share", "fp8_share", "w8a8_share", "best_us", "best", "default"])
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us",
+                        "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
+                        "nf4_share", "best_us", "best", "default", "nf4_best_us", "nf4_best", "nf4_default"])
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
                            "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",

@@ -117,3 +117,12 @@ def with_lora_deltas(layer: torch.nn.Module, weight: torch.Tensor) -> torch.Tens
 
 def _detached(bias: torch.Tensor | None) -> torch.Tensor | None:
     return None if bias is None else bias.detach()
+
+
+def four_bit_parts(linear: torch.nn.Module) -> tuple[torch.Tensor, object, torch.dtype | None] | None:
+    """(packed uint8 weight, QuantState, compute dtype or None) of a bitsandbytes 4-bit linear, None for any other
+    module. The compute dtype is the one its forward casts x to (None until its first forward sets it)."""
+    weight = getattr(linear, "weight", None)
+    if type(weight).__name__ != "Params4bit":
+        return None
+    return weight.data, weight.quant_state, getattr(linear, "compute_dtype", None)

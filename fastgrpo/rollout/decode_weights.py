@@ -1,5 +1,6 @@
 """The weights the decode steps multiply (EngineConfig.weights): the model's own, or a copy of them made for the
-decode of one rollout, "fp8" or "w8a8" (e4m3), "dense" or "fused" (the model's dtype).
+decode of one rollout, "fp8" or "w8a8" (e4m3), "dense" or "fused" (the model's dtype), or a 4-bit base's own
+packed weights read by a W4A16 kernel ("nf4").
 
 Why: a decode step of 64 rows reads every weight once for ~128 FLOPs per byte, so its GEMMs cost what the weight
 reads cost (benchmarks/NOTES_rollout.md). "fp8": per-channel e4m3 copies (fastgrpo.ops.fp8_linear, W8A16) halve
@@ -31,6 +32,16 @@ trace per layer (for per-layer compiled code) and per rollout. The copy's kind i
 same in every module: guarded by value), read by the forward to pick the GEMM. A fused member holds its group
 (modules, reached as attributes like the model's own submodules) and hands each sibling its slice of the output as
 an attribute for the sibling's call with the same input; the members of a traced layer do that inside the trace.
+
+"nf4": no copy. Each bitsandbytes NF4 base among the dense linears (a LoRA layer's base_layer, or a plain Linear4bit)
+that fastgrpo.ops.nf4_linear can read (K a multiple of the blocksize, not repacked for bitsandbytes' CPU kernel)
+runs nf4_linear on its own packed weight: 0.5 bytes a weight read per step, a quarter of a bf16 copy's, and no
+dequantization in memory (bitsandbytes' own forward writes and reads the whole bf16 weight per call). The rest keeps
+its forward: PEFT computes the LoRA branch as it does (three GEMMs instead of "dense"'s one: the adapters are small),
+plain linears (lm_head) multiply their own weights, q/k/v and gate/up stay separate GEMMs (stacking them would copy
+the 4-bit weights). Swapped the same way (class and per-module attributes: the NF4 parts, views of the weight's own
+tensors, and the compute dtype). "auto" never picks it until a GPU run measures it against "dense"
+(benchmarks/bench_fp8.py, mode 4bit-nf4-triton).
 """
 from __future__ import annotations
 
@@ -43,11 +54,12 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo.hf.models import architecture
-from fastgrpo.hf.peft import dense_linears, dense_weight
+from fastgrpo.hf.peft import dense_linears, dense_weight, four_bit_parts
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
+from fastgrpo.ops.nf4_linear import nf4_linear_unpacked, nf4_refusal, nf4_weight, prepare_nf4_linear
 
-WEIGHTS = ("auto", "model", "fp8", "w8a8", "dense", "fused")
+WEIGHTS = ("auto", "model", "fp8", "w8a8", "dense", "fused", "nf4")
 COPIES = ("fp8", "w8a8", "dense", "fused")  # the kinds copied_weights builds
 FP8_COPIES = ("fp8", "w8a8")  # the kinds whose copy is quantize_fp8's
 # "auto" makes a copy only with this much device memory to spare after it (the decode step's temporaries)
@@ -102,6 +114,13 @@ def _group_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return mine
 
 
+def _nf4_forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    """A 4-bit base's forward during decoding ("nf4"): nf4_linear over its own packed weight, x cast to the compute
+    dtype and the output back, as bitsandbytes' forward does."""
+    dtype = self.fastgrpo_nf4_dtype or x.dtype
+    return nf4_linear_unpacked(x.to(dtype), self.fastgrpo_nf4, self.bias).to(x.dtype)
+
+
 @functools.cache
 def _copy_class(base: type, forward=_copy_forward) -> type:
     """`base` with the copy's forward: one subclass per class and forward, shared by every module of that class
@@ -110,13 +129,15 @@ def _copy_class(base: type, forward=_copy_forward) -> type:
 
 
 def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractContextManager:
-    """The context the engine decodes in: the model's own weights ("model") or a copy of them (COPIES); "auto" is
-    resolved_weights'."""
+    """The context the engine decodes in: the model's own weights ("model"), a copy of them (COPIES), or the W4A16
+    kernel over a 4-bit base's own weights ("nf4"); "auto" is resolved_weights'."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {list(WEIGHTS)}, got {weights!r}")
     kind = resolved_weights(model, weights)
     if kind == "model":
         return contextlib.nullcontext()
+    if kind == "nf4":
+        return nf4_weights(model)
     return _copy_or_model(model, kind) if weights == "auto" else copied_weights(model, kind)
 
 
@@ -217,12 +238,44 @@ def copied_weights(model: torch.nn.Module, kind: str = "fp8") -> Iterator[list[t
                         _swap(member, attrs, _group_forward, swapped)
         yield modules
     finally:
-        for module, base, own, names in reversed(swapped):
-            module.__class__ = base
-            for name in names:
-                del module.__dict__[name]
-            if own is not None:
-                module.__dict__["forward"] = own
+        _restore(swapped)
+
+
+@contextlib.contextmanager
+def nf4_weights(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
+    """Within the block, each of nf4_linears(model) (yielded) computes its output with nf4_linear over its own
+    packed weight; on exit every module is what it was. Nothing is copied."""
+    swapped = []
+    try:
+        modules = nf4_linears(model)
+        if not modules:  # asked for by name: say that it does nothing here
+            warnings.warn("rollout: weights='nf4' found no bitsandbytes NF4 layer that nf4_linear can read; decoding "
+                          "with the model's own weights", stacklevel=4)
+        for module in modules:
+            packed, state, dtype = four_bit_parts(module)
+            prepare_nf4_linear(packed.device)
+            _swap(module, {"fastgrpo_nf4": nf4_weight(packed, state), "fastgrpo_nf4_dtype": dtype}, _nf4_forward,
+                  swapped)
+        yield modules
+    finally:
+        _restore(swapped)
+
+
+def nf4_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The bitsandbytes 4-bit bases of dense_linears(model) that nf4_linear reads (nf4_refusal: NF4, K a multiple
+    of the blocksize, not repacked for bitsandbytes' CPU kernel); the others keep their forward."""
+    bases = (_layer(m) for m in dense_linears(model))
+    return [b for b in bases if (parts := four_bit_parts(b)) is not None and nf4_refusal(*parts[:2]) is None]
+
+
+def _restore(swapped: list) -> None:
+    """Undo _swap, last first: each module's class, attributes and instance-level forward as they were."""
+    for module, base, own, names in reversed(swapped):
+        module.__class__ = base
+        for name in names:
+            del module.__dict__[name]
+        if own is not None:
+            module.__dict__["forward"] = own
 
 
 def fused_groups(model: torch.nn.Module, modules: list[torch.nn.Module], kind: str) -> list[tuple]:
@@ -303,7 +356,9 @@ def copy_bytes(model: torch.nn.Module, kind: str = "fp8") -> int:
     """Bytes of the copy copied_weights(model, kind) builds: FP8_COPIES, 1 per weight and 4 per output channel;
     dense, the model dtype's size per weight of the LoRA and 4-bit layers (the others decode with their own weight;
     biases are the modules' own, or stacked: a few KiB, not counted); fused, dense's and the plain members of the
-    groups."""
+    groups; nf4, none (nothing is copied)."""
+    if kind == "nf4":
+        return 0
     embedding = model.get_input_embeddings().weight
     modules = dense_linears(model)
     stacked = {m for group in fused_groups(model, modules, kind) for m in group} if kind == "fused" else set()

@@ -103,8 +103,10 @@ class GRPOConfig:
                                           "an e4m3 copy of every linear (fp8: bf16 activations; w8a8: activations "
                                           "rounded to e4m3 per row too, on the FP8 tensor cores), a copy of "
                                           "LoRA-merged / 4-bit layers in the model's dtype (one GEMM each; costs "
-                                          "their bytes during the rollout), or that copy with plain q/k/v and "
-                                          "gate/up weights stacked too (one GEMM per group; costs their bytes)",
+                                          "their bytes during the rollout), that copy with plain q/k/v and "
+                                          "gate/up weights stacked too (one GEMM per group; costs their bytes), "
+                                          "or nf4: a bitsandbytes NF4 base's own 4-bit weights read by a Triton "
+                                          "W4A16 kernel (no copy; auto does not pick it until measured on a GPU)",
                                   run_control=True)
     rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (K/V in the model's dtype) or fp8 "
                                             "(e4m3 with an fp32 scale per cached vector: 0.52x the cache's memory "

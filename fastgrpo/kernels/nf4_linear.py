@@ -1,0 +1,172 @@
+"""W4A16 linear over a bitsandbytes NF4 weight for skinny GEMMs (decode steps): y = x dequant(W)^T + bias.
+
+Why: a decode step of 64 rows is bound by reading the weights (kernels/fp8_linear.py); NF4 is half a byte per
+weight, a quarter of bf16's, and bitsandbytes' own forward dequantizes the whole weight to bf16 in memory at every
+call (its Llama-3.1-8B QLoRA rollout ran 2.9x slower than one over a bf16 copy, benchmarks/NOTES_rollout.md).
+Here each tile is dequantized in registers and multiplied on the 16-bit tensor cores with fp32 accumulation.
+
+The format (bitsandbytes 0.50.2, functional.quantize_4bit / dequantize_4bit, backends/default/ops.py): the weight
+W [N, K] (nn.Linear's layout) is flattened row-major; element f is nibble f % 2 of byte f // 2 of the packed
+uint8 tensor, the HIGH nibble first (byte = q[2i] << 4 | q[2i+1]); a nibble indexes the 16 NF4 code values
+(fp32). Block b = f // blocksize of consecutive elements has one fp32 absmax, and W[f] = code[q_f] absmax[b] in
+fp32, rounded once to the compute dtype. With double quantization (compress_statistics) the absmax are uint8
+codes into a 256-value fp32 table, scaled per block of NESTED_BLOCKSIZE (256) of them, plus one fp32 offset:
+absmax[b] = table[a_b] scale[b // 256] + offset, a product then a sum, each rounded to fp32 (no FMA: the kernel
+is compiled with enable_fp_fusion=False, so its W is bitwise bitsandbytes').
+
+The kernel reads the nested absmax itself rather than an fp32 absmax precomputed per rollout: fp32 absmax add
+4 bytes per block of 64 weights, 12.5% on top of the 32 bytes of nibbles (a bandwidth-bound kernel pays that in
+time, and an 8B model holds 0.44 GB more); the uint8 codes add 1 byte (3.1%), and the two lookups per block of
+a row are nothing beside the 64 per-weight code lookups. With K a multiple of blocksize (the op checks) a block
+never straddles rows, so a tile's K step of BLOCK_K (a multiple of blocksize) needs one absmax per row and block.
+
+The even and odd elements of a block are two half-tiles [BLOCK_N, blocksize / 2] (high and low nibbles of the
+same bytes), multiplied by x's even and odd columns: two dots, no interleaving of registers. Tiles, split-K and
+its tickets are kernels/fp8_linear.py's (the same problem shape; the same per-device counters, which every
+launch leaves at zero). Under TRITON_INTERPRET tl.dot runs in fp32 on W already rounded to x's dtype (Triton
+3.9's interpreter returns garbage for bf16 dots, shared/DESIGN.md); its fp32 -> bf16 conversion truncates where
+a GPU rounds to nearest.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for
+
+# fp8_linear's GPU tiles with the same bytes per K step: its sweep's 64 x 128 e4m3 tile (8 KiB) is 64 x 256 in NF4.
+# Not measured for this kernel yet (benchmarks/bench_fp8.py times it: nf4_us).
+GPU_TILES = dict(block_n=64, block_k=256, programs_per_sm=2, num_warps=4, num_stages=3)
+
+
+@triton.jit
+def _nf4_linear_kernel(
+    X, PACKED, ABSMAX, CODE, ABSMAX_CODE, ABSMAX_SCALE, OFFSET, BIAS, Y, PARTIAL, COUNTS,
+    stride_xm, stride_ym,
+    M, N, K, k_per_split, splits,
+    HAS_BIAS: tl.constexpr, NESTED: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr,
+    FP32_DOT: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    tile = pid // splits  # the programs of a tile's splits are adjacent: they start together
+    split = pid % splits
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features n
+    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # input rows m
+    feat_ok = feats < N
+    row_ok = rows < M
+    half = tl.arange(0, BLOCKSIZE // 2)  # byte j of a block holds elements 2j (high nibble) and 2j + 1 (low)
+    k_start = split * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+
+    w_ptrs = PACKED + feats[:, None].to(tl.int64) * (K // 2) + half[None, :]  # [BLOCK_N, BLOCKSIZE / 2] bytes
+    x_ptrs = X + rows[None, :].to(tl.int64) * stride_xm + 2 * half[:, None]  # [BLOCKSIZE / 2, BLOCK_M]: even x^T
+    first_block = feats.to(tl.int64) * (K // BLOCKSIZE)  # absmax index of each row's first block
+    if NESTED:
+        offset = tl.load(OFFSET)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k in range(k_start, k_end, BLOCK_K):
+        for s in tl.static_range(BLOCK_K // BLOCKSIZE):
+            kb = k + s * BLOCKSIZE  # this block's first column
+            if EVEN_K:
+                w_ok = feat_ok[:, None]
+                x_ok = row_ok[None, :]
+                a_ok = feat_ok
+            else:  # a block past k_end is masked whole (blocks never straddle rows)
+                inside = (kb + 2 * half) < k_end  # [BLOCKSIZE / 2]: all true or all false
+                w_ok = feat_ok[:, None] & inside[None, :]
+                x_ok = inside[:, None] & row_ok[None, :]
+                a_ok = feat_ok & (kb + 0 * feats < k_end)
+            block = first_block + kb // BLOCKSIZE
+            if NESTED:
+                a = tl.load(ABSMAX + block, mask=a_ok, other=0)
+                scale = tl.load(ABSMAX_CODE + a) * tl.load(ABSMAX_SCALE + block // NESTED_BLOCKSIZE, mask=a_ok,
+                                                           other=0.0)
+                absmax = scale + offset
+            else:
+                absmax = tl.load(ABSMAX + block, mask=a_ok, other=0.0)
+            packed = tl.load(w_ptrs + kb // 2, mask=w_ok, other=0)
+            w_even = (tl.load(CODE + (packed >> 4)) * absmax[:, None]).to(X.dtype.element_ty)
+            w_odd = (tl.load(CODE + (packed & 15)) * absmax[:, None]).to(X.dtype.element_ty)
+            x_even = tl.load(x_ptrs + kb, mask=x_ok, other=0.0)
+            x_odd = tl.load(x_ptrs + kb + 1, mask=x_ok, other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(w_even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32), input_precision="ieee")
+            else:
+                acc += tl.dot(w_even, x_even)
+                acc += tl.dot(w_odd, x_odd)
+
+    y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
+    y_mask = feat_ok[:, None] & row_ok[None, :]
+    if not SPLIT:
+        _epilogue(acc, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+    else:  # kernels/fp8_linear.py's split-K: partials in a workspace, the last ticket sums them in split order
+        part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [splits, M, N] fp32
+        tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
+        if ticket == splits - 1:
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for _ in range(0, splits):
+                total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
+                part += M * N
+            _epilogue(total, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+            tl.atomic_xchg(COUNTS + tile, 0)
+
+
+@triton.jit
+def _epilogue(acc, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS: tl.constexpr):
+    if HAS_BIAS:
+        acc += tl.load(BIAS + feats, mask=feat_ok, other=0.0).to(tl.float32)[:, None]
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=y_mask)
+
+
+def default_config(M: int, N: int, K: int, blocksize: int, device: torch.device) -> Fp8LinearConfig:
+    """Tiles and splits for y [M, N] = x [M, K] W^T (no autotuning: a given card always computes the same bits).
+    GPU: fp8_linear's rule (config_for: splits that fill one wave of two programs per SM) over GPU_TILES, BLOCK_K
+    at least one block. Interpreter: 16-wide tiles and one block per K step, so small test shapes cross tiles,
+    splits and edges."""
+    if device.type != "cuda":
+        return Fp8LinearConfig(block_m=16, block_n=16, block_k=blocksize, split_k=min(3, K // blocksize))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return config_for(M, N, K, sms, **{**GPU_TILES, "block_k": max(GPU_TILES["block_k"], blocksize)})
+
+
+def nf4_linear_fwd(
+    x: torch.Tensor, packed: torch.Tensor, absmax: torch.Tensor, code: torch.Tensor,
+    absmax_code: torch.Tensor | None, absmax_scale: torch.Tensor | None, offset: torch.Tensor | None,
+    bias: torch.Tensor | None, N: int, blocksize: int, nested_blocksize: int,
+    config: Fp8LinearConfig | None = None,
+) -> torch.Tensor:
+    """x [M, K] (unit stride along K; K a multiple of blocksize), packed [N K / 2] uint8, absmax [N K / blocksize]
+    (fp32, or uint8 codes with absmax_code [256] fp32, absmax_scale [ceil(blocks / nested_blocksize)] fp32 and
+    offset [] fp32: double quantization), code [16] fp32, bias [N] or None -> y [M, N] in x's dtype."""
+    M, K = x.shape
+    interpret = _interpreting(x)
+    if config is None:
+        config = default_config(M, N, K, blocksize, torch.device("cpu") if interpret else x.device)
+    if config.block_k % blocksize:
+        raise ValueError(f"nf4_linear: block_k {config.block_k} is not a multiple of blocksize {blocksize}")
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)
+    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
+    if split > 1 and tiles > MAX_TILES:
+        raise ValueError(f"nf4_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    nested = absmax_code is not None
+    # tensors the kernel does not touch (no split, bias or nesting): any of the right kind
+    partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else code
+    _nf4_linear_kernel[(tiles * split,)](
+        x, packed, absmax, code, absmax_code if nested else code, absmax_scale if nested else code,
+        offset if nested else code, bias if bias is not None else code, y, partial, _counters(x.device),
+        x.stride(0), y.stride(0),
+        M, N, K, k_per_split, split,
+        HAS_BIAS=bias is not None, NESTED=nested, SPLIT=split > 1, EVEN_K=K % config.block_k == 0,
+        FP32_DOT=interpret or x.dtype == torch.float32, BLOCKSIZE=blocksize, NESTED_BLOCKSIZE=nested_blocksize,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=False,
+    )
+    return y
