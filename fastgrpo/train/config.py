@@ -108,12 +108,10 @@ class GRPOConfig:
                                           "or nf4: a bitsandbytes NF4 base's own 4-bit weights read by a Triton "
                                           "W4A16 kernel (no copy; auto does not pick it until measured on a GPU)",
                                   run_control=True)
-    rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (K/V in the model's dtype) or fp8 "
-                                            "(e4m3 with an fp32 scale per cached vector: 0.52x the cache's memory "
-                                            "and of what decode attention reads at head_dim 128; log-probs move by "
-                                            "the quantization; needs rollout_attention triton or auto and a "
-                                            "GPU of compute capability >= 8.9; measured slower per decode step on "
-                                            "an H100: a memory saving only)",
+    rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (the model's dtype) or fp8 (e4m3, "
+                                            "an fp32 scale per vector: 0.52x the memory at head_dim 128; log-probs "
+                                            "move by the quantization; rollout_attention triton or auto, compute "
+                                            "capability >= 8.9; slower per step on an H100: saves memory only)",
                                    run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
