@@ -214,9 +214,11 @@ def test_layers_scope_compiles_one_layer(compiles, lora):
 @pytest.mark.gpu
 @pytest.mark.parametrize("arch, lora", [("qwen2", False), ("llama", True)])
 def test_gpu_nf4_engine_compiled_and_graphed(arch, lora):
-    """On CUDA (Inductor, CUDA graph, the Triton kernel), nested NF4: a bf16 model decodes with no fallback warning
-    and the eager step's tokens and log-probs; an fp32 model (the kernel's "ieee" dots on bitsandbytes' fp32 W) gives
-    the model engine's tokens (bitsandbytes' CUDA forward) with log-probs within KERNEL_GAP (module docstring)."""
+    """On CUDA (Inductor, CUDA graph, the Triton kernel), nested NF4. An fp32 model (the kernel's "ieee" dots on
+    bitsandbytes' fp32 W) gives the model engine's tokens (bitsandbytes' CUDA forward) with log-probs within
+    KERNEL_GAP (module docstring), and compiled and graphed the eager step's. A bf16 model decodes graphed with no
+    fallback warning (its compiled step is not compared with the eager one: Inductor fuses elementwise ops without
+    the eager path's bf16 roundings between them, which moves log-probs by bf16 ulps and can flip a sampled token)."""
     torch._dynamo.reset()
     model = nf4_model(CONFIGS[arch](), nested=True, lora=lora).cuda()
     params = SamplingParams(max_new_tokens=40, temperature=1.0)
@@ -225,15 +227,19 @@ def test_gpu_nf4_engine_compiled_and_graphed(arch, lora):
     assert completions(got) == completions(want)
     gap = (got.logprobs - want.logprobs).abs().max().item()
     assert gap <= KERNEL_GAP, f"log-prob gap {gap:.3e} > {KERNEL_GAP:.3e}"
+    graphed = generate_with_config(model, char_tokenizer(), PROMPTS, 4, params, seed=3,
+                                   config=EngineConfig(weights="nf4"))
+    assert completions(graphed) == completions(got)
+    torch.testing.assert_close(graphed.logprobs, got.logprobs, atol=1e-4, rtol=0)
     model.bfloat16()
     for module in model.modules():
         if isinstance(module, bnb.nn.Linear4bit):
             module.compute_dtype = torch.bfloat16
+    torch._dynamo.reset()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         graphed = generate_with_config(model, char_tokenizer(), PROMPTS, 4, params, seed=3,
                                        config=EngineConfig(weights="nf4"))
     assert not [w for w in caught if str(w.message).startswith("rollout:")], [str(w.message) for w in caught]
-    eager = run(model, EngineConfig(weights="nf4", compile=False), params, G=4)
-    assert completions(graphed) == completions(eager)
-    torch.testing.assert_close(graphed.logprobs, eager.logprobs, atol=1e-4, rtol=0)
+    assert torch.isfinite(graphed.logprobs).all()
+    torch._dynamo.reset()

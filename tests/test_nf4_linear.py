@@ -109,7 +109,8 @@ def test_kernel_reads_the_format_exactly(nested, blocksize):
     """fp32 x = the identity: y = W^T with no rounding at all (fp32 dots of one nonzero product each), so the
     kernel's dequantized weight is bitsandbytes' fp32 one bit for bit, over several tiles and splits."""
     g = torch.Generator().manual_seed(blocksize)
-    packed, state = quantized(g, 40, 2 * blocksize, torch.float32, blocksize, nested)
+    # 160 rows x 2 blocks: 320 blocks, so nested absmax span two of their 256-block scales
+    packed, state = quantized(g, 160, 2 * blocksize, torch.float32, blocksize, nested)
     got = nf4_linear(torch.eye(2 * blocksize), packed, state)
     assert torch.equal(got.T, bnb_functional.dequantize_4bit(packed, state, quant_type="nf4"))
 
@@ -276,7 +277,7 @@ GPU_SHAPES = [(64, 4096, 4096), (64, 1024, 4096), (64, 14336, 4096), (64, 4096, 
 @pytest.mark.parametrize("M, N, K", GPU_SHAPES)
 def test_gpu_matches_fp64_and_bitsandbytes(M, N, K, nested):
     """bf16 within the bound, no worse than bitsandbytes' own bf16 forward (plus an ulp), bitwise the same on a
-    second call; fp32 x = the identity gives bitsandbytes' bf16-rounded weight exactly (round to nearest here)."""
+    second call; a bf16 identity gives bitsandbytes' bf16-rounded weight exactly (round to nearest here)."""
     from fastgrpo.kernels.nf4_linear import default_config
 
     g = torch.Generator().manual_seed(0)

@@ -1,8 +1,10 @@
 """W4A16 linear over a bitsandbytes NF4 weight for skinny GEMMs (decode steps): y = x dequant(W)^T + bias.
 
 Why: a decode step of 64 rows is bound by reading the weights (kernels/fp8_linear.py); NF4 is half a byte per
-weight, a quarter of bf16's, and bitsandbytes' own forward dequantizes the whole weight to bf16 in memory at every
-call (its Llama-3.1-8B QLoRA rollout ran 2.9x slower than one over a bf16 copy, benchmarks/NOTES_rollout.md).
+weight, a quarter of bf16's. bitsandbytes' own forward (0.50.2, matmul_4bit -> gemm_4bit) runs a fused kernel only
+for a few rows (M <= 4 always; on sm90 up to 16-64 by N) and otherwise dequantizes the whole weight to bf16 in memory
+first: its Llama-3.1-8B QLoRA rollout of 64 rows ran 2.9x slower than one over a bf16 copy
+(benchmarks/NOTES_rollout.md).
 Here each tile is dequantized in registers and multiplied on the 16-bit tensor cores with fp32 accumulation.
 
 The format (bitsandbytes 0.50.2, functional.quantize_4bit / dequantize_4bit, backends/default/ops.py): the weight
@@ -12,7 +14,7 @@ uint8 tensor, the HIGH nibble first (byte = q[2i] << 4 | q[2i+1]); a nibble inde
 fp32, rounded once to the compute dtype. With double quantization (compress_statistics) the absmax are uint8
 codes into a 256-value fp32 table, scaled per block of NESTED_BLOCKSIZE (256) of them, plus one fp32 offset:
 absmax[b] = table[a_b] scale[b // 256] + offset, a product then a sum, each rounded to fp32 (no FMA: the kernel
-is compiled with enable_fp_fusion=False, so its W is bitwise bitsandbytes').
+is compiled with enable_fp_fusion=False, so its W is bitwise dequantize_4bit's).
 
 The kernel reads the nested absmax itself rather than an fp32 absmax precomputed per rollout: fp32 absmax add
 4 bytes per block of 64 weights, 12.5% on top of the 32 bytes of nibbles (a bandwidth-bound kernel pays that in

@@ -21,6 +21,7 @@ from fastgrpo._checks import check_dtype, check_shape
 from fastgrpo.ops._backend import use_triton
 
 _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
+MAX_BLOCKSIZE = 256  # the kernel's K tile holds whole blocks; bitsandbytes allows up to 4096
 
 
 class Nf4Weight(NamedTuple):
@@ -52,8 +53,14 @@ def nf4_refusal(weight4: torch.Tensor, quant_state) -> str | None:
         return f"K={K} is not a multiple of blocksize {quant_state.blocksize} (a block would straddle rows)"
     if weight4.dtype != torch.uint8 or weight4.numel() * 2 != N * K:
         return f"packed weight {weight4.dtype} with {weight4.numel()} bytes, expected uint8 with N K / 2 = {N * K // 2}"
+    if quant_state.blocksize > MAX_BLOCKSIZE:
+        return f"blocksize {quant_state.blocksize} > {MAX_BLOCKSIZE} (a tile spans a block: too large a tile)"
+    if not weight4.is_contiguous() or not quant_state.absmax.is_contiguous():
+        return "a strided packed weight or absmax (the kernel reads them flat)"
     if quant_state.nested and quant_state.absmax.dtype != torch.uint8:
         return f"nested absmax of dtype {quant_state.absmax.dtype}, expected uint8 codes"
+    if quant_state.nested and quant_state.state2.absmax.dtype != torch.float32:
+        return f"nested scales of dtype {quant_state.state2.absmax.dtype}, expected fp32 (the absmax arithmetic)"
     return None
 
 

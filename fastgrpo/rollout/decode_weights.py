@@ -263,9 +263,12 @@ def nf4_weights(model: torch.nn.Module) -> Iterator[list[torch.nn.Module]]:
 
 def nf4_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The bitsandbytes 4-bit bases of dense_linears(model) that nf4_linear reads (nf4_refusal: NF4, K a multiple
-    of the blocksize, not repacked for bitsandbytes' CPU kernel); the others keep their forward."""
-    bases = (_layer(m) for m in dense_linears(model))
-    return [b for b in bases if (parts := four_bit_parts(b)) is not None and nf4_refusal(*parts[:2]) is None]
+    of the blocksize, not repacked for bitsandbytes' CPU kernel), each once (a base two LoRA wrappers share would be
+    swapped twice, and its undo fail); the others keep their forward, and so does the base of a merged LoRA layer
+    (PEFT may unmerge it mid-rollout, replacing the weight read at entry)."""
+    bases = {id(_layer(m)): _layer(m) for m in dense_linears(model) if not getattr(m, "merged", False)}
+    return [b for b in bases.values() if (parts := four_bit_parts(b)) is not None and nf4_refusal(*parts[:2]) is None
+            and tuple(parts[1].shape) == (b.out_features, b.in_features)]  # not a [K, N]-quantized weight
 
 
 def _restore(swapped: list) -> None:
