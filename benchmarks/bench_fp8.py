@@ -19,7 +19,7 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
                 take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
                 bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
-                tune its default_config); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
+                tune its default_config) against bitsandbytes' own matmul_4bit (bnb_us); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
                 and the weight bytes read per second over the measured copy bandwidth (share). The sweep is there
                 to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
@@ -247,6 +247,11 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
                      for w in ws]
             row["nf4_us"] = _kernel_us([functools.partial(nf4_linear, x, p, st) for p, st in fours], device)
             row["nf4_speedup"] = row["bf16_us"] / row["nf4_us"]
+            # the baseline: bitsandbytes' own forward of a Linear4bit at these rows (its call, as the layer makes it)
+            import bitsandbytes as bnb
+
+            row["bnb_us"] = _kernel_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=st)
+                                        for p, st in fours], device)
             row["nf4_share"] = N * K * NF4_BYTES / (row["nf4_us"] * 1e-6) / bandwidth
             if cuda:
                 row.update(_nf4_sweep_row(x, fours, device))
@@ -436,7 +441,7 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write, gemms=not args.no_gemms)
     print()
-    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us",
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us", "bnb_us",
                         "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
                         "nf4_share", "best_us", "best", "default", "nf4_best_us", "nf4_best", "nf4_default"])
     print()
