@@ -441,8 +441,8 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write, gemms=not args.no_gemms)
     print()
-    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us", "bnb_us",
-                        "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us",
+                        "bnb_us", "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
                         "nf4_share", "best_us", "best", "default", "nf4_best_us", "nf4_best", "nf4_default"])
     print()
     print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
