@@ -19,9 +19,9 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
                 take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
                 bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
-                tune its default_config) against bitsandbytes' own matmul_4bit (bnb_us); us per call, kernel time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed),
-                and the weight bytes read per second over the measured copy bandwidth (share). The sweep is there
-                to tune default_config.
+                tune its default_config) against bitsandbytes' own matmul_4bit (bnb_us); us per call, kernel
+                time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed), and the weight bytes read
+                per second over the measured copy bandwidth (share). The sweep is there to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
                 capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
                 (prefill and text decoding included), decode_ms (decode steps 17-1024 alone), speedup over bf16,

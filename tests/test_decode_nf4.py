@@ -148,8 +148,8 @@ def test_nf4_engine_through_the_kernel(monkeypatch, torch_path):
 
 
 def test_layers_the_kernel_cannot_read_keep_their_forward(torch_path):
-    """A layer nf4_refusal names (here: bitsandbytes' CPU repacking, FP4; K not a multiple of the blocksize too) stays on
-    bitsandbytes' forward; the others still run nf4_linear; no copy is counted."""
+    """A layer nf4_refusal names (here: bitsandbytes' CPU repacking, FP4; K not a multiple of the blocksize too)
+    stays on bitsandbytes' forward; the others still run nf4_linear; no copy is counted."""
     torch_path(kernel=False)
     model = nf4_model(CONFIGS["llama"]())
     down = model.model.layers[0].mlp.down_proj
