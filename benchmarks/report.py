@@ -42,7 +42,9 @@ def render_markdown(results: list[dict]) -> str:
 
 def max_fit_summary(row: dict) -> dict:
     """A max_fit row with its probes as one cell: completion, verdict and NVML peak each."""
-    verdict = lambda p: "fits" if p.get("fits") else "out of memory" if p.get("out_of_memory") else "error"  # noqa: E731
+    def verdict(probe: dict) -> str:
+        return "fits" if probe.get("fits") else "out of memory" if probe.get("out_of_memory") else "error"
+
     probes = "; ".join(f"{p['completion']}: {verdict(p)}, {_fmt(p.get('peak_gib'))} GiB" for p in row["probes"])
     return {"system": row["system"], "cap_gib": row.get("cap_gib"), "max_completion": row.get("max_completion"),
             "first_failure": row.get("first_failure"), "searched_to": row.get("searched_to"),

@@ -16,7 +16,8 @@ Work split: the tiles of one (group, head) are numbered prefix first, then sampl
 i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_combine_kernel` merges the splits.
 Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's
 interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md); on a GPU q.k is in the input dtype with fp32
-accumulation and p is rounded to q's dtype for p.v (v's, but for an e4m3 cache), as flash-attention does; fp32 inputs use "ieee" dots.
+accumulation and p is rounded to q's dtype for p.v (v's, but for an e4m3 cache), as flash-attention does; fp32
+inputs use "ieee" dots.
 
 FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
 is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to q's dtype in
