@@ -51,6 +51,24 @@ def caches(monkeypatch):
     return made
 
 
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """The engine's torch.compile through a CompileCounter backend; counts every dynamo frame it compiles."""
+    import functools
+
+    from torch._dynamo.testing import CompileCounter
+
+    from fastgrpo.rollout import decode
+
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    counter = CompileCounter()
+    monkeypatch.setattr(decode, "_compiled", functools.cache(
+        lambda fn: torch.compile(fn, backend=counter, dynamic=False)))
+    torch._dynamo.reset()
+    yield counter
+    torch._dynamo.reset()
+
 @pytest.fixture
 def delta_calls(monkeypatch):
     """The names of the LoRA ops (lora_add, lora_delta, lora_linear) the patched forwards call, one entry per call."""

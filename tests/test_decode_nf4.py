@@ -14,16 +14,14 @@ only the fp32 summation order differs, (K + splits + 3) 2^-24 relative to sum |x
 8e-6); log-probs of O(1) logits move by about that, twice (the chosen logit and the logsumexp): KERNEL_GAP
 (seen: 2.4e-7), and greedy tokens stay.
 """
-import functools
 import sys
 import warnings
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 
 import fastgrpo
-from fastgrpo.rollout import decode, decode_weights
+from fastgrpo.rollout import decode_weights
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
@@ -35,18 +33,6 @@ NF4 = EngineConfig(weights="nf4", compile=False)
 MODEL = EngineConfig(weights="model", compile=False)
 LINEARS = 7  # 4-bit linears per decoder layer: q, k, v, o, gate, up, down
 KERNEL_GAP = 2 * (128 + 3 + 3) * 2.0**-24  # the module docstring's log-prob bound through the kernel
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    """tests/test_warmup.py's: the engine's torch.compile through a CompileCounter backend (dynamo frames)."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    counter = CompileCounter()
-    monkeypatch.setattr(decode, "_compiled", functools.cache(
-        lambda fn: torch.compile(fn, backend=counter, dynamic=False)))
-    torch._dynamo.reset()
-    yield counter
-    torch._dynamo.reset()
 
 
 @pytest.fixture

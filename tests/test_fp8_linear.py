@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.ops import fp8_linear as ops
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_linear, fp8_linear_torch, quantize_fp8
+from tests.graph_replay import assert_replays_exactly
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 U32 = 2.0**-24
@@ -246,17 +247,4 @@ def test_gpu_compiled_and_graphed():
     x, q, scale, bias = make(g, 64, 4096, 4096, torch.bfloat16, device="cuda")
     ops.prepare_fp8_linear(x.device)
     want = fp8_linear(x, q, scale, bias)
-    step = torch.compile(lambda t: fp8_linear(t, q, scale, bias).relu(), dynamic=False)
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static_x)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want.relu())
+    assert_replays_exactly(lambda t: fp8_linear(t, q, scale, bias).relu(), x, want.relu())

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.ops.fp8_linear import FP8_MAX, dequantize_fp8, fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
+from tests.graph_replay import assert_replays_exactly
 from tests.test_fp8_linear import assert_within
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -232,18 +233,5 @@ def test_gpu_compiled_and_graphed(N):
     prepare_fp8_linear(x.device)
     want = fp8_scaled_linear(x, q, scale, bias)
     torch._dynamo.reset()
-    step = torch.compile(lambda t: fp8_scaled_linear(t, q, scale, bias).relu(), dynamic=False)
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static_x)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want.relu())
+    assert_replays_exactly(lambda t: fp8_scaled_linear(t, q, scale, bias).relu(), x, want.relu())
     torch._dynamo.reset()

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.ops import nf4_linear as ops
 from fastgrpo.ops.nf4_linear import dequantize_nf4, nf4_linear, nf4_linear_torch, nf4_weight
+from tests.graph_replay import assert_replays_exactly
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 U32 = 2.0**-24
@@ -307,17 +308,4 @@ def test_gpu_compiled_and_graphed():
     ops.prepare_nf4_linear(x.device)
     w = nf4_weight(packed, state)
     want = ops.nf4_linear_unpacked(x, w, bias)
-    step = torch.compile(lambda t: ops.nf4_linear_unpacked(t, w, bias).relu(), dynamic=False)
-    static_x = x.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        step(static_x)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step(static_x)
-    for _ in range(3):
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, want.relu())
+    assert_replays_exactly(lambda t: ops.nf4_linear_unpacked(t, w, bias).relu(), x, want.relu())

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-from torch._dynamo.testing import CompileCounter
 from transformers import (
     AutoModelForCausalLM,
     Gemma2Config,
@@ -34,18 +33,6 @@ from tests.test_rollout import SIZES, char_tokenizer, completions, tiny_model
 PROMPT_SETS = [["abc", "a"], ["hello world, hello you", "xyz"], ["the quick brown fox jumps over the lazy", "b"]]
 FIXED = dict(attention="triton", max_prompt_length=40, length_bucket=16, compile=True)
 PARAMS = SamplingParams(max_new_tokens=10, temperature=1.0, top_k=20)
-
-
-@pytest.fixture
-def compiles(monkeypatch):
-    """The engine's torch.compile through a CompileCounter backend; counts every dynamo frame it compiles."""
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    counter = CompileCounter()
-    monkeypatch.setattr(decode, "_compiled", functools.cache(
-        lambda fn: torch.compile(fn, backend=counter, dynamic=False)))
-    torch._dynamo.reset()
-    yield counter
-    torch._dynamo.reset()
 
 
 def run(model, prompts, config, G=3, seed=7):
