@@ -81,6 +81,13 @@ def decode_attention_torch(
     return out.to(q.dtype)
 
 
+def _check_scales(shape: tuple, **scales: torch.Tensor) -> None:
+    """An FP8 cache's scales: fp32, one per (row, slot, head) of the K/V they scale."""
+    for name, t in scales.items():
+        check_shape(name, t, shape)
+        check_dtype(name, t, (torch.float32,))
+
+
 def decode_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, length: torch.Tensor,
     scale: float | None = None, prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None,
@@ -109,9 +116,7 @@ def decode_attention(
         raise ValueError(f"decode_attention: k and v must have dtype {kv_dtype} (q is {q.dtype}, scales "
                          f"{'given' if fp8 else 'not given'}), got {k.dtype}, {v.dtype}")
     if fp8:
-        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
-            check_shape(name, t, (N, H, M))
-            check_dtype(name, t, (torch.float32,))
+        _check_scales((N, H, M), k_scale=k_scale, v_scale=v_scale)
     if prefix_k is not None:
         B, P = prefix_k.shape[0], prefix_k.shape[2]
         if B == 0 or N % B:
@@ -123,9 +128,7 @@ def decode_attention(
             raise ValueError(f"decode_attention: prefix_k and prefix_v must have dtype {kv_dtype} like k and v, got "
                              f"{prefix_k.dtype}, {prefix_v.dtype}")
         if fp8:
-            for name, t in (("prefix_k_scale", prefix_k_scale), ("prefix_v_scale", prefix_v_scale)):
-                check_shape(name, t, (B, H, P))
-                check_dtype(name, t, (torch.float32,))
+            _check_scales((B, H, P), prefix_k_scale=prefix_k_scale, prefix_v_scale=prefix_v_scale)
     scales = (k_scale, v_scale, prefix_k_scale, prefix_v_scale)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, k, v, visible, length):

@@ -188,8 +188,9 @@ def resolved_weights(model: torch.nn.Module, weights: str) -> str:
 def auto_weights(model: torch.nn.Module, free: int) -> str:
     """What "auto" resolves to with `free` bytes of device memory: the first of "fused" and "dense" whose copy
     fits, else "model"."""
+    build = build_bytes(model)
     for kind in ("fused", "dense"):
-        if copy_fits(copy_bytes(model, kind), free, build_bytes(model)):
+        if copy_fits(copy_bytes(model, kind), free, build):
             return kind
     return "model"
 
