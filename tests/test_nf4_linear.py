@@ -27,6 +27,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fastgrpo.kernels.nf4_linear import GPU_TILES
 from fastgrpo.ops import nf4_linear as ops
 from fastgrpo.ops.nf4_linear import dequantize_nf4, nf4_linear, nf4_linear_torch, nf4_weight
 from tests.graph_replay import assert_replays_exactly
@@ -186,15 +187,15 @@ for split in (True, False):
                             options={"num_warps": t["num_warps"], "num_stages": t["num_stages"],
                                      "enable_fp_fusion": False})
     print(split, "warp_group_dot" in kernel.asm["ttgir"], kernel.asm["ptx"].count("fma.rn.f32"),
-          kernel.metadata.shared)
+          kernel.metadata.shared, kernel.asm["ptx"].count("cp.async"))
 """
 
 
 def test_compiles_for_hopper():
     """The default GPU config compiles for sm_90 on the CPU (Triton's own ptxas, no GPU): wgmma, no fused
     multiply-add (the nested absmax' product and sum rounded apart, as bitsandbytes does: with fusion on, the PTX
-    has 8), shared memory for two programs per SM. CI never sees a GPU: this catches what the interpreter accepts
-    and the compiler does not."""
+    has 8), shared memory for GPU_TILES' programs per SM, no cp.async. CI never sees a GPU: this catches what the
+    interpreter accepts and the compiler does not."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
                           cwd=Path(__file__).parents[1])
@@ -202,8 +203,9 @@ def test_compiles_for_hopper():
         pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
     assert done.returncode == 0, done.stderr[-2000:]
     for line in done.stdout.split("\n")[:2]:
-        _, wgmma, fmas, shared = line.split()
-        assert wgmma == "True" and fmas == "0" and int(shared) <= 228 * 1024 // 2, line
+        _, wgmma, fmas, shared, async_copies = line.split()
+        assert wgmma == "True" and fmas == "0" and int(shared) <= 228 * 1024 // GPU_TILES["programs_per_sm"], line
+        assert async_copies == "0", line  # pipelined, the code-table gathers became 4-byte cp.async: 6x slower
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------

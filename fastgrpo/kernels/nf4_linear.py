@@ -22,10 +22,12 @@ time, and an 8B model holds 0.44 GB more); the uint8 codes add 1 byte (3.1%), an
 a row are nothing beside the 64 per-weight code lookups. With K a multiple of blocksize (the op checks) a block
 never straddles rows, so a tile's K step of BLOCK_K (a multiple of blocksize) needs one absmax per row and block.
 
-The even and odd elements of a block are two half-tiles [BLOCK_N, blocksize / 2] (high and low nibbles of the
-same bytes), multiplied by x's even and odd columns: two dots, no interleaving of registers. Tiles, split-K and
-its tickets are kernels/fp8_linear.py's (the same problem shape; the same per-device counters, which every
-launch leaves at zero). Under TRITON_INTERPRET tl.dot runs in fp32 on W already rounded to x's dtype (Triton
+A block's bytes [BLOCK_N, blocksize / 2] give its even (high nibble) and odd (low) elements, interleaved in
+registers (tl.join, then a reshape) into the [BLOCK_N, blocksize] tile of W that one dot multiplies with x^T's
+[blocksize, BLOCK_M], loaded with unit stride along K. (Two half-tile dots against x's even and odd columns need
+no interleave, but they read x at stride 2, uncoalesced: on an H100 that version ran far slower than cuBLAS bf16.)
+Tiles, split-K and its tickets are kernels/fp8_linear.py's (the same problem shape; the same per-device counters,
+which every launch leaves at zero). Under TRITON_INTERPRET tl.dot runs in fp32 on W already rounded to x's dtype (Triton
 3.9's interpreter returns garbage for bf16 dots, shared/DESIGN.md); its fp32 -> bf16 conversion truncates where
 a GPU rounds to nearest.
 """
@@ -37,9 +39,10 @@ import triton.language as tl
 
 from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for
 
-# fp8_linear's GPU tiles with the same bytes per K step: its sweep's 64 x 128 e4m3 tile (8 KiB) is 64 x 256 in NF4.
-# Not measured for this kernel yet (benchmarks/bench_fp8.py times it: nf4_us).
-GPU_TILES = dict(block_n=64, block_k=256, programs_per_sm=2, num_warps=4, num_stages=3)
+# One stage: with two or more, Triton's pipeliner turns the code-table gathers into 4-byte cp.async copies, 6-10x
+# slower on an H100. Four programs per SM hide the unpipelined loads' latency instead. Sweep (bench_fp8, H100, M 64):
+# within 8% of the best of 24 configs at one stage on Llama-3.1-8B's shapes (benchmarks/NOTES_rollout.md).
+GPU_TILES = dict(block_n=64, block_k=128, programs_per_sm=4, num_warps=4, num_stages=1)
 
 
 @triton.jit
@@ -60,11 +63,12 @@ def _nf4_linear_kernel(
     feat_ok = feats < N
     row_ok = rows < M
     half = tl.arange(0, BLOCKSIZE // 2)  # byte j of a block holds elements 2j (high nibble) and 2j + 1 (low)
+    cols = tl.arange(0, BLOCKSIZE)
     k_start = split * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
 
     w_ptrs = PACKED + feats[:, None].to(tl.int64) * (K // 2) + half[None, :]  # [BLOCK_N, BLOCKSIZE / 2] bytes
-    x_ptrs = X + rows[None, :].to(tl.int64) * stride_xm + 2 * half[:, None]  # [BLOCKSIZE / 2, BLOCK_M]: even x^T
+    x_ptrs = X + rows[None, :].to(tl.int64) * stride_xm + cols[:, None]  # [BLOCKSIZE, BLOCK_M]: x^T
     first_block = feats.to(tl.int64) * (K // BLOCKSIZE)  # absmax index of each row's first block
     if NESTED:
         offset = tl.load(OFFSET)
@@ -77,9 +81,8 @@ def _nf4_linear_kernel(
                 x_ok = row_ok[None, :]
                 a_ok = feat_ok
             else:  # a block past k_end is masked whole (blocks never straddle rows)
-                inside = (kb + 2 * half) < k_end  # [BLOCKSIZE / 2]: all true or all false
-                w_ok = feat_ok[:, None] & inside[None, :]
-                x_ok = inside[:, None] & row_ok[None, :]
+                w_ok = feat_ok[:, None] & ((kb + 2 * half) < k_end)[None, :]
+                x_ok = ((kb + cols) < k_end)[:, None] & row_ok[None, :]
                 a_ok = feat_ok & (kb + 0 * feats < k_end)
             block = first_block + kb // BLOCKSIZE
             if NESTED:
@@ -92,14 +95,12 @@ def _nf4_linear_kernel(
             packed = tl.load(w_ptrs + kb // 2, mask=w_ok, other=0)
             w_even = (tl.load(CODE + (packed >> 4)) * absmax[:, None]).to(X.dtype.element_ty)
             w_odd = (tl.load(CODE + (packed & 15)) * absmax[:, None]).to(X.dtype.element_ty)
-            x_even = tl.load(x_ptrs + kb, mask=x_ok, other=0.0)
-            x_odd = tl.load(x_ptrs + kb + 1, mask=x_ok, other=0.0)
+            w = tl.reshape(tl.join(w_even, w_odd), (BLOCK_N, BLOCKSIZE))  # element 2j even_j, 2j + 1 odd_j
+            x = tl.load(x_ptrs + kb, mask=x_ok, other=0.0)
             if FP32_DOT:
-                acc += tl.dot(w_even.to(tl.float32), x_even.to(tl.float32), input_precision="ieee")
-                acc += tl.dot(w_odd.to(tl.float32), x_odd.to(tl.float32), input_precision="ieee")
+                acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
             else:
-                acc += tl.dot(w_even, x_even)
-                acc += tl.dot(w_odd, x_odd)
+                acc += tl.dot(w, x)
 
     y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
     y_mask = feat_ok[:, None] & row_ok[None, :]
