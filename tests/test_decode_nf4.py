@@ -4,8 +4,8 @@
 Checked here, on tiny Llama / Qwen2 models (Qwen2: biases on q/k/v) quantized by bitsandbytes (NF4, double
 quantization on and off), with and without PEFT LoRA: every 4-bit base runs nf4_linear once per decode step and
 nothing else changes; the engine's tokens and log-probs against weights="model" (bitsandbytes' own forward);
-the model comes back as it was (classes, forwards, packed weights); "auto" never picks "nf4"; one compiled frame
-for the layers across calls.
+the model comes back as it was (classes, forwards, packed weights); "auto" falls back to "nf4" when no copy fits;
+one compiled frame for the layers across calls.
 
 Bounds: on the op's plain-torch path nf4_linear is bitsandbytes' forward bit for bit (tests/test_nf4_linear.py:
 test_torch_path_is_bitsandbytes_forward), so the two engines agree exactly: same tokens, same log-probs. Through the
@@ -164,11 +164,21 @@ def test_a_model_without_nf4_layers_warns(torch_path):
     assert completions(got) == completions(want) and torch.equal(got.logprobs, want.logprobs)
 
 
-def test_auto_never_picks_nf4():
-    """Whatever the memory, "auto" resolves to a copy or the model's own weights: nf4 is unmeasured on a GPU."""
+def test_auto_falls_back_to_nf4_when_no_copy_fits():
+    """"auto" takes a copy when one fits, else "nf4" for a model with NF4 bases it reads (and a device the kernel
+    runs on), else the model's own weights; "nf4" is no copy kind."""
     model = nf4_model(CONFIGS["llama"]())
-    for free in (0, 1 << 20, 1 << 40):
-        assert decode_weights.auto_weights(model, free) in ("fused", "dense", "model")
+    extra = decode_weights.AUTO_HEADROOM_BYTES + decode_weights.build_bytes(model)
+    fused, dense = (decode_weights.copy_bytes(model, kind) + extra for kind in ("fused", "dense"))
+    assert decode_weights.auto_weights(model, fused) == "fused"
+    assert decode_weights.auto_weights(model, dense) == ("dense" if dense < fused else "fused")
+    assert decode_weights.auto_weights(model, dense - 1) == "nf4"
+    assert decode_weights.auto_weights(model, dense - 1, nf4=False) == "model"
+    assert decode_weights.auto_weights(nf4_model(CONFIGS["llama"](), lora=True), 0) == "nf4"
+    plain = nf4_model(CONFIGS["llama"]())
+    for layer in decode_weights.nf4_linears(plain):  # FP4 bases: nothing the kernel reads
+        layer.weight.quant_state.quant_type = "fp4"
+    assert decode_weights.auto_weights(plain, 0) == "model"
     assert decode_weights.resolved_weights(model, "nf4") == "nf4"
     with pytest.raises(ValueError, match="kind"):
         decode_weights.copied_weights(model, "nf4").__enter__()

@@ -40,8 +40,8 @@ dequantization in memory (bitsandbytes' own forward writes and reads the whole b
 its forward: PEFT computes the LoRA branch as it does (three GEMMs instead of "dense"'s one: the adapters are small),
 plain linears (lm_head) multiply their own weights, q/k/v and gate/up stay separate GEMMs (stacking them would copy
 the 4-bit weights). Swapped the same way (class and per-module attributes: the NF4 parts, views of the weight's own
-tensors, and the compute dtype). "auto" never picks it until a GPU run measures it against "dense"
-(benchmarks/bench_fp8.py, mode 4bit-nf4-triton).
+tensors, and the compute dtype). "auto" takes it when no copy fits: slower than a "dense" copy, much faster than
+bitsandbytes' forward (auto_weights).
 """
 from __future__ import annotations
 
@@ -168,7 +168,7 @@ def _copy_or_model(model: torch.nn.Module, kind: str) -> Iterator[list[torch.nn.
 def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     """"auto", for a model on CUDA: "fused" when its copy fits the memory free now, with room to build it
     (build_bytes) and AUTO_HEADROOM_BYTES to spare, else "dense" when a LoRA or 4-bit model's copy does, else
-    "model" (and "model" off CUDA). On an H100,
+    "nf4" for a 4-bit base it reads, else "model" (and "model" off CUDA). On an H100,
     "fused" took a bf16 decode step from 3.57 to 3.26 ms (Qwen2.5-1.5B shapes) and 10.0 to 9.57 ms (Llama-3.1-8B)
     for a copy of q/k/v and gate/up (benchmarks/NOTES_rollout.md); a LoRA model on all linears copies the same
     bytes for "dense" and "fused". Anything else is returned as it is."""
@@ -182,17 +182,22 @@ def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached blocks
     # a cap set with torch.cuda.set_per_process_memory_fraction (how a 24 GB card is emulated on a larger one)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-    return auto_weights(model, min(free, int(fraction * total) - allocated))
+    # the kernel's bf16 / fp16 tensor-core dots: Ampere or newer (CI never sees a GPU; only sm_90 was run)
+    nf4 = torch.cuda.get_device_capability(device) >= (8, 0)
+    return auto_weights(model, min(free, int(fraction * total) - allocated), nf4)
 
 
-def auto_weights(model: torch.nn.Module, free: int) -> str:
+def auto_weights(model: torch.nn.Module, free: int, nf4: bool = True) -> str:
     """What "auto" resolves to with `free` bytes of device memory: the first of "fused" and "dense" whose copy
-    fits, else "model"."""
+    fits; else "nf4" where `nf4` (the kernel runs on this device) and the model has NF4 bases nf4_linear reads;
+    else "model". On an H100 a Llama-3.1-8B QLoRA decode step of 64 rows took 17.5 ms with "nf4", 15.6 with
+    "dense" and 42.8 on bitsandbytes' own forward (benchmarks/NOTES_rollout.md): "nf4" is the fallback, not a
+    first choice."""
     build = build_bytes(model)
     for kind in ("fused", "dense"):
         if copy_fits(copy_bytes(model, kind), free, build):
             return kind
-    return "model"
+    return "nf4" if nf4 and nf4_linears(model) else "model"
 
 
 def copy_fits(copy: int, free: int, build: int = 0) -> bool:
