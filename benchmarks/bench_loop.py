@@ -9,6 +9,8 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
   fastgrpo-vllm  the same with GRPOConfig(rollout_engine="vllm") (vLLM shares the trainer's weights)
   fastgrpo-fast  the built-in engine with rollout_attention="triton" (the decode kernel) and, for LoRA / QLoRA,
                  rollout_weights="dense" (decoding multiplies a merged bf16 copy, built per rollout)
+  fastgrpo-nf4   (not run by default; QLoRA) the built-in engine with rollout_weights="nf4": decoding reads the
+                 4-bit base in place (a Triton W4A16 kernel), no bf16 copy
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
@@ -70,7 +72,7 @@ import traceback
 from pathlib import Path
 
 SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "fastgrpo-fast", "trl", "trl-liger", "unsloth")
-ALL_SYSTEMS = SYSTEMS + ("unsloth-hf",)
+ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "unsloth-hf")
 SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
 FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
 DRY_SHAPES = ("tiny-qwen2-lora", "tiny-llama-qlora")
@@ -334,7 +336,7 @@ class DeviceMemory:
 # ---- the systems (run inside the case's process) ----
 def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, offload: bool | None = None):
     """The fastgrpo GRPOTrainer of a case: the folder's model (+ LoRA), patch_model (activation offload on CUDA
-    unless `offload` says), the benchmark's settings; engine: builtin, fast or vllm (see the module doc)."""
+    unless `offload` says), the benchmark's settings; engine: builtin, fast, nf4 or vllm (see the module doc)."""
     import fastgrpo
 
     model = load_hf(case)
@@ -354,6 +356,10 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
     )
     if engine == "fast":
         fields.update(rollout_attention="triton", rollout_weights="model" if case.mode == "full" else "dense")
+    if engine == "nf4":
+        if case.mode != "qlora":
+            raise ValueError(f"fastgrpo-nf4 decodes a 4-bit base's own weights: qlora shapes only, not {case.mode}")
+        fields["rollout_weights"] = "nf4"
     if engine == "vllm":
         if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
             raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
@@ -449,6 +455,7 @@ RUNNERS = {
     "fastgrpo": run_fastgrpo,
     "fastgrpo-vllm": functools.partial(run_fastgrpo, engine="vllm"),
     "fastgrpo-fast": functools.partial(run_fastgrpo, engine="fast"),
+    "fastgrpo-nf4": functools.partial(run_fastgrpo, engine="nf4"),
     "trl": run_trl,
     "trl-liger": functools.partial(run_trl, liger=True),
     "unsloth": functools.partial(run_trl, unsloth=True),
@@ -752,6 +759,8 @@ def main(argv=None) -> int:
     for shape in shapes:
         if shape.rsplit("-", 1)[-1] not in MODES:
             raise SystemExit(f"--shapes: {shape!r} is not <model>-<{'|'.join(MODES)}>")
+        if dry and not shape.startswith("tiny-"):  # a real model's folder would be built on the CPU (16 GB for 8B)
+            raise SystemExit(f"--shapes: --dry-run runs tiny shapes ({', '.join(DRY_SHAPES)}), not {shape!r}")
     if dry:
         args.models_dir = Path(tempfile.mkdtemp(prefix="bench-loop-models-"))
         args.completions, args.prompt_length, args.micro_batch, args.steps = [16], 16, 4, 1
