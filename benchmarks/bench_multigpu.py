@@ -31,6 +31,7 @@ import torch
 
 from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
+from benchmarks.host_probe import GcClock, bind_local_rank, gpu_numa_node
 
 CASES = {
     # Qwen2.5-1.5B, 2 prompts x 8 generations of 256 + 1024 tokens (the README's e2e shape, two groups)
@@ -69,6 +70,8 @@ DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all 
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
 PROFILE = bool(os.environ.get("FASTGRPO_BENCH_PROFILE"))  # one more step under torch.profiler, summary printed
+# FASTGRPO_BENCH_BIND=1: each rank pinned to its own physical cores (benchmarks.host_probe.bind_local_rank)
+BIND = bool(os.environ.get("FASTGRPO_BENCH_BIND"))
 SAMPLE = 4096  # weight elements per tensor compared before and after the steps
 if CPU:
     CASES = {name: dict(spec, model="tiny-qwen2", prompt=16, completion=16, micro=4, steps=2)
@@ -128,6 +131,7 @@ def run_case(name: str, out: str) -> None:
     from fastgrpo.train.trainer import GRPOTrainer
 
     spec = CASES[name]
+    bound = bind_local_rank() if BIND else None
     group = init_distributed(DEVICE)
     if "cap_gib" in spec and not CPU:
         total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
@@ -154,13 +158,19 @@ def run_case(name: str, out: str) -> None:
     if not CPU:
         torch.cuda.reset_peak_memory_stats()
     before = _weight_sample(trainer.model), _mean_logp(trainer, batch)
-    times, losses = [], []
+    times, probes, losses = [], [], []
+    launched = _mark_launch_end(trainer)
+    gc_clock = GcClock()
     for _ in range(spec["steps"]):
         _sync()
-        start = time.perf_counter()
+        gc_clock.take()
+        start, start_cpu = time.perf_counter(), time.thread_time()
         losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
         _sync()
         times.append(time.perf_counter() - start)
+        wall, cpu = launched.pop()
+        probes.append({"launch_ms": 1000 * (wall - start), "launch_cpu_ms": 1000 * (cpu - start_cpu),
+                       "gc_ms": gc_clock.take()})
     moved = _moved(before, trainer, batch, group)
     profile = PROFILE and not spec["cpu_offload"] and not spec.get("rollout_check")  # the timed qwen steps
     if profile and group.is_main:
@@ -170,7 +180,7 @@ def run_case(name: str, out: str) -> None:
     peak = torch.tensor([0.0 if CPU else torch.cuda.max_memory_allocated() / GIB], device=group.device)
     if group.active:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
-    step = statistics.median(times[1:] or times)  # the first step pays for Triton's autotuning
+    step = statistics.median(times[1:] or times)  # the first step compiles the Triton kernels
     row = {
         "case": name, "model": spec["model"], "mode": "lora16" if spec["lora_rank"] else "full",
         "gpus": group.world_size, "engine": ("ddp" if spec["lora_rank"] else "fsdp2") if group.active else "single",
@@ -180,6 +190,9 @@ def run_case(name: str, out: str) -> None:
         "step_ms_all": [1000 * t for t in times], "loss": losses, "loss_finite": all(map(math.isfinite, losses)),
         "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
         "build_s": build_s, **moved,
+        "cpu_bind": bound is not None, "host_probes": _gather(group, {
+            "cpus": sorted(bound or os.sched_getaffinity(0)), "steps": probes,
+            "gpu_numa_node": None if CPU else gpu_numa_node(torch.cuda.current_device())}),
     }
     if spec.get("rollout_check") and group.active:
         row.update(_whole_step(trainer))
@@ -255,6 +268,41 @@ def _whole_step(trainer) -> dict:
             "rollout_fallback_warnings": fallbacks}
 
 
+def _mark_launch_end(trainer) -> list:
+    """Record (wall, main-thread CPU) time when _update has launched all its work: its last call, dist.mean, comes
+    right before the step's one host sync. Launch time near the step's time means the host bounds the step; launch
+    CPU time below launch wall time means the main thread waited (a sync, the GIL, or no free core)."""
+    marks, mean = [], trainer.dist.mean
+
+    def timed_mean(value):
+        marks.append((time.perf_counter(), time.thread_time()))
+        return mean(value)
+
+    trainer.dist.mean = timed_mean
+    return marks
+
+
+def _gather(group, probe: dict) -> list[dict]:
+    """Every rank's probe, in rank order (rank 0 writes the row)."""
+    if not group.active:
+        return [probe]
+    probes = [None] * group.world_size
+    torch.distributed.all_gather_object(probes, probe)
+    return probes
+
+
+def _host_summary(row: dict) -> str:
+    """Per rank: CPUs, median launch wall / CPU ms of the timed steps, GC ms over them."""
+    parts = []
+    for rank, probe in enumerate(row["host_probes"]):
+        timed = probe["steps"][1:] or probe["steps"]
+        launch = statistics.median(s["launch_ms"] for s in timed)
+        cpu = statistics.median(s["launch_cpu_ms"] for s in timed)
+        gc_ms = sum(sum(s["gc_ms"]) for s in timed)
+        parts.append(f"rank {rank}: {len(probe['cpus'])} cpus, launch {launch:.0f} ms (cpu {cpu:.0f}), gc {gc_ms:.1f} ms")
+    return "; ".join(parts)
+
+
 def _sync() -> None:
     if not CPU:
         torch.cuda.synchronize()
@@ -264,10 +312,22 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(CASES))
     parser.add_argument("--out")
+    parser.add_argument("--summarize", metavar="ROWS",
+                        help="no runs: speed-ups, table and results/<suite>-<card>.json from a rows file that "
+                             "--case launches appended to (one 1-GPU row per case family)")
+    parser.add_argument("--suite", default="multigpu", help="results file name with --summarize")
     args = parser.parse_args()
     if args.case:
         run_case(args.case, args.out)
-        return
+    elif args.summarize:
+        summarize(args.summarize, args.suite, {"rows_from": args.summarize})
+    else:
+        out, status = launch_all()
+        summarize(out, "multigpu", {"exit_codes": status})
+
+
+def launch_all() -> tuple[str, dict]:
+    """Every default case, each its own launch, while DEADLINE_S lasts; returns the rows file and exit codes."""
     out = str(Path(tempfile.mkdtemp()) / "rows.jsonl")
     me = [sys.executable, "-m", "benchmarks.bench_multigpu"]
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
@@ -294,6 +354,11 @@ def main() -> None:
                 except subprocess.TimeoutExpired:
                     proc.kill()
                 status[key] = "timeout"
+    return out, status
+
+
+def summarize(out: str, suite: str, config: dict) -> None:
+    """Speed-ups over the 1-GPU row of each case's family, results JSON, per-rank host probes, table last."""
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
     single = {r["case"]: r for r in rows if r["gpus"] == 1}
     for case in CASES:  # the same 1-GPU step: resharding and grouping are FSDP2's alone
@@ -302,13 +367,16 @@ def main() -> None:
     for r in rows:
         base = single.get(r["case"]) if r["gpus"] > 1 else None
         r["speedup"] = base["step_ms"] / r["step_ms"] if base else None
-    path = write_results("multigpu", rows, {"cases": CASES, "exit_codes": status, "card": card_name(),
-                                            "gpus_visible": torch.cuda.device_count()})
-    print(json.dumps(status))
+    path = write_results(suite, rows, {**config, "cases": CASES, "card": card_name(),
+                                       "gpus_visible": torch.cuda.device_count()})
+    print(json.dumps(config))
     print(f"wrote {path}")
     for r in rows:
         if "whole_step" in r or r["cpu_offload"]:
             print(r["case"], {k: r.get(k) for k in ("step_ms_all", "loss", "whole_step", "rollout_fallback_warnings")})
+    for r in rows:
+        if "host_probes" in r:
+            print(r["case"], f"{r['gpus']} GPU(s)", "bound" if r["cpu_bind"] else "unbound", _host_summary(r))
     print_table(rows, ["case", "gpus", "engine", "global_batch", "step_ms", "steps_s", "speedup",
                        "peak_gib_per_gpu", "cap_gib", "weights_changed_frac", "logp_before", "logp_after"])
 
