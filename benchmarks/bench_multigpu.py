@@ -31,7 +31,7 @@ import torch
 
 from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
-from benchmarks.host_probe import GcClock, bind_local_rank, gpu_numa_node
+from benchmarks.host_probe import GcClock, bind_local_rank
 
 CASES = {
     # Qwen2.5-1.5B, 2 prompts x 8 generations of 256 + 1024 tokens (the README's e2e shape, two groups)
@@ -191,8 +191,7 @@ def run_case(name: str, out: str) -> None:
         "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
         "build_s": build_s, **moved,
         "cpu_bind": bound is not None, "host_probes": _gather(group, {
-            "cpus": sorted(bound or os.sched_getaffinity(0)), "steps": probes,
-            "gpu_numa_node": None if CPU else gpu_numa_node(torch.cuda.current_device())}),
+            "cpus": sorted(bound or os.sched_getaffinity(0)), "steps": probes}),
     }
     if spec.get("rollout_check") and group.active:
         row.update(_whole_step(trainer))

@@ -41,17 +41,6 @@ def bind_local_rank() -> list[int]:
     return mine
 
 
-def gpu_numa_node(device_index: int) -> int | None:
-    """The NUMA node sysfs gives the GPU's PCI device (-1: none), or None where it cannot be read."""
-    import torch
-
-    bus_id = torch.cuda.get_device_properties(device_index).pci_bus_id.lower()
-    try:
-        return int(Path(f"/sys/bus/pci/devices/{bus_id}/numa_node").read_text())
-    except (OSError, ValueError):
-        return None
-
-
 class GcClock:
     """Milliseconds the garbage collector ran, per generation, since the last `take()`."""
 
