@@ -170,6 +170,42 @@ def test_cache_stores_the_quantized_prompt_at_about_half_the_bytes(monkeypatch, 
                 assert torch.equal(scales[layer][:, :, :P], scale)
 
 
+def test_compiled_cache_write_is_the_eager_one_with_no_dtype_view(monkeypatch):
+    """LayerCache.update under torch.compile writes the bytes and scales the eager path writes (uint8 view: eager
+    index_copy_ has no float8 kernel), and its traced graph holds no dtype view of the cache: on an H100 the write
+    through one was not made in place under the Triton decode kernel (a whole-cache copy per layer and step)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    g = torch.Generator().manual_seed(0)
+    N, H, M, D = 3, 2, 16, 8
+    slot = torch.tensor([5])
+    key, value = (torch.randn(N, H, 1, D, generator=g) for _ in range(2))
+
+    def write(keys, values, key_scales, value_scales):
+        cache = LayerCache(keys, values, slot, {"k_scale": key_scales, "v_scale": value_scales})
+        return cache.update(key, value, 0)
+
+    def empty():
+        return [torch.zeros(N, H, M, D).to(FP8) for _ in range(2)] + [torch.ones(N, H, M) for _ in range(2)]
+
+    graphs = []
+
+    def inductor(gm, example_inputs):  # the graph Dynamo traced, lowered as torch.compile's default would
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    eager, compiled = empty(), empty()
+    write(*eager)
+    torch.compile(write, backend=inductor, fullgraph=True)(*compiled)
+    for want, got in zip(eager, compiled):
+        if want.dtype == FP8:
+            want, got = want.view(torch.uint8), got.view(torch.uint8)
+        assert torch.equal(want, got)
+    assert eager[0].view(torch.uint8)[:, :, 5].any()  # the slot was written
+    views = [n for n in graphs[0].graph.nodes if n.op == "call_method" and n.target == "view"
+             and any(isinstance(a, torch.dtype) for a in n.args[1:])]
+    assert not views, [n.format_node() for n in views]
+
+
 @pytest.mark.parametrize("kwargs, match", [
     (dict(kv_cache="int8"), "kv_cache"),
     (dict(kv_cache="fp8", attention="sdpa"), "kv_cache='fp8': needs attention='triton'"),

@@ -156,8 +156,13 @@ class LayerCache:
         for states, store, scales in ((key, self.keys, self._kwargs["k_scale"]),
                                       (value, self.values, self._kwargs["v_scale"])):
             states, scale = quantize_kv(states)
-            # index_copy_ has no float8 kernels (CPU or CUDA): the e4m3 bytes go as uint8
-            store.view(torch.uint8).index_copy_(2, self.slot, states.view(torch.uint8))
+            if torch.compiler.is_compiling():
+                # index_put_ on the e4m3 cache itself (Inductor stores e4m3). Through a dtype view the write was not
+                # made in place when the Triton decode kernel read the cache after it: a whole-cache copy per layer
+                # and step (H100 profile)
+                store[:, :, self.slot] = states
+            else:  # eager index_copy_ has no float8 kernels (CPU or CUDA): the e4m3 bytes go as uint8
+                store.view(torch.uint8).index_copy_(2, self.slot, states.view(torch.uint8))
             scales.index_copy_(2, self.slot, scale)
         return self.keys, self.values
 
