@@ -47,8 +47,8 @@ def torch_path(monkeypatch):
     return choose
 
 
-def nf4_model(config, nested=False, lora=False, seed=0):
-    """A tiny model whose decoder linears (not lm_head) are bitsandbytes NF4 Linear4bit with an fp32 compute dtype,
+def nf4_model(config, nested=False, lora=False, seed=0, compute_dtype=torch.float32):
+    """A tiny model whose decoder linears (not lm_head) are bitsandbytes NF4 Linear4bit with `compute_dtype`,
     quantized from its random fp32 weights; PEFT LoRA on q, v and gate (non-zero adapters) if `lora`."""
     torch.manual_seed(seed)
     from transformers import AutoModelForCausalLM
@@ -59,7 +59,7 @@ def nf4_model(config, nested=False, lora=False, seed=0):
         if type(module) is not torch.nn.Linear or module is head:
             continue
         layer = bnb.nn.Linear4bit(module.in_features, module.out_features, bias=module.bias is not None,
-                                  compute_dtype=torch.float32, compress_statistics=nested, quant_type="nf4",
+                                  compute_dtype=compute_dtype, compress_statistics=nested, quant_type="nf4",
                                   device="meta")
         layer.support_avx512bf16_for_cpu = False  # bitsandbytes' CPU repacking: a layout nf4_linear refuses
         layer.weight = bnb.nn.Params4bit(module.weight.data, requires_grad=False, quant_type="nf4",
@@ -165,23 +165,52 @@ def test_a_model_without_nf4_layers_warns(torch_path):
 
 
 def test_auto_falls_back_to_nf4_when_no_copy_fits():
-    """"auto" takes a copy when one fits, else "nf4" for a model with NF4 bases it reads (and a device the kernel
-    runs on), else the model's own weights; "nf4" is no copy kind."""
-    model = nf4_model(CONFIGS["llama"]())
+    """"auto" takes a copy when one fits, else "nf4" for a model whose NF4 bases the kernel reads and compute in
+    16 bits (on a device the kernel runs on), else the model's own weights; "nf4" is no copy kind."""
+    model = nf4_model(CONFIGS["llama"](), compute_dtype=torch.bfloat16)
     extra = decode_weights.AUTO_HEADROOM_BYTES + decode_weights.build_bytes(model)
     fused, dense = (decode_weights.copy_bytes(model, kind) + extra for kind in ("fused", "dense"))
     assert decode_weights.auto_weights(model, fused) == "fused"
     assert decode_weights.auto_weights(model, dense) == ("dense" if dense < fused else "fused")
     assert decode_weights.auto_weights(model, dense - 1) == "nf4"
     assert decode_weights.auto_weights(model, dense - 1, nf4=False) == "model"
-    assert decode_weights.auto_weights(nf4_model(CONFIGS["llama"](), lora=True), 0) == "nf4"
-    plain = nf4_model(CONFIGS["llama"]())
-    for layer in decode_weights.nf4_linears(plain):  # FP4 bases: nothing the kernel reads
+    lora = nf4_model(CONFIGS["llama"](), lora=True, compute_dtype=torch.float16)
+    assert decode_weights.auto_weights(lora, 0) == "nf4"
+    # fp32 compute runs the kernel's fp32 dots (unmeasured): bitsandbytes' forward
+    assert decode_weights.auto_weights(nf4_model(CONFIGS["llama"]()), 0) == "model"
+    fp4 = nf4_model(CONFIGS["llama"](), compute_dtype=torch.bfloat16)
+    for layer in decode_weights.nf4_linears(fp4):  # FP4 bases: nothing the kernel reads
         layer.weight.quant_state.quant_type = "fp4"
-    assert decode_weights.auto_weights(plain, 0) == "model"
+    assert decode_weights.auto_weights(fp4, 0) == "model"
     assert decode_weights.resolved_weights(model, "nf4") == "nf4"
     with pytest.raises(ValueError, match="kind"):
         decode_weights.copied_weights(model, "nf4").__enter__()
+
+
+def test_auto_decodes_with_nf4_when_building_its_copy_runs_out_of_memory(monkeypatch):
+    """The dense copy "auto" chose fails to build (the second layer copied raises the allocator's error): the
+    rollout goes on with "nf4" (every NF4 base swapped, a warning says so); afterwards the model is as it was."""
+    model = nf4_model(CONFIGS["llama"](), lora=True, compute_dtype=torch.bfloat16)
+    classes = {name: type(m) for name, m in model.named_modules()}
+    copy_layer, calls = decode_weights._copy, []
+
+    def out_of_memory_on_the_second(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 224.00 MiB")
+        return copy_layer(*args)
+
+    monkeypatch.setattr(decode_weights, "_copy", out_of_memory_on_the_second)
+    bases = decode_weights.nf4_linears(model)
+    with pytest.warns(UserWarning, match="decoding with 'nf4'"):
+        with decode_weights._copy_or_fallback(model, "dense") as modules:
+            assert modules == bases and all(hasattr(b, "fastgrpo_nf4") for b in bases)
+    assert {name: type(m) for name, m in model.named_modules()} == classes
+    assert not [n for n, m in model.named_modules() if any(a.startswith("fastgrpo_") for a in vars(m))]
+    calls.clear()
+    with pytest.warns(UserWarning, match="the model's own weights"):  # a device the kernel does not run on
+        with decode_weights._copy_or_fallback(model, "dense", nf4=False) as modules:
+            assert modules == []
 
 
 @pytest.mark.parametrize("lora", [False, True])

@@ -143,14 +143,14 @@ def test_auto_decodes_from_the_model_when_building_its_copy_runs_out_of_memory(m
     x = torch.randn(2, 3, SIZES["hidden_size"])
     want = q_proj(x)
     with pytest.warns(UserWarning, match="ran out of device memory"):
-        with decode_weights._copy_or_model(model, "dense") as modules:
+        with decode_weights._copy_or_fallback(model, "dense") as modules:
             assert modules == []
             assert {name: type(m) for name, m in model.named_modules()} == classes
             torch.testing.assert_close(q_proj(x), want, rtol=0, atol=0)
     assert len(calls) == 3
     assert not [n for n, m in model.named_modules() if any(a.startswith("fastgrpo_") for a in vars(m))]
     monkeypatch.setattr(decode_weights, "_copy", copy_layer)
-    with decode_weights._copy_or_model(model, "dense") as modules:  # with the memory there, the copy is made
+    with decode_weights._copy_or_fallback(model, "dense") as modules:  # with the memory there, the copy is made
         assert modules and type(q_proj) is not classes[name]
 
 

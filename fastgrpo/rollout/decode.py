@@ -58,9 +58,9 @@ class EngineConfig:
     # rounding, never chosen by "auto") or "dense" (the model's dtype: one GEMM for a 4-bit base or a LoRA layer),
     # "fused" ("dense" that also copies plain weights to run q/k/v and gate/up as one GEMM each, as the FP8 kinds
     # and "dense" do where they copy all of a group), or "auto": on CUDA "fused" when its copy fits the free
-    # memory, else "dense" for LoRA / 4-bit models when that fits, else "model". "nf4": no copy; each bitsandbytes
-    # NF4 base runs fastgrpo.ops.nf4_linear (a Triton W4A16 GEMM) on its own 4-bit weight, the rest their own
-    # forward (never chosen by "auto" until a GPU measures it). The prefill keeps the model's own
+    # memory, else "dense" for LoRA / 4-bit models when that fits, else "nf4" (16-bit compute, compute capability
+    # 8.0 or newer), else "model". "nf4": no copy; each bitsandbytes NF4 base runs fastgrpo.ops.nf4_linear (a
+    # Triton W4A16 GEMM) on its own 4-bit weight, the rest their own forward. The prefill keeps the model's own
     # (rollout/decode_weights.py).
     weights: str = "auto"
     # rows that finished (stop token or string) while others decode on (rollout/compaction.py): "keep" (they run

@@ -138,18 +138,19 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
         return contextlib.nullcontext()
     if kind == "nf4":
         return nf4_weights(model)
-    return _copy_or_model(model, kind) if weights == "auto" else copied_weights(model, kind)
+    return _copy_or_fallback(model, kind, _nf4_device(model)) if weights == "auto" else copied_weights(model, kind)
 
 
 @contextlib.contextmanager
-def _copy_or_model(model: torch.nn.Module, kind: str) -> Iterator[list[torch.nn.Module]]:
+def _copy_or_fallback(model: torch.nn.Module, kind: str, nf4: bool = True) -> Iterator[list[torch.nn.Module]]:
     """copied_weights(model, kind) for "auto". If building the copy runs out of device memory anyway (the room is
     an estimate, and the allocator's free blocks may be fragmented): the smaller "dense" copy where "fused" was
-    taken and one exists, else the model's own weights, with a warning each time: the choice was ours, so it must
-    not end the user's run."""
+    taken and one exists, else "nf4" where auto_weights would fall back to it (`nf4`: the device runs the kernel),
+    else the model's own weights, with a warning each time: the choice was ours, so it must not end the user's run."""
     kinds = [kind]
     if kind == "fused" and 0 < copy_bytes(model, "dense") < copy_bytes(model, "fused"):
         kinds.append("dense")
+    last = "nf4" if nf4 and _nf4_fallback(model) else "model"
     with contextlib.ExitStack() as stack:
         modules = []
         for i, candidate in enumerate(kinds):
@@ -159,16 +160,20 @@ def _copy_or_model(model: torch.nn.Module, kind: str) -> Iterator[list[torch.nn.
             except torch.OutOfMemoryError:
                 pass  # the partial copy is freed with the exception, after this block
             torch.cuda.empty_cache()
-            then = repr(kinds[i + 1]) if i + 1 < len(kinds) else "the model's own weights"
+            following = kinds[i + 1] if i + 1 < len(kinds) else last
+            then = "the model's own weights" if following == "model" else repr(following)
             warnings.warn(f"rollout: weights='auto' took {candidate!r}, whose copy ran out of device memory while it "
                           f"was built; decoding with {then}", stacklevel=4)
+        else:  # every copy ran out of memory
+            if last == "nf4":
+                modules = stack.enter_context(nf4_weights(model))
         yield modules
 
 
 def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     """"auto", for a model on CUDA: "fused" when its copy fits the memory free now, with room to build it
     (build_bytes) and AUTO_HEADROOM_BYTES to spare, else "dense" when a LoRA or 4-bit model's copy does, else
-    "nf4" for a 4-bit base it reads, else "model" (and "model" off CUDA). On an H100,
+    "nf4" (_nf4_device, _nf4_fallback), else "model" (and "model" off CUDA). On an H100,
     "fused" took a bf16 decode step from 3.57 to 3.26 ms (Qwen2.5-1.5B shapes) and 10.0 to 9.57 ms (Llama-3.1-8B)
     for a copy of q/k/v and gate/up (benchmarks/NOTES_rollout.md); a LoRA model on all linears copies the same
     bytes for "dense" and "fused". Anything else is returned as it is."""
@@ -182,22 +187,36 @@ def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached blocks
     # a cap set with torch.cuda.set_per_process_memory_fraction (how a 24 GB card is emulated on a larger one)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-    # the kernel's bf16 / fp16 tensor-core dots: Ampere or newer (CI never sees a GPU; only sm_90 was run)
-    nf4 = torch.cuda.get_device_capability(device) >= (8, 0)
-    return auto_weights(model, min(free, int(fraction * total) - allocated), nf4)
+    return auto_weights(model, min(free, int(fraction * total) - allocated), _nf4_device(model))
 
 
 def auto_weights(model: torch.nn.Module, free: int, nf4: bool = True) -> str:
     """What "auto" resolves to with `free` bytes of device memory: the first of "fused" and "dense" whose copy
-    fits; else "nf4" where `nf4` (the kernel runs on this device) and the model has NF4 bases nf4_linear reads;
-    else "model". On an H100 a Llama-3.1-8B QLoRA decode step of 64 rows took 17.5 ms with "nf4", 15.6 with
-    "dense" and 42.8 on bitsandbytes' own forward (benchmarks/NOTES_rollout.md): "nf4" is the fallback, not a
-    first choice."""
+    fits; else "nf4" where `nf4` (the device runs the kernel) and _nf4_fallback(model); else "model". On an H100
+    a Llama-3.1-8B QLoRA decode step of 64 rows took 17.5 ms with "nf4", 15.6 with "dense" and 42.8 on
+    bitsandbytes' own forward (benchmarks/NOTES_rollout.md): "nf4" is the fallback, not a first choice."""
     build = build_bytes(model)
     for kind in ("fused", "dense"):
         if copy_fits(copy_bytes(model, kind), free, build):
             return kind
-    return "nf4" if nf4 and nf4_linears(model) else "model"
+    return "nf4" if nf4 and _nf4_fallback(model) else "model"
+
+
+def _nf4_device(model: torch.nn.Module) -> bool:
+    """Whether the model's device runs nf4_linear's kernel for "auto": CUDA of compute capability 8.0 or newer
+    (bf16 / fp16 tensor-core dots; only sm_90 was run)."""
+    device = model.get_input_embeddings().weight.device
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 0)
+
+
+def _nf4_fallback(model: torch.nn.Module) -> bool:
+    """Whether "auto" may decode with "nf4": the model has NF4 bases nf4_linear reads, all computing in a 16-bit
+    dtype (the measured path; an fp32 compute dtype runs the kernel's fp32 dots, not measured against
+    bitsandbytes)."""
+    modules = nf4_linears(model)
+    fallback = model.get_input_embeddings().weight.dtype  # a 4-bit layer without a compute dtype casts to x's
+    return bool(modules) and all((four_bit_parts(m)[2] or fallback) in (torch.bfloat16, torch.float16)
+                                 for m in modules)
 
 
 def copy_fits(copy: int, free: int, build: int = 0) -> bool:

@@ -98,14 +98,15 @@ class GRPOConfig:
     rollout_attention: str = option("auto", "builtin: one-token attention, sdpa (one SDPA call over the padded "
                                             "cache), triton (a flash-decoding kernel reading only the filled "
                                             "slots) or auto (triton on a GPU)", run_control=True)
-    rollout_weights: str = option("auto", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: auto "
-                                          "(on a GPU fused, else dense, when the copy fits the free memory, else "
-                                          "nf4), the modules' own, an e4m3 copy of every linear (fp8: bf16 "
-                                          "activations; w8a8: activations rounded to e4m3 per row too, on the FP8 "
-                                          "tensor cores), a copy of LoRA-merged / 4-bit layers in the model's dtype "
-                                          "(one GEMM each; costs their bytes during the rollout), that copy with "
-                                          "plain q/k/v and gate/up stacked too (one GEMM per group; costs their "
-                                          "bytes), or nf4: a Triton kernel reading a bitsandbytes NF4 base (no copy)",
+    rollout_weights: str = option("auto", f"builtin: the weights decoding multiplies, one of {WEIGHTS}: auto (on "
+                                          "a GPU fused, else dense, when its copy fits the free memory, else nf4 "
+                                          "for an NF4 base computing in 16 bits on sm80+, else model), model: the "
+                                          "modules' own, fp8: an e4m3 copy of every linear (bf16 activations), "
+                                          "w8a8: that with activations rounded to e4m3 per row (FP8 tensor cores), "
+                                          "dense: a copy of LoRA-merged / 4-bit layers in the model's dtype (one "
+                                          "GEMM each; costs their bytes during the rollout), fused: dense with plain "
+                                          "q/k/v and gate/up stacked too (costs their bytes), nf4: a Triton kernel "
+                                          "reading a bitsandbytes NF4 base (no copy)",
                                   run_control=True)
     rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (the model's dtype) or fp8 (e4m3, "
                                             "an fp32 scale per vector: 0.52x the memory at head_dim 128; log-probs "
