@@ -128,14 +128,14 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
 
 
 def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
-    """Alternatives to nf4_linear's default_config: 64 / 128 features (4 / 8 warps) x 128 / 256 of K per step x
-    splits for two, four or eight programs per SM, one stage (more stages make the code-table gathers cp.async
-    copies: kernels/nf4_linear.py)."""
+    """Alternatives to nf4_linear's default_config, one stage each (more stages make the code-table gathers
+    cp.async copies: kernels/nf4_linear.py): 64 / 128 features x 4 / 8 warps x 128 / 256 of K per step x splits
+    for two, four or eight programs per SM (24 configs, fewer where two fill the same splits)."""
     from fastgrpo.kernels.fp8_linear import config_for
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, 4 if block_n == 64 else 8, 1)
-               for block_n in (64, 128) for block_k in (128, 256) for per_sm in (2, 4, 8)}
+    configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, warps, 1)
+               for block_n in (64, 128) for warps in (4, 8) for block_k in (128, 256) for per_sm in (2, 4, 8)}
     return sorted(configs, key=dataclasses.astuple)
 
 

@@ -10,7 +10,7 @@ then an fp64 matmul: x (16-bit or fp32), W32 and bias are exact in fp64.
 Kernel tolerance, derived per element (`bound`): (1) each weight rounded from W32 to x's dtype in registers:
 |dW| <= eps |W32| (eps = one ulp at 1: the interpreter truncates, a GPU rounds to nearest: half that; none for fp32
 x); NF4 values times an fp32 absmax are not bf16 numbers, so this is not exact; (2) fp32 accumulation of K exact
-products (8 x 8 mantissa bits for 16-bit x; fp32 x: each product rounded once) in two dots per block plus the
+products (8 x 8 mantissa bits for 16-bit x; fp32 x: each product rounded once) in one dot per block plus the
 split partial sums and the bias add: (K + splits + 3) 2^-24 sum_k |x_k W_k| + 2^-24 (|bias| + |ref|); (3) the
 output's rounding to x's dtype: eps (|ref| + the rest). Bitsandbytes' own bf16 forward has the same weight rounding
 (its dequantize_4bit to the compute dtype) and cuBLAS's accumulation: the kernel is held to what it does.

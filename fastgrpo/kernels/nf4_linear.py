@@ -24,12 +24,11 @@ never straddles rows, so a tile's K step of BLOCK_K (a multiple of blocksize) ne
 
 A block's bytes [BLOCK_N, blocksize / 2] give its even (high nibble) and odd (low) elements, interleaved in
 registers (tl.join, then a reshape) into the [BLOCK_N, blocksize] tile of W that one dot multiplies with x^T's
-[blocksize, BLOCK_M], loaded with unit stride along K. (Two half-tile dots against x's even and odd columns need
-no interleave, but they read x at stride 2, uncoalesced: on an H100 that version ran far slower than cuBLAS bf16.)
-Tiles, split-K and its tickets are kernels/fp8_linear.py's (the same problem shape; the same per-device counters,
-which every launch leaves at zero). Under TRITON_INTERPRET tl.dot runs in fp32 on W already rounded to x's dtype (Triton
-3.9's interpreter returns garbage for bf16 dots, shared/DESIGN.md); its fp32 -> bf16 conversion truncates where
-a GPU rounds to nearest.
+[blocksize, BLOCK_M], loaded with unit stride along K (two half-tile dots against x's even and odd columns need no
+interleave, but read x at stride 2, uncoalesced). Tiles, split-K and its tickets are kernels/fp8_linear.py's (the
+same problem shape; the same per-device counters, which every launch leaves at zero). Under TRITON_INTERPRET
+tl.dot runs in fp32 on W already rounded to x's dtype (Triton 3.9's interpreter returns garbage for bf16 dots,
+shared/DESIGN.md); its fp32 -> bf16 conversion truncates where a GPU rounds to nearest.
 """
 from __future__ import annotations
 
@@ -40,8 +39,8 @@ import triton.language as tl
 from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for
 
 # One stage: with two or more, Triton's pipeliner turns the code-table gathers into 4-byte cp.async copies, 6-10x
-# slower on an H100. Four programs per SM hide the unpipelined loads' latency instead. Sweep (bench_fp8, H100, M 64):
-# within 8% of the best of 24 configs at one stage on Llama-3.1-8B's shapes (benchmarks/NOTES_rollout.md).
+# slower on an H100. Four programs per SM hide the unpipelined loads' latency instead: within 9% of the best of 24
+# one-stage configs on Llama-3.1-8B's shapes, M 64 (bench_fp8's nf4_sweep; benchmarks/NOTES_rollout.md).
 GPU_TILES = dict(block_n=64, block_k=128, programs_per_sm=4, num_warps=4, num_stages=1)
 
 
@@ -129,7 +128,7 @@ def _epilogue(acc, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS: tl.constexpr)
 
 def default_config(M: int, N: int, K: int, blocksize: int, device: torch.device) -> Fp8LinearConfig:
     """Tiles and splits for y [M, N] = x [M, K] W^T (no autotuning: a given card always computes the same bits).
-    GPU: fp8_linear's rule (config_for: splits that fill one wave of two programs per SM) over GPU_TILES, BLOCK_K
+    GPU: fp8_linear's rule (config_for: splits that fill one wave of GPU_TILES' programs per SM), BLOCK_K
     at least one block. Interpreter: 16-wide tiles and one block per K step, so small test shapes cross tiles,
     splits and edges."""
     if device.type != "cuda":
