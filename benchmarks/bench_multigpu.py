@@ -3,6 +3,10 @@ fine-tuning with FSDP2 on 2 GPUs capped at 24 GiB each (torch.cuda.set_per_proce
 
     python -m benchmarks.bench_multigpu                 # every case; writes results/multigpu-<card>.json, table last
     torchrun --nproc_per_node 2 -m benchmarks.bench_multigpu --case qwen-full --out rows.jsonl   # one case
+    python -m benchmarks.bench_multigpu --summarize rows.jsonl --suite NAME   # on the same machine: its card
+
+FASTGRPO_BENCH_BIND=1 pins each rank to its own physical cores; every row carries each rank's host probes
+(benchmarks/host_probe.py: when the host had launched the step, its main thread's CPU time, GC pauses, its CPUs).
 
 A step here is the trainer's update of one global batch (GRPOTrainer._update: forward + backward of every micro-
 batch, the gradient all-reduce / reduce-scatter, clipping, AdamW), on random token ids with the completion mask and
@@ -160,17 +164,17 @@ def run_case(name: str, out: str) -> None:
     before = _weight_sample(trainer.model), _mean_logp(trainer, batch)
     times, probes, losses = [], [], []
     launched = _mark_launch_end(trainer)
-    gc_clock = GcClock()
-    for _ in range(spec["steps"]):
-        _sync()
-        gc_clock.take()
-        start, start_cpu = time.perf_counter(), time.thread_time()
-        losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
-        _sync()
-        times.append(time.perf_counter() - start)
-        wall, cpu = launched.pop()
-        probes.append({"launch_ms": 1000 * (wall - start), "launch_cpu_ms": 1000 * (cpu - start_cpu),
-                       "gc_ms": gc_clock.take()})
+    with GcClock() as gc_clock:
+        for _ in range(spec["steps"]):
+            _sync()
+            gc_clock.take()
+            start, start_cpu = time.perf_counter(), time.thread_time()
+            losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
+            _sync()
+            times.append(time.perf_counter() - start)
+            wall, cpu = launched.pop()
+            probes.append({"launch_ms": 1000 * (wall - start), "launch_cpu_ms": 1000 * (cpu - start_cpu),
+                           "gc_ms": gc_clock.take()})
     moved = _moved(before, trainer, batch, group)
     profile = PROFILE and not spec["cpu_offload"] and not spec.get("rollout_check")  # the timed qwen steps
     if profile and group.is_main:
@@ -269,8 +273,10 @@ def _whole_step(trainer) -> dict:
 
 def _mark_launch_end(trainer) -> list:
     """Record (wall, main-thread CPU) time when _update has launched all its work: its last call, dist.mean, comes
-    right before the step's one host sync. Launch time near the step's time means the host bounds the step; launch
-    CPU time below launch wall time means the main thread waited (a sync, the GIL, or no free core)."""
+    right before the step's final host sync (the wall time includes the waits of its earlier syncs: the token count
+    per minibatch). Launch time near the step's time means the host bounds the step; launch CPU time below launch
+    wall time means the main thread waited (a sync, the backward, which autograd runs on its own thread, or no
+    free core)."""
     marks, mean = [], trainer.dist.mean
 
     def timed_mean(value):
@@ -298,7 +304,8 @@ def _host_summary(row: dict) -> str:
         launch = statistics.median(s["launch_ms"] for s in timed)
         cpu = statistics.median(s["launch_cpu_ms"] for s in timed)
         gc_ms = sum(sum(s["gc_ms"]) for s in timed)
-        parts.append(f"rank {rank}: {len(probe['cpus'])} cpus, launch {launch:.0f} ms (cpu {cpu:.0f}), gc {gc_ms:.1f} ms")
+        cpus = len(probe["cpus"])
+        parts.append(f"rank {rank}: {cpus} cpus, launch {launch:.0f} ms (cpu {cpu:.0f}), gc {gc_ms:.1f} ms")
     return "; ".join(parts)
 
 
@@ -314,8 +321,10 @@ def main() -> None:
     parser.add_argument("--summarize", metavar="ROWS",
                         help="no runs: speed-ups, table and results/<suite>-<card>.json from a rows file that "
                              "--case launches appended to (one 1-GPU row per case family)")
-    parser.add_argument("--suite", default="multigpu", help="results file name with --summarize")
+    parser.add_argument("--suite", help="results file name with --summarize (required: not the default runs' file)")
     args = parser.parse_args()
+    if args.summarize and not args.suite:
+        parser.error("--suite: required with --summarize (results/<suite>-<card>.json)")
     if args.case:
         run_case(args.case, args.out)
     elif args.summarize:

@@ -31,23 +31,32 @@ def bind_local_rank() -> list[int]:
     r-th n-th of them, so two ranks never share a core (or its hyperthread sibling). Returns the CPUs bound to."""
     rank, ranks = int(os.environ.get("LOCAL_RANK", "0")), int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     cores = _physical_cores(os.sched_getaffinity(0))
-    share = max(1, len(cores) // ranks)
+    if len(cores) < ranks:
+        raise ValueError(f"FASTGRPO_BENCH_BIND: {len(cores)} physical cores allowed for {ranks} local ranks")
+    share = len(cores) // ranks
     mine = sorted(cpu for core in cores[rank * share:(rank + 1) * share] for cpu in core)
     for tid in os.listdir("/proc/self/task"):  # threads started before this call keep their own mask otherwise
         try:
             os.sched_setaffinity(int(tid), mine)
-        except OSError:  # a thread that ended meanwhile
+        except ProcessLookupError:  # a thread that ended meanwhile
             pass
     return mine
 
 
 class GcClock:
-    """Milliseconds the garbage collector ran, per generation, since the last `take()`."""
+    """Milliseconds the garbage collector ran, per generation, since the last `take()`; a context manager that
+    removes its gc callback on exit."""
 
     def __init__(self):
         self._start = 0.0
         self._ms = [0.0, 0.0, 0.0]
+
+    def __enter__(self) -> "GcClock":
         gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
