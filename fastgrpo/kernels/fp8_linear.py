@@ -54,12 +54,7 @@ def _fp8_linear_kernel(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = pid // splits  # the programs of a tile's splits are adjacent: they start together
-    split = pid % splits
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features n
-    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # input rows m
+    tile, split, feats, rows = program_tile(tl.program_id(0), splits, N, BLOCK_M, BLOCK_N)
     feat_ok = feats < N
     row_ok = rows < M
     ks = tl.arange(0, BLOCK_K)
@@ -87,17 +82,41 @@ def _fp8_linear_kernel(
     if not SPLIT:
         _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
     else:
-        part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [splits, M, N] fp32
-        tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
-        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
-        if ticket == splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for _ in range(0, splits):
-                total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
-                part += M * N
+        total, last = split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N)
+        if last:
             _epilogue(total, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
             tl.atomic_xchg(COUNTS + tile, 0)
+
+
+@triton.jit
+def program_tile(pid, splits, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(tile, split, output features n [BLOCK_N], input rows m [BLOCK_M]) of program `pid`: the programs of a
+    tile's splits are adjacent, so they start together."""
+    tile = pid // splits
+    split = pid % splits
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)
+    return tile, split, feats, rows
+
+
+@triton.jit
+def split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N):
+    """Split-K: this split's partial sum goes to the workspace PARTIAL [splits, M, N] fp32; the program that takes
+    the tile's last ticket gets (the partials summed in split order: the same bits whatever order the splits ran
+    in, True), the others (acc, False). The last one resets the tile's counter after its epilogue."""
+    part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]
+    tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
+    tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
+    ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
+    last = ticket == splits - 1
+    total = acc
+    if last:
+        total = tl.zeros_like(acc)
+        for _ in range(0, splits):
+            total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
+            part += M * N
+    return total, last
 
 
 @triton.jit

@@ -36,7 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for
+from fastgrpo.kernels.fp8_linear import (MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for,
+                                         program_tile, split_k_total)
 
 # One stage: with two or more, Triton's pipeliner turns the code-table gathers into 4-byte cp.async copies, 6-10x
 # slower on an H100. Four programs per SM hide the unpipelined loads' latency instead: within 9% of the best of 24
@@ -53,12 +54,7 @@ def _nf4_linear_kernel(
     FP32_DOT: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED_BLOCKSIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    tile = pid // splits  # the programs of a tile's splits are adjacent: they start together
-    split = pid % splits
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    feats = (tile % tiles_n) * BLOCK_N + tl.arange(0, BLOCK_N)  # output features n
-    rows = (tile // tiles_n) * BLOCK_M + tl.arange(0, BLOCK_M)  # input rows m
+    tile, split, feats, rows = program_tile(tl.program_id(0), splits, N, BLOCK_M, BLOCK_N)
     feat_ok = feats < N
     row_ok = rows < M
     half = tl.arange(0, BLOCKSIZE // 2)  # byte j of a block holds elements 2j (high nibble) and 2j + 1 (low)
@@ -105,16 +101,9 @@ def _nf4_linear_kernel(
     y_mask = feat_ok[:, None] & row_ok[None, :]
     if not SPLIT:
         _epilogue(acc, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
-    else:  # kernels/fp8_linear.py's split-K: partials in a workspace, the last ticket sums them in split order
-        part = PARTIAL + rows[None, :].to(tl.int64) * N + feats[:, None]  # PARTIAL: [splits, M, N] fp32
-        tl.store(part + split.to(tl.int64) * M * N, acc, mask=y_mask)
-        tl.debug_barrier()  # every thread's partial is stored before the ticket is taken (release)
-        ticket = tl.atomic_add(COUNTS + tile, 1, sem="acq_rel")
-        if ticket == splits - 1:
-            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-            for _ in range(0, splits):
-                total += tl.load(part, mask=y_mask, other=0.0, cache_modifier=".cg")
-                part += M * N
+    else:
+        total, last = split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N)
+        if last:
             _epilogue(total, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
             tl.atomic_xchg(COUNTS + tile, 0)
 
