@@ -31,6 +31,7 @@ from fastgrpo.ops.decode_attention import (
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
+from tests.error_bounds import assert_within
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -51,16 +52,6 @@ def bound(ref, q, k, v, keep, scale, dtype, fp8=False):
     fp32 = 2.0**-24 * pv_abs * (2 * (D + 2 + extra) * smax + M + 8 + extra)
     p_round = 0.0 if dtype == torch.float32 else eps / 2 * pv_abs
     return eps * ref.abs() + torch.finfo(dtype).tiny + p_round + 2 * fp32
-
-
-def assert_within(got, ref, tol, what):
-    err = (got.double() - ref).abs()
-    worst = (err - tol).argmax()
-    assert torch.isfinite(got).all(), f"{what}: non-finite output"
-    assert (err <= tol).all(), (
-        f"{what}: |err| {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
-        f"(ref {ref.flatten()[worst]:.4f}); max err {err.max():.3e}"
-    )
 
 
 def make_cache(g, N, H, M, D, length, dtype, pad_fill):

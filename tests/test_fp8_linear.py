@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from fastgrpo.ops import fp8_linear as ops
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_linear, fp8_linear_torch, quantize_fp8
+from tests.error_bounds import assert_within
 from tests.graph_replay import assert_replays_exactly
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
@@ -33,15 +34,6 @@ def bound(ref, x, q, scale, bias, dtype, splits):
     fp32 = U32 * ((K + splits + 4) * sum_abs + ref.abs() + (0.0 if bias is None else bias.double().abs()))
     eps = torch.finfo(dtype).eps
     return eps * (ref.abs() + fp32) + fp32 + torch.finfo(dtype).tiny
-
-
-def assert_within(got, ref, tol, what):
-    err = (got.double() - ref).abs()
-    assert torch.isfinite(got).all(), f"{what}: non-finite output"
-    worst = (err - tol).argmax()
-    assert (err <= tol).all(), (
-        f"{what}: |err| {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
-        f"(ref {ref.flatten()[worst]:.4f}); max err {err.max():.3e}")
 
 
 def make(g, M, N, K, dtype, with_bias=True, device="cpu"):

@@ -30,7 +30,7 @@ from hypothesis import strategies as st
 from fastgrpo.ops.fp8_linear import FP8_MAX, dequantize_fp8, fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
 from tests.graph_replay import assert_replays_exactly
-from tests.test_fp8_linear import assert_within
+from tests.error_bounds import assert_within
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 U32, U16 = 2.0**-24, 2.0**-8

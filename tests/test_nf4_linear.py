@@ -30,6 +30,7 @@ from hypothesis import strategies as st
 from fastgrpo.kernels.nf4_linear import GPU_TILES
 from fastgrpo.ops import nf4_linear as ops
 from fastgrpo.ops.nf4_linear import dequantize_nf4, nf4_linear, nf4_linear_torch, nf4_weight
+from tests.error_bounds import assert_within
 from tests.graph_replay import assert_replays_exactly
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
@@ -67,15 +68,6 @@ def bound(ref, w32, x, bias, dtype, splits):
     fp32 = U32 * ((K + splits + 3) * (1 + eps_w) * sum_abs + ref.abs()
                   + (0.0 if bias is None else bias.double().abs()))
     return eps_w * sum_abs + eps * (ref.abs() + fp32 + eps_w * sum_abs) + fp32 + torch.finfo(dtype).tiny
-
-
-def assert_within(got, ref, tol, what):
-    err = (got.double() - ref).abs()
-    assert torch.isfinite(got).all(), f"{what}: non-finite output"
-    worst = (err - tol).argmax()
-    assert (err <= tol).all(), (
-        f"{what}: |err| {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
-        f"(ref {ref.flatten()[worst]:.4f}); max err {err.max():.3e}")
 
 
 # ---- the format ------------------------------------------------------------------------------------------------
