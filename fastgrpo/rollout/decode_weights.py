@@ -150,7 +150,6 @@ def _copy_or_fallback(model: torch.nn.Module, kind: str, nf4: bool = True) -> It
     kinds = [kind]
     if kind == "fused" and 0 < copy_bytes(model, "dense") < copy_bytes(model, "fused"):
         kinds.append("dense")
-    last = "nf4" if nf4 and _nf4_fallback(model) else "model"
     with contextlib.ExitStack() as stack:
         modules = []
         for i, candidate in enumerate(kinds):
@@ -160,12 +159,12 @@ def _copy_or_fallback(model: torch.nn.Module, kind: str, nf4: bool = True) -> It
             except torch.OutOfMemoryError:
                 pass  # the partial copy is freed with the exception, after this block
             torch.cuda.empty_cache()
-            following = kinds[i + 1] if i + 1 < len(kinds) else last
+            following = kinds[i + 1] if i + 1 < len(kinds) else "nf4" if nf4 and _nf4_fallback(model) else "model"
             then = "the model's own weights" if following == "model" else repr(following)
             warnings.warn(f"rollout: weights='auto' took {candidate!r}, whose copy ran out of device memory while it "
                           f"was built; decoding with {then}", stacklevel=4)
         else:  # every copy ran out of memory
-            if last == "nf4":
+            if following == "nf4":
                 modules = stack.enter_context(nf4_weights(model))
         yield modules
 
