@@ -274,10 +274,7 @@ def test_gpu_nf4_engine_compiled_and_graphed(arch, lora):
 def test_gpu_auto_decodes_with_nf4_where_no_copy_fits(monkeypatch):
     """On a GPU the kernel runs on, a bf16 NF4 + LoRA model with (reported) free memory below any copy: "auto"
     resolves to "nf4" and decodes exactly as weights="nf4" does (uncompiled: same kernels, same bits)."""
-    model = nf4_model(CONFIGS["llama"](), nested=True, lora=True).cuda().bfloat16()
-    for module in model.modules():
-        if isinstance(module, bnb.nn.Linear4bit):
-            module.compute_dtype = torch.bfloat16
+    model = nf4_model(CONFIGS["llama"](), nested=True, lora=True, compute_dtype=torch.bfloat16).cuda().bfloat16()
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (0, 80 << 30))
     assert decode_weights.resolved_weights(model, "auto") == "nf4"
     params = SamplingParams(max_new_tokens=16, temperature=1.0)
