@@ -90,6 +90,9 @@ MODES = {
     "fp8kv-triton": (EngineConfig(**TRITON, weights="fused", kv_cache="fp8"), "bf16"),
     "fp8-fp8kv-triton": (EngineConfig(**TRITON, weights="fp8", kv_cache="fp8"), "bf16"),
     "w8a8-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
+    # each prompt's K/V stored and read once per group (EngineConfig.shared_prefix), bf16 and with both FP8 halves
+    "fused-shared-triton": (EngineConfig(**TRITON, weights="fused", shared_prefix=True), "bf16"),
+    "w8a8-fp8kv-shared-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8", shared_prefix=True), "bf16"),
     "4bit": (EngineConfig(**SDPA, weights="model"), "4bit"),  # bitsandbytes' own forward: each step dequantizes
     "4bit-dense": (EngineConfig(**SDPA, weights="dense"), "4bit"),
     "4bit-fp8": (EngineConfig(**SDPA, weights="fp8"), "4bit"),
