@@ -4,6 +4,7 @@
     python -m benchmarks.bench_warmup                   # GPU: both shapes x both scopes x cold/warm, < 4 min
     python -m benchmarks.bench_warmup --dry-run         # CPU: a tiny model, Inductor's C++ backend (the CPU proxy)
     python -m benchmarks.bench_warmup --shapes qwen2.5-1.5b --scopes layers --layers 8
+    python -m benchmarks.bench_warmup --scopes layers --bytecode-cache /tmp/pyc   # as on a machine with .pyc files
 
 Every measurement is a fresh process (python -m benchmarks.bench_warmup --child ...): the in-process caches of an
 earlier one would otherwise make its first call look warm. `cold` runs on new, empty TORCHINDUCTOR_CACHE_DIR and
@@ -130,14 +131,18 @@ def _sync(device: str) -> None:
 
 
 def run_child(shape: str, scope: str, cache: str, cache_dir: Path, dry: bool, layers: int | None,
-              timeout: float) -> dict:
-    """One measurement in a fresh process (its own session: a timeout also kills its compile workers)."""
+              timeout: float, bytecode_dir: Path | None = None) -> dict:
+    """One measurement in a fresh process (its own session: a timeout also kills its compile workers). With
+    bytecode_dir the process reads and writes Python bytecode there, whatever PYTHONDONTWRITEBYTECODE says."""
     row = {"shape": shape, "scope": scope, "cache": cache}
     if timeout < 20:
         return row | {"error": "skipped: global deadline reached"}
     out = cache_dir / f"row-{cache}.json"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache_dir / "inductor"),
                TRITON_CACHE_DIR=str(cache_dir / "triton"))
+    if bytecode_dir is not None:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+        env["PYTHONPYCACHEPREFIX"] = str(bytecode_dir)
     if dry:  # no compile worker pool: every compile is this process's work or an exited g++'s, so cpu_s sees it
         env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"
     cmd = [sys.executable, "-m", "benchmarks.bench_warmup", "--child", f"{shape},{scope}", "--out", str(out)]
@@ -160,6 +165,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--scopes", default=",".join(SCOPES), help="comma-separated, of " + ", ".join(SCOPES))
     parser.add_argument("--layers", type=int, help="override the shapes' number of layers (dry run: 4)")
+    parser.add_argument("--bytecode-cache", type=Path, metavar="DIR",
+                        help="children keep Python bytecode in DIR (PYTHONPYCACHEPREFIX), primed by one unrecorded "
+                             "cold child first: a machine whose packages carry .pyc, as pip installs them. Without it "
+                             "children inherit this environment (a machine with PYTHONDONTWRITEBYTECODE=1 and no .pyc "
+                             "compiles the source of every module the first torch.compile imports, inside the first "
+                             "call)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: "shape,scope", measured in this process
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -174,18 +185,26 @@ def main(argv: list[str] | None = None) -> None:
     print(f"compile caches and per-process rows: {work}", flush=True)
     deadline = time.monotonic() + (float("inf") if args.dry_run else DEADLINE_S)
     rows = []
-    for shape in [DRY_SHAPE] if args.dry_run else args.shapes.split(","):
+    shapes = [DRY_SHAPE] if args.dry_run else args.shapes.split(",")
+    if args.bytecode_cache:
+        prime = work / "prime"
+        prime.mkdir()
+        run_child(shapes[0], scopes[0], "cold", prime, args.dry_run, args.layers, CHILD_TIMEOUT_S, args.bytecode_cache)
+    for shape in shapes:
         for scope in scopes:
             cache_dir = work / f"{shape}-{scope}"
             cache_dir.mkdir()
             for cache in ("cold", "warm"):
                 timeout = min(CHILD_TIMEOUT_S, deadline - time.monotonic()) if not args.dry_run else 1800
-                rows.append(run_child(shape, scope, cache, cache_dir, args.dry_run, args.layers, timeout))
+                rows.append(run_child(shape, scope, cache, cache_dir, args.dry_run, args.layers, timeout,
+                                      args.bytecode_cache))
                 print(json.dumps(rows[-1]), flush=True)
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     config = {"model": "random weights, bf16", "card": card_name(), **sizes, "layers": args.layers or sizes["layers"],
               "sampling": "temperature 1, EOS ignored",
-              "engine": "EngineConfig(attention='triton', max_prompt_length=prompt_len, compile_scope=scope)"}
+              "engine": "EngineConfig(attention='triton', max_prompt_length=prompt_len, compile_scope=scope)",
+              "bytecode": {"cache": str(args.bytecode_cache) if args.bytecode_cache else None,
+                           "inherited_PYTHONDONTWRITEBYTECODE": os.environ.get("PYTHONDONTWRITEBYTECODE")}}
     path = write_results("warmup", rows, config, work if args.dry_run else None)
     print(f"\nwrote {path}")
     for row in rows:
