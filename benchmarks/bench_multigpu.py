@@ -177,10 +177,8 @@ def run_case(name: str, out: str) -> None:
                            "gc_ms": gc_clock.take()})
     moved = _moved(before, trainer, batch, group)
     profile = PROFILE and not spec["cpu_offload"] and not spec.get("rollout_check")  # the timed qwen steps
-    if profile and group.is_main:
-        _profile_step(trainer, batch, advantages, name, group.world_size)
-    elif profile:
-        trainer._update(batch, advantages, None, None)  # rank 0's profiled step needs its partner's collectives
+    # every rank traces the same step: a launch's slow rank shows as the other's GPU waiting in its collectives
+    profiles = _gather(group, _profile_step(trainer, batch, advantages, name, group)) if profile else None
     peak = torch.tensor([0.0 if CPU else torch.cuda.max_memory_allocated() / GIB], device=group.device)
     if group.active:
         torch.distributed.all_reduce(peak, op=torch.distributed.ReduceOp.MAX)
@@ -197,6 +195,8 @@ def run_case(name: str, out: str) -> None:
         "cpu_bind": bound is not None, "host_probes": _gather(group, {
             "cpus": sorted(bound or os.sched_getaffinity(0)), "steps": probes}),
     }
+    if profiles and all(profiles):
+        row["profiles"] = profiles
     if spec.get("rollout_check") and group.active:
         row.update(_whole_step(trainer))
     if group.is_main:
@@ -235,9 +235,10 @@ def _moved(before: tuple, trainer, batch: dict, group) -> dict:
     return {"weights_changed_frac": changed / max(total, 1.0), "logp_before": logp_before, "logp_after": logp_after}
 
 
-def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, gpus: int) -> None:
+def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, group) -> dict | None:
     """One more update under torch.profiler: the kernels that take the step's GPU time, and the GPU's idle gaps
-    charged to the host code that was late (benchmarks.trace_gaps); the trace is kept in FASTGRPO_BENCH_TRACE_DIR."""
+    charged to the host code that was late (benchmarks.trace_gaps); the trace is kept in FASTGRPO_BENCH_TRACE_DIR.
+    Returns this rank's summary (None on the CPU, where rank 0 prints the ops' table instead)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     from benchmarks.trace_gaps import Trace, print_summary
@@ -248,14 +249,20 @@ def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, gpu
         with record_function("update"):
             trainer._update(batch, advantages, None, None)
             _sync()
+    rank = torch.distributed.get_rank() if group.active else 0
     if CPU:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
-        return
-    path = Path(os.environ.get("FASTGRPO_BENCH_TRACE_DIR") or tempfile.mkdtemp()) / f"{name}-{gpus}gpu-rank0.json"
+        if group.is_main:
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
+        return None
+    trace_dir = Path(os.environ.get("FASTGRPO_BENCH_TRACE_DIR") or tempfile.mkdtemp())
+    path = trace_dir / f"{name}-{group.world_size}gpu-rank{rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     trace = Trace.load(path)
-    print_summary(f"profile {name} on {gpus} GPU(s), rank 0 (trace {path})", trace.summary(trace.window("update")))
+    summary = trace.summary(trace.window("update"))
+    if group.is_main:
+        print_summary(f"profile {name} on {group.world_size} GPU(s), rank 0 (trace {path})", summary)
+    return summary
 
 
 def _whole_step(trainer) -> dict:
