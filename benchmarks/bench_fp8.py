@@ -20,7 +20,7 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
                 bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
                 tune its default_config) against bitsandbytes' own matmul_4bit (bnb_us); us per call, kernel
-                time (_kernel_us: 20 calls captured in a CUDA graph, the replay timed), and the weight bytes read
+                time (common.kernel_us: 20 calls captured in a CUDA graph, the replay timed), and the weight bytes read
                 per second over the measured copy bandwidth (share). The sweep is there to tune default_config.
   rollout rows  one engine mode each (MODES): a warm-up call stopped after 32 steps (first_s: compile + graph
                 capture; profile_rollout's StepClock) then `repeats` timed calls (wall, synchronized): tok_s, ms_step
@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
 from benchmarks.profile_rollout import StepClock, rollout
-from benchmarks.common import GIB, RolloutSizes, print_table, write_results
+from benchmarks.common import GIB, GRAPH_CALLS, RolloutSizes, kernel_us, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
@@ -105,7 +105,6 @@ MODES = {
 }
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
-GRAPH_CALLS = 20  # GEMM calls per CUDA graph in _kernel_us
 NF4_BYTES = 0.5 + 1 / 64  # per weight read by nf4_linear: a nibble, and a uint8 absmax code per block of 64
 
 
@@ -158,7 +157,7 @@ def _nf4_sweep_row(x: torch.Tensor, fours: list, device: str) -> dict:
         calls = [functools.partial(nf4_linear_fwd, x, w.packed, w.absmax, w.code, w.absmax_code, w.absmax_scale,
                                    w.offset, None, w.N, w.blocksize, w.nested_blocksize, c) for w in ws]
         try:
-            timed[c] = _kernel_us(calls, device)
+            timed[c] = kernel_us(calls, device)
         except triton.runtime.errors.OutOfResources:
             continue
     best = min(timed, key=timed.get)
@@ -180,33 +179,6 @@ def linear_shapes(model) -> dict[tuple[int, int], str]:
             shape = (sum(m.out_features for m in group), group[0].in_features)
             names.setdefault(shape, []).append("+".join(named[m].rsplit(".", 1)[-1] for m in group))
     return {shape: "/".join(n) for shape, n in names.items()}
-
-
-def _kernel_us(calls: list, device: str) -> float:
-    """Microseconds per call of the GEMM each of `calls` runs (one per copy of the weight, taken in turn: a decode
-    step reads each weight from HBM, not from L2). On CUDA, kernel time: GRAPH_CALLS calls captured in one CUDA
-    graph, after warm-up calls outside it (compiles, cuBLAS's workspace), the replay's median (do_bench) divided
-    by GRAPH_CALLS; called from Python outside a graph, a Triton launch's ~35 us of host time exceeds a 64-row
-    GEMM. Elsewhere (dry run) the wall time of eager calls."""
-    if device != "cuda":
-        calls[0]()
-        start = time.perf_counter()
-        for _ in range(3):
-            calls[0]()
-        return (time.perf_counter() - start) / 3 * 1e6
-    import triton.testing
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for call in calls:
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(GRAPH_CALLS):
-            calls[i % len(calls)]()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / GRAPH_CALLS
 
 
 def _w8a8_tensorwise(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
@@ -239,22 +211,22 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
         ws = [(torch.randn(N, K, device=device, generator=g) * 0.02).bfloat16() for _ in range(copies)]
         qs = [quantize_fp8(w) for w in ws]
         row = {"shape": shape, "linear": names, "N": N, "K": K,
-               "bf16_us": _kernel_us([functools.partial(F.linear, x, w) for w in ws], device),
-               "fp8_us": _kernel_us([functools.partial(fp8_linear, x, q, s) for q, s in qs], device),
-               "w8a8_us": _kernel_us([functools.partial(w8a8, x, q, s) for q, s in qs], device),
-               "w8a8_tensorwise_us": _kernel_us([functools.partial(tensorwise, x, q, s) for q, s in qs], device)}
+               "bf16_us": kernel_us([functools.partial(F.linear, x, w) for w in ws], device),
+               "fp8_us": kernel_us([functools.partial(fp8_linear, x, q, s) for q, s in qs], device),
+               "w8a8_us": kernel_us([functools.partial(w8a8, x, q, s) for q, s in qs], device),
+               "w8a8_tensorwise_us": kernel_us([functools.partial(tensorwise, x, q, s) for q, s in qs], device)}
         if nf4:
             import bitsandbytes.functional as bnb_functional
 
             # the 4bit* bases' format (bnb.nn.Params4bit's defaults): blocksize 64, nested absmax
             fours = [bnb_functional.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
                      for w in ws]
-            row["nf4_us"] = _kernel_us([functools.partial(nf4_linear, x, p, st) for p, st in fours], device)
+            row["nf4_us"] = kernel_us([functools.partial(nf4_linear, x, p, st) for p, st in fours], device)
             row["nf4_speedup"] = row["bf16_us"] / row["nf4_us"]
             # the baseline: bitsandbytes' own forward of a Linear4bit at these rows (its call, as the layer makes it)
             import bitsandbytes as bnb
 
-            row["bnb_us"] = _kernel_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=st)
+            row["bnb_us"] = kernel_us([functools.partial(bnb.matmul_4bit, x, p.t(), quant_state=st)
                                         for p, st in fours], device)
             row["nf4_share"] = N * K * NF4_BYTES / (row["nf4_us"] * 1e-6) / bandwidth
             if cuda:
@@ -262,7 +234,7 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
             del fours
         if cuda:
             row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
-            timed = {c: _kernel_us([functools.partial(fp8_linear_fwd, x, q, s, None, c) for q, s in qs], device)
+            timed = {c: kernel_us([functools.partial(fp8_linear_fwd, x, q, s, None, c) for q, s in qs], device)
                      for c in sweep(rows, N, K, x.device)}
             best = min(timed, key=timed.get)
             row.update(best_us=timed[best], best=str(dataclasses.astuple(best)))

@@ -11,6 +11,7 @@ import gc
 import json
 import platform
 import re
+import time
 from pathlib import Path
 
 import torch
@@ -58,6 +59,36 @@ def versions() -> dict[str, str]:
         except md.PackageNotFoundError:
             pass
     return out
+
+
+GRAPH_CALLS = 20  # kernel calls per CUDA graph in kernel_us
+
+
+def kernel_us(calls: list, device: str) -> float:
+    """Microseconds per call of the kernel each of `calls` runs (one per copy of its inputs, taken in turn: a
+    decode step reads each weight or cache from HBM, not from L2). On CUDA, kernel time: GRAPH_CALLS calls captured
+    in one CUDA graph, after warm-up calls outside it (compiles, cuBLAS's workspace), the replay's median (do_bench)
+    divided by GRAPH_CALLS; called from Python outside a graph, a Triton launch's ~35 us of host time exceeds a
+    64-row GEMM. Elsewhere (dry run) the wall time of eager calls."""
+    if device != "cuda":
+        calls[0]()
+        start = time.perf_counter()
+        for _ in range(3):
+            calls[0]()
+        return (time.perf_counter() - start) / 3 * 1e6
+    import triton.testing
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for call in calls:
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(GRAPH_CALLS):
+            calls[i % len(calls)]()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / GRAPH_CALLS
 
 
 def measure(fn, *, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:
