@@ -42,6 +42,10 @@ LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
 TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal
 BLOCK_N = 64  # key slots per tile
+# a program's tile and launch on a GPU: of 27 (block_n 32-128, 2-8 warps, 2-4 stages) timed on an H200 at the
+# rollout's shapes, the best on average over Qwen2.5-1.5B / Llama-3.1-8B heads and bf16 / e4m3 caches: 5-13% less
+# time per call than Triton's defaults (4 warps, 3 stages) (benchmarks/bench_decode_attention.py, NOTES_rollout.md)
+GPU_TILES = dict(block_n=BLOCK_N, num_warps=2, num_stages=2)
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
 
@@ -189,7 +193,7 @@ def _combine_kernel(
 
 
 def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv_bytes: int,
-                   device: torch.device) -> int:
+                   device: torch.device, block_n: int = BLOCK_N) -> int:
     """Splits per (group, head): about 4 programs per SM in all, no split shorter than 2 tiles at full length, and
     the fp32 [block_r, block_d] partial each split writes (and the combine reads back) under a quarter of the K/V
     bytes a program reads at full length: with few, tall shared-prefix programs that traffic had outgrown the
@@ -200,7 +204,7 @@ def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv
     kv_read = max_slots * block_d * 2 * kv_bytes  # K and V
     partial = block_r * block_d * 4 * 2  # fp32, written and read back
     by_partials = kv_read // (4 * partial)
-    return max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(max_slots, 2 * BLOCK_N), by_partials))
+    return max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(max_slots, 2 * block_n), by_partials))
 
 
 def decode_attention_fwd(
@@ -208,23 +212,24 @@ def decode_attention_fwd(
     prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None,
     prefix_visible: torch.Tensor | None = None, splits: int | None = None, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, prefix_k_scale: torch.Tensor | None = None,
-    prefix_v_scale: torch.Tensor | None = None,
+    prefix_v_scale: torch.Tensor | None = None, tiles: dict | None = None,
 ) -> torch.Tensor:
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
-    Last dims must have unit stride (the op makes them so)."""
+    Last dims must have unit stride (the op makes them so). tiles: GPU_TILES' keys, for a benchmark's sweep."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
     S = N // B
     P = prefix_k.shape[2] if has_prefix else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and not q.is_cuda
-    block_n = INTERPRET_BLOCK_N if interpret else BLOCK_N
+    tiles = tiles or GPU_TILES
+    block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(16, triton.next_power_of_2(D))
     if splits is None:
-        splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device)
+        splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n)
     # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
     # lowering when the engine compiles the decode step
     fp8 = k_scale is not None
@@ -253,6 +258,7 @@ def decode_attention_fwd(
         # the interpreter's bf16 dots are wrong; its fp16 ones (the e4m3 path's) are right
         HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
     rows = min(block_r, COMBINE_ROWS)  # row tiles as programs: one program per (group, head) left SMs idle
     _combine_kernel[(B * H, block_r // rows)](

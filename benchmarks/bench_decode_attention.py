@@ -1,0 +1,110 @@
+"""The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
+the bytes it must read, with a bf16 and an e4m3 cache, over a sweep of its GPU tiles.
+
+    python -m benchmarks.bench_decode_attention                           # GPU: both shapes, both caches, sweep
+    TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --dry-run   # CPU: tiny shapes, default tiles
+
+One call is one layer of bench_rollout's decode step at its mean context: 64 rows (8 prompts x 8 samples), a
+1280-slot cache (prompt 256 + 1024 new tokens) filled to 768 slots, all visible, the shape's K/V heads and query
+heads per K/V head, head dim 128. Bytes read: the filled slots' K and V (e4m3: and their fp32 scales). Timing:
+common.kernel_us over copies of the cache that together pass 3x the L2 (a decode step reads each layer's cache from
+HBM). Rows: shape, cache, tiles (block_n, num_warps, num_stages; `default` marks the kernel's GPU_TILES), us, GB/s,
+share of the measured device copy bandwidth, and the largest difference from the default tiles' output (a tile
+that computes something else shows there). Writes results/decode_attention-<card>.json.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import math
+import os
+
+import torch
+
+from benchmarks.bench_rollout import _copy_bandwidth
+from benchmarks.common import kernel_us, print_table, write_results
+from benchmarks.e2e import MODEL_CONFIGS
+from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd
+from fastgrpo.ops.decode_attention import quantize_kv
+
+SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
+GPU_SIZES = dict(rows=64, slots=1280, length=768)
+DRY_SIZES = dict(rows=4, slots=80, length=50)
+SWEEP = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
+COLUMNS = ["shape", "cache", "block_n", "num_warps", "num_stages", "default", "us", "gb_s", "bw_share",
+           "max_diff_vs_default", "error"]
+
+
+def heads(shape: str) -> tuple[int, int, int]:
+    """(K/V heads, query heads per K/V head, head dim) of a benchmark shape."""
+    c = MODEL_CONFIGS[shape]
+    return c["num_key_value_heads"], c["num_attention_heads"] // c["num_key_value_heads"], \
+        c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
+
+
+def caches(shape: str, sizes: dict, fp8: bool, device: str) -> tuple[list[dict], int]:
+    """Copies of one layer's inputs (enough to pass 3x the L2 on a GPU) and the bytes one call must read."""
+    H, G, D = heads(shape)
+    N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
+    g = torch.Generator(device).manual_seed(0)
+    per_copy = N * H * length * D * 2 * (1 if fp8 else 2) + (N * H * length * 2 * 4 if fp8 else 0)
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 0
+    copies = max(1, math.ceil(3 * l2 / per_copy))
+    made = []
+    for _ in range(copies):
+        k, v = (torch.randn(N, H, M, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+        call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v,
+                    visible=torch.ones(N, M, dtype=torch.bool, device=device),
+                    length=torch.tensor([length], device=device), scale=D**-0.5)
+        if fp8:
+            (call["k"], call["k_scale"]), (call["v"], call["v_scale"]) = quantize_kv(k), quantize_kv(v)
+        made.append(call)
+    return made, per_copy
+
+
+def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, sweep: bool) -> list[dict]:
+    rows = []
+    tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
+    for fp8 in (False, True):
+        calls, nbytes = caches(shape, sizes, fp8, device)
+        reference = decode_attention_fwd(**calls[0], tiles=GPU_TILES).float()
+        for t in tiles:
+            row = {"shape": shape, "cache": "e4m3" if fp8 else "bf16", **t, "default": t == GPU_TILES}
+            try:
+                diff = (decode_attention_fwd(**calls[0], tiles=t).float() - reference).abs().max().item()
+                us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t) for c in calls], device)
+            except Exception as err:  # noqa: BLE001 - e.g. a tile past the shared memory: its row says so
+                rows.append(row | {"error": f"{type(err).__name__}: {str(err)[:120]}"})
+                continue
+            row.update(us=us, gb_s=nbytes / us / 1e3, max_diff_vs_default=diff)
+            if bandwidth:
+                row["bw_share"] = nbytes / (us * 1e-6) / bandwidth
+            rows.append(row)
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
+    parser.add_argument("--no-sweep", action="store_true", help="only the kernel's default tiles")
+    args = parser.parse_args(argv)
+    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernel in Triton's interpreter)")
+    device = "cpu" if args.dry_run else "cuda"
+    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    bandwidth = None if args.dry_run else _copy_bandwidth()
+    rows = []
+    for shape in args.shapes.split(","):
+        rows += run_shape(shape, sizes, device, bandwidth, sweep=not (args.dry_run or args.no_sweep))
+    config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP, "default_tiles": GPU_TILES,
+              "inputs": "q, K, V normal(0, 1) in bf16; e4m3: quantize_kv of those (one fp32 scale per slot and head)"}
+    if not args.dry_run:
+        print(f"\nwrote {write_results('decode_attention', rows, config)}")
+    print_table(rows, COLUMNS)
+
+
+if __name__ == "__main__":
+    main()
