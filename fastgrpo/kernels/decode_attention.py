@@ -15,19 +15,15 @@ counts for sample s's G rows. The plain call is the same kernel with S = 1 and n
 Work split: the tiles of one (group, head) are numbered prefix first, then sample 0's suffix, sample 1's...; split
 i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_combine_kernel` merges the splits.
 Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's
-interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md), but for an e4m3 cache (fp16, below); on a GPU q.k is
-in the input dtype with fp32 accumulation and p is rounded to q's dtype for p.v, as flash-attention does; fp32
+interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md); on a GPU q.k is in the input dtype with fp32
+accumulation and p is rounded to q's dtype for p.v (v's, but for an e4m3 cache), as flash-attention does; fp32
 inputs use "ieee" dots.
 
 FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
-is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened in registers (exact);
-the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights p before the p.v
-dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running sum l is of the
-unscaled p. Unless fp32, both dots are in fp16, not q's dtype: e4m3 widens to fp16 in one instruction per pair, and
-to bf16 only through fp16, one more conversion per element (sm_90 PTX: 128 more per tile). For fp16's range the
-softmax scale goes into q once (it overflows only where |q| x scale passes 45,000), and each tile's value scales are
-divided by their largest, which then multiplies the tile's p.v: the rounded weights stay in [0, 1]. The interpreter
-runs these fp16 dots as the GPU does (fp32 accumulation), so the CPU tests cover this path too.
+is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to q's dtype in
+registers (exact); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
+p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running
+sum l is of the unscaled p.
 """
 from __future__ import annotations
 
@@ -40,7 +36,6 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
-TINY = tl.constexpr(1.1754943508222875e-38)  # fp32's smallest normal
 BLOCK_N = 64  # key slots per tile
 # a program's tile and launch on a GPU: of 27 (block_n 32-128, 2-8 warps, 2-4 stages) timed on an H200 at the
 # rollout's shapes, the best on average over Qwen2.5-1.5B / Llama-3.1-8B heads and bf16 / e4m3 caches: 5-13% less
@@ -81,10 +76,6 @@ def _decode_attention_kernel(
     q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # q: [BLOCK_R, BLOCK_D]
     if FP32_DOT:
         q = q.to(tl.float32)
-    if KV_FP8:  # the softmax scale in q (see the module docstring); Inductor may pass qk_scale as fp64
-        q = (q.to(tl.float32) * qk_scale).to(tl.float32)
-        if not FP32_DOT:
-            q = q.to(tl.float16)
 
     length = tl.load(LENGTH).to(tl.int32)
     n_prefix = 0
@@ -125,31 +116,26 @@ def _decode_attention_kernel(
         # masked slots are not loaded at all: a pad or an unwritten slot may hold anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
         v = tl.load(v_ptrs + dims[None, :], mask=kv_mask, other=0.0)
-        # k.to(q.dtype): e4m3 widened (exact, to fp16 or fp32); a no-op for a cache in q's dtype
+        # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
+        # the casts: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
         if KV_FP8:
             k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
-            s = s * k_scale[None, :]
+            s = s * (k_scale * qk_scale).to(tl.float32)[None, :]
         else:
             s = s * qk_scale
-        # the cast: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
         s = tl.where(use, s.to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_FP8:  # masked keys have scale 0; a tile of them keeps p.v = 0 through TINY
-            v_top = tl.maximum(tl.max(v_scale, axis=0), TINY)
-            p_v = p * (v_scale / v_top)[None, :]
-            if FP32_DOT:
-                pv = tl.dot(p_v, v.to(tl.float32), input_precision="ieee") * v_top
-            else:
-                pv = tl.dot(p_v.to(tl.float16), v.to(tl.float16)) * v_top
-        elif FP32_DOT:
+        if KV_FP8:
+            p = p * v_scale[None, :]
+        if FP32_DOT:
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
@@ -255,8 +241,7 @@ def decode_attention_fwd(
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        # the interpreter's bf16 dots are wrong; its fp16 ones (the e4m3 path's) are right
-        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
