@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the kernel's default tiles")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
+    if unknown:
+        parser.error(f"--shapes: unknown {unknown}; expected some of {', '.join(SHAPES)}")
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernel in Triton's interpreter)")
     device = "cpu" if args.dry_run else "cuda"

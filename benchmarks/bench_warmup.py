@@ -165,7 +165,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--scopes", default=",".join(SCOPES), help="comma-separated, of " + ", ".join(SCOPES))
     parser.add_argument("--layers", type=int, help="override the shapes' number of layers (dry run: 4)")
-    parser.add_argument("--bytecode-cache", type=Path, metavar="DIR",
+    parser.add_argument("--bytecode-cache", type=lambda p: Path(p).resolve(), metavar="DIR",
                         help="children keep Python bytecode in DIR (PYTHONPYCACHEPREFIX), primed by one unrecorded "
                              "cold child first: a machine whose packages carry .pyc, as pip installs them. Without it "
                              "children inherit this environment (a machine with PYTHONDONTWRITEBYTECODE=1 and no .pyc "
@@ -189,7 +189,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.bytecode_cache:
         prime = work / "prime"
         prime.mkdir()
-        run_child(shapes[0], scopes[0], "cold", prime, args.dry_run, args.layers, CHILD_TIMEOUT_S, args.bytecode_cache)
+        primed = run_child(shapes[0], scopes[0], "cold", prime, args.dry_run, args.layers, CHILD_TIMEOUT_S,
+                           args.bytecode_cache)
+        if "error" in primed:  # the rows would then pay for the bytecode they are said to have
+            parser.error(f"--bytecode-cache: the priming child failed ({primed['error']}); nothing measured")
     for shape in shapes:
         for scope in scopes:
             cache_dir = work / f"{shape}-{scope}"

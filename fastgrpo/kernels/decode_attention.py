@@ -38,8 +38,8 @@ LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
 BLOCK_N = 64  # key slots per tile
 # a program's tile and launch on a GPU: of 27 (block_n 32-128, 2-8 warps, 2-4 stages) timed on an H200 at the
-# rollout's shapes, the best on average over Qwen2.5-1.5B / Llama-3.1-8B heads and bf16 / e4m3 caches: 5-13% less
-# time per call than Triton's defaults (4 warps, 3 stages) (benchmarks/bench_decode_attention.py, NOTES_rollout.md)
+# rollout's shapes, the best on average over Qwen2.5-1.5B / Llama-3.1-8B heads: 11-13% less time per call than
+# Triton's defaults (4 warps, 3 stages) with a bf16 cache (benchmarks/bench_decode_attention.py, NOTES_rollout.md)
 GPU_TILES = dict(block_n=BLOCK_N, num_warps=2, num_stages=2)
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
@@ -203,14 +203,14 @@ def decode_attention_fwd(
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
-    Last dims must have unit stride (the op makes them so). tiles: GPU_TILES' keys, for a benchmark's sweep."""
+    Last dims must have unit stride (the op makes them so). tiles: some of GPU_TILES' keys, for a benchmark's sweep."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
     S = N // B
     P = prefix_k.shape[2] if has_prefix else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and not q.is_cuda
-    tiles = tiles or GPU_TILES
+    tiles = {**GPU_TILES, **(tiles or {})}
     block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(16, triton.next_power_of_2(D))

@@ -47,10 +47,10 @@ class EngineConfig:
     attention: str = "auto"
     # the Triton attention only: store each prompt's K/V once for its G samples (prefix_len = bucket(P) slots per
     # prompt, S = max_new_tokens slots per row instead of bucket(P + S); formula in rollout/kv_cache.py) and let
-    # the decode kernel read it once per group. Off: on an H100 it made Llama-3.1-8B shapes 3% faster and Qwen2.5-1.5B
-    # 23% slower (before the combine kernel's rewrite, not re-measured). Rows keep their own copy (plain path,
-    # silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would cut into
-    # the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
+    # the decode kernel read it once per group. Off: after the combine kernel's rewrite it still cost Qwen2.5-1.5B
+    # shapes 4% a step (H100) and Llama-3.1-8B 3% (H200; benchmarks/NOTES_rollout.md). Rows keep their own copy
+    # (plain path, silently) where sharing cannot apply: G = 1, models with sliding-window layers (the window would
+    # cut into the prefix per step) and models kept on "eager" attention (soft-capping: the kernel is not used there).
     shared_prefix: bool = False
     # the weights the decode steps multiply: "model" (the modules' own), or a copy of every dense linear's current
     # weight, built when decoding starts and freed when it ends: "fp8" (e4m3, half the bytes a step reads), "w8a8"
@@ -90,8 +90,9 @@ class EngineConfig:
     # (tests/test_fp8_kv_cache.py bounds it). Attention "triton" only (its kernel reads e4m3; SDPA would need a
     # dequantized copy of the cache every step), with shared_prefix and every finished_rows mode; models kept on
     # "eager" attention (soft-capping, e.g. gemma2) cannot use it (an error when the rollout starts), nor GPUs
-    # before compute capability 8.9. Measured on an H100 it decoded slower, not faster (Llama-3.1-8B shapes: 17.2
-    # against 9.6 ms a step, cause not found yet; benchmarks/NOTES_rollout.md, D4): it saves memory only.
+    # before compute capability 8.9. It decodes slower, not faster: Llama-3.1-8B shapes 7.96 against 7.32 ms a step
+    # on an H200, the attention kernel's e4m3 path being slower than its bf16 one (benchmarks/NOTES_rollout.md, D4):
+    # it saves memory only.
     kv_cache: str = "model"
 
     def __post_init__(self):
