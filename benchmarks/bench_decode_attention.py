@@ -17,13 +17,12 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import math
 import os
 
 import torch
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import kernel_us, print_table, write_results
+from benchmarks.common import copies_past_l2, kernel_us, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd
 from fastgrpo.ops.decode_attention import quantize_kv
@@ -49,10 +48,8 @@ def caches(shape: str, sizes: dict, fp8: bool, device: str) -> tuple[list[dict],
     N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
     g = torch.Generator(device).manual_seed(0)
     per_copy = N * H * length * D * 2 * (1 if fp8 else 2) + (N * H * length * 2 * 4 if fp8 else 0)
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if device == "cuda" else 0
-    copies = max(1, math.ceil(3 * l2 / per_copy))
     made = []
-    for _ in range(copies):
+    for _ in range(copies_past_l2(per_copy, device)):
         k, v = (torch.randn(N, H, M, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
         call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v,
                     visible=torch.ones(N, M, dtype=torch.bool, device=device),

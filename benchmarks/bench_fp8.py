@@ -46,7 +46,6 @@ import dataclasses
 import functools
 import gc
 import importlib.util
-import math
 import statistics
 import tempfile
 import time
@@ -60,7 +59,7 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
 from benchmarks.profile_rollout import StepClock, rollout
-from benchmarks.common import GIB, GRAPH_CALLS, RolloutSizes, kernel_us, print_table, write_results
+from benchmarks.common import GIB, RolloutSizes, copies_past_l2, kernel_us, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
@@ -203,10 +202,9 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
         prepare_fp8_linear(torch.device(device))  # the W8A16 kernel's split-K tickets, before any capture
         prepare_nf4_linear(torch.device(device))
     nf4 = importlib.util.find_spec("bitsandbytes") is not None
-    l2 = torch.cuda.get_device_properties(device).L2_cache_size if cuda else 0
     for (N, K), names in linear_shapes(model).items():
         torch._dynamo.reset()  # a compile per shape: a model has about as many as dynamo's recompile limit (8)
-        copies = min(GRAPH_CALLS, max(1, math.ceil(3 * l2 / (N * K))))  # 3x L2 of e4m3 weights between reuses
+        copies = copies_past_l2(N * K, device)  # of the e4m3 weights
         x = torch.randn(rows, K, device=device, generator=g).bfloat16()
         ws = [(torch.randn(N, K, device=device, generator=g) * 0.02).bfloat16() for _ in range(copies)]
         qs = [quantize_fp8(w) for w in ws]

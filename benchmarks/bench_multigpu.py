@@ -249,13 +249,12 @@ def _profile_step(trainer, batch: dict, advantages: torch.Tensor, name: str, gro
         with record_function("update"):
             trainer._update(batch, advantages, None, None)
             _sync()
-    rank = torch.distributed.get_rank() if group.active else 0
     if CPU:
         if group.is_main:
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=18, max_name_column_width=70))
         return None
     trace_dir = Path(os.environ.get("FASTGRPO_BENCH_TRACE_DIR") or tempfile.mkdtemp())
-    path = trace_dir / f"{name}-{group.world_size}gpu-rank{rank}.json"
+    path = trace_dir / f"{name}-{group.world_size}gpu-rank{group.rank}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     prof.export_chrome_trace(str(path))
     trace = Trace.load(path)

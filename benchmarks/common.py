@@ -9,6 +9,7 @@ import dataclasses
 import datetime
 import gc
 import json
+import math
 import platform
 import re
 import time
@@ -89,6 +90,15 @@ def kernel_us(calls: list, device: str) -> float:
         for i in range(GRAPH_CALLS):
             calls[i % len(calls)]()
     return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / GRAPH_CALLS
+
+
+def copies_past_l2(nbytes: int, device) -> int:
+    """How many copies of a kernel's inputs (`nbytes` each) kernel_us should take in turn so that together they pass
+    3x the device's L2 (every call then reads from HBM, as a decode step does): at most GRAPH_CALLS, 1 off CUDA."""
+    if torch.device(device).type != "cuda":
+        return 1
+    l2 = torch.cuda.get_device_properties(device).L2_cache_size
+    return min(GRAPH_CALLS, max(1, math.ceil(3 * l2 / nbytes)))
 
 
 def measure(fn, *, warmup_ms: int = 100, rep_ms: int = 500) -> dict[str, float]:

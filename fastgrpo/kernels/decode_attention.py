@@ -179,7 +179,7 @@ def _combine_kernel(
 
 
 def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv_bytes: int,
-                   device: torch.device, block_n: int = BLOCK_N) -> int:
+                   device: torch.device, block_n: int) -> int:
     """Splits per (group, head): about 4 programs per SM in all, no split shorter than 2 tiles at full length, and
     the fp32 [block_r, block_d] partial each split writes (and the combine reads back) under a quarter of the K/V
     bytes a program reads at full length: with few, tall shared-prefix programs that traffic had outgrown the
