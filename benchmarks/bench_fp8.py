@@ -17,7 +17,9 @@ Per shape (random bf16 weights: bench_rollout.build_model; bench_rollout's reque
                 and the best of `sweep` (tiles, warps, splits), and fp8_scaled_linear (W8A8, compiled as in the
                 decode step: the activations' quantizer fused) with its rowwise scales (w8a8_us) and with scalar
                 scales, an fp32 out and the scales multiplied after (w8a8_tensorwise_us: the layout it did not
-                take), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
+                take), and through the Triton kernel with e4m3 x (w8a8_triton_us, the same compiled op with
+                gemm="triton"; its kernel alone at default_config and the best of `w8a8_sweep`: w8a8_kernel_us,
+                w8a8_best_us), and with bitsandbytes installed nf4_linear (W4A16) over the weight in NF4 as the 4bit*
                 bases hold it (blocksize 64, nested absmax; nf4_us, and the best of `nf4_sweep`: nf4_best_us, to
                 tune its default_config) against bitsandbytes' own matmul_4bit (bnb_us); us per call, kernel
                 time (common.kernel_us: 20 calls captured in a CUDA graph, the replay timed), and the weight bytes read
@@ -64,6 +66,7 @@ from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
+from fastgrpo.ops import fp8_scaled_linear as fp8_scaled_linear_module
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
 from fastgrpo.ops.nf4_linear import nf4_linear, prepare_nf4_linear
 from fastgrpo.rollout.decode_weights import copy_bytes, decode_weights, fused_groups
@@ -83,12 +86,15 @@ MODES = {
     "bf16-triton": (EngineConfig(**TRITON, weights="model"), "bf16"),
     "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
     "w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),  # the FP8 copy on the FP8 tensor cores
+    # the same with fp8_scaled_linear's Triton GEMM (W8A8_GEMMS) instead of its default
+    "w8a8t-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),
     # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
     "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
     # the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): against fused-triton / fp8-triton
     "fp8kv-triton": (EngineConfig(**TRITON, weights="fused", kv_cache="fp8"), "bf16"),
     "fp8-fp8kv-triton": (EngineConfig(**TRITON, weights="fp8", kv_cache="fp8"), "bf16"),
     "w8a8-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
+    "w8a8t-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
     # each prompt's K/V stored and read once per group (EngineConfig.shared_prefix), bf16 and with both FP8 halves
     "fused-shared-triton": (EngineConfig(**TRITON, weights="fused", shared_prefix=True), "bf16"),
     "w8a8-fp8kv-shared-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8", shared_prefix=True), "bf16"),
@@ -102,6 +108,8 @@ MODES = {
     # no copy: nf4_linear reads each NF4 base's own 4-bit weight (LoRA-free here; lm_head bf16 as in every 4bit mode)
     "4bit-nf4-triton": (EngineConfig(**TRITON, weights="nf4"), "4bit"),
 }
+# modes whose W8A8 linears run fp8_scaled_linear's Triton GEMM (the others: its default, fp8_scaled_linear.GEMM)
+W8A8_GEMMS = {"w8a8t-triton": "triton", "w8a8t-fp8kv-triton": "triton"}
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
 NF4_BYTES = 0.5 + 1 / 64  # per weight read by nf4_linear: a nibble, and a uint8 absmax code per block of 64
@@ -126,6 +134,45 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
                for block_n in (64, 128, 256) for warps in (4, 8) for per_sm in (1, 2) if (block_n, warps) != (256, 4)}
     configs |= {config_for(M, N, K, sms, 128, 256, per_sm, 8, 3) for per_sm in (1, 2)}
     return sorted(configs, key=dataclasses.astuple)
+
+
+def w8a8_sweep(M: int, N: int, K: int, device: torch.device) -> list:
+    """Configs of the kernel with e4m3 x (half the bytes of x per K step, no upcast, so wider tiles may pay now):
+    64 / 128 features x 128 / 256 of K x 3 / 5 stages x splits for one, two or four programs per SM (4 warps), and
+    256 features with 8 warps."""
+    from fastgrpo.kernels.fp8_linear import config_for
+
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, 4, stages)
+               for block_n in (64, 128) for block_k in (128, 256) for stages in (3, 5) for per_sm in (1, 2, 4)}
+    configs |= {config_for(M, N, K, sms, 256, 128, per_sm, 8, 3) for per_sm in (1, 2, 4)}
+    return sorted(configs, key=dataclasses.astuple)
+
+
+def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
+    """The W8A8 Triton kernel alone (x quantized beforehand) at default_config and the best of w8a8_sweep, us per
+    call; a config past the card's shared memory is skipped."""
+    import triton
+
+    from fastgrpo.kernels.fp8_linear import default_config, fp8_linear_fwd
+
+    xq, sx = quantize_rows(x)
+    M, K = x.shape
+    N = qs[0][0].shape[0]
+
+    def calls(config):
+        return [functools.partial(fp8_linear_fwd, xq, q, s, None, config, x_scale=sx, out_dtype=torch.bfloat16)
+                for q, s in qs]
+
+    default = default_config(M, N, K, x.device)
+    timed = {}
+    for c in {default, *w8a8_sweep(M, N, K, x.device)}:
+        try:
+            timed[c] = kernel_us(calls(c), x.device.type)
+        except triton.runtime.errors.OutOfResources:
+            continue
+    best = min(timed, key=timed.get)
+    return {"w8a8_kernel_us": timed[default], "w8a8_best_us": timed[best], "w8a8_best": str(dataclasses.astuple(best))}
 
 
 def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
@@ -198,6 +245,7 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
     # on CUDA compiled, as in the decode step (the activations' quantizer fused into one kernel); eager in the dry run
     w8a8, tensorwise = ((torch.compile(fn, dynamic=False) if cuda else fn)
                         for fn in (fp8_scaled_linear, _w8a8_tensorwise))
+    w8a8_triton = functools.partial(w8a8, gemm="triton")
     if cuda:
         prepare_fp8_linear(torch.device(device))  # the W8A16 kernel's split-K tickets, before any capture
         prepare_nf4_linear(torch.device(device))
@@ -211,7 +259,8 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
         row = {"shape": shape, "linear": names, "N": N, "K": K,
                "bf16_us": kernel_us([functools.partial(F.linear, x, w) for w in ws], device),
                "fp8_us": kernel_us([functools.partial(fp8_linear, x, q, s) for q, s in qs], device),
-               "w8a8_us": kernel_us([functools.partial(w8a8, x, q, s) for q, s in qs], device),
+               "w8a8_us": kernel_us([functools.partial(w8a8, x, q, s, gemm="scaled_mm") for q, s in qs], device),
+               "w8a8_triton_us": kernel_us([functools.partial(w8a8_triton, x, q, s) for q, s in qs], device),
                "w8a8_tensorwise_us": kernel_us([functools.partial(tensorwise, x, q, s) for q, s in qs], device)}
         if nf4:
             import bitsandbytes.functional as bnb_functional
@@ -236,9 +285,11 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
                      for c in sweep(rows, N, K, x.device)}
             best = min(timed, key=timed.get)
             row.update(best_us=timed[best], best=str(dataclasses.astuple(best)))
+            row.update(_w8a8_kernel_row(x, qs))
         row["speedup"] = row["bf16_us"] / row["fp8_us"]
         row["w8a8_speedup"] = row["bf16_us"] / row["w8a8_us"]
-        for kind, size in (("bf16", 2), ("fp8", 1), ("w8a8", 1)):
+        row["w8a8_triton_speedup"] = row["bf16_us"] / row["w8a8_triton_us"]
+        for kind, size in (("bf16", 2), ("fp8", 1), ("w8a8", 1), ("w8a8_triton", 1)):
             row[f"{kind}_share"] = N * K * size / (row[f"{kind}_us"] * 1e-6) / bandwidth
         out.append(row)
         del ws, qs
@@ -282,9 +333,12 @@ def rollout_row(setup: dict, sizes: Sizes, mode: str) -> dict:
     # each mode compiles the same layer code again: past dynamo's recompile limit (8) a later mode's layers would
     # run eagerly, said only in a log line; a fresh start per mode
     torch._dynamo.reset()
-    with warnings.catch_warnings(record=True) as caught:
+    gemm = W8A8_GEMMS.get(mode, fp8_scaled_linear_module.GEMM)
+    with warnings.catch_warnings(record=True) as caught, mock.patch.object(fp8_scaled_linear_module, "GEMM", gemm):
         warnings.simplefilter("always")
         row = timed_rollouts(setup, sizes, mode)
+    if MODES[mode][0].weights == "w8a8":
+        row["w8a8_gemm"] = gemm
     # the engine's fallbacks (a failed compile or graph capture: eager steps) make a row's speed another mode's
     row["fallbacks"] = sorted({str(w.message)[:300] for w in caught if str(w.message).startswith("rollout:")})
     return row
@@ -415,11 +469,13 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             run_shape(shape, sizes, modes, deadline, device, write, gemms=not args.no_gemms)
     print()
-    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us", "nf4_us",
-                        "bnb_us", "speedup", "w8a8_speedup", "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share",
-                        "nf4_share", "best_us", "best", "default", "nf4_best_us", "nf4_best", "nf4_default"])
+    print_table(gemms, ["shape", "linear", "N", "K", "bf16_us", "fp8_us", "w8a8_us", "w8a8_tensorwise_us",
+                        "w8a8_triton_us", "nf4_us", "bnb_us", "speedup", "w8a8_speedup", "w8a8_triton_speedup",
+                        "nf4_speedup", "bf16_share", "fp8_share", "w8a8_share", "w8a8_triton_share", "nf4_share",
+                        "best_us", "best", "default", "w8a8_kernel_us", "w8a8_best_us", "w8a8_best", "nf4_best_us",
+                        "nf4_best", "nf4_default"])
     print()
-    print_table(rollouts, ["shape", "mode", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
+    print_table(rollouts, ["shape", "mode", "w8a8_gemm", "tok_s", "speedup_vs_bf16", "ms_step", "decode_ms", "first_s",
                            "peak_extra_gib", "copy_gib", "copy_build_s", "tokens", "mean_abs_gap", "max_abs_gap",
                            "kl_k1", "kl_k3", "xent", "fallbacks", "error"])
 

@@ -1,7 +1,8 @@
-"""W8A8 FP8 linear (fastgrpo.ops.fp8_scaled_linear) against its fp64 reference: hypothesis shapes (odd ones fall
-back to fp8_linear), bias or none, bf16 / fp16 / fp32 activations, zero rows, the traced op; on a GPU, the decode
-shapes of Qwen2.5-1.5B and Llama-3.1-8B (stacked q/k/v and gate/up included), compiled with Inductor and graphed.
-torch._scaled_mm runs on the CPU (torch 2.13, rowwise scales included), so the CPU tests run the real op.
+"""W8A8 FP8 linear (fastgrpo.ops.fp8_scaled_linear) against its fp64 reference, through both GEMMs (torch._scaled_mm
+and the Triton kernel): hypothesis shapes (odd ones fall back to fp8_linear), bias or none, bf16 / fp16 / fp32
+activations, zero rows, the traced op; on a GPU, the decode shapes of Qwen2.5-1.5B and Llama-3.1-8B (stacked q/k/v
+and gate/up included), compiled with Inductor and graphed. torch._scaled_mm runs on the CPU (torch 2.13, rowwise
+scales included) and the kernel under Triton's interpreter (fp32 dots), so the CPU tests run the real op.
 
 Tolerances, derived per element. The op computes y = bf16((xq q^T) sx scale + bf16(bias)) with xq, sx =
 quantize_rows(x) (tests/test_fp8_linear.py bounds that rounding: it is quantize_fp8's), then casts y to x's dtype.
@@ -15,6 +16,9 @@ quantize_rows(x) (tests/test_fp8_linear.py bounds that rounding: it is quantize_
       (32 products) are kept to about 13 mantissa bits (DeepSeek-V3 report, section 3.3.2: "around 14 bits"),
       and torch's kernel without fast accumulation adds them into fp32 every 4 MMAs: c_acc = 4 x 2^-13 + (K + 4) u32
       (4 truncations per promotion, each relative to the partial sum, which is at most the sum of |products|).
+      The Triton kernel promotes as often (every 128 of K: 4 MMAs of 32) and adds its split-K partials in fp32
+      (at most K - 1 additions in all): the same bound. Triton's interpreter truncates fp32 to bf16 instead of
+      rounding to nearest, so there the output's rounding is one ulp (2 u16), not half of one.
   (b) op vs the exact product of unquantized x with the dequantized weight: (a)'s bound plus what rounding x costs,
       sum_k |x_k - xq_k sx| |w_k| <= sum_k ((2^-4 + 2^-23) |x_k| + 2^-10 sx) |w_k| (3 mantissa bits, nearest; an
       fp32 division before; e4m3's subnormal step 2^-9 sx). Loose (the sum of absolute values) but it fails an
@@ -22,13 +26,15 @@ quantize_rows(x) (tests/test_fp8_linear.py bounds that rounding: it is quantize_
 (a) has the teeth: test_bound_catches_wrong_scaling shows it fails a per-tensor activation scale, a neighbouring
 row's weight scale and unscaled activations.
 """
+import os
+
 import pytest
 import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from fastgrpo.ops.fp8_linear import FP8_MAX, dequantize_fp8, fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
-from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
+from fastgrpo.ops.fp8_scaled_linear import GEMM, GEMMS, fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
 from tests.graph_replay import assert_replays_exactly
 from tests.error_bounds import assert_within
 
@@ -53,13 +59,13 @@ def sum_abs(x, q, scale):
     return (xq.double().abs() @ q.double().abs().T) * sx.double()[:, None] * scale.double()
 
 
-def bound(ref, x, q, scale, bias, dtype, c_acc=CPU_ACC):
-    """(a): |op - reference| per element (module docstring)."""
+def bound(ref, x, q, scale, bias, dtype, c_acc=CPU_ACC, out_u=U16):
+    """(a): |op - reference| per element (module docstring); out_u: the output's rounding (relative)."""
     K = x.shape[-1]
     b = 0.0 if bias is None else bias.double().abs()
     acc = (c_acc + (K + 4) * U32) * sum_abs(x, q, scale) + U32 * (ref.abs() + b)
     subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
-    return U16 * (ref.abs() + acc + U16 * b) + acc + U16 * b + subnormal
+    return out_u * (ref.abs() + acc + U16 * b) + acc + U16 * b + subnormal
 
 
 def rounding_x(x, q, scale):
@@ -74,11 +80,17 @@ def exact(x, q, scale, bias):
     return y if bias is None else y + bias.double()
 
 
-def check(x, q, scale, bias, c_acc=CPU_ACC, what=""):
-    got = fp8_scaled_linear(x, q, scale, bias)
+def output_rounding(gemm, device):
+    """u16, or one ulp where Triton's interpreter writes the kernel's bf16 output (it truncates)."""
+    interpreted = (gemm or GEMM) == "triton" and device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    return 2 * U16 if interpreted else U16
+
+
+def check(x, q, scale, bias, c_acc=CPU_ACC, what="", gemm=None):
+    got = fp8_scaled_linear(x, q, scale, bias, gemm)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], q.shape[0])
     ref = fp8_scaled_linear_reference(x, q, scale, bias)
-    tol = bound(ref, x, q, scale, bias, x.dtype, c_acc)
+    tol = bound(ref, x, q, scale, bias, x.dtype, c_acc, output_rounding(gemm, x.device))
     assert_within(got, ref, tol, f"{what} vs the reference")
     assert_within(got, exact(x, q, scale, bias), tol + rounding_x(x, q, scale), f"{what} vs unquantized x")
     return got
@@ -87,11 +99,32 @@ def check(x, q, scale, bias, c_acc=CPU_ACC, what=""):
 # ---- CPU -------------------------------------------------------------------------------------------------------
 
 @given(M=st.integers(1, 20), N=st.integers(1, 6).map(lambda n: 16 * n), K=st.integers(1, 8).map(lambda k: 16 * k),
-       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_matches_reference(M, N, K, dtype, with_bias, seed):
-    """Shapes _scaled_mm takes (K, N multiples of 16, any M) within bounds (a) and (b)."""
+       dtype=st.sampled_from(DTYPES), with_bias=st.booleans(), gemm=st.sampled_from(GEMMS),
+       seed=st.integers(0, 2**16))
+def test_matches_reference(M, N, K, dtype, with_bias, gemm, seed):
+    """Shapes _scaled_mm takes (K, N multiples of 16, any M) within bounds (a) and (b); the Triton kernel with its
+    interpreter tiles (16 wide: several row and feature tiles, up to 3 splits)."""
     g = torch.Generator().manual_seed(seed)
-    check(*make(g, M, N, K, dtype, with_bias), what=f"{dtype} M{M} N{N} K{K}")
+    check(*make(g, M, N, K, dtype, with_bias), what=f"{gemm} {dtype} M{M} N{N} K{K}", gemm=gemm)
+
+
+def test_triton_gemm_splits_and_tiles():
+    """The Triton GEMM with e4m3 x across tiles, splits and a ragged last K step (K = 112 in 32-wide steps over 3
+    splits), bias or none, against the reference; bitwise the same twice, tickets back to 0."""
+    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, fp8_linear_fwd
+
+    g = torch.Generator().manual_seed(1)
+    for with_bias in (True, False):
+        x, q, scale, bias = make(g, 21, 48, 112, torch.bfloat16, with_bias)
+        xq, sx = quantize_rows(x)
+        config = Fp8LinearConfig(block_m=16, block_n=16, block_k=32, split_k=3)
+        b16 = None if bias is None else bias.bfloat16()
+        got = fp8_linear_fwd(xq, q, scale, b16, config, x_scale=sx, out_dtype=torch.bfloat16)
+        ref = fp8_scaled_linear_reference(x, q, scale, bias)
+        tol = bound(ref, x, q, scale, bias, torch.bfloat16, out_u=output_rounding("triton", x.device))
+        assert_within(got, ref, tol, f"triton split 3, bias {with_bias}")
+        assert torch.equal(fp8_linear_fwd(xq, q, scale, b16, config, x_scale=sx, out_dtype=torch.bfloat16), got)
+        assert not _counters(torch.device("cpu")).any()
 
 
 @given(M=st.integers(1, 9), N=st.integers(1, 40), K=st.integers(1, 40), with_bias=st.booleans(),
@@ -123,16 +156,18 @@ def test_runs_one_scaled_mm_with_rowwise_scales(monkeypatch):
     assert len(calls) == 1
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_zero_rows(dtype):
+def test_zero_rows(dtype, gemm):
     """An all-zero row (a padded token) gets scale fp32's smallest normal, not 0/0: its output is the bias (through
     bf16), and the other rows are untouched; an all-zero x too."""
     g = torch.Generator().manual_seed(0)
     x, q, scale, bias = make(g, 4, 32, 48, dtype)
     x[1] = 0
-    got = check(x, q, scale, bias, what=f"{dtype} zero row")
+    got = check(x, q, scale, bias, what=f"{gemm} {dtype} zero row", gemm=gemm)
     assert torch.equal(got[1], bias.bfloat16().to(dtype))
-    assert torch.equal(fp8_scaled_linear(torch.zeros_like(x), q, scale, None), torch.zeros(4, 32, dtype=dtype))
+    zeros = fp8_scaled_linear(torch.zeros_like(x), q, scale, None, gemm)
+    assert torch.equal(zeros, torch.zeros(4, 32, dtype=dtype))
 
 
 def test_bound_catches_wrong_scaling():
@@ -165,16 +200,17 @@ def test_leading_dims_and_strides():
     assert torch.equal(fp8_scaled_linear(wide, q, scale, bias), fp8_scaled_linear(wide.contiguous(), q, scale, bias))
 
 
-@pytest.mark.parametrize("N", [48, 44])  # _scaled_mm, fp8_linear
-def test_traced_whole(N):
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("N", [48, 44])  # the GEMM, fp8_linear
+def test_traced_whole(N, gemm):
     """Traced with fullgraph (no graph break: no host sync, nothing data-dependent) and functionalized
     (aot_eager, as under Inductor), the op gives its eager bits."""
     g = torch.Generator().manual_seed(0)
     x, q, scale, bias = make(g, 5, N, 32, torch.bfloat16)
     torch._dynamo.reset()
-    step = torch.compile(lambda t: fp8_scaled_linear(t, q, scale, bias), backend="aot_eager", fullgraph=True,
+    step = torch.compile(lambda t: fp8_scaled_linear(t, q, scale, bias, gemm), backend="aot_eager", fullgraph=True,
                          dynamic=False)
-    assert torch.equal(step(x), fp8_scaled_linear(x, q, scale, bias))
+    assert torch.equal(step(x), fp8_scaled_linear(x, q, scale, bias, gemm))
     torch._dynamo.reset()
 
 
@@ -183,7 +219,7 @@ def test_bad_input():
     x, q, scale, bias = make(g, 2, 16, 16, torch.float32)
     for args, name in (((x, q.float(), scale, bias), "q"), ((x[:, :8], q, scale, bias), "q"),
                        ((x, q, scale[:7], bias), "scale"), ((x, q, scale, bias[:3]), "bias"),
-                       ((x.double(), q, scale, bias), "x")):
+                       ((x.double(), q, scale, bias), "x"), ((x, q, scale, bias, "cublas"), "gemm")):
         with pytest.raises(ValueError, match=name):
             fp8_scaled_linear(*args)
 
@@ -198,29 +234,32 @@ GPU_SHAPES = [(64, 6144, 4096), (64, 4096, 4096), (64, 28672, 4096), (64, 4096, 
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("M, N, K", GPU_SHAPES)
 @pytest.mark.parametrize("with_bias", [True, False])
-def test_gpu_matches_reference(M, N, K, with_bias):
+def test_gpu_matches_reference(M, N, K, with_bias, gemm):
     """bf16 within bounds (a) (Hopper's accumulator) and (b), no worse than cuBLAS's bf16 GEMM of the same e4m3
     operands (exact in bf16) scaled in fp32, plus an ulp; bitwise the same on a second call."""
     g = torch.Generator().manual_seed(0)
     x, q, scale, bias = make(g, M, N, K, torch.bfloat16, with_bias, device="cuda")
+    prepare_fp8_linear(x.device)
     if not scaled_mm_fits(N, K):
-        assert torch.equal(fp8_scaled_linear(x, q, scale, bias), fp8_linear(x, q, scale, bias))
+        assert torch.equal(fp8_scaled_linear(x, q, scale, bias, gemm), fp8_linear(x, q, scale, bias))
         return
-    got = check(x, q, scale, bias, GPU_ACC, f"gpu M{M} N{N} K{K}")
+    got = check(x, q, scale, bias, GPU_ACC, f"gpu {gemm} M{M} N{N} K{K}", gemm)
     ref = fp8_scaled_linear_reference(x, q, scale, bias)
     xq, sx = quantize_rows(x)
     cublas = (xq.bfloat16() @ q.bfloat16().T).float() * sx[:, None] * scale
     cublas = (cublas if bias is None else cublas + bias.float()).bfloat16()
     eps = torch.finfo(torch.bfloat16).eps
     assert (got.double() - ref).abs().max() <= (cublas.double() - ref).abs().max() + eps * ref.abs().max()
-    assert torch.equal(fp8_scaled_linear(x, q, scale, bias), got)
+    assert torch.equal(fp8_scaled_linear(x, q, scale, bias, gemm), got)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("N", [6144, 1000])  # _scaled_mm, fp8_linear (ragged N)
-def test_gpu_compiled_and_graphed(N):
+@pytest.mark.parametrize("gemm", GEMMS)
+@pytest.mark.parametrize("N", [6144, 1000])  # the GEMM, fp8_linear (ragged N)
+def test_gpu_compiled_and_graphed(N, gemm):
     """Inductor-compiled (the quantizer fused, _scaled_mm an extern kernel) and replayed as a CUDA graph, as in the
     decode step: the eager op's bits, replay after replay. Each row's largest |x| is 448 x 2^-j, so its scale is
     2^-j whether Inductor divides by 448 or multiplies by its fp32 reciprocal (448 fl(1/448) rounds to 1): the
@@ -231,7 +270,7 @@ def test_gpu_compiled_and_graphed(N):
     x = (x / x.abs().amax(1, keepdim=True) * 0.99 * FP8_MAX * top[:, None]).bfloat16()
     x[:, 0] = FP8_MAX * top
     prepare_fp8_linear(x.device)
-    want = fp8_scaled_linear(x, q, scale, bias)
+    want = fp8_scaled_linear(x, q, scale, bias, gemm)
     torch._dynamo.reset()
-    assert_replays_exactly(lambda t: fp8_scaled_linear(t, q, scale, bias).relu(), x, want.relu())
+    assert_replays_exactly(lambda t: fp8_scaled_linear(t, q, scale, bias, gemm).relu(), x, want.relu())
     torch._dynamo.reset()

@@ -19,6 +19,11 @@ bias, writes y, and resets the counter to 0, so the counters are zero again betw
 graph replays) with no memset. Partials are read with .cg (L2, not a possibly stale L1 line of an earlier launch).
 Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's interpreter returns garbage for bf16 tl.dot,
 shared/DESIGN.md); fp32 activations use "ieee" dots on a GPU too.
+
+W8A8 (x_scale given): x is e4m3 too, one fp32 scale per row (ops/fp8_scaled_linear.py quantizes it), and the tiles
+go to the FP8 tensor cores as loaded: no upcast, and half the bytes of x per K step. Why: in W8A16 every program
+reads its [BLOCK_K, 64] bf16 tile of x (16 KB) from L2 beside an 8 KB weight tile, so the SMs load three bytes
+for each byte of weight streamed from memory; the row scale, constant along K, is applied in the epilogue.
 """
 from __future__ import annotations
 
@@ -48,11 +53,11 @@ class Fp8LinearConfig:
 
 @triton.jit
 def _fp8_linear_kernel(
-    X, W, SCALE, BIAS, Y, PARTIAL, COUNTS,
+    X, W, SCALE, BIAS, Y, PARTIAL, COUNTS, X_SCALE,
     stride_xm, stride_wn, stride_ym,
     M, N, K, k_per_split, splits,
-    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr, FP8_X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr,
 ):
     tile, split, feats, rows = program_tile(tl.program_id(0), splits, N, BLOCK_M, BLOCK_N)
     feat_ok = feats < N
@@ -74,17 +79,19 @@ def _fp8_linear_kernel(
             x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
         if FP32_DOT:
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
+        elif FP8_X:  # the tensor cores' partial sums go into acc in fp32 every PRECISE_EVERY of K (see the launch)
+            acc += tl.dot(w, x, max_num_imprecise_acc=PRECISE_EVERY)
         else:
             acc += tl.dot(w.to(x.dtype), x)
 
     y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
     y_mask = feat_ok[:, None] & row_ok[None, :]
     if not SPLIT:
-        _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+        _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, FP8_X)
     else:
         total, last = split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N)
         if last:
-            _epilogue(total, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS)
+            _epilogue(total, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, FP8_X)
             tl.atomic_xchg(COUNTS + tile, 0)
 
 
@@ -120,8 +127,11 @@ def split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask
 
 
 @triton.jit
-def _epilogue(acc, SCALE, BIAS, y_ptrs, y_mask, feats, feat_ok, HAS_BIAS: tl.constexpr):
+def _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS: tl.constexpr,
+              FP8_X: tl.constexpr):
     y = acc * tl.load(SCALE + feats, mask=feat_ok, other=0.0)[:, None]
+    if FP8_X:
+        y *= tl.load(X_SCALE + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(BIAS + feats, mask=feat_ok, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptrs, y.to(y_ptrs.dtype.element_ty), mask=y_mask)
@@ -171,10 +181,10 @@ def prepare(device: torch.device) -> None:
 
 def fp8_linear_fwd(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
-    config: Fp8LinearConfig | None = None,
+    config: Fp8LinearConfig | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [M, K] (unit stride along K), weight [N, K] float8_e4m3fn contiguous, scale [N] fp32, bias [N] or None
-    -> y [M, N] in x's dtype."""
+    -> y [M, N] in x's dtype. W8A8: x float8_e4m3fn with x_scale [M] fp32, y in out_dtype."""
     M, K = x.shape
     N = weight.shape[0]
     interpret = _interpreting(x)
@@ -186,17 +196,21 @@ def fp8_linear_fwd(
     tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
     if split > 1 and tiles > MAX_TILES:
         raise ValueError(f"fp8_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
-    y = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     # without splits the kernel touches neither: any tensors of the right dtypes
     partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else scale
     counts = _counters(x.device)
     _fp8_linear_kernel[(tiles * split,)](
         x, weight, scale, bias if bias is not None else scale, y, partial, counts,
+        x_scale if x_scale is not None else scale,
         x.stride(0), weight.stride(0), y.stride(0),
         M, N, K, k_per_split, split,
         HAS_BIAS=bias is not None, SPLIT=split > 1, EVEN_K=K % config.block_k == 0,
-        FP32_DOT=interpret or x.dtype == torch.float32,
+        FP32_DOT=interpret or x.dtype == torch.float32, FP8_X=x_scale is not None,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        # Hopper's FP8 MMA keeps its sums to ~14 bits; Triton's default never adds them into a full fp32 total.
+        # Every 128 of K (4 MMAs) is what torch._scaled_mm does without fast accumulation: the same error bound.
+        PRECISE_EVERY=min(config.block_k, 128),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y

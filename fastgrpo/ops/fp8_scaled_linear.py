@@ -18,6 +18,13 @@ are 117 MB) in one more pass; benchmarks/bench_fp8.py times both (w8a8_us, w8a8_
 kernel for Hopper writes bf16 only, so the output and the bias are bf16 whatever x's dtype, then cast to it: for
 fp16 / fp32 activations a rounding of 2^-8 relative, small next to the activations' own 2^-4.
 
+Two GEMMs run that math (GEMMS): "scaled_mm" (torch._scaled_mm: cuBLASLt on Hopper) and "triton"
+(fastgrpo.kernels.fp8_linear with x in e4m3: the W8A16 kernel's split-K tiles on the FP8 tensor cores, its partial
+sums added into fp32 as often as _scaled_mm's, the bias rounded to bf16 and the output written in bf16 as
+_scaled_mm does: the same bound in the tests). Why both: _scaled_mm's small-M kernels do not split K, and at 64 rows
+left Llama-3.1-8B's down_proj and the 4096-wide GEMMs at a third of the read roofline on an H100
+(benchmarks/results/fp8-*.json, w8a8_share). GEMM picks the default; a call may name one.
+
 Shapes: on CUDA _scaled_mm needs K and N to be multiples of 16 (the e4m3 operands' 16-byte alignment); the CPU
 takes any, but the op applies the CUDA rule everywhere so both devices run the same math. Other shapes (a vocab of
 32001, a test model's 44) run fp8_linear over the same copy: one odd linear, usually lm_head, decodes at W8A16
@@ -30,9 +37,14 @@ from __future__ import annotations
 
 import torch
 
+from typing import Optional
+
+from fastgrpo.ops._backend import use_triton
 from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_rows
 
 ALIGN = 16  # what torch._scaled_mm asks of K and N on CUDA
+GEMMS = ("scaled_mm", "triton")
+GEMM = "scaled_mm"
 
 
 def scaled_mm_fits(N: int, K: int) -> bool:
@@ -41,20 +53,47 @@ def scaled_mm_fits(N: int, K: int) -> bool:
 
 
 def fp8_scaled_linear(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, gemm: str | None = None
 ) -> torch.Tensor:
     """x [..., K] (fp16, bf16 or fp32), q [N, K] float8_e4m3fn, scale [N] fp32, bias [N] -> [..., N] in x's dtype,
-    through bf16 (module docstring). No autograd: it serves the rollout, under no_grad."""
+    through bf16 (module docstring); gemm: one of GEMMS (None: GEMM). No autograd: it serves the rollout, under
+    no_grad."""
     check_fp8_linear_args(x, q, scale, bias)
+    gemm = GEMM if gemm is None else gemm
+    if gemm not in GEMMS:
+        raise ValueError(f"gemm: expected one of {', '.join(GEMMS)}, got {gemm!r}")
     N, K = q.shape
     if not scaled_mm_fits(N, K):
         return fp8_linear(x, q, scale, bias)
     lead = x.shape[:-1]
     xq, sx = quantize_rows(x.reshape(-1, K))  # xq [M, K] e4m3 row-major, sx [M]
-    y = torch._scaled_mm(  # q [N, K] row-major: q.t() is the column-major [K, N] operand the GEMM wants
-        xq, q.contiguous().t(), scale_a=sx[:, None], scale_b=scale.contiguous()[None, :],
-        bias=None if bias is None else bias.to(torch.bfloat16), out_dtype=torch.bfloat16)
+    bias = None if bias is None else bias.to(torch.bfloat16)
+    if gemm == "triton":
+        y = _fp8_rows_linear_op(xq, sx, q.contiguous(), scale.contiguous(), bias)
+    else:
+        y = torch._scaled_mm(  # q [N, K] row-major: q.t() is the column-major [K, N] operand the GEMM wants
+            xq, q.contiguous().t(), scale_a=sx[:, None], scale_b=scale.contiguous()[None, :], bias=bias,
+            out_dtype=torch.bfloat16)
     return y.to(x.dtype).reshape(*lead, N)
+
+
+# the op's schema is inferred from these annotations: Optional[...], the form torch.library documents
+@torch.library.custom_op("fastgrpo::fp8_rows_linear", mutates_args=())
+def _fp8_rows_linear_op(xq: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                        bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """bf16 (xq q^T) sx scale + bias for e4m3 xq [M, K] and q [N, K]: the Triton kernel, or torch's CPU _scaled_mm
+    where Triton does not run (the same math)."""
+    if not use_triton(xq, q):
+        return torch._scaled_mm(xq, q.t(), scale_a=sx[:, None], scale_b=scale[None, :], bias=bias,
+                                out_dtype=torch.bfloat16)
+    from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
+
+    return fp8_linear_fwd(xq, q, scale, bias, x_scale=sx, out_dtype=torch.bfloat16)
+
+
+@_fp8_rows_linear_op.register_fake
+def _(xq, sx, q, scale, bias):
+    return xq.new_empty(xq.shape[0], q.shape[0], dtype=torch.bfloat16)
 
 
 def fp8_scaled_linear_reference(
