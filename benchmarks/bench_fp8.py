@@ -138,13 +138,13 @@ def sweep(M: int, N: int, K: int, device: torch.device) -> list:
 
 def w8a8_sweep(M: int, N: int, K: int, device: torch.device) -> list:
     """Configs of the kernel with e4m3 x (half the bytes of x per K step, no upcast, so wider tiles may pay now):
-    64 / 128 features x 128 / 256 of K x 3 / 5 stages x splits for one, two or four programs per SM (4 warps), and
+    64 / 128 features x 128 / 256 of K x 3 / 4 / 5 stages x splits for one, two or four programs per SM (4 warps), and
     256 features with 8 warps."""
     from fastgrpo.kernels.fp8_linear import config_for
 
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     configs = {config_for(M, N, K, sms, block_n, block_k, per_sm, 4, stages)
-               for block_n in (64, 128) for block_k in (128, 256) for stages in (3, 5) for per_sm in (1, 2, 4)}
+               for block_n in (64, 128) for block_k in (128, 256) for stages in (3, 4, 5) for per_sm in (1, 2, 4)}
     configs |= {config_for(M, N, K, sms, 256, 128, per_sm, 8, 3) for per_sm in (1, 2, 4)}
     return sorted(configs, key=dataclasses.astuple)
 
@@ -172,7 +172,8 @@ def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
         except triton.runtime.errors.OutOfResources:
             continue
     best = min(timed, key=timed.get)
-    return {"w8a8_kernel_us": timed[default], "w8a8_best_us": timed[best], "w8a8_best": str(dataclasses.astuple(best))}
+    return {"w8a8_kernel_us": timed[default], "w8a8_best_us": timed[best], "w8a8_best": str(dataclasses.astuple(best)),
+            "w8a8_sweep_us": {str(dataclasses.astuple(c)): us for c, us in sorted(timed.items(), key=lambda kv: kv[1])}}
 
 
 def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
