@@ -86,15 +86,14 @@ MODES = {
     "bf16-triton": (EngineConfig(**TRITON, weights="model"), "bf16"),
     "fp8-triton": (EngineConfig(**TRITON, weights="fp8"), "bf16"),
     "w8a8-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),  # the FP8 copy on the FP8 tensor cores
-    # the same with fp8_scaled_linear's Triton GEMM (W8A8_GEMMS) instead of its default
-    "w8a8t-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),
+    # the same with torch._scaled_mm as fp8_scaled_linear's GEMM (W8A8_GEMMS) instead of its default (Triton)
+    "w8a8-scaledmm-triton": (EngineConfig(**TRITON, weights="w8a8"), "bf16"),
     # bf16 with q/k/v and gate/up stacked (one GEMM per group), as "fp8" runs them: fp8 against this isolates FP8
     "fused-triton": (EngineConfig(**TRITON, weights="fused"), "bf16"),
     # the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): against fused-triton / fp8-triton
     "fp8kv-triton": (EngineConfig(**TRITON, weights="fused", kv_cache="fp8"), "bf16"),
     "fp8-fp8kv-triton": (EngineConfig(**TRITON, weights="fp8", kv_cache="fp8"), "bf16"),
     "w8a8-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
-    "w8a8t-fp8kv-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8"), "bf16"),
     # each prompt's K/V stored and read once per group (EngineConfig.shared_prefix), bf16 and with both FP8 halves
     "fused-shared-triton": (EngineConfig(**TRITON, weights="fused", shared_prefix=True), "bf16"),
     "w8a8-fp8kv-shared-triton": (EngineConfig(**TRITON, weights="w8a8", kv_cache="fp8", shared_prefix=True), "bf16"),
@@ -108,8 +107,8 @@ MODES = {
     # no copy: nf4_linear reads each NF4 base's own 4-bit weight (LoRA-free here; lm_head bf16 as in every 4bit mode)
     "4bit-nf4-triton": (EngineConfig(**TRITON, weights="nf4"), "4bit"),
 }
-# modes whose W8A8 linears run fp8_scaled_linear's Triton GEMM (the others: its default, fp8_scaled_linear.GEMM)
-W8A8_GEMMS = {"w8a8t-triton": "triton", "w8a8t-fp8kv-triton": "triton"}
+# modes whose W8A8 linears run another GEMM than fp8_scaled_linear's default (fp8_scaled_linear.GEMM)
+W8A8_GEMMS = {"w8a8-scaledmm-triton": "scaled_mm"}
 SCORE_ROWS = 8  # rows per sequence_logprobs call of the gap
 WARMUP_STEPS = 32  # the warm-up call's length: past the graph capture (EngineConfig.warmup_steps + 1), a sync step
 NF4_BYTES = 0.5 + 1 / 64  # per weight read by nf4_linear: a nibble, and a uint8 absmax code per block of 64
@@ -164,7 +163,7 @@ def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
         return [functools.partial(fp8_linear_fwd, xq, q, s, None, config, x_scale=sx, out_dtype=torch.bfloat16)
                 for q, s in qs]
 
-    default = default_config(M, N, K, x.device)
+    default = default_config(M, N, K, x.device, fp8_x=True)
     timed = {}
     for c in {default, *w8a8_sweep(M, N, K, x.device)}:
         try:

@@ -28,7 +28,8 @@ from fastgrpo.hf.peft import dense_linears, dense_weight
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.ops.fp8_linear import quantize_fp8
-from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear, scaled_mm_fits
+from fastgrpo.ops import fp8_scaled_linear as fp8_scaled_linear_module
+from fastgrpo.ops.fp8_scaled_linear import GEMMS, fp8_scaled_linear, scaled_mm_fits
 from fastgrpo.rollout import decode_weights
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.sampling import SamplingParams
@@ -103,7 +104,7 @@ def test_every_dense_linear_runs_fp8_scaled_linear(lora):
             assert torch.equal(m(inputs[m]), before[m]) and "forward" not in m.__dict__
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, stacked, in _scaled_mm's epilogue
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # qwen2: q/k/v biases, stacked, in the GEMM's epilogue
 def test_logprobs_near_the_bf16_trainer(arch):
     """A bf16 tiny model: the w8a8 engine's mean |gap| to the trainer is at most GAP_FACTOR times the fp8 engine's
     (module docstring) and well above the bf16 engine's own (the activations' rounding ran)."""
@@ -117,10 +118,12 @@ def test_logprobs_near_the_bf16_trainer(arch):
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("arch, lora", [("qwen2", False), ("llama", True)])
-def test_gpu_w8a8_engine_compiled_and_graphed(arch, lora):
-    """On CUDA, bf16, compiled step and CUDA graph (_scaled_mm for the layers, the Triton fp8_linear for lm_head, in
-    one graph): no fallback warning, and the gap bound of the CPU test on 48 rows x 32 tokens."""
+def test_gpu_w8a8_engine_compiled_and_graphed(arch, lora, gemm, monkeypatch):
+    """On CUDA, bf16, compiled step and CUDA graph (each W8A8 GEMM for the layers, the Triton fp8_linear for
+    lm_head, in one graph): no fallback warning, and the gap bound of the CPU test on 48 rows x 32 tokens."""
+    monkeypatch.setattr(fp8_scaled_linear_module, "GEMM", gemm)
     torch._dynamo.reset()
     model = tiny_model(arch, lora=lora).cuda().bfloat16()
     assert SIZES["hidden_size"] % 16 == 0 and SIZES["intermediate_size"] % 16 == 0

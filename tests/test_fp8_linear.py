@@ -136,7 +136,7 @@ HOPPER_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastgrpo.kernels.fp8_linear import GPU_TILES as t, _fp8_linear_kernel as fn
+from fastgrpo.kernels.fp8_linear import GPU_TILES, W8A8_TILES, _fp8_linear_kernel as fn
 ints = {a: "i32" for a in fn.arg_names[8:16]}
 consts = {a: "constexpr" for a in fn.arg_names[16:]}
 # what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16; not `splits`)
@@ -144,21 +144,23 @@ attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
 for fp8_x in (False, True):
     sig = {"X": "*fp8e4nv" if fp8_x else "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
            "PARTIAL": "*fp32", "COUNTS": "*i32", "X_SCALE": "*fp32", **ints, **consts}
+    t = W8A8_TILES if fp8_x else GPU_TILES
     for split in (True, False):
         values = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, FP8_X=fp8_x, BLOCK_M=64,
-                      BLOCK_N=t["block_n"], BLOCK_K=t["block_k"])
+                      BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], PRECISE_EVERY=min(t["block_k"], 128))
         kernel = triton.compile(ASTSource(fn, sig, values, attrs), target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": t["num_warps"], "num_stages": t["num_stages"]})
         ir = kernel.asm["ttgir"]
         print(fp8_x, split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared,
-              "fp8e4nv" in ir.split("warp_group_dot")[1].split("\\n")[0] if "warp_group_dot" in ir else "none")
+              t["num_stages"], t["programs_per_sm"])
 """
 
 
 def test_compiles_for_hopper():
-    """The default GPU config compiles for sm_90 on the CPU (Triton's own ptxas, no GPU), W8A16 and W8A8: wgmma,
-    loads pipelined with cp.async (3 stages x 2 loads), shared memory for two programs per SM. CI never sees a GPU;
-    this keeps an edit that breaks the real compile, or its pipelining, from passing as the interpreter would."""
+    """The default GPU configs compile for sm_90 on the CPU (Triton's own ptxas, no GPU), W8A16 and W8A8: wgmma,
+    loads pipelined with cp.async (stages x 2 loads), shared memory for the programs per SM they plan. CI never sees
+    a GPU; this keeps an edit that breaks the real compile, or its pipelining, from passing as the interpreter
+    would."""
     import subprocess
     import sys
 
@@ -171,8 +173,8 @@ def test_compiles_for_hopper():
     lines = done.stdout.split("\n")[:4]
     assert len(lines) == 4, done.stdout
     for line in lines:
-        _, _, wgmma, copies, shared, _ = line.split()
-        assert wgmma == "True" and int(copies) == 6 and int(shared) <= 228 * 1024 // 2, line
+        _, _, wgmma, copies, shared, stages, per_sm = line.split()
+        assert wgmma == "True" and int(copies) == 2 * int(stages) and int(shared) <= 228 * 1024 // int(per_sm), line
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------

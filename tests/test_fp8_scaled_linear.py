@@ -150,9 +150,9 @@ def test_runs_one_scaled_mm_with_rowwise_scales(monkeypatch):
 
     monkeypatch.setattr(torch, "_scaled_mm", recorded)
     g = torch.Generator().manual_seed(0)
-    fp8_scaled_linear(*make(g, 5, 48, 32, torch.bfloat16))
+    fp8_scaled_linear(*make(g, 5, 48, 32, torch.bfloat16), gemm="scaled_mm")
     assert calls == [(torch.float8_e4m3fn, (1, 32), (5, 1), (1, 48), torch.bfloat16)]
-    fp8_scaled_linear(*make(g, 5, 44, 32, torch.bfloat16))
+    fp8_scaled_linear(*make(g, 5, 44, 32, torch.bfloat16), gemm="scaled_mm")
     assert len(calls) == 1
 
 

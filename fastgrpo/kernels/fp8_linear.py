@@ -39,6 +39,7 @@ import triton.language as tl
 # steps run in order), so this bounds tiles per launch: 64K tiles of 64 features is a 4M-wide output.
 MAX_TILES = 1 << 16
 GPU_TILES = dict(block_n=64, block_k=128, programs_per_sm=2, num_warps=4, num_stages=3)  # see default_config
+W8A8_TILES = dict(block_n=64, block_k=128, programs_per_sm=1, num_warps=4, num_stages=5)  # the same, e4m3 x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,7 +142,7 @@ def _interpreting(x: torch.Tensor) -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1" and not x.is_cuda
 
 
-def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearConfig:
+def default_config(M: int, N: int, K: int, device: torch.device, fp8_x: bool = False) -> Fp8LinearConfig:
     """Tiles and splits for y [M, N] = x [M, K] W^T: a function of the shape and the SM count only (no autotuning:
     the split order fixes the fp32 sums, so a given card always computes the same bits).
 
@@ -149,13 +150,15 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearCon
     an H100 (64 rows; q/o, k/v, gate/up, down, lm_head: 64 features x 128 of K, 4 warps, 3 stages; the first tiles,
     128 features and 8 warps, took 7-182% longer). The splits fill one wave of two programs per SM (not more: a
     second, partial wave would idle most SMs), each split at least two K steps; that is the sweep's best split for
-    4 of the 5 shapes (k/v: 16 where 8 was best). Interpreter: 16-wide tiles, so small test shapes cross tiles,
-    splits and edges.
+    4 of the 5 shapes (k/v: 16 where 8 was best). With e4m3 x (fp8_x) W8A8_TILES: of 39 tile families swept on an
+    H100, the least time for a decode step's GEMMs (stacked q/k/v and gate/up, o, down, lm_head) summed over
+    Llama-3.1-8B and Qwen2.5-1.5B: one program per SM with 5 stages in flight (4% less than GPU_TILES' for Llama,
+    benchmarks/NOTES_rollout.md). Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return config_for(M, N, K, sms, **GPU_TILES)
+    return config_for(M, N, K, sms, **(W8A8_TILES if fp8_x else GPU_TILES))
 
 
 def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
@@ -189,7 +192,7 @@ def fp8_linear_fwd(
     N = weight.shape[0]
     interpret = _interpreting(x)
     if config is None:
-        config = default_config(M, N, K, torch.device("cpu") if interpret else x.device)
+        config = default_config(M, N, K, torch.device("cpu") if interpret else x.device, fp8_x=x_scale is not None)
     # each split a whole number of K steps (so only the last K step of the last split may be ragged: EVEN_K)
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)

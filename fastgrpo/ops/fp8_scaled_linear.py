@@ -44,7 +44,10 @@ from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linea
 
 ALIGN = 16  # what torch._scaled_mm asks of K and N on CUDA
 GEMMS = ("scaled_mm", "triton")
-GEMM = "scaled_mm"
+# the default: a decode step's GEMMs, each with its activation quantizer, took 4.0 ms through the Triton kernel
+# against 4.5 through _scaled_mm for Llama-3.1-8B shapes (Qwen2.5-1.5B: 1.7 against 2.1) on an H100, before
+# W8A8_TILES cut the kernel's part by another 4% (benchmarks/NOTES_rollout.md "W8A8 in Triton")
+GEMM = "triton"
 
 
 def scaled_mm_fits(N: int, K: int) -> bool:
