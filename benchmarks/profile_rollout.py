@@ -97,7 +97,10 @@ MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False
          # "fused" and "fp8" with the KV cache in e4m3 + an fp32 scale per vector (EngineConfig.kv_cache): the decode
          # attention reads (D + 4) / 2D of the bytes; their rooflines count the e4m3 cache
          "fp8kv": (EngineConfig(weights="fused", kv_cache="fp8"), True),
-         "fp8-fp8kv": (EngineConfig(weights="fp8", kv_cache="fp8"), True)}
+         "fp8-fp8kv": (EngineConfig(weights="fp8", kv_cache="fp8"), True),
+         # the e4m3 copy multiplied on the FP8 tensor cores, each step's activations quantized per row
+         "w8a8": (EngineConfig(weights="w8a8"), True),
+         "w8a8-fp8kv": (EngineConfig(weights="w8a8", kv_cache="fp8"), True)}
 DEFAULT_MODES = "default,eager"
 TOP_KERNELS = 12
 
@@ -109,6 +112,8 @@ KERNEL_CATEGORIES = (
     # kernel named after it, which builds its inputs (mask, RoPE)
     ("attention", r"fmha|flash|attention|sdpa|mha_"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|triton_tem_|matmul|fp8_linear|aten::(mm|addmm|bmm)$"),
+    # W8A8's per-row activation quantizer (Inductor's fused abs / amax / divide / cast; its clamp is not sampling)
+    ("quantize", r"amax"),
     # logits -> token: (log-)softmax, argmax, top-k / sort, the log-prob gather, the keyed-exponential noise (an
     # int64 hash: xor, shifts; in eager mode also its <long> Functors, log and clamp; the other int64 ops, the mask
     # comparisons and position updates, are [N, M] and [N, 1], small next to the hash's [N, V])
@@ -234,7 +239,7 @@ def profile_mode(setup: dict, sizes: Sizes, mode: str, config: EngineConfig, tim
         row.update(decode_ms=window.ms_per_step(every, marks[0]), decode_steps=f"{every + 1}-{marks[0]}")
     row.update(prof_ms=window.ms_per_step(start, end), profiled_steps=f"{start + 1}-{end}")
     row.update(summarise(*_work(profiler, setup["device"]), sizes.profile_steps, row["prof_ms"]))
-    copy = copy_bytes(setup["model"], "fp8") if config.weights == "fp8" else None
+    copy = copy_bytes(setup["model"], config.weights) if config.weights in ("fp8", "w8a8") else None
     row.update(roofline(setup["model"], sizes, bandwidth, row, copy, config.kv_cache))
     _save(profiler, trace_dir / f"{setup['shape']}-{mode}", setup["device"])
     return row
