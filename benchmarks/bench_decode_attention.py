@@ -1,5 +1,6 @@
 """The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
-the bytes it must read, with a bf16 and an e4m3 cache, over a sweep of its GPU tiles.
+the bytes it must read, with a bf16 and an e4m3 cache (its V slot-major as the engine stores it, and row-major), over
+a sweep of its GPU tiles.
 
     python -m benchmarks.bench_decode_attention                           # GPU: both shapes, both caches, sweep
     TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --dry-run   # CPU: tiny shapes, default tiles
@@ -42,8 +43,14 @@ def heads(shape: str) -> tuple[int, int, int]:
         c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
 
 
-def caches(shape: str, sizes: dict, fp8: bool, device: str) -> tuple[list[dict], int]:
+# cache -> (e4m3, V slot-major): the bf16 cache; the e4m3 cache as the engine stores it (rollout/kv_cache.py: V's slots
+# contiguous); and with V row-major like K (the engine's layout before 2026-11-27)
+CACHES = {"bf16": (False, False), "e4m3": (True, True), "e4m3-v-rowmajor": (True, False)}
+
+
+def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict], int]:
     """Copies of one layer's inputs (enough to pass 3x the L2 on a GPU) and the bytes one call must read."""
+    fp8, slot_major = CACHES[cache]
     H, G, D = heads(shape)
     N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
     g = torch.Generator(device).manual_seed(0)
@@ -56,6 +63,8 @@ def caches(shape: str, sizes: dict, fp8: bool, device: str) -> tuple[list[dict],
                     length=torch.tensor([length], device=device), scale=D**-0.5)
         if fp8:
             (call["k"], call["k_scale"]), (call["v"], call["v_scale"]) = quantize_kv(k), quantize_kv(v)
+            if slot_major:
+                call["v"] = call["v"].transpose(2, 3).contiguous().transpose(2, 3)
         made.append(call)
     return made, per_copy
 
@@ -63,11 +72,11 @@ def caches(shape: str, sizes: dict, fp8: bool, device: str) -> tuple[list[dict],
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, sweep: bool) -> list[dict]:
     rows = []
     tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
-    for fp8 in (False, True):
-        calls, nbytes = caches(shape, sizes, fp8, device)
+    for cache in CACHES:
+        calls, nbytes = caches(shape, sizes, cache, device)
         reference = decode_attention_fwd(**calls[0], tiles=GPU_TILES).float()
         for t in tiles:
-            row = {"shape": shape, "cache": "e4m3" if fp8 else "bf16", **t, "default": t == GPU_TILES}
+            row = {"shape": shape, "cache": cache, **t, "default": t == GPU_TILES}
             try:
                 diff = (decode_attention_fwd(**calls[0], tiles=t).float() - reference).abs().max().item()
                 us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t) for c in calls], device)

@@ -207,6 +207,23 @@ def test_skip_hides_finished_rows_from_the_kernel(shared, monkeypatch):
     assert hid > 0
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.bfloat16])
+def test_row_selection_keeps_a_slot_major_layout(dtype):
+    """Compaction's row gather keeps an fp8 cache's slot-major V slot-major (a row-major copy would still decode,
+    at the slower loads) with the same values; row-major buffers stay row-major."""
+    from fastgrpo.rollout.compaction import _select_rows
+
+    g = torch.Generator().manual_seed(0)
+    values = torch.randn(6, 2, 5, 40, generator=g).to(dtype)  # [N, H, D, M] in memory
+    slot_major = values.transpose(2, 3)
+    idx = torch.tensor([4, 1, 3])
+    got = _select_rows(slot_major, idx)
+    assert got.shape == (3, 2, 40, 5) and got.stride(2) == 1
+    assert torch.equal(got.view(torch.uint8 if dtype == torch.float8_e4m3fn else dtype).float(),
+                       slot_major[idx].view(torch.uint8 if dtype == torch.float8_e4m3fn else dtype).float())
+    assert _select_rows(values, idx).is_contiguous()
+
+
 def test_compacted_step_traces_once_for_every_batch_size(monkeypatch, buckets):
     """The batch dimension is marked dynamic from the first step: torch.compile traces the step once for the 32, 16
     and 8 rows (each batch size would otherwise compile anew on a GPU). A shared prefix traces twice: rows grouped

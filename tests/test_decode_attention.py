@@ -8,6 +8,8 @@ Tolerance, derived per element (`bound`): bf16/fp16/fp32 inputs are exact in fp6
 weights by twice that relatively; exp2 a few ulps; the sum over the M keys M 2^-24 sum_j p_j |v_j|.
 Measured under the interpreter: bf16 errors reach ~0.6 of the bound, fp16 ~0.3, fp32 ~0.01 (worst-case sums).
 
+An e4m3 V may be stored with its slots contiguous (the engine's cache does): same values, other loads, same bound.
+
 FP8 K/V: the reference is the fp64 softmax over the same dequantized values (q_e4m3 x scale is exact in fp64), so
 the bound is the kernel's own arithmetic: the terms above for the dequantized k/v, plus one fp32 rounding of each
 score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). The quantization
@@ -176,17 +178,25 @@ def fp8_cache(g, N, H, M, D, length, pad_fill):
     return kq, vq, ks, vs, visible
 
 
+def slot_major(v):
+    """v [.., M, D] with the same values stored [.., D, M] (its slots contiguous), as the engine's e4m3 V."""
+    return v.transpose(-1, -2).contiguous().transpose(-1, -2)
+
+
 @given(
     N=st.integers(1, 4), H=st.integers(1, 3), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32, 64]),
     M=st.integers(1, 70), length_frac=st.floats(0, 1), dtype=st.sampled_from(DTYPES),
     scale=st.sampled_from([None, 0.3]), splits=st.sampled_from([None, 1, 2, 5]),
-    pad_fill=st.sampled_from([float("nan"), 1e4]), seed=st.integers(0, 2**16),
+    pad_fill=st.sampled_from([float("nan"), 1e4]), v_slot_major=st.booleans(), seed=st.integers(0, 2**16),
 )
-def test_fp8_cache_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, scale, splits, pad_fill, seed):
+def test_fp8_cache_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, scale, splits, pad_fill, v_slot_major,
+                                          seed):
     g = torch.Generator().manual_seed(seed)
     length = 1 + round(length_frac * (M - 1))
     q = torch.randn(N, H, G, D, generator=g).to(dtype)
     kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, pad_fill)
+    if v_slot_major:
+        vq = slot_major(vq)
     L = torch.tensor([length])
     got = decode_attention(q, kq, vq, visible, L, scale, splits=splits, k_scale=ks, v_scale=vs)
     s = D**-0.5 if scale is None else scale
@@ -201,9 +211,10 @@ def test_fp8_cache_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, sca
 @given(
     B=st.integers(1, 3), S=st.integers(1, 4), H=st.integers(1, 3), G=st.integers(1, 4), D=st.sampled_from([16, 32]),
     P=st.integers(1, 40), M=st.integers(1, 40), length_frac=st.floats(0, 1), splits=st.sampled_from([None, 1, 3]),
-    dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(DTYPES), v_slot_major=st.booleans(), seed=st.integers(0, 2**16),
 )
-def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_frac, splits, dtype, seed):
+def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_frac, splits, dtype, v_slot_major,
+                                                  seed):
     """The prefix layout with e4m3 prefix and suffix: against the fp64 softmax over each row's dequantized keys."""
     g = torch.Generator().manual_seed(seed)
     N, length = B * S, 1 + round(length_frac * (M - 1))
@@ -213,8 +224,9 @@ def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_fr
     pvis = torch.arange(P)[None, :] >= torch.randint(0, P + 1, (B, 1), generator=g)  # left-padded prompts
     kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, float("nan"))
     L = torch.tensor([length])
-    got = decode_attention(q, kq, vq, visible, L, prefix_k=pkq, prefix_v=pvq, prefix_visible=pvis, splits=splits,
-                           k_scale=ks, v_scale=vs, prefix_k_scale=pks, prefix_v_scale=pvs)
+    layout = slot_major if v_slot_major else (lambda v: v)
+    got = decode_attention(q, kq, layout(vq), visible, L, prefix_k=pkq, prefix_v=layout(pvq), prefix_visible=pvis,
+                           splits=splits, k_scale=ks, v_scale=vs, prefix_k_scale=pks, prefix_v_scale=pvs)
     # each row's whole keys in fp64: its prompt's then its own; NaN stays past P + length
     k = torch.cat([dequantize_kv(pkq, pks, torch.float64).repeat_interleave(S, 0),
                    dequantize_kv(kq, ks, torch.float64)], dim=2)
@@ -225,6 +237,36 @@ def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_fr
     keep = fvis & (torch.arange(P + M) < P + length)
     assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, dtype, fp8=True),
                   f"fp8 shared {dtype} B{B} S{S} P{P} M{M} len{length}")
+
+
+@pytest.mark.parametrize("with_prefix", [False, True])
+def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
+    """A slot-major e4m3 V whose tiles all fit (M and P multiples of the tile, D its width) is loaded unmasked and
+    its hidden slots zeroed after the load: NaN on the pads, past `length` and in the prefix's hidden slots changes
+    nothing, and the output is the row-major V's, bit for bit (the same values reach the same dots)."""
+    from fastgrpo.kernels import decode_attention as kernels
+
+    g = torch.Generator().manual_seed(3)
+    N, H, G, D, M, length, B, P = 4, 2, 3, 32, 64, 50, 2, 32
+    q = torch.randn(N, H, G, D, generator=g).bfloat16()
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, float("nan"))
+    prefix = {}
+    if with_prefix:
+        pkq, pks = quantize_kv(torch.randn(B, H, P, D, generator=g))
+        pv = torch.randn(B, H, P, D, generator=g)
+        pvis = torch.arange(P)[None, :] >= torch.tensor([[5], [9]])
+        pv[~pvis[:, None, :, None].expand_as(pv)] = float("nan")
+        pvq, pvs = quantize_kv(pv)
+        prefix = dict(prefix_k=pkq, prefix_visible=pvis, prefix_k_scale=pks, prefix_v_scale=pvs)
+    whole = []
+    check = kernels._whole_v_tiles
+    monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
+    L = torch.tensor([length])
+    outs = [decode_attention(q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
+                             **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {}))
+            for layout in (lambda v: v, slot_major)]
+    assert whole == [False, True]
+    assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():
@@ -338,6 +380,8 @@ def test_gpu_realistic_fp8_decode(H, G):
     tol = bound(ref, q, dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64), keep, D**-0.5,
                 torch.bfloat16, fp8=True)
     assert_within(decode_attention(q, kq, vq, visible, L, k_scale=ks, v_scale=vs), ref, tol, f"gpu fp8 H{H} G{G}")
+    got = decode_attention(q, kq, slot_major(vq), visible, L, k_scale=ks, v_scale=vs)
+    assert_within(got, ref, tol, f"gpu fp8 slot-major V H{H} G{G}")
     shared = decode_attention(
         q, kq[:, :, P:], vq[:, :, P:], visible[:, P:], L - P, prefix_k=kq[::S, :, :P], prefix_v=vq[::S, :, :P],
         prefix_visible=visible[::S, :P], k_scale=ks[:, :, P:], v_scale=vs[:, :, P:], prefix_k_scale=ks[::S, :, :P],

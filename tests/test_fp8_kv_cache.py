@@ -145,7 +145,8 @@ def test_the_bound_sees_a_wrong_scale(monkeypatch):
 
 def test_cache_stores_the_quantized_prompt_at_about_half_the_bytes(monkeypatch, caches):
     """Prompt slots: the e4m3 cache holds quantize_kv of exactly what the model-dtype cache holds (same prefill).
-    Bytes: per layer, slot and K/V head 2 x (D x 1 + 4) instead of 2 x D x 4 (fp32 tiny model), plain and shared."""
+    Bytes: per layer, slot and K/V head 2 x (D x 1 + 4) instead of 2 x D x 4 (fp32 tiny model), plain and shared.
+    Its V buffers are slot-major."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     model = tiny_model("qwen2")
     cfg = model.config
@@ -162,6 +163,10 @@ def test_cache_stores_the_quantized_prompt_at_about_half_the_bytes(monkeypatch, 
         stores = ((full.prefix_keys, fp8.prefix_keys, fp8.prefix_key_scales), (full.prefix_values, fp8.prefix_values,
                   fp8.prefix_value_scales)) if shared else ((full.keys, fp8.keys, fp8.key_scales),
                                                             (full.values, fp8.values, fp8.value_scales))
+        for layer in range(layers):  # V slot-major (the decode kernel's fast layout for an e4m3 V), K row-major
+            for values in (fp8.values, *([fp8.prefix_values] if shared else [])):
+                assert values[layer].stride(2) == 1 and values[layer].stride(3) == values[layer].shape[2]
+            assert fp8.keys[layer].stride(3) == 1
         for want, got, scales in stores:
             for layer in range(layers):
                 assert got[layer].dtype == FP8 and scales[layer].dtype == torch.float32

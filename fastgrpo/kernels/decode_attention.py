@@ -24,6 +24,13 @@ is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V)
 registers (exact); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
 p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running
 sum l is of the unscaled p.
+
+An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
+B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
+row-major tile Triton gathers it from shared memory one byte at a time (an sm_90 compile: 188 byte loads per
+thread against 28 with the slots contiguous). The kernel reads V through its strides either way. With the slots
+contiguous and whole tiles inside the buffers (V_WHOLE_TILES) V's loads are not masked, so they stay vectorized and
+pipelined, and the hidden slots' values are zeroed after the load (a hidden slot may hold anything, NaN included).
 """
 from __future__ import annotations
 
@@ -50,15 +57,15 @@ def _decode_attention_kernel(
     Q, K, V, VIS, LENGTH, PK, PV, PVIS, KS, VS, PKS, PVS, M_OUT, L_OUT, ACC_OUT,
     stride_qn, stride_qh, stride_qg,
     stride_kn, stride_kh, stride_km,
-    stride_vn, stride_vh, stride_vm,
+    stride_vn, stride_vh, stride_vm, stride_vd,
     stride_visn,
     stride_pkb, stride_pkh, stride_pkm,
-    stride_pvb, stride_pvh, stride_pvm,
+    stride_pvb, stride_pvh, stride_pvm, stride_pvd,
     stride_pvisb,
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)  # group b (plain: row n) x K/V head h
@@ -95,7 +102,8 @@ def _decode_attention_kernel(
             offs = t * BLOCK_N + slots
             key_ok = tl.load(PVIS + b * stride_pvisb + offs, mask=offs < P, other=0) != 0
             k_ptrs = PK + b * stride_pkb + h * stride_pkh + offs[:, None].to(tl.int64) * stride_pkm
-            v_ptrs = PV + b * stride_pvb + h * stride_pvh + offs[:, None].to(tl.int64) * stride_pvm
+            v_ptrs = PV + b * stride_pvb + h * stride_pvh + offs[:, None].to(tl.int64) * stride_pvm + \
+                dims[None, :] * stride_pvd
             if KV_FP8:
                 ks_ptrs = PKS + b * stride_pksb + h * stride_pksh + offs
                 vs_ptrs = PVS + b * stride_pvsb + h * stride_pvsh + offs
@@ -107,7 +115,8 @@ def _decode_attention_kernel(
             n = b * S + sample
             key_ok = tl.load(VIS + n * stride_visn + offs, mask=offs < length, other=0) != 0
             k_ptrs = K + n * stride_kn + h * stride_kh + offs[:, None].to(tl.int64) * stride_km
-            v_ptrs = V + n * stride_vn + h * stride_vh + offs[:, None].to(tl.int64) * stride_vm
+            v_ptrs = V + n * stride_vn + h * stride_vh + offs[:, None].to(tl.int64) * stride_vm + \
+                dims[None, :] * stride_vd
             if KV_FP8:
                 ks_ptrs = KS + n * stride_ksn + h * stride_ksh + offs
                 vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
@@ -115,7 +124,10 @@ def _decode_attention_kernel(
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         # masked slots are not loaded at all: a pad or an unwritten slot may hold anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
-        v = tl.load(v_ptrs + dims[None, :], mask=kv_mask, other=0.0)
+        if V_WHOLE_TILES:
+            v = tl.where(key_ok[:, None], tl.load(v_ptrs), 0.0)
+        else:
+            v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
         # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
         if FP32_DOT:
             s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
@@ -203,7 +215,8 @@ def decode_attention_fwd(
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
-    Last dims must have unit stride (the op makes them so). tiles: some of GPU_TILES' keys, for a benchmark's sweep."""
+    q, k and visible need a unit-stride last dimension, v and prefix_v one of their last two (the op makes them so).
+    tiles: some of GPU_TILES' keys, for a benchmark's sweep."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
@@ -234,14 +247,15 @@ def decode_attention_fwd(
         q, k, v, visible, length, pk, pv, pvis, ks, vs, pks, pvs, m_part, l_part, acc_part,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         visible.stride(0),
         pk.stride(0), pk.stride(1), pk.stride(2),
-        pv.stride(0), pv.stride(1), pv.stride(2),
+        pv.stride(0), pv.stride(1), pv.stride(2), pv.stride(3),
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
         HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
+        V_WHOLE_TILES=_whole_v_tiles(v, pv if has_prefix else None, block_n, block_d),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
@@ -251,6 +265,13 @@ def decode_attention_fwd(
         H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d, ROWS=rows,
     )
     return out
+
+
+def _whole_v_tiles(v: torch.Tensor, prefix_v: torch.Tensor | None, block_n: int, block_d: int) -> bool:
+    """Whether V (and the prefix's V) have their slots contiguous and every tile the kernel may load (block_n slots
+    by block_d dims) lies inside them: then its V loads need no mask."""
+    return all(t.stride(2) == 1 and t.shape[2] % block_n == 0 and t.shape[3] == block_d
+               for t in (v, prefix_v) if t is not None)
 
 
 def _head_strides(*scales: torch.Tensor) -> list[int]:

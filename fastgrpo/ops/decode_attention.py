@@ -136,12 +136,15 @@ def decode_attention(
     from fastgrpo.kernels.decode_attention import decode_attention_fwd
 
     unit = _unit_stride
-    q, k, v, visible = unit(q), unit(k), unit(v), unit(visible)
-    prefix_k, prefix_v, prefix_visible = unit(prefix_k), unit(prefix_v), unit(prefix_visible)
+    q, k, v, visible = unit(q), unit(k), _unit_stride(v, values=True), unit(visible)
+    prefix_k, prefix_v, prefix_visible = unit(prefix_k), _unit_stride(prefix_v, values=True), unit(prefix_visible)
     return decode_attention_fwd(q, k, v, visible, length, scale, prefix_k, prefix_v, prefix_visible, splits,
                                 *(unit(t) for t in scales))
 
 
-def _unit_stride(t: torch.Tensor | None) -> torch.Tensor | None:
-    """t with a unit-stride last dimension (the kernels' loads assume it), copied only where it is not."""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+def _unit_stride(t: torch.Tensor | None, values: bool = False) -> torch.Tensor | None:
+    """t with a unit-stride last dimension (the kernels' loads assume it), copied only where it is not; values
+    [.., M, D] may have their slots contiguous instead (an e4m3 cache's V: kernels/decode_attention.py)."""
+    if t is None or t.stride(-1) == 1 or (values and t.stride(-2) == 1):
+        return t
+    return t.contiguous()

@@ -52,8 +52,11 @@ def bucket(rows: int, live: int) -> int:
 
 
 def _select_rows(t: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """t.index_select(0, idx); an fp8 cache's e4m3 buffers as their bytes (torch's index kernels do not all take
-    float8: index_copy_ has none on the CPU or CUDA)."""
+    """t.index_select(0, idx) in t's layout (an fp8 cache's V has its last two dimensions transposed in memory); an
+    fp8 cache's e4m3 buffers as their bytes (torch's index kernels do not all take float8: index_copy_ has none on
+    the CPU or CUDA)."""
+    if t.dim() > 1 and t.stride(-1) != 1 and t.stride(-2) == 1:
+        return _select_rows(t.transpose(-1, -2), idx).transpose(-1, -2)
     if t.dtype == torch.float8_e4m3fn:
         return t.view(torch.uint8).index_select(0, idx).view(t.dtype)
     return t.index_select(0, idx)

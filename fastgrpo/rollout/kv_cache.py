@@ -88,8 +88,11 @@ class StaticKVCache:
         if self.shares_prefix:
             shapes.append((self.prefix_stores(), B, self.prefix_len))
         for (keys, values, key_scales, value_scales), rows, slots in shapes:
-            for store in (keys, values):
-                store[layer_idx] = torch.zeros(rows, H, slots, D, dtype=dtype, device=states.device)
+            keys[layer_idx] = torch.zeros(rows, H, slots, D, dtype=dtype, device=states.device)
+            # fp8: V's slots contiguous ([rows, H, D, slots] in memory), what the decode kernel reads an 8-bit V
+            # fastest as (kernels/decode_attention.py); the tensor is [rows, H, slots, D] like the others
+            values[layer_idx] = (torch.zeros(rows, H, D, slots, dtype=dtype, device=states.device).transpose(2, 3)
+                                 if self.fp8 else torch.zeros(rows, H, slots, D, dtype=dtype, device=states.device))
             if self.fp8:  # scale 0: an unwritten slot dequantizes to 0 (the kernel never loads one anyway)
                 for store in (key_scales, value_scales):
                     store[layer_idx] = torch.zeros(rows, H, slots, dtype=torch.float32, device=states.device)
