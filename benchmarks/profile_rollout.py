@@ -113,7 +113,7 @@ KERNEL_CATEGORIES = (
     ("attention", r"fmha|flash|attention|sdpa|mha_"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|triton_tem_|matmul|fp8_linear|aten::(mm|addmm|bmm)$"),
     # W8A8's per-row activation quantizer (Inductor's fused abs / amax / divide / cast; its clamp is not sampling)
-    ("quantize", r"amax"),
+    ("quantize", r"amax|fp8_rows_linear"),
     # logits -> token: (log-)softmax, argmax, top-k / sort, the log-prob gather, the keyed-exponential noise (an
     # int64 hash: xor, shifts; in eager mode also its <long> Functors, log and clamp; the other int64 ops, the mask
     # comparisons and position updates, are [N, M] and [N, 1], small next to the hash's [N, V])
