@@ -1,11 +1,10 @@
 """W8A8 FP8 linear: per-token e4m3 activations times quantize_fp8's per-channel e4m3 weight on the FP8 tensor cores
-(torch._scaled_mm), and its fp64 reference.
+(a Triton split-K GEMM, or torch._scaled_mm), and its fp64 reference.
 
 Why: at 64 rows a decode GEMM reads each weight once; fp8_linear (W8A16) halves those bytes but its Triton kernel
 upcasts every weight tile to bf16 in registers, and stayed far from the read roofline on an H100 (a Llama-3.1-8B
 rollout 1.10x bf16's tokens/s, benchmarks/NOTES_rollout.md "D4"). Quantizing the 64 rows of activations instead
-(64 x K values, against N x K weights) lets cuBLASLt / CUTLASS run e4m3 x e4m3 as they are, with their tuned
-small-M GEMMs.
+(64 x K values, against N x K weights) lets the FP8 tensor cores take e4m3 x e4m3 as they are.
 
 fp8_scaled_linear(x, q, scale, bias) = (xq q^T) sx scale + bias, where each row of x is quantized as quantize_fp8
 quantizes a weight row (quantize_rows: sx = amax / 448, so |x - xq sx| <= 2^-4 |x| for normals, 2^-10 sx below).
@@ -31,13 +30,14 @@ takes any, but the op applies the CUDA rule everywhere so both devices run the s
 instead of failing the rollout (a raise would make such models unusable with "w8a8" for no numerical reason).
 The choice reads static shapes only: no host sync, nothing data-dependent, so it traces into a compiled decode
 step as plain torch ops (not a custom op: Inductor fuses the quantizer's amax, divide and cast into one kernel)
-with _scaled_mm as an extern GEMM, and is captured in the step's CUDA graph.
+with the GEMM opaque (_scaled_mm an extern kernel, the Triton one a custom op), and is captured in the step's CUDA
+graph.
 """
 from __future__ import annotations
 
-import torch
-
 from typing import Optional
+
+import torch
 
 from fastgrpo.ops._backend import use_triton
 from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_rows
