@@ -112,7 +112,8 @@ KERNEL_CATEGORIES = (
     # kernel named after it, which builds its inputs (mask, RoPE)
     ("attention", r"fmha|flash|attention|sdpa|mha_"),
     ("gemm", r"gemm|gemv|nvjet|cutlass|cublas|splitk|xmma|triton_tem_|matmul|fp8_linear|aten::(mm|addmm|bmm)$"),
-    # W8A8's per-row activation quantizer (Inductor's fused abs / amax / divide / cast; its clamp is not sampling)
+    # W8A8's per-row activation quantizer (Inductor's fused abs / amax / divide / cast; its clamp is not sampling),
+    # and in the fp8kv modes the cache write's quantize_kv (an amax too)
     ("quantize", r"amax|fp8_rows_linear"),
     # logits -> token: (log-)softmax, argmax, top-k / sort, the log-prob gather, the keyed-exponential noise (an
     # int64 hash: xor, shifts; in eager mode also its <long> Functors, log and clamp; the other int64 ops, the mask

@@ -258,15 +258,71 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
         pv[~pvis[:, None, :, None].expand_as(pv)] = float("nan")
         pvq, pvs = quantize_kv(pv)
         prefix = dict(prefix_k=pkq, prefix_visible=pvis, prefix_k_scale=pks, prefix_v_scale=pvs)
-    whole = []
     check = kernels._whole_v_tiles
-    monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
     L = torch.tensor([length])
-    outs = [decode_attention(q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
-                             **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {}))
-            for layout in (lambda v: v, slot_major)]
-    assert whole == [False, True]
+    outs, flags = [], []
+    for layout in (lambda v: v, slot_major):
+        whole = []
+        monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
+        outs.append(decode_attention(q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
+                                     **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {})))
+        flags.append(whole)
+    n = 2 if with_prefix else 1  # the prefix's V and the rows' own
+    assert flags == [[False] * n, [True] * n]
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+
+
+HOPPER_CHECK = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fastgrpo.kernels.decode_attention import GPU_TILES, _decode_attention_kernel as fn
+# Llama-3.1-8B's launch: 16 rows, 64 slots, D 128; pointers, strides and D aligned as a launch specializes them
+for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
+    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_PREFIX=False,
+                  V_WHOLE_SUFFIX=v_slot_major, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
+    # a unit stride is specialized to the constant 1: the slots' for a slot-major V, the dims' otherwise
+    for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
+        consts[name] = 1
+    pointers = {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "VIS": "*i1", "LENGTH": "*i64", "PK": f"*{kv}",
+                "PV": f"*{kv}", "PVIS": "*i1", **dict.fromkeys(("KS", "VS", "PKS", "PVS", "M_OUT", "L_OUT", "ACC_OUT"),
+                                                              "*fp32")}
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in consts:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            sig[name] = "fp32" if name == "qk_scale" else "i32"
+            if name.startswith("stride") or name == "D":
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": GPU_TILES["num_warps"], "num_stages": GPU_TILES["num_stages"]})
+    print(kv, v_slot_major, kernel.asm["ptx"].count("ld.shared.b8"))
+"""
+
+
+def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
+    """Compiled for sm_90 on the CPU (Triton's ptxas, no GPU): a row-major e4m3 V's MMA operand is gathered from
+    shared memory a byte at a time (188 single-byte loads per thread per tile, Triton 3.9), a slot-major one is not:
+    its kernel has no more single-byte shared loads than the bf16 cache's (whose are the visibility mask's). The
+    interpreter cannot see this; without it an edit could bring the byte gathers back unnoticed."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
+                          cwd=Path(__file__).parents[1])
+    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
+        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    counts = {(kv, major == "True"): int(n) for kv, major, n in (line.split() for line in done.stdout.split("\n")[:3])}
+    bf16, row_major, slot_major = counts[("bf16", False)], counts[("fp8e4nv", False)], counts[("fp8e4nv", True)]
+    assert slot_major <= bf16 < row_major, counts
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():

@@ -33,7 +33,15 @@ import torch
 from hypothesis import assume, given
 from hypothesis import strategies as st
 
-from fastgrpo.ops.fp8_linear import FP8_MAX, dequantize_fp8, fp8_linear, prepare_fp8_linear, quantize_fp8, quantize_rows
+from fastgrpo.ops.fp8_linear import (
+    FP8_MAX,
+    dequantize_fp8,
+    fp8_linear,
+    fp8_linear_torch,
+    prepare_fp8_linear,
+    quantize_fp8,
+    quantize_rows,
+)
 from fastgrpo.ops.fp8_scaled_linear import GEMM, GEMMS, fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
 from tests.graph_replay import assert_replays_exactly
 from tests.error_bounds import assert_within
@@ -109,18 +117,26 @@ def test_matches_reference(M, N, K, dtype, with_bias, gemm, seed):
 
 
 def test_triton_gemm_splits_and_tiles():
-    """The Triton GEMM with e4m3 x across tiles, splits and a ragged last K step (K = 112 in 32-wide steps over 3
-    splits), bias or none, against the reference; bitwise the same twice, tickets back to 0."""
+    """The Triton GEMM with e4m3 x across tiles, splits and a ragged last K step (K = 120 in 16-wide steps: splits of
+    48, 48 and 24 = 16 + 8), bias or none, against the reference; bitwise the same twice, tickets back to 0."""
+    import triton
+
     from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, fp8_linear_fwd
 
     g = torch.Generator().manual_seed(1)
+    K = 120
+    config = Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=3)
+    per_split = triton.cdiv(triton.cdiv(K, 3), 16) * 16  # fp8_linear_fwd's rule
+    assert (per_split, triton.cdiv(K, per_split), K % 16) == (48, 3, 8)
     for with_bias in (True, False):
-        x, q, scale, bias = make(g, 21, 48, 112, torch.bfloat16, with_bias)
+        x, q, scale, bias = make(g, 21, 48, K, torch.bfloat16, with_bias)
         xq, sx = quantize_rows(x)
-        config = Fp8LinearConfig(block_m=16, block_n=16, block_k=32, split_k=3)
         b16 = None if bias is None else bias.bfloat16()
         got = fp8_linear_fwd(xq, q, scale, b16, config, x_scale=sx, out_dtype=torch.bfloat16)
-        ref = fp8_scaled_linear_reference(x, q, scale, bias)
+        # the op's W8A8 math in fp64 (fp8_scaled_linear_reference would take W8A16's for K = 120, not a multiple of
+        # 16: the op's rule, which this direct kernel call is not under)
+        ref = fp8_linear_torch((xq.double() * sx.double()[:, None]), q, scale.double(),
+                               None if bias is None else bias.double())
         tol = bound(ref, x, q, scale, bias, torch.bfloat16, out_u=output_rounding("triton", x.device))
         assert_within(got, ref, tol, f"triton split 3, bias {with_bias}")
         assert torch.equal(fp8_linear_fwd(xq, q, scale, b16, config, x_scale=sx, out_dtype=torch.bfloat16), got)
@@ -191,13 +207,18 @@ def test_bound_catches_wrong_scaling():
 
 
 def test_leading_dims_and_strides():
-    """[B, 1, K] decode-step inputs and a non-contiguous x give the 2-D results, reshaped."""
+    """[B, 1, K] decode-step inputs and a non-contiguous x give the 2-D results, reshaped; a strided bias the
+    contiguous one's, through either GEMM."""
     g = torch.Generator().manual_seed(0)
     x, q, scale, bias = make(g, 6, 32, 48, torch.bfloat16)
     flat = fp8_scaled_linear(x, q, scale, bias)
     assert torch.equal(fp8_scaled_linear(x[:, None], q, scale, bias), flat[:, None])
     wide = torch.cat([x, x], 1)[:, ::2]  # stride 2 along K
     assert torch.equal(fp8_scaled_linear(wide, q, scale, bias), fp8_scaled_linear(wide.contiguous(), q, scale, bias))
+    strided_bias = torch.stack([bias, -bias], 1)[:, 0]  # stride 2
+    for gemm in GEMMS:
+        assert torch.equal(fp8_scaled_linear(x, q, scale, strided_bias, gemm),
+                           fp8_scaled_linear(x, q, scale, bias.contiguous(), gemm)), gemm
 
 
 @pytest.mark.parametrize("gemm", GEMMS)

@@ -3,7 +3,8 @@
 Why: the rollout engine's decode step ran one SDPA call per layer over all M padded cache slots (masked), about
 three times what reading only the filled slots takes (measured: benchmarks/NOTES_rollout.md). Here each program
 reads only slots < length, where length is a device tensor [1]: the grid is fixed (CUDA-graph capturable), the
-work of a split follows the current length, and nothing at or past it is loaded.
+work of a split follows the current length, and nothing at or past it is loaded (but for an e4m3 V read in whole
+tiles: below).
 
 Layout: q [N, Hkv, G, D] (the G query heads of a K/V head as G rows, rollout/attention.py's layout), cache
 k/v [N, Hkv, M, D], visible [N, M] (bool: slots holding a real token). Optional shared prefix: S consecutive rows
@@ -28,9 +29,10 @@ sum l is of the unscaled p.
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
 row-major tile Triton gathers it from shared memory one byte at a time (an sm_90 compile: 188 byte loads per
-thread against 28 with the slots contiguous). The kernel reads V through its strides either way. With the slots
-contiguous and whole tiles inside the buffers (V_WHOLE_TILES) V's loads are not masked, so they stay vectorized and
-pipelined, and the hidden slots' values are zeroed after the load (a hidden slot may hold anything, NaN included).
+thread against 28 with the slots contiguous). The kernel reads V through its strides either way. Where the slots
+are contiguous and every tile lies inside the buffer (V_WHOLE_PREFIX for the shared prefix's V, V_WHOLE_SUFFIX for
+the rows' own), V's loads are not masked, so they stay vectorized and pipelined, and the hidden slots' values are
+zeroed after the load (a hidden slot may hold anything, NaN included).
 """
 from __future__ import annotations
 
@@ -65,7 +67,8 @@ def _decode_attention_kernel(
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_PREFIX: tl.constexpr,
+    V_WHOLE_SUFFIX: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)  # group b (plain: row n) x K/V head h
@@ -108,6 +111,7 @@ def _decode_attention_kernel(
                 ks_ptrs = PKS + b * stride_pksb + h * stride_pksh + offs
                 vs_ptrs = PVS + b * stride_pvsb + h * stride_pvsh + offs
             use = row_ok[:, None] & key_ok[None, :]
+            whole_v = V_WHOLE_PREFIX
         else:  # a suffix tile of one sample: only its G rows read it
             j = t - n_prefix
             sample = j // n_suffix
@@ -121,10 +125,12 @@ def _decode_attention_kernel(
                 ks_ptrs = KS + n * stride_ksn + h * stride_ksh + offs
                 vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
             use = (row_ok & (sample_of_row == sample))[:, None] & key_ok[None, :]
+            whole_v = V_WHOLE_SUFFIX
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        # masked slots are not loaded at all: a pad or an unwritten slot may hold anything, NaN included
+        # masked slots are not loaded (V in whole tiles: zeroed after the load): a pad or an unwritten slot may hold
+        # anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
-        if V_WHOLE_TILES:
+        if whole_v:
             v = tl.where(key_ok[:, None], tl.load(v_ptrs), 0.0)
         else:
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -255,7 +261,8 @@ def decode_attention_fwd(
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
         HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
-        V_WHOLE_TILES=_whole_v_tiles(v, pv if has_prefix else None, block_n, block_d),
+        V_WHOLE_PREFIX=has_prefix and _whole_v_tiles(pv, block_n, block_d),
+        V_WHOLE_SUFFIX=_whole_v_tiles(v, block_n, block_d),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
@@ -267,11 +274,10 @@ def decode_attention_fwd(
     return out
 
 
-def _whole_v_tiles(v: torch.Tensor, prefix_v: torch.Tensor | None, block_n: int, block_d: int) -> bool:
-    """Whether V (and the prefix's V) have their slots contiguous and every tile the kernel may load (block_n slots
-    by block_d dims) lies inside them: then its V loads need no mask."""
-    return all(t.stride(2) == 1 and t.shape[2] % block_n == 0 and t.shape[3] == block_d
-               for t in (v, prefix_v) if t is not None)
+def _whole_v_tiles(v: torch.Tensor, block_n: int, block_d: int) -> bool:
+    """Whether a V [.., slots, D] has its slots contiguous and every tile the kernel may load from it (block_n slots
+    by block_d dims) lies inside it: then its loads need no mask."""
+    return v.stride(2) == 1 and v.shape[2] % block_n == 0 and v.shape[3] == block_d
 
 
 def _head_strides(*scales: torch.Tensor) -> list[int]:

@@ -190,6 +190,8 @@ def fp8_linear_fwd(
     -> y [M, N] in x's dtype. W8A8: x float8_e4m3fn with x_scale [M] fp32, y in out_dtype."""
     M, K = x.shape
     N = weight.shape[0]
+    if x_scale is not None and out_dtype is None:
+        raise ValueError("fp8_linear_fwd: out_dtype: expected a 16- or 32-bit float dtype with e4m3 x, got None")
     interpret = _interpreting(x)
     if config is None:
         config = default_config(M, N, K, torch.device("cpu") if interpret else x.device, fp8_x=x_scale is not None)

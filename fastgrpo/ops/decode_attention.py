@@ -136,8 +136,8 @@ def decode_attention(
     from fastgrpo.kernels.decode_attention import decode_attention_fwd
 
     unit = _unit_stride
-    q, k, v, visible = unit(q), unit(k), _unit_stride(v, values=True), unit(visible)
-    prefix_k, prefix_v, prefix_visible = unit(prefix_k), _unit_stride(prefix_v, values=True), unit(prefix_visible)
+    q, k, v, visible = unit(q), unit(k), unit(v, values=True), unit(visible)
+    prefix_k, prefix_v, prefix_visible = unit(prefix_k), unit(prefix_v, values=True), unit(prefix_visible)
     return decode_attention_fwd(q, k, v, visible, length, scale, prefix_k, prefix_v, prefix_visible, splits,
                                 *(unit(t) for t in scales))
 

@@ -21,13 +21,14 @@ Two GEMMs run that math (GEMMS): "scaled_mm" (torch._scaled_mm: cuBLASLt on Hopp
 (fastgrpo.kernels.fp8_linear with x in e4m3: the W8A16 kernel's split-K tiles on the FP8 tensor cores, its partial
 sums added into fp32 as often as _scaled_mm's, the bias rounded to bf16 and the output written in bf16 as
 _scaled_mm does: the same bound in the tests). Why both: _scaled_mm's small-M kernels do not split K, and at 64 rows
-left Llama-3.1-8B's down_proj and the 4096-wide GEMMs at a third of the read roofline on an H100
-(benchmarks/results/fp8-*.json, w8a8_share). GEMM picks the default; a call may name one.
+left Llama-3.1-8B's q/o, q/k/v and down_proj at 34-45% of the read roofline (k/v 9%) on an H100
+(benchmarks/results/fp8-nvidia-h100-80gb-hbm3.json, w8a8_share). GEMM picks the default; a call may name one.
 
 Shapes: on CUDA _scaled_mm needs K and N to be multiples of 16 (the e4m3 operands' 16-byte alignment); the CPU
 takes any, but the op applies the CUDA rule everywhere so both devices run the same math. Other shapes (a vocab of
 32001, a test model's 44) run fp8_linear over the same copy: one odd linear, usually lm_head, decodes at W8A16
 instead of failing the rollout (a raise would make such models unusable with "w8a8" for no numerical reason).
+The Triton GEMM would take any shape, but keeps that rule: both GEMMs then compute the same math for every shape.
 The choice reads static shapes only: no host sync, nothing data-dependent, so it traces into a compiled decode
 step as plain torch ops (not a custom op: Inductor fuses the quantizer's amax, divide and cast into one kernel)
 with the GEMM opaque (_scaled_mm an extern kernel, the Triton one a custom op), and is captured in the step's CUDA
@@ -70,7 +71,7 @@ def fp8_scaled_linear(
         return fp8_linear(x, q, scale, bias)
     lead = x.shape[:-1]
     xq, sx = quantize_rows(x.reshape(-1, K))  # xq [M, K] e4m3 row-major, sx [M]
-    bias = None if bias is None else bias.to(torch.bfloat16)
+    bias = None if bias is None else bias.to(torch.bfloat16).contiguous()  # the Triton kernel reads it unit-stride
     if gemm == "triton":
         y = _fp8_rows_linear_op(xq, sx, q.contiguous(), scale.contiguous(), bias)
     else:

@@ -23,7 +23,9 @@ model's 2) and each stored vector of D gets one fp32 scale (ops/decode_attention
 quantize_kv) in key_scales/value_scales [N, H_kv, M] (prefix_key_scales/prefix_value_scales [B, H_kv, prefix_len]):
 bytes per slot and head 2 x (D + 4) instead of 2 x 2D, 0.52x for D = 128. The prefill quantizes the prompt's K/V
 as it stores them but hands its own attention the unquantized ones (as vLLM does); a decode step quantizes its new
-token's. Only the decode kernel reads this cache, with the scales as keywords (`decode_kwargs`).
+token's. Only the decode kernel reads this cache, with the scales as keywords (`decode_kwargs`). Its V buffers are
+stored slot-major (the slots contiguous: [N, H_kv, D, M] in memory behind the same [N, H_kv, M, D] tensor), the
+layout an 8-bit V needs as the kernel's MMA operand (kernels/decode_attention.py).
 """
 from __future__ import annotations
 
