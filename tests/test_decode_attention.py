@@ -267,8 +267,7 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
         outs.append(decode_attention(q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
                                      **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {})))
         flags.append(whole)
-    n = 2 if with_prefix else 1  # the prefix's V and the rows' own
-    assert flags == [[False] * n, [True] * n]
+    assert [all(f) for f in flags] == [False, True]  # the rows' own V, and the prefix's where there is one
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
 
 
@@ -279,8 +278,8 @@ from triton.compiler import ASTSource
 from fastgrpo.kernels.decode_attention import GPU_TILES, _decode_attention_kernel as fn
 # Llama-3.1-8B's launch: 16 rows, 64 slots, D 128; pointers, strides and D aligned as a launch specializes them
 for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
-    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_PREFIX=False,
-                  V_WHOLE_SUFFIX=v_slot_major, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
+    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major, BLOCK_R=16,
+                  BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
     # a unit stride is specialized to the constant 1: the slots' for a slot-major V, the dims' otherwise
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
         consts[name] = 1
@@ -300,14 +299,16 @@ for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True))
                 attrs[(i,)] = [["tt.divisibility", 16]]
     kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": GPU_TILES["num_warps"], "num_stages": GPU_TILES["num_stages"]})
-    print(kv, v_slot_major, kernel.asm["ptx"].count("ld.shared.b8"))
+    ptx = kernel.asm["ptx"]
+    print(kv, v_slot_major, ptx.count("ld.shared.b8"), ptx.count("ld.global"))
 """
 
 
 def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
     """Compiled for sm_90 on the CPU (Triton's ptxas, no GPU): a row-major e4m3 V's MMA operand is gathered from
     shared memory a byte at a time (188 single-byte loads per thread per tile, Triton 3.9), a slot-major one is not:
-    its kernel has no more single-byte shared loads than the bf16 cache's (whose are the visibility mask's). The
+    its kernel has no more single-byte shared loads than the bf16 cache's (whose are the visibility mask's), and no
+    more direct global loads (its tiles stream through cp.async: a V load left unpipelined shows as ~130 more). The
     interpreter cannot see this; without it an edit could bring the byte gathers back unnoticed."""
     import os
     import subprocess
@@ -320,9 +321,10 @@ def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
     if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
         pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
     assert done.returncode == 0, done.stderr[-2000:]
-    counts = {(kv, major == "True"): int(n) for kv, major, n in (line.split() for line in done.stdout.split("\n")[:3])}
+    counts = {(kv, major == "True"): (int(b8), int(glob))
+              for kv, major, b8, glob in (line.split() for line in done.stdout.split("\n")[:3])}
     bf16, row_major, slot_major = counts[("bf16", False)], counts[("fp8e4nv", False)], counts[("fp8e4nv", True)]
-    assert slot_major <= bf16 < row_major, counts
+    assert slot_major[0] <= bf16[0] < row_major[0] and slot_major[1] <= bf16[1], counts
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():

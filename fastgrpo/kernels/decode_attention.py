@@ -30,9 +30,10 @@ An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocate
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
 row-major tile Triton gathers it from shared memory one byte at a time (an sm_90 compile: 188 byte loads per
 thread against 28 with the slots contiguous). The kernel reads V through its strides either way. Where the slots
-are contiguous and every tile lies inside the buffer (V_WHOLE_PREFIX for the shared prefix's V, V_WHOLE_SUFFIX for
-the rows' own), V's loads are not masked, so they stay vectorized and pipelined, and the hidden slots' values are
-zeroed after the load (a hidden slot may hold anything, NaN included).
+are contiguous and every tile lies inside its buffer (V_WHOLE_TILES: the rows' own V and the shared prefix's, both),
+V's loads are not masked, so they stay vectorized and pipelined, and the hidden slots' values are zeroed after the
+load (a hidden slot may hold anything, NaN included). One flag for both: a choice per tile (prefix or suffix) is a
+branch at run time, and the sm_90 compile then neither vectorizes nor pipelines V's loads.
 """
 from __future__ import annotations
 
@@ -67,8 +68,7 @@ def _decode_attention_kernel(
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_PREFIX: tl.constexpr,
-    V_WHOLE_SUFFIX: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)  # group b (plain: row n) x K/V head h
@@ -111,7 +111,6 @@ def _decode_attention_kernel(
                 ks_ptrs = PKS + b * stride_pksb + h * stride_pksh + offs
                 vs_ptrs = PVS + b * stride_pvsb + h * stride_pvsh + offs
             use = row_ok[:, None] & key_ok[None, :]
-            whole_v = V_WHOLE_PREFIX
         else:  # a suffix tile of one sample: only its G rows read it
             j = t - n_prefix
             sample = j // n_suffix
@@ -125,12 +124,11 @@ def _decode_attention_kernel(
                 ks_ptrs = KS + n * stride_ksn + h * stride_ksh + offs
                 vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
             use = (row_ok & (sample_of_row == sample))[:, None] & key_ok[None, :]
-            whole_v = V_WHOLE_SUFFIX
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         # masked slots are not loaded (V in whole tiles: zeroed after the load): a pad or an unwritten slot may hold
         # anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
-        if whole_v:
+        if V_WHOLE_TILES:
             v = tl.where(key_ok[:, None], tl.load(v_ptrs), 0.0)
         else:
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
@@ -261,8 +259,7 @@ def decode_attention_fwd(
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
         HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
-        V_WHOLE_PREFIX=has_prefix and _whole_v_tiles(pv, block_n, block_d),
-        V_WHOLE_SUFFIX=_whole_v_tiles(v, block_n, block_d),
+        V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
