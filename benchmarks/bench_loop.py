@@ -559,7 +559,8 @@ def row_key(row: dict) -> tuple:
 
 class Results:
     """benchmarks/results/loop_<shape>-<card>.json with write_results' payload; new rows replace the rows of the
-    same row_key, the others stay (cases run in several device calls add up)."""
+    same row_key, the others stay (cases run in several device calls add up), and the replaced rows go to
+    "replaced_rows" (oldest first), so a rerun adds to the record instead of erasing a measurement."""
 
     def __init__(self, directory: Path, card: str, config: dict):
         self.directory, self.card, self.config, self.lock = directory, card, config, threading.Lock()
@@ -579,7 +580,8 @@ class Results:
                        # rows of earlier runs used packages this process may not import (vLLM, TRL)
                        "versions": {**before.get("versions", {}), **versions()},
                        "config": {**before["config"], **self.config},
-                       "rows": [r for r in before["rows"] if key(r) not in new] + rows}
+                       "rows": [r for r in before["rows"] if key(r) not in new] + rows,
+                       "replaced_rows": before.get("replaced_rows", []) + [r for r in before["rows"] if key(r) in new]}
             self.directory.mkdir(parents=True, exist_ok=True)
             path.write_text(json.dumps(payload, indent=2) + "\n")
         return path

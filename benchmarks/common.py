@@ -160,14 +160,21 @@ def _timed_step(benchmark, make_step, tokens: int, on_warmup) -> dict:
     return {**out, **(on_warmup(first) if on_warmup else {})}
 
 
+# per results file: the runs it held before this process first wrote it (a suite may write after every row)
+_EARLIER_RUNS: dict[Path, list[dict]] = {}
+
+
 def write_results(suite: str, rows: list[dict], config: dict | None = None, directory: Path | None = None) -> Path:
     """Write rows (one dict per measured case) with the card and library versions into `directory` (default
-    RESULTS_DIR; dry runs pass a temp dir); returns the path."""
+    RESULTS_DIR; dry runs pass a temp dir); returns the path. What the file held before this process first wrote it
+    is kept under "earlier_runs" (oldest first): a run on the same card adds to the record, it does not replace it."""
     directory = RESULTS_DIR if directory is None else directory
     directory.mkdir(parents=True, exist_ok=True)
     card = card_name()
     slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
     path = directory / f"{suite}-{slug}.json"
+    if path not in _EARLIER_RUNS:
+        _EARLIER_RUNS[path] = earlier_runs(path)
     payload = {
         "suite": suite,
         "card": card,
@@ -175,9 +182,20 @@ def write_results(suite: str, rows: list[dict], config: dict | None = None, dire
         "versions": versions(),
         "config": config or {},
         "rows": rows,
+        "earlier_runs": _EARLIER_RUNS[path],
     }
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def earlier_runs(path: Path) -> list[dict]:
+    """The runs a results file records, oldest first: its own earlier_runs, then the run it holds (date, versions,
+    config, rows); none for a file that is not there."""
+    if not path.exists():
+        return []
+    held = json.loads(path.read_text())
+    return [*held.get("earlier_runs", []), {key: held[key] for key in ("date", "versions", "config", "rows")
+                                            if key in held}]
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

@@ -75,6 +75,16 @@ def test_results_keep_notes_and_other_rows(tmp_path):
         assert earlier_probes(path, other) == {}  # another cap, batch or system: another search
 
 
+def test_a_rerun_keeps_the_row_it_replaces(tmp_path):
+    results = Results(tmp_path, "Some Card", {})
+    step = {"system": "fastgrpo", "kind": "step", "completion": 1024}
+    for step_s in (7.4, 6.9, 6.8):
+        path = results.add("qwen2.5-1.5b-lora", [{**step, "step_s": step_s}])
+    payload = json.loads(path.read_text())
+    assert [r["step_s"] for r in payload["rows"]] == [6.8]
+    assert [r["step_s"] for r in payload["replaced_rows"]] == [7.4, 6.9]
+
+
 def test_searches_of_other_caps_or_batches_keep_their_rows(tmp_path):
     results = Results(tmp_path, "Some Card", {})
     for case in (CASE, dataclasses.replace(CASE, cap_gib=16.0), dataclasses.replace(CASE, generations=4)):

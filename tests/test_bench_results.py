@@ -1,0 +1,37 @@
+"""benchmarks.common.write_results keeps the record: a run on the same card adds to a results file, its earlier runs
+stay under "earlier_runs", and a suite that writes after every row does not nest its own partial writes."""
+import json
+
+from benchmarks import common
+
+
+def test_a_second_run_keeps_the_first(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "card_name", lambda: "Test Card 9")
+    monkeypatch.setattr(common, "_EARLIER_RUNS", {})
+    path = common.write_results("suite", [{"case": "a", "ms": 1.0}], {"note": "first"}, tmp_path)
+    assert path.name == "suite-test-card-9.json"
+    common.write_results("suite", [{"case": "a", "ms": 1.0}, {"case": "b", "ms": 2.0}], {"note": "first"}, tmp_path)
+    first = json.loads(path.read_text())
+    assert first["earlier_runs"] == [] and len(first["rows"]) == 2  # the same process: its partial writes replaced
+
+    monkeypatch.setattr(common, "_EARLIER_RUNS", {})  # a later process
+    common.write_results("suite", [{"case": "a", "ms": 0.5}], {"note": "second"}, tmp_path)
+    monkeypatch.setattr(common, "_EARLIER_RUNS", {})
+    common.write_results("suite", [{"case": "a", "ms": 0.4}], {"note": "third"}, tmp_path)
+    third = json.loads(path.read_text())
+    assert third["rows"] == [{"case": "a", "ms": 0.4}] and third["config"] == {"note": "third"}
+    assert [run["config"]["note"] for run in third["earlier_runs"]] == ["first", "second"]
+    assert third["earlier_runs"][0]["rows"] == first["rows"] and "earlier_runs" not in third["earlier_runs"][0]
+
+
+def test_a_file_without_a_record_of_runs_becomes_the_first(tmp_path, monkeypatch):
+    """Files written before earlier_runs existed (no such key) become its first entry, hand-added config included."""
+    monkeypatch.setattr(common, "card_name", lambda: "Card")
+    monkeypatch.setattr(common, "_EARLIER_RUNS", {})
+    old = {"suite": "s", "card": "Card", "date": "2026-01-01", "versions": {"torch": "2.11"},
+           "config": {"later_runs": [{"rows": []}]}, "rows": [{"x": 1}]}
+    (tmp_path / "s-card.json").write_text(json.dumps(old))
+    path = common.write_results("s", [{"x": 2}], {}, tmp_path)
+    want = {"date": "2026-01-01", "versions": {"torch": "2.11"}, "config": {"later_runs": [{"rows": []}]},
+            "rows": [{"x": 1}]}
+    assert json.loads(path.read_text())["earlier_runs"] == [want]
