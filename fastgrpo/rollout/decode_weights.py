@@ -344,7 +344,7 @@ def _copy(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> tuple:
     weight, bias = dense_weight(module)
     if kind in FP8_COPIES:
         q, scale = quantize_fp8(weight)
-        prepare_fp8_linear(q.device)  # "w8a8" too: fp8_scaled_linear runs fp8_linear where _scaled_mm cannot
+        prepare_fp8_linear(q.device)  # "w8a8" too: its Triton GEMM is the same kernel (and odd shapes run fp8_linear)
         return q, scale, None, bias
     # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
     own = _layer(module).weight.dtype if _layer(module).weight.is_floating_point() else dtype
