@@ -34,6 +34,7 @@ from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.error_bounds import assert_within
+from tests.sm90_compile import sm90_compile_output
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, tiny_model
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -310,19 +311,9 @@ def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
     its kernel has no more single-byte shared loads than the bf16 cache's (whose are the visibility mask's), and no
     more direct global loads (its tiles stream through cp.async: a V load left unpipelined shows as ~130 more). The
     interpreter cannot see this; without it an edit could bring the byte gathers back unnoticed."""
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parents[1])
-    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
-        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
+    out = sm90_compile_output(HOPPER_CHECK)
     counts = {(kv, major == "True"): (int(b8), int(glob))
-              for kv, major, b8, glob in (line.split() for line in done.stdout.split("\n")[:3])}
+              for kv, major, b8, glob in (line.split() for line in out.split("\n")[:3])}
     bf16, row_major, slot_major = counts[("bf16", False)], counts[("fp8e4nv", False)], counts[("fp8e4nv", True)]
     assert slot_major[0] <= bf16[0] < row_major[0] and slot_major[1] <= bf16[1], counts
 

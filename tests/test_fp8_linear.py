@@ -10,9 +10,6 @@ so the error comes from (1) fp32 accumulation of K products (exact for 16-bit x:
 SPLIT_K partial sums, the scale product and the bias add: (K + splits + 4) 2^-24 scale sum_k |x_k q_k| +
 2^-24 (|bias| + |ref|); (2) the output's rounding to x's dtype: one ulp of it (the interpreter truncates).
 """
-import os
-from pathlib import Path
-
 import pytest
 import torch
 from hypothesis import given
@@ -22,6 +19,7 @@ from fastgrpo.ops import fp8_linear as ops
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, FP8_MAX, dequantize_fp8, fp8_linear, fp8_linear_torch, quantize_fp8
 from tests.error_bounds import assert_within
 from tests.graph_replay import assert_replays_exactly
+from tests.sm90_compile import sm90_compile_output
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32]
 U32 = 2.0**-24
@@ -161,17 +159,9 @@ def test_compiles_for_hopper():
     loads pipelined with cp.async (stages x 2 loads), shared memory for the programs per SM they plan. CI never sees
     a GPU; this keeps an edit that breaks the real compile, or its pipelining, from passing as the interpreter
     would."""
-    import subprocess
-    import sys
-
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parents[1])
-    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
-        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    lines = done.stdout.split("\n")[:4]
-    assert len(lines) == 4, done.stdout
+    out = sm90_compile_output(HOPPER_CHECK)
+    lines = out.split("\n")[:4]
+    assert len(lines) == 4, out
     for line in lines:
         _, _, wgmma, copies, shared, stages, per_sm = line.split()
         assert wgmma == "True" and int(copies) == 2 * int(stages) and int(shared) <= 228 * 1024 // int(per_sm), line

@@ -16,11 +16,7 @@ output's rounding to x's dtype: eps (|ref| + the rest). Bitsandbytes' own bf16 f
 (its dequantize_4bit to the compute dtype) and cuBLAS's accumulation: the kernel is held to what it does.
 """
 import copy
-import os
-import subprocess
-import sys
 import warnings
-from pathlib import Path
 
 import pytest
 import torch
@@ -32,6 +28,7 @@ from fastgrpo.ops import nf4_linear as ops
 from fastgrpo.ops.nf4_linear import dequantize_nf4, nf4_linear, nf4_linear_torch, nf4_weight
 from tests.error_bounds import assert_within
 from tests.graph_replay import assert_replays_exactly
+from tests.sm90_compile import sm90_compile_output
 
 bnb_functional = pytest.importorskip("bitsandbytes.functional")
 U32 = 2.0**-24
@@ -188,13 +185,7 @@ def test_compiles_for_hopper():
     multiply-add (the nested absmax' product and sum rounded apart, as bitsandbytes does: with fusion on, the PTX
     has 8), shared memory for GPU_TILES' programs per SM, no cp.async. CI never sees a GPU: this catches what the
     interpreter accepts and the compiler does not."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, "-c", HOPPER_CHECK], capture_output=True, text=True, env=env,
-                          cwd=Path(__file__).parents[1])
-    if done.returncode and ("ptxas" in done.stderr or "backend" in done.stderr.lower()):
-        pytest.skip(f"no CUDA backend in this Triton: {done.stderr[-200:]}")
-    assert done.returncode == 0, done.stderr[-2000:]
-    for line in done.stdout.split("\n")[:2]:
+    for line in sm90_compile_output(HOPPER_CHECK).split("\n")[:2]:
         _, wgmma, fmas, shared, async_copies = line.split()
         assert wgmma == "True" and fmas == "0" and int(shared) <= 228 * 1024 // GPU_TILES["programs_per_sm"], line
         assert async_copies == "0", line  # pipelined, the code-table gathers became 4-byte cp.async: 6x slower
