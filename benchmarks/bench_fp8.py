@@ -148,11 +148,23 @@ def w8a8_sweep(M: int, N: int, K: int, device: torch.device) -> list:
     return sorted(configs, key=dataclasses.astuple)
 
 
-def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
-    """The W8A8 Triton kernel alone (x quantized beforehand) at default_config and the best of w8a8_sweep, us per
-    call; a config past the card's shared memory is skipped."""
+def _timed_configs(configs, calls, device: str) -> dict:
+    """config -> kernel us of calls(config), for each config the card can run (one past its shared memory or
+    registers is skipped: Triton refuses it at the eager warm-up call, before any capture)."""
     import triton
 
+    timed = {}
+    for config in configs:
+        try:
+            timed[config] = kernel_us(calls(config), device)
+        except triton.runtime.errors.OutOfResources:
+            continue
+    return timed
+
+
+def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
+    """The W8A8 Triton kernel alone (x quantized beforehand) at default_config and the best of w8a8_sweep, us per
+    call."""
     from fastgrpo.kernels.fp8_linear import default_config, fp8_linear_fwd
 
     xq, sx = quantize_rows(x)
@@ -164,12 +176,7 @@ def _w8a8_kernel_row(x: torch.Tensor, qs: list) -> dict:
                 for q, s in qs]
 
     default = default_config(M, N, K, x.device, fp8_x=True)
-    timed = {}
-    for c in {default, *w8a8_sweep(M, N, K, x.device)}:
-        try:
-            timed[c] = kernel_us(calls(c), x.device.type)
-        except triton.runtime.errors.OutOfResources:
-            continue
+    timed = _timed_configs({default, *w8a8_sweep(M, N, K, x.device)}, calls, x.device.type)
     best = min(timed, key=timed.get)
     return {"w8a8_kernel_us": timed[default], "w8a8_best_us": timed[best], "w8a8_best": str(dataclasses.astuple(best)),
             "w8a8_sweep_us": {str(dataclasses.astuple(c)): us for c, us in sorted(timed.items(), key=lambda kv: kv[1])}}
@@ -188,24 +195,19 @@ def nf4_sweep(M: int, N: int, K: int, device: torch.device) -> list:
 
 
 def _nf4_sweep_row(x: torch.Tensor, fours: list, device: str) -> dict:
-    """nf4_linear's default config and the best of nf4_sweep, us per call; a config past the card's shared memory
-    or registers is skipped (Triton refuses it at the eager warm-up call, before any capture)."""
-    import triton
-
+    """nf4_linear's default config and the best of nf4_sweep, us per call."""
     from fastgrpo.kernels.nf4_linear import default_config, nf4_linear_fwd
     from fastgrpo.ops.nf4_linear import nf4_weight
 
     ws = [nf4_weight(p, st) for p, st in fours]
     M, K = x.shape
     N = ws[0].N
-    timed = {}
-    for c in nf4_sweep(M, N, K, x.device):
-        calls = [functools.partial(nf4_linear_fwd, x, w.packed, w.absmax, w.code, w.absmax_code, w.absmax_scale,
-                                   w.offset, None, w.N, w.blocksize, w.nested_blocksize, c) for w in ws]
-        try:
-            timed[c] = kernel_us(calls, device)
-        except triton.runtime.errors.OutOfResources:
-            continue
+
+    def calls(config):
+        return [functools.partial(nf4_linear_fwd, x, w.packed, w.absmax, w.code, w.absmax_code, w.absmax_scale,
+                                  w.offset, None, w.N, w.blocksize, w.nested_blocksize, config) for w in ws]
+
+    timed = _timed_configs(nf4_sweep(M, N, K, x.device), calls, device)
     best = min(timed, key=timed.get)
     return {"nf4_best_us": timed[best], "nf4_best": str(dataclasses.astuple(best)),
             "nf4_default": str(dataclasses.astuple(default_config(M, N, K, 64, x.device)))}
