@@ -190,10 +190,16 @@ def write_results(suite: str, rows: list[dict], config: dict | None = None, dire
 
 def earlier_runs(path: Path) -> list[dict]:
     """The runs a results file records, oldest first: its own earlier_runs, then the run it holds (date, versions,
-    config, rows); none for a file that is not there."""
+    config, rows); none for a file that is not there. A file that is not JSON is moved aside, not overwritten, and
+    the record names where it went."""
     if not path.exists():
         return []
-    held = json.loads(path.read_text())
+    try:
+        held = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        aside = path.with_name(f"{path.name}.unreadable-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+        path.rename(aside)
+        return [{"unreadable_file_moved_to": aside.name}]
     return [*held.get("earlier_runs", []), {key: held[key] for key in ("date", "versions", "config", "rows")
                                             if key in held}]
 

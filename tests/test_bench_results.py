@@ -35,3 +35,13 @@ def test_a_file_without_a_record_of_runs_becomes_the_first(tmp_path, monkeypatch
     want = {"date": "2026-01-01", "versions": {"torch": "2.11"}, "config": {"later_runs": [{"rows": []}]},
             "rows": [{"x": 1}]}
     assert json.loads(path.read_text())["earlier_runs"] == [want]
+
+
+def test_an_unreadable_file_is_moved_aside_not_overwritten(tmp_path, monkeypatch):
+    monkeypatch.setattr(common, "card_name", lambda: "Card")
+    monkeypatch.setattr(common, "_EARLIER_RUNS", {})
+    (tmp_path / "s-card.json").write_text('{"rows": [{"x": 1}]')  # cut off mid-write
+    path = common.write_results("s", [{"x": 2}], {}, tmp_path)
+    (aside,) = tmp_path.glob("s-card.json.unreadable-*")
+    assert aside.read_text() == '{"rows": [{"x": 1}]'
+    assert json.loads(path.read_text())["earlier_runs"] == [{"unreadable_file_moved_to": aside.name}]
