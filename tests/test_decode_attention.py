@@ -12,8 +12,10 @@ An e4m3 V may be stored with its slots contiguous (the engine's cache does): sam
 
 FP8 K/V: the reference is the fp64 softmax over the same dequantized values (q_e4m3 x scale is exact in fp64), so
 the bound is the kernel's own arithmetic: the terms above for the dequantized k/v, plus one fp32 rounding of each
-score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). The quantization
-itself (quantize_kv) has its own bound, half an e4m3 ulp per element (test_quantize_kv_error_bound).
+score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). Its dots run in fp16
+(under the interpreter too): q scaled by a power of two loses at most 2^-25 of it below fp16's normals, and the
+weights round to fp16 (2^-11, not (2)'s bf16 2^-8) or, below its normals, by 2^-25 of the tile's largest value scale
+(`bound` spells both out). The quantization itself (quantize_kv) has its own bound, half an e4m3 ulp per element (test_quantize_kv_error_bound).
 """
 import warnings
 
@@ -46,15 +48,29 @@ def bound(ref, q, k, v, keep, scale, dtype, fp8=False):
     eps = torch.finfo(dtype).eps
     keep4 = keep[:, None, :, None]
     k = torch.where(keep4, k.double(), 0.0)  # only the keys the row reads
+    v_kept = torch.where(keep4, v.double(), 0.0)
     # pv_abs: sum_j p_j |v_j|, the size of what p.v adds up, per output element (fp64)
-    pv_abs = decode_attention_torch(q.double(), k, torch.where(keep4, v.double(), 0.0).abs(), keep, keep.new_tensor(
-        [keep.shape[-1]], dtype=torch.long), scale)
+    pv_abs = decode_attention_torch(q.double(), k, v_kept.abs(), keep, keep.new_tensor([keep.shape[-1]],
+                                                                                     dtype=torch.long), scale)
     smax = (q.double().abs() @ k.abs().transpose(-1, -2)).amax(-1, keepdim=True) * abs(scale)  # [N, H, G, 1]
     D, M = q.shape[-1], keep.shape[-1]
     extra = 1 if fp8 else 0  # one more rounding per score and per weight
     fp32 = 2.0**-24 * pv_abs * (2 * (D + 2 + extra) * smax + M + 8 + extra)
-    p_round = 0.0 if dtype == torch.float32 else eps / 2 * pv_abs
-    return eps * ref.abs() + torch.finfo(dtype).tiny + p_round + 2 * fp32
+    if dtype == torch.float32:
+        p_round = q_round = 0.0
+    elif fp8:  # fp16 dots over powers of two (the kernel's docstring)
+        # q below 2^-14 of its row's power of two (<= max|q|): off by <= 2^-25 of it; a score by that times sum|k|,
+        # which moves the weights by twice that relatively
+        q_max = q.double().abs().amax(-1, keepdim=True)  # [N, H, G, 1]
+        q_round = 2 * 2.0**-25 * q_max * k.abs().sum(-1).amax(-1)[:, :, None, None] * abs(scale) * pv_abs
+        # a weight p v_scale / v_pow2 (v_pow2 <= the tile's largest v_scale, p <= 1, l >= 1) rounded to fp16: half
+        # an ulp (2^-11) of it, or below 2^-14 at most 2^-25 v_pow2; v_scale |v_q| is |v|, v_pow2 448 <= max |v|
+        n_kept = keep.sum(-1)[:, None, None, None]  # [N, 1, 1, 1]
+        v_max = v_kept.abs().amax((-2, -1))[:, :, None, None]  # [N, H, 1, 1]
+        p_round = 2.0**-11 * pv_abs + 2.0**-25 * n_kept * v_max
+    else:
+        p_round, q_round = eps / 2 * pv_abs, 0.0
+    return eps * ref.abs() + torch.finfo(dtype).tiny + p_round + q_round + 2 * fp32
 
 
 def make_cache(g, N, H, M, D, length, dtype, pad_fill):

@@ -15,16 +15,24 @@ counts for sample s's G rows. The plain call is the same kernel with S = 1 and n
 
 Work split: the tiles of one (group, head) are numbered prefix first, then sample 0's suffix, sample 1's...; split
 i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_combine_kernel` merges the splits.
-Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET tl.dot runs in fp32 (Triton 3.9's
-interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md); on a GPU q.k is in the input dtype with fp32
-accumulation and p is rounded to q's dtype for p.v (v's, but for an e4m3 cache), as flash-attention does; fp32
-inputs use "ieee" dots.
+Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET a bf16/fp16 cache's dots run in fp32
+(Triton 3.9's interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md; its fp16 dots are right, so an e4m3
+cache's run as on a GPU); on a GPU q.k is in the input dtype with fp32 accumulation and p is rounded to q's dtype for
+p.v, as flash-attention does; fp32 inputs use "ieee" dots.
 
 FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
-is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to q's dtype in
-registers (exact); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
+is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to fp16 in registers
+(exact; fp16 dots: below); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
 p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running
 sum l is of the unscaled p.
+
+An e4m3 cache's dots run in fp16, not in q's bf16: e4m3 widens to fp16 in one conversion per two elements, to bf16
+only through fp16 (three per two: the conversions, not the bytes, were the kernel's cost; sm_90 PTX census in
+NOTES_rollout.md). fp16's range is made safe by powers of two, which are exact: each q row is divided by the power of
+two at or below its largest |q| (so |q| < 2, and bf16's 8 significant bits fit fp16's 11 down to 2^-14), and each
+tile's weights p v_scale by the one at or below the tile's largest value scale (p <= 1: weights <= 2); both powers
+multiply back in fp32. What is rounded: q below 2^-14 of its row's power (fp16 subnormals, at most 2^-25 of it) and
+the weights to fp16 (half an ulp, 2^-11 relatively, or 2^-25 of the tile's power below 2^-14) instead of bf16's 2^-8.
 
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
@@ -46,11 +54,12 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
-BLOCK_N = 64  # key slots per tile
-# a program's tile and launch on a GPU: of 27 (block_n 32-128, 2-8 warps, 2-4 stages) timed on an H200 at the
-# rollout's shapes, the best on average over Qwen2.5-1.5B / Llama-3.1-8B heads: 11-13% less time per call than
-# Triton's defaults (4 warps, 3 stages) with a bf16 cache (benchmarks/bench_decode_attention.py, NOTES_rollout.md)
-GPU_TILES = dict(block_n=BLOCK_N, num_warps=2, num_stages=2)
+# a program's tile and launch on a GPU, with default_splits' WARPS_PER_SM: of the tiles and splits timed on an H100
+# at the rollout's shapes (benchmarks/bench_decode_attention.py --splits), the fastest for Qwen2.5-1.5B and
+# Llama-3.1-8B heads with a bf16 and an e4m3 cache alike: 10-23% less time per call than 64 slots, 2 warps and about
+# 4 programs per SM (NOTES_rollout.md)
+GPU_TILES = dict(block_n=128, num_warps=4, num_stages=2)
+WARPS_PER_SM = 8  # default_splits: the splits that bring the programs' warps nearest this per SM, at least one
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
 
@@ -86,6 +95,9 @@ def _decode_attention_kernel(
     q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # q: [BLOCK_R, BLOCK_D]
     if FP32_DOT:
         q = q.to(tl.float32)
+    elif KV_FP8:  # fp16 dots (module docstring): q / q_pow2 in fp16, exact but below 2^-14
+        q_pow2 = _power_of_two_at_or_below(tl.max(tl.abs(q.to(tl.float32)), axis=1))
+        q = (q.to(tl.float32) / q_pow2[:, None]).to(tl.float16)
 
     length = tl.load(LENGTH).to(tl.int32)
     n_prefix = 0
@@ -141,6 +153,8 @@ def _decode_attention_kernel(
         if KV_FP8:
             k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)  # [BLOCK_N]
             v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+            if not FP32_DOT:
+                s = s * q_pow2[:, None]  # exact
             s = s * (k_scale * qk_scale).to(tl.float32)[None, :]
         else:
             s = s * qk_scale
@@ -149,10 +163,14 @@ def _decode_attention_kernel(
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if KV_FP8:
-            p = p * v_scale[None, :]
         if FP32_DOT:
+            if KV_FP8:
+                p = p * v_scale[None, :]
             pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        elif KV_FP8:  # fp16 weights p v_scale / v_pow2 <= 2 (the division is exact), v_pow2 multiplied back
+            v_pow2 = _power_of_two_at_or_below(tl.max(v_scale, axis=0))
+            p = p * (v_scale / v_pow2)[None, :]
+            pv = tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_pow2
         else:
             pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
         acc = acc * alpha[:, None] + pv
@@ -162,6 +180,13 @@ def _decode_attention_kernel(
     tl.store(M_OUT + out * BLOCK_R + rows, m_i)
     tl.store(L_OUT + out * BLOCK_R + rows, l_i)
     tl.store(ACC_OUT + (out * BLOCK_R + rows)[:, None] * BLOCK_D + dims[None, :], acc)
+
+
+@triton.jit
+def _power_of_two_at_or_below(x):
+    """2^floor(log2 x) for x > 0 (its exponent bits alone), 1 where that is 0 (x zero or subnormal)."""
+    p = (x.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+    return tl.where(p > 0, p, 1.0)
 
 
 @triton.jit
@@ -195,10 +220,11 @@ def _combine_kernel(
 
 
 def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv_bytes: int,
-                   device: torch.device, block_n: int) -> int:
-    """Splits per (group, head): about 4 programs per SM in all, no split shorter than 2 tiles at full length, and
-    the fp32 [block_r, block_d] partial each split writes (and the combine reads back) under a quarter of the K/V
-    bytes a program reads at full length: with few, tall shared-prefix programs that traffic had outgrown the
+                   device: torch.device, block_n: int, num_warps: int) -> int:
+    """Splits per (group, head): at most WARPS_PER_SM warps per SM in all (more splits only added partials and
+    combine work: Llama-3.1-8B's 512 (row, head) programs ran fastest unsplit), no split shorter than 2 tiles at full
+    length, and the fp32 [block_r, block_d] partial each split writes (and the combine reads back) under a quarter of
+    the K/V bytes a program reads at full length: with few, tall shared-prefix programs that traffic had outgrown the
     attention itself (H100 profile, benchmarks/NOTES_rollout.md)."""
     if device.type != "cuda":
         return max(1, min(3, triton.cdiv(max_slots, 2 * INTERPRET_BLOCK_N)))
@@ -206,7 +232,8 @@ def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv
     kv_read = max_slots * block_d * 2 * kv_bytes  # K and V
     partial = block_r * block_d * 4 * 2  # fp32, written and read back
     by_partials = kv_read // (4 * partial)
-    return max(1, min(triton.cdiv(4 * sms, programs), triton.cdiv(max_slots, 2 * block_n), by_partials))
+    by_warps = WARPS_PER_SM * sms // (num_warps * programs)
+    return max(1, min(by_warps, triton.cdiv(max_slots, 2 * block_n), by_partials))
 
 
 def decode_attention_fwd(
@@ -232,7 +259,8 @@ def decode_attention_fwd(
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(16, triton.next_power_of_2(D))
     if splits is None:
-        splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n)
+        splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n,
+                                tiles["num_warps"])
     # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
     # lowering when the engine compiles the decode step
     fp8 = k_scale is not None
@@ -258,7 +286,7 @@ def decode_attention_fwd(
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=interpret or q.dtype == torch.float32,
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
