@@ -32,7 +32,7 @@ SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 GPU_SIZES = dict(rows=64, slots=1280, length=768)
 DRY_SIZES = dict(rows=4, slots=80, length=50)
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
-COLUMNS = ["shape", "cache", "block_n", "num_warps", "num_stages", "default", "us", "gb_s", "bw_share",
+COLUMNS = ["shape", "cache", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s", "bw_share",
            "max_diff_vs_default", "error"]
 
 
@@ -69,17 +69,20 @@ def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict]
     return made, per_copy
 
 
-def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, sweep: bool) -> list[dict]:
+def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],
+              cache_names: list[str], split_counts: list[int | None]) -> list[dict]:
+    """Rows of one shape: each cache x tiles x splits (None: the kernel's choice)."""
     rows = []
-    tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
-    for cache in CACHES:
+    for cache in cache_names:
         calls, nbytes = caches(shape, sizes, cache, device)
         reference = decode_attention_fwd(**calls[0], tiles=GPU_TILES).float()
-        for t in tiles:
-            row = {"shape": shape, "cache": cache, **t, "default": t == GPU_TILES}
+        for t, splits in itertools.product(tiles, split_counts):
+            row = {"shape": shape, "cache": cache, **t, "splits": splits or "auto",
+                   "default": t == GPU_TILES and splits is None}
             try:
-                diff = (decode_attention_fwd(**calls[0], tiles=t).float() - reference).abs().max().item()
-                us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t) for c in calls], device)
+                diff = (decode_attention_fwd(**calls[0], tiles=t, splits=splits).float() - reference).abs().max().item()
+                us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t, splits=splits) for c in calls],
+                               device)
             except Exception as err:  # noqa: BLE001 - e.g. a tile past the shared memory: its row says so
                 rows.append(row | {"error": f"{type(err).__name__}: {str(err)[:120]}"})
                 continue
@@ -96,7 +99,26 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="tiny shapes on the CPU (needs TRITON_INTERPRET=1)")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the kernel's default tiles")
+    parser.add_argument("--tiles", help="instead of the sweep: comma-separated block_n/num_warps/num_stages, "
+                        "e.g. 64/2/2,128/4/2")
+    parser.add_argument("--caches", default=",".join(CACHES), help="comma-separated, of " + ", ".join(CACHES))
+    parser.add_argument("--splits", default="auto",
+                        help="comma-separated splits per (group, head) to time each tile with; auto: the kernel's")
     args = parser.parse_args(argv)
+    unknown = sorted(set(args.caches.split(",")) - set(CACHES))
+    if unknown:
+        parser.error(f"--caches: unknown {unknown}; expected some of {', '.join(CACHES)}")
+    try:
+        tiles = [dict(zip(SWEEP, map(int, t.split("/")), strict=True)) for t in args.tiles.split(",")] \
+            if args.tiles else None
+    except ValueError:
+        parser.error(f"--tiles: expected block_n/num_warps/num_stages, comma-separated; got {args.tiles!r}")
+    try:
+        split_counts = [None if x == "auto" else int(x) for x in args.splits.split(",")]
+    except ValueError:
+        parser.error(f"--splits: expected 'auto' or positive integers, comma-separated; got {args.splits!r}")
+    if any(x is not None and x < 1 for x in split_counts):
+        parser.error(f"--splits: expected 'auto' or positive integers; got {args.splits!r}")
     unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
     if unknown:
         parser.error(f"--shapes: unknown {unknown}; expected some of {', '.join(SHAPES)}")
@@ -105,9 +127,12 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.dry_run else "cuda"
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     bandwidth = None if args.dry_run else _copy_bandwidth()
+    if tiles is None:
+        sweep = not (args.dry_run or args.no_sweep)
+        tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
     rows = []
     for shape in args.shapes.split(","):
-        rows += run_shape(shape, sizes, device, bandwidth, sweep=not (args.dry_run or args.no_sweep))
+        rows += run_shape(shape, sizes, device, bandwidth, tiles, args.caches.split(","), split_counts)
     config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP, "default_tiles": GPU_TILES,
               "inputs": "q, K, V normal(0, 1) in bf16; e4m3: quantize_kv of those (one fp32 scale per slot and head)"}
     if not args.dry_run:
