@@ -77,6 +77,23 @@ def test_quantizer_zero_rows_and_chunks(monkeypatch):
     assert torch.equal(q2.view(torch.uint8), q.view(torch.uint8)) and torch.equal(scale2, scale)
 
 
+def test_quantizer_into_out_buffers():
+    """out=(q, scale): the rows land in the caller's buffers (slices of a fused group's stacked copy) with the bytes
+    of a plain call; a wrong buffer gets a clear error."""
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 40, generator=g).bfloat16()
+    q, scale = torch.zeros(10, 40, dtype=FP8_DTYPE), torch.zeros(10)
+    got = quantize_fp8(w, (q[3:9], scale[3:9]))
+    want = quantize_fp8(w)
+    assert got[0].data_ptr() == q[3:9].data_ptr()
+    assert torch.equal(q[3:9].view(torch.uint8), want[0].view(torch.uint8)) and torch.equal(scale[3:9], want[1])
+    assert (q[:3].float() == 0).all() and (scale[9:] == 0).all()  # nothing outside the slice
+    with pytest.raises(ValueError, match=r"out\[0\]: expected shape \[6, 40\]"):
+        quantize_fp8(w, (q[:5], scale[:6]))
+    with pytest.raises(ValueError, match=r"out\[1\]: expected dtype"):
+        quantize_fp8(w, (q[:6], scale[:6].double()))
+
+
 def test_quantizer_keeps_fp8_weights():
     """Weights already on the grid (power-of-two row scales, one +-448 per row) come back bit for bit."""
     g = torch.Generator().manual_seed(0)
@@ -227,6 +244,35 @@ def test_gpu_matches_fp64_and_cublas(M, N, K):
     eps = torch.finfo(torch.bfloat16).eps
     assert (got.double() - ref).abs().max() <= (cublas.double() - ref).abs().max() + eps * ref.abs().max()
     assert torch.equal(fp8_linear(x, q, scale, bias), got)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gpu_quantizer_kernel_gives_the_eager_bytes(dtype):
+    """On CUDA quantize_fp8 runs kernels/quantize_fp8.py: its bytes and scales are quantize_rows' on the CPU (IEEE
+    divisions) for rows of any length (one element, ragged past the kernel's block, Llama's down_proj), magnitudes spread over
+    orders (e4m3 subnormals), an all-zero row, x / scale on rounding ties, a transposed weight and into slices."""
+    g = torch.Generator().manual_seed(0)
+    for N, K in ((3, 1), (17, 33), (9, 2049), (64, 14336)):
+        w = torch.randn(N, K, generator=g) * torch.exp(4 * torch.randn(N, 1, generator=g))
+        w = w.clamp(-torch.finfo(dtype).max, torch.finfo(dtype).max)  # finite weights (fp16 overflows past 65504)
+        w[1 % N] = 0.0
+        # the last row: amax 448 (scale 1), then values halfway between e4m3 neighbours (round half to even)
+        ties = ((torch.arange(8) + 0.5) / 8 + 1) * 2.0 ** torch.arange(-3, 8)[:, None]
+        w[-1] = 0.0
+        w[-1, 0] = 448.0
+        w[-1, 1:] = ties.flatten()[: K - 1].repeat(K)[: K - 1]
+        w = w.to(dtype).cuda()
+        for weight in (w, w.T.contiguous().T):
+            q, scale = quantize_fp8(weight)
+            q0, scale0 = ops.quantize_rows(weight.cpu())  # torch's CUDA eager divides amax by 448 as x * (1/448)
+            diff = (q.cpu().view(torch.uint8) != q0.view(torch.uint8)).sum().item()
+            scales = (scale.cpu() != scale0).sum().item()
+            assert diff == 0 and scales == 0, f"N{N} K{K} {dtype}: {diff} bytes and {scales} scales differ"
+    buf, scales = torch.zeros(80, 14336, dtype=FP8_DTYPE, device="cuda"), torch.zeros(80, device="cuda")
+    quantize_fp8(w, (buf[10:74], scales[10:74]))
+    assert torch.equal(buf[10:74].view(torch.uint8).cpu(), q0.view(torch.uint8))
+    assert (buf[:10].view(torch.uint8) == 0).all() and (buf[74:].view(torch.uint8) == 0).all()
 
 
 @pytest.mark.gpu

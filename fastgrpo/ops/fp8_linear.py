@@ -26,15 +26,31 @@ _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.no_grad()
-def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """weight [N, K] (any float dtype) -> (q [N, K] float8_e4m3fn, scale [N] fp32), on weight's device.
+def quantize_fp8(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """weight [N, K] (any float dtype) -> (q [N, K] float8_e4m3fn, scale [N] fp32), on weight's device; into `out`
+    (q, scale) where given (e.g. a fused group's slice of its stacked copy).
 
     scale = amax over the row / 448, at least fp32's smallest normal (an all-zero row gets q = 0, not 0/0).
-    Rows go through fp32 in chunks of QUANT_CHUNK elements, so the temporaries stay small whatever the weight."""
+    A 16-bit or fp32 weight on CUDA goes through the Triton kernel (kernels/quantize_fp8.py: one pass, the same
+    bytes); elsewhere rows go through fp32 in chunks of QUANT_CHUNK elements, so the temporaries stay small whatever
+    the weight. Not under TRITON_INTERPRET: Triton 3.9's interpreter casts fp32 to e4m3 wrongly where rounding
+    carries into the exponent (125.2 gives 64, not 128)."""
     check_shape("weight", weight, (None, None))
     N, K = weight.shape
-    q = torch.empty(N, K, dtype=FP8_DTYPE, device=weight.device)
-    scale = torch.empty(N, dtype=torch.float32, device=weight.device)
+    if out is None:
+        out = (torch.empty(N, K, dtype=FP8_DTYPE, device=weight.device),
+               torch.empty(N, dtype=torch.float32, device=weight.device))
+    q, scale = out
+    check_shape("out[0]", q, (N, K))
+    check_shape("out[1]", scale, (N,))
+    check_dtype("out[0]", q, (FP8_DTYPE,))
+    check_dtype("out[1]", scale, (torch.float32,))
+    if weight.dtype in _ACTIVATIONS and weight.is_cuda and q.stride(1) == 1:
+        from fastgrpo.kernels.quantize_fp8 import quantize_rows_fwd
+
+        quantize_rows_fwd(weight if weight.stride(1) == 1 else weight.contiguous(), q, scale)
+        return q, scale
     rows = max(1, QUANT_CHUNK // max(K, 1))
     for start in range(0, N, rows):
         q[start:start + rows], scale[start:start + rows] = quantize_rows(weight[start:start + rows])

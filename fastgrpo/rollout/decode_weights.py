@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 from collections.abc import Iterator
 
@@ -55,7 +56,7 @@ import torch.nn.functional as F
 
 from fastgrpo.hf.models import architecture
 from fastgrpo.hf.peft import dense_linears, dense_weight, four_bit_parts
-from fastgrpo.ops.fp8_linear import fp8_linear, prepare_fp8_linear, quantize_fp8
+from fastgrpo.ops.fp8_linear import FP8_DTYPE, fp8_linear, prepare_fp8_linear, quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
 from fastgrpo.ops.nf4_linear import nf4_linear_unpacked, nf4_refusal, nf4_weight, prepare_nf4_linear
 
@@ -338,12 +339,13 @@ def _makes_dense_copy(module: torch.nn.Module) -> bool:
     return module is not _layer(module) or not _layer(module).weight.is_floating_point()
 
 
-def _copy(module: torch.nn.Module, kind: str, dtype: torch.dtype) -> tuple:
+def _copy(module: torch.nn.Module, kind: str, dtype: torch.dtype, out: tuple | None = None) -> tuple:
     """(e4m3 weight, scale, None, bias) for FP8_COPIES, (None, None, weight, bias) for "dense" and "fused": the
-    module's current weight (merged or dequantized: one layer's temporaries at a time)."""
+    module's current weight (merged or dequantized: one layer's temporaries at a time). FP8: quantized into `out`
+    (q, scale) where given."""
     weight, bias = dense_weight(module)
     if kind in FP8_COPIES:
-        q, scale = quantize_fp8(weight)
+        q, scale = quantize_fp8(weight, out)
         prepare_fp8_linear(q.device)  # "w8a8" too: its Triton GEMM is the same kernel (and odd shapes run fp8_linear)
         return q, scale, None, bias
     # the layer's own dtype (a plain weight is used as it is: no copy); 4-bit: the compute dtype
@@ -355,16 +357,23 @@ def _stacked_copy(group: tuple, kind: str, dtype: torch.dtype) -> tuple:
     """The members' _copy stacked along the output features, rows in member order (one member's temporaries at
     a time), and their output sizes. A member without a bias gets zeros where another has one."""
     sizes = tuple(_layer(m).out_features for m in group)
-    stacked, biases, row = None, [], 0
-    for member, size in zip(group, sizes):
-        copy = _copy(member, kind, dtype)
-        if stacked is None:
-            stacked = [None if t is None else t.new_empty((sum(sizes), *t.shape[1:])) for t in copy[:3]]
-        for whole, part in zip(stacked, copy[:3]):
-            if part is not None:
-                whole[row:row + size] = part
-        biases.append(copy[3])
-        row += size
+    starts = list(itertools.accumulate(sizes, initial=0))
+    if kind in FP8_COPIES:  # each member quantized straight into its rows: no copy of its own to move
+        layer = _layer(group[0])
+        q = torch.empty(starts[-1], layer.in_features, dtype=FP8_DTYPE, device=layer.weight.device)
+        scale = torch.empty(starts[-1], dtype=torch.float32, device=layer.weight.device)
+        biases = [_copy(m, kind, dtype, (q[a:b], scale[a:b]))[3] for m, a, b in zip(group, starts, starts[1:])]
+        stacked = [q, scale, None]
+    else:
+        stacked, biases = None, []
+        for member, a, b in zip(group, starts, starts[1:]):
+            *copy, bias = _copy(member, kind, dtype)
+            if stacked is None:
+                stacked = [None if t is None else t.new_empty((starts[-1], *t.shape[1:])) for t in copy]
+            for whole, part in zip(stacked, copy):
+                if part is not None:
+                    whole[a:b] = part
+            biases.append(bias)
     like = next((b for b in biases if b is not None), None)
     bias = None if like is None else torch.cat([like.new_zeros(n) if b is None else b for b, n in zip(biases, sizes)])
     return (*stacked, bias, sizes)

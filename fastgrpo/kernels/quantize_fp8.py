@@ -1,0 +1,49 @@
+"""quantize_fp8's rounding in one Triton pass per row: e4m3 rows and their fp32 scales from a weight of any float
+dtype, written into the caller's buffers.
+
+Why: the FP8 rollout copies (rollout/decode_weights.py) are quantized from the current weights at every rollout
+call. In eager torch each element went through a fp32 copy, its abs, the divide, the clamp and the cast (about ten
+times the bytes of reading the weight once and writing its e4m3), and a fused group's rows were then copied once
+more into the stacked buffer: 0.14 s for Llama-3.1-8B's decoder linears on an H100, 0.14 ms per decoded token of a
+64 x 1024 rollout (benchmarks/NOTES_rollout.md). Here a program reads its row twice (the amax, then the cast; the
+second read mostly from L2) and writes each e4m3 once, straight into its slot of the stacked buffer.
+
+The math is ops/fp8_linear.quantize_rows': scale = max(amax / 448, fp32's smallest normal), q = clamp(x / scale,
++-448) rounded to nearest even; both divisions IEEE (div_rn), so the bytes are the eager ones on the CPU. (torch's
+CUDA eager divides a tensor by a Python scalar as a multiply by its reciprocal: one ulp off in about half the scales.)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+FP8_MAX = tl.constexpr(448.0)
+FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
+BLOCK_K = 2048  # elements of a row per load
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_K)
+    amax = tl.zeros([BLOCK_K], tl.float32)
+    for start in range(0, K, BLOCK_K):
+        x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
+        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
+    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), FP32_TINY)
+    tl.store(SCALE + row, scale)
+    for start in range(0, K, BLOCK_K):
+        ok = start + cols < K
+        x = tl.load(X + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
+        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        tl.store(Q + row * stride_q + start + cols, q.to(tl.float8e4nv), mask=ok)
+
+
+def quantize_rows_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
+    """x [R, K] (unit-stride rows; fp16, bf16 or fp32) -> q [R, K] e4m3 (unit-stride rows) and scale [R] fp32, in
+    place."""
+    R, K = x.shape
+    if R:
+        _quantize_rows_kernel[(R,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK_K=min(BLOCK_K,
+                                                                                         triton.next_power_of_2(K)))
