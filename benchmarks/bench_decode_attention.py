@@ -58,7 +58,7 @@ def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict]
     made = []
     for _ in range(copies_past_l2(per_copy, device)):
         k, v = (torch.randn(N, H, M, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
-        call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v,
+        call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v, v_finite=True,
                     visible=torch.ones(N, M, dtype=torch.bool, device=device),
                     length=torch.tensor([length], device=device), scale=D**-0.5)
         if fp8:

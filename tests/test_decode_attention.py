@@ -286,6 +286,15 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
         flags.append(whole)
     assert [all(f) for f in flags] == [False, True]  # the rows' own V, and the prefix's where there is one
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
+    # v_finite (the engine's zero-allocated cache): hidden slots are read as they are, so a finite value there
+    # (448, e4m3's largest) changes nothing (the NaN above would reach the output on a GPU, see
+    # test_gpu_realistic_fp8_decode; Triton 3.9's interpreter widens e4m3's NaN code to 480)
+    def engine_v(nan_to_448):
+        fix = (lambda t: torch.where(t.float().isnan(), 448.0, t.float()).to(FP8)) if nan_to_448 else (lambda t: t)
+        return dict(v=slot_major(fix(vq)), **({**prefix, "prefix_v": slot_major(fix(pvq))} if with_prefix else {}))
+
+    fast = decode_attention(q, kq, visible=visible, length=L, k_scale=ks, v_scale=vs, v_finite=True, **engine_v(True))
+    assert torch.equal(fast, outs[0])
 
 
 HOPPER_CHECK = """
@@ -295,8 +304,8 @@ from triton.compiler import ASTSource
 from fastgrpo.kernels.decode_attention import GPU_TILES, _decode_attention_kernel as fn
 # Llama-3.1-8B's launch: 16 rows, 64 slots, D 128; pointers, strides and D aligned as a launch specializes them
 for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
-    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major, BLOCK_R=16,
-                  BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
+    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
+                  V_FINITE=v_slot_major, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)  # the engine's
     # a unit stride is specialized to the constant 1: the slots' for a slot-major V, the dims' otherwise
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
         consts[name] = 1
@@ -447,6 +456,13 @@ def test_gpu_realistic_fp8_decode(H, G):
     assert_within(decode_attention(q, kq, vq, visible, L, k_scale=ks, v_scale=vs), ref, tol, f"gpu fp8 H{H} G{G}")
     got = decode_attention(q, kq, slot_major(vq), visible, L, k_scale=ks, v_scale=vs)
     assert_within(got, ref, tol, f"gpu fp8 slot-major V H{H} G{G}")
+    # the engine's path (v_finite: hidden slots read as they are): the same bits where they hold zeros, NaN where
+    # they hold the NaN codes make_cache put there (so the flag does skip the zeroing)
+    zeroed = slot_major(torch.where(keep[:, None, :, None], vq.float(), 0.0).to(FP8))
+    engine = decode_attention(q, kq, zeroed, visible, L, k_scale=ks, v_scale=vs, v_finite=True)
+    assert torch.equal(engine, got)
+    assert not torch.isfinite(decode_attention(q, kq, slot_major(vq), visible, L, k_scale=ks, v_scale=vs,
+                                               v_finite=True)).all()
     shared = decode_attention(
         q, kq[:, :, P:], vq[:, :, P:], visible[:, P:], L - P, prefix_k=kq[::S, :, :P], prefix_v=vq[::S, :, :P],
         prefix_visible=visible[::S, :P], k_scale=ks[:, :, P:], v_scale=vs[:, :, P:], prefix_k_scale=ks[::S, :, :P],

@@ -93,7 +93,7 @@ def decode_attention(
     scale: float | None = None, prefix_k: torch.Tensor | None = None, prefix_v: torch.Tensor | None = None,
     prefix_visible: torch.Tensor | None = None, splits: int | None = None, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, prefix_k_scale: torch.Tensor | None = None,
-    prefix_v_scale: torch.Tensor | None = None,
+    prefix_v_scale: torch.Tensor | None = None, v_finite: bool = False,
 ) -> torch.Tensor:
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int -> [N, Hkv, G, D] in q's dtype.
 
@@ -102,6 +102,9 @@ def decode_attention(
     FP8 K/V: k/v (and prefix_k/prefix_v) float8_e4m3fn with k_scale/v_scale fp32 [N, Hkv, M] (and
     prefix_k_scale/prefix_v_scale [N // S, Hkv, P]), the module docstring's format.
     scale defaults to D^-0.5; splits (Triton only) overrides the number of key-range splits per (group, head).
+    v_finite: the caller vouches that every slot of v and prefix_v holds a finite value, hidden or not (the engine's
+    zero-allocated cache does); the kernel may then skip zeroing hidden slots it loads (kernels/decode_attention.py).
+    Without it a hidden slot may hold anything, NaN included.
     """
     N, H, G, D = q.shape
     M = k.shape[2]
@@ -139,7 +142,7 @@ def decode_attention(
     q, k, v, visible = unit(q), unit(k), unit(v, values=True), unit(visible)
     prefix_k, prefix_v, prefix_visible = unit(prefix_k), unit(prefix_v, values=True), unit(prefix_visible)
     return decode_attention_fwd(q, k, v, visible, length, scale, prefix_k, prefix_v, prefix_visible, splits,
-                                *(unit(t) for t in scales))
+                                *(unit(t) for t in scales), v_finite=v_finite)
 
 
 def _unit_stride(t: torch.Tensor | None, values: bool = False) -> torch.Tensor | None:

@@ -42,7 +42,9 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     if Q == 1 and length is not None and _kernel_fits(attention_mask, kwargs):
         q = query.reshape(N, Hkv, Hq // Hkv, D)
         extra = cache.decode_kwargs(module.layer_idx) if cache is not None else {}
-        out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling, **extra)
+        # the engine's cache is zero-allocated and written with finite values only
+        out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling, v_finite=cache is not None,
+                               **extra)
         out = out.reshape(N, Hq, 1, D)
     elif Q == 1 and cache is not None:
         raise NotImplementedError("grouped_sdpa: a shared prefix or an fp8 cache needs the decode kernel (a bool "
