@@ -302,14 +302,15 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from fastgrpo.kernels.decode_attention import GPU_TILES, _decode_attention_kernel as fn
-# Llama-3.1-8B's launch: 16 rows, 64 slots, D 128; pointers, strides and D aligned as a launch specializes them
+# Llama-3.1-8B's launch: 16 rows, GPU_TILES' slots, D 128, one split (the output written by the kernel); pointers,
+# strides and D aligned as a launch specializes them
 for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
     consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
-                  V_FINITE=v_slot_major, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)  # the engine's
+                  V_FINITE=v_slot_major, WRITE_OUT=True, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
     # a unit stride is specialized to the constant 1: the slots' for a slot-major V, the dims' otherwise
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
         consts[name] = 1
-    pointers = {"Q": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "VIS": "*i1", "LENGTH": "*i64", "PK": f"*{kv}",
+    pointers = {"Q": "*bf16", "O": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "VIS": "*i1", "LENGTH": "*i64", "PK": f"*{kv}",
                 "PV": f"*{kv}", "PVIS": "*i1", **dict.fromkeys(("KS", "VS", "PKS", "PVS", "M_OUT", "L_OUT", "ACC_OUT"),
                                                               "*fp32")}
     sig, attrs = {}, {}

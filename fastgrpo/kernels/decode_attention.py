@@ -14,7 +14,9 @@ group: a prefix tile is loaded once for all of them (the bandwidth saving), a su
 counts for sample s's G rows. The plain call is the same kernel with S = 1 and no prefix.
 
 Work split: the tiles of one (group, head) are numbered prefix first, then sample 0's suffix, sample 1's...; split
-i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_combine_kernel` merges the splits.
+i takes a contiguous run of them. Partial (max, sum, acc) go out in fp32; `_combine_kernel` merges the splits. With
+one split (Llama-3.1-8B's 512 (row, head) programs fill the GPU alone) the kernel writes the output itself: no
+partials, no second launch.
 Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET a bf16/fp16 cache's dots run in fp32
 (Triton 3.9's interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md; its fp16 dots are right, so an e4m3
 cache's run as on a GPU); on a GPU q.k is in the input dtype with fp32 accumulation and p is rounded to q's dtype for
@@ -68,8 +70,8 @@ INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cros
 
 @triton.jit
 def _decode_attention_kernel(
-    Q, K, V, VIS, LENGTH, PK, PV, PVIS, KS, VS, PKS, PVS, M_OUT, L_OUT, ACC_OUT,
-    stride_qn, stride_qh, stride_qg,
+    Q, K, V, VIS, LENGTH, PK, PV, PVIS, KS, VS, PKS, PVS, M_OUT, L_OUT, ACC_OUT, O,
+    stride_qn, stride_qh, stride_qg, stride_on, stride_oh, stride_og,
     stride_kn, stride_kh, stride_km,
     stride_vn, stride_vh, stride_vm, stride_vd,
     stride_visn,
@@ -80,7 +82,7 @@ def _decode_attention_kernel(
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
     HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
-    V_FINITE: tl.constexpr,
+    V_FINITE: tl.constexpr, WRITE_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     bh = tl.program_id(0)  # group b (plain: row n) x K/V head h
@@ -181,10 +183,15 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    out = bh.to(tl.int64) * splits + split
-    tl.store(M_OUT + out * BLOCK_R + rows, m_i)
-    tl.store(L_OUT + out * BLOCK_R + rows, l_i)
-    tl.store(ACC_OUT + (out * BLOCK_R + rows)[:, None] * BLOCK_D + dims[None, :], acc)
+    if WRITE_OUT:  # one split: the output itself, as _combine_kernel would write it (acc / l), with no partials
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        o_ptrs = O + (b * S + sample_of_row)[:, None] * stride_on + h * stride_oh + (rows % G)[:, None] * stride_og
+        tl.store(o_ptrs + dims[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    else:
+        out = bh.to(tl.int64) * splits + split
+        tl.store(M_OUT + out * BLOCK_R + rows, m_i)
+        tl.store(L_OUT + out * BLOCK_R + rows, l_i)
+        tl.store(ACC_OUT + (out * BLOCK_R + rows)[:, None] * BLOCK_D + dims[None, :], acc)
 
 
 @triton.jit
@@ -277,13 +284,16 @@ def decode_attention_fwd(
     # likewise the scales it does not read (KV_FP8=False, or no prefix)
     ks, vs = (k_scale, v_scale) if fp8 else (k, v)
     pks, pvs = (prefix_k_scale, prefix_v_scale) if fp8 and has_prefix else (ks, vs)
-    m_part = torch.empty(B * H, splits, block_r, dtype=torch.float32, device=q.device)
-    l_part = torch.empty_like(m_part)
-    acc_part = torch.empty(B * H, splits, block_r, block_d, dtype=torch.float32, device=q.device)
     out = torch.empty_like(q)
+    if splits == 1:  # the kernel writes `out` itself; the partials' pointers are not read
+        m_part = l_part = acc_part = out
+    else:
+        m_part = torch.empty(B * H, splits, block_r, dtype=torch.float32, device=q.device)
+        l_part = torch.empty_like(m_part)
+        acc_part = torch.empty(B * H, splits, block_r, block_d, dtype=torch.float32, device=q.device)
     _decode_attention_kernel[(B * H, splits)](
-        q, k, v, visible, length, pk, pv, pvis, ks, vs, pks, pvs, m_part, l_part, acc_part,
-        q.stride(0), q.stride(1), q.stride(2),
+        q, k, v, visible, length, pk, pv, pvis, ks, vs, pks, pvs, m_part, l_part, acc_part, out,
+        q.stride(0), q.stride(1), q.stride(2), out.stride(0), out.stride(1), out.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), v.stride(3),
         visible.stride(0),
@@ -294,9 +304,11 @@ def decode_attention_fwd(
         H, G, D, P, S, splits, scale * LOG2E,
         HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
-        V_FINITE=v_finite, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
+        V_FINITE=v_finite, WRITE_OUT=splits == 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
     )
+    if splits == 1:
+        return out
     rows = min(block_r, COMBINE_ROWS)  # row tiles as programs: one program per (group, head) left SMs idle
     _combine_kernel[(B * H, block_r // rows)](
         m_part, l_part, acc_part, out, out.stride(0), out.stride(1), out.stride(2),
