@@ -1,16 +1,18 @@
 """The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
 the bytes it must read, with a bf16 and an e4m3 cache (its V slot-major as the engine stores it, and row-major), over
-a sweep of its GPU tiles.
+a sweep of its GPU tiles and split counts.
 
-    python -m benchmarks.bench_decode_attention                           # GPU: both shapes, both caches, sweep
+    python -m benchmarks.bench_decode_attention                           # GPU: both shapes, all caches, sweep
+    python -m benchmarks.bench_decode_attention --caches e4m3 --tiles 64/2/2,128/4/2 --splits auto,1,2
     TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --dry-run   # CPU: tiny shapes, default tiles
 
 One call is one layer of bench_rollout's decode step at its mean context: 64 rows (8 prompts x 8 samples), a
 1280-slot cache (prompt 256 + 1024 new tokens) filled to 768 slots, all visible, the shape's K/V heads and query
-heads per K/V head, head dim 128. Bytes read: the filled slots' K and V (e4m3: and their fp32 scales). Timing:
-common.kernel_us over copies of the cache that together pass 3x the L2 (a decode step reads each layer's cache from
-HBM). Rows: shape, cache, tiles (block_n, num_warps, num_stages; `default` marks the kernel's GPU_TILES), us, GB/s,
-share of the measured device copy bandwidth, and the largest difference from the default tiles' output (a tile
+heads per K/V head, head dim 128, called as the engine calls it (v_finite: its cache holds finite values only).
+Bytes read: the filled slots' K and V (e4m3: and their fp32 scales). Timing: common.kernel_us over copies of the
+cache that together pass 3x the L2 (a decode step reads each layer's cache from HBM). Rows: shape, cache, tiles
+(block_n, num_warps, num_stages), splits (auto: the kernel's rule), `default` (the kernel's own choice of both), us,
+GB/s, share of the measured device copy bandwidth, and the largest difference from the default's output (a tile
 that computes something else shows there). Writes results/decode_attention-<card>.json.
 """
 from __future__ import annotations
@@ -58,8 +60,8 @@ def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict]
     made = []
     for _ in range(copies_past_l2(per_copy, device)):
         k, v = (torch.randn(N, H, M, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
-        call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v, v_finite=True,
-                    visible=torch.ones(N, M, dtype=torch.bool, device=device),
+        call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v,
+                    v_finite=True, visible=torch.ones(N, M, dtype=torch.bool, device=device),
                     length=torch.tensor([length], device=device), scale=D**-0.5)
         if fp8:
             (call["k"], call["k_scale"]), (call["v"], call["v_scale"]) = quantize_kv(k), quantize_kv(v)

@@ -12,11 +12,13 @@ An e4m3 V may be stored with its slots contiguous (the engine's cache does): sam
 
 FP8 K/V: the reference is the fp64 softmax over the same dequantized values (q_e4m3 x scale is exact in fp64), so
 the bound is the kernel's own arithmetic: the terms above for the dequantized k/v, plus one fp32 rounding of each
-score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). Its dots run in fp16
-(under the interpreter too): q scaled by a power of two loses at most 2^-25 of it below fp16's normals, and the
-weights round to fp16 (2^-11, not (2)'s bf16 2^-8) or, below its normals, by 2^-25 of the tile's largest value scale
-(`bound` spells both out). The quantization itself (quantize_kv) has its own bound, half an e4m3 ulp per element (test_quantize_kv_error_bound).
+score (key scale x softmax scale, then x the score) and one of each weight (p x value scale). For a 16-bit q its
+dots run in fp16 (under the interpreter too): q scaled by a power of two loses at most 2^-25 of it below fp16's
+normals, and the weights round to fp16 (2^-11, not (2)'s bf16 2^-8) or, below its normals, by 2^-25 of the tile's
+largest value scale (`bound` spells both out). The quantization itself (quantize_kv) has its own bound, half an e4m3
+ulp per element (test_quantize_kv_error_bound).
 """
+import functools
 import warnings
 
 import pytest
@@ -289,11 +291,12 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
     # v_finite (the engine's zero-allocated cache): hidden slots are read as they are, so a finite value there
     # (448, e4m3's largest) changes nothing (the NaN above would reach the output on a GPU, see
     # test_gpu_realistic_fp8_decode; Triton 3.9's interpreter widens e4m3's NaN code to 480)
-    def engine_v(nan_to_448):
-        fix = (lambda t: torch.where(t.float().isnan(), 448.0, t.float()).to(FP8)) if nan_to_448 else (lambda t: t)
-        return dict(v=slot_major(fix(vq)), **({**prefix, "prefix_v": slot_major(fix(pvq))} if with_prefix else {}))
+    def nan_to_448(t):
+        return torch.where(t.float().isnan(), 448.0, t.float()).to(FP8)
 
-    fast = decode_attention(q, kq, visible=visible, length=L, k_scale=ks, v_scale=vs, v_finite=True, **engine_v(True))
+    engine_v = dict(v=slot_major(nan_to_448(vq)),
+                    **({**prefix, "prefix_v": slot_major(nan_to_448(pvq))} if with_prefix else {}))
+    fast = decode_attention(q, kq, visible=visible, length=L, k_scale=ks, v_scale=vs, v_finite=True, **engine_v)
     assert torch.equal(fast, outs[0])
 
 
@@ -301,18 +304,21 @@ HOPPER_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastgrpo.kernels.decode_attention import GPU_TILES, _decode_attention_kernel as fn
-# Llama-3.1-8B's launch: 16 rows, GPU_TILES' slots, D 128, one split (the output written by the kernel); pointers,
-# strides and D aligned as a launch specializes them
-for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
-    consts = dict(HAS_PREFIX=False, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
-                  V_FINITE=v_slot_major, WRITE_OUT=True, BLOCK_R=16, BLOCK_N=GPU_TILES["block_n"], BLOCK_D=128)
-    # a unit stride is specialized to the constant 1: the slots' for a slot-major V, the dims' otherwise
+from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, tiles_for
+
+
+def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out):
+    # pointers, strides and D aligned as a launch specializes them; a unit stride specialized to the constant 1: the
+    # slots' for a slot-major V (the engine's, with V_FINITE), the dims' otherwise
+    tiles = tiles_for(block_r, block_d)
+    consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
+                  V_FINITE=v_slot_major, WRITE_OUT=write_out, BLOCK_R=block_r, BLOCK_N=tiles["block_n"],
+                  BLOCK_D=block_d)
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
         consts[name] = 1
-    pointers = {"Q": "*bf16", "O": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "VIS": "*i1", "LENGTH": "*i64", "PK": f"*{kv}",
-                "PV": f"*{kv}", "PVIS": "*i1", **dict.fromkeys(("KS", "VS", "PKS", "PVS", "M_OUT", "L_OUT", "ACC_OUT"),
-                                                              "*fp32")}
+    pointers = {"Q": "*bf16", "O": "*bf16", "K": f"*{kv}", "V": f"*{kv}", "VIS": "*i1", "LENGTH": "*i64",
+                "PK": f"*{kv}", "PV": f"*{kv}", "PVIS": "*i1",
+                **dict.fromkeys(("KS", "VS", "PKS", "PVS", "M_OUT", "L_OUT", "ACC_OUT"), "*fp32")}
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in consts:
@@ -324,11 +330,24 @@ for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True))
             sig[name] = "fp32" if name == "qk_scale" else "i32"
             if name.startswith("stride") or name == "D":
                 attrs[(i,)] = [["tt.divisibility", 16]]
-    kernel = triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": GPU_TILES["num_warps"], "num_stages": GPU_TILES["num_stages"]})
-    ptx = kernel.asm["ptx"]
-    print(kv, v_slot_major, ptx.count("ld.shared.b8"), ptx.count("ld.global"))
+    return triton.compile(ASTSource(fn, sig, consts, attrs), target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": tiles["num_warps"], "num_stages": tiles["num_stages"]})
+
+
+# Llama-3.1-8B's launch: 16 rows, D 128, one split (the kernel writes the output)
+for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
+    ptx = compile(kv, v_slot_major, 16, 128, False, True).asm["ptx"]
+    print("ptx", kv, v_slot_major, ptx.count("ld.shared.b8"), ptx.count("ld.global"))
+# the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V)
+for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
+    print("shared", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
 """
+
+
+@functools.cache
+def hopper_check() -> list[list[str]]:
+    """HOPPER_CHECK's printed lines, split (one compile run for the tests that read it)."""
+    return [line.split() for line in sm90_compile_output(HOPPER_CHECK).strip().split("\n")]
 
 
 def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
@@ -337,11 +356,21 @@ def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
     its kernel has no more single-byte shared loads than the bf16 cache's (whose are the visibility mask's), and no
     more direct global loads (its tiles stream through cp.async: a V load left unpipelined shows as ~130 more). The
     interpreter cannot see this; without it an edit could bring the byte gathers back unnoticed."""
-    out = sm90_compile_output(HOPPER_CHECK)
     counts = {(kv, major == "True"): (int(b8), int(glob))
-              for kv, major, b8, glob in (line.split() for line in out.split("\n")[:3])}
+              for what, kv, major, b8, glob in (line for line in hopper_check() if line[0] == "ptx")}
     bf16, row_major, slot_major = counts[("bf16", False)], counts[("fp8e4nv", False)], counts[("fp8e4nv", True)]
     assert slot_major[0] <= bf16[0] < row_major[0] and slot_major[1] <= bf16[1], counts
+
+
+ADA_SHARED_BYTES = 99 * 1024  # the most shared memory one block may take on sm_86 / sm_89 cards
+
+
+def test_every_tile_class_fits_an_ada_cards_shared_memory():
+    """A program's shared memory grows with its rows x head dim and the tile: GPU_TILES at a shared prefix's 64 rows x
+    D 256 needed 296 KB, past an H100's 227 too, so bigger programs take smaller tiles (TILES_BY_SIZE). Compiled for
+    sm_90 on the CPU: the largest program of each class stays within an Ada card's 99 KB."""
+    shared = {(int(r), int(d)): int(b) for what, r, d, b in (line for line in hopper_check() if line[0] == "shared")}
+    assert len(shared) == 4 and all(b <= ADA_SHARED_BYTES for b in shared.values()), shared
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():
@@ -385,6 +414,8 @@ def test_bad_input():
         decode_attention(q, kv, kv, visible, L, k_scale=ks, v_scale=ks)
     with pytest.raises(ValueError, match="v_scale"):
         decode_attention(q, kq, kq, visible, L, k_scale=ks, v_scale=ks[:, :, :8])
+    with pytest.raises(ValueError, match="splits: expected at least 1"):
+        decode_attention(q, kv, kv, visible, L, splits=0)
 
 
 @pytest.mark.gpu

@@ -92,6 +92,8 @@ def test_quantizer_into_out_buffers():
         quantize_fp8(w, (q[:5], scale[:6]))
     with pytest.raises(ValueError, match=r"out\[1\]: expected dtype"):
         quantize_fp8(w, (q[:6], scale[:6].double()))
+    with pytest.raises(ValueError, match=r"out\[0\]: expected a tensor on the weight's device cpu"):
+        quantize_fp8(w, (q[:6].to("meta"), scale[:6]))
 
 
 def test_quantizer_keeps_fp8_weights():
@@ -250,8 +252,9 @@ def test_gpu_matches_fp64_and_cublas(M, N, K):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_gpu_quantizer_kernel_gives_the_eager_bytes(dtype):
     """On CUDA quantize_fp8 runs kernels/quantize_fp8.py: its bytes and scales are quantize_rows' on the CPU (IEEE
-    divisions) for rows of any length (one element, ragged past the kernel's block, Llama's down_proj), magnitudes spread over
-    orders (e4m3 subnormals), an all-zero row, x / scale on rounding ties, a transposed weight and into slices."""
+    divisions) for rows of any length (one element, ragged past the kernel's block, Llama's down_proj), magnitudes
+    spread over orders (e4m3 subnormals), an all-zero row, x / scale on rounding ties, rows with a gap between them,
+    a transposed weight and into slices; a NaN weight makes its row NaN, as in torch."""
     g = torch.Generator().manual_seed(0)
     for N, K in ((3, 1), (17, 33), (9, 2049), (64, 14336)):
         w = torch.randn(N, K, generator=g) * torch.exp(4 * torch.randn(N, 1, generator=g))
@@ -261,9 +264,11 @@ def test_gpu_quantizer_kernel_gives_the_eager_bytes(dtype):
         ties = ((torch.arange(8) + 0.5) / 8 + 1) * 2.0 ** torch.arange(-3, 8)[:, None]
         w[-1] = 0.0
         w[-1, 0] = 448.0
-        w[-1, 1:] = ties.flatten()[: K - 1].repeat(K)[: K - 1]
+        w[-1, 1:] = ties.flatten().repeat(K)[: K - 1]
         w = w.to(dtype).cuda()
-        for weight in (w, w.T.contiguous().T):
+        gapped = torch.zeros(N, K + 5, dtype=dtype, device="cuda")
+        gapped[:, :K] = w
+        for weight in (w, gapped[:, :K], w.T.contiguous().T):
             q, scale = quantize_fp8(weight)
             q0, scale0 = ops.quantize_rows(weight.cpu())  # torch's CUDA eager divides amax by 448 as x * (1/448)
             diff = (q.cpu().view(torch.uint8) != q0.view(torch.uint8)).sum().item()
@@ -273,6 +278,10 @@ def test_gpu_quantizer_kernel_gives_the_eager_bytes(dtype):
     quantize_fp8(w, (buf[10:74], scales[10:74]))
     assert torch.equal(buf[10:74].view(torch.uint8).cpu(), q0.view(torch.uint8))
     assert (buf[:10].view(torch.uint8) == 0).all() and (buf[74:].view(torch.uint8) == 0).all()
+    w = torch.randn(2, 100, device="cuda").to(dtype)
+    w[1, 7] = float("nan")
+    q, scale = quantize_fp8(w)
+    assert scale[0].isfinite() and scale[1].isnan() and q[1].float().isnan().all()
 
 
 @pytest.mark.gpu

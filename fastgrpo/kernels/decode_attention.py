@@ -19,14 +19,14 @@ one split (Llama-3.1-8B's 512 (row, head) programs fill the GPU alone) the kerne
 partials, no second launch.
 Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET a bf16/fp16 cache's dots run in fp32
 (Triton 3.9's interpreter returns garbage for bf16 tl.dot, shared/DESIGN.md; its fp16 dots are right, so an e4m3
-cache's run as on a GPU); on a GPU q.k is in the input dtype with fp32 accumulation and p is rounded to q's dtype for
-p.v, as flash-attention does; fp32 inputs use "ieee" dots.
+cache's run as on a GPU); on a GPU a 16-bit cache's q.k is in the input dtype with fp32 accumulation and p is rounded
+to q's dtype for p.v, as flash-attention does (an e4m3 cache's dots: fp16, below); fp32 inputs use "ieee" dots.
 
 FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
 is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and widened to fp16 in registers
-(exact; fp16 dots: below); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales the weights
-p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written. The running
-sum l is of the unscaled p.
+(exact; fp16 dots: below); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales
+the weights p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written.
+The running sum l is of the unscaled p.
 
 An e4m3 cache's dots run in fp16, not in q's bf16: e4m3 widens to fp16 in one conversion per two elements, to bf16
 only through fp16 (three per two: the conversions, not the bytes, were the kernel's cost; sm_90 PTX census in
@@ -44,8 +44,10 @@ are contiguous and every tile lies inside its buffer (V_WHOLE_TILES: the rows' o
 V's loads are not masked, so they stay vectorized and pipelined, and the hidden slots' values are zeroed after the
 load (a hidden slot may hold anything, NaN included) unless the caller vouches that every slot is finite
 (V_FINITE: the engine's zero-allocated cache; a hidden slot's weight is 0, and 0 x finite adds nothing): that
-zeroing, per byte, took 12% of the kernel's time (H100, Llama-3.1-8B heads). One flag for both: a choice per tile (prefix or suffix) is a
-branch at run time, and the sm_90 compile then neither vectorizes nor pipelines V's loads.
+zeroing, per byte, took 12% of the kernel's time (H100, Llama-3.1-8B heads). One flag for both: a choice per tile
+(prefix or suffix) is a branch at run time, and the sm_90 compile then neither vectorizes nor pipelines V's loads.
+Whole tiles need the buffer's slots to be a multiple of block_n: the engine's plain cache is (length_bucket 128),
+a shared prefix's suffix (max_new_tokens slots) may not be, and then takes the masked loads.
 """
 from __future__ import annotations
 
@@ -60,10 +62,16 @@ LOG2E = 1.4426950408889634
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
 # a program's tile and launch on a GPU, with default_splits' WARPS_PER_SM: of the tiles and splits timed on an H100
 # at the rollout's shapes (benchmarks/bench_decode_attention.py --splits), the fastest for Qwen2.5-1.5B and
-# Llama-3.1-8B heads with a bf16 and an e4m3 cache alike: 10-23% less time per call than 64 slots, 2 warps and about
-# 4 programs per SM (NOTES_rollout.md)
+# Llama-3.1-8B heads (16 query rows, D 128) with a bf16 and an e4m3 cache alike: 10-23% less time per call than 64
+# slots, 2 warps and about 4 programs per SM (NOTES_rollout.md)
 GPU_TILES = dict(block_n=128, num_warps=4, num_stages=2)
-WARPS_PER_SM = 8  # default_splits: the splits that bring the programs' warps nearest this per SM, at least one
+# a program's shared memory grows with its rows x head dim (a shared prefix's S x G rows, a head dim of 256): past
+# 16 x 128, GPU_TILES' would pass an Ada card's 99 KB per block (bf16, 64 rows x D 128: 152 KB; x D 256: 296 KB,
+# past an H100's 227 KB too), so taller or wider programs take smaller tiles: (rows x D up to, tiles); all fit 99 KB
+# (test_decode_attention.py compiles them). 64 slots / 2 warps was the default before the splits sweep.
+TILES_BY_SIZE = ((16 * 128, GPU_TILES), (64 * 128, dict(block_n=64, num_warps=2, num_stages=2)),
+                 (None, dict(block_n=32, num_warps=2, num_stages=2)))
+WARPS_PER_SM = 8  # default_splits: at most this many warps per SM in all (rounded down), at least one split
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
 
@@ -142,8 +150,8 @@ def _decode_attention_kernel(
                 vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
             use = (row_ok & (sample_of_row == sample))[:, None] & key_ok[None, :]
         kv_mask = key_ok[:, None] & dim_ok[None, :]
-        # masked slots are not loaded (V in whole tiles: zeroed after the load): a pad or an unwritten slot may hold
-        # anything, NaN included
+        # masked slots are not loaded (V in whole tiles: zeroed after the load, or left as they are under V_FINITE):
+        # a pad or an unwritten slot may hold anything, NaN included
         k = tl.load(k_ptrs + dims[None, :], mask=kv_mask, other=0.0)  # k: [BLOCK_N, BLOCK_D]
         if V_WHOLE_TILES:
             v = tl.load(v_ptrs)
@@ -259,18 +267,18 @@ def decode_attention_fwd(
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
     q, k and visible need a unit-stride last dimension, v and prefix_v one of their last two (the op makes them so).
-    tiles: some of GPU_TILES' keys, for a benchmark's sweep. v_finite: every slot of v (and prefix_v) holds a finite
-    value, hidden or not (module docstring)."""
+    tiles: some of the tiles' keys (block_n, num_warps, num_stages) over tiles_for's, for a benchmark's sweep.
+    v_finite: every slot of v (and prefix_v) holds a finite value, hidden or not (module docstring)."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
     S = N // B
     P = prefix_k.shape[2] if has_prefix else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and not q.is_cuda
-    tiles = {**GPU_TILES, **(tiles or {})}
-    block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(16, triton.next_power_of_2(D))
+    tiles = {**tiles_for(block_r, block_d), **(tiles or {})}
+    block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     if splits is None:
         splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n,
                                 tiles["num_warps"])
@@ -285,7 +293,9 @@ def decode_attention_fwd(
     ks, vs = (k_scale, v_scale) if fp8 else (k, v)
     pks, pvs = (prefix_k_scale, prefix_v_scale) if fp8 and has_prefix else (ks, vs)
     out = torch.empty_like(q)
-    if splits == 1:  # the kernel writes `out` itself; the partials' pointers are not read
+    # one split: the kernel writes `out` itself; the partials' pointers, never touched, are `out` too (a tensor the
+    # kernel does write, so a compiler's analysis of what the launch mutates sees nothing new)
+    if splits == 1:
         m_part = l_part = acc_part = out
     else:
         m_part = torch.empty(B * H, splits, block_r, dtype=torch.float32, device=q.device)
@@ -315,6 +325,11 @@ def decode_attention_fwd(
         H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d, ROWS=rows,
     )
     return out
+
+
+def tiles_for(block_r: int, block_d: int) -> dict:
+    """The GPU tiles (TILES_BY_SIZE) of a program of block_r query rows and head dim block_d."""
+    return next(tiles for limit, tiles in TILES_BY_SIZE if limit is None or block_r * block_d <= limit)
 
 
 def _whole_v_tiles(v: torch.Tensor, block_n: int, block_d: int) -> bool:

@@ -24,26 +24,32 @@ BLOCK_K = 2048  # elements of a row per load
 
 
 @triton.jit
-def _quantize_rows_kernel(X, Q, SCALE, K, stride_x, stride_q, BLOCK_K: tl.constexpr):
+def _max_with_nan(a, b):
+    # NaN wins, as in torch's amax and clamp (Triton's default max drops it: a NaN weight would quantize finite)
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _quantize_rows_kernel(X, Q, SCALE, stride_x, stride_q, K, BLOCK_K: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_K)
     amax = tl.zeros([BLOCK_K], tl.float32)
     for start in range(0, K, BLOCK_K):
         x = tl.load(X + row * stride_x + start + cols, mask=start + cols < K, other=0.0)
-        amax = tl.maximum(amax, tl.abs(x.to(tl.float32)))
-    scale = tl.maximum(tl.div_rn(tl.max(amax, axis=0), FP8_MAX), FP32_TINY)
+        amax = _max_with_nan(amax, tl.abs(x.to(tl.float32)))
+    scale = _max_with_nan(tl.div_rn(tl.reduce(amax, 0, _max_with_nan), FP8_MAX), FP32_TINY)
     tl.store(SCALE + row, scale)
     for start in range(0, K, BLOCK_K):
         ok = start + cols < K
         x = tl.load(X + row * stride_x + start + cols, mask=ok, other=0.0).to(tl.float32)
-        q = tl.minimum(tl.maximum(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX)
+        q = tl.minimum(_max_with_nan(tl.div_rn(x, scale), -FP8_MAX), FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
         tl.store(Q + row * stride_q + start + cols, q.to(tl.float8e4nv), mask=ok)
 
 
 def quantize_rows_fwd(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-    """x [R, K] (unit-stride rows; fp16, bf16 or fp32) -> q [R, K] e4m3 (unit-stride rows) and scale [R] fp32, in
-    place."""
+    """x [R, K] (unit-stride rows; fp16, bf16 or fp32) -> q [R, K] e4m3 (unit-stride rows) and scale [R] fp32
+    (unit-stride), in place."""
     R, K = x.shape
     if R:
-        _quantize_rows_kernel[(R,)](x, q, scale, K, x.stride(0), q.stride(0), BLOCK_K=min(BLOCK_K,
-                                                                                         triton.next_power_of_2(K)))
+        block_k = min(BLOCK_K, triton.next_power_of_2(K))
+        _quantize_rows_kernel[(R,)](x, q, scale, x.stride(0), q.stride(0), K, BLOCK_K=block_k)

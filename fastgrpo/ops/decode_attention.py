@@ -132,6 +132,8 @@ def decode_attention(
                              f"{prefix_k.dtype}, {prefix_v.dtype}")
         if fp8:
             _check_scales((B, H, P), prefix_k_scale=prefix_k_scale, prefix_v_scale=prefix_v_scale)
+    if splits is not None and splits < 1:
+        raise ValueError(f"splits: expected at least 1 (or None: the kernel's choice), got {splits}")
     scales = (k_scale, v_scale, prefix_k_scale, prefix_v_scale)
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, k, v, visible, length):

@@ -11,6 +11,7 @@ step (the kernel's split-K tickets are none of the compiler's business: every la
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -46,7 +47,11 @@ def quantize_fp8(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | 
     check_shape("out[1]", scale, (N,))
     check_dtype("out[0]", q, (FP8_DTYPE,))
     check_dtype("out[1]", scale, (torch.float32,))
-    if weight.dtype in _ACTIVATIONS and weight.is_cuda and q.stride(1) == 1:
+    for name, t in (("out[0]", q), ("out[1]", scale)):
+        if t.device != weight.device:
+            raise ValueError(f"{name}: expected a tensor on the weight's device {weight.device}, got {t.device}")
+    kernel = weight.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
+    if kernel and weight.dtype in _ACTIVATIONS and q.stride(1) == 1 and scale.stride(0) == 1:
         from fastgrpo.kernels.quantize_fp8 import quantize_rows_fwd
 
         quantize_rows_fwd(weight if weight.stride(1) == 1 else weight.contiguous(), q, scale)

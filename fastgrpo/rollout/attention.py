@@ -42,7 +42,8 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     if Q == 1 and length is not None and _kernel_fits(attention_mask, kwargs):
         q = query.reshape(N, Hkv, Hq // Hkv, D)
         extra = cache.decode_kwargs(module.layer_idx) if cache is not None else {}
-        # the engine's cache is zero-allocated and written with finite values only
+        # the engine's cache is zero-allocated and written with the model's K/V only, which are finite (its left
+        # pads' too, hidden as they are: a non-finite value there would now reach its row's output)
         out = decode_attention(q, key, value, attention_mask[:, 0, 0], length, scaling, v_finite=cache is not None,
                                **extra)
         out = out.reshape(N, Hq, 1, D)
