@@ -175,6 +175,23 @@ def test_cache_stores_the_quantized_prompt_at_about_half_the_bytes(monkeypatch, 
                 assert torch.equal(scales[layer][:, :, :P], scale)
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_engine_vouches_for_a_cache_that_is_finite(monkeypatch, caches, shared):
+    """The engine's cache is zero-allocated and written with the model's K/V only, so every decode call passes
+    v_finite (the kernel then reads whole slot-major V tiles without zeroing hidden slots): every V slot is finite
+    after a rollout, left pads and unwritten slots included."""
+    from fastgrpo.kernels import decode_attention as kernels
+
+    flags, forward = [], kernels.decode_attention_fwd
+    monkeypatch.setattr(kernels, "decode_attention_fwd",
+                        lambda *args, **kw: flags.append(kw.get("v_finite")) or forward(*args, **kw))
+    run(tiny_model("llama"), EngineConfig(attention="triton", kv_cache="fp8", shared_prefix=shared), new_tokens=4)
+    assert flags and all(flags)
+    (cache,) = caches
+    values = [*cache.values.values(), *(cache.prefix_values.values() if shared else [])]
+    assert values and all(torch.isfinite(v.float()).all() for v in values)
+
+
 def test_compiled_cache_write_is_the_eager_one_with_no_dtype_view(monkeypatch):
     """LayerCache.update under torch.compile writes the bytes and scales the eager path writes (uint8 view: eager
     index_copy_ has no float8 kernel), and its traced graph holds no dtype view of the cache: on an H100 the write
