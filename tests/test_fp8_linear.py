@@ -153,15 +153,15 @@ HOPPER_CHECK = """
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastgrpo.kernels.fp8_linear import GPU_TILES, W8A8_TILES, _fp8_linear_kernel as fn
+from fastgrpo.kernels.fp8_linear import (GPU_TILES, W8A8_NARROW_TILES, W8A8_TILES, W8A8_WIDE_TILES,
+                                        _fp8_linear_kernel as fn)
 ints = {a: "i32" for a in fn.arg_names[8:16]}
 consts = {a: "constexpr" for a in fn.arg_names[16:]}
 # what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16; not `splits`)
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
-for fp8_x in (False, True):
+for fp8_x, t in ((False, GPU_TILES), (True, W8A8_TILES), (True, W8A8_NARROW_TILES), (True, W8A8_WIDE_TILES)):
     sig = {"X": "*fp8e4nv" if fp8_x else "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
            "PARTIAL": "*fp32", "COUNTS": "*i32", "X_SCALE": "*fp32", **ints, **consts}
-    t = W8A8_TILES if fp8_x else GPU_TILES
     for split in (True, False):
         values = dict(HAS_BIAS=True, SPLIT=split, EVEN_K=True, FP32_DOT=False, FP8_X=fp8_x, BLOCK_M=64,
                       BLOCK_N=t["block_n"], BLOCK_K=t["block_k"], PRECISE_EVERY=min(t["block_k"], 128))
@@ -174,16 +174,36 @@ for fp8_x in (False, True):
 
 
 def test_compiles_for_hopper():
-    """The default GPU configs compile for sm_90 on the CPU (Triton's own ptxas, no GPU), W8A16 and W8A8: wgmma,
-    loads pipelined with cp.async (stages x 2 loads), shared memory for the programs per SM they plan. CI never sees
-    a GPU; this keeps an edit that breaks the real compile, or its pipelining, from passing as the interpreter
-    would."""
+    """The default GPU configs compile for sm_90 on the CPU (Triton's own ptxas, no GPU), W8A16 and W8A8's three
+    tile families: wgmma, loads pipelined with cp.async (stages x 2 loads), shared memory for the programs per SM
+    they plan; the narrow W8A8 tiles take what W8A8_NARROW_SHARED says (w8a8_tiles compares it with the card's), the
+    others fit an Ada card's 99 KB. CI never sees a GPU; this keeps an edit that breaks the real compile, or its
+    pipelining, from passing as the interpreter would."""
+    from fastgrpo.kernels.fp8_linear import W8A8_NARROW_SHARED
+
     out = sm90_compile_output(HOPPER_CHECK)
-    lines = out.split("\n")[:4]
-    assert len(lines) == 4, out
-    for line in lines:
+    lines = out.split("\n")[:8]
+    assert len(lines) == 8, out
+    for i, line in enumerate(lines):
         _, _, wgmma, copies, shared, stages, per_sm = line.split()
         assert wgmma == "True" and int(copies) == 2 * int(stages) and int(shared) <= 228 * 1024 // int(per_sm), line
+        assert int(shared) == W8A8_NARROW_SHARED if i in (4, 5) else int(shared) <= 99 * 1024, line
+
+
+def test_w8a8_tiles_by_width():
+    """At most one 64 x 64 tile per SM: the narrow tiles where the card has their shared memory, else W8A8_TILES;
+    more tiles than SMs: the wide ones (an H100's 132 SMs: Llama-3.1-8B's q/k/v, o and down are narrow, gate/up and
+    lm_head wide)."""
+    from fastgrpo.kernels.fp8_linear import (W8A8_NARROW_SHARED, W8A8_NARROW_TILES, W8A8_TILES, W8A8_WIDE_TILES,
+                                            w8a8_tiles)
+
+    hopper, ada = 227 * 1024, 99 * 1024
+    assert W8A8_NARROW_SHARED > ada
+    for N in (6144, 4096, 64 * 132):
+        assert w8a8_tiles(64, N, 132, hopper) == W8A8_NARROW_TILES
+        assert w8a8_tiles(64, N, 132, ada) == W8A8_TILES
+    for M, N in ((64, 28672), (64, 128256), (64, 64 * 133), (128, 64 * 67)):
+        assert w8a8_tiles(M, N, 132, hopper) == W8A8_WIDE_TILES == w8a8_tiles(M, N, 132, ada)
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------

@@ -39,7 +39,11 @@ import triton.language as tl
 # steps run in order), so this bounds tiles per launch: 64K tiles of 64 features is a 4M-wide output.
 MAX_TILES = 1 << 16
 GPU_TILES = dict(block_n=64, block_k=128, programs_per_sm=2, num_warps=4, num_stages=3)  # see default_config
-W8A8_TILES = dict(block_n=64, block_k=128, programs_per_sm=1, num_warps=4, num_stages=5)  # the same, e4m3 x
+# e4m3 x (default_config): by how many 64-feature tiles the GEMM has against the SMs (w8a8_tiles)
+W8A8_TILES = dict(block_n=64, block_k=128, programs_per_sm=1, num_warps=4, num_stages=5)  # any card, any width
+W8A8_NARROW_TILES = dict(block_n=64, block_k=256, programs_per_sm=1, num_warps=4, num_stages=5)  # <= one wave
+W8A8_NARROW_SHARED = 5 * 2 * 64 * 256  # its shared memory, bytes: 5 stages x (weight + x) tiles of 64 x 256 e4m3
+W8A8_WIDE_TILES = dict(block_n=64, block_k=128, programs_per_sm=1, num_warps=4, num_stages=3)  # > one wave
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,15 +154,38 @@ def default_config(M: int, N: int, K: int, device: torch.device, fp8_x: bool = F
     an H100 (64 rows; q/o, k/v, gate/up, down, lm_head: 64 features x 128 of K, 4 warps, 3 stages; the first tiles,
     128 features and 8 warps, took 7-182% longer). The splits fill one wave of two programs per SM (not more: a
     second, partial wave would idle most SMs), each split at least two K steps; that is the sweep's best split for
-    4 of the 5 shapes (k/v: 16 where 8 was best). With e4m3 x (fp8_x) W8A8_TILES: of 39 tile families swept on an
-    H100, the least time for a decode step's GEMMs (stacked q/k/v and gate/up, o, down, lm_head) summed over
-    Llama-3.1-8B and Qwen2.5-1.5B: one program per SM with 5 stages in flight (4% less than GPU_TILES' for Llama,
-    benchmarks/NOTES_rollout.md). Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
+    4 of the 5 shapes (k/v: 16 where 8 was best). With e4m3 x (fp8_x), by width (w8a8_tiles): at most one tile
+    per SM (q/k/v, o, down), 256 of K per step and 5 stages where the card has the shared memory for it (Hopper,
+    not Ada's 99 KB): each SM then holds 80 KB of weight in flight; wider (gate/up, lm_head), 128 of K and 3 stages,
+    so several programs share an SM and overlap their loads. On an H200 that came within 1% of the best of 39 swept
+    configs for 8 of the 10 decode GEMMs of Llama-3.1-8B and Qwen2.5-1.5B (within 4% and 5% for Qwen's lm_head and
+    gate/up), and took 9% less GEMM time per Llama decode step than W8A8_TILES, the one family with the least summed
+    time on both an H100 and an H200 (H100: 3% less; benchmarks/NOTES_rollout.md "W8A8 tiles by width"). Interpreter: 16-wide tiles, so small
+    test shapes cross tiles, splits and edges.
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return config_for(M, N, K, sms, **(W8A8_TILES if fp8_x else GPU_TILES))
+    if not fp8_x:
+        return config_for(M, N, K, sms, **GPU_TILES)
+    return config_for(M, N, K, sms, **w8a8_tiles(M, N, sms, _max_shared(device)))
+
+
+def w8a8_tiles(M: int, N: int, sms: int, max_shared: int) -> dict:
+    """W8A8's tile family for y [M, N] on a card of `sms` SMs and `max_shared` bytes of shared memory per block."""
+    tiles = triton.cdiv(N, 64) * triton.cdiv(M, 64)
+    if tiles > sms:
+        return W8A8_WIDE_TILES
+    return W8A8_NARROW_TILES if max_shared >= W8A8_NARROW_SHARED else W8A8_TILES
+
+
+@functools.cache
+def _max_shared(device: torch.device) -> int:
+    """Shared memory a block may opt into on `device`, bytes (Triton's driver: torch does not report it)."""
+    from triton.runtime import driver
+
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
