@@ -4,10 +4,12 @@
 
 Qwen2.5-1.5B shapes (FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b for Llama-3.1-8B; random weights), bf16, 8 prompts x 8 generations, prompt 256 tokens (random ids), 1024 new
 tokens, pure sampling (temperature 1, no top-k/top-p) with EOS ignored, so every row generates exactly 1024
-tokens. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then timed
+tokens. Our rows (ENGINES): the default engine, an FP8 copy of the weights (W8A16) and the W8A8 copy with an
+e4m3 KV cache. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then timed
 calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above
 the weights, total peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies,
-lm_head included, plus the K/V of the tokens so far, averaged over the steps) / measured copy bandwidth, divided
+lm_head included, plus the K/V of the tokens so far, averaged over the steps; as stored: an FP8 copy's and cache's
+bytes for those rows) / measured copy bandwidth, divided
 by the measured time per step. Target: ours >= 8x HF default.
 """
 from __future__ import annotations
@@ -81,17 +83,19 @@ def weight_bytes(model) -> int:
     return total if model.config.tie_word_embeddings else total - embed.numel() * embed.element_size()
 
 
-def kv_bytes_per_token(config) -> int:
+def kv_bytes_per_token(config, fp8: bool = False) -> int:
+    """K and V of one token over all layers: bf16, or e4m3 with one fp32 scale per vector (rollout/kv_cache.py)."""
     head_dim = config.hidden_size // config.num_attention_heads
-    return config.num_hidden_layers * 2 * config.num_key_value_heads * head_dim * 2  # K and V, bf16
+    per_vector = head_dim + 4 if fp8 else head_dim * 2
+    return config.num_hidden_layers * 2 * config.num_key_value_heads * per_vector
 
 
-def _step_bytes(model, weights: int | None = None) -> float:
+def _step_bytes(model, weights: int | None = None, fp8_cache: bool = False) -> float:
     """Bytes a decode step reads at least: weights it multiplies (not the embedding gather; `weights` when not the
-    model's own, e.g. an FP8 copy) + the mean K/V so far."""
+    model's own, e.g. an FP8 copy) + the mean K/V so far (as the cache stores them)."""
     mean_context = PROMPT_LEN + NEW_TOKENS / 2
     weights = weight_bytes(model) if weights is None else weights
-    return weights + PROMPTS * GENERATIONS * kv_bytes_per_token(model.config) * mean_context
+    return weights + PROMPTS * GENERATIONS * kv_bytes_per_token(model.config, fp8_cache) * mean_context
 
 
 def _timed(call, repeats: int) -> dict:
@@ -120,11 +124,11 @@ def _timed(call, repeats: int) -> dict:
     }
 
 
-def _row(engine: str, measured: dict, weights: int | None = None) -> None:
+def _row(engine: str, measured: dict, weights: int | None = None, fp8_cache: bool = False) -> None:
     setup = _setup()
     if "bandwidth" not in setup:
         setup["bandwidth"] = _copy_bandwidth()
-    roofline_ms = _step_bytes(setup["model"], weights) / setup["bandwidth"] * 1e3
+    roofline_ms = _step_bytes(setup["model"], weights, fp8_cache) / setup["bandwidth"] * 1e3
     ROWS.append({"engine": engine, **measured, "roofline_share": roofline_ms / measured["ms_per_step"]})
     hf = next((r for r in ROWS if r["engine"] == "hf_default"), None)
     for row in ROWS:
@@ -133,10 +137,15 @@ def _row(engine: str, measured: dict, weights: int | None = None) -> None:
     _write(roofline_ms)
 
 
-@pytest.mark.parametrize("weights", ["model", "fp8"])
-def test_fastgrpo_rollout(weights):
-    """weights="fp8": EngineConfig(weights="fp8"), the decode steps on an e4m3 copy of the weights (its roofline
-    counts the copy's bytes; benchmarks/bench_fp8.py has the GEMMs and the log-prob gap)."""
+# row name -> EngineConfig fields: the default engine, the FP8 copy with 16-bit activations (W8A16), and the fastest
+# FP8 rollout (W8A8 copy and an e4m3 KV cache); the FP8 rows' rooflines count the bytes they read
+ENGINES = {"fastgrpo": {}, "fastgrpo-fp8": {"weights": "fp8"},
+           "fastgrpo-fp8-w8a8-kv": {"weights": "w8a8", "kv_cache": "fp8"}}
+
+
+@pytest.mark.parametrize("engine", list(ENGINES))
+def test_fastgrpo_rollout(engine):
+    """The engine with ENGINES[engine] (benchmarks/bench_fp8.py has the FP8 GEMMs and the log-prob gap)."""
     from fastgrpo.rollout.decode_weights import copy_bytes
     from fastgrpo.rollout.decode import EngineConfig
     from fastgrpo.rollout.generate import generate_with_config
@@ -148,7 +157,7 @@ def test_fastgrpo_rollout(weights):
 
     def call():
         return generate_with_config(setup["model"], setup["tokenizer"], prompts, GENERATIONS, params, seed=0,
-                                    config=EngineConfig(weights=weights))
+                                    config=EngineConfig(**ENGINES[engine]))
 
     first = time.perf_counter()
     result = call()
@@ -160,10 +169,9 @@ def test_fastgrpo_rollout(weights):
     measured["first_call_s"] = first
     # the KV cache and step buffers go back when the call returns (within 64 MiB)
     measured["kv_released"] = measured["left_allocated_mib"] <= 64
-    if weights == "fp8":
-        _row("fastgrpo-fp8", measured, copy_bytes(setup["model"], "fp8"))
-    else:
-        _row("fastgrpo", measured)
+    weights = ENGINES[engine].get("weights")
+    copy = None if weights is None else copy_bytes(setup["model"], weights)
+    _row(engine, measured, copy, ENGINES[engine].get("kv_cache") == "fp8")
 
 
 def _hf_call(static: bool, new_tokens: int):
