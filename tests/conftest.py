@@ -64,7 +64,7 @@ def compiles(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     counter = CompileCounter()
     monkeypatch.setattr(decode, "_compiled", functools.cache(
-        lambda fn: torch.compile(fn, backend=counter, dynamic=False)))
+        lambda fn, options=(): torch.compile(fn, backend=counter, dynamic=False)))
     torch._dynamo.reset()
     yield counter
     torch._dynamo.reset()

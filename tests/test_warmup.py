@@ -219,7 +219,7 @@ def test_layers_scope_through_aot_autograd(monkeypatch):
     the layer views' in-place writes must reach the cache."""
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setattr(decode, "_compiled", functools.cache(
-        lambda fn: torch.compile(fn, backend="aot_eager", dynamic=False)))
+        lambda fn, options=(): torch.compile(fn, backend="aot_eager", dynamic=False)))
     torch._dynamo.reset()
     model = deep_model("qwen2")
     got = run(model, PROMPT_SETS[1], EngineConfig(**FIXED, compile_scope="layers"))

@@ -42,8 +42,7 @@ class EngineConfig:
     # one-token attention: "sdpa" (one SDPA call over all M cache slots, masked), "triton" (the flash-decoding
     # kernel of fastgrpo.ops.decode_attention, reading only the filled slots; 9% / 16% faster decode steps than sdpa
     # for Qwen2.5-1.5B / Llama-3.1-8B shapes on an H100, benchmarks/NOTES_rollout.md) or "auto": "triton" on CUDA
-    # and wherever an option below needs the kernel, else "sdpa" (the kernel's CPU fallback is plain torch).
-    # Models kept on "eager" attention (soft-capping, e.g. gemma2) ignore it.
+    # and wherever an option below needs the kernel, else "sdpa". Models kept on "eager" attention ignore it.
     attention: str = "auto"
     # the Triton attention only: store each prompt's K/V once for its G samples (prefix_len = bucket(P) slots per
     # prompt, S = max_new_tokens slots per row instead of bucket(P + S); formula in rollout/kv_cache.py) and let
@@ -87,12 +86,9 @@ class EngineConfig:
     # row, slot and K/V head: 0.52x the bytes at head_dim 128, and half what the decode attention reads; layout and
     # scale choice in rollout/kv_cache.py and ops/decode_attention.py). The prefill's own attention uses its
     # unquantized K/V; decode steps attend over the e4m3 cache, so log-probs move by the quantization
-    # (tests/test_fp8_kv_cache.py bounds it). Attention "triton" only (its kernel reads e4m3; SDPA would need a
-    # dequantized copy of the cache every step), with shared_prefix and every finished_rows mode; models kept on
-    # "eager" attention (soft-capping, e.g. gemma2) cannot use it (an error when the rollout starts), nor GPUs
-    # before compute capability 8.9. It decodes slower, not faster: Llama-3.1-8B shapes 7.96 against 7.32 ms a step
-    # on an H200, the attention kernel's e4m3 path being slower than its bf16 one (benchmarks/NOTES_rollout.md, D4):
-    # it saves memory only.
+    # (tests/test_fp8_kv_cache.py bounds it). Attention "triton" only (its kernel reads e4m3), with shared_prefix and
+    # every finished_rows mode; not for models kept on "eager" attention (an error when the rollout starts) nor GPUs
+    # before compute capability 8.9. With weights="w8a8", the fastest rollout (benchmarks/NOTES_rollout.md, D4).
     kv_cache: str = "model"
 
     def __post_init__(self):
@@ -349,11 +345,15 @@ def _noise(state: _State) -> torch.Tensor | None:
     return None if state.keys is None else keyed_exponential(state.keys, state.step, state.vocab_keys)
 
 
+# Inductor's for a decoder layer: its reductions are per row; unsplit, W8A8's SwiGLU quantizer is one kernel, not
+# three (benchmarks/NOTES_rollout.md). The sampling's reductions, over the vocabulary, stay split.
+LAYER_OPTIONS = (("split_reductions", False),)
+
+
 @functools.cache
-def _compiled(fn):
-    # dynamic=False: N and M are fixed per call (M bucketed, or fixed by max_prompt_length), and static shapes are
-    # what CUDA graphs need
-    return torch.compile(fn, dynamic=False)
+def _compiled(fn, options: tuple = ()):
+    # dynamic=False: N and M are fixed per call (M bucketed), as CUDA graphs need; options: Inductor's, as pairs
+    return torch.compile(fn, dynamic=False, options=dict(options) or None)
 
 
 def _compiled_forward(model, config: EngineConfig):
@@ -367,7 +367,7 @@ def _compiled_forward(model, config: EngineConfig):
         return _compiled(_forward_sample)
 
     def forward(model, cache, cache_kw, state, params, dtype):
-        with compiled_layers(layers, cache, cache_kw, _compiled):
+        with compiled_layers(layers, cache, cache_kw, lambda fn: _compiled(fn, LAYER_OPTIONS)):
             logits = _logits(model, cache, cache_kw, state, dtype)
         return _compiled(_sample_logits)(logits, params, state)
 
