@@ -283,8 +283,9 @@ def gemm_rows(shape: str, model, rows: int, bandwidth: float, device: str) -> li
             del fours
         if cuda:
             row["default"] = str(dataclasses.astuple(default_config(rows, N, K, x.device)))
-            timed = {c: kernel_us([functools.partial(fp8_linear_fwd, x, q, s, None, c) for q, s in qs], device)
-                     for c in sweep(rows, N, K, x.device)}
+            w8a16 = [functools.partial(fp8_linear_fwd, x, q, s, None) for q, s in qs]
+            timed = _timed_configs(sweep(rows, N, K, x.device), lambda c: [functools.partial(f, c) for f in w8a16],
+                                   device)
             best = min(timed, key=timed.get)
             row.update(best_us=timed[best], best=str(dataclasses.astuple(best)))
             row.update(_w8a8_kernel_row(x, qs))
