@@ -85,7 +85,7 @@ def weight_bytes(model) -> int:
 
 def kv_bytes_per_token(config, fp8: bool = False) -> int:
     """K and V of one token over all layers: bf16, or e4m3 with one fp32 scale per vector (rollout/kv_cache.py)."""
-    head_dim = config.hidden_size // config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     per_vector = head_dim + 4 if fp8 else head_dim * 2
     return config.num_hidden_layers * 2 * config.num_key_value_heads * per_vector
 

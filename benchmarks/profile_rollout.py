@@ -304,11 +304,7 @@ def roofline(model, sizes: Sizes, bandwidth: float, row: dict, weights: int | No
     bytes of the weights a step multiplies when not the model's own (an FP8 copy); kv_cache "fp8": each bf16 K/V
     vector of D (2D bytes) is cached as D e4m3 bytes + a 4-byte scale."""
     weights = weight_bytes(model) if weights is None else weights
-    kv = kv_bytes_per_token(model.config) * sizes.rows
-    if kv_cache == "fp8":
-        head_dim = getattr(model.config, "head_dim", None) or \
-            model.config.hidden_size // model.config.num_attention_heads
-        kv = kv * (head_dim + 4) // (2 * head_dim)
+    kv = kv_bytes_per_token(model.config, kv_cache == "fp8") * sizes.rows
     bucket = EngineConfig().length_bucket
     cache_len = -(-(sizes.prompt_len + sizes.new_tokens) // bucket) * bucket  # the engine's M
     roof_ms = (weights + kv * sizes.mean_context) / bandwidth * 1e3

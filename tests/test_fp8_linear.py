@@ -159,7 +159,8 @@ ints = {a: "i32" for a in fn.arg_names[8:16]}
 consts = {a: "constexpr" for a in fn.arg_names[16:]}
 # what the JIT specializes at a launch on aligned tensors of the decode shapes (multiples of 16; not `splits`)
 attrs = {(i,): [["tt.divisibility", 16]] for i in range(15)}
-for fp8_x, t in ((False, GPU_TILES), (True, W8A8_TILES), (True, W8A8_NARROW_TILES), (True, W8A8_WIDE_TILES)):
+for name, fp8_x, t in (("GPU_TILES", False, GPU_TILES), ("W8A8_TILES", True, W8A8_TILES),
+                       ("W8A8_NARROW_TILES", True, W8A8_NARROW_TILES), ("W8A8_WIDE_TILES", True, W8A8_WIDE_TILES)):
     sig = {"X": "*fp8e4nv" if fp8_x else "*bf16", "W": "*fp8e4nv", "SCALE": "*fp32", "BIAS": "*bf16", "Y": "*bf16",
            "PARTIAL": "*fp32", "COUNTS": "*i32", "X_SCALE": "*fp32", **ints, **consts}
     for split in (True, False):
@@ -168,7 +169,7 @@ for fp8_x, t in ((False, GPU_TILES), (True, W8A8_TILES), (True, W8A8_NARROW_TILE
         kernel = triton.compile(ASTSource(fn, sig, values, attrs), target=GPUTarget("cuda", 90, 32),
                                 options={"num_warps": t["num_warps"], "num_stages": t["num_stages"]})
         ir = kernel.asm["ttgir"]
-        print(fp8_x, split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared,
+        print(name, split, "warp_group_dot" in ir, ir.count("async_copy_global_to_local"), kernel.metadata.shared,
               t["num_stages"], t["programs_per_sm"])
 """
 
@@ -177,17 +178,17 @@ def test_compiles_for_hopper():
     """The default GPU configs compile for sm_90 on the CPU (Triton's own ptxas, no GPU), W8A16 and W8A8's three
     tile families: wgmma, loads pipelined with cp.async (stages x 2 loads), shared memory for the programs per SM
     they plan; the narrow W8A8 tiles take what W8A8_NARROW_SHARED says (w8a8_tiles compares it with the card's), the
-    others fit an Ada card's 99 KB. CI never sees a GPU; this keeps an edit that breaks the real compile, or its
-    pipelining, from passing as the interpreter would."""
+    others would fit an Ada card's 99 KB (as compiled for sm_90: sm_89's compile is not checked). CI never sees a GPU;
+    this keeps an edit that breaks the real compile, or its pipelining, from passing as the interpreter would."""
     from fastgrpo.kernels.fp8_linear import W8A8_NARROW_SHARED
 
     out = sm90_compile_output(HOPPER_CHECK)
     lines = out.split("\n")[:8]
     assert len(lines) == 8, out
-    for i, line in enumerate(lines):
-        _, _, wgmma, copies, shared, stages, per_sm = line.split()
+    for line in lines:
+        name, _, wgmma, copies, shared, stages, per_sm = line.split()
         assert wgmma == "True" and int(copies) == 2 * int(stages) and int(shared) <= 228 * 1024 // int(per_sm), line
-        assert int(shared) == W8A8_NARROW_SHARED if i in (4, 5) else int(shared) <= 99 * 1024, line
+        assert int(shared) == W8A8_NARROW_SHARED if name == "W8A8_NARROW_TILES" else int(shared) <= 99 * 1024, line
 
 
 def test_w8a8_tiles_by_width():
@@ -199,11 +200,30 @@ def test_w8a8_tiles_by_width():
 
     hopper, ada = 227 * 1024, 99 * 1024
     assert W8A8_NARROW_SHARED > ada
-    for N in (6144, 4096, 64 * 132):
-        assert w8a8_tiles(64, N, 132, hopper) == W8A8_NARROW_TILES
-        assert w8a8_tiles(64, N, 132, ada) == W8A8_TILES
+    for M, N in ((64, 6144), (64, 4096), (64, 64 * 132), (128, 64 * 66), (5, 100)):
+        assert w8a8_tiles(M, N, 132, hopper) == W8A8_NARROW_TILES == w8a8_tiles(M, N, 132, W8A8_NARROW_SHARED)
+        assert w8a8_tiles(M, N, 132, ada) == W8A8_TILES == w8a8_tiles(M, N, 132, W8A8_NARROW_SHARED - 1)
     for M, N in ((64, 28672), (64, 128256), (64, 64 * 133), (128, 64 * 67)):
         assert w8a8_tiles(M, N, 132, hopper) == W8A8_WIDE_TILES == w8a8_tiles(M, N, 132, ada)
+
+
+def test_default_config_on_a_gpu_takes_the_tiles_by_width(monkeypatch):
+    """default_config on a CUDA device (faked: the SM count and shared memory of an H100, then of a card with 99 KB)
+    hands w8a8_tiles the shape and the card, and config_for the family it returns; W8A16 keeps GPU_TILES."""
+    import types
+
+    from fastgrpo.kernels import fp8_linear as kernel
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
+        multi_processor_count=132))
+    cuda = torch.device("cuda", 0)
+    for shared, narrow in ((227 * 1024, kernel.W8A8_NARROW_TILES), (99 * 1024, kernel.W8A8_TILES)):
+        monkeypatch.setattr(kernel, "_max_shared", lambda index, shared=shared: shared)
+        for N, tiles in ((6144, narrow), (4096, narrow), (28672, kernel.W8A8_WIDE_TILES)):
+            got = kernel.default_config(64, N, 4096, cuda, fp8_x=True)
+            assert got == kernel.config_for(64, N, 4096, 132, **tiles), (shared, N)
+        assert kernel.default_config(64, 6144, 4096, cuda) == kernel.config_for(64, 6144, 4096, 132,
+                                                                                **kernel.GPU_TILES)
 
 
 # ---- the op ----------------------------------------------------------------------------------------------------

@@ -214,6 +214,15 @@ def test_layers_scope_leaves_the_model_as_it_was(compiles):
     torch.testing.assert_close(model(input_ids=ids).logits, twin(input_ids=ids).logits, atol=0, rtol=0)
 
 
+def test_layer_options_are_inductor_options():
+    """The tests' counting backends drop the layer compile's Inductor options, so this checks them: torch.compile
+    with Inductor accepts LAYER_OPTIONS (an unknown name raises at that call, before any compile)."""
+    torch._dynamo.reset()
+    decode._compiled.__wrapped__(lambda x: x + 1, decode.LAYER_OPTIONS)
+    with pytest.raises(RuntimeError, match="not_an_option"):
+        decode._compiled.__wrapped__(lambda x: x + 1, (("not_an_option", False),))
+
+
 def test_layers_scope_through_aot_autograd(monkeypatch):
     """aot_eager functionalizes the layer (the cache writes become mutations of graph inputs, as under Inductor):
     the layer views' in-place writes must reach the cache."""

@@ -160,31 +160,33 @@ def default_config(M: int, N: int, K: int, device: torch.device, fp8_x: bool = F
     so several programs share an SM and overlap their loads. On an H200 that came within 1% of the best of 39 swept
     configs for 8 of the 10 decode GEMMs of Llama-3.1-8B and Qwen2.5-1.5B (within 4% and 5% for Qwen's lm_head and
     gate/up), and took 9% less GEMM time per Llama decode step than W8A8_TILES, the one family with the least summed
-    time on both an H100 and an H200 (H100: 3% less; benchmarks/NOTES_rollout.md "W8A8 tiles by width"). Interpreter: 16-wide tiles, so small
-    test shapes cross tiles, splits and edges.
+    time on both an H100 and an H200 (H100: 3% less; benchmarks/NOTES_rollout.md "W8A8 tiles by width").
+    Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges.
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     if not fp8_x:
         return config_for(M, N, K, sms, **GPU_TILES)
-    return config_for(M, N, K, sms, **w8a8_tiles(M, N, sms, _max_shared(device)))
+    index = torch.cuda.current_device() if device.index is None else device.index
+    return config_for(M, N, K, sms, **w8a8_tiles(M, N, sms, _max_shared(index)))
 
 
 def w8a8_tiles(M: int, N: int, sms: int, max_shared: int) -> dict:
     """W8A8's tile family for y [M, N] on a card of `sms` SMs and `max_shared` bytes of shared memory per block."""
-    tiles = triton.cdiv(N, 64) * triton.cdiv(M, 64)
+    block = W8A8_NARROW_TILES["block_n"]  # every family's block_n, and the rows of a tile (block_m <= 64)
+    tiles = triton.cdiv(N, block) * triton.cdiv(M, block)
     if tiles > sms:
         return W8A8_WIDE_TILES
     return W8A8_NARROW_TILES if max_shared >= W8A8_NARROW_SHARED else W8A8_TILES
 
 
 @functools.cache
-def _max_shared(device: torch.device) -> int:
-    """Shared memory a block may opt into on `device`, bytes (Triton's driver: torch does not report it)."""
+def _max_shared(index: int) -> int:
+    """Shared memory a block may opt into on CUDA device `index`, bytes, as Triton's driver reports it (what
+    Triton checks a launch against)."""
     from triton.runtime import driver
 
-    index = torch.cuda.current_device() if device.index is None else device.index
     return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 

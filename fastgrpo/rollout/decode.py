@@ -352,7 +352,7 @@ LAYER_OPTIONS = (("split_reductions", False),)
 
 @functools.cache
 def _compiled(fn, options: tuple = ()):
-    # dynamic=False: N and M are fixed per call (M bucketed), as CUDA graphs need; options: Inductor's, as pairs
+    # dynamic=False: N, M fixed per call (M bucketed or max_prompt_length's), as CUDA graphs need; options: Inductor's
     return torch.compile(fn, dynamic=False, options=dict(options) or None)
 
 

@@ -111,7 +111,7 @@ class GRPOConfig:
     rollout_kv_cache: str = option("model", "builtin: the decode KV cache, model (the model's dtype) or fp8 (e4m3, "
                                             "an fp32 scale per vector: 0.52x the memory at head_dim 128; log-probs "
                                             "move by the quantization; rollout_attention triton or auto, compute "
-                                            "capability >= 8.9; slower per step on an H100: saves memory only)",
+                                            "capability >= 8.9; fastest with rollout_weights w8a8)",
                                    run_control=True)
     vllm_gpu_memory_utilization: float | None = option(
         None, "vllm: vLLM's share of the GPU for its activations and KV cache (vLLM's gpu_memory_utilization); "
