@@ -191,10 +191,8 @@ def _decode_attention_kernel(
         acc = acc * alpha[:, None] + pv
         m_i = m_new
 
-    if WRITE_OUT:  # one split: the output itself, as _combine_kernel would write it (acc / l), with no partials
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        o_ptrs = O + (b * S + sample_of_row)[:, None] * stride_on + h * stride_oh + (rows % G)[:, None] * stride_og
-        tl.store(o_ptrs + dims[None, :], o.to(O.dtype.element_ty), mask=row_ok[:, None] & dim_ok[None, :])
+    if WRITE_OUT:  # one split: the output itself, as _combine_kernel writes it, with no partials
+        _store_output(O, acc, l_i, b, h, rows, dims, S, G, D, stride_on, stride_oh, stride_og)
     else:
         out = bh.to(tl.int64) * splits + split
         tl.store(M_OUT + out * BLOCK_R + rows, m_i)
@@ -232,7 +230,13 @@ def _combine_kernel(
         w = tl.exp2(tl.load(M_IN + (base + i) * BLOCK_R + rows) - m)
         l_sum += w * tl.load(L_IN + (base + i) * BLOCK_R + rows)
         acc += w[:, None] * tl.load(ACC_IN + ((base + i) * BLOCK_R + rows)[:, None] * BLOCK_D + dims[None, :])
-    # a row that saw no key at all (not possible in the engine: a query sees its own slot) gets 0, not NaN
+    _store_output(O, acc, l_sum, b, h, rows, dims, S, G, D, stride_on, stride_oh, stride_og)
+
+
+@triton.jit
+def _store_output(O, acc, l_sum, b, h, rows, dims, S, G, D, stride_on, stride_oh, stride_og):
+    """acc / l_sum of query rows `rows` (r = sample * G + g) of group b, K/V head h into O [N, Hkv, G, D]; a row
+    that saw no key at all (not possible in the engine: a query sees its own slot) gets 0, not NaN."""
     out = acc / tl.where(l_sum > 0, l_sum, 1.0)[:, None]
     o_ptrs = O + (b * S + rows // G)[:, None] * stride_on + h * stride_oh + (rows % G)[:, None] * stride_og
     o_mask = (rows < S * G)[:, None] & (dims < D)[None, :]
