@@ -25,7 +25,7 @@ import os
 import torch
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import copies_past_l2, kernel_us, print_table, write_results
+from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd
 from fastgrpo.ops.decode_attention import quantize_kv
@@ -107,9 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--splits", default="auto",
                         help="comma-separated splits per (group, head) to time each tile with; auto: the kernel's")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.caches.split(",")) - set(CACHES))
-    if unknown:
-        parser.error(f"--caches: unknown {unknown}; expected some of {', '.join(CACHES)}")
+    cache_names = listed(parser, "--caches", args.caches, CACHES)
     try:
         tiles = [dict(zip(SWEEP, map(int, t.split("/")), strict=True)) for t in args.tiles.split(",")] \
             if args.tiles else None
@@ -121,9 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--splits: expected 'auto' or positive integers, comma-separated; got {args.splits!r}")
     if any(x is not None and x < 1 for x in split_counts):
         parser.error(f"--splits: expected 'auto' or positive integers; got {args.splits!r}")
-    unknown = sorted(set(args.shapes.split(",")) - set(SHAPES))
-    if unknown:
-        parser.error(f"--shapes: unknown {unknown}; expected some of {', '.join(SHAPES)}")
+    shapes = listed(parser, "--shapes", args.shapes, SHAPES)
     if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernel in Triton's interpreter)")
     device = "cpu" if args.dry_run else "cuda"
@@ -133,8 +129,8 @@ def main(argv: list[str] | None = None) -> None:
         sweep = not (args.dry_run or args.no_sweep)
         tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
     rows = []
-    for shape in args.shapes.split(","):
-        rows += run_shape(shape, sizes, device, bandwidth, tiles, args.caches.split(","), split_counts)
+    for shape in shapes:
+        rows += run_shape(shape, sizes, device, bandwidth, tiles, cache_names, split_counts)
     config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP, "default_tiles": GPU_TILES,
               "inputs": "q, K, V normal(0, 1) in bf16; e4m3: quantize_kv of those (one fp32 scale per slot and head)"}
     if not args.dry_run:

@@ -61,7 +61,7 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
 from benchmarks.profile_rollout import StepClock, rollout
-from benchmarks.common import GIB, RolloutSizes, copies_past_l2, kernel_us, print_table, write_results
+from benchmarks.common import GIB, RolloutSizes, copies_past_l2, kernel_us, listed, print_table, write_results
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
@@ -445,10 +445,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--deadline", type=float, default=DEADLINE_S,
                         help="seconds after the start past which rollout modes are skipped")
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
+    modes = listed(parser, "--modes", args.modes, MODES)
     device = "cpu" if args.dry_run else "cuda"
     sizes = dataclasses.replace(DRY_SIZES if args.dry_run else GPU_SIZES, repeats=args.repeats)
     shapes = [DRY_SHAPE] if args.dry_run else args.shapes.split(",")

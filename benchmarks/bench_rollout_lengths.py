@@ -41,7 +41,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import build_model
-from benchmarks.common import GIB, RolloutSizes, card_name, print_table, write_results
+from benchmarks.common import GIB, RolloutSizes, card_name, listed, print_table, write_results
 from fastgrpo.rollout import compaction
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
@@ -163,10 +163,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default="qwen2.5-1.5b", help="comma-separated: qwen2.5-1.5b, llama-3.1-8b")
     parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, of " + ", ".join(MODES))
     args = parser.parse_args(argv)
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
+    modes = listed(parser, "--modes", args.modes, MODES)
     device, sizes = ("cpu", DRY_SIZES) if args.dry_run else ("cuda", GPU_SIZES)
     shapes = ["tiny-qwen2"] if args.dry_run else args.shapes.split(",")
     results_dir = Path(tempfile.mkdtemp(prefix="rollout_lengths_")) if args.dry_run else common.RESULTS_DIR

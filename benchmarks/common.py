@@ -204,6 +204,16 @@ def earlier_runs(path: Path) -> list[dict]:
                                             if key in held}]
 
 
+def listed(parser, flag: str, value: str, allowed) -> list[str]:
+    """The comma-separated names of a command-line flag, each one of `allowed`; else the parser's error naming the
+    flag, the unknown names and the choices."""
+    names = value.split(",")
+    unknown = sorted(set(names) - set(allowed))
+    if unknown:
+        parser.error(f"{flag}: unknown {unknown}; expected some of {', '.join(allowed)}")
+    return names
+
+
 def print_table(rows: list[dict], columns: list[str]) -> None:
     """A plain fixed-width table, printed last by each suite so the device reply shows it."""
     def fmt(v):

@@ -60,7 +60,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
-from benchmarks.common import RolloutSizes, card_name, print_table, write_results
+from benchmarks.common import RolloutSizes, card_name, listed, print_table, write_results
 from benchmarks.trace_gaps import union
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.decode_weights import copy_bytes
@@ -397,10 +397,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: profile this one shape in this process
     args = parser.parse_args(argv)
     dry = args.dry_run or os.environ.get("FASTGRPO_PROFILE_CPU") == "1"
-    modes = args.modes.split(",")
-    unknown = sorted(set(modes) - set(MODES))
-    if unknown:
-        parser.error(f"--modes: unknown {unknown}; expected some of {', '.join(MODES)}")
+    modes = listed(parser, "--modes", args.modes, MODES)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="rollout_profile_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
