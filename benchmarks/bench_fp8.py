@@ -448,7 +448,7 @@ def main(argv: list[str] | None = None) -> None:
     modes = listed(parser, "--modes", args.modes, MODES)
     device = "cpu" if args.dry_run else "cuda"
     sizes = dataclasses.replace(DRY_SIZES if args.dry_run else GPU_SIZES, repeats=args.repeats)
-    shapes = [DRY_SHAPE] if args.dry_run else args.shapes.split(",")
+    shapes = [DRY_SHAPE] if args.dry_run else listed(parser, "--shapes", args.shapes, SHAPES)
     results_dir = Path(tempfile.mkdtemp(prefix="bench_fp8_")) if args.dry_run else common.RESULTS_DIR
     gemms: list[dict] = []
     rollouts: list[dict] = []

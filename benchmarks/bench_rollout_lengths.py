@@ -47,6 +47,7 @@ from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 
+SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 MODES = {
     "sdpa-keep": EngineConfig(attention="sdpa"),
     "sdpa-compact": EngineConfig(attention="sdpa", finished_rows="compact"),
@@ -160,12 +161,12 @@ def with_speedups(rows: list[dict]) -> list[dict]:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny model on the CPU, results in a temp dir")
-    parser.add_argument("--shapes", default="qwen2.5-1.5b", help="comma-separated: qwen2.5-1.5b, llama-3.1-8b")
+    parser.add_argument("--shapes", default=SHAPES[0], help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, of " + ", ".join(MODES))
     args = parser.parse_args(argv)
     modes = listed(parser, "--modes", args.modes, MODES)
     device, sizes = ("cpu", DRY_SIZES) if args.dry_run else ("cuda", GPU_SIZES)
-    shapes = ["tiny-qwen2"] if args.dry_run else args.shapes.split(",")
+    shapes = ["tiny-qwen2"] if args.dry_run else listed(parser, "--shapes", args.shapes, SHAPES)
     results_dir = Path(tempfile.mkdtemp(prefix="rollout_lengths_")) if args.dry_run else common.RESULTS_DIR
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []

@@ -406,7 +406,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"key_averages tables, chrome traces and per-shape rows: {trace_dir}", flush=True)
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []
-    for shape in [DRY_SHAPE] if dry else args.shapes.split(","):
+    for shape in [DRY_SHAPE] if dry else listed(parser, "--shapes", args.shapes, SHAPES):
         timeout = min(MODE_TIMEOUT_S * len(modes), deadline - time.monotonic())
         rows += run_shape(shape, dry, trace_dir, timeout, modes)
     sizes = DRY_SIZES if dry else GPU_SIZES

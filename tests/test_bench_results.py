@@ -1,6 +1,9 @@
 """benchmarks.common.write_results keeps the record: a run on the same card adds to a results file, its earlier runs
-stay under "earlier_runs", and a suite that writes after every row does not nest its own partial writes."""
+stay under "earlier_runs", and a suite that writes after every row does not nest its own partial writes; a
+misspelt name on a benchmark's command line is refused before anything runs or is written."""
 import json
+
+import pytest
 
 from benchmarks import common
 
@@ -45,3 +48,21 @@ def test_an_unreadable_file_is_moved_aside_not_overwritten(tmp_path, monkeypatch
     (aside,) = tmp_path.glob("s-card.json.unreadable-*")
     assert aside.read_text() == '{"rows": [{"x": 1}]'
     assert json.loads(path.read_text())["earlier_runs"] == [{"unreadable_file_moved_to": aside.name}]
+
+
+@pytest.mark.parametrize("module, flag", [("bench_fp8", "--shapes"), ("bench_fp8", "--modes"),
+                                          ("profile_rollout", "--shapes"), ("profile_rollout", "--modes"),
+                                          ("bench_rollout_lengths", "--shapes"), ("bench_rollout_lengths", "--modes"),
+                                          ("bench_decode_attention", "--shapes"),
+                                          ("bench_decode_attention", "--caches")])
+def test_an_unknown_name_is_one_line_and_writes_nothing(module, flag, capsys, tmp_path, monkeypatch):
+    """A misspelt shape, mode or cache: the parser's one-line error naming the flag (exit 2) before any run, and no
+    results file (profile_rollout once wrote rollout_profile-cpu.json for an unknown shape)."""
+    import importlib
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        importlib.import_module(f"benchmarks.{module}").main([flag, "nope"])
+    assert done.value.code == 2
+    assert f"{flag}: unknown ['nope']" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
