@@ -11,6 +11,10 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
                  rollout_weights="dense" (decoding multiplies a merged bf16 copy, built per rollout)
   fastgrpo-nf4   (not run by default; QLoRA) the built-in engine with rollout_weights="nf4": decoding reads the
                  4-bit base in place (a Triton W4A16 kernel), no bf16 copy
+  fastgrpo-fp8   (not run by default; sm89+) the built-in engine with rollout_weights="w8a8" (an e4m3 copy of the
+                 LoRA-merged or dequantized weights per rollout, activations in e4m3) and rollout_kv_cache="fp8",
+                 the policy term corrected by pi_old / pi_rollout (rollout_correction="truncate", per sequence,
+                 at most 3: an old log-prob pass each step, as TRL's vLLM importance-sampling correction runs one)
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
@@ -72,7 +76,7 @@ import traceback
 from pathlib import Path
 
 SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "fastgrpo-fast", "trl", "trl-liger", "unsloth")
-ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "unsloth-hf")
+ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "fastgrpo-fp8", "unsloth-hf")
 SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
 FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
 DRY_SHAPES = ("tiny-qwen2-lora", "tiny-llama-qlora")
@@ -360,6 +364,8 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
         if case.mode != "qlora":
             raise ValueError(f"fastgrpo-nf4 decodes a 4-bit base's own weights: qlora shapes only, not {case.mode}")
         fields["rollout_weights"] = "nf4"
+    if engine == "fp8":
+        fields.update(rollout_weights="w8a8", rollout_kv_cache="fp8", rollout_correction="truncate")
     if engine == "vllm":
         if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
             raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
@@ -456,6 +462,7 @@ RUNNERS = {
     "fastgrpo-vllm": functools.partial(run_fastgrpo, engine="vllm"),
     "fastgrpo-fast": functools.partial(run_fastgrpo, engine="fast"),
     "fastgrpo-nf4": functools.partial(run_fastgrpo, engine="nf4"),
+    "fastgrpo-fp8": functools.partial(run_fastgrpo, engine="fp8"),
     "trl": run_trl,
     "trl-liger": functools.partial(run_trl, liger=True),
     "unsloth": functools.partial(run_trl, unsloth=True),

@@ -37,38 +37,38 @@ from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 from benchmarks.host_probe import GcClock, bind_local_rank
 
+_QWEN = dict(model="qwen2.5-1.5b", groups=2, prompt=256, completion=1024, micro=8, steps=4)
+_FULL = dict(_QWEN, lora_rank=0, baseline="qwen-full")  # the 1-GPU step: resharding and grouping are FSDP2's alone
+# the loop benchmark's batch (bench_loop: 8 prompts x 8 generations), 4 micro-batches per rank on 2 GPUs
+_FULL_64 = dict(_FULL, groups=8, steps=3, baseline="qwen-full-64")
 CASES = {
     # Qwen2.5-1.5B, 2 prompts x 8 generations of 256 + 1024 tokens (the README's e2e shape, two groups)
-    "qwen-lora": dict(model="qwen2.5-1.5b", lora_rank=16, groups=2, prompt=256, completion=1024, micro=8, steps=4),
-    "qwen-full": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4),
+    "qwen-lora": dict(_QWEN, lora_rank=16),
+    "qwen-full": _FULL,
     # the same with fsdp_reshard_after_forward off: each layer gathered once per micro-batch, not twice
-    "qwen-full-keep": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
-                           reshard=False),
+    "qwen-full-keep": dict(_FULL, reshard=False),
     # the same with 2 / 4 consecutive layers per FSDP2 group: fewer collectives and per-group hooks on the host
-    "qwen-full-g2": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
-                         layers_per_group=2),
-    "qwen-full-g4": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8, steps=4,
-                         layers_per_group=4),
-    "qwen-full-keep-g4": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
-                              steps=4, reshard=False, layers_per_group=4),
-    "qwen-full-keep-g7": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
-                              steps=4, reshard=False, layers_per_group=7),
-    "qwen-full-keep-g14": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
-                               steps=4, reshard=False, layers_per_group=14),
+    "qwen-full-g2": dict(_FULL, layers_per_group=2),
+    "qwen-full-g4": dict(_FULL, layers_per_group=4),
+    "qwen-full-keep-g4": dict(_FULL, reshard=False, layers_per_group=4),
+    "qwen-full-keep-g7": dict(_FULL, reshard=False, layers_per_group=7),
+    "qwen-full-keep-g14": dict(_FULL, reshard=False, layers_per_group=14),
+    # 8 groups: a micro-batch's host work overlaps the previous one's GPU work, as on one GPU
+    "qwen-lora-64": dict(_QWEN, lora_rank=16, groups=8, steps=3),
+    "qwen-full-64": _FULL_64,
+    "qwen-full-keep-g4-64": dict(_FULL_64, reshard=False, layers_per_group=4),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
                          cap_gib=24, cpu_offload=True),
     # one whole train_step of the FSDP2 model (last: its decode step compiles for a while)
-    "qwen-full-rollout": dict(model="qwen2.5-1.5b", lora_rank=0, groups=2, prompt=256, completion=1024, micro=8,
-                              steps=1, rollout_check=True),
+    "qwen-full-rollout": dict(_FULL, steps=1, rollout_check=True, baseline=None),
 }
 G = 8
 # what a plain run launches on 2 GPUs (the other grouping cases: --case), in this order while DEADLINE_S lasts
 DEFAULT_2GPU = ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-keep-g4", "llama8b-full", "qwen-full-rollout")
 # seconds per launch
-TIMEOUTS = {"qwen-lora": 75, "qwen-full": 75, "qwen-full-keep": 75, "qwen-full-g2": 75, "qwen-full-g4": 75,
-            "qwen-full-keep-g4": 75, "qwen-full-keep-g7": 75, "qwen-full-keep-g14": 75,
+TIMEOUTS = {**{name: 75 for name in CASES}, "qwen-lora-64": 120, "qwen-full-64": 100,
             "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
@@ -375,11 +375,9 @@ def summarize(out: str, suite: str, config: dict) -> None:
     """Speed-ups over the 1-GPU row of each case's family, results JSON, per-rank host probes, table last."""
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
     single = {r["case"]: r for r in rows if r["gpus"] == 1}
-    for case in CASES:  # the same 1-GPU step: resharding and grouping are FSDP2's alone
-        if case.startswith("qwen-full-") and case != "qwen-full-rollout":
-            single[case] = single.get("qwen-full")
     for r in rows:
-        base = single.get(r["case"]) if r["gpus"] > 1 else None
+        baseline = CASES[r["case"]].get("baseline", r["case"])
+        base = single.get(baseline) if r["gpus"] > 1 else None
         r["speedup"] = base["step_ms"] / r["step_ms"] if base else None
     path = write_results(suite, rows, {**config, "cases": CASES, "card": card_name(),
                                        "gpus_visible": torch.cuda.device_count()})
