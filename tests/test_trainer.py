@@ -13,6 +13,7 @@ from fastgrpo.loss.grpo import group_advantages
 from fastgrpo.train.optim import lr_factor
 from fastgrpo.train.trainer import ADVANTAGE_EPS, GRPOTrainer
 
+FP32_EPS = torch.finfo(torch.float32).eps
 SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=5, max_steps=2,
              export=False, progress_bar=False)
 
@@ -167,15 +168,23 @@ def test_one_update_takes_the_old_logprobs_from_the_loss(tmp_path):
     assert fast_calls == [fast.ref_model] and forced_calls == [forced.model, forced.ref_model]
     assert want["kl"] > 1e-3 and want["kl_p95"] > want["kl"]
     # Both sides take the same fp32 CPU ops for the log-probs (the loss forward in train mode, no dropout in this
-    # model, vs the no-grad pass), and old == logp gives the ratio exp(0) = 1 exactly: on this machine the two steps
-    # agree bit for bit. 1e-6 relative leaves room for a BLAS that rounds the two forwards differently (fp32 eps
-    # 1.2e-7 times a few operations), and is far below what a wrong row order changes (kl by 20% here).
+    # model, vs the no-grad pass), and old == logp gives the ratio exp(0) = 1 exactly. The two forwards may still round
+    # differently (bit for bit on one CI CPU, kl 2e-9 apart on an AMD EPYC's BLAS): 1e-6 relative leaves room for that
+    # (fp32 eps 1.2e-7 times a few operations), and is far below what a wrong row order changes (kl by 20% here).
     for key in ("kl", "kl_p95", "loss", "grad_norm", "clip_ratio", "entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    # One AdamW step moves a weight by ~lr * g / |g|: the weights agree to the gradients' rounding.
+    # The first AdamW step moves a weight by lr * g / (|g| + eps) (the same decay on both sides), whose derivative in
+    # g is eps / (|g| + eps)^2: gradients that differ by d (their rounding, on a CPU whose BLAS rounds the two forwards
+    # differently) move the weights apart by at most lr * eps * d / (m + eps)^2, m the smaller |g| (0 where the signs
+    # differ), plus the fp32 rounding of the step and the weight. Tiny gradients make that large: lr for |g| ~ d.
+    lr, adam_eps = fast.config.learning_rate, fast.config.adam_epsilon
     for (name, p), q in zip(fast.model.named_parameters(), forced.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
-        torch.testing.assert_close(p, q, rtol=0, atol=1e-6 * fast.config.learning_rate, msg=name)
+        g1, g2 = p.grad.double(), q.grad.double()
+        m = torch.where(g1 * g2 > 0, torch.minimum(g1.abs(), g2.abs()), 0.0)
+        bound = lr * adam_eps * (g1 - g2).abs() / (m + adam_eps) ** 2 + 4 * FP32_EPS * (p.double().abs() + lr)
+        excess = ((p - q).double().abs() - bound).max().item()
+        assert excess <= 0, f"{name}: weights differ by {excess:.3g} more than the bound"
 
 
 @pytest.mark.parametrize("fields, passes", [
