@@ -328,6 +328,9 @@ def test_loads_the_state_of_the_other_path():
     fused = torch.nn.Parameter(gpu_like.detach().float())
     fused_opt = torch.optim.AdamW([fused], **hp, fused=True)
     fused_opt.load_state_dict(copy.deepcopy(saved))  # torch casts the bf16 moments to fp32, exactly
+    # the loaded groups carry no "fused" (ours has none): torch would fall back to its foreach AdamW, whose fp32
+    # ops round differently from the fused kernel on some CPUs (an AMD EPYC with AVX-512)
+    fused_opt.param_groups[0]["fused"] = True
     _run([ours], opt, grads[2:])
     _run([fused], fused_opt, grads[2:])
     assert torch.equal(state["master"], fused.detach()) and torch.equal(ours.detach(), fused.detach().bfloat16())
@@ -360,9 +363,12 @@ def test_exact_and_special_values_pass_through(backend):
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_and_eager_do_the_same_math(dtype):
-    """fp32 / fp16 results are bit-identical (the same correctly rounded fp32 operations in the same order; the
-    interpreter does not contract to FMA). bf16 results draw different bits, but both are bf16 neighbours of the
-    fp32 result of the same math (the eager path on fp32 copies)."""
+    """The same fp32 operations in the same order (the interpreter does not contract to FMA): the moments are
+    bit-identical; the parameter too where torch's CPU sqrt and division round correctly, and on CPUs where they do
+    not (an AMD EPYC with AVX-512: 1 ulp off for ~20% of elements, numpy's are correctly rounded) within that
+    rounding: <= 1.5 ulp apart at each of sqrt, / bias2_sqrt and m / denom (4.5 x 2^-23 of the step term
+    step_size * m / denom), plus one rounding of the result (an fp16 one for fp16). bf16 results draw different
+    bits, but both are bf16 neighbours of the fp32 result of the same math (the eager path on fp32 copies)."""
     gen = torch.Generator().manual_seed(0)
     n = 1000
     p, m = (torch.randn(n, generator=gen) * 0.1).to(dtype), (torch.randn(n, generator=gen) * 1e-2).to(dtype)
@@ -374,9 +380,15 @@ def test_triton_and_eager_do_the_same_math(dtype):
     adamw_step_torch_(eager[0], g, eager[1], eager[2], **scalars)
     fp32 = [t.float() for t in fp32]
     adamw_step_torch_(fp32[0], g, fp32[1], fp32[2], **scalars)
+    m1 = m.double() + (1 - scalars["beta1"]) * (g.double() - m.double())
+    v1 = v.double() * scalars["beta2"] + (1 - scalars["beta2"]) * g.double() ** 2
+    step_term = (scalars["step_size"] * m1 / (v1.sqrt() / scalars["bias2_sqrt"] + scalars["eps"])).abs()
+    out_eps = torch.finfo(dtype).eps if dtype != torch.bfloat16 else 0.0
+    param_tol = 4.5 * 2.0**-23 * step_term + out_eps * fp32[0].double().abs()
     for name, a, b, x in zip(("param", "exp_avg", "exp_avg_sq"), kernel, eager, fp32):
         if dtype != torch.bfloat16:
-            assert torch.equal(a, b), _worst(name, a.double(), b.double(), torch.zeros(n, dtype=torch.float64))
+            tol = param_tol if name == "param" else torch.zeros(n, dtype=torch.float64)
+            assert ((a.double() - b.double()).abs() <= tol).all(), _worst(name, a.double(), b.double(), tol)
         else:
             for got in (a, b):
                 _assert_bf16_neighbour(name, got, x.double(), torch.zeros(n, dtype=torch.float64))

@@ -3,9 +3,11 @@
 The sampling noise is keyed per (seed, prompt, sample, step) (rollout/sampling.py), so a row's tokens depend on its
 own state alone: a compacted rollout must give the tokens, log-probs, masks, texts and finish reasons of the plain
 one BIT FOR BIT (torch.equal, no tolerance), sampled as well as greedy, with the lengths spread by stop tokens.
-That holds where the matmuls round a row alike at every batch size: on this CPU (MKL) the tiny models' GEMMs do at
->= 6 rows but not below (their down projection, 128 -> 64, rounds differently at 3-5 rows), so the exact tests
-keep MIN_ROWS = 8, and the one that shrinks batches to 2 rows checks tokens equal and log-probs within 1e-6.
+That holds where the matmuls round a row alike at every batch size: on the CI CPUs (MKL) the tiny models' GEMMs do
+at >= 6 rows but not below (their down projection, 128 -> 64, rounds differently at 3-5 rows), so the exact tests
+keep MIN_ROWS = 8, and the one that shrinks batches to 2 rows checks tokens equal and log-probs within 1e-6. The
+tests run on one intra-op thread: with two, MKL splits a batch's rows between the threads by its size, and on an
+AMD EPYC (AVX-512) a row then rounds differently in a batch of 16 than in one of 32 (1 ulp in a few log-probs).
 
 The engine runs on the op's plain-torch attention path here (TRITON_INTERPRET unset, as test_shared_prefix's long
 runs do): the interpreted kernel would take minutes for 32 rows x 48 steps, and the kernel's per-row reads are
@@ -31,6 +33,15 @@ CHECK_EVERY = 4  # host syncs (and so compactions) every 4 steps: several within
 @pytest.fixture(autouse=True)
 def torch_attention_path(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Each row's math the same at every batch size: no thread split of a batch that depends on its size."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture
