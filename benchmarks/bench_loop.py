@@ -14,7 +14,7 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
   fastgrpo-fp8   (not run by default; sm89+) the built-in engine with rollout_weights="w8a8" (an e4m3 copy of the
                  LoRA-merged or dequantized weights per rollout, activations in e4m3) and rollout_kv_cache="fp8",
                  the policy term corrected by pi_old / pi_rollout (rollout_correction="truncate", per sequence,
-                 at most 3: an old log-prob pass each step, as TRL's vLLM importance-sampling correction runs one)
+                 at most 3; pi_old from the loss's own forward: no old log-prob pass, where TRL runs one)
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its

@@ -117,3 +117,81 @@ def test_trainer_weights_the_loss_and_reports_the_mismatch(tmp_path):
     assert metrics["rollout_logp_diff_max"] == pytest.approx(0.7, abs=1e-4)
     assert metrics["rollout_logp_diff"] == pytest.approx(0.7 * metrics["rollout_masked_frac"], abs=1e-4)
     assert math.isfinite(metrics["loss"])
+
+
+def _offset_trainer(tmp_path, **fields):
+    """A default-task trainer over OffsetEngine, its weights nudged away from the reference (seeded), so that the
+    correction and the KL both act."""
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 2,
+                           "max_completion_length": 5, "max_steps": 1, "export": False, "progress_bar": False,
+                           "output_dir": str(tmp_path), "beta": 0.1, **fields})
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                          config, engine=OffsetEngine(model, tokenizer))
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return trainer
+
+
+@pytest.mark.parametrize("mode, level, clip", [("truncate", "sequence", 1.5), ("mask", "token", 1.5)])
+def test_one_update_weights_itself_as_an_old_pass_would(tmp_path, mode, level, clip):
+    """One optimizer step with the correction on: no old pass (the reference pass alone), the loss weighting each
+    micro-batch from its own forward's log-probs; the step equals one with the old pass forced, metrics and
+    gradients: the same fp32 ops (the trainer test of the old log-probs from the loss derives the bounds)."""
+    from tests.test_trainer import FP32_EPS, _counting_logprobs
+
+    fields = dict(rollout_correction=mode, rollout_correction_level=level, rollout_correction_clip_max=clip)
+    fast, forced = _offset_trainer(tmp_path / "fast", **fields), _offset_trainer(tmp_path / "old", **fields)
+    forced._needs_old_pass = lambda: True  # the old pass, and the weights prepare_loss_batch takes from it
+    fast_calls, forced_calls = _counting_logprobs(fast), _counting_logprobs(forced)
+    got, want = fast.train_step(), forced.train_step()
+    assert fast_calls == [fast.ref_model] and forced_calls == [forced.model, forced.ref_model]
+    changed = "rollout_truncated_frac" if mode == "truncate" else "rollout_masked_frac"
+    assert 0 < want[changed] < 1 and want["rollout_logp_diff_max"] == pytest.approx(0.7, abs=1e-4)
+    for key in ("loss", "grad_norm", "kl", "rollout_logp_diff", "rollout_logp_diff_max", "rollout_is_weight_mean",
+                "rollout_is_weight_min", "rollout_is_weight_max", changed):
+        assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
+    lr, adam_eps = fast.config.learning_rate, fast.config.adam_epsilon
+    for (name, p), q in zip(fast.model.named_parameters(), forced.model.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
+        g1, g2 = p.grad.double(), q.grad.double()
+        m = torch.where(g1 * g2 > 0, torch.minimum(g1.abs(), g2.abs()), 0.0)
+        bound = lr * adam_eps * (g1 - g2).abs() / (m + adam_eps) ** 2 + 4 * FP32_EPS * (p.double().abs() + lr)
+        assert ((p - q).double().abs() <= bound).all(), name
+
+
+def test_the_weights_move_the_step(tmp_path):
+    """The self-weighted step is not the uncorrected one: the loss and the gradients change."""
+    corrected = _offset_trainer(tmp_path / "c", rollout_correction="mask", rollout_correction_level="token",
+                                rollout_correction_clip_max=1.5)
+    plain = _offset_trainer(tmp_path / "p")
+    got, want = corrected.train_step(), plain.train_step()
+    assert got["loss"] != pytest.approx(want["loss"], rel=1e-3)
+    assert "rollout_masked_frac" in got and "rollout_masked_frac" not in want
+
+
+def test_grpo_loss_checks_the_correction_inputs():
+    from fastgrpo.loss.correction import RolloutCorrection
+    from fastgrpo.loss.model import grpo_loss
+
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    ids = torch.randint(3, 20, (2, 6))
+    completion = torch.zeros_like(ids)
+    completion[:, 3:] = 1
+    args = (model, ids, torch.ones_like(ids), completion, torch.ones(2))
+    correction = RolloutCorrection("truncate")
+    with pytest.raises(ValueError, match="rollout_logps: the rollout correction needs"):
+        grpo_loss(*args, rollout_correction=correction)
+    with pytest.raises(ValueError, match="token_weights: the rollout correction computes them"):
+        grpo_loss(*args, rollout_correction=correction, rollout_logps=torch.zeros(2, 6),
+                  token_weights=torch.ones(2, 6))
+    with pytest.raises(ValueError, match="rollout_logps: expected"):
+        grpo_loss(*args, rollout_correction=correction, rollout_logps=torch.zeros(2, 5))
+    with pytest.raises(ValueError, match="rollout_correction: expected mode"):
+        grpo_loss(*args, rollout_correction=RolloutCorrection("none"), rollout_logps=torch.zeros(2, 6))
+    with pytest.raises(ValueError, match="rollout_correction: expected a fastgrpo"):
+        grpo_loss(*args, rollout_correction="truncate", rollout_logps=torch.zeros(2, 6))

@@ -191,10 +191,12 @@ def test_one_update_takes_the_old_logprobs_from_the_loss(tmp_path):
     (dict(beta=0.1), ["ref"]),
     (dict(beta=0.1, num_iterations=2), ["old", "ref"]),
     (dict(num_minibatches=2, micro_batch_size=4), ["old"]),
-    (dict(beta=0.1, rollout_correction="truncate"), ["old", "ref"]),
+    (dict(beta=0.1, rollout_correction="truncate"), ["ref"]),  # the loss weights itself from its own forward
+    (dict(beta=0.1, rollout_correction="truncate", num_iterations=2), ["old", "ref"]),
     (dict(beta=0.1, mask_truncated_completions=True), ["old", "ref"]),  # step 6's KL covers the truncated rows too
     (dict(), []),
-], ids=["beta", "iterations", "minibatches", "rollout-correction", "mask-truncated", "beta0"])
+], ids=["beta", "iterations", "minibatches", "rollout-correction", "rollout-correction-iterations", "mask-truncated",
+      "beta0"])
 def test_old_pass_runs_when_the_update_needs_it(tmp_path, fields, passes):
     trainer = _trainer(tmp_path, max_steps=1, **fields)
     calls = _counting_logprobs(trainer)

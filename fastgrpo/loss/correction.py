@@ -10,6 +10,7 @@ term by rho = pi_old / pi_rollout, per token or per sequence (the product over i
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 
@@ -17,6 +18,16 @@ from fastgrpo._checks import check_binary_mask, check_choice, check_same_shape
 
 ROLLOUT_CORRECTIONS = ("none", "truncate", "mask")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
+
+
+class RolloutCorrection(NamedTuple):
+    """The correction's options (rollout_correction's mode, level, clip_min, clip_max), for a loss that weights
+    itself (fastgrpo.loss.model.grpo_loss's rollout_correction)."""
+
+    mode: str
+    level: str = "sequence"
+    clip_min: float | None = None
+    clip_max: float | None = 3.0
 
 
 def check_rollout_correction(mode: str, level: str, clip_min: float | None, clip_max: float | None) -> None:
@@ -60,17 +71,9 @@ def rollout_correction(
     check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
     check_binary_mask("mask", mask, "train_logps", train_logps)
     valid = mask.bool()
-    diff = torch.nan_to_num(torch.where(valid, train_logps - rollout_logps, 0.0), nan=0.0)  # diff: [B, T]
-    log_ratio = diff.sum(-1, keepdim=True) if level == "sequence" else diff  # [B, 1] or [B, T]
-    ratio = torch.exp(log_ratio)
-    if mode == "truncate":
-        weights = ratio.clamp(min=clip_min, max=clip_max)
-    else:
-        low = -math.inf if clip_min is None else clip_min
-        high = math.inf if clip_max is None else clip_max
-        weights = ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
+    ratio, weights = _ratio_and_weights(train_logps, rollout_logps, valid, mode, level, clip_min, clip_max)
     changed = weights != ratio
-    counted = torch.ones_like(log_ratio, dtype=torch.bool) if level == "sequence" else valid
+    counted = torch.ones_like(ratio, dtype=torch.bool) if level == "sequence" else valid
 
     delta = (train_logps - rollout_logps).abs()
     delta = delta[valid & ~torch.isnan(delta)]
@@ -85,6 +88,34 @@ def rollout_correction(
             changed[counted].float().mean().item() if kept.numel() else 0.0,
     }
     return weights.expand_as(train_logps), metrics
+
+
+def correction_weights(
+    train_logps: torch.Tensor,
+    rollout_logps: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str,
+    level: str = "sequence",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """rollout_correction's token_weights [B, T] alone, without its metrics: no host sync, so the loss of each
+    micro-batch can weight itself from its own forward's log-probs (fastgrpo.loss.model.grpo_loss). The caller has
+    checked the options (check_rollout_correction) and the shapes."""
+    return _ratio_and_weights(train_logps, rollout_logps, mask.bool(), mode, level, clip_min,
+                              clip_max)[1].expand_as(train_logps)
+
+
+def _ratio_and_weights(train_logps, rollout_logps, valid, mode, level, clip_min, clip_max):
+    """(rho [B, 1] per sequence or [B, T] per token, its bounded weights of the same shape)."""
+    diff = torch.nan_to_num(torch.where(valid, train_logps - rollout_logps, 0.0), nan=0.0)  # diff: [B, T]
+    log_ratio = diff.sum(-1, keepdim=True) if level == "sequence" else diff  # [B, 1] or [B, T]
+    ratio = torch.exp(log_ratio)
+    if mode == "truncate":
+        return ratio, ratio.clamp(min=clip_min, max=clip_max)
+    low = -math.inf if clip_min is None else clip_min
+    high = math.inf if clip_max is None else clip_max
+    return ratio, ratio.masked_fill((ratio < low) | (ratio > high), 0.0)
 
 
 def logprob_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
@@ -104,5 +135,5 @@ def logprob_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: to
             "kl_k1": d.mean().item(), "kl_k3": (torch.expm1(-d) + d).mean().item()}
 
 
-__all__ = ["rollout_correction", "check_rollout_correction", "logprob_gap", "ROLLOUT_CORRECTIONS",
-           "ROLLOUT_CORRECTION_LEVELS"]
+__all__ = ["rollout_correction", "correction_weights", "RolloutCorrection", "check_rollout_correction", "logprob_gap",
+           "ROLLOUT_CORRECTIONS", "ROLLOUT_CORRECTION_LEVELS"]

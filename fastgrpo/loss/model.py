@@ -23,6 +23,7 @@ from fastgrpo._checks import (
 )
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
 from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, resolve
+from fastgrpo.loss.correction import RolloutCorrection, check_rollout_correction, correction_weights
 from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
 
@@ -94,6 +95,8 @@ def grpo_loss(
     token_weights: torch.Tensor | None = None,
     sampling_logps: torch.Tensor | None = None,
     return_logps: bool = False,
+    rollout_logps: torch.Tensor | None = None,
+    rollout_correction: RolloutCorrection | None = None,
     backend: str = "auto",
     **options,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -107,11 +110,16 @@ def grpo_loss(
     keyword fields on top (softcap defaults to the model's own). Returns (loss, metrics). return_logps: the metrics
     also hold "logps", the per-token log-probs [B, T] the loss was computed from, laid out as sequence_logprobs
     returns them (detached, fp32 for a bf16 / fp32 model, 0 where completion_mask is 0): with one optimizer step per
-    batch these are its old log-probs, without a no-grad pass of their own.
+    batch these are its old log-probs, without a no-grad pass of their own. rollout_correction (with rollout_logps
+    [B, T], the engine's log-probs): the loss weights its policy term by fastgrpo.loss.correction's weights of
+    rollout_logps towards old_logps, or, without old_logps (one optimizer step per batch), towards the log-probs of
+    this forward (the lm_head run once more without grad: no separate pass of the model), in place of token_weights.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
     check_extra_inputs(*input_ids.shape, token_weights, sampling_logps)
+    if rollout_correction is not None:
+        _check_correction(rollout_correction, rollout_logps, token_weights, input_ids.shape)
     if "softcap" not in options and (config is None or config.softcap is None):
         options["softcap"] = logit_softcap(model)
     cfg = resolve(config, options)
@@ -121,6 +129,9 @@ def grpo_loss(
     def window(t):
         return None if t is None else t[:, cols]
 
+    if rollout_correction is not None:
+        token_weights = _correction_weights(rollout_correction, hidden, head, input_ids, completion_mask, cols,
+                                            old_logps, rollout_logps, cfg, backend)
     loss, metrics = fused_linear_grpo_loss_of_checked_values(
         batch.completion_tokens, hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
@@ -131,6 +142,32 @@ def grpo_loss(
     if return_logps:
         metrics["logps"] = _unwindow(metrics["logps"], input_ids.shape, cols)
     return loss, metrics
+
+
+def _check_correction(correction, rollout_logps, token_weights, shape) -> None:
+    if not isinstance(correction, RolloutCorrection):
+        raise ValueError(f"rollout_correction: expected a fastgrpo.loss.correction.RolloutCorrection, got "
+                         f"{type(correction).__name__}")
+    check_rollout_correction(*correction)
+    if correction.mode == "none":
+        raise ValueError("rollout_correction: expected mode 'truncate' or 'mask' (None for no correction), got 'none'")
+    if token_weights is not None:
+        raise ValueError("token_weights: the rollout correction computes them; pass one or the other")
+    if rollout_logps is None:
+        raise ValueError("rollout_logps: the rollout correction needs the engine's log-probs [B, T], got None")
+    check_shape("rollout_logps", rollout_logps, tuple(shape))
+
+
+@torch.no_grad()
+def _correction_weights(correction, hidden, head, input_ids, completion_mask, cols, old_logps, rollout_logps, cfg,
+                        backend) -> torch.Tensor:
+    """token_weights [B, T] of the correction towards old_logps, or towards this forward's own log-probs (the
+    lm_head once more on the detached hidden states, as sequence_logprobs computes them), 0 outside the window."""
+    if old_logps is None:
+        own = fused_linear_logprobs(hidden.detach(), head.weight, input_ids[:, cols], temperature=cfg.temperature,
+                                    bias=head.bias, softcap=cfg.softcap, backend=backend)
+        old_logps = _unwindow(own.float(), input_ids.shape, cols)
+    return correction_weights(old_logps.float(), rollout_logps.float(), completion_mask, *correction)
 
 
 @torch.no_grad()

@@ -145,8 +145,7 @@ class GRPOConfig:
     vespo_lambda_pos: float = option(3.0, "vespo: decay lambda of phi(w) for A >= 0")
     vespo_k_neg: float = option(3.0, "vespo: exponent k for A < 0")
     vespo_lambda_neg: float = option(2.0, "vespo: decay lambda for A < 0")
-    top_entropy_quantile: float = option(1.0, "the policy term keeps the tokens in this top fraction by entropy "
-                                              "(1: all)")
+    top_entropy_quantile: float = option(1.0, "the policy term keeps this top fraction of tokens by entropy (1: all)")
     off_policy_mask_threshold: float | None = option(
         None, "drop sequences with A < 0 whose mean log(pi_rollout / pi) over their tokens is above this "
               "(DeepSeek-V3.2's off-policy sequence mask); none: off")
@@ -164,7 +163,8 @@ class GRPOConfig:
         "sum_then_normalize", "several reward functions: sum_then_normalize (weighted sum, then scale_rewards) or "
                               "normalize_then_sum (GDPO: each standardized in its group, summed, then over the batch)")
     rollout_correction: str = option("none", "weight the policy term by pi_old / pi_rollout from the engine's "
-                                             "log-probs: none, truncate (clamp) or mask (0 outside the clip range)")
+                                             "log-probs: none, truncate (clamp) or mask (0 outside the clip range); "
+                                             "one optimizer step a step takes pi_old from the loss's own forward")
     rollout_correction_level: str = option("sequence", "rollout correction per token or per sequence")
     rollout_correction_clip_min: float | None = option(None, "rollout correction: lower bound; none: unbounded")
     rollout_correction_clip_max: float | None = option(3.0, "rollout correction: upper bound C; none: unbounded")

@@ -13,7 +13,7 @@ import torch
 
 from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import GRPOLossConfig
-from fastgrpo.loss.correction import check_rollout_correction, rollout_correction
+from fastgrpo.loss.correction import RolloutCorrection, check_rollout_correction, rollout_correction
 from fastgrpo.loss.grpo import MULTI_OBJECTIVE_AGGREGATIONS
 
 # Loss types whose aggregation divides by the tokens of the whole minibatch (num_items_in_batch): their
@@ -52,25 +52,37 @@ def check_loss_options(config) -> None:
                          f"{config.entropy_coef_min}")
 
 
+def correction_of(config) -> RolloutCorrection | None:
+    """GRPOConfig's rollout correction options, None when it is off."""
+    if config.rollout_correction == "none":
+        return None
+    return RolloutCorrection(config.rollout_correction, config.rollout_correction_level,
+                             config.rollout_correction_clip_min, config.rollout_correction_clip_max)
+
+
 def prepare_loss_batch(config, batch: dict, old_logps: torch.Tensor | None) -> tuple[dict, dict]:
     """(the batch the loss sees, metrics): completion_mask without the truncated completions when
     mask_truncated_completions (they still counted in the group statistics, as in TRL), the rollout correction's
-    token_weights, and the engine's log-probs as sampling_logps for the off-policy mask. batch: the trainer's
-    rollout batch ([N, P + L] tensors, finish_reasons)."""
+    token_weights from old_logps (without them the loss weights itself from its own forward: grpo_loss's
+    rollout_correction, reported by correction_metrics), and the engine's log-probs as sampling_logps for the
+    off-policy mask. batch: the trainer's rollout batch ([N, P + L] tensors, finish_reasons)."""
     out, metrics = dict(batch), {}
     if config.mask_truncated_completions:
         device = batch["completion_mask"].device
         finished = torch.tensor([reason != "length" for reason in batch["finish_reasons"]], device=device)
         out["completion_mask"] = batch["completion_mask"] * finished[:, None]
-    if config.rollout_correction != "none":
-        weights, metrics = rollout_correction(
-            old_logps, batch["rollout_logps"], out["completion_mask"], config.rollout_correction,
-            config.rollout_correction_level, config.rollout_correction_clip_min, config.rollout_correction_clip_max,
-        )
-        out["token_weights"] = weights
+    if config.rollout_correction != "none" and old_logps is not None:
+        out["token_weights"], metrics = correction_metrics(config, out, old_logps)
     if config.off_policy_mask_threshold is not None:
         out["sampling_logps"] = batch["rollout_logps"]
     return out, metrics
+
+
+def correction_metrics(config, loss_batch: dict, old_logps: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(token_weights, metrics) of the rollout correction of loss_batch's rollout_logps towards old_logps [N, P + L]
+    on its completion tokens (fastgrpo.loss.correction.rollout_correction)."""
+    return rollout_correction(old_logps, loss_batch["rollout_logps"], loss_batch["completion_mask"],
+                              *correction_of(config))
 
 
 def minibatch_config(config, base: GRPOLossConfig, num_items: int, share: float, entropy_coef: float) -> GRPOLossConfig:

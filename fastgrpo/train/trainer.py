@@ -36,7 +36,7 @@ from fastgrpo.train.input_checks import check_sampling_inputs
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
-from fastgrpo.train.loss_setup import prepare_loss_batch
+from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
@@ -194,8 +194,11 @@ class GRPOTrainer:
         # the loss is on-policy and hands back the log-probs it computed (the policy's before its step) for step 6.
         self._begin_update()
         loss_batch, correction = prepare_loss_batch(config, batch, old_logps)  # truncated rows, rollout correction
+        self_weighted = old_logps is None and config.rollout_correction != "none"  # the loss weights itself
         train, policy_logps = self._update(loss_batch, advantages, old_logps, ref_logps,
-                                           return_logps=old_logps is None and ref_logps is not None)
+                                           return_logps=old_logps is None and (ref_logps is not None or self_weighted))
+        if self_weighted:  # the weights the micro-batches took from their forwards, reported as an old pass's
+            correction = correction_metrics(config, loss_batch, policy_logps)[1]
         train = {**correction, **train}
         old_logps = policy_logps if old_logps is None else old_logps
         t_train = time.perf_counter()
@@ -262,19 +265,19 @@ class GRPOTrainer:
 
     def _needs_old_pass(self) -> bool:
         """Whether train_step runs a no-grad pass for the old log-probs before the update: when the policy moves
-        within the step (several optimizer steps), when the rollout correction compares them with the engine's, and
-        with beta > 0 when mask_truncated_completions hides the truncated rows from the loss (step 6's KL covers
-        every completion token). Otherwise one optimizer step ends the update, so no micro-batch's forward sees a
-        moved policy and the old log-probs are the update's own (TRL: per_token_logps.detach() as old with
-        num_iterations == 1): the loss runs on-policy (ratio exp(logp - logp.detach()) = 1: the gradient of a
-        separate old pass up to the rounding of the two forwards; with dropout, the ratio is no longer moved by it
-        and the KL is taken from the train-mode forward) and returns its log-probs for the KL. That saves one
+        within the step (several optimizer steps), and with beta > 0 when mask_truncated_completions hides the
+        truncated rows from the loss (step 6's KL covers every completion token). Otherwise one optimizer step ends
+        the update, so no micro-batch's forward sees a moved policy and the old log-probs are the update's own (TRL:
+        per_token_logps.detach() as old with num_iterations == 1): the loss runs on-policy (ratio exp(logp -
+        logp.detach()) = 1: the gradient of a separate old pass up to the rounding of the two forwards; with
+        dropout, the ratio is no longer moved by it and the KL is taken from the train-mode forward), weights itself
+        by the rollout correction from those log-probs (its lm_head once more, no grad: grpo_loss), and returns
+        them for the KL. That saves one
         no-grad forward over the batch (64 x 1280 tokens of Qwen2.5-1.5B LoRA: 1.3 s on an H100 with PEFT's fp32
         adapter math; a bf16-branch pass, 0.5 s on an H200).
         """
         config = self.config
-        return (self.updates_per_step > 1 or config.rollout_correction != "none"
-                or (self.beta > 0 and config.mask_truncated_completions))
+        return self.updates_per_step > 1 or (self.beta > 0 and config.mask_truncated_completions)
 
     @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict, disable_adapter: bool = False) -> torch.Tensor:
@@ -310,6 +313,7 @@ class GRPOTrainer:
                 for k in ("loss", "grad_norm", "clip_ratio", "entropy")}
         micro_count = 0
         logps = torch.zeros(batch["input_ids"].shape, device=self.device) if return_logps else None  # [N, P + L]
+        correction = correction_of(config) if old_logps is None else None  # on-policy: the loss weights itself
         model.train()
         for iteration in range(config.num_iterations):
             # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
@@ -331,7 +335,8 @@ class GRPOTrainer:
                         batch["completion_mask"][rows], advantages[rows],
                         old_logps=None if old_logps is None else old_logps[rows],
                         ref_logps=None if ref_logps is None else ref_logps[rows], config=micro_config,
-                        return_entropy=True, return_logps=return_logps,
+                        return_entropy=True, return_logps=return_logps, rollout_correction=correction,
+                        rollout_logps=None if correction is None else batch["rollout_logps"][rows],
                         **{k: batch[k][rows] for k in LOSS_EXTRAS if k in batch},
                     )
                     if return_logps:
