@@ -164,7 +164,7 @@ class GRPOConfig:
                               "normalize_then_sum (GDPO: each standardized in its group, summed, then over the batch)")
     rollout_correction: str = option("none", "weight the policy term by pi_old / pi_rollout from the engine's "
                                              "log-probs: none, truncate (clamp) or mask (0 outside the clip range); "
-                                             "one optimizer step a step takes pi_old from the loss's own forward")
+                                             "pi_old from the loss's forward, or an old pass if the policy moves")
     rollout_correction_level: str = option("sequence", "rollout correction per token or per sequence")
     rollout_correction_clip_min: float | None = option(None, "rollout correction: lower bound; none: unbounded")
     rollout_correction_clip_max: float | None = option(3.0, "rollout correction: upper bound C; none: unbounded")
