@@ -195,3 +195,27 @@ def test_grpo_loss_checks_the_correction_inputs():
         grpo_loss(*args, rollout_correction=RolloutCorrection("none"), rollout_logps=torch.zeros(2, 6))
     with pytest.raises(ValueError, match="rollout_correction: expected a fastgrpo"):
         grpo_loss(*args, rollout_correction="truncate", rollout_logps=torch.zeros(2, 6))
+
+
+@pytest.mark.gpu
+def test_one_update_weights_itself_on_gpu(tmp_path):
+    """The same on CUDA, bf16, patched (the lm_head's log-probs through the Triton kernel): no old pass, the shifted
+    completions' weights truncated, a finite step; and with two optimizer steps the old pass is back."""
+    import fastgrpo
+
+    for iterations, passes in ((1, 1), (2, 2)):
+        tokenizer = default_task.build_tokenizer()
+        model = fastgrpo.patch_model(default_task.build_model(tokenizer).to("cuda", torch.bfloat16))
+        config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 4,
+                               "max_completion_length": 5, "max_steps": 1, "export": False, "progress_bar": False,
+                               "output_dir": str(tmp_path / str(iterations)), "beta": 0.1, "device": "cuda",
+                               "dtype": "bfloat16", "num_iterations": iterations, "rollout_correction": "truncate",
+                               "rollout_correction_clip_max": 1.5})
+        trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                              config, engine=OffsetEngine(model, tokenizer))
+        calls, logprobs = [], trainer._logprobs
+        trainer._logprobs = lambda m, *args, **kwargs: calls.append(m) or logprobs(m, *args, **kwargs)
+        metrics = trainer.train_step()
+        assert len(calls) == passes, calls  # the reference pass, and the old pass only with two optimizer steps
+        assert 0 < metrics["rollout_truncated_frac"] <= 0.5 and metrics["rollout_is_weight_max"] == 1.5
+        assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
