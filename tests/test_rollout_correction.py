@@ -7,9 +7,11 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastgrpo.loss import reference
-from fastgrpo.loss.correction import rollout_correction
+from fastgrpo.loss.correction import correction_weights, rollout_correction
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.rollout import BuiltinEngine
 from fastgrpo.train import default_task
@@ -219,3 +221,21 @@ def test_one_update_weights_itself_on_gpu(tmp_path):
         assert len(calls) == passes, calls  # the reference pass, and the old pass only with two optimizer steps
         assert 0 < metrics["rollout_truncated_frac"] <= 0.5 and metrics["rollout_is_weight_max"] == 1.5
         assert math.isfinite(metrics["loss"]) and math.isfinite(metrics["grad_norm"])
+
+
+@given(B=st.integers(1, 5), T=st.integers(1, 9), seed=st.integers(0, 2**16), mode=st.sampled_from(["truncate", "mask"]),
+       level=st.sampled_from(["token", "sequence"]), clip_min=st.sampled_from([None, 0.3]),
+       clip_max=st.sampled_from([None, 1.2, 3.0]))
+def test_loss_side_weights_are_rollout_corrections(B, T, seed, mode, level, clip_min, clip_max):
+    """correction_weights (what the loss computes, no host sync) equals rollout_correction's weights bit for bit:
+    any shapes, masks with empty rows, NaN engine log-probs."""
+    if mode == "truncate" and clip_min is None and clip_max is None:
+        clip_max = 3.0
+    g = torch.Generator().manual_seed(seed)
+    train = torch.randn(B, T, generator=g) * 0.5
+    rollout = train + torch.randn(B, T, generator=g) * 0.3
+    rollout[torch.rand(B, T, generator=g) < 0.1] = float("nan")
+    mask = (torch.rand(B, T, generator=g) < 0.7).long()
+    want, _ = rollout_correction(train, rollout, mask, mode, level, clip_min, clip_max)
+    got = correction_weights(train, rollout, mask, mode, level, clip_min, clip_max)
+    assert got.shape == (B, T) and torch.equal(got, want)
