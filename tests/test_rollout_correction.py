@@ -143,7 +143,7 @@ def test_one_update_weights_itself_as_an_old_pass_would(tmp_path, mode, level, c
     """One optimizer step with the correction on: no old pass (the reference pass alone), the loss weighting each
     micro-batch from its own forward's log-probs; the step equals one with the old pass forced, metrics and
     gradients: the same fp32 ops (the trainer test of the old log-probs from the loss derives the bounds)."""
-    from tests.test_trainer import FP32_EPS, _counting_logprobs
+    from tests.test_trainer import _counting_logprobs, assert_one_adamw_step_apart
 
     fields = dict(rollout_correction=mode, rollout_correction_level=level, rollout_correction_clip_max=clip)
     fast, forced = _offset_trainer(tmp_path / "fast", **fields), _offset_trainer(tmp_path / "old", **fields)
@@ -156,13 +156,7 @@ def test_one_update_weights_itself_as_an_old_pass_would(tmp_path, mode, level, c
     for key in ("loss", "grad_norm", "kl", "rollout_logp_diff", "rollout_logp_diff_max", "rollout_is_weight_mean",
                 "rollout_is_weight_min", "rollout_is_weight_max", changed):
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    lr, adam_eps = fast.config.learning_rate, fast.config.adam_epsilon
-    for (name, p), q in zip(fast.model.named_parameters(), forced.model.parameters()):
-        torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
-        g1, g2 = p.grad.double(), q.grad.double()
-        m = torch.where(g1 * g2 > 0, torch.minimum(g1.abs(), g2.abs()), 0.0)
-        bound = lr * adam_eps * (g1 - g2).abs() / (m + adam_eps) ** 2 + 4 * FP32_EPS * (p.double().abs() + lr)
-        assert ((p - q).double().abs() <= bound).all(), name
+    assert_one_adamw_step_apart(fast, forced)
 
 
 def test_the_weights_move_the_step(tmp_path):

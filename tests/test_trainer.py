@@ -173,10 +173,16 @@ def test_one_update_takes_the_old_logprobs_from_the_loss(tmp_path):
     # (fp32 eps 1.2e-7 times a few operations), and is far below what a wrong row order changes (kl by 20% here).
     for key in ("kl", "kl_p95", "loss", "grad_norm", "clip_ratio", "entropy"):
         assert got[key] == pytest.approx(want[key], rel=1e-6, abs=1e-9), key
-    # The first AdamW step moves a weight by lr * g / (|g| + eps) (the same decay on both sides), whose derivative in
-    # g is eps / (|g| + eps)^2: gradients that differ by d (their rounding, on a CPU whose BLAS rounds the two forwards
-    # differently) move the weights apart by at most lr * eps * d / (m + eps)^2, m the smaller |g| (0 where the signs
-    # differ), plus the fp32 rounding of the step and the weight. Tiny gradients make that large: lr for |g| ~ d.
+    assert_one_adamw_step_apart(fast, forced)
+
+
+def assert_one_adamw_step_apart(fast, forced) -> None:
+    """Two trainers after their first optimizer step on gradients that should differ only by rounding: the gradients
+    within fp32 rounding, and the weights within what AdamW makes of that. The first AdamW step moves a weight by
+    lr * g / (|g| + eps) (the same decay on both sides), whose derivative in g is eps / (|g| + eps)^2: gradients that
+    differ by d (their rounding, on a CPU whose BLAS rounds the two forwards differently) move the weights apart by at
+    most lr * eps * d / (m + eps)^2, m the smaller |g| (0 where the signs differ), plus the fp32 rounding of the step
+    and the weight. Tiny gradients make that large: lr for |g| ~ d."""
     lr, adam_eps = fast.config.learning_rate, fast.config.adam_epsilon
     for (name, p), q in zip(fast.model.named_parameters(), forced.model.parameters()):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8, msg=name)
