@@ -3,7 +3,8 @@
 
     python -m benchmarks.profile_update                          # qwen2.5-1.5b-lora, C = 1024, every variant
     python -m benchmarks.profile_update --variants offload --trace-dir /tmp/traces
-    python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2, 16 + 16 tokens
+    python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2 LoRA, 16 + 16 tokens
+    python -m benchmarks.profile_update --shape qwen2.5-1.5b-full --variants offload,plain   # full fine-tuning
     python -m benchmarks.profile_update --variants offload,offload-lora-add   # lora_linear against the two-op path
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
@@ -67,8 +68,9 @@ def repeat(trainer, batch: dict, advantages: torch.Tensor, clock) -> None:
 
     with clock("logprobs_old"):  # ~0 s where the trainer skips the pass (one optimizer step, no correction)
         old = trainer._logprobs(trainer.model, batch) if trainer._needs_old_pass() else None
-    with clock("logprobs_ref"):
-        ref = trainer._logprobs(trainer.model, batch, disable_adapter=True)
+    with clock("logprobs_ref"):  # the adapter switched off, or full fine-tuning's frozen copy
+        ref_model = trainer.model if trainer.ref_model is None else trainer.ref_model
+        ref = trainer._logprobs(ref_model, batch, disable_adapter=trainer.ref_model is None)
     with clock("update"):
         loss_batch, _ = prepare_loss_batch(trainer.config, batch, old)
         trainer._update(loss_batch, advantages, old, ref, return_logps=old is None)
@@ -215,7 +217,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--python-profile", action="store_true", help="also one repeat under cProfile")
     parser.add_argument("--sync-sites", action="store_true", help="also one repeat counting host syncs by call site")
     parser.add_argument("--no-trace", action="store_true", help="timings only, no profiled repeat")
-    parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 LoRA, 2 x 4 x (16 + 16)")
+    parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 in --shape's mode, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     for variant in variants:  # before the model is built
@@ -226,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.dry_run else "cuda"
     case = Case(system="fastgrpo", shape=args.shape, completion=args.completion, device=device)
     if args.dry_run:
-        case = dataclasses.replace(case, shape="tiny-qwen2-lora", completion=16, prompt_length=16, prompts=2,
+        case = dataclasses.replace(case, shape=f"tiny-qwen2-{case.mode}", completion=16, prompt_length=16, prompts=2,
                                    generations=4, micro_batch=4)
         args.models_dir = tempfile.mkdtemp(prefix="profile-update-models-")
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
