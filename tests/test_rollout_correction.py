@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.loss import reference
-from fastgrpo.loss.correction import correction_weights, rollout_correction
+from fastgrpo.loss.correction import RolloutCorrection, correction_weights, rollout_correction
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.rollout import BuiltinEngine
 from fastgrpo.train import default_task
@@ -170,7 +170,6 @@ def test_the_weights_move_the_step(tmp_path):
 
 
 def test_grpo_loss_checks_the_correction_inputs():
-    from fastgrpo.loss.correction import RolloutCorrection
     from fastgrpo.loss.model import grpo_loss
 
     tokenizer = default_task.build_tokenizer()
@@ -231,5 +230,5 @@ def test_loss_side_weights_are_rollout_corrections(B, T, seed, mode, level, clip
     rollout[torch.rand(B, T, generator=g) < 0.1] = float("nan")
     mask = (torch.rand(B, T, generator=g) < 0.7).long()
     want, _ = rollout_correction(train, rollout, mask, mode, level, clip_min, clip_max)
-    got = correction_weights(train, rollout, mask, mode, level, clip_min, clip_max)
+    got = correction_weights(train, rollout, mask, RolloutCorrection(mode, level, clip_min, clip_max))
     assert got.shape == (B, T) and torch.equal(got, want)

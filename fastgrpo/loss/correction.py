@@ -91,19 +91,12 @@ def rollout_correction(
 
 
 def correction_weights(
-    train_logps: torch.Tensor,
-    rollout_logps: torch.Tensor,
-    mask: torch.Tensor,
-    mode: str,
-    level: str = "sequence",
-    clip_min: float | None = None,
-    clip_max: float | None = 3.0,
+    train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor, correction: RolloutCorrection
 ) -> torch.Tensor:
     """rollout_correction's token_weights [B, T] alone, without its metrics: no host sync, so the loss of each
     micro-batch can weight itself from its own forward's log-probs (fastgrpo.loss.model.grpo_loss). The caller has
     checked the options (check_rollout_correction) and the shapes."""
-    return _ratio_and_weights(train_logps, rollout_logps, mask.bool(), mode, level, clip_min,
-                              clip_max)[1].expand_as(train_logps)
+    return _ratio_and_weights(train_logps, rollout_logps, mask.bool(), *correction)[1].expand_as(train_logps)
 
 
 def _ratio_and_weights(train_logps, rollout_logps, valid, mode, level, clip_min, clip_max):

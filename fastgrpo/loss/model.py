@@ -167,7 +167,7 @@ def _correction_weights(correction, hidden, head, input_ids, completion_mask, co
         own = fused_linear_logprobs(hidden.detach(), head.weight, input_ids[:, cols], temperature=cfg.temperature,
                                     bias=head.bias, softcap=cfg.softcap, backend=backend)
         old_logps = _unwindow(own.float(), input_ids.shape, cols)
-    return correction_weights(old_logps.float(), rollout_logps.float(), completion_mask, *correction)
+    return correction_weights(old_logps.float(), rollout_logps.float(), completion_mask, correction)
 
 
 @torch.no_grad()
