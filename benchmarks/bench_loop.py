@@ -20,6 +20,8 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
                  patched TRL GRPOTrainer, use_gradient_checkpointing="unsloth"
   unsloth-hf     (not run by default) Unsloth with fast_inference=False: its own generation, for what vLLM refuses
+--recompute-layers N: the fastgrpo systems checkpoint only the first N decoder layers (patch_model's
+recompute_layers; the later ones keep their activations), rows named <system>-recompute<N>.
 Shapes <model>-<mode>: qwen2.5-1.5b / llama-3.1-8b (benchmarks.e2e configs, random weights saved once to
 --models-dir with a word-level tokenizer built here: token i is "t<i>", a chat template; no hub); lora: r=16,
 alpha 32 on the 7 linears of every layer, bf16 base; full: bf16 weights and AdamW; qlora: NF4 base (double quant,
@@ -111,6 +113,12 @@ class Case:
     vllm_memory_utilization: float | None = None
     device: str = "cuda"
     gpu: int = 0
+    recompute_layers: int | None = None  # fastgrpo systems: patch_model's (None: every layer checkpointed)
+
+    @property
+    def label(self) -> str:
+        """The row's system: a fastgrpo system that keeps some layers' activations says how many it recomputes."""
+        return self.system if self.recompute_layers is None else f"{self.system}-recompute{self.recompute_layers}"
 
     @property
     def model(self) -> str:
@@ -349,7 +357,9 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
         from peft import get_peft_model
 
         model = get_peft_model(model, lora_config())
-    fastgrpo.patch_model(model, offload_activations=case.device == "cuda" if offload is None else offload)
+    if offload is None:  # on the CPU (--dry-run) offload is plain checkpointing; a recompute_layers case needs it
+        offload = case.device == "cuda" or case.recompute_layers is not None
+    fastgrpo.patch_model(model, offload_activations=offload, recompute_layers=case.recompute_layers)
     fields = dict(
         model=case.folder, lora_rank=0 if case.mode == "full" else 16, load_in_4bit=case.mode == "qlora",
         batch_size=case.batch, num_generations=case.generations, max_prompt_length=case.prompt_length,
@@ -487,7 +497,7 @@ def summarize(steps: list[dict], warmup: int) -> dict:
 def child(case: Case, out: Path) -> int:
     """One case in this process: write its row (with "error" when it fails) to `out`."""
     start = time.perf_counter()
-    row = {"system": case.system, "kind": "step", "completion": case.completion, "model": case.model,
+    row = {"system": case.label, "kind": "step", "completion": case.completion, "model": case.model,
            "mode": case.mode, "prompts": case.prompts, "generations": case.generations,
            "prompt_length": case.prompt_length, "micro_batch": case.micro_batch, "cap_gib": case.cap_gib}
     cuda = case.device == "cuda"
@@ -611,7 +621,7 @@ def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
 
 def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     """The case in a fresh process (killed with its group after `timeout` s); its row, or an error row."""
-    name = f"{case.shape}-{case.system}-{case.completion}" + (f"-cap{case.cap_gib:g}" if case.cap_gib else "")
+    name = f"{case.shape}-{case.label}-{case.completion}" + (f"-cap{case.cap_gib:g}" if case.cap_gib else "")
     log, out = log_dir / f"{name}.log", Path(tempfile.mkstemp(suffix=".json")[1])
     cmd = [sys.executable, "-m", "benchmarks.bench_loop", "--child", json.dumps(dataclasses.asdict(case)),
            "--out", str(out)]
@@ -630,7 +640,7 @@ def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     rows = json.loads(out.read_text()) if out.stat().st_size else []
     out.unlink()
     if not rows:
-        rows = [{"system": case.system, "kind": "step", "completion": case.completion, "model": case.model,
+        rows = [{"system": case.label, "kind": "step", "completion": case.completion, "model": case.model,
                  "mode": case.mode, "error": f"{error}; log tail:\n{log.read_text()[-2500:]}"}]
     row = rows[0]
     row["log"] = log.name
@@ -658,7 +668,7 @@ def fit_search(case: Case, args, run, known: dict[int, dict] | None = None, repo
     known = known or {}
 
     def row(**fields) -> dict:
-        return {"system": case.system, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
+        return {"system": case.label, "kind": "max_fit", "completion": None, "cap_gib": case.cap_gib,
                 "prompts": case.prompts, "generations": case.generations, "prompt_length": case.prompt_length,
                 "micro_batch": case.micro_batch, "max_completion": lo, "first_failure": hi, "probes": probes,
                 "complete": False, **fields}
@@ -706,7 +716,7 @@ def earlier_probes(path: Path, case: Case) -> dict[int, dict]:
     printed: one from older code may no longer hold (say, an out-of-memory that a fix removed)."""
     if not path.exists():
         return {}
-    want = row_key({"system": case.system, "kind": "max_fit", "cap_gib": case.cap_gib,
+    want = row_key({"system": case.label, "kind": "max_fit", "cap_gib": case.cap_gib,
                     **{f: getattr(case, f) for f in FIT_FIELDS}})
     found = {}
     for row in json.loads(path.read_text())["rows"]:
@@ -714,7 +724,7 @@ def earlier_probes(path: Path, case: Case) -> dict[int, dict]:
             found.update({p["completion"]: p for p in row.get("probes", [])
                           if p.get("fits") or p.get("out_of_memory")})
     for c, p in sorted(found.items()):
-        print(f"    reusing {case.system} at {c}: {'fits' if p['fits'] else 'out of memory'} ({path.name})", flush=True)
+        print(f"    reusing {case.label} at {c}: {'fits' if p['fits'] else 'out of memory'} ({path.name})", flush=True)
     return found
 
 
@@ -733,6 +743,9 @@ def parse_args(argv=None):
     p.add_argument("--vllm-memory-utilization", type=float,
                    help="gpu_memory_utilization of TRL's and Unsloth's vLLM (default: weights it holds + the batch's "
                         "KV cache + 3 GiB, as a share of the card)")
+    p.add_argument("--recompute-layers", type=int,
+                   help="fastgrpo systems: patch_model(recompute_layers=N), only the first N decoder layers "
+                        "checkpointed; rows named <system>-recompute<N> (default: every layer)")
     p.add_argument("--max-fit", action="store_true", help="search the longest completion in --cap-gib")
     p.add_argument("--cap-gib", type=float, default=24.0)
     p.add_argument("--fit-start", type=int, default=2048)
@@ -819,7 +832,8 @@ def main(argv=None) -> int:
                     prompt_length=args.prompt_length, micro_batch=min(args.micro_batch, prompts * args.generations),
                     steps=1 if args.max_fit else args.steps, warmup=0 if args.max_fit else args.warmup,
                     beta=args.beta, cap_gib=args.cap_gib if args.max_fit else None,
-                    vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda")
+                    vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda",
+                    recompute_layers=args.recompute_layers if system.startswith("fastgrpo") else None)
         if args.max_fit:
             known = earlier_probes(results.path(shape), case) if args.continue_fit else {}
             row = fit_search(case, args, run, known, report=lambda partial: results.add(shape, [partial]))

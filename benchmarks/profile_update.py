@@ -6,6 +6,7 @@
     python -m benchmarks.profile_update --dry-run                # CPU check: tiny Qwen2 LoRA, 16 + 16 tokens
     python -m benchmarks.profile_update --shape qwen2.5-1.5b-full --variants offload,plain   # full fine-tuning
     python -m benchmarks.profile_update --variants offload,offload-lora-add   # lora_linear against the two-op path
+    python -m benchmarks.profile_update --variants offload,offload@20,offload@14 --no-trace   # fewer recomputed layers
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
@@ -19,6 +20,7 @@ phases are called as GRPOTrainer.train_step calls them. Variants, the same model
               (autograd adds the base's and the adapters' input gradients: the "add" it takes out, issue 16)
   checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
   plain       no offload, no checkpointing: every activation kept
+  offload@N   (any offload variant) patch_model(recompute_layers=N): only the first N decoder layers checkpointed
 Per variant: one warm-up repeat (Triton autotuning), --repeats timed ones (median wall seconds and torch's peak
 GiB per phase), with --sync-sites one repeat counting the host syncs by call site, then (unless --no-trace) one
 repeat under torch.profiler summarized per phase by benchmarks.trace_gaps (GPU busy by
@@ -103,8 +105,10 @@ def set_variant(trainer, variant: str) -> None:
     model = trainer.model
     if getattr(model, "is_gradient_checkpointing", False):
         model.gradient_checkpointing_disable()
+    variant, _, layers = variant.partition("@")
     tiling = TILING.get(variant, dict(tiled_mlp=False))
-    fastgrpo.patch_model(model, offload_activations=variant.startswith("offload"), **tiling)
+    fastgrpo.patch_model(model, offload_activations=variant.startswith("offload"),
+                         recompute_layers=int(layers) if layers else None, **tiling)
     if variant == "checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -115,7 +119,7 @@ def lora_path(variant: str):
     from fastgrpo.patching import forwards
 
     check = forwards._frozen_plain_linear
-    if variant == "offload-lora-add":
+    if variant.partition("@")[0] == "offload-lora-add":
         forwards._frozen_plain_linear = lambda layer, x: False
     try:
         yield
@@ -221,8 +225,10 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
     for variant in variants:  # before the model is built
-        if variant not in VARIANTS:
-            raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)}, got {variant!r}")
+        name, at, layers = variant.partition("@")
+        if name not in VARIANTS or (at and not (name.startswith("offload") and layers.isdigit())):
+            raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)} (offload ones with an optional "
+                             f"@<recompute_layers>), got {variant!r}")
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.dry_run else "cuda"

@@ -150,6 +150,9 @@ def test_offload_host_memory_bound(tmp_path, capsys):
     for argv, message in [
         (["--offload-host-memory-gib", "1"], "offload_host_memory_gib: bounds the memory of offload_activations"),
         (["--offload-activations", "--offload-host-memory-gib", "0"], "offload_host_memory_gib: expected > 0"),
+        (["--recompute-layers", "1", "--offload-activations"], "recompute_layers: chooses the layers that "
+                                                               "gradient_checkpointing or offload_activations"),
+        (["--gradient-checkpointing", "--recompute-layers", "-1"], "recompute_layers: expected an int >= 0"),
     ]:
         assert main(["train", *argv]) == 2
         assert message in capsys.readouterr().err

@@ -538,6 +538,92 @@ def test_bad_arguments_raise_value_errors():
             ActivationOffloader("cuda")
 
 
+# --- patch_model(recompute_layers=N): only the first N layers checkpointed -----------------------------------------
+
+
+def _attention_runs(model) -> list[int]:
+    """Per decoder layer, how often its attention module ran (a checkpointed layer's recompute runs it again)."""
+    runs = [0] * len(decoder(model).layers)
+    for i, layer in enumerate(decoder(model).layers):
+        layer.self_attn.register_forward_hook(lambda *_, i=i: runs.__setitem__(i, runs[i] + 1))
+    return runs
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("n", [0, 1, 2, 3, None])
+def test_recompute_layers_checkpoints_only_the_first_n(arch, n):
+    """The first n layers run twice (forward + recompute) and offload their input; the rest run once. The gradients
+    are bitwise those of the patched model without checkpointing: a recompute on the CPU repeats the same ops."""
+    from fastgrpo.patching import patch_model
+
+    steps = batches(n=2)
+    want = train_step(patch_model(tiny_model(arch), offload_activations=False), steps)
+    offloader = ActivationOffloader("cpu", pool=HostBufferPool(pin_memory=False))  # the offload path on CPU tensors
+    model = patch_model(tiny_model(arch), offload_activations=offloader, recompute_layers=n)
+    runs = _attention_runs(model)
+    got = train_step(model, steps)
+    checkpointed = 3 if n is None else n
+    assert runs == [4] * checkpointed + [2] * (3 - checkpointed)  # two micro-batches
+    assert offloader.pool.num_allocations == checkpointed  # one host buffer per offloaded input, reused
+    assert model.fastgrpo_patch_summary["patched"].get("offload_activations", 0) == checkpointed
+    assert_grads_equal(got, want)
+
+
+def test_recompute_layers_tiles_the_mlp_of_checkpointed_layers_only():
+    from fastgrpo.patching import patch_model
+
+    model = patch_model(tiny_model(), offload_activations=True, recompute_layers=1, mlp_chunk_tokens=4)
+    assert model.fastgrpo_patch_summary["patched"]["tiled_mlp"] == 1  # a kept layer holds its intermediates anyway
+    assert "forward" in decoder(model).layers[0].mlp.__dict__
+    model = patch_model(model, offload_activations=True, recompute_layers=1, tiled_mlp=True, mlp_chunk_tokens=4)
+    assert model.fastgrpo_patch_summary["patched"]["tiled_mlp"] == 3  # forced: every MLP
+    model = patch_model(model, offload_activations=True, recompute_layers=0)
+    assert model.fastgrpo_patch_summary["patched"].get("tiled_mlp", 0) == 0
+
+
+def test_recompute_layers_repatched_unwraps_the_kept_layers():
+    from fastgrpo.patching import patch_model, unpatch_model
+
+    model = patch_model(tiny_model(), offload_activations=True)
+    patch_model(model, offload_activations=True, recompute_layers=1)
+    assert ["_fastgrpo_offload" in layer.__dict__ for layer in decoder(model).layers] == [True, False, False]
+    unpatch_model(model)
+    assert ["_fastgrpo_offload" in layer.__dict__ for layer in decoder(model).layers] == [False, False, False]
+
+
+def test_recompute_layers_bad_values_name_the_argument():
+    from fastgrpo.patching import patch_model
+
+    model = tiny_model()
+    for value, message in [(4, "expected at most the model's 3 decoder layers, got 4"), (-1, "expected an int >= 0"),
+                           (True, "expected an int >= 0"), ("2", "expected an int >= 0")]:
+        with pytest.raises(ValueError, match=f"recompute_layers: {message}"):
+            patch_model(model, offload_activations=True, recompute_layers=value)
+    with pytest.raises(ValueError, match="recompute_layers: chooses the layers offload_activations checkpoints"):
+        patch_model(model, recompute_layers=1)
+    assert "fastgrpo_patch_summary" not in model.__dict__  # refused before anything was bound
+
+
+def test_trainer_recompute_layers_with_hf_checkpointing(tmp_path):
+    """GRPOConfig(gradient_checkpointing=True, recompute_layers=1): HF's per-layer flag stays on in the first layer
+    only; alongside offload_activations the first layer is ours and the others run plain."""
+    from fastgrpo import GRPOConfig
+    from fastgrpo.train import default_task
+    from fastgrpo.train.loading import load_model_and_tokenizer
+
+    tokenizer = default_task.build_tokenizer()
+    default_task.build_model(tokenizer).save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    base = dict(model=str(tmp_path), dtype="float32", device="cpu", recompute_layers=1)
+    model, _ = load_model_and_tokenizer(GRPOConfig(**base, gradient_checkpointing=True, patch=False))
+    assert [layer.gradient_checkpointing for layer in model.model.layers] == [True, False]
+    model, _ = load_model_and_tokenizer(GRPOConfig(**base, gradient_checkpointing=True, offload_activations=True))
+    assert [(layer.gradient_checkpointing, "_fastgrpo_offload" in layer.__dict__)
+            for layer in model.model.layers] == [(False, True), (False, False)]
+    with pytest.raises(ValueError, match="recompute_layers: expected at most the model's 2 decoder layers, got 3"):
+        load_model_and_tokenizer(GRPOConfig(**{**base, "recompute_layers": 3}, gradient_checkpointing=True))
+
+
 # --- GPU -----------------------------------------------------------------------------------------------------------
 
 
@@ -644,6 +730,30 @@ def test_gpu_grads_within_bf16_noise_of_hf_checkpointing():
     assert err_ours <= 1.1 * err_hf + 1e-3, (err_ours, err_hf)
     assert off.pool.num_allocations == len(decoder(model).layers) and off.pool.pin_memory
     assert off.pool.bytes_in_use == 0 and off.num_live == 0
+
+
+@pytest.mark.gpu
+def test_gpu_recompute_layers_offloads_the_first_n_within_bf16_noise():
+    """patch_model(recompute_layers=2) of 4 layers on the CUDA offloader: two inputs offloaded, two layers run once,
+    gradients as close to the fp32 oracle as HF checkpointing's (the same bound as the test above)."""
+    from fastgrpo.patching import patch_model
+
+    data = _gpu_batches()
+    model = _gpu_model()
+    want = train_step(copy.deepcopy(model).float(), data)
+    hf_checkpointing(model, True)
+    hf = train_step(model, data)
+    hf_checkpointing(model, False)
+    off = ActivationOffloader("cuda")
+    # the kernels off: the layers' math is HF's, as in the test above; only the checkpointing differs
+    patch_model(model, rms_norm=False, rope=False, swiglu=False, offload_activations=off, recompute_layers=2)
+    runs = _attention_runs(model)
+    ours = train_step(model, data)
+    torch.cuda.synchronize()
+    err_hf, err_ours = _max_rel_err(hf, want), _max_rel_err(ours, want)
+    assert err_ours <= 1.1 * err_hf + 1e-3, (err_ours, err_hf)
+    assert runs == [4, 4, 2, 2]
+    assert off.pool.num_allocations == 2 and off.pool.bytes_in_use == 0 and off.num_live == 0
 
 
 @pytest.mark.gpu

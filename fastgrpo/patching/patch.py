@@ -37,6 +37,7 @@ def patch_model(
     swiglu: bool = True,
     fused_loss: bool = True,
     offload_activations: bool | ActivationOffloader = False,
+    recompute_layers: int | None = None,
     tiled_mlp: bool | None = None,
     mlp_chunk_tokens: int | None = None,
     fused_lora: bool = True,
@@ -53,9 +54,13 @@ def patch_model(
     layer using it is unpatched (or fastgrpo.offload.release_host_memory()). An ActivationOffloader is used instead,
     e.g. ActivationOffloader("cuda", pool=HostBufferPool(max_bytes=8 << 30)) to bound the pinned memory; it is
     yours: release_host_memory(offloader) gives its memory back.
+    recompute_layers: with offload_activations, checkpoint only the first N decoder layers; the later ones keep their
+    activations on the GPU, so the backward does not run them again (a faster update for more memory: measured in
+    benchmarks/NOTES.md). None: every layer. The last layers are the ones kept because the backward reaches them
+    first and frees their activations first.
     tiled_mlp: run each MLP over chunks of mlp_chunk_tokens tokens, keeping only its input for the backward
-    (fastgrpo.ops.tiled_mlp); None: on when offload_activations is (then one layer's MLP intermediates are most
-    of the peak), True / False force it. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
+    (fastgrpo.ops.tiled_mlp); None: on in the layers offload_activations checkpoints (then one layer's MLP
+    intermediates are most of the peak; a kept layer holds them anyway), True / False force it everywhere. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
     MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
     one more MLP forward. mlp_chunk_tokens: tokens per chunk; None: as many as keep the MLP's widest intermediate
     ([chunk, intermediate_size], Phi-3's fused gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's
@@ -78,8 +83,8 @@ def patch_model(
     bitwise (input cast to the fp32 adapters, fp32 GEMMs, an fp32 [tokens, out] delta added and cast back), which
     measured on an H100 costs more GPU time than the base model in a Qwen2.5-1.5B LoRA step (ops/lora.py).
 
-    Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, plus the
-    reason for anything left alone). Patching again with the same options does nothing; with other options the
+    Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
+    for anything left alone, the options resolved and the arguments as given). Patching again with the same options does nothing; with other options the
     model is unpatched first. Plain HF forward and generate (KV cache) keep working on the patched modules.
     """
     hf_model = unwrap_peft(model)
@@ -95,18 +100,25 @@ def patch_model(
                 "offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
                 f"got {type(offload_activations).__name__}"
             )
-    tiled_mlp = offload_activations is not False if tiled_mlp is None else tiled_mlp
+    layers = decoder_layers(hf_model, arch)
+    checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
+    tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
+    if tiled_mlp is None:
+        tiled_mlp = bool(checkpointed)
+        tiled_modules = {id(m) for layer in checkpointed for m in layer.modules()}
     if tiled_mlp and mlp_chunk_tokens is None:  # sized by the MLP's widest intermediate (Phi-3's is gate_up's 2I)
         widest = hf_model.config.get_text_config().intermediate_size * (2 if arch.mlp_fused_gate_up else 1)
         mlp_chunk_tokens = chunk_tokens_for(widest, hf_model.dtype.itemsize)
     options = {
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
-        "offload_activations": offload_activations, "tiled_mlp": tiled_mlp, "mlp_chunk_tokens": mlp_chunk_tokens,
-        "fused_lora": fused_lora, "lora_dtype": lora_dtype,
+        "offload_activations": offload_activations, "recompute_layers": recompute_layers, "tiled_mlp": tiled_mlp,
+        "mlp_chunk_tokens": mlp_chunk_tokens, "fused_lora": fused_lora, "lora_dtype": lora_dtype,
     }
+    # Compared as given: tiled_mlp None and True resolve alike when every layer is checkpointed, not otherwise.
+    arguments = {**options, "tiled_mlp": tiled_mlp_argument}
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
-        if existing["options"] == options:
+        if existing["arguments"] == arguments:
             return model
         unpatch_model(model)
     undo: list[Callable[[], None]] = []
@@ -135,7 +147,8 @@ def patch_model(
             elif swiglu:
                 bind(module, lambda _: mlp_forward(ACTIVATIONS[act_name], arch.mlp_fused_gate_up))
                 patched["swiglu"] += 1
-            if tiled_mlp:  # bound last: it chunks whichever forward the MLP has now
+            # bound last: it chunks whichever forward the MLP has now
+            if tiled_mlp and (tiled_modules is None or id(module) in tiled_modules):
                 bind(module, lambda previous: tiled_mlp_forward(previous, mlp_chunk_tokens))
                 patched["tiled_mlp"] += 1
         elif rope and name in arch.attention_classes:
@@ -154,17 +167,36 @@ def patch_model(
     if fused_loss:
         bind(hf_model, lambda previous: causal_lm_forward(previous, hf_model.base_model_prefix, arch))
         patched["fused_loss"] += 1
-    if offload_activations is not False:
-        layers = decoder_layers(hf_model, arch)
-        enable_offload_checkpointing(layers, offloader=None if offload_activations is True else offload_activations)
+    if checkpointed:
+        enable_offload_checkpointing(
+            checkpointed, offloader=None if offload_activations is True else offload_activations
+        )
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
-        patched["offload_activations"] += len(layers)
+        patched["offload_activations"] += len(checkpointed)
     hf_model.__dict__[_UNDO_ATTR] = undo
     hf_model.__dict__[SUMMARY_ATTR] = {
-        "model_type": hf_model.config.model_type, "options": options, "patched": dict(patched), "skipped": skipped,
+        "model_type": hf_model.config.model_type, "options": options, "arguments": arguments,
+        "patched": dict(patched), "skipped": skipped,
     }
     return model
+
+
+def _checkpointed_layers(
+    layers: list[nn.Module], offload_activations: bool | ActivationOffloader, recompute_layers: int | None
+) -> list[nn.Module]:
+    """The decoder layers offload checkpointing wraps: the first recompute_layers of them (None: all)."""
+    if recompute_layers is None:
+        return layers if offload_activations is not False else []
+    if isinstance(recompute_layers, bool) or not isinstance(recompute_layers, int) or recompute_layers < 0:
+        raise ValueError(f"recompute_layers: expected an int >= 0 or None, got {recompute_layers!r}")
+    if offload_activations is False:
+        raise ValueError("recompute_layers: chooses the layers offload_activations checkpoints, and "
+                         "offload_activations is off")
+    if recompute_layers > len(layers):
+        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, "
+                         f"got {recompute_layers}")
+    return layers[:recompute_layers]
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:

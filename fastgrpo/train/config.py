@@ -76,6 +76,10 @@ class GRPOConfig:
            "weights held at a time; a frozen reference copy is grouped alike)", run_control=True)
     offload_activations: bool = option(False, "with patch: checkpointed layers keep their inputs in CPU memory",
                                        run_control=True)
+    recompute_layers: int | None = option(
+        None, "with gradient_checkpointing or offload_activations: only the first N decoder layers are recomputed in "
+              "the backward; the later ones keep their activations on the GPU (a faster update for more memory, "
+              "benchmarks/NOTES.md); none: every layer", run_control=True)
     offload_host_memory_gib: float | None = option(
         None, "with offload_activations: most pinned CPU memory the offloaded inputs may take, in GiB (a larger "
               "step is an error naming this field); none: what a step needs (8 x 8K tokens of Qwen2.5-1.5B: 7 GiB)",
@@ -277,12 +281,7 @@ class GRPOConfig:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         self._check_rollout_engine()
-        if self.offload_host_memory_gib is not None:
-            if not self.offload_host_memory_gib > 0:
-                raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {self.offload_host_memory_gib}")
-            if not (self.offload_activations and self.patch):
-                raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
-                                 "(it needs patch and offload_activations)")
+        check_activation_memory_options(self)
 
     def _check_rollout_engine(self) -> None:
         check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
@@ -420,6 +419,23 @@ def _type_hints(config_class: type) -> dict:
 def run_control_fields(config_class: type = None) -> list[str]:
     """The fields `--resume` lets change (option(..., run_control=True)); all others define the run."""
     return [f.name for f in dataclasses.fields(config_class or GRPOConfig) if f.metadata.get("run_control")]
+
+
+def check_activation_memory_options(config) -> None:
+    """offload_host_memory_gib and recompute_layers, which refine offload_activations / gradient_checkpointing."""
+    if config.offload_host_memory_gib is not None:
+        if not config.offload_host_memory_gib > 0:
+            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
+        if not (config.offload_activations and config.patch):
+            raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
+                             "(it needs patch and offload_activations)")
+    layers = config.recompute_layers
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise ValueError(f"recompute_layers: expected an int >= 0 or none, got {layers!r}")
+        if not (config.gradient_checkpointing or (config.offload_activations and config.patch)):
+            raise ValueError("recompute_layers: chooses the layers that gradient_checkpointing or offload_activations "
+                             "(with patch) recompute, and neither is on")
 
 
 def config_changes(saved: dict, config) -> list[str]:

@@ -44,6 +44,7 @@ class EIConfig(ConfigFile):
     patch: bool = inherited("patch")
     gradient_checkpointing: bool = inherited("gradient_checkpointing")
     offload_activations: bool = inherited("offload_activations")
+    recompute_layers: int | None = inherited("recompute_layers")
     offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
     # Sampling.
     questions_per_step: int = option(512, "questions sampled per round (a seeded walk through the dataset)")

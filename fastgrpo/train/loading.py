@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
 from fastgrpo.offload import ActivationOffloader, HostBufferPool
 from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
@@ -96,8 +97,22 @@ def load_model_and_tokenizer(config):
             target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
         ))
     if config.patch:
-        patch_model(model, offload_activations=_offload_setting(config, device))
+        offload = _offload_setting(config, device)
+        patch_model(model, offload_activations=offload,
+                    recompute_layers=config.recompute_layers if offload is not False else None)
+    if config.gradient_checkpointing and config.recompute_layers is not None:
+        _hf_checkpointing_only_first(model, config.recompute_layers)
     return model, tokenizer
+
+
+def _hf_checkpointing_only_first(model, n: int) -> None:
+    """HF gradient checkpointing off in the decoder layers after the first n (its flag is per layer)."""
+    hf_model = unwrap_peft(model)
+    layers = decoder_layers(hf_model, architecture(hf_model))
+    if n > len(layers):
+        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, got {n}")
+    for layer in layers[n:]:
+        layer.gradient_checkpointing = False
 
 
 def _offload_setting(config, device: str):
@@ -135,7 +150,7 @@ def load_inference_model(*, model: str | None, dtype: str, device: str, seed: in
     if model is not None:
         fields["model"] = model
     setup = types.SimpleNamespace(**fields, dtype=dtype, device=device, gradient_checkpointing=False, patch=False,
-                                  offload_activations=False, offload_host_memory_gib=None)
+                                  offload_activations=False, offload_host_memory_gib=None, recompute_layers=None)
     built, tokenizer = load_model_and_tokenizer(setup)
     if checkpoint is not None:
         load_checkpoint(checkpoint, built)

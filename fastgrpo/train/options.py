@@ -10,7 +10,9 @@ import dataclasses
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
-from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, option, read_yaml
+from fastgrpo.train.config import (
+    DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_activation_memory_options, option, read_yaml,
+)
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
 _GRPO_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -71,12 +73,7 @@ def check_model_options(config) -> None:
     check_at_least(config, ("lora_rank", "lora_dropout"), 0)
     if config.load_in_4bit and config.lora_rank == 0:
         raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
-    if config.offload_host_memory_gib is not None:
-        if not config.offload_host_memory_gib > 0:
-            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
-        if not (config.offload_activations and config.patch):
-            raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
-                             "(it needs patch and offload_activations)")
+    check_activation_memory_options(config)
 
 
 def check_optimizer_options(config) -> None:

@@ -40,6 +40,7 @@ class SFTConfig(ConfigFile):
     patch: bool = inherited("patch")
     gradient_checkpointing: bool = inherited("gradient_checkpointing")
     offload_activations: bool = inherited("offload_activations")
+    recompute_layers: int | None = inherited("recompute_layers")
     offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
     # Batching and optimizer. micro_batch_size does not change the gradient (the loss is normalised by the step's
     # response tokens), so it may change on --resume.
