@@ -20,6 +20,8 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
                  patched TRL GRPOTrainer, use_gradient_checkpointing="unsloth"
   unsloth-hf     (not run by default) Unsloth with fast_inference=False: its own generation, for what vLLM refuses
+The fastgrpo systems run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, as `fastgrpo train` sets it
+(fastgrpo.train.cuda_memory; not fastgrpo-vllm, whose vLLM pool refuses it); TRL and Unsloth with their own settings.
 --recompute-layers N: the fastgrpo systems checkpoint only the first N decoder layers (patch_model's
 recompute_layers; the later ones keep their activations), rows named <system>-recompute<N>.
 Shapes <model>-<mode>: qwen2.5-1.5b / llama-3.1-8b (benchmarks.e2e configs, random weights saved once to
@@ -609,6 +611,10 @@ def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), env.get("PYTHONPATH")]))
     env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
+    if system.startswith("fastgrpo"):  # the allocator setting `fastgrpo train` starts with
+        from fastgrpo.train.cuda_memory import allocator_env
+
+        env.update(allocator_env("vllm" if system == "fastgrpo-vllm" else "builtin"))
     if system.startswith("unsloth"):
         env.update(UNSLOTH_VLLM_STANDBY="1", UNSLOTH_VLLM_STANDBY_UTIL_OVERRIDE="1",
                    UNSLOTH_COMPILE_LOCATION=str(Path(tempfile.gettempdir()) / "unsloth_compiled_cache"))

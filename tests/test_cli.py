@@ -1,6 +1,7 @@
 """`fastgrpo train`: the built-in default learns on the CPU; YAML < flags; user data and rewards by name; every
 mistake is one line and exit code 2 (--debug: the traceback); --help shows the defaults a run really uses."""
 import json
+import os
 
 import pytest
 import torch
@@ -165,3 +166,28 @@ def test_offload_host_memory_bound(tmp_path, capsys):
     assert "activation offload needs" in err and "--offload-host-memory-gib" in err, err
     # A bound the step fits in trains as without one.
     assert main([*argv[:-1], "1"]) == 0
+
+
+@pytest.mark.parametrize("preset, engine, want", [
+    (None, "builtin", "expandable_segments:True"),
+    ("max_split_size_mb:64", "builtin", "max_split_size_mb:64"),  # the user's own setting stays
+    (None, "vllm", None),  # vLLM's sleep-mode pool refuses expandable segments
+])
+def test_commands_start_with_expandable_segments(monkeypatch, preset, engine, want):
+    from fastgrpo.train import cuda_memory
+
+    monkeypatch.setenv(cuda_memory.ALLOC_CONF, "")  # then deleted: monkeypatch restores the variable as it was
+    monkeypatch.delenv(cuda_memory.ALLOC_CONF)
+    if preset is not None:
+        monkeypatch.setenv(cuda_memory.ALLOC_CONF, preset)
+    cuda_memory.use_expandable_segments(engine)
+    assert os.environ.get(cuda_memory.ALLOC_CONF) == want
+
+
+def test_train_sets_the_allocator_before_loading(monkeypatch, tmp_path):
+    from fastgrpo.train import cuda_memory
+
+    monkeypatch.setenv(cuda_memory.ALLOC_CONF, "")
+    monkeypatch.delenv(cuda_memory.ALLOC_CONF)
+    assert main(["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "1"]) == 0
+    assert os.environ[cuda_memory.ALLOC_CONF] == "expandable_segments:True"

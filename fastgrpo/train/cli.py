@@ -134,6 +134,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
+    from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
     from fastgrpo.train.distributed import init_distributed
@@ -142,6 +143,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     # Everything a user can get wrong is checked before the model loads.
     config = config_from_args(args)
+    use_expandable_segments(config.rollout_engine)  # before the first CUDA allocation
     resolve_device(config.device)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     if config.model is not None:

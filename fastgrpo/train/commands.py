@@ -14,6 +14,7 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.config import add_config_arguments, check_resume, read_yaml
+from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.sft_config import SFTConfig
@@ -134,6 +135,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.sft import SFTTrainer
 
     config = config_from_args("sft", args)
+    use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     rows = _rows(config, lambda: default_task.build_sft_dataset(seed=config.seed))
     history = _train(config, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
@@ -149,6 +151,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.loading import resolve_reward
 
     config = config_from_args("ei", args)
+    use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = _rows(config, lambda: default_task.build_dataset(seed=config.seed))
@@ -171,6 +174,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.run_dir import RunDirectory
 
     config = config_from_args("eval", args)
+    use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = _rows(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
