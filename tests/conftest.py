@@ -73,19 +73,19 @@ def compiles(monkeypatch):
 def delta_calls(monkeypatch):
     """The names of the LoRA ops (lora_add, lora_delta, lora_linear) the patched forwards call, one entry per call."""
     import fastgrpo.patching.forwards as forwards
-    from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
+    from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear_of_checked_values
 
     calls = []
 
-    def counting(op):
+    def counting(name, op):
         def call(*args, **kwargs):
-            calls.append(op.__name__)
+            calls.append(name)
             return op(*args, **kwargs)
 
         return call
 
-    for op in (lora_add, lora_delta, lora_linear):
-        monkeypatch.setattr(forwards, op.__name__, counting(op))
+    for name, op in (("lora_add", lora_add), ("lora_delta", lora_delta), ("lora_linear", lora_linear_of_checked_values)):
+        monkeypatch.setattr(forwards, op.__name__, counting(name, op))
     return calls
 
 

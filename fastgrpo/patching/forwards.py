@@ -11,7 +11,7 @@ from torch import nn
 
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
-from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear
+from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear_of_checked_values
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
 from fastgrpo.ops.swiglu import glu
@@ -63,7 +63,9 @@ def lora_linear_forward(
         base = self.base_layer
         if lora_dtype == "input" and _frozen_plain_linear(base, x):
             # One op for the base and the adapters: the layer's input gradient is written once (lora_linear).
-            return lora_linear(x, base.weight, base.bias, [(a.weight, b.weight, s) for a, b, s in adapters])
+            # _frozen_plain_linear and _vanilla_adapters checked what lora_linear would: a PEFT layer's own weights
+            return lora_linear_of_checked_values(x, base.weight, base.bias,
+                                                 [(a.weight, b.weight, s) for a, b, s in adapters])
         result = base(x)
         if lora_dtype == "input":
             # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd
