@@ -18,6 +18,7 @@ from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
 from fastgrpo.train.loss_setup import check_loss_options
+from fastgrpo.train.memory_options import check_activation_memory_options
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -419,23 +420,6 @@ def _type_hints(config_class: type) -> dict:
 def run_control_fields(config_class: type = None) -> list[str]:
     """The fields `--resume` lets change (option(..., run_control=True)); all others define the run."""
     return [f.name for f in dataclasses.fields(config_class or GRPOConfig) if f.metadata.get("run_control")]
-
-
-def check_activation_memory_options(config) -> None:
-    """offload_host_memory_gib and recompute_layers, which refine offload_activations / gradient_checkpointing."""
-    if config.offload_host_memory_gib is not None:
-        if not config.offload_host_memory_gib > 0:
-            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
-        if not (config.offload_activations and config.patch):
-            raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
-                             "(it needs patch and offload_activations)")
-    layers = config.recompute_layers
-    if layers is not None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-            raise ValueError(f"recompute_layers: expected an int >= 0 or none, got {layers!r}")
-        if not (config.gradient_checkpointing or (config.offload_activations and config.patch)):
-            raise ValueError("recompute_layers: chooses the layers that gradient_checkpointing or offload_activations "
-                             "(with patch) recompute, and neither is on")
 
 
 def config_changes(saved: dict, config) -> list[str]:

@@ -10,9 +10,8 @@ import dataclasses
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
-from fastgrpo.train.config import (
-    DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_activation_memory_options, option, read_yaml,
-)
+from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, option, read_yaml
+from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
 _GRPO_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}

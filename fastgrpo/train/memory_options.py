@@ -1,0 +1,20 @@
+"""The checks of the fields that refine offload_activations and gradient_checkpointing, shared by every config
+that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs)."""
+from __future__ import annotations
+
+
+def check_activation_memory_options(config) -> None:
+    """offload_host_memory_gib and recompute_layers, which refine offload_activations / gradient_checkpointing."""
+    if config.offload_host_memory_gib is not None:
+        if not config.offload_host_memory_gib > 0:
+            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
+        if not (config.offload_activations and config.patch):
+            raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
+                             "(it needs patch and offload_activations)")
+    layers = config.recompute_layers
+    if layers is not None:
+        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
+            raise ValueError(f"recompute_layers: expected an int >= 0 or none, got {layers!r}")
+        if not (config.gradient_checkpointing or (config.offload_activations and config.patch)):
+            raise ValueError("recompute_layers: chooses the layers that gradient_checkpointing or offload_activations "
+                             "(with patch) recompute, and neither is on")
