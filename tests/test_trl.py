@@ -20,6 +20,7 @@ import functools
 import math
 import os
 import string
+import warnings
 
 import pytest
 import torch
@@ -269,14 +270,21 @@ def test_compute_loss_matches_trl(trainer_pair, case):
         assert err <= REL or float((got_grads[name] - want_grad).abs().max()) <= ABS, f"{name}: relative {err:.2e}"
 
 
-def test_patched_offloaded_checkpointed_step_matches_trl(trainer_pair, model_dir, tmp_path):
-    """patch_model's layers (Triton's interpreter here), activation offload and TRL's default gradient
-    checkpointing: the same micro-batch loss and gradients as TRL's plain trainer."""
+@pytest.mark.parametrize("recompute_layers", [None, 1])
+def test_patched_offloaded_checkpointed_step_matches_trl(trainer_pair, model_dir, tmp_path, recompute_layers):
+    """patch_model's layers (Triton's interpreter here) and activation offload in place of TRL's default gradient
+    checkpointing, on every layer or the first only: the same micro-batch loss and gradients as TRL's plain
+    trainer."""
     offloaded = FastGRPOTrainer(model=model_dir, reward_funcs=vowel_reward,
                                 args=grpo_config(tmp_path / "offload", gradient_checkpointing=True),
                                 train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
-                                processing_class=build_tokenizer(), offload_activations=True)
+                                processing_class=build_tokenizer(), offload_activations=True,
+                                recompute_layers=recompute_layers)
     assert unwrap_peft(offloaded.model).fastgrpo_patch_summary["options"]["offload_activations"] is True
+    layers = unwrap_peft(offloaded.model).model.layers
+    checkpointed = len(layers) if recompute_layers is None else recompute_layers
+    assert ["_fastgrpo_offload" in layer.__dict__ for layer in layers] == \
+        [True] * checkpointed + [False] * (len(layers) - checkpointed)
     inputs = micro_batch(trainer_pair[0], None, False, False)
     results = []
     for trainer in (trainer_pair[0], offloaded):
@@ -289,6 +297,27 @@ def test_patched_offloaded_checkpointed_step_matches_trl(trainer_pair, model_dir
     for name, grad in want_grads.items():
         err = float((got_grads[name] - grad).norm() / grad.norm().clamp(min=1e-12))
         assert err <= REL, f"{name}: relative {err:.2e}"
+
+
+@pytest.mark.parametrize("peft", [False, True])
+def test_offload_stays_on_through_trls_training_loop(model_dir, tmp_path, peft):
+    """TRL's gradient checkpointing is handed over to the offload: HF's Trainer turns HF's checkpointing on at
+    train() and TRL toggles it around each generation; before, that put HF's flag back on every layer and the
+    offload stepped aside (its warning) for the whole run. After two real steps the layers are still ours."""
+    from peft import LoraConfig
+
+    trainer = FastGRPOTrainer(model=model_dir, reward_funcs=vowel_reward,
+                              args=grpo_config(tmp_path, gradient_checkpointing=True),
+                              train_dataset=Dataset.from_dict({"prompt": ["2+2=", "abc"] * 4}),
+                              processing_class=build_tokenizer(), offload_activations=True,
+                              peft_config=LoraConfig(r=4, target_modules=["q_proj", "up_proj"]) if peft else None)
+    assert trainer.args.gradient_checkpointing is False
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*HF gradient checkpointing was turned on after")
+        trainer.train()
+    layers = unwrap_peft(trainer.model).model.layers
+    assert [("_fastgrpo_offload" in layer.__dict__, bool(layer.gradient_checkpointing)) for layer in layers] == \
+        [(True, False)] * len(layers)
 
 
 def test_vespo_weights_and_off_policy_mask_equal_trls_own():
@@ -314,6 +343,7 @@ def test_vespo_weights_and_off_policy_mask_equal_trls_own():
 @pytest.mark.parametrize("fields, kwargs, match", [
     (dict(use_liger_kernel=True), {}, "use_liger_kernel"),
     ({}, dict(patch=False, offload_activations=True), "offload_activations"),
+    (dict(gradient_checkpointing=True), dict(recompute_layers=1), "recompute_layers"),  # without offload
 ])
 def test_what_it_cannot_honour_is_refused_at_construction(model_dir, tmp_path, fields, kwargs, match):
     with pytest.raises(ValueError, match=f"FastGRPOTrainer cannot honour: {match}"):

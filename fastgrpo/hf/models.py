@@ -54,6 +54,17 @@ def decoder_layers(model: nn.Module, arch: Architecture) -> list[nn.Module]:
     ]
 
 
+def hf_checkpointing_only_first(model: nn.Module, n: int) -> None:
+    """HF gradient checkpointing off in the decoder layers after the first n of `model` (a transformers causal LM or
+    a PEFT wrapper of one): HF's flag is per layer, and a kept layer's activations stay for the backward."""
+    hf_model = unwrap_peft(model)
+    layers = decoder_layers(hf_model, architecture(hf_model))
+    if n > len(layers):
+        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, got {n}")
+    for layer in layers[n:]:
+        layer.gradient_checkpointing = False
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, lm_head) of any transformers causal LM or PEFT wrapper of one: the lm_head is
     get_output_embeddings() with a [V, H] weight, the backbone the base model (it returns last_hidden_state).

@@ -11,7 +11,8 @@ checkpoints stay TRL's. Two of its documented override points are replaced:
   metrics TRL logs, with TRL's names and aggregation.
 
 The model is patched (fastgrpo.patch_model: fused RMSNorm, RoPE, SwiGLU, LoRA) unless patch=False;
-offload_activations=True (or an ActivationOffloader) also keeps checkpointed layers' inputs in CPU memory. What it
+offload_activations=True (or an ActivationOffloader) checkpoints the layers with their inputs in CPU memory, in place
+of TRL's gradient checkpointing. What it
 cannot compute the same way is refused when it is built (_refusals), never run differently.
 """
 from __future__ import annotations
@@ -22,7 +23,9 @@ import torch
 from packaging.specifiers import SpecifierSet
 from transformers import ProcessorMixin
 
-from fastgrpo.hf.models import backbone_and_head, is_peft_model, logit_softcap, unwrap_peft
+from fastgrpo.hf.models import (
+    backbone_and_head, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
+)
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
@@ -99,16 +102,23 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer on fastgrpo's kernels: same constructor and trl.GRPOConfig, plus
 
     patch: fastgrpo.patch_model the policy (and a reference copy) before training (fused RMSNorm, RoPE, SwiGLU,
-    LoRA). offload_activations: True or a fastgrpo.offload.ActivationOffloader keeps checkpointed layers' inputs
-    in pinned CPU memory (with gradient_checkpointing, TRL's default; needs patch). backend: "auto" (Triton on CUDA,
-    chunked PyTorch on the CPU), "triton" or "torch".
+    LoRA). offload_activations: True or a fastgrpo.offload.ActivationOffloader checkpoints every decoder layer with
+    its input kept in pinned CPU memory (needs patch). It replaces TRL's gradient checkpointing, whose flag is set to
+    False on the trainer's args: HF's Trainer would turn HF's checkpointing on again at train(), and TRL around each
+    generation, and the layers would then be checkpointed without offload. recompute_layers (with
+    offload_activations): only the first N decoder layers are checkpointed, the later ones keep their activations
+    (patch_model's). backend: "auto" (Triton on CUDA, chunked PyTorch on the CPU), "triton" or "torch".
     """
 
-    def __init__(self, *args, patch: bool = True, offload_activations=False, backend: str = "auto", **kwargs):
+    def __init__(self, *args, patch: bool = True, offload_activations=False, recompute_layers: int | None = None,
+                 backend: str = "auto", **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         problems = _refusals(config) if config is not None else []
         if offload_activations is not False and not patch:
             problems.append("offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True")
+        if recompute_layers is not None and offload_activations is False:
+            problems.append("recompute_layers: chooses the layers offload_activations checkpoints, and it is off "
+                            "(TRL's gradient_checkpointing covers every layer)")
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
@@ -117,9 +127,16 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         self.fastgrpo_backend = backend
         if patch:  # draws no random numbers: TRL's seeding at the end of its __init__ still decides the run
-            patch_model(self.model, fused_loss=False, offload_activations=offload_activations)
+            patch_model(self.model, fused_loss=False, offload_activations=offload_activations,
+                        recompute_layers=recompute_layers)
             if self.ref_model is not None:
                 patch_model(self.ref_model, fused_loss=False)
+        if offload_activations is not False:
+            for name in ("gradient_checkpointing", "activation_checkpointing"):  # newer transformers have both
+                if getattr(self.args, name, None):
+                    setattr(self.args, name, False)
+        if recompute_layers is not None:  # TRL's __init__ turns HF's flag on for a PEFT model: off on the kept layers
+            hf_checkpointing_only_first(self.model, recompute_layers)
 
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
         """hidden [B, T, H] of the positions that predict the last T = logits_to_keep tokens, in the lm_head's dtype

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
+from fastgrpo.hf.models import hf_checkpointing_only_first
 from fastgrpo.offload import ActivationOffloader, HostBufferPool
 from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
@@ -101,18 +101,8 @@ def load_model_and_tokenizer(config):
         patch_model(model, offload_activations=offload,
                     recompute_layers=config.recompute_layers if offload is not False else None)
     if config.gradient_checkpointing and config.recompute_layers is not None:
-        _hf_checkpointing_only_first(model, config.recompute_layers)
+        hf_checkpointing_only_first(model, config.recompute_layers)
     return model, tokenizer
-
-
-def _hf_checkpointing_only_first(model, n: int) -> None:
-    """HF gradient checkpointing off in the decoder layers after the first n (its flag is per layer)."""
-    hf_model = unwrap_peft(model)
-    layers = decoder_layers(hf_model, architecture(hf_model))
-    if n > len(layers):
-        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, got {n}")
-    for layer in layers[n:]:
-        layer.gradient_checkpointing = False
 
 
 def _offload_setting(config, device: str):
