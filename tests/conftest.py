@@ -84,7 +84,8 @@ def delta_calls(monkeypatch):
 
         return call
 
-    for name, op in (("lora_add", lora_add), ("lora_delta", lora_delta), ("lora_linear", lora_linear_of_checked_values)):
+    ops = {"lora_add": lora_add, "lora_delta": lora_delta, "lora_linear": lora_linear_of_checked_values}
+    for name, op in ops.items():
         monkeypatch.setattr(forwards, op.__name__, counting(name, op))
     return calls
 

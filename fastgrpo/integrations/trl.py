@@ -12,8 +12,8 @@ checkpoints stay TRL's. Two of its documented override points are replaced:
 
 The model is patched (fastgrpo.patch_model: fused RMSNorm, RoPE, SwiGLU, LoRA) unless patch=False;
 offload_activations=True (or an ActivationOffloader) checkpoints the layers with their inputs in CPU memory, in place
-of TRL's gradient checkpointing. What it
-cannot compute the same way is refused when it is built (_refusals), never run differently.
+of TRL's gradient checkpointing. What it cannot compute the same way is refused when it is built (_refusals), never
+run differently.
 """
 from __future__ import annotations
 

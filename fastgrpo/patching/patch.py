@@ -60,12 +60,13 @@ def patch_model(
     first and frees their activations first.
     tiled_mlp: run each MLP over chunks of mlp_chunk_tokens tokens, keeping only its input for the backward
     (fastgrpo.ops.tiled_mlp); None: on in the layers offload_activations checkpoints (then one layer's MLP
-    intermediates are most of the peak; a kept layer holds them anyway), True / False force it everywhere. Under checkpointing it adds no MLP FLOPs (the recompute stops before the
-    MLP), except on gemma2/3 (one more MLP forward: their recompute needs the MLP output); without checkpointing,
-    one more MLP forward. mlp_chunk_tokens: tokens per chunk; None: as many as keep the MLP's widest intermediate
-    ([chunk, intermediate_size], Phi-3's fused gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's
-    dtype (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16, 14976), so micro-batches of fewer tokens
-    run untiled.
+    intermediates are most of the peak; a kept layer holds them anyway), True / False force it everywhere. Under
+    checkpointing it adds no MLP FLOPs (the recompute stops before the MLP), except on gemma2/3 (one more MLP
+    forward: their recompute needs the MLP output); without checkpointing, one more MLP forward. mlp_chunk_tokens:
+    tokens per chunk; None: as many as keep the MLP's widest intermediate ([chunk, intermediate_size], Phi-3's fused
+    gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's dtype
+    (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16, 14976), so micro-batches of fewer tokens run
+    untiled.
     fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear, and the QLoRA classes bnb.Linear4bit /
     Linear8bitLt over a bitsandbytes base) compute their vanilla adapter branch with fastgrpo.ops.lora, which keeps
     the layer's input for the backward instead of a copy in the adapter's dtype (fp32 adapters on a bf16 input: 4 B
@@ -84,8 +85,9 @@ def patch_model(
     measured on an H100 costs more GPU time than the base model in a Qwen2.5-1.5B LoRA step (ops/lora.py).
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
-    for anything left alone, the options resolved and the arguments as given). Patching again with the same options does nothing; with other options the
-    model is unpatched first. Plain HF forward and generate (KV cache) keep working on the patched modules.
+    for anything left alone, the options resolved and the arguments as given). Patching again with the same
+    arguments does nothing; with other ones the model is unpatched first. Plain HF forward and generate (KV cache)
+    keep working on the patched modules.
     """
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
