@@ -8,6 +8,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from fastgrpo.loss import reference
+from fastgrpo.loss.correction import RolloutCorrection
 from fastgrpo.loss.grpo import aggregation_weights, grpo_per_token_loss
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model
@@ -335,10 +336,37 @@ def test_unpadded_batch_matches_the_reference(attention):
     torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.parametrize("path", ["loss", "loss_with_rollout_correction", "sequence_logprobs"])
+def test_one_value_read_per_call(monkeypatch, path):
+    """grpo_loss (with the self-weighted rollout correction too) and sequence_logprobs read the batch's values once
+    (_inspect's read_ints, before the forward is queued), never again after it: the correction's and the log-probs'
+    lm_head pass trusts the ids _inspect checked (a second read there made the host wait for the whole forward, once
+    per micro-batch). Counted on the CPU by the functions that read; the GPU test below counts real syncs."""
+    import fastgrpo._checks as checks
+    import fastgrpo.loss.model as model_module
+    import fastgrpo.ops.fused_linear as fused_linear
+
+    reads = []
+    read_ints = checks.read_ints
+    monkeypatch.setattr(model_module, "read_ints", lambda *v: reads.append("read_ints") or read_ints(*v))
+    monkeypatch.setattr(fused_linear, "check_index_range", lambda *a: reads.append("check_index_range"))
+    model = tiny_qwen2()
+    ids, mask, completion = rollout_batch()
+    if path == "sequence_logprobs":
+        sequence_logprobs(model, ids, mask, completion)
+    else:
+        extra = dict(rollout_correction=RolloutCorrection("truncate"), rollout_logps=torch.zeros(B, T)) \
+            if path == "loss_with_rollout_correction" else {}
+        grpo_loss(model, ids, mask, completion, torch.randn(B), **extra)[0].backward()
+    assert reads == ["read_ints"]
+
+
 @pytest.mark.gpu
-def test_gpu_grpo_loss_reads_the_device_once():
+@pytest.mark.parametrize("correction", [False, True])
+def test_gpu_grpo_loss_reads_the_device_once(correction):
     """One host sync from fastgrpo's code per micro-batch (the checks and the completion window, read together), none
-    in its loss: the host queues the loss and the backward while the GPU runs the forward. (transformers adds its own:
+    in its loss, also with the self-weighted rollout correction (its lm_head pass): the host queues the loss and the
+    backward while the GPU runs the forward. (transformers adds its own:
     1 per forward in 5.17 / 5.24 for an unpadded batch, its test of the attention mask. Syncs inside autograd's C++ nodes
     are reported at this file's backward() line and are not counted here.)"""
     import warnings
@@ -353,13 +381,15 @@ def test_gpu_grpo_loss_reads_the_device_once():
     completion[1, -2:] = 0  # a shorter completion: masked rows skipped
     advantages = torch.randn(B, device="cuda")
     old = torch.randn(B, T, device="cuda")
-    grpo_loss(model, ids, mask, completion, advantages, old_logps=old, ref_logps=old, beta=0.1)[0].backward()
+    policy = dict(rollout_correction=RolloutCorrection("truncate"), rollout_logps=old) if correction else \
+        dict(old_logps=old)
+    grpo_loss(model, ids, mask, completion, advantages, ref_logps=old, beta=0.1, **policy)[0].backward()
     torch.cuda.synchronize()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         torch.cuda.set_sync_debug_mode("warn")
         try:
-            loss, _ = grpo_loss(model, ids, mask, completion, advantages, old_logps=old, ref_logps=old, beta=0.1,
+            loss, _ = grpo_loss(model, ids, mask, completion, advantages, ref_logps=old, beta=0.1, **policy,
                                 return_entropy=True, return_logps=True)
             loss.backward()
         finally:

@@ -25,7 +25,7 @@ from fastgrpo.hf.models import backbone_and_head, logit_softcap
 from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, resolve
 from fastgrpo.loss.correction import RolloutCorrection, check_rollout_correction, correction_weights
 from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
-from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 
 class _Batch(NamedTuple):
@@ -164,8 +164,10 @@ def _correction_weights(correction, hidden, head, input_ids, completion_mask, co
     """token_weights [B, T] of the correction towards old_logps, or towards this forward's own log-probs (the
     lm_head once more on the detached hidden states, as sequence_logprobs computes them), 0 outside the window."""
     if old_logps is None:
-        own = fused_linear_logprobs(hidden.detach(), head.weight, input_ids[:, cols], temperature=cfg.temperature,
-                                    bias=head.bias, softcap=cfg.softcap, backend=backend)
+        # input_ids were checked by _inspect: no second host sync, which here would wait for the whole forward
+        own = fused_linear_logprobs_of_checked_values(hidden.detach(), head.weight, input_ids[:, cols],
+                                                      temperature=cfg.temperature, bias=head.bias,
+                                                      softcap=cfg.softcap, backend=backend)
         old_logps = _unwindow(own.float(), input_ids.shape, cols)
     return correction_weights(old_logps.float(), rollout_logps.float(), completion_mask, correction)
 
@@ -190,7 +192,7 @@ def sequence_logprobs(
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
         hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
     cols = batch.window
-    out = fused_linear_logprobs(
+    out = fused_linear_logprobs_of_checked_values(  # input_ids checked by _inspect, in its one host read
         hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
         softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
     )

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastgrpo._checks import check_choice, check_index_range, check_linear_args
+from fastgrpo._checks import check_choice, check_index_range, check_integer_ids, check_linear_args
 
 BACKENDS = ("auto", "triton", "torch")
 # 7/8 GiB of bf16 logits is 2944 rows at V=151936. Bigger chunks are faster (the fp32 dW accumulator is read and
@@ -280,10 +280,38 @@ def fused_linear_logprobs(
     softcap * tanh(logits / softcap) before the temperature (Gemma-2's final_logit_softcapping); None: no cap.
     backend: "auto" | "triton" | "torch".
     """
+    _check_logprobs_args(hidden, weight, target_ids, bias, temperature, softcap)
+    check_index_range("target_ids", target_ids, weight.shape[0])
+    return _logprobs(hidden, weight, target_ids, temperature, bias, softcap, return_entropy, backend)
+
+
+def fused_linear_logprobs_of_checked_values(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    target_ids: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    bias: torch.Tensor | None = None,
+    softcap: float | None = None,
+    return_entropy: bool = False,
+    backend: str = "auto",
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """fused_linear_logprobs for a caller that has checked target_ids are in [0, V) already (fastgrpo.grpo_loss and
+    sequence_logprobs do, with their other value checks, in one host read): no host sync of its own, which after the
+    model's forward was queued made the host wait for all of it (once per micro-batch). Shapes and options are
+    checked here."""
+    _check_logprobs_args(hidden, weight, target_ids, bias, temperature, softcap)
+    return _logprobs(hidden, weight, target_ids, temperature, bias, softcap, return_entropy, backend)
+
+
+def _check_logprobs_args(hidden, weight, target_ids, bias, temperature, softcap) -> None:
     check_linear_args(hidden, weight, bias, temperature, softcap)
     if target_ids.shape != hidden.shape[:-1]:
         raise ValueError(f"target_ids: expected shape {list(hidden.shape[:-1])}, got {list(target_ids.shape)}")
-    check_index_range("target_ids", target_ids, weight.shape[0])
+    check_integer_ids("target_ids", target_ids)
+
+
+def _logprobs(hidden, weight, target_ids, temperature, bias, softcap, return_entropy, backend):
     kernels = row_kernels(resolve_backend(backend, hidden.device))
     shape = target_ids.shape
     hidden2d = hidden.reshape(-1, hidden.shape[-1]).contiguous()  # hidden2d: [N, H]
@@ -295,4 +323,4 @@ def fused_linear_logprobs(
     return (logp, entropy.view(shape)) if return_entropy else logp
 
 
-__all__ = ["fused_linear_logprobs", "chunk_rows"]
+__all__ = ["fused_linear_logprobs", "fused_linear_logprobs_of_checked_values", "chunk_rows"]
