@@ -15,7 +15,7 @@ import torch
 
 from fastgrpo._checks import check_binary_mask, check_index_range, check_shape
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
-from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 
 def _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch) -> None:
@@ -57,7 +57,7 @@ def sft_loss(
     labels = response_mask[:, 1:].bool()  # labels: [B, T-1], position t-1 predicts token t
     # Boolean indexing keeps only the response rows: the fused head does no work for prompt or padding positions.
     selected = hidden[:, :-1][labels]  # selected: [n, H]
-    logp = fused_linear_logprobs(
+    logp = fused_linear_logprobs_of_checked_values(  # the ids were checked above: no second range read
         selected, head.weight, input_ids[:, 1:][labels], bias=head.bias, softcap=logit_softcap(model),
         backend=backend,
     )  # logp: [n] fp32
