@@ -7,6 +7,7 @@
     python -m benchmarks.profile_update --shape qwen2.5-1.5b-full --variants offload,plain   # full fine-tuning
     python -m benchmarks.profile_update --variants offload,offload-lora-add   # lora_linear against the two-op path
     python -m benchmarks.profile_update --variants offload,offload@20,offload@14 --no-trace   # fewer recomputed layers
+    python -m benchmarks.profile_update --variants offload --rollout-correction truncate   # fastgrpo-fp8's update
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
@@ -221,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--python-profile", action="store_true", help="also one repeat under cProfile")
     parser.add_argument("--sync-sites", action="store_true", help="also one repeat counting host syncs by call site")
     parser.add_argument("--no-trace", action="store_true", help="timings only, no profiled repeat")
+    parser.add_argument("--rollout-correction", default="none", choices=("none", "truncate", "mask"),
+                        help="GRPOConfig.rollout_correction: with one optimizer step the loss weights itself from its "
+                             "own forward, as fastgrpo-fp8 runs it (the synthetic rollout log-probs are 0)")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 in --shape's mode, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
@@ -239,6 +243,7 @@ def main(argv: list[str] | None = None) -> None:
         args.models_dir = tempfile.mkdtemp(prefix="profile-update-models-")
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
     trainer = fastgrpo_trainer(case)
+    trainer.config = dataclasses.replace(trainer.config, rollout_correction=args.rollout_correction)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
     rows = []
     for variant in variants:
@@ -247,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                                         args.python_profile, args.sync_sites, args.no_trace))
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
-              "card": card_name(), "trace_dir": str(trace_dir)}
+              "rollout_correction": args.rollout_correction, "card": card_name(), "trace_dir": str(trace_dir)}
     directory = Path(tempfile.mkdtemp()) if args.dry_run else None
     print(f"wrote {write_results('update_profile', rows, config, directory)}")
     print_table(rows, ["variant", *[f"{p}_s" for p in PHASES], "total_s", *[f"{p}_peak_gib" for p in PHASES]])
