@@ -44,6 +44,7 @@ import torch
 from benchmarks.bench_loop import Case, build_folder, fastgrpo_trainer
 from benchmarks.common import GIB, card_name, print_table, write_results
 from benchmarks.trace_gaps import Trace, print_summary
+from fastgrpo.loss.correction import ROLLOUT_CORRECTIONS
 
 PHASES = ("logprobs_old", "logprobs_ref", "update")
 VARIANTS = ("offload", "offload-tiled", "offload-untiled", "offload-lora-add", "checkpoint", "plain")
@@ -69,7 +70,7 @@ def repeat(trainer, batch: dict, advantages: torch.Tensor, clock) -> None:
     """The log-prob passes and the update as train_step runs them (steps 4 and 5)."""
     from fastgrpo.train.loss_setup import prepare_loss_batch
 
-    with clock("logprobs_old"):  # ~0 s where the trainer skips the pass (one optimizer step, no correction)
+    with clock("logprobs_old"):  # ~0 s where the trainer skips the pass (one optimizer step: _needs_old_pass)
         old = trainer._logprobs(trainer.model, batch) if trainer._needs_old_pass() else None
     with clock("logprobs_ref"):  # the adapter switched off, or full fine-tuning's frozen copy
         ref_model = trainer.model if trainer.ref_model is None else trainer.ref_model
@@ -222,7 +223,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--python-profile", action="store_true", help="also one repeat under cProfile")
     parser.add_argument("--sync-sites", action="store_true", help="also one repeat counting host syncs by call site")
     parser.add_argument("--no-trace", action="store_true", help="timings only, no profiled repeat")
-    parser.add_argument("--rollout-correction", default="none", choices=("none", "truncate", "mask"),
+    parser.add_argument("--rollout-correction", default="none", choices=ROLLOUT_CORRECTIONS,
                         help="GRPOConfig.rollout_correction: with one optimizer step the loss weights itself from its "
                              "own forward, as fastgrpo-fp8 runs it (the synthetic rollout log-probs are 0)")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 in --shape's mode, 2 x 4 x (16 + 16)")

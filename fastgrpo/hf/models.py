@@ -54,14 +54,19 @@ def decoder_layers(model: nn.Module, arch: Architecture) -> list[nn.Module]:
     ]
 
 
+def split_recomputed(layers: list[nn.Module], n: int) -> tuple[list[nn.Module], list[nn.Module]]:
+    """(the first n decoder layers, recomputed in the backward; the rest, which keep their activations): the split
+    of recompute_layers=n, which cannot exceed the model's layers."""
+    if n > len(layers):
+        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, got {n}")
+    return layers[:n], layers[n:]
+
+
 def hf_checkpointing_only_first(model: nn.Module, n: int) -> None:
     """HF gradient checkpointing off in the decoder layers after the first n of `model` (a transformers causal LM or
     a PEFT wrapper of one): HF's flag is per layer, and a kept layer's activations stay for the backward."""
     hf_model = unwrap_peft(model)
-    layers = decoder_layers(hf_model, architecture(hf_model))
-    if n > len(layers):
-        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, got {n}")
-    for layer in layers[n:]:
+    for layer in split_recomputed(decoder_layers(hf_model, architecture(hf_model)), n)[1]:
         layer.gradient_checkpointing = False
 
 

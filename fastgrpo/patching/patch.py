@@ -11,7 +11,7 @@ from torch import nn
 from fastgrpo._checks import check_choice, check_positive_int
 from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
-from fastgrpo.hf.models import architecture, decoder_layers, unwrap_peft
+from fastgrpo.hf.models import architecture, decoder_layers, split_recomputed, unwrap_peft
 from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
 from fastgrpo.ops.tiled_mlp import chunk_tokens_for
@@ -195,10 +195,7 @@ def _checkpointed_layers(
     if offload_activations is False:
         raise ValueError("recompute_layers: chooses the layers offload_activations checkpoints, and "
                          "offload_activations is off")
-    if recompute_layers > len(layers):
-        raise ValueError(f"recompute_layers: expected at most the model's {len(layers)} decoder layers, "
-                         f"got {recompute_layers}")
-    return layers[:recompute_layers]
+    return split_recomputed(layers, recompute_layers)[0]
 
 
 def unpatch_model(model: nn.Module) -> nn.Module:
