@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from fastgrpo._checks import check_floating, check_positive_int
+from fastgrpo._forward_state import ForwardState
 
 # 8192 tokens: gate, up and their product of a Qwen2.5-1.5B MLP (I = 8960) are 140 MiB each in bf16.
 DEFAULT_CHUNK_TOKENS = 8192
@@ -70,10 +71,7 @@ class _SavedInput(torch.autograd.Function):
     def forward(ctx, x, forward, chunk_tokens, *params):
         ctx.save_for_backward(x)
         ctx.forward, ctx.chunk_tokens, ctx.params = forward, chunk_tokens, params
-        device = x.device.type
-        ctx.autocast = (device, torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
-        ctx.cpu_rng = torch.get_rng_state()
-        ctx.cuda_rng = torch.cuda.get_rng_state(x.device) if x.is_cuda else None
+        ctx.state = ForwardState(x.device)
         # token: [..., H] carries d(out) from _ChunkedForward back to this node; a 0-stride view, no memory.
         return x.new_zeros(()).expand(x.shape)
 
@@ -87,16 +85,11 @@ class _SavedInput(torch.autograd.Function):
         want_x = ctx.needs_input_grad[0]
         grad_x = torch.empty_like(x2) if want_x else None
         acc: list[torch.Tensor | None] = [None] * len(ctx.params)
-        device, autocast_on, autocast_dtype = ctx.autocast
-        rng_devices = [x.device] if ctx.cuda_rng is not None else []
-        with torch.random.fork_rng(devices=rng_devices), torch.enable_grad():
-            torch.set_rng_state(ctx.cpu_rng)
-            if ctx.cuda_rng is not None:
-                torch.cuda.set_rng_state(ctx.cuda_rng, x.device)
+        with ctx.state.rng_restored():
             # Chunks in forward order: dropout draws the random numbers the forward drew.
             for start in range(0, x2.shape[0], ctx.chunk_tokens):
                 xc = x2[start : start + ctx.chunk_tokens].detach().requires_grad_(want_x)  # xc: [n, H]
-                with torch.autocast(device, dtype=autocast_dtype, enabled=autocast_on):
+                with ctx.state.autocast():
                     yc = ctx.forward(xc)
                 inputs = ([xc] if want_x else []) + list(ctx.params)
                 grads = torch.autograd.grad(
