@@ -103,10 +103,12 @@ class Block(nn.Module):
         super().__init__()
         self.fc = nn.Linear(width, width)
         self.runs = 0
+        self.grad_modes: list[bool] = []  # torch.is_grad_enabled() at each run
         self.fail_on_run: int | None = None
 
     def forward(self, hidden_states, scale=None, *, position_embeddings=None, use_cache=False, past_key_values=None):
         self.runs += 1
+        self.grad_modes.append(torch.is_grad_enabled())
         if self.runs == self.fail_on_run:
             raise RuntimeError("boom")
         out = torch.tanh(self.fc(hidden_states))
@@ -451,6 +453,121 @@ def test_size_class_bounds(nbytes, steps):
     assert size_class(size, steps) == size
     if steps == 1:
         assert size & (size - 1) == 0  # what torch's pinned allocator gives anyway
+
+
+# --- wrapped layers: the forward under no_grad, the recompute in the backward ---------------------------------------
+
+
+def grad_modes(module: nn.Module) -> list[bool]:
+    """torch.is_grad_enabled() at each run of `module`, in order."""
+    modes = []
+    module.register_forward_pre_hook(lambda *a: modes.append(torch.is_grad_enabled()))
+    return modes
+
+
+def test_wrapped_layers_run_forward_without_grad_and_recompute_with_it():
+    """A wrapped layer's forward builds no graph (nothing saved, no pack hooks: the host work this scheme removes);
+    its backward runs it once more, with grad."""
+    model = tiny_model("qwen2", layers=2)
+    modes = [grad_modes(layer.mlp) for layer in decoder(model).layers]
+    enable_offload_checkpointing(decoder(model).layers, offloader=ActivationOffloader("cpu"))
+    train_step(model, batches())
+    assert modes == [[False, True], [False, True]]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_wrapped_layers_grads_bitwise_with_dropout_and_autocast(arch):
+    """Attention dropout draws random numbers: the recompute must draw the same (the RNG is restored, then left as
+    torch's checkpoint leaves it); under CPU bf16 autocast it must cast as the forward did."""
+    model = tiny_model(arch)
+    for layer in decoder(model).layers:
+        layer.self_attn.attention_dropout = 0.3
+    data = batches(n=2)
+
+    def step():
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            grads = train_step(model, data)
+        return grads, torch.get_rng_state()
+
+    hf_checkpointing(model, True)
+    want, want_rng = step()
+    hf_checkpointing(model, False)
+    enable_offload_checkpointing(decoder(model).layers, offloader=ActivationOffloader("cpu"))
+    got, got_rng = step()
+    assert_grads_equal(got, want)
+    assert torch.equal(got_rng, want_rng)
+    torch.manual_seed(6)  # the check can fail: other draws, other gradients
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        other = train_step(model, data)
+    assert not all(torch.equal(other[n], want[n]) for n in want)
+
+
+def test_wrapped_layers_retain_graph_twice_doubles_the_gradients():
+    blocks = [Block() for _ in range(3)]
+    off = ActivationOffloader("cpu")
+    enable_offload_checkpointing(blocks, offloader=off)
+    h = torch.randn(3, 16, requires_grad=True) * 1.0
+    for block in blocks:
+        h = block(h)
+    loss = h.square().sum()
+    loss.backward(retain_graph=True)
+    once = blocks[0].fc.weight.grad.clone()
+    assert off.pool.bytes_in_use > 0  # kept for the second backward
+    loss.backward()
+    torch.testing.assert_close(blocks[0].fc.weight.grad, 2 * once, rtol=0, atol=0)
+    del loss, h
+    assert off.pool.bytes_in_use == 0
+    assert [b.runs for b in blocks] == [3, 3, 3]
+
+
+def test_wrapped_layer_frees_its_buffer_after_the_backward():
+    """Without retain_graph the host buffer is back in the pool once the backward has run, while the output (and so
+    the graph) is still referenced: the next micro-batch reuses it."""
+    block = Block()
+    off = ActivationOffloader("cpu")
+    enable_offload_checkpointing([block], offloader=off)
+    x = torch.randn(3, 16, requires_grad=True)
+    out = block(x * 1.0)
+    assert off.pool.bytes_in_use > 0
+    out.sum().backward()
+    assert off.pool.bytes_in_use == 0 and out.grad_fn is not None
+
+
+@pytest.mark.parametrize("case", ["scale_requires_grad", "tokens_above_the_mlp_chunk", "distributed"])
+def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
+    """Where the recompute in the backward cannot be used (or costs more), torch's non-reentrant checkpoint runs
+    (the forward with grad): same gradients either way."""
+    block = Block()
+    x = torch.randn(2, 5, 16)
+    scale = torch.tensor(0.5, requires_grad=case == "scale_requires_grad")
+    enable = dict(tiled_mlp_chunk_tokens=9) if case == "tokens_above_the_mlp_chunk" else {}  # 10 tokens
+    want_block = copy.deepcopy(block)
+
+    def run(layer, call):
+        layer.zero_grad(set_to_none=True)
+        scale.grad = None
+        layer.grad_modes.clear()
+        h = x.detach().requires_grad_()
+        call(h, scale).sum().backward()
+        return list(layer.grad_modes), [h.grad, layer.fc.weight.grad, scale.grad]
+
+    _, want = run(want_block, lambda h, s: checkpoint(want_block, h, s, use_reentrant=False))
+    enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"), **enable)
+    if case == "distributed":
+        torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        got_modes, got = run(block, block)
+    finally:
+        if case == "distributed":
+            torch.distributed.destroy_process_group()
+    assert got_modes == [True, True]
+    assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(got, want))
+    block.zero_grad(set_to_none=True)
+    if case != "scale_requires_grad":  # the same call without the reason: one token packed
+        enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
+        got_modes, again = run(block, block)
+        assert got_modes == [False, True] and all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
 
 
 # --- fallbacks, no_grad, enable/disable ---------------------------------------------------------------------------

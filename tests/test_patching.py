@@ -303,15 +303,19 @@ def test_accelerate_hooks_are_kept():
 
 def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     calls = []
-    monkeypatch.setattr(patch_module, "enable_offload_checkpointing",
-                        lambda layers, offloader: calls.append(("enable", list(layers), offloader)))
+    monkeypatch.setattr(patch_module, "enable_offload_checkpointing", lambda layers, offloader, tiled_mlp_chunk_tokens:
+                        calls.append(("enable", list(layers), offloader, tiled_mlp_chunk_tokens)))
     monkeypatch.setattr(patch_module, "disable_offload_checkpointing",
                         lambda layers: calls.append(("disable", list(layers))))
     model = tiny_model("llama")
-    patch_model(model, offload_activations=True)
+    chunk = patch_model(model, offload_activations=True).fastgrpo_patch_summary["options"]["mlp_chunk_tokens"]
+    unpatch_model(model)
+    patch_model(model, offload_activations=True, tiled_mlp=False)  # the wrapper learns that the MLPs run whole
     unpatch_model(model)
     layers = list(model.model.layers)
-    assert calls == [("enable", layers, None), ("disable", layers)]
+    assert isinstance(chunk, int)
+    assert calls == [("enable", layers, None, chunk), ("disable", layers),
+                     ("enable", layers, None, None), ("disable", layers)]
 
 
 def test_offload_activations_with_the_real_module():

@@ -282,14 +282,16 @@ def test_checkpoint_recompute_stops_before_the_tiled_mlp(checkpointing, arch):
     """MLP tokens per step: plain checkpointing runs every MLP twice (forward + recompute); tiled under
     checkpointing also twice (forward, then the chunks in its backward: the recompute stops before it). With early
     stop off the recompute runs the tiled forward too: three times, which shows the count sees it. Gemma2 normalizes
-    the MLP output, so its recompute has to run the MLP: three times either way."""
+    the MLP output, so its recompute has to run the MLP: three times either way. The offload wrapper is told the
+    chunk (as patch_model does): above it, it checkpoints the non-reentrant way."""
     ids = ids_batch()
     n = ids.numel() * TINY["num_hidden_layers"]  # 42 MLP tokens per forward
 
     def tokens_per_step(tiled: bool) -> int:
         model = tile(tiny_model(arch), chunk_tokens=4) if tiled else tiny_model(arch)
         if checkpointing == "offload":
-            enable_offload_checkpointing(model.model.layers, offloader=ActivationOffloader("cpu"))
+            enable_offload_checkpointing(model.model.layers, offloader=ActivationOffloader("cpu"),
+                                         tiled_mlp_chunk_tokens=4 if tiled else None)
         else:
             hf_checkpointing(model)
         rows = count_mlp_rows(model)
