@@ -19,6 +19,9 @@ phases are called as GRPOTrainer.train_step calls them. Variants, the same model
   offload-untiled  the same with tiled_mlp=False
   offload-lora-add offload as patched before lora_linear: each LoRA layer's base_layer(x), then lora_add per adapter
               (autograd adds the base's and the adapters' input gradients: the "add" it takes out, issue 16)
+  offload-nonreentrant  offload as checkpointed before 2026-11-27: torch's non-reentrant checkpoint around each
+              layer (its forward with grad, saved tensors packed; the recompute stops at the last one) where the
+              layer's forward now runs under no_grad and its backward runs it again
   checkpoint  no offload, HF gradient checkpointing (non-reentrant): what TRL runs
   plain       no offload, no checkpointing: every activation kept
   offload@N   (any offload variant) patch_model(recompute_layers=N): only the first N decoder layers checkpointed
@@ -47,8 +50,10 @@ from benchmarks.trace_gaps import Trace, print_summary
 from fastgrpo.loss.correction import ROLLOUT_CORRECTIONS
 
 PHASES = ("logprobs_old", "logprobs_ref", "update")
-VARIANTS = ("offload", "offload-tiled", "offload-untiled", "offload-lora-add", "checkpoint", "plain")
+VARIANTS = ("offload", "offload-tiled", "offload-untiled", "offload-lora-add", "offload-nonreentrant", "checkpoint",
+            "plain")
 TILING = {"offload": dict(tiled_mlp=None), "offload-lora-add": dict(tiled_mlp=None),
+          "offload-nonreentrant": dict(tiled_mlp=None),
           "offload-tiled": dict(tiled_mlp=True, mlp_chunk_tokens=8192)}
 
 
@@ -116,17 +121,22 @@ def set_variant(trainer, variant: str) -> None:
 
 
 @contextlib.contextmanager
-def lora_path(variant: str):
-    """offload-lora-add: patch_model's LoRA forward told that no base is one lora_linear can stand in for."""
+def code_path(variant: str):
+    """offload-lora-add: patch_model's LoRA forward told that no base is one lora_linear can stand in for.
+    offload-nonreentrant: the offload wrapper told that its recompute in the backward does not apply."""
+    from fastgrpo.offload import checkpointing
     from fastgrpo.patching import forwards
 
-    check = forwards._frozen_plain_linear
-    if variant.partition("@")[0] == "offload-lora-add":
+    check, recompute = forwards._frozen_plain_linear, checkpointing._recompute_in_backward
+    name = variant.partition("@")[0]
+    if name == "offload-lora-add":
         forwards._frozen_plain_linear = lambda layer, x: False
+    if name == "offload-nonreentrant":
+        checkpointing._recompute_in_backward = lambda *args: NotImplemented
     try:
         yield
     finally:
-        forwards._frozen_plain_linear = check
+        forwards._frozen_plain_linear, checkpointing._recompute_in_backward = check, recompute
 
 
 def python_profile(trainer, batch, advantages, variant: str, cuda: bool) -> None:
@@ -248,7 +258,7 @@ def main(argv: list[str] | None = None) -> None:
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
     rows = []
     for variant in variants:
-        with lora_path(variant):
+        with code_path(variant):
             rows.append(profile_variant(trainer, batch, advantages, variant, args.repeats, trace_dir,
                                         args.python_profile, args.sync_sites, args.no_trace))
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
