@@ -567,7 +567,8 @@ def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
     if case != "scale_requires_grad":  # the same call without the reason: one token packed
         enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
         got_modes, again = run(block, block)
-        assert got_modes == [False, True] and all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
+        assert got_modes == [False, True]
+        assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
 
 
 # --- fallbacks, no_grad, enable/disable ---------------------------------------------------------------------------
