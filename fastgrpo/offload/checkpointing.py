@@ -16,8 +16,8 @@ those of plain checkpointing.
 Layers wrapped by enable_offload_checkpointing run their forward under no_grad instead, inside one autograd node
 whose backward runs the layer again with grad and backpropagates through that run (torch's reentrant scheme). The
 forward then builds no graph and packs no saved tensors (~57 per LoRA decoder layer): host work that bounds the LoRA
-update of a small model (benchmarks/NOTES.md: Qwen2.5-1.5B's, on an H200; an update bound by the GPU, full
-fine-tuning or an 8B model, gains nothing). The recompute runs the whole layer, where the non-reentrant one stops
+update of a small model (benchmarks/NOTES.md: Qwen2.5-1.5B's, on an H200; full fine-tuning, whose update is bound
+by the GPU, gains nothing). The recompute runs the whole layer, where the non-reentrant one stops
 at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is
 tiled). So the wrapper falls back to offload_checkpoint where that scheme cannot be used or costs more:
 - several processes (torch.distributed initialized): DDP and FSDP hook the parameters' gradients and expect them
