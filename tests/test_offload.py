@@ -534,6 +534,29 @@ def test_wrapped_layer_frees_its_buffer_after_the_backward():
     assert off.pool.bytes_in_use == 0 and out.grad_fn is not None
 
 
+def test_wrapped_layer_returning_a_tuple():
+    """A layer returning (hidden, None), as HF layers did before transformers 5: the None passes through and the
+    gradients are those of the layer run plainly."""
+
+    class TupleBlock(Block):
+        def forward(self, hidden_states):
+            return super().forward(hidden_states), None
+
+    block, plain = TupleBlock(), TupleBlock()
+    plain.load_state_dict(block.state_dict())
+    enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
+    x = torch.randn(3, 16)
+    grads = []
+    for layer in (block, plain):
+        h = x.detach().requires_grad_()
+        out, extra = layer(h * 1.0)
+        assert extra is None
+        out.square().sum().backward()
+        grads.append((h.grad, layer.fc.weight.grad))
+    assert block.grad_modes == [False, True]
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 @pytest.mark.parametrize("case", ["scale_requires_grad", "tokens_above_the_mlp_chunk", "distributed"])
 def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
     """Where the recompute in the backward cannot be used (or costs more), torch's non-reentrant checkpoint runs
