@@ -119,9 +119,14 @@ def check_floating(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
 
 
+def check_int_at_least(name: str, value: object, low: int, *, or_else: str = "") -> None:
+    """value is an int (a bool is not) >= low; or_else: what else the argument takes, for the message (" or None")."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}: expected an int >= {low}{or_else}, got {value!r}")
+
+
 def check_positive_int(name: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{name}: expected an int >= 1, got {value!r}")
+    check_int_at_least(name, value, 1)
 
 
 def check_per_token_inputs(

@@ -8,7 +8,7 @@ from collections import Counter
 from collections.abc import Callable
 from torch import nn
 
-from fastgrpo._checks import check_choice, check_positive_int
+from fastgrpo._checks import check_choice, check_int_at_least, check_positive_int
 from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers, split_recomputed, unwrap_peft
@@ -191,8 +191,7 @@ def _checkpointed_layers(
     """The decoder layers offload checkpointing wraps: the first recompute_layers of them (None: all)."""
     if recompute_layers is None:
         return layers if offload_activations is not False else []
-    if isinstance(recompute_layers, bool) or not isinstance(recompute_layers, int) or recompute_layers < 0:
-        raise ValueError(f"recompute_layers: expected an int >= 0 or None, got {recompute_layers!r}")
+    check_int_at_least("recompute_layers", recompute_layers, 0, or_else=" or None")
     if offload_activations is False:
         raise ValueError("recompute_layers: chooses the layers offload_activations checkpoints, and "
                          "offload_activations is off")

@@ -14,6 +14,8 @@ from collections.abc import Sequence
 
 import torch
 
+from fastgrpo._checks import check_int_at_least
+
 MASK32 = 0xFFFFFFFF
 
 
@@ -29,8 +31,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0
 
     def __post_init__(self):
-        _check_int("max_new_tokens", self.max_new_tokens, low=1)
-        _check_int("top_k", self.top_k, low=0)
+        check_int_at_least("max_new_tokens", self.max_new_tokens, 1)
+        check_int_at_least("top_k", self.top_k, 0)
         _check_number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
         _check_number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
         _check_number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
@@ -43,11 +45,6 @@ class SamplingParams:
     @property
     def uses_seen_tokens(self) -> bool:
         return self.repetition_penalty != 1.0
-
-
-def _check_int(name: str, value, *, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}: expected an int >= {low}, got {value!r}")
 
 
 def _check_number(name: str, value, expected: str, ok) -> None:

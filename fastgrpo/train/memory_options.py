@@ -2,6 +2,8 @@
 that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs)."""
 from __future__ import annotations
 
+from fastgrpo._checks import check_int_at_least
+
 
 def check_activation_memory_options(config) -> None:
     """offload_host_memory_gib and recompute_layers, which refine offload_activations / gradient_checkpointing."""
@@ -13,8 +15,7 @@ def check_activation_memory_options(config) -> None:
                              "(it needs patch and offload_activations)")
     layers = config.recompute_layers
     if layers is not None:
-        if isinstance(layers, bool) or not isinstance(layers, int) or layers < 0:
-            raise ValueError(f"recompute_layers: expected an int >= 0 or none, got {layers!r}")
+        check_int_at_least("recompute_layers", layers, 0, or_else=" or none")
         if not (config.gradient_checkpointing or (config.offload_activations and config.patch)):
             raise ValueError("recompute_layers: chooses the layers that gradient_checkpointing or offload_activations "
                              "(with patch) recompute, and neither is on")
