@@ -127,16 +127,16 @@ def code_path(variant: str):
     from fastgrpo.offload import checkpointing
     from fastgrpo.patching import forwards
 
-    check, recompute = forwards._frozen_plain_linear, checkpointing._recompute_in_backward
+    check, recompute = forwards._frozen_plain_linear, checkpointing._recomputes_in_backward
     name = variant.partition("@")[0]
     if name == "offload-lora-add":
         forwards._frozen_plain_linear = lambda layer, x: False
     if name == "offload-nonreentrant":
-        checkpointing._recompute_in_backward = lambda *args: NotImplemented
+        checkpointing._recomputes_in_backward = lambda *args: False
     try:
         yield
     finally:
-        forwards._frozen_plain_linear, checkpointing._recompute_in_backward = check, recompute
+        forwards._frozen_plain_linear, checkpointing._recomputes_in_backward = check, recompute
 
 
 def python_profile(trainer, batch, advantages, variant: str, cuda: bool) -> None:

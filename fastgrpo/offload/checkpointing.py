@@ -19,7 +19,7 @@ forward then builds no graph and packs no saved tensors (~57 per LoRA decoder la
 update of a small model (benchmarks/NOTES.md: Qwen2.5-1.5B's, on an H200; full fine-tuning, whose update is bound
 by the GPU, gains nothing). The recompute runs the whole layer, where the non-reentrant one stops
 at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is
-tiled). So the wrapper falls back to offload_checkpoint where that scheme cannot be used or costs more:
+tiled). So the wrapper falls back to offload_checkpoint's scheme where this one cannot be used or costs more:
 - several processes (torch.distributed initialized): DDP and FSDP hook the parameters' gradients and expect them
   from the step's own backward, where this scheme accumulates them in a backward of its own;
 - another argument requires grad (its gradient would have to leave the layer's own backward);
@@ -32,10 +32,11 @@ turned on again while ours is enabled, HF's runs alone and ours steps aside with
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,7 +48,9 @@ from torch.utils.checkpoint import checkpoint
 from fastgrpo._checks import check_positive_int
 from fastgrpo._forward_state import ForwardState
 from fastgrpo.hf.binding import bind_forward
-from fastgrpo.offload.offloader import ActivationOffloader, default_offloader, release_host_memory
+from fastgrpo.offload.offloader import (
+    ActivationOffloader, OffloadedInput, default_offloader, release_host_memory,
+)
 
 _STATE_ATTR = "_fastgrpo_offload"
 # Layers enabled without an offloader of their own: the last one disabled releases the default offloaders' memory.
@@ -93,6 +96,38 @@ def _runner(function: Callable, slot: int | str, args: tuple, kwargs: dict) -> C
     return run
 
 
+def _offload_target(
+    args: tuple, kwargs: dict, offloader: ActivationOffloader | None
+) -> tuple[int | str, torch.Tensor, ActivationOffloader] | None:
+    """(slot, input, offloader) of a call whose input can be offloaded (offloader None: default_offloader of a CUDA
+    input's device); None where it is checkpointed plainly: no tensor input, a CPU input without an offloader, a
+    disabled offloader, an input that is not contiguous."""
+    slot = _hidden_slot(args, kwargs)
+    if slot is None:
+        return None
+    hidden = args[slot] if isinstance(slot, int) else kwargs[slot]
+    if offloader is None and hidden.is_cuda:
+        offloader = default_offloader(hidden.device)
+    if offloader is None or not offloader.accepts(hidden):
+        return None
+    return slot, hidden, offloader
+
+
+@contextlib.contextmanager
+def _offloaded(offloader: ActivationOffloader, hidden: torch.Tensor) -> Iterator[OffloadedInput]:
+    """hidden's OffloadedInput; its host buffer goes back to the pool if the forward fails."""
+    handle = offloader.offload(hidden)
+    try:
+        yield handle
+    except BaseException:
+        handle.close()
+        raise
+
+
+def _plain_checkpoint(function: Callable, args: tuple, kwargs: dict) -> Any:
+    return checkpoint(functools.partial(function, **kwargs), *args, use_reentrant=False)
+
+
 def offload_checkpoint(
     function: Callable, *args: Any, offloader: ActivationOffloader | None = None, **kwargs: Any
 ) -> Any:
@@ -107,22 +142,20 @@ def offload_checkpoint(
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    slot = _hidden_slot(args, kwargs)
-    hidden = None if slot is None else (args[slot] if isinstance(slot, int) else kwargs[slot])
-    if offloader is None and hidden is not None and hidden.is_cuda:
-        offloader = default_offloader(hidden.device)
-    if hidden is None or offloader is None or not offloader.accepts(hidden):
-        return checkpoint(functools.partial(function, **kwargs), *args, use_reentrant=False)
+    target = _offload_target(args, kwargs, offloader)
+    if target is None:
+        return _plain_checkpoint(function, args, kwargs)
+    return _checkpoint_offloaded(function, args, kwargs, *target)
 
+
+def _checkpoint_offloaded(
+    function: Callable, args: tuple, kwargs: dict, slot: int | str, hidden: torch.Tensor,
+    offloader: ActivationOffloader,
+) -> Any:
     anchor = hidden.new_empty(0)  # the device torch's checkpoint infers for RNG state and autocast
     run = _runner(function, slot, args, kwargs)
-    handle = offloader.offload(hidden)
-    del hidden
-    try:
+    with _offloaded(offloader, hidden) as handle:
         return checkpoint(lambda _anchor: run(handle.take()), anchor, use_reentrant=False)
-    except BaseException:
-        handle.close()
-        raise
 
 
 class _RecomputedInBackward(torch.autograd.Function):
@@ -172,33 +205,26 @@ def _requires_grad(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
 
 
-def _recompute_in_backward(
-    function: Callable, args: tuple, kwargs: dict, offloader: ActivationOffloader | None, max_tokens: int | None
-) -> Any:
-    """function(*args, **kwargs) through _RecomputedInBackward, or NotImplemented where the module docstring's
-    conditions send the layer to offload_checkpoint."""
+def _recomputes_in_backward(
+    slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None
+) -> bool:
+    """Whether an offloaded call runs through _RecomputedInBackward: not where the module docstring's conditions
+    send it to the non-reentrant checkpoint."""
     if dist.is_available() and dist.is_initialized():
-        return NotImplemented
-    slot = _hidden_slot(args, kwargs)
-    if slot is None:
-        return NotImplemented
-    hidden = args[slot] if isinstance(slot, int) else kwargs[slot]
+        return False
     if max_tokens is not None and hidden.numel() // max(hidden.shape[-1], 1) > max_tokens:
-        return NotImplemented
-    if offloader is None and hidden.is_cuda:
-        offloader = default_offloader(hidden.device)
-    if offloader is None or not offloader.accepts(hidden):
-        return NotImplemented
+        return False
     others = [v for i, v in enumerate(args) if i != slot] + [v for k, v in kwargs.items() if k != slot]
-    if any(_requires_grad(v) for v in others):
-        return NotImplemented
+    return not any(_requires_grad(v) for v in others)
+
+
+def _recompute_in_backward(
+    function: Callable, args: tuple, kwargs: dict, slot: int | str, hidden: torch.Tensor,
+    offloader: ActivationOffloader,
+) -> Any:
     run = _runner(function, slot, args, kwargs)
-    handle = offloader.offload(hidden)
-    try:
+    with _offloaded(offloader, hidden) as handle:
         return _RecomputedInBackward.apply(hidden, _anchor(hidden.device), run, handle)
-    except BaseException:
-        handle.close()
-        raise
 
 
 # --- Instance-level wrapping of decoder layers --------------------------------------------------------------
@@ -239,10 +265,13 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.inner(*args, **kwargs)
     kwargs = _without_cache(self, kwargs)
-    out = _recompute_in_backward(state.inner, args, kwargs, state.offloader, state.tiled_mlp_chunk_tokens)
-    if out is NotImplemented:
-        out = offload_checkpoint(state.inner, *args, offloader=state.offloader, **kwargs)
-    return out
+    target = _offload_target(args, kwargs, state.offloader)
+    if target is None:
+        return _plain_checkpoint(state.inner, args, kwargs)
+    slot, hidden, _ = target
+    if _recomputes_in_backward(slot, hidden, args, kwargs, state.tiled_mlp_chunk_tokens):
+        return _recompute_in_backward(state.inner, args, kwargs, *target)
+    return _checkpoint_offloaded(state.inner, args, kwargs, *target)
 
 
 def _check_layers(layers: Iterable[nn.Module]) -> list[nn.Module]:
