@@ -57,6 +57,11 @@ CASES = {
     "qwen-lora-64": dict(_QWEN, lora_rank=16, groups=8, steps=3),
     "qwen-full-64": _FULL_64,
     "qwen-full-keep-g4-64": dict(_FULL_64, reshard=False, layers_per_group=4),
+    # the same batch in micro-batches of 16: half the launches per step for the same GPU work (2 per rank on 2 GPUs)
+    "qwen-lora-64-mb16": dict(_QWEN, lora_rank=16, groups=8, steps=5, micro=16),
+    "qwen-full-64-mb16": dict(_FULL_64, steps=5, micro=16, baseline="qwen-full-64-mb16"),
+    "qwen-full-keep-g4-64-mb16": dict(_FULL_64, steps=5, micro=16, reshard=False, layers_per_group=4,
+                                      baseline="qwen-full-64-mb16"),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -69,7 +74,7 @@ G = 8
 DEFAULT_2GPU = ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-keep-g4", "llama8b-full", "qwen-full-rollout")
 # seconds per launch
 TIMEOUTS = {**{name: 75 for name in CASES}, "qwen-lora-64": 120, "qwen-full-64": 100,
-            "llama8b-full": 150, "qwen-full-rollout": 90}
+            **{name: 150 for name in CASES if name.endswith("-mb16")}, "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
@@ -374,11 +379,14 @@ def launch_all() -> tuple[str, dict]:
 def summarize(out: str, suite: str, config: dict) -> None:
     """Speed-ups over the 1-GPU row of each case's family, results JSON, per-rank host probes, table last."""
     rows = [json.loads(line) for line in Path(out).read_text().splitlines()] if Path(out).exists() else []
-    single = {r["case"]: r for r in rows if r["gpus"] == 1}
+    single = {}  # a case's 1-GPU step: the median of its launches (run before and after the 2-GPU ones)
+    for r in rows:
+        if r["gpus"] == 1:
+            single.setdefault(r["case"], []).append(r["step_ms"])
     for r in rows:
         baseline = CASES[r["case"]].get("baseline", r["case"])
-        base = single.get(baseline) if r["gpus"] > 1 else None
-        r["speedup"] = base["step_ms"] / r["step_ms"] if base else None
+        base = statistics.median(single[baseline]) if r["gpus"] > 1 and baseline in single else None
+        r["speedup"] = base / r["step_ms"] if base else None
     path = write_results(suite, rows, {**config, "cases": CASES, "card": card_name(),
                                        "gpus_visible": torch.cuda.device_count()})
     print(json.dumps(config))
