@@ -191,3 +191,22 @@ def test_train_sets_the_allocator_before_loading(monkeypatch, tmp_path):
     monkeypatch.delenv(cuda_memory.ALLOC_CONF)
     assert main(["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "1"]) == 0
     assert os.environ[cuda_memory.ALLOC_CONF] == "expandable_segments:True"
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_info_lines_on_rank_0_only_warnings_on_every_rank(monkeypatch, capsys, rank):
+    """Under torchrun every rank runs the command: a resumed run says so once (rank 0), a warning from any rank."""
+    import logging
+
+    from fastgrpo.train.errors import run_command
+
+    monkeypatch.setenv("RANK", rank)
+
+    def body():
+        logging.getLogger("fastgrpo.train.trainer").info("resumed from here")
+        logging.getLogger("fastgrpo.train.trainer").warning("look")
+        return 0
+
+    assert run_command("fastgrpo train", body) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == (["fastgrpo train: resumed from here"] if rank == "0" else []) + ["fastgrpo train: warning: look"]

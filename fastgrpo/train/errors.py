@@ -13,6 +13,7 @@ convention: `name: expected ..., got ...`), RunError (or a subclass) where the r
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -51,13 +52,15 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
                 run_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a command's body and turn its ending into an exit code, printing one line to stderr for the ends the
     module docstring lists. run_errors: more exception types to treat as RunError (e.g. OffloadMemoryError).
-    fastgrpo's log records (warnings, info) print to stderr as `prog: ...` lines meanwhile."""
+    fastgrpo's log records (warnings, info) print to stderr as `prog: ...` lines meanwhile; under torchrun the
+    info lines only on rank 0, as the step lines (each rank's warnings and errors still print)."""
     logger = logging.getLogger("fastgrpo")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LineFormatter(prog))
     saved = (logger.level, logger.propagate)
     logger.addHandler(handler)
-    logger.setLevel(logging.DEBUG if debug else logging.INFO)
+    other_rank = os.environ.get("RANK", "0") != "0"
+    logger.setLevel(logging.DEBUG if debug else logging.WARNING if other_rank else logging.INFO)
     logger.propagate = False
     try:
         return body()
