@@ -62,6 +62,11 @@ CASES = {
     "qwen-full-64-mb16": dict(_FULL_64, steps=5, micro=16, baseline="qwen-full-64-mb16"),
     "qwen-full-keep-g4-64-mb16": dict(_FULL_64, steps=5, micro=16, reshard=False, layers_per_group=4,
                                       baseline="qwen-full-64-mb16"),
+    # whole GRPO steps of that batch (train_step: the rollout of 1024 tokens, EOS ignored, each rank decoding its
+    # groups; rewards; reference log-probs at beta 0.04; the update), the first of 3 not timed
+    "qwen-lora-64-mb16-step": dict(_QWEN, lora_rank=16, groups=8, steps=3, micro=16, whole_steps=True),
+    "qwen-full-keep-g4-64-mb16-step": dict(_FULL_64, steps=3, micro=16, reshard=False, layers_per_group=4,
+                                           whole_steps=True, baseline="qwen-full-keep-g4-64-mb16-step"),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -74,7 +79,7 @@ G = 8
 DEFAULT_2GPU = ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-keep-g4", "llama8b-full", "qwen-full-rollout")
 # seconds per launch
 TIMEOUTS = {**{name: 75 for name in CASES}, "qwen-lora-64": 120, "qwen-full-64": 100,
-            **{name: 150 for name in CASES if name.endswith("-mb16")}, "llama8b-full": 150, "qwen-full-rollout": 90}
+            **{name: 150 for name in CASES if "-mb16" in name}, "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
@@ -148,14 +153,16 @@ def run_case(name: str, out: str) -> None:
     spec = dict(spec, cpu_offload=spec.get("cpu_offload", False) and not CPU)
     t0 = time.perf_counter()
     model = _build(spec)
+    if spec.get("whole_steps"):
+        model.generation_config.eos_token_id = None  # every completion runs to `completion` tokens
     vocab = model.config.vocab_size
     dataset = [{"prompt": " ".join(f"t{i}" for i in torch.randint(2, vocab, (spec["prompt"],)).tolist())}
                for _ in range(4 * spec["groups"])]
     config = GRPOConfig(
         model=spec["model"], lora_rank=spec["lora_rank"], batch_size=spec["groups"] * G, num_generations=G,
         micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
-        learning_rate=1e-6, fsdp_cpu_offload=spec["cpu_offload"], fsdp_reshard_after_forward=spec.get("reshard", True),
-        fsdp_layers_per_group=spec.get("layers_per_group", 1),
+        learning_rate=1e-6, beta=0.04 if spec.get("whole_steps") else 0.0, fsdp_cpu_offload=spec["cpu_offload"],
+        fsdp_reshard_after_forward=spec.get("reshard", True), fsdp_layers_per_group=spec.get("layers_per_group", 1),
         output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
@@ -167,14 +174,19 @@ def run_case(name: str, out: str) -> None:
     if not CPU:
         torch.cuda.reset_peak_memory_stats()
     before = _weight_sample(trainer.model), _mean_logp(trainer, batch)
-    times, probes, losses = [], [], []
+    times, probes, losses, phases = [], [], [], []
     launched = _mark_launch_end(trainer)
     with GcClock() as gc_clock:
         for _ in range(spec["steps"]):
             _sync()
             gc_clock.take()
             start, start_cpu = time.perf_counter(), time.thread_time()
-            losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
+            if spec.get("whole_steps"):
+                metrics = trainer.train_step()
+                losses.append(metrics["loss"])
+                phases.append({k: metrics[k] for k in ("rollout_s", "train_s", "completion_length")})
+            else:
+                losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
             _sync()
             times.append(time.perf_counter() - start)
             wall, cpu = launched.pop()
@@ -202,6 +214,8 @@ def run_case(name: str, out: str) -> None:
     }
     if profiles and all(profiles):
         row["profiles"] = profiles
+    if phases:
+        row["whole_steps"] = phases
     if spec.get("rollout_check") and group.active:
         row.update(_whole_step(trainer))
     if group.is_main:
