@@ -246,3 +246,28 @@ def test_two_processes_adapt_entropy_as_one(two_processes):
     (entropy0, coef0), (entropy1, coef1) = found
     assert entropy0 == entropy1 and coef0 == coef1
     assert entropy0 == pytest.approx(single[0], rel=1e-5) and coef0 == single[1]
+
+
+def test_exit_frees_a_ddp_model_in_a_reference_cycle_before_closing_the_group(tmp_path):
+    """At exit a trainer and its DDP wrapper may still sit in a reference cycle; DDP's reducer destroyed after its
+    gloo group had been closed aborted the process now and then. The exit hook collects them while it is open."""
+    import gc
+    import weakref
+
+    from fastgrpo.train.distributed import _close_process_group
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    gc.disable()  # the cycle must wait for the hook, not for a collection that happens to run earlier
+    try:
+        model = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(2, 2))
+        cycle = {"model": model}
+        cycle["self"] = cycle
+        freed_while_open = []
+        weakref.finalize(model, lambda: freed_while_open.append(dist.is_initialized()))
+        del model, cycle
+        _close_process_group()
+        assert freed_while_open == [True] and not dist.is_initialized()
+    finally:
+        gc.enable()
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import json
 import logging
 import os
@@ -59,8 +60,16 @@ def init_distributed(device: str = "auto") -> Distributed:
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
-        atexit.register(dist.destroy_process_group)  # NCCL warns about a group left open at exit
+        atexit.register(_close_process_group)
     return Distributed.current()
+
+
+def _close_process_group() -> None:
+    """At exit: NCCL warns about a group left open. Objects still held in reference cycles (a trainer and its DDP
+    wrapper) are collected first: DDP's reducer destroyed after its group aborted the process now and then (gloo)."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 class _Policy(torch.nn.Module):
