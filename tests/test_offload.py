@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import time
 import warnings
 import weakref
 
@@ -19,6 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from fastgrpo import offload
+from fastgrpo.hf.models import architecture, decoder_layers
 from fastgrpo.offload import checkpointing as checkpointing_module
 from fastgrpo.offload import offloader as offloader_module
 from fastgrpo.offload import (
@@ -557,7 +559,14 @@ def test_wrapped_layer_returning_a_tuple():
     assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
-@pytest.mark.parametrize("case", ["scale_requires_grad", "tokens_above_the_mlp_chunk", "distributed"])
+def _whole(tensor):
+    """A gradient FSDP2 left as a DTensor, as one tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+@pytest.mark.parametrize("case", ["scale_requires_grad", "tokens_above_the_mlp_chunk", "sharded_by_fsdp2"])
 def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
     """Where the recompute in the backward cannot be used (or costs more), torch's non-reentrant checkpoint runs
     (the forward with grad): same gradients either way."""
@@ -577,21 +586,119 @@ def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
 
     _, want = run(want_block, lambda h, s: checkpoint(want_block, h, s, use_reentrant=False))
     enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"), **enable)
-    if case == "distributed":
+    sharded = case == "sharded_by_fsdp2"
+    if sharded:  # as the trainer does: offload enabled by patch_model, then fully_shard on each layer
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
         torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+        fully_shard(block, mesh=init_device_mesh("cpu", (1,)))
     try:
         got_modes, got = run(block, block)
     finally:
-        if case == "distributed":
+        if sharded:
             torch.distributed.destroy_process_group()
     assert got_modes == [True, True]
-    assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(got, want))
+    assert all(torch.equal(_whole(a), b) if b is not None else a is None for a, b in zip(got, want))
     block.zero_grad(set_to_none=True)
-    if case != "scale_requires_grad":  # the same call without the reason: one token packed
+    if case == "tokens_above_the_mlp_chunk":  # the same call without the reason: one token packed
         enable_offload_checkpointing([block], offloader=ActivationOffloader("cpu"))
         got_modes, again = run(block, block)
         assert got_modes == [False, True]
         assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
+
+
+def _lora_model():
+    from peft import LoraConfig, get_peft_model
+
+    import fastgrpo
+    from fastgrpo.train import default_task
+
+    model = default_task.build_model(default_task.build_tokenizer(), seed=0)
+    torch.manual_seed(0)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+    with torch.no_grad():  # B != 0: every adapter's gradient depends on the layers above it
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.02)
+    model = fastgrpo.patch_model(model)
+    enable_offload_checkpointing(decoder_layers(model, architecture(model)), offloader=ActivationOffloader("cpu"))
+    return model.train()
+
+
+def _micro_batches(rank: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return [torch.randint(3, 30, (2, 12), generator=g) for _ in range(2)]
+
+
+def _lora_loss(model, ids) -> torch.Tensor:
+    return model(input_ids=ids).logits.float().logsumexp(-1).mean()
+
+
+def _trained_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _ddp_rank(rank: int, store: str, out: str) -> None:
+    torch.set_num_threads(1)  # no OpenMP pool inherited through fork: its first parallel GEMM would hang
+    recomputed = []
+    forward = checkpointing_module._RecomputedInBackward.forward
+
+    def counted(ctx, *args):
+        recomputed.append(torch.is_grad_enabled())
+        return forward(ctx, *args)
+
+    checkpointing_module._RecomputedInBackward.forward = staticmethod(counted)
+    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        model = _lora_model()
+        ddp = nn.parallel.DistributedDataParallel(model)
+        steps = []
+        for _ in range(2):  # DDP orders its buckets anew after the first step, by when the gradients came
+            model.zero_grad(set_to_none=True)
+            first, last = _micro_batches(rank)
+            with ddp.no_sync():
+                _lora_loss(ddp, first).backward()
+            _lora_loss(ddp, last).backward()
+            steps.append(_trained_grads(model))
+        if rank == 0:
+            torch.save({"steps": steps, "recomputed": recomputed}, out)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(tmp_path):
+    """LoRA under DDP, 2 gloo processes, 2 micro-batches each (no_sync on the first): the layers run their forward
+    without grad and recompute in the backward, and every adapter's gradient is the mean of the two processes' own.
+    Bit for bit: DDP halves each gradient before summing, and halving is exact."""
+    import torch.multiprocessing as mp
+
+    model = _lora_model()  # imports PEFT and the model classes before the fork
+    layers = len(decoder_layers(model, architecture(model)))
+    out = str(tmp_path / "found.pt")
+    gc.collect()  # nothing of an earlier test's process group left for the forked ranks to finalize
+    ranks = mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), out), nprocs=2, start_method="fork",
+                               join=False)
+    deadline = time.monotonic() + 120  # a hung rank fails this test instead of stalling the suite
+    while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            pytest.fail("the 2 DDP processes did not finish in 120 s")
+    found = torch.load(out)
+    assert found["recomputed"] == [False] * (2 * 2 * layers)  # 2 steps x 2 micro-batches x layers, under no_grad
+    alone = []
+    for rank in range(2):
+        model = _lora_model()
+        for ids in _micro_batches(rank):
+            _lora_loss(model, ids).backward()
+        alone.append(_trained_grads(model))
+    for step in found["steps"]:
+        assert step.keys() == alone[0].keys() and len(step) > 20
+        for name in step:
+            mean = (alone[0][name] + alone[1][name]) / 2
+            assert torch.equal(step[name], mean), (name, (step[name] - mean).abs().max().item())
+        assert all(g.abs().max() > 0 for g in step.values())
 
 
 # --- fallbacks, no_grad, enable/disable ---------------------------------------------------------------------------

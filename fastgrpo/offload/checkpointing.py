@@ -20,11 +20,13 @@ update of a small model (benchmarks/NOTES.md: Qwen2.5-1.5B's, on an H200; full f
 by the GPU, gains nothing). The recompute runs the whole layer, where the non-reentrant one stops
 at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is
 tiled). So the wrapper falls back to offload_checkpoint's scheme where this one cannot be used or costs more:
-- several processes (torch.distributed initialized): DDP and FSDP hook the parameters' gradients and expect them
-  from the step's own backward, where this scheme accumulates them in a backward of its own;
+- a layer FSDP2 shards (fully_shard on it or on its group: full fine-tuning, bound by the GPU, where this scheme
+  gains nothing);
 - another argument requires grad (its gradient would have to leave the layer's own backward);
 - the micro-batch has more tokens than the layer's tiled MLP runs in one chunk: the MLP would run three times.
-Both schemes give the same gradients, bit for bit (the same kernels on the same inputs, the same RNG draws).
+Both schemes give the same gradients, bit for bit (the same kernels on the same inputs, the same RNG draws). Under
+DDP the parameters' gradients accumulate in the layer's own backward, inside the step's: DDP's hooks on their
+accumulators fire there and the all-reduce averages them as usual (2 gloo processes, tests/test_offload.py).
 
 HF gradient checkpointing on the same layers: enable_offload_checkpointing turns HF's per-layer flag off (it
 checkpoints the same boundary, without offload) and disable_offload_checkpointing turns it back on. If HF's is
@@ -205,12 +207,20 @@ def _requires_grad(value: Any) -> bool:
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) and v.requires_grad for v in value)
 
 
+def _sharded_by_fsdp2(layer: nn.Module) -> bool:
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(layer, FSDPModule)
+
+
 def _recomputes_in_backward(
-    slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None
+    layer: nn.Module, slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None
 ) -> bool:
     """Whether an offloaded call runs through _RecomputedInBackward: not where the module docstring's conditions
     send it to the non-reentrant checkpoint."""
-    if dist.is_available() and dist.is_initialized():
+    if _sharded_by_fsdp2(layer):
         return False
     if max_tokens is not None and hidden.numel() // max(hidden.shape[-1], 1) > max_tokens:
         return False
@@ -269,7 +279,7 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if target is None:
         return _plain_checkpoint(state.inner, args, kwargs)
     slot, hidden, _ = target
-    if _recomputes_in_backward(slot, hidden, args, kwargs, state.tiled_mlp_chunk_tokens):
+    if _recomputes_in_backward(self, slot, hidden, args, kwargs, state.tiled_mlp_chunk_tokens):
         return _recompute_in_backward(state.inner, args, kwargs, *target)
     return _checkpoint_offloaded(state.inner, args, kwargs, *target)
 
