@@ -608,7 +608,9 @@ def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
         assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
 
 
-def _lora_model():
+def _lora_model(device: str = "cpu"):
+    """The built-in task's tiny Qwen2 with LoRA on every linear, patched, its layers offload-checkpointed: on the
+    CPU through ActivationOffloader("cpu"), on CUDA through the default (pinned, asynchronous) offloader."""
     from peft import LoraConfig, get_peft_model
 
     import fastgrpo
@@ -621,14 +623,15 @@ def _lora_model():
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.02)
-    model = fastgrpo.patch_model(model)
-    enable_offload_checkpointing(decoder_layers(model, architecture(model)), offloader=ActivationOffloader("cpu"))
+    model = fastgrpo.patch_model(model.to(device))
+    offloader = ActivationOffloader("cpu") if device == "cpu" else None
+    enable_offload_checkpointing(decoder_layers(model, architecture(model)), offloader=offloader)
     return model.train()
 
 
-def _micro_batches(rank: int) -> list[torch.Tensor]:
+def _micro_batches(rank: int, device: str) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(100 + rank)
-    return [torch.randint(3, 30, (2, 12), generator=g) for _ in range(2)]
+    return [torch.randint(3, 30, (2, 12), generator=g).to(device) for _ in range(2)]
 
 
 def _lora_loss(model, ids) -> torch.Tensor:
@@ -636,11 +639,15 @@ def _lora_loss(model, ids) -> torch.Tensor:
 
 
 def _trained_grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _ddp_rank(rank: int, store: str, out: str) -> None:
-    torch.set_num_threads(1)  # no OpenMP pool inherited through fork: its first parallel GEMM would hang
+def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    else:
+        torch.set_num_threads(1)  # 2 processes on a 2-core CI machine
+    device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     recomputed = []
     forward = checkpointing_module._RecomputedInBackward.forward
 
@@ -649,14 +656,14 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         return forward(ctx, *args)
 
     checkpointing_module._RecomputedInBackward.forward = staticmethod(counted)
-    torch.distributed.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        model = _lora_model()
+        model = _lora_model(device)
         ddp = nn.parallel.DistributedDataParallel(model)
         steps = []
         for _ in range(2):  # DDP orders its buckets anew after the first step, by when the gradients came
             model.zero_grad(set_to_none=True)
-            first, last = _micro_batches(rank)
+            first, last = _micro_batches(rank, device)
             with ddp.no_sync():
                 _lora_loss(ddp, first).backward()
             _lora_loss(ddp, last).backward()
@@ -667,18 +674,23 @@ def _ddp_rank(rank: int, store: str, out: str) -> None:
         torch.distributed.destroy_process_group()
 
 
-def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(tmp_path):
-    """LoRA under DDP, 2 gloo processes, 2 micro-batches each (no_sync on the first): the layers run their forward
-    without grad and recompute in the backward, and every adapter's gradient is the mean of the two processes' own.
-    Bit for bit: DDP halves each gradient before summing, and halving is exact."""
+@pytest.mark.parametrize("backend", [
+    "gloo",
+    pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
+                                                                     reason="needs 2 CUDA GPUs")]),
+])
+def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(backend, tmp_path):
+    """LoRA under DDP, 2 processes, 2 micro-batches each (no_sync on the first): the layers run their forward
+    without grad and recompute in the backward, and every adapter's gradient is the mean of the two processes' own
+    (one process each, the same kernels on the same inputs). Bit for bit: DDP halves each gradient before summing
+    two, and halving is exact. Each rank on its own GPU under NCCL, with the real pinned, asynchronous offload."""
     import torch.multiprocessing as mp
 
-    model = _lora_model()  # imports PEFT and the model classes before the fork
-    layers = len(decoder_layers(model, architecture(model)))
+    device = "cuda" if backend == "nccl" else "cpu"
     out = str(tmp_path / "found.pt")
-    gc.collect()  # nothing of an earlier test's process group left for the forked ranks to finalize
-    ranks = mp.start_processes(_ddp_rank, args=(str(tmp_path / "store"), out), nprocs=2, start_method="fork",
-                               join=False)
+    # spawned, not forked: a child forked after this process ran OpenMP work could hang in its first parallel GEMM
+    ranks = mp.start_processes(_ddp_rank, args=(backend, str(tmp_path / "store"), out), nprocs=2,
+                               start_method="spawn", join=False)
     deadline = time.monotonic() + 120  # a hung rank fails this test instead of stalling the suite
     while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
         if time.monotonic() > deadline:
@@ -686,11 +698,13 @@ def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(tmp_pat
                 process.kill()
             pytest.fail("the 2 DDP processes did not finish in 120 s")
     found = torch.load(out)
+    model = _lora_model(device)
+    layers = len(decoder_layers(model, architecture(model)))
     assert found["recomputed"] == [False] * (2 * 2 * layers)  # 2 steps x 2 micro-batches x layers, under no_grad
     alone = []
     for rank in range(2):
-        model = _lora_model()
-        for ids in _micro_batches(rank):
+        model = _lora_model(device)
+        for ids in _micro_batches(rank, device):
             _lora_loss(model, ids).backward()
         alone.append(_trained_grads(model))
     for step in found["steps"]:
