@@ -17,7 +17,8 @@ and 2 GPUs (whole groups of 8 per rank), so steps/s on 2 GPUs over 1 GPU is the 
 highest of the ranks'. The 2-GPU full fine-
 tuning case also runs one whole train_step (rollout of 32 tokens under FSDP2 with gathered weights, rewards,
 update) to check the per-rank engine on CUDA. Models are built from configs with random weights and patched
-(fastgrpo.patch_model, no activation offload or checkpointing); bf16 weights, AdamW states in bf16.
+(fastgrpo.patch_model, no activation offload or checkpointing but in the `-offload` cases); bf16 weights, AdamW
+states in bf16.
 """
 from __future__ import annotations
 
@@ -64,6 +65,10 @@ CASES = {
     "qwen-full-64-mb16": dict(_FULL_64, steps=5, micro=16, baseline="qwen-full-64-mb16"),
     "qwen-full-keep-g4-64-mb16": dict(_FULL_64, steps=5, micro=16, reshard=False, layers_per_group=4,
                                       baseline="qwen-full-64-mb16"),
+    # LoRA with activation offload (the 24 GB card's setting): the recompute in the backward, and the non-reentrant
+    # checkpoint it replaced (offload_old), at micro-batches of 8
+    "qwen-lora-64-offload": dict(_QWEN, lora_rank=16, groups=8, steps=3, offload=True),
+    "qwen-lora-64-offload-old": dict(_QWEN, lora_rank=16, groups=8, steps=3, offload=True, offload_old=True),
     # whole GRPO steps of that batch (train_step: the rollout of 1024 tokens, EOS ignored, each rank decoding its
     # groups; rewards; reference log-probs at beta 0.04; the update), the first of 3 not timed
     "qwen-lora-64-mb16-step": dict(_QWEN, lora_rank=16, groups=8, steps=3, micro=16, whole_steps=True),
@@ -81,7 +86,7 @@ G = 8
 DEFAULT_2GPU = ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-keep-g4", "llama8b-full", "qwen-full-rollout")
 # seconds per launch
 TIMEOUTS = {**{name: 75 for name in CASES}, "qwen-lora-64": 120, "qwen-full-64": 100,
-            **{name: 150 for name in CASES if "-mb16" in name}, "llama8b-full": 150, "qwen-full-rollout": 90}
+            **{name: 150 for name in CASES if "-mb16" in name or "-offload" in name}, "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
@@ -126,7 +131,7 @@ def _build(spec: dict):
         model = get_peft_model(model, LoraConfig(r=spec["lora_rank"], lora_alpha=2 * spec["lora_rank"],
                                                  target_modules="all-linear"))
     model.config.use_cache = False
-    return fastgrpo.patch_model(model).train()
+    return fastgrpo.patch_model(model, offload_activations=spec.get("offload", False)).train()
 
 
 def _batch(spec: dict, vocab: int, device) -> tuple[dict, torch.Tensor]:
@@ -147,6 +152,10 @@ def run_case(name: str, out: str) -> None:
     from fastgrpo.train.trainer import GRPOTrainer
 
     spec = CASES[name]
+    if spec.get("offload_old"):  # as profile_update's offload-nonreentrant: the wrapper told not to recompute in
+        from fastgrpo.offload import checkpointing  # the backward
+
+        checkpointing._recomputes_in_backward = lambda *args: False
     bound = bind_local_rank() if BIND else None
     group = init_distributed(DEVICE)
     if "cap_gib" in spec and not CPU:
