@@ -14,11 +14,10 @@ advantages of a GRPO batch: the part that data parallelism divides (the rollout'
 takes about as long for half the rows). The `-step` cases time whole GRPO steps instead (train_step: the rollout of
 the full completion with EOS ignored, rewards, reference log-probs, the update). The global batch is the same on 1
 and 2 GPUs (whole groups of 8 per rank), so steps/s on 2 GPUs over 1 GPU is the speed-up; peak memory is the
-highest of the ranks'. The 2-GPU full fine-
-tuning case also runs one whole train_step (rollout of 32 tokens under FSDP2 with gathered weights, rewards,
-update) to check the per-rank engine on CUDA. Models are built from configs with random weights and patched
-(fastgrpo.patch_model, no activation offload or checkpointing but in the `-offload` cases); bf16 weights, AdamW
-states in bf16.
+highest of the ranks'. The 2-GPU full fine-tuning case also runs one whole train_step (rollout of 32 tokens under
+FSDP2 with gathered weights, rewards, update) to check the per-rank engine on CUDA. Models are built from configs
+with random weights and patched (fastgrpo.patch_model, no activation offload or checkpointing but in the `-offload`
+cases); bf16 weights, AdamW states in bf16.
 """
 from __future__ import annotations
 
