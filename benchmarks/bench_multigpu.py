@@ -85,7 +85,8 @@ G = 8
 DEFAULT_2GPU = ("qwen-lora", "qwen-full", "qwen-full-keep", "qwen-full-keep-g4", "llama8b-full", "qwen-full-rollout")
 # seconds per launch
 TIMEOUTS = {**{name: 75 for name in CASES}, "qwen-lora-64": 120, "qwen-full-64": 100,
-            **{name: 150 for name in CASES if "-mb16" in name or "-offload" in name}, "llama8b-full": 150, "qwen-full-rollout": 90}
+            **{name: 150 for name in CASES if "-mb16" in name or "-offload" in name},
+            "llama8b-full": 150, "qwen-full-rollout": 90}
 DEADLINE_S = float(os.environ.get("FASTGRPO_BENCH_DEADLINE", "540"))  # for all launches together
 # FASTGRPO_BENCH_CPU=1: the same code path on the CPU (gloo) with a tiny model, to check this file without a GPU
 CPU = bool(os.environ.get("FASTGRPO_BENCH_CPU"))
