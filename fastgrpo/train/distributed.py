@@ -65,8 +65,9 @@ def init_distributed(device: str = "auto") -> Distributed:
 
 
 def _close_process_group() -> None:
-    """At exit: NCCL warns about a group left open. Objects still held in reference cycles (a trainer and its DDP
-    wrapper) are collected first: DDP's reducer destroyed after its group aborted the process now and then (gloo)."""
+    """Closes the process group at exit (NCCL warns about one left open). Objects still held in reference cycles (a
+    trainer and its DDP wrapper) are collected first: DDP's reducer destroyed after its group aborted the process now
+    and then (gloo)."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
