@@ -26,7 +26,9 @@ tiled). So the wrapper falls back to offload_checkpoint's scheme where this one 
 - the micro-batch has more tokens than the layer's tiled MLP runs in one chunk: the MLP would run three times.
 Both schemes give the same gradients, bit for bit (the same kernels on the same inputs, the same RNG draws). Under
 DDP the parameters' gradients accumulate in the layer's own backward, inside the step's: DDP's hooks on their
-accumulators fire there and the all-reduce averages them as usual (2 gloo processes, tests/test_offload.py).
+accumulators fire there and the all-reduce averages them as usual (2 gloo processes, tests/test_offload.py). With
+either scheme DDP needs find_unused_parameters=False (its default, and fastgrpo's): its search from the forward's
+outputs misses what the offloaded layers read, and their gradients then come as a second "ready" (an error).
 
 HF gradient checkpointing on the same layers: enable_offload_checkpointing turns HF's per-layer flag off (it
 checkpoints the same boundary, without offload) and disable_offload_checkpointing turns it back on. If HF's is
