@@ -73,7 +73,7 @@ CASES = {
     "qwen-lora-64-mb16-step": dict(_QWEN, lora_rank=16, groups=8, steps=3, micro=16, whole_steps=True),
     "qwen-full-keep-g4-64-mb16-step": dict(_FULL_64, steps=3, micro=16, reshard=False, layers_per_group=4,
                                            whole_steps=True, baseline="qwen-full-keep-g4-64-mb16-step"),
-    # the same at 32 prompts x 8 (256 rows): each rank decodes 128, where a decode step costs more per row
+    # the same at 32 prompts x 8 (256 rows): each rank decodes 128, where a step's cost depends more on the rows
     "qwen-lora-256-mb16-step": dict(_QWEN, lora_rank=16, groups=32, steps=3, micro=16, whole_steps=True),
     "qwen-full-keep-g4-256-mb16-step": dict(_FULL_64, groups=32, steps=3, micro=16, reshard=False, layers_per_group=4,
                                             whole_steps=True, baseline="qwen-full-keep-g4-256-mb16-step"),
