@@ -22,6 +22,7 @@ cases); bf16 weights, AdamW states in bf16.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -156,10 +157,6 @@ def run_case(name: str, out: str) -> None:
     from fastgrpo.train.trainer import GRPOTrainer
 
     spec = CASES[name]
-    if spec.get("offload_old"):  # as profile_update's offload-nonreentrant: the wrapper told not to recompute in
-        from fastgrpo.offload import checkpointing  # the backward
-
-        checkpointing._recomputes_in_backward = lambda *args: False
     bound = bind_local_rank() if BIND else None
     group = init_distributed(DEVICE)
     if "cap_gib" in spec and not CPU:
@@ -354,6 +351,16 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
+def _code_path(name: str):
+    """offload_old cases run as profile_update's offload-nonreentrant variant: the offload wrapper told that its
+    recompute in the backward does not apply."""
+    if not CASES[name].get("offload_old"):
+        return contextlib.nullcontext()
+    from benchmarks.profile_update import code_path
+
+    return code_path("offload-nonreentrant")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--case", choices=sorted(CASES))
@@ -366,7 +373,8 @@ def main() -> None:
     if args.summarize and not args.suite:
         parser.error("--suite: required with --summarize (results/<suite>-<card>.json)")
     if args.case:
-        run_case(args.case, args.out)
+        with _code_path(args.case):
+            run_case(args.case, args.out)
     elif args.summarize:
         summarize(args.summarize, args.suite, {"rows_from": args.summarize})
     else:
