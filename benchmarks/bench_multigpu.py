@@ -78,6 +78,10 @@ CASES = {
     "qwen-lora-256-mb16-step": dict(_QWEN, lora_rank=16, groups=32, steps=3, micro=16, whole_steps=True),
     "qwen-full-keep-g4-256-mb16-step": dict(_FULL_64, groups=32, steps=3, micro=16, reshard=False, layers_per_group=4,
                                             whole_steps=True, baseline="qwen-full-keep-g4-256-mb16-step"),
+    # and at 64 prompts x 8 (512 rows, 256 a rank)
+    "qwen-lora-512-mb16-step": dict(_QWEN, lora_rank=16, groups=64, steps=3, micro=16, whole_steps=True),
+    "qwen-full-keep-g4-512-mb16-step": dict(_FULL_64, groups=64, steps=3, micro=16, reshard=False, layers_per_group=4,
+                                            whole_steps=True, baseline="qwen-full-keep-g4-512-mb16-step"),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
