@@ -70,6 +70,7 @@ import json
 import os
 import queue
 import re
+import socket
 import statistics
 import subprocess
 import sys
@@ -606,11 +607,45 @@ class Results:
         return path
 
 
+def physical_gpus(spec: str) -> list[int]:
+    """--gpus counts the GPUs the caller may use: indices into its CUDA_VISIBLE_DEVICES when that is set (so
+    `CUDA_VISIBLE_DEVICES=1 ... --gpus 0` runs on card 1, as the caller meant), else nvidia-smi's indices."""
+    try:
+        wanted = [int(g) for g in spec.split(",")]
+    except ValueError:
+        raise SystemExit(f"--gpus: expected GPU indices separated by commas (0 or 0,1), got {spec!r}") from None
+    if len(set(wanted)) != len(wanted):
+        raise SystemExit(f"--gpus: {spec!r} names a GPU twice; cases on one GPU already run one after another")
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        if min(wanted) < 0:
+            raise SystemExit(f"--gpus: expected GPU indices from 0, got {spec!r}")
+        return wanted
+    ids = [v.strip() for v in visible.split(",") if v.strip()]
+    if not all(i.isdigit() for i in ids):
+        raise SystemExit(f"--gpus: CUDA_VISIBLE_DEVICES={visible!r} is not a list of GPU indices; unset it and "
+                         "pick the cards with --gpus")
+    if not all(0 <= g < len(ids) for g in wanted):
+        raise SystemExit(f"--gpus: {spec!r} counts the {len(ids)} GPU(s) that CUDA_VISIBLE_DEVICES={visible!r} "
+                         f"leaves visible, from 0")
+    return [int(ids[g]) for g in wanted]
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
+    """The environment of a case's process; `gpu` is a physical index (nvidia-smi's, NVML's)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1", CUDA_DEVICE_ORDER="PCI_BUS_ID")
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parent.parent), env.get("PYTHONPATH")]))
     env["CUDA_VISIBLE_DEVICES"] = "" if gpu is None else str(gpu)
+    # a rendezvous port of its own: TRL 1.15 and vLLM build one-process groups on 29500 when it is free, and two
+    # cases started side by side (--gpus 0,1) both find it free, then one fails to bind
+    env["MASTER_PORT"] = str(free_port())
     if system.startswith("fastgrpo"):  # the allocator setting `fastgrpo train` starts with
         from fastgrpo.train.cuda_memory import allocator_env
 
@@ -759,7 +794,8 @@ def parse_args(argv=None):
     p.add_argument("--fit-resolution", type=int, default=2048)
     p.add_argument("--continue-fit", action="store_true",
                    help="reuse the probes (fits / out of memory) of the results file's max_fit row of the same cap")
-    p.add_argument("--gpus", default="0", help="comma-separated GPU indices; cases run concurrently, one per GPU")
+    p.add_argument("--gpus", default="0", help="comma-separated GPU indices (into CUDA_VISIBLE_DEVICES when set); "
+                                               "cases run concurrently, one per GPU")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per case process")
     p.add_argument("--models-dir", type=Path, default=Path(os.environ.get("BENCH_LOOP_MODELS", "/tmp/bench-loop-models")))
     p.add_argument("--results-dir", type=Path, help="default benchmarks/results (--dry-run: a temporary folder)")
@@ -782,7 +818,7 @@ def main(argv=None) -> int:
         print(build_folder(args.build, args.models_dir, "cuda"))
         return 0
     dry = args.dry_run
-    gpus = [None] if dry else [int(g) for g in args.gpus.split(",")]
+    gpus = [None] if dry else physical_gpus(args.gpus)
     shapes = args.shapes or list(DRY_SHAPES if dry else FIT_SHAPES if args.max_fit else SHAPES)
     for shape in shapes:
         if shape.rsplit("-", 1)[-1] not in MODES:
