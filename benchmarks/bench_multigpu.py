@@ -109,15 +109,15 @@ if CPU:
 DEVICE = "cpu" if CPU else "cuda"
 
 
-def _tokenizer(vocab_size: int):
-    """Token i is the word `t<i>`, so any sampled id decodes."""
+def _tokenizer(vocab_size: int, eos: bool = True):
+    """Token i is the word `t<i>`, so any sampled id decodes; without `eos` no id ends a completion."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<eos>": 1, **{f"t{i}": i for i in range(2, vocab_size)}}
     backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>",
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>" if eos else None,
                                    padding_side="left")
 
 
@@ -169,8 +169,9 @@ def run_case(name: str, out: str) -> None:
     spec = dict(spec, cpu_offload=spec.get("cpu_offload", False) and not CPU)
     t0 = time.perf_counter()
     model = _build(spec)
-    if spec.get("whole_steps"):
-        model.generation_config.eos_token_id = None  # every completion runs to `completion` tokens
+    ignore_eos = spec.get("whole_steps", False)  # every completion runs to `completion` tokens
+    if ignore_eos:  # the engine stops on the tokenizer's EOS and the generation config's
+        model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
     dataset = [{"prompt": " ".join(f"t{i}" for i in torch.randint(2, vocab, (spec["prompt"],)).tolist())}
                for _ in range(4 * spec["groups"])]
@@ -182,7 +183,7 @@ def run_case(name: str, out: str) -> None:
         output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
-    trainer = GRPOTrainer(model, _tokenizer(vocab), _reward, dataset, config)
+    trainer = GRPOTrainer(model, _tokenizer(vocab, eos=not ignore_eos), _reward, dataset, config)
     build_s = time.perf_counter() - t0
     batch, advantages = _batch(spec, vocab, trainer.device)
     batch = {k: trainer.dist.own_rows(v) for k, v in batch.items()}
