@@ -37,6 +37,7 @@ def _parse(argv):
     (dict(lora_rank=-1), "lora_rank"),
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
+    (dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off keeps"),
     (dict(load_in_4bit=True), "load_in_4bit"),
     (dict(seed=10**14), r"seed: expected an int in \[0, 2\*\*32\), got 100000000000000"),
     (dict(seed=-1), "seed: expected an int in"),

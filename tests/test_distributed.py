@@ -115,6 +115,30 @@ def _one_step(lora: bool, output_dir, dtype=torch.float32, replay=None, seed: in
     return trainer, metrics, rollouts[0], grads, _weights(model)
 
 
+class _ReduceScatters:
+    """Counts reduce-scatter calls on torch.distributed (FSDP2 reduces each group's gradients in one; the name it
+    calls differs across torch versions)."""
+
+    NAMES = ("reduce_scatter_single", "reduce_scatter_tensor")
+
+    def __enter__(self):
+        self.calls, self.saved = 0, {n: getattr(dist, n) for n in self.NAMES if hasattr(dist, n)}
+        for name, fn in self.saved.items():
+            setattr(dist, name, self._counting(fn))
+        return self
+
+    def _counting(self, fn):
+        def counted(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+
+        return counted
+
+    def __exit__(self, *exc):
+        for name, fn in self.saved.items():
+            setattr(dist, name, fn)
+
+
 def _weights(model) -> dict:
     return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
 
@@ -126,7 +150,9 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
     try:
         found, trainers = {}, {}
         for lora in (False, True):
-            trainers[lora], metrics, rollout, grads, weights = _one_step(lora, os.path.join(tmp, f"run-{lora}"))
+            with _ReduceScatters() as counted:
+                trainers[lora], metrics, rollout, grads, weights = _one_step(lora, os.path.join(tmp, f"run-{lora}"))
+            found[f"reduce-scatters-{lora}"] = counted.calls
             texts = [None] * WORLD
             dist.all_gather_object(texts, (rollout.texts, rollout.completion_ids.tolist()))
             found[lora] = dict(metrics=metrics, texts=[t for part, _ in texts for t in part],
@@ -147,6 +173,10 @@ def _worker(rank: int, store: str, out: str, tmp: str) -> None:
             resumed.resume()
             found[name] = dict(metrics=resumed.train_step(), weights=_weights(model), step=resumed.step)
         found["files"] = sorted(os.listdir(os.path.join(first.config.output_dir, "checkpoint-1", "shards")))
+        with _ReduceScatters() as counted:
+            _, metrics, _, grads, weights = _one_step(False, os.path.join(tmp, "run-accumulated"),
+                                                      overrides=dict(fsdp_sync_every_micro_batch=False))
+        found["accumulated"] = dict(metrics=metrics, grads=grads, weights=weights, reduce_scatters=counted.calls)
         for lora in (False, True):
             found[f"kl-{lora}"] = _one_step(lora, os.path.join(tmp, f"run-kl-{lora}"), overrides=KL,
                                             move_policy=True)[1]
@@ -190,14 +220,19 @@ def two_processes(tmp_path_factory):
 def test_two_processes_sample_and_update_as_one(two_processes, lora):
     got = two_processes[0][lora]
     one = two_processes[1][lora]
-    metrics, rollout, grads, weights, reference = (one[k] for k in ("metrics", "rollout", "grads", "weights",
-                                                                     "reference"))
+    metrics, rollout = one["metrics"], one["rollout"]
     # the rollouts and rewards of the first step: exactly one process's
     assert got["texts"] == rollout.texts
     assert got["ids"] == rollout.completion_ids.tolist()
     for key in ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_frac"):
         assert got["metrics"][key] == metrics[key], key
-    # the update: within the fp32 tolerance derived in the module docstring, from an fp64 run on the same samples
+    _assert_update_as_one(got, one)
+
+
+def _assert_update_as_one(got: dict, one: dict) -> None:
+    """The update: within the fp32 tolerance derived in the module docstring, from an fp64 run on the same
+    samples."""
+    metrics, grads, weights, reference = (one[k] for k in ("metrics", "grads", "weights", "reference"))
     assert got["grads"].keys() == grads.keys() == reference.keys() and grads
     flat = {name: torch.cat([g[k].flatten() for k in sorted(grads)]) for name, g in
             (("two", got["grads"]), ("one", grads), ("fp64", reference))}
@@ -211,6 +246,16 @@ def test_two_processes_sample_and_update_as_one(two_processes, lora):
         tol_w = lr * tol_g / FIELDS["adam_epsilon"] + 2 * U32 * w.abs().max().item()
         assert (got["weights"][name] - w).abs().max().item() <= tol_w, name
     assert got["metrics"]["loss"] == pytest.approx(metrics["loss"], rel=1e-5, abs=1e-7)
+
+
+def test_fsdp2_accumulating_unsharded_reduces_once_per_minibatch_and_updates_as_one(two_processes):
+    """fsdp_sync_every_micro_batch off: each rank keeps its groups gathered and accumulates unsharded gradients over
+    its 2 micro-batches, so FSDP2 reduce-scatters each group once per minibatch instead of once per micro-batch, and
+    the update equals one process's within the same fp32 tolerance (the sums only change order)."""
+    found, single = two_processes
+    every, accumulated = found["reduce-scatters-False"], found["accumulated"]["reduce_scatters"]
+    assert accumulated > 0 and every == 2 * accumulated, (every, accumulated)
+    _assert_update_as_one(found["accumulated"], single[False])
 
 
 @pytest.mark.parametrize("run", ["resumed", "resumed-resharded"])

@@ -71,6 +71,11 @@ class GRPOConfig:
         True, "under torchrun, full fine-tuning: FSDP2 frees each layer's gathered weights after its forward and "
               "gathers them again for the backward (off: keeps them until the backward, one all-gather fewer per "
               "layer and micro-batch for a full copy of the weights per GPU)", run_control=True)
+    fsdp_sync_every_micro_batch: bool = option(
+        True, "under torchrun, full fine-tuning: FSDP2 reduce-scatters each micro-batch's gradients and frees the "
+              "gathered weights after each backward (off: keeps every group's weights gathered and its gradients "
+              "unsharded until the minibatch's last backward, one all-gather and one reduce-scatter per group and "
+              "minibatch, for a full copy of the weights and of the gradients per GPU)", run_control=True)
     fsdp_layers_per_group: int = option(
         1, "under torchrun, full fine-tuning: consecutive decoder layers that FSDP2 gathers, frees and reduces as one "
            "group (fewer, larger collectives and fewer of FSDP2's per-group hooks on the host, for more gathered "
@@ -278,6 +283,9 @@ class GRPOConfig:
         if self.resume and self.overwrite_output_dir:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
                              "of --resume and --overwrite-output-dir")
+        if not self.fsdp_sync_every_micro_batch and self.fsdp_cpu_offload:
+            raise ValueError("fsdp_sync_every_micro_batch: off keeps unsharded weights and gradients on the GPU, "
+                             "which fsdp_cpu_offload moves to CPU memory; pass one of the two")
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them

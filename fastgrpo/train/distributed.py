@@ -127,6 +127,7 @@ class Distributed:
         self._wrappers: dict[int, torch.nn.Module] = {}  # id(model) -> its DDP / FSDP2 _Policy
         self._ddp = self._fsdp = None  # the trained model's wrapper, by kind
         self._reshard_layers = True  # FSDP2: layers free their gathered weights after forward
+        self._sync_every_micro_batch = True  # FSDP2: reduce-scatter each micro-batch's gradients
 
     @classmethod
     def current(cls) -> Distributed:
@@ -152,6 +153,7 @@ class Distributed:
             self._wrappers[id(model)] = self._ddp
         else:
             self._reshard_layers = getattr(config, "fsdp_reshard_after_forward", True)
+            self._sync_every_micro_batch = getattr(config, "fsdp_sync_every_micro_batch", True)
             per_group = getattr(config, "fsdp_layers_per_group", 1)
             self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False),
                                      reshard_layers=self._reshard_layers, layers_per_group=per_group)
@@ -237,11 +239,22 @@ class Distributed:
         return fn(model, *args, **kwargs) if wrapper is None else wrapper(fn, *args, **kwargs)
 
     def sync_gradients(self, sync: bool) -> None:
-        """DDP: whether the next forward/backward all-reduces (the minibatch's last micro-batch) or only
-        accumulates locally (what DDP.no_sync sets). FSDP2 reduce-scatters every backward into sharded gradients,
-        which keeps the unsharded gradients of one layer alive at a time."""
+        """Whether the next forward/backward reduces its gradients (the minibatch's last micro-batch) or only
+        accumulates them locally. DDP: what DDP.no_sync sets. FSDP2 reduce-scatters every backward into sharded
+        gradients (the unsharded gradients of one group alive at a time) unless fsdp_sync_every_micro_batch is off:
+        then the micro-batches before the last keep every group gathered and accumulate unsharded gradients."""
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = sync
+        elif self._fsdp is not None and not self._sync_every_micro_batch:
+            from torch.distributed.fsdp import FSDPModule
+
+            for m in self._fsdp.modules():
+                if not isinstance(m, FSDPModule):
+                    continue
+                m.set_requires_gradient_sync(sync, recurse=False)
+                if m is not self._fsdp:  # the root group stays gathered until finish_gradients anyway
+                    m.set_reshard_after_forward(sync and self._reshard_layers, recurse=False)
+                    m.set_reshard_after_backward(sync, recurse=False)
 
     def finish_gradients(self, params: list[torch.Tensor], max_norm: float) -> torch.Tensor:
         """After a minibatch's last backward: release FSDP2's gathered root weights (the optimizer steps the
