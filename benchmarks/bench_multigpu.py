@@ -82,6 +82,12 @@ CASES = {
     "qwen-lora-512-mb16-step": dict(_QWEN, lora_rank=16, groups=64, steps=3, micro=16, whole_steps=True),
     "qwen-full-keep-g4-512-mb16-step": dict(_FULL_64, groups=64, steps=3, micro=16, reshard=False, layers_per_group=4,
                                             whole_steps=True, baseline="qwen-full-keep-g4-512-mb16-step"),
+    # full fine-tuning with fsdp_sync_every_micro_batch off: each group gathered and reduced once per minibatch
+    "qwen-full-keep-g4-64-mb16-acc": dict(_FULL_64, steps=5, micro=16, reshard=False, layers_per_group=4,
+                                          accumulate=True, baseline="qwen-full-64-mb16"),
+    "qwen-full-keep-g4-512-mb16-step-acc": dict(_FULL_64, groups=64, steps=3, micro=16, reshard=False,
+                                                layers_per_group=4, whole_steps=True, accumulate=True,
+                                                baseline="qwen-full-keep-g4-512-mb16-step"),
     # 8B: 2 x 8 x (128 + 256) tokens, weights / gradients / AdamW shards in CPU memory (8B x 2 bytes x 4 over 2
     # ranks is 30 GiB a GPU without offload), micro-batches of 4
     "llama8b-full": dict(model="llama-3.1-8b", lora_rank=0, groups=2, prompt=128, completion=256, micro=4, steps=2,
@@ -180,6 +186,7 @@ def run_case(name: str, out: str) -> None:
         micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
         learning_rate=1e-6, beta=0.04 if spec.get("whole_steps") else 0.0, fsdp_cpu_offload=spec["cpu_offload"],
         fsdp_reshard_after_forward=spec.get("reshard", True), fsdp_layers_per_group=spec.get("layers_per_group", 1),
+        fsdp_sync_every_micro_batch=not spec.get("accumulate", False),
         output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
@@ -222,7 +229,8 @@ def run_case(name: str, out: str) -> None:
         "gpus": group.world_size, "engine": ("ddp" if spec["lora_rank"] else "fsdp2") if group.active else "single",
         "global_batch": f"{spec['groups'] * G} x ({spec['prompt']} + {spec['completion']})",
         "micro_batch": spec["micro"], "reshard_after_forward": spec.get("reshard", True),
-        "layers_per_group": spec.get("layers_per_group", 1), "step_ms": 1000 * step, "steps_s": 1 / step,
+        "layers_per_group": spec.get("layers_per_group", 1),
+        "sync_every_micro_batch": not spec.get("accumulate", False), "step_ms": 1000 * step, "steps_s": 1 / step,
         "step_ms_all": [1000 * t for t in times], "loss": losses, "loss_finite": all(map(math.isfinite, losses)),
         "peak_gib_per_gpu": peak.item(), "cap_gib": spec.get("cap_gib"), "cpu_offload": spec["cpu_offload"],
         "build_s": build_s, **moved,
