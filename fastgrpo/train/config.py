@@ -16,16 +16,15 @@ from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
+from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
 SCALE_REWARDS = ("group", "batch", "none")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 REWARD_ERRORS = ("raise", "skip")
-ROLLOUT_ENGINES = ("builtin", "vllm")
 # Seeds derive per-step generator seeds (seed * 1_000_003 + step, then * 131 + epoch) that must stay in int64.
 MAX_SEED = 2**32
 
@@ -289,33 +288,8 @@ class GRPOConfig:
         if self.load_in_4bit and self.lora_rank == 0:
             raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
-        self._check_rollout_engine()
+        check_rollout_options(self)
         check_activation_memory_options(self)
-
-    def _check_rollout_engine(self) -> None:
-        check_choice("rollout_engine", self.rollout_engine, ROLLOUT_ENGINES)
-        check_choice("rollout_attention", self.rollout_attention, ("auto", "sdpa", "triton"))
-        check_choice("rollout_weights", self.rollout_weights, WEIGHTS)
-        check_choice("rollout_kv_cache", self.rollout_kv_cache, ("model", "fp8"))
-        check_choice("vllm_lora_sync", self.vllm_lora_sync, LORA_SYNCS)
-        check_choice("vllm_execution", self.vllm_execution, EXECUTIONS)
-        utilization = self.vllm_gpu_memory_utilization
-        if utilization is not None and not 0 < utilization <= 1:
-            raise ValueError(f"vllm_gpu_memory_utilization: expected a number in (0, 1] or none, got {utilization}")
-        for name, default in (("rollout_attention", "auto"), ("rollout_weights", "auto"),
-                              ("rollout_kv_cache", "model")):
-            if self.rollout_engine == "vllm" and getattr(self, name) != default:
-                raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it "
-                                 f"{default} (got {getattr(self, name)!r})")
-        if self.rollout_kv_cache == "fp8" and self.rollout_attention == "sdpa":
-            raise ValueError("rollout_kv_cache: fp8 is read by the decode kernel; use --rollout-attention triton or "
-                             "auto, not sdpa")
-        if self.rollout_engine == "vllm" and self.load_in_4bit:
-            raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
-                             "with --load-in-4bit, or a bf16 base with vllm")
-        if self.rollout_engine == "vllm" and self.device == "cpu":
-            raise ValueError("rollout_engine: vllm runs on a CUDA GPU; pass --device cuda (the built-in task's "
-                             "preset is the CPU)")
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides) -> GRPOConfig:

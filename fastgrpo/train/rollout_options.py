@@ -1,0 +1,35 @@
+"""The checks of GRPOConfig's rollout-engine fields, before any model is loaded."""
+from __future__ import annotations
+
+from fastgrpo._checks import check_choice
+from fastgrpo.rollout.decode_weights import WEIGHTS
+from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
+
+ROLLOUT_ENGINES = ("builtin", "vllm")
+
+
+def check_rollout_options(config) -> None:
+    """One line naming the field for a choice the engine does not have or a combination it cannot run."""
+    check_choice("rollout_engine", config.rollout_engine, ROLLOUT_ENGINES)
+    check_choice("rollout_attention", config.rollout_attention, ("auto", "sdpa", "triton"))
+    check_choice("rollout_weights", config.rollout_weights, WEIGHTS)
+    check_choice("rollout_kv_cache", config.rollout_kv_cache, ("model", "fp8"))
+    check_choice("vllm_lora_sync", config.vllm_lora_sync, LORA_SYNCS)
+    check_choice("vllm_execution", config.vllm_execution, EXECUTIONS)
+    utilization = config.vllm_gpu_memory_utilization
+    if utilization is not None and not 0 < utilization <= 1:
+        raise ValueError(f"vllm_gpu_memory_utilization: expected a number in (0, 1] or none, got {utilization}")
+    for name, default in (("rollout_attention", "auto"), ("rollout_weights", "auto"),
+                          ("rollout_kv_cache", "model")):
+        if config.rollout_engine == "vllm" and getattr(config, name) != default:
+            raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it "
+                             f"{default} (got {getattr(config, name)!r})")
+    if config.rollout_kv_cache == "fp8" and config.rollout_attention == "sdpa":
+        raise ValueError("rollout_kv_cache: fp8 is read by the decode kernel; use --rollout-attention triton or "
+                         "auto, not sdpa")
+    if config.rollout_engine == "vllm" and config.load_in_4bit:
+        raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
+                         "with --load-in-4bit, or a bf16 base with vllm")
+    if config.rollout_engine == "vllm" and config.device == "cpu":
+        raise ValueError("rollout_engine: vllm runs on a CUDA GPU; pass --device cuda (the built-in task's "
+                         "preset is the CPU)")
