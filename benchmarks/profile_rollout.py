@@ -7,6 +7,7 @@
     python -m benchmarks.profile_rollout --modes model,fused      # q/k/v and gate/up as one GEMM each
     python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
     python -m benchmarks.profile_rollout --modes fused,fp8kv,fp8,fp8-fp8kv   # bf16 vs FP8 KV cache (and FP8 weights)
+    python -m benchmarks.profile_rollout --modes fused --prompts 4     # 32 rows: what a step costs at fewer rows
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
 8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
@@ -24,7 +25,7 @@ the timed windows. The profiled kernels are summed per category (KERNEL_CATEGORI
 from the CUDA graph do show in the trace (seen on an H200, torch 2.11); where none show, the row says so.
 
 Table columns (per shape x mode; *_ms are per decode step):
-  tok_s, ms_step    timed call: 64 x 1024 tokens / wall; wall / 1024 (prefill and decoding of the texts included)
+  tok_s, ms_step    timed call: rows x 1024 tokens / wall; wall / 1024 (prefill and decoding of the texts included)
   decode_ms         decode steps only, unprofiled: the timed call's steps 17-1024; eager: the profiled call's 17-480
   first_s           the warm-up call's wall seconds (compile + capture in default mode)
   prof_ms           profiled steps' wall (under the profiler: in eager mode its host overhead inflates the gaps)
@@ -127,7 +128,7 @@ KERNEL_CATEGORIES = (
 )
 CATEGORIES = [*dict.fromkeys(name for name, _ in KERNEL_CATEGORIES), "other"]
 _PATTERNS = [(name, re.compile(pattern, re.IGNORECASE)) for name, pattern in KERNEL_CATEGORIES]
-COLUMNS = ["shape", "mode", "tok_s", "ms_step", "decode_ms", "first_s", "prof_ms", "busy_ms", "idle_ms",
+COLUMNS = ["shape", "rows", "mode", "tok_s", "ms_step", "decode_ms", "first_s", "prof_ms", "busy_ms", "idle_ms",
            *CATEGORIES, "kernels", "roof_ms", "roof_share", "prof_roof", "busy_roof"]
 
 
@@ -148,6 +149,12 @@ class Sizes(RolloutSizes):
 
 GPU_SIZES = Sizes()
 DRY_SIZES = Sizes(prompts=4, generations=2, prompt_len=16, new_tokens=128)
+
+
+def sizes_for(dry: bool, prompts: int | None) -> Sizes:
+    """The run's sizes; --prompts changes the rows (prompts x 8 generations) and nothing else."""
+    sizes = DRY_SIZES if dry else GPU_SIZES
+    return sizes if prompts is None else dataclasses.replace(sizes, prompts=prompts)
 
 
 class StepClock:
@@ -341,10 +348,10 @@ def print_top(row: dict) -> None:
         print(f"  {row['trace_note']}")
 
 
-def child(shape: str, dry: bool, trace_dir: Path, modes: list[str]) -> None:
+def child(shape: str, dry: bool, trace_dir: Path, modes: list[str], sizes: Sizes) -> None:
     """One shape, each of `modes`; rows go to <trace_dir>/<shape>.rows.json after each mode (a timeout keeps them)."""
     began = time.perf_counter()
-    device, sizes = ("cpu", DRY_SIZES) if dry else ("cuda", GPU_SIZES)
+    device = "cpu" if dry else "cuda"
     setup = build(shape, sizes, device) | {"shape": shape}
     bandwidth = _copy_bandwidth() if device == "cuda" else _cpu_copy_bandwidth()
     print(f"{shape} on {device}: built in {time.perf_counter() - began:.0f} s, copy bandwidth "
@@ -354,7 +361,8 @@ def child(shape: str, dry: bool, trace_dir: Path, modes: list[str]) -> None:
         config, timed = MODES[mode]
         began = time.perf_counter()
         try:
-            row = {"shape": shape} | profile_mode(setup, sizes, mode, config, timed, bandwidth, trace_dir)
+            row = {"shape": shape, "rows": sizes.rows} | profile_mode(setup, sizes, mode, config, timed, bandwidth,
+                                                                      trace_dir)
             print_top(row)
             print(f"{shape} / {mode}: {time.perf_counter() - began:.0f} s")
         except Exception as err:  # noqa: BLE001 - a failed mode is reported; the other mode still runs
@@ -365,14 +373,15 @@ def child(shape: str, dry: bool, trace_dir: Path, modes: list[str]) -> None:
         sys.stdout.flush()
 
 
-def run_shape(shape: str, dry: bool, trace_dir: Path, timeout: float, modes: list[str]) -> list[dict]:
+def run_shape(shape: str, dry: bool, trace_dir: Path, timeout: float, modes: list[str],
+              prompts: int | None) -> list[dict]:
     """Run `child` for one shape in a fresh process (its own session, so a timeout kills its compile workers)."""
     rows_file = trace_dir / f"{shape}.rows.json"
     rows_file.unlink(missing_ok=True)  # a reused trace dir: no rows of an earlier run
     if timeout < 30:
         return [{"shape": shape, "error": "skipped: global deadline reached"}]
     cmd = [sys.executable, "-m", "benchmarks.profile_rollout", "--child", shape, "--trace-dir", str(trace_dir),
-           "--modes", ",".join(modes)]
+           "--modes", ",".join(modes)] + ([] if prompts is None else ["--prompts", str(prompts)])
     proc = subprocess.Popen(cmd + (["--dry-run"] if dry else []), cwd=Path(__file__).parents[1],
                             start_new_session=True)
     error = None
@@ -394,22 +403,25 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--trace-dir", help="where key_averages tables and traces go (default: a new temp dir)")
     parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, of " + ", ".join(MODES))
+    parser.add_argument("--prompts", type=int, help="prompts per call, each with 8 generations (default 8: 64 rows)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: profile this one shape in this process
     args = parser.parse_args(argv)
     dry = args.dry_run or os.environ.get("FASTGRPO_PROFILE_CPU") == "1"
     modes = listed(parser, "--modes", args.modes, MODES)
+    if args.prompts is not None and args.prompts < 1:
+        parser.error(f"--prompts: expected >= 1, got {args.prompts}")
+    sizes = sizes_for(dry, args.prompts)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="rollout_profile_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
-        child(args.child, dry, trace_dir, modes)
+        child(args.child, dry, trace_dir, modes, sizes)
         return
     print(f"key_averages tables, chrome traces and per-shape rows: {trace_dir}", flush=True)
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []
     for shape in [DRY_SHAPE] if dry else listed(parser, "--shapes", args.shapes, SHAPES):
         timeout = min(MODE_TIMEOUT_S * len(modes), deadline - time.monotonic())
-        rows += run_shape(shape, dry, trace_dir, timeout, modes)
-    sizes = DRY_SIZES if dry else GPU_SIZES
+        rows += run_shape(shape, dry, trace_dir, timeout, modes, args.prompts)
     config = {"model": "random weights, bf16", "card": card_name(), **dataclasses.asdict(sizes),
               "mean_context": sizes.mean_context, "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
               "categories": dict(KERNEL_CATEGORIES), "trace_dir": str(trace_dir)}
