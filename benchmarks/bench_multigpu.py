@@ -175,8 +175,8 @@ def run_case(name: str, out: str) -> None:
     spec = dict(spec, cpu_offload=spec.get("cpu_offload", False) and not CPU)
     t0 = time.perf_counter()
     model = _build(spec)
-    ignore_eos = spec.get("whole_steps", False)  # every completion runs to `completion` tokens
-    if ignore_eos:  # the engine stops on the tokenizer's EOS and the generation config's
+    whole_steps = spec.get("whole_steps", False)  # their completions run to `completion` tokens: EOS ignored
+    if whole_steps:  # the engine stops on the tokenizer's EOS and the generation config's
         model.generation_config.eos_token_id = None
     vocab = model.config.vocab_size
     dataset = [{"prompt": " ".join(f"t{i}" for i in torch.randint(2, vocab, (spec["prompt"],)).tolist())}
@@ -184,13 +184,13 @@ def run_case(name: str, out: str) -> None:
     config = GRPOConfig(
         model=spec["model"], lora_rank=spec["lora_rank"], batch_size=spec["groups"] * G, num_generations=G,
         micro_batch_size=spec["micro"], max_prompt_length=spec["prompt"], max_completion_length=spec["completion"],
-        learning_rate=1e-6, beta=0.04 if spec.get("whole_steps") else 0.0, fsdp_cpu_offload=spec["cpu_offload"],
+        learning_rate=1e-6, beta=0.04 if whole_steps else 0.0, fsdp_cpu_offload=spec["cpu_offload"],
         fsdp_reshard_after_forward=spec.get("reshard", True), fsdp_layers_per_group=spec.get("layers_per_group", 1),
         fsdp_sync_every_micro_batch=not spec.get("accumulate", False),
         output_dir=tempfile.mkdtemp(), export=False,
         progress_bar=False, logging_steps=0, max_steps=1, device=DEVICE, dtype="bfloat16",
     )
-    trainer = GRPOTrainer(model, _tokenizer(vocab, eos=not ignore_eos), _reward, dataset, config)
+    trainer = GRPOTrainer(model, _tokenizer(vocab, eos=not whole_steps), _reward, dataset, config)
     build_s = time.perf_counter() - t0
     batch, advantages = _batch(spec, vocab, trainer.device)
     batch = {k: trainer.dist.own_rows(v) for k, v in batch.items()}
@@ -205,7 +205,7 @@ def run_case(name: str, out: str) -> None:
             _sync()
             gc_clock.take()
             start, start_cpu = time.perf_counter(), time.thread_time()
-            if spec.get("whole_steps"):
+            if whole_steps:
                 metrics = trainer.train_step()
                 losses.append(metrics["loss"])
                 phases.append({k: metrics[k] for k in ("rollout_s", "reference_s", "train_s", "completion_length")})

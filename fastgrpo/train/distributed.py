@@ -126,6 +126,7 @@ class Distributed:
         self.device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self._wrappers: dict[int, torch.nn.Module] = {}  # id(model) -> its DDP / FSDP2 _Policy
         self._ddp = self._fsdp = None  # the trained model's wrapper, by kind
+        self._fsdp_groups: list[torch.nn.Module] = []  # FSDP2: the trained model's groups, the root first
         self._reshard_layers = True  # FSDP2: layers free their gathered weights after forward
         self._sync_every_micro_batch = True  # FSDP2: reduce-scatter each micro-batch's gradients
 
@@ -157,6 +158,9 @@ class Distributed:
             per_group = getattr(config, "fsdp_layers_per_group", 1)
             self._fsdp = self._shard(model, trained=True, cpu_offload=getattr(config, "fsdp_cpu_offload", False),
                                      reshard_layers=self._reshard_layers, layers_per_group=per_group)
+            from torch.distributed.fsdp import FSDPModule
+
+            self._fsdp_groups = [m for m in self._fsdp.modules() if isinstance(m, FSDPModule)]
             if ref_model is not None:
                 self._shard(ref_model, trained=False, cpu_offload=False, reshard_layers=True,
                             layers_per_group=per_group)
@@ -217,19 +221,13 @@ class Distributed:
     def full_weights(self):
         """FSDP2: all-gather every group, keep it through the block (forward hooks then do no communication, so
         the decode step can be compiled and CUDA-graphed), release it after."""
-        if self._fsdp is None:
-            yield
-            return
-        from torch.distributed.fsdp import FSDPModule
-
-        modules = [m for m in self._fsdp.modules() if isinstance(m, FSDPModule)]
-        for m in modules:
+        for m in self._fsdp_groups:
             m.unshard()
             m.set_reshard_after_forward(False, recurse=False)
         try:
             yield
         finally:
-            for m in modules:
+            for m in self._fsdp_groups:
                 m.set_reshard_after_forward(self._reshard_layers and m is not self._fsdp, recurse=False)
                 m.reshard()
 
@@ -245,12 +243,8 @@ class Distributed:
         then the micro-batches before the last keep every group gathered and accumulate unsharded gradients."""
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = sync
-        elif self._fsdp is not None and not self._sync_every_micro_batch:
-            from torch.distributed.fsdp import FSDPModule
-
-            for m in self._fsdp.modules():
-                if not isinstance(m, FSDPModule):
-                    continue
+        elif not self._sync_every_micro_batch:
+            for m in self._fsdp_groups:
                 m.set_requires_gradient_sync(sync, recurse=False)
                 if m is not self._fsdp:  # the root group stays gathered until finish_gradients anyway
                     m.set_reshard_after_forward(sync and self._reshard_layers, recurse=False)
