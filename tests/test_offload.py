@@ -650,21 +650,29 @@ def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        model = _lora_model(device)
-        modes = [grad_modes(layer.mlp) for layer in decoder_layers(model, architecture(model))]
-        ddp = nn.parallel.DistributedDataParallel(model)
-        steps = []
-        for _ in range(2):  # DDP orders its buckets anew after the first step, by when the gradients came
-            model.zero_grad(set_to_none=True)
-            first, last = _micro_batches(rank, device)
-            with ddp.no_sync():
-                _lora_loss(ddp, first).backward()
-            _lora_loss(ddp, last).backward()
-            steps.append(_trained_grads(model))
+        found = _ddp_steps(rank, device)
         if rank == 0:
-            torch.save({"steps": steps, "modes": modes}, out)
+            torch.save(found, out)
     finally:
+        # DDP's reducer freed after its group was destroyed aborts the process now and then (gloo): the model and
+        # its wrapper, local to _ddp_steps, are collected first
+        gc.collect()
         torch.distributed.destroy_process_group()
+
+
+def _ddp_steps(rank: int, device: str) -> dict:
+    model = _lora_model(device)
+    modes = [grad_modes(layer.mlp) for layer in decoder_layers(model, architecture(model))]
+    ddp = nn.parallel.DistributedDataParallel(model)
+    steps = []
+    for _ in range(2):  # DDP orders its buckets anew after the first step, by when the gradients came
+        model.zero_grad(set_to_none=True)
+        first, last = _micro_batches(rank, device)
+        with ddp.no_sync():
+            _lora_loss(ddp, first).backward()
+        _lora_loss(ddp, last).backward()
+        steps.append(_trained_grads(model))
+    return {"steps": steps, "modes": modes}
 
 
 @pytest.mark.parametrize("backend", [
