@@ -1,4 +1,4 @@
-"""Data-parallel GRPO on 2 gloo processes (real torch.distributed, spawned) against one process on the same global
+"""Data-parallel GRPO on 2 gloo processes (real torch.distributed, forked) against one process on the same global
 batch: the first step's rollouts and rewards are identical, and the update (FSDP2 for full fine-tuning, DDP for
 LoRA) equals one process's within fp32 rounding, and so does the KL that beta > 0 logs from the log-probs each rank's
 loss forwards return; an FSDP2 run resumed from its Distributed Checkpoint continues bit for bit (resumed twice with
