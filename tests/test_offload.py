@@ -643,6 +643,8 @@ def _trained_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
+    from fastgrpo.train.distributed import _close_process_group
+
     if backend == "nccl":
         torch.cuda.set_device(rank)
     else:
@@ -654,10 +656,9 @@ def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
         if rank == 0:
             torch.save(found, out)
     finally:
-        # DDP's reducer freed after its group was destroyed aborts the process now and then (gloo): the model and
-        # its wrapper, local to _ddp_steps, are collected first
-        gc.collect()
-        torch.distributed.destroy_process_group()
+        # as at torchrun's exit: the model and its DDP wrapper, local to _ddp_steps, are collected before the group
+        # closes (DDP's reducer freed after it aborted rank 1 now and then)
+        _close_process_group()
 
 
 def _ddp_steps(rank: int, device: str) -> dict:
