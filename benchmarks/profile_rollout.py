@@ -8,17 +8,20 @@
     python -m benchmarks.profile_rollout --modes triton,triton-layers   # whole-step vs per-layer compile
     python -m benchmarks.profile_rollout --modes fused,fp8kv,fp8,fp8-fp8kv   # bf16 vs FP8 KV cache (and FP8 weights)
     python -m benchmarks.profile_rollout --modes fused --prompts 4     # 32 rows: what a step costs at fewer rows
+    python -m benchmarks.profile_rollout --new-tokens 4096   # the loop benchmark's long rollout (mean context 2304)
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
-8 generations = 64 rows, prompt 256, 1024 new tokens, temperature 1, EOS ignored. Each shape runs in a subprocess
+8 generations = 64 rows, prompt 256, 1024 new tokens (--prompts, --new-tokens change them), temperature 1, EOS
+ignored. Each shape runs in a subprocess
 of its own (its memory goes back before the next; a per-shape timeout under a global deadline) in two engine modes:
 `default` (EngineConfig(): torch.compile + a CUDA graph on CUDA, eager on the CPU) and `eager` (compile=False: one
 launch per op, so launch gaps show). Per mode, generate calls with the same request, hence the same shapes (the
 step compiles once):
   warm-up   stopped after step 32: compile + graph capture; its wall time is first_s
-  timed     (default mode only) all 1024 tokens: tok_s and ms_step as bench_rollout reports them
+  timed     (default mode only) all the new tokens: tok_s and ms_step as bench_rollout reports them
   profiled  stopped after step 528; torch.profiler (CPU + CUDA activities) records steps 497-528, whose context is
             the mean context of the rollout (256 + 512 = 768), over the cache (1280 slots) the whole rollout uses
+            (at --new-tokens N: the 32 steps centred on step N / 2, in a cache of 256 + N slots)
 The engine syncs with the host every 16 steps; a stand-in stop_check, called at those syncs, times the steps, steps
 the profiler and ends the shorter calls (it reports every row as stopped). Only the engine's own syncs fall inside
 the timed windows. The profiled kernels are summed per category (KERNEL_CATEGORIES), per step. Kernels replayed
@@ -151,10 +154,11 @@ GPU_SIZES = Sizes()
 DRY_SIZES = Sizes(prompts=4, generations=2, prompt_len=16, new_tokens=128)
 
 
-def sizes_for(dry: bool, prompts: int | None) -> Sizes:
-    """The run's sizes; --prompts changes the rows (prompts x 8 generations) and nothing else."""
+def sizes_for(dry: bool, prompts: int | None, new_tokens: int | None = None) -> Sizes:
+    """The run's sizes; --prompts changes the rows (prompts x 8 generations), --new-tokens the rollout's length."""
     sizes = DRY_SIZES if dry else GPU_SIZES
-    return sizes if prompts is None else dataclasses.replace(sizes, prompts=prompts)
+    changed = {"prompts": prompts, "new_tokens": new_tokens}
+    return dataclasses.replace(sizes, **{name: value for name, value in changed.items() if value is not None})
 
 
 class StepClock:
@@ -374,14 +378,14 @@ def child(shape: str, dry: bool, trace_dir: Path, modes: list[str], sizes: Sizes
 
 
 def run_shape(shape: str, dry: bool, trace_dir: Path, timeout: float, modes: list[str],
-              prompts: int | None) -> list[dict]:
+              sizes_args: list[str]) -> list[dict]:
     """Run `child` for one shape in a fresh process (its own session, so a timeout kills its compile workers)."""
     rows_file = trace_dir / f"{shape}.rows.json"
     rows_file.unlink(missing_ok=True)  # a reused trace dir: no rows of an earlier run
     if timeout < 30:
         return [{"shape": shape, "error": "skipped: global deadline reached"}]
     cmd = [sys.executable, "-m", "benchmarks.profile_rollout", "--child", shape, "--trace-dir", str(trace_dir),
-           "--modes", ",".join(modes)] + ([] if prompts is None else ["--prompts", str(prompts)])
+           "--modes", ",".join(modes), *sizes_args]
     proc = subprocess.Popen(cmd + (["--dry-run"] if dry else []), cwd=Path(__file__).parents[1],
                             start_new_session=True)
     error = None
@@ -404,13 +408,20 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--trace-dir", help="where key_averages tables and traces go (default: a new temp dir)")
     parser.add_argument("--modes", default=DEFAULT_MODES, help="comma-separated, of " + ", ".join(MODES))
     parser.add_argument("--prompts", type=int, help="prompts per call, each with 8 generations (default 8: 64 rows)")
+    parser.add_argument("--new-tokens", type=int, help="tokens each row decodes (default 1024; a multiple of 16, "
+                                                       ">= 128: the profiled window sits at its middle)")
     parser.add_argument("--child", help=argparse.SUPPRESS)  # internal: profile this one shape in this process
     args = parser.parse_args(argv)
     dry = args.dry_run or os.environ.get("FASTGRPO_PROFILE_CPU") == "1"
     modes = listed(parser, "--modes", args.modes, MODES)
     if args.prompts is not None and args.prompts < 1:
         parser.error(f"--prompts: expected >= 1, got {args.prompts}")
-    sizes = sizes_for(dry, args.prompts)
+    if args.new_tokens is not None and (args.new_tokens < 128 or args.new_tokens % 16):
+        parser.error(f"--new-tokens: expected a multiple of 16 (the engine's host-sync interval) >= 128, "
+                     f"got {args.new_tokens}")
+    sizes = sizes_for(dry, args.prompts, args.new_tokens)
+    sizes_args = [arg for flag, value in (("--prompts", args.prompts), ("--new-tokens", args.new_tokens))
+                  if value is not None for arg in (flag, str(value))]
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp(prefix="rollout_profile_"))
     trace_dir.mkdir(parents=True, exist_ok=True)
     if args.child:
@@ -420,8 +431,9 @@ def main(argv: list[str] | None = None) -> None:
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []
     for shape in [DRY_SHAPE] if dry else listed(parser, "--shapes", args.shapes, SHAPES):
-        timeout = min(MODE_TIMEOUT_S * len(modes), deadline - time.monotonic())
-        rows += run_shape(shape, dry, trace_dir, timeout, modes, args.prompts)
+        # a longer rollout decodes longer in each call (MODE_TIMEOUT_S is for 1024 tokens)
+        timeout = min(MODE_TIMEOUT_S * len(modes) * max(1.0, sizes.new_tokens / 1024), deadline - time.monotonic())
+        rows += run_shape(shape, dry, trace_dir, timeout, modes, sizes_args)
     config = {"model": "random weights, bf16", "card": card_name(), **dataclasses.asdict(sizes),
               "mean_context": sizes.mean_context, "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored",
               "categories": dict(KERNEL_CATEGORIES), "trace_dir": str(trace_dir)}

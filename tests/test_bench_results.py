@@ -66,3 +66,28 @@ def test_an_unknown_name_is_one_line_and_writes_nothing(module, flag, capsys, tm
     assert done.value.code == 2
     assert f"{flag}: unknown ['nope']" in capsys.readouterr().err
     assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("flag, value, expected", [("--prompts", "0", "expected >= 1"),
+                                                   ("--new-tokens", "100", "expected a multiple of 16"),
+                                                   ("--new-tokens", "520", "expected a multiple of 16")])
+def test_profile_rollout_refuses_sizes_it_cannot_profile(flag, value, expected, capsys, tmp_path, monkeypatch):
+    """A rollout length off the engine's 16-step host syncs (or too short for a window at its middle) or no rows:
+    the parser's one line naming the flag, before any model is built, and no results file."""
+    from benchmarks import profile_rollout
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        profile_rollout.main([flag, value])
+    assert done.value.code == 2
+    assert f"{flag}: {expected}" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_profile_rollout_sizes_change_only_what_is_asked():
+    from benchmarks.profile_rollout import GPU_SIZES, sizes_for
+
+    assert sizes_for(False, None) == GPU_SIZES
+    long = sizes_for(False, None, 4096)
+    assert (long.new_tokens, long.prompts, long.mean_context, long.profile_from) == (4096, 8, 256 + 2048, 2048 - 16)
+    assert sizes_for(False, 4, 2048) == type(GPU_SIZES)(**{**GPU_SIZES.__dict__, "prompts": 4, "new_tokens": 2048})
