@@ -11,7 +11,7 @@
     python -m benchmarks.profile_rollout --new-tokens 4096   # the loop benchmark's long rollout (mean context 2304)
 
 The rollout is bench_rollout's: random-weight bf16 models of the Qwen2.5-1.5B and Llama-3.1-8B shapes, 8 prompts x
-8 generations = 64 rows, prompt 256, 1024 new tokens (--prompts, --new-tokens change them), temperature 1, EOS
+8 generations = 64 rows, prompt 256, N = 1024 new tokens (--prompts, --new-tokens change them), temperature 1, EOS
 ignored. Each shape runs in a subprocess
 of its own (its memory goes back before the next; a per-shape timeout under a global deadline) in two engine modes:
 `default` (EngineConfig(): torch.compile + a CUDA graph on CUDA, eager on the CPU) and `eager` (compile=False: one
@@ -28,16 +28,16 @@ the timed windows. The profiled kernels are summed per category (KERNEL_CATEGORI
 from the CUDA graph do show in the trace (seen on an H200, torch 2.11); where none show, the row says so.
 
 Table columns (per shape x mode; *_ms are per decode step):
-  tok_s, ms_step    timed call: rows x 1024 tokens / wall; wall / 1024 (prefill and decoding of the texts included)
-  decode_ms         decode steps only, unprofiled: the timed call's steps 17-1024; eager: the profiled call's 17-480
+  tok_s, ms_step    timed call: rows x N tokens / wall; wall / N (prefill and decoding of the texts included)
+  decode_ms         decode steps only, unprofiled: the timed call's steps 17-N; eager: the profiled call's 17-(N / 2 - 32)
   first_s           the warm-up call's wall seconds (compile + capture in default mode)
   prof_ms           profiled steps' wall (under the profiler: in eager mode its host overhead inflates the gaps)
   busy_ms, idle_ms  GPU busy (union of kernel/copy intervals) and prof_ms - busy_ms (launch and host gaps)
   attention .. other  busy ms per category; kernels: kernels and copies per step
-  roof_ms           (every weight a step multiplies, lm_head included, + the K/V of 768 tokens per row) / measured
+  roof_ms           (every weight a step multiplies, lm_head included, + the K/V of the mean context per row) / measured
                     device copy bandwidth: bench_rollout's roofline; roof_share = roof_ms / ms_step (its roofline
                     share), prof_roof = roof_ms / prof_ms, busy_roof = roof_ms / busy_ms
-The JSON rows also carry the top kernels and roof_cache_ms: the same bytes with the K/V of all 1280 cache slots,
+The JSON rows also carry the top kernels and roof_cache_ms: the same bytes with the K/V of all the cache's slots,
 which the masked attention reads whatever the context. Writes benchmarks/results/rollout_profile-<card>.json
 (dry run: the trace dir) and, in a temp dir printed first (--trace-dir to choose), each profile's key_averages
 table and gzipped chrome trace.
@@ -73,7 +73,7 @@ SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
 DEADLINE_S = 540  # the whole GPU run, inside the device's 10-minute call
 MODE_TIMEOUT_S = 80  # one mode of one shape: its first call compiles and captures for ~30-50 s
-# mode -> (engine config, whether it gets the timed 1024-token call: eager's would take ~30 s per shape); the modes
+# mode -> (engine config, whether it gets the timed call: eager's would take ~30 s per shape at N = 1024); the modes
 # that NOTES' D2 measured keep the model's own weights, as then
 MODEL = dict(weights="model")
 MODES = {"default": (EngineConfig(), True), "eager": (EngineConfig(compile=False), False),
