@@ -47,8 +47,9 @@ hold, vLLM's pool and the CUDA context included, over the whole case; peak_gib_<
 torch's own count.
 
 --max-fit (default shapes qwen2.5-1.5b-lora, llama-3.1-8b-qlora; one prompt x G completions): each probe is a
-fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step; it fits when the step
-ends and the NVML peak stays under the cap. C doubles from --fit-start until a probe fails (out of memory) or
+fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step, torch.cuda.mem_get_info
+answering as a card of the cap would (what sizes its work by the free memory sizes it for that card; rows say
+"mem_get_info": "capped"); it fits when the step ends and the NVML peak stays under the cap. C doubles from --fit-start until a probe fails (out of memory) or
 passes --fit-max, then bisects to --fit-resolution. A failure that is not out-of-memory ends the search as an error.
 The row is written after every probe ("complete": false until the search ends); --continue-fit reuses the probes
 with a verdict from the file's row of the same system and cap, so a search can go on in a later device call.
@@ -336,9 +337,13 @@ class DeviceMemory:
     def _used(self) -> int:
         return self.nvml.nvmlDeviceGetMemoryInfo(self.handle).used
 
+    def used(self) -> int:
+        """Bytes used above the level at the start."""
+        return self._used() - self.base
+
     def _run(self) -> None:
         while not self._stop.wait(0.01):
-            used, phase = (self._used() - self.base) / GIB, self.timer.phase
+            used, phase = self.used() / GIB, self.timer.phase
             self.peaks[phase] = max(used, self.peaks.get(phase, 0.0))
 
     def stop(self) -> dict:
@@ -517,6 +522,9 @@ def child(case: Case, out: Path) -> int:
                 raise RuntimeError("torch.cuda.is_available() is False")
             if case.cap_gib is not None:
                 torch.cuda.set_per_process_memory_fraction(min(1.0, case.cap_gib * GIB / torch.cuda.mem_get_info()[1]))
+                used = memory.used if memory else torch.cuda.memory_reserved
+                torch.cuda.mem_get_info = torch.cuda.memory.mem_get_info = capped_mem_get_info(case.cap_gib, used)
+                row["mem_get_info"] = "capped"
         RUNNERS[case.system](case, timer)
     except BaseException as err:  # noqa: BLE001 -- every failure becomes the row's error
         row["error"] = describe(err)
@@ -533,6 +541,21 @@ def child(case: Case, out: Path) -> int:
     row["case_s"] = time.perf_counter() - start
     out.write_text(json.dumps([row]))
     return 0
+
+
+def capped_mem_get_info(cap_gib: float, used):
+    """torch.cuda.mem_get_info as a card of cap_gib would answer it: (the cap less what the case holds, the cap).
+
+    The per-process fraction bounds torch's allocator alone; what sizes its work by the free memory would see the
+    whole card: Unsloth's log-prob batches take 80% of it, vLLM checks its budget against it, fastgrpo's rollout
+    weights="auto" picks a copy that fits it. `used`: bytes the case holds (NVML: its CUDA context and vLLM's pool
+    included)."""
+    cap = int(cap_gib * GIB)
+
+    def mem_get_info(device=None):
+        return max(cap - used(), 0), cap
+
+    return mem_get_info
 
 
 # ---- the driver ----

@@ -1,10 +1,11 @@
 """benchmarks.bench_loop's longest-completion search: the doubling and bisection, the row written after every probe,
-probes reused from an earlier search (--continue-fit), and the results file keeping what it already held."""
+probes reused from an earlier search (--continue-fit), the results file keeping what it already held, and the free
+memory a capped case reports."""
 import dataclasses
 import json
 from types import SimpleNamespace
 
-from benchmarks.bench_loop import Case, Results, earlier_probes, fit_search
+from benchmarks.bench_loop import GIB, Case, Results, capped_mem_get_info, earlier_probes, fit_search
 
 ARGS = SimpleNamespace(fit_start=2048, fit_max=32768, fit_resolution=2048)
 CASE = Case(system="fastgrpo", shape="qwen2.5-1.5b-lora", completion=2048, prompts=1, cap_gib=24.0)
@@ -91,3 +92,12 @@ def test_searches_of_other_caps_or_batches_keep_their_rows(tmp_path):
         results.add("qwen2.5-1.5b-lora", [fit_search(case, ARGS, Card(limit=3000))])
     rows = json.loads(results.path("qwen2.5-1.5b-lora").read_text())["rows"]
     assert [(r["cap_gib"], r["generations"]) for r in rows] == [(24.0, 8), (16.0, 8), (24.0, 4)]
+
+
+def test_capped_mem_get_info_answers_as_a_card_of_the_cap():
+    held = [3 * GIB]
+    mem_get_info = capped_mem_get_info(24, lambda: held[0])
+    assert mem_get_info() == (21 * GIB, 24 * GIB)
+    assert mem_get_info(0) == (21 * GIB, 24 * GIB)  # torch's signature: an optional device
+    held[0] = 30 * GIB  # past the cap (vLLM's pool is not bound by torch's fraction): nothing free, not negative
+    assert mem_get_info() == (0, 24 * GIB)
