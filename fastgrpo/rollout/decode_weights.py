@@ -182,12 +182,14 @@ def resolved_weights(model: torch.nn.Module, weights: str) -> str:
     device = model.get_input_embeddings().weight.device
     if device.type != "cuda":
         return "model"
-    free, total = torch.cuda.mem_get_info(device)
+    free, _ = torch.cuda.mem_get_info(device)
     allocated = torch.cuda.memory_allocated(device)
     free += torch.cuda.memory_reserved(device) - allocated  # the allocator's cached blocks
-    # a cap set with torch.cuda.set_per_process_memory_fraction (how a 24 GB card is emulated on a larger one)
+    # a cap set with torch.cuda.set_per_process_memory_fraction (how a 24 GB card is emulated on a larger one): a
+    # fraction of the device's memory, not of mem_get_info's total (which an emulation may report as the cap)
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", lambda device: 1.0)(device)
-    return auto_weights(model, min(free, int(fraction * total) - allocated), _nf4_device(model))
+    card = torch.cuda.get_device_properties(device).total_memory
+    return auto_weights(model, min(free, int(fraction * card) - allocated), _nf4_device(model))
 
 
 def auto_weights(model: torch.nn.Module, free: int, nf4: bool = True) -> str:
