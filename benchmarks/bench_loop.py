@@ -49,10 +49,11 @@ torch's own count.
 --max-fit (default shapes qwen2.5-1.5b-lora, llama-3.1-8b-qlora; one prompt x G completions): each probe is a
 fresh process with torch.cuda.set_per_process_memory_fraction(cap / card) running one step, torch.cuda.mem_get_info
 answering as a card of the cap would (what sizes its work by the free memory sizes it for that card; rows say
-"mem_get_info": "capped"); it fits when the step ends and the NVML peak stays under the cap. C doubles from --fit-start until a probe fails (out of memory) or
-passes --fit-max, then bisects to --fit-resolution. A failure that is not out-of-memory ends the search as an error.
-The row is written after every probe ("complete": false until the search ends); --continue-fit reuses the probes
-with a verdict from the file's row of the same system and cap, so a search can go on in a later device call.
+"mem_get_info": "capped"); it fits when the step ends and the NVML peak stays under the cap. C doubles from
+--fit-start until a probe fails (out of memory) or passes --fit-max, then bisects to --fit-resolution. A failure
+that is not out-of-memory ends the search as an error. The row is written after every probe ("complete": false
+until the search ends); --continue-fit reuses the probes with a verdict from the file's row of the same system and
+cap, so a search can go on in a later device call.
 
 Results: benchmarks/results/loop_<shape>-<card>.json, common.write_results' payload (suite, card, date, versions,
 config, rows); rows {"system", "kind": "step" | "max_fit", "completion", "step_s", "peak_gib", "<phase>_s", ...}

@@ -29,7 +29,8 @@ from the CUDA graph do show in the trace (seen on an H200, torch 2.11); where no
 
 Table columns (per shape x mode; *_ms are per decode step):
   tok_s, ms_step    timed call: rows x N tokens / wall; wall / N (prefill and decoding of the texts included)
-  decode_ms         decode steps only, unprofiled: the timed call's steps 17-N; eager: the profiled call's 17-(N / 2 - 32)
+  decode_ms         decode steps only, unprofiled: the timed call's steps 17-N; eager: the profiled call's
+                    17-(N / 2 - 32)
   first_s           the warm-up call's wall seconds (compile + capture in default mode)
   prof_ms           profiled steps' wall (under the profiler: in eager mode its host overhead inflates the gaps)
   busy_ms, idle_ms  GPU busy (union of kernel/copy intervals) and prof_ms - busy_ms (launch and host gaps)

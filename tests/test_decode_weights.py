@@ -602,8 +602,8 @@ def test_gpu_auto_copies_under_a_cap_whose_mem_get_info_reports_the_capped_card(
     stays one of the device's memory, so a cap with room for the copy still copies."""
     model = tiny_model("llama").cuda()
     total = torch.cuda.get_device_properties(0).total_memory
-    need = torch.cuda.memory_allocated() + decode_weights.AUTO_HEADROOM_BYTES + decode_weights.copy_bytes(model, "fused")
-    cap = 4 * need
+    copy = decode_weights.copy_bytes(model, "fused")
+    cap = 4 * (torch.cuda.memory_allocated() + decode_weights.AUTO_HEADROOM_BYTES + copy)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cap - torch.cuda.memory_reserved(), cap))
     try:
         torch.cuda.set_per_process_memory_fraction(cap / total)
