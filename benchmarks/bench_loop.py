@@ -243,7 +243,8 @@ def lora_config():
 
 def vllm_fraction(case: Case) -> float:
     """vLLM's gpu_memory_utilization for TRL and Unsloth: the weights it holds + the whole batch's KV cache + 3 GiB
-    (activations, CUDA graphs, sampler), at most the cap less what the process holds less 2 GiB under --max-fit."""
+    (activations, CUDA graphs, sampler); under --max-fit at most the free memory less 2 GiB, as the capped
+    mem_get_info reports it (the cap less what the case holds by NVML: its CUDA context and other pools included)."""
     import torch
 
     if case.vllm_memory_utilization is not None:
@@ -252,11 +253,12 @@ def vllm_fraction(case: Case) -> float:
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     kv_token = config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * 2
     weights = sum(p.stat().st_size for p in Path(case.folder).glob("*.safetensors"))
+    free, total = torch.cuda.mem_get_info()
     need = kv_token * case.batch * (case.prompt_length + case.completion) + 3 * GIB
     need += weights * (0.35 if case.mode == "qlora" else 1.0)  # NF4 linears, bf16 embeddings
     if case.cap_gib is not None:
-        need = min(need, case.cap_gib * GIB - torch.cuda.memory_reserved() - 2 * GIB)
-    return round(max(need / torch.cuda.mem_get_info()[1], 0.02), 4)
+        need = min(need, free - 2 * GIB)
+    return round(max(need / total, 0.02), 4)
 
 
 # ---- measurement ----

@@ -1,11 +1,11 @@
 """benchmarks.bench_loop's longest-completion search: the doubling and bisection, the row written after every probe,
-probes reused from an earlier search (--continue-fit), the results file keeping what it already held, and the free
-memory a capped case reports."""
+probes reused from an earlier search (--continue-fit), the results file keeping what it already held, the free
+memory a capped case reports, and the vLLM share a capped case asks for."""
 import dataclasses
 import json
 from types import SimpleNamespace
 
-from benchmarks.bench_loop import GIB, Case, Results, capped_mem_get_info, earlier_probes, fit_search
+from benchmarks.bench_loop import GIB, Case, Results, capped_mem_get_info, earlier_probes, fit_search, vllm_fraction
 
 ARGS = SimpleNamespace(fit_start=2048, fit_max=32768, fit_resolution=2048)
 CASE = Case(system="fastgrpo", shape="qwen2.5-1.5b-lora", completion=2048, prompts=1, cap_gib=24.0)
@@ -101,3 +101,18 @@ def test_capped_mem_get_info_answers_as_a_card_of_the_cap():
     assert mem_get_info(0) == (21 * GIB, 24 * GIB)  # torch's signature: an optional device
     held[0] = 30 * GIB  # past the cap (vLLM's pool is not bound by torch's fraction): nothing free, not negative
     assert mem_get_info() == (0, 24 * GIB)
+
+
+def test_capped_vllm_share_is_the_free_memory_less_2_gib(tmp_path, monkeypatch):
+    import torch
+
+    config = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    (tmp_path / "model.safetensors").write_bytes(bytes(1024))
+    held = [5 * GIB]  # what the case holds by NVML: more than torch reserved (its CUDA context, other pools)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", capped_mem_get_info(24, lambda: held[0]))
+    case = dataclasses.replace(CASE, folder=str(tmp_path), completion=10**9)  # a KV cache far above the cap
+    assert vllm_fraction(case) == round((24 - 5 - 2) / 24, 4)
+    small = dataclasses.replace(case, completion=256)  # weights + KV + 3 GiB fit: the share asks for that only
+    kv = 2 * 2 * 2 * 16 * 2 * small.batch * (256 + 256)
+    assert vllm_fraction(small) == round((kv + 3 * GIB + 1024) / (24 * GIB), 4)
