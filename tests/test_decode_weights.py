@@ -600,11 +600,13 @@ def test_gpu_auto_copies_within_a_per_process_memory_cap():
 def test_gpu_auto_copies_under_a_cap_whose_mem_get_info_reports_the_capped_card(monkeypatch):
     """bench_loop's capped probes answer mem_get_info as a card of the cap would ((cap - used, cap)); the fraction
     stays one of the device's memory, so a cap with room for the copy still copies."""
+    from benchmarks.bench_loop import GIB, capped_mem_get_info
+
     model = tiny_model("llama").cuda()
     total = torch.cuda.get_device_properties(0).total_memory
     copy = decode_weights.copy_bytes(model, "fused")
     cap = 4 * (torch.cuda.memory_allocated() + decode_weights.AUTO_HEADROOM_BYTES + copy)
-    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (cap - torch.cuda.memory_reserved(), cap))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", capped_mem_get_info(cap / GIB, torch.cuda.memory_reserved))
     try:
         torch.cuda.set_per_process_memory_fraction(cap / total)
         assert decode_weights.resolved_weights(model, "auto") == "fused"
