@@ -59,6 +59,8 @@ Results: benchmarks/results/loop_<shape>-<card>.json, common.write_results' payl
 config, rows); rows {"system", "kind": "step" | "max_fit", "completion", "step_s", "peak_gib", "<phase>_s", ...}
 replace earlier rows of the same system, kind and completion. A case that fails leaves "error": the exception and
 its last frames (the failing call), or the log's tail when the process died. Logs: --log-dir/<case>.log.
+A driver stopped by SIGTERM or SIGINT (a device call's `timeout`, Ctrl-C) kills the cases it runs before it exits:
+each case runs in its own session, so without this one would go on holding the card and skew the next measurement.
 """
 from __future__ import annotations
 
@@ -72,6 +74,7 @@ import json
 import os
 import queue
 import re
+import signal
 import socket
 import statistics
 import subprocess
@@ -629,7 +632,10 @@ class Results:
                        "rows": [r for r in before["rows"] if key(r) not in new] + rows,
                        "replaced_rows": before.get("replaced_rows", []) + [r for r in before["rows"] if key(r) in new]}
             self.directory.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(payload, indent=2) + "\n")
+            # replaced whole: a driver killed mid-write leaves the old file, never a truncated one
+            partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+            partial.write_text(json.dumps(payload, indent=2) + "\n")
+            os.replace(partial, path)
         return path
 
 
@@ -686,6 +692,26 @@ def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
     return env
 
 
+class RunningCases:
+    """The process groups of the cases running now, and the stop-signal handler that kills them."""
+
+    def __init__(self):
+        self.lock, self.groups = threading.Lock(), set()
+
+    def stop(self, signum, frame) -> None:
+        """Kill every running case's group, then exit at once: the pool's threads would start the next cases.
+        Results files are replaced whole (Results.add), so exiting mid-run leaves each one as it was or as it became."""
+        with self.lock:
+            for group in self.groups:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(group, signal.SIGKILL)
+            print(f"stopped by signal {signum}: killed {len(self.groups)} running case(s)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+
+
+RUNNING_CASES = RunningCases()
+
+
 def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     """The case in a fresh process (killed with its group after `timeout` s); its row, or an error row."""
     name = f"{case.shape}-{case.label}-{case.completion}" + (f"-cap{case.cap_gib:g}" if case.cap_gib else "")
@@ -695,8 +721,10 @@ def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     gpu = None if case.device == "cpu" else case.gpu
     print(f"--- {name} (gpu {gpu}) ...", flush=True)
     with open(log, "w") as stream:
-        proc = subprocess.Popen(cmd, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
-                                env=child_env(case.system, gpu, dry_run), cwd=Path(__file__).parent.parent)
+        with RUNNING_CASES.lock:  # a stop signal between Popen and add would miss this case
+            proc = subprocess.Popen(cmd, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=child_env(case.system, gpu, dry_run), cwd=Path(__file__).parent.parent)
+            RUNNING_CASES.groups.add(proc.pid)
         try:
             proc.wait(timeout=timeout)
             error = None if proc.returncode == 0 else f"the process exited with {proc.returncode}"
@@ -704,6 +732,9 @@ def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
             os.killpg(proc.pid, 9)
             proc.wait()
             error = f"timed out after {timeout:g} s"
+        finally:
+            with RUNNING_CASES.lock:
+                RUNNING_CASES.groups.discard(proc.pid)
     rows = json.loads(out.read_text()) if out.stat().st_size else []
     out.unlink()
     if not rows:
@@ -843,6 +874,8 @@ def main(argv=None) -> int:
     if args.build:
         print(build_folder(args.build, args.models_dir, "cuda"))
         return 0
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, RUNNING_CASES.stop)
     dry = args.dry_run
     gpus = [None] if dry else physical_gpus(args.gpus)
     shapes = args.shapes or list(DRY_SHAPES if dry else FIT_SHAPES if args.max_fit else SHAPES)

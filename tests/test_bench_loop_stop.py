@@ -1,0 +1,71 @@
+"""A bench_loop driver stopped by a signal (a device call's `timeout`, Ctrl-C) kills the case it runs: the case has
+its own session, and one left running would hold the card through the next measurement on it."""
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).parent.parent
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the case process through /proc")
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def wait_for(predicate, seconds: float, what: str):
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        found = predicate()
+        if found:
+            return found
+        time.sleep(0.05)
+    raise AssertionError(f"waited {seconds:g} s for {what}")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stopped_driver_kills_its_running_case(tmp_path, signum):
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "benchmarks.bench_loop", "--dry-run", "--shapes", "tiny-qwen2-lora", "--systems",
+         "fastgrpo", "--log-dir", str(tmp_path / "logs"), "--results-dir", str(tmp_path / "results")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cases = []
+    try:
+        cases = wait_for(lambda: [c for c in children(driver.pid)
+                                  if "--child" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")],
+                         120, "the driver to start its case")
+        driver.send_signal(signum)
+        output = driver.communicate(timeout=30)[0]
+        # SIGKILLed, the case ends at once; left running, it would go on for seconds (a dry-run case takes ~6 s)
+        wait_for(lambda: not any(alive(c) for c in cases), 2, f"the case {cases} to end after the driver's exit")
+        assert driver.returncode == 128 + signum, output
+        assert "killed 1 running case(s)" in output, output
+        assert not list((tmp_path / "results").glob(".*.partial"))
+    finally:
+        driver.kill()
+        driver.wait()
+        for case in cases:  # what a failing driver left behind
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(case, signal.SIGKILL)
