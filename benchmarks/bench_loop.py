@@ -748,12 +748,18 @@ def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     return row
 
 
+# what torch, CUDA (bitsandbytes) and vLLM say when memory runs out; not a bare "out of memory", which other errors
+# use to say what they are not (Unsloth's vLLM profiling race: "This is a transient race ..., NOT an out of memory
+# error")
+OUT_OF_MEMORY_ERRORS = ("outofmemoryerror", "cuda out of memory", "cuda error: out of memory",
+                        "no available memory for the cache blocks", "free memory on device")
+
+
 def out_of_memory(row: dict) -> bool:
     if row.get("peak_gib") is not None and row.get("cap_gib") and row["peak_gib"] > row["cap_gib"]:
         return True
     text = row.get("error", "").lower()
-    return any(s in text for s in ("out of memory", "outofmemory", "cuda error: out of memory",
-                                   "no available memory for the cache blocks", "free memory on device"))
+    return any(s in text for s in OUT_OF_MEMORY_ERRORS)
 
 
 def fit_search(case: Case, args, run, known: dict[int, dict] | None = None, report=lambda row: None) -> dict:

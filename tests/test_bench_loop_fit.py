@@ -5,7 +5,10 @@ import dataclasses
 import json
 from types import SimpleNamespace
 
-from benchmarks.bench_loop import GIB, Case, Results, capped_mem_get_info, earlier_probes, fit_search, vllm_fraction
+import pytest
+
+from benchmarks.bench_loop import (GIB, Case, Results, capped_mem_get_info, earlier_probes, fit_search, out_of_memory,
+                                 vllm_fraction)
 
 ARGS = SimpleNamespace(fit_start=2048, fit_max=32768, fit_resolution=2048)
 CASE = Case(system="fastgrpo", shape="qwen2.5-1.5b-lora", completion=2048, prompts=1, cap_gib=24.0)
@@ -52,6 +55,32 @@ def test_known_probes_are_reused_and_only_the_rest_run():
     assert card.ran == [12288, 14336]  # the error probe runs again, the verdicts do not
     assert [p.get("reused", False) for p in row["probes"]] == [True] * 4 + [False] * 2
     assert row["max_completion"] == 12288
+
+
+UNSLOTH_PROFILING_RACE = (
+    "RuntimeError: Unsloth: vLLM could not finish memory profiling because another process sharing this GPU released "
+    "memory while vLLM was measuring it.\nThis is a transient race on a shared GPU, NOT an out of memory error.")
+
+
+@pytest.mark.parametrize("error, verdict", [
+    ("OutOfMemoryError: CUDA out of memory. Tried to allocate 952.00 MiB.", True),
+    ("RuntimeError: CUDA error: out of memory", True),
+    ("ValueError: No available memory for the cache blocks. Try increasing `gpu_memory_utilization`", True),
+    ("ValueError: Free memory on device (5.1/24.0 GiB) on startup is less than desired GPU memory utilization", True),
+    (UNSLOTH_PROFILING_RACE, False),  # it names out-of-memory only to say it is not one
+    ("RuntimeError: something else broke", False),
+])
+def test_out_of_memory_is_told_by_what_the_libraries_raise(error, verdict):
+    assert out_of_memory({"error": error}) is verdict
+
+
+def test_an_error_that_only_mentions_memory_ends_the_search():
+    def card(case):
+        return {"completion": case.completion, "peak_gib": 6.5, "cap_gib": 24.0, "error": UNSLOTH_PROFILING_RACE}
+
+    row = fit_search(CASE, ARGS, card)
+    assert (row["max_completion"], row["first_failure"], row["complete"]) == (None, None, True)
+    assert row["error"] == UNSLOTH_PROFILING_RACE and row["probes"][0]["out_of_memory"] is False
 
 
 def test_results_keep_notes_and_other_rows(tmp_path):
