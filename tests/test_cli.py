@@ -43,6 +43,25 @@ def test_builtin_preset_yaml_then_flags(tmp_path):
     assert _config(["--dataset", "d.jsonl"]).learning_rate == default_task.PRESET["learning_rate"]
 
 
+def test_a_smaller_batch_brings_the_presets_micro_batch_down(tmp_path):
+    # the preset's micro-batch (32) is for its batch of 64; one the user sets is kept (and checked)
+    assert _config(["--batch-size", "16"]).micro_batch_size == 16
+    assert _config(["--batch-size", "48"]).micro_batch_size == 24
+    assert _config(["--batch-size", "64", "--num-minibatches", "8"]).micro_batch_size == 8
+    path = tmp_path / "c.yaml"
+    path.write_text("batch_size: 16\n")
+    assert _config(["--config", str(path)]).micro_batch_size == 16
+    assert _config(["--batch-size", "16", "--micro-batch-size", "4"]).micro_batch_size == 4
+    with pytest.raises(ValueError, match=r"micro_batch_size: expected a divisor of the minibatch size \(16\), got 32"):
+        _config(["--batch-size", "16", "--micro-batch-size", "32"])
+    assert _config(["--model", "/m", "--batch-size", "16"]).micro_batch_size == 8  # no preset: the default
+    from fastgrpo.train import commands
+
+    for name, batch in (("ei", "16"), ("sft", "4")):  # presets of 32 and 8 rows
+        args = build_parser().parse_args([name, "--batch-size", batch])
+        assert commands.config_from_args(name, args).micro_batch_size == int(batch)
+
+
 def test_yaml_numbers_written_without_a_dot_are_numbers(tmp_path):
     path = tmp_path / "c.yaml"
     path.write_text("learning_rate: 1e-6\nmax_steps: '20'\nbeta: 4e-2\nreward_funcs: length\n")
@@ -54,6 +73,8 @@ def _bad_inputs(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     (tmp_path / "broken.yaml").write_text("learning_rate: 1e-6\nbeta: [0.1\n")
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1 say a"}\n\n{"prompt": "2 say b",}\n')
+    (tmp_path / "rows.csv").write_text("prompt\n1 say a\n")
+    (tmp_path / "a_file").write_text("")
     cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
     return [
         (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
@@ -71,6 +92,11 @@ def _bad_inputs(tmp_path):
         (["--reward-funcs", "no_such_module:f"], "reward_funcs: no module 'no_such_module' in the current folder"),
         (["--reward-funcs", "fastgrpo.train.default_task:missing"], "has no function 'missing'"),
         (["--batch-size", "10", "--num-generations", "4"], "batch_size: expected a multiple of num_generations"),
+        (["--dataset", str(tmp_path / "rows.csv")], f"dataset: expected a .jsonl or .json file (or a Hugging Face "
+                                                     f"dataset), got {tmp_path / 'rows.csv'}"),
+        (["--output-dir", str(tmp_path / "a_file")], "output_dir: expected a folder (or a path to create one at)"),
+        (["--output-dir", str(tmp_path / "a_file" / "run")], "output_dir: expected a folder"),
+        (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes a --model's weights as they load"),
     ], cuda
 
 
@@ -112,7 +138,7 @@ def test_version_and_help_show_what_a_run_uses(capsys):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert "(default: 1e-06; 0.003 for the built-in model)" in text  # --learning-rate
-    assert "(default: 8; 32 for the built-in model)" in text  # --micro-batch-size
+    assert "(default: 8; 32 for the built-in model, or the largest divisor of a smaller batch)" in text
     assert "repeat_letter_reward'] without --dataset)" in text and "--overwrite-output-dir" in text
 
 

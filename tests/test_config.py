@@ -38,7 +38,8 @@ def _parse(argv):
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
     (dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off keeps"),
-    (dict(load_in_4bit=True), "load_in_4bit"),
+    (dict(load_in_4bit=True, lora_rank=8), "load_in_4bit: quantizes a --model's weights as they load; the built-in"),
+    (dict(model="/m", load_in_4bit=True), "load_in_4bit: a 4-bit base trains through LoRA"),
     (dict(seed=10**14), r"seed: expected an int in \[0, 2\*\*32\), got 100000000000000"),
     (dict(seed=-1), "seed: expected an int in"),
     (dict(stop=["</answer>", ""]), "stop: expected non-empty strings"),
@@ -78,6 +79,27 @@ def test_yaml_numeric_strings_take_the_field_type(tmp_path):
         GRPOConfig.from_yaml(path)
     with pytest.raises(ValueError, match=f"config: no such file {tmp_path / 'none.yaml'}"):
         GRPOConfig.from_yaml(tmp_path / "none.yaml")
+
+
+@pytest.mark.parametrize("saved_by", ["train", "sft", "ei"])
+@pytest.mark.parametrize("resumed_by", ["train", "sft", "ei"])
+def test_resume_refuses_another_commands_run(saved_by, resumed_by):
+    from fastgrpo.train.config import check_resume
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.run_kind import MARKERS
+    from fastgrpo.train.sft_config import SFTConfig
+
+    configs = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig}
+    marker = MARKERS[saved_by]  # a field of that command's config, and of no other's
+    assert [name for name, c in configs.items() if marker in {f.name for f in dataclasses.fields(c)}] == [saved_by]
+    saved = configs[saved_by]().to_dict()
+    if saved_by == resumed_by:
+        del saved["seed"]  # an older checkpoint of the same command: a field it predates is no other command's
+        check_resume(saved, configs[resumed_by](resume_allow_changes=True), "checkpoint-3")
+        return
+    with pytest.raises(ValueError, match=rf"resume: checkpoint-3 is a `fastgrpo {saved_by}` run, not a `fastgrpo "
+                                         rf"{resumed_by}` run; continue it with `fastgrpo {saved_by} --resume`"):
+        check_resume(saved, configs[resumed_by](resume_allow_changes=True), "checkpoint-3")
 
 
 def test_resume_compares_the_run_defining_fields():

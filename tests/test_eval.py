@@ -30,9 +30,24 @@ def test_builtin_eval_writes_its_files_and_guards_them(tmp_path, capsys):
     assert summary["completion_length"] == sum(r["length"] for r in records) / 16
     capsys.readouterr()
     assert main(["eval", "--output-dir", str(tmp_path)]) == 2
-    assert "holds another run" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "holds another run" in err and "--resume" not in err, err  # eval has no --resume to suggest
+    # another command's log beside it is not eval's to delete, even when eval overwrites its own files
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["eval", "--output-dir", str(tmp_path), "--overwrite-output-dir", "--max-examples", "4"]) == 0
     assert len(_results(tmp_path)[0]) == 4
+    assert (tmp_path / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_model_folder_without_weights_is_one_line_naming_the_model(tmp_path, capsys):
+    folder = tmp_path / "no_weights"  # a config and a tokenizer: transformers raises OSError at the weights
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    default_task.build_model(tokenizer).config.save_pretrained(folder)
+    assert main(["eval", "--model", str(folder), "--output-dir", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"fastgrpo eval: error: model: cannot load '{folder}' from the local folder") and \
+        err.count("\n") == 1, err
 
 
 def test_checkpoint_of_a_run_is_evaluated_with_its_weights(tmp_path):

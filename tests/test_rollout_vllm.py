@@ -252,7 +252,7 @@ def test_config_checks_the_rollout_engine():
     GRPOConfig(rollout_engine="vllm", vllm_gpu_memory_utilization=0.5, vllm_lora_sync="merge")
     for fields, match in [
         (dict(rollout_engine="vlm"), "rollout_engine"),
-        (dict(rollout_engine="vllm", load_in_4bit=True, lora_rank=8), "4-bit"),
+        (dict(rollout_engine="vllm", model="/m", load_in_4bit=True, lora_rank=8), "vllm cannot share a 4-bit"),
         (dict(rollout_engine="vllm", device="cpu"), "--device cuda"),
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization"),
         (dict(vllm_lora_sync="both"), "vllm_lora_sync"),

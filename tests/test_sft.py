@@ -159,6 +159,10 @@ def test_resume_is_exact_and_the_output_folder_is_guarded(builtin_run, tmp_path,
     # the folder holds a run: a fresh one is refused with one line, exit 2
     assert main(argv) == 2
     assert "holds another run" in capsys.readouterr().err
+    # another command cannot continue it, whatever --resume-allow-changes says
+    assert main(["train", "--output-dir", str(out), "--resume", "--resume-allow-changes"]) == 2
+    err = capsys.readouterr().err
+    assert "is a `fastgrpo sft` run, not a `fastgrpo train` run" in err and len(err.strip().splitlines()) == 1, err
     # a run of 10 steps, then resumed to 20: the same losses as the straight 20
     short = ["sft", "--output-dir", str(tmp_path), "--max-steps", "10", "--no-progress-bar", "--no-export",
              "--logging-steps", "0"]

@@ -104,6 +104,7 @@ def _preset_notes() -> dict[str, str]:
     notes = {name: f"{value} for the built-in model" for name, value in default_task.PRESET.items()
              if value != getattr(defaults, name)}
     notes["reward_funcs"] = f"{default_task.REWARD_FUNCS} without --dataset"
+    notes["micro_batch_size"] = default_task.MICRO_BATCH_NOTE.format(default_task.PRESET["micro_batch_size"])
     return notes
 
 
@@ -120,7 +121,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)
-    return GRPOConfig.from_dict({**preset, **merged})
+    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged), **merged})
 
 
 def resume_command(argv: list[str]) -> str:

@@ -8,6 +8,7 @@ Heavy modules (transformers, the trainers) are imported inside the run functions
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 from pathlib import Path
@@ -38,7 +39,8 @@ def description(name: str) -> str:
 
 def _add_arguments(name: str):
     def add(parser: argparse.ArgumentParser) -> None:
-        notes = {k: f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()}
+        notes = {k: default_task.MICRO_BATCH_NOTE.format(v) if k == "micro_batch_size" else
+                 f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()}
         notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA[name].items()})
         parser.add_argument("--config", type=Path, help=f"YAML file of {CONFIGS[name].__name__} fields")
         add_config_arguments(parser, CONFIGS[name], notes=notes)
@@ -56,7 +58,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     preset = dict(MODEL_PRESETS[name]) if _builtin_model(name, merged) else {}
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
-    return CONFIGS[name].from_dict({**preset, **merged})
+    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged), **merged})
 
 
 def _builtin_model(name: str, merged: dict) -> bool:
@@ -86,16 +88,24 @@ def _check_sources(config) -> None:
         check_model_source(config.model)
 
 
-def _load_model(config):
-    from fastgrpo.train.loading import load_model_and_tokenizer
+@contextlib.contextmanager
+def _naming_the_model(model: str | None):
+    """transformers' OSError for a folder without a model or an unknown hub name, as one line naming --model."""
     from fastgrpo.train.sources import model_load_error
 
     try:
-        return load_model_and_tokenizer(config)
-    except OSError as err:  # transformers' answer for a folder without a model or an unknown hub name
-        if config.model is None:
+        yield
+    except OSError as err:
+        if model is None:
             raise
-        raise model_load_error(config.model, err) from err
+        raise model_load_error(model, err) from err
+
+
+def _load_model(config):
+    from fastgrpo.train.loading import load_model_and_tokenizer
+
+    with _naming_the_model(config.model):
+        return load_model_and_tokenizer(config)
 
 
 def _train(config, make_trainer, args) -> list[dict]:
@@ -181,11 +191,12 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                                  seed=config.seed + 1))
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     output = Path(config.output_dir)
-    with RunDirectory(output, artifacts=EVAL_ARTIFACTS) as run_dir:
+    with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir)
         torch.manual_seed(config.seed)
-        model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
-                                                seed=config.seed, checkpoint=checkpoint)
+        with _naming_the_model(config.model):
+            model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
+                                                    seed=config.seed, checkpoint=checkpoint)
         task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                                prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                                reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,

@@ -19,6 +19,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
+from fastgrpo.train.run_kind import check_same_command
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -285,8 +286,7 @@ class GRPOConfig:
         if not self.fsdp_sync_every_micro_batch and self.fsdp_cpu_offload:
             raise ValueError("fsdp_sync_every_micro_batch: off keeps unsharded weights and gradients on the GPU, "
                              "which fsdp_cpu_offload moves to CPU memory; pass one of the two")
-        if self.load_in_4bit and self.lora_rank == 0:
-            raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+        check_4bit_base(self)
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         check_rollout_options(self)
         check_activation_memory_options(self)
@@ -418,9 +418,17 @@ def config_changes(saved: dict, config) -> list[str]:
     return changes
 
 
+def check_4bit_base(config) -> None:
+    if config.load_in_4bit and config.model is None:  # the built-in model is built, not loaded: nothing to quantize
+        raise ValueError("load_in_4bit: quantizes a --model's weights as they load; the built-in model has none")
+    if config.load_in_4bit and config.lora_rank == 0:
+        raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+
+
 def check_resume(saved: dict, config, checkpoint: str) -> None:
     """Raise a ValueError naming every run-defining field whose value differs from the checkpoint's config `saved`;
-    with config.resume_allow_changes, log them as a warning instead."""
+    with config.resume_allow_changes, log them as a warning instead. Another command's run is always refused."""
+    check_same_command(saved, config, checkpoint)
     changes = config_changes(saved, config)
     if not changes:
         return

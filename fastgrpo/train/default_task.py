@@ -82,6 +82,25 @@ BUILTIN_DATA = {
 }
 
 
+# how --help describes a preset's micro-batch (fit_micro_batch)
+MICRO_BATCH_NOTE = "{} for the built-in model, or the largest divisor of a smaller batch"
+
+
+def fit_micro_batch(preset: dict, chosen: dict) -> dict:
+    """`preset` with its micro_batch_size (a memory setting for the preset's own batch) lowered to the largest divisor
+    of the minibatch that `chosen` (YAML and flags) makes, unless `chosen` sets a micro-batch itself: a user's
+    `--batch-size 16` must not fail on a micro-batch of 32 they never set."""
+    if "micro_batch_size" in chosen or "micro_batch_size" not in preset:
+        return preset
+    settings = {**preset, **chosen}
+    batch, minibatches = settings.get("batch_size"), settings.get("num_minibatches", 1)
+    if not (isinstance(batch, int) and isinstance(minibatches, int) and 1 <= minibatches <= batch):
+        return preset  # the config's own checks name what is wrong
+    minibatch = batch // minibatches
+    micro = max(d for d in range(1, min(preset["micro_batch_size"], minibatch) + 1) if minibatch % d == 0)
+    return {**preset, "micro_batch_size": micro}
+
+
 def build_tokenizer(characters: str = CHARACTERS):
     """A character-level fast tokenizer, left padding: <pad>=0, <eos>=1, <unk>=2, then one id per character."""
     from tokenizers import Tokenizer, decoders, models

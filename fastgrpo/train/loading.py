@@ -39,6 +39,8 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
         raise ValueError(f"{field}: no such file {path}")
     if path.suffix in (".jsonl", ".json"):
         return read_json_rows(path, field)  # a bad row is an error at file:line
+    if path.is_file():  # load_dataset would take its name for the Hub's
+        raise ValueError(f"{field}: expected a .jsonl or .json file (or a Hugging Face dataset), got {path}")
     try:
         import datasets
     except ImportError:

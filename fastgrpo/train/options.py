@@ -10,7 +10,8 @@ import dataclasses
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
-from fastgrpo.train.config import DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, option, read_yaml
+from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base, option,
+                                   read_yaml)
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
@@ -70,8 +71,7 @@ def check_model_options(config) -> None:
     """The checks GRPOConfig makes of the model-loading fields, for a config that has them."""
     check_choice("dtype", config.dtype, DTYPES)
     check_at_least(config, ("lora_rank", "lora_dropout"), 0)
-    if config.load_in_4bit and config.lora_rank == 0:
-        raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
+    check_4bit_base(config)
     check_activation_memory_options(config)
 
 

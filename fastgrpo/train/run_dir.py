@@ -123,13 +123,18 @@ class RunLock:
 class RunDirectory:
     """A run folder under a RunLock, checked for another run's files; see the module docstring."""
 
-    def __init__(self, path: str | Path, *, artifacts: tuple[str, ...] = TRAIN_ARTIFACTS):
+    def __init__(self, path: str | Path, *, artifacts: tuple[str, ...] = TRAIN_ARTIFACTS, resumable: bool = True):
+        """resumable: the command has --resume (the refusal suggests it only then)."""
         self.path = Path(path)
-        self.artifacts = artifacts
+        self.artifacts, self.resumable = artifacts, resumable
         self.lock = RunLock(self.path)
 
     def __enter__(self) -> RunDirectory:
-        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file
+            raise ValueError(f"output_dir: expected a folder (or a path to create one at), but {self.path} or a "
+                             "folder above it is a file") from None
         self.lock.acquire()
         return self
 
@@ -156,14 +161,16 @@ class RunDirectory:
         found = self.previous_run()
         if found and not overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-            raise ValueError(f"output_dir: {self.path} holds another run ({names}); continue it with --resume, "
-                             f"or start afresh with --overwrite-output-dir (deletes those files)")
+            resume = "continue it with --resume, or " if self.resumable else ""
+            raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
+                             "--overwrite-output-dir (deletes those files)")
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:
             logger.info("output_dir: deleted the previous run's %s", ", ".join(p.name for p in found))
-        for path in self.path.glob("metrics.jsonl"):  # an empty log of a run that never finished a step
-            path.unlink()
+        log = self.path / "metrics.jsonl"  # an empty log of a run that never finished a step; another command's
+        if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:  # log is not ours
+            log.unlink()
 
 
 def _read_holder(fd: int) -> dict:
