@@ -1,6 +1,8 @@
 """Argument checks shared by the public functions: each raises ValueError naming the argument."""
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import math
 import numbers
 from collections.abc import Sequence
@@ -139,3 +141,15 @@ def check_per_token_inputs(
     for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if logps is not None:
             check_shape(name, logps, (B, T))
+
+
+def check_known_fields(data: dict, config_class: type, command: str) -> None:
+    """A ValueError naming the keys of `data` that are no field of config_class, with the nearest field names."""
+    names = [f.name for f in dataclasses.fields(config_class)]
+    unknown = sorted(set(data) - set(names))
+    if not unknown:
+        return
+    near = {key: difflib.get_close_matches(key, names, n=1) for key in unknown}
+    hints = ", ".join(f"{key} -> {match[0]}" for key, match in near.items() if match)
+    raise ValueError(f"config: unknown fields {unknown}{f' (did you mean: {hints}?)' if hints else ''}; see "
+                     f"`fastgrpo {command} --help`")

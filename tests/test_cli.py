@@ -75,6 +75,8 @@ def _bad_inputs(tmp_path):
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1 say a"}\n\n{"prompt": "2 say b",}\n')
     (tmp_path / "rows.csv").write_text("prompt\n1 say a\n")
     (tmp_path / "a_file").write_text("")
+    (tmp_path / "typed.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": 5}\n')
+    (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "1 say a"}]}\n')
     cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
     return [
         (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
@@ -97,6 +99,12 @@ def _bad_inputs(tmp_path):
         (["--output-dir", str(tmp_path / "a_file")], "output_dir: expected a folder (or a path to create one at)"),
         (["--output-dir", str(tmp_path / "a_file" / "run")], "output_dir: expected a folder"),
         (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes a --model's weights as they load"),
+        (["--offload-activations"], "offload_activations: runs in patch_model's layers, and patch is off"),
+        (["--dataset", str(tmp_path / "typed.jsonl"), "--reward-funcs", "length"],
+         "train_dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., 'content': ...}, "
+         "got int"),
+        (["--dataset", str(tmp_path / "chat.jsonl"), "--reward-funcs", "length"],
+         "train_dataset: row 0: chat messages need a tokenizer with a chat template"),
     ], cuda
 
 
@@ -176,9 +184,10 @@ def test_offload_host_memory_bound(tmp_path, capsys):
     # Checked before any model loads: a bound without offload, or not > 0, names the field.
     for argv, message in [
         (["--offload-host-memory-gib", "1"], "offload_host_memory_gib: bounds the memory of offload_activations"),
-        (["--offload-activations", "--offload-host-memory-gib", "0"], "offload_host_memory_gib: expected > 0"),
-        (["--recompute-layers", "1", "--offload-activations"], "recompute_layers: chooses the layers that "
-                                                               "gradient_checkpointing or offload_activations"),
+        (["--patch", "--offload-activations", "--offload-host-memory-gib", "0"],
+         "offload_host_memory_gib: expected > 0"),
+        (["--recompute-layers", "1"], "recompute_layers: chooses the layers that gradient_checkpointing or "
+                                      "offload_activations"),
         (["--gradient-checkpointing", "--recompute-layers", "-1"], "recompute_layers: expected an int >= 0"),
     ]:
         assert main(["train", *argv]) == 2

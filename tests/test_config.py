@@ -123,9 +123,14 @@ def test_resume_compares_the_run_defining_fields():
 
 def test_yaml_unknown_key_is_named(tmp_path):
     path = tmp_path / "run.yaml"
-    path.write_text("learning_rte: 1.0\n")
-    with pytest.raises(ValueError, match="learning_rte"):
+    path.write_text("learning_rte: 1.0\nzzz: 1\n")
+    with pytest.raises(ValueError, match=r"config: unknown fields \['learning_rte', 'zzz'\] \(did you mean: "
+                                         r"learning_rte -> learning_rate\?\); see `fastgrpo train --help`"):
         GRPOConfig.from_yaml(path)
+    from fastgrpo.train.sft_config import SFTConfig
+
+    with pytest.raises(ValueError, match=r"\(did you mean: max_seq_len -> max_seq_length\?\); see `fastgrpo sft"):
+        SFTConfig.from_dict({"max_seq_len": 8})
     path.write_text("- 1\n- 2\n")
     with pytest.raises(ValueError, match="mapping"):
         GRPOConfig.from_yaml(path)

@@ -124,6 +124,18 @@ def test_resume_names_each_changed_setting(tmp_path, caplog):
     assert [m["step"] for m in history] == [3] and "learning_rate: 0.003 in the checkpoint, 0.5 now" in caplog.text
 
 
+def test_a_damaged_run_config_is_named(tmp_path, capsys):
+    from fastgrpo.train.cli import main
+
+    assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--no-export"]) == 0
+    config = tmp_path / "checkpoint-1" / "run_config.json"
+    config.write_text('{"seed": 0,\n')  # cut short
+    capsys.readouterr()
+    assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "2", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"checkpoint: {config} is damaged (" in err and err.count("\n") == 1, err
+
+
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rew')  # killed mid-write

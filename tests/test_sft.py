@@ -118,6 +118,8 @@ def test_tokenize_rows_checks(tokenizer):
     assert all(len(e) == 12 for e in cut)
     with pytest.raises(ValueError, match="row 0 has no response tokens"):
         tokenize_rows(rows, tokenizer, **{**kwargs, "max_seq_length": 9, "truncate": True})
+    with pytest.raises(ValueError, match="prompt: expected a string or a list of chat messages .*, got int"):
+        tokenize_rows([{"prompt": 5, "response": "b"}], tokenizer, **{**kwargs, "prompt_format": "auto"})
 
 
 def test_step_micro_batches_sorted_and_a_function_of_the_step():

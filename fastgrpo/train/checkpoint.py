@@ -122,7 +122,11 @@ def read_run_config(path: str | Path) -> dict:
     from before that file) the state's "config", memory-mapped so the weights are not read."""
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
-        return json.loads((path / CONFIG_FILE).read_text())
+        try:
+            return json.loads((path / CONFIG_FILE).read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"checkpoint: {path / CONFIG_FILE} is damaged ({err.msg}, line {err.lineno}); "
+                             "restore it, or delete it to read the config saved with the weights") from None
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:

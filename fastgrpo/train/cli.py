@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import shlex
 import sys
 from collections.abc import Callable
@@ -134,7 +133,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
-    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
+    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
@@ -155,7 +154,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
-            check_resume(json.loads((newest / CONFIG_FILE).read_text()), config, newest.name)
+            check_resume(read_run_config(newest), config, newest.name)
         torch.manual_seed(config.seed)  # LoRA's initialization
         try:
             model, tokenizer = load_model_and_tokenizer(config)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import shlex
 from pathlib import Path
 
@@ -113,7 +112,7 @@ def _train(config, make_trainer, args) -> list[dict]:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
-    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint
+    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
     from fastgrpo.train.errors import RunError
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.run_dir import RunDirectory
@@ -122,7 +121,7 @@ def _train(config, make_trainer, args) -> list[dict]:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # before the model loads; the trainer rechecks
-            check_resume(json.loads((newest / CONFIG_FILE).read_text()), config, newest.name)
+            check_resume(read_run_config(newest), config, newest.name)
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)
         trainer = make_trainer(model, tokenizer)

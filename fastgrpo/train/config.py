@@ -12,7 +12,7 @@ import types
 import typing
 from pathlib import Path
 
-from fastgrpo._checks import check_choice
+from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
@@ -298,10 +298,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> GRPOConfig:
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"config: unknown fields {unknown}; see `fastgrpo train --help`")
+        check_known_fields(data, cls, "train")
         return cls(**data)
 
     def to_dict(self) -> dict:

@@ -6,7 +6,10 @@ from fastgrpo._checks import check_int_at_least
 
 
 def check_activation_memory_options(config) -> None:
-    """offload_host_memory_gib and recompute_layers, which refine offload_activations / gradient_checkpointing."""
+    """offload_activations (it needs patch), and offload_host_memory_gib and recompute_layers, which refine
+    offload_activations / gradient_checkpointing."""
+    if config.offload_activations and not config.patch:  # else nothing would offload, silently
+        raise ValueError("offload_activations: runs in patch_model's layers, and patch is off (pass --patch)")
     if config.offload_host_memory_gib is not None:
         if not config.offload_host_memory_gib > 0:
             raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")

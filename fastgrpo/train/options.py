@@ -9,9 +9,9 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from fastgrpo._checks import check_choice
-from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base, option,
-                                   read_yaml)
+from fastgrpo._checks import check_choice, check_known_fields
+from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
+                                   option, read_yaml)
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
@@ -39,10 +39,7 @@ class ConfigFile:
 
     @classmethod
     def from_dict(cls, data: dict):
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - names)
-        if unknown:
-            raise ValueError(f"config: unknown fields {unknown}; see `fastgrpo {cls.COMMAND} --help`")
+        check_known_fields(data, cls, cls.COMMAND)
         return cls(**data)
 
     def to_dict(self) -> dict:

@@ -38,7 +38,7 @@ def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:
     return prompt_format == "chat" or (prompt_format == "auto" and has_template)
 
 
-def _messages(prompt) -> list[dict]:
+def chat_messages(prompt) -> list[dict]:
     if isinstance(prompt, str):
         return [{"role": "user", "content": prompt}]
     if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) and "role" in m for m in prompt):
@@ -64,7 +64,7 @@ def prompt_text(prompt, prompt_format: str) -> str | list:
 def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
     """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation."""
     if uses_chat_template(tokenizer, prompt, prompt_format):
-        return _ids(tokenizer.apply_chat_template(_messages(prompt), add_generation_prompt=True, tokenize=True))
+        return _ids(tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True, tokenize=True))
     text = prompt_text(prompt, prompt_format)
     if not isinstance(text, str):
         raise ValueError("prompt: chat messages need a tokenizer with a chat template")
@@ -76,7 +76,7 @@ def response_ids(tokenizer, prompt, response: str, prompt_format: str) -> list[i
     if not isinstance(response, str):
         raise ValueError(f"response: expected a string, got {type(response).__name__}")
     if uses_chat_template(tokenizer, prompt, prompt_format):
-        messages = _messages(prompt)
+        messages = chat_messages(prompt)
         head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         full = tokenizer.apply_chat_template(
             [*messages, {"role": "assistant", "content": response}], tokenize=False

@@ -38,6 +38,7 @@ from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
 from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.prompts import chat_messages
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.run_dir import RunDirectory
@@ -132,6 +133,12 @@ class GRPOTrainer:
         if isinstance(prompt, str):
             ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
         else:
+            try:
+                chat_messages(prompt)
+                if not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("chat messages need a tokenizer with a chat template")
+            except ValueError as err:
+                raise ValueError(f"train_dataset: row {index}: {err}") from None
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
         limit = self.config.max_prompt_length
