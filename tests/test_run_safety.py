@@ -136,6 +136,17 @@ def test_a_damaged_run_config_is_named(tmp_path, capsys):
     assert f"checkpoint: {config} is damaged (" in err and err.count("\n") == 1, err
 
 
+def test_allowed_changes_are_warned_about_once(tmp_path, capsys):
+    from fastgrpo.train.cli import main
+
+    argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--no-export", "--max-steps"]
+    assert main([*argv, "1"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "2", "--resume", "--learning-rate", "0.01", "--resume-allow-changes"]) == 0
+    err = capsys.readouterr().err
+    assert err.count("with changed settings: learning_rate: 0.003 in the checkpoint, 0.01 now") == 1, err
+
+
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rew')  # killed mid-write

@@ -154,7 +154,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
-            check_resume(read_run_config(newest), config, newest.name)
+            check_resume(read_run_config(newest), config, newest.name, warn=False)
         torch.manual_seed(config.seed)  # LoRA's initialization
         try:
             model, tokenizer = load_model_and_tokenizer(config)

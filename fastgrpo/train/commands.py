@@ -121,7 +121,7 @@ def _train(config, make_trainer, args) -> list[dict]:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         newest = latest_checkpoint(config.output_dir) if config.resume else None
         if newest is not None and (newest / CONFIG_FILE).is_file():  # before the model loads; the trainer rechecks
-            check_resume(read_run_config(newest), config, newest.name)
+            check_resume(read_run_config(newest), config, newest.name, warn=False)
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)
         trainer = make_trainer(model, tokenizer)

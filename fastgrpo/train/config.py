@@ -422,7 +422,7 @@ def check_4bit_base(config) -> None:
         raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
 
 
-def check_resume(saved: dict, config, checkpoint: str) -> None:
+def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> None:
     """Raise a ValueError naming every run-defining field whose value differs from the checkpoint's config `saved`;
     with config.resume_allow_changes, log them as a warning instead. Another command's run is always refused."""
     check_same_command(saved, config, checkpoint)
@@ -430,7 +430,8 @@ def check_resume(saved: dict, config, checkpoint: str) -> None:
     if not changes:
         return
     if getattr(config, "resume_allow_changes", False):
-        logger.warning("resume: continuing %s with changed settings: %s", checkpoint, "; ".join(changes))
+        if warn:  # warn=False: a check before the model loads, which the trainer's own check repeats
+            logger.warning("resume: continuing %s with changed settings: %s", checkpoint, "; ".join(changes))
         return
     raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; pass "
                      "--resume-allow-changes to continue with the new ones")
