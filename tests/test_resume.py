@@ -63,6 +63,10 @@ def test_resume_is_bit_identical(tmp_path, lora, one_update, caplog):
 def test_resume_without_checkpoint_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="resume: no checkpoint"):
         _trainer(tmp_path, False, resume=True).train()
+    missing = tmp_path / "never_made"
+    with pytest.raises(ValueError, match="resume: no checkpoint"):
+        _trainer(missing, False, resume=True).train()
+    assert not missing.exists()  # the lock's folder goes again: nothing was written there
 
 
 def test_checkpoint_of_another_model_is_an_error(tmp_path):

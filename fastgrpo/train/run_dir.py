@@ -17,6 +17,7 @@ deletes those files first. Any command that writes a run folder uses it the same
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -130,6 +131,7 @@ class RunDirectory:
         self.lock = RunLock(self.path)
 
     def __enter__(self) -> RunDirectory:
+        self.created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
         except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file
@@ -140,6 +142,9 @@ class RunDirectory:
 
     def __exit__(self, *exc) -> None:
         self.lock.release()
+        if self.created:  # a run that stopped before writing anything leaves no empty folder behind
+            with contextlib.suppress(OSError):  # not empty: the run wrote there
+                self.path.rmdir()
 
     def previous_run(self) -> list[Path]:
         """The files and folders another run left here (an empty metrics.jsonl holds nothing and does not count)."""
