@@ -73,7 +73,8 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
         except ValueError as err:
             raise ValueError(f"{field}: row {i}: {err}") from None
         if max_prompt_length is not None and len(ids[-1]) > max_prompt_length:
-            raise ValueError(f"{field}: row {i} has a {len(ids[-1])}-token prompt, over max_prompt_length "
+            wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
+            raise ValueError(f"{field}: row {i} has a {len(ids[-1])}-token prompt{wrapped}, over max_prompt_length "
                              f"({max_prompt_length})")
     return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
                     correct_threshold)
