@@ -22,10 +22,10 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
-    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, description, run_ei,
-    run_eval, run_sft,
+    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_resume_before_load,
+    description, run_ei, run_eval, run_sft,
 )
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume, read_yaml, run_control_fields
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, read_yaml, run_control_fields
 from fastgrpo.train.errors import RunError, run_command
 
 
@@ -133,12 +133,11 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
-    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
     from fastgrpo.train.distributed import init_distributed
-    from fastgrpo.train.sources import check_model_source, model_load_error, resolve_device
+    from fastgrpo.train.sources import check_model_source, naming_the_model, resolve_device
     from fastgrpo.train.trainer import GRPOTrainer
 
     # Everything a user can get wrong is checked before the model loads.
@@ -152,16 +151,10 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dataset = load_dataset(config)
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
-        newest = latest_checkpoint(config.output_dir) if config.resume else None
-        if newest is not None and (newest / CONFIG_FILE).is_file():  # the trainer checks what it loads again
-            check_resume(read_run_config(newest), config, newest.name, warn=False)
+        check_resume_before_load(config)
         torch.manual_seed(config.seed)  # LoRA's initialization
-        try:
+        with naming_the_model(config.model):
             model, tokenizer = load_model_and_tokenizer(config)
-        except OSError as err:  # transformers' answer for a folder without a model or an unknown hub name
-            if config.model is None:
-                raise
-            raise model_load_error(config.model, err) from err
         trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config)
         try:
             history = trainer.train(run_dir)

@@ -8,7 +8,6 @@ Heavy modules (transformers, the trainers) are imported inside the run functions
 from __future__ import annotations
 
 import argparse
-import contextlib
 import shlex
 from pathlib import Path
 
@@ -87,24 +86,22 @@ def _check_sources(config) -> None:
         check_model_source(config.model)
 
 
-@contextlib.contextmanager
-def _naming_the_model(model: str | None):
-    """transformers' OSError for a folder without a model or an unknown hub name, as one line naming --model."""
-    from fastgrpo.train.sources import model_load_error
-
-    try:
-        yield
-    except OSError as err:
-        if model is None:
-            raise
-        raise model_load_error(model, err) from err
-
-
 def _load_model(config):
     from fastgrpo.train.loading import load_model_and_tokenizer
+    from fastgrpo.train.sources import naming_the_model
 
-    with _naming_the_model(config.model):
+    with naming_the_model(config.model):
         return load_model_and_tokenizer(config)
+
+
+def check_resume_before_load(config) -> None:
+    """A --resume checked against the newest checkpoint's run config before the model loads; the trainer checks what
+    it loads again, and warns of the changes --resume-allow-changes lets through then."""
+    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
+
+    newest = latest_checkpoint(config.output_dir) if config.resume else None
+    if newest is not None and (newest / CONFIG_FILE).is_file():
+        check_resume(read_run_config(newest), config, newest.name, warn=False)
 
 
 def _train(config, make_trainer, args) -> list[dict]:
@@ -112,16 +109,13 @@ def _train(config, make_trainer, args) -> list[dict]:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
-    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
     from fastgrpo.train.errors import RunError
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.run_dir import RunDirectory
 
     with RunDirectory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
-        newest = latest_checkpoint(config.output_dir) if config.resume else None
-        if newest is not None and (newest / CONFIG_FILE).is_file():  # before the model loads; the trainer rechecks
-            check_resume(read_run_config(newest), config, newest.name, warn=False)
+        check_resume_before_load(config)
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)
         trainer = make_trainer(model, tokenizer)
@@ -181,6 +175,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
     from fastgrpo.train.loading import find_checkpoint, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import RunDirectory
+    from fastgrpo.train.sources import naming_the_model
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -193,7 +188,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir)
         torch.manual_seed(config.seed)
-        with _naming_the_model(config.model):
+        with naming_the_model(config.model):
             model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
                                                     seed=config.seed, checkpoint=checkpoint)
         task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,

@@ -45,6 +45,8 @@ def option(default, help: str, *, run_control: bool = False):
 
 @dataclasses.dataclass
 class GRPOConfig:
+    COMMAND = "train"  # its subcommand, in messages (not a field: no annotation)
+
     # Model and data.
     model: str | None = option(None, "HF model path or hub name; none: the built-in tiny model")
     dataset: str | None = option(None, "a .jsonl / .json file of rows, or an HF dataset name (needs `datasets`); "
@@ -298,7 +300,7 @@ class GRPOConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> GRPOConfig:
-        check_known_fields(data, cls, "train")
+        check_known_fields(data, cls, cls.COMMAND)
         return cls(**data)
 
     def to_dict(self) -> dict:

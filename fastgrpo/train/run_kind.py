@@ -7,10 +7,6 @@ from __future__ import annotations
 MARKERS = {"train": "beta", "sft": "max_seq_length", "ei": "correct_threshold"}
 
 
-def command_of(config) -> str:
-    return getattr(config, "COMMAND", "train")
-
-
 def written_by(saved: dict) -> str | None:
     """The command whose marker field `saved` (a checkpoint's run config) holds; None when not exactly one does."""
     found = [command for command, field in MARKERS.items() if field in saved]
@@ -19,7 +15,7 @@ def written_by(saved: dict) -> str | None:
 
 def check_same_command(saved: dict, config, checkpoint: str) -> None:
     """A ValueError when `saved` is another command's run than `config`'s."""
-    theirs, ours = written_by(saved), command_of(config)
+    theirs, ours = written_by(saved), config.COMMAND
     if theirs is not None and theirs != ours:
         raise ValueError(f"resume: {checkpoint} is a `fastgrpo {theirs}` run, not a `fastgrpo {ours}` run; continue "
                          f"it with `fastgrpo {theirs} --resume`, or pick another --output-dir")

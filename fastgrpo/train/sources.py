@@ -144,3 +144,15 @@ def model_load_error(model: str, err: Exception) -> ValueError:
     first = lines[0] if lines else type(err).__name__
     where = "the local folder" if Path(model).expanduser().is_dir() else "a local folder or the Hugging Face Hub"
     return ValueError(f"model: cannot load {model!r} from {where}: {first}")
+
+
+@contextlib.contextmanager
+def naming_the_model(model: str | None):
+    """transformers' OSError for a folder without a model or an unknown hub name, as model_load_error's one line
+    (the built-in model, model None, raises as it is)."""
+    try:
+        yield
+    except OSError as err:
+        if model is None:
+            raise
+        raise model_load_error(model, err) from err

@@ -38,9 +38,9 @@ from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
 from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
-from fastgrpo.train.prompts import chat_messages
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
+from fastgrpo.train.prompts import chat_messages
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
