@@ -121,6 +121,23 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
         main(["train", "--seed", str(10**14), "--debug"])
 
 
+def test_flag_mistakes_are_one_line_with_a_hint(capsys):
+    """argparse's own errors: no usage block, whole flag names only, the closest flag named for a misspelt one."""
+    for argv, message in [
+        (["train", "--max-steps", "abc"], "argument --max-steps: invalid int value: 'abc'"),
+        (["train", "--max-step", "3"], "unrecognized arguments: --max-step (did you mean --max-steps?) 3"),
+        (["sft", "--max-seq-len", "4"], "unrecognized arguments: --max-seq-len (did you mean --max-seq-length?) 4"),
+        (["train", "--learning_rate=3"], "unrecognized arguments: --learning_rate=3 (did you mean --learning-rate?)"),
+        (["train", "--lr", "3"], "unrecognized arguments: --lr 3 (see"),
+    ]:
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        err = capsys.readouterr().err
+        assert exit_info.value.code == 2 and err.count("\n") == 1, (argv, err)
+        assert err.startswith(f"fastgrpo {argv[0]}: error: {message}"), (argv, err)
+        assert err.endswith(f"(see fastgrpo {argv[0]} --help)\n"), (argv, err)
+
+
 def test_reward_functions_from_the_current_folder_and_from_a_file(tmp_path, monkeypatch):
     assert resolve_reward("length") is length_reward
     assert resolve_reward("fastgrpo.train.default_task:repeat_letter_reward") is default_task.repeat_letter_reward

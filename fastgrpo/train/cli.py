@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import shlex
 import sys
 from collections.abc import Callable
@@ -57,8 +58,30 @@ class _Version(argparse.Action):
         parser.exit(0)
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one line for bad input (a command's usage block runs to ~50 lines) and whole flag names only:
+    an abbreviation accepted today could name another flag once one is added."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
+    """argparse's 'unrecognized arguments' naming the closest flag of the command for each unknown one."""
+    known = [flag for action in parser._actions for flag in action.option_strings  # argparse has no public list
+             if flag not in ("-h", "--help")]
+    hints = []
+    for arg in extra:
+        close = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.8) if arg.startswith("--") else []
+        hints += [f"{arg} (did you mean {close[0]}?)" if close else arg]
+    return "unrecognized arguments: " + " ".join(hints)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fastgrpo", description="Memory-lean GRPO post-training.")
+    parser = _Parser(prog="fastgrpo", description="Memory-lean GRPO post-training.")
     parser.add_argument("--version", action=_Version)
     commands = parser.add_subparsers(dest="command", required=True)
     parser.command_parsers = {}
@@ -73,10 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.argv = argv  # for a command's "continue with ..." hint
+    args, extra = parser.parse_known_args(argv)
     command = next(c for c in COMMANDS if c.name == args.command)
     subparser = parser.command_parsers[command.name]
+    if extra:
+        subparser.error(_unrecognized(extra, subparser))
+    args.argv = argv  # for a command's "continue with ..." hint
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.rewards.scoring import RewardError
 
