@@ -72,6 +72,27 @@ def test_an_over_long_prompt_says_how_it_was_wrapped():
     assert len(build_eval_task(rows, tokenizer, prompt_format="raw", **args).prompt_ids[0]) <= 16
 
 
+def test_a_prompt_past_the_models_positions_is_refused_before_anything_runs(tmp_path, capsys):
+    """eval, and train's periodic evaluation: the row is named before a token is generated or a step trained."""
+    tokenizer = default_task.build_tokenizer()
+    rows = [{"prompt": "1 say a", "answer": "a"}, {"prompt": "1 say a " * 6, "answer": "a"}]
+    n = len(build_eval_task(rows, tokenizer, prompt_column="prompt", prompt_format="raw",
+                            reward_funcs=[r1_zero_math_reward]).prompt_ids[1])
+    args = dict(prompt_column="prompt", prompt_format="raw", reward_funcs=[r1_zero_math_reward], max_positions=n + 4)
+    assert build_eval_task(rows, tokenizer, max_new_tokens=4, **args)  # exactly at the limit
+    with pytest.raises(ValueError, match=rf"eval_dataset: row 1 has a {n}-token prompt; with 5 new tokens that is "
+                                         rf"{n + 5} positions, over the model's max_position_embeddings \({n + 4}\)"):
+        build_eval_task(rows, tokenizer, max_new_tokens=5, **args)
+
+    data = tmp_path / "long.jsonl"  # the built-in model has 64 positions
+    data.write_text(json.dumps({"prompt": "x " * 40, "letter": "a"}) + "\n")
+    out = tmp_path / "run"
+    assert main(["train", "--eval-steps", "1", "--eval-dataset", str(data), "--output-dir", str(out), *QUIET]) == 2
+    err = capsys.readouterr().err
+    assert "eval_dataset: row 0 has a 80-token prompt; with 8 new tokens that is 88 positions" in err, err
+    assert not out.exists()
+
+
 def test_r1_zero_grades():
     assert r1_zero_grades("so 2 + 2 </think> <answer> 4 </answer>", "4") == (1.0, 1.0)
     assert r1_zero_grades("so 2 + 2 </think> <answer> 5 </answer>", "4") == (1.0, 0.0)

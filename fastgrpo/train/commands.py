@@ -172,7 +172,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
+    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, model_positions, write_eval
     from fastgrpo.train.loading import find_checkpoint, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import RunDirectory
     from fastgrpo.train.sources import naming_the_model
@@ -194,7 +194,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                                prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                                reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
-                               max_examples=config.max_examples, field="dataset")
+                               max_examples=config.max_examples, max_positions=model_positions(model),
+                               max_new_tokens=config.max_new_tokens, field="dataset")
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,

@@ -43,11 +43,19 @@ class EvalTask:
         return self.reward_funcs == [r1_zero_math_reward]
 
 
+def model_positions(model) -> int | None:
+    """The longest sequence the model's config allows (max_position_embeddings), None where it names none."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, reward_funcs: Sequence[Callable],
                     reward_weights: Sequence[float] | None = None, correct_threshold: float = 1.0,
                     max_examples: int = 0, max_prompt_length: int | None = None,
+                    max_positions: int | None = None, max_new_tokens: int = 0,
                     field: str = "eval_dataset") -> EvalTask:
-    """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors."""
+    """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors. A prompt
+    over max_prompt_length, or one that max_new_tokens more would take past the model's max_positions
+    (model_positions), is refused here, naming its row, before anything is generated."""
     if rows is None or len(rows) == 0:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     if not reward_funcs or not all(callable(f) for f in reward_funcs):
@@ -72,10 +80,15 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
         except ValueError as err:
             raise ValueError(f"{field}: row {i}: {err}") from None
-        if max_prompt_length is not None and len(ids[-1]) > max_prompt_length:
-            wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
-            raise ValueError(f"{field}: row {i} has a {len(ids[-1])}-token prompt{wrapped}, over max_prompt_length "
+        n = len(ids[-1])
+        wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
+        if max_prompt_length is not None and n > max_prompt_length:
+            raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}, over max_prompt_length "
                              f"({max_prompt_length})")
+        if max_positions is not None and n + max_new_tokens > max_positions:
+            raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}; with {max_new_tokens} new tokens "
+                             f"that is {n + max_new_tokens} positions, over the model's max_position_embeddings "
+                             f"({max_positions}): shorten the prompt or generate fewer tokens")
     return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
                     correct_threshold)
 

@@ -11,7 +11,9 @@ from pathlib import Path
 
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train import default_task
-from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
+from fastgrpo.train.evaluate import (
+    EvalTask, build_eval_task, evaluate, log_generations, model_positions, write_eval,
+)
 from fastgrpo.train.loading import load_rows, resolve_reward
 from fastgrpo.train.prompts import R1_ZERO_STOP
 
@@ -61,7 +63,8 @@ def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
     rewards = [resolve_reward(name) for name in config.eval_reward_funcs]
     task = build_eval_task(_rows(config), tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=rewards,
-                           max_examples=config.eval_max_examples)
+                           max_examples=config.eval_max_examples, max_positions=model_positions(model),
+                           max_new_tokens=config.eval_max_new_tokens)
     sampling = SamplingParams(max_new_tokens=config.eval_max_new_tokens, temperature=config.eval_temperature)
     r1_zero = config.prompt_format == "r1_zero" or "r1_zero_math" in config.eval_reward_funcs
     return PeriodicEval(model, BuiltinEngine(model, tokenizer), tokenizer, task, sampling, every=config.eval_steps,
@@ -76,7 +79,8 @@ def ei_evaluator(run) -> PeriodicEval | None:
     task = build_eval_task(_rows(config), run.tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=run.reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
-                           max_examples=config.eval_max_examples)
+                           max_examples=config.eval_max_examples, max_positions=model_positions(run.model),
+                           max_new_tokens=run.sampling.max_new_tokens)
     return PeriodicEval(run.model, run.engine, run.tokenizer, task, run.sampling, every=config.eval_steps,
                         output_dir=config.output_dir, stop=config.stop_strings, seed=config.seed,
                         reward_errors=config.reward_errors)
@@ -90,7 +94,9 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
         return None
     task = build_eval_task(_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
                            prompt_format="raw", reward_funcs=trainer.reward_funcs,
-                           reward_weights=config.reward_weights, max_examples=config.eval_max_examples)
+                           reward_weights=config.reward_weights, max_examples=config.eval_max_examples,
+                           max_positions=model_positions(trainer.model),
+                           max_new_tokens=trainer.sampling.max_new_tokens)
     return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
                         every=config.eval_steps, output_dir=config.output_dir, stop=config.stop, seed=config.seed,
                         reward_errors=config.reward_errors)
