@@ -5,6 +5,7 @@ import json
 import logging
 import os
 import pickle
+import shutil
 import subprocess
 import sys
 
@@ -145,6 +146,24 @@ def test_allowed_changes_are_warned_about_once(tmp_path, capsys):
     assert main([*argv, "2", "--resume", "--learning-rate", "0.01", "--resume-allow-changes"]) == 0
     err = capsys.readouterr().err
     assert err.count("with changed settings: learning_rate: 0.003 in the checkpoint, 0.01 now") == 1, err
+
+
+def test_resuming_a_finished_run_says_so_without_training(tmp_path, capsys):
+    from fastgrpo.train.cli import main
+
+    argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--max-steps", "1"]
+    assert main(argv) == 0
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    out = capsys.readouterr().out
+    assert out == (f"fastgrpo train: nothing to train: the run in {tmp_path} is at step 1 (checkpoint-1) of "
+                   f"--max-steps 1, exported to {tmp_path / 'final'}; pass a larger --max-steps to train on\n"), out
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
+    shutil.rmtree(tmp_path / "final")  # stopped before its export: the resume exports, training nothing
+    assert main([*argv, "--resume"]) == 0
+    assert "nothing to train" not in capsys.readouterr().out and (tmp_path / "final" / "config.json").is_file()
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):

@@ -24,7 +24,7 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_resume_before_load,
-    description, run_ei, run_eval, run_sft,
+    description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, read_yaml, run_control_fields
 from fastgrpo.train.errors import RunError, run_command
@@ -177,6 +177,11 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
         check_resume_before_load(config)
+        nothing_to_do = finished_run(config)
+        if nothing_to_do is not None:
+            if dist.is_main:
+                print(f"fastgrpo train: {nothing_to_do}")
+            return 0
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):
             model, tokenizer = load_model_and_tokenizer(config)

@@ -104,6 +104,23 @@ def check_resume_before_load(config) -> None:
         check_resume(read_run_config(newest), config, newest.name, warn=False)
 
 
+def finished_run(config) -> str | None:
+    """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is exported
+    when export is on): the line saying there is nothing to train, instead of loading the model to find that out."""
+    from fastgrpo.train.checkpoint import list_checkpoints
+
+    found = list_checkpoints(config.output_dir) if config.resume else []
+    if not found or found[-1][0] < config.max_steps:
+        return None
+    final = Path(config.output_dir) / "final"
+    if config.export and not final.is_dir():
+        return None  # the run stopped between its last checkpoint and the export: resuming exports
+    step, newest = found[-1]
+    return (f"nothing to train: the run in {config.output_dir} is at step {step} ({newest.name}) of --max-steps "
+            f"{config.max_steps}{f', exported to {final}' if config.export else ''}; pass a larger --max-steps to "
+            "train on")
+
+
 def _train(config, make_trainer, args) -> list[dict]:
     """Lock the output folder, check a resume against the checkpoint, load the model, build and run the trainer."""
     import torch
