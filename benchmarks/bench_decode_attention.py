@@ -1,6 +1,6 @@
 """The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
 the bytes it must read, with a bf16 and an e4m3 cache (its V slot-major as the engine stores it, and row-major), over
-a sweep of its GPU tiles and split counts.
+a sweep of its GPU tiles and split counts; and the e4m3 cache with the kernel's fp8_dots (e4m3-fp8-dots).
 
     python -m benchmarks.bench_decode_attention                           # GPU: both shapes, all caches, sweep
     python -m benchmarks.bench_decode_attention --caches e4m3 --tiles 64/2/2,128/4/2 --splits auto,1,2
@@ -45,14 +45,16 @@ def heads(shape: str) -> tuple[int, int, int]:
         c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
 
 
-# cache -> (e4m3, V slot-major): the bf16 cache; the e4m3 cache as the engine stores it (rollout/kv_cache.py: V's slots
-# contiguous); and with V row-major like K (the engine's layout before 2026-11-27)
-CACHES = {"bf16": (False, False), "e4m3": (True, True), "e4m3-v-rowmajor": (True, False)}
+# cache -> (e4m3, V slot-major, fp8_dots): the bf16 cache; the e4m3 cache as the engine stores it (rollout/kv_cache.py:
+# V's slots contiguous); with V row-major like K (the engine's layout before 2026-11-27); and the engine's e4m3 cache
+# with the kernel's fp8_dots (e4m3 q and weights on the FP8 tensor cores; not yet the engine's)
+CACHES = {"bf16": (False, False, False), "e4m3": (True, True, False), "e4m3-v-rowmajor": (True, False, False),
+          "e4m3-fp8-dots": (True, True, True)}
 
 
 def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict], int]:
     """Copies of one layer's inputs (enough to pass 3x the L2 on a GPU) and the bytes one call must read."""
-    fp8, slot_major = CACHES[cache]
+    fp8, slot_major, fp8_dots = CACHES[cache]
     H, G, D = heads(shape)
     N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
     g = torch.Generator(device).manual_seed(0)
@@ -67,6 +69,8 @@ def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict]
             (call["k"], call["k_scale"]), (call["v"], call["v_scale"]) = quantize_kv(k), quantize_kv(v)
             if slot_major:
                 call["v"] = call["v"].transpose(2, 3).contiguous().transpose(2, 3)
+            if fp8_dots:
+                call["fp8_dots"] = True
         made.append(call)
     return made, per_copy
 

@@ -258,6 +258,65 @@ def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_fr
                   f"fp8 shared {dtype} B{B} S{S} P{P} M{M} len{length}")
 
 
+def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
+    """Per-element bound of fp8_dots' output vs the fp64 `ref` over the dequantized cache (the kernel's docstring):
+    q rounded to e4m3 per row moves score j by at most E_j = scale sum_d max(2^-4 |q_d|, 2^-10 q_scale) |k_jd| (half
+    an e4m3 ulp, or half its subnormal step), which moves each normalized weight by a factor within e^(+-2E), E the
+    row's largest; each weight rounded to e4m3 adds 2^-4 of its share of sum_j p_j |v_j|, or below e4m3's normals
+    2^-10 of the tile's v_pow2 / 128 times |v_q,j| (v_pow2 <= the row's largest v_scale, l >= 1); then fp32 and the
+    output's rounding as in `bound`."""
+    keep4 = keep[:, None, :, None]
+    k = torch.where(keep4, k, 0.0)
+    qd = q.double()
+    q_scale = qd.abs().amax(-1, keepdim=True) / FP8_MAX
+    q_err = torch.maximum(qd.abs() * 2.0**-4, q_scale * 2.0**-10)  # [N, H, G, D]
+    E = (q_err @ k.abs().transpose(-1, -2) * abs(scale)).amax(-1, keepdim=True)  # [N, H, G, 1]
+    n = keep.sum(-1)[:, None, None, None].clamp_min(1)
+    pv_abs = decode_attention_torch(qd, k, torch.where(keep4, v, 0.0).abs(), keep,
+                                    torch.tensor([keep.shape[-1]]), scale)
+    vs_max = torch.where(keep[:, None, :], vs.double(), 0.0).amax(-1)[:, :, None, None]
+    vq_sum = torch.where(keep4, vq.double().abs(), 0.0).sum(-2)[:, :, None, :]  # [N, H, 1, D]
+    grow = torch.exp(2 * E)
+    weights = grow * 2.0**-4 * pv_abs + 2.0**-17 * vs_max * vq_sum
+    smax = (qd.abs() @ k.abs().transpose(-1, -2)).amax(-1, keepdim=True) * abs(scale)
+    fp32 = 2.0**-24 * grow * pv_abs * (2 * (q.shape[-1] + 3) * smax + n + 9)
+    eps = torch.finfo(q.dtype).eps
+    return eps * ref.abs() + torch.finfo(q.dtype).tiny + (grow - 1) * pv_abs + weights + 2 * fp32
+
+
+@given(
+    N=st.integers(1, 3), H=st.integers(1, 2), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32, 64]),
+    M=st.integers(1, 70), length_frac=st.floats(0, 1), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    splits=st.sampled_from([1, 3]), v_slot_major=st.booleans(), seed=st.integers(0, 2**16),
+)
+def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, dtype, splits, v_slot_major, seed):
+    """fp8_dots (e4m3 q and weights on the FP8 tensor cores) against the fp64 softmax over the dequantized cache,
+    within fp8_dots_bound (measured: errors up to ~0.3 of it, the bound's worst-case score term being loose)."""
+    from fastgrpo.kernels.decode_attention import decode_attention_fwd
+
+    g = torch.Generator().manual_seed(seed)
+    length = 1 + round(length_frac * (M - 1))
+    q = torch.randn(N, H, G, D, generator=g).to(dtype)
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, float("nan"))
+    if v_slot_major:
+        vq = slot_major(vq)
+    L, s = torch.tensor([length]), D**-0.5
+    got = decode_attention_fwd(q, kq, vq, visible, L, s, splits=splits, k_scale=ks, v_scale=vs, fp8_dots=True)
+    ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
+    keep = visible & (torch.arange(M) < length)
+    k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    assert_within(got, ref, fp8_dots_bound(ref, q, k, v, vq, vs, keep, s),
+                  f"fp8_dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits}")
+
+
+def test_fp8_dots_need_an_e4m3_cache_and_a_16_bit_q():
+    from fastgrpo.kernels.decode_attention import decode_attention_fwd
+
+    q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16)
+    with pytest.raises(ValueError, match="fp8_dots: needs an e4m3 cache"):
+        decode_attention_fwd(q, k, k, torch.ones(1, 4, dtype=torch.bool), torch.tensor([4]), 1.0, fp8_dots=True)
+
+
 @pytest.mark.parametrize("with_prefix", [False, True])
 def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
     """A slot-major e4m3 V whose tiles all fit (M and P multiples of the tile, D its width) is loaded unmasked and
@@ -307,11 +366,12 @@ from triton.compiler import ASTSource
 from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, tiles_for
 
 
-def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out):
+def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False):
     # pointers, strides and D aligned as a launch specializes them; a unit stride specialized to the constant 1: the
     # slots' for a slot-major V (the engine's, with V_FINITE), the dims' otherwise
     tiles = tiles_for(block_r, block_d)
-    consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
+    consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP8_DOTS=fp8_dots, E4M3_BY_HAND=False,
+                  FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
                   V_FINITE=v_slot_major, WRITE_OUT=write_out, BLOCK_R=block_r, BLOCK_N=tiles["block_n"],
                   BLOCK_D=block_d)
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
@@ -338,6 +398,10 @@ def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out):
 for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True)):
     ptx = compile(kv, v_slot_major, 16, 128, False, True).asm["ptx"]
     print("ptx", kv, v_slot_major, ptx.count("ld.shared.b8"), ptx.count("ld.global"))
+# the engine's e4m3 cache (slot-major V) with its dots in fp16 and on the FP8 tensor cores
+for fp8_dots in (False, True):
+    ptx = compile("fp8e4nv", True, 16, 128, False, True, fp8_dots).asm["ptx"]
+    print("dots", fp8_dots, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
 # the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V)
 for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
     print("shared", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
@@ -348,6 +412,16 @@ for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
 def hopper_check() -> list[list[str]]:
     """HOPPER_CHECK's printed lines, split (one compile run for the tests that read it)."""
     return [line.split() for line in sm90_compile_output(HOPPER_CHECK).strip().split("\n")]
+
+
+def test_fp8_dots_run_on_the_fp8_tensor_cores_without_widening():
+    """Compiled for sm_90 on the CPU: the engine's e4m3 cache with fp16 dots widens every e4m3 pair
+    (cvt.rn.f16x2.e4m3x2) for 16-row mma.sync dots; fp8_dots' transposed dots (M: the tile's slots, then its dims)
+    are e4m3 wgmma and convert nothing."""
+    dots = {line[1] == "True": tuple(int(x) for x in line[2:]) for line in hopper_check() if line[0] == "dots"}
+    (fp16_wgmma, fp16_mma, fp16_cvt), (fp8_wgmma, fp8_mma, fp8_cvt) = dots[False], dots[True]
+    assert fp16_cvt > 0 and fp16_mma > 0 and fp16_wgmma == 0, dots
+    assert fp8_wgmma > 0 and fp8_mma == 0 and fp8_cvt == 0, dots
 
 
 def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():

@@ -36,6 +36,15 @@ tile's weights p v_scale by the one at or below the tile's largest value scale (
 multiply back in fp32. What is rounded: q below 2^-14 of its row's power (fp16 subnormals, at most 2^-25 of it) and
 the weights to fp16 (half an ulp, 2^-11 relatively, or 2^-25 of the tile's power below 2^-14) instead of bf16's 2^-8.
 
+fp8_dots (FP8_DOTS; not yet timed on a GPU, so not the engine's): an e4m3 cache's dots on the FP8 tensor cores, which
+take e4m3 as loaded. Hopper's 8-bit wgmma needs an M of 64, and a program's 16 query rows take the mma.sync path,
+which widens e4m3 again, so the dots run transposed: scores [slots, rows] = k . q^T (M: the tile's slots) and the
+output [dims, rows] += v^T . w (M: the head dim; V's slots contiguous as its reduction dimension needs). q is rounded
+to e4m3 per row (q / q_scale, q_scale its largest |q| / 448: 2^-4 relative, or 2^-10 q_scale below e4m3's normals)
+and so are the weights w = p v_scale / v_pow2 x E4M3_WEIGHTS; both scales multiply back in fp32. The softmax
+state (m, l) is per row as above, l of the unrounded p. An sm_90 compile (on the CPU) has e4m3 wgmma for both dots and
+no e4m3 conversion (tests/test_decode_attention.py); the test's bound: fp8_dots_bound there.
+
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
 row-major tile Triton gathers it from shared memory one byte at a time (an sm_90 compile: 188 byte loads per
@@ -60,6 +69,10 @@ import triton.language as tl
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
+E4M3_MAX = tl.constexpr(448.0)
+# fp8_dots: the weights p v_scale / v_pow2 (<= 2) are scaled by this before their e4m3 rounding, so that the
+# largest is 256 (< 448) and weights down to 2^-13 keep e4m3's 3 mantissa bits (its normals start at 2^-6)
+E4M3_WEIGHTS = tl.constexpr(128.0)
 # a program's tile and launch on a GPU, with default_splits' WARPS_PER_SM: of the tiles and splits timed on an H100
 # at the rollout's shapes (benchmarks/bench_decode_attention.py --splits), the fastest for Qwen2.5-1.5B and
 # Llama-3.1-8B heads (16 query rows, D 128) with a bf16 and an e4m3 cache alike: 10-23% less time per call than 64
@@ -89,7 +102,8 @@ def _decode_attention_kernel(
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOTS: tl.constexpr, E4M3_BY_HAND: tl.constexpr,
+    FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
     V_FINITE: tl.constexpr, WRITE_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -108,6 +122,10 @@ def _decode_attention_kernel(
     q = tl.load(q_ptrs + dims[None, :], mask=row_ok[:, None] & dim_ok[None, :], other=0.0)  # q: [BLOCK_R, BLOCK_D]
     if FP32_DOT:
         q = q.to(tl.float32)
+    elif FP8_DOTS:  # e4m3 q (module docstring): q / q_scale, q_scale its row's amax / 448
+        q_scale = tl.max(tl.abs(q.to(tl.float32)), axis=1) / E4M3_MAX
+        q_scale = tl.where(q_scale > 0, q_scale, 1.0)  # an all-zero row (a padded one): 0 whatever the scale
+        q = _to_e4m3(q.to(tl.float32) / q_scale[:, None], E4M3_BY_HAND)
     elif KV_FP8:  # fp16 dots (module docstring): q / q_pow2 in fp16, exact but below 2^-14
         q_pow2 = _power_of_two_at_or_below(tl.max(tl.abs(q.to(tl.float32)), axis=1))
         q = (q.to(tl.float32) / q_pow2[:, None]).to(tl.float16)
@@ -124,7 +142,10 @@ def _decode_attention_kernel(
 
     m_i = tl.full([BLOCK_R], NEG, tl.float32)
     l_i = tl.zeros([BLOCK_R], tl.float32)
-    acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
+    if FP8_DOTS:  # transposed, [dims, rows]: the dots' M is the tile's dims (module docstring)
+        acc = tl.zeros([BLOCK_D, BLOCK_R], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_R, BLOCK_D], tl.float32)
     for t in range(first, last):
         if t < n_prefix:  # a prefix tile: every row of the group reads it
             offs = t * BLOCK_N + slots
@@ -136,6 +157,7 @@ def _decode_attention_kernel(
                 ks_ptrs = PKS + b * stride_pksb + h * stride_pksh + offs
                 vs_ptrs = PVS + b * stride_pvsb + h * stride_pvsh + offs
             use = row_ok[:, None] & key_ok[None, :]
+            row_use = row_ok  # fp8_dots' transposed mask: its rows
         else:  # a suffix tile of one sample: only its G rows read it
             j = t - n_prefix
             sample = j // n_suffix
@@ -149,6 +171,7 @@ def _decode_attention_kernel(
                 ks_ptrs = KS + n * stride_ksn + h * stride_ksh + offs
                 vs_ptrs = VS + n * stride_vsn + h * stride_vsh + offs
             use = (row_ok & (sample_of_row == sample))[:, None] & key_ok[None, :]
+            row_use = row_ok & (sample_of_row == sample)
         kv_mask = key_ok[:, None] & dim_ok[None, :]
         # masked slots are not loaded (V in whole tiles: zeroed after the load, or left as they are under V_FINITE):
         # a pad or an unwritten slot may hold anything, NaN included
@@ -159,38 +182,55 @@ def _decode_attention_kernel(
                 v = tl.where(key_ok[:, None], v, 0.0)
         else:
             v = tl.load(v_ptrs, mask=kv_mask, other=0.0)
-        # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
-        if FP32_DOT:
-            s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k.to(q.dtype)))
-        # the casts: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
-        if KV_FP8:
-            k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)  # [BLOCK_N]
+        if FP8_DOTS:  # [slots, rows] scores and weights, e4m3 operands as loaded: no conversion of k or v
+            k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)
             v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
-            if not FP32_DOT:
-                s = s * q_pow2[:, None]  # exact
-            s = s * (k_scale * qk_scale).to(tl.float32)[None, :]
-        else:
-            s = s * qk_scale
-        s = tl.where(use, s.to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FP32_DOT:
-            if KV_FP8:
-                p = p * v_scale[None, :]
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        elif KV_FP8:  # fp16 weights p v_scale / v_pow2 <= 2 (the division is exact), v_pow2 multiplied back
+            s = tl.dot(k, tl.trans(q)) * (k_scale * qk_scale).to(tl.float32)[:, None] * q_scale[None, :]
+            s = tl.where(key_ok[:, None] & row_use[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            # weights p v_scale / v_pow2 <= 2, times E4M3_WEIGHTS <= 256 < 448, in e4m3; both factors multiplied back
             v_pow2 = _power_of_two_at_or_below(tl.max(v_scale, axis=0))
-            p = p * (v_scale / v_pow2)[None, :]
-            pv = tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_pow2
+            w = _to_e4m3(p * (v_scale / v_pow2 * E4M3_WEIGHTS)[:, None], E4M3_BY_HAND)
+            acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float8e4nv)), w) * (v_pow2 / E4M3_WEIGHTS)
+            m_i = m_new
         else:
-            pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+            # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
+            if FP32_DOT:
+                s = tl.dot(q, tl.trans(k.to(tl.float32)), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k.to(q.dtype)))
+            # the casts: under torch.compile, Inductor passes the float qk_scale as fp64, which would make s fp64
+            if KV_FP8:
+                k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)  # [BLOCK_N]
+                v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
+                if not FP32_DOT:
+                    s = s * q_pow2[:, None]  # exact
+                s = s * (k_scale * qk_scale).to(tl.float32)[None, :]
+            else:
+                s = s * qk_scale
+            s = tl.where(use, s.to(tl.float32), float("-inf"))  # s: [BLOCK_R, BLOCK_N], log2 units
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            if FP32_DOT:
+                if KV_FP8:
+                    p = p * v_scale[None, :]
+                pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+            elif KV_FP8:  # fp16 weights p v_scale / v_pow2 <= 2 (the division is exact), v_pow2 multiplied back
+                v_pow2 = _power_of_two_at_or_below(tl.max(v_scale, axis=0))
+                p = p * (v_scale / v_pow2)[None, :]
+                pv = tl.dot(p.to(tl.float16), v.to(tl.float16)) * v_pow2
+            else:
+                pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
+            acc = acc * alpha[:, None] + pv
+            m_i = m_new
 
+    if FP8_DOTS:
+        acc = tl.trans(acc)
     if WRITE_OUT:  # one split: the output itself, as _combine_kernel writes it, with no partials
         _store_output(O, acc, l_i, b, h, rows, dims, S, G, D, stride_on, stride_oh, stride_og)
     else:
@@ -198,6 +238,21 @@ def _decode_attention_kernel(
         tl.store(M_OUT + out * BLOCK_R + rows, m_i)
         tl.store(L_OUT + out * BLOCK_R + rows, l_i)
         tl.store(ACC_OUT + (out * BLOCK_R + rows)[:, None] * BLOCK_D + dims[None, :], acc)
+
+
+@triton.jit
+def _to_e4m3(x, BY_HAND: tl.constexpr):
+    """fp32 -> e4m3, to nearest even, saturating at +-448. BY_HAND (under Triton 3.9's interpreter, whose conversion
+    drops the carry of a rounding into the next power of two, 31.2 -> 16, and truncates subnormals): round on the
+    e4m3 grid in fp32 first, so that the conversion is exact; a GPU's cvt.rn.satfinite rounds itself."""
+    x = tl.clamp(x, -E4M3_MAX, E4M3_MAX)
+    if BY_HAND:
+        bits = x.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -0x100000  # 3 mantissa bits, ties to even
+        normal = bits.to(tl.float32, bitcast=True)
+        subnormal = (x + 24576.0) - 24576.0  # 1.5 x 2^14: fp32's own rounding to multiples of 2^-9
+        x = tl.where(tl.abs(x) < 0.015625, subnormal, normal)  # below 2^-6: e4m3's subnormals
+    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -266,21 +321,27 @@ def decode_attention_fwd(
     prefix_visible: torch.Tensor | None = None, splits: int | None = None, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, prefix_k_scale: torch.Tensor | None = None,
     prefix_v_scale: torch.Tensor | None = None, tiles: dict | None = None, v_finite: bool = False,
+    fp8_dots: bool = False,
 ) -> torch.Tensor:
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
     q, k and visible need a unit-stride last dimension, v and prefix_v one of their last two (the op makes them so).
     tiles: some of the tiles' keys (block_n, num_warps, num_stages) over tiles_for's, for a benchmark's sweep.
-    v_finite: every slot of v (and prefix_v) holds a finite value, hidden or not (module docstring)."""
+    v_finite: every slot of v (and prefix_v) holds a finite value, hidden or not (module docstring).
+    fp8_dots: an e4m3 cache's dots on the FP8 tensor cores, q and the weights rounded to e4m3 (module docstring);
+    a 16-bit q only. Not yet timed on a GPU, so no caller but the benchmark and the tests."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
     S = N // B
     P = prefix_k.shape[2] if has_prefix else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and not q.is_cuda
+    if fp8_dots and (k_scale is None or q.dtype == torch.float32):
+        raise ValueError(f"fp8_dots: needs an e4m3 cache (k_scale, v_scale) and a 16-bit q, got k {k.dtype}, "
+                         f"q {q.dtype}")
     block_r = max(16, triton.next_power_of_2(S * G))
-    block_d = max(16, triton.next_power_of_2(D))
+    block_d = max(32 if fp8_dots else 16, triton.next_power_of_2(D))  # an 8-bit MMA reduces 32 at a time
     tiles = {**tiles_for(block_r, block_d), **(tiles or {})}
     block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     if splits is None:
@@ -316,7 +377,7 @@ def decode_attention_fwd(
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP8_DOTS=fp8_dots, E4M3_BY_HAND=interpret, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         V_FINITE=v_finite, WRITE_OUT=splits == 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
