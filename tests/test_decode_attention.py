@@ -291,9 +291,11 @@ def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
 )
 def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, dtype, splits, v_slot_major, seed):
     """fp8_dots (e4m3 q and weights on the FP8 tensor cores) against the fp64 softmax over the dequantized cache,
-    within fp8_dots_bound (measured: errors up to ~0.3 of it, the bound's worst-case score term being loose)."""
+    within fp8_dots_bound (measured under the interpreter: errors up to ~0.3 of it, the bound's worst-case score
+    term being loose). On a GPU machine the kernel runs there (the interpreter is only set without one)."""
     from fastgrpo.kernels.decode_attention import decode_attention_fwd
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(seed)
     length = 1 + round(length_frac * (M - 1))
     q = torch.randn(N, H, G, D, generator=g).to(dtype)
@@ -301,7 +303,8 @@ def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, d
     if v_slot_major:
         vq = slot_major(vq)
     L, s = torch.tensor([length]), D**-0.5
-    got = decode_attention_fwd(q, kq, vq, visible, L, s, splits=splits, k_scale=ks, v_scale=vs, fp8_dots=True)
+    got = decode_attention_fwd(*(t.to(device) for t in (q, kq, vq, visible, L)), s, splits=splits,
+                               k_scale=ks.to(device), v_scale=vs.to(device), fp8_dots=True).cpu()
     ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
     keep = visible & (torch.arange(M) < length)
     k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
