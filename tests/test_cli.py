@@ -69,6 +69,17 @@ def test_yaml_numbers_written_without_a_dot_are_numbers(tmp_path):
     assert (config.learning_rate, config.max_steps, config.beta, config.reward_funcs) == (1e-6, 20, 0.04, ["length"])
 
 
+def test_none_in_yaml_unsets_as_on_the_command_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("save_total_limit: none\ndelta: None\nreport_to: none\nmodel: null\n")
+    config = _config(["--config", str(path)])
+    assert (config.save_total_limit, config.delta, config.report_to, config.model) == (None, None, None, None)
+    assert _config(["--save-total-limit", "none"]).save_total_limit is None
+    path.write_text("max_steps: none\n")  # not optional: still an error naming it
+    with pytest.raises(ValueError, match="max_steps: expected an integer, got 'none'"):
+        _config(["--config", str(path)])
+
+
 def _bad_inputs(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     (tmp_path / "broken.yaml").write_text("learning_rate: 1e-6\nbeta: [0.1\n")
@@ -77,6 +88,7 @@ def _bad_inputs(tmp_path):
     (tmp_path / "a_file").write_text("")
     (tmp_path / "typed.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": 5}\n')
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "1 say a"}]}\n')
+    (tmp_path / "empty_prompt.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": ""}\n')
     cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
     return [
         (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
@@ -89,6 +101,10 @@ def _bad_inputs(tmp_path):
         (["--seed", str(10**14)], "seed: expected an int in [0, 2**32), got 100000000000000"),
         (["--stop", ""], "stop: expected non-empty strings"),
         (["--dataset", str(tmp_path / "missing.jsonl")], "dataset: no such file"),
+        # a mistyped local name (its folder exists) is not sent to the Hub
+        (["--dataset", str(tmp_path / "rows.jsonll")], f"dataset: no such file {tmp_path / 'rows.jsonll'}"),
+        (["--dataset", str(tmp_path / "empty_prompt.jsonl"), "--reward-funcs", "length"],
+         "train_dataset: row 1: prompt '' has no tokens"),
         (["--dataset", str(tmp_path / "rows.jsonl")], f"{tmp_path / 'rows.jsonl'}:3: invalid JSON in --dataset"),
         (["--reward-funcs", "nonsense"], "unknown reward 'nonsense'"),
         (["--reward-funcs", "no_such_module:f"], "reward_funcs: no module 'no_such_module' in the current folder"),
@@ -119,6 +135,19 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "fastgrpo_output" / "metrics.jsonl").exists()
     with pytest.raises(ValueError, match="seed: expected"):  # --debug: the traceback
         main(["train", "--seed", str(10**14), "--debug"])
+
+
+def test_a_dataset_folder_datasets_cannot_read_is_one_line(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("datasets")
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "1 say a"}\n')
+    (folder / "b.jsonl").write_text('{"question": "1 say a"}\n')  # other columns: datasets cannot cast them
+    assert main(["train", "--dataset", str(folder), "--reward-funcs", "length", "--output-dir", "out"]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # above it: datasets' own progress bar
+    assert last.startswith(f"fastgrpo train: error: dataset: datasets.load_dataset could not read the folder "
+                           f"{folder} ('train' split): CastError: "), last
 
 
 def test_flag_mistakes_are_one_line_with_a_hint(capsys):

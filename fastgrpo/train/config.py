@@ -49,8 +49,8 @@ class GRPOConfig:
 
     # Model and data.
     model: str | None = option(None, "HF model path or hub name; none: the built-in tiny model")
-    dataset: str | None = option(None, "a .jsonl / .json file of rows, or an HF dataset name (needs `datasets`); "
-                                       "none: the built-in task")
+    dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "
+                                       "name (both need `datasets`); none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
     reward_funcs: list[str] = option(["length"], "names in fastgrpo.rewards.REGISTRY, module:function (a module "
@@ -336,12 +336,16 @@ def coerce_fields(config) -> None:
 
     YAML 1.1 reads `learning_rate: 1e-6` as a string (a float needs a dot there), so numeric strings become the
     field's int / float; an integral float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element
-    list (`reward_funcs: length`). Any config dataclass may call it first thing in its __post_init__.
+    list (`reward_funcs: length`); 'none' unsets an optional field, as its flag's 'none' does. Any config
+    dataclass may call it first thing in its __post_init__.
     """
     hints = _type_hints(type(config))
     for field in dataclasses.fields(config):
         scalar, is_list, optional = _base_type(hints[field.name])
         value = getattr(config, field.name)
+        if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
+            value = None
+            setattr(config, field.name, None)
         if value is None:
             if not optional:
                 raise ValueError(f"{field.name}: expected {_describe(scalar, is_list)}, got None")

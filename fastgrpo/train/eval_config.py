@@ -16,8 +16,8 @@ class EvalConfig(ConfigFile):
                                                 "built-in tiny model; with --checkpoint: the base model's new path")
     checkpoint: str | None = option(None, "a run's checkpoint-<step>/ folder, or its output_dir (the newest "
                                           "checkpoint): the model that run trained, with the checkpoint's weights")
-    dataset: str | None = option(None, "a .jsonl / .json file of rows, or an HF dataset name; none: the built-in "
-                                       "task's held-out rows")
+    dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "
+                                       "name; none: the built-in task's held-out rows")
     dataset_split: str = option("test", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the question: text, or chat messages")
     prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts)")

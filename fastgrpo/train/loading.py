@@ -35,9 +35,12 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
     """Rows of a local .jsonl / .json file or of a Hugging Face dataset (needs `datasets`); `field` names the
     config field in errors."""
     path = Path(dataset)
-    if path.suffix in (".jsonl", ".json") and not path.is_file():
+    json_file = path.suffix.lower() in (".jsonl", ".json")
+    # a missing path whose folder is here is a mistyped local name, not a Hub dataset (which would be retried for
+    # half a minute, then reported as unreachable)
+    if not path.exists() and (json_file or path.parent.is_dir() and path.parent != Path(".")):
         raise ValueError(f"{field}: no such file {path}")
-    if path.suffix in (".jsonl", ".json"):
+    if json_file:
         return read_json_rows(path, field)  # a bad row is an error at file:line
     if path.is_file():  # load_dataset would take its name for the Hub's
         raise ValueError(f"{field}: expected a .jsonl or .json file (or a Hugging Face dataset), got {path}")
@@ -46,7 +49,14 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
     except ImportError:
         raise ValueError(f"{field}: {dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
                          "needs `pip install datasets`") from None
-    return datasets.load_dataset(dataset, split=split)
+    if not path.is_dir():
+        return datasets.load_dataset(dataset, split=split)
+    try:  # a local folder: what datasets cannot read there is the folder's fault, not the network's
+        return datasets.load_dataset(dataset, split=split)
+    except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
+        cause = err.__cause__ or err
+        raise ValueError(f"{field}: datasets.load_dataset could not read the folder {path} ({split!r} split): "
+                         f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
 
 def load_dataset(config):

@@ -68,7 +68,10 @@ def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
     text = prompt_text(prompt, prompt_format)
     if not isinstance(text, str):
         raise ValueError("prompt: chat messages need a tokenizer with a chat template")
-    return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if not ids:
+        raise ValueError(f"prompt: {prompt!r} has no tokens (the engine generates from a prompt's last token)")
+    return ids
 
 
 def response_ids(tokenizer, prompt, response: str, prompt_format: str) -> list[int]:

@@ -141,6 +141,9 @@ class GRPOTrainer:
                 raise ValueError(f"train_dataset: row {index}: {err}") from None
             ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
             ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
+        if len(ids) == 0:
+            raise ValueError(f"train_dataset: row {index}: prompt {prompt!r} has no tokens (the engine generates from "
+                             "a prompt's last token)")
         limit = self.config.max_prompt_length
         if len(ids) > limit:
             if not self.config.truncate_prompts:
