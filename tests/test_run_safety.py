@@ -166,6 +166,22 @@ def test_resuming_a_finished_run_says_so_without_training(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_run_without_a_checkpoint_is_not_offered_to_resume(tmp_path, capsys):
+    """A run that stopped before its first checkpoint left its metrics: a fresh run there is pointed at
+    --overwrite-output-dir only, and --resume, which has nothing to continue, says so and points there too."""
+    from fastgrpo.train.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    argv = ["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "holds another run (metrics.jsonl); start afresh with --overwrite-output-dir" in err, err
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert "start without --resume (with --overwrite-output-dir where a run left files" in err, err
+    assert main([*argv, "--overwrite-output-dir"]) == 0
+
+
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rew')  # killed mid-write

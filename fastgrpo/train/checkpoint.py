@@ -186,7 +186,8 @@ def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
     found = list_checkpoints(output_dir)
     if not found:
         raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {output_dir}; start without "
-                         "--resume")
+                         "--resume (with --overwrite-output-dir where a run left files there before its first "
+                         "checkpoint)")
     for _, path in reversed(found):
         try:
             return path, read_checkpoint(path)

@@ -166,7 +166,9 @@ class RunDirectory:
         found = self.previous_run()
         if found and not overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
-            resume = "continue it with --resume, or " if self.resumable else ""
+            # a run stopped before its first checkpoint left files but nothing --resume could continue
+            resumable = self.resumable and any(p.name.startswith("checkpoint-") for p in found)
+            resume = "continue it with --resume, or " if resumable else ""
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
                              "--overwrite-output-dir (deletes those files)")
         for path in found:
