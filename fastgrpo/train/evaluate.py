@@ -52,10 +52,11 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
                     reward_weights: Sequence[float] | None = None, correct_threshold: float = 1.0,
                     max_examples: int = 0, max_prompt_length: int | None = None,
                     max_positions: int | None = None, max_new_tokens: int = 0,
-                    field: str = "eval_dataset") -> EvalTask:
+                    new_tokens_field: str = "max_new_tokens", field: str = "eval_dataset") -> EvalTask:
     """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors. A prompt
     over max_prompt_length, or one that max_new_tokens more would take past the model's max_positions
-    (model_positions), is refused here, naming its row, before anything is generated."""
+    (model_positions), is refused here, naming its row and the config field of max_new_tokens, before anything is
+    generated."""
     if rows is None or len(rows) == 0:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     if not reward_funcs or not all(callable(f) for f in reward_funcs):
@@ -88,7 +89,7 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
         if max_positions is not None and n + max_new_tokens > max_positions:
             raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}; with {max_new_tokens} new tokens "
                              f"that is {n + max_new_tokens} positions, over the model's max_position_embeddings "
-                             f"({max_positions}): shorten the prompt or generate fewer tokens")
+                             f"({max_positions}): shorten the prompt or lower {new_tokens_field}")
     return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
                     correct_threshold)
 

@@ -64,7 +64,7 @@ def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
     task = build_eval_task(_rows(config), tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=rewards,
                            max_examples=config.eval_max_examples, max_positions=model_positions(model),
-                           max_new_tokens=config.eval_max_new_tokens)
+                           max_new_tokens=config.eval_max_new_tokens, new_tokens_field="eval_max_new_tokens")
     sampling = SamplingParams(max_new_tokens=config.eval_max_new_tokens, temperature=config.eval_temperature)
     r1_zero = config.prompt_format == "r1_zero" or "r1_zero_math" in config.eval_reward_funcs
     return PeriodicEval(model, BuiltinEngine(model, tokenizer), tokenizer, task, sampling, every=config.eval_steps,
@@ -80,7 +80,7 @@ def ei_evaluator(run) -> PeriodicEval | None:
                            prompt_format=config.prompt_format, reward_funcs=run.reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
                            max_examples=config.eval_max_examples, max_positions=model_positions(run.model),
-                           max_new_tokens=run.sampling.max_new_tokens)
+                           max_new_tokens=run.sampling.max_new_tokens, new_tokens_field="max_completion_length")
     return PeriodicEval(run.model, run.engine, run.tokenizer, task, run.sampling, every=config.eval_steps,
                         output_dir=config.output_dir, stop=config.stop_strings, seed=config.seed,
                         reward_errors=config.reward_errors)
@@ -96,7 +96,8 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
                            prompt_format="raw", reward_funcs=trainer.reward_funcs,
                            reward_weights=config.reward_weights, max_examples=config.eval_max_examples,
                            max_positions=model_positions(trainer.model),
-                           max_new_tokens=trainer.sampling.max_new_tokens)
+                           max_new_tokens=trainer.sampling.max_new_tokens,
+                           new_tokens_field="max_completion_length")
     return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
                         every=config.eval_steps, output_dir=config.output_dir, stop=config.stop, seed=config.seed,
                         reward_errors=config.reward_errors)
