@@ -104,7 +104,7 @@ def _bad_inputs(tmp_path):
         # a mistyped local name (its folder exists) is not sent to the Hub
         (["--dataset", str(tmp_path / "rows.jsonll")], f"dataset: no such file {tmp_path / 'rows.jsonll'}"),
         (["--dataset", str(tmp_path / "empty_prompt.jsonl"), "--reward-funcs", "length"],
-         "train_dataset: row 1: prompt '' has no tokens"),
+         "train_dataset: row 1: prompt: '' has no tokens"),
         (["--dataset", str(tmp_path / "rows.jsonl")], f"{tmp_path / 'rows.jsonl'}:3: invalid JSON in --dataset"),
         (["--reward-funcs", "nonsense"], "unknown reward 'nonsense'"),
         (["--reward-funcs", "no_such_module:f"], "reward_funcs: no module 'no_such_module' in the current folder"),

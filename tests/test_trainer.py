@@ -11,6 +11,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.loss.grpo import group_advantages
 from fastgrpo.train.optim import lr_factor
+from fastgrpo.train.prompts import R1_ZERO_STOP, prompt_ids, stop_strings
 from fastgrpo.train.trainer import ADVANTAGE_EPS, GRPOTrainer
 
 FP32_EPS = torch.finfo(torch.float32).eps
@@ -126,6 +127,23 @@ def test_loop_variants_run(tmp_path, fields):
         assert all(math.isfinite(m[k]) for k in ("loss", "grad_norm", "kl", "entropy", "clip_ratio"))
     if "kl_target" in fields:
         assert history[0]["kl"] == 0.0 and history[-1]["beta"] < 0.2  # KL below target: beta shrinks
+
+
+def test_r1_zero_prompts_and_stop(tmp_path):
+    """prompt_format r1_zero: train wraps its prompts as ei and eval do, and stops at </answer> unless --stop."""
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    model.config.max_position_embeddings = 1024  # RoPE: room for the template, which the built-in model lacks
+    dataset = default_task.build_dataset(8)
+    config = _config(tmp_path, prompt_format="r1_zero", max_prompt_length=512, max_steps=1)
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, dataset, config)
+    assert trainer.prompts[0] == prompt_ids(tokenizer, dataset[0]["prompt"], "r1_zero")
+    assert len(trainer.prompts[0]) > len(prompt_ids(tokenizer, dataset[0]["prompt"], "raw")) + 100
+    assert all(math.isfinite(m["loss"]) for m in trainer.train())
+    assert stop_strings(None, "r1_zero") == R1_ZERO_STOP and stop_strings(["x"], "r1_zero") == ["x"]
+    assert stop_strings(None, "raw") is None
+    with pytest.raises(ValueError, match="prompt_format: expected one of"):
+        _config(tmp_path, prompt_format="r1")
 
 
 def test_fp8_kv_cache_reaches_the_engine(tmp_path, monkeypatch):

@@ -18,6 +18,7 @@ from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
+from fastgrpo.train.prompts import PROMPT_FORMATS
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 from fastgrpo.train.run_kind import check_same_command
 
@@ -53,6 +54,8 @@ class GRPOConfig:
                                        "name (both need `datasets`); none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
+    prompt_format: str = option("raw", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); r1_zero: the R1-Zero "
+                                "template around the text, generation stopping at </answer> unless --stop")
     reward_funcs: list[str] = option(["length"], "names in fastgrpo.rewards.REGISTRY, module:function (a module "
                                                  "in the current folder too) or path/to/file.py:function")
     reward_weights: list[float] | None = option(None, "one weight per reward function; none: all 1.0")
@@ -259,6 +262,7 @@ class GRPOConfig:
         check_choice("lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         check_choice("dtype", self.dtype, DTYPES)
         check_choice("reward_errors", self.reward_errors, REWARD_ERRORS)
+        check_choice("prompt_format", self.prompt_format, PROMPT_FORMATS)
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if self.stop is not None and not all(self.stop):

@@ -9,7 +9,7 @@ from fastgrpo.train.options import (
     ConfigFile, check_at_least, check_model_options, check_optimizer_options, check_run_options, check_scoring_options,
     inherited,
 )
-from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
+from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.sft_config import SFTConfig
 
 # Fields an EI run passes on to the SFT of each round under the same names.
@@ -114,7 +114,7 @@ class EIConfig(ConfigFile):
 
     @property
     def stop_strings(self) -> list[str] | None:
-        return self.stop if self.stop is not None or self.prompt_format != "r1_zero" else list(R1_ZERO_STOP)
+        return stop_strings(self.stop, self.prompt_format)
 
     def sft_config(self, round_index: int) -> SFTConfig:
         """The SFT of round `round_index`: this run's batching and optimizer, sft_epochs passes, its own seed."""

@@ -15,7 +15,7 @@ from fastgrpo.train.evaluate import (
     EvalTask, build_eval_task, evaluate, log_generations, model_positions, write_eval,
 )
 from fastgrpo.train.loading import load_rows, resolve_reward
-from fastgrpo.train.prompts import R1_ZERO_STOP
+from fastgrpo.train.prompts import R1_ZERO_STOP, stop_strings
 
 EVAL_SPLIT = "test"
 
@@ -87,17 +87,18 @@ def ei_evaluator(run) -> PeriodicEval | None:
 
 
 def grpo_evaluator(trainer) -> PeriodicEval | None:
-    """For a GRPOTrainer: its prompts' format (text as is, messages through the chat template), rewards and weights,
+    """For a GRPOTrainer: its prompt format (raw: text as is, messages through the chat template), rewards and weights,
     sampling, stop strings and engine; one completion per prompt."""
     config = trainer.config
     if not config.eval_steps:
         return None
     task = build_eval_task(_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
-                           prompt_format="raw", reward_funcs=trainer.reward_funcs,
+                           prompt_format=config.prompt_format, reward_funcs=trainer.reward_funcs,
                            reward_weights=config.reward_weights, max_examples=config.eval_max_examples,
                            max_positions=model_positions(trainer.model),
                            max_new_tokens=trainer.sampling.max_new_tokens,
                            new_tokens_field="max_completion_length")
     return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
-                        every=config.eval_steps, output_dir=config.output_dir, stop=config.stop, seed=config.seed,
+                        every=config.eval_steps, output_dir=config.output_dir,
+                        stop=stop_strings(config.stop, config.prompt_format), seed=config.seed,
                         reward_errors=config.reward_errors)

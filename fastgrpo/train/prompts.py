@@ -1,8 +1,8 @@
-"""Prompt and response token ids of a dataset row, one rule for `fastgrpo sft`, `ei` and `eval`.
+"""Prompt and response token ids of a dataset row, one rule for `fastgrpo train`, `sft`, `ei` and `eval`.
 
 Prompt formats:
-  raw      text as it is (tokenized with the tokenizer's special tokens, as `fastgrpo train` does); a list of chat
-           messages goes through the chat template.
+  raw      text as it is (tokenized with the tokenizer's special tokens); a list of chat messages goes through the
+           chat template.
   chat     the tokenizer's chat template; a text prompt is one user message.
   auto     chat when the tokenizer has a chat template, else raw.
   r1_zero  the R1-Zero prompt (R1_ZERO_PROMPT) around the text, then raw: the course's format for base models, and
@@ -24,6 +24,11 @@ R1_ZERO_PROMPT = (
 )
 # Generation stops at the closing tag under r1_zero: the reward reads nothing after it.
 R1_ZERO_STOP = ["</answer>"]
+
+
+def stop_strings(stop: list[str] | None, prompt_format: str) -> list[str] | None:
+    """A config's stop strings: its own, or under r1_zero (when it sets none) the closing answer tag."""
+    return stop if stop is not None or prompt_format != "r1_zero" else list(R1_ZERO_STOP)
 
 
 def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:

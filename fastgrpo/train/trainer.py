@@ -40,7 +40,7 @@ from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.prompts import chat_messages
+from fastgrpo.train.prompts import chat_messages, prompt_ids, stop_strings
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -124,26 +124,21 @@ class GRPOTrainer:
 
     # ---- input checks: all before any compute ----
     def _prompt_ids(self, index: int) -> list[int]:
-        """Token ids of row `index`'s prompt (chat messages go through the chat template).
+        """Token ids of row `index`'s prompt in config.prompt_format (fastgrpo.train.prompts; chat messages go
+        through the chat template).
 
         Prompts longer than max_prompt_length raise, unless truncate_prompts: then they keep their last
         max_prompt_length tokens (the end holds the question and the generation prompt), with a warning.
         """
         prompt = self.dataset[index][self.config.prompt_column]
-        if isinstance(prompt, str):
-            ids = self.tokenizer(prompt, add_special_tokens=True)["input_ids"]
-        else:
-            try:
+        try:
+            if not isinstance(prompt, str):
                 chat_messages(prompt)
                 if not getattr(self.tokenizer, "chat_template", None):
                     raise ValueError("chat messages need a tokenizer with a chat template")
-            except ValueError as err:
-                raise ValueError(f"train_dataset: row {index}: {err}") from None
-            ids = self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True)
-            ids = ids["input_ids"] if isinstance(ids, dict) or hasattr(ids, "keys") else ids
-        if len(ids) == 0:
-            raise ValueError(f"train_dataset: row {index}: prompt {prompt!r} has no tokens (the engine generates from "
-                             "a prompt's last token)")
+            ids = prompt_ids(self.tokenizer, prompt, self.config.prompt_format)
+        except ValueError as err:
+            raise ValueError(f"train_dataset: row {index}: {err}") from None
         limit = self.config.max_prompt_length
         if len(ids) > limit:
             if not self.config.truncate_prompts:
@@ -260,7 +255,7 @@ class GRPOTrainer:
         self.engine.reacquire_memory()
         out = self.dist.generate(
             self.engine, prompt_ids, keys, num_generations=config.num_generations, sampling=self.sampling,
-            stop=config.stop, seed=config.seed * 1_000_003 + self.step,
+            stop=stop_strings(config.stop, config.prompt_format), seed=config.seed * 1_000_003 + self.step,
         )
         self.engine.release_memory()
         prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
