@@ -1,6 +1,7 @@
 """`fastgrpo ei`: the built-in expert iteration raises its reward; a round keeps exactly the sampled tokens of the
 completions marked correct; a round with nothing kept leaves the weights alone; resume continues a straight run."""
 import json
+import logging
 
 import pytest
 import torch
@@ -81,12 +82,15 @@ def test_samples_do_not_depend_on_the_generation_batch(tmp_path):
     assert len(texts[4]) == 8 and texts[1] == texts[3] == texts[4]
 
 
-def test_nothing_kept_leaves_the_weights(tmp_path):
+def test_nothing_kept_leaves_the_weights_and_says_so(tmp_path, caplog):
     model, run = _run(lambda prompts, completions, **c: [0.0] * len(completions), tmp_path)
     before = [p.detach().clone() for p in model.parameters()]
-    metrics = run.run_round()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.expert_iteration"):
+        metrics = run.run_round()
     assert metrics["kept"] == 0 and metrics["sft_steps"] == 0 and metrics["sft_loss_first"] is None
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert "round 1: no completion reached correct_threshold 1 (best reward 0, 8 of 8 cut at max_completion_length)" \
+        in caplog.text, caplog.text
 
 
 def test_bad_input_and_failing_rewards(tmp_path):

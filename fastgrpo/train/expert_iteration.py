@@ -107,6 +107,11 @@ class ExpertIteration:
         if kept:
             trainer = SFTTrainer(self.model, self.tokenizer, kept, config.sft_config(self.round))
             sft = [trainer.train_step() for _ in range(trainer.total_steps)]
+        else:  # a round that learns nothing; every round alike is a run that cannot start (a setting, not luck)
+            logger.warning("round %d: no completion reached correct_threshold %g (best reward %.3g, %d of %d cut at "
+                           "max_completion_length): nothing to fine-tune on", self.round + 1,
+                           config.correct_threshold, rewards.max().item(),
+                           sum(reason == "length" for _, _, reason in samples), len(samples))
         t_sft = time.perf_counter()
 
         self.round += 1
