@@ -137,6 +137,15 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
         main(["train", "--seed", str(10**14), "--debug"])
 
 
+def test_row_files_with_a_byte_order_mark_or_an_upper_case_suffix_load(tmp_path):
+    from fastgrpo.train.loading import load_rows
+
+    rows = [{"prompt": "1 say a"}, {"prompt": "2 say b"}]
+    (tmp_path / "rows.JSONL").write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode())
+    (tmp_path / "rows.JSON").write_bytes(b"\xef\xbb\xbf" + json.dumps(rows).encode())
+    assert load_rows(str(tmp_path / "rows.JSONL")) == rows == load_rows(str(tmp_path / "rows.JSON"))
+
+
 def test_a_dataset_folder_datasets_cannot_read_is_one_line(tmp_path, capsys, monkeypatch):
     pytest.importorskip("datasets")
     monkeypatch.chdir(tmp_path)

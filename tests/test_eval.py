@@ -93,6 +93,21 @@ def test_a_prompt_past_the_models_positions_is_refused_before_anything_runs(tmp_
     assert not out.exists()
 
 
+def test_checkpoint_and_model_mixed_up_point_to_each_other(tmp_path, capsys):
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "final" / "config.json").write_text("{}")
+    (run / "checkpoint-1").mkdir()
+    for argv, message in [
+        (["--checkpoint", str(run / "final")], "; it is a model folder: pass it as --model"),
+        (["--model", str(run)], "(a run's folder: its final/ is a model; --checkpoint takes the run)"),
+        (["--checkpoint", str(tmp_path / "nope")], f"checkpoint: no such folder {tmp_path / 'nope'}"),
+    ]:
+        assert main(["eval", *argv, "--output-dir", str(tmp_path / "out")]) == 2, argv
+        err = capsys.readouterr().err
+        assert message in err and err.count("\n") == 1, (argv, err)
+
+
 def test_r1_zero_grades():
     assert r1_zero_grades("so 2 + 2 </think> <answer> 4 </answer>", "4") == (1.0, 1.0)
     assert r1_zero_grades("so 2 + 2 </think> <answer> 5 </answer>", "4") == (1.0, 0.0)

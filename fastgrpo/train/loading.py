@@ -133,9 +133,12 @@ def find_checkpoint(path: str | Path) -> Path:
     if (path / STATE_FILE).is_file():
         return path
     latest = latest_checkpoint(path) if path.is_dir() else None
+    if not path.exists():
+        raise ValueError(f"checkpoint: no such folder {path}")
     if latest is None:
+        model = "; it is a model folder: pass it as --model" if (path / "config.json").is_file() else ""
         raise ValueError(f"checkpoint: {path} is neither a checkpoint-<step>/ folder (with {STATE_FILE}) nor an "
-                         "output_dir holding one")
+                         f"output_dir holding one{model}")
     return latest
 
 

@@ -76,8 +76,8 @@ def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{field}: no such file {path}")
-    text = path.read_text()
-    if path.suffix == ".json":
+    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not a row
+    if path.suffix.lower() == ".json":
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
@@ -131,7 +131,9 @@ def check_model_source(model: str) -> None:
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
-            raise ValueError(f"model: {model} is not a Hugging Face model folder (no config.json in it)")
+            run = " (a run's folder: its final/ is a model; --checkpoint takes the run)" \
+                if (path / "final" / "config.json").is_file() or any(path.glob("checkpoint-*")) else ""
+            raise ValueError(f"model: {model} is not a Hugging Face model folder (no config.json in it){run}")
         return
     looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
     if looks_local:
