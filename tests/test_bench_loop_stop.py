@@ -27,6 +27,13 @@ def children(pid: int) -> list[int]:
     return found
 
 
+def cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_text(errors="replace")
+    except OSError:  # the process ended between children() and here (the driver's short-lived helpers do)
+        return ""
+
+
 def alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -53,8 +60,7 @@ def test_a_stopped_driver_kills_its_running_case(tmp_path, signum):
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     cases = []
     try:
-        cases = wait_for(lambda: [c for c in children(driver.pid)
-                                  if "--child" in Path(f"/proc/{c}/cmdline").read_text(errors="replace")],
+        cases = wait_for(lambda: [c for c in children(driver.pid) if "--child" in cmdline(c)],
                          120, "the driver to start its case")
         driver.send_signal(signum)
         output = driver.communicate(timeout=30)[0]
