@@ -176,6 +176,16 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         assert err.endswith(f"(see fastgrpo {argv[0]} --help)\n"), (argv, err)
 
 
+def test_each_commands_help_says_only_what_applies_to_it(capsys):
+    texts = {}
+    for name in ("sft", "ei", "eval"):
+        with pytest.raises(SystemExit):
+            main([name, "--help"])
+        texts[name] = " ".join(capsys.readouterr().out.split())
+    assert [("--checkpoint of a run" in t) for t in texts.values()] == [False, False, True]
+    assert not any(f"(default: {v}; {v} for the built-in model" in t for t in texts.values() for v in (8, 32, 64))
+
+
 def test_reward_functions_from_the_current_folder_and_from_a_file(tmp_path, monkeypatch):
     assert resolve_reward("length") is length_reward
     assert resolve_reward("fastgrpo.train.default_task:repeat_letter_reward") is default_task.repeat_letter_reward

@@ -30,15 +30,18 @@ EVAL_HELP = "evaluate a model or checkpoint with the rollout engine: per-example
 
 def description(name: str) -> str:
     config = CONFIGS[name].__name__
-    return (f"Every {config} field is a flag; flags override the YAML file given with --config. Without --model "
-            f"(for eval: and without a --checkpoint of a run on a real model), the built-in tiny model's settings "
-            f"replace some defaults (each flag's help says so); without --dataset, the built-in task is used.")
+    checkpoint = " (and without a --checkpoint of a run on a real model)" if name == "eval" else ""
+    return (f"Every {config} field is a flag; flags override the YAML file given with --config. Without --model"
+            f"{checkpoint}, the built-in tiny model's settings replace some defaults (each flag's help says so); "
+            "without --dataset, the built-in task is used.")
 
 
 def _add_arguments(name: str):
     def add(parser: argparse.ArgumentParser) -> None:
+        defaults = CONFIGS[name]()
         notes = {k: default_task.MICRO_BATCH_NOTE.format(v) if k == "micro_batch_size" else
-                 f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()}
+                 f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()
+                 if k == "micro_batch_size" or v != getattr(defaults, k)}  # no "32; 32 for the built-in model"
         notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA[name].items()})
         parser.add_argument("--config", type=Path, help=f"YAML file of {CONFIGS[name].__name__} fields")
         add_config_arguments(parser, CONFIGS[name], notes=notes)
