@@ -115,7 +115,9 @@ def test_resume_names_each_changed_setting(tmp_path, caplog):
     _trainer(tmp_path, max_steps=1).train()
     with pytest.raises(ValueError, match=r"resume: checkpoint-1 was made with other settings: temperature: 1.0 in "
                                          r"the checkpoint, 0.5 now; learning_rate: 0.003 in the checkpoint, 0.5 now;"
-                                         r" seed: 0 in the checkpoint, 3 now; pass --resume-allow-changes"):
+                                         r" seed: 0 in the checkpoint, 3 now; resume with the run's own \(its "
+                                         r"--config and flags; checkpoint-1/run_config.json holds them all\), or "
+                                         r"pass --resume-allow-changes"):
         _trainer(tmp_path, max_steps=2, resume=True, learning_rate=0.5, seed=3, temperature=0.5).train()
     # Run-control settings may change; the run continues where it was.
     history = _trainer(tmp_path, max_steps=2, resume=True, save_steps=7, logging_steps=3, micro_batch_size=4).train()

@@ -443,7 +443,8 @@ def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> Non
         if warn:  # warn=False: a check before the model loads, which the trainer's own check repeats
             logger.warning("resume: continuing %s with changed settings: %s", checkpoint, "; ".join(changes))
         return
-    raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; pass "
+    raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; resume with the "
+                     f"run's own (its --config and flags; {checkpoint}/run_config.json holds them all), or pass "
                      "--resume-allow-changes to continue with the new ones")
 
 
