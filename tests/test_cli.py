@@ -75,6 +75,8 @@ def test_none_in_yaml_unsets_as_on_the_command_line(tmp_path):
     config = _config(["--config", str(path)])
     assert (config.save_total_limit, config.delta, config.report_to, config.model) == (None, None, None, None)
     assert _config(["--save-total-limit", "none"]).save_total_limit is None
+    path.write_bytes(b"\xef\xbb\xbfmax_steps: 3\n")  # a byte-order mark, as Windows editors write
+    assert _config(["--config", str(path)]).max_steps == 3
     path.write_text("max_steps: none\n")  # not optional: still an error naming it
     with pytest.raises(ValueError, match="max_steps: expected an integer, got 'none'"):
         _config(["--config", str(path)])
@@ -83,6 +85,8 @@ def test_none_in_yaml_unsets_as_on_the_command_line(tmp_path):
 def _bad_inputs(tmp_path):
     (tmp_path / "list.yaml").write_text("- 1\n")
     (tmp_path / "broken.yaml").write_text("learning_rate: 1e-6\nbeta: [0.1\n")
+    (tmp_path / "twice.yaml").write_text("seed: 1\nmax_steps: 2\nseed: 2\n")
+    (tmp_path / "latin1.yaml").write_bytes("seed: 1 # caf\xe9\n".encode("latin-1"))
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1 say a"}\n\n{"prompt": "2 say b",}\n')
     (tmp_path / "rows.csv").write_text("prompt\n1 say a\n")
     (tmp_path / "a_file").write_text("")
@@ -94,6 +98,8 @@ def _bad_inputs(tmp_path):
         (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
         (["--config", str(tmp_path / "missing.yaml")], f"config: no such file {tmp_path / 'missing.yaml'}"),
         (["--config", str(tmp_path / "broken.yaml")], f"config: {tmp_path / 'broken.yaml'}:3:1: malformed YAML"),
+        (["--config", str(tmp_path / "twice.yaml")], f"config: {tmp_path / 'twice.yaml'}:3: 'seed' is given twice"),
+        (["--config", str(tmp_path / "latin1.yaml")], f"config: {tmp_path / 'latin1.yaml'} is not UTF-8 text"),
         (["--model", "/nonexistent"], "model: no such folder /nonexistent"),
         (["--model", str(tmp_path)], f"model: {tmp_path} is not a Hugging Face model folder (no config.json"),
         (["--device", "cuda" if not torch.cuda.is_available() else "cuda:99"], "device: 'cuda"),

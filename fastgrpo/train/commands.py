@@ -12,7 +12,8 @@ import shlex
 from pathlib import Path
 
 from fastgrpo.train import default_task
-from fastgrpo.train.config import add_config_arguments, check_resume, read_yaml
+from fastgrpo.train.config import add_config_arguments, check_resume
+from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig

@@ -16,6 +16,7 @@ from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
@@ -309,30 +310,6 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
-
-
-def read_yaml(path: str | Path) -> dict:
-    """The {field: value} mapping of a YAML config file (an empty file is {}); a missing file or bad YAML is a
-    one-line ValueError with the file and line."""
-    import yaml
-
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ValueError(f"config: no such file {path}") from None
-    except OSError as err:
-        raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
-    try:
-        data = yaml.safe_load(text) or {}
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
-        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise ValueError(f"config: {where}: malformed YAML ({problem})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
-    return data
 
 
 def coerce_fields(config) -> None:

@@ -11,7 +11,8 @@ from pathlib import Path
 
 from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
-                                   option, read_yaml)
+                                   option)
+from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
