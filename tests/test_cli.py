@@ -173,6 +173,7 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         (["sft", "--max-seq-len", "4"], "unrecognized arguments: --max-seq-len (did you mean --max-seq-length?) 4"),
         (["train", "--learning_rate=3"], "unrecognized arguments: --learning_rate=3 (did you mean --learning-rate?)"),
         (["train", "--lr", "3"], "unrecognized arguments: --lr 3 (see"),
+        (["ei", "--config", "a.yaml", "--config", "b.yaml"], "argument --config: given twice (a.yaml, b.yaml)"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
             main(argv)

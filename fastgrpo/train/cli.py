@@ -27,7 +27,7 @@ from fastgrpo.train.commands import (
     description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
-from fastgrpo.train.config_file import read_yaml
+from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.errors import RunError, run_command
 
 
@@ -134,7 +134,7 @@ def _preset_notes() -> dict[str, str]:
 
 
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", type=Path, help="YAML file of GRPOConfig fields")
+    add_config_file_argument(parser, "GRPOConfig")
     add_config_arguments(parser, GRPOConfig, notes=_preset_notes())
 
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.config import add_config_arguments, check_resume
-from fastgrpo.train.config_file import read_yaml
+from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
@@ -44,7 +44,7 @@ def _add_arguments(name: str):
                  f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()
                  if k == "micro_batch_size" or v != getattr(defaults, k)}  # no "32; 32 for the built-in model"
         notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA[name].items()})
-        parser.add_argument("--config", type=Path, help=f"YAML file of {CONFIGS[name].__name__} fields")
+        add_config_file_argument(parser, CONFIGS[name].__name__)
         add_config_arguments(parser, CONFIGS[name], notes=notes)
 
     return add

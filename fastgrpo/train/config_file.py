@@ -1,7 +1,21 @@
 """Reading a YAML config file (`--config`) into a {field: value} mapping, every problem one line naming the file."""
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
+
+
+def add_config_file_argument(parser: argparse.ArgumentParser, config_name: str) -> None:
+    """--config, given at most once (a second one would replace the first silently)."""
+    parser.add_argument("--config", type=Path, action=_GivenOnce, help=f"YAML file of {config_name} fields")
+
+
+class _GivenOnce(argparse.Action):
+    def __call__(self, parser, namespace, values, option_string=None):
+        if getattr(namespace, self.dest, None) is not None:
+            parser.error(f"argument {option_string}: given twice ({getattr(namespace, self.dest)}, {values}); one "
+                         "config file per run")
+        setattr(namespace, self.dest, values)
 
 
 def read_yaml(path: str | Path) -> dict:
