@@ -193,7 +193,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, model_positions, write_eval
+    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
+    from fastgrpo.train.input_checks import model_positions
     from fastgrpo.train.loading import find_checkpoint, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import RunDirectory
     from fastgrpo.train.sources import naming_the_model

@@ -19,7 +19,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
-from fastgrpo.train.prompts import PROMPT_FORMATS
+from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 from fastgrpo.train.run_kind import check_same_command
 
@@ -310,6 +310,10 @@ class GRPOConfig:
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
+
+    @property
+    def stop_strings(self) -> list[str] | None:
+        return stop_strings(self.stop, self.prompt_format)
 
 
 def coerce_fields(config) -> None:

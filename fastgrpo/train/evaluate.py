@@ -43,11 +43,6 @@ class EvalTask:
         return self.reward_funcs == [r1_zero_math_reward]
 
 
-def model_positions(model) -> int | None:
-    """The longest sequence the model's config allows (max_position_embeddings), None where it names none."""
-    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
-
-
 def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, reward_funcs: Sequence[Callable],
                     reward_weights: Sequence[float] | None = None, correct_threshold: float = 1.0,
                     max_examples: int = 0, max_prompt_length: int | None = None,
@@ -55,8 +50,8 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
                     new_tokens_field: str = "max_new_tokens", field: str = "eval_dataset") -> EvalTask:
     """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors. A prompt
     over max_prompt_length, or one that max_new_tokens more would take past the model's max_positions
-    (model_positions), is refused here, naming its row and the config field of max_new_tokens, before anything is
-    generated."""
+    (input_checks.model_positions), is refused here, naming its row and the config field of max_new_tokens, before
+    anything is generated."""
     if rows is None or len(rows) == 0:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     if not reward_funcs or not all(callable(f) for f in reward_funcs):

@@ -6,6 +6,11 @@ from collections.abc import Callable, Sequence
 from fastgrpo.rewards.scoring import required_columns, reward_name
 
 
+def model_positions(model) -> int | None:
+    """The longest sequence the model's config allows (max_position_embeddings), None where it names none."""
+    return getattr(getattr(model, "config", None), "max_position_embeddings", None)
+
+
 def dataset_columns(dataset) -> list[str]:
     names = getattr(dataset, "column_names", None)
     return list(names) if names is not None else list(dataset[0])
@@ -38,7 +43,7 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
                                  f"{sorted(columns)}; every row needs the same columns")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-    positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    positions = model_positions(model)
     if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
         raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
                          f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "

@@ -49,12 +49,12 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
     except ImportError:
         raise ValueError(f"{field}: {dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
                          "needs `pip install datasets`") from None
-    if not path.is_dir():
-        return datasets.load_dataset(dataset, split=split)
-    try:  # a local folder: what datasets cannot read there is the folder's fault, not the network's
+    try:
         return datasets.load_dataset(dataset, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
-        cause = err.__cause__ or err
+        if not path.is_dir():  # a Hub name: the network's errors are not the user's input
+            raise
+        cause = err.__cause__ or err  # a local folder: what datasets cannot read there is the folder's fault
         raise ValueError(f"{field}: datasets.load_dataset could not read the folder {path} ({split!r} split): "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
@@ -132,9 +132,9 @@ def find_checkpoint(path: str | Path) -> Path:
     path = Path(path)
     if (path / STATE_FILE).is_file():
         return path
-    latest = latest_checkpoint(path) if path.is_dir() else None
     if not path.exists():
         raise ValueError(f"checkpoint: no such folder {path}")
+    latest = latest_checkpoint(path) if path.is_dir() else None
     if latest is None:
         model = "; it is a model folder: pass it as --model" if (path / "config.json").is_file() else ""
         raise ValueError(f"checkpoint: {path} is neither a checkpoint-<step>/ folder (with {STATE_FILE}) nor an "

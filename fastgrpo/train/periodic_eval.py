@@ -11,11 +11,10 @@ from pathlib import Path
 
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train import default_task
-from fastgrpo.train.evaluate import (
-    EvalTask, build_eval_task, evaluate, log_generations, model_positions, write_eval,
-)
+from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
+from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import load_rows, resolve_reward
-from fastgrpo.train.prompts import R1_ZERO_STOP, stop_strings
+from fastgrpo.train.prompts import R1_ZERO_STOP
 
 EVAL_SPLIT = "test"
 
@@ -100,5 +99,5 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
                            new_tokens_field="max_completion_length")
     return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
                         every=config.eval_steps, output_dir=config.output_dir,
-                        stop=stop_strings(config.stop, config.prompt_format), seed=config.seed,
+                        stop=config.stop_strings, seed=config.seed,
                         reward_errors=config.reward_errors)

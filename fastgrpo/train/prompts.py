@@ -69,11 +69,12 @@ def prompt_text(prompt, prompt_format: str) -> str | list:
 def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
     """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation."""
     if uses_chat_template(tokenizer, prompt, prompt_format):
-        return _ids(tokenizer.apply_chat_template(chat_messages(prompt), add_generation_prompt=True, tokenize=True))
-    text = prompt_text(prompt, prompt_format)
-    if not isinstance(text, str):
-        raise ValueError("prompt: chat messages need a tokenizer with a chat template")
-    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+        messages = chat_messages(prompt)
+        if not getattr(tokenizer, "chat_template", None):  # transformers' own error names no row or option
+            raise ValueError("chat messages need a tokenizer with a chat template")
+        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    # not through the template: a text prompt (uses_chat_template takes every other), r1_zero-wrapped or as it is
+    ids = list(tokenizer(prompt_text(prompt, prompt_format), add_special_tokens=True)["input_ids"])
     if not ids:
         raise ValueError(f"prompt: {prompt!r} has no tokens (the engine generates from a prompt's last token)")
     return ids

@@ -20,6 +20,7 @@ from fastgrpo.train.checkpoint import (
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.interrupts import InterruptGuard
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import sft_evaluator
@@ -45,7 +46,7 @@ class SFTTrainer:
         self.model, self.tokenizer = model, tokenizer
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-        positions = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+        positions = model_positions(model)
         if positions is not None and config.max_seq_length > positions:
             raise ValueError(f"max_seq_length: {config.max_seq_length} exceeds the model's max_position_embeddings "
                              f"({positions})")

@@ -40,7 +40,7 @@ from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.prompts import chat_messages, prompt_ids, stop_strings
+from fastgrpo.train.prompts import prompt_ids
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -132,10 +132,6 @@ class GRPOTrainer:
         """
         prompt = self.dataset[index][self.config.prompt_column]
         try:
-            if not isinstance(prompt, str):
-                chat_messages(prompt)
-                if not getattr(self.tokenizer, "chat_template", None):
-                    raise ValueError("chat messages need a tokenizer with a chat template")
             ids = prompt_ids(self.tokenizer, prompt, self.config.prompt_format)
         except ValueError as err:
             raise ValueError(f"train_dataset: row {index}: {err}") from None
@@ -255,7 +251,7 @@ class GRPOTrainer:
         self.engine.reacquire_memory()
         out = self.dist.generate(
             self.engine, prompt_ids, keys, num_generations=config.num_generations, sampling=self.sampling,
-            stop=stop_strings(config.stop, config.prompt_format), seed=config.seed * 1_000_003 + self.step,
+            stop=config.stop_strings, seed=config.seed * 1_000_003 + self.step,
         )
         self.engine.release_memory()
         prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
