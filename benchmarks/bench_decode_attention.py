@@ -46,8 +46,8 @@ def heads(shape: str) -> tuple[int, int, int]:
 
 
 # cache -> (e4m3, V slot-major, fp8_dots): the bf16 cache; the e4m3 cache as the engine stores it (rollout/kv_cache.py:
-# V's slots contiguous); with V row-major like K (the engine's layout before 2026-11-27); and the engine's e4m3 cache
-# with the kernel's fp8_dots (e4m3 q and weights on the FP8 tensor cores; not yet the engine's)
+# V's slots contiguous) with fp16 dots (the engine's before 2026-11-28); with V row-major like K (the engine's layout
+# before 2026-11-27); and the engine's e4m3 cache and dots, fp8_dots (e4m3 q and weights on the FP8 tensor cores)
 CACHES = {"bf16": (False, False, False), "e4m3": (True, True, False), "e4m3-v-rowmajor": (True, False, False),
           "e4m3-fp8-dots": (True, True, True)}
 

@@ -223,7 +223,7 @@ def test_fp8_cache_matches_fp64_reference(N, H, G, D, M, length_frac, dtype, sca
     keep = visible & (torch.arange(M) < length)
     k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
     assert got.dtype == dtype and got.shape == q.shape
-    assert_within(got, ref, bound(ref, q, k, v, keep, s, dtype, fp8=True),
+    assert_within(got, ref, e4m3_bound(ref, q, k, v, vq, vs, keep, s, dtype),
                   f"fp8 {dtype} N{N} H{H} G{G} D{D} M{M} len{length}")
 
 
@@ -254,8 +254,17 @@ def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_fr
     fvis = torch.cat([pvis.repeat_interleave(S, 0), visible], dim=1)
     ref = decode_attention_torch(q.double(), k, v, fvis, torch.tensor([P + length]))
     keep = fvis & (torch.arange(P + M) < P + length)
-    assert_within(got, ref, bound(ref, q, k, v, keep, D**-0.5, dtype, fp8=True),
+    all_vq = torch.cat([pvq.repeat_interleave(S, 0), vq], dim=2)
+    all_vs = torch.cat([pvs.repeat_interleave(S, 0), vs], dim=2)
+    assert_within(got, ref, e4m3_bound(ref, q, k, v, all_vq, all_vs, keep, D**-0.5, dtype),
                   f"fp8 shared {dtype} B{B} S{S} P{P} M{M} len{length}")
+
+
+def e4m3_bound(ref, q, k, v, vq, vs, keep, scale, dtype):
+    """The op's e4m3-cache path: a 16-bit q takes fp8_dots (ops/decode_attention.py), an fp32 q fp32 dots."""
+    if dtype == torch.float32:
+        return bound(ref, q, k, v, keep, scale, dtype, fp8=True)
+    return fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale)
 
 
 def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
@@ -598,8 +607,8 @@ def test_gpu_realistic_fp8_decode(H, G):
     q, kq, vq, ks, vs, visible, L = (t.cuda() for t in (q, kq, vq, ks, vs, visible, torch.tensor([length])))
     keep = visible & (torch.arange(M, device="cuda") < length)
     ref = decode_attention_torch(q.double(), kq, vq, visible, L, k_scale=ks, v_scale=vs)
-    tol = bound(ref, q, dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64), keep, D**-0.5,
-                torch.bfloat16, fp8=True)
+    tol = e4m3_bound(ref, q, dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64), vq, vs, keep,
+                     D**-0.5, torch.bfloat16)
     assert_within(decode_attention(q, kq, vq, visible, L, k_scale=ks, v_scale=vs), ref, tol, f"gpu fp8 H{H} G{G}")
     got = decode_attention(q, kq, slot_major(vq), visible, L, k_scale=ks, v_scale=vs)
     assert_within(got, ref, tol, f"gpu fp8 slot-major V H{H} G{G}")

@@ -266,7 +266,7 @@ def test_gpu_graphed_fp8_rollout_within_the_first_order_bound(shared):
 
 @pytest.mark.gpu
 def test_gpu_bf16_model_decodes_graphed_from_the_fp8_cache():
-    """A bf16 model (the kernel's e4m3 -> bf16 tiles and bf16 dots; the fp32 test above takes its fp32 branch)
+    """A bf16 model (the kernel's e4m3 dots on the FP8 tensor cores; the fp32 test above takes its fp32 branch)
     decodes compiled and replayed as one CUDA graph: no "rollout:" fallback, which would make the mode's speed an
     eager step's (the first H100 measurement of this mode, 1.8x slower per step than the bf16 cache, was a cache
     write copying the whole cache, since fixed)."""

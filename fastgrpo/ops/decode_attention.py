@@ -144,7 +144,8 @@ def decode_attention(
     q, k, v, visible = unit(q), unit(k), unit(v, values=True), unit(visible)
     prefix_k, prefix_v, prefix_visible = unit(prefix_k), unit(prefix_v, values=True), unit(prefix_visible)
     return decode_attention_fwd(q, k, v, visible, length, scale, prefix_k, prefix_v, prefix_visible, splits,
-                                *(unit(t) for t in scales), v_finite=v_finite)
+                                *(unit(t) for t in scales), v_finite=v_finite,
+                                fp8_dots=fp8 and q.dtype != torch.float32)
 
 
 def _unit_stride(t: torch.Tensor | None, values: bool = False) -> torch.Tensor | None:
