@@ -2,7 +2,8 @@
 fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad input, exit 2).
 
 Precedence, as for `fastgrpo train`: dataclass defaults < the built-in presets (no --model: the tiny model's
-settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags.
+settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags;
+eval with a --checkpoint takes the run's prompt format and stop strings over the presets.
 Heavy modules (transformers, the trainers) are imported inside the run functions, so `fastgrpo --help` stays quick.
 """
 from __future__ import annotations
@@ -54,25 +55,41 @@ add_sft_arguments, add_ei_arguments, add_eval_arguments = (_add_arguments(n) for
 
 
 def config_from_args(name: str, args: argparse.Namespace):
-    """defaults < built-in presets < YAML < flags, as a CONFIGS[name]."""
+    """defaults < built-in presets < (eval --checkpoint) the run's prompt settings < YAML < flags, as a
+    CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     merged = {**(read_yaml(args.config) if args.config is not None else {}), **flags}
-    preset = dict(MODEL_PRESETS[name]) if _builtin_model(name, merged) else {}
+    run = _checkpoint_run_config(merged) if name == "eval" else None
+    builtin_model = merged.get("model") is None and (run is None or run.get("model") is None)
+    preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
-    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged), **merged})
+    from_run = _prompt_settings(run, merged) if run is not None else {}
+    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged), **from_run, **merged})
 
 
-def _builtin_model(name: str, merged: dict) -> bool:
-    """Does the run use the tiny built-in model: no --model, and for eval no checkpoint of a run on a real one?"""
-    if merged.get("model") is not None:
-        return False
-    if name == "eval" and merged.get("checkpoint") is not None:
-        from fastgrpo.train.checkpoint import read_run_config
-        from fastgrpo.train.loading import find_checkpoint
+def _checkpoint_run_config(merged: dict) -> dict | None:
+    """The config of the run whose checkpoint eval was given, or None without --checkpoint."""
+    if merged.get("checkpoint") is None:
+        return None
+    from fastgrpo.train.checkpoint import read_run_config
+    from fastgrpo.train.loading import find_checkpoint
 
-        return read_run_config(find_checkpoint(merged["checkpoint"])).get("model") is None
-    return True
+    return read_run_config(find_checkpoint(merged["checkpoint"]))
+
+
+# what eval takes from a checkpoint's run unless YAML or a flag sets it: the model learned to answer prompts in
+# that format and to stop at those strings; a differently wrapped prompt would measure something else
+RUN_PROMPT_SETTINGS = ("prompt_format", "stop")
+
+
+def _prompt_settings(run: dict, merged: dict) -> dict:
+    """The run's RUN_PROMPT_SETTINGS that neither YAML nor a flag gives, said on stdout."""
+    taken = {k: run[k] for k in RUN_PROMPT_SETTINGS if run.get(k) is not None and k not in merged}
+    if taken:
+        said = ", ".join(f"{k} {v!r}" for k, v in taken.items())
+        print(f"eval: {said} as the checkpoint's run trained (a flag or the YAML file overrides)")
+    return taken
 
 
 def _resume_command(argv: list[str]) -> str:
