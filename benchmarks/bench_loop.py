@@ -693,19 +693,37 @@ def child_env(system: str, gpu: int | None, dry_run: bool) -> dict:
 
 
 class RunningCases:
-    """The process groups of the cases running now, and the stop-signal handler that kills them."""
+    """The process groups the driver runs now (its cases, a model folder's build), and the stop-signal handler that
+    kills them."""
 
     def __init__(self):
         self.lock, self.groups = threading.Lock(), set()
 
+    def run(self, cmd: list[str], timeout: float | None = None, **popen) -> int | None:
+        """`cmd` in its own session, killed with its group by a stop signal or after `timeout` s; its exit status,
+        or None where it timed out."""
+        with self.lock:  # a stop signal between Popen and add would miss this process
+            proc = subprocess.Popen(cmd, start_new_session=True, **popen)
+            self.groups.add(proc.pid)
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return None
+        finally:
+            with self.lock:
+                self.groups.discard(proc.pid)
+
     def stop(self, signum, frame) -> None:
-        """Kill every running case's group, then exit at once: the pool's threads would start the next cases.
-        Results files are replaced whole (Results.add), so exiting mid-run leaves each one as it was or as it became."""
+        """Kill every running group, then exit at once: the pool's threads would start the next cases. Results
+        files are replaced whole (Results.add), so exiting mid-run leaves each one as it was or as it became."""
         with self.lock:
             for group in self.groups:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(group, signal.SIGKILL)
-            print(f"stopped by signal {signum}: killed {len(self.groups)} running case(s)", file=sys.stderr, flush=True)
+            print(f"stopped by signal {signum}: killed {len(self.groups)} running case(s) or build(s)",
+                  file=sys.stderr, flush=True)
             os._exit(128 + signum)
 
 
@@ -721,20 +739,10 @@ def run_case(case: Case, log_dir: Path, timeout: float, dry_run: bool) -> dict:
     gpu = None if case.device == "cpu" else case.gpu
     print(f"--- {name} (gpu {gpu}) ...", flush=True)
     with open(log, "w") as stream:
-        with RUNNING_CASES.lock:  # a stop signal between Popen and add would miss this case
-            proc = subprocess.Popen(cmd, stdout=stream, stderr=subprocess.STDOUT, start_new_session=True,
-                                    env=child_env(case.system, gpu, dry_run), cwd=Path(__file__).parent.parent)
-            RUNNING_CASES.groups.add(proc.pid)
-        try:
-            proc.wait(timeout=timeout)
-            error = None if proc.returncode == 0 else f"the process exited with {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            error = f"timed out after {timeout:g} s"
-        finally:
-            with RUNNING_CASES.lock:
-                RUNNING_CASES.groups.discard(proc.pid)
+        status = RUNNING_CASES.run(cmd, timeout, stdout=stream, stderr=subprocess.STDOUT,
+                                   env=child_env(case.system, gpu, dry_run), cwd=Path(__file__).parent.parent)
+    error = None if status == 0 else f"timed out after {timeout:g} s" if status is None else \
+        f"the process exited with {status}"
     rows = json.loads(out.read_text()) if out.stat().st_size else []
     out.unlink()
     if not rows:
@@ -904,9 +912,11 @@ def main(argv=None) -> int:
         if dry:
             folders[model] = build_folder(model, args.models_dir, "cpu")
             continue
-        env = dict(child_env("build", gpus[0], False))
-        subprocess.run([sys.executable, "-m", "benchmarks.bench_loop", "--build", model, "--models-dir",
-                        str(args.models_dir)], check=True, env=env, cwd=Path(__file__).parent.parent)
+        status = RUNNING_CASES.run([sys.executable, "-m", "benchmarks.bench_loop", "--build", model, "--models-dir",
+                                    str(args.models_dir)], env=child_env("build", gpus[0], False),
+                                   cwd=Path(__file__).parent.parent)
+        if status != 0:
+            raise SystemExit(f"--build {model}: the process exited with {status}")
         folders[model] = args.models_dir / model
 
     common = {"beta": args.beta, "lr": "1e-5 LoRA/QLoRA, 1e-6 full",

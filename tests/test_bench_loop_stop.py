@@ -1,5 +1,5 @@
-"""A bench_loop driver stopped by a signal (a device call's `timeout`, Ctrl-C) kills the case it runs: the case has
-its own session, and one left running would hold the card through the next measurement on it."""
+"""A bench_loop driver stopped by a signal (a device call's `timeout`, Ctrl-C) kills the case or model build it
+runs: each has its own session, and one left running would hold the card through the next measurement on it."""
 import contextlib
 import os
 import signal
@@ -67,7 +67,7 @@ def test_a_stopped_driver_kills_its_running_case(tmp_path, signum):
         # SIGKILLed, the case ends at once; left running, it would go on for seconds (a dry-run case takes ~6 s)
         wait_for(lambda: not any(alive(c) for c in cases), 2, f"the case {cases} to end after the driver's exit")
         assert driver.returncode == 128 + signum, output
-        assert "killed 1 running case(s)" in output, output
+        assert "killed 1 running case(s) or build(s)" in output, output
         assert not list((tmp_path / "results").glob(".*.partial"))
     finally:
         driver.kill()
@@ -75,3 +75,26 @@ def test_a_stopped_driver_kills_its_running_case(tmp_path, signum):
         for case in cases:  # what a failing driver left behind
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(case, signal.SIGKILL)
+
+
+def test_a_stopped_driver_kills_a_model_build_too(tmp_path):
+    """The model folder's build runs through the same RunningCases.run as a case (a real build needs a GPU, so a
+    stand-in command here): SIGTERM to the driver ends it."""
+    script = ("import signal, sys; from benchmarks.bench_loop import RUNNING_CASES as R; "
+              "signal.signal(signal.SIGTERM, R.stop); R.run([sys.executable, '-c', 'import time; time.sleep(60)'])")
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    builds = []
+    try:
+        builds = wait_for(lambda: [c for c in children(driver.pid) if "time.sleep" in cmdline(c)], 60,
+                          "the driver to start its build")
+        driver.send_signal(signal.SIGTERM)
+        output = driver.communicate(timeout=30)[0]
+        wait_for(lambda: not any(alive(c) for c in builds), 2, f"the build {builds} to end after the driver's exit")
+        assert driver.returncode == 128 + signal.SIGTERM and "killed 1 running case(s) or build(s)" in output, output
+    finally:
+        driver.kill()
+        driver.wait()
+        for build in builds:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(build, signal.SIGKILL)
