@@ -99,7 +99,11 @@ def load_model_and_tokenizer(config):
         if not config.load_in_4bit:
             model.to(device)
     if config.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        kwargs = {"use_reentrant": False}
+        if hasattr(model, "activation_checkpointing_enable"):  # its new name; the old one warns there
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if config.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
