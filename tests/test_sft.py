@@ -161,6 +161,10 @@ def test_resume_is_exact_and_the_output_folder_is_guarded(builtin_run, tmp_path,
     # the folder holds a run: a fresh one is refused with one line, exit 2
     assert main(argv) == 2
     assert "holds another run" in capsys.readouterr().err
+    # a fresh run of another command names the folder's command, not a --resume that would be refused
+    assert main(["train", "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"{out} holds a `fastgrpo sft` run (checkpoint-" in err and "`fastgrpo sft --resume`" in err, err
     # another command cannot continue it, whatever --resume-allow-changes says
     assert main(["train", "--output-dir", str(out), "--resume", "--resume-allow-changes"]) == 2
     err = capsys.readouterr().err

@@ -152,7 +152,7 @@ def _train(config, make_trainer, args) -> list[dict]:
     from fastgrpo.train.run_dir import RunDirectory
 
     with RunDirectory(config.output_dir) as run_dir:
-        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         check_resume_before_load(config)
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)

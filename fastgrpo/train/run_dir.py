@@ -10,7 +10,7 @@ checkpoints, metrics or export (a one-line error suggesting --resume or --overwr
 deletes those files first. Any command that writes a run folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
-        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+        run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         ...                                                 # the lock is held until the block ends
 
 `artifacts` names what a run leaves in the folder (glob patterns); the default is what `fastgrpo train` writes.
@@ -150,11 +150,23 @@ class RunDirectory:
         """The files and folders another run left here (an empty metrics.jsonl holds nothing and does not count)."""
         return [p for p in self._found(self.artifacts) if not (p.is_file() and p.stat().st_size == 0)]
 
+    def _command_of_run(self) -> str | None:
+        """The command that wrote the newest checkpoint here (fastgrpo.train.run_kind), or None where unknown."""
+        from fastgrpo.train.checkpoint import latest_checkpoint, read_run_config
+        from fastgrpo.train.run_kind import written_by
+
+        newest = latest_checkpoint(self.path)
+        try:
+            return written_by(read_run_config(newest)) if newest is not None else None
+        except (ValueError, OSError):  # a damaged checkpoint: the plain refusal still holds
+            return None
+
     def _found(self, patterns) -> list[Path]:
         return sorted({p for pattern in patterns for p in self.path.glob(pattern)})
 
-    def prepare(self, *, resume: bool, overwrite: bool) -> None:
-        """A fresh run needs a folder without another run's files (overwrite: delete them); resume keeps them."""
+    def prepare(self, *, resume: bool, overwrite: bool, command: str | None = None) -> None:
+        """A fresh run needs a folder without another run's files (overwrite: delete them); resume keeps them.
+        command: the run's (`train`, `sft`, `ei`), so that a refusal suggests --resume only for a run of it."""
         if resume and overwrite:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
                              "of --resume and --overwrite-output-dir")
@@ -168,6 +180,11 @@ class RunDirectory:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
             # a run stopped before its first checkpoint left files but nothing --resume could continue
             resumable = self.resumable and any(p.name.startswith("checkpoint-") for p in found)
+            theirs = self._command_of_run() if resumable else None
+            if theirs is not None and command is not None and theirs != command:
+                raise ValueError(f"output_dir: {self.path} holds a `fastgrpo {theirs}` run ({names}); continue it "
+                                 f"with `fastgrpo {theirs} --resume`, pick another --output-dir, or start afresh "
+                                 "with --overwrite-output-dir (deletes those files)")
             resume = "continue it with --resume, or " if resumable else ""
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
                              "--overwrite-output-dir (deletes those files)")

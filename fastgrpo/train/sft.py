@@ -137,7 +137,7 @@ class SFTTrainer:
         with contextlib.ExitStack() as stack:
             if run_dir is None:
                 run_dir = stack.enter_context(RunDirectory(self.output_dir))
-                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
             log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
             if config.resume:
                 self.resume()

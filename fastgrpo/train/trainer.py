@@ -377,7 +377,7 @@ class GRPOTrainer:
         with contextlib.ExitStack() as stack:
             if run_dir is None:
                 run_dir = stack.enter_context(RunDirectory(self.output_dir))
-                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir)
+                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
             if config.resume:
                 self.resume()
             self.metrics_log.start_at(self.step)
@@ -454,7 +454,8 @@ class GRPOTrainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (a torn one is skipped with a warning): weights,
-        optimizer, scheduler, RNG, step, beta, the entropy coefficient. Its run-defining settings must match the config's (config_changes)."""
+        optimizer, scheduler, RNG, step, beta, the entropy coefficient. Its run-defining settings must match the
+        config's (config_changes)."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
