@@ -63,20 +63,20 @@ def test_checkpoint_of_a_run_is_evaluated_with_its_weights(tmp_path):
 
 def test_a_checkpoint_is_evaluated_in_its_runs_prompt_format_unless_told_otherwise(tmp_path, capsys):
     """eval's own default is r1_zero; a run trained on raw prompts (train's default) with its own stop strings is
-    evaluated with both, said on stdout, and a flag still wins."""
+    evaluated with both, said in the log, and a flag still wins."""
     run, data = tmp_path / "run", tmp_path / "rows.jsonl"
     assert main(["train", "--output-dir", str(run), "--max-steps", "1", "--stop", "b", "--no-export", *QUIET]) == 0
     data.write_text("".join(json.dumps(row) + "\n" for row in default_task.build_dataset(4, seed=1)))
     common = ["eval", "--checkpoint", str(run), "--dataset", str(data), "--reward-funcs", *default_task.REWARD_FUNCS]
     capsys.readouterr()
     assert main([*common, "--output-dir", str(tmp_path / "taken")]) == 0
-    assert "eval: prompt_format 'raw', stop ['b'] as the checkpoint's run trained" in capsys.readouterr().out
+    assert "eval: prompt_format 'raw', stop ['b'] as the checkpoint's run trained" in capsys.readouterr().err
     config = _results(tmp_path / "taken")[1]["config"]
     assert (config["prompt_format"], config["stop"]) == ("raw", ["b"])
     # the flag's r1_zero: its template is longer than the tiny model's 64 positions, which says which format ran
     assert main([*common, "--output-dir", str(tmp_path / "told"), "--prompt-format", "r1_zero"]) == 2
-    out, err = capsys.readouterr()
-    assert "eval: stop ['b'] as the checkpoint's run trained" in out and "as --prompt-format r1_zero wraps it" in err
+    err = capsys.readouterr().err
+    assert "eval: stop ['b'] as the checkpoint's run trained" in err and "as --prompt-format r1_zero wraps it" in err
 
 
 def test_an_over_long_prompt_says_how_it_was_wrapped():

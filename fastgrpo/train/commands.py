@@ -9,6 +9,7 @@ Heavy modules (transformers, the trainers) are imported inside the run functions
 from __future__ import annotations
 
 import argparse
+import logging
 import shlex
 from pathlib import Path
 
@@ -19,6 +20,8 @@ from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.sft_config import SFTConfig
+
+logger = logging.getLogger(__name__)
 
 CONFIGS = {"sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
 MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
@@ -84,11 +87,11 @@ RUN_PROMPT_SETTINGS = ("prompt_format", "stop")
 
 
 def _prompt_settings(run: dict, merged: dict) -> dict:
-    """The run's RUN_PROMPT_SETTINGS that neither YAML nor a flag gives, said on stdout."""
+    """The run's RUN_PROMPT_SETTINGS that neither YAML nor a flag gives, said in the log."""
     taken = {k: run[k] for k in RUN_PROMPT_SETTINGS if run.get(k) is not None and k not in merged}
     if taken:
         said = ", ".join(f"{k} {v!r}" for k, v in taken.items())
-        print(f"eval: {said} as the checkpoint's run trained (a flag or the YAML file overrides)")
+        logger.info("%s as the checkpoint's run trained (a flag or the YAML file overrides)", said)
     return taken
 
 
