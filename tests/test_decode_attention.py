@@ -256,13 +256,16 @@ def test_fp8_shared_prefix_matches_fp64_reference(B, S, H, G, D, P, M, length_fr
     keep = fvis & (torch.arange(P + M) < P + length)
     all_vq = torch.cat([pvq.repeat_interleave(S, 0), vq], dim=2)
     all_vs = torch.cat([pvs.repeat_interleave(S, 0), vs], dim=2)
-    assert_within(got, ref, e4m3_bound(ref, q, k, v, all_vq, all_vs, keep, D**-0.5, dtype),
+    assert_within(got, ref, e4m3_bound(ref, q, k, v, all_vq, all_vs, keep, D**-0.5, dtype, S),
                   f"fp8 shared {dtype} B{B} S{S} P{P} M{M} len{length}")
 
 
-def e4m3_bound(ref, q, k, v, vq, vs, keep, scale, dtype):
-    """The op's e4m3-cache path: a 16-bit q takes fp8_dots (ops/decode_attention.py), an fp32 q fp32 dots."""
-    if dtype == torch.float32:
+def e4m3_bound(ref, q, k, v, vq, vs, keep, scale, dtype, S=1):
+    """The op's e4m3-cache path (ops/decode_attention.py): fp8_dots for a 16-bit q where fp8_dots_pay at the
+    program's S x G rows, else the fp16 dots (fp32 dots for an fp32 q)."""
+    from fastgrpo.kernels.decode_attention import fp8_dots_pay
+
+    if dtype == torch.float32 or not fp8_dots_pay(S * q.shape[2], q.shape[3]):
         return bound(ref, q, k, v, keep, scale, dtype, fp8=True)
     return fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale)
 
@@ -327,6 +330,33 @@ def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, d
     k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
     assert_within(got, ref, fp8_dots_bound(ref, q, k, v, vq, vs, keep, s),
                   f"fp8_dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits}")
+
+
+def test_the_op_takes_fp8_dots_where_they_pay(monkeypatch):
+    """ops.decode_attention passes fp8_dots for an e4m3 cache and a 16-bit q whose programs take GPU_TILES (16 rows
+    x D 128 at most: Llama's and Qwen's plain layout), not for a taller shared-prefix program, a head dim of 256 or
+    an fp32 q (test_fp8_dots_are_wgmma_exactly_where_they_pay checks the compile behind the rule)."""
+    from fastgrpo.kernels import decode_attention as kernels
+
+    seen = []
+    real = kernels.decode_attention_fwd
+    monkeypatch.setattr(kernels, "decode_attention_fwd",
+                        lambda *a, fp8_dots=False, **kw: seen.append(fp8_dots) or real(*a, fp8_dots=fp8_dots, **kw))
+    g = torch.Generator().manual_seed(0)
+    for S, G, D, dtype, want in ((1, 4, 128, torch.bfloat16, True), (1, 6, 128, torch.float16, True),
+                                 (8, 4, 128, torch.bfloat16, False), (1, 4, 256, torch.bfloat16, False),
+                                 (1, 4, 128, torch.float32, False)):
+        B, M = 2, 16
+        q = torch.randn(B * S, 1, G, D, generator=g).to(dtype)
+        kq, ks = quantize_kv(torch.randn(B * S, 1, M, D, generator=g))
+        prefix = {}
+        if S > 1:
+            pk, pks = quantize_kv(torch.randn(B, 1, 4, D, generator=g))
+            prefix = dict(prefix_k=pk, prefix_v=pk, prefix_visible=torch.ones(B, 4, dtype=torch.bool),
+                          prefix_k_scale=pks, prefix_v_scale=pks)
+        decode_attention(q, kq, kq, torch.ones(B * S, M, dtype=torch.bool), torch.tensor([M]), k_scale=ks,
+                         v_scale=ks, **prefix)
+        assert seen.pop() is want, (S, G, D, dtype)
 
 
 @pytest.mark.parametrize("splits", [1, 3])
@@ -457,6 +487,10 @@ for fp8_dots in (False, True):
 # the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V)
 for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
     print("shared", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
+# fp8_dots in each class with its tiles (the engine's e4m3 cache, a shared prefix)
+for block_r, block_d in ((16, 128), (16, 256), (32, 64), (64, 128), (64, 256)):
+    ptx = compile("fp8e4nv", True, block_r, block_d, True, False, True).asm["ptx"]
+    print("fp8wgmma", block_r, block_d, ptx.count("wgmma.mma_async"), ptx.count("cvt.rn.f16x2.e4m3x2"))
 """
 
 
@@ -474,6 +508,20 @@ def test_fp8_dots_run_on_the_fp8_tensor_cores_without_widening():
     (fp16_wgmma, fp16_mma, fp16_cvt), (fp8_wgmma, fp8_mma, fp8_cvt) = dots[False], dots[True]
     assert fp16_cvt > 0 and fp16_mma > 0 and fp16_wgmma == 0, dots
     assert fp8_wgmma > 0 and fp8_mma == 0 and fp8_cvt == 0, dots
+
+
+def test_fp8_dots_are_wgmma_exactly_where_they_pay():
+    """Compiled for sm_90 on the CPU: fp8_dots' dots are e4m3 wgmma, converting nothing, in the programs that take
+    GPU_TILES (fp8_dots_pay), and mma.sync widening e4m3 to fp16 in the others (2 warps: no warpgroup), where the op
+    keeps the fp16 dots."""
+    from fastgrpo.kernels.decode_attention import fp8_dots_pay
+
+    found = {(int(r), int(d)): (int(w), int(c))
+             for what, r, d, w, c in (line for line in hopper_check() if line[0] == "fp8wgmma")}
+    assert len(found) == 5, found
+    for (rows, D), (wgmma, cvt) in found.items():
+        assert (wgmma > 0 and cvt == 0) if fp8_dots_pay(rows, D) else (wgmma == 0 and cvt > 0), (rows, D, found)
+    assert fp8_dots_pay(16, 128) and not fp8_dots_pay(64, 128)
 
 
 def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
@@ -612,8 +660,8 @@ def test_gpu_realistic_fp8_decode(H, G):
     q, kq, vq, ks, vs, visible, L = (t.cuda() for t in (q, kq, vq, ks, vs, visible, torch.tensor([length])))
     keep = visible & (torch.arange(M, device="cuda") < length)
     ref = decode_attention_torch(q.double(), kq, vq, visible, L, k_scale=ks, v_scale=vs)
-    tol = e4m3_bound(ref, q, dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64), vq, vs, keep,
-                     D**-0.5, torch.bfloat16)
+    kd, vd = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    tol = e4m3_bound(ref, q, kd, vd, vq, vs, keep, D**-0.5, torch.bfloat16)
     assert_within(decode_attention(q, kq, vq, visible, L, k_scale=ks, v_scale=vs), ref, tol, f"gpu fp8 H{H} G{G}")
     got = decode_attention(q, kq, slot_major(vq), visible, L, k_scale=ks, v_scale=vs)
     assert_within(got, ref, tol, f"gpu fp8 slot-major V H{H} G{G}")
@@ -628,4 +676,5 @@ def test_gpu_realistic_fp8_decode(H, G):
         q, kq[:, :, P:], vq[:, :, P:], visible[:, P:], L - P, prefix_k=kq[::S, :, :P], prefix_v=vq[::S, :, :P],
         prefix_visible=visible[::S, :P], k_scale=ks[:, :, P:], v_scale=vs[:, :, P:], prefix_k_scale=ks[::S, :, :P],
         prefix_v_scale=vs[::S, :, :P])
-    assert_within(shared, ref, tol, f"gpu fp8 shared H{H} G{G}")
+    shared_tol = e4m3_bound(ref, q, kd, vd, vq, vs, keep, D**-0.5, torch.bfloat16, S)  # S x G rows: the fp16 dots
+    assert_within(shared, ref, shared_tol, f"gpu fp8 shared H{H} G{G}")

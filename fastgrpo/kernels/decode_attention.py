@@ -36,9 +36,9 @@ tile's weights p v_scale by the one at or below the tile's largest value scale (
 multiply back in fp32. What is rounded: q below 2^-14 of its row's power (fp16 subnormals, at most 2^-25 of it) and
 the weights to fp16 (half an ulp, 2^-11 relatively, or 2^-25 of the tile's power below 2^-14) instead of bf16's 2^-8.
 
-fp8_dots (FP8_DOTS; ops.decode_attention's path for an e4m3 cache and a 16-bit q: 16% less time per call than the
-fp16 dots at Llama-3.1-8B heads on an H200, NOTES_rollout.md): an e4m3 cache's dots on the FP8 tensor cores, which
-take e4m3 as loaded. Hopper's 8-bit wgmma needs an M of 64, and a program's 16 query rows take the mma.sync path,
+fp8_dots (FP8_DOTS; ops.decode_attention's path for an e4m3 cache and a 16-bit q where fp8_dots_pay: 16% less time
+per call than the fp16 dots at Llama-3.1-8B heads on an H200, NOTES_rollout.md): an e4m3 cache's dots on the FP8
+tensor cores, which take e4m3 as loaded. Hopper's 8-bit wgmma needs an M of 64, and a program's 16 query rows take the mma.sync path,
 which widens e4m3 again, so the dots run transposed: scores [slots, rows] = k . q^T (M: the tile's slots) and the
 output [dims, rows] += v^T . w (M: the head dim; V's slots contiguous as its reduction dimension needs). q is rounded
 to e4m3 per row (q / q_scale, q_scale its largest |q| / 448: 2^-4 relative, or 2^-10 q_scale below e4m3's normals)
@@ -391,6 +391,14 @@ def decode_attention_fwd(
         H, G, D, S, splits, BLOCK_R=block_r, BLOCK_D=block_d, ROWS=rows,
     )
     return out
+
+
+def fp8_dots_pay(rows: int, D: int) -> bool:
+    """Whether fp8_dots is the faster e4m3 path for programs of `rows` query rows (S x G) and head dim D: where they
+    take GPU_TILES, whose 4 warps make fp8_dots' dots e4m3 wgmma on Hopper (the timed case: module docstring).
+    Smaller tiles' 2 warps make them mma.sync, which widens e4m3 to fp16 there as the fp16 dots do (an sm_90
+    compile, tests/test_decode_attention.py): only fp8_dots' roundings would be added."""
+    return tiles_for(max(16, triton.next_power_of_2(rows)), max(32, triton.next_power_of_2(D))) is GPU_TILES
 
 
 def tiles_for(block_r: int, block_d: int) -> dict:
