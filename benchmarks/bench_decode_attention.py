@@ -1,15 +1,19 @@
 """The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
 the bytes it must read, with a bf16 and an e4m3 cache (its V slot-major as the engine stores it, and row-major), over
-a sweep of its GPU tiles and split counts; and the e4m3 cache with the kernel's fp8_dots (e4m3-fp8-dots).
+a sweep of its GPU tiles and split counts; and the e4m3 cache with the kernel's fp8_dots (e4m3-fp8-dots). In the
+plain layout (each row's own cache) or the shared-prefix one (--layouts shared: EngineConfig(shared_prefix=True)).
 
     python -m benchmarks.bench_decode_attention                           # GPU: both shapes, all caches, sweep
     python -m benchmarks.bench_decode_attention --caches e4m3 --tiles 64/2/2,128/4/2 --splits auto,1,2
+    python -m benchmarks.bench_decode_attention --caches e4m3-fp8-dots --layouts plain,shared --tiles 128/4/2
     TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --dry-run   # CPU: tiny shapes, default tiles
 
 One call is one layer of bench_rollout's decode step at its mean context: 64 rows (8 prompts x 8 samples), a
 1280-slot cache (prompt 256 + 1024 new tokens) filled to 768 slots, all visible, the shape's K/V heads and query
 heads per K/V head, head dim 128, called as the engine calls it (v_finite: its cache holds finite values only).
-Bytes read: the filled slots' K and V (e4m3: and their fp32 scales). Timing: common.kernel_us over copies of the
+Shared layout: the 8 samples of a prompt read its 256 prompt slots once, as one program of 8 x G query rows (the
+kernel's taller tiles), then each its own 1024 suffix slots, filled to 512. Bytes read: the filled slots' K and V
+(e4m3: and their fp32 scales), a prompt's once. Timing: common.kernel_us over copies of the
 cache that together pass 3x the L2 (a decode step reads each layer's cache from HBM). Rows: shape, cache, tiles
 (block_n, num_warps, num_stages), splits (auto: the kernel's rule), `default` (the kernel's own choice of both), us,
 GB/s, share of the measured device copy bandwidth, and the largest difference from the default's output (a tile
@@ -23,18 +27,21 @@ import itertools
 import os
 
 import torch
+import triton
 
 from benchmarks.bench_rollout import _copy_bandwidth
 from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
-from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd
+from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, tiles_for
 from fastgrpo.ops.decode_attention import quantize_kv
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
-GPU_SIZES = dict(rows=64, slots=1280, length=768)
-DRY_SIZES = dict(rows=4, slots=80, length=50)
+# samples, prompt: the shared layout's samples per prompt and prompt slots (the plain layout's rows hold both)
+GPU_SIZES = dict(rows=64, slots=1280, length=768, samples=8, prompt=256)
+DRY_SIZES = dict(rows=4, slots=80, length=50, samples=2, prompt=16)
+LAYOUTS = ("plain", "shared")
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
-COLUMNS = ["shape", "cache", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s", "bw_share",
+COLUMNS = ["shape", "cache", "layout", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s", "bw_share",
            "max_diff_vs_default", "error"]
 
 
@@ -52,39 +59,55 @@ CACHES = {"bf16": (False, False, False), "e4m3": (True, True, False), "e4m3-v-ro
           "e4m3-fp8-dots": (True, True, True)}
 
 
-def caches(shape: str, sizes: dict, cache: str, device: str) -> tuple[list[dict], int]:
+def caches(shape: str, sizes: dict, cache: str, layout: str, device: str) -> tuple[list[dict], int]:
     """Copies of one layer's inputs (enough to pass 3x the L2 on a GPU) and the bytes one call must read."""
     fp8, slot_major, fp8_dots = CACHES[cache]
     H, G, D = heads(shape)
     N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
+    S, P = (sizes["samples"], sizes["prompt"]) if layout == "shared" else (1, 0)
+    read = N // S * P + N * (length - P)  # slots read per head: each prompt's once, then each row's own
     g = torch.Generator(device).manual_seed(0)
-    per_copy = N * H * length * D * 2 * (1 if fp8 else 2) + (N * H * length * 2 * 4 if fp8 else 0)
+    per_copy = read * H * D * 2 * (1 if fp8 else 2) + (read * H * 2 * 4 if fp8 else 0)
     made = []
     for _ in range(copies_past_l2(per_copy, device)):
-        k, v = (torch.randn(N, H, M, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
+        k, v = (torch.randn(N, H, M - P, D, generator=g, device=device, dtype=torch.bfloat16) for _ in range(2))
         call = dict(q=torch.randn(N, H, G, D, generator=g, device=device, dtype=torch.bfloat16), k=k, v=v,
-                    v_finite=True, visible=torch.ones(N, M, dtype=torch.bool, device=device),
-                    length=torch.tensor([length], device=device), scale=D**-0.5)
+                    v_finite=True, visible=torch.ones(N, M - P, dtype=torch.bool, device=device),
+                    length=torch.tensor([length - P], device=device), scale=D**-0.5)
+        if P:
+            call["prefix_k"], call["prefix_v"] = (torch.randn(N // S, H, P, D, generator=g, device=device,
+                                                              dtype=torch.bfloat16) for _ in range(2))
+            call["prefix_visible"] = torch.ones(N // S, P, dtype=torch.bool, device=device)
         if fp8:
-            (call["k"], call["k_scale"]), (call["v"], call["v_scale"]) = quantize_kv(k), quantize_kv(v)
-            if slot_major:
-                call["v"] = call["v"].transpose(2, 3).contiguous().transpose(2, 3)
+            for name in ("k", "v", "prefix_k", "prefix_v")[:4 if P else 2]:
+                call[name], call[f"{name}_scale"] = quantize_kv(call[name])
+                if slot_major and name.endswith("v"):
+                    call[name] = call[name].transpose(2, 3).contiguous().transpose(2, 3)
             if fp8_dots:
                 call["fp8_dots"] = True
         made.append(call)
     return made, per_copy
 
 
+def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str) -> dict:
+    """The tiles the kernel picks itself for a layout's programs (S x G query rows: taller with a shared prefix)."""
+    _, G, D = heads(shape)
+    S = sizes["samples"] if layout == "shared" else 1
+    return tiles_for(max(16, triton.next_power_of_2(S * G)), max(32 if CACHES[cache][2] else 16,
+                                                                   triton.next_power_of_2(D)))
+
+
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],
-              cache_names: list[str], split_counts: list[int | None]) -> list[dict]:
-    """Rows of one shape: each cache x tiles x splits (None: the kernel's choice)."""
+              cache_names: list[str], layouts: list[str], split_counts: list[int | None]) -> list[dict]:
+    """Rows of one shape: each cache x layout x tiles x splits (None: the kernel's choice)."""
     rows = []
-    for cache in cache_names:
-        calls, nbytes = caches(shape, sizes, cache, device)
-        reference = decode_attention_fwd(**calls[0], tiles=GPU_TILES).float()
-        for t, splits in itertools.product(tiles, split_counts):
-            row = {"shape": shape, "cache": cache, **t, "splits": splits or "auto",
-                   "default": t == GPU_TILES and splits is None}
+    for cache, layout in itertools.product(cache_names, layouts):
+        calls, nbytes = caches(shape, sizes, cache, layout, device)
+        own = kernel_tiles(shape, sizes, cache, layout)
+        reference = decode_attention_fwd(**calls[0], tiles=own).float()
+        for t, splits in itertools.product([own if t is None else t for t in tiles], split_counts):
+            row = {"shape": shape, "cache": cache, "layout": layout, **t, "splits": splits or "auto",
+                   "default": t == own and splits is None}
             try:
                 diff = (decode_attention_fwd(**calls[0], tiles=t, splits=splits).float() - reference).abs().max().item()
                 us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t, splits=splits) for c in calls],
@@ -108,10 +131,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tiles", help="instead of the sweep: comma-separated block_n/num_warps/num_stages, "
                         "e.g. 64/2/2,128/4/2")
     parser.add_argument("--caches", default=",".join(CACHES), help="comma-separated, of " + ", ".join(CACHES))
+    parser.add_argument("--layouts", default="plain", help="comma-separated, of " + ", ".join(LAYOUTS))
     parser.add_argument("--splits", default="auto",
                         help="comma-separated splits per (group, head) to time each tile with; auto: the kernel's")
     args = parser.parse_args(argv)
     cache_names = listed(parser, "--caches", args.caches, CACHES)
+    layouts = listed(parser, "--layouts", args.layouts, LAYOUTS)
     try:
         tiles = [dict(zip(SWEEP, map(int, t.split("/")), strict=True)) for t in args.tiles.split(",")] \
             if args.tiles else None
@@ -131,11 +156,12 @@ def main(argv: list[str] | None = None) -> None:
     bandwidth = None if args.dry_run else _copy_bandwidth()
     if tiles is None:
         sweep = not (args.dry_run or args.no_sweep)
-        tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [GPU_TILES]
+        tiles = [dict(zip(SWEEP, t)) for t in itertools.product(*SWEEP.values())] if sweep else [None]
     rows = []
     for shape in shapes:
-        rows += run_shape(shape, sizes, device, bandwidth, tiles, cache_names, split_counts)
-    config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP, "default_tiles": GPU_TILES,
+        rows += run_shape(shape, sizes, device, bandwidth, tiles, cache_names, layouts, split_counts)
+    config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP,
+              "default_tiles": f"the kernel's own per program size (tiles_for; 16 rows x D 128: {GPU_TILES})",
               "inputs": "q, K, V normal(0, 1) in bf16; e4m3: quantize_kv of those (one fp32 scale per slot and head)"}
     if not args.dry_run:
         print(f"\nwrote {write_results('decode_attention', rows, config)}")

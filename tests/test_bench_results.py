@@ -91,3 +91,20 @@ def test_profile_rollout_sizes_change_only_what_is_asked():
     long = sizes_for(False, None, 4096)
     assert (long.new_tokens, long.prompts, long.mean_context, long.profile_from) == (4096, 8, 256 + 2048, 2048 - 16)
     assert sizes_for(False, 4, 2048) == type(GPU_SIZES)(**{**GPU_SIZES.__dict__, "prompts": 4, "new_tokens": 2048})
+
+
+def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(capsys, tmp_path, monkeypatch):
+    """--layouts plain,shared on the CPU (dry run): a row per layout, each with the tiles the kernel picks for its
+    programs (a shared prefix's S x G rows), the same output as those tiles give, and no results file."""
+    from benchmarks import bench_decode_attention as bench
+    from fastgrpo.kernels.decode_attention import tiles_for
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    bench.main(["--dry-run", "--shapes", "llama-3.1-8b", "--caches", "e4m3-fp8-dots", "--layouts", "plain,shared"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("llama")]
+    assert [line[2] for line in lines] == ["plain", "shared"], lines
+    assert all(line[7] == "True" and line[11] == "0" for line in lines), lines  # default tiles, max_diff 0
+    S, G = bench.DRY_SIZES["samples"], bench.heads("llama-3.1-8b")[1]
+    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3", "shared") == tiles_for(8 * G, 128)
+    assert bench.kernel_tiles("llama-3.1-8b", bench.DRY_SIZES, "e4m3", "shared") == tiles_for(max(16, S * G), 128)
+    assert not list(tmp_path.iterdir())
