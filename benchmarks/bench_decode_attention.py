@@ -41,8 +41,8 @@ GPU_SIZES = dict(rows=64, slots=1280, length=768, samples=8, prompt=256)
 DRY_SIZES = dict(rows=4, slots=80, length=50, samples=2, prompt=16)
 LAYOUTS = ("plain", "shared")
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
-COLUMNS = ["shape", "cache", "layout", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s", "bw_share",
-           "max_diff_vs_default", "error"]
+COLUMNS = ["shape", "cache", "layout", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s",
+           "bw_share", "max_diff_vs_default", "error"]
 
 
 def heads(shape: str) -> tuple[int, int, int]:

@@ -22,29 +22,30 @@ Scores use exp2 with log2(e) folded into the scale. Under TRITON_INTERPRET a bf1
 cache's run as on a GPU); on a GPU a 16-bit cache's q.k is in the input dtype with fp32 accumulation and p is rounded
 to q's dtype for p.v, as flash-attention does (an e4m3 cache's dots: e4m3 or fp16, below); fp32 inputs use "ieee" dots.
 
-FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile
-is loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and, without fp8_dots (below),
-widened to fp16 in registers (exact; fp16 dots: below); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and the value scales
-the weights p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile is ever written.
-The running sum l is of the unscaled p.
+FP8 K/V (KV_FP8): k/v are e4m3 with one fp32 scale per (row, slot, head) (ops/decode_attention.py's format). A tile is
+loaded as e4m3 (half the bytes: the point, attention is bound by reading K/V) and, without fp8_dots (below), widened
+to fp16 in registers (exact; fp16 dots: below); the key scales multiply the tile's scores (q.k_q k_scale = q.k), and
+the value scales the weights p before the p.v dot (sum_j p_j v_scale_j v_q,j = sum_j p_j v_j), so no dequantized tile
+is ever written. The running sum l is of the unscaled p.
 
-An e4m3 cache's dots run in fp16, not in q's bf16: e4m3 widens to fp16 in one conversion per two elements, to bf16
-only through fp16 (three per two: the conversions, not the bytes, were the kernel's cost; sm_90 PTX census in
-NOTES_rollout.md). fp16's range is made safe by powers of two, which are exact: each q row is divided by the power of
-two at or below its largest |q| (so |q| < 2, and bf16's 8 significant bits fit fp16's 11 down to 2^-14), and each
-tile's weights p v_scale by the one at or below the tile's largest value scale (p <= 1: weights <= 2); both powers
-multiply back in fp32. What is rounded: q below 2^-14 of its row's power (fp16 subnormals, at most 2^-25 of it) and
-the weights to fp16 (half an ulp, 2^-11 relatively, or 2^-25 of the tile's power below 2^-14) instead of bf16's 2^-8.
+Without fp8_dots an e4m3 cache's dots run in fp16, not in q's bf16: e4m3 widens to fp16 in one conversion per two
+elements, to bf16 only through fp16 (three per two: the conversions, not the bytes, were the kernel's cost; sm_90 PTX
+census in NOTES_rollout.md). fp16's range is made safe by powers of two, which are exact: each q row is divided by the
+power of two at or below its largest |q| (so |q| < 2, and bf16's 8 significant bits fit fp16's 11 down to 2^-14), and
+each tile's weights p v_scale by the one at or below the tile's largest value scale (p <= 1: weights <= 2); both
+powers multiply back in fp32. What is rounded: q below 2^-14 of its row's power (fp16 subnormals, at most 2^-25 of it)
+and the weights to fp16 (half an ulp, 2^-11 relatively, or 2^-25 of the tile's power below 2^-14) instead of bf16's
+2^-8.
 
-fp8_dots (FP8_DOTS; ops.decode_attention's path for an e4m3 cache and a 16-bit q where fp8_dots_pay: 16% less time
-per call than the fp16 dots at Llama-3.1-8B heads on an H200, NOTES_rollout.md): an e4m3 cache's dots on the FP8
-tensor cores, which take e4m3 as loaded. Hopper's 8-bit wgmma needs an M of 64, and a program's 16 query rows take the mma.sync path,
-which widens e4m3 again, so the dots run transposed: scores [slots, rows] = k . q^T (M: the tile's slots) and the
-output [dims, rows] += v^T . w (M: the head dim; V's slots contiguous as its reduction dimension needs). q is rounded
-to e4m3 per row (q / q_scale, q_scale its largest |q| / 448: 2^-4 relative, or 2^-10 q_scale below e4m3's normals)
-and so are the weights w = p v_scale / v_pow2 x E4M3_WEIGHTS; both scales multiply back in fp32. The softmax
-state (m, l) is per row as above, l of the unrounded p. An sm_90 compile (on the CPU) has e4m3 wgmma for both dots and
-no e4m3 conversion (tests/test_decode_attention.py); the test's bound: fp8_dots_bound there.
+fp8_dots (FP8_DOTS; ops.decode_attention's path for an e4m3 cache and a 16-bit q where fp8_dots_pay: 16% less time per
+call than the fp16 dots at Llama-3.1-8B heads on an H200, NOTES_rollout.md): an e4m3 cache's dots on the FP8 tensor
+cores, which take e4m3 as loaded. Hopper's 8-bit wgmma needs an M of 64, and a program's 16 query rows take the
+mma.sync path, which widens e4m3 again, so the dots run transposed: scores [slots, rows] = k . q^T (M: the tile's
+slots) and the output [dims, rows] += v^T . w (M: the head dim; V's slots contiguous as its reduction dimension
+needs). q is rounded to e4m3 per row (q / q_scale, q_scale its largest |q| / 448: 2^-4 relative, or 2^-10 q_scale
+below e4m3's normals) and so are the weights w = p v_scale / v_pow2 x E4M3_WEIGHTS; both scales multiply back in fp32.
+The softmax state (m, l) is per row as above, l of the unrounded p. An sm_90 compile (on the CPU) has e4m3 wgmma for
+both dots and no e4m3 conversion (tests/test_decode_attention.py); the test's bound: fp8_dots_bound there.
 
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
@@ -378,7 +379,8 @@ def decode_attention_fwd(
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP8_DOTS=fp8_dots, E4M3_BY_HAND=interpret, FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP8_DOTS=fp8_dots, E4M3_BY_HAND=interpret,
+        FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         V_FINITE=v_finite, WRITE_OUT=splits == 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
         **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
