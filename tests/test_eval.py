@@ -63,15 +63,23 @@ def test_checkpoint_of_a_run_is_evaluated_with_its_weights(tmp_path):
 
 def test_a_checkpoint_is_evaluated_in_its_runs_prompt_format_unless_told_otherwise(tmp_path, capsys):
     """eval's own default is r1_zero; a run trained on raw prompts (train's default) with its own stop strings is
-    evaluated with both, said in the log, and a flag still wins."""
+    evaluated with both, from its checkpoint or its exported final/ (which carries run_config.json), said in the
+    log, and a flag still wins."""
     run, data = tmp_path / "run", tmp_path / "rows.jsonl"
-    assert main(["train", "--output-dir", str(run), "--max-steps", "1", "--stop", "b", "--no-export", *QUIET]) == 0
+    assert main(["train", "--output-dir", str(run), "--max-steps", "1", "--stop", "b", *QUIET]) == 0
     data.write_text("".join(json.dumps(row) + "\n" for row in default_task.build_dataset(4, seed=1)))
-    common = ["eval", "--checkpoint", str(run), "--dataset", str(data), "--reward-funcs", *default_task.REWARD_FUNCS]
+    scoring = ["--dataset", str(data), "--reward-funcs", *default_task.REWARD_FUNCS]
+    common = ["eval", "--checkpoint", str(run), *scoring]
     capsys.readouterr()
     assert main([*common, "--output-dir", str(tmp_path / "taken")]) == 0
     assert "eval: prompt_format 'raw', stop ['b'] as the checkpoint's run trained" in capsys.readouterr().err
     config = _results(tmp_path / "taken")[1]["config"]
+    assert (config["prompt_format"], config["stop"]) == ("raw", ["b"])
+    assert main(["eval", "--model", str(run / "final"), *scoring, "--output-dir", str(tmp_path / "final"),
+                 "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "8"]) == 0
+    err = capsys.readouterr().err
+    assert f"eval: prompt_format 'raw', stop ['b'] as the run that exported {run / 'final'} trained" in err, err
+    config = _results(tmp_path / "final")[1]["config"]
     assert (config["prompt_format"], config["stop"]) == ("raw", ["b"])
     # the flag's r1_zero: its template is longer than the tiny model's 64 positions, which says which format ran
     assert main([*common, "--output-dir", str(tmp_path / "told"), "--prompt-format", "r1_zero"]) == 2

@@ -94,7 +94,7 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Pa
     with atomic_directory(path) as tmp:
         torch.save(state, tmp / STATE_FILE)
         if "config" in state:
-            (tmp / CONFIG_FILE).write_text(json.dumps(state["config"], indent=1) + "\n")
+            write_run_config(tmp, state["config"])
         if is_peft_model(model):
             model.save_pretrained(tmp)  # the adapter alone, loadable with PeftModel.from_pretrained
     return path
@@ -207,9 +207,16 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
     return doomed
 
 
-def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+def write_run_config(folder: Path, config: dict) -> None:
+    """The run's resolved config as CONFIG_FILE in `folder` (a checkpoint, or an exported model: read_run_config)."""
+    (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
+
+
+def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+                 run_config: dict | None = None) -> Path:
     """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
-    `dtype`; a fully fine-tuned model is saved as it is, in its own dtype."""
+    `dtype`; a fully fine-tuned model is saved as it is, in its own dtype. run_config: the run's config, saved beside
+    (CONFIG_FILE), so that `fastgrpo eval --model` on the folder prompts as the run did; transformers ignores it."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -231,6 +238,8 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             fresh.save_pretrained(tmp)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        if run_config is not None:
+            write_run_config(tmp, run_config)
     return path
 
 

@@ -3,7 +3,8 @@ fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad 
 
 Precedence, as for `fastgrpo train`: dataclass defaults < the built-in presets (no --model: the tiny model's
 settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags;
-eval with a --checkpoint takes the run's prompt format and stop strings over the presets.
+eval of a --checkpoint, or of a run's exported final/ (--model), takes the run's prompt format and stop strings over
+the presets.
 Heavy modules (transformers, the trainers) are imported inside the run functions, so `fastgrpo --help` stays quick.
 """
 from __future__ import annotations
@@ -62,36 +63,40 @@ def config_from_args(name: str, args: argparse.Namespace):
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     merged = {**(read_yaml(args.config) if args.config is not None else {}), **flags}
-    run = _checkpoint_run_config(merged) if name == "eval" else None
+    run, source = _trained_by(merged) if name == "eval" else (None, "")
     builtin_model = merged.get("model") is None and (run is None or run.get("model") is None)
     preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
-    from_run = _prompt_settings(run, merged) if run is not None else {}
+    from_run = _prompt_settings(run, merged, source) if run is not None else {}
     return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged), **from_run, **merged})
 
 
-def _checkpoint_run_config(merged: dict) -> dict | None:
-    """The config of the run whose checkpoint eval was given, or None without --checkpoint."""
-    if merged.get("checkpoint") is None:
-        return None
-    from fastgrpo.train.checkpoint import read_run_config
+def _trained_by(merged: dict) -> tuple[dict | None, str]:
+    """(config, description) of the run behind eval's model: a --checkpoint's run, or the run that exported a
+    --model folder (its run_config.json: export_model); (None, "") for any other model."""
+    from fastgrpo.train.checkpoint import CONFIG_FILE, read_run_config
     from fastgrpo.train.loading import find_checkpoint
 
-    return read_run_config(find_checkpoint(merged["checkpoint"]))
+    if merged.get("checkpoint") is not None:
+        return read_run_config(find_checkpoint(merged["checkpoint"])), "the checkpoint's run"
+    model = merged.get("model")
+    if model is not None and (Path(model) / CONFIG_FILE).is_file():
+        return read_run_config(Path(model)), f"the run that exported {model}"
+    return None, ""
 
 
-# what eval takes from a checkpoint's run unless YAML or a flag sets it: the model learned to answer prompts in
-# that format and to stop at those strings; a differently wrapped prompt would measure something else
+# what eval takes from the run that trained its model unless YAML or a flag sets it: the model learned to answer
+# prompts in that format and to stop at those strings; a differently wrapped prompt would measure something else
 RUN_PROMPT_SETTINGS = ("prompt_format", "stop")
 
 
-def _prompt_settings(run: dict, merged: dict) -> dict:
+def _prompt_settings(run: dict, merged: dict, source: str) -> dict:
     """The run's RUN_PROMPT_SETTINGS that neither YAML nor a flag gives, said in the log."""
     taken = {k: run[k] for k in RUN_PROMPT_SETTINGS if run.get(k) is not None and k not in merged}
     if taken:
         said = ", ".join(f"{k} {v!r}" for k, v in taken.items())
-        logger.info("%s as the checkpoint's run trained (a flag or the YAML file overrides)", said)
+        logger.info("%s as %s trained (a flag or the YAML file overrides)", said, source)
     return taken
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import gc
-import json
 import logging
 import os
 from collections.abc import Callable
@@ -34,9 +33,9 @@ import torch.distributed as dist
 
 from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, atomic_directory, restore_checkpoint, rng_states
+from fastgrpo.train.checkpoint import STATE_FILE, atomic_directory, restore_checkpoint, rng_states
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
-from fastgrpo.train.checkpoint import set_rng_states
+from fastgrpo.train.checkpoint import set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
@@ -389,7 +388,7 @@ class Distributed:
             dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(where[0]) / SHARDS)
             if self.is_main:
                 torch.save(state, tmp / STATE_FILE)
-                (tmp / CONFIG_FILE).write_text(json.dumps(state.get("config", {}), indent=1) + "\n")
+                write_run_config(tmp, state.get("config", {}))
         self.barrier()
         return path
 
@@ -414,12 +413,13 @@ class Distributed:
         set_rng_states(state.pop("rng"))
         return state
 
-    def export(self, export: Callable, model: torch.nn.Module, tokenizer, path: Path) -> Path:
-        """export(model, tokenizer, path) on rank 0; under FSDP2 the full weights are gathered first (every rank
-        takes part) and the model is saved from them."""
+    def export(self, export: Callable, model: torch.nn.Module, tokenizer, path: Path,
+               run_config: dict | None = None) -> Path:
+        """export(model, tokenizer, path, run_config=) on rank 0; under FSDP2 the full weights are gathered first
+        (every rank takes part) and the model is saved from them, with the run's config beside (export_model)."""
         if self._fsdp is None:
             if self.is_main:
-                export(model, tokenizer, path)
+                export(model, tokenizer, path, run_config=run_config)
             self.barrier()
             return Path(path)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -430,6 +430,8 @@ class Distributed:
                 model.save_pretrained(tmp, state_dict=full)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(tmp)
+                if run_config is not None:
+                    write_run_config(tmp, run_config)
         self.barrier()
         return Path(path)
 

@@ -20,8 +20,8 @@ class EvalConfig(ConfigFile):
                                        "name; none: the built-in task's held-out rows")
     dataset_split: str = option("test", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the question: text, or chat messages")
-    prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); with --checkpoint: "
-                                           "the run's")
+    prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); with --checkpoint "
+                                           "or a run's final/: the run's")
     reward_funcs: list[str] = option(["r1_zero_math"], "names in fastgrpo.rewards.REGISTRY, module:function or "
                                                        "path/to/file.py:function; r1_zero_math alone also fills "
                                                        "format_reward / answer_reward")
@@ -34,7 +34,8 @@ class EvalConfig(ConfigFile):
     temperature: float = option(1.0, "sampling temperature; 0: greedy")
     top_p: float = inherited("top_p")
     stop: list[str] | None = option(None, "stop strings (EOS always stops); none: </answer> under the r1_zero "
-                                          "prompt format or reward; with --checkpoint: the run's")
+                                          "prompt format or reward; with --checkpoint or a run's final/: "
+                                          "the run's")
     batch_size: int = option(64, "prompts per rollout call")
     dtype: str = inherited("dtype")
     device: str = inherited("device")

@@ -205,7 +205,7 @@ class ExpertIteration:
             if saved != self.round:
                 self.save_checkpoint()
             if config.export:
-                export_model(self.model, self.tokenizer, self.output_dir / "final")
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
         return self.history
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:

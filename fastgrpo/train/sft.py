@@ -163,7 +163,7 @@ class SFTTrainer:
             if saved_step != self.step:
                 self.save_checkpoint()
             if config.export:
-                export_model(self.model, self.tokenizer, self.output_dir / "final")
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
         return self.history
 
     def save_checkpoint(self) -> Path:

@@ -469,7 +469,7 @@ class GRPOTrainer:
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
-        return self.dist.export(export_model, self.model, self.tokenizer, path)
+        return self.dist.export(export_model, self.model, self.tokenizer, path, run_config=self.config.to_dict())
 
     def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
                        columns: dict) -> None:
