@@ -1,6 +1,7 @@
 """The Triton decode attention kernel alone (fastgrpo/kernels/decode_attention.py): microseconds per call against
 the bytes it must read, with a bf16 and an e4m3 cache (its V slot-major as the engine stores it, and row-major), over
-a sweep of its GPU tiles and split counts; and the e4m3 cache with the kernel's fp8_dots (e4m3-fp8-dots). In the
+a sweep of its GPU tiles and split counts; and the e4m3 cache with the kernel's fp8_dots (e4m3-fp8-dots), also with
+its operands in two e4m3 parts (e4m3-fp8-split). In the
 plain layout (each row's own cache) or the shared-prefix one (--layouts shared: EngineConfig(shared_prefix=True)).
 
     python -m benchmarks.bench_decode_attention                           # GPU: both shapes, all caches, sweep
@@ -52,16 +53,18 @@ def heads(shape: str) -> tuple[int, int, int]:
         c.get("head_dim", c["hidden_size"] // c["num_attention_heads"])
 
 
-# cache -> (e4m3, V slot-major, fp8_dots): the bf16 cache; the e4m3 cache as the engine stores it (rollout/kv_cache.py:
-# V's slots contiguous) with fp16 dots (the engine's before 2026-11-28); with V row-major like K (the engine's layout
-# before 2026-11-27); and the engine's e4m3 cache and dots, fp8_dots (e4m3 q and weights on the FP8 tensor cores)
-CACHES = {"bf16": (False, False, False), "e4m3": (True, True, False), "e4m3-v-rowmajor": (True, False, False),
-          "e4m3-fp8-dots": (True, True, True)}
+# cache -> (e4m3, V slot-major, the kernel's dots options): the bf16 cache; the e4m3 cache as the engine stores it
+# (rollout/kv_cache.py: V's slots contiguous) with fp16 dots (the engine's before 2026-11-28); with V row-major like K
+# (the engine's layout before 2026-11-27); the engine's e4m3 cache and dots, fp8_dots (e4m3 q and weights on the FP8
+# tensor cores); and fp8_dots with each operand in two e4m3 parts (fp8_split, untimed)
+CACHES = {"bf16": (False, False, {}), "e4m3": (True, True, {}), "e4m3-v-rowmajor": (True, False, {}),
+          "e4m3-fp8-dots": (True, True, {"fp8_dots": True}),
+          "e4m3-fp8-split": (True, True, {"fp8_dots": True, "fp8_split": True})}
 
 
 def caches(shape: str, sizes: dict, cache: str, layout: str, device: str) -> tuple[list[dict], int]:
     """Copies of one layer's inputs (enough to pass 3x the L2 on a GPU) and the bytes one call must read."""
-    fp8, slot_major, fp8_dots = CACHES[cache]
+    fp8, slot_major, dots = CACHES[cache]
     H, G, D = heads(shape)
     N, M, length = sizes["rows"], sizes["slots"], sizes["length"]
     S, P = (sizes["samples"], sizes["prompt"]) if layout == "shared" else (1, 0)
@@ -83,8 +86,7 @@ def caches(shape: str, sizes: dict, cache: str, layout: str, device: str) -> tup
                 call[name], call[f"{name}_scale"] = quantize_kv(call[name])
                 if slot_major and name.endswith("v"):
                     call[name] = call[name].transpose(2, 3).contiguous().transpose(2, 3)
-            if fp8_dots:
-                call["fp8_dots"] = True
+            call.update(dots)
         made.append(call)
     return made, per_copy
 
@@ -94,7 +96,7 @@ def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str) -> dict:
     _, G, D = heads(shape)
     S = sizes["samples"] if layout == "shared" else 1
     return tiles_for(max(16, triton.next_power_of_2(S * G)), max(32 if CACHES[cache][2] else 16,
-                                                                   triton.next_power_of_2(D)))
+                                                                   triton.next_power_of_2(D)))  # 8-bit MMAs: 32
 
 
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],

@@ -270,20 +270,23 @@ def e4m3_bound(ref, q, k, v, vq, vs, keep, scale, dtype, S=1):
     return fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale)
 
 
-def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
+def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale, split=False):
     """Per-element bound of fp8_dots' output vs the fp64 `ref` over the dequantized cache (the kernel's docstring).
     q rounded to e4m3 per row moves score j by at most E_j = scale sum_d max(2^-4 |q_d|, 2^-10 q_scale) |k_jd| (half
     an e4m3 ulp, or half its subnormal step). Each normalized weight p_j e^(e_j) / sum_i p_i e^(e_i), |e_i| <= E_i,
     then lies within p_j [e^-E_j / Z+, e^E_j / Z-] (Z+- = sum_i p_i e^(+-E_i)): dp_j, and sum_j dp_j |v_j| bounds
     what the scores move. Each weight rounded to e4m3 adds 2^-4 of (p_j + dp_j) |v_j|, or below e4m3's normals 2^-10
     of the tile's v_pow2 / 128 times |v_q,j| (v_pow2 <= the row's largest v_scale, l >= 1); then fp32 arithmetic and
-    the output's rounding as in `bound`."""
+    the output's rounding as in `bound`. split (fp8_split): a second e4m3 part carries 16x what each rounding
+    dropped, so q and the weights are off by 2^-4 of that remainder: 2^-8 relative, and the subnormal terms 2^-4 of
+    theirs (2^-14 q_scale; 2^-21 for the weights)."""
+    rel, q_sub, w_sub = (2.0**-8, 2.0**-14, 2.0**-21) if split else (2.0**-4, 2.0**-10, 2.0**-17)
     keep4 = keep[:, None, :, None]
     k = torch.where(keep4, k, 0.0)
     v_abs = torch.where(keep4, v, 0.0).abs()
     qd = q.double()
     q_scale = qd.abs().amax(-1, keepdim=True) / FP8_MAX
-    q_err = torch.maximum(qd.abs() * 2.0**-4, q_scale * 2.0**-10)  # [N, H, G, D]
+    q_err = torch.maximum(qd.abs() * rel, q_scale * q_sub)  # [N, H, G, D]
     E = (q_err @ k.abs().transpose(-1, -2) * abs(scale)).clamp_max(700)  # [N, H, G, M]; e^700 stays finite
     s = (qd @ k.transpose(-1, -2) * scale).masked_fill(~keep[:, None, None, :], float("-inf"))
     p = torch.softmax(s, -1).nan_to_num()  # [N, H, G, M]; a row with no key: 0
@@ -295,7 +298,7 @@ def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
     scores = dp @ v_abs
     vs_max = torch.where(keep[:, None, :], vs.double(), 0.0).amax(-1)[:, :, None, None]
     vq_sum = torch.where(keep4, vq.double().abs(), 0.0).sum(-2)[:, :, None, :]  # [N, H, 1, D]
-    weights = 2.0**-4 * (pv_abs + scores) + 2.0**-17 * vs_max * vq_sum
+    weights = rel * (pv_abs + scores) + w_sub * vs_max * vq_sum
     n = keep.sum(-1)[:, None, None, None].clamp_min(1)
     smax = (qd.abs() @ k.abs().transpose(-1, -2)).amax(-1, keepdim=True) * abs(scale)
     fp32 = 2.0**-24 * (pv_abs + scores) * (2 * (q.shape[-1] + 3) * smax + n + 9)
@@ -306,9 +309,10 @@ def fp8_dots_bound(ref, q, k, v, vq, vs, keep, scale):
 @given(
     N=st.integers(1, 3), H=st.integers(1, 2), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32, 64]),
     M=st.integers(1, 70), length_frac=st.floats(0, 1), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
-    splits=st.sampled_from([1, 3]), v_slot_major=st.booleans(), seed=st.integers(0, 2**16),
+    splits=st.sampled_from([1, 3]), v_slot_major=st.booleans(), split=st.booleans(), seed=st.integers(0, 2**16),
 )
-def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, dtype, splits, v_slot_major, seed):
+def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, dtype, splits, v_slot_major, split,
+                                                   seed):
     """fp8_dots (e4m3 q and weights on the FP8 tensor cores) against the fp64 softmax over the dequantized cache,
     within fp8_dots_bound. Measured under the interpreter: errors up to ~0.3 of it; with the interpreter's own e4m3
     conversion (the carry it drops) up to 1.8x it, and with a suffix tile read by every row of its group (the
@@ -324,12 +328,36 @@ def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, d
         vq = slot_major(vq)
     L, s = torch.tensor([length]), D**-0.5
     got = decode_attention_fwd(*(t.to(device) for t in (q, kq, vq, visible, L)), s, splits=splits,
-                               k_scale=ks.to(device), v_scale=vs.to(device), fp8_dots=True).cpu()
+                               k_scale=ks.to(device), v_scale=vs.to(device), fp8_dots=True, fp8_split=split).cpu()
     ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
     keep = visible & (torch.arange(M) < length)
     k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
-    assert_within(got, ref, fp8_dots_bound(ref, q, k, v, vq, vs, keep, s),
-                  f"fp8_dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits}")
+    assert_within(got, ref, fp8_dots_bound(ref, q, k, v, vq, vs, keep, s, split),
+                  f"fp8_dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits} split{split}")
+
+
+def test_fp8_split_is_within_a_bound_plain_fp8_dots_exceed():
+    """The control: on 4 rows of 64 keys, fp8_dots without the split land outside the split's (16x tighter) bound
+    and with it inside, so the second parts do reach the output and the split's bound can fail."""
+    from fastgrpo.kernels.decode_attention import decode_attention_fwd
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(11)
+    N, H, G, D, M = 4, 1, 4, 32, 64
+    q = torch.randn(N, H, G, D, generator=g).bfloat16()
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, M, float("nan"))
+    L, s = torch.tensor([M]), D**-0.5
+    args = [t.to(device) for t in (q, kq, slot_major(vq), visible, L)]
+    ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
+    keep = visible & (torch.arange(M) < M)
+    k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    tight = fp8_dots_bound(ref, q, k, v, vq, vs, keep, s, split=True)
+    errs = {}
+    for split in (False, True):
+        got = decode_attention_fwd(*args, s, k_scale=ks.to(device), v_scale=vs.to(device), fp8_dots=True,
+                                   fp8_split=split).cpu()
+        errs[split] = ((got.double() - ref).abs() / tight).max().item()
+    assert errs[True] <= 1 < errs[False], errs
 
 
 def test_the_op_takes_fp8_dots_where_they_pay(monkeypatch):
@@ -359,8 +387,8 @@ def test_the_op_takes_fp8_dots_where_they_pay(monkeypatch):
         assert seen.pop() is want, (S, G, D, dtype)
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_fp8_dots_with_a_shared_prefix(splits):
+@pytest.mark.parametrize("splits, split", [(1, False), (3, False), (3, True)])
+def test_fp8_dots_with_a_shared_prefix(splits, split):
     """The prefix layout under fp8_dots: a prefix tile counts for every row of its group, a suffix tile for its
     sample's rows only (the transposed mask), against each row's whole keys in fp64, within fp8_dots_bound."""
     from fastgrpo.kernels.decode_attention import decode_attention_fwd
@@ -377,7 +405,7 @@ def test_fp8_dots_with_a_shared_prefix(splits):
     L = torch.tensor([length])
     args = [t.to(device) for t in (q, kq, slot_major(vq), visible, L)]
     got = decode_attention_fwd(*args, D**-0.5, *(t.to(device) for t in (pkq, slot_major(pvq), pvis)), splits,
-                               *(t.to(device) for t in (ks, vs, pks, pvs)), fp8_dots=True).cpu()
+                               *(t.to(device) for t in (ks, vs, pks, pvs)), fp8_dots=True, fp8_split=split).cpu()
     k = torch.cat([dequantize_kv(pkq, pks, torch.float64).repeat_interleave(S, 0),
                    dequantize_kv(kq, ks, torch.float64)], dim=2)
     v = torch.cat([dequantize_kv(pvq, pvs, torch.float64).repeat_interleave(S, 0),
@@ -387,8 +415,8 @@ def test_fp8_dots_with_a_shared_prefix(splits):
     keep = fvis & (torch.arange(P + M) < P + length)
     all_vq = torch.cat([pvq.repeat_interleave(S, 0), vq], dim=2)
     all_vs = torch.cat([pvs.repeat_interleave(S, 0), vs], dim=2)
-    assert_within(got, ref, fp8_dots_bound(ref, q, k, v, all_vq, all_vs, keep, D**-0.5),
-                  f"fp8_dots shared prefix splits{splits}")
+    assert_within(got, ref, fp8_dots_bound(ref, q, k, v, all_vq, all_vs, keep, D**-0.5, split),
+                  f"fp8_dots shared prefix splits{splits} split{split}")
 
 
 def test_fp8_dots_need_an_e4m3_cache_and_a_16_bit_q():
@@ -397,6 +425,8 @@ def test_fp8_dots_need_an_e4m3_cache_and_a_16_bit_q():
     q, k = torch.randn(1, 1, 1, 16), torch.randn(1, 1, 4, 16)
     with pytest.raises(ValueError, match="fp8_dots: needs an e4m3 cache"):
         decode_attention_fwd(q, k, k, torch.ones(1, 4, dtype=torch.bool), torch.tensor([4]), 1.0, fp8_dots=True)
+    with pytest.raises(ValueError, match="fp8_split: splits fp8_dots' operands; pass fp8_dots=True too"):
+        decode_attention_fwd(q, k, k, torch.ones(1, 4, dtype=torch.bool), torch.tensor([4]), 1.0, fp8_split=True)
 
 
 @pytest.mark.parametrize("with_prefix", [False, True])
@@ -448,12 +478,12 @@ from triton.compiler import ASTSource
 from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, tiles_for
 
 
-def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False):
+def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False, fp8_split=False):
     # pointers, strides and D aligned as a launch specializes them; a unit stride specialized to the constant 1: the
     # slots' for a slot-major V (the engine's, with V_FINITE), the dims' otherwise
     tiles = tiles_for(block_r, block_d)
-    consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP8_DOTS=fp8_dots, E4M3_BY_HAND=False,
-                  FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
+    consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP8_DOTS=fp8_dots, FP8_SPLIT=fp8_split,
+                  E4M3_BY_HAND=False, FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
                   V_FINITE=v_slot_major, WRITE_OUT=write_out, BLOCK_R=block_r, BLOCK_N=tiles["block_n"],
                   BLOCK_D=block_d)
     for name in ("stride_vm", "stride_pvm") if v_slot_major else ("stride_vd", "stride_pvd"):
@@ -484,6 +514,9 @@ for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True))
 for fp8_dots in (False, True):
     ptx = compile("fp8e4nv", True, 16, 128, False, True, fp8_dots).asm["ptx"]
     print("dots", fp8_dots, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
+# fp8_split: a second e4m3 dot beside each, still no conversion
+ptx = compile("fp8e4nv", True, 16, 128, False, True, True, True).asm["ptx"]
+print("split", ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
 # the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V)
 for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
     print("shared", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
@@ -508,6 +541,10 @@ def test_fp8_dots_run_on_the_fp8_tensor_cores_without_widening():
     (fp16_wgmma, fp16_mma, fp16_cvt), (fp8_wgmma, fp8_mma, fp8_cvt) = dots[False], dots[True]
     assert fp16_cvt > 0 and fp16_mma > 0 and fp16_wgmma == 0, dots
     assert fp8_wgmma > 0 and fp8_mma == 0 and fp8_cvt == 0, dots
+    (split,) = [tuple(int(x) for x in line[1:]) for line in hopper_check() if line[0] == "split"]
+    # fp8_split: twice the e4m3 wgmma; its only conversions widen the weights' first parts back to take what they
+    # dropped (16 a tile at these tiles, against the fp16 dots' 128)
+    assert split[:2] == (2 * fp8_wgmma, 0) and split[2] <= fp16_cvt / 8, (split, dots)
 
 
 def test_fp8_dots_are_wgmma_exactly_where_they_pay():

@@ -46,6 +46,10 @@ needs). q is rounded to e4m3 per row (q / q_scale, q_scale its largest |q| / 448
 below e4m3's normals) and so are the weights w = p v_scale / v_pow2 x E4M3_WEIGHTS; both scales multiply back in fp32.
 The softmax state (m, l) is per row as above, l of the unrounded p. An sm_90 compile (on the CPU) has e4m3 wgmma for
 both dots and no e4m3 conversion (tests/test_decode_attention.py); the test's bound: fp8_dots_bound there.
+fp8_split (FP8_SPLIT, untimed): q and the weights also send what their rounding dropped, times SPLIT_SCALE and rounded
+to e4m3, through a second dot divided by it: 2^-8 relative instead of 2^-4 (bf16's precision), for twice the MMAs of
+a kernel bound by its loads and the weights' first parts widened back to take their remainder (16 conversions a tile
+at Llama's 16 x 128 programs, against the fp16 dots' 128: sm_90 compile).
 
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
@@ -75,6 +79,8 @@ E4M3_MAX = tl.constexpr(448.0)
 # fp8_dots: the weights p v_scale / v_pow2 (<= 2) are scaled by this before their e4m3 rounding, so that the
 # largest is 256 (< 448) and weights down to 2^-13 keep e4m3's 3 mantissa bits (its normals start at 2^-6)
 E4M3_WEIGHTS = tl.constexpr(128.0)
+# fp8_split: a rounding's remainder (at most 2^-4 of the value, half an e4m3 ulp) times this stays within e4m3's range
+SPLIT_SCALE = tl.constexpr(16.0)
 # a program's tile and launch on a GPU, with default_splits' WARPS_PER_SM: of the tiles and splits timed on an H100
 # at the rollout's shapes (benchmarks/bench_decode_attention.py --splits), the fastest for Qwen2.5-1.5B and
 # Llama-3.1-8B heads (16 query rows, D 128) with a bf16 and an e4m3 cache alike: 10-23% less time per call than 64
@@ -104,8 +110,8 @@ def _decode_attention_kernel(
     stride_ksn, stride_ksh, stride_vsn, stride_vsh,
     stride_pksb, stride_pksh, stride_pvsb, stride_pvsh,
     H, G, D, P, S, splits, qk_scale,
-    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOTS: tl.constexpr, E4M3_BY_HAND: tl.constexpr,
-    FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
+    HAS_PREFIX: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOTS: tl.constexpr, FP8_SPLIT: tl.constexpr,
+    E4M3_BY_HAND: tl.constexpr, FP32_DOT: tl.constexpr, V_WHOLE_TILES: tl.constexpr,
     V_FINITE: tl.constexpr, WRITE_OUT: tl.constexpr,
     BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
@@ -127,7 +133,10 @@ def _decode_attention_kernel(
     elif FP8_DOTS:  # e4m3 q (module docstring): q / q_scale, q_scale its row's amax / 448
         q_scale = tl.max(tl.abs(q.to(tl.float32)), axis=1) / E4M3_MAX
         q_scale = tl.where(q_scale > 0, q_scale, 1.0)  # an all-zero row (a padded one): 0 whatever the scale
-        q = _to_e4m3(q.to(tl.float32) / q_scale[:, None], E4M3_BY_HAND)
+        q_fp32 = q.to(tl.float32) / q_scale[:, None]
+        q = _to_e4m3(q_fp32, E4M3_BY_HAND)
+        if FP8_SPLIT:  # what rounding q dropped, scaled by 16 into e4m3's range: a second dot adds it back
+            q_lo = _to_e4m3((q_fp32 - q.to(tl.float32)) * SPLIT_SCALE, E4M3_BY_HAND)
     elif KV_FP8:  # fp16 dots (module docstring): q / q_pow2 in fp16, exact but below 2^-14
         q_pow2 = _power_of_two_at_or_below(tl.max(tl.abs(q.to(tl.float32)), axis=1))
         q = (q.to(tl.float32) / q_pow2[:, None]).to(tl.float16)
@@ -187,7 +196,10 @@ def _decode_attention_kernel(
         if FP8_DOTS:  # [slots, rows] scores and weights, e4m3 operands as loaded: no conversion of k or v
             k_scale = tl.load(ks_ptrs, mask=key_ok, other=0.0)
             v_scale = tl.load(vs_ptrs, mask=key_ok, other=0.0)
-            s = tl.dot(k, tl.trans(q)) * (k_scale * qk_scale).to(tl.float32)[:, None] * q_scale[None, :]
+            s = tl.dot(k, tl.trans(q))
+            if FP8_SPLIT:
+                s += tl.dot(k, tl.trans(q_lo)) / SPLIT_SCALE
+            s = s * (k_scale * qk_scale).to(tl.float32)[:, None] * q_scale[None, :]
             s = tl.where(key_ok[:, None] & row_use[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=0))
             alpha = tl.exp2(m_i - m_new)
@@ -195,8 +207,13 @@ def _decode_attention_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=0)
             # weights p v_scale / v_pow2 <= 2, times E4M3_WEIGHTS <= 256 < 448, in e4m3; both factors multiplied back
             v_pow2 = _power_of_two_at_or_below(tl.max(v_scale, axis=0))
-            w = _to_e4m3(p * (v_scale / v_pow2 * E4M3_WEIGHTS)[:, None], E4M3_BY_HAND)
-            acc = acc * alpha[None, :] + tl.dot(tl.trans(v.to(tl.float8e4nv)), w) * (v_pow2 / E4M3_WEIGHTS)
+            w_fp32 = p * (v_scale / v_pow2 * E4M3_WEIGHTS)[:, None]
+            w = _to_e4m3(w_fp32, E4M3_BY_HAND)
+            v_t = tl.trans(v.to(tl.float8e4nv))
+            pv = tl.dot(v_t, w)
+            if FP8_SPLIT:
+                pv += tl.dot(v_t, _to_e4m3((w_fp32 - w.to(tl.float32)) * SPLIT_SCALE, E4M3_BY_HAND)) / SPLIT_SCALE
+            acc = acc * alpha[None, :] + pv * (v_pow2 / E4M3_WEIGHTS)
             m_i = m_new
         else:
             # k.to(q.dtype): e4m3 widened (exact); a no-op for a cache in q's dtype
@@ -323,7 +340,7 @@ def decode_attention_fwd(
     prefix_visible: torch.Tensor | None = None, splits: int | None = None, k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None, prefix_k_scale: torch.Tensor | None = None,
     prefix_v_scale: torch.Tensor | None = None, tiles: dict | None = None, v_finite: bool = False,
-    fp8_dots: bool = False,
+    fp8_dots: bool = False, fp8_split: bool = False,
 ) -> torch.Tensor:
     """q [N, Hkv, G, D], k/v [N, Hkv, M, D], visible [N, M] bool, length [1] int (slots < length are read), with
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
@@ -332,7 +349,9 @@ def decode_attention_fwd(
     tiles: some of the tiles' keys (block_n, num_warps, num_stages) over tiles_for's, for a benchmark's sweep.
     v_finite: every slot of v (and prefix_v) holds a finite value, hidden or not (module docstring).
     fp8_dots: an e4m3 cache's dots on the FP8 tensor cores, q and the weights rounded to e4m3 (module docstring);
-    a 16-bit q only. Without it an e4m3 cache's dots run in fp16 (fewer roundings: the benchmark's baseline)."""
+    a 16-bit q only. Without it an e4m3 cache's dots run in fp16 (fewer roundings: the benchmark's baseline).
+    fp8_split (with fp8_dots): q and the weights each as two e4m3 parts, two dots where there is one (module
+    docstring); untimed, so no caller but the benchmark and the tests."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
@@ -342,6 +361,8 @@ def decode_attention_fwd(
     if fp8_dots and (k_scale is None or q.dtype == torch.float32):
         raise ValueError(f"fp8_dots: needs an e4m3 cache (k_scale, v_scale) and a 16-bit q, got k {k.dtype}, "
                          f"q {q.dtype}")
+    if fp8_split and not fp8_dots:
+        raise ValueError("fp8_split: splits fp8_dots' operands; pass fp8_dots=True too")
     block_r = max(16, triton.next_power_of_2(S * G))
     block_d = max(32 if fp8_dots else 16, triton.next_power_of_2(D))  # an 8-bit MMA reduces 32 at a time
     tiles = {**tiles_for(block_r, block_d), **(tiles or {})}
@@ -379,7 +400,7 @@ def decode_attention_fwd(
         pvis.stride(0),
         *_head_strides(ks, vs, pks, pvs),
         H, G, D, P, S, splits, scale * LOG2E,
-        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP8_DOTS=fp8_dots, E4M3_BY_HAND=interpret,
+        HAS_PREFIX=has_prefix, KV_FP8=fp8, FP8_DOTS=fp8_dots, FP8_SPLIT=fp8_split, E4M3_BY_HAND=interpret,
         FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         V_FINITE=v_finite, WRITE_OUT=splits == 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
