@@ -87,6 +87,15 @@ def test_a_checkpoint_is_evaluated_in_its_runs_prompt_format_unless_told_otherwi
     assert "eval: stop ['b'] as the checkpoint's run trained" in err and "as --prompt-format r1_zero wraps it" in err
 
 
+def test_a_row_without_a_column_the_reward_reads_is_named():
+    """A JSONL file's rows arrive as a list and may differ: the row lacking the reward's column is named before
+    anything runs (it reached the reward as None, whose TypeError named no row)."""
+    rows = [{"prompt": "1 say a", "letter": "a"}, {"prompt": "2 say b"}]
+    with pytest.raises(ValueError, match=r"dataset: row 1 has no column 'letter'; row 0 has \['prompt', 'letter'\]"):
+        build_eval_task(rows, default_task.build_tokenizer(), prompt_column="prompt", prompt_format="raw",
+                        reward_funcs=[default_task.repeat_letter_reward], field="dataset")
+
+
 def test_an_over_long_prompt_says_how_it_was_wrapped():
     tokenizer = default_task.build_tokenizer()
     rows = [{"prompt": "1 say a", "answer": "a"}]

@@ -120,6 +120,9 @@ def test_tokenize_rows_checks(tokenizer):
         tokenize_rows(rows, tokenizer, **{**kwargs, "max_seq_length": 9, "truncate": True})
     with pytest.raises(ValueError, match="prompt: expected a string or a list of chat messages .*, got int"):
         tokenize_rows([{"prompt": 5, "response": "b"}], tokenizer, **{**kwargs, "prompt_format": "auto"})
+    # a list's (a JSONL file's) rows may differ: a row without the response is named, not a KeyError
+    with pytest.raises(ValueError, match=r"row 1 has no column 'response'; row 0 has \['prompt', 'response'\]"):
+        tokenize_rows([{"prompt": "a", "response": "b"}, {"prompt": "c"}], tokenizer, **kwargs)
 
 
 def test_step_micro_batches_sorted_and_a_function_of_the_step():

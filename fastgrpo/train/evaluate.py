@@ -70,8 +70,13 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
         if missing:
             raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
                              f"dataset lacks (columns: {columns})")
+    needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     ids = []
     for i, row in enumerate(rows):
+        missing = [c for c in needed if c not in row]  # a list's rows may differ
+        if missing:
+            raise ValueError(f"{field}: row {i} has no column {missing[0]!r}; row 0 has {columns}, and every row "
+                             "needs the prompt column and those the reward functions read")
         try:
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
         except ValueError as err:

@@ -41,6 +41,10 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     examples = []
     for i in range(len(rows)):
         row = rows[i]
+        missing = [c for c in (prompt_column, response_column) if c not in row]  # a list's rows may differ
+        if missing:
+            raise ValueError(f"train_dataset: row {i} has no column {missing[0]!r}; row 0 has {columns}, and every "
+                             "row needs the prompt and response columns")
         prompt, response = row[prompt_column], row[response_column]
         try:
             p = prompt_ids(tokenizer, prompt, prompt_format)
