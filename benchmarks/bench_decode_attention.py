@@ -28,12 +28,11 @@ import itertools
 import os
 
 import torch
-import triton
 
 from benchmarks.bench_rollout import _copy_bandwidth
 from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
-from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, tiles_for
+from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, program_blocks, tiles_for
 from fastgrpo.ops.decode_attention import quantize_kv
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
@@ -95,8 +94,7 @@ def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str) -> dict:
     """The tiles the kernel picks itself for a layout's programs (S x G query rows: taller with a shared prefix)."""
     _, G, D = heads(shape)
     S = sizes["samples"] if layout == "shared" else 1
-    return tiles_for(max(16, triton.next_power_of_2(S * G)), max(32 if CACHES[cache][2] else 16,
-                                                                   triton.next_power_of_2(D)))  # 8-bit MMAs: 32
+    return tiles_for(*program_blocks(S * G, D, CACHES[cache][2].get("fp8_dots", False)))
 
 
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],

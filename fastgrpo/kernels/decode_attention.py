@@ -363,8 +363,7 @@ def decode_attention_fwd(
                          f"q {q.dtype}")
     if fp8_split and not fp8_dots:
         raise ValueError("fp8_split: splits fp8_dots' operands; pass fp8_dots=True too")
-    block_r = max(16, triton.next_power_of_2(S * G))
-    block_d = max(32 if fp8_dots else 16, triton.next_power_of_2(D))  # an 8-bit MMA reduces 32 at a time
+    block_r, block_d = program_blocks(S * G, D, fp8_dots)
     tiles = {**tiles_for(block_r, block_d), **(tiles or {})}
     block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     if splits is None:
@@ -421,7 +420,13 @@ def fp8_dots_pay(rows: int, D: int) -> bool:
     take GPU_TILES, whose 4 warps make fp8_dots' dots e4m3 wgmma on Hopper (the timed case: module docstring).
     Smaller tiles' 2 warps make them mma.sync, which widens e4m3 to fp16 there as the fp16 dots do (an sm_90
     compile, tests/test_decode_attention.py): only fp8_dots' roundings would be added."""
-    return tiles_for(max(16, triton.next_power_of_2(rows)), max(32, triton.next_power_of_2(D))) is GPU_TILES
+    return tiles_for(*program_blocks(rows, D, fp8_dots=True)) is GPU_TILES
+
+
+def program_blocks(rows: int, D: int, fp8_dots: bool = False) -> tuple[int, int]:
+    """(block_r, block_d) of a program of `rows` query rows (S x G) and head dim D; an 8-bit MMA reduces 32 at a
+    time."""
+    return max(16, triton.next_power_of_2(rows)), max(32 if fp8_dots else 16, triton.next_power_of_2(D))
 
 
 def tiles_for(block_r: int, block_d: int) -> dict:
