@@ -6,7 +6,7 @@ import dataclasses
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config import coerce_fields, option
 from fastgrpo.train.options import ConfigFile, check_at_least, check_scoring_options, inherited
-from fastgrpo.train.prompts import PROMPT_FORMATS, R1_ZERO_STOP
+from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 
 
 @dataclasses.dataclass
@@ -58,7 +58,4 @@ class EvalConfig(ConfigFile):
 
     @property
     def stop_strings(self) -> list[str] | None:
-        if self.stop is not None:
-            return self.stop
-        r1_zero = self.prompt_format == "r1_zero" or "r1_zero_math" in self.reward_funcs
-        return list(R1_ZERO_STOP) if r1_zero else None
+        return stop_strings(self.stop, self.prompt_format, self.reward_funcs)

@@ -14,7 +14,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import load_rows, resolve_reward
-from fastgrpo.train.prompts import R1_ZERO_STOP
+from fastgrpo.train.prompts import stop_strings
 
 EVAL_SPLIT = "test"
 
@@ -65,9 +65,9 @@ def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
                            max_examples=config.eval_max_examples, max_positions=model_positions(model),
                            max_new_tokens=config.eval_max_new_tokens, new_tokens_field="eval_max_new_tokens")
     sampling = SamplingParams(max_new_tokens=config.eval_max_new_tokens, temperature=config.eval_temperature)
-    r1_zero = config.prompt_format == "r1_zero" or "r1_zero_math" in config.eval_reward_funcs
+    stop = stop_strings(None, config.prompt_format, config.eval_reward_funcs)
     return PeriodicEval(model, BuiltinEngine(model, tokenizer), tokenizer, task, sampling, every=config.eval_steps,
-                        output_dir=config.output_dir, stop=list(R1_ZERO_STOP) if r1_zero else None, seed=config.seed)
+                        output_dir=config.output_dir, stop=stop, seed=config.seed)
 
 
 def ei_evaluator(run) -> PeriodicEval | None:

@@ -12,6 +12,8 @@ the EOS token, so that a trained model learns to stop.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from fastgrpo._checks import check_choice
 
 PROMPT_FORMATS = ("raw", "chat", "auto", "r1_zero")
@@ -26,9 +28,11 @@ R1_ZERO_PROMPT = (
 R1_ZERO_STOP = ["</answer>"]
 
 
-def stop_strings(stop: list[str] | None, prompt_format: str) -> list[str] | None:
-    """A config's stop strings: its own, or under r1_zero (when it sets none) the closing answer tag."""
-    return stop if stop is not None or prompt_format != "r1_zero" else list(R1_ZERO_STOP)
+def stop_strings(stop: list[str] | None, prompt_format: str, reward_funcs: Sequence[str] = ()) -> list[str] | None:
+    """A config's stop strings: its own, or where it sets none and prompts in the r1_zero format (or, for an
+    evaluation, grades with r1_zero_math) the closing answer tag."""
+    r1_zero = prompt_format == "r1_zero" or "r1_zero_math" in reward_funcs
+    return stop if stop is not None or not r1_zero else list(R1_ZERO_STOP)
 
 
 def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:
