@@ -22,6 +22,7 @@ from fastgrpo.rewards.answers import r1_zero_grades
 from fastgrpo.rewards.scoring import RewardError, required_columns, reward_name, reward_names, score
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.input_checks import check_rows_have
 from fastgrpo.train.prompts import prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -71,12 +72,9 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
             raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
                              f"dataset lacks (columns: {columns})")
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
+    check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
     ids = []
     for i, row in enumerate(rows):
-        missing = [c for c in needed if c not in row]  # a list's rows may differ
-        if missing:
-            raise ValueError(f"{field}: row {i} has no column {missing[0]!r}; row 0 has {columns}, and every row "
-                             "needs the prompt column and those the reward functions read")
         try:
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
         except ValueError as err:

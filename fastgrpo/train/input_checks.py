@@ -16,6 +16,18 @@ def dataset_columns(dataset) -> list[str]:
     return list(names) if names is not None else list(dataset[0])
 
 
+def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
+    """Rows given as a list (a JSONL file's) may differ from one another, a datasets.Dataset's may not: the first
+    list row lacking one of `needed` is a ValueError naming it, the column and `why` every row needs it."""
+    if getattr(rows, "column_names", None) is not None:
+        return
+    for i in range(len(rows)):
+        missing = [c for c in needed if c not in rows[i]]
+        if missing:
+            raise ValueError(f"{field}: row {i} has no column {missing[0]!r}; row 0 has {list(rows[0])}, and every "
+                             f"row needs {why}")
+
+
 def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
     """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads),
     the tokenizer's pad token, and prompt + completion lengths against the model's positions: one ValueError naming

@@ -14,6 +14,7 @@ import logging
 
 import torch
 
+from fastgrpo.train.input_checks import check_rows_have
 from fastgrpo.train.prompts import prompt_ids, response_ids
 
 logger = logging.getLogger(__name__)
@@ -38,13 +39,10 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
             raise ValueError(f"train_dataset: no column {column!r} ({name}); columns: {columns}")
+    check_rows_have(rows, (prompt_column, response_column), "train_dataset", "the prompt and response columns")
     examples = []
     for i in range(len(rows)):
         row = rows[i]
-        missing = [c for c in (prompt_column, response_column) if c not in row]  # a list's rows may differ
-        if missing:
-            raise ValueError(f"train_dataset: row {i} has no column {missing[0]!r}; row 0 has {columns}, and every "
-                             "row needs the prompt and response columns")
         prompt, response = row[prompt_column], row[response_column]
         try:
             p = prompt_ids(tokenizer, prompt, prompt_format)
