@@ -81,6 +81,14 @@ def test_a_checkpoint_is_evaluated_in_its_runs_prompt_format_unless_told_otherwi
     assert f"eval: prompt_format 'raw', stop ['b'] as the run that exported {run / 'final'} trained" in err, err
     config = _results(tmp_path / "final")[1]["config"]
     assert (config["prompt_format"], config["stop"]) == ("raw", ["b"])
+    # a damaged or foreign run_config.json beside the model: one line naming it, not a traceback
+    flags = [*scoring, "--dtype", "float32", "--device", "cpu", "--max-new-tokens", "8"]
+    for text, problem in (("[1, 2]", "a JSON list, not an object"), ("{broken", "Expecting property name")):
+        (run / "final" / "run_config.json").write_text(text)
+        assert main(["eval", "--model", str(run / "final"), *flags, "--output-dir", str(tmp_path / "bad")]) == 2
+        err = capsys.readouterr().err
+        assert f"error: model: {run / 'final' / 'run_config.json'} is damaged ({problem}" in err, err
+        assert err.count("\n") == 1 and "delete it (it only tells `fastgrpo eval` how the run prompted" in err, err
     # the flag's r1_zero: its template is longer than the tiny model's 64 positions, which says which format ran
     assert main([*common, "--output-dir", str(tmp_path / "told"), "--prompt-format", "r1_zero"]) == 2
     err = capsys.readouterr().err

@@ -122,11 +122,8 @@ def read_run_config(path: str | Path) -> dict:
     from before that file) the state's "config", memory-mapped so the weights are not read."""
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
-        try:
-            return json.loads((path / CONFIG_FILE).read_text())
-        except json.JSONDecodeError as err:
-            raise ValueError(f"checkpoint: {path / CONFIG_FILE} is damaged ({err.msg}, line {err.lineno}); "
-                             "restore it, or delete it to read the config saved with the weights") from None
+        return _config_json(path / CONFIG_FILE, "checkpoint", "restore it, or delete it to read the config saved "
+                                                              "with the weights")
     try:
         state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
     except pickle.UnpicklingError:
@@ -136,6 +133,28 @@ def read_run_config(path: str | Path) -> dict:
     if not isinstance(config, dict):
         raise ValueError(f"checkpoint: {path / STATE_FILE} holds no run config")
     return config
+
+
+def read_exported_run_config(folder: str | Path) -> dict | None:
+    """The run config an export wrote beside its model (export_model's run_config), None where there is none."""
+    file = Path(folder) / CONFIG_FILE
+    if not file.is_file():
+        return None
+    return _config_json(file, "model", "restore it, or delete it (it only tells `fastgrpo eval` how the run "
+                                       "prompted; the model does not need it)")
+
+
+def _config_json(file: Path, field: str, remedy: str) -> dict:
+    """A run config file's {field: value} mapping; a damaged one is a one-line ValueError naming `field`."""
+    try:
+        config = json.loads(file.read_text())
+    except json.JSONDecodeError as err:
+        problem = f"{err.msg}, line {err.lineno}"
+    else:
+        if isinstance(config, dict):
+            return config
+        problem = f"a JSON {type(config).__name__}, not an object"
+    raise ValueError(f"{field}: {file} is damaged ({problem}); {remedy}")
 
 
 def restore_checkpoint(state: dict, model: torch.nn.Module) -> dict:

@@ -75,15 +75,13 @@ def config_from_args(name: str, args: argparse.Namespace):
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
     """(config, description) of the run behind eval's model: a --checkpoint's run, or the run that exported a
     --model folder (its run_config.json: export_model); (None, "") for any other model."""
-    from fastgrpo.train.checkpoint import CONFIG_FILE, read_run_config
+    from fastgrpo.train.checkpoint import read_exported_run_config, read_run_config
     from fastgrpo.train.loading import find_checkpoint
 
     if merged.get("checkpoint") is not None:
         return read_run_config(find_checkpoint(merged["checkpoint"])), "the checkpoint's run"
-    model = merged.get("model")
-    if model is not None and (Path(model) / CONFIG_FILE).is_file():
-        return read_run_config(Path(model)), f"the run that exported {model}"
-    return None, ""
+    exported = read_exported_run_config(merged["model"]) if merged.get("model") is not None else None
+    return exported, f"the run that exported {merged.get('model')}"
 
 
 # what eval takes from the run that trained its model unless YAML or a flag sets it: the model learned to answer
