@@ -606,6 +606,31 @@ def test_torch_path_without_interpreter(monkeypatch):
     torch.testing.assert_close(decode_attention(q, k, v, visible, L), decode_attention_torch(q, k, v, visible, L))
 
 
+def test_group_size_traces_to_a_constant_under_a_dynamic_batch():
+    """Compaction marks the batch dynamic (rollout/compaction.py). With a shared prefix the kernel wrapper's group
+    size N // B was then symbolic, and sympy spent minutes per layer on the launch arithmetic's floor divisions over
+    it (the GPU compaction test never finished its trace). rows_per_group traces to a constant: no division in the
+    graph, and one graph for every batch of the same group size."""
+    from fastgrpo.kernels.decode_attention import rows_per_group
+
+    graphs = []
+
+    def keep_code(gm, example_inputs):
+        graphs.append(gm.code)
+        return gm
+
+    torch._dynamo.reset()
+    step = torch.compile(lambda q, pk: q * rows_per_group(q.shape[0], pk.shape[0]), backend=keep_code,
+                         fullgraph=True, dynamic=False)
+    for B in (8, 4, 3):
+        q, pk = torch.ones(4 * B, 2), torch.ones(B, 2)
+        for t in (q, pk):
+            torch._dynamo.maybe_mark_dynamic(t, 0)
+        assert torch.equal(step(q, pk), q * 4)
+    torch._dynamo.reset()
+    assert len(graphs) == 1 and "//" not in graphs[0] and "floordiv" not in graphs[0], graphs
+
+
 def test_bad_input():
     q, kv = torch.randn(2, 2, 3, 16), torch.randn(2, 2, 9, 16)
     visible, L = torch.ones(2, 9, dtype=torch.bool), torch.tensor([3])

@@ -66,6 +66,7 @@ a shared prefix's suffix (max_new_tokens slots) may not be, and then takes the m
 """
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -355,7 +356,7 @@ def decode_attention_fwd(
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
-    S = N // B
+    S = rows_per_group(N, B)
     P = prefix_k.shape[2] if has_prefix else 0
     interpret = os.environ.get("TRITON_INTERPRET") == "1" and not q.is_cuda
     if fp8_dots and (k_scale is None or q.dtype == torch.float32):
@@ -421,6 +422,13 @@ def fp8_dots_pay(rows: int, D: int) -> bool:
     Smaller tiles' 2 warps make them mma.sync, which widens e4m3 to fp16 there as the fp16 dots do (an sm_90
     compile, tests/test_decode_attention.py): only fp8_dots' roundings would be added."""
     return tiles_for(*program_blocks(rows, D, fp8_dots=True)) is GPU_TILES
+
+
+def rows_per_group(N: int, B: int) -> int:
+    """N // B (B dividing N) as a plain int, also where N and B are symbolic sizes: under torch.compile with a
+    dynamic batch (the engine's compaction) tracing then guards on s * B >= N for s = 1, 2, ..., simple relations,
+    where carrying N // B into the launch arithmetic's nested floor divisions took sympy minutes per layer."""
+    return next(s for s in itertools.count(1) if s * B >= N)
 
 
 def program_blocks(rows: int, D: int, fp8_dots: bool = False) -> tuple[int, int]:

@@ -138,9 +138,9 @@ def decode_attention(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     if not use_triton(q, k, v, visible, length):
         return decode_attention_torch(q, k, v, visible, length, scale, prefix_k, prefix_v, prefix_visible, *scales)
-    from fastgrpo.kernels.decode_attention import decode_attention_fwd, fp8_dots_pay
+    from fastgrpo.kernels.decode_attention import decode_attention_fwd, fp8_dots_pay, rows_per_group
 
-    rows = G * (N // prefix_k.shape[0] if prefix_k is not None else 1)  # a program's: its group's S x G
+    rows = G * (rows_per_group(N, prefix_k.shape[0]) if prefix_k is not None else 1)  # a program's: S x G
     unit = _unit_stride
     q, k, v, visible = unit(q), unit(k), unit(v, values=True), unit(visible)
     prefix_k, prefix_v, prefix_visible = unit(prefix_k), unit(prefix_v, values=True), unit(prefix_visible)
