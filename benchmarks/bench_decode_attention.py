@@ -94,7 +94,8 @@ def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str) -> dict:
     """The tiles the kernel picks itself for a layout's programs (S x G query rows: taller with a shared prefix)."""
     _, G, D = heads(shape)
     S = sizes["samples"] if layout == "shared" else 1
-    return tiles_for(*program_blocks(S * G, D, CACHES[cache][2].get("fp8_dots", False)))
+    fp8, _, dots = CACHES[cache]
+    return tiles_for(*program_blocks(S * G, D, dots.get("fp8_dots", False)), fp8)
 
 
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],

@@ -97,7 +97,7 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
     """--layouts plain,shared on the CPU (dry run): a row per layout, each with the tiles the kernel picks for its
     programs (a shared prefix's S x G rows), the same output as those tiles give, and no results file."""
     from benchmarks import bench_decode_attention as bench
-    from fastgrpo.kernels.decode_attention import tiles_for
+    from fastgrpo.kernels.decode_attention import GPU_TILES, tiles_for
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     bench.main(["--dry-run", "--shapes", "llama-3.1-8b", "--caches", "e4m3-fp8-dots", "--layouts", "plain,shared"])
@@ -105,6 +105,8 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
     assert [line[2] for line in lines] == ["plain", "shared"], lines
     assert all(line[7] == "True" and line[11] == "0" for line in lines), lines  # default tiles, max_diff 0
     S, G = bench.DRY_SIZES["samples"], bench.heads("llama-3.1-8b")[1]
-    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3", "shared") == tiles_for(8 * G, 128)
-    assert bench.kernel_tiles("llama-3.1-8b", bench.DRY_SIZES, "e4m3", "shared") == tiles_for(max(16, S * G), 128)
+    # 8 x 4 rows: GPU_TILES over an e4m3 cache, smaller tiles over a bf16 one (twice the bytes)
+    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3", "shared") is GPU_TILES
+    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "bf16", "shared") == tiles_for(8 * G, 128) != GPU_TILES
+    assert bench.kernel_tiles("llama-3.1-8b", bench.DRY_SIZES, "e4m3", "shared") == tiles_for(max(16, S * G), 128, True)
     assert not list(tmp_path.iterdir())

@@ -361,9 +361,10 @@ def test_fp8_split_is_within_a_bound_plain_fp8_dots_exceed():
 
 
 def test_the_op_takes_fp8_dots_where_they_pay(monkeypatch):
-    """ops.decode_attention passes fp8_dots for an e4m3 cache and a 16-bit q whose programs take GPU_TILES (16 rows
-    x D 128 at most: Llama's and Qwen's plain layout), not for a taller shared-prefix program, a head dim of 256 or
-    an fp32 q (test_fp8_dots_are_wgmma_exactly_where_they_pay checks the compile behind the rule)."""
+    """ops.decode_attention passes fp8_dots for an e4m3 cache and a 16-bit q whose programs take GPU_TILES (up to 64
+    rows x D 128: Llama's and Qwen's plain layout, and their shared prefix's 8 samples x 4 or 6 query heads), not for
+    a taller shared-prefix program, a head dim of 256 or an fp32 q (test_fp8_dots_are_wgmma_exactly_where_they_pay
+    checks the compile behind the rule)."""
     from fastgrpo.kernels import decode_attention as kernels
 
     seen = []
@@ -372,7 +373,8 @@ def test_the_op_takes_fp8_dots_where_they_pay(monkeypatch):
                         lambda *a, fp8_dots=False, **kw: seen.append(fp8_dots) or real(*a, fp8_dots=fp8_dots, **kw))
     g = torch.Generator().manual_seed(0)
     for S, G, D, dtype, want in ((1, 4, 128, torch.bfloat16, True), (1, 6, 128, torch.float16, True),
-                                 (8, 4, 128, torch.bfloat16, False), (1, 4, 256, torch.bfloat16, False),
+                                 (8, 4, 128, torch.bfloat16, True), (8, 6, 128, torch.bfloat16, True),
+                                 (16, 8, 128, torch.bfloat16, False), (1, 4, 256, torch.bfloat16, False),
                                  (1, 4, 128, torch.float32, False)):
         B, M = 2, 16
         q = torch.randn(B * S, 1, G, D, generator=g).to(dtype)
@@ -472,6 +474,8 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
 
 
 HOPPER_CHECK = """
+import itertools
+
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -481,7 +485,7 @@ from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, ti
 def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False, fp8_split=False):
     # pointers, strides and D aligned as a launch specializes them; a unit stride specialized to the constant 1: the
     # slots' for a slot-major V (the engine's, with V_FINITE), the dims' otherwise
-    tiles = tiles_for(block_r, block_d)
+    tiles = tiles_for(block_r, block_d, kv != "bf16")
     consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP8_DOTS=fp8_dots, FP8_SPLIT=fp8_split,
                   E4M3_BY_HAND=False, FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
                   V_FINITE=v_slot_major, WRITE_OUT=write_out, BLOCK_R=block_r, BLOCK_N=tiles["block_n"],
@@ -517,11 +521,16 @@ for fp8_dots in (False, True):
 # fp8_split: a second e4m3 dot beside each, still no conversion
 ptx = compile("fp8e4nv", True, 16, 128, False, True, True, True).asm["ptx"]
 print("split", ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
-# the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V)
+# the largest program of each TILES_BY_SIZE class, with a shared prefix and a bf16 cache (2 bytes, row-major V);
+# over the engine's e4m3 cache, with the fp16 dots and fp8_dots: the largest program of GPU_TILES (to
+# E4M3_GPU_TILES_UP_TO) and of the two TILES_BY_SIZE classes past it
 for block_r, block_d in ((16, 128), (16, 256), (64, 128), (64, 256)):
-    print("shared", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
+    print("shared bf16", block_r, block_d, compile("bf16", False, block_r, block_d, True, False).metadata.shared)
+for (block_r, block_d), fp8_dots in itertools.product(((64, 128), (32, 256), (64, 256)), (False, True)):
+    kernel = compile("fp8e4nv", True, block_r, block_d, True, False, fp8_dots)
+    print("shared e4m3" + "-fp8-dots" * fp8_dots, block_r, block_d, kernel.metadata.shared)
 # fp8_dots in each class with its tiles (the engine's e4m3 cache, a shared prefix)
-for block_r, block_d in ((16, 128), (16, 256), (32, 64), (64, 128), (64, 256)):
+for block_r, block_d in ((16, 128), (16, 256), (32, 64), (32, 256), (64, 128), (64, 256)):
     ptx = compile("fp8e4nv", True, block_r, block_d, True, False, True).asm["ptx"]
     print("fp8wgmma", block_r, block_d, ptx.count("wgmma.mma_async"), ptx.count("cvt.rn.f16x2.e4m3x2"))
 """
@@ -555,10 +564,11 @@ def test_fp8_dots_are_wgmma_exactly_where_they_pay():
 
     found = {(int(r), int(d)): (int(w), int(c))
              for what, r, d, w, c in (line for line in hopper_check() if line[0] == "fp8wgmma")}
-    assert len(found) == 5, found
+    assert len(found) == 6, found
     for (rows, D), (wgmma, cvt) in found.items():
         assert (wgmma > 0 and cvt == 0) if fp8_dots_pay(rows, D) else (wgmma == 0 and cvt > 0), (rows, D, found)
-    assert fp8_dots_pay(16, 128) and not fp8_dots_pay(64, 128)
+    # a shared prefix's 64 rows (Qwen2.5's 8 samples x 6) too (E4M3_GPU_TILES_UP_TO), not D 256
+    assert fp8_dots_pay(16, 128) and fp8_dots_pay(64, 128) and not fp8_dots_pay(16, 256)
 
 
 def test_slot_major_e4m3_v_reads_no_more_bytes_one_by_one_than_bf16():
@@ -578,10 +588,12 @@ ADA_SHARED_BYTES = 99 * 1024  # the most shared memory one block may take on sm_
 
 def test_every_tile_class_fits_an_ada_cards_shared_memory():
     """A program's shared memory grows with its rows x head dim and the tile: GPU_TILES at a shared prefix's 64 rows x
-    D 256 needed 296 KB, past an H100's 227 too, so bigger programs take smaller tiles (TILES_BY_SIZE). Compiled for
-    sm_90 on the CPU: the largest program of each class stays within an Ada card's 99 KB."""
-    shared = {(int(r), int(d)): int(b) for what, r, d, b in (line for line in hopper_check() if line[0] == "shared")}
-    assert len(shared) == 4 and all(b <= ADA_SHARED_BYTES for b in shared.values()), shared
+    D 256 needed 296 KB, past an H100's 227 too, so bigger programs take smaller tiles (TILES_BY_SIZE; over an e4m3
+    cache, half the bytes, GPU_TILES up to E4M3_GPU_TILES_UP_TO). Compiled for sm_90 on the CPU: the largest program of each class
+    stays within an Ada card's 99 KB, with either of an e4m3 cache's dots."""
+    shared = {(cache, int(r), int(d)): int(b)
+              for what, cache, r, d, b in (line for line in hopper_check() if line[0] == "shared")}
+    assert len(shared) == 10 and all(b <= ADA_SHARED_BYTES for b in shared.values()), shared
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():

@@ -93,6 +93,11 @@ GPU_TILES = dict(block_n=128, num_warps=4, num_stages=2)
 # (test_decode_attention.py compiles them). 64 slots / 2 warps was the default before the splits sweep.
 TILES_BY_SIZE = ((16 * 128, GPU_TILES), (64 * 128, dict(block_n=64, num_warps=2, num_stages=2)),
                  (None, dict(block_n=32, num_warps=2, num_stages=2)))
+# (rows, head dim) up to which a program over an e4m3 cache (half the bytes) takes GPU_TILES: a shared prefix's S x G
+# (Qwen2.5's 8 x 6, Llama-3.1's 8 x 4) ran 1.1-2.2x faster on them than on 64 slots / 2 warps, with the fp16 dots and
+# fp8_dots alike (H200, bench_decode_attention --layouts shared: NOTES_rollout.md), within an Ada card's 99 KB; at
+# D 256 fp8_dots' GPU_TILES take 140 KB from 32 rows, so wider programs keep TILES_BY_SIZE
+E4M3_GPU_TILES_UP_TO = (64, 128)
 WARPS_PER_SM = 8  # default_splits: at most this many warps per SM in all (rounded down), at least one split
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
@@ -364,15 +369,15 @@ def decode_attention_fwd(
                          f"q {q.dtype}")
     if fp8_split and not fp8_dots:
         raise ValueError("fp8_split: splits fp8_dots' operands; pass fp8_dots=True too")
+    fp8 = k_scale is not None
     block_r, block_d = program_blocks(S * G, D, fp8_dots)
-    tiles = {**tiles_for(block_r, block_d), **(tiles or {})}
+    tiles = {**tiles_for(block_r, block_d, fp8), **(tiles or {})}
     block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     if splits is None:
         splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n,
                                 tiles["num_warps"])
     # bool masks go to the kernel as they are (Triton reads *i1): a .view(torch.uint8) here would break inductor's
     # lowering when the engine compiles the decode step
-    fp8 = k_scale is not None
     if has_prefix:
         pk, pv, pvis = prefix_k, prefix_v, prefix_visible
     else:  # unused by the kernel (HAS_PREFIX=False): any tensors of the right dtype
@@ -418,10 +423,10 @@ def decode_attention_fwd(
 
 def fp8_dots_pay(rows: int, D: int) -> bool:
     """Whether fp8_dots is the faster e4m3 path for programs of `rows` query rows (S x G) and head dim D: where they
-    take GPU_TILES, whose 4 warps make fp8_dots' dots e4m3 wgmma on Hopper (the timed case: module docstring).
+    take GPU_TILES, whose 4 warps make fp8_dots' dots e4m3 wgmma on Hopper (the timed cases: module docstring).
     Smaller tiles' 2 warps make them mma.sync, which widens e4m3 to fp16 there as the fp16 dots do (an sm_90
     compile, tests/test_decode_attention.py): only fp8_dots' roundings would be added."""
-    return tiles_for(*program_blocks(rows, D, fp8_dots=True)) is GPU_TILES
+    return tiles_for(*program_blocks(rows, D, fp8_dots=True), fp8=True) is GPU_TILES
 
 
 def rows_per_group(N: int, B: int) -> int:
@@ -437,8 +442,11 @@ def program_blocks(rows: int, D: int, fp8_dots: bool = False) -> tuple[int, int]
     return max(16, triton.next_power_of_2(rows)), max(32 if fp8_dots else 16, triton.next_power_of_2(D))
 
 
-def tiles_for(block_r: int, block_d: int) -> dict:
-    """The GPU tiles (TILES_BY_SIZE) of a program of block_r query rows and head dim block_d."""
+def tiles_for(block_r: int, block_d: int, fp8: bool = False) -> dict:
+    """The GPU tiles of a program of block_r query rows and head dim block_d over a bf16 cache (TILES_BY_SIZE) or an
+    e4m3 one (fp8: E4M3_GPU_TILES_UP_TO, then TILES_BY_SIZE)."""
+    if fp8 and block_r <= E4M3_GPU_TILES_UP_TO[0] and block_d <= E4M3_GPU_TILES_UP_TO[1]:
+        return GPU_TILES
     return next(tiles for limit, tiles in TILES_BY_SIZE if limit is None or block_r * block_d <= limit)
 
 
