@@ -55,7 +55,7 @@ def heads(shape: str) -> tuple[int, int, int]:
 # cache -> (e4m3, V slot-major, the kernel's dots options): the bf16 cache; the e4m3 cache as the engine stores it
 # (rollout/kv_cache.py: V's slots contiguous) with fp16 dots (the engine's before 2026-11-28); with V row-major like K
 # (the engine's layout before 2026-11-27); the engine's e4m3 cache and dots, fp8_dots (e4m3 q and weights on the FP8
-# tensor cores); and fp8_dots with each operand in two e4m3 parts (fp8_split, untimed)
+# tensor cores); and fp8_dots with each operand in two e4m3 parts (fp8_split, not the engine's: NOTES_rollout.md)
 CACHES = {"bf16": (False, False, {}), "e4m3": (True, True, {}), "e4m3-v-rowmajor": (True, False, {}),
           "e4m3-fp8-dots": (True, True, {"fp8_dots": True}),
           "e4m3-fp8-split": (True, True, {"fp8_dots": True, "fp8_split": True})}

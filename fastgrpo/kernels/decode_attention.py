@@ -46,10 +46,11 @@ needs). q is rounded to e4m3 per row (q / q_scale, q_scale its largest |q| / 448
 below e4m3's normals) and so are the weights w = p v_scale / v_pow2 x E4M3_WEIGHTS; both scales multiply back in fp32.
 The softmax state (m, l) is per row as above, l of the unrounded p. An sm_90 compile (on the CPU) has e4m3 wgmma for
 both dots and no e4m3 conversion (tests/test_decode_attention.py); the test's bound: fp8_dots_bound there.
-fp8_split (FP8_SPLIT, untimed): q and the weights also send what their rounding dropped, times SPLIT_SCALE and rounded
-to e4m3, through a second dot divided by it: 2^-8 relative instead of 2^-4 (bf16's precision), for twice the MMAs of
-a kernel bound by its loads and the weights' first parts widened back to take their remainder (16 conversions a tile
-at Llama's 16 x 128 programs, against the fp16 dots' 128: sm_90 compile).
+fp8_split (FP8_SPLIT, not the op's): q and the weights also send what their rounding dropped, times SPLIT_SCALE and
+rounded to e4m3, through a second dot divided by it: 2^-8 relative instead of 2^-4 (bf16's precision), for twice the
+MMAs and the weights' first parts widened back to take their remainder (16 conversions a tile at Llama's 16 x 128
+programs, against the fp16 dots' 128: sm_90 compile). Timed on an H200 it gives back most of fp8_dots' gain (44.4
+against 38.7 us at Llama-3.1-8B heads; the fp16 dots 45.9) for fp8_dots' extra rollout KL (NOTES_rollout.md).
 
 An e4m3 V is best stored with its slots contiguous (rollout/kv_cache.py allocates it so): p.v takes V as the MMA's
 B operand with the slots as its reduction dimension, which 8-bit operands must have contiguous; from a [M, D]
@@ -357,7 +358,7 @@ def decode_attention_fwd(
     fp8_dots: an e4m3 cache's dots on the FP8 tensor cores, q and the weights rounded to e4m3 (module docstring);
     a 16-bit q only. Without it an e4m3 cache's dots run in fp16 (fewer roundings: the benchmark's baseline).
     fp8_split (with fp8_dots): q and the weights each as two e4m3 parts, two dots where there is one (module
-    docstring); untimed, so no caller but the benchmark and the tests."""
+    docstring); slower than fp8_dots, so no caller but the benchmark and the tests."""
     N, H, G, D = q.shape
     has_prefix = prefix_k is not None
     B = prefix_k.shape[0] if has_prefix else N
