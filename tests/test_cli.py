@@ -230,8 +230,29 @@ def test_user_dataset_file_and_missing_column(tmp_path, capsys):
               "--learning-rate", "1e-3", "--no-progress-bar", "--no-export"]
     assert main([*common, "--reward-funcs", "length"]) == 0
     assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 1
+    assert "<unk>" not in capsys.readouterr().err  # the built-in tokenizer knows every character of these rows
     assert main([*common, "--reward-funcs", "r1_zero_math", "--overwrite-output-dir"]) == 2
     assert "needs columns ['answer']" in capsys.readouterr().err
+
+
+def test_characters_the_builtin_tokenizer_lacks_are_named(tmp_path, capsys, caplog):
+    """--dataset without --model trains the tiny model, whose character tokenizer reads what it does not know as
+    <unk>: one warning names those characters (of the columns a command tokenizes: SFT's responses too)."""
+    import types
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"What is {i}+{i}?", "target_length": 3}) for i in range(4)))
+    assert main(["train", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), "--batch-size", "4",
+                 "--num-generations", "2", "--max-completion-length", "4", "--max-steps", "1", "--no-progress-bar",
+                 "--no-export", "--reward-funcs", "length"]) == 0
+    warned = [line for line in capsys.readouterr().err.splitlines() if "<unk>" in line]
+    assert len(warned) == 1 and "12 other characters (most often 'W+?')" in warned[0], warned
+    sft = types.SimpleNamespace(model=None, checkpoint=None, prompt_column="q", response_column="r")
+    with caplog.at_level("WARNING", logger="fastgrpo"):
+        default_task.warn_unknown_characters([{"q": "say a", "r": "A!", "other": "Z"}], sft)
+        default_task.warn_unknown_characters([{"q": "say a", "r": "A!"}], types.SimpleNamespace(**{**vars(sft),
+                                                                                               "model": "m"}))
+    assert [r.getMessage().split("(")[1][:25] for r in caplog.records] == ["most often 'A!') become <"]
 
 
 def test_local_hf_model_with_lora_patched_and_exported(tmp_path):

@@ -175,7 +175,11 @@ def _train(config, make_trainer, args) -> list[dict]:
 def _rows(config, builtin):
     from fastgrpo.train.loading import load_rows
 
-    return builtin() if config.dataset is None else load_rows(config.dataset, config.dataset_split)
+    if config.dataset is None:
+        return builtin()
+    rows = load_rows(config.dataset, config.dataset_split)
+    default_task.warn_unknown_characters(rows, config)
+    return rows
 
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

@@ -63,7 +63,9 @@ def load_dataset(config):
     """The rows of config.dataset, or the built-in GRPO task when it is None."""
     if config.dataset is None:
         return default_task.build_dataset(seed=config.seed)
-    return load_rows(config.dataset, config.dataset_split)
+    rows = load_rows(config.dataset, config.dataset_split)
+    default_task.warn_unknown_characters(rows, config)
+    return rows
 
 
 def resolve_device_dtype(config) -> tuple[str, torch.dtype]:
