@@ -172,23 +172,14 @@ def _train(config, make_trainer, args) -> list[dict]:
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
 
 
-def _rows(config, builtin):
-    from fastgrpo.train.loading import load_rows
-
-    if config.dataset is None:
-        return builtin()
-    rows = load_rows(config.dataset, config.dataset_split)
-    default_task.warn_unknown_characters(rows, config)
-    return rows
-
-
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.loading import load_dataset
     from fastgrpo.train.sft import SFTTrainer
 
     config = config_from_args("sft", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
-    rows = _rows(config, lambda: default_task.build_sft_dataset(seed=config.seed))
+    rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed))
     history = _train(config, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
     if history:
         first, last = history[0], history[-1]
@@ -199,13 +190,13 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.expert_iteration import ExpertIteration
-    from fastgrpo.train.loading import resolve_reward
+    from fastgrpo.train.loading import load_dataset, resolve_reward
 
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    rows = _rows(config, lambda: default_task.build_dataset(seed=config.seed))
+    rows = load_dataset(config)  # the built-in rows: the GRPO task's
     history = _train(config, lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows,
                                                                              config), args)
     if history:
@@ -222,7 +213,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
     from fastgrpo.train.input_checks import model_positions
-    from fastgrpo.train.loading import find_checkpoint, load_inference_model, resolve_reward
+    from fastgrpo.train.loading import find_checkpoint, load_dataset, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import RunDirectory
     from fastgrpo.train.sources import naming_the_model
 
@@ -230,8 +221,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    rows = _rows(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
-                                                                 seed=config.seed + 1))
+    rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
+                                                                       seed=config.seed + 1))
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     output = Path(config.output_dir)
     with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:

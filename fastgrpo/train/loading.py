@@ -59,10 +59,10 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
 
-def load_dataset(config):
-    """The rows of config.dataset, or the built-in GRPO task when it is None."""
+def load_dataset(config, builtin=None):
+    """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's)."""
     if config.dataset is None:
-        return default_task.build_dataset(seed=config.seed)
+        return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
     default_task.warn_unknown_characters(rows, config)
     return rows
