@@ -59,6 +59,8 @@ Results: benchmarks/results/loop_<shape>-<card>.json, common.write_results' payl
 config, rows); rows {"system", "kind": "step" | "max_fit", "completion", "step_s", "peak_gib", "<phase>_s", ...}
 replace earlier rows of the same system, kind and completion. A case that fails leaves "error": the exception and
 its last frames (the failing call), or the log's tail when the process died. Logs: --log-dir/<case>.log.
+"targets": each baseline row (TRL, TRL + Liger, Unsloth) against the fastest fastgrpo row of its completion within
+its peak memory, recomputed at every write (benchmarks/loop_targets.py).
 A driver stopped by SIGTERM or SIGINT (a device call's `timeout`, Ctrl-C) kills the cases it runs before it exits:
 each case runs in its own session, so without this one would go on holding the card and skew the next measurement.
 """
@@ -84,6 +86,8 @@ import threading
 import time
 import traceback
 from pathlib import Path
+
+from benchmarks import loop_targets
 
 SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "fastgrpo-fast", "trl", "trl-liger", "unsloth")
 ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "fastgrpo-fp8", "unsloth-hf")
@@ -631,6 +635,7 @@ class Results:
                        "config": {**before["config"], **self.config},
                        "rows": [r for r in before["rows"] if key(r) not in new] + rows,
                        "replaced_rows": before.get("replaced_rows", []) + [r for r in before["rows"] if key(r) in new]}
+            payload["targets"] = loop_targets.targets(payload["rows"])
             self.directory.mkdir(parents=True, exist_ok=True)
             # replaced whole: a driver killed mid-write leaves the old file, never a truncated one
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

@@ -37,7 +37,19 @@ def render_markdown(results: list[dict]) -> str:
         parts += [markdown_table(rows), ""] if rows else []
         parts += ["Longest completion in the cap (bench_loop --max-fit):", "", markdown_table(
             [max_fit_summary(row) for row in fits]), ""] if fits else []
+        parts += ["Targets (2x TRL, 1.3x Unsloth, at no more peak memory; benchmarks/loop_targets.py):", "",
+                  markdown_table([target_summary(t) for t in result["targets"]]), ""] if result.get("targets") else []
     return "\n".join(parts)
+
+
+def target_summary(target: dict) -> dict:
+    """A loop file's verdict with its peaks and phase ratios as one cell each."""
+    peaks, phases = target.get("peak_gib"), target.get("phases") or {}
+    return {**{k: target.get(k) for k in ("completion", "baseline", "target", "fastgrpo", "speedup", "met",
+                                          "same_machine")},
+            "peak_gib (fastgrpo / baseline)": peaks and f"{_fmt(peaks['fastgrpo'])} / {_fmt(peaks['baseline'])}",
+            "phase speed-ups": ", ".join(f"{k.removesuffix('_s')} {_fmt(v)}x" for k, v in phases.items()),
+            "why": target.get("why")}
 
 
 def max_fit_summary(row: dict) -> dict:
