@@ -40,9 +40,17 @@ from fastgrpo.ops.fp8_linear import (
     fp8_linear_torch,
     prepare_fp8_linear,
     quantize_fp8,
+    quantize_groups,
     quantize_rows,
 )
-from fastgrpo.ops.fp8_scaled_linear import GEMM, GEMMS, fp8_scaled_linear, fp8_scaled_linear_reference, scaled_mm_fits
+from fastgrpo.ops.fp8_scaled_linear import (
+    GEMM,
+    GEMMS,
+    dequantized_x,
+    fp8_scaled_linear,
+    fp8_scaled_linear_reference,
+    scaled_mm_fits,
+)
 from tests.graph_replay import assert_replays_exactly
 from tests.error_bounds import assert_within
 
@@ -61,26 +69,31 @@ def make(g, M, N, K, dtype, with_bias=True, device="cpu"):
     return x.to(dtype).to(device), q, scale, bias
 
 
-def sum_abs(x, q, scale):
-    """scale sx sum_k |xq_k q_k| [M, N], fp64: the size of the GEMM's sum."""
-    xq, sx = quantize_rows(x)
-    return (xq.double().abs() @ q.double().abs().T) * sx.double()[:, None] * scale.double()
+def sum_abs(x, q, scale, x_group=None):
+    """scale sum_k |xq_k sx_k q_k| [M, N], fp64: the size of the GEMM's sum (sx_k: x_k's row or group scale)."""
+    return (dequantized_x(x, x_group).abs() @ q.double().abs().T) * scale.double()
 
 
-def bound(ref, x, q, scale, bias, dtype, c_acc=CPU_ACC, out_u=U16):
-    """(a): |op - reference| per element (module docstring); out_u: the output's rounding (relative)."""
+def bound(ref, x, q, scale, bias, dtype, c_acc=CPU_ACC, out_u=U16, x_group=None):
+    """(a): |op - reference| per element (module docstring); out_u: the output's rounding (relative). With
+    x_group the same: each group's partial sum is scaled once (one rounding of its own size, within (K + 4) u32)."""
     K = x.shape[-1]
     b = 0.0 if bias is None else bias.double().abs()
-    acc = (c_acc + (K + 4) * U32) * sum_abs(x, q, scale) + U32 * (ref.abs() + b)
+    acc = (c_acc + (K + 4) * U32) * sum_abs(x, q, scale, x_group) + U32 * (ref.abs() + b)
     subnormal = torch.finfo(dtype).smallest_normal * torch.finfo(dtype).eps
     return out_u * (ref.abs() + acc + U16 * b) + acc + U16 * b + subnormal
 
 
-def rounding_x(x, q, scale):
-    """(b)'s extra term: sum_k ((2^-4 + 2^-23) |x_k| + 2^-10 sx) |w_k| [M, N], fp64."""
-    _, sx = quantize_rows(x)
+def rounding_x(x, q, scale, x_group=None):
+    """(b)'s extra term: sum_k ((2^-4 + 2^-23) |x_k| + 2^-10 sx_k) |w_k| [M, N], fp64 (sx_k: x_k's row or group
+    scale)."""
+    K = x.shape[-1]
+    if x_group is None:
+        sx = quantize_rows(x)[1].double()[:, None].expand(-1, K)
+    else:
+        sx = quantize_groups(x, x_group)[1].double().repeat_interleave(x_group, 1)[:, :K]
     w = dequantize_fp8(q, scale, torch.float64).abs()
-    return (2.0**-4 + 2.0**-23) * (x.double().abs() @ w.T) + 2.0**-10 * sx.double()[:, None] * w.sum(1)
+    return (2.0**-4 + 2.0**-23) * (x.double().abs() @ w.T) + 2.0**-10 * (sx @ w.T)
 
 
 def exact(x, q, scale, bias):
@@ -94,13 +107,13 @@ def output_rounding(gemm, device):
     return 2 * U16 if interpreted else U16
 
 
-def check(x, q, scale, bias, c_acc=CPU_ACC, what="", gemm=None):
-    got = fp8_scaled_linear(x, q, scale, bias, gemm)
+def check(x, q, scale, bias, c_acc=CPU_ACC, what="", gemm=None, x_group=None):
+    got = fp8_scaled_linear(x, q, scale, bias, gemm, x_group)
     assert got.dtype == x.dtype and got.shape == (x.shape[0], q.shape[0])
-    ref = fp8_scaled_linear_reference(x, q, scale, bias)
-    tol = bound(ref, x, q, scale, bias, x.dtype, c_acc, output_rounding(gemm, x.device))
+    ref = fp8_scaled_linear_reference(x, q, scale, bias, x_group)
+    tol = bound(ref, x, q, scale, bias, x.dtype, c_acc, output_rounding(gemm, x.device), x_group)
     assert_within(got, ref, tol, f"{what} vs the reference")
-    assert_within(got, exact(x, q, scale, bias), tol + rounding_x(x, q, scale), f"{what} vs unquantized x")
+    assert_within(got, exact(x, q, scale, bias), tol + rounding_x(x, q, scale, x_group), f"{what} vs unquantized x")
     return got
 
 
@@ -245,6 +258,77 @@ def test_bad_input():
             fp8_scaled_linear(*args)
 
 
+# ---- per-group activation scales (x_group) ----------------------------------------------------------------------
+
+def grouped(g, M, N, K, dtype, with_bias=True, device="cpu"):
+    """make's operands with x's groups of 16 along K at magnitudes 2^-6 .. 2^6 within a row, so that a row's scale
+    and its groups' differ."""
+    x, q, scale, bias = make(g, M, N, K, torch.float32, with_bias)
+    x = x * 2.0 ** torch.randint(-6, 7, (1, K // 16 + 1), generator=g).repeat_interleave(16, 1)[:, :K]
+    return x.to(dtype).to(device), q.to(device), scale.to(device), bias if bias is None else bias.to(device)
+
+
+@given(M=st.integers(1, 20), N=st.integers(1, 6).map(lambda n: 16 * n), K=st.integers(1, 8).map(lambda k: 16 * k),
+       x_group=st.sampled_from([16, 32, 64]), dtype=st.sampled_from(DTYPES), with_bias=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_groups_match_reference(M, N, K, x_group, dtype, with_bias, seed):
+    """x_group: bounds (a) and (b) with each group's own scale, through the Triton GEMM (interpreter tiles: K steps
+    of 16, up to 3 splits, a last group shorter than x_group where it does not divide K)."""
+    g = torch.Generator().manual_seed(seed)
+    check(*grouped(g, M, N, K, dtype, with_bias), what=f"groups of {x_group} {dtype} M{M} N{N} K{K}", gemm="triton",
+          x_group=x_group)
+
+
+def test_quantize_groups():
+    """Each group of a row is quantize_rows of that group alone (its amax to 448, its own scale; an all-zero group
+    gets fp32's smallest normal), a last, shorter group too."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 40, generator=g) * 2.0 ** torch.randint(-6, 7, (5, 40), generator=g)
+    x[2, 16:32] = 0
+    xq, sx = quantize_groups(x, 16)
+    assert xq.shape == (5, 40) and sx.shape == (5, 3) and xq.dtype == torch.float8_e4m3fn
+    for j, (lo, hi) in enumerate(((0, 16), (16, 32), (32, 40))):
+        want_q, want_s = quantize_rows(x[:, lo:hi])
+        assert torch.equal(sx[:, j], want_s) and torch.equal(xq[:, lo:hi].float(), want_q.float())
+    assert sx[2, 1] == torch.finfo(torch.float32).tiny
+
+
+def test_group_bound_catches_wrong_scaling():
+    """Bound (a) with x_group fails the per-row op on the same x (rows whose groups differ by up to 2^12), and the
+    kernel fed every group's scale but the first's."""
+    from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
+
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = grouped(g, 8, 32, 64, torch.bfloat16)
+    ref = fp8_scaled_linear_reference(x, q, scale, bias, 16)
+    tol = bound(ref, x, q, scale, bias, torch.bfloat16, out_u=output_rounding("triton", x.device), x_group=16)
+    assert_within(fp8_scaled_linear(x, q, scale, bias, "triton", 16), ref, tol, "groups of 16")
+    xq, sx = quantize_groups(x, 16)
+    first_only = sx[:, :1].expand(-1, sx.shape[1]).contiguous()
+    for wrong in (fp8_scaled_linear(x, q, scale, bias, "triton"),
+                  fp8_linear_fwd(xq, q, scale, bias.bfloat16(), x_scale=first_only, out_dtype=torch.bfloat16,
+                                 x_group=16)):
+        assert ((wrong.double() - ref).abs() > tol).any()
+
+
+def test_group_bad_input():
+    """x_group: a power of two of at least 16 (whole K steps of the GEMM), the Triton GEMM only; the kernel refuses a
+    scale of the wrong shape and a config whose K step crosses groups."""
+    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, fp8_linear_fwd
+
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = make(g, 2, 16, 64, torch.bfloat16)
+    for x_group, gemm in ((24, "triton"), (8, "triton"), (0, "triton"), (True, "triton"), (16, "scaled_mm")):
+        with pytest.raises(ValueError, match="x_group"):
+            fp8_scaled_linear(x, q, scale, bias, gemm, x_group)
+    xq, sx = quantize_groups(x, 16)
+    with pytest.raises(ValueError, match="x_scale"):
+        fp8_linear_fwd(xq, q, scale, None, x_scale=sx[:, :2].contiguous(), out_dtype=torch.bfloat16, x_group=16)
+    with pytest.raises(ValueError, match="block_k"):
+        fp8_linear_fwd(xq, q, scale, None, Fp8LinearConfig(16, 16, 32, 1), x_scale=sx, out_dtype=torch.bfloat16,
+                       x_group=16)
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 # (M, N, K): a decode step's GEMMs at 64 rows, stacked as the copy runs them (Llama-3.1-8B q/k/v, o, gate/up, down,
@@ -295,3 +379,16 @@ def test_gpu_compiled_and_graphed(N, gemm):
     torch._dynamo.reset()
     assert_replays_exactly(lambda t: fp8_scaled_linear(t, q, scale, bias, gemm).relu(), x, want.relu())
     torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", [shape for shape in GPU_SHAPES if scaled_mm_fits(*shape[1:])])
+@pytest.mark.parametrize("x_group", [128, 256])
+def test_gpu_groups_match_reference(M, N, K, x_group):
+    """x_group on the FP8 tensor cores: bounds (a) (Hopper's accumulator) and (b) at the decode shapes, groups of
+    128 (K steps cut to 128 from the narrow tiles' 256) and 256; bitwise the same on a second call."""
+    g = torch.Generator().manual_seed(0)
+    x, q, scale, bias = grouped(g, M, N, K, torch.bfloat16, device="cuda")
+    prepare_fp8_linear(x.device)
+    got = check(x, q, scale, bias, GPU_ACC, f"gpu groups of {x_group} M{M} N{N} K{K}", "triton", x_group)
+    assert torch.equal(fp8_scaled_linear(x, q, scale, bias, "triton", x_group), got)

@@ -24,6 +24,8 @@ W8A8 (x_scale given): x is e4m3 too, one fp32 scale per row (ops/fp8_scaled_line
 go to the FP8 tensor cores as loaded: no upcast, and half the bytes of x per K step. Why: in W8A16 every program
 reads its [BLOCK_K, 64] bf16 tile of x (16 KB) from L2 beside an 8 KB weight tile, so the SMs load three bytes
 for each byte of weight streamed from memory; the row scale, constant along K, is applied in the epilogue.
+With x_group, x has a scale per row and group of x_group along K instead (a quantizer that needs no reduction over
+a whole row): each K step's dot, within one group, is multiplied by its rows' scales as it is added into fp32.
 """
 from __future__ import annotations
 
@@ -63,6 +65,7 @@ def _fp8_linear_kernel(
     M, N, K, k_per_split, splits,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr, FP8_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr,
+    X_GROUP: tl.constexpr, ROW_SCALED: tl.constexpr,
 ):
     tile, split, feats, rows = program_tile(tl.program_id(0), splits, N, BLOCK_M, BLOCK_N)
     feat_ok = feats < N
@@ -82,7 +85,13 @@ def _fp8_linear_kernel(
             k_ok = (k + ks) < k_end
             w = tl.load(w_ptrs + k, mask=feat_ok[:, None] & k_ok[None, :], other=0.0)
             x = tl.load(x_ptrs + k, mask=k_ok[:, None] & row_ok[None, :], other=0.0)
-        if FP32_DOT:
+        if X_GROUP:  # each K step lies in one group of x's scales (the launch checks): its dot scaled by them
+            sx = tl.load(X_SCALE + rows * tl.cdiv(K, X_GROUP) + k // X_GROUP, mask=row_ok, other=0.0)
+            if FP32_DOT:
+                acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee") * sx[None, :]
+            else:
+                acc += tl.dot(w, x, max_num_imprecise_acc=PRECISE_EVERY) * sx[None, :]
+        elif FP32_DOT:
             acc += tl.dot(w.to(tl.float32), x.to(tl.float32), input_precision="ieee")
         elif FP8_X:  # the tensor cores' partial sums go into acc in fp32 every PRECISE_EVERY of K (see the launch)
             acc += tl.dot(w, x, max_num_imprecise_acc=PRECISE_EVERY)
@@ -92,11 +101,12 @@ def _fp8_linear_kernel(
     y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
     y_mask = feat_ok[:, None] & row_ok[None, :]
     if not SPLIT:
-        _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, FP8_X)
+        _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, ROW_SCALED)
     else:
         total, last = split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N)
         if last:
-            _epilogue(total, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, FP8_X)
+            _epilogue(total, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS,
+                      ROW_SCALED)
             tl.atomic_xchg(COUNTS + tile, 0)
 
 
@@ -133,9 +143,9 @@ def split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask
 
 @triton.jit
 def _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS: tl.constexpr,
-              FP8_X: tl.constexpr):
+              ROW_SCALED: tl.constexpr):
     y = acc * tl.load(SCALE + feats, mask=feat_ok, other=0.0)[:, None]
-    if FP8_X:
+    if ROW_SCALED:
         y *= tl.load(X_SCALE + rows, mask=row_ok, other=0.0)[None, :]
     if HAS_BIAS:
         y += tl.load(BIAS + feats, mask=feat_ok, other=0.0).to(tl.float32)[:, None]
@@ -214,9 +224,12 @@ def prepare(device: torch.device) -> None:
 def fp8_linear_fwd(
     x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None,
     config: Fp8LinearConfig | None = None, x_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+    x_group: int | None = None,
 ) -> torch.Tensor:
     """x [M, K] (unit stride along K), weight [N, K] float8_e4m3fn contiguous, scale [N] fp32, bias [N] or None
-    -> y [M, N] in x's dtype. W8A8: x float8_e4m3fn with x_scale [M] fp32, y in out_dtype."""
+    -> y [M, N] in x's dtype. W8A8: x float8_e4m3fn with x_scale [M] fp32, y in out_dtype; with x_group, x_scale
+    [M, cdiv(K, x_group)] contiguous, a scale per row and group of x_group along K (each K step then within one
+    group: the default config's block_k is cut to x_group, a given config's must divide it)."""
     M, K = x.shape
     N = weight.shape[0]
     if x_scale is not None and out_dtype is None:
@@ -224,6 +237,15 @@ def fp8_linear_fwd(
     interpret = _interpreting(x)
     if config is None:
         config = default_config(M, N, K, torch.device("cpu") if interpret else x.device, fp8_x=x_scale is not None)
+        if x_group is not None:
+            config = dataclasses.replace(config, block_k=min(config.block_k, x_group))
+    if x_group is not None:
+        if x_scale is None or x_scale.shape != (M, triton.cdiv(K, x_group)) or not x_scale.is_contiguous():
+            raise ValueError(f"fp8_linear_fwd: x_scale: expected a contiguous [{M}, {triton.cdiv(K, x_group)}] "
+                             f"scale per row and group of {x_group}, got {None if x_scale is None else x_scale.shape}")
+        if x_group % config.block_k:
+            raise ValueError(f"fp8_linear_fwd: x_group {x_group} is not a multiple of the config's block_k "
+                             f"{config.block_k}: a K step would cross two groups' scales")
     # each split a whole number of K steps (so only the last K step of the last split may be ragged: EVEN_K)
     k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
     split = triton.cdiv(K, k_per_split)
@@ -245,6 +267,7 @@ def fp8_linear_fwd(
         # Hopper's FP8 MMA keeps its sums to ~14 bits; Triton's default never adds them into a full fp32 total.
         # Every 128 of K (4 MMAs) is what torch._scaled_mm does without fast accumulation: the same error bound.
         PRECISE_EVERY=min(config.block_k, 128),
+        X_GROUP=x_group or 0, ROW_SCALED=x_scale is not None and x_group is None,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y

@@ -71,6 +71,17 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
 
 
+def quantize_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [R, K] -> (q [R, K] float8_e4m3fn, scale [R, cdiv(K, group)] fp32): quantize_rows per group of `group`
+    values along K (the last may be shorter; its padding zeros leave its amax alone), in plain torch ops."""
+    R, K = x.shape
+    groups = -(-K // group)
+    padded = torch.nn.functional.pad(x.float(), (0, groups * group - K)).view(R, groups, group)
+    scale = (padded.abs().amax(2) / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+    q = (padded / scale[:, :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).view(R, groups * group)
+    return q[:, :K], scale
+
+
 def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """q [N, K] e4m3, scale [N] -> q scale [N, K] in `dtype` (exact in fp32 and fp64)."""
     return (q.to(torch.float64 if dtype == torch.float64 else torch.float32) * scale[:, None]).to(dtype)

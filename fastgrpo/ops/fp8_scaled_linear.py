@@ -24,6 +24,12 @@ _scaled_mm does: the same bound in the tests). Why both: _scaled_mm's small-M ke
 left Llama-3.1-8B's q/o, q/k/v and down_proj at 34-45% of the read roofline (k/v 9%) on an H100
 (benchmarks/results/fp8-nvidia-h100-80gb-hbm3.json, w8a8_share). GEMM picks the default; a call may name one.
 
+Per-group activation scales (x_group; the Triton GEMM only): x quantized per row and group of x_group along K
+(quantize_groups), each K step's dot scaled by its group's scales. The quantizer then needs no reduction over a
+whole row, and a few large channels cost only their own group precision. Timed against the row scales on an H200
+(benchmarks/bench_w8a8_scales.py, NOTES_rollout.md): the GEMM's per-step scaling cost more than the quantizer saved
+at every decode shape, so the engine keeps a scale per row; the option stays for what it buys in error.
+
 Shapes: on CUDA _scaled_mm needs K and N to be multiples of 16 (the e4m3 operands' 16-byte alignment); the CPU
 takes any, but the op applies the CUDA rule everywhere so both devices run the same math. Other shapes (a vocab of
 32001, a test model's 44) run fp8_linear over the same copy: one odd linear, usually lm_head, decodes at W8A16
@@ -41,7 +47,7 @@ from typing import Optional
 import torch
 
 from fastgrpo.ops._backend import use_triton
-from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_rows
+from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_groups, quantize_rows
 
 ALIGN = 16  # what torch._scaled_mm asks of K and N on CUDA
 GEMMS = ("scaled_mm", "triton")
@@ -57,21 +63,32 @@ def scaled_mm_fits(N: int, K: int) -> bool:
 
 
 def fp8_scaled_linear(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, gemm: str | None = None
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None, gemm: str | None = None,
+    x_group: int | None = None,
 ) -> torch.Tensor:
     """x [..., K] (fp16, bf16 or fp32), q [N, K] float8_e4m3fn, scale [N] fp32, bias [N] -> [..., N] in x's dtype,
-    through bf16 (module docstring); gemm: one of GEMMS (None: GEMM). No autograd: it serves the rollout, under
-    no_grad."""
+    through bf16 (module docstring); gemm: one of GEMMS (None: GEMM). x_group: x quantized per row and group of
+    x_group along K (quantize_groups; the Triton GEMM only) instead of per row. No autograd: it serves the rollout,
+    under no_grad."""
     check_fp8_linear_args(x, q, scale, bias)
     gemm = GEMM if gemm is None else gemm
     if gemm not in GEMMS:
         raise ValueError(f"gemm: expected one of {', '.join(GEMMS)}, got {gemm!r}")
+    if x_group is not None and (gemm != "triton" or isinstance(x_group, bool) or not isinstance(x_group, int)
+                                or x_group < 16 or x_group & (x_group - 1)):
+        raise ValueError(f"x_group: expected a power of two >= 16 (a whole number of the GEMM's K steps) with "
+                         f"gemm='triton' (the only GEMM with per-group activation scales), got x_group={x_group!r}, "
+                         f"gemm={gemm!r}")
     N, K = q.shape
     if not scaled_mm_fits(N, K):
         return fp8_linear(x, q, scale, bias)
     lead = x.shape[:-1]
-    xq, sx = quantize_rows(x.reshape(-1, K))  # xq [M, K] e4m3 row-major, sx [M]
     bias = None if bias is None else bias.to(torch.bfloat16).contiguous()  # the Triton kernel reads it unit-stride
+    if x_group is not None:
+        xq, sx = quantize_groups(x.reshape(-1, K), x_group)  # sx [M, groups]
+        y = _fp8_groups_linear_op(xq, sx, q.contiguous(), scale.contiguous(), bias, x_group)
+        return y.to(x.dtype).reshape(*lead, N)
+    xq, sx = quantize_rows(x.reshape(-1, K))  # xq [M, K] e4m3 row-major, sx [M]
     if gemm == "triton":
         y = _fp8_rows_linear_op(xq, sx, q.contiguous(), scale.contiguous(), bias)
     else:
@@ -100,16 +117,44 @@ def _(xq, sx, q, scale, bias):
     return xq.new_empty(xq.shape[0], q.shape[0], dtype=torch.bfloat16)
 
 
+@torch.library.custom_op("fastgrpo::fp8_groups_linear", mutates_args=())
+def _fp8_groups_linear_op(xq: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, scale: torch.Tensor,
+                          bias: Optional[torch.Tensor], group: int) -> torch.Tensor:
+    """bf16 (xq sx) q^T scale + bias for e4m3 xq [M, K] with sx [M, cdiv(K, group)] and q [N, K]: the Triton
+    kernel, or the same math in fp32 where Triton does not run."""
+    if not use_triton(xq, q):
+        x = xq.float() * sx.repeat_interleave(group, 1)[:, :xq.shape[1]]
+        y = (x @ q.float().T) * scale
+        return (y if bias is None else y + bias.float()).to(torch.bfloat16)
+    from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
+
+    return fp8_linear_fwd(xq, q, scale, bias, x_scale=sx, out_dtype=torch.bfloat16, x_group=group)
+
+
+@_fp8_groups_linear_op.register_fake
+def _(xq, sx, q, scale, bias, group):
+    return xq.new_empty(xq.shape[0], q.shape[0], dtype=torch.bfloat16)
+
+
 def fp8_scaled_linear_reference(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
+    x_group: int | None = None,
 ) -> torch.Tensor:
-    """The op's math in fp64, eager: x's rows quantized as the op quantizes them, then (xq sx) (q scale)^T + bias,
-    exact but for fp64's rounding; for shapes that do not fit _scaled_mm, fp8_linear's (x unquantized). [..., N]
-    fp64; the bias is taken as given (the op rounds it to bf16)."""
+    """The op's math in fp64, eager: x's rows (or groups of x_group) quantized as the op quantizes them, then
+    (xq sx) (q scale)^T + bias, exact but for fp64's rounding; for shapes that do not fit _scaled_mm, fp8_linear's
+    (x unquantized). [..., N] fp64; the bias is taken as given (the op rounds it to bf16)."""
     N, K = q.shape
     bias = None if bias is None else bias.double()
     if not scaled_mm_fits(N, K):
         return fp8_linear_torch(x.double(), q, scale.double(), bias)
-    xq, sx = quantize_rows(x.reshape(-1, K))
-    x64 = (xq.double() * sx.double()[:, None]).reshape(*x.shape)
-    return fp8_linear_torch(x64, q, scale.double(), bias)
+    return fp8_linear_torch(dequantized_x(x, x_group), q, scale.double(), bias)
+
+
+def dequantized_x(x: torch.Tensor, x_group: int | None = None) -> torch.Tensor:
+    """x [..., K] as the op quantizes it (per row, or per group of x_group along K), dequantized in fp64 (exact)."""
+    K = x.shape[-1]
+    if x_group is None:
+        xq, sx = quantize_rows(x.reshape(-1, K))
+        return (xq.double() * sx.double()[:, None]).reshape(*x.shape)
+    xq, sx = quantize_groups(x.reshape(-1, K), x_group)
+    return (xq.double() * sx.double().repeat_interleave(x_group, 1)[:, :K]).reshape(*x.shape)
