@@ -38,6 +38,7 @@ from fastgrpo.ops.fp8_linear import (
     dequantize_fp8,
     fp8_linear,
     fp8_linear_torch,
+    group_scale_per_value,
     prepare_fp8_linear,
     quantize_fp8,
     quantize_groups,
@@ -91,7 +92,7 @@ def rounding_x(x, q, scale, x_group=None):
     if x_group is None:
         sx = quantize_rows(x)[1].double()[:, None].expand(-1, K)
     else:
-        sx = quantize_groups(x, x_group)[1].double().repeat_interleave(x_group, 1)[:, :K]
+        sx = group_scale_per_value(quantize_groups(x, x_group)[1].double(), x_group, K)
     w = dequantize_fp8(q, scale, torch.float64).abs()
     return (2.0**-4 + 2.0**-23) * (x.double().abs() @ w.T) + 2.0**-10 * (sx @ w.T)
 

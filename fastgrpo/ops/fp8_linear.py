@@ -87,6 +87,18 @@ def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = to
     return (q.to(torch.float64 if dtype == torch.float64 else torch.float32) * scale[:, None]).to(dtype)
 
 
+def group_scale_per_value(scale: torch.Tensor, group: int, K: int) -> torch.Tensor:
+    """quantize_groups' scale [R, cdiv(K, group)] -> [R, K]: each value's group scale."""
+    return scale.repeat_interleave(group, 1)[:, :K]
+
+
+def dequantize_groups(q: torch.Tensor, scale: torch.Tensor, group: int,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """quantize_groups' (q [R, K], scale) -> q scale [R, K] in `dtype` (exact in fp64; one rounding a value in fp32)."""
+    work = torch.float64 if dtype == torch.float64 else torch.float32
+    return (q.to(work) * group_scale_per_value(scale.to(work), group, q.shape[1])).to(dtype)
+
+
 def fp8_linear_torch(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:

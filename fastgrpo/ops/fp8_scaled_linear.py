@@ -47,7 +47,14 @@ from typing import Optional
 import torch
 
 from fastgrpo.ops._backend import use_triton
-from fastgrpo.ops.fp8_linear import check_fp8_linear_args, fp8_linear, fp8_linear_torch, quantize_groups, quantize_rows
+from fastgrpo.ops.fp8_linear import (
+    check_fp8_linear_args,
+    dequantize_groups,
+    fp8_linear,
+    fp8_linear_torch,
+    quantize_groups,
+    quantize_rows,
+)
 
 ALIGN = 16  # what torch._scaled_mm asks of K and N on CUDA
 GEMMS = ("scaled_mm", "triton")
@@ -123,8 +130,7 @@ def _fp8_groups_linear_op(xq: torch.Tensor, sx: torch.Tensor, q: torch.Tensor, s
     """bf16 (xq sx) q^T scale + bias for e4m3 xq [M, K] with sx [M, cdiv(K, group)] and q [N, K]: the Triton
     kernel, or the same math in fp32 where Triton does not run."""
     if not use_triton(xq, q):
-        x = xq.float() * sx.repeat_interleave(group, 1)[:, :xq.shape[1]]
-        y = (x @ q.float().T) * scale
+        y = (dequantize_groups(xq, sx, group) @ q.float().T) * scale
         return (y if bias is None else y + bias.float()).to(torch.bfloat16)
     from fastgrpo.kernels.fp8_linear import fp8_linear_fwd
 
@@ -156,5 +162,4 @@ def dequantized_x(x: torch.Tensor, x_group: int | None = None) -> torch.Tensor:
     if x_group is None:
         xq, sx = quantize_rows(x.reshape(-1, K))
         return (xq.double() * sx.double()[:, None]).reshape(*x.shape)
-    xq, sx = quantize_groups(x.reshape(-1, K), x_group)
-    return (xq.double() * sx.double().repeat_interleave(x_group, 1)[:, :K]).reshape(*x.shape)
+    return dequantize_groups(*quantize_groups(x.reshape(-1, K), x_group), x_group, torch.float64).reshape(*x.shape)
