@@ -65,7 +65,7 @@ def _fp8_linear_kernel(
     M, N, K, k_per_split, splits,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, FP32_DOT: tl.constexpr, FP8_X: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISE_EVERY: tl.constexpr,
-    X_GROUP: tl.constexpr, ROW_SCALED: tl.constexpr,
+    X_GROUP: tl.constexpr,
 ):
     tile, split, feats, rows = program_tile(tl.program_id(0), splits, N, BLOCK_M, BLOCK_N)
     feat_ok = feats < N
@@ -100,13 +100,14 @@ def _fp8_linear_kernel(
 
     y_ptrs = Y + rows[None, :].to(tl.int64) * stride_ym + feats[:, None]  # y^T tile
     y_mask = feat_ok[:, None] & row_ok[None, :]
+    row_scaled = FP8_X and X_GROUP == 0  # one scale per row of x, applied once at the end (groups: in the K loop)
     if not SPLIT:
-        _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, ROW_SCALED)
+        _epilogue(acc, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS, row_scaled)
     else:
         total, last = split_k_total(acc, PARTIAL, COUNTS, tile, split, splits, rows, feats, y_mask, M, N)
         if last:
             _epilogue(total, SCALE, BIAS, X_SCALE, y_ptrs, y_mask, feats, feat_ok, rows, row_ok, HAS_BIAS,
-                      ROW_SCALED)
+                      row_scaled)
             tl.atomic_xchg(COUNTS + tile, 0)
 
 
@@ -267,7 +268,7 @@ def fp8_linear_fwd(
         # Hopper's FP8 MMA keeps its sums to ~14 bits; Triton's default never adds them into a full fp32 total.
         # Every 128 of K (4 MMAs) is what torch._scaled_mm does without fast accumulation: the same error bound.
         PRECISE_EVERY=min(config.block_k, 128),
-        X_GROUP=x_group or 0, ROW_SCALED=x_scale is not None and x_group is None,
+        X_GROUP=x_group or 0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return y
