@@ -1,16 +1,17 @@
-"""fastgrpo.rollout.generate vs HF generate (dynamic cache; static cache + torch.compile), same run.
+"""fastgrpo.rollout.generate vs HF generate (dynamic cache; static cache + torch.compile) and vLLM, same run.
 
     python -m pytest benchmarks/bench_rollout.py -q -s
 
-Qwen2.5-1.5B shapes (FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b for Llama-3.1-8B; random weights), bf16, 8 prompts x 8 generations, prompt 256 tokens (random ids), 1024 new
-tokens, pure sampling (temperature 1, no top-k/top-p) with EOS ignored, so every row generates exactly 1024
-tokens. Our rows (ENGINES): the default engine, an FP8 copy of the weights (W8A16) and the W8A8 copy with an
-e4m3 KV cache. Each engine gets one untimed warm-up call (full size where it compiles: ours and HF static), then timed
-calls (wall clock, synchronized; 3 of ours, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above
-the weights, total peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies,
-lm_head included, plus the K/V of the tokens so far, averaged over the steps; as stored: an FP8 copy's and cache's
-bytes for those rows) / measured copy bandwidth, divided
-by the measured time per step. Target: ours >= 8x HF default.
+Qwen2.5-1.5B shapes (FASTGRPO_ROLLOUT_MODEL=llama-3.1-8b for Llama-3.1-8B; random weights), bf16, 8 prompts x 8
+generations, prompt 256 tokens (random ids), 1024 new tokens, pure sampling (temperature 1, no top-k/top-p) with EOS
+ignored, so every row generates exactly 1024 tokens. Our rows (ENGINES): the default engine, an FP8 copy of the
+weights (W8A16) and the W8A8 copy with an e4m3 KV cache; `vllm`: vLLM on the same model, prompts and sampling,
+through fastgrpo's colocated VLLMEngine (per-token log-probs returned; where vLLM is installed). Each engine gets one
+untimed warm-up call (full size where it compiles: ours, vLLM and HF static), then timed calls (wall clock,
+synchronized; 3 of ours and vLLM's, 1 of each HF): tokens/s = 64 x 1024 / median seconds, peak GiB above the
+weights, total peak GiB. Roofline share = (bytes a decode step must read: every weight the step multiplies, lm_head
+included, plus the K/V of the tokens so far, averaged over the steps; as stored: an FP8 copy's and cache's bytes for
+those rows) / measured copy bandwidth, divided by the measured time per step. Target: ours >= 8x HF default.
 """
 from __future__ import annotations
 
@@ -131,9 +132,12 @@ def _row(engine: str, measured: dict, weights: int | None = None, fp8_cache: boo
     roofline_ms = _step_bytes(setup["model"], weights, fp8_cache) / setup["bandwidth"] * 1e3
     ROWS.append({"engine": engine, **measured, "roofline_share": roofline_ms / measured["ms_per_step"]})
     hf = next((r for r in ROWS if r["engine"] == "hf_default"), None)
+    vllm = next((r for r in ROWS if r["engine"] == "vllm"), None)
     for row in ROWS:
         if hf is not None:
             row["speedup_vs_hf_default"] = row["tokens_per_s"] / hf["tokens_per_s"]
+        if vllm is not None:  # issue 15's target: >= 2x vLLM
+            row["speedup_vs_vllm"] = row["tokens_per_s"] / vllm["tokens_per_s"]
     _write(roofline_ms)
 
 
@@ -172,6 +176,49 @@ def test_fastgrpo_rollout(engine):
     weights = ENGINES[engine].get("weights")
     copy = None if weights is None else copy_bytes(setup["model"], weights)
     _row(engine, measured, copy, ENGINES[engine].get("kv_cache") == "fp8")
+
+
+def test_vllm_rollout():
+    """vLLM in the same run, after our rows: fastgrpo.rollout.vllm.VLLMEngine sharing the model's weights, CUDA
+    graphs, per-token log-probs. `tokens_per_s` with the per-prompt seeds the trainer passes, `tokens_per_s_unseeded`
+    without (vLLM's per-request generators cost it time); memory from the device's used bytes (vLLM allocates
+    outside torch's allocator): `rollout_extra_gib` above the model, with the KV cache mapped."""
+    pytest.importorskip("vllm")
+    from fastgrpo.rollout.sampling import SamplingParams
+    from fastgrpo.rollout.vllm import VLLMEngine
+
+    setup = _setup()
+    torch._dynamo.reset()  # our compiled steps hold the tensors they were traced with
+    base = _used_bytes()
+    start = time.perf_counter()
+    engine = VLLMEngine(setup["model"], setup["tokenizer"], max_model_len=PROMPT_LEN + NEW_TOKENS,
+                        max_num_seqs=PROMPTS * GENERATIONS, execution="graphs")
+    build_s = time.perf_counter() - start
+    prompts = setup["prompt_ids"].tolist()
+    params = SamplingParams(max_new_tokens=NEW_TOKENS, temperature=1.0)
+
+    def call(seed):
+        return lambda: engine.generate(prompts, num_generations=GENERATIONS, sampling=params, seed=seed)
+
+    first = time.perf_counter()
+    result = call(0)()
+    first = time.perf_counter() - first
+    assert result.completion_ids.shape == (PROMPTS * GENERATIONS, NEW_TOKENS)
+    assert result.logprobs.shape == result.completion_ids.shape and bool((result.logprobs < 0).all())
+    del result
+    measured = {k: v for k, v in _timed(call(0), REPEATS).items() if k in ("seconds", "tokens_per_s", "ms_per_step")}
+    measured.update(tokens_per_s_unseeded=_timed(call(None), REPEATS)["tokens_per_s"], first_call_s=first,
+                    build_s=build_s, rollout_extra_gib=(_used_bytes() - base) / GIB)
+    engine.release_memory()
+    _row("vllm", measured)
+
+
+def _used_bytes() -> int:
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info()
+    return total - free
 
 
 def _hf_call(static: bool, new_tokens: int):
@@ -213,12 +260,13 @@ def _write(roofline_ms) -> None:
         "prompts": PROMPTS, "generations": GENERATIONS, "prompt_len": PROMPT_LEN, "new_tokens": NEW_TOKENS,
         "sampling": "temperature 1, top_k 0, top_p 1, EOS ignored", "timed_calls": REPEATS,
         "copy_bandwidth_tb_s": _SETUP.get("bandwidth", 0) / 1e12, "roofline_ms_per_step": roofline_ms,
-        "target": "fastgrpo tokens/s >= 8x hf_default",
+        "target": "fastgrpo tokens/s >= 8x hf_default; >= 2x vllm (issue 15)",
     })
 
 
 def teardown_module(module):
     if ROWS:
         print()
-        print_table(ROWS, ["engine", "tokens_per_s", "speedup_vs_hf_default", "ms_per_step", "roofline_share",
-                           "peak_extra_gib", "peak_total_gib", "left_allocated_mib", "first_call_s"])
+        print_table(ROWS, ["engine", "tokens_per_s", "tokens_per_s_unseeded", "speedup_vs_hf_default", "speedup_vs_vllm",
+                           "ms_per_step", "roofline_share", "peak_extra_gib", "peak_total_gib", "left_allocated_mib",
+                           "first_call_s"])
