@@ -191,3 +191,47 @@ def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog)
         MetricsLog(tmp_path).start_at(2)
     assert (tmp_path / "metrics.jsonl").read_text().splitlines() == lines[:2]
     assert "dropped unreadable line 4" in caplog.text
+
+
+def test_a_users_folder_named_like_a_checkpoint_is_neither_refused_nor_deleted(tmp_path):
+    notes = tmp_path / "checkpoint-notes"
+    notes.mkdir()
+    (notes / "a.txt").write_text("keep")
+    (tmp_path / ".checkpoint-ideas").mkdir()  # hidden, but not a partial write's name (.checkpoint-<step>.tmp-<pid>)
+    _trainer(tmp_path, max_steps=1).train()  # a fresh run: the folder holds no run
+    _trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    assert (notes / "a.txt").read_text() == "keep" and (tmp_path / ".checkpoint-ideas").is_dir()
+    (tmp_path / ".checkpoint-1.tmp-99").mkdir()  # what a killed checkpoint write leaves: a resume deletes it
+    RunDirectory(tmp_path).prepare(resume=True, overwrite=False)
+    assert not (tmp_path / ".checkpoint-1.tmp-99").exists() and (tmp_path / ".checkpoint-ideas").is_dir()
+
+
+def test_a_fresh_run_refuses_an_evaluations_results_and_overwrite_deletes_them(tmp_path):
+    for name in ("results.jsonl", "summary.json"):
+        (tmp_path / name).write_text("{}\n")
+    with pytest.raises(ValueError, match=r"holds the results of a `fastgrpo eval` \(results.jsonl, summary.json\); "
+                                         r"pick another --output-dir, or start afresh with --overwrite-output-dir"):
+        RunDirectory(tmp_path).prepare(resume=False, overwrite=False, command="train")
+    _trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
+    assert not (tmp_path / "summary.json").exists()  # it described the checkpoints that overwriting deleted
+
+
+@pytest.mark.parametrize("path, expected", [("", r"output_dir: expected a folder path, got ''"),
+                                            ("/proc/fastgrpo-run", r"output_dir: cannot create /proc/fastgrpo-run")])
+def test_an_output_dir_that_cannot_hold_a_run_is_named(path, expected):
+    with pytest.raises(ValueError, match=expected):
+        with RunDirectory(path):
+            pass
+
+
+def test_resuming_past_a_damaged_checkpoint_deletes_it_once_the_run_has_a_newer_one(tmp_path, caplog):
+    _trainer(tmp_path, max_steps=4, save_steps=2, save_total_limit=2).train()
+    state = tmp_path / "checkpoint-4" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # damaged: the resume goes back to checkpoint-2
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
+        resumed = _trainer(tmp_path, max_steps=3, save_steps=2, save_total_limit=2, resume=True).train()
+    assert [m["step"] for m in resumed] == [3]
+    # kept, the damaged 4 of the steps this run went back over would push 2 out of the rotation and be the next
+    # --resume's pick
+    assert "deleted checkpoint-4, left by the steps this run went back over" in caplog.text
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3]

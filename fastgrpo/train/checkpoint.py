@@ -190,8 +190,12 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:
     """(step, folder) of each checkpoint-<step> with a trainer state, oldest first."""
+    return [(step, p) for step, p in _checkpoint_folders(output_dir) if (p / STATE_FILE).exists()]
+
+
+def _checkpoint_folders(output_dir: str | Path) -> list[tuple[int, Path]]:
     found = [(int(m.group(1)), p) for p in Path(output_dir).glob("checkpoint-*") if (m := _CHECKPOINT.search(p.name))]
-    return sorted((step, p) for step, p in found if (p / STATE_FILE).exists())
+    return sorted(found)
 
 
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
@@ -215,12 +219,17 @@ def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
     raise ValueError(f"resume: every checkpoint in {output_dir} is incomplete or damaged (see the warnings)")
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int | None) -> list[Path]:
-    """Delete all but the newest `keep` checkpoints (None: keep all); returns the deleted folders."""
-    found = list_checkpoints(output_dir)
-    if keep is None or len(found) <= keep:
-        return []
-    doomed = [path for _, path in found[:-keep]]
+def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
+    """After checkpoint-<newest> is written: delete every checkpoint of a later step, and all but the newest `keep`
+    of the others (None: keep all); returns the deleted folders. A later step's checkpoint is of the history a resume
+    went back over (it fell back past a damaged one): kept, it would outrank this run's own checkpoints in the
+    rotation and take the next --resume back to that history."""
+    found = _checkpoint_folders(output_dir)
+    abandoned = [path for step, path in found if step > newest]
+    kept = [path for step, path in list_checkpoints(output_dir) if step <= newest]
+    doomed = abandoned + (kept[:-keep] if keep is not None and len(kept) > keep else [])
+    for path in abandoned:
+        logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)
     for path in doomed:
         shutil.rmtree(path)
     return doomed

@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 CONFIGS = {"sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
 MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
-# What `fastgrpo eval` leaves in its output folder; another evaluation's files there are refused (or overwritten).
-EVAL_ARTIFACTS = ("results.jsonl", "summary.json")
 
 SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
 EI_HELP = "expert iteration: sample, keep the correct completions, fine-tune on them, repeat"
@@ -214,7 +212,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
     from fastgrpo.train.input_checks import model_positions
     from fastgrpo.train.loading import find_checkpoint, load_dataset, load_inference_model, resolve_reward
-    from fastgrpo.train.run_dir import RunDirectory
+    from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
     from fastgrpo.train.sources import naming_the_model
 
     config = config_from_args("eval", args)
@@ -225,6 +223,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                                        seed=config.seed + 1))
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     output = Path(config.output_dir)
+    # another evaluation's files there are refused (or overwritten); a train run's folder may take its results
     with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir)
         torch.manual_seed(config.seed)

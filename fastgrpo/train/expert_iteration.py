@@ -213,7 +213,7 @@ class ExpertIteration:
         state = {"step": self.round, "round": self.round, "config": self.config.to_dict(),
                  **({"rng": rng} if rng is not None else {})}
         path = save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, state)
-        prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        prune_checkpoints(self.output_dir, self.config.save_total_limit, self.round)
         return path
 
     def resume(self) -> None:

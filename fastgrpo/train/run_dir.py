@@ -22,6 +22,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 from pathlib import Path
@@ -33,9 +34,15 @@ except ImportError:  # not on Windows: the PID check alone
 
 logger = logging.getLogger(__name__)
 LOCK_FILE = ".fastgrpo.lock"
+EVAL_ARTIFACTS = ("results.jsonl", "summary.json")  # what `fastgrpo eval` writes
 # What `fastgrpo train`, `sft` and `ei` leave in their folder (eval/: --eval-steps); hidden .checkpoint-* / .final.*
-# are partial writes of a killed run.
-TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*")
+# are partial writes of a killed run. An eval's results written into a run's folder describe that run's checkpoints:
+# they count as its files (a fresh run refuses them, overwriting deletes them with the checkpoints).
+TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*",
+                   *EVAL_ARTIFACTS)
+# Names the patterns above match that a run writes (checkpoint_dir's and atomic_directory's): a user's
+# checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
+_WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -126,6 +133,8 @@ class RunDirectory:
 
     def __init__(self, path: str | Path, *, artifacts: tuple[str, ...] = TRAIN_ARTIFACTS, resumable: bool = True):
         """resumable: the command has --resume (the refusal suggests it only then)."""
+        if not str(path).strip():  # Path("") is the current folder: a run would write among the user's files
+            raise ValueError(f"output_dir: expected a folder path, got {str(path)!r}")
         self.path = Path(path)
         self.artifacts, self.resumable = artifacts, resumable
         self.lock = RunLock(self.path)
@@ -137,7 +146,12 @@ class RunDirectory:
         except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file
             raise ValueError(f"output_dir: expected a folder (or a path to create one at), but {self.path} or a "
                              "folder above it is a file") from None
-        self.lock.acquire()
+        except OSError as err:  # no permission, a read-only or missing file system
+            raise ValueError(f"output_dir: cannot create {self.path} ({err.strerror})") from None
+        try:
+            self.lock.acquire()
+        except PermissionError:
+            raise ValueError(f"output_dir: {self.path} is not writable (its lock file cannot be created)") from None
         return self
 
     def __exit__(self, *exc) -> None:
@@ -162,7 +176,9 @@ class RunDirectory:
             return None
 
     def _found(self, patterns) -> list[Path]:
-        return sorted({p for pattern in patterns for p in self.path.glob(pattern)})
+        found = {p for pattern in patterns for p in self.path.glob(pattern)}
+        return sorted(p for p in found if not p.name.startswith(("checkpoint-", ".checkpoint-", ".final."))
+                      or _WRITTEN.fullmatch(p.name))
 
     def prepare(self, *, resume: bool, overwrite: bool, command: str | None = None) -> None:
         """A fresh run needs a folder without another run's files (overwrite: delete them); resume keeps them.
@@ -180,6 +196,9 @@ class RunDirectory:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
             # a run stopped before its first checkpoint left files but nothing --resume could continue
             resumable = self.resumable and any(p.name.startswith("checkpoint-") for p in found)
+            if command is not None and {p.name for p in found} <= set(EVAL_ARTIFACTS):
+                raise ValueError(f"output_dir: {self.path} holds the results of a `fastgrpo eval` ({names}); pick "
+                                 "another --output-dir, or start afresh with --overwrite-output-dir (deletes them)")
             theirs = self._command_of_run() if resumable else None
             if theirs is not None and command is not None and theirs != command:
                 raise ValueError(f"output_dir: {self.path} holds a `fastgrpo {theirs}` run ({names}); continue it "

@@ -175,7 +175,7 @@ class SFTTrainer:
             "config": self.config.to_dict(),
         }
         path = save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
-        prune_checkpoints(self.output_dir, self.config.save_total_limit)
+        prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
         return path
 
     def resume(self) -> None:

@@ -449,7 +449,7 @@ class GRPOTrainer:
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer, state)
         self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
         if self.dist.is_main:
-            prune_checkpoints(self.output_dir, self.config.save_total_limit)
+            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
         return path
 
     def resume(self) -> None:
