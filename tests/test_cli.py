@@ -230,14 +230,14 @@ def test_user_dataset_file_and_missing_column(tmp_path, capsys):
               "--learning-rate", "1e-3", "--no-progress-bar", "--no-export"]
     assert main([*common, "--reward-funcs", "length"]) == 0
     assert len((tmp_path / "o" / "metrics.jsonl").read_text().splitlines()) == 1
-    assert "<unk>" not in capsys.readouterr().err  # the built-in tokenizer knows every character of these rows
+    assert "are dropped" not in capsys.readouterr().err  # the built-in tokenizer knows each character of these rows
     assert main([*common, "--reward-funcs", "r1_zero_math", "--overwrite-output-dir"]) == 2
     assert "needs columns ['answer']" in capsys.readouterr().err
 
 
 def test_characters_the_builtin_tokenizer_lacks_are_named(tmp_path, capsys, caplog):
-    """--dataset without --model trains the tiny model, whose character tokenizer reads what it does not know as
-    <unk>: one warning names those characters (of the columns a command tokenizes: SFT's responses too)."""
+    """--dataset without --model trains the tiny model, whose character tokenizer drops what it does not know: one
+    warning names those characters (of the columns a command tokenizes: SFT's responses too)."""
     import types
 
     data = tmp_path / "d.jsonl"
@@ -245,7 +245,7 @@ def test_characters_the_builtin_tokenizer_lacks_are_named(tmp_path, capsys, capl
     assert main(["train", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), "--batch-size", "4",
                  "--num-generations", "2", "--max-completion-length", "4", "--max-steps", "1", "--no-progress-bar",
                  "--no-export", "--reward-funcs", "length"]) == 0
-    warned = [line for line in capsys.readouterr().err.splitlines() if "<unk>" in line]
+    warned = [line for line in capsys.readouterr().err.splitlines() if "are dropped" in line]
     assert len(warned) == 1 and "12 other characters (most often 'W+?')" in warned[0], warned
     sft = types.SimpleNamespace(model=None, checkpoint=None, prompt_column="q", response_column="r")
     with caplog.at_level("WARNING", logger="fastgrpo"):
@@ -253,9 +253,9 @@ def test_characters_the_builtin_tokenizer_lacks_are_named(tmp_path, capsys, capl
         default_task.warn_unknown_characters([{"q": "say a", "r": "A!"}], types.SimpleNamespace(**{**vars(sft),
                                                                                                "model": "m"}))
     # the response's 'A' and '!', not the untokenized column's 'Z'; nothing with a --model
-    assert [r.getMessage() for r in caplog.records if "<unk>" in r.getMessage()] == [
+    assert [r.getMessage() for r in caplog.records if "are dropped" in r.getMessage()] == [
         "no --model: the built-in tiny model's tokenizer knows only a-z, 0-9, ' ' and ':'; the dataset's 2 other "
-        "characters (most often 'A!') become <unk>. Pass --model for a real model and its tokenizer."]
+        "characters (most often 'A!') are dropped. Pass --model for a real model and its tokenizer."]
 
 
 def test_local_hf_model_with_lora_patched_and_exported(tmp_path):

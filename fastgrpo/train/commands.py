@@ -62,7 +62,10 @@ def config_from_args(name: str, args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     merged = {**(read_yaml(args.config) if args.config is not None else {}), **flags}
     run, source = _trained_by(merged) if name == "eval" else (None, "")
-    builtin_model = merged.get("model") is None and (run is None or run.get("model") is None)
+    # the final/ of a run of the tiny model is that model: its eval takes the tiny model's presets, as a --checkpoint
+    # of that run does (its 64 positions leave no room for the default 1024 new tokens)
+    exported_tiny = run is not None and merged.get("checkpoint") is None and run.get("model") is None
+    builtin_model = exported_tiny or merged.get("model") is None and (run is None or run.get("model") is None)
     preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])

@@ -5,7 +5,7 @@ character); a completion scores the fraction of its characters that are that let
 ~1/40 (its vocabulary is ~40 characters). GRPO first lifts the mean reward to ~0.25, the score of writing only
 the letters a-d (~30 steps), then teaches it to repeat the prompt's letter: 0.69-0.97 at step 100 (seeds 0-2,
 torch 2.13 on a CPU; the mean of the last 10 steps 0.74-0.78).
-All of it is built here from code (no download): the tokenizer with `tokenizers`, the model from a config.
+All of it is built here from code (no download): the tokenizer from a vocabulary, the model from a config.
 """
 from __future__ import annotations
 
@@ -110,23 +110,31 @@ def fit_micro_batch(preset: dict, chosen: dict) -> dict:
 
 
 def build_tokenizer(characters: str = CHARACTERS):
-    """A character-level fast tokenizer, left padding: <pad>=0, <eos>=1, <unk>=2, then one id per character."""
-    from tokenizers import Tokenizer, decoders, models
-    from transformers import PreTrainedTokenizerFast
+    """A character-level tokenizer, left padding: <pad>=0, <eos>=1, <unk>=2, then one id per character (ASCII).
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + tuple(characters))}
-    # BPE without merges splits text into single characters; Fuse() decodes them back without spaces.
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
-    backend.decoder = decoders.Fuse()
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>", padding_side="left"
-    )
+    A Qwen2Tokenizer (byte-level BPE, here without merges): AutoTokenizer (transformers 5) loads the tokenizer of
+    any qwen2 model folder as one, whatever tokenizer_config.json names, rebuilding its byte-level pre-tokenizer
+    around the saved vocabulary; so only this class reloads from an exported final/ with the ids the run trained on
+    (a generic tokenizer there lost its spaces). The vocabulary holds the characters' byte-level symbols (a space is
+    U+0120). A character outside `characters` has no token and is dropped, in training and after a reload alike:
+    Qwen2Tokenizer's BPE has no unknown token."""
+    from tokenizers import pre_tokenizers
+    from transformers import Qwen2Tokenizer
+
+    odd = [c for c in characters if not c.isascii()]
+    if odd:
+        raise ValueError(f"characters: expected ASCII characters (one byte-level token each), got {odd[:5]}")
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    symbols = tuple(byte_level.pre_tokenize_str(c)[0][0] for c in characters)
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + symbols)}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], pad_token="<pad>", eos_token="<eos>", unk_token="<unk>",
+                          padding_side="left")
 
 
 def warn_unknown_characters(rows, config) -> None:
     """With --dataset and no --model (nor an eval's --checkpoint) the tiny model reads the rows' prompts (and SFT's
-    responses) through the built-in tokenizer, which knows CHARACTERS only: a warning naming the others, each of
-    which becomes <unk>."""
+    responses) through the built-in tokenizer, which knows CHARACTERS only: a warning naming the others, which it
+    drops (build_tokenizer)."""
     if config.model is not None or getattr(config, "checkpoint", None) is not None:
         return
     columns = [getattr(config, field) for field in TOKENIZED_COLUMNS if hasattr(config, field)]
@@ -138,7 +146,7 @@ def warn_unknown_characters(rows, config) -> None:
     if unknown:
         shown = "".join(c for c, _ in unknown.most_common(10))
         logger.warning(f"no --model: the built-in tiny model's tokenizer knows only a-z, 0-9, ' ' and ':'; the "
-                       f"dataset's {unknown.total()} other characters (most often {shown!r}) become <unk>. Pass "
+                       f"dataset's {unknown.total()} other characters (most often {shown!r}) are dropped. Pass "
                        f"--model for a real model and its tokenizer.")
 
 

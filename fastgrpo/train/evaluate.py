@@ -50,8 +50,8 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
                     max_positions: int | None = None, max_new_tokens: int = 0,
                     new_tokens_field: str = "max_new_tokens", field: str = "eval_dataset") -> EvalTask:
     """The first max_examples rows (0: all) with their prompt ids; `field` names the dataset in errors. A prompt
-    over max_prompt_length, or one that max_new_tokens more would take past the model's max_positions
-    (input_checks.model_positions), is refused here, naming its row and the config field of max_new_tokens, before
+    over max_prompt_length, or prompts that max_new_tokens more would take past the model's max_positions
+    (input_checks.model_positions), are refused here, naming the row and the config field of max_new_tokens, before
     anything is generated."""
     if rows is None or len(rows) == 0:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
@@ -74,22 +74,35 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
     ids = []
+    wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
     for i, row in enumerate(rows):
         try:
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
         except ValueError as err:
             raise ValueError(f"{field}: row {i}: {err}") from None
         n = len(ids[-1])
-        wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
         if max_prompt_length is not None and n > max_prompt_length:
             raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}, over max_prompt_length "
                              f"({max_prompt_length})")
-        if max_positions is not None and n + max_new_tokens > max_positions:
-            raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}; with {max_new_tokens} new tokens "
-                             f"that is {n + max_new_tokens} positions, over the model's max_position_embeddings "
-                             f"({max_positions}): shorten the prompt or lower {new_tokens_field}")
+    if max_positions is not None:
+        _check_positions(ids, max_positions, max_new_tokens, new_tokens_field, field, wrapped)
     return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
                     correct_threshold)
+
+
+def _check_positions(ids: list[list[int]], max_positions: int, max_new_tokens: int, new_tokens_field: str,
+                     field: str, wrapped: str) -> None:
+    """Refuse prompts that max_new_tokens more would take past max_positions: the error names the longest prompt's
+    row and the largest max_new_tokens that leaves room for every prompt."""
+    i = max(range(len(ids)), key=lambda k: len(ids[k]))
+    n = len(ids[i])
+    if n + max_new_tokens <= max_positions:
+        return
+    room = max_positions - n
+    fix = f"or lower {new_tokens_field} to {room} or less" if room > 0 else "(it leaves no position for a new token)"
+    raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}; with {max_new_tokens} new tokens that is "
+                     f"{n + max_new_tokens} positions, over the model's max_position_embeddings ({max_positions}): "
+                     f"shorten the prompts {fix}")
 
 
 def check_reward_failures(failures: dict, reward_errors: str) -> None:
