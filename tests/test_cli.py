@@ -93,6 +93,7 @@ def _bad_inputs(tmp_path):
     (tmp_path / "typed.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": 5}\n')
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "1 say a"}]}\n')
     (tmp_path / "empty_prompt.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": ""}\n')
+    (tmp_path / "no_prompt.jsonl").write_text('{"question": "1 say a"}\n')
     cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
     return [
         (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
@@ -110,12 +111,18 @@ def _bad_inputs(tmp_path):
         # a mistyped local name (its folder exists) is not sent to the Hub
         (["--dataset", str(tmp_path / "rows.jsonll")], f"dataset: no such file {tmp_path / 'rows.jsonll'}"),
         (["--dataset", str(tmp_path / "empty_prompt.jsonl"), "--reward-funcs", "length"],
-         "train_dataset: row 1: prompt: '' has no tokens"),
+         "dataset: row 1: prompt: '' has no tokens"),
         (["--dataset", str(tmp_path / "rows.jsonl")], f"{tmp_path / 'rows.jsonl'}:3: invalid JSON in --dataset"),
         (["--reward-funcs", "nonsense"], "unknown reward 'nonsense'"),
         (["--reward-funcs", "no_such_module:f"], "reward_funcs: no module 'no_such_module' in the current folder"),
         (["--reward-funcs", "fastgrpo.train.default_task:missing"], "has no function 'missing'"),
         (["--batch-size", "10", "--num-generations", "4"], "batch_size: expected a multiple of num_generations"),
+        (["--num-generations", "0"], "num_generations: expected >= 2 (advantages compare completions of a group)"),
+        (["--lora-rank", "2", "--lora-dropout", "1.5"], "lora_dropout: expected a number in [0, 1), got 1.5"),
+        (["--adam-beta1", "1.5"], "adam_beta1: expected a number in [0, 1), got 1.5"),
+        (["--adam-beta2", "-1"], "adam_beta2: expected a number in [0, 1), got -1.0"),
+        (["--learning-rate", "inf"], "learning_rate: expected a finite number >= 0, got inf"),
+        (["--dataset", str(tmp_path / "no_prompt.jsonl")], "error: dataset: no prompt column 'prompt' (prompt_column)"),
         (["--dataset", str(tmp_path / "rows.csv")], f"dataset: expected a .jsonl or .json file (or a Hugging Face "
                                                      f"dataset), got {tmp_path / 'rows.csv'}"),
         (["--output-dir", str(tmp_path / "a_file")], "output_dir: expected a folder (or a path to create one at)"),
@@ -123,10 +130,10 @@ def _bad_inputs(tmp_path):
         (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes a --model's weights as they load"),
         (["--offload-activations"], "offload_activations: runs in patch_model's layers, and patch is off"),
         (["--dataset", str(tmp_path / "typed.jsonl"), "--reward-funcs", "length"],
-         "train_dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., 'content': ...}, "
+         "dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., 'content': ...}, "
          "got int"),
         (["--dataset", str(tmp_path / "chat.jsonl"), "--reward-funcs", "length"],
-         "train_dataset: row 0: chat messages need a tokenizer with a chat template"),
+         "dataset: row 0: chat messages need a tokenizer with a chat template"),
     ], cuda
 
 
@@ -141,6 +148,20 @@ def test_mistakes_are_one_line_and_exit_2(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "fastgrpo_output" / "metrics.jsonl").exists()
     with pytest.raises(ValueError, match="seed: expected"):  # --debug: the traceback
         main(["train", "--seed", str(10**14), "--debug"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["sft", "--learning-rate", "inf"], "learning_rate: expected a finite number >= 0, got inf"),
+    (["sft", "--lora-dropout", "1"], "lora_dropout: expected a number in [0, 1), got 1.0"),
+    (["ei", "--correct-threshold", "nan"], "correct_threshold: expected a finite number, got nan"),
+    (["eval", "--correct-threshold", "nan"], "correct_threshold: expected a finite number, got nan"),
+])
+def test_bad_numbers_of_the_other_commands_are_one_line(argv, message, capsys, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"fastgrpo {argv[0]}: error: {message}\n", err
+    assert not any(tmp_path.iterdir())  # refused before a run folder or a model
 
 
 def test_row_files_with_a_byte_order_mark_or_an_upper_case_suffix_load(tmp_path):
@@ -172,7 +193,7 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         (["train", "--max-step", "3"], "unrecognized arguments: --max-step (did you mean --max-steps?) 3"),
         (["sft", "--max-seq-len", "4"], "unrecognized arguments: --max-seq-len (did you mean --max-seq-length?) 4"),
         (["train", "--learning_rate=3"], "unrecognized arguments: --learning_rate=3 (did you mean --learning-rate?)"),
-        (["train", "--lr", "3"], "unrecognized arguments: --lr 3 (see"),
+        (["train", "--lr", "3"], "unrecognized arguments: --lr (did you mean --learning-rate?) 3 (see"),
         (["ei", "--config", "a.yaml", "--config", "b.yaml"], "argument --config: given twice (a.yaml, b.yaml)"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
@@ -281,7 +302,9 @@ def test_offload_host_memory_bound(tmp_path, capsys):
     for argv, message in [
         (["--offload-host-memory-gib", "1"], "offload_host_memory_gib: bounds the memory of offload_activations"),
         (["--patch", "--offload-activations", "--offload-host-memory-gib", "0"],
-         "offload_host_memory_gib: expected > 0"),
+         "offload_host_memory_gib: expected a finite number > 0"),
+        (["--patch", "--offload-activations", "--offload-host-memory-gib", "inf"],
+         "offload_host_memory_gib: expected a finite number > 0 or none, got inf"),
         (["--recompute-layers", "1"], "recompute_layers: chooses the layers that gradient_checkpointing or "
                                       "offload_activations"),
         (["--gradient-checkpointing", "--recompute-layers", "-1"], "recompute_layers: expected an int >= 0"),

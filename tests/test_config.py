@@ -5,6 +5,9 @@ import dataclasses
 import pytest
 
 from fastgrpo.train.config import GRPOConfig, add_config_arguments
+from fastgrpo.train.ei_config import EIConfig
+from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.sft_config import SFTConfig
 
 
 def _parse(argv):
@@ -15,6 +18,7 @@ def _parse(argv):
 
 @pytest.mark.parametrize("fields, match", [
     (dict(num_generations=1, batch_size=4), "num_generations: expected >= 2"),
+    (dict(num_generations=0), "num_generations: expected >= 2 \\(advantages compare completions"),  # one check
     (dict(batch_size=60, num_generations=8), "batch_size: expected a multiple of num_generations"),
     (dict(batch_size=16, num_generations=4, num_minibatches=3), "num_minibatches: expected a divisor"),
     (dict(batch_size=16, num_generations=4, micro_batch_size=3), "micro_batch_size: expected a divisor"),
@@ -28,13 +32,25 @@ def _parse(argv):
     (dict(repetition_penalty=0.0), "repetition_penalty"),
     (dict(beta=-1.0), "beta"),
     (dict(kl_target=0.1), "kl_target"),
-    (dict(beta=0.1, kl_target=0.0), "kl_target: expected > 0"),
-    (dict(epsilon_low=-0.1), "epsilon_low: expected >= 0"),
+    (dict(beta=0.1, kl_target=0.0), "kl_target: expected a finite number > 0"),
+    (dict(epsilon_low=-0.1), "epsilon_low: expected a finite number >= 0"),
     (dict(epsilon_low=1.0), "epsilon_low: expected < 1"),
     (dict(epsilon_high=-0.1), "epsilon_high"),
     (dict(learning_rate=-1e-6), "learning_rate"),
+    (dict(learning_rate=float("inf")), "learning_rate: expected a finite number >= 0, got inf"),
+    (dict(weight_decay=float("inf")), "weight_decay: expected a finite number >= 0, got inf"),
+    (dict(adam_beta1=1.5), r"adam_beta1: expected a number in \[0, 1\), got 1.5"),
+    (dict(adam_beta2=-1), r"adam_beta2: expected a number in \[0, 1\), got -1.0"),
+    (dict(adam_beta2=float("nan")), r"adam_beta2: expected a number in \[0, 1\), got nan"),
+    (dict(adam_epsilon=float("inf")), "adam_epsilon: expected a finite number >= 0, got inf"),
+    (dict(adam_epsilon=-1e-8), "adam_epsilon: expected a finite number >= 0"),
     (dict(max_grad_norm=0.0), "max_grad_norm"),
+    (dict(kl_max_log_step=float("inf")), "kl_max_log_step: expected a finite number >= 0, got inf"),
+    (dict(beta=0.1, kl_target=float("inf")), "kl_target: expected a finite number > 0"),
+    (dict(reward_weights=[1.0, float("nan")]), r"reward_weights: expected finite numbers, got \[1.0, nan\]"),
     (dict(lora_rank=-1), "lora_rank"),
+    (dict(lora_dropout=1.5), r"lora_dropout: expected a number in \[0, 1\), got 1.5"),
+    (dict(lora_dropout=1.0), r"lora_dropout: expected a number in \[0, 1\), got 1.0"),  # PEFT's bound, but no learning
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
     (dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off keeps"),
@@ -56,6 +72,31 @@ def _parse(argv):
 def test_invalid_fields_raise_naming_the_field(fields, match):
     with pytest.raises(ValueError, match=match):
         GRPOConfig(**fields)
+
+
+@pytest.mark.parametrize("config_class, fields, match", [
+    (SFTConfig, dict(lora_dropout=1.5), r"lora_dropout: expected a number in \[0, 1\), got 1.5"),
+    (EIConfig, dict(adam_beta1=1.0), r"adam_beta1: expected a number in \[0, 1\), got 1.0"),
+    (SFTConfig, dict(adam_epsilon=float("nan")), "adam_epsilon: expected a finite number >= 0, got nan"),
+    (SFTConfig, dict(learning_rate=float("inf")), "learning_rate: expected a finite number >= 0, got inf"),
+    (EIConfig, dict(weight_decay=float("inf")), "weight_decay: expected a finite number >= 0, got inf"),
+    (SFTConfig, dict(eval_temperature=float("inf")), "eval_temperature: expected a finite number >= 0, got inf"),
+    (EIConfig, dict(correct_threshold=float("nan")), "correct_threshold: expected a finite number, got nan"),
+    (EvalConfig, dict(correct_threshold=float("inf")), "correct_threshold: expected a finite number, got inf"),
+    (EvalConfig, dict(reward_weights=[float("nan")]), r"reward_weights: expected finite numbers, got \[nan\]"),
+    (EIConfig, dict(num_generations=0), "num_generations: expected >= 1, got 0"),
+])
+def test_sft_ei_eval_configs_name_bad_numbers(config_class, fields, match):
+    with pytest.raises(ValueError, match=match):
+        config_class(**fields)
+
+
+def test_inf_where_it_means_off():
+    """max_grad_norm inf: no clipping (nothing else turns it off); save_minutes inf: never by time, as 0."""
+    for config_class in (GRPOConfig, SFTConfig):
+        config = config_class(max_grad_norm=float("inf"), save_minutes=float("inf"))
+        assert config.max_grad_norm == config.save_minutes == float("inf")
+    assert EIConfig(num_generations=1, max_grad_norm=float("inf")).num_generations == 1  # no group: G = 1 is fine
 
 
 def test_yaml_round_trip(tmp_path):

@@ -266,6 +266,8 @@ def test_token_id_prompts_equal_text_prompts():
         (PROMPTS, {"do_sample": True}, "unknown sampling option 'do_sample'"),
         (PROMPTS, {"max_tokens": 10}, "did you mean 'max_new_tokens'"),
         (PROMPTS, {"temperature": -1.0}, "temperature"),
+        (PROMPTS, {"temperature": float("inf")}, "temperature: expected a finite number >= 0, got inf"),
+        (PROMPTS, {"repetition_penalty": float("inf")}, "repetition_penalty: expected a finite number > 0"),
         (PROMPTS, {"stop": [""]}, "stop"),
         (PROMPTS, {"stop": [10_000]}, "stop"),
         (PROMPTS, {"seed": 1.5}, "seed"),

@@ -110,7 +110,7 @@ def test_tokenize_rows_checks(tokenizer):
                   truncate=False)
     examples = tokenize_rows(rows, tokenizer, **kwargs)
     assert [len(e.response_ids) for e in examples] == [default_task.SFT_REPEATS + 1] * 4
-    with pytest.raises(ValueError, match="no column 'answer' \\(response_column\\)"):
+    with pytest.raises(ValueError, match="^dataset: no column 'answer' \\(response_column\\)"):
         tokenize_rows(rows, tokenizer, **{**kwargs, "response_column": "answer"})
     with pytest.raises(ValueError, match="row 0 has 14 tokens, over max_seq_length \\(12\\)"):
         tokenize_rows(rows, tokenizer, **{**kwargs, "max_seq_length": 12})

@@ -51,8 +51,8 @@ def test_lr_schedule():
 
 
 @pytest.mark.parametrize("dataset, rewards, fields, match", [
-    ([], None, {}, "train_dataset: expected at least one row"),
-    ([{"text": "x"}], None, {}, "no prompt column 'prompt'"),
+    ([], None, {}, "^dataset: expected at least one row"),
+    ([{"text": "x"}], None, {}, "^dataset: no prompt column 'prompt'"),
     ([{"prompt": "1 say a"}], None, {}, r"needs columns \['letter'\]"),
     ([{"prompt": "1 say a" * 9, "letter": "a"}], None, {}, "over max_prompt_length"),
     ([{"prompt": "1 say a", "letter": "a"}, {"prompt": "2 say b"}], None, {}, "row 1 has columns"),

@@ -9,6 +9,7 @@ graphed decode step, and a sample's randomness depends on its own key only, not 
 """
 from __future__ import annotations
 
+import math
 import dataclasses
 from collections.abc import Sequence
 
@@ -33,10 +34,11 @@ class SamplingParams:
     def __post_init__(self):
         check_int_at_least("max_new_tokens", self.max_new_tokens, 1)
         check_int_at_least("top_k", self.top_k, 0)
-        _check_number("temperature", self.temperature, ">= 0", lambda v: v >= 0)
-        _check_number("top_p", self.top_p, "in (0, 1]", lambda v: 0 < v <= 1)
-        _check_number("min_p", self.min_p, "in [0, 1]", lambda v: 0 <= v <= 1)
-        _check_number("repetition_penalty", self.repetition_penalty, "> 0", lambda v: v > 0)
+        # inf would sample uniformly (temperature) or push every seen token to -inf / 0 (penalty)
+        _check_number("temperature", self.temperature, "a finite number >= 0", lambda v: 0 <= v < math.inf)
+        _check_number("top_p", self.top_p, "a number in (0, 1]", lambda v: 0 < v <= 1)
+        _check_number("min_p", self.min_p, "a number in [0, 1]", lambda v: 0 <= v <= 1)
+        _check_number("repetition_penalty", self.repetition_penalty, "a finite number > 0", lambda v: 0 < v < math.inf)
 
     @property
     def greedy(self) -> bool:
@@ -49,7 +51,7 @@ class SamplingParams:
 
 def _check_number(name: str, value, expected: str, ok) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not ok(value):
-        raise ValueError(f"{name}: expected a number {expected}, got {value!r}")
+        raise ValueError(f"{name}: expected {expected}, got {value!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -70,13 +70,19 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+# Short names other trainers use, too far from ours for a close match
+FLAG_ALIASES = {"--lr": "--learning-rate"}
+
+
 def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
     """argparse's 'unrecognized arguments' naming the closest flag of the command for each unknown one."""
     known = [flag for action in parser._actions for flag in action.option_strings  # argparse has no public list
              if flag not in ("-h", "--help")]
     hints = []
     for arg in extra:
-        close = difflib.get_close_matches(arg.split("=")[0], known, n=1, cutoff=0.8) if arg.startswith("--") else []
+        name = arg.split("=")[0]
+        close = [FLAG_ALIASES[name]] if FLAG_ALIASES.get(name) in known else (
+            difflib.get_close_matches(name, known, n=1, cutoff=0.8) if arg.startswith("--") else [])
         hints += [f"{arg} (did you mean {close[0]}?)" if close else arg]
     return "unrecognized arguments: " + " ".join(hints)
 

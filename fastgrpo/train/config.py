@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import functools
 import logging
+import math
 import types
 import typing
 from pathlib import Path
@@ -17,6 +18,7 @@ from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config_file import read_yaml
+from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
@@ -190,7 +192,7 @@ class GRPOConfig:
     adam_beta1: float = option(0.9, "AdamW beta1")
     adam_beta2: float = option(0.99, "AdamW beta2")
     adam_epsilon: float = option(1e-8, "AdamW epsilon")
-    max_grad_norm: float = option(1.0, "gradient clipping by global norm")
+    max_grad_norm: float = option(1.0, "gradient clipping by global norm; inf: off")
     lr_scheduler: str = option("constant", f"after warm-up, one of {LR_SCHEDULERS}")
     warmup_steps: int = option(0, "linear warm-up, in optimizer steps")
     reward_errors: str = option(
@@ -240,10 +242,8 @@ class GRPOConfig:
         if self.eval_steps < 0 or self.eval_max_examples < 1:
             raise ValueError(f"eval_steps / eval_max_examples: expected >= 0 / >= 1, got {self.eval_steps} / "
                              f"{self.eval_max_examples}")
-        for name in ("batch_size", "num_generations", "max_prompt_length", "max_completion_length",
-                     "num_iterations", "num_minibatches", "micro_batch_size", "max_steps", "fsdp_layers_per_group"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name}: expected >= 1, got {getattr(self, name)}")
+        check_at_least(self, ("batch_size", "max_prompt_length", "max_completion_length", "num_iterations",
+                              "num_minibatches", "micro_batch_size", "max_steps", "fsdp_layers_per_group"), 1)
         if self.num_generations < 2:
             raise ValueError(f"num_generations: expected >= 2 (advantages compare completions of a group), "
                              f"got {self.num_generations}")
@@ -273,16 +273,17 @@ class GRPOConfig:
         # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
         SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
-        for name in ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "learning_rate", "weight_decay",
-                     "warmup_steps", "save_steps", "save_minutes", "logging_steps", "lora_rank", "lora_dropout"):
-            if not getattr(self, name) >= 0:
-                raise ValueError(f"{name}: expected >= 0, got {getattr(self, name)}")
+        check_at_least(self, ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "warmup_steps", "save_steps",
+                              "logging_steps"), 0)
+        if not self.save_minutes >= 0:  # inf: never by time, as 0
+            raise ValueError(f"save_minutes: expected >= 0, got {self.save_minutes}")
+        check_lora_options(self)
+        check_adamw_options(self)
+        check_reward_weights(self.reward_weights)
         if not self.epsilon_low < 1:
             raise ValueError(f"epsilon_low: expected < 1 (the lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")
-        if not self.max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm: expected > 0, got {self.max_grad_norm}")
-        if self.kl_target is not None and not self.kl_target > 0:
-            raise ValueError(f"kl_target: expected > 0 (none: fixed beta), got {self.kl_target}")
+        if self.kl_target is not None and not 0 < self.kl_target < math.inf:
+            raise ValueError(f"kl_target: expected a finite number > 0 (none: fixed beta), got {self.kl_target}")
         if self.kl_target is not None and self.beta == 0:
             raise ValueError("kl_target: adaptive beta needs an initial beta > 0, got beta=0")
         if self.save_total_limit is not None and self.save_total_limit < 1:

@@ -5,9 +5,9 @@ import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config import coerce_fields, option
+from fastgrpo.train.input_checks import check_at_least
 from fastgrpo.train.options import (
-    ConfigFile, check_at_least, check_model_options, check_optimizer_options, check_run_options, check_scoring_options,
-    inherited,
+    ConfigFile, check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
 )
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.sft_config import SFTConfig

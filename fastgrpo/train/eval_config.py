@@ -5,7 +5,8 @@ import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config import coerce_fields, option
-from fastgrpo.train.options import ConfigFile, check_at_least, check_scoring_options, inherited
+from fastgrpo.train.input_checks import check_at_least
+from fastgrpo.train.options import ConfigFile, check_scoring_options, inherited
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 
 

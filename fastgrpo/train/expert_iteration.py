@@ -51,9 +51,9 @@ class ExpertIteration:
             try:
                 self.prompts.append(prompt_ids(tokenizer, train_dataset[i][config.prompt_column], config.prompt_format))
             except ValueError as err:
-                raise ValueError(f"train_dataset: row {i}: {err}") from None
+                raise ValueError(f"dataset: row {i}: {err}") from None
             if len(self.prompts[-1]) > config.max_prompt_length:
-                raise ValueError(f"train_dataset: row {i} has a {len(self.prompts[-1])}-token prompt, over "
+                raise ValueError(f"dataset: row {i} has a {len(self.prompts[-1])}-token prompt, over "
                                  f"max_prompt_length ({config.max_prompt_length})")
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
         self.sampling = config.sampling()

@@ -1,9 +1,43 @@
-"""The checks of a sampling loop's inputs (GRPO and expert iteration), all before any compute."""
+"""Input checks before any compute: the number fields the configs share (each a ValueError naming the field), and
+a sampling loop's reward functions, dataset and tokenizer (GRPO and expert iteration)."""
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 from fastgrpo.rewards.scoring import required_columns, reward_name
+
+
+def check_at_least(config, names: Sequence[str], low: float) -> None:
+    """Each named field >= low, a float one also finite (inf passes `>= low` and would reach the optimizer or the
+    loss; nan fails it)."""
+    for name in names:
+        value = getattr(config, name)
+        if not low <= value < math.inf:
+            kind = "a finite number " if isinstance(value, float) else ""
+            raise ValueError(f"{name}: expected {kind}>= {low:g}, got {value}")
+
+
+def check_lora_options(config) -> None:
+    check_at_least(config, ("lora_rank",), 0)
+    if not 0 <= config.lora_dropout < 1:  # PEFT takes 1 too, where the adapter sees only zeros and never learns
+        raise ValueError(f"lora_dropout: expected a number in [0, 1), got {config.lora_dropout}")
+
+
+def check_adamw_options(config) -> None:
+    """learning_rate, weight_decay, adam_beta1/2, adam_epsilon and max_grad_norm in the ranges torch's AdamW takes,
+    finite; max_grad_norm may be inf (no clipping: clip_grad_norm_ scales by min(1, inf / norm))."""
+    check_at_least(config, ("learning_rate", "weight_decay", "adam_epsilon"), 0)
+    for name in ("adam_beta1", "adam_beta2"):
+        if not 0 <= getattr(config, name) < 1:
+            raise ValueError(f"{name}: expected a number in [0, 1), got {getattr(config, name)}")
+    if not config.max_grad_norm > 0:
+        raise ValueError(f"max_grad_norm: expected > 0 (inf: no clipping), got {config.max_grad_norm}")
+
+
+def check_reward_weights(weights: Sequence[float] | None) -> None:
+    if weights is not None and not all(math.isfinite(w) for w in weights):  # a nan / inf weight makes nan rewards
+        raise ValueError(f"reward_weights: expected finite numbers, got {weights}")
 
 
 def model_positions(model) -> int | None:
@@ -38,20 +72,20 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
         raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward "
                          f"function), got {len(config.reward_weights)}")
     if dataset is None or len(dataset) == 0:
-        raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+        raise ValueError("dataset: expected at least one row, got an empty dataset")
     columns = dataset_columns(dataset)
     if config.prompt_column not in columns:
-        raise ValueError(f"train_dataset: no prompt column {config.prompt_column!r} (prompt_column); "
+        raise ValueError(f"dataset: no prompt column {config.prompt_column!r} (prompt_column); "
                          f"columns: {columns}")
     for func in reward_funcs:
         missing = [c for c in required_columns(func) if c not in columns]
         if missing:
-            raise ValueError(f"train_dataset: reward function {reward_name(func)} needs columns {missing}, "
+            raise ValueError(f"dataset: reward function {reward_name(func)} needs columns {missing}, "
                              f"which the dataset lacks (columns: {columns})")
     if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
         for i in range(len(dataset)):
             if set(dataset[i]) != set(columns):
-                raise ValueError(f"train_dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
+                raise ValueError(f"dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
                                  f"{sorted(columns)}; every row needs the same columns")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")

@@ -2,6 +2,8 @@
 that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs)."""
 from __future__ import annotations
 
+import math
+
 from fastgrpo._checks import check_int_at_least
 
 
@@ -11,8 +13,9 @@ def check_activation_memory_options(config) -> None:
     if config.offload_activations and not config.patch:  # else nothing would offload, silently
         raise ValueError("offload_activations: runs in patch_model's layers, and patch is off (pass --patch)")
     if config.offload_host_memory_gib is not None:
-        if not config.offload_host_memory_gib > 0:
-            raise ValueError(f"offload_host_memory_gib: expected > 0 or none, got {config.offload_host_memory_gib}")
+        if not 0 < config.offload_host_memory_gib < math.inf:
+            raise ValueError("offload_host_memory_gib: expected a finite number > 0 or none, got "
+                             f"{config.offload_host_memory_gib}")
         if not (config.offload_activations and config.patch):
             raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
                              "(it needs patch and offload_activations)")

@@ -7,12 +7,14 @@ instead of restating its default and help text.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 
 from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
                                    option)
 from fastgrpo.train.config_file import read_yaml
+from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
@@ -47,13 +49,6 @@ class ConfigFile:
         return dataclasses.asdict(self)
 
 
-def check_at_least(config, names: tuple[str, ...], low: float) -> None:
-    for name in names:
-        value = getattr(config, name)
-        if not value >= low:
-            raise ValueError(f"{name}: expected >= {low:g}, got {value}")
-
-
 def check_run_options(config) -> None:
     """The checks GRPOConfig makes of the seed and the output-folder fields, for a config that has them."""
     if not 0 <= config.seed < MAX_SEED:
@@ -68,23 +63,26 @@ def check_run_options(config) -> None:
 def check_model_options(config) -> None:
     """The checks GRPOConfig makes of the model-loading fields, for a config that has them."""
     check_choice("dtype", config.dtype, DTYPES)
-    check_at_least(config, ("lora_rank", "lora_dropout"), 0)
+    check_lora_options(config)
     check_4bit_base(config)
     check_activation_memory_options(config)
 
 
 def check_optimizer_options(config) -> None:
     check_choice("lr_scheduler", config.lr_scheduler, LR_SCHEDULERS)
-    check_at_least(config, ("learning_rate", "weight_decay", "warmup_steps"), 0)
-    if not config.max_grad_norm > 0:
-        raise ValueError(f"max_grad_norm: expected > 0, got {config.max_grad_norm}")
+    check_adamw_options(config)
+    check_at_least(config, ("warmup_steps",), 0)
 
 
 def check_scoring_options(config) -> None:
-    """prompt_format, reward_errors and stop of a command that samples and scores (ei, eval)."""
+    """prompt_format, reward_errors, stop, reward_weights and correct_threshold of a command that samples and
+    scores (ei, eval)."""
     if config.prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {config.prompt_format!r}")
     if config.reward_errors not in REWARD_ERRORS:
         raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {config.reward_errors!r}")
     if config.stop is not None and not all(config.stop):
         raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {config.stop!r}")
+    check_reward_weights(config.reward_weights)
+    if not math.isfinite(config.correct_threshold):  # nan / inf count no completion correct, -inf each
+        raise ValueError(f"correct_threshold: expected a finite number, got {config.correct_threshold}")

@@ -54,7 +54,7 @@ class SFTTrainer:
             self.examples = list(train_dataset)
             longest = max(len(e) for e in self.examples)
             if longest > config.max_seq_length:
-                raise ValueError(f"train_dataset: an example has {longest} tokens, over max_seq_length "
+                raise ValueError(f"dataset: an example has {longest} tokens, over max_seq_length "
                                  f"({config.max_seq_length})")
         else:
             self.examples = tokenize_rows(

@@ -34,12 +34,12 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     """One SFTExample per row. A row longer than max_seq_length is an error naming it, unless `truncate`: then its
     response loses its end (with a warning); a row left without response tokens is an error either way."""
     if rows is None or len(rows) == 0:
-        raise ValueError("train_dataset: expected at least one row, got an empty dataset")
+        raise ValueError("dataset: expected at least one row, got an empty dataset")
     columns = list(getattr(rows, "column_names", None) or rows[0])
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
-            raise ValueError(f"train_dataset: no column {column!r} ({name}); columns: {columns}")
-    check_rows_have(rows, (prompt_column, response_column), "train_dataset", "the prompt and response columns")
+            raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}")
+    check_rows_have(rows, (prompt_column, response_column), "dataset", "the prompt and response columns")
     examples = []
     for i in range(len(rows)):
         row = rows[i]
@@ -48,18 +48,18 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
             p = prompt_ids(tokenizer, prompt, prompt_format)
             r = response_ids(tokenizer, prompt, response, prompt_format)
         except ValueError as err:
-            raise ValueError(f"train_dataset: row {i}: {err}") from None
+            raise ValueError(f"dataset: row {i}: {err}") from None
         if not p:
-            raise ValueError(f"train_dataset: row {i} has an empty prompt (its first response token would have no "
+            raise ValueError(f"dataset: row {i} has an empty prompt (its first response token would have no "
                              "token to be predicted from)")
         if len(p) + len(r) > max_seq_length:
             if not truncate:
-                raise ValueError(f"train_dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
+                raise ValueError(f"dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
                                  f"({max_seq_length}); raise max_seq_length or pass --truncate-sequences")
             logger.warning("row %d: %d tokens cut to max_seq_length=%d", i, len(p) + len(r), max_seq_length)
             r = r[: max(0, max_seq_length - len(p))]
         if not r:
-            raise ValueError(f"train_dataset: row {i} has no response tokens (a {len(p)}-token prompt, "
+            raise ValueError(f"dataset: row {i} has no response tokens (a {len(p)}-token prompt, "
                              f"max_seq_length {max_seq_length})")
         examples.append(SFTExample(tuple(p), tuple(r)))
     return examples

@@ -134,11 +134,11 @@ class GRPOTrainer:
         try:
             ids = prompt_ids(self.tokenizer, prompt, self.config.prompt_format)
         except ValueError as err:
-            raise ValueError(f"train_dataset: row {index}: {err}") from None
+            raise ValueError(f"dataset: row {index}: {err}") from None
         limit = self.config.max_prompt_length
         if len(ids) > limit:
             if not self.config.truncate_prompts:
-                raise ValueError(f"train_dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
+                raise ValueError(f"dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
                                  f"({limit}); raise max_prompt_length or pass --truncate-prompts to left-truncate")
             logger.warning("row %d: prompt of %d tokens left-truncated to max_prompt_length=%d", index, len(ids), limit)
             ids = ids[-limit:]
