@@ -51,6 +51,7 @@ def _parse(argv):
     (dict(lora_rank=-1), "lora_rank"),
     (dict(lora_dropout=1.5), r"lora_dropout: expected a number in \[0, 1\), got 1.5"),
     (dict(lora_dropout=1.0), r"lora_dropout: expected a number in \[0, 1\), got 1.0"),  # PEFT's bound, but no learning
+    (dict(lora_alpha=0), "lora_alpha: expected a finite number > 0, got 0"),  # scale alpha / r: adapters do nothing
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
     (dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off keeps"),
@@ -76,6 +77,7 @@ def test_invalid_fields_raise_naming_the_field(fields, match):
 
 @pytest.mark.parametrize("config_class, fields, match", [
     (SFTConfig, dict(lora_dropout=1.5), r"lora_dropout: expected a number in \[0, 1\), got 1.5"),
+    (EIConfig, dict(lora_alpha=-16), "lora_alpha: expected a finite number > 0, got -16"),
     (EIConfig, dict(adam_beta1=1.0), r"adam_beta1: expected a number in \[0, 1\), got 1.0"),
     (SFTConfig, dict(adam_epsilon=float("nan")), "adam_epsilon: expected a finite number >= 0, got nan"),
     (SFTConfig, dict(learning_rate=float("inf")), "learning_rate: expected a finite number >= 0, got inf"),

@@ -235,6 +235,14 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     return doomed
 
 
+def warn_stale_export(output_dir: str | Path) -> None:
+    """For a run that did not export (export off): a final/ there is an earlier export of the run it continued."""
+    final = Path(output_dir) / "final"
+    if final.is_dir():
+        logger.warning("export: %s holds the weights of an earlier point of this run, not its last step's (export is "
+                       "off: --no-export)", final)
+
+
 def write_run_config(folder: Path, config: dict) -> None:
     """The run's resolved config as CONFIG_FILE in `folder` (a checkpoint, or an exported model: read_run_config)."""
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

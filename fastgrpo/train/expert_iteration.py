@@ -21,6 +21,7 @@ from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
     export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, rng_states, save_checkpoint,
+    warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -206,6 +207,8 @@ class ExpertIteration:
                 self.save_checkpoint()
             if config.export:
                 export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
+            else:
+                warn_stale_export(self.output_dir)
         return self.history
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:

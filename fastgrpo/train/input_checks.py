@@ -20,6 +20,8 @@ def check_at_least(config, names: Sequence[str], low: float) -> None:
 
 def check_lora_options(config) -> None:
     check_at_least(config, ("lora_rank",), 0)
+    if not 0 < config.lora_alpha < math.inf:  # the adapters' scale alpha / r: 0 would leave them without effect
+        raise ValueError(f"lora_alpha: expected a finite number > 0, got {config.lora_alpha}")
     if not 0 <= config.lora_dropout < 1:  # PEFT takes 1 too, where the adapter sees only zeros and never learns
         raise ValueError(f"lora_dropout: expected a number in [0, 1), got {config.lora_dropout}")
 

@@ -16,7 +16,7 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, save_checkpoint,
+    export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, save_checkpoint, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -164,6 +164,8 @@ class SFTTrainer:
                 self.save_checkpoint()
             if config.export:
                 export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
+            else:
+                warn_stale_export(self.output_dir)
         return self.history
 
     def save_checkpoint(self) -> Path:

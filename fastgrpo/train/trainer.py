@@ -28,6 +28,7 @@ from fastgrpo.train.checkpoint import (
     load_latest_checkpoint,
     prune_checkpoints,
     rng_states,
+    warn_stale_export,
 )
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -392,6 +393,8 @@ class GRPOTrainer:
                 self.save_checkpoint()
             if config.export:
                 self.export(self.output_dir / "final")
+            elif self.dist.is_main:
+                warn_stale_export(self.output_dir)
         return self.history
 
     def _run_steps(self, console: ConsoleLog) -> None:
