@@ -40,8 +40,8 @@ EVAL_ARTIFACTS = ("results.jsonl", "summary.json")  # what `fastgrpo eval` write
 # they count as its files (a fresh run refuses them, overwriting deletes them with the checkpoints).
 TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*",
                    *EVAL_ARTIFACTS)
-# Names the patterns above match that a run writes (checkpoint_dir's and atomic_directory's): a user's
-# checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
+# Of what the checkpoint patterns match, the names a run writes (checkpoint-<step>, and atomic_directory's hidden
+# partial writes): a user's checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
 _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
