@@ -155,6 +155,20 @@ def test_labels_loss_without_logits_matches_hf(model_type):
     torch.testing.assert_close(patched.lm_head.weight.grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_labels_with_return_dict_false_give_hfs_tuple():
+    """A tuple caller reads (loss, logits, ...): the patched model gives HF's own, logits included."""
+    model = tiny_model("llama")
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = batch(2)
+    labels = ids.masked_fill(mask == 0, -100)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+        out_p = patched(input_ids=ids, attention_mask=mask, labels=labels, return_dict=False)
+    assert isinstance(out_p, tuple) and len(out_p) == len(out)
+    torch.testing.assert_close(out_p[0], out[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out_p[1], out[1], rtol=1e-5, atol=1e-5)
+
+
 def test_labels_loss_reads_the_soft_cap_from_the_config():
     model = tiny_model("gemma2")
     patched = patch_model(copy.deepcopy(model))
@@ -217,6 +231,8 @@ def test_unpatch_of_unpatched_model_is_a_no_op():
     before = _instance_forwards(model)
     assert unpatch_model(model) is model
     assert _instance_forwards(model) == before
+    with pytest.raises(ValueError, match="^model: expected the torch module patch_model was given, got str$"):
+        unpatch_model("model")
 
 
 def test_options_turn_kinds_off():

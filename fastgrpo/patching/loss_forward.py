@@ -15,12 +15,15 @@ IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
-    """Without labels, or with PEFT adapters on the lm_head (the fused loss reads its weight alone): `previous`
-    (the library forward). With labels: HF's loss (shifted labels, sum over the non-ignored tokens divided by their
-    count or by num_items_in_batch, on logits soft-capped as the config says), returned with logits=None."""
+    """Without labels, with return_dict=False or with PEFT adapters on the lm_head (the fused loss reads its weight
+    alone): `previous` (the library forward). With labels: HF's loss (shifted labels, sum over the non-ignored
+    tokens divided by their count or by num_items_in_batch, on logits soft-capped as the config says), returned with
+    logits=None."""
 
     def forward(self, *args, **kwargs):
-        if kwargs.get("labels") is None or adapters_active(self.get_output_embeddings()):
+        # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
+        tuple_out = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
+        if kwargs.get("labels") is None or tuple_out or adapters_active(self.get_output_embeddings()):
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)

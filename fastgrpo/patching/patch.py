@@ -203,6 +203,8 @@ def unpatch_model(model: nn.Module) -> nn.Module:
 
     A model that is not patched is returned unchanged.
     """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model: expected the torch module patch_model was given, got {type(model).__name__}")
     hf_model = unwrap_peft(model)
     undo = hf_model.__dict__.pop(_UNDO_ATTR, None)
     hf_model.__dict__.pop(SUMMARY_ATTR, None)
