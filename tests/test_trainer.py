@@ -56,7 +56,10 @@ def test_lr_schedule():
     ([{"prompt": "1 say a"}], None, {}, r"needs columns \['letter'\]"),
     ([{"prompt": "1 say a" * 9, "letter": "a"}], None, {}, "over max_prompt_length"),
     ([{"prompt": "1 say a", "letter": "a"}, {"prompt": "2 say b"}], None, {}, "row 1 has columns"),
+    ({"prompt": ["1 say a"], "letter": ["a"]}, None, {}, r"^dataset: expected a list of dict rows .* got dict$"),
+    (["1 say a"], None, {}, r"^dataset: expected a list of dict rows .* got rows such as '1 say a'$"),
     (None, [], {}, "reward_funcs"),
+    (None, "length", {}, r"^reward_funcs: expected a callable or a list of callables, got the name 'length'"),
     (None, None, {"reward_weights": [1.0, 2.0]}, "reward_weights: expected 1 weights"),
     (None, None, {"max_completion_length": 60}, "exceeds the model's max_position_embeddings"),
     (None, None, {"report_to": ["mlflow"]}, "report_to: expected one of"),
@@ -64,6 +67,20 @@ def test_lr_schedule():
 def test_bad_input_raises_before_compute(tmp_path, dataset, rewards, fields, match):
     with pytest.raises(ValueError, match=match):
         _trainer(tmp_path, rewards if rewards is not None else default_task.repeat_letter_reward, dataset, **fields)
+
+
+def test_model_loading_fields_the_given_model_lacks_are_named(tmp_path, caplog):
+    """From Python the trainer trains the model it is given: lora_rank / patch / dtype of the config, which the
+    commands apply as they load the model, are named in a warning when that model does not show them."""
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.input_checks"):
+        _trainer(tmp_path, lora_rank=4, patch=True, dtype="bfloat16")
+    assert ("config: lora_rank=4 (the model has no PEFT adapters); patch=True (the model is not patch_model'd); "
+            "dtype='bfloat16' (the model's weights are torch.float32): these fields act where fastgrpo loads the "
+            "model") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.input_checks"):
+        _trainer(tmp_path, dtype="float32")
+    assert "act where fastgrpo loads the model" not in caplog.text
 
 
 def test_long_prompts_left_truncated_with_warning(tmp_path, caplog):

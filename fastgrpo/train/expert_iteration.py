@@ -27,7 +27,7 @@ from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
-from fastgrpo.train.input_checks import check_sampling_inputs
+from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import ei_evaluator
@@ -45,8 +45,9 @@ class ExpertIteration:
         """engine: where samples come from (default: BuiltinEngine on the model's own modules)."""
         self.config = config = config or EIConfig()
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
-        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        self.reward_funcs = reward_list(reward_funcs)
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
+        warn_unapplied_model_fields(model, config)
         self.prompts = []
         for i in range(len(train_dataset)):
             try:

@@ -1,11 +1,16 @@
-"""Input checks before any compute: the number fields the configs share (each a ValueError naming the field), and
-a sampling loop's reward functions, dataset and tokenizer (GRPO and expert iteration)."""
+"""Input checks before any compute: the number fields the configs share (each a ValueError naming the field), a
+sampling loop's reward functions, dataset and tokenizer (GRPO and expert iteration), and whether a trainer's model
+shows the config's model-loading fields."""
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Callable, Sequence
 
+from fastgrpo.hf.models import is_peft_model, unwrap_peft
 from fastgrpo.rewards.scoring import required_columns, reward_name
+
+logger = logging.getLogger(__name__)
 
 
 def check_at_least(config, names: Sequence[str], low: float) -> None:
@@ -48,8 +53,24 @@ def model_positions(model) -> int | None:
 
 
 def dataset_columns(dataset) -> list[str]:
+    """A datasets.Dataset's columns, or those of the first row of a list of dict rows (ValueError for other data)."""
     names = getattr(dataset, "column_names", None)
-    return list(names) if names is not None else list(dataset[0])
+    if names is not None:
+        return list(names)
+    if isinstance(dataset, dict) or not isinstance(dataset[0], dict):  # columns as lists, or bare prompts
+        shown = type(dataset).__name__ if isinstance(dataset, dict) else f"rows such as {dataset[0]!r:.40}"
+        raise ValueError(f"dataset: expected a list of dict rows ({{'prompt': ...}}) or a datasets.Dataset, got "
+                         f"{shown}")
+    return list(dataset[0])
+
+
+def reward_list(reward_funcs) -> list:
+    """A trainer's reward_funcs argument as a list: one callable or a sequence of them (a name is the commands')."""
+    if isinstance(reward_funcs, str):
+        raise ValueError(f"reward_funcs: expected a callable or a list of callables, got the name {reward_funcs!r} "
+                         "(a name is for the commands' --reward-funcs; fastgrpo.train.loading.resolve_reward gives "
+                         "its function)")
+    return [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
 
 
 def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
@@ -96,3 +117,27 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
         raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
                          f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
                          f"max_position_embeddings ({positions})")
+
+
+def warn_unapplied_model_fields(model, config) -> None:
+    """The config's model-loading fields act where fastgrpo loads the model (the commands, through
+    fastgrpo.train.loading.load_model_and_tokenizer); a trainer trains the model it is given as it is. A warning
+    names each such field that model does not show, so that a Python caller does not take it for applied."""
+    import torch
+
+    from fastgrpo.patching.patch import SUMMARY_ATTR
+
+    unapplied = []
+    if getattr(config, "lora_rank", 0) > 0 and not is_peft_model(model):
+        unapplied.append(f"lora_rank={config.lora_rank} (the model has no PEFT adapters)")
+    if getattr(config, "patch", False) and getattr(unwrap_peft(model), SUMMARY_ATTR, None) is None:
+        unapplied.append("patch=True (the model is not patch_model'd)")
+    if getattr(config, "load_in_4bit", False) and not getattr(unwrap_peft(model), "is_loaded_in_4bit", False):
+        unapplied.append("load_in_4bit=True (the model is not 4-bit)")
+    dtype, weights = getattr(config, "dtype", "auto"), model.get_input_embeddings().weight.dtype
+    if dtype != "auto" and weights != getattr(torch, dtype):
+        unapplied.append(f"dtype={dtype!r} (the model's weights are {weights})")
+    if unapplied:
+        logger.warning("config: %s: these fields act where fastgrpo loads the model "
+                       "(fastgrpo.train.loading.load_model_and_tokenizer, as the commands do); the trainer trains the "
+                       "model it is given as it is", "; ".join(unapplied))

@@ -20,7 +20,7 @@ from fastgrpo.train.checkpoint import (
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
-from fastgrpo.train.input_checks import model_positions
+from fastgrpo.train.input_checks import model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.periodic_eval import sft_evaluator
@@ -50,13 +50,14 @@ class SFTTrainer:
         if positions is not None and config.max_seq_length > positions:
             raise ValueError(f"max_seq_length: {config.max_seq_length} exceeds the model's max_position_embeddings "
                              f"({positions})")
-        if _is_examples(train_dataset):
+        if _is_examples(train_dataset):  # expert iteration's kept samples: its own config was checked
             self.examples = list(train_dataset)
             longest = max(len(e) for e in self.examples)
             if longest > config.max_seq_length:
                 raise ValueError(f"dataset: an example has {longest} tokens, over max_seq_length "
                                  f"({config.max_seq_length})")
         else:
+            warn_unapplied_model_fields(model, config)
             self.examples = tokenize_rows(
                 train_dataset, tokenizer, prompt_column=config.prompt_column, response_column=config.response_column,
                 prompt_format=config.prompt_format, max_seq_length=config.max_seq_length,

@@ -33,7 +33,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.input_checks import check_sampling_inputs
+from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
@@ -67,9 +67,10 @@ class GRPOTrainer:
         """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
         the model's own modules, or a VLLMEngine sharing the model's weights)."""
         self.config = config = config or GRPOConfig()
-        self.reward_funcs = [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+        self.reward_funcs = reward_list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
+        warn_unapplied_model_fields(model, config)
         self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
         self.device = next(model.parameters()).device
         if engine is None and config.rollout_engine == "vllm":
