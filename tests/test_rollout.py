@@ -14,7 +14,7 @@ from transformers import (
 )
 
 from fastgrpo.train import default_task
-from fastgrpo.rollout import generate
+from fastgrpo.rollout import BuiltinEngine, generate
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,!?0123456789"
@@ -275,6 +275,7 @@ def test_token_id_prompts_equal_text_prompts():
         ("abc", {}, "prompts"),
         (["abc", ""], {}, "prompts\\[1\\]"),
         ([[3, 4, 999]], {}, "prompts\\[0\\]"),
+        ([[{"role": "user", "content": "say a"}]], {}, "prompts: expected strings or token id lists, got chat"),
     ],
 )
 def test_bad_input_fails_before_any_compute(prompts, kwargs, match):
@@ -284,3 +285,12 @@ def test_bad_input_fails_before_any_compute(prompts, kwargs, match):
     with pytest.raises(ValueError, match=match):
         generate(model, tok, prompts, **kwargs)
     assert not calls
+
+
+def test_an_engine_names_a_missing_tokenizer_and_a_sampling_dict():
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="^tokenizer: expected a Hugging Face tokenizer to read text prompts, got "
+                                         "NoneType$"):
+        generate(model, None, ["say a"])
+    with pytest.raises(ValueError, match=r"^sampling: expected a fastgrpo.rollout.SamplingParams .*got dict$"):
+        BuiltinEngine(model, char_tokenizer()).generate(["say a"], num_generations=1, sampling={"max_new_tokens": 3})

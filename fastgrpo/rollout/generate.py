@@ -69,7 +69,7 @@ def generate_with_config(
     prompt_keys=None, config: EngineConfig = EngineConfig(),
 ) -> RolloutResult:
     """generate() with the sampling parameters as one object and the engine settings exposed."""
-    check_request(num_generations, seed)
+    check_request(num_generations, seed, params)
     prompt_keys = _check_prompt_keys(prompt_keys, prompts)
     vocab = model.get_input_embeddings().weight.shape[0]
     stop_strings, stop_ids = split_stop(stop, vocab)

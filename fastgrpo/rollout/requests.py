@@ -7,13 +7,18 @@ from collections.abc import Sequence
 
 import torch
 
+from fastgrpo.rollout.sampling import SamplingParams
+
 OPTIONS = (
     "num_generations", "max_new_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "stop",
     "seed",
 )
 
 
-def check_request(num_generations, seed) -> None:
+def check_request(num_generations, seed, sampling) -> None:
+    if not isinstance(sampling, SamplingParams):
+        raise ValueError(f"sampling: expected a fastgrpo.rollout.SamplingParams (SamplingParams(max_new_tokens=..., "
+                         f"...)), got {type(sampling).__name__}")
     if isinstance(num_generations, bool) or not isinstance(num_generations, int) or num_generations < 1:
         raise ValueError(f"num_generations: expected an int >= 1, got {num_generations!r}")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
@@ -50,7 +55,13 @@ def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
     if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts: expected a non-empty list of strings or of token id lists")
     if all(isinstance(p, str) for p in prompts):
+        if not callable(tokenizer):
+            raise ValueError(f"tokenizer: expected a Hugging Face tokenizer to read text prompts, got "
+                             f"{type(tokenizer).__name__}")
         ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
+    elif any(isinstance(p, dict) or (isinstance(p, Sequence) and p and isinstance(p[0], dict)) for p in prompts):
+        raise ValueError("prompts: expected strings or token id lists, got chat messages; apply the chat template "
+                         "first (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))")
     else:
         ids = [_id_list(p) for p in prompts]
     for i, p in enumerate(ids):

@@ -9,8 +9,8 @@ graphed decode step, and a sample's randomness depends on its own key only, not 
 """
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from collections.abc import Sequence
 
 import torch

@@ -222,7 +222,7 @@ class VLLMEngine:
         do not depend on the other prompts of the call; None samples from vLLM's global generators."""
         import vllm
 
-        check_request(num_generations, seed)
+        check_request(num_generations, seed, sampling)
         stop_strings, stop_ids = split_stop(stop, self.vocab)
         prompt_ids = tokenize_prompts(self.tokenizer, prompts, self.vocab)
         seeds = request_seeds(seed, check_prompt_keys(prompt_keys, len(prompt_ids)), num_generations)
