@@ -184,12 +184,13 @@ def test_vllm_rollout():
     without (vLLM's per-request generators cost it time); memory from the device's used bytes (vLLM allocates
     outside torch's allocator): `rollout_extra_gib` above the model, with the KV cache mapped."""
     pytest.importorskip("vllm")
+    from benchmarks.bench_vllm import used_gib
     from fastgrpo.rollout.sampling import SamplingParams
     from fastgrpo.rollout.vllm import VLLMEngine
 
     setup = _setup()
     torch._dynamo.reset()  # our compiled steps hold the tensors they were traced with
-    base = _used_bytes()
+    base = used_gib()
     start = time.perf_counter()
     engine = VLLMEngine(setup["model"], setup["tokenizer"], max_model_len=PROMPT_LEN + NEW_TOKENS,
                         max_num_seqs=PROMPTS * GENERATIONS, execution="graphs")
@@ -208,17 +209,9 @@ def test_vllm_rollout():
     del result
     measured = {k: v for k, v in _timed(call(0), REPEATS).items() if k in ("seconds", "tokens_per_s", "ms_per_step")}
     measured.update(tokens_per_s_unseeded=_timed(call(None), REPEATS)["tokens_per_s"], first_call_s=first,
-                    build_s=build_s, rollout_extra_gib=(_used_bytes() - base) / GIB)
+                    build_s=build_s, rollout_extra_gib=used_gib() - base)
     engine.release_memory()
     _row("vllm", measured)
-
-
-def _used_bytes() -> int:
-    gc.collect()
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info()
-    return total - free
 
 
 def _hf_call(static: bool, new_tokens: int):

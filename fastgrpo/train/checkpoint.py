@@ -226,7 +226,7 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     rotation and take the next --resume back to that history."""
     found = _checkpoint_folders(output_dir)
     abandoned = [path for step, path in found if step > newest]
-    kept = [path for step, path in list_checkpoints(output_dir) if step <= newest]
+    kept = [path for step, path in found if step <= newest and (path / STATE_FILE).exists()]
     doomed = abandoned + (kept[:-keep] if keep is not None and len(kept) > keep else [])
     for path in abandoned:
         logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)

@@ -18,7 +18,9 @@ from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.config_file import read_yaml
-from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
+from fastgrpo.train.input_checks import (
+    check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
+)
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
@@ -275,8 +277,7 @@ class GRPOConfig:
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
         check_at_least(self, ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "warmup_steps", "save_steps",
                               "logging_steps"), 0)
-        if not self.save_minutes >= 0:  # inf: never by time, as 0
-            raise ValueError(f"save_minutes: expected >= 0, got {self.save_minutes}")
+        check_save_minutes(self)
         check_lora_options(self)
         check_adamw_options(self)
         check_reward_weights(self.reward_weights)

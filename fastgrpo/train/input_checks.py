@@ -23,6 +23,11 @@ def check_at_least(config, names: Sequence[str], low: float) -> None:
             raise ValueError(f"{name}: expected {kind}>= {low:g}, got {value}")
 
 
+def check_save_minutes(config) -> None:
+    if not config.save_minutes >= 0:  # inf passes: never by time, as 0
+        raise ValueError(f"save_minutes: expected >= 0, got {config.save_minutes}")
+
+
 def check_lora_options(config) -> None:
     check_at_least(config, ("lora_rank",), 0)
     if not 0 < config.lora_alpha < math.inf:  # the adapters' scale alpha / r: 0 would leave them without effect

@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastgrpo.train.config import coerce_fields, option
-from fastgrpo.train.input_checks import check_at_least
+from fastgrpo.train.input_checks import check_at_least, check_save_minutes
 from fastgrpo.train.options import (
     ConfigFile, check_model_options, check_optimizer_options, check_run_options, inherited,
 )
@@ -87,8 +87,7 @@ class SFTConfig(ConfigFile):
         check_at_least(self, ("max_seq_length", "batch_size", "micro_batch_size", "num_epochs",
                               "eval_max_examples", "eval_max_new_tokens"), 1)
         check_at_least(self, ("max_steps", "save_steps", "logging_steps", "eval_steps", "eval_temperature"), 0)
-        if not self.save_minutes >= 0:  # inf: never by time, as 0
-            raise ValueError(f"save_minutes: expected >= 0, got {self.save_minutes}")
+        check_save_minutes(self)
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
                              f"got {self.micro_batch_size}")
