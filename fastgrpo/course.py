@@ -3,6 +3,7 @@ losses, micro-batch train steps) on [B, T] tensors, built on fastgrpo.loss.grpo'
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -73,6 +74,13 @@ def get_response_log_probs(
 PG_LOSS_TYPES = ("no_baseline", "reinforce_with_baseline", "grpo_clip")
 
 
+def _is_finite_number(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return False
+
+
 def compute_group_normalized_rewards(
     reward_fn: Callable[[str, str], dict[str, float]],
     rollout_responses: Sequence[str],
@@ -100,9 +108,12 @@ def compute_group_normalized_rewards(
     if normalize_by_std and group_size < 2:
         raise ValueError("group_size: expected >= 2 with normalize_by_std (the std of one sample is undefined)")
     scores = [reward_fn(response, truth) for response, truth in zip(rollout_responses, repeated_ground_truths)]
-    for score in scores:
+    for i, score in enumerate(scores):
         if not isinstance(score, dict) or "reward" not in score:
             raise ValueError(f"reward_fn: expected a dict with key 'reward', got {score!r}")
+        if not _is_finite_number(score["reward"]):  # a NaN would make its whole group's advantages NaN, silently
+            raise ValueError(f"reward_fn: expected a finite number as 'reward', got {score['reward']!r} for "
+                             f"response {i}: {rollout_responses[i][:40]!r}")
     raw_rewards = torch.tensor([float(s["reward"]) for s in scores], dtype=torch.float32)  # raw_rewards: [N]
     grouped = raw_rewards.view(-1, group_size)  # grouped: [N / G, G]
     advantages = grouped - grouped.mean(-1, keepdim=True)

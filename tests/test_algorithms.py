@@ -520,6 +520,9 @@ def pg(**kwargs):
          "repeated_ground_truths"),
         (lambda: course.compute_group_normalized_rewards(lambda r, g: {"score": 1.0}, ["0"], ["g"], 1, 1e-6, False),
          "reward_fn"),
+        (lambda: group_rewards([0.0, math.nan], 2, True), "reward_fn"),  # a NaN would make the group's advantages NaN
+        (lambda: group_rewards([math.inf, 1.0], 2, False), "reward_fn"),
+        (lambda: group_rewards([None, 1.0], 2, False), "reward_fn"),
         (lambda: grpo.kl_penalty(X, X, "k4"), "estimator"),
         (lambda: grpo.kl_penalty(X, X[:, :2]), "ref_logp"),
         (lambda: grpo.aggregate_loss(X, X.bool(), "mean"), "loss_type"),

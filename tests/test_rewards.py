@@ -138,14 +138,42 @@ def test_score_reports_failures_and_scores_them_zero():
 
     rewards, errors = score([ok, raises, short, junk, infinite], ["p"] * 3, ["a", "b", "c"], {})
     assert rewards[:, 0].tolist() == [1.5] * 3
-    assert rewards[:, 1:4].abs().sum() == 0 and rewards[:, 4].tolist() == [1.0, 1.0, 0.0]
+    assert rewards[:, 1:3].abs().sum() == 0 and rewards[:, 4].tolist() == [1.0, 1.0, 0.0]
+    assert rewards[0, 3] == 0 and rewards[2, 3] == 0 and math.isnan(rewards[1, 3])  # None: does not apply
     assert errors == {"raises": "raised RuntimeError: boom", "short": "returned 1 rewards for 3 completions",
-                      "junk": "returned nan, not a finite number (2 more rows too)",
-                      "infinite": "returned -inf, not a finite number"}
+                      "junk": "returned nan, not a finite number or None (1 more rows too)",
+                      "infinite": "returned -inf, not a finite number or None"}
     assert [(e.function, e.row) for e in errors.values()] == [
         ("raises", None), ("short", None), ("junk", 0), ("infinite", 2)]
     assert json.loads(json.dumps(errors)) == errors  # plain strings in metrics.jsonl
-    assert all(math.isfinite(v) for v in rewards.flatten().tolist())
+
+
+def test_none_rewards_are_left_out_as_in_trl():
+    """A None reward (the function does not apply) is NaN: left out of the weighted sum across functions, the group
+    means and stds (TRL's nansum / nanmean / nanstd); a completion no function scored gets advantage 0."""
+    import torch
+
+    from fastgrpo.loss.grpo import reward_advantages, weighted_rewards
+
+    def math_only(prompts, completions, **kw):
+        return [1.0 if c.startswith("m") else None for c in completions]
+
+    def code_only(prompts, completions, **kw):
+        return [0.5 if c.startswith("c") else None for c in completions]
+
+    per_func, errors = score([math_only, code_only], ["p"] * 4, ["m1", "c1", "m2", "?"], {})
+    assert not errors and per_func.isnan().tolist() == [[False, True], [True, False], [False, True], [True, True]]
+    weights = torch.tensor([2.0, 1.0], dtype=torch.float64)
+    rewards = weighted_rewards(per_func, weights)
+    assert rewards[:3].tolist() == [2.0, 0.5, 2.0] and math.isnan(rewards[3])
+    # groups of 2: (2.0, 0.5) and (2.0, unscored): the second group's one scored row has no std, advantage 0
+    mean, std = 1.25, math.sqrt(2 * 0.75 ** 2)
+    for scale, expected in [("group", [0.75 / std, -0.75 / std, 0.0, 0.0]),
+                            ("batch", [(2.0 - mean) / math.sqrt(0.75), (0.5 - mean) / math.sqrt(0.75), 0.0, 0.0]),
+                            ("none", [0.75, -0.75, 0.0, 0.0])]:
+        advantages = reward_advantages(per_func, weights, 2, scale, 0.0)
+        assert advantages.tolist() == pytest.approx(expected, rel=1e-12), scale
+    assert reward_advantages(per_func, weights, 2, "group", 1e-4, "normalize_then_sum").isfinite().all()
 
 
 def _trainer(tmp_path, reward, **fields):
@@ -165,7 +193,7 @@ def _trainer(tmp_path, reward, **fields):
     ("raise", r"reward function flaky raised ZeroDivisionError: division by zero on dataset row \d+ \(completion 3 "
               r"of 4\): '.*'"),
     ("count", r"reward function flaky returned 7 rewards for 8 completions; --reward-errors skip"),
-    ("nan", r"reward function flaky returned nan, not a finite number on dataset row \d+ \(completion 3 of 4"),
+    ("nan", r"reward function flaky returned nan, not a finite number or None on dataset row \d+ \(completion 3 of 4"),
 ])
 def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failure, message):
     """flaky works in step 1 and fails in step 2 on the third completion: the run stops with one line, after
@@ -208,3 +236,28 @@ def test_score_passes_dataset_columns():
 
     rewards, errors = score([needs], ["p", "p"], ["1", "2"], {"answer": ["1", "1"]})
     assert rewards[:, 0].tolist() == [1.0, 0.0] and not errors
+
+
+def test_a_run_trains_through_none_rewards(tmp_path, caplog):
+    """TRL's None: a function that applies to some completions only trains with finite losses and metrics (before,
+    None stopped the run); a completion no function scored is named in a warning and gets advantage 0."""
+    import logging
+
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    def first_only(prompts, completions, letter, **kwargs):  # scores a batch's first completion, None the rest
+        return default_task.repeat_letter_reward(prompts[:1], completions[:1], letter[:1]) + [None] * (len(letter) - 1)
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 4, "max_steps": 2, "export": False, "progress_bar": False,
+                           "logging_steps": 0, "output_dir": str(tmp_path)})
+    tokenizer = default_task.build_tokenizer()
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, first_only, default_task.build_dataset(16),
+                          config)
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        history = trainer.train()
+    assert len(history) == 2 and all(math.isfinite(m["loss"]) and math.isfinite(m["reward"]) for m in history)
+    assert all(m["reward_errors"] == 0 and m["rewards/first_only"] == m["reward"] for m in history)
+    assert "every reward function returned None for 7 completion(s), first dataset row" in caplog.text

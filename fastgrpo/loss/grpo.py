@@ -367,17 +367,37 @@ def loss_metrics(mask: torch.Tensor, objective: Objective, entropy: torch.Tensor
     return metrics
 
 
+def weighted_rewards(per_func: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """per_func [N, F] -> rewards [N]: the weighted sum over the functions that scored each row, NaN entries (a
+    reward function's None: it does not apply) left out as TRL's nansum does; NaN where no function applied."""
+    summed = (per_func * weights.to(per_func.dtype)).nansum(-1)
+    return summed.masked_fill(per_func.isnan().all(-1), math.nan)
+
+
+def _nanstd(x: torch.Tensor, dim: int | None = None, keepdim: bool = False) -> torch.Tensor:
+    """torch.std (Bessel's correction) over the non-NaN entries; NaN where fewer than two."""
+    count = (~x.isnan()).sum(dim, keepdim=keepdim)
+    square = (x - x.nanmean(dim, keepdim=True)).square().nan_to_num(0.0)
+    return (square.sum(dim, keepdim=keepdim) / (count - 1)).sqrt()  # one entry: 0 / 0 = NaN
+
+
+def _zero_nan(advantages: torch.Tensor) -> torch.Tensor:
+    # A NaN reward (no function applied: they all returned None) carries no signal: advantage 0, as in TRL.
+    return advantages.masked_fill(advantages.isnan(), 0.0)
+
+
 def group_advantages(rewards: torch.Tensor, group_size: int, scale: str, eps: float) -> torch.Tensor:
     """rewards [N] in consecutive groups of group_size -> advantages [N]: reward - its group's mean, divided by
     (the group's std + eps) for scale "group", (the batch's std + eps) for "batch", or not at all for "none".
-    Stds with Bessel's correction, as torch.std."""
+    Stds with Bessel's correction, as torch.std. NaN rewards are left out of the means and stds and get
+    advantage 0 (as do the rows of a group with one scored row under scale "group")."""
     grouped = rewards.view(-1, group_size)  # grouped: [N / G, G]
-    centered = grouped - grouped.mean(-1, keepdim=True)
+    centered = grouped - grouped.nanmean(-1, keepdim=True)
     if scale == "group":
-        centered = centered / (grouped.std(-1, keepdim=True) + eps)
+        centered = centered / (_nanstd(grouped, -1, keepdim=True) + eps)
     elif scale == "batch":
-        centered = centered / (rewards.std() + eps)
-    return centered.reshape(-1)
+        centered = centered / (_nanstd(rewards) + eps)
+    return _zero_nan(centered.reshape(-1))
 
 
 MULTI_OBJECTIVE_AGGREGATIONS = ("sum_then_normalize", "normalize_then_sum")
@@ -388,12 +408,14 @@ def reward_advantages(per_func: torch.Tensor, weights: torch.Tensor, group_size:
     """per_func [N, F] rewards of F functions -> advantages [N]. sum_then_normalize: group_advantages of the
     weighted sum. normalize_then_sum (GDPO, TRL 1.16 GRPOTrainer._generate_and_score_completions): each function's
     rewards are standardized within their group ((r - mean) / (std + eps)), weighted and summed, and that sum is
-    standardized over the batch; `scale` does not apply."""
+    standardized over the batch; `scale` does not apply. NaN rewards (None: the function does not apply) are left
+    out of the sums, means and stds, as TRL's nansum / nanmean; a row no function applied to gets advantage 0."""
     check_choice("multi_objective_aggregation", aggregation, MULTI_OBJECTIVE_AGGREGATIONS)
     weights = weights.to(per_func.dtype)
     if aggregation == "sum_then_normalize":
-        return group_advantages(per_func @ weights, group_size, scale, eps)
+        return group_advantages(weighted_rewards(per_func, weights), group_size, scale, eps)
     grouped = per_func.view(-1, group_size, per_func.shape[-1])  # grouped: [N / G, G, F]
-    standardized = (grouped - grouped.mean(1, keepdim=True)) / (grouped.std(1, keepdim=True) + eps)
-    summed = standardized.reshape(per_func.shape) @ weights  # summed: [N]
-    return (summed - summed.mean()) / (summed.std() + eps)
+    standardized = (grouped - grouped.nanmean(1, keepdim=True)) / (_nanstd(grouped, 1, keepdim=True) + eps)
+    summed = (standardized.reshape(per_func.shape) * weights).nansum(-1)  # summed: [N]
+    summed = summed.masked_fill(per_func.isnan().all(-1), math.nan)  # as TRL: only rows no function scored
+    return _zero_nan((summed - summed.nanmean()) / (_nanstd(summed) + eps))

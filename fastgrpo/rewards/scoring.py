@@ -1,9 +1,11 @@
 """Run reward functions over a batch and report every failure: a function that raises, returns the wrong number
-of rewards, or a value that is not a finite number. Its failed samples score 0.0; the caller decides whether a
+of rewards, or a value that is not a finite number or None. Its failed samples score 0.0; the caller decides whether a
 failure stops the run (GRPOTrainer's default, reward_errors="raise": RewardError names the function and the first
 bad row) or is logged and trained through (reward_errors="skip").
 
-Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion.
+Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
+for a completion the function does not apply to (scored NaN, left out of the sum across functions:
+fastgrpo.loss.grpo.weighted_rewards).
 """
 from __future__ import annotations
 
@@ -62,7 +64,9 @@ class RewardFailure(str):
 
 
 def _as_float(value) -> float | None:
-    """A finite float, or None for anything else (NaN, inf, None, text)."""
+    """A finite float; NaN for None (not applicable); None for anything else (NaN, inf, text): a bug."""
+    if value is None:
+        return math.nan
     if isinstance(value, bool):
         return float(value)
     try:
@@ -81,7 +85,7 @@ def score(
     reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list]
 ) -> tuple[torch.Tensor, dict[str, RewardFailure]]:
     """Rewards [N, F] (float64) of N completions under F functions, and {name: failure} for those that failed
-    (their failed samples score FAILURE)."""
+    (their failed samples score FAILURE). A None reward is NaN."""
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
     failures = {}
@@ -98,9 +102,39 @@ def score(
         bad = [i for i, v in enumerate(parsed) if v is None]
         if bad:
             more = f" ({len(bad) - 1} more rows too)" if len(bad) > 1 else ""
-            failures[name] = RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number{more}", bad[0])
+            failures[name] = RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number or None{more}",
+                                           bad[0])
         rewards[:, j] = torch.tensor([FAILURE if v is None else v for v in parsed], dtype=torch.float64)
     return rewards, failures
+
+
+def warn_unscored(rewards: torch.Tensor, describe_row: Callable[[int], str] = lambda row: f"row {row}") -> None:
+    """A warning for the completions no reward function applied to (every one returned None; rewards [N] NaN):
+    they carry no signal, as in TRL (advantage 0, not counted in means)."""
+    unscored = rewards.isnan().nonzero().flatten().tolist()
+    if unscored:
+        logger.warning("every reward function returned None for %d completion(s), first %s; they are left out "
+                       "(advantage 0): make at least one function score every completion", len(unscored),
+                       describe_row(unscored[0]))
+
+
+def nan_mean(values: torch.Tensor) -> float | None:
+    """The mean over the non-NaN entries (rewards a function scored); None when there are none (valid JSON)."""
+    kept = values[~values.isnan()]
+    return kept.mean().item() if kept.numel() else None
+
+
+def nan_std(values: torch.Tensor) -> float | None:
+    """The std (Bessel's correction) over the non-NaN entries; None when there are none, 0.0 for one."""
+    kept = values[~values.isnan()]
+    return kept.std().item() if kept.numel() > 1 else 0.0 if kept.numel() else None
+
+
+def zero_spread_fraction(grouped: torch.Tensor) -> float:
+    """The fraction of groups (rows of grouped [groups, G]) whose scored rewards are all equal (no signal); a
+    group with no scored reward counts too."""
+    high, low = grouped.nan_to_num(-math.inf).amax(-1), grouped.nan_to_num(math.inf).amin(-1)
+    return ((high == low) | grouped.isnan().all(-1)).float().mean().item()
 
 
 def first_failing_row(func: Callable, prompts: list, completions: list[str], columns: dict[str, list]) -> int | None:

@@ -11,15 +11,18 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
+from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
-from fastgrpo.rewards.scoring import RewardError, required_columns, reward_name, reward_names, score
+from fastgrpo.rewards.scoring import (RewardError, nan_mean, required_columns, reward_name, reward_names, score,
+                                      warn_unscored)
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.input_checks import check_rows_have
@@ -145,7 +148,9 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
         check_reward_failures(failures, reward_errors)
         for name, failure in failures.items():
             errors[name] = str(failure)
-        rewards = (per_func @ weights).tolist()
+        rewards = weighted_rewards(per_func, weights)  # rewards: [n]; NaN where no function applied
+        warn_unscored(rewards)
+        rewards = [None if math.isnan(r) else r for r in rewards.tolist()]  # null in the JSON
         lengths = out.completion_mask.sum(-1).tolist()
         tokens += sum(lengths)
         for k, (row, text) in enumerate(zip(expanded, out.texts)):
@@ -154,11 +159,11 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
                 "index": start + k // num_generations, "sample": k % num_generations,
                 "prompt": prompt_texts[k // num_generations], "completion": text,
                 "format_reward": grades[0], "answer_reward": grades[1], "reward": rewards[k],
-                "correct": rewards[k] >= task.correct_threshold, "length": int(lengths[k]),
+                "correct": rewards[k] is not None and rewards[k] >= task.correct_threshold, "length": int(lengths[k]),
                 "finish_reason": out.finish_reasons[k],
             }
             if len(names) > 1:
-                record.update({f"rewards/{name}": per_func[k, j].item() for j, name in enumerate(names)})
+                record.update({f"rewards/{name}": nan_mean(per_func[k, j]) for j, name in enumerate(names)})
             if "answer" in row:
                 record["answer"] = row["answer"]
             records.append(record)
@@ -168,8 +173,8 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
 
 
 def summarize(records: list[dict], names: list[str], errors: dict, seconds: float, tokens: int) -> dict:
-    def mean(values):
-        values = list(values)
+    def mean(values):  # None values (an unscored completion's reward) left out
+        values = [v for v in values if v is not None]
         return sum(values) / len(values) if values else None
 
     correct = [r for r in records if r["correct"]]
@@ -205,6 +210,7 @@ def write_eval(records: list[dict], summary: dict, examples_path: str | Path, su
 def log_generations(records: list[dict], count: int, title: str) -> None:
     """A few generations to the console log: the first `count` records, prompt tail and completion."""
     for r in records[:count]:
-        logger.info("%s | ...%s -> %r | reward %.3f%s", title, r["prompt"][-60:], r["completion"][:200], r["reward"],
+        logger.info("%s | ...%s -> %r | reward %.3f%s", title, r["prompt"][-60:], r["completion"][:200],
+                    math.nan if r["reward"] is None else r["reward"],
                     "" if r["format_reward"] is None else f" (format {r['format_reward']:.0f}, "
                                                           f"answer {r['answer_reward']:.0f})")

@@ -10,13 +10,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
 
-from fastgrpo.rewards.scoring import reward_names, score
+from fastgrpo.loss.grpo import weighted_rewards
+from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
@@ -94,8 +96,9 @@ class ExpertIteration:
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, texts, columns)  # per_func: [N, F]
         check_reward_failures(errors, config.reward_errors)
-        rewards = per_func @ self.weights  # rewards: [N]
-        correct = rewards >= config.correct_threshold
+        rewards = weighted_rewards(per_func, self.weights)  # rewards: [N]; NaN where no function applied
+        warn_unscored(rewards)
+        correct = rewards >= config.correct_threshold  # an unscored completion is not kept
         self.last_kept = kept = [
             SFTExample(tuple(self.prompts[indices[k // G]]), tuple(samples[k][0]))
             for k in correct.nonzero().flatten().tolist() if samples[k][0]
@@ -112,7 +115,7 @@ class ExpertIteration:
         else:  # a round that learns nothing; every round alike is a run that cannot start (a setting, not luck)
             logger.warning("round %d: no completion reached correct_threshold %g (best reward %.3g, %d of %d cut at "
                            "max_completion_length): nothing to fine-tune on", self.round + 1,
-                           config.correct_threshold, rewards.max().item(),
+                           config.correct_threshold, rewards.nan_to_num(-math.inf).max().item(),
                            sum(reason == "length" for _, _, reason in samples), len(samples))
         t_sft = time.perf_counter()
 
@@ -120,10 +123,9 @@ class ExpertIteration:
         lengths = torch.tensor([len(ids) for ids, _, _ in samples], dtype=torch.float32)
         metrics = {
             "round": self.round,
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item() if rewards.numel() > 1 else 0.0,
-            **{f"rewards/{name}": per_func[:, j].mean().item()
-               for j, name in enumerate(reward_names(self.reward_funcs))},
+            "reward": nan_mean(rewards),
+            "reward_std": nan_std(rewards),
+            **{f"rewards/{name}": nan_mean(per_func[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))},
             "reward_errors": len(errors),
             "kept": len(kept),
             "kept_frac": len(kept) / rewards.numel(),

@@ -18,9 +18,10 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.loss.grpo import kl_penalty, reward_advantages
+from fastgrpo.loss.grpo import kl_penalty, reward_advantages, weighted_rewards
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
-from fastgrpo.rewards.scoring import RewardError, check_failures, reward_names, score
+from fastgrpo.rewards.scoring import (RewardError, check_failures, nan_mean, nan_std, reward_names, score,
+                                      warn_unscored, zero_spread_fraction)
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.train.checkpoint import (
@@ -176,7 +177,8 @@ class GRPOTrainer:
         per_func, errors = score(self.reward_funcs, prompts, batch["texts"], columns)  # per_func: [N, F]
         self.dist.raise_together(lambda: errors and self._check_rewards(errors, indices, prompts, batch["texts"],
                                                                         columns))
-        rewards = per_func @ self.reward_weights  # rewards: [N]
+        rewards = weighted_rewards(per_func, self.reward_weights)  # rewards: [N]; NaN where no function applied
+        warn_unscored(rewards, lambda row: self._describe_row(indices, row))
         per_func, rewards = self.dist.gather_rows(per_func), self.dist.gather_rows(rewards)  # the whole batch's
 
         # 3. Group-normalized advantages.
@@ -219,11 +221,11 @@ class GRPOTrainer:
         names = reward_names(self.reward_funcs)
         metrics = {
             "step": self.step,
-            "reward": rewards.mean().item(),
-            "reward_std": rewards.std().item(),
-            **{f"rewards/{name}": per_func[:, j].mean().item() for j, name in enumerate(names)},
+            "reward": nan_mean(rewards),
+            "reward_std": nan_std(rewards),
+            **{f"rewards/{name}": nan_mean(per_func[:, j]) for j, name in enumerate(names)},
             "reward_errors": len(errors),
-            "frac_reward_zero_std": (grouped.amax(-1) == grouped.amin(-1)).float().mean().item(),
+            "frac_reward_zero_std": zero_spread_fraction(grouped),
             "kl": kl.mean().item() if kl is not None else 0.0,
             "kl_p95": torch.quantile(kl.float(), 0.95).item() if kl is not None and kl.numel() else 0.0,
             "beta": self.beta,
@@ -478,6 +480,9 @@ class GRPOTrainer:
     def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
                        columns: dict) -> None:
         """reward_errors: "skip" logs the failures; "raise" stops naming the function and the first bad row."""
-        G = self.config.num_generations
         check_failures(failures, self.reward_funcs, prompts, completions, columns, on_error=self.config.reward_errors,
-                       describe_row=lambda row: f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})")
+                       describe_row=lambda row: self._describe_row(indices, row))
+
+    def _describe_row(self, indices: list[int], row: int) -> str:
+        G = self.config.num_generations
+        return f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})"
