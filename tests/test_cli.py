@@ -127,8 +127,9 @@ def _bad_inputs(tmp_path):
                                                      f"dataset), got {tmp_path / 'rows.csv'}"),
         (["--output-dir", str(tmp_path / "a_file")], "output_dir: expected a folder (or a path to create one at)"),
         (["--output-dir", str(tmp_path / "a_file" / "run")], "output_dir: expected a folder"),
-        (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes a --model's weights as they load"),
-        (["--offload-activations"], "offload_activations: runs in patch_model's layers, and patch is off"),
+        (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes the weights of --model as they load"),
+        (["--resume", "--overwrite-output-dir"], "pass one of --resume and --overwrite-output-dir"),
+        (["--offload-activations"], "runs in patch_model's layers, and patch is off (pass --patch)"),
         (["--dataset", str(tmp_path / "typed.jsonl"), "--reward-funcs", "length"],
          "dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., 'content': ...}, "
          "got int"),

@@ -7,6 +7,7 @@ import pytest
 from fastgrpo.train.config import GRPOConfig, add_config_arguments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.naming import TRAINERS
 from fastgrpo.train.sft_config import SFTConfig
 
 
@@ -55,7 +56,8 @@ def _parse(argv):
     (dict(max_completion_length=0), "max_completion_length"),
     (dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
     (dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off keeps"),
-    (dict(load_in_4bit=True, lora_rank=8), "load_in_4bit: quantizes a --model's weights as they load; the built-in"),
+    (dict(load_in_4bit=True, lora_rank=8), r"load_in_4bit: quantizes the weights of model as they load; the built-in "
+                                           r"model \(no model\)"),
     (dict(model="/m", load_in_4bit=True), "load_in_4bit: a 4-bit base trains through LoRA"),
     (dict(seed=10**14), r"seed: expected an int in \[0, 2\*\*32\), got 100000000000000"),
     (dict(seed=-1), "seed: expected an int in"),
@@ -63,7 +65,11 @@ def _parse(argv):
     (dict(save_total_limit=0), "save_total_limit: expected >= 1 or none"),
     (dict(logging_steps=-1), "logging_steps: expected >= 0"),
     (dict(reward_errors="ignore"), "reward_errors: expected one of"),
-    (dict(resume=True, overwrite_output_dir=True), "overwrite_output_dir: deletes the checkpoints"),
+    # the Python keywords, not the flags
+    (dict(resume=True, overwrite_output_dir=True), "overwrite_output_dir: deletes the checkpoints that resume "
+                                                   "continues from; pass one of resume=True and "
+                                                   "overwrite_output_dir=True"),
+    (dict(offload_activations=True, patch=False), r"offload_activations: .* \(pass patch=True\)"),
     (dict(learning_rate="fast"), "learning_rate: expected a number, got 'fast'"),
     (dict(max_steps=2.5), "max_steps: expected an integer, got 2.5"),
     (dict(patch="yes"), "patch: expected true or false, got 'yes'"),
@@ -141,7 +147,8 @@ def test_resume_refuses_another_commands_run(saved_by, resumed_by):
         check_resume(saved, configs[resumed_by](resume_allow_changes=True), "checkpoint-3")
         return
     with pytest.raises(ValueError, match=rf"resume: checkpoint-3 is a `fastgrpo {saved_by}` run, not a `fastgrpo "
-                                         rf"{resumed_by}` run; continue it with `fastgrpo {saved_by} --resume`"):
+                                         rf"{resumed_by}` run; continue it with fastgrpo.{TRAINERS[saved_by]} with "
+                                         r"resume=True, or pick another output_dir"):
         check_resume(saved, configs[resumed_by](resume_allow_changes=True), "checkpoint-3")
 
 

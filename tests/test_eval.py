@@ -109,7 +109,7 @@ def test_an_over_long_prompt_says_how_it_was_wrapped():
     rows = [{"prompt": "1 say a", "answer": "a"}]
     args = dict(prompt_column="prompt", reward_funcs=[r1_zero_math_reward], reward_weights=None,
                 correct_threshold=1.0, max_examples=0, field="dataset", max_prompt_length=16)
-    with pytest.raises(ValueError, match=r"row 0 has a \d+-token prompt as --prompt-format r1_zero wraps it \(raw: "
+    with pytest.raises(ValueError, match=r"row 0 has a \d+-token prompt as prompt_format='r1_zero' wraps it \(raw: "
                                          r"as written\), over max_prompt_length \(16\)"):
         build_eval_task(rows, tokenizer, prompt_format="r1_zero", **args)
     assert len(build_eval_task(rows, tokenizer, prompt_format="raw", **args).prompt_ids[0]) <= 16

@@ -192,7 +192,7 @@ def _trainer(tmp_path, reward, **fields):
 @pytest.mark.parametrize("failure, message", [
     ("raise", r"reward function flaky raised ZeroDivisionError: division by zero on dataset row \d+ \(completion 3 "
               r"of 4\): '.*'"),
-    ("count", r"reward function flaky returned 7 rewards for 8 completions; --reward-errors skip"),
+    ("count", r"reward function flaky returned 7 rewards for 8 completions; reward_errors='skip'"),
     ("nan", r"reward function flaky returned nan, not a finite number or None on dataset row \d+ \(completion 3 of 4"),
 ])
 def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failure, message):
@@ -214,7 +214,7 @@ def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failur
             return [0.5] * n
         return [0.5] * (n - 1) if failure == "count" else [0.5, 0.5, float("nan")] + [0.5] * (n - 3)
 
-    with pytest.raises(RewardError, match=message + r".*step 1 is saved in .*checkpoint-1: continue with --resume"):
+    with pytest.raises(RewardError, match=message + r".*step 1 is saved in .*checkpoint-1: continue with resume=True"):
         _trainer(tmp_path, flaky).train()
     assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
 

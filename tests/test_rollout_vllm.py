@@ -253,7 +253,7 @@ def test_config_checks_the_rollout_engine():
     for fields, match in [
         (dict(rollout_engine="vlm"), "rollout_engine"),
         (dict(rollout_engine="vllm", model="/m", load_in_4bit=True, lora_rank=8), "vllm cannot share a 4-bit"),
-        (dict(rollout_engine="vllm", device="cpu"), "--device cuda"),
+        (dict(rollout_engine="vllm", device="cpu"), "device='cuda'"),
         (dict(vllm_gpu_memory_utilization=1.5), "vllm_gpu_memory_utilization"),
         (dict(vllm_lora_sync="both"), "vllm_lora_sync"),
         (dict(vllm_execution="fast"), "vllm_execution"),

@@ -58,8 +58,8 @@ def test_fresh_run_refuses_another_runs_folder_and_overwrite_deletes_it(tmp_path
     first = _trainer(tmp_path, max_steps=3, save_steps=1, save_total_limit=None).train()
     (tmp_path / "run.yaml").write_text("seed: 0\n")  # the user's own file stays
     with pytest.raises(ValueError, match=r"holds another run \(checkpoint-1, checkpoint-2, checkpoint-3, "
-                                         r"metrics.jsonl\); continue it with --resume, or start afresh with "
-                                         r"--overwrite-output-dir"):
+                                         r"metrics.jsonl\); continue it with resume=True, or start afresh with "
+                                         r"overwrite_output_dir=True"):
         _trainer(tmp_path, max_steps=2).train()
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3  # untouched
     second = _trainer(tmp_path, max_steps=2, overwrite_output_dir=True).train()
@@ -115,9 +115,9 @@ def test_resume_names_each_changed_setting(tmp_path, caplog):
     _trainer(tmp_path, max_steps=1).train()
     with pytest.raises(ValueError, match=r"resume: checkpoint-1 was made with other settings: temperature: 1.0 in "
                                          r"the checkpoint, 0.5 now; learning_rate: 0.003 in the checkpoint, 0.5 now;"
-                                         r" seed: 0 in the checkpoint, 3 now; resume with the run's own \(its "
-                                         r"--config and flags; checkpoint-1/run_config.json holds them all\), or "
-                                         r"pass --resume-allow-changes"):
+                                         r" seed: 0 in the checkpoint, 3 now; resume with the run's own settings "
+                                         r"\(checkpoint-1/run_config.json holds them all\), or "
+                                         r"pass resume_allow_changes=True"):
         _trainer(tmp_path, max_steps=2, resume=True, learning_rate=0.5, seed=3, temperature=0.5).train()
     # Run-control settings may change; the run continues where it was.
     history = _trainer(tmp_path, max_steps=2, resume=True, save_steps=7, logging_steps=3, micro_batch_size=4).train()
@@ -210,7 +210,7 @@ def test_a_fresh_run_refuses_an_evaluations_results_and_overwrite_deletes_them(t
     for name in ("results.jsonl", "summary.json"):
         (tmp_path / name).write_text("{}\n")
     with pytest.raises(ValueError, match=r"holds the results of a `fastgrpo eval` \(results.jsonl, summary.json\); "
-                                         r"pick another --output-dir, or start afresh with --overwrite-output-dir"):
+                                         r"pick another output_dir, or start afresh with overwrite_output_dir=True"):
         RunDirectory(tmp_path).prepare(resume=False, overwrite=False, command="train")
     _trainer(tmp_path, max_steps=1, overwrite_output_dir=True).train()
     assert not (tmp_path / "summary.json").exists()  # it described the checkpoints that overwriting deleted

@@ -16,6 +16,8 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fastgrpo.train.naming import setting
+
 logger = logging.getLogger(__name__)
 FAILURE = 0.0
 
@@ -165,5 +167,5 @@ def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Ca
         func = reward_funcs[reward_names(reward_funcs).index(failure.function)]
         row = first_failing_row(func, prompts, completions, columns)
     where = "" if row is None else f" on {describe_row(row)}: {completions[row][:40]!r}"
-    raise RewardError(f"reward function {failure.function} {failure}{where}; --reward-errors skip scores such rows "
-                      "0 instead")
+    raise RewardError(f"reward function {failure.function} {failure}{where}; {setting('reward_errors', 'skip')} "
+                      "scores such rows 0 instead")

@@ -29,6 +29,7 @@ import torch
 
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import merged_state_dict
+from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -209,8 +210,8 @@ def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
     found = list_checkpoints(output_dir)
     if not found:
         raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {output_dir}; start without "
-                         "--resume (with --overwrite-output-dir where a run left files there before its first "
-                         "checkpoint)")
+                         f"{setting('resume', True)} (with {setting('overwrite_output_dir', True)} where a run left "
+                         "files there before its first checkpoint)")
     for _, path in reversed(found):
         try:
             return path, read_checkpoint(path)
@@ -240,7 +241,7 @@ def warn_stale_export(output_dir: str | Path) -> None:
     final = Path(output_dir) / "final"
     if final.is_dir():
         logger.warning("export: %s holds the weights of an earlier point of this run, not its last step's (export is "
-                       "off: --no-export)", final)
+                       "off: %s)", final, setting("export", False))
 
 
 def write_run_config(folder: Path, config: dict) -> None:

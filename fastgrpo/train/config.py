@@ -23,6 +23,7 @@ from fastgrpo.train.input_checks import (
 )
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
+from fastgrpo.train.naming import flag as flag_of, setting
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 from fastgrpo.train.run_kind import check_same_command
@@ -290,8 +291,8 @@ class GRPOConfig:
         if self.save_total_limit is not None and self.save_total_limit < 1:
             raise ValueError(f"save_total_limit: expected >= 1 or none (keep all), got {self.save_total_limit}")
         if self.resume and self.overwrite_output_dir:
-            raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
-                             "of --resume and --overwrite-output-dir")
+            raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one of "
+                             f"{setting('resume', True)} and {setting('overwrite_output_dir', True)}")
         if not self.fsdp_sync_every_micro_batch and self.fsdp_cpu_offload:
             raise ValueError("fsdp_sync_every_micro_batch: off keeps unsharded weights and gradients on the GPU, "
                              "which fsdp_cpu_offload moves to CPU memory; pass one of the two")
@@ -410,7 +411,8 @@ def config_changes(saved: dict, config) -> list[str]:
 
 def check_4bit_base(config) -> None:
     if config.load_in_4bit and config.model is None:  # the built-in model is built, not loaded: nothing to quantize
-        raise ValueError("load_in_4bit: quantizes a --model's weights as they load; the built-in model has none")
+        raise ValueError(f"load_in_4bit: quantizes the weights of {setting('model')} as they load; the built-in model "
+                         f"(no {setting('model')}) has none")
     if config.load_in_4bit and config.lora_rank == 0:
         raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
 
@@ -427,8 +429,8 @@ def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> Non
             logger.warning("resume: continuing %s with changed settings: %s", checkpoint, "; ".join(changes))
         return
     raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; resume with the "
-                     f"run's own (its --config and flags; {checkpoint}/run_config.json holds them all), or pass "
-                     "--resume-allow-changes to continue with the new ones")
+                     f"run's own settings ({checkpoint}/run_config.json holds them all), or pass "
+                     f"{setting('resume_allow_changes', True)} to continue with the new ones")
 
 
 def _plain(value):
@@ -467,7 +469,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = G
     notes = notes or {}
     for field in dataclasses.fields(config_class):
         scalar, is_list, optional = _base_type(hints[field.name])
-        flag = "--" + field.name.replace("_", "-")
+        flag = flag_of(field.name)
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         note = f"; {notes[field.name]}" if field.name in notes else ""
         help_text = f"{field.metadata.get('help', '')} (default: {default}{note})".replace("%", "%%")

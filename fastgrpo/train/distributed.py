@@ -37,6 +37,7 @@ from fastgrpo.train.checkpoint import STATE_FILE, atomic_directory, restore_chec
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.checkpoint import set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
+from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 SHARDS = "shards"  # the Distributed Checkpoint folder inside checkpoint-<step>/ (FSDP2)
@@ -54,8 +55,8 @@ def init_distributed(device: str = "auto") -> Distributed:
     if world > 1 and not dist.is_initialized():
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if cuda and ":" in device:
-            raise ValueError(f"device: {device!r} under torchrun; pass --device cuda (each process takes the GPU of "
-                             "its LOCAL_RANK)")
+            raise ValueError(f"device: {device!r} under torchrun; pass {setting('device', 'cuda')} (each process "
+                             "takes the GPU of its LOCAL_RANK)")
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")

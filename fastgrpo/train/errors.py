@@ -18,6 +18,7 @@ import sys
 from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted
+from fastgrpo.train.naming import command_line
 
 USAGE_EXIT = 2
 RUN_EXIT = 1
@@ -63,7 +64,8 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
     logger.setLevel(logging.DEBUG if debug else logging.WARNING if other_rank else logging.INFO)
     logger.propagate = False
     try:
-        return body()
+        with command_line():  # messages name flags, not the configs' field names
+            return body()
     except Interrupted as stop:  # not an error: the run saved its state and says how to continue
         print(f"{prog}: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code

@@ -26,6 +26,7 @@ from fastgrpo.rewards.scoring import (RewardError, nan_mean, required_columns, r
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.input_checks import check_rows_have
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import prompt_ids
 
 logger = logging.getLogger(__name__)
@@ -77,7 +78,8 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
     ids = []
-    wrapped = " as --prompt-format r1_zero wraps it (raw: as written)" if prompt_format == "r1_zero" else ""
+    wrapped = f" as {setting('prompt_format', 'r1_zero')} wraps it (raw: as written)" \
+        if prompt_format == "r1_zero" else ""
     for i, row in enumerate(rows):
         try:
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))
@@ -118,7 +120,8 @@ def check_reward_failures(failures: dict, reward_errors: str) -> None:
             logger.warning("reward function %s failed; its failed samples score 0: %s", name, failure)
         return
     name, failure = next(iter(failures.items()))
-    raise RewardError(f"reward function {name} {failure}; --reward-errors skip scores such rows 0 instead")
+    raise RewardError(f"reward function {name} {failure}; {setting('reward_errors', 'skip')} scores such rows 0 "
+                      "instead")
 
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,

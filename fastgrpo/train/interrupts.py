@@ -42,7 +42,7 @@ class Interrupted(KeyboardInterrupt):
     def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None):
         super().__init__(signum)
         self.signum, self.step, self.checkpoint = signum, step, checkpoint
-        self.how_to_resume = "train again with resume=True (`fastgrpo train ... --resume`)"
+        self.how_to_resume = "resume=True (and the same settings otherwise)"  # the CLI puts its command line here
 
     @property
     def exit_code(self) -> int:

@@ -5,13 +5,15 @@ from __future__ import annotations
 import math
 
 from fastgrpo._checks import check_int_at_least
+from fastgrpo.train.naming import setting
 
 
 def check_activation_memory_options(config) -> None:
     """offload_activations (it needs patch), and offload_host_memory_gib and recompute_layers, which refine
     offload_activations / gradient_checkpointing."""
     if config.offload_activations and not config.patch:  # else nothing would offload, silently
-        raise ValueError("offload_activations: runs in patch_model's layers, and patch is off (pass --patch)")
+        raise ValueError(f"offload_activations: runs in patch_model's layers, and patch is off (pass "
+                         f"{setting('patch', True)})")
     if config.offload_host_memory_gib is not None:
         if not 0 < config.offload_host_memory_gib < math.inf:
             raise ValueError("offload_host_memory_gib: expected a finite number > 0 or none, got "

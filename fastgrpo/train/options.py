@@ -16,6 +16,7 @@ from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERROR
 from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
 from fastgrpo.train.memory_options import check_activation_memory_options
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
 _GRPO_FIELDS = {f.name: f for f in dataclasses.fields(GRPOConfig)}
@@ -54,8 +55,8 @@ def check_run_options(config) -> None:
     if not 0 <= config.seed < MAX_SEED:
         raise ValueError(f"seed: expected an int in [0, 2**32), got {config.seed}")
     if config.resume and config.overwrite_output_dir:
-        raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
-                         "of --resume and --overwrite-output-dir")
+        raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one of "
+                         f"{setting('resume', True)} and {setting('overwrite_output_dir', True)}")
     if getattr(config, "save_total_limit", None) is not None and config.save_total_limit < 1:
         raise ValueError(f"save_total_limit: expected >= 1 or none (keep all), got {config.save_total_limit}")
 

@@ -14,6 +14,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import load_rows, resolve_reward
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import stop_strings
 
 EVAL_SPLIT = "test"
@@ -52,7 +53,7 @@ def _rows(config):
         # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
         return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
     raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
-                     "--eval-dataset (a .jsonl / .json file or an HF dataset name)")
+                     f"{setting('eval_dataset')} (a .jsonl / .json file or an HF dataset name)")
 
 
 def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from fastgrpo._checks import check_choice
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
+from fastgrpo.train.naming import setting
 
 ROLLOUT_ENGINES = ("builtin", "vllm")
 
@@ -22,14 +23,15 @@ def check_rollout_options(config) -> None:
     for name, default in (("rollout_attention", "auto"), ("rollout_weights", "auto"),
                           ("rollout_kv_cache", "model")):
         if config.rollout_engine == "vllm" and getattr(config, name) != default:
-            raise ValueError(f"{name}: applies to the builtin engine; with --rollout-engine vllm leave it "
-                             f"{default} (got {getattr(config, name)!r})")
+            raise ValueError(f"{name}: applies to the builtin engine; with {setting('rollout_engine', 'vllm')} "
+                             f"leave it {default} (got {getattr(config, name)!r})")
     if config.rollout_kv_cache == "fp8" and config.rollout_attention == "sdpa":
-        raise ValueError("rollout_kv_cache: fp8 is read by the decode kernel; use --rollout-attention triton or "
-                         "auto, not sdpa")
+        raise ValueError("rollout_kv_cache: fp8 is read by the decode kernel; use "
+                         f"{setting('rollout_attention', 'triton')} or 'auto', not 'sdpa'")
     if config.rollout_engine == "vllm" and config.load_in_4bit:
-        raise ValueError("rollout_engine: vllm cannot share a 4-bit base's weights; use --rollout-engine builtin "
-                         "with --load-in-4bit, or a bf16 base with vllm")
+        raise ValueError(f"rollout_engine: vllm cannot share a 4-bit base's weights; use "
+                         f"{setting('rollout_engine', 'builtin')} with {setting('load_in_4bit', True)}, or a bf16 "
+                         "base with vllm")
     if config.rollout_engine == "vllm" and config.device == "cpu":
-        raise ValueError("rollout_engine: vllm runs on a CUDA GPU; pass --device cuda (the built-in task's "
-                         "preset is the CPU)")
+        raise ValueError(f"rollout_engine: vllm runs on a CUDA GPU; pass {setting('device', 'cuda')} (the built-in "
+                         "task's preset is the CPU)")

@@ -27,6 +27,8 @@ import shutil
 import socket
 from pathlib import Path
 
+from fastgrpo.train.naming import continuing, setting
+
 try:
     import fcntl
 except ImportError:  # not on Windows: the PID check alone
@@ -125,7 +127,7 @@ class RunLock:
 
     def _in_use(self, holder: dict) -> str:
         return (f"output_dir: {self.path.parent} is in use by another run ({_describe(holder)}); wait for it to "
-                f"end or pick another --output-dir (if that run is gone, delete {self.path})")
+                f"end or pick another {setting('output_dir')} (if that run is gone, delete {self.path})")
 
 
 class RunDirectory:
@@ -185,7 +187,7 @@ class RunDirectory:
         command: the run's (`train`, `sft`, `ei`), so that a refusal suggests --resume only for a run of it."""
         if resume and overwrite:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
-                             "of --resume and --overwrite-output-dir")
+                             f"of {setting('resume', True)} and {setting('overwrite_output_dir', True)}")
         if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
             for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
                 shutil.rmtree(path, ignore_errors=True)
@@ -196,17 +198,18 @@ class RunDirectory:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
             # a run stopped before its first checkpoint left files but nothing --resume could continue
             resumable = self.resumable and any(p.name.startswith("checkpoint-") for p in found)
+            fresh = setting("overwrite_output_dir", True)
             if command is not None and {p.name for p in found} <= set(EVAL_ARTIFACTS):
                 raise ValueError(f"output_dir: {self.path} holds the results of a `fastgrpo eval` ({names}); pick "
-                                 "another --output-dir, or start afresh with --overwrite-output-dir (deletes them)")
+                                 f"another {setting('output_dir')}, or start afresh with {fresh} (deletes them)")
             theirs = self._command_of_run() if resumable else None
             if theirs is not None and command is not None and theirs != command:
                 raise ValueError(f"output_dir: {self.path} holds a `fastgrpo {theirs}` run ({names}); continue it "
-                                 f"with `fastgrpo {theirs} --resume`, pick another --output-dir, or start afresh "
-                                 "with --overwrite-output-dir (deletes those files)")
-            resume = "continue it with --resume, or " if resumable else ""
+                                 f"with {continuing(theirs)}, pick another {setting('output_dir')}, or start afresh "
+                                 f"with {fresh} (deletes those files)")
+            resume = f"continue it with {setting('resume', True)}, or " if resumable else ""
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
-                             "--overwrite-output-dir (deletes those files)")
+                             f"{fresh} (deletes those files)")
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:

@@ -4,6 +4,8 @@ A checkpoint's run config holds its config's fields, and each command's config h
 names one per command (tests/test_config.py checks that each is its own config's field and no other's)."""
 from __future__ import annotations
 
+from fastgrpo.train.naming import continuing, setting
+
 MARKERS = {"train": "beta", "sft": "max_seq_length", "ei": "correct_threshold"}
 
 
@@ -18,4 +20,4 @@ def check_same_command(saved: dict, config, checkpoint: str) -> None:
     theirs, ours = written_by(saved), config.COMMAND
     if theirs is not None and theirs != ours:
         raise ValueError(f"resume: {checkpoint} is a `fastgrpo {theirs}` run, not a `fastgrpo {ours}` run; continue "
-                         f"it with `fastgrpo {theirs} --resume`, or pick another --output-dir")
+                         f"it with {continuing(theirs)}, or pick another {setting('output_dir')}")

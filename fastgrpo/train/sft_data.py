@@ -15,6 +15,7 @@ import logging
 import torch
 
 from fastgrpo.train.input_checks import check_rows_have
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import prompt_ids, response_ids
 
 logger = logging.getLogger(__name__)
@@ -55,7 +56,8 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
         if len(p) + len(r) > max_seq_length:
             if not truncate:
                 raise ValueError(f"dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
-                                 f"({max_seq_length}); raise max_seq_length or pass --truncate-sequences")
+                                 f"({max_seq_length}); raise max_seq_length or pass "
+                                 f"{setting('truncate_sequences', True)}")
             logger.warning("row %d: %d tokens cut to max_seq_length=%d", i, len(p) + len(r), max_seq_length)
             r = r[: max(0, max_seq_length - len(p))]
         if not r:

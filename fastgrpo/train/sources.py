@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.train.naming import setting
+
 
 def import_function(spec: str, field: str):
     """The callable that "module:function" or "path/to/file.py:function" names.
@@ -81,7 +83,7 @@ def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON in --{_flag(field)} ({err.msg}, column "
+            raise ValueError(f"{path}:{err.lineno}: invalid JSON in {setting(field)} ({err.msg}, column "
                              f"{err.colno})") from None
         if not isinstance(rows, list):
             raise ValueError(f"{field}: expected a JSON list of row objects in {path}, got {type(rows).__name__}")
@@ -96,16 +98,12 @@ def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
         try:
             row = json.loads(line)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{number}: invalid JSON in --{_flag(field)} ({err.msg}, column "
+            raise ValueError(f"{path}:{number}: invalid JSON in {setting(field)} ({err.msg}, column "
                              f"{err.colno})") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number}: expected a JSON object (one row), got {type(row).__name__}")
         rows.append(row)
     return rows
-
-
-def _flag(field: str) -> str:
-    return field.replace("_", "-")
 
 
 def resolve_device(device: str) -> str:

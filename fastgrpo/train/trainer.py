@@ -40,6 +40,7 @@ from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
 from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.prompts import prompt_ids
@@ -142,7 +143,8 @@ class GRPOTrainer:
         if len(ids) > limit:
             if not self.config.truncate_prompts:
                 raise ValueError(f"dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
-                                 f"({limit}); raise max_prompt_length or pass --truncate-prompts to left-truncate")
+                                 f"({limit}); raise max_prompt_length or pass {setting('truncate_prompts', True)} to "
+                                 "left-truncate")
             logger.warning("row %d: prompt of %d tokens left-truncated to max_prompt_length=%d", index, len(ids), limit)
             ids = ids[-limit:]
         return list(ids)
@@ -417,7 +419,8 @@ class GRPOTrainer:
                 path = path or self._saved_path
                 if isinstance(stop, Interrupted):
                     raise stop.saved(self.step, path) from None
-                where = f"; step {self.step} is saved in {path}: continue with --resume once fixed" if path else ""
+                where = f"; step {self.step} is saved in {path}: continue with {setting('resume', True)} once fixed" \
+                    if path else ""
                 raise RewardError(f"{stop}{where}") from stop
             guard.abandonable = False
             metrics["step_s"] = time.perf_counter() - t_start
