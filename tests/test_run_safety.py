@@ -168,6 +168,34 @@ def test_resuming_a_finished_run_says_so_without_training(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
+def test_a_finished_run_resumed_from_python_says_so(tmp_path, caplog):
+    """GRPOTrainer.train() with resume=True on a run at max_steps returns [] with a warning naming the step and the
+    keyword to raise (the CLI's line, in Python's names); it returned [] silently."""
+    import logging
+
+    _trainer(tmp_path, max_steps=1).train()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        assert _trainer(tmp_path, max_steps=1, resume=True).train() == []
+    assert (f"nothing to train: the run in {tmp_path} is at step 1 of max_steps=1; pass a larger max_steps to train "
+            "on") in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["sft", "--max-steps", "1"], "is at step 1 of 1 (--max-steps 1); pass a larger --max-steps to train on"),
+    (["ei", "--ei-steps", "1", "--questions-per-step", "4"],
+     "is at round 1 of --ei-steps 1; pass a larger --ei-steps to train on"),
+])
+def test_a_finished_sft_or_ei_run_resumed_says_so(tmp_path, capsys, argv, line):
+    from fastgrpo.train.cli import main
+
+    argv = [*argv, "--output-dir", str(tmp_path), "--no-progress-bar", "--no-export", "--logging-steps", "0"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: nothing to train: the run in {tmp_path} {line}" in err, err
+
+
 def test_a_run_without_a_checkpoint_is_not_offered_to_resume(tmp_path, capsys):
     """A run that stopped before its first checkpoint left its metrics: a fresh run there is pointed at
     --overwrite-output-dir only, and --resume, which has nothing to continue, says so and points there too."""

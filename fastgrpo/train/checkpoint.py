@@ -236,6 +236,13 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     return doomed
 
 
+def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str) -> str:
+    """The line for a resumed run at its last step already (`where`: "step 40", `of`: its limit, as the user set
+    it), naming the setting to raise; the CLI prints it, the Python trainers warn it (train() returns [])."""
+    return (f"nothing to train: the run in {output_dir} is at {where} of {of}; pass a larger {setting(field)} to "
+            "train on")
+
+
 def warn_stale_export(output_dir: str | Path) -> None:
     """For a run that did not export (export off): a final/ there is an earlier export of the run it continued."""
     final = Path(output_dir) / "final"

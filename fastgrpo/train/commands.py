@@ -135,7 +135,8 @@ def check_resume_before_load(config) -> None:
 def finished_run(config) -> str | None:
     """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is exported
     when export is on): the line saying there is nothing to train, instead of loading the model to find that out."""
-    from fastgrpo.train.checkpoint import list_checkpoints
+    from fastgrpo.train.checkpoint import list_checkpoints, nothing_to_train
+    from fastgrpo.train.naming import setting
 
     found = list_checkpoints(config.output_dir) if config.resume else []
     if not found or found[-1][0] < config.max_steps:
@@ -144,9 +145,9 @@ def finished_run(config) -> str | None:
     if config.export and not final.is_dir():
         return None  # the run stopped between its last checkpoint and the export: resuming exports
     step, newest = found[-1]
-    return (f"nothing to train: the run in {config.output_dir} is at step {step} ({newest.name}) of --max-steps "
-            f"{config.max_steps}{f', exported to {final}' if config.export else ''}; pass a larger --max-steps to "
-            "train on")
+    exported = f", exported to {final}" if config.export else ""
+    return nothing_to_train(config.output_dir, f"step {step} ({newest.name})",
+                            setting("max_steps", config.max_steps) + exported, "max_steps")
 
 
 def _train(config, make_trainer, args) -> list[dict]:

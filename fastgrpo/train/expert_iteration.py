@@ -22,8 +22,8 @@ from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, war
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
-    export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, rng_states, save_checkpoint,
-    warn_stale_export,
+    export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint, rng_states,
+    save_checkpoint, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -32,6 +32,7 @@ from fastgrpo.train.evaluate import check_reward_failures
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.prompts import prompt_ids
 from fastgrpo.train.run_dir import RunDirectory
@@ -178,6 +179,9 @@ class ExpertIteration:
             log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict(), key="round")
             if config.resume:
                 self.resume()
+                if self.round >= config.ei_steps:
+                    logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
+                                                    setting("ei_steps", config.ei_steps), "ei_steps"))
             log.start_at(self.round)
             if self.evaluator is not None and self.round == 0:
                 log.write({"round": 0, **self.evaluator(0, force=True)})  # the starting point the rounds improve on

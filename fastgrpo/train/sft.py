@@ -16,13 +16,15 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    export_model, load_latest_checkpoint, prune_checkpoints, restore_checkpoint, save_checkpoint, warn_stale_export,
+    export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint, save_checkpoint,
+    warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.input_checks import model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard
 from fastgrpo.train.metrics_log import MetricsLog
+from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import sft_evaluator
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sft_config import SFTConfig
@@ -142,6 +144,11 @@ class SFTTrainer:
             log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
             if config.resume:
                 self.resume()
+                if self.step >= self.total_steps:
+                    field = "max_steps" if config.max_steps else "num_epochs"
+                    logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
+                                                    f"{self.total_steps} ({setting(field, getattr(config, field))})",
+                                                    field))
             log.start_at(self.step)
             console = ConsoleLog(config.logging_steps, self.total_steps, initial=self.step,
                                  progress_bar=config.progress_bar)

@@ -27,6 +27,7 @@ from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.train.checkpoint import (
     export_model,
     load_latest_checkpoint,
+    nothing_to_train,
     prune_checkpoints,
     rng_states,
     warn_stale_export,
@@ -386,6 +387,9 @@ class GRPOTrainer:
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
             if config.resume:
                 self.resume()
+                if self.step >= config.max_steps:
+                    logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
+                                                    setting("max_steps", config.max_steps), "max_steps"))
             self.metrics_log.start_at(self.step)
             self._saved_time = time.monotonic()
             console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
