@@ -365,3 +365,27 @@ def test_info_lines_on_rank_0_only_warnings_on_every_rank(monkeypatch, capsys, r
     assert run_command("fastgrpo train", body) == 0
     err = capsys.readouterr().err.splitlines()
     assert err == (["fastgrpo train: resumed from here"] if rank == "0" else []) + ["fastgrpo train: warning: look"]
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei", "eval"])
+def test_a_model_that_is_no_folder_nor_reachable_repo_fails_at_once(tmp_path, capsys, monkeypatch, command):
+    """`--model nowhere` (no such folder; not cached; the Hub unreachable or without it) is one line at once, not
+    20 s or more of transformers' retries; with HF_HUB_OFFLINE set, without asking the Hub."""
+    import time
+
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))  # nothing cached
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    argv = [command, "--model", "nowhere", "--output-dir", str(tmp_path / "out")]
+    start = time.perf_counter()
+    assert main(argv) == 2
+    assert time.perf_counter() - start < 15
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert err.startswith(f"fastgrpo {command}: error: model: no such folder nowhere, and "), err
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(argv) == 2
+    assert "not in the Hugging Face cache, and HF_HUB_OFFLINE is set" in capsys.readouterr().err
+    assert main([command, "--model", "no such/model", "--output-dir", str(tmp_path / "out")]) == 2
+    assert "not a Hugging Face Hub repo id" in capsys.readouterr().err

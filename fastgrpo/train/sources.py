@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.hf.hub import hub_model_problem
 from fastgrpo.train.naming import setting
 
 
@@ -124,8 +125,8 @@ def resolve_device(device: str) -> str:
 
 
 def check_model_source(model: str) -> None:
-    """A model that is written as a local path must exist (a hub name like Qwen/Qwen2.5-1.5B is left to the hub);
-    otherwise transformers answers with a hub error about a repo id."""
+    """A model that is written as a local path must exist; another name must be a Hub repo id that is cached or
+    that the Hub answers for (fastgrpo.hf.hub), else transformers answers after 20 s or more of retries."""
     path = Path(model).expanduser()
     if path.exists():
         if not (path / "config.json").is_file():
@@ -136,6 +137,9 @@ def check_model_source(model: str) -> None:
     looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
     if looks_local:
         raise ValueError(f"model: no such folder {model}")
+    problem = hub_model_problem(model)
+    if problem is not None:
+        raise ValueError(f"model: no such folder {model}, and {problem}")
 
 
 def model_load_error(model: str, err: Exception) -> ValueError:
