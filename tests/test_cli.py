@@ -389,3 +389,19 @@ def test_a_model_that_is_no_folder_nor_reachable_repo_fails_at_once(tmp_path, ca
     assert "not in the Hugging Face cache, and HF_HUB_OFFLINE is set" in capsys.readouterr().err
     assert main([command, "--model", "no such/model", "--output-dir", str(tmp_path / "out")]) == 2
     assert "not a Hugging Face Hub repo id" in capsys.readouterr().err
+
+
+def test_a_run_no_reward_function_scored_ends_with_its_summary(tmp_path, capsys):
+    """Every completion unscored (the reward function returns None for all: it applies to none): the steps log
+    reward null, and the end-of-run line says none instead of failing on the format."""
+    (tmp_path / "none_rewards.py").write_text("def fn(prompts, completions, **kw):\n    return [None] * len(completions)\n")
+    data = tmp_path / "d.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{i} say b"}) for i in range(4)))
+    argv = ["train", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), "--batch-size", "4",
+            "--num-generations", "2", "--micro-batch-size", "4", "--max-completion-length", "4", "--max-steps", "1",
+            "--no-progress-bar", "--no-export", "--reward-funcs", f"{tmp_path / 'none_rewards.py'}:fn"]
+    assert main(argv) == 0
+    assert json.loads((tmp_path / "o" / "metrics.jsonl").read_text())["reward"] is None
+    out = capsys.readouterr()
+    assert out.out.splitlines()[-1].startswith("reward none (step 1) -> none (step 1); metrics in "), out.out
+    assert "every reward function returned None for 4 completion(s)" in out.err, out.err

@@ -17,6 +17,7 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.config import add_config_arguments, check_resume
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
+from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
@@ -203,7 +204,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                                              config), args)
     if history:
         first, last = history[0], history[-1]
-        print(f"reward {first['reward']:.3f} (round {first['round']}) -> {last['reward']:.3f} (round "
+        print(f"reward {number(first['reward'])} (round {first['round']}) -> {number(last['reward'])} (round "
               f"{last['round']}), kept {first['kept_frac']:.3f} -> {last['kept_frac']:.3f}; metrics in "
               f"{Path(config.output_dir) / 'metrics.jsonl'}")
     return 0
@@ -249,6 +250,6 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "
                                                        f"answer {summary['answer_rate']:.3f}")
-    print(f"accuracy {summary['accuracy']:.3f}, reward {summary['reward']:.3f}{rates} over {summary['num_samples']} "
-          f"completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
+    print(f"accuracy {summary['accuracy']:.3f}, reward {number(summary['reward'])}{rates} over "
+          f"{summary['num_samples']} completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
     return 0

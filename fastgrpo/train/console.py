@@ -6,7 +6,8 @@
 Each line holds the means over the steps since the previous line (peak memory: their maximum). A tqdm bar runs
 between the lines only when stderr is a terminal (in a file its redraws make one line of many kilobytes).
 Another command's loop uses it the same way: `console = ConsoleLog(every, total)`, `console.add(metrics)` once per
-step with the keys it has (missing ones are left out of the line), `console.close()` at the end.
+step with the keys it has (missing ones are left out of the line), `console.close()` at the end; a loop that counts
+rounds, not steps, passes unit="round" and its metrics carry "round" (expert iteration).
 """
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ _FIELDS = (
 
 
 class ConsoleLog:
-    def __init__(self, every: int, total: int, *, initial: int = 0, progress_bar: bool = True, stream=None):
-        self.every, self.total = every, total
+    def __init__(self, every: int, total: int, *, initial: int = 0, progress_bar: bool = True, stream=None,
+                 unit: str = "step"):
+        self.every, self.total, self.unit = every, total, unit
         self.stream = stream if stream is not None else sys.stdout
         self._window: list[dict] = []
         self._bar = None
@@ -42,9 +44,9 @@ class ConsoleLog:
         if not self.every:
             return
         self._window.append(metrics)
-        step = metrics.get("step", 0)
+        step = metrics.get(self.unit, 0)
         if step % self.every == 0 or step >= self.total:
-            self.print(_line(self._window, self.total))
+            self.print(_line(self._window, self.total, self.unit))
             self._window = []
 
     def print(self, text: str) -> None:
@@ -59,13 +61,19 @@ class ConsoleLog:
             self._bar = None
 
 
+def number(value: float | None, fmt: str = "{:.3f}") -> str:
+    """A metric in a summary line: `fmt` of it, or "none" where nothing was measured (a step whose completions no
+    reward function scored logs reward null)."""
+    return "none" if value is None else fmt.format(value)
+
+
 def _mean(window: list[dict], key: str) -> float | None:
     values = [m[key] for m in window if isinstance(m.get(key), (int, float))]
     return sum(values) / len(values) if values else None
 
 
-def _line(window: list[dict], total: int) -> str:
-    parts = [f"step {window[-1].get('step', '?')}/{total}"]
+def _line(window: list[dict], total: int, unit: str = "step") -> str:
+    parts = [f"{unit} {window[-1].get(unit, '?')}/{total}"]
     for key, label, fmt in _FIELDS:
         value = _mean(window, key)
         if value is not None:
