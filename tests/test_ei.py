@@ -101,3 +101,21 @@ def test_bad_input_and_failing_rewards(tmp_path):
     _, run = _run(lambda prompts, completions, **c: [float("nan")] * len(completions), tmp_path)
     with pytest.raises(RewardError, match="not a finite number"):
         run.run_round()
+
+
+def test_console_and_a_stop_count_rounds(tmp_path, capsys):
+    """ei's console lines and its stop message say round (its metrics' and --ei-steps' word), not step: a SIGINT
+    while round 2 scores abandons that round (round 1's checkpoint, written by --save-steps, stays the last)."""
+    (tmp_path / "stop_in_round_2.py").write_text(
+        "import os, signal\ncalls = []\n"
+        "def fn(prompts, completions, **kw):\n"
+        "    calls.append(1)\n"
+        "    if len(calls) == 2:\n"
+        "        os.kill(os.getpid(), signal.SIGINT)\n"
+        "    return [1.0] * len(completions)\n")
+    argv = ["ei", "--output-dir", str(tmp_path / "o"), "--ei-steps", "3", "--no-progress-bar", "--logging-steps",
+            "1", "--no-export", "--reward-funcs", f"{tmp_path / 'stop_in_round_2.py'}:fn"]
+    assert main(argv) == 130
+    out = capsys.readouterr()
+    assert out.out.splitlines()[0].startswith("round 1/3 | reward 1.000 | loss "), out.out
+    assert "fastgrpo ei: stopped by SIGINT in the middle of a round, without a new checkpoint" in out.err, out.err

@@ -186,9 +186,9 @@ class ExpertIteration:
             if self.evaluator is not None and self.round == 0:
                 log.write({"round": 0, **self.evaluator(0, force=True)})  # the starting point the rounds improve on
             console = ConsoleLog(config.logging_steps, config.ei_steps, initial=self.round,
-                                 progress_bar=config.progress_bar)
+                                 progress_bar=config.progress_bar, unit="round")
             stack.callback(console.close)
-            self._guard = guard = stack.enter_context(InterruptGuard())
+            self._guard = guard = stack.enter_context(InterruptGuard(unit="round"))
             stack.callback(setattr, self, "_guard", None)
             saved = self.round if config.resume else None
             while self.round < config.ei_steps:
@@ -205,7 +205,7 @@ class ExpertIteration:
                     metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps))
                 self.history.append(metrics)
                 log.write(metrics)
-                console.add({**metrics, "step": metrics["round"], "loss": metrics["sft_loss_last"]})
+                console.add({**metrics, "loss": metrics["sft_loss_last"]})
                 if (config.save_steps and self.round % config.save_steps == 0) or guard.requested:
                     path, saved = self.save_checkpoint(), self.round
                 if guard.requested:

@@ -37,11 +37,12 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 class Interrupted(KeyboardInterrupt):
     """A run stopped by a signal. checkpoint: where the state of `step` was saved (None: stopped at once, after the
-    last periodic checkpoint). how_to_resume: the command that continues it (a CLI fills in its own)."""
+    last periodic checkpoint). how_to_resume: the command that continues it (a CLI fills in its own). unit: what the
+    loop calls a step in its messages ("round" for expert iteration)."""
 
-    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None):
+    def __init__(self, signum: int, step: int | None = None, checkpoint: Path | None = None, unit: str = "step"):
         super().__init__(signum)
-        self.signum, self.step, self.checkpoint = signum, step, checkpoint
+        self.signum, self.step, self.checkpoint, self.unit = signum, step, checkpoint, unit
         self.how_to_resume = "resume=True (and the same settings otherwise)"  # the CLI puts its command line here
 
     @property
@@ -50,24 +51,26 @@ class Interrupted(KeyboardInterrupt):
 
     def saved(self, step: int, checkpoint: Path | None) -> Interrupted:
         """This interrupt, after the loop saved `step` to `checkpoint`."""
-        out = Interrupted(self.signum, step, checkpoint)
+        out = Interrupted(self.signum, step, checkpoint, self.unit)
         out.how_to_resume = self.how_to_resume
         return out
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         if self.checkpoint is None and self.step == 0:
-            return f"stopped by {name} before the first step ended; nothing to keep: run the same command again"
+            return f"stopped by {name} before the first {self.unit} ended; nothing to keep: run the same command again"
         if self.checkpoint is not None:
-            return f"stopped by {name}: step {self.step} saved in {self.checkpoint}; continue with {self.how_to_resume}"
-        return (f"stopped by {name} in the middle of a step, without a new checkpoint; continue from the last "
+            return (f"stopped by {name}: {self.unit} {self.step} saved in {self.checkpoint}; continue with "
+                    f"{self.how_to_resume}")
+        return (f"stopped by {name} in the middle of a {self.unit}, without a new checkpoint; continue from the last "
                 f"checkpoint with {self.how_to_resume}")
 
 
 class InterruptGuard:
     """Handles SIGINT and SIGTERM while entered (the previous handlers come back on exit); see the module doc."""
 
-    def __init__(self):
+    def __init__(self, unit: str = "step"):
+        self.unit = unit  # what the loop calls a step, for its messages
         self.requested: int | None = None  # the first signal received
         self.abandonable = False  # True while the current step has changed nothing
         self._previous: dict[int, object] = {}
@@ -85,14 +88,14 @@ class InterruptGuard:
 
     def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
         """The exception to raise once the loop has saved `step` after a requested stop."""
-        return Interrupted(self.requested, step, checkpoint)
+        return Interrupted(self.requested, step, checkpoint, self.unit)
 
     def _handle(self, signum: int, frame) -> None:
         first = self.requested is None
         if first:
             self.requested = signum
         if self.abandonable or not first:
-            raise Interrupted(signum)
+            raise Interrupted(signum, unit=self.unit)
         name = signal.Signals(signum).name
-        logger.warning("%s: finishing the current step, then saving a checkpoint (another %s stops at once)",
-                       name, name)
+        logger.warning("%s: finishing the current %s, then saving a checkpoint (another %s stops at once)",
+                       name, self.unit, name)
