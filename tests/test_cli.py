@@ -394,7 +394,8 @@ def test_a_model_that_is_no_folder_nor_reachable_repo_fails_at_once(tmp_path, ca
 def test_a_run_no_reward_function_scored_ends_with_its_summary(tmp_path, capsys):
     """Every completion unscored (the reward function returns None for all: it applies to none): the steps log
     reward null, and the end-of-run line says none instead of failing on the format."""
-    (tmp_path / "none_rewards.py").write_text("def fn(prompts, completions, **kw):\n    return [None] * len(completions)\n")
+    (tmp_path / "none_rewards.py").write_text(
+        "def fn(prompts, completions, **kw):\n    return [None] * len(completions)\n")
     data = tmp_path / "d.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"{i} say b"}) for i in range(4)))
     argv = ["train", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), "--batch-size", "4",
@@ -405,3 +406,37 @@ def test_a_run_no_reward_function_scored_ends_with_its_summary(tmp_path, capsys)
     out = capsys.readouterr()
     assert out.out.splitlines()[-1].startswith("reward none (step 1) -> none (step 1); metrics in "), out.out
     assert "every reward function returned None for 4 completion(s)" in out.err, out.err
+
+
+def test_yaml_none_and_quoted_numbers_reach_the_presets_as_flags_do(tmp_path):
+    """The presets read the settings before the config is built: YAML's `none` (as `--model none`) keeps the built-in
+    model's and task's presets, and a quoted or float batch size ("16", 16.0) fits the preset's micro-batch as 16."""
+    from fastgrpo.train import commands
+
+    path = tmp_path / "c.yaml"
+    for batch in ("'16'", "16.0"):
+        path.write_text(f"model: none\ndataset: none\nbatch_size: {batch}\n")
+        config = _config(["--config", str(path)])
+        assert config.model is None and config.learning_rate == default_task.PRESET["learning_rate"]
+        assert config.reward_funcs == list(default_task.REWARD_FUNCS) and config.micro_batch_size == 16
+    for name in ("sft", "ei", "eval"):
+        path.write_text("model: none\ndataset: none\n" + ("checkpoint: none\n" if name == "eval" else ""))
+        from_yaml = commands.config_from_args(name, build_parser().parse_args([name, "--config", str(path)]))
+        builtin = commands.config_from_args(name, build_parser().parse_args([name]))
+        assert from_yaml == builtin, name
+
+
+def test_a_leading_tilde_is_the_home_folder(tmp_path, monkeypatch):
+    """~ in a path setting (YAML or a quoted flag) and in --config is the home folder, as a shell expands it: a run
+    never writes into a folder named ~."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "c.yaml").write_text("output_dir: ~/out\nmodel: ~/m\ndataset: ~/d.jsonl\n")
+    config = _config(["--config", "~/c.yaml"])
+    assert (config.output_dir, config.model, config.dataset) == tuple(f"{tmp_path}/{name}"
+                                                                      for name in ("out", "m", "d.jsonl"))
+    assert _config(["--output-dir", "~/o2"]).output_dir == f"{tmp_path}/o2"
+    from fastgrpo.train import commands
+
+    args = build_parser().parse_args(["eval", "--checkpoint", "~/nowhere"])
+    with pytest.raises(ValueError, match=f"checkpoint: no such folder {tmp_path}/nowhere"):
+        commands.config_from_args("eval", args)

@@ -26,7 +26,7 @@ from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_resume_before_load,
     description, finished_run, run_ei, run_eval, run_sft,
 )
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, coerced, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import number
 from fastgrpo.train.errors import RunError, run_command
@@ -149,7 +149,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     from_yaml = read_yaml(args.config) if args.config is not None else {}
-    merged = {**from_yaml, **flags}
+    merged = coerced(GRPOConfig, {**from_yaml, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)

@@ -15,7 +15,7 @@ import shlex
 from pathlib import Path
 
 from fastgrpo.train import default_task
-from fastgrpo.train.config import add_config_arguments, check_resume
+from fastgrpo.train.config import add_config_arguments, check_resume, coerced
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
@@ -61,7 +61,8 @@ def config_from_args(name: str, args: argparse.Namespace):
     """defaults < built-in presets < (eval --checkpoint) the run's prompt settings < YAML < flags, as a
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
-    merged = {**(read_yaml(args.config) if args.config is not None else {}), **flags}
+    # typed: YAML's `none`, "16", ~/ as a flag's
+    merged = coerced(CONFIGS[name], {**(read_yaml(args.config) if args.config is not None else {}), **flags})
     run, source = _trained_by(merged) if name == "eval" else (None, "")
     # the final/ of a run of the tiny model is that model: its eval takes the tiny model's presets, as a --checkpoint
     # of that run does (its 64 positions leave no room for the default 1024 new tokens)

@@ -9,6 +9,7 @@ import dataclasses
 import functools
 import logging
 import math
+import os
 import types
 import typing
 from pathlib import Path
@@ -320,32 +321,45 @@ class GRPOConfig:
 
 
 def coerce_fields(config) -> None:
-    """Give each field of a config dataclass its annotated type, or raise a ValueError naming it.
-
-    YAML 1.1 reads `learning_rate: 1e-6` as a string (a float needs a dot there), so numeric strings become the
-    field's int / float; an integral float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element
-    list (`reward_funcs: length`); 'none' unsets an optional field, as its flag's 'none' does. Any config
-    dataclass may call it first thing in its __post_init__.
-    """
+    """Give each field of a config dataclass its annotated type (coerced_value), or raise a ValueError naming it.
+    Any config dataclass may call it first thing in its __post_init__."""
     hints = _type_hints(type(config))
     for field in dataclasses.fields(config):
-        scalar, is_list, optional = _base_type(hints[field.name])
-        value = getattr(config, field.name)
-        if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
-            value = None
-            setattr(config, field.name, None)
-        if value is None:
-            if not optional:
-                raise ValueError(f"{field.name}: expected {_describe(scalar, is_list)}, got None")
-            continue
-        if is_list:
-            items = [value] if isinstance(value, (str, int, float)) else value
-            if not isinstance(items, (list, tuple)):
-                raise ValueError(f"{field.name}: expected {_describe(scalar, True)}, got {value!r}")
-            value = [_coerce(field.name, item, scalar) for item in items]
-        else:
-            value = _coerce(field.name, value, scalar)
-        setattr(config, field.name, value)
+        setattr(config, field.name, coerced_value(field.name, getattr(config, field.name), hints[field.name]))
+
+
+def coerced(config_class: type, values: dict) -> dict:
+    """`values` (a YAML file's, say) with each field of config_class given its type as coerce_fields gives it, so
+    that what reads them before the config is built (presets) sees `16` for a YAML `"16"` and None for `none`;
+    other keys as they are (from_dict names them)."""
+    hints = _type_hints(config_class)
+    return {k: coerced_value(k, v, hints[k]) if k in hints else v for k, v in values.items()}
+
+
+# fields holding a path, where a leading ~ is the home folder (as a shell expands it on a command line; YAML does not)
+PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
+
+
+def coerced_value(name: str, value, hint):
+    """`value` of field `name` as its type hint says, or a ValueError naming it. YAML 1.1 reads `learning_rate:
+    1e-6` as a string (a float needs a dot there), so numeric strings become the field's int / float; an integral
+    float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element list (`reward_funcs: length`); 'none'
+    unsets an optional field, as its flag's 'none' does; a path field's leading ~ is expanded."""
+    scalar, is_list, optional = _base_type(hint)
+    if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
+        value = None
+    if value is None:
+        if not optional:
+            raise ValueError(f"{name}: expected {_describe(scalar, is_list)}, got None")
+        return None
+    if name in PATH_FIELDS and isinstance(value, str) and value.startswith("~"):
+        return os.path.expanduser(value)
+    if is_list:
+        items = [value] if isinstance(value, (str, int, float)) else value
+        if not isinstance(items, (list, tuple)):
+            raise ValueError(f"{name}: expected {_describe(scalar, True)}, got {value!r}")
+        return [_coerce(name, item, scalar) for item in items]
+    return _coerce(name, value, scalar)
 
 
 def _coerce(name: str, value, scalar: type):

@@ -34,7 +34,7 @@ def read_yaml(path: str | Path) -> dict:
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
-    path = Path(path)
+    path = Path(path).expanduser()
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is no key
     except FileNotFoundError:
