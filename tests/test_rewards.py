@@ -136,15 +136,19 @@ def test_score_reports_failures_and_scores_them_zero():
     def infinite(prompts, completions, **kw):
         return [1, True, float("-inf")]
 
-    rewards, errors = score([ok, raises, short, junk, infinite], ["p"] * 3, ["a", "b", "c"], {})
+    def text(prompts, completions, **kw):
+        return [1.0, "1", 0.5]
+
+    rewards, errors = score([ok, raises, short, junk, infinite, text], ["p"] * 3, ["a", "b", "c"], {})
     assert rewards[:, 0].tolist() == [1.5] * 3
     assert rewards[:, 1:3].abs().sum() == 0 and rewards[:, 4].tolist() == [1.0, 1.0, 0.0]
     assert rewards[0, 3] == 0 and rewards[2, 3] == 0 and math.isnan(rewards[1, 3])  # None: does not apply
     assert errors == {"raises": "raised RuntimeError: boom", "short": "returned 1 rewards for 3 completions",
                       "junk": "returned nan, not a finite number or None (1 more rows too)",
-                      "infinite": "returned -inf, not a finite number or None"}
+                      "infinite": "returned -inf, not a finite number or None",
+                      "text": "returned '1', not a finite number or None"}
     assert [(e.function, e.row) for e in errors.values()] == [
-        ("raises", None), ("short", None), ("junk", 0), ("infinite", 2)]
+        ("raises", None), ("short", None), ("junk", 0), ("infinite", 2), ("text", 1)]
     assert json.loads(json.dumps(errors)) == errors  # plain strings in metrics.jsonl
 
 

@@ -66,9 +66,11 @@ class RewardFailure(str):
 
 
 def _as_float(value) -> float | None:
-    """A finite float; NaN for None (not applicable); None for anything else (NaN, inf, text): a bug."""
+    """A finite float; NaN for None (not applicable); None for anything else (NaN, inf, text, even "1"): a bug."""
     if value is None:
         return math.nan
+    if isinstance(value, (str, bytes)):  # float("1") would pass a reward that is text, which TRL refuses
+        return None
     if isinstance(value, bool):
         return float(value)
     try:
