@@ -93,6 +93,8 @@ def test_invalid_fields_raise_naming_the_field(fields, match):
     (EvalConfig, dict(correct_threshold=float("inf")), "correct_threshold: expected a finite number, got inf"),
     (EvalConfig, dict(reward_weights=[float("nan")]), r"reward_weights: expected finite numbers, got \[nan\]"),
     (EIConfig, dict(num_generations=0), "num_generations: expected >= 1, got 0"),
+    (GRPOConfig, dict(temperature=0.0), "temperature: expected a finite number > 0, got 0.0"),
+    (GRPOConfig, dict(temperature=float("inf")), "temperature: expected a finite number > 0, got inf"),
 ])
 def test_sft_ei_eval_configs_name_bad_numbers(config_class, fields, match):
     with pytest.raises(ValueError, match=match):

@@ -272,8 +272,8 @@ class GRPOConfig:
             raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if self.stop is not None and not all(self.stop):
             raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: expected > 0, got {self.temperature}")
+        if not 0 < self.temperature < math.inf:  # GRPO compares sampled completions: 0 (greedy) gives G equal ones
+            raise ValueError(f"temperature: expected a finite number > 0, got {self.temperature}")
         # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
         SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
                        top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
