@@ -344,6 +344,8 @@ def test_vespo_weights_and_off_policy_mask_equal_trls_own():
     (dict(use_liger_kernel=True), {}, "use_liger_kernel"),
     ({}, dict(patch=False, offload_activations=True), "offload_activations"),
     (dict(gradient_checkpointing=True), dict(recompute_layers=1), "recompute_layers"),  # without offload
+    ({}, dict(patch="no"), "patch: expected True or False, got 'no'"),
+    ({}, dict(backend="cuda"), "backend: expected one of auto, triton, torch, got 'cuda'"),
 ])
 def test_what_it_cannot_honour_is_refused_at_construction(model_dir, tmp_path, fields, kwargs, match):
     with pytest.raises(ValueError, match=f"FastGRPOTrainer cannot honour: {match}"):

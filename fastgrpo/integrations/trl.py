@@ -28,7 +28,7 @@ from fastgrpo.hf.models import (
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
-from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs
 from fastgrpo.patching import patch_model
 
 # The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
@@ -114,6 +114,10 @@ class FastGRPOTrainer(trl.GRPOTrainer):
                  backend: str = "auto", **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         problems = _refusals(config) if config is not None else []
+        if not isinstance(patch, bool):  # "no" is truthy: it would patch
+            problems.append(f"patch: expected True or False, got {patch!r}")
+        if backend not in BACKENDS:  # here, not at the first step after the model is loaded and patched
+            problems.append(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
         if offload_activations is not False and not patch:
             problems.append("offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True")
         if recompute_layers is not None and offload_activations is False:
