@@ -155,6 +155,17 @@ def test_labels_loss_without_logits_matches_hf(model_type):
     torch.testing.assert_close(patched.lm_head.weight.grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
 
 
+def test_labels_all_ignored_give_a_zero_loss_and_zero_gradients():
+    """No label left (every one -100): loss +0.0, where HF's mean is NaN (0 / 0); a batch with nothing to learn
+    adds nothing to the gradients instead of turning them NaN."""
+    patched = patch_model(tiny_model("llama"))
+    ids, mask = batch(2)
+    loss = patched(input_ids=ids, attention_mask=mask, labels=torch.full_like(ids, -100)).loss
+    assert loss.item() == 0.0 and not loss.signbit()
+    loss.backward()
+    assert all(not p.grad.any() for p in patched.parameters() if p.grad is not None)
+
+
 def test_labels_with_return_dict_false_give_hfs_tuple():
     """A tuple caller reads (loss, logits, ...): the patched model gives HF's own, logits included."""
     model = tiny_model("llama")

@@ -61,7 +61,7 @@ def sft_loss(
         selected, head.weight, input_ids[:, 1:][labels], bias=head.bias, softcap=logit_softcap(model),
         backend=backend,
     )  # logp: [n] fp32
-    nll_sum = -logp.sum()
+    nll_sum = (-logp).sum()  # no response token: 0.0, not -0.0
     count = labels.sum()
     divisor = count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     return nll_sum / divisor, {"nll_sum": nll_sum.detach(), "response_tokens": count}

@@ -37,7 +37,9 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
             hidden, lm_head.weight, targets[valid], bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
         )
         denom = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-        loss = -logps.sum() / torch.as_tensor(denom, device=logps.device, dtype=logps.dtype)
+        # (-logps).sum(): no ignored label at all gives loss 0.0, not -0.0 (HF's mean gives NaN, 0 / 0; with the
+        # Trainer's num_items_in_batch, 0); the gradient is zero either way
+        loss = (-logps).sum() / torch.as_tensor(denom, device=logps.device, dtype=logps.dtype)
         return CausalLMOutputWithPast(
             loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
             hidden_states=out.hidden_states, attentions=out.attentions,
