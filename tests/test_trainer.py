@@ -62,6 +62,9 @@ def test_lr_schedule():
     (None, "length", {}, r"^reward_funcs: expected a callable or a list of callables, got the name 'length'"),
     (None, None, {"reward_weights": [1.0, 2.0]}, "reward_weights: expected 1 weights"),
     (None, None, {"max_completion_length": 60}, "exceeds the model's max_position_embeddings"),
+    (None, None, {"max_prompt_length": 70, "max_completion_length": 4},
+     r"^max_prompt_length \+ max_completion_length \(70 \+ 4\) exceeds the model's max_position_embeddings \(64\): "
+     r"lower max_prompt_length to 60 or less$"),
     (None, None, {"report_to": ["mlflow"]}, "report_to: expected one of"),
 ])
 def test_bad_input_raises_before_compute(tmp_path, dataset, rewards, fields, match):

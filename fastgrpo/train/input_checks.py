@@ -118,10 +118,14 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
     positions = model_positions(model)
-    if positions is not None and config.max_prompt_length + config.max_completion_length > positions:
-        raise ValueError(f"max_completion_length: max_prompt_length + max_completion_length "
-                         f"({config.max_prompt_length} + {config.max_completion_length}) exceeds the model's "
-                         f"max_position_embeddings ({positions})")
+    prompt, completion = config.max_prompt_length, config.max_completion_length
+    if positions is not None and prompt + completion > positions:
+        over = prompt + completion - positions  # name only the settings whose lowering alone makes them fit
+        fixes = [f"{name} to {value - over} or less" for name, value in (("max_completion_length", completion),
+                                                                          ("max_prompt_length", prompt))
+                 if value > over]
+        raise ValueError(f"max_prompt_length + max_completion_length ({prompt} + {completion}) exceeds the model's "
+                         f"max_position_embeddings ({positions}): lower {' or '.join(fixes) or 'both'}")
 
 
 def warn_unapplied_model_fields(model, config) -> None:
