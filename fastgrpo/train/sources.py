@@ -126,8 +126,9 @@ def resolve_device(device: str) -> str:
 
 def check_model_source(model: str) -> None:
     """A model that is written as a local path must exist; another name must be a Hub repo id that is cached or
-    that the Hub answers for (fastgrpo.hf.hub), else transformers answers after 20 s or more of retries."""
-    path = Path(model).expanduser()
+    that the Hub answers for (fastgrpo.hf.hub), else transformers answers after 20 s or more of retries. `model` is
+    a config's, whose leading ~ the config has expanded (config.coerced_value), as the loader then reads it."""
+    path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
             run = " (a run's folder: its final/ is a model; --checkpoint takes the run)" \
@@ -146,7 +147,7 @@ def model_load_error(model: str, err: Exception) -> ValueError:
     """A one-line ValueError for a model (or tokenizer) that transformers could not load."""
     lines = [line.strip() for line in str(err).splitlines() if line.strip()]
     first = lines[0] if lines else type(err).__name__
-    where = "the local folder" if Path(model).expanduser().is_dir() else "a local folder or the Hugging Face Hub"
+    where = "the local folder" if Path(model).is_dir() else "a local folder or the Hugging Face Hub"
     return ValueError(f"model: cannot load {model!r} from {where}: {first}")
 
 
