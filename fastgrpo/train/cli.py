@@ -26,7 +26,8 @@ from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_resume_before_load,
     description, finished_run, run_ei, run_eval, run_sft,
 )
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, coerced, run_control_fields
+from fastgrpo.train.coercion import coerced
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import number
 from fastgrpo.train.errors import RunError, run_command

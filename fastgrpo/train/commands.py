@@ -15,7 +15,8 @@ import shlex
 from pathlib import Path
 
 from fastgrpo.train import default_task
-from fastgrpo.train.config import add_config_arguments, check_resume, coerced
+from fastgrpo.train.coercion import coerced
+from fastgrpo.train.config import add_config_arguments, check_resume
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments

@@ -6,18 +6,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import functools
 import logging
 import math
-import os
-import types
-import typing
 from pathlib import Path
 
 from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
 from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
@@ -320,90 +317,6 @@ class GRPOConfig:
         return stop_strings(self.stop, self.prompt_format)
 
 
-def coerce_fields(config) -> None:
-    """Give each field of a config dataclass its annotated type (coerced_value), or raise a ValueError naming it.
-    Any config dataclass may call it first thing in its __post_init__."""
-    hints = _type_hints(type(config))
-    for field in dataclasses.fields(config):
-        setattr(config, field.name, coerced_value(field.name, getattr(config, field.name), hints[field.name]))
-
-
-def coerced(config_class: type, values: dict) -> dict:
-    """`values` (a YAML file's, say) with each field of config_class given its type as coerce_fields gives it, so
-    that what reads them before the config is built (presets) sees `16` for a YAML `"16"` and None for `none`;
-    other keys as they are (from_dict names them)."""
-    hints = _type_hints(config_class)
-    return {k: coerced_value(k, v, hints[k]) if k in hints else v for k, v in values.items()}
-
-
-# fields holding a path, where a leading ~ is the home folder (as a shell expands it on a command line; YAML does not)
-PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
-
-
-def coerced_value(name: str, value, hint):
-    """`value` of field `name` as its type hint says, or a ValueError naming it. YAML 1.1 reads `learning_rate:
-    1e-6` as a string (a float needs a dot there), so numeric strings become the field's int / float; an integral
-    float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element list (`reward_funcs: length`); 'none'
-    unsets an optional field, as its flag's 'none' does; a path field's leading ~ is expanded."""
-    scalar, is_list, optional = _base_type(hint)
-    if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
-        value = None
-    if value is None:
-        if not optional:
-            raise ValueError(f"{name}: expected {_describe(scalar, is_list)}, got None")
-        return None
-    if name in PATH_FIELDS and isinstance(value, str) and value.startswith("~"):
-        return os.path.expanduser(value)
-    if is_list:
-        items = [value] if isinstance(value, (str, int, float)) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"{name}: expected {_describe(scalar, True)}, got {value!r}")
-        return [_coerce(name, item, scalar) for item in items]
-    return _coerce(name, value, scalar)
-
-
-def _coerce(name: str, value, scalar: type):
-    if scalar is bool:
-        if isinstance(value, bool):
-            return value
-    elif scalar is int:
-        number = _number(value)
-        if number is not None and float(number).is_integer():
-            return int(number)
-    elif scalar is float:
-        number = _number(value)
-        if number is not None:
-            return float(number)
-    elif isinstance(value, scalar):
-        return value
-    raise ValueError(f"{name}: expected {_describe(scalar, False)}, got {value!r}")
-
-
-def _number(value) -> int | float | None:
-    """An int or float from a number or a numeric string (not a bool); None otherwise."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, (int, float)):
-        return value
-    if isinstance(value, str):
-        for parse in (int, float):
-            try:
-                return parse(value.strip())
-            except ValueError:
-                pass
-    return None
-
-
-def _describe(scalar: type, is_list: bool) -> str:
-    word = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(scalar, scalar.__name__)
-    return f"a list of {word.removeprefix('an ').removeprefix('a ')}s" if is_list else word
-
-
-@functools.cache
-def _type_hints(config_class: type) -> dict:
-    return typing.get_type_hints(config_class)
-
-
 def run_control_fields(config_class: type = None) -> list[str]:
     """The fields `--resume` lets change (option(..., run_control=True)); all others define the run."""
     return [f.name for f in dataclasses.fields(config_class or GRPOConfig) if f.metadata.get("run_control")]
@@ -452,18 +365,6 @@ def _plain(value):
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
 
 
-def _base_type(annotation) -> tuple[type, bool, bool]:
-    """(scalar type, is_list, is_optional) of a field annotation such as `list[str] | None`."""
-    hint = annotation
-    optional = False
-    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
-        args = [a for a in typing.get_args(hint) if a is not type(None)]
-        optional, hint = True, args[0]
-    if typing.get_origin(hint) is list:
-        return typing.get_args(hint)[0], True, optional
-    return hint, False, optional
-
-
 def _parser_for(scalar: type, optional: bool):
     def parse(text: str):
         if optional and text.lower() in ("none", "null"):
@@ -479,10 +380,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = G
     """One `--field-name` flag per field of config_class (a config dataclass such as GRPOConfig); unset flags stay
     absent from the parsed namespace. notes: {field: text} appended to the default in --help, for defaults that a
     preset replaces (`default: 1e-06; 0.003 for the built-in model`)."""
-    hints = _type_hints(config_class)
+    hints = type_hints(config_class)
     notes = notes or {}
     for field in dataclasses.fields(config_class):
-        scalar, is_list, optional = _base_type(hints[field.name])
+        scalar, is_list, optional = base_type(hints[field.name])
         flag = flag_of(field.name)
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         note = f"; {notes[field.name]}" if field.name in notes else ""

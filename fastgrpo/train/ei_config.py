@@ -4,7 +4,8 @@ from __future__ import annotations
 import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.train.config import coerce_fields, option
+from fastgrpo.train.coercion import coerce_fields
+from fastgrpo.train.config import option
 from fastgrpo.train.input_checks import check_at_least
 from fastgrpo.train.options import (
     ConfigFile, check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,

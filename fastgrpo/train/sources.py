@@ -127,7 +127,7 @@ def resolve_device(device: str) -> str:
 def check_model_source(model: str) -> None:
     """A model that is written as a local path must exist; another name must be a Hub repo id that is cached or
     that the Hub answers for (fastgrpo.hf.hub), else transformers answers after 20 s or more of retries. `model` is
-    a config's, whose leading ~ the config has expanded (config.coerced_value), as the loader then reads it."""
+    a config's, whose leading ~ the config has expanded (coercion.coerced_value), as the loader then reads it."""
     path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
