@@ -143,13 +143,22 @@ def check_per_token_inputs(
             check_shape(name, logps, (B, T))
 
 
-def check_known_fields(data: dict, config_class: type, command: str) -> None:
-    """A ValueError naming the keys of `data` that are no field of config_class, with the nearest field names."""
+def check_known_fields(data: dict, config_class: type, command: str, notes: dict[str, str] | None = None) -> None:
+    """A ValueError naming the keys of `data` that are no field of config_class, each with notes[key] (what it is
+    instead, e.g. another command's setting) or else the nearest field name."""
     names = [f.name for f in dataclasses.fields(config_class)]
     unknown = sorted(set(data) - set(names))
     if not unknown:
         return
-    near = {key: difflib.get_close_matches(key, names, n=1) for key in unknown}
-    hints = ", ".join(f"{key} -> {match[0]}" for key, match in near.items() if match)
-    raise ValueError(f"config: unknown fields {unknown}{f' (did you mean: {hints}?)' if hints else ''}; see "
-                     f"`fastgrpo {command} --help`")
+    notes = notes or {}
+    described = []
+    for key in unknown:
+        near = difflib.get_close_matches(key, names, n=1)
+        note = notes.get(key) or (f"did you mean {near[0]}?" if near else "")
+        described.append((repr(key), f" ({note})" if note else ""))
+    where = f"for `fastgrpo {command}`"
+    if len(described) == 1:
+        listed = f"field {described[0][0]} {where}{described[0][1]}"
+    else:
+        listed = f"fields {where}: {', '.join(key + note for key, note in described)}"
+    raise ValueError(f"config: unknown {listed}; see `fastgrpo {command} --help`")

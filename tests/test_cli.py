@@ -195,6 +195,12 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         (["sft", "--max-seq-len", "4"], "unrecognized arguments: --max-seq-len (did you mean --max-seq-length?) 4"),
         (["train", "--learning_rate=3"], "unrecognized arguments: --learning_rate=3 (did you mean --learning-rate?)"),
         (["train", "--lr", "3"], "unrecognized arguments: --lr (did you mean --learning-rate?) 3 (see"),
+        (["ei", "--max-steps", "3"], "unrecognized arguments: --max-steps (a `fastgrpo train` / `fastgrpo sft` flag; "
+                                     "ei counts rounds with --ei-steps) 3"),
+        (["sft", "--no-truncate-prompts"], "unrecognized arguments: --no-truncate-prompts (a `fastgrpo train` flag; "
+                                           "sft truncates long rows with --truncate-sequences)"),
+        (["eval", "--eval-steps=3"], "unrecognized arguments: --eval-steps=3 (a `fastgrpo train` / `fastgrpo sft` / "
+                                     "`fastgrpo ei` flag)"),
         (["ei", "--config", "a.yaml", "--config", "b.yaml"], "argument --config: given twice (a.yaml, b.yaml)"),
     ]:
         with pytest.raises(SystemExit) as exit_info:
@@ -203,6 +209,16 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         assert exit_info.value.code == 2 and err.count("\n") == 1, (argv, err)
         assert err.startswith(f"fastgrpo {argv[0]}: error: {message}"), (argv, err)
         assert err.endswith(f"(see fastgrpo {argv[0]} --help)\n"), (argv, err)
+
+
+def test_a_yaml_key_of_another_command_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "ei.yaml").write_text("max_steps: 3\n")
+    assert main(["ei", "--config", "ei.yaml"]) == 2
+    assert capsys.readouterr().err == ("fastgrpo ei: error: config: unknown field 'max_steps' for `fastgrpo ei` (a "
+                                       "`fastgrpo train` / `fastgrpo sft` setting; ei counts rounds with ei_steps); "
+                                       "see `fastgrpo ei --help`\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["ei.yaml"]  # refused before a run folder or a model
 
 
 def test_each_commands_help_says_only_what_applies_to_it(capsys):

@@ -27,8 +27,9 @@ from fastgrpo.train.commands import (
     description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import coerced
+from fastgrpo.train.command_fields import config_file_settings, elsewhere
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
-from fastgrpo.train.config_file import add_config_file_argument, read_yaml
+from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
 from fastgrpo.train.errors import RunError, run_command
 
@@ -76,17 +77,32 @@ class _Parser(argparse.ArgumentParser):
 FLAG_ALIASES = {"--lr": "--learning-rate"}
 
 
-def _unrecognized(extra: list[str], parser: argparse.ArgumentParser) -> str:
-    """argparse's 'unrecognized arguments' naming the closest flag of the command for each unknown one."""
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: str) -> str:
+    """argparse's 'unrecognized arguments' naming, for each unknown flag, the other command it belongs to (and this
+    command's counterpart) or else the closest flag of the command."""
     known = [flag for action in parser._actions for flag in action.option_strings  # argparse has no public list
              if flag not in ("-h", "--help")]
     hints = []
     for arg in extra:
         name = arg.split("=")[0]
-        close = [FLAG_ALIASES[name]] if FLAG_ALIASES.get(name) in known else (
-            difflib.get_close_matches(name, known, n=1, cutoff=0.8) if arg.startswith("--") else [])
-        hints += [f"{arg} (did you mean {close[0]}?)" if close else arg]
+        if FLAG_ALIASES.get(name) in known:
+            hint = f"did you mean {FLAG_ALIASES[name]}?"
+        elif other := _other_commands_flag(name, command):
+            hint = other
+        else:
+            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8) if arg.startswith("--") else []
+            hint = f"did you mean {close[0]}?" if close else ""
+        hints.append(f"{arg} ({hint})" if hint else arg)
     return "unrecognized arguments: " + " ".join(hints)
+
+
+def _other_commands_flag(name: str, command: str) -> str | None:
+    """'a `fastgrpo train` / `fastgrpo sft` flag; ei counts rounds with --ei-steps' for --max-steps under ei (and
+    for --no-X of a bool field); None for a flag no other command has, or a value."""
+    if not name.startswith("--"):
+        return None
+    field = name[2:].replace("-", "_")
+    return elsewhere(field, command, as_flag=True) or elsewhere(field.removeprefix("no_"), command, as_flag=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -109,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     command = next(c for c in COMMANDS if c.name == args.command)
     subparser = parser.command_parsers[command.name]
     if extra:
-        subparser.error(_unrecognized(extra, subparser))
+        subparser.error(_unrecognized(extra, subparser, command.name))
     args.argv = argv  # for a command's "continue with ..." hint
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.rewards.scoring import RewardError
@@ -149,8 +165,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
-    from_yaml = read_yaml(args.config) if args.config is not None else {}
-    merged = coerced(GRPOConfig, {**from_yaml, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
+    # typed: YAML's `none`, "16", ~/ as a flag's
+    merged = coerced(GRPOConfig, {**config_file_settings("train", args.config), **flags})
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)

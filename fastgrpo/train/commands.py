@@ -16,17 +16,14 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
+from fastgrpo.train.command_fields import CONFIGS, config_file_settings
 from fastgrpo.train.config import add_config_arguments, check_resume
-from fastgrpo.train.config_file import add_config_file_argument, read_yaml
+from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
-from fastgrpo.train.ei_config import EIConfig
-from fastgrpo.train.eval_config import EvalConfig
-from fastgrpo.train.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = {"sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
 MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
 
 SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
@@ -63,7 +60,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     # typed: YAML's `none`, "16", ~/ as a flag's
-    merged = coerced(CONFIGS[name], {**(read_yaml(args.config) if args.config is not None else {}), **flags})
+    merged = coerced(CONFIGS[name], {**config_file_settings(name, args.config), **flags})
     run, source = _trained_by(merged) if name == "eval" else (None, "")
     # the final/ of a run of the tiny model is that model: its eval takes the tiny model's presets, as a --checkpoint
     # of that run does (its 64 positions leave no room for the default 1024 new tokens)
