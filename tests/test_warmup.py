@@ -26,6 +26,7 @@ import fastgrpo
 from fastgrpo.rollout import decode
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
+from fastgrpo.rollout.regional import layer_options
 from fastgrpo.rollout.sampling import SamplingParams
 from tests.test_rollout import SIZES, char_tokenizer, completions, tiny_model
 
@@ -216,9 +217,10 @@ def test_layers_scope_leaves_the_model_as_it_was(compiles):
 
 def test_layer_options_are_inductor_options():
     """The tests' counting backends drop the layer compile's Inductor options, so this checks them: torch.compile
-    with Inductor accepts LAYER_OPTIONS (an unknown name raises at that call, before any compile)."""
+    with Inductor accepts every engine's layer options (an unknown name raises at that call, before any compile)."""
     torch._dynamo.reset()
-    decode._compiled.__wrapped__(lambda x: x + 1, decode.LAYER_OPTIONS)
+    for weights in ("model", "w8a8"):
+        decode._compiled.__wrapped__(lambda x: x + 1, layer_options(weights))
     with pytest.raises(RuntimeError, match="not_an_option"):
         decode._compiled.__wrapped__(lambda x: x + 1, (("not_an_option", False),))
 

@@ -27,7 +27,7 @@ from fastgrpo.rollout.attention import CACHE_KWARG, LENGTH_KWARG, NAME as ATTENT
 from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
-from fastgrpo.rollout.regional import compiled_layers, layer_indices
+from fastgrpo.rollout.regional import compiled_layers, layer_indices, layer_options
 from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
 
 
@@ -345,11 +345,6 @@ def _noise(state: _State) -> torch.Tensor | None:
     return None if state.keys is None else keyed_exponential(state.keys, state.step, state.vocab_keys)
 
 
-# Inductor's for a decoder layer: its reductions are per row; unsplit, W8A8's SwiGLU quantizer is one kernel, not
-# three (benchmarks/NOTES_rollout.md). The sampling's reductions, over the vocabulary, stay split.
-LAYER_OPTIONS = (("split_reductions", False),)
-
-
 @functools.cache
 def _compiled(fn, options: tuple = ()):
     # dynamic=False: N, M fixed per call (M bucketed or max_prompt_length's), as CUDA graphs need; options: Inductor's
@@ -360,14 +355,14 @@ def _compiled_forward(model, config: EngineConfig):
     """The step's forward and sampling as config.compile_scope compiles it."""
     if config.compile_scope == "step":
         return _compiled(_forward_sample)
-    layers = layer_indices(model)
+    layers, options = layer_indices(model), layer_options(config.weights)
     if layers is None:
         warnings.warn(f"rollout: compile_scope='layers' does not know the decoder layers of "
                       f"{type(model).__name__}; compiling the whole step", stacklevel=4)
         return _compiled(_forward_sample)
 
     def forward(model, cache, cache_kw, state, params, dtype):
-        with compiled_layers(layers, cache, cache_kw, lambda fn: _compiled(fn, LAYER_OPTIONS)):
+        with compiled_layers(layers, cache, cache_kw, lambda fn: _compiled(fn, options)):
             logits = _logits(model, cache, cache_kw, state, dtype)
         return _compiled(_sample_logits)(logits, params, state)
 

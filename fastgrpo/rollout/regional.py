@@ -32,6 +32,20 @@ from fastgrpo.rollout.attention import CACHE_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache
 
 
+# Inductor's options for a decoder layer. Its reductions are per row; unsplit, W8A8's SwiGLU quantizer is one kernel,
+# not three. Combo kernels launch kernels with no data between them (q's RoPE, the K/V cache writes) as one: fewer
+# graph nodes a step, 2-3% faster for Qwen2.5-1.5B's bf16 and W8A16 steps, but 11% slower for its W8A8 one, hence off
+# with weights="w8a8" (benchmarks/NOTES_rollout.md, thirty-first session). The sampling, compiled apart, keeps
+# Inductor's defaults: its reductions over the vocabulary stay split.
+LAYER_OPTIONS = (("split_reductions", False),)
+COMBO_LAYER_OPTIONS = LAYER_OPTIONS + (("combo_kernels", True),)
+
+
+def layer_options(weights: str) -> tuple:
+    """Inductor's options for the decoder layers of an engine whose EngineConfig.weights is `weights`."""
+    return LAYER_OPTIONS if weights == "w8a8" else COMBO_LAYER_OPTIONS
+
+
 def layer_indices(model: nn.Module) -> dict[nn.Module, int] | None:
     """Each decoder layer -> the cache index of its attention; None for a model outside the patch table (whose
     layers this module cannot find)."""
