@@ -82,6 +82,24 @@ def raise_if_nonbinary(name: str, flag: int) -> None:
         raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
 
 
+def first_nonfinite(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim: the flat index of the first NaN / inf in non-empty `values` (values.numel() when all are finite) and
+    what it is (0 NaN, 1 inf, -1 -inf), for raise_if_nonfinite after read_ints: no host sync of its own."""
+    flat = values.detach().reshape(-1)
+    positions = torch.arange(flat.numel(), device=flat.device)
+    index = torch.where(flat.isfinite(), flat.numel(), positions).min()
+    value = flat.gather(0, index.clamp(max=flat.numel() - 1).reshape(1))[0]  # gather: indexing by a tensor syncs
+    return index, torch.where(value.isnan(), 0, torch.where(value > 0, 1, -1))
+
+
+def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int) -> None:
+    """The error for first_nonfinite's (index, kind) read already: names the entry by row (and column if 2-d)."""
+    if index < math.prod(shape):
+        what = {0: "NaN", 1: "inf", -1: "-inf"}[kind]
+        where = f"row {index}" if len(shape) == 1 else "row {}, column {}".format(*divmod(index, shape[-1]))
+        raise ValueError(f"{name}: expected finite values, got {what} at {where}")
+
+
 def check_linear_args(
     hidden: torch.Tensor,
     weight: torch.Tensor,

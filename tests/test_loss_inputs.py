@@ -4,6 +4,7 @@ empty batch, and an lm_head on `meta` under accelerate's CPU offload hooks (wron
 import pytest
 import torch
 
+from fastgrpo.loss import reference
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
@@ -84,4 +85,27 @@ def test_weights_on_meta_under_accelerate_cpu_offload_are_an_error():
     for call in (lambda: sequence_logprobs(model, ids, attention, completion),
                  lambda: grpo_loss(model, ids, attention, completion, torch.ones(2))):
         with pytest.raises(ValueError, match="^model: lm_head.weight is on the meta device"):
+            call()
+
+
+@pytest.mark.parametrize("shape, at, value, message", [
+    ((2,), (1,), float("nan"), "got NaN at row 1"),
+    ((2,), (0,), float("-inf"), "got -inf at row 0"),
+    ((2, 6), (1, 4), float("inf"), "got inf at row 1, column 4"),
+])
+def test_every_loss_entry_point_refuses_nonfinite_advantages(shape, at, value, message):
+    """A NaN / inf advantage made the loss NaN (or -inf) silently; it is found in the value read the checks make
+    already (no host sync of its own), at its first position."""
+    model, ids, attention, completion = _model_and_batch()
+    advantages = torch.ones(shape)
+    advantages.view(-1)[-1] = float("nan")  # the last entry: an earlier one is named first
+    advantages[at] = value
+    hidden = torch.randn(2, 6, 8, dtype=torch.float64)
+    weight = torch.randn(11, 8, dtype=torch.float64)
+    targets = ids % 11
+    calls = [lambda: grpo_loss(model, ids, attention, completion, advantages),
+             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, advantages),
+             lambda: reference.grpo_loss(hidden, weight, targets, completion, advantages)]
+    for call in calls:
+        with pytest.raises(ValueError, match=f"^advantages: expected finite values, {message}$"):
             call()

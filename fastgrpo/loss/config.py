@@ -18,8 +18,10 @@ from fastgrpo._checks import (
     check_mask,
     check_per_token_inputs,
     check_shape,
+    first_nonfinite,
     nonbinary,
     raise_if_nonbinary,
+    raise_if_nonfinite,
     raise_unless_in_range,
     read_ints,
 )
@@ -171,14 +173,17 @@ def check_loss_inputs(
         raise ValueError("ref_logps: required when beta > 0, got None")
 
 
-def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, vocab_size: int) -> int:
-    """completion_mask holds only 0 and 1 and target_ids are in [0, vocab_size), read in one host sync; returns the
-    count of completion tokens (the mask's 1s). After check_loss_inputs."""
+def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, vocab_size: int,
+                      advantages: torch.Tensor) -> int:
+    """completion_mask holds only 0 and 1, target_ids are in [0, vocab_size) and advantages are finite, read in one
+    host sync; returns the count of completion tokens (the mask's 1s). After check_loss_inputs."""
     if target_ids.numel() == 0:
         return 0
-    flag, low, high, count = read_ints(nonbinary(completion_mask), *target_ids.aminmax(), completion_mask.bool().sum())
+    flag, low, high, count, *bad = read_ints(nonbinary(completion_mask), *target_ids.aminmax(),
+                                             completion_mask.bool().sum(), *first_nonfinite(advantages))
     raise_if_nonbinary("completion_mask", flag)
     raise_unless_in_range("target_ids", low, high, vocab_size)
+    raise_if_nonfinite("advantages", advantages.shape, *bad)
     return count
 
 

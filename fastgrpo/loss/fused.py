@@ -174,7 +174,7 @@ def fused_linear_grpo_loss(
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
-    valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0])
+    valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0], advantages)
     return _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
                 (old_logps, ref_logps, token_weights, sampling_logps), return_entropy, return_logps, backend)
 

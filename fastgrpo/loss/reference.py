@@ -76,7 +76,7 @@ def grpo_loss(
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
-    check_loss_values(completion_mask, target_ids, weight.shape[0])
+    check_loss_values(completion_mask, target_ids, weight.shape[0], advantages)
     hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps = _cast(
         upcast, hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps
     )
