@@ -168,6 +168,21 @@ def test_resuming_a_finished_run_says_so_without_training(tmp_path, capsys):
     assert (tmp_path / "metrics.jsonl").read_text() == metrics
 
 
+def test_report_to_is_checked_also_when_a_resume_finds_nothing_to_train(tmp_path, capsys):
+    """A finished run resumed skips the trainer, whose metrics log checked report_to: a bad name passed silently
+    there (exit 0) and failed a resume that trains on. Both fail alike, before the model loads."""
+    from fastgrpo.train.cli import main
+
+    argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--no-export", "--max-steps"]
+    assert main([*argv, "1"]) == 0
+    capsys.readouterr()
+    line = "fastgrpo train: error: report_to: expected one of ['wandb', 'tensorboard'], got 'wandbb'\n"
+    for max_steps in ("1", "2"):  # nothing left to train; a step left
+        assert main([*argv, max_steps, "--resume", "--report-to", "wandbb"]) == 2
+        assert capsys.readouterr().err == line
+    assert list_checkpoints(tmp_path)[-1][0] == 1
+
+
 def test_a_finished_run_resumed_from_python_says_so(tmp_path, caplog):
     """GRPOTrainer.train() with resume=True on a run at max_steps returns [] with a warning naming the step and the
     keyword to raise (the CLI's line, in Python's names); it returned [] silently."""

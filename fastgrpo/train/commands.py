@@ -134,10 +134,13 @@ def check_resume_before_load(config) -> None:
 
 def finished_run(config) -> str | None:
     """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is exported
-    when export is on): the line saying there is nothing to train, instead of loading the model to find that out."""
+    when export is on): the line saying there is nothing to train, instead of loading the model to find that out.
+    report_to is checked first, on every run: a finished one builds no trainer, whose metrics log checks it."""
     from fastgrpo.train.checkpoint import list_checkpoints, nothing_to_train
+    from fastgrpo.train.metrics_log import check_report_to
     from fastgrpo.train.naming import setting
 
+    check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
     if not found or found[-1][0] < config.max_steps:
         return None

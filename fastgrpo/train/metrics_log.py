@@ -2,6 +2,7 @@
 the same scalars to wandb / tensorboard when asked."""
 from __future__ import annotations
 
+import importlib
 import json
 import logging
 import os
@@ -12,6 +13,18 @@ from fastgrpo._checks import check_choice
 
 logger = logging.getLogger(__name__)
 REPORTERS = ("wandb", "tensorboard")
+_MODULES = {"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}  # what each logger imports
+
+
+def check_report_to(report_to: list[str] | None) -> None:
+    """Each name is a known logger whose package imports: MetricsLog's check, also for a run that builds none (a
+    resumed run with nothing left to train)."""
+    for name in report_to or []:
+        check_choice("report_to", name, REPORTERS)
+        try:
+            importlib.import_module(_MODULES[name])
+        except ImportError as err:
+            raise ValueError(f"report_to: {name!r} needs `pip install {name}` ({err})") from None
 
 
 class MetricsLog:
@@ -21,13 +34,10 @@ class MetricsLog:
                  key: str = "step"):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.key = key
-        self._loggers: list[Callable[[int, dict], None]] = []
-        for name in report_to or []:
-            check_choice("report_to", name, REPORTERS)
-            try:
-                self._loggers.append(_wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent))
-            except ImportError as err:
-                raise ValueError(f"report_to: {name!r} needs `pip install {name}` ({err})") from None
+        check_report_to(report_to)
+        self._loggers: list[Callable[[int, dict], None]] = [
+            _wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent) for name in report_to or []
+        ]
 
     def start_at(self, step: int) -> None:
         """Keep the log consistent with the weights a run starts from: drop the lines past `step`. A line that does
