@@ -23,11 +23,11 @@ TINY = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_
             progress_bar=False, logging_steps=0)
 
 
-def _trainer(tmp_path, **fields):
+def _trainer(tmp_path, reward=default_task.repeat_letter_reward, **fields):
     config = GRPOConfig(**{**default_task.PRESET, **TINY, "output_dir": str(tmp_path), **fields})
     tokenizer = default_task.build_tokenizer()
     model = default_task.build_model(tokenizer, seed=1)
-    return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
+    return GRPOTrainer(model, tokenizer, reward, default_task.build_dataset(32), config)
 
 
 def _dead_pid() -> int:
@@ -225,6 +225,26 @@ def test_a_run_without_a_checkpoint_is_not_offered_to_resume(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "start without --resume (with --overwrite-output-dir where a run left files" in err, err
     assert main([*argv, "--overwrite-output-dir"]) == 0
+
+
+def test_a_run_that_fails_at_its_first_step_leaves_no_metrics_log(tmp_path):
+    """A run whose first step raised left an empty metrics.jsonl (which kept the folder it created, too): the log is
+    created at its first line now. A resumed run that fails keeps the lines of the steps before."""
+    from fastgrpo.rewards.scoring import RewardError
+
+    def broken(prompts, completions, **kwargs):
+        raise RuntimeError("reward server down")
+
+    run = tmp_path / "run"
+    with pytest.raises(RewardError, match="reward server down"):
+        _trainer(run, broken, max_steps=1).train()
+    assert not run.exists()  # created by the run, removed with nothing in it
+    _trainer(run, max_steps=1).train()  # the same folder: a fresh run, not refused
+    logged = (run / "metrics.jsonl").read_text()
+    assert logged.count("\n") == 1
+    with pytest.raises(RewardError, match="reward server down"):
+        _trainer(run, broken, max_steps=2, resume=True).train()
+    assert (run / "metrics.jsonl").read_text() == logged
 
 
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):

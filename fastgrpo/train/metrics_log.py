@@ -41,8 +41,8 @@ class MetricsLog:
 
     def start_at(self, step: int) -> None:
         """Keep the log consistent with the weights a run starts from: drop the lines past `step`. A line that does
-        not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning."""
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning. The file
+        is created by the first write: a run that fails before its first step leaves none (nor an emptied one)."""
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept, torn = [], []
         for number, line in enumerate(lines, 1):
@@ -58,6 +58,9 @@ class MetricsLog:
         if torn:
             logger.warning("%s: dropped unreadable line %s (a write cut short by a kill)", self.path,
                            ", ".join(map(str, torn)))
+        if not kept:
+            self.path.unlink(missing_ok=True)
+            return
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         tmp.write_text("".join(kept))
         os.replace(tmp, self.path)  # a kill during the rewrite leaves the old log, not half of it

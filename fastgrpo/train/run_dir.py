@@ -214,7 +214,8 @@ class RunDirectory:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:
             logger.info("output_dir: deleted the previous run's %s", ", ".join(p.name for p in found))
-        # an empty log of a run of this command that never finished a step (another command's log is not ours)
+        # an empty log of a run of this command that never finished a step, from a fastgrpo that created it before
+        # the first line (another command's log is not ours)
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
