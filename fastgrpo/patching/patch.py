@@ -93,6 +93,13 @@ def patch_model(
     arch = architecture(hf_model)
     for library in ("transformers", "peft"):
         check_supported(library)
+    # A truthy stand-in ("no" read from a config file) would switch on what it meant to leave off.
+    switches = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss, "fused_lora": fused_lora}
+    for name, value in switches.items():
+        if not isinstance(value, bool):
+            raise ValueError(f"{name}: expected True or False, got {value!r}")
+    if not isinstance(tiled_mlp, (bool, type(None))):
+        raise ValueError(f"tiled_mlp: expected True, False or None, got {tiled_mlp!r}")
     if mlp_chunk_tokens is not None:
         check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
