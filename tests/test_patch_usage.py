@@ -1,9 +1,10 @@
 """patch_model as users call it: argument checks, patching around PEFT's wrapping, the labels= loss's HF options and
 errors (fp32, CPU interpreter, real transformers / PEFT classes)."""
 import pytest
+import torch
 
 from fastgrpo.patching import patch_model
-from tests.test_patching import tiny_model
+from tests.test_patching import assert_fp32_grads_close, batch, forward_logps_grads, tiny_model
 
 
 @pytest.mark.parametrize("name", ["rms_norm", "rope", "swiglu", "fused_loss", "fused_lora", "tiled_mlp"])
@@ -19,3 +20,35 @@ def test_switches_take_bools_only(name, value):
     with pytest.raises(ValueError, match=f"^{name}: expected {expected}, got {value!r}$"):
         patch_model(model, **{name: value})
     assert "fastgrpo_patch_summary" not in model.__dict__
+
+
+def lora_model(model, targets=("q_proj", "gate_proj")):
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=list(targets)))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:  # B starts at 0: make the adapters do something
+            torch.nn.init.normal_(p, 0.0, 0.1)
+    return model
+
+
+def test_patching_again_after_peft_wrapped_the_patched_model_fuses_its_lora(delta_calls):
+    """Patch, then get_peft_model (Unsloth's order), then patch_model again with the same arguments: the LoRA layers
+    PEFT added get the fused branch (it returned early, the arguments being the same, and left them PEFT's)."""
+    torch.manual_seed(1)
+    reference = lora_model(tiny_model("qwen2"))
+    torch.manual_seed(1)
+    model = lora_model(patch_model(tiny_model("qwen2")))
+    assert patch_model(model) is model
+    assert model.get_base_model().fastgrpo_patch_summary["patched"]["fused_lora"] == 2 * 2  # q, gate x 2 layers
+    ids, mask = batch(4)
+    _, logps, grads = forward_logps_grads(reference, ids, mask)
+    delta_calls.clear()
+    _, logps_p, grads_p = forward_logps_grads(model, ids, mask)
+    assert delta_calls == ["lora_linear"] * 4
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == grads_p.keys()
+    assert_fp32_grads_close(grads_p, grads)
+    merged = model.merge_and_unload()  # the LoRA layers are gone: patching again says so
+    assert "fused_lora" not in patch_model(merged).fastgrpo_patch_summary["patched"]
+    assert not any("forward" in m.__dict__ for m in merged.modules() if hasattr(m, "lora_A"))

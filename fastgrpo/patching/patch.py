@@ -26,6 +26,7 @@ from fastgrpo.patching.loss_forward import causal_lm_forward
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
 _UNDO_ATTR = "_fastgrpo_undo"
+_MODULES_ATTR = "_fastgrpo_modules"  # the (name, class) of each module patched over
 LORA_DTYPES = ("input", "adapter")
 
 
@@ -86,8 +87,9 @@ def patch_model(
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
     for anything left alone, the options resolved and the arguments as given). Patching again with the same
-    arguments does nothing; with other ones the model is unpatched first. Plain HF forward and generate (KV cache)
-    keep working on the patched modules.
+    arguments does nothing while the modules are the same; with other arguments, or after PEFT wrapped linears of the
+    patched model (get_peft_model) or merged them away, the model is unpatched first. Plain HF forward and generate
+    (KV cache) keep working on the patched modules.
     """
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
@@ -127,7 +129,9 @@ def patch_model(
     arguments = {**options, "tiled_mlp": tiled_mlp_argument}
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
-        if existing["arguments"] == arguments:
+        # Same arguments, same modules: done. PEFT may have wrapped linears since (get_peft_model on the patched
+        # model) or merged them away: patched again, its LoRA layers get the fused branch.
+        if existing["arguments"] == arguments and hf_model.__dict__.get(_MODULES_ATTR) == _modules(hf_model):
             return model
         unpatch_model(model)
     undo: list[Callable[[], None]] = []
@@ -185,11 +189,16 @@ def patch_model(
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
         patched["offload_activations"] += len(checkpointed)
     hf_model.__dict__[_UNDO_ATTR] = undo
+    hf_model.__dict__[_MODULES_ATTR] = _modules(hf_model)
     hf_model.__dict__[SUMMARY_ATTR] = {
         "model_type": hf_model.config.model_type, "options": options, "arguments": arguments,
         "patched": dict(patched), "skipped": skipped,
     }
     return model
+
+
+def _modules(model: nn.Module) -> list[tuple[str, type]]:
+    return [(name, type(module)) for name, module in model.named_modules()]
 
 
 def _checkpointed_layers(
@@ -215,6 +224,7 @@ def unpatch_model(model: nn.Module) -> nn.Module:
     hf_model = unwrap_peft(model)
     undo = hf_model.__dict__.pop(_UNDO_ATTR, None)
     hf_model.__dict__.pop(SUMMARY_ATTR, None)
+    hf_model.__dict__.pop(_MODULES_ATTR, None)
     for restore in reversed(undo or []):
         try:
             restore()
