@@ -1,5 +1,7 @@
 """patch_model as users call it: argument checks, patching around PEFT's wrapping, the labels= loss's HF options and
 errors (fp32, CPU interpreter, real transformers / PEFT classes)."""
+import copy
+
 import pytest
 import torch
 
@@ -52,3 +54,30 @@ def test_patching_again_after_peft_wrapped_the_patched_model_fuses_its_lora(delt
     merged = model.merge_and_unload()  # the LoRA layers are gone: patching again says so
     assert "fused_lora" not in patch_model(merged).fastgrpo_patch_summary["patched"]
     assert not any("forward" in m.__dict__ for m in merged.modules() if hasattr(m, "lora_A"))
+
+
+def labels_loss_and_grads(model, **kwargs):
+    model.zero_grad()
+    out = model(**kwargs)
+    out.loss.backward()
+    return out.loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", ["llama", "gemma2"])  # gemma2: soft-capped, tied embeddings
+def test_shift_labels_are_hfs_targets(model_type):
+    """HF's loss takes `shift_labels` ([B, T], position t's target, already shifted; what the Trainer passes under
+    context parallelism) in place of shifting `labels`: the patched loss did too (it shifted labels, ignoring them)."""
+    model = tiny_model(model_type)
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask = batch(2)
+    labels = ids.masked_fill(mask == 0, -100)
+    shift_labels = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)
+    shift_labels[:, :5] = -100  # differs from shifting `labels`: a prompt of 5 tokens left out
+    kwargs = dict(input_ids=ids, attention_mask=mask, labels=labels, shift_labels=shift_labels)
+    loss, grads = labels_loss_and_grads(model, **kwargs)
+    loss_p, grads_p = labels_loss_and_grads(patched, **kwargs)
+    unshifted, _ = labels_loss_and_grads(model, input_ids=ids, attention_mask=mask, labels=labels)
+    assert abs(float(loss - unshifted)) > 1e-3  # the test can tell the two apart
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_p.keys()
+    assert_fp32_grads_close(grads_p, grads)

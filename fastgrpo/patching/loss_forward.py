@@ -16,9 +16,9 @@ IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
     """Without labels, with return_dict=False or with PEFT adapters on the lm_head (the fused loss reads its weight
-    alone): `previous` (the library forward). With labels: HF's loss (shifted labels, sum over the non-ignored
-    tokens divided by their count or by num_items_in_batch, on logits soft-capped as the config says), returned with
-    logits=None."""
+    alone): `previous` (the library forward). With labels: HF's loss (shifted labels, or shift_labels as given, sum
+    over the non-ignored tokens divided by their count or by num_items_in_batch, on logits soft-capped as the config
+    says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
         # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
@@ -27,11 +27,16 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
+        shift_labels = kwargs.pop("shift_labels", None)  # [B, T]: position t's target (HF's loss takes it as given)
         kwargs.pop("logits_to_keep", None)
         out = getattr(self, backbone_attr)(*args, **kwargs)
-        targets = labels[:, 1:]  # position t predicts token t + 1
+        hidden = out.last_hidden_state
+        if shift_labels is None:
+            targets, hidden = labels[:, 1:], hidden[:, :-1]  # position t predicts token t + 1
+        else:
+            targets = shift_labels.to(hidden.device)
         valid = targets != IGNORE_INDEX
-        hidden = out.last_hidden_state[:, :-1][valid]  # hidden: [n, H]
+        hidden = hidden[valid]  # hidden: [n, H]
         lm_head = self.get_output_embeddings()
         logps = fused_linear_logprobs(
             hidden, lm_head.weight, targets[valid], bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
