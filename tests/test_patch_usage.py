@@ -81,3 +81,19 @@ def test_shift_labels_are_hfs_targets(model_type):
     torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == grads_p.keys()
     assert_fp32_grads_close(grads_p, grads)
+
+
+def test_labels_loss_carries_the_cache_without_transformers_deprecation_warning(monkeypatch):
+    """transformers 5.24 renamed the outputs' past_key_values field to cache and warns on the old name: the patched
+    loss, which read and passed past_key_values, printed that warning to users who never used the old name."""
+    from transformers.utils import generic
+
+    warned = []
+    monkeypatch.setattr(generic.logger, "warning_once", lambda message, *args, **kwargs: warned.append(message))
+    model = patch_model(tiny_model("llama"))
+    ids, mask = batch(2)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, labels=ids, use_cache=True)
+    assert warned == []
+    cache_field = "cache" if "cache" in type(out).__dataclass_fields__ else "past_key_values"
+    assert out[cache_field] is not None and out[cache_field].get_seq_length() == ids.shape[1]

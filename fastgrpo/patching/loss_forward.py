@@ -12,6 +12,8 @@ from fastgrpo.hf.models import adapters_active
 from fastgrpo.ops.fused_linear import fused_linear_logprobs
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
+# transformers 5.17 names the outputs' cache past_key_values; later 5.x name it cache and warn on the old name
+_CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
@@ -46,8 +48,8 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
         # Trainer's num_items_in_batch, 0); the gradient is zero either way
         loss = (-logps).sum() / torch.as_tensor(denom, device=logps.device, dtype=logps.dtype)
         return CausalLMOutputWithPast(
-            loss=loss, logits=None, past_key_values=getattr(out, "past_key_values", None),
-            hidden_states=out.hidden_states, attentions=out.attentions,
+            loss=loss, logits=None, hidden_states=out.hidden_states, attentions=out.attentions,
+            **{_CACHE_FIELD: getattr(out, _CACHE_FIELD, None)},
         )
 
     return forward
