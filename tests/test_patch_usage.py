@@ -97,3 +97,25 @@ def test_labels_loss_carries_the_cache_without_transformers_deprecation_warning(
     assert warned == []
     cache_field = "cache" if "cache" in type(out).__dataclass_fields__ else "past_key_values"
     assert out[cache_field] is not None and out[cache_field].get_seq_length() == ids.shape[1]
+
+
+@pytest.mark.parametrize("case", ["longer", "shorter", "fewer rows", "float", "out of the vocabulary", "negative"])
+@pytest.mark.parametrize("keyword", ["labels", "shift_labels"])
+def test_bad_labels_are_one_line_naming_the_keyword(case, keyword):
+    """HF raises an IndexError or a cross-entropy message; the patched loss raised IndexErrors from its own
+    indexing ('The shape of the mask [2, 11] at index 1 does not match ...') or named its internal target_ids."""
+    model = patch_model(tiny_model("llama"))
+    ids, mask = batch(2)
+    bad = {
+        "longer": torch.cat([ids, ids[:, :1]], 1), "shorter": ids[:, 1:], "fewer rows": ids[:1], "float": ids.float(),
+        "out of the vocabulary": ids.masked_fill(ids == ids[0, 3], 999), "negative": ids.masked_fill(ids == ids[0, 3], -5),
+    }[case]
+    expected = {
+        "longer": r"expected shape \[2, 10\], got \[2, 11\]", "shorter": r"expected shape \[2, 10\], got \[2, 9\]",
+        "fewer rows": r"expected shape \[2, 10\], got \[1, 10\]", "float": "expected an integer dtype, got torch.float32",
+        "out of the vocabulary": r"expected ids in \[0, 128\) or -100 \(ignored\), got min \d+ max 999",
+        "negative": r"expected ids in \[0, 128\) or -100 \(ignored\), got min -5 max \d+",
+    }[case]
+    kwargs = {"labels": bad} if keyword == "labels" else {"labels": ids, "shift_labels": bad}
+    with pytest.raises(ValueError, match=f"^{keyword}: {expected}$"):
+        model(input_ids=ids, attention_mask=mask, **kwargs)

@@ -7,9 +7,10 @@ from collections.abc import Callable
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from fastgrpo._checks import check_integer_ids, check_shape, read_ints
 from fastgrpo.hf.architectures import Architecture
 from fastgrpo.hf.models import adapters_active
-from fastgrpo.ops.fused_linear import fused_linear_logprobs
+from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
 # transformers 5.17 names the outputs' cache past_key_values; later 5.x name it cache and warn on the old name
@@ -33,15 +34,23 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
         kwargs.pop("logits_to_keep", None)
         out = getattr(self, backbone_attr)(*args, **kwargs)
         hidden = out.last_hidden_state
-        if shift_labels is None:
-            targets, hidden = labels[:, 1:], hidden[:, :-1]  # position t predicts token t + 1
-        else:
-            targets = shift_labels.to(hidden.device)
+        name, given = ("labels", labels) if shift_labels is None else ("shift_labels", shift_labels)
+        check_shape(name, given, hidden.shape[:2])
+        check_integer_ids(name, given)
+        if shift_labels is None:  # position t predicts token t + 1
+            given, hidden = labels[:, 1:], hidden[:, :-1]
+        targets = given.to(hidden.device)  # as HF's loss: labels may come on another device
         valid = targets != IGNORE_INDEX
-        hidden = hidden[valid]  # hidden: [n, H]
+        hidden, targets = hidden[valid], targets[valid]  # hidden: [n, H], targets: [n]
         lm_head = self.get_output_embeddings()
-        logps = fused_linear_logprobs(
-            hidden, lm_head.weight, targets[valid], bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
+        vocab = lm_head.weight.shape[0]
+        if targets.numel():
+            low, high = read_ints(*targets.aminmax())
+            if low < 0 or high >= vocab:
+                raise ValueError(f"{name}: expected ids in [0, {vocab}) or {IGNORE_INDEX} (ignored), got min {low} "
+                                 f"max {high}")
+        logps = fused_linear_logprobs_of_checked_values(
+            hidden, lm_head.weight, targets, bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
         )
         denom = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         # (-logps).sum(): no ignored label at all gives loss 0.0, not -0.0 (HF's mean gives NaN, 0 / 0; with the
