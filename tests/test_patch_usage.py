@@ -108,11 +108,13 @@ def test_bad_labels_are_one_line_naming_the_keyword(case, keyword):
     ids, mask = batch(2)
     bad = {
         "longer": torch.cat([ids, ids[:, :1]], 1), "shorter": ids[:, 1:], "fewer rows": ids[:1], "float": ids.float(),
-        "out of the vocabulary": ids.masked_fill(ids == ids[0, 3], 999), "negative": ids.masked_fill(ids == ids[0, 3], -5),
+        "out of the vocabulary": ids.masked_fill(ids == ids[0, 3], 999),
+        "negative": ids.masked_fill(ids == ids[0, 3], -5),
     }[case]
     expected = {
         "longer": r"expected shape \[2, 10\], got \[2, 11\]", "shorter": r"expected shape \[2, 10\], got \[2, 9\]",
-        "fewer rows": r"expected shape \[2, 10\], got \[1, 10\]", "float": "expected an integer dtype, got torch.float32",
+        "fewer rows": r"expected shape \[2, 10\], got \[1, 10\]",
+        "float": "expected an integer dtype, got torch.float32",
         "out of the vocabulary": r"expected ids in \[0, 128\) or -100 \(ignored\), got min \d+ max 999",
         "negative": r"expected ids in \[0, 128\) or -100 \(ignored\), got min -5 max \d+",
     }[case]

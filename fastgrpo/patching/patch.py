@@ -96,7 +96,8 @@ def patch_model(
     for library in ("transformers", "peft"):
         check_supported(library)
     # A truthy stand-in ("no" read from a config file) would switch on what it meant to leave off.
-    switches = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss, "fused_lora": fused_lora}
+    switches = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
+                "fused_lora": fused_lora}
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name}: expected True or False, got {value!r}")
