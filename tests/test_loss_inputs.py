@@ -109,3 +109,43 @@ def test_every_loss_entry_point_refuses_nonfinite_advantages(shape, at, value, m
     for call in calls:
         with pytest.raises(ValueError, match=f"^advantages: expected finite values, {message}$"):
             call()
+
+
+@pytest.mark.parametrize("name", ["old_logps", "ref_logps", "token_weights", "sampling_logps"])
+def test_nan_per_token_inputs_at_masked_positions_leave_loss_and_grads_finite(name):
+    """Masked positions of the per-token inputs are padding (a NaN log-prob there is allowed): every entry point
+    gives the loss and gradients it gives with a finite value there. The reference's were NaN (exp's backward of
+    the NaN ratio, times the 0 of the mask)."""
+    model, ids, attention, completion = _model_and_batch()
+    completion[1, -1] = 0  # padding inside the completion window
+    hidden = torch.randn(2, 6, 8, dtype=torch.float64)
+    weight = torch.randn(11, 8, dtype=torch.float64)
+    targets = ids % 11
+    options = dict(beta=0.1, off_policy_mask_threshold=0.0)  # every per-token input enters the loss
+
+    def inputs(value):
+        tensors = {key: -torch.rand(2, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(i))
+                   for i, key in enumerate(["old_logps", "ref_logps", "sampling_logps"])}
+        tensors["token_weights"] = torch.full((2, 6), 0.5, dtype=torch.float64)
+        tensors[name][1, -1] = value
+        return tensors
+
+    def model_loss(tensors):
+        model.zero_grad()
+        loss, _ = grpo_loss(model, ids, attention, completion, torch.tensor([1.0, -1.0]),
+                            **{k: v.float() for k, v in tensors.items()}, **options)
+        loss.backward()
+        return loss, model.lm_head.weight.grad
+
+    def hidden_loss(function, tensors):
+        h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+        loss, _ = function(h, w, targets, completion, torch.tensor([1.0, -1.0], dtype=torch.float64),
+                           **tensors, **options)
+        loss.backward()
+        return loss, h.grad, w.grad
+
+    for run in (model_loss, lambda t: hidden_loss(fused_linear_grpo_loss, t),
+                lambda t: hidden_loss(reference.grpo_loss, t)):
+        with_nan, finite = run(inputs(float("nan"))), run(inputs(-1.0))
+        for got, expected in zip(with_nan, finite):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)

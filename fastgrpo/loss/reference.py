@@ -84,6 +84,9 @@ def grpo_loss(
     out = linear_logprobs(hidden, weight, target_ids, cfg.temperature, bias, with_entropy, softcap=cfg.softcap)
     logps, entropy = out if with_entropy else (out, None)
     mask = completion_mask.to(logps.dtype)
+    # Masked positions are padding, filled as the fused loss fills them: a NaN old / ref log-prob there made the
+    # gradients NaN (exp's backward of its NaN ratio times the mask's 0), though not the loss.
+    old_logps, ref_logps = (None if t is None else torch.where(mask.bool(), t, 0.0) for t in (old_logps, ref_logps))
     objective = grpo_objective(
         logps, mask, advantages.to(logps.dtype), old_logps, ref_logps, cfg, entropy=entropy,
         token_weights=token_weights, sampling_logps=sampling_logps,
