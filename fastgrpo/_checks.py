@@ -82,22 +82,39 @@ def raise_if_nonbinary(name: str, flag: int) -> None:
         raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
 
 
-def first_nonfinite(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-dim: the flat index of the first NaN / inf in non-empty `values` (values.numel() when all are finite) and
-    what it is (0 NaN, 1 inf, -1 -inf), for raise_if_nonfinite after read_ints: no host sync of its own."""
+def first_nonfinite(values: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim: the flat index of the first NaN / inf in non-empty `values` (values.numel() when all are finite), only
+    where `mask` (of values' shape) is nonzero when given, and what it is (0 NaN, 1 inf, -1 -inf), for
+    raise_if_nonfinite after read_ints: no host sync of its own."""
     flat = values.detach().reshape(-1)
+    bad = ~flat.isfinite() if mask is None else ~flat.isfinite() & mask.reshape(-1).bool()
     positions = torch.arange(flat.numel(), device=flat.device)
-    index = torch.where(flat.isfinite(), flat.numel(), positions).min()
+    index = torch.where(bad, positions, flat.numel()).min()
     value = flat.gather(0, index.clamp(max=flat.numel() - 1).reshape(1))[0]  # gather: indexing by a tensor syncs
     return index, torch.where(value.isnan(), 0, torch.where(value > 0, 1, -1))
 
 
-def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int) -> None:
-    """The error for first_nonfinite's (index, kind) read already: names the entry by row (and column if 2-d)."""
+def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int, where: str = "") -> None:
+    """The error for first_nonfinite's (index, kind) read already: names the entry by row (and column if 2-d).
+    where: the positions checked, for the message (" where completion_mask is 1")."""
     if index < math.prod(shape):
         what = {0: "NaN", 1: "inf", -1: "-inf"}[kind]
-        where = f"row {index}" if len(shape) == 1 else "row {}, column {}".format(*divmod(index, shape[-1]))
-        raise ValueError(f"{name}: expected finite values, got {what} at {where}")
+        at = f"row {index}" if len(shape) == 1 else "row {}, column {}".format(*divmod(index, shape[-1]))
+        raise ValueError(f"{name}: expected finite values{where}, got {what} at {at}")
+
+
+def masked_nonfinite(mask: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
+    """first_nonfinite of each given tensor (None: skipped) where `mask` is 1, flat, for one read_ints with the
+    caller's other values; raise_if_masked_nonfinite reads the result."""
+    return [value for t in tensors.values() if t is not None for value in first_nonfinite(t, mask)]
+
+
+def raise_if_masked_nonfinite(mask_name: str, tensors: dict[str, torch.Tensor | None], read: Sequence[int]) -> None:
+    """The error for masked_nonfinite's values read already, naming the first tensor (in `tensors`' order) that
+    holds a NaN / inf where the mask is 1."""
+    given = [(name, t) for name, t in tensors.items() if t is not None]
+    for (name, t), index, kind in zip(given, read[::2], read[1::2]):
+        raise_if_nonfinite(name, t.shape, index, kind, f" where {mask_name} is 1")
 
 
 def check_linear_args(

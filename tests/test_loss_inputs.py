@@ -149,3 +149,28 @@ def test_nan_per_token_inputs_at_masked_positions_leave_loss_and_grads_finite(na
         with_nan, finite = run(inputs(float("nan"))), run(inputs(-1.0))
         for got, expected in zip(with_nan, finite):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", ["old_logps", "ref_logps", "token_weights"])
+@pytest.mark.parametrize("value, what", [(float("nan"), "NaN"), (float("inf"), "inf"), (float("-inf"), "-inf")])
+def test_every_loss_entry_point_refuses_nonfinite_per_token_inputs_where_completion_mask_is_1(name, value, what):
+    """A NaN / inf old or ref log-prob or token weight of a completion token made the loss NaN or inf silently; it
+    is found in the value read the checks make already. A NaN at a masked position (padding) is no error."""
+    model, ids, attention, completion = _model_and_batch()
+    tensors = {"old_logps": -torch.rand(2, 6), "ref_logps": -torch.rand(2, 6), "token_weights": torch.ones(2, 6)}
+    tensors[name][0, 1] = float("nan")  # masked: allowed
+    tensors[name][1, 4] = value
+    tensors["sampling_logps"] = torch.full((2, 6), float("nan"))  # the off-policy mask counts these 0, as TRL's
+    hidden = torch.randn(2, 6, 8)
+    weight = torch.randn(11, 8)
+    targets = ids % 11
+    calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
+             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
+             lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
+    message = f"^{name}: expected finite values where completion_mask is 1, got {what} at row 1, column 4$"
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    tensors[name][1, 4] = -1.0
+    for call in calls:
+        assert call()[0].isfinite()

@@ -19,7 +19,9 @@ from fastgrpo._checks import (
     check_per_token_inputs,
     check_shape,
     first_nonfinite,
+    masked_nonfinite,
     nonbinary,
+    raise_if_masked_nonfinite,
     raise_if_nonbinary,
     raise_if_nonfinite,
     raise_unless_in_range,
@@ -174,17 +176,27 @@ def check_loss_inputs(
 
 
 def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, vocab_size: int,
-                      advantages: torch.Tensor) -> int:
-    """completion_mask holds only 0 and 1, target_ids are in [0, vocab_size) and advantages are finite, read in one
-    host sync; returns the count of completion tokens (the mask's 1s). After check_loss_inputs."""
+                      advantages: torch.Tensor, per_token: dict[str, torch.Tensor | None]) -> int:
+    """completion_mask holds only 0 and 1, target_ids are in [0, vocab_size), advantages are finite and so are the
+    per_token inputs (finite_where_completion) where completion_mask is 1, read in one host sync; returns the count
+    of completion tokens (the mask's 1s). After check_loss_inputs."""
     if target_ids.numel() == 0:
         return 0
     flag, low, high, count, *bad = read_ints(nonbinary(completion_mask), *target_ids.aminmax(),
-                                             completion_mask.bool().sum(), *first_nonfinite(advantages))
+                                             completion_mask.bool().sum(), *first_nonfinite(advantages),
+                                             *masked_nonfinite(completion_mask, per_token))
     raise_if_nonbinary("completion_mask", flag)
     raise_unless_in_range("target_ids", low, high, vocab_size)
-    raise_if_nonfinite("advantages", advantages.shape, *bad)
+    raise_if_nonfinite("advantages", advantages.shape, *bad[:2])
+    raise_if_masked_nonfinite("completion_mask", per_token, bad[2:])
     return count
+
+
+def finite_where_completion(old_logps, ref_logps, token_weights) -> dict[str, torch.Tensor | None]:
+    """The per-token inputs that must be finite where completion_mask is 1 (a NaN / inf there made the loss NaN or
+    inf silently); elsewhere they are padding, which the loss fills. Not sampling_logps: the off-policy mask counts
+    an engine's NaN log-prob as 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could not score')."""
+    return {"old_logps": old_logps, "ref_logps": ref_logps, "token_weights": token_weights}
 
 
 def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:

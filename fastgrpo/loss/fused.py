@@ -12,7 +12,13 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, check_loss_values, resolve
+from fastgrpo.loss.config import (
+    GRPOLossConfig,
+    check_loss_inputs,
+    check_loss_values,
+    finite_where_completion,
+    resolve,
+)
 from fastgrpo.loss.grpo import aggregation_weights, entropy_weights, grpo_objective, loss_metrics
 from fastgrpo.ops.fused_linear import acc_dtype, chunk_loop, finish_grads, resolve_backend, row_kernels
 
@@ -174,7 +180,8 @@ def fused_linear_grpo_loss(
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
-    valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0], advantages)
+    valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0], advantages,
+                                     finite_where_completion(old_logps, ref_logps, token_weights))
     return _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
                 (old_logps, ref_logps, token_weights, sampling_logps), return_entropy, return_logps, backend)
 

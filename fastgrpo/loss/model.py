@@ -17,14 +17,16 @@ from fastgrpo._checks import (
     check_per_token_inputs,
     check_shape,
     first_nonfinite,
+    masked_nonfinite,
     nonbinary,
+    raise_if_masked_nonfinite,
     raise_if_nonbinary,
     raise_if_nonfinite,
     raise_unless_in_range,
     read_ints,
 )
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
-from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, resolve
+from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, finite_where_completion, resolve
 from fastgrpo.loss.correction import RolloutCorrection, check_rollout_correction, correction_weights
 from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
@@ -38,10 +40,12 @@ class _Batch(NamedTuple):
 
 
 def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
-             vocab_size: int, advantages: torch.Tensor | None) -> _Batch:
-    """Check the inputs (and that advantages, when given, are finite) and find the completion window, reading their
-    values in one host sync (not one per check: each sync stops the host from queueing work while the GPU finishes
-    the previous micro-batch)."""
+             vocab_size: int, advantages: torch.Tensor | None = None,
+             per_token: dict[str, torch.Tensor | None] | None = None) -> _Batch:
+    """Check the inputs (and that advantages, when given, are finite, and the per_token tensors where
+    completion_mask is 1) and find the completion window, reading their values in one host sync (not one per check:
+    each sync stops the host from queueing work while the GPU finishes the previous micro-batch)."""
+    per_token = per_token or {}
     check_shape("input_ids", input_ids, (None, None))
     B, T = input_ids.shape
     if B == 0:
@@ -57,15 +61,17 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     attention_flag, completion_flag, first_column, low, high, first, last, tokens, *bad = read_ints(
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
-        *(() if advantages is None else first_nonfinite(advantages)),
+        *(() if advantages is None else first_nonfinite(advantages)), *masked_nonfinite(completion_mask, per_token),
     )
     raise_if_nonbinary("attention_mask", attention_flag)
     raise_if_nonbinary("completion_mask", completion_flag)
     if first_column:
         raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
     raise_unless_in_range("input_ids", low, high, vocab_size)
-    if bad:
-        raise_if_nonfinite("advantages", advantages.shape, *bad)
+    if advantages is not None:
+        raise_if_nonfinite("advantages", advantages.shape, *bad[:2])
+        bad = bad[2:]
+    raise_if_masked_nonfinite("completion_mask", per_token, bad)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
     return _Batch(window, tokens)
 
@@ -77,10 +83,10 @@ def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Ten
     return full
 
 
-def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages=None):
+def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages=None, per_token=None):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
-    batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages)
+    batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token)
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     cols = batch.window
     hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
@@ -129,7 +135,8 @@ def grpo_loss(
     if "softcap" not in options and (config is None or config.softcap is None):
         options["softcap"] = logit_softcap(model)
     cfg = resolve(config, options)
-    hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages)
+    hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages,
+                                             finite_where_completion(old_logps, ref_logps, token_weights))
     cols = batch.window
 
     def window(t):

@@ -9,7 +9,13 @@ import torch
 import torch.nn.functional as F
 
 from fastgrpo._checks import check_linear_args
-from fastgrpo.loss.config import GRPOLossConfig, check_loss_inputs, check_loss_values, resolve
+from fastgrpo.loss.config import (
+    GRPOLossConfig,
+    check_loss_inputs,
+    check_loss_values,
+    finite_where_completion,
+    resolve,
+)
 from fastgrpo.loss.grpo import grpo_objective, loss_metrics
 
 
@@ -76,7 +82,8 @@ def grpo_loss(
     cfg = resolve(config, options)
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
-    check_loss_values(completion_mask, target_ids, weight.shape[0], advantages)
+    check_loss_values(completion_mask, target_ids, weight.shape[0], advantages,
+                      finite_where_completion(old_logps, ref_logps, token_weights))
     hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps = _cast(
         upcast, hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps
     )
