@@ -247,6 +247,24 @@ def test_a_run_that_fails_at_its_first_step_leaves_no_metrics_log(tmp_path):
     assert (run / "metrics.jsonl").read_text() == logged
 
 
+def test_a_tensorboard_run_that_fails_at_its_first_step_leaves_no_folder(tmp_path):
+    """report_to=["tensorboard"] made its tensorboard/ folder when the log was built: GRPOTrainer builds it before
+    train() checks the folder, which then refused the run as 'holds another run (tensorboard)', and a run whose first
+    step raised would have kept the folder. The writer starts at the first line now, as metrics.jsonl does."""
+    pytest.importorskip("tensorboard", reason="report_to tensorboard needs `pip install tensorboard`")
+    from fastgrpo.rewards.scoring import RewardError
+
+    def broken(prompts, completions, **kwargs):
+        raise RuntimeError("reward server down")
+
+    run = tmp_path / "run"
+    with pytest.raises(RewardError, match="reward server down"):
+        _trainer(run, broken, max_steps=1, report_to=["tensorboard"]).train()
+    assert not run.exists()
+    _trainer(run, max_steps=1, report_to=["tensorboard"]).train()
+    assert any((run / "tensorboard").iterdir())
+
+
 def test_truncated_last_metrics_line_is_dropped_with_a_warning(tmp_path, caplog):
     lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2, 3)]
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 4, "rew')  # killed mid-write

@@ -83,9 +83,12 @@ def _wandb(run_config: dict) -> Callable[[int, dict], None]:
 def _tensorboard(output_dir: Path) -> Callable[[int, dict], None]:
     from torch.utils.tensorboard import SummaryWriter
 
-    writer = SummaryWriter(str(output_dir / "tensorboard"))
+    writer = None
 
     def log(step: int, scalars: dict) -> None:
+        nonlocal writer
+        if writer is None:  # at the first line, as metrics.jsonl: a run that fails before it leaves no folder
+            writer = SummaryWriter(str(output_dir / "tensorboard"))
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
         writer.flush()
