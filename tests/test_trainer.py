@@ -284,15 +284,27 @@ def test_patched_bf16_loop_on_gpu(tmp_path):
     assert history[-1]["peak_gpu_mem_gib"] > 0
 
 
-def test_report_to_wandb_logs_every_step(tmp_path, monkeypatch):
+def test_report_to_wandb_logs_every_step_from_a_run_started_at_the_first(tmp_path, monkeypatch):
+    """wandb.init ran when GRPOTrainer was built: a run that then failed at step 1, or a resume with nothing left to
+    train, still made a wandb run. It starts at the first metrics line now, as metrics.jsonl and tensorboard do.
+    (wandb is not installed here: a stand-in module records the calls.)"""
+    import importlib.machinery
     import sys
     import types
 
-    logged = []
+    logged, started = [], []
     run = types.SimpleNamespace(log=lambda scalars, step: logged.append((step, scalars)))
-    monkeypatch.setitem(sys.modules, "wandb", types.SimpleNamespace(init=lambda **kwargs: run))
-    _trainer(tmp_path, report_to=["wandb"]).train()
-    assert [step for step, _ in logged] == [1, 2] and "reward" in logged[0][1]
+    wandb = types.ModuleType("wandb")
+    # a spec: transformers' find_spec("wandb"), when building the model imports its class first, needs one
+    wandb.__spec__ = importlib.machinery.ModuleSpec("wandb", None)
+    wandb.init = lambda **kwargs: started.append(1) or run
+    monkeypatch.setitem(sys.modules, "wandb", wandb)
+    trainer = _trainer(tmp_path, report_to=["wandb"])
+    assert not started
+    trainer.train()
+    assert [step for step, _ in logged] == [1, 2] and "reward" in logged[0][1] and len(started) == 1
+    _trainer(tmp_path, report_to=["wandb"], resume=True).train()  # at max_steps already: nothing to train
+    assert len(started) == 1
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
     with pytest.raises(ValueError, match="pip install wandb"):
         _trainer(tmp_path, report_to=["wandb"])

@@ -76,8 +76,15 @@ class MetricsLog:
 def _wandb(run_config: dict) -> Callable[[int, dict], None]:
     import wandb
 
-    run = wandb.init(project="fastgrpo", config=run_config)
-    return lambda step, scalars: run.log(scalars, step=step)
+    run = None
+
+    def log(step: int, scalars: dict) -> None:
+        nonlocal run
+        if run is None:  # at the first line, as metrics.jsonl: a run that logs nothing makes no wandb run
+            run = wandb.init(project="fastgrpo", config=run_config)
+        run.log(scalars, step=step)
+
+    return log
 
 
 def _tensorboard(output_dir: Path) -> Callable[[int, dict], None]:
