@@ -31,7 +31,8 @@ def test_builtin_eval_writes_its_files_and_guards_them(tmp_path, capsys):
     capsys.readouterr()
     assert main(["eval", "--output-dir", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "holds another run" in err and "--resume" not in err, err  # eval has no --resume to suggest
+    # eval has no --resume to suggest; its files are an evaluation's results, not "another run"
+    assert "holds the results of a `fastgrpo eval` (results.jsonl, summary.json)" in err and "--resume" not in err, err
     # another command's log beside it is not eval's to delete, even when eval overwrites its own files
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     assert main(["eval", "--output-dir", str(tmp_path), "--overwrite-output-dir", "--max-examples", "4"]) == 0

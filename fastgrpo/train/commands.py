@@ -232,7 +232,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     output = Path(config.output_dir)
     # another evaluation's files there are refused (or overwritten); a train run's folder may take its results
     with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
-        run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir)
+        # command: a refusal names the files an evaluation's results, not "another run"
+        run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         torch.manual_seed(config.seed)
         with naming_the_model(config.model):
             model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
