@@ -142,8 +142,13 @@ def test_checkpoint_and_model_mixed_up_point_to_each_other(tmp_path, capsys):
     (run / "final").mkdir(parents=True)
     (run / "final" / "config.json").write_text("{}")
     (run / "checkpoint-1").mkdir()
+    (run / "checkpoint-1" / "trainer_state.pt").write_bytes(b"")
+    (run / "checkpoint-1" / "run_config.json").write_text('{"prompt_format": "raw"}')
     for argv, message in [
         (["--checkpoint", str(run / "final")], "; it is a model folder: pass it as --model"),
+        # not read as an exported final/ (its run_config.json): no 'prompt_format as the run trained' line
+        (["--model", str(run / "checkpoint-1")], f"model: {run / 'checkpoint-1'} is a run's checkpoint, not a model "
+                                                 "folder: pass it as --checkpoint"),
         (["--model", str(run)], "(a run's folder: its final/ is a model; --checkpoint takes the run)"),
         (["--checkpoint", str(tmp_path / "nope")], f"checkpoint: no such folder {tmp_path / 'nope'}"),
     ]:

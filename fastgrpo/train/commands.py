@@ -76,13 +76,17 @@ def config_from_args(name: str, args: argparse.Namespace):
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
     """(config, description) of the run behind eval's model: a --checkpoint's run, or the run that exported a
     --model folder (its run_config.json: export_model); (None, "") for any other model."""
-    from fastgrpo.train.checkpoint import read_exported_run_config, read_run_config
+    from fastgrpo.train.checkpoint import STATE_FILE, read_exported_run_config, read_run_config
     from fastgrpo.train.loading import find_checkpoint
 
     if merged.get("checkpoint") is not None:
         return read_run_config(find_checkpoint(merged["checkpoint"])), "the checkpoint's run"
-    exported = read_exported_run_config(merged["model"]) if merged.get("model") is not None else None
-    return exported, f"the run that exported {merged.get('model')}"
+    model = merged.get("model")
+    # a checkpoint holds a run_config.json too: it is no export, and not a model transformers can load
+    if model is not None and (Path(model) / STATE_FILE).is_file():
+        raise ValueError(f"model: {model} is a run's checkpoint, not a model folder: pass it as --checkpoint")
+    exported = read_exported_run_config(model) if model is not None else None
+    return exported, f"the run that exported {model}"
 
 
 # what eval takes from the run that trained its model unless YAML or a flag sets it: the model learned to answer
