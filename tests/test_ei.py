@@ -1,6 +1,7 @@
 """`fastgrpo ei`: the built-in expert iteration raises its reward; a round keeps exactly the sampled tokens of the
 completions marked correct; a round with nothing kept leaves the weights alone; resume continues a straight run."""
 import json
+import re
 import logging
 
 import pytest
@@ -119,3 +120,14 @@ def test_console_and_a_stop_count_rounds(tmp_path, capsys):
     out = capsys.readouterr()
     assert out.out.splitlines()[0].startswith("round 1/3 | reward 1.000 | loss "), out.out
     assert "fastgrpo ei: stopped by SIGINT in the middle of a round, without a new checkpoint" in out.err, out.err
+
+
+def test_a_prompt_over_max_prompt_length_says_how_it_was_wrapped(tmp_path, capsys):
+    """ei on your rows prompts in r1_zero by default: a 7-character question is a ~400-token prompt, which the
+    error says (it named only the count), as eval's does."""
+    data = tmp_path / "q.jsonl"
+    data.write_text(json.dumps({"prompt": "1 say a", "answer": "a"}) + "\n")
+    assert main(["ei", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), *ROUNDS]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"fastgrpo ei: error: dataset: row 0 has a \d+-token prompt as --prompt-format r1_zero wraps "
+                        r"it \(raw: as written\), over max_prompt_length \(16\)\n", err), err

@@ -27,7 +27,7 @@ from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.input_checks import check_rows_have
 from fastgrpo.train.naming import setting
-from fastgrpo.train.prompts import prompt_ids
+from fastgrpo.train.prompts import as_wrapped, prompt_ids
 
 logger = logging.getLogger(__name__)
 
@@ -78,8 +78,7 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
     ids = []
-    wrapped = f" as {setting('prompt_format', 'r1_zero')} wraps it (raw: as written)" \
-        if prompt_format == "r1_zero" else ""
+    wrapped = as_wrapped(prompt_format)
     for i, row in enumerate(rows):
         try:
             ids.append(prompt_ids(tokenizer, row[prompt_column], prompt_format))

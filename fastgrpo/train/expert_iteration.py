@@ -34,7 +34,7 @@ from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
-from fastgrpo.train.prompts import prompt_ids
+from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft_data import SFTExample
@@ -58,8 +58,9 @@ class ExpertIteration:
             except ValueError as err:
                 raise ValueError(f"dataset: row {i}: {err}") from None
             if len(self.prompts[-1]) > config.max_prompt_length:
-                raise ValueError(f"dataset: row {i} has a {len(self.prompts[-1])}-token prompt, over "
-                                 f"max_prompt_length ({config.max_prompt_length})")
+                raise ValueError(f"dataset: row {i} has a {len(self.prompts[-1])}-token prompt"
+                                 f"{as_wrapped(config.prompt_format)}, over max_prompt_length "
+                                 f"({config.max_prompt_length})")
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
         self.sampling = config.sampling()
         self.weights = torch.tensor(config.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float64)

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from fastgrpo._checks import check_choice
+from fastgrpo.train.naming import setting
 
 PROMPT_FORMATS = ("raw", "chat", "auto", "r1_zero")
 R1_ZERO_PROMPT = (
@@ -33,6 +34,14 @@ def stop_strings(stop: list[str] | None, prompt_format: str, reward_funcs: Seque
     evaluation, grades with r1_zero_math) the closing answer tag."""
     r1_zero = prompt_format == "r1_zero" or "r1_zero_math" in reward_funcs
     return stop if stop is not None or not r1_zero else list(R1_ZERO_STOP)
+
+
+def as_wrapped(prompt_format: str) -> str:
+    """For an error about a prompt's length: under r1_zero, a note that the count is the template's, not the
+    question's (a 7-character question is a ~400-token prompt); else ""."""
+    if prompt_format != "r1_zero":
+        return ""
+    return f" as {setting('prompt_format', 'r1_zero')} wraps it (raw: as written)"
 
 
 def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:
