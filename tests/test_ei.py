@@ -131,3 +131,13 @@ def test_a_prompt_over_max_prompt_length_says_how_it_was_wrapped(tmp_path, capsy
     err = capsys.readouterr().err
     assert re.fullmatch(r"fastgrpo ei: error: dataset: row 0 has a \d+-token prompt as --prompt-format r1_zero wraps "
                         r"it \(raw: as written\), over max_prompt_length \(16\)\n", err), err
+
+
+def test_a_finished_run_resumed_keeps_its_export(tmp_path):
+    """As sft's: --resume of a finished run leaves final/, and the files put there, alone."""
+    argv = ["ei", "--output-dir", str(tmp_path), "--ei-steps", "1", "--questions-per-step", "4", "--no-progress-bar",
+            "--logging-steps", "0"]
+    assert main(argv) == 0
+    (tmp_path / "final" / "notes.txt").write_text("mine")
+    assert main([*argv, "--resume"]) == 0
+    assert (tmp_path / "final" / "notes.txt").read_text() == "mine"

@@ -2,6 +2,7 @@
 response tokenization (raw and chat template), length-sorted batches, and the built-in run (loss falls, resume is
 exact, the output folder is guarded)."""
 import json
+import shutil
 
 import pytest
 import torch
@@ -197,3 +198,16 @@ def test_user_rows_with_lora_and_patch(tmp_path, tokenizer):
     trainer = SFTTrainer(model, tokenizer, [SFTExample((5, 6), (7, 1))], SFTConfig(batch_size=1, micro_batch_size=1,
                                                                                    max_seq_length=8))
     assert trainer.train_step()["response_tokens"] == 2
+
+
+def test_a_finished_run_resumed_keeps_its_export(tmp_path):
+    """--resume of a finished run trains nothing and leaves final/ as it is: it re-exported the same weights,
+    deleting what the user had put there (an eval's --output-dir, notes)."""
+    argv = ["sft", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--logging-steps", "0"]
+    assert main(argv) == 0
+    (tmp_path / "final" / "notes.txt").write_text("mine")
+    assert main([*argv, "--resume"]) == 0
+    assert (tmp_path / "final" / "notes.txt").read_text() == "mine"
+    shutil.rmtree(tmp_path / "final")  # stopped before its export: the resume exports, training nothing
+    assert main([*argv, "--resume"]) == 0
+    assert (tmp_path / "final" / "config.json").is_file()

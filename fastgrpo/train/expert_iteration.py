@@ -191,7 +191,7 @@ class ExpertIteration:
             stack.callback(console.close)
             self._guard = guard = stack.enter_context(InterruptGuard(unit="round"))
             stack.callback(setattr, self, "_guard", None)
-            saved = self.round if config.resume else None
+            started = saved = self.round if config.resume else None
             while self.round < config.ei_steps:
                 rng = rng_states()
                 guard.abandonable = True  # until the round's SFT starts
@@ -213,9 +213,11 @@ class ExpertIteration:
                     raise guard.interrupted(self.round, path)
             if saved != self.round:
                 self.save_checkpoint()
-            if config.export:
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
-            else:
+            final = self.output_dir / "final"
+            # a finished run resumed keeps its export: the same weights, and files the user put beside them
+            if config.export and (self.round != started or not final.is_dir()):
+                export_model(self.model, self.tokenizer, final, run_config=config.to_dict())
+            elif not config.export:
                 warn_stale_export(self.output_dir)
         return self.history
 

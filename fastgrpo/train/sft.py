@@ -154,6 +154,7 @@ class SFTTrainer:
                                  progress_bar=config.progress_bar)
             stack.callback(console.close)
             guard = stack.enter_context(InterruptGuard())  # every part of an SFT step is the update: it finishes
+            started = self.step
             saved_step, saved_time = self.step if config.resume else None, time.monotonic()
             while self.step < self.total_steps:
                 metrics = self.train_step()
@@ -170,9 +171,11 @@ class SFTTrainer:
                     raise guard.interrupted(self.step, path)
             if saved_step != self.step:
                 self.save_checkpoint()
-            if config.export:
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
-            else:
+            final = self.output_dir / "final"
+            # a finished run resumed keeps its export: the same weights, and files the user put beside them
+            if config.export and (self.step > started or not final.is_dir()):
+                export_model(self.model, self.tokenizer, final, run_config=config.to_dict())
+            elif not config.export:
                 warn_stale_export(self.output_dir)
         return self.history
 
