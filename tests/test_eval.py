@@ -1,6 +1,7 @@
 """`fastgrpo eval` and the periodic evaluation: per-example JSONL and a summary from the rollout engine, a run's
 checkpoint evaluated with its trained weights, the r1_zero format / answer split, evaluation inside `train`."""
 import json
+import re
 
 import pytest
 
@@ -195,3 +196,11 @@ def test_periodic_eval_inside_train(tmp_path, capsys):
     data.write_text(json.dumps({"prompt": "1 say a", "letter": "a"}) + "\n")
     assert main(["train", "--dataset", str(data), "--eval-steps", "1", "--output-dir", str(tmp_path / "x")]) == 2
     assert "eval_dataset: eval_steps > 0 on your own dataset" in capsys.readouterr().err
+
+
+def test_a_prompt_past_the_models_positions_names_the_flag_to_lower(tmp_path, capsys):
+    """On the command line the fix names the flag (it named the field: 'lower max_new_tokens to 55')."""
+    assert main(["eval", "--max-new-tokens", "100", "--output-dir", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"over the model's max_position_embeddings \(64\): shorten the prompts or lower "
+                     r"--max-new-tokens to \d+ or less\n$", err), err

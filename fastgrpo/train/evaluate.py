@@ -103,7 +103,8 @@ def _check_positions(ids: list[list[int]], max_positions: int, max_new_tokens: i
     if n + max_new_tokens <= max_positions:
         return
     room = max_positions - n
-    fix = f"or lower {new_tokens_field} to {room} or less" if room > 0 else "(it leaves no position for a new token)"
+    fix = f"or lower {setting(new_tokens_field)} to {room} or less" if room > 0 else \
+        "(it leaves no position for a new token)"
     raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}; with {max_new_tokens} new tokens that is "
                      f"{n + max_new_tokens} positions, over the model's max_position_embeddings ({max_positions}): "
                      f"shorten the prompts {fix}")
