@@ -313,15 +313,15 @@ class Distributed:
         n = value.shape[0] // self.world_size
         return value[self.rank * n:(self.rank + 1) * n]
 
-    def raise_together(self, check: Callable[[], object]) -> None:
-        """Run `check`; if it raises on any rank, raise on every rank (the others with the first failing rank's
-        message), so that no rank goes on into a collective that the failed ones will never join."""
+    def raise_together(self, check: Callable[[], object]):
+        """Run `check` and return what it returns; if it raises on any rank, raise on every rank (the others with
+        the first failing rank's message), so that no rank goes on into a collective that the failed ones will never
+        join."""
         if not self.active:
-            check()
-            return
+            return check()
+        result = failure = None
         try:
-            check()
-            failure = None
+            result = check()
         except Exception as err:  # noqa: BLE001 - re-raised below, on this rank and on the others
             failure = err
         messages = [None] * self.world_size
@@ -332,6 +332,7 @@ class Distributed:
         if first is not None:
             kind, text = first
             raise kind(f"(on process {messages.index(first)}) {text}")
+        return result
 
     def combine_metrics(self, metrics: dict) -> dict:
         """Rank 0's view of the step: the per-rank throughputs and error counts summed, the peak memory the
@@ -357,12 +358,11 @@ class Distributed:
 
     @contextlib.contextmanager
     def run_directory(self, output_dir):
-        """Rank 0 locks and prepares output_dir (fastgrpo.train.run_dir); the others wait until it has."""
-        if not self.is_main:
-            yield _Follower(self)
-            return
-        with RunDirectory(output_dir) as run_dir:
-            yield _Leader(run_dir, self)
+        """Rank 0 locks and prepares output_dir (fastgrpo.train.run_dir); the others wait until it has, and raise its
+        error when it refuses the folder (another run's files or lock)."""
+        with contextlib.ExitStack() as stack:
+            yield _SharedRunDirectory(self.raise_together(
+                lambda: stack.enter_context(RunDirectory(output_dir)) if self.is_main else None), self)
 
     # ---- checkpoints ----
     def save_checkpoint(self, path: Path, model: torch.nn.Module, optimizer, state: dict) -> Path:
@@ -437,20 +437,11 @@ class Distributed:
         return Path(path)
 
 
-class _Leader:
-    """Rank 0's run directory: prepares it, then lets the other ranks go on."""
+class _SharedRunDirectory:
+    """The run directory of every rank: rank 0's RunDirectory (None on the others), prepared by rank 0."""
 
-    def __init__(self, run_dir: RunDirectory, group: Distributed):
+    def __init__(self, run_dir: RunDirectory | None, group: Distributed):
         self.run_dir, self.group = run_dir, group
 
     def prepare(self, **kwargs) -> None:
-        self.run_dir.prepare(**kwargs)
-        self.group.barrier()
-
-
-class _Follower:
-    def __init__(self, group: Distributed):
-        self.group = group
-
-    def prepare(self, **kwargs) -> None:
-        self.group.barrier()
+        self.group.raise_together(lambda: self.run_dir and self.run_dir.prepare(**kwargs))

@@ -1,0 +1,74 @@
+"""How a run on 2 gloo processes (real torch.distributed, forked) ends when only one process meets the reason to stop:
+every process stops with the message, and none waits in a collective that the others never join (each worker's
+process group times out after 30 s, and the test fails past its own deadline rather than hanging)."""
+import datetime
+import json
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fastgrpo.train import default_task
+from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.run_dir import RunLock
+
+WORLD = 2
+DEADLINE_S = 60
+
+
+def _run(worker, tmp_path: Path, *args) -> list[dict]:
+    """worker(rank, tmp_path, *args) -> a JSON-able result, on 2 forked gloo processes; the results by rank."""
+    default_task.build_model(default_task.build_tokenizer())  # import transformers' model classes before the fork
+    context = mp.start_processes(_joined, args=(worker, str(tmp_path), *args), nprocs=WORLD, start_method="fork",
+                                 join=False)
+    deadline = time.monotonic() + DEADLINE_S
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the processes still ran after {DEADLINE_S} s: one waits for the other")
+    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(WORLD)]
+
+
+def _joined(rank: int, worker, tmp: str, *args) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+                            timeout=datetime.timedelta(seconds=30))
+    try:
+        result = worker(rank, Path(tmp), *args)
+        Path(tmp, f"rank-{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def _prepare(rank: int, tmp: Path, folder: str) -> dict:
+    try:
+        with Distributed.current().run_directory(tmp / folder) as run_dir:
+            run_dir.prepare(resume=False, overwrite=False, command="train")
+    except ValueError as err:
+        return {"error": str(err)}
+    return {}
+
+
+def test_a_folder_rank_0_refuses_stops_every_rank_with_its_message(tmp_path):
+    """Rank 0 checks the output folder; rank 1 waited for it in a barrier and met 'Connection closed by peer' (a
+    traceback) when rank 0 exited with its one-line error."""
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    found = _run(_prepare, tmp_path, "used")
+    assert "holds another run (metrics.jsonl)" in found[0]["error"]
+    assert found[1]["error"] == f"(on process 0) {found[0]['error']}"
+
+
+def test_a_folder_another_run_holds_stops_every_rank_with_its_message(tmp_path):
+    lock = RunLock(tmp_path)
+    lock.acquire()
+    try:
+        found = _run(_prepare, tmp_path, ".")
+    finally:
+        lock.release()
+    assert "is in use by another run" in found[0]["error"]
+    assert found[1]["error"] == f"(on process 0) {found[0]['error']}"
