@@ -3,6 +3,7 @@ every process stops with the message, and none waits in a collective that the ot
 process group times out after 30 s, and the test fails past its own deadline rather than hanging)."""
 import datetime
 import json
+import os
 import time
 from pathlib import Path
 
@@ -12,11 +13,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fastgrpo.train import default_task
+from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.run_dir import RunLock
+from fastgrpo.train.trainer import GRPOTrainer
 
 WORLD = 2
 DEADLINE_S = 60
+# 2 prompts x 4 samples, one per rank; full fine-tuning (FSDP2: every rank writes its shard of a checkpoint)
+FIELDS = dict(default_task.PRESET, batch_size=8, num_generations=4, micro_batch_size=4, max_completion_length=4,
+              max_steps=3, save_steps=0, save_minutes=0, export=False, progress_bar=False, logging_steps=0)
 
 
 def _run(worker, tmp_path: Path, *args) -> list[dict]:
@@ -72,3 +78,18 @@ def test_a_folder_another_run_holds_stops_every_rank_with_its_message(tmp_path):
         lock.release()
     assert "is in use by another run" in found[0]["error"]
     assert found[1]["error"] == f"(on process 0) {found[0]['error']}"
+
+
+def _trained(rank: int, tmp: Path) -> dict:
+    model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                          GRPOConfig(**{**FIELDS, "max_steps": 1}, output_dir=str(tmp / "run")))
+    return {"steps": [m["step"] for m in trainer.train()]}
+
+
+def test_train_from_python_takes_the_folder_once(tmp_path):
+    """GRPOTrainer.train() on every rank (a user's script under torchrun): rank 0 locks the folder, the others
+    follow; every rank locked it and rank 1 stopped with 'in use by another run (PID of rank 0)'."""
+    assert _run(_trained, tmp_path) == [{"steps": [1]}, {"steps": [1]}]
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-1", "metrics.jsonl"]
+

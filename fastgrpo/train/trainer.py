@@ -45,7 +45,6 @@ from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.prompts import prompt_ids
-from fastgrpo.train.run_dir import RunDirectory
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -371,19 +370,19 @@ class GRPOTrainer:
         }, logps
 
     # ---- the run ----
-    def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
+    def train(self, run_dir=None) -> list[dict]:
         """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps.
 
         The output folder is locked for the run, and a fresh run refuses a folder that holds another run unless
-        overwrite_output_dir (fastgrpo.train.run_dir); run_dir: a folder the caller opened already (the CLI does,
-        before it loads the model). SIGINT / SIGTERM end the run at a step boundary with a checkpoint, then raise
+        overwrite_output_dir (fastgrpo.train.run_dir; under torchrun rank 0 does it for all); run_dir: the folder
+        Distributed.run_directory gave the caller (the CLI opens it before it loads the model). SIGINT / SIGTERM end the run at a step boundary with a checkpoint, then raise
         Interrupted (fastgrpo.train.interrupts); a failing reward function (reward_errors="raise") saves the step
         before it, then raises RewardError.
         """
         config = self.config
         with contextlib.ExitStack() as stack:
             if run_dir is None:
-                run_dir = stack.enter_context(RunDirectory(self.output_dir))
+                run_dir = stack.enter_context(self.dist.run_directory(self.output_dir))  # under torchrun: rank 0's
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
             if config.resume:
                 self.resume()
