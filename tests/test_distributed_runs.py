@@ -4,6 +4,7 @@ process group times out after 30 s, and the test fails past its own deadline rat
 import datetime
 import json
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ import torch.multiprocessing as mp
 from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.interrupts import Interrupted
 from fastgrpo.train.run_dir import RunLock
 from fastgrpo.train.trainer import GRPOTrainer
 
@@ -93,3 +95,41 @@ def test_train_from_python_takes_the_folder_once(tmp_path):
     assert _run(_trained, tmp_path) == [{"steps": [1]}, {"steps": [1]}]
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-1", "metrics.jsonl"]
 
+
+def _signalled(rank: int, tmp: Path, phase: str) -> dict:
+    """A 3-step run whose rank 1 alone gets SIGINT in step 2: while it scores the rollout (before the update) or as
+    its optimizer steps (in the update)."""
+    model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
+    calls = []
+
+    def reward(prompts, completions, **kwargs):
+        calls.append(1)
+        if rank == 1 and phase == "rollout" and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return default_task.repeat_letter_reward(prompts, completions, **kwargs)
+
+    trainer = GRPOTrainer(model, tokenizer, reward, default_task.build_dataset(16),
+                          GRPOConfig(**FIELDS, output_dir=str(tmp / "run")))
+    def update(*args):
+        if rank == 1 and phase == "update" and len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    trainer.optimizer.register_step_pre_hook(update)
+    try:
+        trainer.train()
+    except Interrupted as stop:
+        return {"signal": stop.signum, "step": stop.step, "checkpoint": Path(stop.checkpoint).name,
+                "logged": len(trainer.history)}
+    return {"signal": None}
+
+
+@pytest.mark.parametrize("phase, saved", [("rollout", 1), ("update", 2)])
+def test_a_signal_one_rank_gets_stops_every_rank_at_one_step(tmp_path, phase, saved):
+    """Before the update both ranks abandon step 2 and save step 1 (the state it began from); in the update both
+    finish step 2 and save it. Rank 1 alone used to act on it: it went into the checkpoint's collectives while rank 0
+    waited in the step's (a hang), or stopped after the step while rank 0 went on into step 3."""
+    found = _run(_signalled, tmp_path, phase)
+    want = {"signal": signal.SIGINT, "step": saved, "checkpoint": f"checkpoint-{saved}", "logged": saved}
+    assert found == [want, want]
+    assert sorted(os.listdir(tmp_path / "run")) == [f"checkpoint-{saved}", "metrics.jsonl"]
+    assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == saved

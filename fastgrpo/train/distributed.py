@@ -283,11 +283,14 @@ class Distributed:
     def mean(self, value: torch.Tensor) -> torch.Tensor:
         return self.all_reduce_sum(value) / self.world_size if self.active else value
 
-    def any(self, flag) -> bool:
-        """True on every rank when `flag` is true on any: decisions that lead into collectives (saving) agree."""
+    def max(self, *values: int) -> list[int]:
+        """Each value's largest over the ranks, the same on every rank: decisions that lead into collectives (saving,
+        stopping) agree."""
         if not self.active:
-            return bool(flag)
-        return bool(self.all_reduce_sum(torch.tensor(float(bool(flag)))) > 0)
+            return list(values)
+        out = torch.tensor(values, dtype=torch.int64, device=self.device)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)
+        return out.tolist()
 
     def gather_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows [n, ...] -> the whole batch's [world * n, ...] in rank order (every share equal)."""

@@ -22,7 +22,10 @@ A command's loop uses it as GRPOTrainer.train does:
             if guard.requested:
                 raise guard.interrupted(step, save_checkpoint(...))
 
-Outside the main thread (where Python cannot take signals) the guard does nothing.
+Outside the main thread (where Python cannot take signals) the guard does nothing. With several processes
+(`deferred`) a process acting on its own signal would enter a checkpoint's collectives while the others wait in the
+step's: the first signal is only noted, and the loop stops every process together where they agree on it (before
+the update, or at the step's end: GRPOTrainer); a second one still stops at once, without a checkpoint.
 """
 from __future__ import annotations
 
@@ -69,8 +72,9 @@ class Interrupted(KeyboardInterrupt):
 class InterruptGuard:
     """Handles SIGINT and SIGTERM while entered (the previous handlers come back on exit); see the module doc."""
 
-    def __init__(self, unit: str = "step"):
+    def __init__(self, unit: str = "step", deferred: bool = False):
         self.unit = unit  # what the loop calls a step, for its messages
+        self.deferred = deferred  # the first signal never raises: the loop polls `requested` (several processes)
         self.requested: int | None = None  # the first signal received
         self.abandonable = False  # True while the current step has changed nothing
         self._previous: dict[int, object] = {}
@@ -94,8 +98,11 @@ class InterruptGuard:
         first = self.requested is None
         if first:
             self.requested = signum
-        if self.abandonable or not first:
+        elif self.deferred:
+            self.abandonable = False  # no checkpoint: the other processes may be anywhere in the step
+        if (self.abandonable and not self.deferred) or not first:
             raise Interrupted(signum, unit=self.unit)
         name = signal.Signals(signum).name
-        logger.warning("%s: finishing the current %s, then saving a checkpoint (another %s stops at once)",
-                       name, self.unit, name)
+        what = f"all processes save a checkpoint and stop, before the current {self.unit}'s update or after it" \
+            if self.deferred else f"finishing the current {self.unit}, then saving a checkpoint"
+        logger.warning("%s: %s (another %s stops at once)", name, what, name)

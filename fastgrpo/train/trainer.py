@@ -394,7 +394,7 @@ class GRPOTrainer:
             console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
                                         progress_bar=config.progress_bar)
             stack.callback(console.close)
-            self._guard = stack.enter_context(InterruptGuard())
+            self._guard = stack.enter_context(InterruptGuard(deferred=self.dist.active))
             stack.callback(setattr, self, "_guard", None)
             self._run_steps(console)
             if self._saved_step != self.step:
@@ -434,14 +434,19 @@ class GRPOTrainer:
             console.add(metrics)
             every_steps = config.save_steps and self.step % config.save_steps == 0
             every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
-            if self.dist.any(every_steps or every_minutes or guard.requested):  # all ranks save, or none
+            # all ranks save, or none; and all stop when any got a signal
+            signum, save = self.dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
+            if save or signum:
                 self.save_checkpoint()
-            if guard.requested:
-                raise guard.interrupted(self.step, self._saved_path)
+            if signum:
+                raise Interrupted(signum, self.step, self._saved_path)
 
     def _begin_update(self) -> None:
-        """Called by train_step as the update starts: from here a signal lets the step finish (see train)."""
+        """Called by train_step as the update starts: from here a signal lets the step finish (see train). Several
+        processes abandon the step here together when any got a signal before (their guards only note it)."""
         if self._guard is not None:
+            if self._guard.deferred and (signum := self.dist.max(self._guard.requested or 0)[0]):
+                raise Interrupted(signum)
             self._guard.abandonable = False
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:
