@@ -133,3 +133,26 @@ def test_a_signal_one_rank_gets_stops_every_rank_at_one_step(tmp_path, phase, sa
     assert found == [want, want]
     assert sorted(os.listdir(tmp_path / "run")) == [f"checkpoint-{saved}", "metrics.jsonl"]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == saved
+
+
+def _built(rank: int, tmp: Path, fields: dict) -> dict:
+    model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
+    try:
+        GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                    GRPOConfig(**{**FIELDS, **fields}, output_dir=str(tmp / "run")))
+    except ValueError as err:
+        return {"error": str(err)}
+    return {}
+
+
+def test_sizes_that_do_not_split_across_ranks_say_what_was_expected(tmp_path):
+    """One line per setting that names it, what it must be on this many processes and what it got."""
+    found = _run(_built, tmp_path, dict(batch_size=12, micro_batch_size=4))
+    assert found[0] == found[1] == {"error": "batch_size: expected a multiple of 8 (num_generations 4 x 2 processes: "
+                                             "each takes whole groups), got 12"}
+    found = _run(_built, tmp_path, dict(batch_size=24, num_generations=2, micro_batch_size=8))
+    assert found[0] == found[1] == {"error": "micro_batch_size: expected a divisor of 12 (each of the 2 processes' "
+                                             "minibatch of 24 / 2 / num_minibatches 1), got 8"}
+    found = _run(_built, tmp_path, dict(batch_size=36, num_generations=2, num_minibatches=4, micro_batch_size=1))
+    assert found[0] == found[1] == {"error": "num_minibatches: expected a divisor of 18 (each of the 2 processes' "
+                                             "36 / 2 completions), got 4"}

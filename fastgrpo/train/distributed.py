@@ -167,16 +167,19 @@ class Distributed:
         return self
 
     def _check_sizes(self, config) -> None:
-        groups = config.batch_size // config.num_generations
-        if groups % self.world_size:
-            raise ValueError(f"batch_size: {groups} prompts per step ({config.batch_size} / num_generations "
-                             f"{config.num_generations}) do not split into {self.world_size} processes' equal shares "
-                             "of whole groups")
-        local = config.batch_size // self.world_size
-        if local % config.num_minibatches or (local // config.num_minibatches) % config.micro_batch_size:
-            raise ValueError(f"micro_batch_size: each of the {self.world_size} processes trains on {local} completions "
-                             f"in {config.num_minibatches} minibatch(es); micro_batch_size "
-                             f"{config.micro_batch_size} must divide {local // config.num_minibatches}")
+        world, G = self.world_size, config.num_generations
+        if (config.batch_size // G) % world:
+            raise ValueError(f"batch_size: expected a multiple of {G * world} (num_generations {G} x {world} "
+                             f"processes: each takes whole groups), got {config.batch_size}")
+        local = config.batch_size // world
+        if local % config.num_minibatches:
+            raise ValueError(f"num_minibatches: expected a divisor of {local} (each of the {world} processes' "
+                             f"{config.batch_size} / {world} completions), got {config.num_minibatches}")
+        minibatch = local // config.num_minibatches  # one process's
+        if minibatch % config.micro_batch_size:
+            raise ValueError(f"micro_batch_size: expected a divisor of {minibatch} (each of the {world} processes' "
+                             f"minibatch of {config.batch_size} / {world} / num_minibatches "
+                             f"{config.num_minibatches}), got {config.micro_batch_size}")
 
     def _shard(self, model: torch.nn.Module, *, trained: bool, cpu_offload: bool, reshard_layers: bool,
                layers_per_group: int) -> torch.nn.Module:
