@@ -323,3 +323,17 @@ def test_a_resume_without_export_warns_that_final_is_older(tmp_path, caplog):
     with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
         _trainer(tmp_path, max_steps=3, resume=True).train()  # TINY: export=False
     assert f"export: {tmp_path / 'final'} holds the weights of an earlier point of this run" in caplog.text
+
+
+def test_a_finished_run_resumed_from_python_keeps_its_final_folder(tmp_path):
+    """GRPOTrainer.train(resume=True) on a finished run leaves final/ as it was (the same weights): it exported them
+    again, which deleted what the user had put beside them (an eval's results); a run that missed its export gets it."""
+    _trainer(tmp_path, max_steps=1, export=True).train()
+    note = tmp_path / "final" / "eval" / "summary.json"
+    note.parent.mkdir()
+    note.write_text("{}")
+    _trainer(tmp_path, max_steps=1, export=True, resume=True).train()
+    assert note.read_text() == "{}"
+    shutil.rmtree(tmp_path / "final")
+    _trainer(tmp_path, max_steps=1, export=True, resume=True).train()
+    assert (tmp_path / "final" / "config.json").is_file()

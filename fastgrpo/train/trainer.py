@@ -24,14 +24,8 @@ from fastgrpo.rewards.scoring import (RewardError, check_failures, nan_mean, nan
                                       warn_unscored, zero_spread_fraction)
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.rollout.decode import EngineConfig
-from fastgrpo.train.checkpoint import (
-    export_model,
-    load_latest_checkpoint,
-    nothing_to_train,
-    prune_checkpoints,
-    rng_states,
-    warn_stale_export,
-)
+from fastgrpo.train.checkpoint import (export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
+                                       rng_states, warn_stale_export)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -375,9 +369,9 @@ class GRPOTrainer:
 
         The output folder is locked for the run, and a fresh run refuses a folder that holds another run unless
         overwrite_output_dir (fastgrpo.train.run_dir; under torchrun rank 0 does it for all); run_dir: the folder
-        Distributed.run_directory gave the caller (the CLI opens it before it loads the model). SIGINT / SIGTERM end the run at a step boundary with a checkpoint, then raise
-        Interrupted (fastgrpo.train.interrupts); a failing reward function (reward_errors="raise") saves the step
-        before it, then raises RewardError.
+        Distributed.run_directory gave the caller (the CLI opens it before it loads the model). SIGINT / SIGTERM end
+        the run at a step boundary with a checkpoint, then raise Interrupted (fastgrpo.train.interrupts); a failing
+        reward function (reward_errors="raise") saves the step before it, then raises RewardError.
         """
         config = self.config
         with contextlib.ExitStack() as stack:
@@ -390,6 +384,7 @@ class GRPOTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps"))
             self.metrics_log.start_at(self.step)
+            started, final = self.step, self.output_dir / "final"
             self._saved_time = time.monotonic()
             console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
                                         progress_bar=config.progress_bar)
@@ -399,9 +394,10 @@ class GRPOTrainer:
             self._run_steps(console)
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            if config.export:
-                self.export(self.output_dir / "final")
-            elif self.dist.is_main:
+            # a finished run resumed keeps its final/: the same weights, and what the user put beside them
+            if config.export and (self.step != started or not final.is_dir()):
+                self.export(final)
+            elif not config.export and self.dist.is_main:
                 warn_stale_export(self.output_dir)
         return self.history
 
