@@ -156,3 +156,22 @@ def test_sizes_that_do_not_split_across_ranks_say_what_was_expected(tmp_path):
     found = _run(_built, tmp_path, dict(batch_size=36, num_generations=2, num_minibatches=4, micro_batch_size=1))
     assert found[0] == found[1] == {"error": "num_minibatches: expected a divisor of 18 (each of the 2 processes' "
                                              "36 / 2 completions), got 4"}
+
+
+def _cli_train(rank: int, tmp: Path, argv: list[str]) -> dict:
+    from fastgrpo.train.cli import main
+
+    return {"exit": main(argv)}
+
+
+def test_sizes_are_checked_before_overwrite_deletes_the_previous_run(tmp_path):
+    """`fastgrpo train --overwrite-output-dir` with a batch that does not split across the processes: the size error
+    comes first, and the previous run is still there (it was deleted, then the trainer refused the batch)."""
+    previous = tmp_path / "run" / "metrics.jsonl"
+    previous.parent.mkdir()
+    previous.write_text('{"step": 1}\n')
+    argv = ["train", "--output-dir", str(previous.parent), "--overwrite-output-dir", "--batch-size", "12",
+            "--num-generations", "4", "--micro-batch-size", "4", "--max-steps", "1", "--no-progress-bar"]
+    found = _run(_cli_train, tmp_path, argv)
+    assert found[0] == found[1] == {"exit": 2}
+    assert previous.read_text() == '{"step": 1}\n'

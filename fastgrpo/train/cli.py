@@ -199,6 +199,8 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     dataset = load_dataset(config)
+    if dist.active:
+        dist.check_sizes(config)
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         check_resume_before_load(config)

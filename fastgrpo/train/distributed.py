@@ -145,7 +145,7 @@ class Distributed:
         self = cls.current()
         if not self.active:
             return self
-        self._check_sizes(config)
+        self.check_sizes(config)
         if is_peft_model(model):
             from torch.nn.parallel import DistributedDataParallel
 
@@ -166,7 +166,9 @@ class Distributed:
                             layers_per_group=per_group)
         return self
 
-    def _check_sizes(self, config) -> None:
+    def check_sizes(self, config) -> None:
+        """config's batch splits into equal shares of whole groups, minibatches and micro-batches per process (the
+        CLI checks before it prepares the output folder: --overwrite-output-dir deletes)."""
         world, G = self.world_size, config.num_generations
         if (config.batch_size // G) % world:
             raise ValueError(f"batch_size: expected a multiple of {G * world} (num_generations {G} x {world} "
