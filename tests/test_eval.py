@@ -204,3 +204,19 @@ def test_a_prompt_past_the_models_positions_names_the_flag_to_lower(tmp_path, ca
     err = capsys.readouterr().err
     assert re.search(r"over the model's max_position_embeddings \(64\): shorten the prompts or lower "
                      r"--max-new-tokens to \d+ or less\n$", err), err
+
+
+@pytest.mark.parametrize("inside", ["checkpoint-1", "final", "final/eval"])
+def test_results_inside_a_runs_checkpoint_or_final_are_refused(tmp_path, capsys, inside):
+    """The run deletes its checkpoint-<step>/ when it prunes and replaces final/ when it exports again: an eval's
+    results written there would go with them. One line, before the model loads; the run's folder itself is fine."""
+    run = tmp_path / "run"
+    (run / "checkpoint-1").mkdir(parents=True)
+    (run / "checkpoint-1" / "trainer_state.pt").write_bytes(b"")
+    (run / "final").mkdir()
+    (run / "final" / "run_config.json").write_text("{}")
+    assert main(["eval", "--output-dir", str(run / inside), "--max-examples", "4"]) == 2
+    err = capsys.readouterr().err
+    folder = run / inside.split("/")[0]
+    assert err.count("\n") == 1 and f"output_dir: {folder} is " in err and "pick a folder outside it" in err, err
+    assert not (run / inside / "results.jsonl").exists()
