@@ -243,6 +243,12 @@ def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str) ->
             "train on")
 
 
+def export_due(output_dir: str | Path, trained: bool) -> bool:
+    """Whether a run's end (export on) writes final/: not when this call trained nothing and final/ is there already
+    (a finished run resumed keeps it: the same weights, and the files the user put beside them)."""
+    return trained or not (Path(output_dir) / "final").is_dir()
+
+
 def warn_stale_export(output_dir: str | Path) -> None:
     """For a run that did not export (export off): a final/ there is an earlier export of the run it continued."""
     final = Path(output_dir) / "final"

@@ -22,8 +22,8 @@ from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, war
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
-    export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint, rng_states,
-    save_checkpoint, warn_stale_export,
+    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint,
+    rng_states, save_checkpoint, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -213,10 +213,8 @@ class ExpertIteration:
                     raise guard.interrupted(self.round, path)
             if saved != self.round:
                 self.save_checkpoint()
-            final = self.output_dir / "final"
-            # a finished run resumed keeps its export: the same weights, and files the user put beside them
-            if config.export and (self.round != started or not final.is_dir()):
-                export_model(self.model, self.tokenizer, final, run_config=config.to_dict())
+            if config.export and export_due(self.output_dir, self.round != started):
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
             elif not config.export:
                 warn_stale_export(self.output_dir)
         return self.history

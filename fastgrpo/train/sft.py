@@ -16,8 +16,8 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint, save_checkpoint,
-    warn_stale_export,
+    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint,
+    save_checkpoint, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -171,10 +171,8 @@ class SFTTrainer:
                     raise guard.interrupted(self.step, path)
             if saved_step != self.step:
                 self.save_checkpoint()
-            final = self.output_dir / "final"
-            # a finished run resumed keeps its export: the same weights, and files the user put beside them
-            if config.export and (self.step > started or not final.is_dir()):
-                export_model(self.model, self.tokenizer, final, run_config=config.to_dict())
+            if config.export and export_due(self.output_dir, self.step > started):
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
             elif not config.export:
                 warn_stale_export(self.output_dir)
         return self.history

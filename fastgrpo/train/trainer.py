@@ -24,8 +24,8 @@ from fastgrpo.rewards.scoring import (RewardError, check_failures, nan_mean, nan
                                       warn_unscored, zero_spread_fraction)
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.rollout.decode import EngineConfig
-from fastgrpo.train.checkpoint import (export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
-                                       rng_states, warn_stale_export)
+from fastgrpo.train.checkpoint import (export_due, export_model, load_latest_checkpoint, nothing_to_train,
+                                       prune_checkpoints, rng_states, warn_stale_export)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -384,7 +384,7 @@ class GRPOTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps"))
             self.metrics_log.start_at(self.step)
-            started, final = self.step, self.output_dir / "final"
+            started = self.step
             self._saved_time = time.monotonic()
             console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
                                         progress_bar=config.progress_bar)
@@ -394,9 +394,9 @@ class GRPOTrainer:
             self._run_steps(console)
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            # a finished run resumed keeps its final/: the same weights, and what the user put beside them
-            if config.export and (self.step != started or not final.is_dir()):
-                self.export(final)
+            # every rank joins the export's collectives or none: they agree on whether it is due
+            if config.export and self.dist.max(int(export_due(self.output_dir, self.step != started)))[0]:
+                self.export(self.output_dir / "final")
             elif not config.export and self.dist.is_main:
                 warn_stale_export(self.output_dir)
         return self.history
