@@ -6,6 +6,7 @@ import difflib
 import math
 import numbers
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -82,39 +83,72 @@ def raise_if_nonbinary(name: str, flag: int) -> None:
         raise ValueError(f"{name}: expected a bool mask or 0/1 values, got values outside {{0, 1}}")
 
 
-def first_nonfinite(values: torch.Tensor, mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """0-dim: the flat index of the first NaN / inf in non-empty `values` (values.numel() when all are finite), only
-    where `mask` (of values' shape) is nonzero when given, and what it is (0 NaN, 1 inf, -1 -inf), for
-    raise_if_nonfinite after read_ints: no host sync of its own."""
+def first_nonfinite(values: torch.Tensor, mask: torch.Tensor | None = None, *, nan_ok: bool = False,
+                    nonnegative: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """0-dim: the flat index of the first NaN / inf in `values` (values.numel() when all are finite), only
+    where `mask` (of values' shape) is nonzero when given, and what it is (0 NaN, 1 inf, -1 -inf, 2 a negative
+    number), for raise_if_nonfinite after read_ints: no host sync of its own. nan_ok: NaN passes; nonnegative: a
+    negative number is bad too."""
     flat = values.detach().reshape(-1)
-    bad = ~flat.isfinite() if mask is None else ~flat.isfinite() & mask.reshape(-1).bool()
+    if not flat.numel():  # nothing to gather from; index 0 = numel: all finite
+        return (torch.zeros((), dtype=torch.long, device=flat.device),) * 2
+    bad = ~flat.isfinite()
+    if nan_ok:
+        bad = bad & ~flat.isnan()
+    if nonnegative:
+        bad = bad | (flat < 0)
+    if mask is not None:
+        bad = bad & mask.reshape(-1).bool()
     positions = torch.arange(flat.numel(), device=flat.device)
     index = torch.where(bad, positions, flat.numel()).min()
     value = flat.gather(0, index.clamp(max=flat.numel() - 1).reshape(1))[0]  # gather: indexing by a tensor syncs
-    return index, torch.where(value.isnan(), 0, torch.where(value > 0, 1, -1))
+    kind = torch.where(value.isnan(), 0, torch.where(value.isinf(), torch.where(value > 0, 1, -1), 2))
+    return index, kind
 
 
-def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int, where: str = "") -> None:
+def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int, where: str = "",
+                       expected: str = "finite values") -> None:
     """The error for first_nonfinite's (index, kind) read already: names the entry by row (and column if 2-d).
-    where: the positions checked, for the message (" where completion_mask is 1")."""
+    where: the positions checked, for the message (" where completion_mask is 1"); expected: what they hold."""
     if index < math.prod(shape):
-        what = {0: "NaN", 1: "inf", -1: "-inf"}[kind]
+        what = {0: "NaN", 1: "inf", -1: "-inf", 2: "a negative value"}[kind]
         at = f"row {index}" if len(shape) == 1 else "row {}, column {}".format(*divmod(index, shape[-1]))
-        raise ValueError(f"{name}: expected finite values{where}, got {what} at {at}")
+        raise ValueError(f"{name}: expected {expected}{where}, got {what} at {at}")
 
 
-def masked_nonfinite(mask: torch.Tensor, tensors: dict[str, torch.Tensor | None]) -> list[torch.Tensor]:
-    """first_nonfinite of each given tensor (None: skipped) where `mask` is 1, flat, for one read_ints with the
-    caller's other values; raise_if_masked_nonfinite reads the result."""
-    return [value for t in tensors.values() if t is not None for value in first_nonfinite(t, mask)]
+class Masked(NamedTuple):
+    """A per-token tensor for masked_nonfinite with more to its check than finite values: NaN passes too (nan_ok: an
+    engine's log-prob of a token it could not score), or a negative value fails too (nonnegative: a weight)."""
+
+    tensor: torch.Tensor | None
+    nan_ok: bool = False
+    nonnegative: bool = False
+
+    def expected(self) -> str:
+        """What the values hold, for the message."""
+        if self.nonnegative:
+            return "finite values >= 0"
+        return "finite values (or NaN)" if self.nan_ok else "finite values"
 
 
-def raise_if_masked_nonfinite(mask_name: str, tensors: dict[str, torch.Tensor | None], read: Sequence[int]) -> None:
+def _given(tensors: dict[str, torch.Tensor | Masked | None]) -> list[tuple[str, Masked]]:
+    checks = [(name, t if isinstance(t, Masked) else Masked(t)) for name, t in tensors.items()]
+    return [(name, check) for name, check in checks if check.tensor is not None]
+
+
+def masked_nonfinite(mask: torch.Tensor, tensors: dict[str, torch.Tensor | Masked | None]) -> list[torch.Tensor]:
+    """first_nonfinite of each given tensor (None: skipped; a Masked one with its options) where `mask` is 1, flat,
+    for one read_ints with the caller's other values; raise_if_masked_nonfinite reads the result."""
+    return [value for _, t in _given(tensors)
+            for value in first_nonfinite(t.tensor, mask, nan_ok=t.nan_ok, nonnegative=t.nonnegative)]
+
+
+def raise_if_masked_nonfinite(mask_name: str, tensors: dict[str, torch.Tensor | Masked | None],
+                              read: Sequence[int]) -> None:
     """The error for masked_nonfinite's values read already, naming the first tensor (in `tensors`' order) that
-    holds a NaN / inf where the mask is 1."""
-    given = [(name, t) for name, t in tensors.items() if t is not None]
-    for (name, t), index, kind in zip(given, read[::2], read[1::2]):
-        raise_if_nonfinite(name, t.shape, index, kind, f" where {mask_name} is 1")
+    holds a NaN / inf (or what its Masked options refuse) where the mask is 1."""
+    for (name, t), index, kind in zip(_given(tensors), read[::2], read[1::2]):
+        raise_if_nonfinite(name, t.tensor.shape, index, kind, f" where {mask_name} is 1", t.expected())
 
 
 def check_linear_args(

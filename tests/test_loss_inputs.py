@@ -167,10 +167,38 @@ def test_every_loss_entry_point_refuses_nonfinite_per_token_inputs_where_complet
     calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
              lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
              lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
-    message = f"^{name}: expected finite values where completion_mask is 1, got {what} at row 1, column 4$"
+    expected = "finite values >= 0" if name == "token_weights" else "finite values"
+    message = f"^{name}: expected {expected} where completion_mask is 1, got {what} at row 1, column 4$"
     for call in calls:
         with pytest.raises(ValueError, match=message):
             call()
-    tensors[name][1, 4] = -1.0
+    tensors[name][1, 4] = 0.5 if name == "token_weights" else -1.0
+    for call in calls:
+        assert call()[0].isfinite()
+
+
+def test_every_loss_entry_point_refuses_negative_token_weights_where_completion_mask_is_1():
+    """A negative token weight flipped the sign of its token's policy gradient silently; it is found in the value
+    read the checks make already, the fused and the eager loss alike. At a masked position (padding) it is no
+    error, and 0 (a token the correction drops) is none either."""
+    model, ids, attention, completion = _model_and_batch()
+    weights = torch.ones(2, 6)
+    weights[0, 1] = -3.0  # masked: allowed
+    weights[1, 3] = 0.0
+    weights[1, 4] = -0.25
+    hidden = torch.randn(2, 6, 8)
+    weight = torch.randn(11, 8)
+    targets = ids % 11
+    calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), token_weights=weights),
+             *(lambda backend=backend: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2),
+                                                              token_weights=weights, backend=backend)
+               for backend in ("torch", "triton")),  # Triton under TRITON_INTERPRET=1 (conftest)
+             lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), token_weights=weights)]
+    message = ("^token_weights: expected finite values >= 0 where completion_mask is 1, got a negative value at row 1, "
+               "column 4$")
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    weights[1, 4] = 0.25
     for call in calls:
         assert call()[0].isfinite()

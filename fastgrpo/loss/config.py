@@ -12,6 +12,7 @@ import numbers
 import torch
 
 from fastgrpo._checks import (
+    Masked,
     check_choice,
     check_integer_ids,
     check_linear_args,
@@ -176,10 +177,10 @@ def check_loss_inputs(
 
 
 def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, vocab_size: int,
-                      advantages: torch.Tensor, per_token: dict[str, torch.Tensor | None]) -> int:
+                      advantages: torch.Tensor, per_token: dict[str, torch.Tensor | Masked | None]) -> int:
     """completion_mask holds only 0 and 1, target_ids are in [0, vocab_size), advantages are finite and so are the
-    per_token inputs (finite_where_completion) where completion_mask is 1, read in one host sync; returns the count
-    of completion tokens (the mask's 1s). After check_loss_inputs."""
+    per_token inputs (finite_where_completion, with their Masked options) where completion_mask is 1, read in one
+    host sync; returns the count of completion tokens (the mask's 1s). After check_loss_inputs."""
     if target_ids.numel() == 0:
         return 0
     flag, low, high, count, *bad = read_ints(nonbinary(completion_mask), *target_ids.aminmax(),
@@ -192,11 +193,13 @@ def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, v
     return count
 
 
-def finite_where_completion(old_logps, ref_logps, token_weights) -> dict[str, torch.Tensor | None]:
+def finite_where_completion(old_logps, ref_logps, token_weights) -> dict[str, torch.Tensor | Masked | None]:
     """The per-token inputs that must be finite where completion_mask is 1 (a NaN / inf there made the loss NaN or
-    inf silently); elsewhere they are padding, which the loss fills. Not sampling_logps: the off-policy mask counts
-    an engine's NaN log-prob as 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could not score')."""
-    return {"old_logps": old_logps, "ref_logps": ref_logps, "token_weights": token_weights}
+    inf silently), token_weights also >= 0 (a negative weight flipped its token's policy gradient silently);
+    elsewhere they are padding, which the loss fills. Not sampling_logps: the off-policy mask counts an engine's NaN
+    log-prob as 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could not score')."""
+    return {"old_logps": old_logps, "ref_logps": ref_logps,
+            "token_weights": Masked(token_weights, nonnegative=True)}
 
 
 def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:
