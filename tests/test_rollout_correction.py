@@ -232,3 +232,97 @@ def test_loss_side_weights_are_rollout_corrections(B, T, seed, mode, level, clip
     want, _ = rollout_correction(train, rollout, mask, mode, level, clip_min, clip_max)
     got = correction_weights(train, rollout, mask, RolloutCorrection(mode, level, clip_min, clip_max))
     assert got.shape == (B, T) and torch.equal(got, want)
+
+
+@pytest.mark.parametrize("value, what", [(float("inf"), "inf"), (float("-inf"), "-inf")])
+def test_inf_rollout_logps_where_the_mask_is_1_are_refused(value, what):
+    """An engine's inf log-prob of a sampled token made its weight inf or 0 silently (nan_to_num's largest float);
+    the correction and the model-level loss refuse it in the value read they make already. NaN (a token the engine
+    could not score) still counts 0, and an inf at a masked position is padding."""
+    from fastgrpo.loss.model import grpo_loss
+
+    rollout = ROLLOUT.clone()
+    rollout[1, 2] = float("inf")  # masked: allowed
+    rollout[0, 0] = float("nan")  # could not score: allowed
+    rollout[1, 1] = value
+    message = (f"^rollout_logps: expected finite values \\(or NaN\\) where mask is 1, got {what} at row 1, "
+               "column 1$")
+    with pytest.raises(ValueError, match=message):
+        rollout_correction(TRAIN, rollout, MASK, "truncate", "token", None, 3.0)
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    ids = torch.randint(3, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    completion = torch.zeros_like(ids)
+    completion[:, 3:] = 1
+    engine = torch.full((2, 6), -0.5)
+    engine[0, 1] = float("-inf")  # masked: allowed
+    engine[0, 4] = float("nan")
+    engine[1, 5] = value
+    old = -torch.rand(2, 6, generator=torch.Generator().manual_seed(1))
+    message = message.replace("where mask", "where completion_mask").replace("column 1", "column 5")
+    for old_logps in (None, old):  # the weights from this forward, or from old_logps
+        args = (model, ids, torch.ones_like(ids), completion, torch.ones(2))
+        kwargs = dict(old_logps=old_logps, rollout_correction=RolloutCorrection("truncate"))
+        with pytest.raises(ValueError, match=message):
+            grpo_loss(*args, rollout_logps=engine, **kwargs)
+        engine_ok = engine.clone()
+        engine_ok[1, 5] = -0.5
+        assert grpo_loss(*args, rollout_logps=engine_ok, **kwargs)[0].isfinite()
+
+
+@pytest.mark.parametrize("mode, clip_min", [("mask", None), ("mask", 0.5), ("truncate", 0.5)])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_weights_that_overflow_to_inf_are_refused(mode, clip_min, level):
+    """With clip_max None nothing bounds the weight from above: exp(train - rollout) past fp32's largest number was
+    an inf token weight, an inf loss. rollout_correction finds it in its metrics' read, the model-level loss (given
+    old_logps) in its value read; the same ratio with a bound is masked / truncated as before."""
+    from fastgrpo.loss.model import grpo_loss
+
+    train = TRAIN.float()
+    rollout = ROLLOUT.float()
+    rollout[1, 1] = -120.0  # exp(-1.2 + 120) overflows fp32
+    at = "row 1" if level == "sequence" else "row 1, column 1"
+    message = (f"^rollout_correction_clip_max: None leaves the importance weights unbounded, and the weight at {at} "
+               r"overflowed to inf \(exp of the trainer's minus the engine's log-probs\); set a bound, e.g. 3.0$")
+    with pytest.raises(ValueError, match=message):
+        rollout_correction(train, rollout, MASK, mode, level, clip_min, None)
+    weights, _ = rollout_correction(train, rollout, MASK, mode, level, clip_min, 3.0)
+    assert weights.isfinite().all()
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    ids = torch.randint(3, 20, (2, 6), generator=torch.Generator().manual_seed(0))
+    completion = torch.zeros_like(ids)
+    completion[:, 3:] = 1
+    old, engine = torch.full((2, 6), -1.0), torch.full((2, 6), -1.0)
+    engine[1, 4] = -120.0
+    args = (model, ids, torch.ones_like(ids), completion, torch.ones(2))
+    message = message.replace("column 1", "column 4")
+    with pytest.raises(ValueError, match=message):
+        grpo_loss(*args, old_logps=old, rollout_logps=engine,
+                  rollout_correction=RolloutCorrection(mode, level, clip_min, None))
+    loss, _ = grpo_loss(*args, old_logps=old, rollout_logps=engine,
+                        rollout_correction=RolloutCorrection(mode, level, clip_min, 3.0))
+    assert loss.isfinite()
+
+
+def test_a_self_weighted_step_whose_weights_overflow_stops_the_run(tmp_path):
+    """One optimizer step with the correction on and no old pass (the loss weights itself from its own forward,
+    without a host sync to check them): with clip_max None an engine far below the trainer made the loss inf; the
+    step's rollout_correction metrics refuse the weights before the step is logged or saved."""
+    from fastgrpo.train.checkpoint import list_checkpoints
+
+    class FarEngine(OffsetEngine):
+        offset = -100.0  # exp(100) overflows fp32
+
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 5, "max_steps": 1, "export": False, "progress_bar": False,
+                           "output_dir": str(tmp_path), "rollout_correction": "mask",
+                           "rollout_correction_level": "token", "rollout_correction_clip_max": None})
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                          config, engine=FarEngine(model, tokenizer))
+    with pytest.raises(ValueError, match=r"^rollout_correction_clip_max: None leaves the importance weights unbounded, "
+                                         r"and the weight at row 0, column \d+ overflowed to inf"):
+        trainer.train()
+    assert list_checkpoints(tmp_path) == []

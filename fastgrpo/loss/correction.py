@@ -10,11 +10,24 @@ term by rho = pi_old / pi_rollout, per token or per sequence (the product over i
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
-from fastgrpo._checks import check_binary_mask, check_choice, check_same_shape
+from fastgrpo._checks import (
+    Masked,
+    check_binary_mask,
+    check_choice,
+    check_mask,
+    check_same_shape,
+    first_nonfinite,
+    masked_nonfinite,
+    nonbinary,
+    raise_if_masked_nonfinite,
+    raise_if_nonbinary,
+    read_ints,
+)
 
 ROLLOUT_CORRECTIONS = ("none", "truncate", "mask")
 ROLLOUT_CORRECTION_LEVELS = ("token", "sequence")
@@ -64,12 +77,19 @@ def rollout_correction(
     metrics: rollout_logp_diff / _max, the mean / largest |train - rollout| over the valid tokens (NaN left out);
     rollout_is_weight_mean / _min / _max, the weights over the valid tokens (or the sequences); rollout_masked_frac
     (mask) or rollout_truncated_frac (truncate), the share of tokens (or sequences) the bound changed.
+
+    A ValueError names a NaN / inf train log-prob or an inf rollout log-prob where mask is 1, and a weight that
+    overflowed to inf (only with clip_max None).
     """
     check_rollout_correction(mode, level, clip_min, clip_max)
     if mode == "none":
         raise ValueError("rollout_correction: 'none' computes no weights; call this with 'truncate' or 'mask'")
     check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
-    check_binary_mask("mask", mask, "train_logps", train_logps)
+    check_mask("mask", mask, "train_logps", train_logps)
+    logps = {"train_logps": train_logps, "rollout_logps": engine_logps(rollout_logps)}
+    flag, *bad = read_ints(nonbinary(mask), *masked_nonfinite(mask, logps))
+    raise_if_nonbinary("mask", flag)
+    raise_if_masked_nonfinite("mask", logps, bad)
     valid = mask.bool()
     ratio, weights = _ratio_and_weights(train_logps, rollout_logps, valid, mode, level, clip_min, clip_max)
     changed = weights != ratio
@@ -87,7 +107,28 @@ def rollout_correction(
         f"rollout_{'truncated' if mode == 'truncate' else 'masked'}_frac":
             changed[counted].float().mean().item() if kept.numel() else 0.0,
     }
-    return weights.expand_as(train_logps), metrics
+    weights = weights.expand_as(train_logps)
+    if math.isinf(metrics["rollout_is_weight_max"]):  # an overflow, seen in the metrics' read: find where (a read)
+        raise_if_overflowed(level, train_logps.shape, read_ints(first_nonfinite(weights, mask)[0])[0])
+    return weights, metrics
+
+
+def engine_logps(rollout_logps: torch.Tensor | None) -> Masked:
+    """rollout_logps for masked_nonfinite: finite where the mask is 1, or NaN (a token the engine could not score,
+    which counts 0 as in TRL); an inf made the weight inf or 0 silently."""
+    return Masked(rollout_logps, nan_ok=True)
+
+
+def raise_if_overflowed(level: str, shape: Sequence[int], index: int) -> None:
+    """The error for first_nonfinite's index, read already, of the weights [B, T] where the mask is 1: a ratio
+    exp(train - rollout) past the dtype's largest number is inf, and only clip_max bounds it (truncate clamps it,
+    mask drops it)."""
+    if index < math.prod(shape):
+        row, column = divmod(index, shape[-1])
+        at = f"row {row}" if level == "sequence" else f"row {row}, column {column}"
+        raise ValueError(f"rollout_correction_clip_max: None leaves the importance weights unbounded, and the weight "
+                         f"at {at} overflowed to inf (exp of the trainer's minus the engine's log-probs); set a "
+                         "bound, e.g. 3.0")
 
 
 def correction_weights(

@@ -12,6 +12,7 @@ from typing import NamedTuple
 import torch
 
 from fastgrpo._checks import (
+    Masked,
     check_integer_ids,
     check_mask,
     check_per_token_inputs,
@@ -27,7 +28,13 @@ from fastgrpo._checks import (
 )
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
 from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, finite_where_completion, resolve
-from fastgrpo.loss.correction import RolloutCorrection, check_rollout_correction, correction_weights
+from fastgrpo.loss.correction import (
+    RolloutCorrection,
+    check_rollout_correction,
+    correction_weights,
+    engine_logps,
+    raise_if_overflowed,
+)
 from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
@@ -41,10 +48,12 @@ class _Batch(NamedTuple):
 
 def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
              vocab_size: int, advantages: torch.Tensor | None = None,
-             per_token: dict[str, torch.Tensor | None] | None = None) -> _Batch:
+             per_token: dict[str, torch.Tensor | Masked | None] | None = None,
+             correction: tuple[torch.Tensor, str] | None = None) -> _Batch:
     """Check the inputs (and that advantages, when given, are finite, and the per_token tensors where
-    completion_mask is 1) and find the completion window, reading their values in one host sync (not one per check:
-    each sync stops the host from queueing work while the GPU finishes the previous micro-batch)."""
+    completion_mask is 1; correction: (token_weights [B, T], level) of a rollout correction, for an overflow there)
+    and find the completion window, reading their values in one host sync (not one per check: each sync stops the
+    host from queueing work while the GPU finishes the previous micro-batch)."""
     per_token = per_token or {}
     check_shape("input_ids", input_ids, (None, None))
     B, T = input_ids.shape
@@ -62,6 +71,7 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
         *(() if advantages is None else first_nonfinite(advantages)), *masked_nonfinite(completion_mask, per_token),
+        *(() if correction is None else first_nonfinite(correction[0], completion_mask)[:1]),
     )
     raise_if_nonbinary("attention_mask", attention_flag)
     raise_if_nonbinary("completion_mask", completion_flag)
@@ -71,7 +81,11 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     if advantages is not None:
         raise_if_nonfinite("advantages", advantages.shape, *bad[:2])
         bad = bad[2:]
+    if correction is not None:
+        bad, overflow = bad[:-1], bad[-1]
     raise_if_masked_nonfinite("completion_mask", per_token, bad)
+    if correction is not None:
+        raise_if_overflowed(correction[1], input_ids.shape, overflow)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
     return _Batch(window, tokens)
 
@@ -83,10 +97,12 @@ def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Ten
     return full
 
 
-def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages=None, per_token=None):
+def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages=None, per_token=None,
+                       correction=None):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
-    batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token)
+    batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
+                     correction)
     out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     cols = batch.window
     hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
@@ -126,25 +142,38 @@ def grpo_loss(
     [B, T], the engine's log-probs): the loss weights its policy term by fastgrpo.loss.correction's weights of
     rollout_logps towards old_logps, or, without old_logps (one optimizer step per batch), towards the log-probs of
     this forward (the lm_head run once more without grad: no separate pass of the model), in place of token_weights.
+    Where completion_mask is 1, a negative token weight and an inf rollout log-prob (NaN: a token the engine could
+    not score, counted 0) are refused in the one value read, as is, with old_logps, a weight that overflowed to inf.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
     check_extra_inputs(*input_ids.shape, token_weights, sampling_logps)
+    per_token = finite_where_completion(old_logps, ref_logps, token_weights)
+    weights = None  # the rollout correction's token_weights, when known before the forward (from old_logps)
     if rollout_correction is not None:
         _check_correction(rollout_correction, rollout_logps, token_weights, input_ids.shape)
+        per_token["rollout_logps"] = engine_logps(rollout_logps)
+        if old_logps is not None:
+            check_mask("completion_mask", completion_mask, "input_ids", input_ids)
+            weights = _correction_weights(rollout_correction, old_logps, rollout_logps, completion_mask)
     if "softcap" not in options and (config is None or config.softcap is None):
         options["softcap"] = logit_softcap(model)
     cfg = resolve(config, options)
+    checked = None if weights is None else (weights, rollout_correction.level)
     hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask, advantages,
-                                             finite_where_completion(old_logps, ref_logps, token_weights))
+                                             per_token, checked)
     cols = batch.window
 
     def window(t):
         return None if t is None else t[:, cols]
 
     if rollout_correction is not None:
-        token_weights = _correction_weights(rollout_correction, hidden, head, input_ids, completion_mask, cols,
-                                            old_logps, rollout_logps, cfg, backend)
+        if weights is None:
+            # From this forward's log-probs: an overflow (clip_max None) is not checked here, where it would cost a
+            # host sync after the forward; the trainer's rollout_correction metrics of these weights refuse it.
+            own = _own_logps(hidden, head, input_ids, cols, cfg, backend)
+            weights = _correction_weights(rollout_correction, own, rollout_logps, completion_mask)
+        token_weights = weights
     loss, metrics = fused_linear_grpo_loss_of_checked_values(
         batch.completion_tokens, hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
@@ -172,17 +201,20 @@ def _check_correction(correction, rollout_logps, token_weights, shape) -> None:
 
 
 @torch.no_grad()
-def _correction_weights(correction, hidden, head, input_ids, completion_mask, cols, old_logps, rollout_logps, cfg,
-                        backend) -> torch.Tensor:
-    """token_weights [B, T] of the correction towards old_logps, or towards this forward's own log-probs (the
-    lm_head once more on the detached hidden states, as sequence_logprobs computes them), 0 outside the window."""
-    if old_logps is None:
-        # input_ids were checked by _inspect: no second host sync, which here would wait for the whole forward
-        own = fused_linear_logprobs_of_checked_values(hidden.detach(), head.weight, input_ids[:, cols],
-                                                      temperature=cfg.temperature, bias=head.bias,
-                                                      softcap=cfg.softcap, backend=backend)
-        old_logps = _unwindow(own.float(), input_ids.shape, cols)
+def _correction_weights(correction, old_logps, rollout_logps, completion_mask) -> torch.Tensor:
+    """token_weights [B, T] of the correction of rollout_logps towards old_logps [B, T], in fp32."""
     return correction_weights(old_logps.float(), rollout_logps.float(), completion_mask, correction)
+
+
+@torch.no_grad()
+def _own_logps(hidden, head, input_ids, cols, cfg, backend) -> torch.Tensor:
+    """This forward's log-probs [B, T] fp32, 0 outside the window: the lm_head once more on the detached hidden
+    states, as sequence_logprobs computes them."""
+    # input_ids were checked by _inspect: no second host sync, which here would wait for the whole forward
+    own = fused_linear_logprobs_of_checked_values(hidden.detach(), head.weight, input_ids[:, cols],
+                                                  temperature=cfg.temperature, bias=head.bias, softcap=cfg.softcap,
+                                                  backend=backend)
+    return _unwindow(own.float(), input_ids.shape, cols)
 
 
 @torch.no_grad()
