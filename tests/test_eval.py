@@ -106,6 +106,21 @@ def test_a_row_without_a_column_the_reward_reads_is_named():
                         reward_funcs=[default_task.repeat_letter_reward], field="dataset")
 
 
+@pytest.mark.parametrize("answer, problem", [(None, "null"), ("", "empty")])
+def test_a_row_without_an_answer_is_named_before_anything_runs(tmp_path, capsys, answer, problem):
+    """`"answer": null` (or "") in an eval file scored every completion of the row 0 against the text "None" (or
+    nothing): a lower accuracy with no hint. eval refuses it in one line, before a token is generated."""
+    data = tmp_path / "math.jsonl"
+    rows = [{"prompt": "1 say 2", "answer": "2"}, {"prompt": "2 say 4", "answer": answer}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    out = tmp_path / "out"
+    assert main(["eval", "--dataset", str(data), "--output-dir", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fastgrpo eval: error: dataset: row 1 has no answer (the answer column is {problem}); reward "
+                   "function r1_zero_math_reward needs one per row\n"), err
+    assert not (out / "results.jsonl").exists()
+
+
 def test_an_over_long_prompt_says_how_it_was_wrapped():
     tokenizer = default_task.build_tokenizer()
     rows = [{"prompt": "1 say a", "answer": "a"}]

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.rewards import (
-    boxed_math_reward, check_constraint, ifeval_reward, length_reward, r1_zero_math_reward, required_columns, score,
+    boxed_math_reward, check_constraint, ifeval_reward, is_equivalent, length_reward, r1_zero_math_reward,
+    required_columns, score,
 )
 from fastgrpo.rewards.answers import last_boxed
 
@@ -40,6 +41,45 @@ def test_r1_zero_math_reward(completion, answer, expected):
 ])
 def test_boxed_math_reward(completion, answer, expected):
     assert boxed_math_reward(["q"], [completion], answer=[answer]) == [expected]
+
+
+@pytest.mark.parametrize("answer, problem", [(None, "null"), (float("nan"), "null"), ("", "empty"), ("  ", "empty")])
+def test_math_rewards_refuse_a_missing_reference_answer(answer, problem):
+    """A null answer (JSON null, None, pandas' NaN) was read as the text "None" and an empty one parsed to nothing:
+    every completion scored 0, silently. Each is a ValueError whatever the completion; score() reports it as the
+    function's failure (the run names the row)."""
+    message = rf"^answer: expected a reference answer, got {answer!r} \({problem}\); math rewards need one per row$"
+    for completion in ("</think> <answer> 1 </answer>", "no answer at all", "\\boxed{1}"):
+        for reward in (r1_zero_math_reward, boxed_math_reward):
+            with pytest.raises(ValueError, match=message):
+                reward(["q"], [completion], answer=[answer])
+    with pytest.raises(ValueError, match=message):
+        is_equivalent("1", answer)
+    _, failures = score([boxed_math_reward], ["q", "q"], ["\\boxed{1}", "x"], {"answer": ["1", answer]})
+    assert failures["boxed_math_reward"].startswith("raised ValueError: answer: expected a reference answer")
+    assert r1_zero_math_reward(["q"], ["</think> <answer> 0 </answer>"], answer=[0]) == [1.0]  # 0 is an answer
+
+
+@pytest.mark.parametrize("as_dataset", [False, True])
+@pytest.mark.parametrize("answer, problem", [(None, "null"), ("", "empty")])
+def test_a_training_row_without_an_answer_is_refused_before_anything_runs(as_dataset, answer, problem):
+    """A JSONL row with "answer": null (a list of rows) or a datasets.Dataset's None trained against a 0 reward;
+    the trainer refuses it when it is built, naming the row and the column."""
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    rows = [{"prompt": f"{i} say a", "answer": "a"} for i in range(4)]
+    rows[2]["answer"] = answer
+    if as_dataset:
+        rows = pytest.importorskip("datasets").Dataset.from_list(rows)
+    tokenizer = default_task.build_tokenizer()
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 4, "num_generations": 4, "micro_batch_size": 4,
+                           "max_completion_length": 4, "export": False, "progress_bar": False})
+    message = (rf"^dataset: row 2 has no answer \(the answer column is {problem}\); reward function "
+               r"r1_zero_math_reward needs one per row$")
+    with pytest.raises(ValueError, match=message):
+        GRPOTrainer(default_task.build_model(tokenizer), tokenizer, r1_zero_math_reward, rows, config)
 
 
 def test_last_boxed_matches_braces():

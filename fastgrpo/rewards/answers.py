@@ -2,10 +2,12 @@
 
 `r1_zero_math_reward`: the R1-Zero format `... </think> <answer> ... </answer>` with a correct answer scores 1.
 `boxed_math_reward`: the last `\\boxed{...}` of the completion, graded against the `answer` column.
-Both score 0.0 on anything they cannot read, so arbitrary model text never raises.
+Both score 0.0 on anything they cannot read, so arbitrary model text never raises; a row without a reference answer
+(null, or an empty string) is a ValueError: nothing could match it, and every completion would score 0 silently.
 """
 from __future__ import annotations
 
+import math
 import re
 import threading
 
@@ -29,10 +31,30 @@ def _parse(text: str) -> list:
     return parse(wrapped, parsing_timeout=_timeout()) or parse(text, parsing_timeout=_timeout())
 
 
+def missing_answer(answer) -> str | None:
+    """What makes a reference answer ungradable: "null" (None, or NaN as pandas reads an empty cell) or "empty" (a
+    blank string, which parses to nothing); None for a gradable one (a number or a non-blank string)."""
+    if answer is None or (isinstance(answer, float) and math.isnan(answer)):
+        return "null"
+    if isinstance(answer, str) and not answer.strip():
+        return "empty"
+    return None
+
+
+def check_answer(answer) -> None:
+    """A ValueError for an ungradable reference answer (missing_answer), before any grading."""
+    problem = missing_answer(answer)
+    if problem is not None:
+        raise ValueError(f"answer: expected a reference answer, got {answer!r} ({problem}); math rewards need one "
+                         "per row")
+
+
 def is_equivalent(prediction: str, answer: str) -> bool:
-    """True when `prediction` and the reference `answer` are mathematically equal (both are plain or LaTeX)."""
+    """True when `prediction` and the reference `answer` are mathematically equal (both are plain or LaTeX); a null
+    or empty `answer` is a ValueError (check_answer)."""
     from math_verify import verify
 
+    check_answer(answer)
     if not prediction.strip() or len(prediction) > MAX_ANSWER_CHARS:
         return False
     try:
@@ -61,6 +83,7 @@ def last_boxed(text: str) -> str | None:
 def r1_zero_grades(completion: str, answer) -> tuple[float, float]:
     """(format_reward, answer_reward) of one completion: format 1.0 for `... </think> <answer> X </answer>`, answer
     1.0 when, in addition, X equals `answer` (the course's r1_zero grading; its reward is the answer reward)."""
+    check_answer(answer)  # whatever the completion: a row's error does not depend on what the model wrote
     match = _ANSWER.search(completion)
     if match is None:
         return 0.0, 0.0
@@ -76,6 +99,12 @@ def boxed_math_reward(prompts: list, completions: list[str], answer: list, **kwa
     """1.0 when the last \\boxed{...} of the completion equals `answer`, else 0.0."""
     rewards = []
     for completion, gold in zip(completions, answer):
+        check_answer(gold)
         boxed = last_boxed(completion)
         rewards.append(float(boxed is not None and is_equivalent(boxed, gold)))
     return rewards
+
+
+# The columns each row must fill for these rewards, and the check of a value (fastgrpo.rewards.scoring.value_checks):
+# a dataset with a null / empty answer is refused before anything is generated.
+r1_zero_math_reward.value_checks = boxed_math_reward.value_checks = {"answer": missing_answer}

@@ -47,6 +47,27 @@ def required_columns(func: Callable) -> list[str]:
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
 
+def value_checks(func: Callable) -> dict[str, Callable[[object], str | None]]:
+    """{column: check} for the columns `func` needs a value of in every row: check(value) names what is wrong with
+    one ("null", "empty"), None when nothing is. From the function's `value_checks` attribute (the math rewards'
+    answer); none for other functions."""
+    return getattr(func, "value_checks", {})
+
+
+def check_column_values(reward_funcs: Sequence[Callable], rows, field: str) -> None:
+    """Refuse the first row whose value in a column a reward function needs (value_checks) is missing, naming the row
+    and the column: the math rewards scored a null answer 0 on every completion, silently. rows: a list of dict rows
+    that have the columns, or a datasets.Dataset; field names them in the error."""
+    for func in reward_funcs:
+        for column, check in value_checks(func).items():
+            values = rows[column] if getattr(rows, "column_names", None) is not None else (row[column] for row in rows)
+            for i, value in enumerate(values):
+                problem = check(value)
+                if problem is not None:
+                    raise ValueError(f"{field}: row {i} has no {column} (the {column} column is {problem}); reward "
+                                     f"function {reward_name(func)} needs one per row")
+
+
 class RewardError(RuntimeError):
     """A reward function failed and the run stops (reward_errors="raise")."""
 

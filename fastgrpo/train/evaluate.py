@@ -21,8 +21,8 @@ import torch
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
-from fastgrpo.rewards.scoring import (RewardError, nan_mean, required_columns, reward_name, reward_names, score,
-                                      warn_unscored)
+from fastgrpo.rewards.scoring import (RewardError, check_column_values, nan_mean, required_columns, reward_name,
+                                      reward_names, score, warn_unscored)
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.input_checks import check_rows_have
@@ -77,6 +77,7 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
                              f"dataset lacks (columns: {columns})")
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
+    check_column_values(reward_funcs, rows, field)
     ids = []
     wrapped = as_wrapped(prompt_format)
     for i, row in enumerate(rows):

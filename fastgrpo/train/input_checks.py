@@ -8,7 +8,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
-from fastgrpo.rewards.scoring import required_columns, reward_name
+from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name
 
 logger = logging.getLogger(__name__)
 
@@ -91,9 +91,10 @@ def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
 
 
 def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
-    """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads),
-    the tokenizer's pad token, and prompt + completion lengths against the model's positions: one ValueError naming
-    the argument. `config` has reward_weights, prompt_column, max_prompt_length and max_completion_length."""
+    """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads,
+    with the values a reward needs in every row: the math rewards' answer), the tokenizer's pad token, and prompt +
+    completion lengths against the model's positions: one ValueError naming the argument. `config` has
+    reward_weights, prompt_column, max_prompt_length and max_completion_length."""
     if not reward_funcs or not all(callable(f) for f in reward_funcs):
         raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
     if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
@@ -115,6 +116,7 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
             if set(dataset[i]) != set(columns):
                 raise ValueError(f"dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
                                  f"{sorted(columns)}; every row needs the same columns")
+    check_column_values(reward_funcs, dataset, "dataset")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
     positions = model_positions(model)
