@@ -4,11 +4,13 @@ run did; a generation length past the model's positions is refused with the leng
 import json
 
 import pytest
+import torch
+from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.train import default_task
-from fastgrpo.train.checkpoint import export_model
+from fastgrpo.train.checkpoint import export_model, read_checkpoint
 from fastgrpo.train.cli import main
 from fastgrpo.train.evaluate import build_eval_task
 from fastgrpo.train.loading import load_inference_model
@@ -78,3 +80,80 @@ def test_prompts_past_the_positions_name_the_longest_and_the_length_that_fits():
     assert build_eval_task(rows, tokenizer, max_new_tokens=6, **args)
     with pytest.raises(ValueError, match=r"shorten the prompts \(it leaves no position for a new token\)$"):
         build_eval_task(rows, tokenizer, max_new_tokens=1, **{**args, "max_positions": 24})
+
+
+# ---- final/ of the run's last step: exported again when it is of an earlier one, kept when it is current ----
+STEPS = {"train": ["--max-steps"], "sft": ["--max-steps"], "ei": ["--questions-per-step", "4", "--ei-steps"]}
+
+
+def _files(folder):
+    """Each file's bytes and modification time: a folder exported again differs, one left alone does not."""
+    return {p.relative_to(folder).as_posix(): (p.read_bytes(), p.stat().st_mtime_ns)
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _exported_step(run):
+    return json.loads((run / "final" / "export.json").read_text())["step"]
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_a_final_of_an_earlier_step_is_exported_again(tmp_path, command, capsys):
+    """A run that went on with export off (or stopped before its export) left final/ of an earlier step; a resume
+    with nothing left to train took it for the export and kept the older weights."""
+    argv = [command, "--output-dir", str(tmp_path), *QUIET, *STEPS[command]]
+    assert main([*argv, "1"]) == 0
+    assert main([*argv, "2", "--no-export", "--resume"]) == 0
+    assert f"export: {tmp_path / 'final'} holds the weights of an earlier point of this run" in capsys.readouterr().err
+    assert main([*argv, "2", "--resume"]) == 0
+    if command != "ei":  # (an ei round of the tiny model may keep no completion, and change nothing)
+        final = load_file(tmp_path / "final" / "model.safetensors")
+        trained = read_checkpoint(tmp_path / "checkpoint-2")["trainable"]
+        assert all(torch.equal(final[name], value) for name, value in trained.items() if name in final)
+    assert _exported_step(tmp_path) == 2
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_final_of_the_last_step_is_kept_as_it_is(tmp_path, command, capsys):
+    argv = [command, "--output-dir", str(tmp_path), *QUIET, *STEPS[command], "1"]
+    assert main(argv) == 0
+    (tmp_path / "final" / "notes.txt").write_text("mine")
+    kept = _files(tmp_path / "final")
+    assert main([*argv, "--resume"]) == 0
+    assert main([*argv, "--resume", "--no-export"]) == 0
+    assert _files(tmp_path / "final") == kept
+    assert "earlier point" not in capsys.readouterr().err  # export off: final/ is the last step's, no warning
+
+
+def test_files_put_in_a_final_to_be_exported_again_are_refused_not_deleted(tmp_path, capsys):
+    """A resume that trains on writes final/ anew, which deleted what the user had put there; it is refused once the
+    run's checkpoint is saved, naming the files to move, and the next resume exports."""
+    argv = ["train", "--output-dir", str(tmp_path), *QUIET, "--max-steps"]
+    final = tmp_path / "final"
+    assert main([*argv, "1"]) == 0
+    (final / "eval").mkdir()
+    (final / "eval" / "summary.json").write_text("{}")
+    capsys.readouterr()
+    assert main([*argv, "2", "--resume"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fastgrpo train: error: export: {final} holds files the export did not write (eval/summary.json), which "
+        f"exporting checkpoint-2 there would delete; move them out of it, then resume (--resume) to export it")
+    assert (final / "eval" / "summary.json").read_text() == "{}" and _exported_step(tmp_path) == 1
+    (final / "eval").rename(tmp_path / "eval-step-1")
+    assert main([*argv, "2", "--resume"]) == 0
+    assert _exported_step(tmp_path) == 2
+
+
+def test_a_final_exported_before_its_record_is_exported_again_keeping_the_users_files(tmp_path, capsys):
+    """A final/ without export.json (exported by an earlier fastgrpo) is of an unknown step: exported again, unless
+    it holds a file no model folder does, which is refused."""
+    argv = ["train", "--output-dir", str(tmp_path), *QUIET, "--max-steps", "1"]
+    final = tmp_path / "final"
+    assert main(argv) == 0
+    (final / "export.json").unlink()
+    (final / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 2
+    assert "holds files the export did not write (notes.txt), which exporting checkpoint-1 " in capsys.readouterr().err
+    (final / "notes.txt").unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert _exported_step(tmp_path) == 1

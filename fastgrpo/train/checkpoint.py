@@ -10,10 +10,15 @@ either the whole checkpoint or none (`.checkpoint-*` leftovers are not checkpoin
 `torch.load(weights_only=True)`: tensors and plain containers only, so a crafted file cannot run code. A checkpoint
 that still fails to load (torn by a file system without atomic rename, a disk error) raises TornCheckpoint, and
 `load_latest_checkpoint` falls back to the next older one with a warning.
+
+A run's export `<output_dir>/final/` (export_model) records the step of its weights and the files it wrote
+(`export.json`): a resumed run writes it again unless it is of the run's last step (export_due); an export that would
+delete files the user put in it is refused.
 """
 from __future__ import annotations
 
 import contextlib
+import fnmatch
 import json
 import logging
 import os
@@ -34,6 +39,11 @@ from fastgrpo.train.naming import setting
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = "run_config.json"
+EXPORT_FILE = "export.json"  # in a run's final/: the step of its weights, the files the export wrote
+# The names of the files a model export holds (weights, config, tokenizer): in a final/ exported before EXPORT_FILE,
+# any other file is the user's.
+_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
+                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*", CONFIG_FILE)
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 
 
@@ -243,18 +253,57 @@ def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str) ->
             "train on")
 
 
-def export_due(output_dir: str | Path, trained: bool) -> bool:
-    """Whether a run's end (export on) writes final/: not when this call trained nothing and final/ is there already
-    (a finished run resumed keeps it: the same weights, and the files the user put beside them)."""
-    return trained or not (Path(output_dir) / "final").is_dir()
-
-
-def warn_stale_export(output_dir: str | Path) -> None:
-    """For a run that did not export (export off): a final/ there is an earlier export of the run it continued."""
+def export_due(output_dir: str | Path, step: int, trained: bool) -> bool:
+    """Whether a run's end at `step` (export on) writes final/: not when this call trained nothing and final/ holds
+    that step's weights already (a finished run resumed keeps it: the same weights, and the files the user put beside
+    them); a final/ of an earlier step (the run went on with export off, or stopped before its export) is written
+    again. A ValueError where that would delete files the export did not write: they are the user's to move."""
     final = Path(output_dir) / "final"
-    if final.is_dir():
+    if not final.is_dir():
+        return True
+    record = _export_record(final)
+    if not trained and record.get("step") == step:
+        return False
+    foreign = _not_exported(final, record)
+    if foreign:
+        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+        raise ValueError(f"export: {final} holds files the export did not write ({listed}), which exporting "
+                         f"checkpoint-{step} there would delete; move them out of it, then resume "
+                         f"({setting('resume', True)}) to export it")
+    return True
+
+
+def warn_stale_export(output_dir: str | Path, step: int) -> None:
+    """For a run at `step` that did not export (export off): a final/ of another step is an earlier export of the
+    run it continued."""
+    final = Path(output_dir) / "final"
+    if final.is_dir() and _export_record(final).get("step") != step:
         logger.warning("export: %s holds the weights of an earlier point of this run, not its last step's (export is "
                        "off: %s)", final, setting("export", False))
+
+
+def write_export_record(folder: Path, step: int) -> None:
+    """EXPORT_FILE in an export being filled: the run's step its weights are of, and every file in `folder` (so
+    call it last), which export_due tells from files put there later."""
+    files = sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
+    (folder / EXPORT_FILE).write_text(json.dumps({"step": step, "files": [*files, EXPORT_FILE]}, indent=1) + "\n")
+
+
+def _export_record(final: Path) -> dict:
+    """final/'s EXPORT_FILE; {} for one exported before the record was written (its step is unknown)."""
+    file = final / EXPORT_FILE
+    if not file.is_file():
+        return {}
+    return _config_json(file, "export", "delete it, and the next resume exports final/ again")
+
+
+def _not_exported(final: Path, record: dict) -> list[str]:
+    """The files in final/ its export did not write: those its record does not list, or (no record) those whose
+    names a model folder does not use."""
+    files = sorted(file.relative_to(final).as_posix() for file in final.rglob("*") if file.is_file())
+    if isinstance(record.get("files"), list):
+        return [name for name in files if name not in record["files"]]
+    return [name for name in files if not any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILES)]
 
 
 def write_run_config(folder: Path, config: dict) -> None:
@@ -263,10 +312,11 @@ def write_run_config(folder: Path, config: dict) -> None:
 
 
 def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16,
-                 run_config: dict | None = None) -> Path:
+                 run_config: dict | None = None, step: int | None = None) -> Path:
     """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
     `dtype`; a fully fine-tuned model is saved as it is, in its own dtype. run_config: the run's config, saved beside
-    (CONFIG_FILE), so that `fastgrpo eval --model` on the folder prompts as the run did; transformers ignores it."""
+    (CONFIG_FILE), so that `fastgrpo eval --model` on the folder prompts as the run did; step: the run's step of the
+    weights, recorded with the files written (EXPORT_FILE: export_due); transformers ignores both."""
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
@@ -290,6 +340,8 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             tokenizer.save_pretrained(tmp)
         if run_config is not None:
             write_run_config(tmp, run_config)
+        if step is not None:
+            write_export_record(tmp, step)
     return path
 
 

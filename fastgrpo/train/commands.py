@@ -137,10 +137,11 @@ def check_resume_before_load(config) -> None:
 
 
 def finished_run(config) -> str | None:
-    """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is exported
-    when export is on): the line saying there is nothing to train, instead of loading the model to find that out.
-    report_to is checked first, on every run: a finished one builds no trainer, whose metrics log checks it."""
-    from fastgrpo.train.checkpoint import list_checkpoints, nothing_to_train
+    """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is that
+    checkpoint's export when export is on): the line saying there is nothing to train, instead of loading the model to
+    find that out. report_to is checked first, on every run: a finished one builds no trainer, whose metrics log
+    checks it."""
+    from fastgrpo.train.checkpoint import export_due, list_checkpoints, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
     from fastgrpo.train.naming import setting
 
@@ -148,11 +149,11 @@ def finished_run(config) -> str | None:
     found = list_checkpoints(config.output_dir) if config.resume else []
     if not found or found[-1][0] < config.max_steps:
         return None
-    final = Path(config.output_dir) / "final"
-    if config.export and not final.is_dir():
-        return None  # the run stopped between its last checkpoint and the export: resuming exports
     step, newest = found[-1]
-    exported = f", exported to {final}" if config.export else ""
+    # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
+    if config.export and export_due(config.output_dir, step, trained=False):
+        return None
+    exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
     return nothing_to_train(config.output_dir, f"step {step} ({newest.name})",
                             setting("max_steps", config.max_steps) + exported, "max_steps")
 

@@ -35,7 +35,7 @@ from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import STATE_FILE, atomic_directory, restore_checkpoint, rng_states
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
-from fastgrpo.train.checkpoint import set_rng_states, write_run_config
+from fastgrpo.train.checkpoint import set_rng_states, write_export_record, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.naming import setting
 
@@ -423,12 +423,13 @@ class Distributed:
         return state
 
     def export(self, export: Callable, model: torch.nn.Module, tokenizer, path: Path,
-               run_config: dict | None = None) -> Path:
-        """export(model, tokenizer, path, run_config=) on rank 0; under FSDP2 the full weights are gathered first
-        (every rank takes part) and the model is saved from them, with the run's config beside (export_model)."""
+               run_config: dict | None = None, step: int | None = None) -> Path:
+        """export(model, tokenizer, path, run_config=, step=) on rank 0; under FSDP2 the full weights are gathered
+        first (every rank takes part) and the model is saved from them, with the run's config and the step's record
+        beside (export_model)."""
         if self._fsdp is None:
             if self.is_main:
-                export(model, tokenizer, path, run_config=run_config)
+                export(model, tokenizer, path, run_config=run_config, step=step)
             self.barrier()
             return Path(path)
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -441,6 +442,8 @@ class Distributed:
                     tokenizer.save_pretrained(tmp)
                 if run_config is not None:
                     write_run_config(tmp, run_config)
+                if step is not None:
+                    write_export_record(tmp, step)
         self.barrier()
         return Path(path)
 

@@ -213,10 +213,11 @@ class ExpertIteration:
                     raise guard.interrupted(self.round, path)
             if saved != self.round:
                 self.save_checkpoint()
-            if config.export and export_due(self.output_dir, self.round != started):
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
+            if config.export and export_due(self.output_dir, self.round, self.round != started):
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict(),
+                             step=self.round)
             elif not config.export:
-                warn_stale_export(self.output_dir)
+                warn_stale_export(self.output_dir, self.round)
         return self.history
 
     def save_checkpoint(self, rng: dict | None = None) -> Path:

@@ -171,10 +171,11 @@ class SFTTrainer:
                     raise guard.interrupted(self.step, path)
             if saved_step != self.step:
                 self.save_checkpoint()
-            if config.export and export_due(self.output_dir, self.step > started):
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict())
+            if config.export and export_due(self.output_dir, self.step, self.step > started):
+                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict(),
+                             step=self.step)
             elif not config.export:
-                warn_stale_export(self.output_dir)
+                warn_stale_export(self.output_dir, self.step)
         return self.history
 
     def save_checkpoint(self) -> Path:

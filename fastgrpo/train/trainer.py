@@ -395,10 +395,10 @@ class GRPOTrainer:
             if self._saved_step != self.step:
                 self.save_checkpoint()
             # every rank joins the export's collectives or none: they agree on whether it is due
-            if config.export and self.dist.max(int(export_due(self.output_dir, self.step != started)))[0]:
+            if config.export and self.dist.max(int(export_due(self.output_dir, self.step, self.step != started)))[0]:
                 self.export(self.output_dir / "final")
             elif not config.export and self.dist.is_main:
-                warn_stale_export(self.output_dir)
+                warn_stale_export(self.output_dir, self.step)
         return self.history
 
     def _run_steps(self, console: ConsoleLog) -> None:
@@ -482,7 +482,8 @@ class GRPOTrainer:
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
-        return self.dist.export(export_model, self.model, self.tokenizer, path, run_config=self.config.to_dict())
+        return self.dist.export(export_model, self.model, self.tokenizer, path, run_config=self.config.to_dict(),
+                                step=self.step)
 
     def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
                        columns: dict) -> None:
