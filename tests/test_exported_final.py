@@ -157,3 +157,57 @@ def test_a_final_exported_before_its_record_is_exported_again_keeping_the_users_
     (final / "notes.txt").unlink()
     assert main([*argv, "--resume"]) == 0
     assert _exported_step(tmp_path) == 1
+
+
+# ---- eval --checkpoint with --model: the checkpoint's run trained the weights evaluated, its settings apply ----
+def _completions(out):
+    return [(r["prompt"], r["completion"]) for r in map(json.loads, (out / "results.jsonl").read_text().splitlines())]
+
+
+def test_eval_of_a_checkpoint_over_its_runs_final_takes_the_runs_settings(tmp_path, capsys):
+    """--checkpoint run --model run/final of a tiny-model run lost the tiny model's presets (a --model was given) and
+    failed on the default 1024 new tokens; the checkpoint's run trained the weights evaluated (a full fine-tune's
+    checkpoint replaces every weight of the base): its presets and prompt format apply, as with --checkpoint alone."""
+    run = tmp_path / "run"
+    assert main(["train", "--max-steps", "2", "--output-dir", str(run), *QUIET]) == 0
+    common = ["--checkpoint", str(run), "--max-examples", "8"]
+    assert main(["eval", *common, "--model", str(run / "final"), "--output-dir", str(tmp_path / "both")]) == 0
+    assert main(["eval", *common, "--output-dir", str(tmp_path / "checkpoint")]) == 0
+    assert _completions(tmp_path / "both") == _completions(tmp_path / "checkpoint")
+    assert "warning" not in capsys.readouterr().err
+
+
+def test_eval_of_a_lora_checkpoint_over_its_runs_final_is_refused(tmp_path, capsys):
+    """The export has the run's adapter merged in: the checkpoint's adapter loaded over it applied it twice."""
+    run, final = tmp_path / "run", tmp_path / "run" / "final"
+    assert main(["train", "--max-steps", "1", "--lora-rank", "4", "--output-dir", str(run), *QUIET]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run), "--model", str(final), "--output-dir", str(tmp_path / "o")]) == 2
+    checkpoint = run / "checkpoint-1"
+    assert capsys.readouterr().err == (
+        f"fastgrpo eval: error: model: {final} is the export of the run of {checkpoint}, its LoRA adapter merged in: "
+        f"the checkpoint's adapter loaded over it would apply twice; evaluate one of them (--model {final}, or "
+        f"--checkpoint {checkpoint})\n")
+
+
+def test_eval_of_a_checkpoint_over_another_runs_export_says_so(tmp_path, capsys):
+    """--model of another run's export as the base of --checkpoint: one line says whose weights and settings are
+    evaluated; none where the checkpoint's run trained on that export (sft, then train on its final/)."""
+    first, other, then = tmp_path / "first", tmp_path / "other", tmp_path / "then"
+    assert main(["train", "--max-steps", "1", "--output-dir", str(first), *QUIET]) == 0
+    assert main(["train", "--max-steps", "1", "--seed", "1", "--output-dir", str(other), *QUIET]) == 0
+    capsys.readouterr()
+    common = ["--checkpoint", str(first), "--max-examples", "8"]
+    assert main(["eval", *common, "--model", str(other / "final"), "--output-dir", str(tmp_path / "both")]) == 0
+    assert [line for line in capsys.readouterr().err.splitlines() if "warning" in line] == [
+        f"fastgrpo eval: warning: model: {other / 'final'} is the export of another run than "
+        f"{first / 'checkpoint-1'}'s: the weights evaluated are the checkpoint's, loaded over it as the base model, "
+        "with the prompt settings of the checkpoint's run"]
+    assert main(["eval", *common, "--output-dir", str(tmp_path / "checkpoint")]) == 0
+    assert _completions(tmp_path / "both") == _completions(tmp_path / "checkpoint")
+    assert main(["train", "--model", str(first / "final"), "--max-steps", "1", "--max-prompt-length", "16",
+                 "--max-completion-length", "8", "--output-dir", str(then), *QUIET]) == 0
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(then), "--model", str(first / "final"), "--max-new-tokens", "8",
+                 "--max-examples", "8", "--output-dir", str(tmp_path / "then-eval")]) == 0
+    assert "warning" not in capsys.readouterr().err

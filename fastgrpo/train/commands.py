@@ -4,7 +4,7 @@ fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad 
 Precedence, as for `fastgrpo train`: dataclass defaults < the built-in presets (no --model: the tiny model's
 settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags;
 eval of a --checkpoint, or of a run's exported final/ (--model), takes the run's prompt format and stop strings over
-the presets.
+the presets (with both, the checkpoint's run: its weights are the ones evaluated).
 Heavy modules (transformers, the trainers) are imported inside the run functions, so `fastgrpo --help` stays quick.
 """
 from __future__ import annotations
@@ -21,6 +21,7 @@ from fastgrpo.train.config import add_config_arguments, check_resume
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
+from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 
@@ -62,10 +63,10 @@ def config_from_args(name: str, args: argparse.Namespace):
     # typed: YAML's `none`, "16", ~/ as a flag's
     merged = coerced(CONFIGS[name], {**config_file_settings(name, args.config), **flags})
     run, source = _trained_by(merged) if name == "eval" else (None, "")
-    # the final/ of a run of the tiny model is that model: its eval takes the tiny model's presets, as a --checkpoint
-    # of that run does (its 64 positions leave no room for the default 1024 new tokens)
-    exported_tiny = run is not None and merged.get("checkpoint") is None and run.get("model") is None
-    builtin_model = exported_tiny or merged.get("model") is None and (run is None or run.get("model") is None)
+    # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
+    # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
+    # leave no room for the default 1024 new tokens)
+    builtin_model = run.get("model") is None if run is not None else merged.get("model") is None
     preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
@@ -74,19 +75,41 @@ def config_from_args(name: str, args: argparse.Namespace):
 
 
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
-    """(config, description) of the run behind eval's model: a --checkpoint's run, or the run that exported a
-    --model folder (its run_config.json: export_model); (None, "") for any other model."""
+    """(config, description) of the run that trained the weights eval evaluates: a --checkpoint's run (its weights
+    are loaded last, over a --model given as its base), or the run that exported a --model folder (its
+    run_config.json: export_model); (None, "") for any other model."""
     from fastgrpo.train.checkpoint import STATE_FILE, read_exported_run_config, read_run_config
     from fastgrpo.train.loading import find_checkpoint
 
-    if merged.get("checkpoint") is not None:
-        return read_run_config(find_checkpoint(merged["checkpoint"])), "the checkpoint's run"
     model = merged.get("model")
     # a checkpoint holds a run_config.json too: it is no export, and not a model transformers can load
     if model is not None and (Path(model) / STATE_FILE).is_file():
         raise ValueError(f"model: {model} is a run's checkpoint, not a model folder: pass it as --checkpoint")
     exported = read_exported_run_config(model) if model is not None else None
-    return exported, f"the run that exported {model}"
+    if merged.get("checkpoint") is None:
+        return exported, f"the run that exported {model}"
+    checkpoint = find_checkpoint(merged["checkpoint"])
+    run = read_run_config(checkpoint)
+    if exported is not None:
+        _check_export_as_base(model, exported, checkpoint, run)
+    return run, "the checkpoint's run"
+
+
+def _check_export_as_base(model: str, exported: dict, checkpoint: Path, run: dict) -> None:
+    """--model, a run's export, as the base model of --checkpoint (whose run's settings apply: its weights are the
+    ones evaluated). The export of the checkpoint's own LoRA run has the adapter merged in already: refused, since
+    loading the checkpoint's adapter over it applies it twice. Another run's export that the checkpoint's run did not
+    record as its base is said, in one line."""
+    own = exported == run or Path(model).resolve() == checkpoint.resolve().parent / "final"
+    if own and run.get("lora_rank", 0) > 0:
+        raise ValueError(f"model: {model} is the export of the run of {checkpoint}, its LoRA adapter merged in: the "
+                         f"checkpoint's adapter loaded over it would apply twice; evaluate one of them ("
+                         f"{setting('model')} {model}, or {setting('checkpoint')} {checkpoint})")
+    base = run.get("model")
+    if not own and (base is None or Path(base).resolve() != Path(model).resolve()):
+        logger.warning("model: %s is the export of another run than %s's: the weights evaluated are the "
+                       "checkpoint's, loaded over it as the base model, with the prompt settings of the checkpoint's "
+                       "run", model, checkpoint)
 
 
 # what eval takes from the run that trained its model unless YAML or a flag sets it: the model learned to answer
@@ -143,7 +166,6 @@ def finished_run(config) -> str | None:
     checks it."""
     from fastgrpo.train.checkpoint import export_due, list_checkpoints, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
-    from fastgrpo.train.naming import setting
 
     check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
