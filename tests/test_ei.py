@@ -141,3 +141,11 @@ def test_a_finished_run_resumed_keeps_its_export(tmp_path):
     (tmp_path / "final" / "notes.txt").write_text("mine")
     assert main([*argv, "--resume"]) == 0
     assert (tmp_path / "final" / "notes.txt").read_text() == "mine"
+
+
+def test_ei_refuses_a_process_group_of_several(monkeypatch, tmp_path):
+    """ExpertIteration from a script under torchrun (WORLD_SIZE > 1) stops before it builds anything: each process
+    would run the whole of it into one output folder."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ValueError, match=r"^WORLD_SIZE: expected 1 \(expert iteration runs on one process; "):
+        _run(default_task.repeat_letter_reward, tmp_path)

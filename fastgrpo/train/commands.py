@@ -180,16 +180,16 @@ def finished_run(config) -> str | None:
                             setting("max_steps", config.max_steps) + exported, "max_steps")
 
 
-def _train(config, make_trainer, args) -> list[dict]:
-    """Lock the output folder, check a resume against the checkpoint, load the model, build and run the trainer."""
+def _train(config, dist, make_trainer, args) -> list[dict]:
+    """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, load the model, build
+    and run the trainer."""
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.errors import RunError
     from fastgrpo.train.interrupts import Interrupted
-    from fastgrpo.train.run_dir import RunDirectory
 
-    with RunDirectory(config.output_dir) as run_dir:
+    with dist.run_directory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         check_resume_before_load(config)
         torch.manual_seed(config.seed)  # LoRA's initialization
@@ -205,15 +205,18 @@ def _train(config, make_trainer, args) -> list[dict]:
 
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.loading import load_dataset
-    from fastgrpo.train.sft import SFTTrainer
+    from fastgrpo.train.sft import SFTTrainer, check_process_split
 
     config = config_from_args("sft", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
+    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
+    check_process_split(config, dist.world_size)
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed))
-    history = _train(config, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
-    if history:
+    history = _train(config, dist, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
+    if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
               f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
@@ -221,16 +224,18 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.expert_iteration import ExpertIteration
+    from fastgrpo.train.distributed import Distributed
+    from fastgrpo.train.expert_iteration import ExpertIteration, check_one_process
     from fastgrpo.train.loading import load_dataset, resolve_reward
 
+    check_one_process()  # under torchrun: before any rank touches the output folder or loads the model
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
-    history = _train(config, lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows,
-                                                                             config), args)
+    history = _train(config, Distributed(),
+                     lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
     if history:
         first, last = history[0], history[-1]
         print(f"reward {number(first['reward'])} (round {first['round']}) -> {number(last['reward'])} (round "

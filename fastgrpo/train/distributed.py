@@ -139,13 +139,19 @@ class Distributed:
     # ---- set-up ----
     @classmethod
     def wrap(cls, model: torch.nn.Module, ref_model: torch.nn.Module | None, config) -> Distributed:
-        """The Distributed of this process, with `model` wrapped for data parallelism when there are several: DDP for
-        a PEFT (LoRA) model, FSDP2 otherwise (the frozen reference copy is sharded too). Call before building the
-        optimizer: FSDP2 replaces the parameters by their shards."""
+        """The Distributed of this process, with GRPOConfig `config`'s batch checked against the process count and
+        `model` wrapped (data_parallel)."""
         self = cls.current()
+        if self.active:
+            self.check_sizes(config)
+        return self.data_parallel(model, ref_model, config)
+
+    def data_parallel(self, model: torch.nn.Module, ref_model: torch.nn.Module | None, config) -> Distributed:
+        """self, with `model` wrapped for data parallelism when there are several processes: DDP for a PEFT (LoRA)
+        model, FSDP2 otherwise (the frozen reference copy is sharded too; config's fsdp_* settings where it has
+        them). Call before building the optimizer: FSDP2 replaces the parameters by their shards."""
         if not self.active:
             return self
-        self.check_sizes(config)
         if is_peft_model(model):
             from torch.nn.parallel import DistributedDataParallel
 

@@ -4,13 +4,15 @@ reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) f
 A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold)
 -> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
 Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
-resumed run continues at the next round with the weights and RNG states of a straight one.
+resumed run continues at the next round with the weights and RNG states of a straight one. It runs on one process:
+under torchrun (WORLD_SIZE > 1) it refuses to start, before any process touches the output folder.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -42,10 +44,22 @@ from fastgrpo.train.sft_data import SFTExample
 logger = logging.getLogger(__name__)
 
 
+def check_one_process() -> None:
+    """Expert iteration is not data-parallel: under torchrun (or in a process group of several) each process would
+    run the whole of it into one output folder. A one-line refusal instead."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = max(world, torch.distributed.get_world_size())
+    if world > 1:
+        raise ValueError(f"WORLD_SIZE: expected 1 (expert iteration runs on one process; `fastgrpo train` and "
+                         f"`fastgrpo sft` run under torchrun), got {world}; run `fastgrpo ei` without torchrun")
+
+
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
                  train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
         """engine: where samples come from (default: BuiltinEngine on the model's own modules)."""
+        check_one_process()
         self.config = config = config or EIConfig()
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self.reward_funcs = reward_list(reward_funcs)

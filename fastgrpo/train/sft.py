@@ -4,6 +4,12 @@ A step reads top to bottom in `train_step`: the step's rows (length-sorted micro
 -> fused cross-entropy of the response tokens (fastgrpo.loss.sft: no logits), normalised by the step's response
 tokens -> gradient accumulation -> clipping, AdamW, LR schedule -> metrics. `train` adds logging, periodic
 evaluation, checkpoints (exact resume) and the export, as GRPOTrainer does.
+
+Under torchrun (`torchrun --nproc_per_node N -m fastgrpo sft ...`, or a process group the caller started) the run is
+data-parallel as GRPOTrainer's is (fastgrpo.train.distributed): each process takes every N-th of a step's
+micro-batches (sft_data.process_share), scales its loss by N and lets DDP (LoRA) or FSDP2 (full fine-tuning) average
+the gradients, so the step's gradient is one process's up to the order of the sums. Rank 0 owns the output folder,
+the metrics, the periodic evaluation and the export; the processes agree on when to save and stop.
 """
 from __future__ import annotations
 
@@ -16,24 +22,43 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint,
-    save_checkpoint, warn_stale_export,
+    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.input_checks import model_positions, warn_unapplied_model_fields
-from fastgrpo.train.interrupts import InterruptGuard
+from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import sft_evaluator
-from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sft_config import SFTConfig
-from fastgrpo.train.sft_data import SFTExample, collate, step_micro_batches, steps_per_epoch, tokenize_rows
+from fastgrpo.train.sft_data import (
+    SFTExample, collate, padded_tokens, process_share, step_micro_batches, steps_per_epoch, tokenize_rows,
+)
 from fastgrpo.train.optim import adamw_with_schedule
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 # What a run leaves in its output folder (a fresh run refuses a folder holding these): train's, and the evaluations.
+
+
+def check_process_split(config: SFTConfig, world_size: int) -> None:
+    """A step's rows split into equal shares of whole micro-batches, one per process (the CLI checks before it
+    prepares the output folder: --overwrite-output-dir deletes)."""
+    if config.batch_size % world_size:
+        raise ValueError(f"batch_size: expected a multiple of {world_size} (each of the {world_size} processes takes "
+                         f"an equal share of a step's rows), got {config.batch_size}")
+    share = config.batch_size // world_size
+    if share % config.micro_batch_size:
+        raise ValueError(f"micro_batch_size: expected a divisor of {share} (each of the {world_size} processes' "
+                         f"batch_size {config.batch_size} / {world_size} rows), got {config.micro_batch_size}")
+
+
+def total_steps(config: SFTConfig, num_examples: int) -> int:
+    """The optimizer steps of a run on num_examples rows: max_steps, or num_epochs passes."""
+    return config.max_steps or config.num_epochs * steps_per_epoch(num_examples, config.batch_size)
 
 
 def _is_examples(data) -> bool:
@@ -46,6 +71,8 @@ class SFTTrainer:
         a list of SFTExample (already tokenized, e.g. expert iteration's kept samples)."""
         self.config = config = config or SFTConfig()
         self.model, self.tokenizer = model, tokenizer
+        self.dist = Distributed.current()
+        check_process_split(config, self.dist.world_size)
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
         positions = model_positions(model)
@@ -68,12 +95,13 @@ class SFTTrainer:
         self.lengths = [len(e) for e in self.examples]
         self.device = next(model.parameters()).device
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
-        self.total_steps = config.max_steps or config.num_epochs * self.steps_per_epoch
+        self.total_steps = total_steps(config, len(self.examples))
+        self.evaluator = sft_evaluator(config, model, tokenizer)  # None unless eval_steps
+        self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, before the optimizer
         self.optimizer, self.scheduler = adamw_with_schedule(model, config, self.device, self.total_steps)
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
-        self.evaluator = sft_evaluator(config, model, tokenizer)  # None unless eval_steps
 
     # ---- one step ----
     def train_step(self) -> dict:
@@ -82,28 +110,32 @@ class SFTTrainer:
             torch.cuda.reset_peak_memory_stats()
         t_start = time.perf_counter()
 
-        # 1. The step's rows, sorted by length into micro-batches; the divisor is the step's response tokens.
+        # 1. The step's rows, sorted by length into micro-batches; the divisor is the step's response tokens. Under
+        # torchrun this process's share of the micro-batches (sft_data.process_share).
         micro_batches = step_micro_batches(self.lengths, self.step, batch_size=config.batch_size,
                                            micro_batch_size=config.micro_batch_size, seed=config.seed)
         examples = [[self.examples[i] for i in rows] for rows in micro_batches]
         response_tokens = sum(len(e.response_ids) for batch in examples for e in batch)
+        share, own = process_share(examples, self.dist.rank, self.dist.world_size)
 
         # 2. Forward/backward per micro-batch: fused cross-entropy of the response tokens, accumulated in .grad.
+        # DDP / FSDP2 average the processes' gradients: each scales its loss by their count to get their sum.
         model.train()
         self.optimizer.zero_grad(set_to_none=True)
         nll = torch.zeros((), dtype=torch.float64, device=self.device)  # summed on the device, read once per step
-        padded = 0
-        for batch_examples in examples:
+        for k, batch_examples in enumerate(share):
             batch = collate(batch_examples, self.tokenizer.pad_token_id, self.device)
-            loss, metrics = sft_loss(model, batch["input_ids"], batch["attention_mask"], batch["response_mask"],
-                                     num_items_in_batch=response_tokens)
-            loss.backward()
-            nll += metrics["nll_sum"].double()
-            padded += batch["input_ids"].numel()
+            self.dist.sync_gradients(k == len(share) - 1)  # DDP: all-reduce in the last backward only
+            loss, metrics = self.dist.forward(sft_loss, model, batch["input_ids"], batch["attention_mask"],
+                                              batch["response_mask"], num_items_in_batch=response_tokens)
+            (loss * (self.dist.world_size if k < own else 0.0)).backward()  # past `own`: a repeat, weighted 0
+            if k < own:
+                nll += metrics["nll_sum"].double()
+        nll = self.dist.all_reduce_sum(nll)
 
         # 3. Clip, AdamW, LR schedule.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        grad_norm = self.dist.finish_gradients(params, config.max_grad_norm)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
@@ -112,7 +144,7 @@ class SFTTrainer:
         # 4. Metrics.
         seconds = time.perf_counter() - t_start
         tokens = sum(len(e) for batch in examples for e in batch)
-        return {
+        return self.dist.combine_metrics({
             "step": self.step,
             "epoch": self.step / self.steps_per_epoch,
             "loss": nll.item() / response_tokens,
@@ -121,62 +153,86 @@ class SFTTrainer:
             "rows": sum(len(b) for b in examples),
             "tokens": tokens,
             "response_tokens": response_tokens,
-            "padding_frac": 1.0 - tokens / padded,
+            "padding_frac": 1.0 - tokens / padded_tokens(examples),
             "micro_batches": len(examples),
             "tokens_per_s": tokens / max(seconds, 1e-9),
             "step_s": seconds,
             "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else 0.0,
-        }
+        })
 
     # ---- the run ----
-    def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
+    def train(self, run_dir=None) -> list[dict]:
         """Run (or, with config.resume, continue) to the last step; returns the metrics of this call's steps.
 
         As GRPOTrainer.train: the output folder is locked and a fresh run refuses one that holds another run
-        (run_dir: a RunDirectory the caller opened already); SIGINT / SIGTERM let the step finish, save a checkpoint
-        and raise Interrupted.
+        (run_dir: the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all);
+        SIGINT / SIGTERM let the step finish, save a checkpoint and raise Interrupted (on every process, when any
+        got one).
         """
-        config = self.config
+        config, dist = self.config, self.dist
         with contextlib.ExitStack() as stack:
             if run_dir is None:
-                run_dir = stack.enter_context(RunDirectory(self.output_dir))
+                run_dir = stack.enter_context(dist.run_directory(self.output_dir))
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
-            log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict())
+            log = dist.on_main(MetricsLog, self.output_dir, report_to=config.report_to, run_config=config.to_dict())
             if config.resume:
                 self.resume()
-                if self.step >= self.total_steps:
+                if self.step >= self.total_steps and dist.is_main:
                     field = "max_steps" if config.max_steps else "num_epochs"
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
                                                     field))
             log.start_at(self.step)
-            console = ConsoleLog(config.logging_steps, self.total_steps, initial=self.step,
-                                 progress_bar=config.progress_bar)
+            console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=self.step,
+                                   progress_bar=config.progress_bar)
             stack.callback(console.close)
-            guard = stack.enter_context(InterruptGuard())  # every part of an SFT step is the update: it finishes
+            # every part of an SFT step is the update: it finishes; several processes stop together after it
+            guard = stack.enter_context(InterruptGuard(deferred=dist.active))
             started = self.step
             saved_step, saved_time = self.step if config.resume else None, time.monotonic()
             while self.step < self.total_steps:
                 metrics = self.train_step()
                 if self.evaluator is not None:
-                    metrics.update(self.evaluator(self.step, force=self.step == self.total_steps))
+                    metrics.update(self._evaluate(force=self.step == self.total_steps))
                 self.history.append(metrics)
                 log.write(metrics)
                 console.add(metrics)
                 every_steps = config.save_steps and self.step % config.save_steps == 0
                 every_minutes = config.save_minutes and time.monotonic() - saved_time >= 60 * config.save_minutes
-                if every_steps or every_minutes or guard.requested:
+                # all processes save, or none; and all stop when any got a signal
+                signum, save = dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
+                if save or signum:
                     path, saved_step, saved_time = self.save_checkpoint(), self.step, time.monotonic()
-                if guard.requested:
-                    raise guard.interrupted(self.step, path)
+                if signum:
+                    raise Interrupted(signum, self.step, path)
             if saved_step != self.step:
                 self.save_checkpoint()
-            if config.export and export_due(self.output_dir, self.step, self.step > started):
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict(),
-                             step=self.step)
-            elif not config.export:
+            # every process joins the export's collectives or none: they agree on whether it is due
+            if config.export and dist.max(int(export_due(self.output_dir, self.step, self.step > started)))[0]:
+                dist.export(export_model, self.model, self.tokenizer, self.output_dir / "final",
+                            run_config=config.to_dict(), step=self.step)
+            elif not config.export and dist.is_main:
                 warn_stale_export(self.output_dir, self.step)
         return self.history
+
+    def _evaluate(self, force: bool) -> dict:
+        """The periodic evaluation's metrics when it is due. Under torchrun every process evaluates (under FSDP2 with
+        every weight gathered), drawing the same samples (the same weights and seeds), and rank 0 writes and returns
+        the results: FSDP2 prefetches in the backward by the order of the forwards it saw, which must be alike on
+        every process (rank 0 evaluating alone hung the next step's collectives); the others would wait meanwhile."""
+        evaluator = self.evaluator
+        if not force and self.step % evaluator.every:
+            return {}
+
+        def run() -> dict:
+            if self.dist.is_main:
+                return evaluator(self.step, force=True)
+            evaluate(evaluator.engine, evaluator.tokenizer, evaluator.task, evaluator.sampling, stop=evaluator.stop,
+                     seed=evaluator.seed, reward_errors=evaluator.reward_errors)
+            return {}
+
+        with self.dist.full_weights():
+            return self.dist.raise_together(run)
 
     def save_checkpoint(self) -> Path:
         """checkpoint-<step> of the current state; then the oldest past save_total_limit are deleted."""
@@ -186,17 +242,19 @@ class SFTTrainer:
             "scheduler": self.scheduler.state_dict(),
             "config": self.config.to_dict(),
         }
-        path = save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, state)
-        prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
+        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer,
+                                         state)
+        if self.dist.is_main:
+            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
         return path
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (weights, optimizer, scheduler, RNG, step); its
-        run-defining settings must match the config's."""
+        run-defining settings must match the config's. An FSDP2 one (full fine-tuning under torchrun) continues with
+        the process count that wrote it."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
-        state = restore_checkpoint(state, self.model)
-        self.optimizer.load_state_dict(state["optimizer"])
+        state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         self.scheduler.load_state_dict(state["scheduler"])
         self.step = state["step"]
         logger.info("resumed from %s at step %d", path, self.step)

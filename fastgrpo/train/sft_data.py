@@ -88,6 +88,22 @@ def step_micro_batches(lengths: list[int], step: int, *, batch_size: int, micro_
     return [rows[i:i + micro_batch_size] for i in range(0, len(rows), micro_batch_size)]
 
 
+def process_share(micro_batches: list, rank: int, world_size: int) -> tuple[list, int]:
+    """(this process's micro-batches of a step, how many of them are its own) under data parallelism: every
+    world_size-th of the step's micro-batches, from the rank-th on, so each is the micro-batch one process runs and
+    the processes' lengths stay alike. Every process runs the same number (DDP and FSDP2 reduce the gradients in the
+    backward of each process's last one): a process left one short, which an epoch's smaller last step can do,
+    repeats the step's last micro-batch, which the caller weights 0."""
+    own = micro_batches[rank::world_size]
+    count = -(-len(micro_batches) // world_size)
+    return own + micro_batches[-1:] * (count - len(own)), len(own)
+
+
+def padded_tokens(micro_batches: list[list[SFTExample]]) -> int:
+    """Positions of the micro-batches as collate pads them (each to its longest example)."""
+    return sum(len(batch) * max(len(e) for e in batch) for batch in micro_batches)
+
+
 def collate(examples: list[SFTExample], pad_id: int, device) -> dict[str, torch.Tensor]:
     """Right-padded input_ids, attention_mask and response_mask [b, L] (L: the longest example)."""
     L = max(len(e) for e in examples)
