@@ -143,6 +143,25 @@ def test_a_finished_run_resumed_keeps_its_export(tmp_path):
     assert (tmp_path / "final" / "notes.txt").read_text() == "mine"
 
 
+def test_a_finished_run_resumed_says_so_before_loading_the_model(tmp_path, capsys):
+    """As sft's: the line without a model load (the model folder lost its weights after the run)."""
+    tokenizer = default_task.build_tokenizer()
+    model = tmp_path / "model"
+    default_task.build_model(tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "run"
+    argv = ["ei", "--model", str(model), "--output-dir", str(out), "--ei-steps", "1", "--questions-per-step", "4",
+            "--num-generations", "2", "--max-prompt-length", "16", "--max-completion-length", "2", "--batch-size", "4",
+            "--micro-batch-size", "4", "--no-export", "--no-progress-bar", "--logging-steps", "0"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (model / "model.safetensors").unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert capsys.readouterr().out == (
+        f"fastgrpo ei: nothing to train: the run in {out} is at round 1 (checkpoint-1) of --ei-steps 1; pass a larger "
+        "--ei-steps to train on\n")
+
+
 def test_ei_refuses_a_process_group_of_several(monkeypatch, tmp_path):
     """ExpertIteration from a script under torchrun (WORLD_SIZE > 1) stops before it builds anything: each process
     would run the whole of it into one output folder."""

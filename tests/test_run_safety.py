@@ -196,9 +196,10 @@ def test_a_finished_run_resumed_from_python_says_so(tmp_path, caplog):
 
 
 @pytest.mark.parametrize("argv, line", [
-    (["sft", "--max-steps", "1"], "is at step 1 of 1 (--max-steps 1); pass a larger --max-steps to train on"),
+    (["sft", "--max-steps", "1"],
+     "is at step 1 (checkpoint-1) of 1 (--max-steps 1); pass a larger --max-steps to train on"),
     (["ei", "--ei-steps", "1", "--questions-per-step", "4"],
-     "is at round 1 of --ei-steps 1; pass a larger --ei-steps to train on"),
+     "is at round 1 (checkpoint-1) of --ei-steps 1; pass a larger --ei-steps to train on"),
 ])
 def test_a_finished_sft_or_ei_run_resumed_says_so(tmp_path, capsys, argv, line):
     from fastgrpo.train.cli import main
@@ -207,8 +208,8 @@ def test_a_finished_sft_or_ei_run_resumed_says_so(tmp_path, capsys, argv, line):
     assert main(argv) == 0
     capsys.readouterr()
     assert main([*argv, "--resume"]) == 0
-    err = capsys.readouterr().err
-    assert f"warning: nothing to train: the run in {tmp_path} {line}" in err, err
+    out = capsys.readouterr().out
+    assert out == f"fastgrpo {argv[0]}: nothing to train: the run in {tmp_path} {line}\n", out
 
 
 def test_a_run_without_a_checkpoint_is_not_offered_to_resume(tmp_path, capsys):

@@ -211,3 +211,23 @@ def test_a_finished_run_resumed_keeps_its_export(tmp_path):
     shutil.rmtree(tmp_path / "final")  # stopped before its export: the resume exports, training nothing
     assert main([*argv, "--resume"]) == 0
     assert (tmp_path / "final" / "config.json").is_file()
+
+
+def test_a_finished_run_resumed_says_so_before_loading_the_model(tmp_path, capsys):
+    """--resume of a finished run prints that there is nothing to train without loading the model, as `fastgrpo
+    train` does: here the model folder lost its weights after the run, and the command still says its line and exits
+    0 (it loaded the model first, and failed on this folder)."""
+    tokenizer = default_task.build_tokenizer()
+    model = tmp_path / "model"
+    default_task.build_model(tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    out = tmp_path / "run"
+    argv = ["sft", "--model", str(model), "--output-dir", str(out), "--max-seq-length", "16", "--batch-size", "256",
+            "--micro-batch-size", "64", "--num-epochs", "1", "--no-progress-bar", "--logging-steps", "0"]
+    assert main(argv) == 0
+    capsys.readouterr()
+    (model / "model.safetensors").unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert capsys.readouterr().out == (
+        f"fastgrpo sft: nothing to train: the run in {out} is at step 2 (checkpoint-2) of 2 (--num-epochs 1), "
+        f"exported to {out / 'final'}; pass a larger --num-epochs to train on\n")

@@ -164,24 +164,42 @@ def finished_run(config) -> str | None:
     checkpoint's export when export is on): the line saying there is nothing to train, instead of loading the model to
     find that out. report_to is checked first, on every run: a finished one builds no trainer, whose metrics log
     checks it."""
+    from fastgrpo.train.naming import setting
+
+    return _finished_at(config, config.max_steps, "step", setting("max_steps", config.max_steps), "max_steps")
+
+
+def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
+    """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
+    it (`of`: the limit as the user set it)."""
     from fastgrpo.train.checkpoint import export_due, list_checkpoints, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
 
     check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
-    if not found or found[-1][0] < config.max_steps:
+    if not found or found[-1][0] < last:
         return None
     step, newest = found[-1]
     # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
     if config.export and export_due(config.output_dir, step, trained=False):
         return None
     exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
-    return nothing_to_train(config.output_dir, f"step {step} ({newest.name})",
-                            setting("max_steps", config.max_steps) + exported, "max_steps")
+    return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
 
 
-def _train(config, dist, make_trainer, args) -> list[dict]:
-    """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, load the model, build
+def _finished_sft(config, num_rows: int) -> str | None:
+    """finished_run for an SFT run on num_rows rows (its last step: max_steps, or num_epochs passes)."""
+    from fastgrpo.train.naming import setting
+    from fastgrpo.train.sft import total_steps
+
+    field = "max_steps" if config.max_steps else "num_epochs"
+    last = total_steps(config, num_rows)
+    return _finished_at(config, last, "step", f"{last} ({setting(field, getattr(config, field))})", field)
+
+
+def _train(config, dist, finished, make_trainer, args) -> list[dict]:
+    """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, say there is nothing
+    to train when the resumed run is finished (finished(): finished_run's line, or None), else load the model, build
     and run the trainer."""
     import torch
 
@@ -192,6 +210,11 @@ def _train(config, dist, make_trainer, args) -> list[dict]:
     with dist.run_directory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         check_resume_before_load(config)
+        nothing_to_do = finished()
+        if nothing_to_do is not None:
+            if dist.is_main:
+                print(f"fastgrpo {config.COMMAND}: {nothing_to_do}")
+            return []
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)
         trainer = make_trainer(model, tokenizer)
@@ -215,7 +238,8 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     check_process_split(config, dist.world_size)
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed))
-    history = _train(config, dist, lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
+    history = _train(config, dist, lambda: _finished_sft(config, len(rows)),
+                     lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
@@ -227,6 +251,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import Distributed
     from fastgrpo.train.expert_iteration import ExpertIteration, check_one_process
     from fastgrpo.train.loading import load_dataset, resolve_reward
+    from fastgrpo.train.naming import setting
 
     check_one_process()  # under torchrun: before any rank touches the output folder or loads the model
     config = config_from_args("ei", args)
@@ -235,6 +260,8 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
     history = _train(config, Distributed(),
+                     lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
+                                          "ei_steps"),
                      lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
     if history:
         first, last = history[0], history[-1]
