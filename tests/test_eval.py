@@ -121,6 +121,26 @@ def test_a_row_without_an_answer_is_named_before_anything_runs(tmp_path, capsys,
     assert not (out / "results.jsonl").exists()
 
 
+@pytest.mark.parametrize("command", ["train", "ei", "eval"])
+def test_a_dataset_mistake_is_named_before_the_model_loads(tmp_path, capsys, command):
+    """A null answer (or a missing column) in the rows was found once the model had loaded, minutes into a run of a
+    large one; each command checks the rows it scores first. The model folder here has no weights: loading it
+    first would fail on the model instead."""
+    folder = tmp_path / "no_weights"
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    default_task.build_model(tokenizer).config.save_pretrained(folder)
+    data = tmp_path / "math.jsonl"
+    rows = [{"prompt": "1 say 2", "answer": "2"}, {"prompt": "2 say 4", "answer": None}]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    reward = [] if command == "eval" else ["--reward-funcs", "r1_zero_math"]
+    argv = [command, "--model", str(folder), "--dataset", str(data), *reward, "--output-dir", str(tmp_path / "out")]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (f"fastgrpo {command}: error: dataset: row 1 has no answer (the answer column is null); reward "
+                   "function r1_zero_math_reward needs one per row\n"), err
+
+
 def test_an_over_long_prompt_says_how_it_was_wrapped():
     tokenizer = default_task.build_tokenizer()
     rows = [{"prompt": "1 say a", "answer": "a"}]

@@ -250,6 +250,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import Distributed
     from fastgrpo.train.expert_iteration import ExpertIteration, check_one_process
+    from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.loading import load_dataset, resolve_reward
     from fastgrpo.train.naming import setting
 
@@ -259,6 +260,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_sources(config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
+    check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
     history = _train(config, Distributed(),
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
@@ -290,8 +292,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import build_eval_task, evaluate, log_generations, write_eval
-    from fastgrpo.train.input_checks import model_positions
+    from fastgrpo.train.evaluate import build_eval_task, evaluate, first_rows, log_generations, write_eval
+    from fastgrpo.train.input_checks import check_reward_rows, model_positions
     from fastgrpo.train.loading import find_checkpoint, load_dataset, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
     from fastgrpo.train.sources import naming_the_model
@@ -302,6 +304,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
                                                                        seed=config.seed + 1))
+    check_reward_rows(first_rows(rows, config.max_examples), config.prompt_column, reward_funcs, "dataset")
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     output = Path(config.output_dir)
     _check_eval_output(output)

@@ -21,11 +21,10 @@ import torch
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
-from fastgrpo.rewards.scoring import (RewardError, check_column_values, nan_mean, required_columns, reward_name,
-                                      reward_names, score, warn_unscored)
+from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.input_checks import check_rows_have
+from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 
@@ -48,6 +47,14 @@ class EvalTask:
         return self.reward_funcs == [r1_zero_math_reward]
 
 
+def first_rows(rows, max_examples: int) -> list:
+    """The rows an evaluation samples: the first max_examples (0: all), as a list."""
+    if max_examples < 0:
+        raise ValueError(f"max_examples: expected >= 0 (0: every row), got {max_examples}")
+    count = 0 if rows is None else min(len(rows), max_examples) if max_examples else len(rows)
+    return [rows[i] for i in range(count)]
+
+
 def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, reward_funcs: Sequence[Callable],
                     reward_weights: Sequence[float] | None = None, correct_threshold: float = 1.0,
                     max_examples: int = 0, max_prompt_length: int | None = None,
@@ -57,27 +64,13 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
     over max_prompt_length, or prompts that max_new_tokens more would take past the model's max_positions
     (input_checks.model_positions), are refused here, naming the row and the config field of max_new_tokens, before
     anything is generated."""
-    if rows is None or len(rows) == 0:
-        raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     if not reward_funcs or not all(callable(f) for f in reward_funcs):
         raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
     if reward_weights is not None and len(reward_weights) != len(reward_funcs):
         raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward function), "
                          f"got {len(reward_weights)}")
-    if max_examples < 0:
-        raise ValueError(f"max_examples: expected >= 0 (0: every row), got {max_examples}")
-    rows = [rows[i] for i in range(min(len(rows), max_examples) if max_examples else len(rows))]
-    columns = list(rows[0])
-    if prompt_column not in columns:
-        raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}")
-    for func in reward_funcs:
-        missing = [c for c in required_columns(func) if c not in columns]
-        if missing:
-            raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
-                             f"dataset lacks (columns: {columns})")
-    needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
-    check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
-    check_column_values(reward_funcs, rows, field)
+    rows = first_rows(rows, max_examples)
+    check_reward_rows(rows, prompt_column, reward_funcs, field)
     ids = []
     wrapped = as_wrapped(prompt_format)
     for i, row in enumerate(rows):

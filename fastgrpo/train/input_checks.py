@@ -90,6 +90,26 @@ def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
                              f"row needs {why}")
 
 
+def check_reward_rows(rows, prompt_column: str, reward_funcs: Sequence[Callable], field: str) -> None:
+    """The rows a rollout samples and scores: at least one, the prompt column and the columns each reward function
+    reads in every row, and a value in every row where a reward needs one (the math rewards' answer): one ValueError
+    naming `field`, the row and the column. The commands check this before the model loads; the trainers and
+    build_eval_task check it again for rows given from Python."""
+    if rows is None or len(rows) == 0:
+        raise ValueError(f"{field}: expected at least one row, got an empty dataset")
+    columns = dataset_columns(rows)
+    if prompt_column not in columns:
+        raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}")
+    for func in reward_funcs:
+        missing = [c for c in required_columns(func) if c not in columns]
+        if missing:
+            raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
+                             f"dataset lacks (columns: {columns})")
+    needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
+    check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
+    check_column_values(reward_funcs, rows, field)
+
+
 def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
     """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads,
     with the values a reward needs in every row: the math rewards' answer), the tokenizer's pad token, and prompt +
@@ -100,23 +120,13 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
     if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
         raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward "
                          f"function), got {len(config.reward_weights)}")
-    if dataset is None or len(dataset) == 0:
-        raise ValueError("dataset: expected at least one row, got an empty dataset")
-    columns = dataset_columns(dataset)
-    if config.prompt_column not in columns:
-        raise ValueError(f"dataset: no prompt column {config.prompt_column!r} (prompt_column); "
-                         f"columns: {columns}")
-    for func in reward_funcs:
-        missing = [c for c in required_columns(func) if c not in columns]
-        if missing:
-            raise ValueError(f"dataset: reward function {reward_name(func)} needs columns {missing}, "
-                             f"which the dataset lacks (columns: {columns})")
+    check_reward_rows(dataset, config.prompt_column, reward_funcs, "dataset")
     if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
+        columns = dataset_columns(dataset)
         for i in range(len(dataset)):
             if set(dataset[i]) != set(columns):
                 raise ValueError(f"dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
                                  f"{sorted(columns)}; every row needs the same columns")
-    check_column_values(reward_funcs, dataset, "dataset")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
     positions = model_positions(model)
