@@ -11,6 +11,7 @@ from pathlib import Path
 
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train import default_task
+from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import load_rows, resolve_reward
@@ -22,7 +23,8 @@ EVAL_SPLIT = "test"
 
 class PeriodicEval:
     """Evaluation every `every` steps, into <output_dir>/eval/step-<N>.jsonl and step-<N>_summary.json; returns the
-    summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due."""
+    summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due (and on every
+    process but rank 0 under torchrun)."""
 
     def __init__(self, model, engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *,
                  every: int, output_dir: str | Path, stop=None, seed: int = 0, reward_errors: str = "raise",
@@ -34,16 +36,32 @@ class PeriodicEval:
         self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
         self.seed, self.log_count = seed, log_count
 
-    def __call__(self, step: int, *, force: bool = False) -> dict:
+    def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
+        """The step's evaluation when it is due (or forced); dist: the trainer's Distributed (None: one process).
+
+        Under torchrun every process evaluates, under FSDP2 with every weight gathered (as for a rollout), drawing the
+        same samples (the same weights and seeds), and rank 0 alone writes, logs and returns the numbers ({} on the
+        others). Not rank 0 alone: FSDP2 prefetches in the backward by the order of the forwards it saw, which must be
+        alike on every process (rank 0 evaluating alone hung the next step's collectives), and the others would only
+        wait. An error on any process stops every process."""
         if not force and step % self.every:
             return {}
+        dist = dist or Distributed()
         self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
+        with dist.full_weights():
+            summary = dist.raise_together(lambda: self._evaluate(step, write=dist.is_main))
+        if not dist.is_main:
+            return {}
+        return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def _evaluate(self, step: int, write: bool) -> dict:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
                                     seed=self.seed, reward_errors=self.reward_errors)
-        write_eval(records, summary, self.directory / f"step-{step}.jsonl",
-                   self.directory / f"step-{step}_summary.json")
-        log_generations(records, self.log_count, f"eval step {step}")
-        return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+        if write:
+            write_eval(records, summary, self.directory / f"step-{step}.jsonl",
+                       self.directory / f"step-{step}_summary.json")
+            log_generations(records, self.log_count, f"eval step {step}")
+        return summary
 
 
 def _rows(config):

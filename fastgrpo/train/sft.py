@@ -27,7 +27,6 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.evaluate import evaluate
 from fastgrpo.train.input_checks import model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
@@ -216,23 +215,9 @@ class SFTTrainer:
         return self.history
 
     def _evaluate(self, force: bool) -> dict:
-        """The periodic evaluation's metrics when it is due. Under torchrun every process evaluates (under FSDP2 with
-        every weight gathered), drawing the same samples (the same weights and seeds), and rank 0 writes and returns
-        the results: FSDP2 prefetches in the backward by the order of the forwards it saw, which must be alike on
-        every process (rank 0 evaluating alone hung the next step's collectives); the others would wait meanwhile."""
-        evaluator = self.evaluator
-        if not force and self.step % evaluator.every:
-            return {}
-
-        def run() -> dict:
-            if self.dist.is_main:
-                return evaluator(self.step, force=True)
-            evaluate(evaluator.engine, evaluator.tokenizer, evaluator.task, evaluator.sampling, stop=evaluator.stop,
-                     seed=evaluator.seed, reward_errors=evaluator.reward_errors)
-            return {}
-
-        with self.dist.full_weights():
-            return self.dist.raise_together(run)
+        """The periodic evaluation's metrics when it is due; under torchrun on every process, rank 0 writing and
+        returning them (PeriodicEval)."""
+        return self.evaluator(self.step, force=force, dist=self.dist)
 
     def save_checkpoint(self) -> Path:
         """checkpoint-<step> of the current state; then the oldest past save_total_limit are deleted."""

@@ -424,7 +424,7 @@ class GRPOTrainer:
             guard.abandonable = False
             metrics["step_s"] = time.perf_counter() - t_start
             if self.evaluator is not None:
-                metrics.update(self.evaluator(self.step, force=self.step == config.max_steps))
+                metrics.update(self.evaluator(self.step, force=self.step == config.max_steps, dist=self.dist))
             self.history.append(metrics)
             self.metrics_log.write(metrics)
             console.add(metrics)
