@@ -217,8 +217,8 @@ def _sft_argv(tmp: Path, output: str, lora: bool, *extra: str) -> list[str]:
 @pytest.mark.parametrize("lora", [False, True], ids=["fsdp2-full", "ddp-lora"])
 def test_sft_command_on_two_processes(tmp_path, lora):
     """4 steps of 4 rows from 10 (step 3 ends the epoch: 2 rows, one micro-batch), a checkpoint every 2 steps (the
-    last kept), an evaluation every 2 (rank 0 generates; under FSDP2 with every weight gathered), the export; and the
-    same run stopped at step 2 and resumed. Rank 0 writes the folder and prints; rank 1 writes nothing there (FSDP2:
+    last kept), an evaluation every 2 (every process generates, rank 0 writes; under FSDP2 with every weight
+    gathered), the export; and the same run stopped at step 2 and resumed. Rank 0 writes the folder and prints; rank 1 writes nothing there (FSDP2:
     its shard of each checkpoint only)."""
     evaluation = ["--eval-steps", "2", "--eval-dataset", str(tmp_path / "rows.jsonl"), "--eval-max-examples", "4",
                   "--eval-reward-funcs", "fastgrpo.train.default_task:repeat_letter_reward"]
