@@ -221,12 +221,17 @@ def test_r1_zero_split_and_prompt_format():
 def test_periodic_eval_inside_train(tmp_path, capsys):
     out = tmp_path / "grpo"
     assert main(["train", "--output-dir", str(out), "--max-steps", "2", "--batch-size", "16", "--micro-batch-size",
-                 "16", "--eval-steps", "2", "--eval-max-examples", "8", "--no-export", *QUIET]) == 0
+                 "16", "--eval-steps", "2", "--eval-max-examples", "8", "--no-export", "--no-progress-bar",
+                 "--logging-steps", "1"]) == 0
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     summary = json.loads((out / "eval" / "step-2_summary.json").read_text())
     assert last["eval/accuracy"] == summary["accuracy"] and summary["num_examples"] == 8
     assert len((out / "eval" / "step-2.jsonl").read_text().splitlines()) == 8
-    assert "eval step 2 |" in capsys.readouterr().err  # a few generations in the log
+    out_text, err = capsys.readouterr()
+    assert "eval step 2 |" in err  # a few generations in the log
+    # the console line of the step that evaluated shows its accuracy; the other's does not
+    lines = [line for line in out_text.splitlines() if line.startswith("step ")]
+    assert "eval accuracy" not in lines[0] and f"eval accuracy {summary['accuracy']:.3f}" in lines[1], lines
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1 say a", "letter": "a"}) + "\n")
     assert main(["train", "--dataset", str(data), "--eval-steps", "1", "--output-dir", str(tmp_path / "x")]) == 2

@@ -22,6 +22,7 @@ _FIELDS = (
     ("entropy", "entropy", "{:.3g}"),
     ("clip_ratio", "clip", "{:.3g}"),
     ("completion_length", "length", "{:.1f}"),
+    ("eval/accuracy", "eval accuracy", "{:.3f}"),  # the periodic evaluation's, on the steps it ran (--eval-steps)
 )
 
 
