@@ -12,8 +12,10 @@ from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import export_model, read_checkpoint
 from fastgrpo.train.cli import main
+from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.evaluate import build_eval_task
 from fastgrpo.train.loading import load_inference_model
+from fastgrpo.train.trainer import GRPOTrainer
 
 QUIET = ["--no-progress-bar", "--logging-steps", "0"]
 # spaces (which a generic tokenizer in a qwen2 folder lost on reload), runs of them, every known character, specials
@@ -118,15 +120,17 @@ def test_a_final_of_the_last_step_is_kept_as_it_is(tmp_path, command, capsys):
     assert main(argv) == 0
     (tmp_path / "final" / "notes.txt").write_text("mine")
     kept = _files(tmp_path / "final")
-    assert main([*argv, "--resume"]) == 0
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0  # the user's notes.txt is not refused: nothing is exported
+    assert "nothing to train" in capsys.readouterr().out
     assert main([*argv, "--resume", "--no-export"]) == 0
     assert _files(tmp_path / "final") == kept
     assert "earlier point" not in capsys.readouterr().err  # export off: final/ is the last step's, no warning
 
 
 def test_files_put_in_a_final_to_be_exported_again_are_refused_not_deleted(tmp_path, capsys):
-    """A resume that trains on writes final/ anew, which deleted what the user had put there; it is refused once the
-    run's checkpoint is saved, naming the files to move, and the next resume exports."""
+    """A resume that trains on writes final/ anew, which deleted what the user had put there; it is refused before
+    the run trains, naming the files to move, and once they are moved the resume trains and exports."""
     argv = ["train", "--output-dir", str(tmp_path), *QUIET, "--max-steps"]
     final = tmp_path / "final"
     assert main([*argv, "1"]) == 0
@@ -134,12 +138,89 @@ def test_files_put_in_a_final_to_be_exported_again_are_refused_not_deleted(tmp_p
     (final / "eval" / "summary.json").write_text("{}")
     capsys.readouterr()
     assert main([*argv, "2", "--resume"]) == 2
-    assert capsys.readouterr().err.splitlines()[-1] == (
-        f"fastgrpo train: error: export: {final} holds files the export did not write (eval/summary.json), which "
-        f"exporting checkpoint-2 there would delete; move them out of it, then resume (--resume) to export it")
+    assert capsys.readouterr().err.splitlines()[-1].endswith(" (eval/summary.json), which exporting the run's last "
+                                                             "step there would delete; move them out of it, then "
+                                                             "start the run again")
     assert (final / "eval" / "summary.json").read_text() == "{}" and _exported_step(tmp_path) == 1
     (final / "eval").rename(tmp_path / "eval-step-1")
     assert main([*argv, "2", "--resume"]) == 0
+    assert _exported_step(tmp_path) == 2
+
+
+# the lengths of the tiny model, which a --model run does not take from the built-in presets
+FITS = {"train": ["--max-prompt-length", "16", "--max-completion-length", "8"], "sft": ["--max-seq-length", "16"]}
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_run_that_will_export_into_a_final_holding_the_users_files_is_refused_before_the_model_loads(
+        tmp_path, command, capsys):
+    """The refusal came once the run was trained (hours, for a real one), the user then moving the files and resuming
+    just to export; it comes before the model loads (its weights are gone here: loading would fail) and any step."""
+    model, run = tmp_path / "model", tmp_path / "run"
+    tokenizer = default_task.build_tokenizer()
+    default_task.build_model(tokenizer).save_pretrained(model)
+    tokenizer.save_pretrained(model)
+    argv = [command, "--model", str(model), *FITS[command], "--output-dir", str(run), *QUIET, "--max-steps"]
+    assert main([*argv, "1"]) == 0
+    final, logged = run / "final", (run / "metrics.jsonl").read_text()
+    (final / "eval").mkdir()
+    (final / "eval" / "summary.json").write_text("{}")
+    (model / "model.safetensors").unlink()
+    capsys.readouterr()
+    assert main([*argv, "2", "--resume"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fastgrpo {command}: error: export: {final} holds files the export did not write (eval/summary.json), which "
+        "exporting the run's last step there would delete; move them out of it, then start the run again")
+    assert (run / "metrics.jsonl").read_text() == logged and not (run / "checkpoint-2").exists()
+    assert (final / "eval" / "summary.json").read_text() == "{}" and _exported_step(run) == 1
+
+
+def test_a_resumed_trainer_refuses_a_final_holding_the_users_files_before_its_first_step(tmp_path):
+    """From Python too (GRPOTrainer.train with resume=True), before a step is trained."""
+    config = dict(default_task.PRESET, batch_size=8, num_generations=4, micro_batch_size=4, output_dir=str(tmp_path),
+                  progress_bar=False, logging_steps=0)
+
+    def trainer(**fields):
+        tokenizer = default_task.build_tokenizer()
+        return GRPOTrainer(default_task.build_model(tokenizer), tokenizer, default_task.repeat_letter_reward,
+                           default_task.build_dataset(16), GRPOConfig(**{**config, **fields}))
+
+    assert len(trainer(max_steps=1).train()) == 1
+    (tmp_path / "final" / "notes.txt").write_text("mine")
+    logged = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ValueError, match=r"final holds files the export did not write \(notes.txt\), which exporting "
+                                         r"the run's last step there would delete; move them out of it, then start "
+                                         r"the run again$"):
+        trainer(max_steps=2, resume=True).train()
+    assert (tmp_path / "metrics.jsonl").read_text() == logged and not (tmp_path / "checkpoint-2").exists()
+    kept = _files(tmp_path / "final")
+    assert trainer(max_steps=1, resume=True).train() == []  # nothing to train: final/ is current, kept
+    assert _files(tmp_path / "final") == kept and kept["notes.txt"][0] == b"mine"
+
+
+def test_files_put_in_a_final_while_the_run_trains_are_refused_at_its_end(tmp_path):
+    """final/ checked before the first step can take files later: the export is refused once the checkpoint is
+    saved, and a resume after they are moved exports it."""
+    def writing_into_final(prompts, completions, letter, **kwargs):  # the user's files, put there mid-run
+        (tmp_path / "final" / "notes.txt").write_text("mine")
+        return default_task.repeat_letter_reward(prompts, completions, letter)
+
+    config = dict(default_task.PRESET, batch_size=8, num_generations=4, micro_batch_size=4, output_dir=str(tmp_path),
+                  progress_bar=False, logging_steps=0, max_steps=2)
+
+    def trainer(reward, **fields):
+        tokenizer = default_task.build_tokenizer()
+        return GRPOTrainer(default_task.build_model(tokenizer), tokenizer, reward, default_task.build_dataset(16),
+                           GRPOConfig(**{**config, **fields}))
+
+    assert len(trainer(default_task.repeat_letter_reward, max_steps=1).train()) == 1
+    with pytest.raises(ValueError, match=r"final holds files the export did not write \(notes.txt\), which exporting "
+                                         r"checkpoint-2 there would delete; move them out of it, then resume "
+                                         r"\(resume=True\) to export it$"):
+        trainer(writing_into_final, resume=True).train()
+    assert (tmp_path / "checkpoint-2").is_dir() and _exported_step(tmp_path) == 1
+    (tmp_path / "final" / "notes.txt").unlink()
+    assert trainer(default_task.repeat_letter_reward, resume=True).train() == []
     assert _exported_step(tmp_path) == 2
 
 

@@ -13,7 +13,8 @@ that still fails to load (torn by a file system without atomic rename, a disk er
 
 A run's export `<output_dir>/final/` (export_model) records the step of its weights and the files it wrote
 (`export.json`): a resumed run writes it again unless it is of the run's last step (export_due); an export that would
-delete files the user put in it is refused.
+delete files the user put in it is refused, at the start of a run that will export (check_final_exportable) and at its
+end.
 """
 from __future__ import annotations
 
@@ -264,13 +265,28 @@ def export_due(output_dir: str | Path, step: int, trained: bool) -> bool:
     record = _export_record(final)
     if not trained and record.get("step") == step:
         return False
+    _refuse_users_files(final, record, f"exporting checkpoint-{step}",
+                        f"resume ({setting('resume', True)}) to export it")
+    return True
+
+
+def check_final_exportable(output_dir: str | Path) -> None:
+    """For a run with steps left to train and export on, before the first: export_due's refusal of the files the
+    user put in final/, said now rather than once the run is trained (files put there during the run are still
+    refused at its end)."""
+    final = Path(output_dir) / "final"
+    if final.is_dir():
+        _refuse_users_files(final, _export_record(final), "exporting the run's last step", "start the run again")
+
+
+def _refuse_users_files(final: Path, record: dict, exporting: str, then: str) -> None:
+    """A ValueError naming the files in final/ its export did not write (they are the user's to move), which
+    `exporting` there would delete; `then`: what to do once they are moved."""
     foreign = _not_exported(final, record)
     if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"export: {final} holds files the export did not write ({listed}), which exporting "
-                         f"checkpoint-{step} there would delete; move them out of it, then resume "
-                         f"({setting('resume', True)}) to export it")
-    return True
+        raise ValueError(f"export: {final} holds files the export did not write ({listed}), which {exporting} "
+                         f"there would delete; move them out of it, then {then}")
 
 
 def warn_stale_export(output_dir: str | Path, step: int) -> None:

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
-    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_resume_before_load,
-    description, finished_run, run_ei, run_eval, run_sft,
+    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_export_before_load,
+    check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import config_file_settings, elsewhere
@@ -211,6 +211,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             if dist.is_main:
                 print(f"fastgrpo train: {nothing_to_do}")
             return 0
+        check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):
             model, tokenizer = load_model_and_tokenizer(config)

@@ -187,6 +187,16 @@ def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | Non
     return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
 
 
+def check_export_before_load(config, dist) -> None:
+    """A run about to train (not finished_run's) with export on: a final/ holding files its export would delete is
+    refused now, before the model loads, not once the run is trained; rank 0 reads it, every process stops with its
+    line."""
+    from fastgrpo.train.checkpoint import check_final_exportable
+
+    if config.export:
+        dist.raise_together(lambda: dist.is_main and check_final_exportable(config.output_dir))
+
+
 def _finished_sft(config, num_rows: int) -> str | None:
     """finished_run for an SFT run on num_rows rows (its last step: max_steps, or num_epochs passes)."""
     from fastgrpo.train.naming import setting
@@ -199,8 +209,8 @@ def _finished_sft(config, num_rows: int) -> str | None:
 
 def _train(config, dist, finished, make_trainer, args) -> list[dict]:
     """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, say there is nothing
-    to train when the resumed run is finished (finished(): finished_run's line, or None), else load the model, build
-    and run the trainer."""
+    to train when the resumed run is finished (finished(): finished_run's line, or None), else check final/ can take
+    the export, load the model, build and run the trainer."""
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
@@ -215,6 +225,7 @@ def _train(config, dist, finished, make_trainer, args) -> list[dict]:
             if dist.is_main:
                 print(f"fastgrpo {config.COMMAND}: {nothing_to_do}")
             return []
+        check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
         model, tokenizer = _load_model(config)
         trainer = make_trainer(model, tokenizer)

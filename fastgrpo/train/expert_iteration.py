@@ -24,8 +24,8 @@ from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, war
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
-    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, restore_checkpoint,
-    rng_states, save_checkpoint, warn_stale_export,
+    check_final_exportable, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
+    restore_checkpoint, rng_states, save_checkpoint, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -197,6 +197,8 @@ class ExpertIteration:
                 if self.round >= config.ei_steps:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
                                                     setting("ei_steps", config.ei_steps), "ei_steps"))
+            if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
+                check_final_exportable(self.output_dir)
             log.start_at(self.round)
             if self.evaluator is not None and self.round == 0:
                 log.write({"round": 0, **self.evaluator(0, force=True)})  # the starting point the rounds improve on

@@ -22,7 +22,8 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, warn_stale_export,
+    check_final_exportable, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
+    warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -181,6 +182,8 @@ class SFTTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
                                                     field))
+            if config.export and self.step < self.total_steps:  # said before the first step, not after the last
+                dist.raise_together(lambda: dist.is_main and check_final_exportable(self.output_dir))
             log.start_at(self.step)
             console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=self.step,
                                    progress_bar=config.progress_bar)
