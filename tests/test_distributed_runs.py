@@ -1,17 +1,11 @@
 """How a run on 2 gloo processes (real torch.distributed, forked) ends when only one process meets the reason to stop:
 every process stops with the message, and none waits in a collective that the others never join (each worker's
 process group times out after 30 s, and the test fails past its own deadline rather than hanging)."""
-import datetime
-import json
 import os
 import signal
-import time
 from pathlib import Path
 
 import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
@@ -19,37 +13,15 @@ from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.interrupts import Interrupted
 from fastgrpo.train.run_dir import RunLock
 from fastgrpo.train.trainer import GRPOTrainer
+from tests.forked_gloo import run_forked
 
-WORLD = 2
-DEADLINE_S = 60
 # 2 prompts x 4 samples, one per rank; full fine-tuning (FSDP2: every rank writes its shard of a checkpoint)
 FIELDS = dict(default_task.PRESET, batch_size=8, num_generations=4, micro_batch_size=4, max_completion_length=4,
               max_steps=3, save_steps=0, save_minutes=0, export=False, progress_bar=False, logging_steps=0)
 
 
 def _run(worker, tmp_path: Path, *args) -> list[dict]:
-    """worker(rank, tmp_path, *args) -> a JSON-able result, on 2 forked gloo processes; the results by rank."""
-    default_task.build_model(default_task.build_tokenizer())  # import transformers' model classes before the fork
-    context = mp.start_processes(_joined, args=(worker, str(tmp_path), *args), nprocs=WORLD, start_method="fork",
-                                 join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the processes still ran after {DEADLINE_S} s: one waits for the other")
-    return [json.loads((tmp_path / f"rank-{rank}.json").read_text()) for rank in range(WORLD)]
-
-
-def _joined(rank: int, worker, tmp: str, *args) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=30))
-    try:
-        result = worker(rank, Path(tmp), *args)
-        Path(tmp, f"rank-{rank}.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
+    return run_forked(worker, tmp_path, *args, deadline_s=60, group_timeout_s=30)
 
 
 def _prepare(rank: int, tmp: Path, folder: str) -> dict:

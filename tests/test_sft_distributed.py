@@ -15,25 +15,20 @@ lr / eps: with eps = 1e-3 the updated weights may differ by lr * tol_g / eps plu
 gradient norm moves by at most the difference vector's norm, sqrt(n) * tol_g.
 """
 import contextlib
-import datetime
 import io
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fastgrpo.train import default_task
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft_config import SFTConfig
+from tests.forked_gloo import WORLD, run_forked
 
-WORLD = 2
-DEADLINE_S = 120
 U32 = 2.0**-23  # fp32 unit roundoff (ulp of 1)
 ROWS = 10
 # A step takes 8 of the 10 rows: 4 micro-batches of 2, two per process (accumulated, then reduced); the epoch's last
@@ -51,31 +46,7 @@ def _rows() -> list[dict]:
 
 # ---- the forked processes ----
 def _run(worker, tmp_path: Path, *args) -> list:
-    """worker(rank, tmp_path, *args) on 2 forked gloo processes; what each returned, by rank."""
-    default_task.build_model(default_task.build_tokenizer())  # import transformers' model classes before the fork
-    import peft  # noqa: F401
-    import torch.distributed.checkpoint  # noqa: F401
-    import torch.distributed.fsdp  # noqa: F401
-
-    context = mp.start_processes(_joined, args=(worker, str(tmp_path), *args), nprocs=WORLD, start_method="fork",
-                                 join=False)
-    deadline = time.monotonic() + DEADLINE_S
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the processes still ran after {DEADLINE_S} s: one waits for the other")
-    return [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(WORLD)]
-
-
-def _joined(rank: int, worker, tmp: str, *args) -> None:
-    torch.set_num_threads(1)  # 2 processes on a 2-core CI machine; and no OpenMP pool inherited through fork
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
-                            timeout=datetime.timedelta(seconds=60))
-    try:
-        torch.save(worker(rank, Path(tmp), *args), Path(tmp, f"rank-{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return run_forked(worker, tmp_path, *args, deadline_s=120, group_timeout_s=60)
 
 
 # ---- one step's update ----
