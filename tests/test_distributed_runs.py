@@ -54,6 +54,31 @@ def test_a_folder_another_run_holds_stops_every_rank_with_its_message(tmp_path):
     assert found[1]["error"] == f"(on process 0) {found[0]['error']}"
 
 
+def _agreed(rank: int, tmp: Path, fails_on: int | None, true_on: int | None) -> dict:
+    def decide() -> bool:
+        if rank == fails_on:
+            raise ValueError("export: run/final holds files the export did not write")
+        return rank == true_on
+
+    try:
+        return {"agreed": Distributed.current().agree(decide)}
+    except ValueError as err:
+        return {"error": str(err)}
+
+
+def test_a_decision_into_collectives_agrees_and_fails_on_every_rank(tmp_path):
+    """The export's decision (export_due reads final/ on each rank): True on one rank is True on all; an error on
+    one rank (final/ read differently where the processes do not share a file system) stops every rank, where the
+    others waited in the decision's all-reduce until the process group timed out."""
+    runs = [tmp_path / name for name in ("a", "b", "c")]
+    for folder in runs:
+        folder.mkdir()
+    assert _run(_agreed, runs[0], None, 1) == [{"agreed": True}, {"agreed": True}]
+    assert _run(_agreed, runs[1], None, None) == [{"agreed": False}, {"agreed": False}]
+    message = "export: run/final holds files the export did not write"
+    assert _run(_agreed, runs[2], 0, None) == [{"error": message}, {"error": f"(on process 0) {message}"}]
+
+
 def _trained(rank: int, tmp: Path) -> dict:
     model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
     trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),

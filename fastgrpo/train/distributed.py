@@ -303,6 +303,11 @@ class Distributed:
         dist.all_reduce(out, op=dist.ReduceOp.MAX)
         return out.tolist()
 
+    def agree(self, decide: Callable[[], bool]) -> bool:
+        """decide() on every rank, True on all when it is True on any; when it raises on one rank it raises on all
+        (raise_together), where one rank's error left the others waiting in this decision's collective."""
+        return bool(self.max(int(self.raise_together(decide)))[0])
+
     def gather_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows [n, ...] -> the whole batch's [world * n, ...] in rank order (every share equal)."""
         if not self.active:

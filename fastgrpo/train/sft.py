@@ -210,7 +210,7 @@ class SFTTrainer:
             if saved_step != self.step:
                 self.save_checkpoint()
             # every process joins the export's collectives or none: they agree on whether it is due
-            if config.export and dist.max(int(export_due(self.output_dir, self.step, self.step > started)))[0]:
+            if config.export and dist.agree(lambda: export_due(self.output_dir, self.step, self.step > started)):
                 dist.export(export_model, self.model, self.tokenizer, self.output_dir / "final",
                             run_config=config.to_dict(), step=self.step)
             elif not config.export and dist.is_main:

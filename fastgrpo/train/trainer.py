@@ -397,7 +397,7 @@ class GRPOTrainer:
             if self._saved_step != self.step:
                 self.save_checkpoint()
             # every rank joins the export's collectives or none: they agree on whether it is due
-            if config.export and self.dist.max(int(export_due(self.output_dir, self.step, self.step != started)))[0]:
+            if config.export and self.dist.agree(lambda: export_due(self.output_dir, self.step, self.step != started)):
                 self.export(self.output_dir / "final")
             elif not config.export and self.dist.is_main:
                 warn_stale_export(self.output_dir, self.step)
