@@ -89,6 +89,9 @@ def test_invalid_fields_raise_naming_the_field(fields, match):
     (SFTConfig, dict(learning_rate=float("inf")), "learning_rate: expected a finite number >= 0, got inf"),
     (EIConfig, dict(weight_decay=float("inf")), "weight_decay: expected a finite number >= 0, got inf"),
     (SFTConfig, dict(eval_temperature=float("inf")), "eval_temperature: expected a finite number >= 0, got inf"),
+    (SFTConfig, dict(fsdp_layers_per_group=0), "fsdp_layers_per_group: expected >= 1, got 0"),
+    (SFTConfig, dict(fsdp_sync_every_micro_batch=False, fsdp_cpu_offload=True), "fsdp_sync_every_micro_batch: off "
+                                                                                "keeps"),
     (EIConfig, dict(correct_threshold=float("nan")), "correct_threshold: expected a finite number, got nan"),
     (EvalConfig, dict(correct_threshold=float("inf")), "correct_threshold: expected a finite number, got inf"),
     (EvalConfig, dict(reward_weights=[float("nan")]), r"reward_weights: expected finite numbers, got \[nan\]"),

@@ -72,11 +72,13 @@ def _weights(model) -> dict:
     return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _one_step(lora: bool, step: int, output_dir: Path, dtype=torch.float32) -> dict:
-    """SFT step `step` (0-based) from the seeded model: its metrics, the gradients at the optimizer, the weights
-    after, and the rows this process ran forward."""
+def _one_step(lora: bool, step: int, output_dir: Path, dtype=torch.float32, **fields) -> dict:
+    """SFT step `step` (0-based) from the seeded model (SFTConfig `fields` over FIELDS): its metrics, the gradients
+    at the optimizer, the weights after, the rows this process ran forward, and the model's FSDP2 groups."""
+    from torch.distributed.fsdp import FSDPModule
+
     model, tokenizer = _model(lora, dtype)
-    trainer = SFTTrainer(model, tokenizer, _rows(), SFTConfig(**FIELDS, output_dir=str(output_dir)))
+    trainer = SFTTrainer(model, tokenizer, _rows(), SFTConfig(**{**FIELDS, **fields}, output_dir=str(output_dir)))
     trainer.step = step
     grads, forwarded = {}, []
     model.get_input_embeddings().register_forward_pre_hook(lambda module, args: forwarded.append(len(args[0])))
@@ -86,7 +88,8 @@ def _one_step(lora: bool, step: int, output_dir: Path, dtype=torch.float32) -> d
 
     trainer.optimizer.register_step_pre_hook(capture)
     metrics = trainer.train_step()
-    return dict(metrics=metrics, grads=grads, weights=_weights(model), forwarded=forwarded)
+    return dict(metrics=metrics, grads=grads, weights=_weights(model), forwarded=forwarded,
+                groups=sum(isinstance(m, FSDPModule) for m in model.modules()))
 
 
 CASES = [(lora, step) for lora in (False, True) for step in (0, 1)]
@@ -134,6 +137,26 @@ def test_two_processes_update_as_one(updates, lora, step):
         assert got <= tol_w, f"{name}: weights differ by {got:.3g} > {tol_w:.3g}"
     # the same forwards (one micro-batch each), their fp32 sums of -log p added in fp64 in another order
     assert two["metrics"]["loss"] == pytest.approx(one["metrics"]["loss"], rel=1e-6)
+
+
+def _fsdp_options(rank: int, tmp: Path) -> dict:
+    return _one_step(False, 0, tmp / "run", fsdp_layers_per_group=2, fsdp_sync_every_micro_batch=False)
+
+
+def test_sft_takes_trains_fsdp_settings(tmp_path):
+    """fastgrpo sft has train's fsdp_* settings (it had FSDP2's defaults alone): the tiny model's 2 decoder layers
+    in one group (plus the root), and gradients kept unsharded over the step's 2 micro-batches per process, reduced
+    once, give one process's gradients."""
+    ranks = _run(_fsdp_options, tmp_path)
+    one, fp64 = _one_step(False, 0, tmp_path / "one"), _one_step(False, 0, tmp_path / "fp64", torch.float64)
+    assert [rank["groups"] for rank in ranks] == [2, 2] and one["groups"] == 0
+    assert [rank["forwarded"] for rank in ranks] == [[2, 2], [2, 2]]
+    flat = {name: torch.cat([run["grads"][k].flatten() for k in sorted(one["grads"])])
+            for name, run in (("two", ranks[0]), ("one", one), ("fp64", fp64))}
+    e1 = (flat["one"] - flat["fp64"]).abs().max().item()
+    tol = 8 * e1 + 8 * U32 * flat["fp64"].abs().max().item()
+    diff = (flat["two"] - flat["one"]).abs().max().item()
+    assert diff <= tol, f"gradients differ by {diff:.3g} > {tol:.3g} (1-process fp32 error {e1:.3g})"
 
 
 # ---- the command ----

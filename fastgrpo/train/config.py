@@ -48,6 +48,14 @@ def option(default, help: str, *, run_control: bool = False):
     return dataclasses.field(default=default, metadata=metadata)
 
 
+def check_fsdp_options(config) -> None:
+    """The fsdp_* fields (under torchrun, full fine-tuning) of GRPOConfig and SFTConfig."""
+    check_at_least(config, ("fsdp_layers_per_group",), 1)
+    if not config.fsdp_sync_every_micro_batch and config.fsdp_cpu_offload:
+        raise ValueError("fsdp_sync_every_micro_batch: off keeps unsharded weights and gradients on the GPU, "
+                         "which fsdp_cpu_offload moves to CPU memory; pass one of the two")
+
+
 @dataclasses.dataclass
 class GRPOConfig:
     COMMAND = "train"  # its subcommand, in messages (not a field: no annotation)
@@ -244,7 +252,7 @@ class GRPOConfig:
             raise ValueError(f"eval_steps / eval_max_examples: expected >= 0 / >= 1, got {self.eval_steps} / "
                              f"{self.eval_max_examples}")
         check_at_least(self, ("batch_size", "max_prompt_length", "max_completion_length", "num_iterations",
-                              "num_minibatches", "micro_batch_size", "max_steps", "fsdp_layers_per_group"), 1)
+                              "num_minibatches", "micro_batch_size", "max_steps"), 1)
         if self.num_generations < 2:
             raise ValueError(f"num_generations: expected >= 2 (advantages compare completions of a group), "
                              f"got {self.num_generations}")
@@ -291,9 +299,7 @@ class GRPOConfig:
         if self.resume and self.overwrite_output_dir:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one of "
                              f"{setting('resume', True)} and {setting('overwrite_output_dir', True)}")
-        if not self.fsdp_sync_every_micro_batch and self.fsdp_cpu_offload:
-            raise ValueError("fsdp_sync_every_micro_batch: off keeps unsharded weights and gradients on the GPU, "
-                             "which fsdp_cpu_offload moves to CPU memory; pass one of the two")
+        check_fsdp_options(self)
         check_4bit_base(self)
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         check_rollout_options(self)

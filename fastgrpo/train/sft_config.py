@@ -8,7 +8,7 @@ from __future__ import annotations
 import dataclasses
 
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import option
+from fastgrpo.train.config import check_fsdp_options, option
 from fastgrpo.train.input_checks import check_at_least, check_save_minutes
 from fastgrpo.train.options import (
     ConfigFile, check_model_options, check_optimizer_options, check_run_options, inherited,
@@ -44,6 +44,14 @@ class SFTConfig(ConfigFile):
     offload_activations: bool = inherited("offload_activations")
     recompute_layers: int | None = inherited("recompute_layers")
     offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
+    fsdp_cpu_offload: bool = inherited("fsdp_cpu_offload")
+    fsdp_reshard_after_forward: bool = inherited("fsdp_reshard_after_forward")
+    fsdp_sync_every_micro_batch: bool = inherited(
+        "fsdp_sync_every_micro_batch",
+        help="under torchrun, full fine-tuning: FSDP2 reduce-scatters each micro-batch's gradients and frees the "
+             "gathered weights after each backward (off: keeps every group's weights gathered and its gradients "
+             "unsharded until the step's last backward, for a full copy of the weights and of the gradients per GPU)")
+    fsdp_layers_per_group: int = inherited("fsdp_layers_per_group")
     # Batching and optimizer. micro_batch_size does not change the gradient (the loss is normalised by the step's
     # response tokens), so it may change on --resume.
     batch_size: int = option(32, "rows per optimizer step (sorted by length, then cut into micro-batches)")
@@ -97,3 +105,4 @@ class SFTConfig(ConfigFile):
         check_run_options(self)
         check_model_options(self)
         check_optimizer_options(self)
+        check_fsdp_options(self)
