@@ -702,7 +702,7 @@ class RunningCases:
     kills them."""
 
     def __init__(self):
-        self.lock, self.groups = threading.Lock(), set()
+        self.lock, self.groups, self.signalled = threading.Lock(), set(), None
 
     def run(self, cmd: list[str], timeout: float | None = None, **popen) -> int | None:
         """`cmd` in its own session, killed with its group by a stop signal or after `timeout` s; its exit status,
@@ -710,6 +710,7 @@ class RunningCases:
         with self.lock:  # a stop signal between Popen and add would miss this process
             proc = subprocess.Popen(cmd, start_new_session=True, **popen)
             self.groups.add(proc.pid)
+        self._stop_if_signalled()
         try:
             return proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -719,17 +720,25 @@ class RunningCases:
         finally:
             with self.lock:
                 self.groups.discard(proc.pid)
+            self._stop_if_signalled()
 
     def stop(self, signum, frame) -> None:
-        """Kill every running group, then exit at once: the pool's threads would start the next cases. Results
-        files are replaced whole (Results.add), so exiting mid-run leaves each one as it was or as it became."""
-        with self.lock:
-            for group in self.groups:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(group, signal.SIGKILL)
-            print(f"stopped by signal {signum}: killed {len(self.groups)} running case(s) or build(s)",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
+        """The stop signals' handler: kill every running group, then exit at once (the pool's threads would start the
+        next cases). Results files are replaced whole (Results.add), so exiting mid-run leaves each one as it was or
+        as it became. Where the lock is held, its holder does this as it lets go: the handler runs on the main
+        thread, which may be the holder itself (a model build), and waiting for the lock there never ended."""
+        self.signalled = signum
+        self._stop_if_signalled()
+
+    def _stop_if_signalled(self) -> None:
+        if self.signalled is None or not self.lock.acquire(blocking=False):
+            return
+        for group in self.groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, signal.SIGKILL)
+        print(f"stopped by signal {self.signalled}: killed {len(self.groups)} running case(s) or build(s)",
+              file=sys.stderr, flush=True)
+        os._exit(128 + self.signalled)
 
 
 RUNNING_CASES = RunningCases()

@@ -98,3 +98,30 @@ def test_a_stopped_driver_kills_a_model_build_too(tmp_path):
         for build in builds:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(build, signal.SIGKILL)
+
+
+def test_a_stop_signal_while_a_build_registers_kills_it(tmp_path):
+    """SIGTERM between a build's start and its registration (the stop handler runs on the main thread, which held
+    the lock the handler takes): the driver waited for itself forever (the CI machine caught it once); now the run
+    acts on the signal as it lets go of the lock, and the build dies with it."""
+    script = ("import os, signal, subprocess, sys; from benchmarks.bench_loop import RUNNING_CASES as R; "
+              "signal.signal(signal.SIGTERM, R.stop); start = subprocess.Popen\n"
+              "def popen(*args, **kwargs):\n"
+              "    proc = start(*args, **kwargs); print(proc.pid, flush=True); os.kill(os.getpid(), signal.SIGTERM)\n"
+              "    return proc\n"
+              "subprocess.Popen = popen\n"
+              "R.run([sys.executable, '-c', 'import time; time.sleep(60)'])")
+    driver = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    build = None
+    try:
+        output = driver.communicate(timeout=30)[0]
+        build = int(output.split()[0])
+        wait_for(lambda: not alive(build), 2, f"the build {build} to end after the driver's exit")
+        assert driver.returncode == 128 + signal.SIGTERM and "killed 1 running case(s) or build(s)" in output, output
+    finally:
+        driver.kill()
+        driver.wait()
+        if build is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(build, signal.SIGKILL)
