@@ -298,11 +298,16 @@ def warn_stale_export(output_dir: str | Path, step: int) -> None:
                        "off: %s)", final, setting("export", False))
 
 
-def write_export_record(folder: Path, step: int) -> None:
+def _write_export_record(folder: Path, step: int) -> None:
     """EXPORT_FILE in an export being filled: the run's step its weights are of, and every file in `folder` (so
     call it last), which export_due tells from files put there later."""
-    files = sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
-    (folder / EXPORT_FILE).write_text(json.dumps({"step": step, "files": [*files, EXPORT_FILE]}, indent=1) + "\n")
+    record = {"step": step, "files": [*_files(folder), EXPORT_FILE]}
+    (folder / EXPORT_FILE).write_text(json.dumps(record, indent=1) + "\n")
+
+
+def _files(folder: Path) -> list[str]:
+    """Every file under `folder`, as sorted paths relative to it."""
+    return sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
 
 
 def _export_record(final: Path) -> dict:
@@ -316,7 +321,7 @@ def _export_record(final: Path) -> dict:
 def _not_exported(final: Path, record: dict) -> list[str]:
     """The files in final/ its export did not write: those its record does not list, or (no record) those whose
     names a model folder does not use."""
-    files = sorted(file.relative_to(final).as_posix() for file in final.rglob("*") if file.is_file())
+    files = _files(final)
     if isinstance(record.get("files"), list):
         return [name for name in files if name not in record["files"]]
     return [name for name in files if not any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILES)]
@@ -352,13 +357,19 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             if missing:
                 raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
             fresh.save_pretrained(tmp)
-        if tokenizer is not None:
-            tokenizer.save_pretrained(tmp)
-        if run_config is not None:
-            write_run_config(tmp, run_config)
-        if step is not None:
-            write_export_record(tmp, step)
+        finish_export(tmp, tokenizer, run_config, step)
     return path
+
+
+def finish_export(folder: Path, tokenizer, run_config: dict | None, step: int | None) -> None:
+    """What an export being filled holds beside the weights: the tokenizer, the run's config (CONFIG_FILE) and, last,
+    the record of the step and every file written (EXPORT_FILE)."""
+    if tokenizer is not None:
+        tokenizer.save_pretrained(folder)
+    if run_config is not None:
+        write_run_config(folder, run_config)
+    if step is not None:
+        _write_export_record(folder, step)
 
 
 def _fsync(path: Path) -> None:

@@ -35,7 +35,7 @@ from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import STATE_FILE, atomic_directory, restore_checkpoint, rng_states
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
-from fastgrpo.train.checkpoint import set_rng_states, write_export_record, write_run_config
+from fastgrpo.train.checkpoint import finish_export, set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.naming import setting
 
@@ -449,12 +449,7 @@ class Distributed:
         if self.is_main:
             with atomic_directory(path) as tmp:
                 model.save_pretrained(tmp, state_dict=full)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(tmp)
-                if run_config is not None:
-                    write_run_config(tmp, run_config)
-                if step is not None:
-                    write_export_record(tmp, step)
+                finish_export(tmp, tokenizer, run_config, step)
         self.barrier()
         return Path(path)
 
