@@ -34,10 +34,11 @@ from fastgrpo.rollout.kv_cache import StaticKVCache
 
 # Inductor's options for a decoder layer. Its reductions are per row; unsplit, W8A8's SwiGLU quantizer is one kernel,
 # not three. Combo kernels launch kernels with no data between them (q's RoPE, the K/V cache writes) as one: fewer
-# graph nodes a step, 2-3% faster for Qwen2.5-1.5B's bf16 and W8A16 steps. With weights="w8a8" the step's time is a
-# draw at each compile, mostly a loss (from 18% slower to 6% faster), where off gives the same time within 3%; hence
-# off there (benchmarks/NOTES_rollout.md, thirty-first and thirty-second sessions). The
-# sampling, compiled apart, keeps Inductor's defaults: its reductions over the vocabulary stay split.
+# graph nodes a step: Qwen2.5-1.5B's bf16 step 6% faster in each of three fresh compiles, its W8A16 step 3%,
+# Llama-3.1-8B's bf16 step level. With weights="w8a8" the step's time is a draw at each compile, mostly a loss (from
+# 18% slower to 6% faster), where off gives the same time within 3%; hence off there (benchmarks/NOTES_rollout.md,
+# thirty-first to thirty-third sessions). The sampling, compiled apart, keeps Inductor's defaults: its reductions over
+# the vocabulary stay split.
 LAYER_OPTIONS = (("split_reductions", False),)
 COMBO_LAYER_OPTIONS = LAYER_OPTIONS + (("combo_kernels", True),)
 
