@@ -10,7 +10,8 @@ import os
 import pytest
 import torch
 
-from tests.test_sft_distributed import WORLD, _cli, _metrics, _run
+from tests.forked_gloo import WORLD, cli, read_metrics
+from tests.test_sft_distributed import _run
 
 STEPS = 2
 # 2 prompts x 8 samples a step (one group per process), an evaluation after each step on 4 held-out rows; groups of
@@ -62,7 +63,7 @@ def _completions(path) -> list[str]:
 
 @pytest.mark.parametrize("lora", [False, True], ids=["fsdp2-full", "ddp-lora"])
 def test_train_evaluates_on_every_process_and_rank_0_writes(tmp_path, lora):
-    found = _run(_cli, tmp_path, [_train_argv(tmp_path, "run", lora)])
+    found = _run(cli, tmp_path, [_train_argv(tmp_path, "run", lora)])
     for rank in range(WORLD):
         assert found[rank]["exits"] == [0], found[rank]["stderr"]
     assert found[0]["stdout"].count("loss ") == STEPS and found[1]["stdout"] == ""
@@ -74,7 +75,7 @@ def test_train_evaluates_on_every_process_and_rank_0_writes(tmp_path, lora):
     evals = run / "eval"
     assert sorted(os.listdir(evals)) == sorted(f"step-{s}{end}" for s in range(1, STEPS + 1)
                                                for end in (".jsonl", "_summary.json"))
-    for metrics in _metrics(run):  # rank 0's metrics line carries its evaluation's numbers
+    for metrics in read_metrics(run):  # rank 0's metrics line carries its evaluation's numbers
         summary = json.loads((evals / f"step-{metrics['step']}_summary.json").read_text())
         assert summary["num_samples"] == 4
         assert {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")} == {

@@ -14,11 +14,8 @@ sizeable fraction of their size. AdamW's first step maps g to lr g / (|g| + eps)
 lr / eps: with eps = 1e-3 the updated weights may differ by lr * tol_g / eps plus an ulp of the weights. The global
 gradient norm moves by at most the difference vector's norm, sqrt(n) * tol_g.
 """
-import contextlib
-import io
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,9 +24,8 @@ import torch
 from fastgrpo.train import default_task
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft_config import SFTConfig
-from tests.forked_gloo import WORLD, run_forked
+from tests.forked_gloo import U32, WORLD, cli, full_tensor, read_metrics, run_forked, tiny_model, trained_weights
 
-U32 = 2.0**-23  # fp32 unit roundoff (ulp of 1)
 ROWS = 10
 # A step takes 8 of the 10 rows: 4 micro-batches of 2, two per process (accumulated, then reduced); the epoch's last
 # step takes 2: one micro-batch, which process 1 repeats with weight 0.
@@ -50,45 +46,23 @@ def _run(worker, tmp_path: Path, *args) -> list:
 
 
 # ---- one step's update ----
-def _model(lora: bool, dtype=torch.float32):
-    tokenizer = default_task.build_tokenizer()
-    model = default_task.build_model(tokenizer)
-    if lora:
-        from peft import LoraConfig, get_peft_model
-
-        torch.manual_seed(0)
-        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                 init_lora_weights=False))  # B != 0: the base's gradients flow
-    return model.to(dtype), tokenizer
-
-
-def _full(tensor: torch.Tensor) -> torch.Tensor:
-    from torch.distributed.tensor import DTensor
-
-    return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().double().clone()
-
-
-def _weights(model) -> dict:
-    return {n: _full(p) for n, p in model.named_parameters() if p.requires_grad}
-
-
 def _one_step(lora: bool, step: int, output_dir: Path, dtype=torch.float32, **fields) -> dict:
     """SFT step `step` (0-based) from the seeded model (SFTConfig `fields` over FIELDS): its metrics, the gradients
     at the optimizer, the weights after, the rows this process ran forward, and the model's FSDP2 groups."""
     from torch.distributed.fsdp import FSDPModule
 
-    model, tokenizer = _model(lora, dtype)
+    model, tokenizer = tiny_model(lora, dtype)
     trainer = SFTTrainer(model, tokenizer, _rows(), SFTConfig(**{**FIELDS, **fields}, output_dir=str(output_dir)))
     trainer.step = step
     grads, forwarded = {}, []
     model.get_input_embeddings().register_forward_pre_hook(lambda module, args: forwarded.append(len(args[0])))
 
     def capture(optimizer, args, kwargs):
-        grads.update({n: _full(p.grad) for n, p in model.named_parameters() if p.grad is not None})
+        grads.update({n: full_tensor(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
     trainer.optimizer.register_step_pre_hook(capture)
     metrics = trainer.train_step()
-    return dict(metrics=metrics, grads=grads, weights=_weights(model), forwarded=forwarded,
+    return dict(metrics=metrics, grads=grads, weights=trained_weights(model), forwarded=forwarded,
                 groups=sum(isinstance(m, FSDPModule) for m in model.modules()))
 
 
@@ -160,45 +134,6 @@ def test_sft_takes_trains_fsdp_settings(tmp_path):
 
 
 # ---- the command ----
-def _record_writes(folder: Path) -> list:
-    """The paths under `folder` that this process opens for writing, creates, renames or deletes from now on (an
-    audit hook: it sees Python's and os's calls, so a torch.save into a folder shows as that folder's mkdir)."""
-    root, found = os.path.abspath(folder), []
-    changes = ("os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree", "os.truncate")
-
-    def hook(event, args):
-        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
-            path, mode, flags = args
-            writing = any(c in mode for c in "wax+") if mode else bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT))
-        elif event in changes and isinstance(args[0], (str, bytes, os.PathLike)):
-            path, writing = args[0], True
-        else:
-            return
-        if writing and os.path.abspath(os.fsdecode(path)).startswith(root):
-            found.append(f"{event} {os.fsdecode(path)}")
-
-    sys.addaudithook(hook)  # for the rest of this (forked) process
-    return found
-
-
-def _cli(rank: int, tmp: Path, runs: list[list[str]], env: dict | None = None) -> dict:
-    """`fastgrpo <argv>` for each of `runs` on this process: exit codes, stdout, stderr, and (rank 1) its writes
-    under tmp/out."""
-    from fastgrpo.train.cli import main
-
-    os.environ.update(env or {})
-    writes = _record_writes(tmp / "out") if rank == 1 else []
-    exits, out, err = [], io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        for argv in runs:
-            exits.append(main(argv))
-    return {"exits": exits, "stdout": out.getvalue(), "stderr": err.getvalue(), "writes": writes}
-
-
-def _metrics(folder: Path) -> list[dict]:
-    return [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-
-
 def _sft_argv(tmp: Path, output: str, lora: bool, *extra: str) -> list[str]:
     data = tmp / "rows.jsonl"
     if not data.exists():
@@ -220,7 +155,7 @@ def test_sft_command_on_two_processes(tmp_path, lora):
     first_half = _sft_argv(tmp_path, "resumed", lora, "--save-steps", "2", "--no-export")
     first_half[first_half.index("--max-steps") + 1] = "2"
     resumed = _sft_argv(tmp_path, "resumed", lora, "--save-steps", "2", "--no-export", "--resume")
-    found = _run(_cli, tmp_path, [straight, first_half, resumed])
+    found = _run(cli, tmp_path, [straight, first_half, resumed])
     for rank in range(WORLD):
         assert found[rank]["exits"] == [0, 0, 0], found[rank]["stderr"]
     assert found[0]["stdout"].count("loss ") == 3 and found[1]["stdout"] == ""
@@ -234,16 +169,16 @@ def test_sft_command_on_two_processes(tmp_path, lora):
         "step-2.jsonl", "step-2_summary.json", "step-4.jsonl", "step-4_summary.json"]
     assert (out / "straight" / "final" / "config.json").is_file()
     assert ((out / "resumed" / "checkpoint-2" / "shards").is_dir()) == (not lora)
-    metrics = _metrics(out / "straight")
+    metrics = read_metrics(out / "straight")
     assert [m["rows"] for m in metrics] == [4, 4, 2, 4] and "eval/accuracy" in metrics[1]
     keys = ("loss", "grad_norm", "lr")
-    assert [[m[k] for k in keys] for m in _metrics(out / "resumed")] == [[m[k] for k in keys] for m in metrics]
+    assert [[m[k] for k in keys] for m in read_metrics(out / "resumed")] == [[m[k] for k in keys] for m in metrics]
 
     # one process, the same command: the first step's loss (the same weights, its fp32 sums added in another order)
     from fastgrpo.train.cli import main
 
     assert main(_sft_argv(tmp_path, "one", lora, "--max-steps", "1")) == 0
-    assert _metrics(out / "one")[0]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)
+    assert read_metrics(out / "one")[0]["loss"] == pytest.approx(metrics[0]["loss"], rel=1e-6)
 
 
 def test_a_batch_that_does_not_split_stops_every_process_before_overwrite(tmp_path):
@@ -256,7 +191,7 @@ def test_a_batch_that_does_not_split_stops_every_process_before_overwrite(tmp_pa
     odd_share[odd_share.index("--batch-size") + 1] = "6"
     odd_batch = _sft_argv(tmp_path, "run", True, "--overwrite-output-dir", "--micro-batch-size", "1")
     odd_batch[odd_batch.index("--batch-size") + 1] = "5"
-    found = _run(_cli, tmp_path, [odd_share, odd_batch])
+    found = _run(cli, tmp_path, [odd_share, odd_batch])
     for rank in range(WORLD):
         assert found[rank]["exits"] == [2, 2]
         assert found[rank]["stderr"].splitlines() == [
@@ -270,7 +205,7 @@ def test_a_batch_that_does_not_split_stops_every_process_before_overwrite(tmp_pa
 def test_a_folder_rank_0_refuses_stops_every_process(tmp_path):
     (tmp_path / "out" / "used").mkdir(parents=True)
     (tmp_path / "out" / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
-    found = _run(_cli, tmp_path, [_sft_argv(tmp_path, "used", True)])
+    found = _run(cli, tmp_path, [_sft_argv(tmp_path, "used", True)])
     first = found[0]["stderr"].strip().splitlines()
     assert found[0]["exits"] == found[1]["exits"] == [2] and len(first) == 1 and "holds another run" in first[0]
     assert found[1]["stderr"].strip() == first[0].replace("error: ", "error: (on process 0) ", 1)
@@ -280,7 +215,7 @@ def test_ei_refuses_torchrun_before_the_folder_or_the_model(tmp_path):
     """Each process stops with the one line, before the output folder exists and before the model source is looked
     at (this --model is no folder: that check would have given another error)."""
     argv = ["ei", "--output-dir", str(tmp_path / "out" / "ei"), "--model", str(tmp_path / "no-model")]
-    found = _run(_cli, tmp_path, [argv], {"WORLD_SIZE": str(WORLD)})
+    found = _run(cli, tmp_path, [argv], {"WORLD_SIZE": str(WORLD)})
     for rank in range(WORLD):
         assert found[rank]["exits"] == [2]
         assert found[rank]["stderr"] == (
