@@ -161,10 +161,3 @@ def test_a_finished_run_resumed_says_so_before_loading_the_model(tmp_path, capsy
         f"fastgrpo ei: nothing to train: the run in {out} is at round 1 (checkpoint-1) of --ei-steps 1; pass a larger "
         "--ei-steps to train on\n")
 
-
-def test_ei_refuses_a_process_group_of_several(monkeypatch, tmp_path):
-    """ExpertIteration from a script under torchrun (WORLD_SIZE > 1) stops before it builds anything: each process
-    would run the whole of it into one output folder."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ValueError, match=r"^WORLD_SIZE: expected 1 \(expert iteration runs on one process; "):
-        _run(default_task.repeat_letter_reward, tmp_path)

@@ -2,7 +2,7 @@
 one step's update (DDP for LoRA, FSDP2 for full fine-tuning) equals one process's within fp32 rounding, also on an
 epoch's smaller last step, where one process has no micro-batch of its own; the command writes its folder from rank 0
 alone (FSDP2: each rank its shard of a checkpoint), resumes bit for bit, and a setting or folder that one process
-refuses stops every process with one line. `fastgrpo ei` refuses torchrun before it touches anything.
+refuses stops every process with one line.
 
 Tolerance of "equal within fp32" (as tests/test_distributed.py derives it for GRPO): each process runs some of the
 step's micro-batches, exactly as one process cuts them, and the gradients are summed in another order (per process,
@@ -210,15 +210,3 @@ def test_a_folder_rank_0_refuses_stops_every_process(tmp_path):
     assert found[0]["exits"] == found[1]["exits"] == [2] and len(first) == 1 and "holds another run" in first[0]
     assert found[1]["stderr"].strip() == first[0].replace("error: ", "error: (on process 0) ", 1)
 
-
-def test_ei_refuses_torchrun_before_the_folder_or_the_model(tmp_path):
-    """Each process stops with the one line, before the output folder exists and before the model source is looked
-    at (this --model is no folder: that check would have given another error)."""
-    argv = ["ei", "--output-dir", str(tmp_path / "out" / "ei"), "--model", str(tmp_path / "no-model")]
-    found = _run(cli, tmp_path, [argv], {"WORLD_SIZE": str(WORLD)})
-    for rank in range(WORLD):
-        assert found[rank]["exits"] == [2]
-        assert found[rank]["stderr"] == (
-            "fastgrpo ei: error: WORLD_SIZE: expected 1 (expert iteration runs on one process; `fastgrpo train` and "
-            "`fastgrpo sft` run under torchrun), got 2; run `fastgrpo ei` without torchrun\n")
-    assert not (tmp_path / "out" / "ei").exists()

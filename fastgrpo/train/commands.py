@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import shlex
 from pathlib import Path
 
@@ -71,7 +72,8 @@ def config_from_args(name: str, args: argparse.Namespace):
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
-    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged), **from_run, **merged})
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: each process runs a share of a step's rows
+    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, processes), **from_run, **merged})
 
 
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
@@ -259,24 +261,25 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.distributed import Distributed
-    from fastgrpo.train.expert_iteration import ExpertIteration, check_one_process
+    from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
     from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.loading import load_dataset, resolve_reward
     from fastgrpo.train.naming import setting
 
-    check_one_process()  # under torchrun: before any rank touches the output folder or loads the model
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
+    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
+    check_process_split(config, dist.world_size)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
-    history = _train(config, Distributed(),
+    history = _train(config, dist,
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
                      lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
-    if history:
+    if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"reward {number(first['reward'])} (round {first['round']}) -> {number(last['reward'])} (round "
               f"{last['round']}), kept {first['kept_frac']:.3f} -> {last['kept_frac']:.3f}; metrics in "

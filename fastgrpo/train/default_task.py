@@ -94,17 +94,18 @@ BUILTIN_DATA = {
 MICRO_BATCH_NOTE = "{} for the built-in model, or the largest divisor of a smaller batch"
 
 
-def fit_micro_batch(preset: dict, chosen: dict) -> dict:
+def fit_micro_batch(preset: dict, chosen: dict, processes: int = 1) -> dict:
     """`preset` with its micro_batch_size (a memory setting for the preset's own batch) lowered to the largest divisor
-    of the minibatch that `chosen` (YAML and flags) makes, unless `chosen` sets a micro-batch itself: a user's
-    `--batch-size 16` must not fail on a micro-batch of 32 they never set."""
+    of the minibatch that `chosen` (YAML and flags) makes, of one process's share of it under torchrun (`processes`),
+    unless `chosen` sets a micro-batch itself: a user's `--batch-size 16` must not fail on a micro-batch of 32 they
+    never set."""
     if "micro_batch_size" in chosen or "micro_batch_size" not in preset:
         return preset
     settings = {**preset, **chosen}
     batch, minibatches = settings.get("batch_size"), settings.get("num_minibatches", 1)
-    if not (isinstance(batch, int) and isinstance(minibatches, int) and 1 <= minibatches <= batch):
+    if not (isinstance(batch, int) and isinstance(minibatches, int) and 1 <= minibatches * processes <= batch):
         return preset  # the config's own checks name what is wrong
-    minibatch = batch // minibatches
+    minibatch = batch // minibatches // processes
     micro = max(d for d in range(1, min(preset["micro_batch_size"], minibatch) + 1) if minibatch % d == 0)
     return {**preset, "micro_batch_size": micro}
 

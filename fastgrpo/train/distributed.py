@@ -97,21 +97,34 @@ class _Silent:
 
 
 def load_sharded_state(shards: Path, model: torch.nn.Module, optimizer) -> None:
-    """Load the weights and optimizer state Distributed Checkpoint wrote to `shards` into model and optimizer. An
-    optimizer state this run keeps but the checkpoint lacks (StochasticRoundingAdamW's fp32 `master` of offloaded
-    weights, when the run that wrote it stepped on the GPU) is left out of the load; the optimizer's
-    load_state_dict then derives it from the loaded weights."""
+    """Load the weights and optimizer state Distributed Checkpoint wrote to `shards` into model and optimizer (None:
+    the weights alone, as expert iteration saves them). An optimizer state this run keeps but the checkpoint lacks
+    (StochasticRoundingAdamW's fp32 `master` of offloaded weights, when the run that wrote it stepped on the GPU) is
+    left out of the load; the optimizer's load_state_dict then derives it from the loaded weights."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    model_state, optimizer_state = get_state_dict(model, optimizer)
+    saved = _sharded_state(model, optimizer)
     stored = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata
-    for fqn, param_state in optimizer_state.get("state", {}).items():
+    for fqn, param_state in saved.get("optimizer", {}).get("state", {}).items():
         for key in [k for k in param_state if f"optimizer.state.{fqn}.{k}" not in stored]:
             del param_state[key]
-    saved = {"model": model_state, "optimizer": optimizer_state}
     dcp.load(saved, checkpoint_id=shards)
-    set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+    if optimizer is None:
+        set_model_state_dict(model, saved["model"])
+    else:
+        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
+
+
+def _sharded_state(model: torch.nn.Module, optimizer) -> dict:
+    """What Distributed Checkpoint saves of an FSDP2 run: {"model": its shards, "optimizer": the optimizer's}, or
+    the model's alone when there is no optimizer (expert iteration starts a fresh one each round)."""
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    if optimizer is None:
+        return {"model": get_model_state_dict(model)}
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    return {"model": model_state, "optimizer": optimizer_state}
 
 
 class Distributed:
@@ -327,6 +340,14 @@ class Distributed:
         parts = self.gather_rows(padded[None])
         return torch.cat([row[:n] for row, n in zip(parts, sizes)]).to(value.device)
 
+    def gather_objects(self, value) -> list:
+        """A picklable value of every rank -> their list in rank order (the same on every rank)."""
+        if not self.active:
+            return [value]
+        values = [None] * self.world_size
+        dist.all_gather_object(values, value)
+        return values
+
     def own_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole-batch tensor (the inverse of gather_rows)."""
         n = value.shape[0] // self.world_size
@@ -343,8 +364,7 @@ class Distributed:
             result = check()
         except Exception as err:  # noqa: BLE001 - re-raised below, on this rank and on the others
             failure = err
-        messages = [None] * self.world_size
-        dist.all_gather_object(messages, None if failure is None else (type(failure), str(failure)))
+        messages = self.gather_objects(None if failure is None else (type(failure), str(failure)))
         if failure is not None:
             raise failure
         first = next((m for m in messages if m is not None), None)
@@ -387,7 +407,8 @@ class Distributed:
     def save_checkpoint(self, path: Path, model: torch.nn.Module, optimizer, state: dict) -> Path:
         """checkpoint-<step>/ of this run. One process or DDP: rank 0 writes it (fastgrpo.train.checkpoint; the
         state is the same on every rank). FSDP2: every rank writes its shard of the weights and AdamW states with
-        Distributed Checkpoint into <path>/shards, rank 0 the rest; the folder appears whole or not at all."""
+        Distributed Checkpoint into <path>/shards, rank 0 the rest; the folder appears whole or not at all. optimizer:
+        None where the run keeps none between checkpoints (expert iteration: a fresh one each round)."""
         path = Path(path)
         if self.active:
             state = {**state, "world_size": self.world_size}
@@ -397,15 +418,13 @@ class Distributed:
             self.barrier()
             return path
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
 
         state = {**state, "rng": state.get("rng") or rng_states(), "sharded": True}
         state.pop("optimizer", None)
         with atomic_directory(path) if self.is_main else contextlib.nullcontext() as tmp:
             where = [str(tmp)]
             dist.broadcast_object_list(where, src=0)
-            model_state, optimizer_state = get_state_dict(model, optimizer)
-            dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=Path(where[0]) / SHARDS)
+            dcp.save(_sharded_state(model, optimizer), checkpoint_id=Path(where[0]) / SHARDS)
             if self.is_main:
                 torch.save(state, tmp / STATE_FILE)
                 write_run_config(tmp, state.get("config", {}))
@@ -424,7 +443,8 @@ class Distributed:
                 raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
                                  "resume it with the process count that wrote it")
             state = restore_checkpoint(state, model)
-            optimizer.load_state_dict(state.pop("optimizer"))
+            if optimizer is not None:
+                optimizer.load_state_dict(state.pop("optimizer"))
             return state
         if self._fsdp is None:
             raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "

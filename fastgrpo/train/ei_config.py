@@ -5,7 +5,7 @@ import dataclasses
 
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import option
+from fastgrpo.train.config import check_fsdp_options, option
 from fastgrpo.train.input_checks import check_at_least
 from fastgrpo.train.options import (
     ConfigFile, check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
@@ -16,7 +16,9 @@ from fastgrpo.train.sft_config import SFTConfig
 # Fields an EI run passes on to the SFT of each round under the same names.
 _SFT_FIELDS = ("batch_size", "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
                "adam_epsilon", "max_grad_norm", "lr_scheduler", "warmup_steps", "dtype", "device", "patch",
-               "lora_rank", "output_dir")
+               "lora_rank", "output_dir", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
+               "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
+_SFT_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(SFTConfig)}
 
 
 @dataclasses.dataclass
@@ -47,6 +49,11 @@ class EIConfig(ConfigFile):
     offload_activations: bool = inherited("offload_activations")
     recompute_layers: int | None = inherited("recompute_layers")
     offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
+    fsdp_cpu_offload: bool = inherited("fsdp_cpu_offload")
+    fsdp_reshard_after_forward: bool = inherited("fsdp_reshard_after_forward")
+    fsdp_sync_every_micro_batch: bool = inherited("fsdp_sync_every_micro_batch",
+                                                  help=_SFT_HELP["fsdp_sync_every_micro_batch"])
+    fsdp_layers_per_group: int = inherited("fsdp_layers_per_group")
     # Sampling.
     questions_per_step: int = option(512, "questions sampled per round (a seeded walk through the dataset)")
     num_generations: int = option(4, "completions sampled per question (G)")
@@ -108,6 +115,7 @@ class EIConfig(ConfigFile):
         check_run_options(self)
         check_model_options(self)
         check_optimizer_options(self)
+        check_fsdp_options(self)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature,

@@ -4,15 +4,21 @@ reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) f
 A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold)
 -> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
 Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
-resumed run continues at the next round with the weights and RNG states of a straight one. It runs on one process:
-under torchrun (WORLD_SIZE > 1) it refuses to start, before any process touches the output folder.
+resumed run continues at the next round with the weights and RNG states of a straight one.
+
+Under torchrun (`torchrun --nproc_per_node N -m fastgrpo ei ...`, or a process group the caller started) a round is
+data-parallel: each process samples and scores every N-th of the round's questions, with the built-in engine's
+sampling noise keyed by the question's position in the run (so the samples are the ones one process would draw),
+and the round's completions and rewards are gathered in the round's order, the same on every process; every process
+then keeps the same examples and the SFT runs data-parallel as `fastgrpo sft` does (fastgrpo.train.sft: DDP for
+LoRA, FSDP2 for full fine-tuning, the model wrapped once for every round). Rank 0 owns the output folder, the
+metrics and the export; the processes agree on when to save and stop.
 """
 from __future__ import annotations
 
 import contextlib
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -25,10 +31,11 @@ from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
     check_final_exportable, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
-    restore_checkpoint, rng_states, save_checkpoint, warn_stale_export,
+    rng_states, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
+from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
@@ -37,31 +44,51 @@ from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
-from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sft import SFTTrainer
+from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
 
 logger = logging.getLogger(__name__)
 
 
-def check_one_process() -> None:
-    """Expert iteration is not data-parallel: under torchrun (or in a process group of several) each process would
-    run the whole of it into one output folder. A one-line refusal instead."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        world = max(world, torch.distributed.get_world_size())
-    if world > 1:
-        raise ValueError(f"WORLD_SIZE: expected 1 (expert iteration runs on one process; `fastgrpo train` and "
-                         f"`fastgrpo sft` run under torchrun), got {world}; run `fastgrpo ei` without torchrun")
+def check_process_split(config: EIConfig, world_size: int) -> None:
+    """Under torchrun each process samples some of a round's questions and runs an equal share of each SFT step's
+    micro-batches (the CLI checks before it prepares the output folder: --overwrite-output-dir deletes)."""
+    if config.questions_per_step < world_size:
+        raise ValueError(f"questions_per_step: expected at least {world_size} (each of the {world_size} processes "
+                         f"samples some of a round's questions), got {config.questions_per_step}")
+    check_sft_split(config, world_size)
+
+
+def gather_round(dist: Distributed, positions: list[int], samples: list, per_func: torch.Tensor, failures: dict,
+                 num_generations: int) -> tuple[list, torch.Tensor, dict]:
+    """Every process's share of a round -> the whole round's samples, rewards [N, F] and reward failures {name:
+    message}, in the round's order, the same on every process: what one process sampling it all has. positions: the
+    round's questions this process sampled (num_generations samples each, in `samples` and `per_func`)."""
+    G, by_position, merged = num_generations, {}, {}
+    # the failures as plain text: a RewardFailure does not unpickle
+    for own, part, rewards, errors in dist.gather_objects((positions, samples, per_func,
+                                                           {name: str(err) for name, err in failures.items()})):
+        by_position.update({p: (part[i * G:(i + 1) * G], rewards[i * G:(i + 1) * G]) for i, p in enumerate(own)})
+        for name, err in errors.items():
+            merged.setdefault(name, err)  # a function failing on several processes: the first one's message
+    ordered = [by_position[p] for p in sorted(by_position)]
+    return [s for part, _ in ordered for s in part], torch.cat([rewards for _, rewards in ordered]), merged
 
 
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
                  train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
-        """engine: where samples come from (default: BuiltinEngine on the model's own modules)."""
-        check_one_process()
+        """engine: where samples come from (default: BuiltinEngine on the model's own modules; under torchrun the
+        only one: each process samples with the model it trains)."""
         self.config = config = config or EIConfig()
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
+        self.dist = Distributed.current()
+        check_process_split(config, self.dist.world_size)
+        if self.dist.active and engine is not None and not isinstance(engine, BuiltinEngine):
+            raise ValueError(f"engine: expected the built-in engine under torchrun ({self.dist.world_size} processes, "
+                             f"each sampling with the model it trains), got {type(engine).__name__}; run on one "
+                             "process to sample with it")
         self.reward_funcs = reward_list(reward_funcs)
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
@@ -76,6 +103,7 @@ class ExpertIteration:
                                  f"{as_wrapped(config.prompt_format)}, over max_prompt_length "
                                  f"({config.max_prompt_length})")
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
+        self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, once for every round
         self.sampling = config.sampling()
         self.weights = torch.tensor(config.reward_weights or [1.0] * len(self.reward_funcs), dtype=torch.float64)
         self.round = 0
@@ -97,23 +125,29 @@ class ExpertIteration:
         return indices
 
     def run_round(self) -> dict:
-        config, G = self.config, self.config.num_generations
+        config, G, dist = self.config, self.config.num_generations, self.dist
         t_start = time.perf_counter()
 
-        # 1. Sample G completions per question, generation_batch_size questions per engine call.
+        # 1. Sample G completions per question, generation_batch_size questions per engine call; under torchrun each
+        # process takes every world_size-th of the round's questions.
         indices = self._questions(self.round)
-        rows = [self.dataset[i] for i in indices]
-        samples = self._sample(indices)  # (completion ids, text, finish reason) of each of the N completions
+        positions = list(range(dist.rank, len(indices), dist.world_size))
+        rows = [self.dataset[indices[p]] for p in positions]
+        samples = self._sample(indices, positions)  # (completion ids, text, finish reason) of each completion
         t_rollout = time.perf_counter()
 
-        # 2. Score; keep the completions marked correct, as (prompt ids, sampled completion ids).
+        # 2. Score (a failing function stops every process); gather the round's (completion ids, finish reason) and
+        # rewards; keep the completions marked correct, as (prompt ids, sampled completion ids).
         texts = [text for _, text, _ in samples]
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, texts, columns)  # per_func: [N, F]
-        check_reward_failures(errors, config.reward_errors)
+        dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors))
+        samples, per_func, errors = gather_round(dist, positions, [(ids, reason) for ids, _, reason in samples],
+                                                 per_func, errors, G)
         rewards = weighted_rewards(per_func, self.weights)  # rewards: [N]; NaN where no function applied
-        warn_unscored(rewards)
+        if dist.is_main:
+            warn_unscored(rewards)
         correct = rewards >= config.correct_threshold  # an unscored completion is not kept
         self.last_kept = kept = [
             SFTExample(tuple(self.prompts[indices[k // G]]), tuple(samples[k][0]))
@@ -122,21 +156,20 @@ class ExpertIteration:
 
         # 3. SFT on the kept completions (none kept: the round leaves the weights as they are). From here a signal
         # lets the round finish.
-        if self._guard is not None:
-            self._guard.abandonable = False
+        self._begin_sft()
         sft = []
         if kept:
-            trainer = SFTTrainer(self.model, self.tokenizer, kept, config.sft_config(self.round))
+            trainer = SFTTrainer(self.model, self.tokenizer, kept, config.sft_config(self.round), dist=dist)
             sft = [trainer.train_step() for _ in range(trainer.total_steps)]
-        else:  # a round that learns nothing; every round alike is a run that cannot start (a setting, not luck)
+        elif dist.is_main:  # learns nothing; every round alike is a run that cannot start (a setting, not luck)
             logger.warning("round %d: no completion reached correct_threshold %g (best reward %.3g, %d of %d cut at "
                            "max_completion_length): nothing to fine-tune on", self.round + 1,
                            config.correct_threshold, rewards.nan_to_num(-math.inf).max().item(),
-                           sum(reason == "length" for _, _, reason in samples), len(samples))
+                           sum(reason == "length" for _, reason in samples), len(samples))
         t_sft = time.perf_counter()
 
         self.round += 1
-        lengths = torch.tensor([len(ids) for ids, _, _ in samples], dtype=torch.float32)
+        lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.float32)
         metrics = {
             "round": self.round,
             "reward": nan_mean(rewards),
@@ -150,7 +183,7 @@ class ExpertIteration:
             "sft_loss_first": sft[0]["loss"] if sft else None,
             "sft_loss_last": sft[-1]["loss"] if sft else None,
             "completion_length": lengths.mean().item(),
-            "truncated_frac": sum(reason == "length" for _, _, reason in samples) / len(samples),
+            "truncated_frac": sum(reason == "length" for _, reason in samples) / len(samples),
             "rollout_s": t_rollout - t_start,
             "sft_s": t_sft - t_rollout,
         }
@@ -158,54 +191,67 @@ class ExpertIteration:
             metrics[f"reward_error/{name}"] = err
         return metrics
 
-    def _sample(self, indices: list[int]) -> list[tuple[list[int], str, str]]:
-        """(completion token ids, text, finish reason) of num_generations samples per question, in row order."""
+    def _sample(self, indices: list[int], positions: list[int]) -> list[tuple[list[int], str, str]]:
+        """(completion token ids, text, finish reason) of num_generations samples of each question at `positions` of
+        the round's dataset rows `indices`, in that order."""
         config, G, per_call = self.config, self.config.num_generations, self.config.generation_batch_size
         self.engine.load_weights(self.model)  # the previous round's SFT reaches an engine with its own weights
         self.engine.reacquire_memory()
         keyed, round_seed = accepts_prompt_keys(self.engine), config.seed * 1_000_003 + self.round
-        samples = []
-        for start in range(0, len(indices), per_call):
-            chunk = indices[start:start + per_call]
-            # Keyed by the position in the run's walk through the data (unique, also when a round wraps an epoch),
-            # so the samples do not depend on generation_batch_size; an engine without keys gets a seed per call.
-            first = self.round * config.questions_per_step + start
-            keys = {"prompt_keys": list(range(first, first + len(chunk)))} if keyed else {}
-            seed = round_seed if keyed else round_seed * 65_537 + start
-            out = self.engine.generate([self.prompts[i] for i in chunk], num_generations=G, sampling=self.sampling,
-                                       stop=config.stop_strings, seed=seed, **keys)
-            ids, mask = out.completion_ids.cpu(), out.completion_mask.cpu().bool()
-            samples += [(ids[k][mask[k]].tolist(), out.texts[k], out.finish_reasons[k]) for k in range(len(out.texts))]
+        # Keyed by the position in the run's walk through the data (unique, also when a round wraps an epoch), so the
+        # samples depend neither on generation_batch_size nor on the process count; an engine without keys gets a
+        # seed per call.
+        first, samples = self.round * config.questions_per_step, []
+        with self.dist.full_weights():  # FSDP2: every weight gathered for the rollout
+            for start in range(0, len(positions), per_call):
+                chunk = positions[start:start + per_call]
+                keys = {"prompt_keys": [first + p for p in chunk]} if keyed else {}
+                seed = round_seed if keyed else round_seed * 65_537 + chunk[0]
+                out = self.engine.generate([self.prompts[indices[p]] for p in chunk], num_generations=G,
+                                           sampling=self.sampling, stop=config.stop_strings, seed=seed, **keys)
+                ids, mask = out.completion_ids.cpu(), out.completion_mask.cpu().bool()
+                samples += [(ids[k][mask[k]].tolist(), out.texts[k], out.finish_reasons[k])
+                            for k in range(len(out.texts))]
         self.engine.release_memory()
         return samples
 
-    def train(self, run_dir: RunDirectory | None = None) -> list[dict]:
+    def _begin_sft(self) -> None:
+        """Called as a round's SFT starts: from here a signal lets the round finish. Several processes abandon the
+        round here together when any got a signal before (their guards only note it)."""
+        if self._guard is not None:
+            if self._guard.deferred and (signum := self.dist.max(self._guard.requested or 0)[0]):
+                raise Interrupted(signum, unit="round")
+            self._guard.abandonable = False
+
+    def train(self, run_dir=None) -> list[dict]:
         """Run (or, with config.resume, continue) to config.ei_steps rounds; returns this call's round metrics.
 
         As GRPOTrainer.train: the output folder is locked and a fresh run refuses one holding another run (run_dir:
-        a RunDirectory the caller opened already). A signal while a round samples abandons it (the checkpoint is the
-        previous round's); once its SFT began, the round finishes, is saved, and Interrupted is raised.
+        the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all). A signal while a
+        round samples abandons it (the checkpoint is the previous round's); once its SFT began, the round finishes,
+        is saved, and Interrupted is raised (on every process, when any got one).
         """
-        config = self.config
+        config, dist = self.config, self.dist
         with contextlib.ExitStack() as stack:
             if run_dir is None:
-                run_dir = stack.enter_context(RunDirectory(self.output_dir))
+                run_dir = stack.enter_context(dist.run_directory(self.output_dir))
                 run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
-            log = MetricsLog(self.output_dir, report_to=config.report_to, run_config=config.to_dict(), key="round")
+            log = dist.on_main(MetricsLog, self.output_dir, report_to=config.report_to, run_config=config.to_dict(),
+                               key="round")
             if config.resume:
                 self.resume()
-                if self.round >= config.ei_steps:
+                if self.round >= config.ei_steps and dist.is_main:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
                                                     setting("ei_steps", config.ei_steps), "ei_steps"))
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
-                check_final_exportable(self.output_dir)
+                dist.raise_together(lambda: dist.is_main and check_final_exportable(self.output_dir))
             log.start_at(self.round)
-            if self.evaluator is not None and self.round == 0:
-                log.write({"round": 0, **self.evaluator(0, force=True)})  # the starting point the rounds improve on
-            console = ConsoleLog(config.logging_steps, config.ei_steps, initial=self.round,
-                                 progress_bar=config.progress_bar, unit="round")
+            if self.evaluator is not None and self.round == 0:  # the starting point the rounds improve on
+                log.write({"round": 0, **self.evaluator(0, force=True, dist=dist)})
+            console = dist.on_main(ConsoleLog, config.logging_steps, config.ei_steps, initial=self.round,
+                                   progress_bar=config.progress_bar, unit="round")
             stack.callback(console.close)
-            self._guard = guard = stack.enter_context(InterruptGuard(unit="round"))
+            self._guard = guard = stack.enter_context(InterruptGuard(unit="round", deferred=dist.active))
             stack.callback(setattr, self, "_guard", None)
             started = saved = self.round if config.resume else None
             while self.round < config.ei_steps:
@@ -219,20 +265,24 @@ class ExpertIteration:
                     path = self.save_checkpoint(rng) if self.round > 0 and saved != self.round else None
                     raise stop.saved(self.round, path) from None
                 if self.evaluator is not None:
-                    metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps))
+                    metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps, dist=dist))
                 self.history.append(metrics)
                 log.write(metrics)
                 console.add({**metrics, "loss": metrics["sft_loss_last"]})
-                if (config.save_steps and self.round % config.save_steps == 0) or guard.requested:
+                # all processes save, or none; and all stop when any got a signal
+                every = config.save_steps and self.round % config.save_steps == 0
+                signum, save = dist.max(guard.requested or 0, int(bool(every)))
+                if save or signum:
                     path, saved = self.save_checkpoint(), self.round
-                if guard.requested:
-                    raise guard.interrupted(self.round, path)
+                if signum:
+                    raise Interrupted(signum, self.round, path, unit="round")
             if saved != self.round:
                 self.save_checkpoint()
-            if config.export and export_due(self.output_dir, self.round, self.round != started):
-                export_model(self.model, self.tokenizer, self.output_dir / "final", run_config=config.to_dict(),
-                             step=self.round)
-            elif not config.export:
+            # every process joins the export's collectives or none: they agree on whether it is due
+            if config.export and dist.agree(lambda: export_due(self.output_dir, self.round, self.round != started)):
+                dist.export(export_model, self.model, self.tokenizer, self.output_dir / "final",
+                            run_config=config.to_dict(), step=self.round)
+            elif not config.export and dist.is_main:
                 warn_stale_export(self.output_dir, self.round)
         return self.history
 
@@ -240,13 +290,16 @@ class ExpertIteration:
         """checkpoint-<round> (weights, RNG states, round); the oldest past save_total_limit are deleted."""
         state = {"step": self.round, "round": self.round, "config": self.config.to_dict(),
                  **({"rng": rng} if rng is not None else {})}
-        path = save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, state)
-        prune_checkpoints(self.output_dir, self.config.save_total_limit, self.round)
+        # no optimizer state: each round starts a fresh AdamW
+        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, None, state)
+        if self.dist.is_main:
+            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.round)
         return path
 
     def resume(self) -> None:
-        """Load the newest complete round checkpoint of output_dir: weights, RNG states, round."""
+        """Load the newest complete round checkpoint of output_dir: weights, RNG states, round. An FSDP2 one (full
+        fine-tuning under torchrun) continues with the process count that wrote it."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
-        self.round = restore_checkpoint(state, self.model)["round"]
+        self.round = self.dist.restore_checkpoint(path, state, self.model, None)["round"]
         logger.info("resumed from %s after round %d", path, self.round)

@@ -66,12 +66,15 @@ def _is_examples(data) -> bool:
 
 
 class SFTTrainer:
-    def __init__(self, model: torch.nn.Module, tokenizer, train_dataset, config: SFTConfig | None = None):
+    def __init__(self, model: torch.nn.Module, tokenizer, train_dataset, config: SFTConfig | None = None, *,
+                 dist: Distributed | None = None):
         """train_dataset: rows with config.prompt_column / response_column (tokenized in config.prompt_format), or
-        a list of SFTExample (already tokenized, e.g. expert iteration's kept samples)."""
+        a list of SFTExample (already tokenized, e.g. expert iteration's kept samples). dist: a Distributed whose
+        data_parallel wrapped `model` already (expert iteration's, once for all its rounds: DDP or FSDP2 wrap a model
+        once); none: this process's, wrapping the model here under torchrun."""
         self.config = config = config or SFTConfig()
         self.model, self.tokenizer = model, tokenizer
-        self.dist = Distributed.current()
+        self.dist = dist if dist is not None else Distributed.current()
         check_process_split(config, self.dist.world_size)
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
@@ -97,7 +100,8 @@ class SFTTrainer:
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
         self.total_steps = total_steps(config, len(self.examples))
         self.evaluator = sft_evaluator(config, model, tokenizer)  # None unless eval_steps
-        self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, before the optimizer
+        if dist is None:
+            self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, before the optimizer
         self.optimizer, self.scheduler = adamw_with_schedule(model, config, self.device, self.total_steps)
         self.step = 0
         self.output_dir = Path(config.output_dir)
