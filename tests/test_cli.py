@@ -43,6 +43,13 @@ def test_builtin_preset_yaml_then_flags(tmp_path):
     assert _config(["--dataset", "d.jsonl"]).learning_rate == default_task.PRESET["learning_rate"]
 
 
+def test_the_presets_micro_batch_fits_each_process_under_torchrun(monkeypatch):
+    # the preset's 64 rows on 4 processes are 16 each: its micro-batch of 32 (never set by the user) was refused
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    assert _config([]).micro_batch_size == 16
+    assert _config(["--micro-batch-size", "32"]).micro_batch_size == 32  # set by the user: kept (and refused)
+
+
 def test_a_smaller_batch_brings_the_presets_micro_batch_down(tmp_path):
     # the preset's micro-batch (32) is for its batch of 64; one the user sets is kept (and checked)
     assert _config(["--batch-size", "16"]).micro_batch_size == 16

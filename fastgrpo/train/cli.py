@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -170,7 +171,8 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)
-    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged), **merged})
+    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: each process takes a share of a step's rows
+    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, processes), **merged})
 
 
 def resume_command(argv: list[str]) -> str:
