@@ -84,11 +84,11 @@ def raise_if_nonbinary(name: str, flag: int) -> None:
 
 
 def first_nonfinite(values: torch.Tensor, mask: torch.Tensor | None = None, *, nan_ok: bool = False,
-                    nonnegative: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                    nonnegative: bool = False, at_most: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """0-dim: the flat index of the first NaN / inf in `values` (values.numel() when all are finite), only
     where `mask` (of values' shape) is nonzero when given, and what it is (0 NaN, 1 inf, -1 -inf, 2 a negative
-    number), for raise_if_nonfinite after read_ints: no host sync of its own. nan_ok: NaN passes; nonnegative: a
-    negative number is bad too."""
+    number, 3 a number above at_most), for raise_if_nonfinite after read_ints: no host sync of its own. nan_ok: NaN
+    passes; nonnegative: a negative number is bad too; at_most (>= 0): so is a number above it."""
     flat = values.detach().reshape(-1)
     if not flat.numel():  # nothing to gather from; index 0 = numel: all finite
         return (torch.zeros((), dtype=torch.long, device=flat.device),) * 2
@@ -97,12 +97,15 @@ def first_nonfinite(values: torch.Tensor, mask: torch.Tensor | None = None, *, n
         bad = bad & ~flat.isnan()
     if nonnegative:
         bad = bad | (flat < 0)
+    if at_most is not None:
+        bad = bad | (flat > at_most)
     if mask is not None:
         bad = bad & mask.reshape(-1).bool()
     positions = torch.arange(flat.numel(), device=flat.device)
     index = torch.where(bad, positions, flat.numel()).min()
     value = flat.gather(0, index.clamp(max=flat.numel() - 1).reshape(1))[0]  # gather: indexing by a tensor syncs
-    kind = torch.where(value.isnan(), 0, torch.where(value.isinf(), torch.where(value > 0, 1, -1), 2))
+    finite_kind = torch.where(value < 0, 2, 3)
+    kind = torch.where(value.isnan(), 0, torch.where(value.isinf(), torch.where(value > 0, 1, -1), finite_kind))
     return index, kind
 
 
@@ -111,24 +114,33 @@ def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int, w
     """The error for first_nonfinite's (index, kind) read already: names the entry by row (and column if 2-d).
     where: the positions checked, for the message (" where completion_mask is 1"); expected: what they hold."""
     if index < math.prod(shape):
-        what = {0: "NaN", 1: "inf", -1: "-inf", 2: "a negative value"}[kind]
+        what = {0: "NaN", 1: "inf", -1: "-inf", 2: "a negative value", 3: "a positive value"}[kind]
         at = f"row {index}" if len(shape) == 1 else "row {}, column {}".format(*divmod(index, shape[-1]))
         raise ValueError(f"{name}: expected {expected}{where}, got {what} at {at}")
 
 
+# How far above 0 an engine's log-prob may be from rounding alone: a near-certain token's logit minus the logsumexp
+# rounded to bf16 (logits below 64) is too large by up to half of bf16's spacing there, 2^-3. Past that it is no
+# log-prob (a negative log-likelihood or a probability passed by mistake).
+LOGPROB_ROUNDING = 2.0 ** -3
+
+
 class Masked(NamedTuple):
     """A per-token tensor for masked_nonfinite with more to its check than finite values: NaN passes too (nan_ok: an
-    engine's log-prob of a token it could not score), or a negative value fails too (nonnegative: a weight)."""
+    engine's log-prob of a token it could not score), a negative value fails too (nonnegative: a weight), or a
+    positive one does (logprob: past LOGPROB_ROUNDING)."""
 
     tensor: torch.Tensor | None
     nan_ok: bool = False
     nonnegative: bool = False
+    logprob: bool = False
 
     def expected(self) -> str:
         """What the values hold, for the message."""
         if self.nonnegative:
             return "finite values >= 0"
-        return "finite values (or NaN)" if self.nan_ok else "finite values"
+        what = "finite log-probs <= 0" if self.logprob else "finite values"
+        return f"{what} (or NaN)" if self.nan_ok else what
 
 
 def _given(tensors: dict[str, torch.Tensor | Masked | None]) -> list[tuple[str, Masked]]:
@@ -140,7 +152,8 @@ def masked_nonfinite(mask: torch.Tensor, tensors: dict[str, torch.Tensor | Maske
     """first_nonfinite of each given tensor (None: skipped; a Masked one with its options) where `mask` is 1, flat,
     for one read_ints with the caller's other values; raise_if_masked_nonfinite reads the result."""
     return [value for _, t in _given(tensors)
-            for value in first_nonfinite(t.tensor, mask, nan_ok=t.nan_ok, nonnegative=t.nonnegative)]
+            for value in first_nonfinite(t.tensor, mask, nan_ok=t.nan_ok, nonnegative=t.nonnegative,
+                                         at_most=LOGPROB_ROUNDING if t.logprob else None)]
 
 
 def raise_if_masked_nonfinite(mask_name: str, tensors: dict[str, torch.Tensor | Masked | None],

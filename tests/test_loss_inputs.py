@@ -202,3 +202,33 @@ def test_every_loss_entry_point_refuses_negative_token_weights_where_completion_
     weights[1, 4] = 0.25
     for call in calls:
         assert call()[0].isfinite()
+
+
+@pytest.mark.parametrize("value, what", [(float("inf"), "inf"), (float("-inf"), "-inf"), (0.5, "a positive value")])
+def test_every_loss_entry_point_refuses_sampling_logps_that_are_no_log_probs_where_completion_mask_is_1(value, what):
+    """An engine's inf log-prob of a sampled token moved the off-policy mask silently (+inf dropped its sequence,
+    -inf kept it), and so did a positive one (a negative log-likelihood passed by mistake); they are found in the
+    value read the checks make already. NaN (a token the engine could not score), a positive value within rounding
+    of 0 and anything at a masked position pass."""
+    model, ids, attention, completion = _model_and_batch()
+    sampling = -torch.rand(2, 6, generator=torch.Generator().manual_seed(0))
+    sampling[0, 1] = float("inf")  # masked: allowed
+    sampling[0, 3] = float("nan")
+    sampling[0, 4] = 1e-3  # rounding
+    sampling[1, 4] = value
+    hidden = torch.randn(2, 6, 8)
+    weight = torch.randn(11, 8)
+    targets = ids % 11
+    advantages = torch.tensor([1.0, -1.0])
+    options = dict(sampling_logps=sampling, off_policy_mask_threshold=0.0)
+    calls = [lambda: grpo_loss(model, ids, attention, completion, advantages, **options),
+             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, advantages, **options),
+             lambda: reference.grpo_loss(hidden, weight, targets, completion, advantages, **options)]
+    message = (r"^sampling_logps: expected finite log-probs <= 0 \(or NaN\) where completion_mask is 1, got "
+               f"{what} at row 1, column 4$")
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    sampling[1, 4] = -0.5
+    for call in calls:
+        assert call()[0].isfinite()

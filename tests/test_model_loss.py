@@ -380,7 +380,7 @@ def test_gpu_grpo_loss_reads_the_device_once(correction):
     completion[:, PROMPT:] = 1
     completion[1, -2:] = 0  # a shorter completion: masked rows skipped
     advantages = torch.randn(B, device="cuda")
-    old = torch.randn(B, T, device="cuda")
+    old = -torch.rand(B, T, device="cuda")  # log-probs (the engine's, rollout_logps, are checked <= 0)
     policy = dict(rollout_correction=RolloutCorrection("truncate"), rollout_logps=old) if correction else \
         dict(old_logps=old)
     grpo_loss(model, ids, mask, completion, advantages, ref_logps=old, beta=0.1, **policy)[0].backward()

@@ -225,8 +225,8 @@ def test_loss_side_weights_are_rollout_corrections(B, T, seed, mode, level, clip
     if mode == "truncate" and clip_min is None and clip_max is None:
         clip_max = 3.0
     g = torch.Generator().manual_seed(seed)
-    train = torch.randn(B, T, generator=g) * 0.5
-    rollout = train + torch.randn(B, T, generator=g) * 0.3
+    train = -torch.randn(B, T, generator=g).abs() * 0.5
+    rollout = (train + torch.randn(B, T, generator=g) * 0.3).clamp(max=0.0)  # log-probs, as an engine's are
     rollout[torch.rand(B, T, generator=g) < 0.1] = float("nan")
     mask = (torch.rand(B, T, generator=g) < 0.7).long()
     want, _ = rollout_correction(train, rollout, mask, mode, level, clip_min, clip_max)
@@ -234,18 +234,19 @@ def test_loss_side_weights_are_rollout_corrections(B, T, seed, mode, level, clip
     assert got.shape == (B, T) and torch.equal(got, want)
 
 
-@pytest.mark.parametrize("value, what", [(float("inf"), "inf"), (float("-inf"), "-inf")])
-def test_inf_rollout_logps_where_the_mask_is_1_are_refused(value, what):
-    """An engine's inf log-prob of a sampled token made its weight inf or 0 silently (nan_to_num's largest float);
-    the correction and the model-level loss refuse it in the value read they make already. NaN (a token the engine
-    could not score) still counts 0, and an inf at a masked position is padding."""
+@pytest.mark.parametrize("value, what", [(float("inf"), "inf"), (float("-inf"), "-inf"), (0.5, "a positive value")])
+def test_inf_or_positive_rollout_logps_where_the_mask_is_1_are_refused(value, what):
+    """An engine's inf log-prob of a sampled token made its weight inf or 0 silently (nan_to_num's largest float), a
+    positive one (no log-prob: a negative log-likelihood passed by mistake) a wrong weight; the correction and the
+    model-level loss refuse them in the value read they make already. NaN (a token the engine could not score) still
+    counts 0, and an inf at a masked position is padding."""
     from fastgrpo.loss.model import grpo_loss
 
     rollout = ROLLOUT.clone()
     rollout[1, 2] = float("inf")  # masked: allowed
     rollout[0, 0] = float("nan")  # could not score: allowed
     rollout[1, 1] = value
-    message = (f"^rollout_logps: expected finite values \\(or NaN\\) where mask is 1, got {what} at row 1, "
+    message = (f"^rollout_logps: expected finite log-probs <= 0 \\(or NaN\\) where mask is 1, got {what} at row 1, "
                "column 1$")
     with pytest.raises(ValueError, match=message):
         rollout_correction(TRAIN, rollout, MASK, "truncate", "token", None, 3.0)

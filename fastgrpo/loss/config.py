@@ -28,6 +28,7 @@ from fastgrpo._checks import (
     raise_unless_in_range,
     read_ints,
 )
+from fastgrpo.loss.correction import engine_logps
 
 # The first four are aggregations of the PPO-clipped objective; cispo, sapo, luspo and vespo are TRL 1.15 / 1.16's
 # other loss types (formulas in fastgrpo.loss.grpo, each cited to TRL's code).
@@ -193,13 +194,15 @@ def check_loss_values(completion_mask: torch.Tensor, target_ids: torch.Tensor, v
     return count
 
 
-def finite_where_completion(old_logps, ref_logps, token_weights) -> dict[str, torch.Tensor | Masked | None]:
+def finite_where_completion(old_logps, ref_logps, token_weights,
+                            sampling_logps) -> dict[str, torch.Tensor | Masked | None]:
     """The per-token inputs that must be finite where completion_mask is 1 (a NaN / inf there made the loss NaN or
     inf silently), token_weights also >= 0 (a negative weight flipped its token's policy gradient silently);
-    elsewhere they are padding, which the loss fills. Not sampling_logps: the off-policy mask counts an engine's NaN
-    log-prob as 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could not score')."""
+    elsewhere they are padding, which the loss fills. sampling_logps are an engine's log-probs (engine_logps): <= 0,
+    and NaN passes, which the off-policy mask counts 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could
+    not score')."""
     return {"old_logps": old_logps, "ref_logps": ref_logps,
-            "token_weights": Masked(token_weights, nonnegative=True)}
+            "token_weights": Masked(token_weights, nonnegative=True), "sampling_logps": engine_logps(sampling_logps)}
 
 
 def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:

@@ -78,8 +78,8 @@ def rollout_correction(
     rollout_is_weight_mean / _min / _max, the weights over the valid tokens (or the sequences); rollout_masked_frac
     (mask) or rollout_truncated_frac (truncate), the share of tokens (or sequences) the bound changed.
 
-    A ValueError names a NaN / inf train log-prob or an inf rollout log-prob where mask is 1, and a weight that
-    overflowed to inf (only with clip_max None).
+    A ValueError names a NaN / inf train log-prob or an inf or positive rollout log-prob where mask is 1, and a weight
+    that overflowed to inf (only with clip_max None).
     """
     check_rollout_correction(mode, level, clip_min, clip_max)
     if mode == "none":
@@ -113,10 +113,12 @@ def rollout_correction(
     return weights, metrics
 
 
-def engine_logps(rollout_logps: torch.Tensor | None) -> Masked:
-    """rollout_logps for masked_nonfinite: finite where the mask is 1, or NaN (a token the engine could not score,
-    which counts 0 as in TRL); an inf made the weight inf or 0 silently."""
-    return Masked(rollout_logps, nan_ok=True)
+def engine_logps(logps: torch.Tensor | None) -> Masked:
+    """A rollout engine's log-probs of the tokens it sampled (rollout_logps, sampling_logps) for masked_nonfinite:
+    finite and <= 0 (up to rounding) where the mask is 1, or NaN (a token the engine could not score, which counts 0
+    as in TRL). An inf made a correction weight inf or 0, or moved the off-policy mask, silently; so did a positive
+    value, which is no log-prob (a negative log-likelihood passed by mistake)."""
+    return Masked(logps, nan_ok=True, logprob=True)
 
 
 def raise_if_overflowed(level: str, shape: Sequence[int], index: int) -> None:

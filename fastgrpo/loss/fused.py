@@ -181,7 +181,7 @@ def fused_linear_grpo_loss(
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
     valid_tokens = check_loss_values(completion_mask, target_ids, weight.shape[0], advantages,
-                                     finite_where_completion(old_logps, ref_logps, token_weights))
+                                     finite_where_completion(old_logps, ref_logps, token_weights, sampling_logps))
     return _run(cfg, valid_tokens, hidden, weight, bias, target_ids, completion_mask, advantages,
                 (old_logps, ref_logps, token_weights, sampling_logps), return_entropy, return_logps, backend)
 

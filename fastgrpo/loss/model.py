@@ -142,13 +142,14 @@ def grpo_loss(
     [B, T], the engine's log-probs): the loss weights its policy term by fastgrpo.loss.correction's weights of
     rollout_logps towards old_logps, or, without old_logps (one optimizer step per batch), towards the log-probs of
     this forward (the lm_head run once more without grad: no separate pass of the model), in place of token_weights.
-    Where completion_mask is 1, a negative token weight and an inf rollout log-prob (NaN: a token the engine could
-    not score, counted 0) are refused in the one value read, as is, with old_logps, a weight that overflowed to inf.
+    Where completion_mask is 1, a negative token weight and an inf or positive rollout or sampling log-prob (NaN: a
+    token the engine could not score, counted 0) are refused in the one value read, as is, with old_logps, a weight
+    that overflowed to inf.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
     check_extra_inputs(*input_ids.shape, token_weights, sampling_logps)
-    per_token = finite_where_completion(old_logps, ref_logps, token_weights)
+    per_token = finite_where_completion(old_logps, ref_logps, token_weights, sampling_logps)
     weights = None  # the rollout correction's token_weights, when known before the forward (from old_logps)
     if rollout_correction is not None:
         _check_correction(rollout_correction, rollout_logps, token_weights, input_ids.shape)

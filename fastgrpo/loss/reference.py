@@ -83,7 +83,7 @@ def grpo_loss(
     check_loss_inputs(cfg, hidden, weight, target_ids, completion_mask, advantages, old_logps, ref_logps, bias,
                       token_weights, sampling_logps)
     check_loss_values(completion_mask, target_ids, weight.shape[0], advantages,
-                      finite_where_completion(old_logps, ref_logps, token_weights))
+                      finite_where_completion(old_logps, ref_logps, token_weights, sampling_logps))
     hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps = _cast(
         upcast, hidden, weight, bias, advantages, old_logps, ref_logps, token_weights, sampling_logps
     )
