@@ -11,7 +11,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.loss import reference
-from fastgrpo.loss.correction import RolloutCorrection, correction_weights, rollout_correction
+from fastgrpo.loss.correction import RolloutCorrection, correction_weights, logprob_gap, rollout_correction
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.rollout import BuiltinEngine
 from fastgrpo.train import default_task
@@ -327,3 +327,24 @@ def test_a_self_weighted_step_whose_weights_overflow_stops_the_run(tmp_path):
                                          r"and the weight at row 0, column \d+ overflowed to inf"):
         trainer.train()
     assert list_checkpoints(tmp_path) == []
+
+
+@pytest.mark.parametrize("name, value, what", [
+    ("rollout_logps", float("inf"), "inf"), ("rollout_logps", float("-inf"), "-inf"),
+    ("rollout_logps", 0.5, "a positive value"), ("train_logps", float("nan"), "NaN"),
+    ("train_logps", float("-inf"), "-inf"),
+])
+def test_logprob_gap_refuses_log_probs_that_made_it_inf_or_nan(name, value, what):
+    """An inf log-prob where mask is 1 made the gap inf (or kl_k3 NaN) silently, and a train NaN was left out as if
+    the engine could not score it: logprob_gap checks its inputs as rollout_correction does, in one host read. A NaN
+    rollout log-prob is still left out, and padding (mask 0) holds anything."""
+    logps = {"train_logps": TRAIN.clone(), "rollout_logps": ROLLOUT.clone()}  # ROLLOUT[1, 2] = 5.0: padding
+    logps["rollout_logps"][0, 2] = float("nan")
+    logps[name][1, 1] = value
+    expected = r"finite log-probs <= 0 \(or NaN\)" if name == "rollout_logps" else "finite values"
+    with pytest.raises(ValueError, match=f"^{name}: expected {expected} where mask is 1, got {what} at row 1, "
+                                         "column 1$"):
+        logprob_gap(logps["train_logps"], logps["rollout_logps"], MASK)
+    logps[name][1, 1] = -0.5
+    got = logprob_gap(logps["train_logps"], logps["rollout_logps"], MASK)
+    assert got["tokens"] == 4 and all(math.isfinite(v) for v in got.values())

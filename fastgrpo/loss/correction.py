@@ -17,7 +17,6 @@ import torch
 
 from fastgrpo._checks import (
     Masked,
-    check_binary_mask,
     check_choice,
     check_mask,
     check_same_shape,
@@ -84,12 +83,7 @@ def rollout_correction(
     check_rollout_correction(mode, level, clip_min, clip_max)
     if mode == "none":
         raise ValueError("rollout_correction: 'none' computes no weights; call this with 'truncate' or 'mask'")
-    check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
-    check_mask("mask", mask, "train_logps", train_logps)
-    logps = {"train_logps": train_logps, "rollout_logps": engine_logps(rollout_logps)}
-    flag, *bad = read_ints(nonbinary(mask), *masked_nonfinite(mask, logps))
-    raise_if_nonbinary("mask", flag)
-    raise_if_masked_nonfinite("mask", logps, bad)
+    check_logps(train_logps, rollout_logps, mask)
     valid = mask.bool()
     ratio, weights = _ratio_and_weights(train_logps, rollout_logps, valid, mode, level, clip_min, clip_max)
     changed = weights != ratio
@@ -111,6 +105,17 @@ def rollout_correction(
     if math.isinf(metrics["rollout_is_weight_max"]):  # an overflow, seen in the metrics' read: find where (a read)
         raise_if_overflowed(level, train_logps.shape, read_ints(first_nonfinite(weights, mask)[0])[0])
     return weights, metrics
+
+
+def check_logps(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> None:
+    """rollout_logps [B, T] of train_logps' shape and mask a 0 / 1 mask of it, with finite train log-probs and
+    engine_logps where it is 1: one host read."""
+    check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
+    check_mask("mask", mask, "train_logps", train_logps)
+    logps = {"train_logps": train_logps, "rollout_logps": engine_logps(rollout_logps)}
+    flag, *bad = read_ints(nonbinary(mask), *masked_nonfinite(mask, logps))
+    raise_if_nonbinary("mask", flag)
+    raise_if_masked_nonfinite("mask", logps, bad)
 
 
 def engine_logps(logps: torch.Tensor | None) -> Masked:
@@ -159,10 +164,10 @@ def logprob_gap(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: to
     d = rollout - train per token of mask [B, T] (in fp64), mean_abs_gap / max_abs_gap: mean and largest |d|;
     kl_k1 = mean d and kl_k3 = mean (exp(-d) - 1 + d), two estimates of KL(pi_rollout || pi_train) per token from
     samples of pi_rollout (both unbiased; k3 is >= 0 token by token, so less noisy); tokens: how many counted. Tokens
-    the engine could not score (NaN) are left out. A measure for choosing an engine (e.g. FP8 weights against
-    bf16); rollout_correction is what corrects for the gap in the loss."""
-    check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
-    check_binary_mask("mask", mask, "train_logps", train_logps)
+    the engine could not score (NaN) are left out; a NaN / inf train log-prob or an inf or positive rollout log-prob
+    where mask is 1 is a ValueError (an inf made the gap inf or NaN silently). A measure for choosing an engine (e.g.
+    FP8 weights against bf16); rollout_correction is what corrects for the gap in the loss."""
+    check_logps(train_logps, rollout_logps, mask)
     d = (rollout_logps.double() - train_logps.double())[mask.bool()]
     d = d[~torch.isnan(d)]
     if not d.numel():
