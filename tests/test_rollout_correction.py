@@ -275,8 +275,9 @@ def test_inf_or_positive_rollout_logps_where_the_mask_is_1_are_refused(value, wh
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_weights_that_overflow_to_inf_are_refused(mode, clip_min, level):
     """With clip_max None nothing bounds the weight from above: exp(train - rollout) past fp32's largest number was
-    an inf token weight, an inf loss. rollout_correction finds it in its metrics' read, the model-level loss (given
-    old_logps) in its value read; the same ratio with a bound is masked / truncated as before."""
+    an inf token weight, an inf loss. rollout_correction finds it in its metrics' read, the model-level loss given
+    old_logps in its value read, and without them (weighting itself from its own forward) in a read after the loss
+    is queued; the same ratio with a bound is masked / truncated as before."""
     from fastgrpo.loss.model import grpo_loss
 
     train = TRAIN.float()
@@ -298,18 +299,19 @@ def test_weights_that_overflow_to_inf_are_refused(mode, clip_min, level):
     engine[1, 4] = -120.0
     args = (model, ids, torch.ones_like(ids), completion, torch.ones(2))
     message = message.replace("column 1", "column 4")
-    with pytest.raises(ValueError, match=message):
-        grpo_loss(*args, old_logps=old, rollout_logps=engine,
-                  rollout_correction=RolloutCorrection(mode, level, clip_min, None))
-    loss, _ = grpo_loss(*args, old_logps=old, rollout_logps=engine,
-                        rollout_correction=RolloutCorrection(mode, level, clip_min, 3.0))
-    assert loss.isfinite()
+    for old_logps in (old, None):  # the tiny model's own log-probs are near log(1/41): exp(-3.7 + 120) overflows too
+        with pytest.raises(ValueError, match=message):
+            grpo_loss(*args, old_logps=old_logps, rollout_logps=engine,
+                      rollout_correction=RolloutCorrection(mode, level, clip_min, None))
+        loss, _ = grpo_loss(*args, old_logps=old_logps, rollout_logps=engine,
+                            rollout_correction=RolloutCorrection(mode, level, clip_min, 3.0))
+        assert loss.isfinite()
 
 
 def test_a_self_weighted_step_whose_weights_overflow_stops_the_run(tmp_path):
-    """One optimizer step with the correction on and no old pass (the loss weights itself from its own forward,
-    without a host sync to check them): with clip_max None an engine far below the trainer made the loss inf; the
-    step's rollout_correction metrics refuse the weights before the step is logged or saved."""
+    """One optimizer step with the correction on and no old pass (the loss weights itself from its own forward):
+    with clip_max None an engine far below the trainer made the loss inf; the loss refuses the weights (the step's
+    rollout_correction metrics did, after the optimizer step) before the step is logged or saved."""
     from fastgrpo.train.checkpoint import list_checkpoints
 
     class FarEngine(OffsetEngine):

@@ -144,7 +144,7 @@ def grpo_loss(
     this forward (the lm_head run once more without grad: no separate pass of the model), in place of token_weights.
     Where completion_mask is 1, a negative token weight and an inf or positive rollout or sampling log-prob (NaN: a
     token the engine could not score, counted 0) are refused in the one value read, as is, with old_logps, a weight
-    that overflowed to inf.
+    that overflowed to inf (clip_max None); without old_logps such a weight is refused in a second read.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
@@ -168,12 +168,11 @@ def grpo_loss(
     def window(t):
         return None if t is None else t[:, cols]
 
+    self_weighted = rollout_correction is not None and weights is None
+    if self_weighted:  # from this forward's log-probs
+        own = _own_logps(hidden, head, input_ids, cols, cfg, backend)
+        weights = _correction_weights(rollout_correction, own, rollout_logps, completion_mask)
     if rollout_correction is not None:
-        if weights is None:
-            # From this forward's log-probs: an overflow (clip_max None) is not checked here, where it would cost a
-            # host sync after the forward; the trainer's rollout_correction metrics of these weights refuse it.
-            own = _own_logps(hidden, head, input_ids, cols, cfg, backend)
-            weights = _correction_weights(rollout_correction, own, rollout_logps, completion_mask)
         token_weights = weights
     loss, metrics = fused_linear_grpo_loss_of_checked_values(
         batch.completion_tokens, hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
@@ -182,6 +181,11 @@ def grpo_loss(
         return_entropy=return_entropy, token_weights=window(token_weights), sampling_logps=window(sampling_logps),
         return_logps=return_logps, backend=backend,
     )
+    if self_weighted and rollout_correction.clip_max is None:
+        # Only unbounded weights can overflow: a host read of its own (the default bound, 3.0, never pays it), after
+        # the loss is queued so that the GPU runs it while the host waits.
+        overflow = read_ints(first_nonfinite(weights, completion_mask)[0])[0]
+        raise_if_overflowed(rollout_correction.level, input_ids.shape, overflow)
     if return_logps:
         metrics["logps"] = _unwindow(metrics["logps"], input_ids.shape, cols)
     return loss, metrics
