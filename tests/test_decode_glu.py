@@ -224,6 +224,39 @@ def test_compiles_for_hopper():
         assert int(copies) == 3 * int(stages) and int(shared) <= 228 * 1024 // int(per_sm), line
 
 
+# ---- the benchmark's dry run ------------------------------------------------------------------------------------
+
+def test_bench_dry_run_times_each_path_and_the_sweep(capsys, tmp_path, monkeypatch):
+    """benchmarks/bench_decode_glu.py --dry-run --sweep on the CPU (the kernel under the interpreter): today's path,
+    the kernel and the GEMM alone at each row count, then the sweep's configs; the kernel's error against fp64
+    within a bf16 ulp of the largest output; no results file in RESULTS_DIR."""
+    from benchmarks import bench_decode_glu as bench
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    bench.main(["--dry-run", "--sweep", "--rows", "5"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny")]
+    swept, table = lines[:-3], lines[-3:]
+    assert [line[2] for line in table] == ["today", "decode_glu", "gemm"], lines
+    assert len(swept) == 3 and all(line[-1] == "-" for line in swept), swept  # three configs, no error
+    errors = [float(table[1][7])] + [float(line[5]) for line in swept]
+    assert all(0 < err <= torch.finfo(torch.bfloat16).eps for err in errors), lines
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("args, message", [(["--shapes", "nope"], "--shapes: unknown ['nope']"),
+                                           (["--rows", "0"], "--rows: expected positive integers")])
+def test_bench_refuses_unknown_names_before_running(args, message, capsys, tmp_path, monkeypatch):
+    from benchmarks import bench_decode_glu as bench
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        bench.main(args)
+    assert done.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 # (M, N, K): Qwen2.5-1.5B's and Llama-3.1-8B's gate/up at 64 rows, 128 rows (the largest tile), odd ones with splits
