@@ -34,10 +34,12 @@ from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _
 from fastgrpo.kernels.swiglu import ACTIVATIONS, _act_and_grad
 
 MAX_BLOCK_M = 128  # rows of one tile on a GPU: a decode step's 32-128 rows read each weight once
-# Not timed yet (benchmarks/bench_decode_glu.py --sweep picks one on a GPU): fp8_linear's GPU_TILES with half its K
-# step. Two bf16 weight tiles a stage (gate's and up's) besides x's: at 128 of K, 3 stages take 128 KB of shared
-# memory at 64 rows (as Triton 3.9 compiles them for sm_90), one program per SM; at 64 of K, 64 KB (80 KB at 128
-# rows), two per SM as the splits plan.
+# fp8_linear's GPU_TILES with half its K step. Two bf16 weight tiles a stage (gate's and up's) besides x's: at 128
+# of K, 3 stages take 128 KB of shared memory at 64 rows (as Triton 3.9 compiles them for sm_90), one program per
+# SM; at 64 of K, 64 KB (80 KB at 128 rows, within an Ada card's 99 KB), two per SM as the splits plan. Swept on an
+# H200 at 64 rows (72 configs, benchmarks/NOTES_rollout.md, thirty-third session): the fastest for both gate/up
+# shapes has these tiles with 4 stages (3-6% faster, but 107 KB at 128 rows: past Ada's); split-K 2 and 32-feature
+# tiles were 30-140% slower.
 GPU_TILES = dict(block_n=64, block_k=64, programs_per_sm=2, num_warps=4, num_stages=3)
 
 
