@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.fp8_linear import MAX_TILES, Fp8LinearConfig, _counters, _interpreting, program_tile
+from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, _interpreting, program_tile, split_plan
 from fastgrpo.kernels.swiglu import ACTIVATIONS, _act_and_grad
 
 MAX_BLOCK_M = 128  # rows of one tile on a GPU: a decode step's 32-128 rows read each weight once
@@ -163,12 +163,7 @@ def decode_glu_fwd(x: torch.Tensor, w_gu: torch.Tensor, eps: float, activation: 
     interpret = _interpreting(x)
     if config is None:
         config = default_config(M, N, K, torch.device("cpu") if interpret else x.device)
-    # each split a whole number of K steps (so only the last K step of the last split may be ragged: EVEN_K)
-    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(K, k_per_split)
-    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
-    if split > 1 and tiles > MAX_TILES:
-        raise ValueError(f"decode_glu: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    k_per_split, split, tiles = split_plan("decode_glu", M, N, K, config)
     h = torch.empty(M, N, dtype=x.dtype, device=x.device)
     if not h.numel():  # no rows or no features: nothing to launch
         return h

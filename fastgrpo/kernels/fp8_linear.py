@@ -211,6 +211,17 @@ def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, pro
     return Fp8LinearConfig(block_m, block_n, block_k, split, num_warps, num_stages)
 
 
+def split_plan(kernel: str, M: int, N: int, K: int, config: Fp8LinearConfig) -> tuple[int, int, int]:
+    """(K per split, splits, tiles) of a split-K launch of `config` for y [M, N] over K: each split a whole number of
+    K steps (so only the last K step of the last split may be ragged: EVEN_K), and a ticket counter per tile."""
+    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
+    split = triton.cdiv(K, k_per_split)
+    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
+    if split > 1 and tiles > MAX_TILES:
+        raise ValueError(f"{kernel}: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    return k_per_split, split, tiles
+
+
 @functools.cache
 def _counters(device: torch.device) -> torch.Tensor:
     """The split-K tickets of a device: zero between launches (each launch resets what it used)."""
@@ -247,12 +258,7 @@ def fp8_linear_fwd(
         if x_group % config.block_k:
             raise ValueError(f"fp8_linear_fwd: x_group {x_group} is not a multiple of the config's block_k "
                              f"{config.block_k}: a K step would cross two groups' scales")
-    # each split a whole number of K steps (so only the last K step of the last split may be ragged: EVEN_K)
-    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(K, k_per_split)
-    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
-    if split > 1 and tiles > MAX_TILES:
-        raise ValueError(f"fp8_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    k_per_split, split, tiles = split_plan("fp8_linear", M, N, K, config)
     y = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
     # without splits the kernel touches neither: any tensors of the right dtypes
     partial = torch.empty(split, M, N, dtype=torch.float32, device=x.device) if split > 1 else scale

@@ -36,8 +36,8 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.fp8_linear import (MAX_TILES, Fp8LinearConfig, _counters, _interpreting, config_for,
-                                         program_tile, split_k_total)
+from fastgrpo.kernels.fp8_linear import (Fp8LinearConfig, _counters, _interpreting, config_for, program_tile,
+                                         split_k_total, split_plan)
 
 # One stage: with two or more, Triton's pipeliner turns the code-table gathers into 4-byte cp.async copies, 6-10x
 # slower on an H100. Four programs per SM hide the unpipelined loads' latency instead: within 9% of the best of 24
@@ -141,11 +141,7 @@ def nf4_linear_fwd(
         config = default_config(M, N, K, blocksize, torch.device("cpu") if interpret else x.device)
     if config.block_k % blocksize:
         raise ValueError(f"nf4_linear: block_k {config.block_k} is not a multiple of blocksize {blocksize}")
-    k_per_split = triton.cdiv(triton.cdiv(K, config.split_k), config.block_k) * config.block_k
-    split = triton.cdiv(K, k_per_split)
-    tiles = triton.cdiv(N, config.block_n) * triton.cdiv(M, config.block_m)
-    if split > 1 and tiles > MAX_TILES:
-        raise ValueError(f"nf4_linear: {tiles} tiles exceed the {MAX_TILES} split-K counters; use split_k=1")
+    k_per_split, split, tiles = split_plan("nf4_linear", M, N, K, config)
     y = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nested = absmax_code is not None
     # tensors the kernel does not touch (no split, bias or nesting): any of the right kind
