@@ -43,6 +43,12 @@ def even_first_character(prompts, completions, **columns) -> list[float]:
     return [float(bool(text) and ord(text[0]) % 2 == 0) for text in completions]
 
 
+def none_or_text(prompts, completions, **columns) -> list:
+    """Not applicable (None) to every other completion, and a bug's value (text, not a number) for the rest: each
+    scoring (a round's, an evaluation's) warns that the function failed and that some completions are unscored."""
+    return [None if i % 2 else "n/a" for i in range(len(completions))]
+
+
 def _run(worker, tmp_path, *args) -> list:
     return run_forked(worker, tmp_path, *args, deadline_s=120, group_timeout_s=60)
 
@@ -188,9 +194,9 @@ def test_a_signal_one_process_gets_stops_every_process_at_one_round(tmp_path, ph
 
 
 # ---- the command ----
-def _ei_argv(tmp, output: str, lora: bool, *extra: str) -> list[str]:
+def _ei_argv(tmp, output: str, lora: bool, *extra: str, reward: str = "even_first_character") -> list[str]:
     return ["ei", "--output-dir", str(tmp / "out" / output), "--questions-per-step", "5", "--num-generations", "4",
-            "--batch-size", "4", "--micro-batch-size", "2", "--reward-funcs", f"{__file__}:even_first_character",
+            "--batch-size", "4", "--micro-batch-size", "2", "--reward-funcs", f"{__file__}:{reward}",
             "--lora-rank", "4" if lora else "0", "--no-progress-bar", "--logging-steps", "0", *extra]
 
 
@@ -226,6 +232,20 @@ def test_ei_command_on_two_processes(tmp_path, lora):
 
     assert main(_ei_argv(tmp_path, "one", lora, "--ei-steps", "1", "--no-export")) == 0
     assert {k: read_metrics(out / "one")[0][k] for k in SAME} == {k: metrics[0][k] for k in SAME}
+
+
+def test_reward_warnings_are_logged_once_by_rank_0(tmp_path):
+    """--reward-errors skip with a function that fails and leaves completions unscored: rank 0 logs each warning once
+    for the evaluation before round 1, for round 1 (every process's failures merged) and for the evaluation after;
+    rank 1 logs none. Before, each process logged the evaluations' warnings (the same samples: repeated) and its own
+    share of the round's failures."""
+    argv = _ei_argv(tmp_path, "run", True, "--ei-steps", "1", "--no-export", "--eval-steps", "1",
+                    "--eval-max-examples", "4", "--reward-errors", "skip", reward="none_or_text")
+    found = _run(cli, tmp_path, [argv], {"WORLD_SIZE": str(WORLD)})
+    assert [rank["exits"] for rank in found] == [[0], [0]], found[1]["stderr"]
+    warnings = ("reward function none_or_text failed; its failed samples score 0: returned 'n/a'",
+                "every reward function returned None for")
+    assert [[rank["stderr"].count(w) for w in warnings] for rank in found] == [[3, 3], [0, 0]], found[1]["stderr"]
 
 
 def test_a_split_that_does_not_fit_stops_every_process_before_overwrite(tmp_path):

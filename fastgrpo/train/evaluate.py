@@ -104,14 +104,15 @@ def _check_positions(ids: list[list[int]], max_positions: int, max_new_tokens: i
                      f"shorten the prompts {fix}")
 
 
-def check_reward_failures(failures: dict, reward_errors: str) -> None:
+def check_reward_failures(failures: dict, reward_errors: str, *, warn: bool = True) -> None:
     """What a command does with score()'s failures: "raise" stops with a RewardError naming the first failing
-    function; "skip" logs each (their failed samples scored 0)."""
+    function; "skip" logs each (their failed samples scored 0) when warn (False: another process logs them)."""
     if not failures:
         return
     if reward_errors == "skip":
-        for name, failure in failures.items():
-            logger.warning("reward function %s failed; its failed samples score 0: %s", name, failure)
+        if warn:
+            for name, failure in failures.items():
+                logger.warning("reward function %s failed; its failed samples score 0: %s", name, failure)
         return
     name, failure = next(iter(failures.items()))
     raise RewardError(f"reward function {name} {failure}; {setting('reward_errors', 'skip')} scores such rows 0 "
@@ -120,9 +121,11 @@ def check_reward_failures(failures: dict, reward_errors: str) -> None:
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
              num_generations: int = 1, seed: int = 0, batch_size: int = 64,
-             reward_errors: str = "raise") -> tuple[list[dict], dict]:
+             reward_errors: str = "raise", warn: bool = True) -> tuple[list[dict], dict]:
     """Generate num_generations completions per row, batch_size prompts per engine call; (records, summary).
-    reward_errors: see check_reward_failures; the summary counts the failures of each function either way."""
+    reward_errors: see check_reward_failures; the summary counts the failures of each function either way.
+    warn: log the rewards' warnings (skipped failures, unscored completions); False on the processes of a torchrun
+    evaluation but rank 0, which all draw the same samples (PeriodicEval)."""
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1 prompts per rollout call, got {batch_size}")
     names = reward_names(task.reward_funcs)
@@ -142,11 +145,12 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
         prompts = [row[task.prompt_column] for row in expanded]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != task.prompt_column}
         per_func, failures = score(task.reward_funcs, prompts, out.texts, columns)  # per_func: [n, F]
-        check_reward_failures(failures, reward_errors)
+        check_reward_failures(failures, reward_errors, warn=warn)
         for name, failure in failures.items():
             errors[name] = str(failure)
         rewards = weighted_rewards(per_func, weights)  # rewards: [n]; NaN where no function applied
-        warn_unscored(rewards)
+        if warn:
+            warn_unscored(rewards)
         rewards = [None if math.isnan(r) else r for r in rewards.tolist()]  # null in the JSON
         lengths = out.completion_mask.sum(-1).tolist()
         tokens += sum(lengths)

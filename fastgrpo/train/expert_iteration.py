@@ -142,11 +142,12 @@ class ExpertIteration:
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, texts, columns)  # per_func: [N, F]
-        dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors))
+        dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors, warn=False))
         samples, per_func, errors = gather_round(dist, positions, [(ids, reason) for ids, _, reason in samples],
                                                  per_func, errors, G)
         rewards = weighted_rewards(per_func, self.weights)  # rewards: [N]; NaN where no function applied
-        if dist.is_main:
+        if dist.is_main:  # the whole round's warnings, once: skipped failures merged across the processes
+            check_reward_failures(errors, config.reward_errors)
             warn_unscored(rewards)
         correct = rewards >= config.correct_threshold  # an unscored completion is not kept
         self.last_kept = kept = [
