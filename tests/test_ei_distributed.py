@@ -246,6 +246,9 @@ def test_reward_warnings_are_logged_once_by_rank_0(tmp_path):
     warnings = ("reward function none_or_text failed; its failed samples score 0: returned 'n/a'",
                 "every reward function returned None for")
     assert [[rank["stderr"].count(w) for w in warnings] for rank in found] == [[3, 3], [0, 0]], found[1]["stderr"]
+    # the round's merged failure: its row count is of process 0's share, and it says so
+    merged = "(in process 0's share of the round; process 1 failed too)"
+    assert found[0]["stderr"].count(merged) == 1, found[0]["stderr"]
 
 
 def test_a_split_that_does_not_fit_stops_every_process_before_overwrite(tmp_path):

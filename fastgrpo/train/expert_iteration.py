@@ -65,15 +65,27 @@ def gather_round(dist: Distributed, positions: list[int], samples: list, per_fun
     """Every process's share of a round -> the whole round's samples, rewards [N, F] and reward failures {name:
     message}, in the round's order, the same on every process: what one process sampling it all has. positions: the
     round's questions this process sampled (num_generations samples each, in `samples` and `per_func`)."""
-    G, by_position, merged = num_generations, {}, {}
+    G, by_position, failed_on = num_generations, {}, {}
     # the failures as plain text: a RewardFailure does not unpickle
-    for own, part, rewards, errors in dist.gather_objects((positions, samples, per_func,
-                                                           {name: str(err) for name, err in failures.items()})):
+    shares = dist.gather_objects((positions, samples, per_func, {name: str(err) for name, err in failures.items()}))
+    for rank, (own, part, rewards, errors) in enumerate(shares):
         by_position.update({p: (part[i * G:(i + 1) * G], rewards[i * G:(i + 1) * G]) for i, p in enumerate(own)})
         for name, err in errors.items():
-            merged.setdefault(name, err)  # a function failing on several processes: the first one's message
+            failed_on.setdefault(name, []).append((rank, err))
     ordered = [by_position[p] for p in sorted(by_position)]
+    merged = {name: _merged_failure(found, dist.world_size) for name, found in failed_on.items()}
     return [s for part, _ in ordered for s in part], torch.cat([rewards for _, rewards in ordered]), merged
+
+
+def _merged_failure(found: list[tuple[int, str]], world_size: int) -> str:
+    """One function's failure messages from the processes it failed on, [(rank, message)], as one: the first's,
+    whose row counts are of that process's share alone, so it says so and which processes failed too."""
+    rank, message = found[0]
+    if world_size == 1:
+        return message
+    others = [str(r) for r, _ in found[1:]]
+    also = f"; process{'es' if len(others) > 1 else ''} {', '.join(others)} failed too" if others else ""
+    return f"{message} (in process {rank}'s share of the round{also})"
 
 
 class ExpertIteration:
