@@ -136,6 +136,15 @@ def test_process_logits_equals_hf_warpers_in_hf_order(params):
     torch.testing.assert_close(got[~torch.isinf(got)], want[~torch.isinf(want)])
 
 
+@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0)])
+def test_process_logits_passes_raw_logits_through_where_no_filter_applies(params):
+    """No filter, temperature 1 (or greedy): the model's bf16 logits themselves, no fp32 copy (on CUDA the sampling
+    kernels read them in fp32); any filter: fp32."""
+    logits = torch.randn(2, 9).bfloat16()
+    assert process_logits(logits, params, None) is logits
+    assert process_logits(logits, SamplingParams(temperature=0.9), None).dtype == torch.float32
+
+
 def test_greedy_sample_is_argmax_with_log_softmax_logprobs():
     torch.manual_seed(1)
     logits = torch.randn(5, 40)

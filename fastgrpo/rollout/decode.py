@@ -28,7 +28,7 @@ from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.regional import compiled_layers, layer_indices, layer_options
-from fastgrpo.rollout.sampling import SamplingParams, keyed_exponential, mix32, process_logits, sample
+from fastgrpo.rollout.sampling import SamplingParams, keyed_sample, process_logits
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,7 +148,6 @@ class _State:
     decode_kernel: bool  # pass the filled length to the attention (EngineConfig.attention == "triton")
     seen: torch.Tensor | None  # [N, V] bool, tokens seen so far (repetition penalty only)
     keys: torch.Tensor | None  # [N] int64 per-sample noise keys (sampling only; greedy: None)
-    vocab_keys: torch.Tensor | None  # [V] int64 hashed vocabulary ids (sampling only)
     # [V] bool, True at the stop token ids: a lookup, since torch.isin with more ids than ~10 N^0.145 (18 at N = 64)
     # sorts through torch.unique, a host sync that broke the step's CUDA-graph capture
     stops: torch.Tensor | None
@@ -337,12 +336,8 @@ def _logits(model, cache, cache_kw, state, dtype) -> torch.Tensor:
 
 def _sample_logits(logits, params, state):
     """Filters and sampling of one step's logits [N, V]: (tokens [N], logprobs [N])."""
-    return sample(process_logits(logits, params, state.seen), _noise(state))
-
-
-def _noise(state: _State) -> torch.Tensor | None:
-    """Exp(1) draws [N, V] for the token at column state.step (None: greedy); a function of the keys alone."""
-    return None if state.keys is None else keyed_exponential(state.keys, state.step, state.vocab_keys)
+    # the noise of column state.step (greedy: no keys) is a function of the keys alone
+    return keyed_sample(process_logits(logits, params, state.seen), state.keys, state.step)
 
 
 @functools.cache
@@ -472,7 +467,6 @@ def _new_state(
         decode_kernel=decode_kernel,
         seen=seen,
         keys=keys.to(device) if sampled else None,
-        vocab_keys=mix32(torch.arange(V, device=device)) if sampled else None,
         stops=_stop_table(stop_ids, V, device),
         done=torch.zeros(N, dtype=torch.bool, device=device),
         step=torch.zeros(1, dtype=torch.long, device=device),

@@ -4,8 +4,9 @@ The filters follow HF `generate`'s order and semantics (repetition penalty, temp
 a user's generation config means the same thing here. Filtered tokens get -inf; every filter keeps at least the
 top token. Sampling uses the exponential race, argmax(logp - log E) with E ~ Exp(1), which draws from softmax(logp)
 without torch.multinomial's host sync. E comes from a counter-based hash of (row key, token position, vocabulary id)
-in plain int64 torch ops (`keyed_exponential`): no generator state, so it is computed inside the compiled, CUDA-
-graphed decode step, and a sample's randomness depends on its own key only, not on which rows share the call.
+(`keyed_exponential`, in plain int64 torch ops; on CUDA `keyed_sample` hashes it in uint32 inside the sampling
+kernels): no generator state, so it is computed inside the compiled, CUDA-graphed decode step, and a sample's
+randomness depends on its own key only, not on which rows share the call.
 """
 from __future__ import annotations
 
@@ -86,7 +87,10 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 
 
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
-    """Raw [N, V] logits -> the logits of the sampling distribution (temperature 1 when greedy)."""
+    """Raw [N, V] logits -> the logits of the sampling distribution (temperature 1 when greedy): fp32, or the raw
+    logits themselves where no filter applies (keyed_sample reads them in fp32: on CUDA no fp32 copy is written)."""
+    if not _filters(params):
+        return logits
     logits = logits.float()
     if params.uses_seen_tokens:
         logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
@@ -99,6 +103,12 @@ def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Ten
     if params.min_p > 0.0:
         logits = min_p_filter(logits, params.min_p)
     return logits
+
+
+def _filters(params: SamplingParams) -> bool:
+    """Whether process_logits changes any logit."""
+    return (params.uses_seen_tokens or (not params.greedy and params.temperature != 1.0) or params.top_k > 0
+            or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 def sample(logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -147,15 +157,63 @@ def row_keys(seed: int, prompt_keys: Sequence[int], num_generations: int) -> tor
     return _fold(h.repeat_interleave(num_generations), torch.arange(len(words) * num_generations) % num_generations)
 
 
+def step_words(keys: torch.Tensor, position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two words [N] int64 in [0, 2**32) that key each row's noise for the token at output column `position`
+    ([1] int64): a hash of (keys[n], position), and a second word hashed from it."""
+    step_keys = _fold(keys, position)  # [N]
+    second = mix32(step_keys ^ 0x85EBCA6B)  # a second word: rows whose step keys xor to a vocab key's still differ
+    return step_keys, second
+
+
+def keyed_uniform(keys: torch.Tensor, position: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
+    """The uniforms u [N, V] in (0, 1] fp32 behind keyed_exponential's draws (-log u)."""
+    step_keys, second = step_words(keys, position)
+    bits = mix32(mix32(step_keys[:, None] ^ vocab_keys[None, :]) ^ second[:, None])  # bits: [N, V] in [0, 2**32)
+    return ((bits >> 8).float() + 0.5) * 2.0**-24  # exact in fp32 (2**24 - 0.5 rounds to 2**24: u = 1)
+
+
 def keyed_exponential(keys: torch.Tensor, position: torch.Tensor, vocab_keys: torch.Tensor) -> torch.Tensor:
     """Exp(1) draws [N, V] fp32 for the token at output column `position` ([1] int64) of each row.
 
-    keys: [N] from row_keys; vocab_keys: [V] = mix32(arange(V)), built once per call. Element (n, v) is a hash of
-    (keys[n], position, v): 24 of its bits make a uniform u in (0, 1), and -log(u) is the draw. Every op is
-    elementwise on static shapes, with no generator and no host sync, so it runs inside the CUDA graph.
+    keys: [N] from row_keys; vocab_keys: [V] = mix32(arange(V)). Element (n, v) is a hash of (keys[n], position, v):
+    24 of its bits make a uniform u in (0, 1], and -log(u) is the draw. Every op is elementwise on static shapes,
+    with no generator and no host sync, so it runs inside the CUDA graph.
     """
-    step_keys = _fold(keys, position)  # [N]
-    second = mix32(step_keys ^ 0x85EBCA6B)  # a second word: rows whose step keys xor to a vocab key's still differ
-    bits = mix32(mix32(step_keys[:, None] ^ vocab_keys[None, :]) ^ second[:, None])  # bits: [N, V] in [0, 2**32)
-    uniform = ((bits >> 8).float() + 0.5) * 2.0**-24  # in (0, 1): exact in fp32
-    return -torch.log(uniform)
+    return -torch.log(keyed_uniform(keys, position, vocab_keys))
+
+
+def keyed_sample(logits: torch.Tensor, keys: torch.Tensor | None,
+                 position: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """sample(logits.float(), keyed_exponential(keys, position, mix32(arange(V)))), greedy when keys is None: next
+    tokens [N] and their fp32 log-probs [N].
+
+    On CUDA one custom op, fastgrpo::keyed_sample (the Triton kernels of fastgrpo.kernels.sampling; the compiled
+    torch ops took 123 us at 64 x 151936 on an H200, one program per row: benchmarks/bench_sampling.py times both),
+    which torch.compile calls as an extern kernel and a CUDA graph captures; elsewhere the torch ops (the kernels'
+    log-probs may differ from these in the last bits, and a near-tie of the two best scores resolve the other way).
+    """
+    if logits.is_cuda:
+        words = (None, None) if keys is None else step_words(keys, position)
+        return _keyed_sample_op(_unit_stride(logits), *words)
+    if keys is None:
+        return sample(logits.float(), None)
+    vocab_keys = mix32(torch.arange(logits.shape[-1], device=logits.device))
+    return sample(logits.float(), keyed_exponential(keys, position, vocab_keys))
+
+
+def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.stride(-1) == 1 else logits.contiguous()
+
+
+@torch.library.custom_op("fastgrpo::keyed_sample", mutates_args=())
+def _keyed_sample_op(logits: torch.Tensor, step_keys: torch.Tensor | None,
+                     second: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    from fastgrpo.kernels.sampling import keyed_sample as keyed_sample_kernels
+
+    return keyed_sample_kernels(_unit_stride(logits), step_keys, second)
+
+
+@_keyed_sample_op.register_fake
+def _(logits, step_keys, second):
+    N = logits.shape[0]
+    return logits.new_empty(N, dtype=torch.int64), logits.new_empty(N, dtype=torch.float32)
