@@ -230,6 +230,26 @@ def test_compiles_for_hopper_with_a_32_bit_hash():
         assert muls["noisy", dtype][1] <= muls["greedy", dtype][1] + 2, muls
 
 
+# ---- the benchmark's dry run ------------------------------------------------------------------------------------
+
+def test_bench_dry_run_times_both_paths_and_the_sweep(capsys, tmp_path, monkeypatch):
+    """benchmarks/bench_sampling.py --dry-run --sweep on the CPU (the kernels under the interpreter): today's path and
+    the kernels, noisy and greedy, then the sweep's splits; every token equal to today's; no results file in
+    RESULTS_DIR."""
+    from benchmarks import bench_sampling as bench
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    bench.main(["--dry-run", "--sweep"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("tiny")]
+    swept, table = lines[:-4], lines[-4:]
+    assert [(line[2], line[3]) for line in table] == [("noisy", "today"), ("noisy", "kernel"), ("greedy", "today"),
+                                                      ("greedy", "kernel")], lines
+    assert len(swept) == 2 * len(bench.DRY_SWEEP) and all(line[3] == "sweep" for line in swept), swept
+    assert all(line[8] == "3/3" and float(line[9]) <= sigma(bench.DRY_VOCAB) + 1e-6 for line in table + swept)
+    assert not list(tmp_path.iterdir())
+
+
 # ---- GPU -------------------------------------------------------------------------------------------------------
 
 @pytest.mark.gpu
