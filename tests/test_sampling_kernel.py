@@ -255,7 +255,8 @@ def test_bench_dry_run_times_both_paths_and_the_sweep(capsys, tmp_path, monkeypa
 @pytest.mark.gpu
 @pytest.mark.parametrize("greedy", [False, True])
 def test_gpu_qwen_vocab_matches_the_compiled_torch_path(greedy):
-    """64 x 151936 bf16 logits (Qwen2.5-1.5B), several positions: the kernels against today's compiled sampler."""
+    """64 x 151936 bf16 logits (Qwen2.5-1.5B), several positions: the kernels against today's compiled sampler, on
+    at least 48 rows with a clear best (greedy: bf16 logits tie at the top of ~10% of rows; ties are left out)."""
     g = torch.Generator(device="cuda").manual_seed(0)
     logits = (torch.randn(64, 151936, device="cuda", generator=g) * 3).bfloat16()
     keys = keys_for(64, 5).cuda()
@@ -268,7 +269,7 @@ def test_gpu_qwen_vocab_matches_the_compiled_torch_path(greedy):
         want_tokens, want_logps = today(logits, row_keys, pos)
         tokens, logps = kernel_sample(logits, *((None, None) if greedy else step_words(keys, pos)))
         _, _, scores, tol = reference(logits, row_keys, pos)
-        assert_within_tolerance(tokens, logps, want_tokens, want_logps, scores, tol, min_clear=60)
+        assert_within_tolerance(tokens, logps, want_tokens, want_logps, scores, tol, min_clear=48)
 
 
 @pytest.mark.gpu
