@@ -25,12 +25,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import os
 
 import torch
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import check_interpreted, copies_past_l2, kernel_us, listed, print_table, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, program_blocks, tiles_for
 from fastgrpo.ops.decode_attention import quantize_kv
@@ -150,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
     if any(x is not None and x < 1 for x in split_counts):
         parser.error(f"--splits: expected 'auto' or positive integers; got {args.splits!r}")
     shapes = listed(parser, "--shapes", args.shapes, SHAPES)
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernel in Triton's interpreter)")
+    check_interpreted(parser, args.dry_run)
     device = "cpu" if args.dry_run else "cuda"
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     bandwidth = None if args.dry_run else _copy_bandwidth()

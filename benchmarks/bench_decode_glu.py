@@ -31,7 +31,6 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import os
 import tempfile
 from pathlib import Path
 
@@ -39,7 +38,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import LLAMA31_8B, QWEN25_15B, copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, kernel_us, listed,
+                               positive_ints, print_table, write_results)
 from fastgrpo.ops.decode_glu import decode_glu, fold_norm_weight
 
 SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "llama-3.1-8b": LLAMA31_8B}
@@ -154,15 +154,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel over SWEEP's configs")
     args = parser.parse_args(argv)
     shapes = listed(parser, "--shapes", args.shapes, SHAPES)
-    text = args.rows or (DRY_ROWS if args.dry_run else ROWS)
-    try:
-        row_counts = [int(r) for r in text.split(",")]
-    except ValueError:
-        parser.error(f"--rows: expected positive integers, comma-separated; got {text!r}")
-    if any(r < 1 for r in row_counts):
-        parser.error(f"--rows: expected positive integers, comma-separated; got {text!r}")
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernel in Triton's interpreter)")
+    row_counts = positive_ints(parser, "--rows", args.rows or (DRY_ROWS if args.dry_run else ROWS))
+    check_interpreted(parser, args.dry_run)
     device = "cpu" if args.dry_run else "cuda"
     bandwidth = None
     if not args.dry_run:

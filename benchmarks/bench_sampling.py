@@ -28,13 +28,13 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import os
 import tempfile
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, positive_ints, print_table,
+                               write_results)
 from fastgrpo.rollout.sampling import keyed_exponential, mix32, row_keys, sample, step_words
 
 VOCABS = {"qwen2.5-1.5b": 151936, "llama-3.1-8b": 128256}
@@ -115,15 +115,8 @@ def main(argv: list[str] | None = None) -> None:
                                                              f"{SWEEP_ROWS} rows (dry run: its row counts)")
     args = parser.parse_args(argv)
     vocabs = listed(parser, "--vocabs", args.vocabs, VOCABS)
-    text = args.rows or (DRY_ROWS if args.dry_run else ROWS)
-    try:
-        row_counts = [int(r) for r in text.split(",")]
-    except ValueError:
-        parser.error(f"--rows: expected positive integers, comma-separated; got {text!r}")
-    if any(r < 1 for r in row_counts):
-        parser.error(f"--rows: expected positive integers, comma-separated; got {text!r}")
-    if args.dry_run and os.environ.get("TRITON_INTERPRET") != "1":
-        parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
+    row_counts = positive_ints(parser, "--rows", args.rows or (DRY_ROWS if args.dry_run else ROWS))
+    check_interpreted(parser, args.dry_run)
     device = "cpu" if args.dry_run else "cuda"
     cases = [("tiny", DRY_VOCAB)] if args.dry_run else [(name, VOCABS[name]) for name in vocabs]
     config = {"sweep": SWEEP, "dtype": "bfloat16", "position": POSITION,

@@ -10,6 +10,7 @@ import datetime
 import gc
 import json
 import math
+import os
 import platform
 import re
 import time
@@ -212,6 +213,23 @@ def listed(parser, flag: str, value: str, allowed) -> list[str]:
     if unknown:
         parser.error(f"{flag}: unknown {unknown}; expected some of {', '.join(allowed)}")
     return names
+
+
+def positive_ints(parser, flag: str, text: str) -> list[int]:
+    """The comma-separated positive integers of a command-line flag; else the parser's error naming the flag."""
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        values = [0]
+    if any(v < 1 for v in values):
+        parser.error(f"{flag}: expected positive integers, comma-separated; got {text!r}")
+    return values
+
+
+def check_interpreted(parser, dry_run: bool) -> None:
+    """--dry-run runs the Triton kernels on the CPU, which needs Triton's interpreter on from the start."""
+    if dry_run and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:
