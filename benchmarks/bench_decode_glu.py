@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, kernel_us, listed,
+from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, fastest, kernel_us, listed,
                                positive_ints, print_table, write_results)
 from fastgrpo.ops.decode_glu import decode_glu, fold_norm_weight
 
@@ -78,15 +78,15 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 def sweep_configs(M: int, N: int, K: int, device: torch.device) -> list:
     """SWEEP's configs for h [M, N] (splits: config_for's for two programs per SM, and twice that); the interpreter:
     three 16-wide ones."""
-    from fastgrpo.kernels.decode_glu import config_for
-    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig
+    from fastgrpo.kernels.decode_glu import MAX_BLOCK_M
+    from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, config_for
 
     if device.type != "cuda":
         return [Fp8LinearConfig(16, 16, 16, split) for split in (1, 2)] + [Fp8LinearConfig(16, 32, 32, 1)]
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     configs = []
     for block_n, block_k, warps, stages, times in itertools.product(*SWEEP.values()):
-        config = config_for(M, N, K, sms, block_n, block_k, 2, warps, stages)
+        config = config_for(M, N, K, sms, block_n, block_k, 2, warps, stages, max_block_m=MAX_BLOCK_M)
         configs.append(dataclasses.replace(config, split_k=config.split_k * times))
     return configs
 
@@ -138,14 +138,6 @@ def shape_rows(shape: str, dims: dict, M: int, device: str, bandwidth: float | N
     return rows, swept
 
 
-def best_configs(swept: list) -> list:
-    """The BEST_SHOWN fastest configs of each shape and rows."""
-    timed = [r for r in swept if "error" not in r]
-    key = lambda r: (r["shape"], r["rows"])  # noqa: E731
-    return [r for _, group in itertools.groupby(sorted(timed, key=key), key)
-            for r in sorted(group, key=lambda r: r["us"])[:BEST_SHOWN]]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="tiny widths on the CPU (needs TRITON_INTERPRET=1)")
@@ -176,7 +168,7 @@ def main(argv: list[str] | None = None) -> None:
             path = write_results("decode_glu", rows + swept, config, directory)
     print(f"wrote {path}")
     if args.sweep:
-        print_table(best_configs(swept), SWEEP_COLUMNS)
+        print_table(fastest(swept, ("shape", "rows"), BEST_SHOWN), SWEEP_COLUMNS)
         print()
     print_table(rows, COLUMNS)
 

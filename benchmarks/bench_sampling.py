@@ -33,8 +33,8 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, positive_ints, print_table,
-                               write_results)
+from benchmarks.common import (check_interpreted, copies_past_l2, fastest, kernel_us, listed, positive_ints,
+                               print_table, write_results)
 from fastgrpo.rollout.sampling import keyed_exponential, mix32, row_keys, sample, step_words
 
 VOCABS = {"qwen2.5-1.5b": 151936, "llama-3.1-8b": 128256}
@@ -100,12 +100,6 @@ def case_rows(vocab: str, V: int, N: int, greedy: bool, device: str, sweep: bool
     return rows, swept
 
 
-def best_configs(swept: list) -> list:
-    key = lambda r: (r["vocab"], r["mode"])  # noqa: E731
-    return [r for _, group in itertools.groupby(sorted(swept, key=key), key)
-            for r in sorted(group, key=lambda r: r["us"])[:BEST_SHOWN]]
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dry-run", action="store_true", help="a tiny vocabulary on the CPU (TRITON_INTERPRET=1)")
@@ -131,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
             path = write_results("sampling", rows + swept, config, directory)
     print(f"wrote {path}")
     if args.sweep:
-        print_table(best_configs(swept), COLUMNS)
+        print_table(fastest(swept, ("vocab", "mode"), BEST_SHOWN), COLUMNS)
         print()
     print_table(rows, COLUMNS)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import gc
+import itertools
 import json
 import math
 import os
@@ -230,6 +231,14 @@ def check_interpreted(parser, dry_run: bool) -> None:
     """--dry-run runs the Triton kernels on the CPU, which needs Triton's interpreter on from the start."""
     if dry_run and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
+
+
+def fastest(rows: list[dict], fields: tuple[str, ...], count: int) -> list[dict]:
+    """The `count` fastest ("us") of each group of rows alike in `fields`, groups in sorted order; rows that failed
+    ("error") left out: a sweep's table of its best configs."""
+    key = lambda r: tuple(r[f] for f in fields)  # noqa: E731
+    timed = sorted((r for r in rows if "error" not in r), key=key)
+    return [r for _, group in itertools.groupby(timed, key) for r in sorted(group, key=lambda r: r["us"])[:count]]
 
 
 def print_table(rows: list[dict], columns: list[str]) -> None:

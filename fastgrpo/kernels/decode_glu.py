@@ -30,7 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, _interpreting, program_tile, split_plan
+from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, _interpreting, config_for, program_tile, split_plan
 from fastgrpo.kernels.swiglu import ACTIVATIONS, _act_and_grad
 
 MAX_BLOCK_M = 128  # rows of one tile on a GPU: a decode step's 32-128 rows read each weight once
@@ -142,17 +142,7 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearCon
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return config_for(M, N, K, sms, **GPU_TILES)
-
-
-def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
-               num_warps: int, num_stages: int) -> Fp8LinearConfig:
-    """fp8_linear.config_for's rule (as many K splits as fill `programs_per_sm` x `sms` programs, at least one, none
-    shorter than two K steps) with one row tile up to MAX_BLOCK_M rows."""
-    block_m = min(MAX_BLOCK_M, max(16, triton.next_power_of_2(M)))
-    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
-    split = max(1, min(programs_per_sm * sms // tiles, K // (2 * block_k)))
-    return Fp8LinearConfig(block_m, block_n, block_k, split, num_warps, num_stages)
+    return config_for(M, N, K, sms, **GPU_TILES, max_block_m=MAX_BLOCK_M)
 
 
 def decode_glu_fwd(x: torch.Tensor, w_gu: torch.Tensor, eps: float, activation: str,

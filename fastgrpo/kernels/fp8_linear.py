@@ -202,10 +202,10 @@ def _max_shared(index: int) -> int:
 
 
 def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,
-               num_warps: int, num_stages: int) -> Fp8LinearConfig:
+               num_warps: int, num_stages: int, max_block_m: int = 64) -> Fp8LinearConfig:
     """A GPU config with as many K splits as fill `programs_per_sm` x `sms` programs (at least one, and none
-    shorter than two K steps)."""
-    block_m = min(64, max(16, triton.next_power_of_2(M)))
+    shorter than two K steps), row tiles of up to max_block_m rows."""
+    block_m = min(max_block_m, max(16, triton.next_power_of_2(M)))
     tiles = triton.cdiv(N, block_n) * triton.cdiv(M, block_m)
     split = max(1, min(programs_per_sm * sms // tiles, K // (2 * block_k)))
     return Fp8LinearConfig(block_m, block_n, block_k, split, num_warps, num_stages)

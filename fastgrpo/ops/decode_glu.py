@@ -15,11 +15,10 @@ from __future__ import annotations
 import numbers
 
 import torch
-import torch.nn.functional as F
 
 from fastgrpo._checks import check_choice, check_dtype, check_floating, check_same_shape, check_shape
 from fastgrpo.ops._backend import use_triton
-from fastgrpo.ops.swiglu import ACTIVATIONS
+from fastgrpo.ops.swiglu import ACTIVATIONS, glu_torch
 
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -51,8 +50,7 @@ def decode_glu_torch(x: torch.Tensor, w_gu: torch.Tensor, eps: float, activation
     xw = x.to(work)
     r = torch.rsqrt(xw.pow(2).mean(-1, keepdim=True) + eps)  # r: [..., 1]
     gate, up = ((xw @ w_gu.to(work).T) * r).chunk(2, dim=-1)
-    act = F.silu(gate) if activation == "silu" else F.gelu(gate, approximate="tanh")
-    return (act * up).to(x.dtype)
+    return glu_torch(gate, up, activation).to(x.dtype)
 
 
 @torch.library.custom_op("fastgrpo::decode_glu", mutates_args=())
