@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import os
 import shlex
 import sys
 from collections.abc import Callable
@@ -171,8 +170,10 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)
-    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: each process takes a share of a step's rows
-    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, processes), **merged})
+    from fastgrpo.train.distributed import launched_processes
+
+    # under torchrun each process takes a share of a step's rows
+    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
 
 
 def resume_command(argv: list[str]) -> str:

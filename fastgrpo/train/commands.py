@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import shlex
 from pathlib import Path
 
@@ -72,8 +71,11 @@ def config_from_args(name: str, args: argparse.Namespace):
     if merged.get("dataset") is None:
         preset.update(default_task.BUILTIN_DATA[name])
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
-    processes = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's: each process runs a share of a step's rows
-    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, processes), **from_run, **merged})
+    from fastgrpo.train.distributed import launched_processes
+
+    # under torchrun each process runs a share of a step's rows
+    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **from_run,
+                                    **merged})
 
 
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
@@ -193,10 +195,8 @@ def check_export_before_load(config, dist) -> None:
     """A run about to train (not finished_run's) with export on: a final/ holding files its export would delete is
     refused now, before the model loads, not once the run is trained; rank 0 reads it, every process stops with its
     line."""
-    from fastgrpo.train.checkpoint import check_final_exportable
-
     if config.export:
-        dist.raise_together(lambda: dist.is_main and check_final_exportable(config.output_dir))
+        dist.check_final_exportable(config.output_dir)
 
 
 def _finished_sft(config, num_rows: int) -> str | None:

@@ -33,7 +33,8 @@ import torch.distributed as dist
 
 from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import STATE_FILE, atomic_directory, restore_checkpoint, rng_states
+from fastgrpo.train.checkpoint import (STATE_FILE, atomic_directory, check_final_exportable, restore_checkpoint,
+                                       rng_states)
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.checkpoint import finish_export, set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
@@ -46,13 +47,17 @@ SUMMED, MAXED, AVERAGED = ("rollout_tokens_per_s", "train_tokens_per_s", "reward
     ("truncated_frac",)
 
 
+def launched_processes() -> int:
+    """How many processes torchrun launched for this run (WORLD_SIZE; 1 without torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def init_distributed(device: str = "auto") -> Distributed:
     """Join the process group torchrun describes (WORLD_SIZE > 1 in the environment); a no-op otherwise.
 
     On CUDA each process takes the GPU of its LOCAL_RANK (before any model is loaded, so "cuda" means that GPU)
     and NCCL; on the CPU, gloo."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
+    if launched_processes() > 1 and not dist.is_initialized():
         cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
         if cuda and ":" in device:
             raise ValueError(f"device: {device!r} under torchrun; pass {setting('device', 'cuda')} (each process "
@@ -320,6 +325,10 @@ class Distributed:
         """decide() on every rank, True on all when it is True on any; when it raises on one rank it raises on all
         (raise_together), where one rank's error left the others waiting in this decision's collective."""
         return bool(self.max(int(self.raise_together(decide)))[0])
+
+    def check_final_exportable(self, output_dir: str | Path) -> None:
+        """checkpoint.check_final_exportable on rank 0 (final/ is its folder), its refusal raised on every rank."""
+        self.raise_together(lambda: self.is_main and check_final_exportable(output_dir))
 
     def gather_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows [n, ...] -> the whole batch's [world * n, ...] in rank order (every share equal)."""

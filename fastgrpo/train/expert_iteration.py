@@ -30,8 +30,8 @@ from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, war
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
-    check_final_exportable, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
-    rng_states, warn_stale_export,
+    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, rng_states,
+    warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -257,7 +257,7 @@ class ExpertIteration:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
                                                     setting("ei_steps", config.ei_steps), "ei_steps"))
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
-                dist.raise_together(lambda: dist.is_main and check_final_exportable(self.output_dir))
+                dist.check_final_exportable(self.output_dir)
             log.start_at(self.round)
             if self.evaluator is not None and self.round == 0:  # the starting point the rounds improve on
                 log.write({"round": 0, **self.evaluator(0, force=True, dist=dist)})

@@ -22,8 +22,7 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.train.checkpoint import (
-    check_final_exportable, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
-    warn_stale_export,
+    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -187,7 +186,7 @@ class SFTTrainer:
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
                                                     field))
             if config.export and self.step < self.total_steps:  # said before the first step, not after the last
-                dist.raise_together(lambda: dist.is_main and check_final_exportable(self.output_dir))
+                dist.check_final_exportable(self.output_dir)
             log.start_at(self.step)
             console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=self.step,
                                    progress_bar=config.progress_bar)

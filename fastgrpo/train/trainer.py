@@ -24,8 +24,8 @@ from fastgrpo.rewards.scoring import (RewardError, check_failures, nan_mean, nan
                                       warn_unscored, zero_spread_fraction)
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.rollout.decode import EngineConfig
-from fastgrpo.train.checkpoint import (check_final_exportable, export_due, export_model, load_latest_checkpoint,
-                                       nothing_to_train, prune_checkpoints, rng_states, warn_stale_export)
+from fastgrpo.train.checkpoint import (export_due, export_model, load_latest_checkpoint, nothing_to_train,
+                                       prune_checkpoints, rng_states, warn_stale_export)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -384,7 +384,7 @@ class GRPOTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps"))
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
-                self.dist.raise_together(lambda: self.dist.is_main and check_final_exportable(self.output_dir))
+                self.dist.check_final_exportable(self.output_dir)
             self.metrics_log.start_at(self.step)
             started = self.step
             self._saved_time = time.monotonic()
