@@ -194,7 +194,7 @@ def keyed_sample(logits: torch.Tensor, keys: torch.Tensor | None,
     """
     if logits.is_cuda:
         words = (None, None) if keys is None else step_words(keys, position)
-        return _keyed_sample_op(_unit_stride(logits), *words)
+        return _keyed_sample_op(logits, *words)
     if keys is None:
         return sample(logits.float(), None)
     vocab_keys = mix32(torch.arange(logits.shape[-1], device=logits.device))
