@@ -9,6 +9,7 @@ import torch
 
 from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.grpo_data import step_rows
 from fastgrpo.loss.grpo import group_advantages
 from fastgrpo.train.optim import lr_factor
 from fastgrpo.train.prompts import R1_ZERO_STOP, prompt_ids, stop_strings
@@ -90,7 +91,7 @@ def test_model_loading_fields_the_given_model_lacks_are_named(tmp_path, caplog):
 
 def test_long_prompts_left_truncated_with_warning(tmp_path, caplog):
     rows = [{"prompt": "0123456789 say a", "letter": "a"}]
-    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.trainer"):
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.grpo_data"):
         trainer = _trainer(tmp_path, dataset=rows, max_prompt_length=5, truncate_prompts=True)
     assert trainer.tokenizer.decode(trainer.prompts[0]) == "say a"
     assert "left-truncated" in caplog.text
@@ -133,9 +134,10 @@ def test_metrics_jsonl_and_export(tmp_path):
 
 def test_each_epoch_visits_every_row_once(tmp_path):
     trainer = _trainer(tmp_path)  # 32 rows, 2 prompts per step
-    epoch = [i for step in range(16) for i in trainer._batch_indices(step)]
+    config, n = trainer.config, len(trainer.dataset)
+    epoch = [i for step in range(16) for i in step_rows(config, n, step)]
     assert sorted(epoch) == list(range(32))
-    assert [i for step in range(16, 32) for i in trainer._batch_indices(step)] != epoch  # reshuffled
+    assert [i for step in range(16, 32) for i in step_rows(config, n, step)] != epoch  # reshuffled
 
 
 @pytest.mark.parametrize("fields", [

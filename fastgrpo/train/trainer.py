@@ -3,13 +3,13 @@
 rollout -> rewards -> group advantages -> old (when the update needs them first) / reference log-probs ->
 num_iterations epochs over minibatches (gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR
 schedule -> adaptive beta -> log -> checkpoint. Bad input is rejected in __init__, before any compute.
+What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine, its
+sampling), step_rewards (scoring), loss_setup (the loss options).
 """
 from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
-import functools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -18,17 +18,16 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.loss.grpo import kl_penalty, reward_advantages, weighted_rewards
+from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
-from fastgrpo.rewards.scoring import (RewardError, check_failures, nan_mean, nan_std, reward_names, score,
-                                      warn_unscored, zero_spread_fraction)
-from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
-from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
+from fastgrpo.rollout import RolloutEngine
 from fastgrpo.train.checkpoint import (export_due, export_model, load_latest_checkpoint, nothing_to_train,
                                        prune_checkpoints, rng_states, warn_stale_export)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
@@ -38,16 +37,12 @@ from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.prompts import prompt_ids
+from fastgrpo.train.rollout_setup import rollout_engine, sampling_params
+from fastgrpo.train.step_rewards import score_groups
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 ADVANTAGE_EPS = 1e-4
-
-
-@functools.lru_cache(maxsize=2)
-def _epoch_order(n: int, seed: int) -> list[int]:
-    return torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 class GRPOTrainer:
@@ -67,32 +62,11 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
-        self.prompts = [self._prompt_ids(i) for i in range(len(train_dataset))]
+        self.prompts = prompt_token_ids(train_dataset, tokenizer, config)  # every row's, before any compute
         self.device = next(model.parameters()).device
-        if engine is None and config.rollout_engine == "vllm":
-            from fastgrpo.rollout.vllm import VLLMEngine
-
-            # built before the optimizer and the reference copy: it re-points the model's parameters at vLLM's
-            engine = VLLMEngine(
-                model, tokenizer, max_model_len=config.max_prompt_length + config.max_completion_length,
-                max_num_seqs=config.batch_size, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
-                lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
-            )
-        if engine is None:
-            # with the decode kernel (a GPU, or asked for) the cache is sized for max_prompt_length, so steps whose
-            # longest prompts differ compile nothing new
-            engine_config = EngineConfig(attention=config.rollout_attention, weights=config.rollout_weights,
-                                         kv_cache=config.rollout_kv_cache)
-            if engine_config.resolved(self.device).attention == "triton":
-                engine_config = dataclasses.replace(engine_config, max_prompt_length=config.max_prompt_length)
-            engine = BuiltinEngine(model, tokenizer, engine_config)
-        self.engine = engine
-        if not isinstance(self.engine, RolloutEngine):
-            raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(self.engine).__name__}")
-        self.sampling = SamplingParams(
-            max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
-            top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
-        )
+        # built before the optimizer and the reference copy: a VLLMEngine re-points the model's parameters at vLLM's
+        self.engine = rollout_engine(model, tokenizer, config, self.device, engine)
+        self.sampling = sampling_params(config)
         weights = config.reward_weights or [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor(weights, dtype=torch.float64)
         self.beta = config.beta
@@ -120,40 +94,7 @@ class GRPOTrainer:
         self._saved_time = time.monotonic()
         self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
 
-    # ---- input checks: all before any compute ----
-    def _prompt_ids(self, index: int) -> list[int]:
-        """Token ids of row `index`'s prompt in config.prompt_format (fastgrpo.train.prompts; chat messages go
-        through the chat template).
-
-        Prompts longer than max_prompt_length raise, unless truncate_prompts: then they keep their last
-        max_prompt_length tokens (the end holds the question and the generation prompt), with a warning.
-        """
-        prompt = self.dataset[index][self.config.prompt_column]
-        try:
-            ids = prompt_ids(self.tokenizer, prompt, self.config.prompt_format)
-        except ValueError as err:
-            raise ValueError(f"dataset: row {index}: {err}") from None
-        limit = self.config.max_prompt_length
-        if len(ids) > limit:
-            if not self.config.truncate_prompts:
-                raise ValueError(f"dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
-                                 f"({limit}); raise max_prompt_length or pass {setting('truncate_prompts', True)} to "
-                                 "left-truncate")
-            logger.warning("row %d: prompt of %d tokens left-truncated to max_prompt_length=%d", index, len(ids), limit)
-            ids = ids[-limit:]
-        return list(ids)
-
     # ---- one step ----
-    def _batch_indices(self, step: int) -> list[int]:
-        """Dataset rows of `step`: epochs of seeded permutations, so the data position is a function of step."""
-        per_step = self.config.batch_size // self.config.num_generations
-        n = len(self.dataset)
-        indices = []
-        for position in range(step * per_step, (step + 1) * per_step):
-            epoch, offset = divmod(position, n)
-            indices.append(_epoch_order(n, self.config.seed + epoch)[offset])
-        return indices
-
     def train_step(self) -> dict:
         config, model, G = self.config, self.model, self.config.num_generations
         if self.device.type == "cuda":
@@ -161,21 +102,14 @@ class GRPOTrainer:
         t_start = time.perf_counter()
 
         # 1. Rollout: G completions per prompt, one generation config for the whole batch.
-        keys, indices = self.dist.shard(self._batch_indices(self.step))  # this rank's groups, keyed by position
-        rows = [self.dataset[i] for i in indices]
+        keys, indices = self.dist.shard(step_rows(config, len(self.dataset), self.step))  # this rank's, by position
         batch = self._rollout([self.prompts[i] for i in indices], keys)
         t_rollout = time.perf_counter()
 
         # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
-        # or scores its failed samples 0 (reward_errors="skip").
-        prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
-        columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
-        per_func, errors = score(self.reward_funcs, prompts, batch["texts"], columns)  # per_func: [N, F]
-        self.dist.raise_together(lambda: errors and self._check_rewards(errors, indices, prompts, batch["texts"],
-                                                                        columns))
-        rewards = weighted_rewards(per_func, self.reward_weights)  # rewards: [N]; NaN where no function applied
-        warn_unscored(rewards, lambda row: self._describe_row(indices, row))
-        per_func, rewards = self.dist.gather_rows(per_func), self.dist.gather_rows(rewards)  # the whole batch's
+        # or scores its failed samples 0 (reward_errors="skip"). per_func [N, F], rewards [N]: the whole batch's.
+        per_func, rewards, errors = score_groups(self.reward_funcs, self.reward_weights, self.dataset, indices,
+                                                 batch["texts"], config, self.dist)
 
         # 3. Group-normalized advantages.
         advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
@@ -486,13 +420,3 @@ class GRPOTrainer:
         """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
         return self.dist.export(export_model, self.model, self.tokenizer, path, run_config=self.config.to_dict(),
                                 step=self.step)
-
-    def _check_rewards(self, failures: dict, indices: list[int], prompts: list, completions: list[str],
-                       columns: dict) -> None:
-        """reward_errors: "skip" logs the failures; "raise" stops naming the function and the first bad row."""
-        check_failures(failures, self.reward_funcs, prompts, completions, columns, on_error=self.config.reward_errors,
-                       describe_row=lambda row: self._describe_row(indices, row))
-
-    def _describe_row(self, indices: list[int], row: int) -> str:
-        G = self.config.num_generations
-        return f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})"

@@ -1,0 +1,46 @@
+"""The trainer's side of the rollout: the engine its completions come from and the sampling settings they use.
+
+Kept out of trainer.py so that the loop reads top to bottom.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.train.config import GRPOConfig
+
+
+def rollout_engine(model: torch.nn.Module, tokenizer, config: GRPOConfig, device: torch.device,
+                   engine: RolloutEngine | None = None) -> RolloutEngine:
+    """`engine` when one is given; else config.rollout_engine's: a VLLMEngine sharing the model's weights (it
+    re-points the model's parameters at vLLM's), or BuiltinEngine(model, tokenizer) with the model's own modules."""
+    if engine is None and config.rollout_engine == "vllm":
+        from fastgrpo.rollout.vllm import VLLMEngine
+
+        engine = VLLMEngine(
+            model, tokenizer, max_model_len=config.max_prompt_length + config.max_completion_length,
+            max_num_seqs=config.batch_size, gpu_memory_utilization=config.vllm_gpu_memory_utilization,
+            lora_sync=config.vllm_lora_sync, execution=config.vllm_execution, seed=config.seed,
+        )
+    if engine is None:
+        # with the decode kernel (a GPU, or asked for) the cache is sized for max_prompt_length, so steps whose
+        # longest prompts differ compile nothing new
+        engine_config = EngineConfig(attention=config.rollout_attention, weights=config.rollout_weights,
+                                     kv_cache=config.rollout_kv_cache)
+        if engine_config.resolved(device).attention == "triton":
+            engine_config = dataclasses.replace(engine_config, max_prompt_length=config.max_prompt_length)
+        engine = BuiltinEngine(model, tokenizer, engine_config)
+    if not isinstance(engine, RolloutEngine):
+        raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(engine).__name__}")
+    return engine
+
+
+def sampling_params(config: GRPOConfig) -> SamplingParams:
+    """How every rollout of the run samples: one generation config for the whole batch."""
+    return SamplingParams(
+        max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
+        top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
+    )
