@@ -38,6 +38,7 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
+from fastgrpo.train.grpo_data import walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
@@ -126,15 +127,8 @@ class ExpertIteration:
         self.last_kept: list[SFTExample] = []  # the SFT examples of the latest round
 
     def _questions(self, round_index: int) -> list[int]:
-        """Dataset rows of a round: epochs of seeded permutations, so a round's questions depend on its index only."""
-        n, per_round = len(self.dataset), self.config.questions_per_step
-        orders, indices = {}, []
-        for position in range(round_index * per_round, (round_index + 1) * per_round):
-            epoch, offset = divmod(position, n)
-            if epoch not in orders:
-                orders[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(self.config.seed + epoch))
-            indices.append(int(orders[epoch][offset]))
-        return indices
+        """Dataset rows of a round: a function of its index only (grpo_data.walk_rows)."""
+        return walk_rows(len(self.dataset), self.config.questions_per_step, round_index, self.config.seed)
 
     def run_round(self) -> dict:
         config, G, dist = self.config, self.config.num_generations, self.dist

@@ -42,13 +42,18 @@ def _row_prompt_ids(prompt, index: int, tokenizer, config: GRPOConfig) -> list[i
 
 
 def step_rows(config: GRPOConfig, dataset_size: int, step: int) -> list[int]:
-    """Dataset rows of `step` (batch_size / num_generations of them): epochs of seeded permutations of the dataset,
-    so the data position is a function of step."""
-    per_step = config.batch_size // config.num_generations
+    """Dataset rows of `step` (batch_size / num_generations of them)."""
+    return walk_rows(dataset_size, config.batch_size // config.num_generations, step, config.seed)
+
+
+def walk_rows(dataset_size: int, per_step: int, step: int, seed: int) -> list[int]:
+    """Rows per_step * step .. per_step * (step + 1) - 1 of a run's walk through the data: epochs of permutations
+    seeded by seed + epoch, so what a step (or an ei round) takes is a function of its index, and a resumed run takes
+    what the straight run did."""
     indices = []
     for position in range(step * per_step, (step + 1) * per_step):
         epoch, offset = divmod(position, dataset_size)
-        indices.append(_epoch_order(dataset_size, config.seed + epoch)[offset])
+        indices.append(_epoch_order(dataset_size, seed + epoch)[offset])
     return indices
 
 
