@@ -49,7 +49,8 @@ def make_inputs(seed, B, T, H, V, dtype, *, bias=True, scale=1.0):
 
 
 def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=True, softcap=None):
-    """Mask with an all-masked sequence, mixed-sign advantages, old/ref log-probs near the policy's."""
+    """Mask with an all-masked sequence, mixed-sign advantages, old/ref log-probs near the policy's (<= 0, as the
+    loss checks)."""
     B, T = targets.shape
     mask = torch.rand(B, T, generator=g) < 0.75
     if all_masked_row and B > 1:
@@ -58,8 +59,8 @@ def grpo_extras(g, hidden, weight, bias, targets, temperature, all_masked_row=Tr
         logps = reference.linear_logprobs(
             hidden, weight, targets, temperature, bias, upcast=torch.float64, softcap=softcap
         )
-    old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4  # ratios e^{+-0.4}: both clips fire
-    ref = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4
+    old = (logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4).clamp(max=0.0)  # ratios e^{+-0.4}:
+    ref = (logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.4).clamp(max=0.0)  # both clips fire
     advantages = torch.randn(B, generator=g, dtype=torch.float64)
     return mask, advantages, old.float(), ref.float()
 

@@ -130,13 +130,13 @@ OPTION_CASES = st.fixed_dictionaries({
 
 
 def per_token_inputs(g, B, T, logps, with_weights, with_sampling):
-    """Mask with an all-masked row, old / ref / sampler log-probs near the policy's (the sampler's <= 0, as the loss
-    checks), token weights in [0, 2]."""
+    """Mask with an all-masked row, old / ref / sampler log-probs near the policy's (<= 0, as the loss checks),
+    token weights in [0, 2]."""
     mask = torch.rand(B, T, generator=g) < 0.75
     if B > 1:
         mask[-1] = False
-    old = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
-    ref = logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3
+    old = (logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).clamp(max=0.0)
+    ref = (logps + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.3).clamp(max=0.0)
     weights = torch.rand(B, T, generator=g, dtype=torch.float64) * 2 if with_weights else None
     sampling = (old + torch.randn(B, T, generator=g, dtype=torch.float64) * 0.1).clamp(max=0.0) if with_sampling \
         else None

@@ -106,9 +106,9 @@ def test_grpo_loss_matches_reference(name):
     with torch.no_grad():
         base = eager_logps(model, ids, mask, completion).float()
     if old:
-        options["old_logps"] = base + 0.2 * torch.randn(B, T, generator=g) * completion
+        options["old_logps"] = (base + 0.2 * torch.randn(B, T, generator=g) * completion).clamp(max=0.0)
     if ref:
-        options["ref_logps"] = base + 0.3 * torch.randn(B, T, generator=g) * completion
+        options["ref_logps"] = (base + 0.3 * torch.randn(B, T, generator=g) * completion).clamp(max=0.0)
     loss, metrics = grpo_loss(patched, ids, mask, completion, advantages, **options)
     want, want_metrics = reference_loss(model, ids, mask, completion, advantages, **options)
     torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
@@ -142,7 +142,7 @@ def test_grpo_loss_returns_the_logprobs_of_sequence_logprobs(backend, level):
     model = tiny_qwen2(4)
     ids, mask, completion = ragged_batch()
     want = sequence_logprobs(model, ids, mask, completion, temperature=0.8, backend=backend)
-    options = dict(ref_logps=want + 0.1 * completion, beta=0.1, temperature=0.8, importance_sampling_level=level,
+    options = dict(ref_logps=want - 0.1 * completion, beta=0.1, temperature=0.8, importance_sampling_level=level,
                    backend=backend)
     advantages = torch.tensor([1.0, -0.5, 0.3, -1.0])
     loss, metrics = grpo_loss(model, ids, mask, completion, advantages, return_logps=True, **options)
@@ -192,8 +192,8 @@ def test_gemma2_soft_capped_logits_match_hf():
     advantages = torch.randn(B, generator=g)
     with torch.no_grad():
         base = eager_logps(model, ids, mask, completion, temperature=0.8).float()
-    old = base + 0.2 * torch.randn(B, T, generator=g) * completion
-    ref = base + 0.3 * torch.randn(B, T, generator=g) * completion
+    old = (base + 0.2 * torch.randn(B, T, generator=g) * completion).clamp(max=0.0)
+    ref = (base + 0.3 * torch.randn(B, T, generator=g) * completion).clamp(max=0.0)
     options = dict(old_logps=old, ref_logps=ref, beta=0.05, epsilon_high=0.28, temperature=0.8)
     logps = sequence_logprobs(patched, ids, mask, completion, temperature=0.8)
     torch.testing.assert_close(logps.double(), base.double(), rtol=1e-5, atol=1e-5)

@@ -68,7 +68,9 @@ def random_problem(seed, B=2, T=4, H=5, V=7, dtype=f64):
     hidden = torch.randn(B, T, H, generator=gen, dtype=dtype)
     weight = torch.randn(V, H, generator=gen, dtype=dtype)
     bias = torch.randn(V, generator=gen, dtype=dtype)
-    targets = torch.randint(0, V, (B, T), generator=gen)
+    # The least likely token (softcap and temperature keep the order): logp <= -log V, so old = logp - log_ratio
+    # below is a log-prob (<= 0, as the loss checks) for every log_ratio >= -log V.
+    targets = (hidden @ weight.T + bias).argmin(-1)
     mask = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[:B, :T]
     advantages = torch.tensor([0.7, -1.3], dtype=dtype)[:B]
     logps = reference.linear_logprobs(hidden, weight, targets, 0.7, bias)
@@ -76,7 +78,7 @@ def random_problem(seed, B=2, T=4, H=5, V=7, dtype=f64):
     # 2 low (row 1: e^-0.6, e^-0.3); sequence level clips row 1 low (e^-0.283 = 0.75 over its 3 valid tokens).
     log_ratio = torch.tensor([[0.5, -0.5, 0.1, 0.9], [-0.6, 0.4, 0.05, -0.3]], dtype=dtype)[:B, :T]
     old = logps - log_ratio
-    ref = logps + 0.5 * torch.randn(B, T, generator=gen, dtype=dtype)
+    ref = (logps + 0.5 * torch.randn(B, T, generator=gen, dtype=dtype)).clamp(max=0.0)
     return hidden, weight, bias, targets, mask, advantages, old, ref
 
 
@@ -137,12 +139,14 @@ def test_grpo_loss_on_policy_and_per_token_advantages():
 
 
 def identity_problem(ratios, advantages, mask):
-    """Tokens whose ratios to old_logps are exactly `ratios`: logits = hidden through an identity lm_head."""
+    """Tokens whose ratios to old_logps are exactly `ratios`: logits = hidden through an identity lm_head. Each
+    target is the least likely of the 3 tokens (logp <= -log 3), so old_logps are log-probs (<= 0, as the loss
+    checks) for ratios >= 1/3."""
     B, T = len(ratios), len(ratios[0])
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(B, T, 3, generator=gen, dtype=f64)
     weight = torch.eye(3, dtype=f64)
-    targets = torch.zeros(B, T, dtype=torch.long)
+    targets = hidden.argmin(-1)
     logps = reference.linear_logprobs(hidden, weight, targets)
     old = logps - torch.tensor(ratios, dtype=f64).log()
     return hidden, weight, targets, torch.tensor(mask, dtype=torch.bool), torch.tensor(advantages, dtype=f64), old
