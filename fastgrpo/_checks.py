@@ -119,9 +119,9 @@ def raise_if_nonfinite(name: str, shape: Sequence[int], index: int, kind: int, w
         raise ValueError(f"{name}: expected {expected}{where}, got {what} at {at}")
 
 
-# How far above 0 an engine's log-prob may be from rounding alone: a near-certain token's logit minus the logsumexp
-# rounded to bf16 (logits below 64) is too large by up to half of bf16's spacing there, 2^-3. Past that it is no
-# log-prob (a negative log-likelihood or a probability passed by mistake).
+# How far above 0 a log-prob (an engine's, or old / ref ones) may be from rounding alone: a near-certain token's logit
+# minus the logsumexp rounded to bf16 (logits below 64) is too large by up to half of bf16's spacing there, 2^-3.
+# Past that it is no log-prob (a negative log-likelihood or a probability passed by mistake).
 LOGPROB_ROUNDING = 2.0 ** -3
 
 

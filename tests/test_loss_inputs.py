@@ -167,7 +167,7 @@ def test_every_loss_entry_point_refuses_nonfinite_per_token_inputs_where_complet
     calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
              lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
              lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
-    expected = "finite values >= 0" if name == "token_weights" else "finite values"
+    expected = "finite values >= 0" if name == "token_weights" else "finite log-probs <= 0"
     message = f"^{name}: expected {expected} where completion_mask is 1, got {what} at row 1, column 4$"
     for call in calls:
         with pytest.raises(ValueError, match=message):
@@ -230,5 +230,32 @@ def test_every_loss_entry_point_refuses_sampling_logps_that_are_no_log_probs_whe
         with pytest.raises(ValueError, match=message):
             call()
     sampling[1, 4] = -0.5
+    for call in calls:
+        assert call()[0].isfinite()
+
+
+@pytest.mark.parametrize("name", ["old_logps", "ref_logps"])
+def test_every_loss_entry_point_refuses_old_or_ref_logps_above_0_where_completion_mask_is_1(name):
+    """A positive old or ref log-prob of a completion token (a negative log-likelihood or a probability passed by
+    mistake) moved the ratio and the KL term silently; it is refused in the value read the checks make already, as
+    sampling_logps' are. A value within bf16 rounding of 0 and anything at a masked position pass; NaN does not
+    (test above): these are the trainer's own log-probs, not an engine's that may not have scored a token."""
+    model, ids, attention, completion = _model_and_batch()
+    tensors = {"old_logps": -torch.rand(2, 6), "ref_logps": -torch.rand(2, 6)}
+    tensors[name][0, 1] = 5.0  # masked: allowed
+    tensors[name][0, 4] = 1e-3  # rounding
+    tensors[name][1, 4] = 0.7
+    hidden = torch.randn(2, 6, 8)
+    weight = torch.randn(11, 8)
+    targets = ids % 11
+    calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
+             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
+             lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
+    message = (f"^{name}: expected finite log-probs <= 0 where completion_mask is 1, got a positive value at row 1, "
+               "column 4$")
+    for call in calls:
+        with pytest.raises(ValueError, match=message):
+            call()
+    tensors[name][1, 4] = -0.7
     for call in calls:
         assert call()[0].isfinite()

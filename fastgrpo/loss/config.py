@@ -198,10 +198,12 @@ def finite_where_completion(old_logps, ref_logps, token_weights,
                             sampling_logps) -> dict[str, torch.Tensor | Masked | None]:
     """The per-token inputs that must be finite where completion_mask is 1 (a NaN / inf there made the loss NaN or
     inf silently), token_weights also >= 0 (a negative weight flipped its token's policy gradient silently);
-    elsewhere they are padding, which the loss fills. sampling_logps are an engine's log-probs (engine_logps): <= 0,
-    and NaN passes, which the off-policy mask counts 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could
-    not score')."""
-    return {"old_logps": old_logps, "ref_logps": ref_logps,
+    elsewhere they are padding, which the loss fills. old_logps and ref_logps are log-probs, <= 0 up to rounding (a
+    positive one, a negative log-likelihood or a probability passed by mistake, moved the ratio and the KL term
+    silently); NaN fails for them: they are the trainer's own, and the loss has no use for a token it could not
+    score. sampling_logps are an engine's log-probs (engine_logps): <= 0, and NaN passes, which the off-policy mask
+    counts 0, as TRL 1.16's get_off_policy_mask does ('tokens vLLM could not score')."""
+    return {"old_logps": Masked(old_logps, logprob=True), "ref_logps": Masked(ref_logps, logprob=True),
             "token_weights": Masked(token_weights, nonnegative=True), "sampling_logps": engine_logps(sampling_logps)}
 
 

@@ -142,9 +142,10 @@ def grpo_loss(
     [B, T], the engine's log-probs): the loss weights its policy term by fastgrpo.loss.correction's weights of
     rollout_logps towards old_logps, or, without old_logps (one optimizer step per batch), towards the log-probs of
     this forward (the lm_head run once more without grad: no separate pass of the model), in place of token_weights.
-    Where completion_mask is 1, a negative token weight and an inf or positive rollout or sampling log-prob (NaN: a
-    token the engine could not score, counted 0) are refused in the one value read, as is, with old_logps, a weight
-    that overflowed to inf (clip_max None); without old_logps such a weight is refused in a second read.
+    Where completion_mask is 1, a NaN / inf or positive old or ref log-prob, a negative token weight and an inf or
+    positive rollout or sampling log-prob (NaN: a token the engine could not score, counted 0) are refused in the one
+    value read, as is, with old_logps, a weight that overflowed to inf (clip_max None); without old_logps such a
+    weight is refused in a second read.
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
