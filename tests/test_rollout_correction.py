@@ -271,6 +271,20 @@ def test_inf_or_positive_rollout_logps_where_the_mask_is_1_are_refused(value, wh
         assert grpo_loss(*args, rollout_logps=engine_ok, **kwargs)[0].isfinite()
 
 
+@pytest.mark.parametrize("value, what", [(float("nan"), "NaN"), (0.5, "a positive value")])
+def test_train_logps_must_be_finite_log_probs_where_the_mask_is_1(value, what):
+    """The trainer's own log-probs (old_logps), which the weights are taken towards: a positive one (no log-prob) made
+    a wrong weight silently, as in the loss's old_logps check; NaN is refused too (only an engine may leave a token
+    unscored). A masked position is padding."""
+    train = TRAIN.clone()
+    train[1, 2] = 7.0  # masked: allowed
+    assert rollout_correction(train, ROLLOUT, MASK, "truncate", "token", None, 3.0)[0].isfinite().all()
+    train[0, 1] = value
+    message = f"^train_logps: expected finite log-probs <= 0 where mask is 1, got {what} at row 0, column 1$"
+    with pytest.raises(ValueError, match=message):
+        rollout_correction(train, ROLLOUT, MASK, "truncate", "token", None, 3.0)
+
+
 @pytest.mark.parametrize("mode, clip_min", [("mask", None), ("mask", 0.5), ("truncate", 0.5)])
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_weights_that_overflow_to_inf_are_refused(mode, clip_min, level):
@@ -334,7 +348,7 @@ def test_a_self_weighted_step_whose_weights_overflow_stops_the_run(tmp_path):
 @pytest.mark.parametrize("name, value, what", [
     ("rollout_logps", float("inf"), "inf"), ("rollout_logps", float("-inf"), "-inf"),
     ("rollout_logps", 0.5, "a positive value"), ("train_logps", float("nan"), "NaN"),
-    ("train_logps", float("-inf"), "-inf"),
+    ("train_logps", float("-inf"), "-inf"), ("train_logps", 0.5, "a positive value"),
 ])
 def test_logprob_gap_refuses_log_probs_that_made_it_inf_or_nan(name, value, what):
     """An inf log-prob where mask is 1 made the gap inf (or kl_k3 NaN) silently, and a train NaN was left out as if
@@ -343,7 +357,7 @@ def test_logprob_gap_refuses_log_probs_that_made_it_inf_or_nan(name, value, what
     logps = {"train_logps": TRAIN.clone(), "rollout_logps": ROLLOUT.clone()}  # ROLLOUT[1, 2] = 5.0: padding
     logps["rollout_logps"][0, 2] = float("nan")
     logps[name][1, 1] = value
-    expected = r"finite log-probs <= 0 \(or NaN\)" if name == "rollout_logps" else "finite values"
+    expected = r"finite log-probs <= 0 \(or NaN\)" if name == "rollout_logps" else "finite log-probs <= 0"
     with pytest.raises(ValueError, match=f"^{name}: expected {expected} where mask is 1, got {what} at row 1, "
                                          "column 1$"):
         logprob_gap(logps["train_logps"], logps["rollout_logps"], MASK)

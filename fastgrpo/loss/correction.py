@@ -108,11 +108,12 @@ def rollout_correction(
 
 
 def check_logps(train_logps: torch.Tensor, rollout_logps: torch.Tensor, mask: torch.Tensor) -> None:
-    """rollout_logps [B, T] of train_logps' shape and mask a 0 / 1 mask of it, with finite train log-probs and
-    engine_logps where it is 1: one host read."""
+    """rollout_logps [B, T] of train_logps' shape and mask a 0 / 1 mask of it, with train log-probs finite and <= 0
+    (up to rounding: the trainer's own, as old_logps are checked in the loss) and engine_logps where it is 1: one
+    host read."""
     check_same_shape("rollout_logps", rollout_logps, "train_logps", train_logps)
     check_mask("mask", mask, "train_logps", train_logps)
-    logps = {"train_logps": train_logps, "rollout_logps": engine_logps(rollout_logps)}
+    logps = {"train_logps": Masked(train_logps, logprob=True), "rollout_logps": engine_logps(rollout_logps)}
     flag, *bad = read_ints(nonbinary(mask), *masked_nonfinite(mask, logps))
     raise_if_nonbinary("mask", flag)
     raise_if_masked_nonfinite("mask", logps, bad)
