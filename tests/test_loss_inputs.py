@@ -21,6 +21,17 @@ def _model_and_batch(B=2, T=6):
     return model, ids, attention, completion
 
 
+def _entry_points(model, ids, attention, completion, advantages, **options):
+    """The loss's three entry points on one batch, as calls: the model-level loss, and the fused lm_head + loss and
+    its eager reference over random 8-wide hidden states and an 11-token lm_head."""
+    hidden = torch.randn(*ids.shape, 8)
+    weight = torch.randn(11, 8)
+    targets = ids % 11
+    return [lambda: grpo_loss(model, ids, attention, completion, advantages, **options),
+            lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, advantages, **options),
+            lambda: reference.grpo_loss(hidden, weight, targets, completion, advantages, **options)]
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(epsilon_low=-0.1), r"epsilon_low: expected a float in \[0, 1\), got -0.1"),
     (dict(epsilon_low=1.0), r"epsilon_low: expected a float in \[0, 1\), got 1.0"),
@@ -161,12 +172,7 @@ def test_every_loss_entry_point_refuses_nonfinite_per_token_inputs_where_complet
     tensors[name][0, 1] = float("nan")  # masked: allowed
     tensors[name][1, 4] = value
     tensors["sampling_logps"] = torch.full((2, 6), float("nan"))  # the off-policy mask counts these 0, as TRL's
-    hidden = torch.randn(2, 6, 8)
-    weight = torch.randn(11, 8)
-    targets = ids % 11
-    calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
-             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
-             lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
+    calls = _entry_points(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1)
     expected = "finite values >= 0" if name == "token_weights" else "finite log-probs <= 0"
     message = f"^{name}: expected {expected} where completion_mask is 1, got {what} at row 1, column 4$"
     for call in calls:
@@ -216,14 +222,8 @@ def test_every_loss_entry_point_refuses_sampling_logps_that_are_no_log_probs_whe
     sampling[0, 3] = float("nan")
     sampling[0, 4] = 1e-3  # rounding
     sampling[1, 4] = value
-    hidden = torch.randn(2, 6, 8)
-    weight = torch.randn(11, 8)
-    targets = ids % 11
-    advantages = torch.tensor([1.0, -1.0])
-    options = dict(sampling_logps=sampling, off_policy_mask_threshold=0.0)
-    calls = [lambda: grpo_loss(model, ids, attention, completion, advantages, **options),
-             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, advantages, **options),
-             lambda: reference.grpo_loss(hidden, weight, targets, completion, advantages, **options)]
+    calls = _entry_points(model, ids, attention, completion, torch.tensor([1.0, -1.0]), sampling_logps=sampling,
+                          off_policy_mask_threshold=0.0)
     message = (r"^sampling_logps: expected finite log-probs <= 0 \(or NaN\) where completion_mask is 1, got "
                f"{what} at row 1, column 4$")
     for call in calls:
@@ -245,12 +245,7 @@ def test_every_loss_entry_point_refuses_old_or_ref_logps_above_0_where_completio
     tensors[name][0, 1] = 5.0  # masked: allowed
     tensors[name][0, 4] = 1e-3  # rounding
     tensors[name][1, 4] = 0.7
-    hidden = torch.randn(2, 6, 8)
-    weight = torch.randn(11, 8)
-    targets = ids % 11
-    calls = [lambda: grpo_loss(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1),
-             lambda: fused_linear_grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1),
-             lambda: reference.grpo_loss(hidden, weight, targets, completion, torch.ones(2), **tensors, beta=0.1)]
+    calls = _entry_points(model, ids, attention, completion, torch.ones(2), **tensors, beta=0.1)
     message = (f"^{name}: expected finite log-probs <= 0 where completion_mask is 1, got a positive value at row 1, "
                "column 4$")
     for call in calls:
