@@ -287,21 +287,6 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _check_eval_output(output: Path) -> None:
-    """eval's results are refused inside a run's checkpoint-<step>/ or final/: the run deletes those folders, and
-    what is in them, when it prunes checkpoints or exports again."""
-    from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, list_checkpoints
-
-    for folder in (output, *output.parents):
-        if (folder / STATE_FILE).is_file():
-            what = f"a checkpoint of the run in {folder.parent}, which deletes it when it prunes checkpoints"
-        elif folder.name == "final" and (folder / CONFIG_FILE).is_file() and list_checkpoints(folder.parent):
-            what = f"the exported model of the run in {folder.parent}, which replaces it when it exports again"
-        else:
-            continue
-        raise ValueError(f"output_dir: {folder} is {what} (and the results with it); pick a folder outside it")
-
-
 def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
@@ -321,8 +306,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_reward_rows(first_rows(rows, config.max_examples), config.prompt_column, reward_funcs, "dataset")
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     output = Path(config.output_dir)
-    _check_eval_output(output)
-    # another evaluation's files there are refused (or overwritten); a train run's folder may take its results
+    # another evaluation's files there are refused (or overwritten); a train run's folder may take its results, its
+    # checkpoint-<step>/ and final/ may not (RunDirectory)
     with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
         # command: a refusal names the files an evaluation's results, not "another run"
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)

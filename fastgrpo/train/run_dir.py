@@ -7,7 +7,8 @@ system has no flock (some Lustre / FUSE mounts) the PID alone decides, on the sa
 
 RunDirectory: the lock, plus the check that a fresh run does not start in a folder that holds another run's
 checkpoints, metrics or export (a one-line error suggesting --resume or --overwrite-output-dir); overwriting
-deletes those files first. Any command that writes a run folder uses it the same way:
+deletes those files first. A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes
+them. Any command that writes a run folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
@@ -142,6 +143,7 @@ class RunDirectory:
         self.lock = RunLock(self.path)
 
     def __enter__(self) -> RunDirectory:
+        check_outside_run_folders(self.path)
         self.created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -219,6 +221,22 @@ class RunDirectory:
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
+
+
+def check_outside_run_folders(path: Path) -> None:
+    """A ValueError for a folder inside a run's checkpoint-<step>/ or final/: the run deletes those folders, and
+    what is in them, when it prunes checkpoints or exports again (and --overwrite-output-dir deletes them)."""
+    from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, list_checkpoints
+
+    path = Path(path).absolute()
+    for folder in (path, *path.parents):
+        if (folder / STATE_FILE).is_file():
+            what = f"a checkpoint of the run in {folder.parent}, which deletes it when it prunes checkpoints"
+        elif folder.name == "final" and (folder / CONFIG_FILE).is_file() and list_checkpoints(folder.parent):
+            what = f"the exported model of the run in {folder.parent}, which replaces it when it exports again"
+        else:
+            continue
+        raise ValueError(f"output_dir: {folder} is {what} (and what is written in it); pick a folder outside it")
 
 
 def _read_holder(fd: int) -> dict:
