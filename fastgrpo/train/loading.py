@@ -107,13 +107,7 @@ def load_model_and_tokenizer(config):
         else:
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     if config.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        targets = config.lora_target_modules
-        model = get_peft_model(model, LoraConfig(
-            r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-            target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
-        ))
+        model = _with_lora(model, config)
     if config.patch:
         offload = _offload_setting(config, device)
         patch_model(model, offload_activations=offload,
@@ -121,6 +115,46 @@ def load_model_and_tokenizer(config):
     if config.gradient_checkpointing and config.recompute_layers is not None:
         hf_checkpointing_only_first(model, config.recompute_layers)
     return model, tokenizer
+
+
+def _with_lora(model, config):
+    """The model wrapped in LoRA adapters of config's lora_* fields."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = config.lora_target_modules
+    lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
+                      target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as err:
+        problem = _lora_target_problem(model, targets)
+        if problem is None:
+            raise
+        raise ValueError(f"lora_target_modules: {problem}") from err
+
+
+# What PEFT's LoRA wraps (its LoraModel._create_new_module); a bitsandbytes 4-bit linear is an nn.Linear
+_LORA_WRAPPABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d,
+                   torch.nn.MultiheadAttention)
+
+
+def _lora_target_problem(model, targets: list[str]) -> str | None:
+    """Why PEFT refused `targets`, which its message says without naming the setting or the model's layers (or in
+    the repr of a whole module it cannot wrap): no module has such a name, or one it matches is no layer LoRA wraps;
+    None for anything else. PEFT matches a name of the list as a module's name or the end of it after a dot."""
+    from transformers.pytorch_utils import Conv1D
+
+    linear = sorted({name.rsplit(".", 1)[-1] for name, module in model.named_modules()
+                     if isinstance(module, torch.nn.Linear)})
+    matched = [(name, module) for name, module in model.named_modules()
+               if any(name == target or name.endswith("." + target) for target in targets)]
+    if not matched:
+        return f"no module of the model is named {' or '.join(map(repr, targets))}; its linear layers: {linear}"
+    for name, module in matched:
+        if not isinstance(module, (*_LORA_WRAPPABLE, Conv1D)):
+            return (f"{name} is a {type(module).__name__}, which LoRA does not wrap; name linear layers (the "
+                    f"model's: {linear})")
+    return None
 
 
 def _offload_setting(config, device: str):
