@@ -14,7 +14,7 @@ from fastgrpo._checks import check_choice, check_known_fields
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
+from fastgrpo.train.coercion import PATH_FIELDS, base_type, coerce_fields, type_hints
 from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
@@ -337,9 +337,17 @@ def config_changes(saved: dict, config) -> list[str]:
             continue
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         before, now = saved.get(field.name, default), getattr(config, field.name)
-        if _plain(before) != _plain(now):
+        if _plain(before) != _plain(now) and not _same_local_path(field.name, before, now):
             changes.append(f"{field.name}: {before!r} in the checkpoint, {now!r} now")
     return changes
+
+
+def _same_local_path(name: str, before, now) -> bool:
+    """The same file or folder of a path field, spelt another way (data.jsonl, ./data.jsonl, its absolute path)."""
+    if name not in PATH_FIELDS or not isinstance(before, str) or not isinstance(now, str):
+        return False
+    before, now = Path(before).expanduser(), Path(now).expanduser()
+    return before.exists() and now.exists() and before.resolve() == now.resolve()
 
 
 def check_4bit_base(config) -> None:

@@ -1,0 +1,41 @@
+"""--resume compares a path setting by the file it names: the same --dataset spelt another way (data.jsonl,
+./data.jsonl, its absolute path: a job script resuming a run started by hand) was refused as a changed setting."""
+import json
+
+from fastgrpo.train.cli import main
+from fastgrpo.train.config import GRPOConfig, config_changes
+
+
+def _rows(path):
+    path.write_text("".join(json.dumps({"prompt": f"{i} say a"}) + "\n" for i in range(8)))
+    return path
+
+
+def test_resume_takes_the_same_dataset_by_another_path(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    _rows(tmp_path / "data.jsonl")
+    run = ["train", "--output-dir", "run", "--batch-size", "8", "--num-generations", "4"]
+    assert main([*run, "--dataset", "data.jsonl", "--max-steps", "1"]) == 0
+    assert main([*run, "--dataset", str(tmp_path / "data.jsonl"), "--max-steps", "2", "--resume"]) == 0
+    assert main([*run, "--dataset", "./data.jsonl", "--max-steps", "3", "--resume"]) == 0
+    steps = [json.loads(line)["step"] for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]
+
+
+def test_another_file_is_still_a_change(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _rows(tmp_path / "data.jsonl")
+    _rows(tmp_path / "other.jsonl")
+    saved = GRPOConfig(dataset="data.jsonl").to_dict()
+    assert config_changes(saved, GRPOConfig(dataset=str(tmp_path / "data.jsonl"))) == []
+    assert config_changes(saved, GRPOConfig(dataset="other.jsonl")) == [
+        "dataset: 'data.jsonl' in the checkpoint, 'other.jsonl' now"]
+    # a Hub name is compared as written
+    assert config_changes(GRPOConfig(dataset="org/set").to_dict(), GRPOConfig(dataset="org/set2")) != []
+
+
+def test_a_model_folder_alike(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    saved = GRPOConfig(model="model").to_dict()
+    assert config_changes(saved, GRPOConfig(model=str(tmp_path / "model"))) == []
