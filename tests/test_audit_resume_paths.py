@@ -1,5 +1,6 @@
 """--resume compares a path setting by the file it names: the same --dataset spelt another way (data.jsonl,
-./data.jsonl, its absolute path: a job script resuming a run started by hand) was refused as a changed setting."""
+./data.jsonl, its absolute path: a job script resuming a run started by hand) was refused as a changed setting, and
+the same spelling from another folder (another file) was taken as unchanged: the record holds the absolute path."""
 import json
 
 from fastgrpo.train.cli import main
@@ -29,7 +30,7 @@ def test_another_file_is_still_a_change(tmp_path, monkeypatch):
     saved = GRPOConfig(dataset="data.jsonl").to_dict()
     assert config_changes(saved, GRPOConfig(dataset=str(tmp_path / "data.jsonl"))) == []
     assert config_changes(saved, GRPOConfig(dataset="other.jsonl")) == [
-        "dataset: 'data.jsonl' in the checkpoint, 'other.jsonl' now"]
+        f"dataset: '{tmp_path / 'data.jsonl'}' in the checkpoint, 'other.jsonl' now"]
     # a Hub name is compared as written
     assert config_changes(GRPOConfig(dataset="org/set").to_dict(), GRPOConfig(dataset="org/set2")) != []
 
@@ -39,3 +40,19 @@ def test_a_model_folder_alike(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     saved = GRPOConfig(model="model").to_dict()
     assert config_changes(saved, GRPOConfig(model=str(tmp_path / "model"))) == []
+
+
+def test_the_same_spelling_from_another_folder_is_another_file(tmp_path, monkeypatch, capsys):
+    for folder, letter in (("a", "a"), ("b", "b")):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "data.jsonl").write_text(json.dumps({"prompt": f"1 say {letter}"}) + "\n")
+    run = ["train", "--output-dir", str(tmp_path / "run"), "--batch-size", "4", "--num-generations", "4",
+           "--dataset", "data.jsonl"]
+    monkeypatch.chdir(tmp_path / "a")
+    assert main([*run, "--max-steps", "1"]) == 0
+    saved = json.loads((tmp_path / "run" / "checkpoint-1" / "run_config.json").read_text())
+    assert saved["dataset"] == str(tmp_path / "a" / "data.jsonl")
+    monkeypatch.chdir(tmp_path / "b")
+    capsys.readouterr()
+    assert main([*run, "--max-steps", "2", "--resume"]) != 0
+    assert f"dataset: '{tmp_path / 'a' / 'data.jsonl'}' in the checkpoint, 'data.jsonl' now" in capsys.readouterr().err

@@ -10,12 +10,12 @@ import logging
 import math
 from pathlib import Path
 
-from fastgrpo._checks import check_choice, check_known_fields
+from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import PATH_FIELDS, base_type, coerce_fields, type_hints
-from fastgrpo.train.config_file import read_yaml
+from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
 )
@@ -57,7 +57,7 @@ def check_fsdp_options(config) -> None:
 
 
 @dataclasses.dataclass
-class GRPOConfig:
+class GRPOConfig(ConfigFile):
     COMMAND = "train"  # its subcommand, in messages (not a field: no annotation)
 
     # Model and data.
@@ -304,19 +304,6 @@ class GRPOConfig:
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         check_rollout_options(self)
         check_activation_memory_options(self)
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, **overrides) -> GRPOConfig:
-        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
-        return cls.from_dict({**read_yaml(path), **overrides})
-
-    @classmethod
-    def from_dict(cls, data: dict) -> GRPOConfig:
-        check_known_fields(data, cls, cls.COMMAND)
-        return cls(**data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
     @property
     def stop_strings(self) -> list[str] | None:

@@ -1,8 +1,42 @@
-"""Reading a YAML config file (`--config`) into a {field: value} mapping, every problem one line naming the file."""
+"""A config's file I/O: a YAML config file (`--config`) read into a {field: value} mapping, every problem one line
+naming the file, and ConfigFile, the from_yaml / from_dict / to_dict every command's config has."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import os
 from pathlib import Path
+
+from fastgrpo._checks import check_known_fields
+
+# fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
+# folder compares the files, not how they were spelt
+INPUT_PATH_FIELDS = ("model", "dataset", "eval_dataset", "checkpoint")
+
+
+class ConfigFile:
+    """from_yaml / from_dict / to_dict for a config dataclass; COMMAND names its subcommand in messages."""
+
+    COMMAND = "train"
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, **overrides):
+        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
+        return cls.from_dict({**read_yaml(path), **overrides})
+
+    @classmethod
+    def from_dict(cls, data: dict):
+        check_known_fields(data, cls, cls.COMMAND)
+        return cls(**data)
+
+    def to_dict(self) -> dict:
+        """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
+        (INPUT_PATH_FIELDS) made absolute, so the record names the file the run read wherever it is read later."""
+        data = dataclasses.asdict(self)
+        for name in INPUT_PATH_FIELDS:
+            if isinstance(data.get(name), str) and os.path.exists(data[name]):
+                data[name] = os.path.abspath(data[name])
+        return data
 
 
 def add_config_file_argument(parser: argparse.ArgumentParser, config_name: str) -> None:

@@ -6,9 +6,10 @@ import dataclasses
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import check_fsdp_options, option
+from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least
 from fastgrpo.train.options import (
-    ConfigFile, check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
+    check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
 )
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.sft_config import SFTConfig

@@ -6,8 +6,9 @@ import dataclasses
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import option
+from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least
-from fastgrpo.train.options import ConfigFile, check_scoring_options, inherited
+from fastgrpo.train.options import check_scoring_options, inherited
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 
 

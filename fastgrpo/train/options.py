@@ -1,5 +1,6 @@
 """What the configs of `fastgrpo sft`, `ei` and `eval` share with GRPOConfig: model-loading fields (same names,
-defaults and help, so fastgrpo.train.loading builds the model from any of them), YAML / dict I/O and checks.
+defaults and help, so fastgrpo.train.loading builds the model from any of them) and checks (their YAML / dict I/O:
+config_file.ConfigFile, which GRPOConfig has too).
 
 Each config stays a flat dataclass (one field = one flag = one YAML key); `inherited` copies a GRPOConfig field
 instead of restating its default and help text.
@@ -8,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from pathlib import Path
 
-from fastgrpo._checks import check_choice, check_known_fields
+from fastgrpo._checks import check_choice
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
                                    option)
-from fastgrpo.train.config_file import read_yaml
 from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.naming import setting
@@ -29,25 +28,6 @@ def inherited(name: str, default=dataclasses.MISSING, help: str | None = None):
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
     return option(default, help if help is not None else field.metadata["help"],
                   run_control=field.metadata.get("run_control", False))
-
-
-class ConfigFile:
-    """from_yaml / from_dict / to_dict for a config dataclass; COMMAND names its subcommand in messages."""
-
-    COMMAND = "train"
-
-    @classmethod
-    def from_yaml(cls, path: str | Path, **overrides):
-        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
-        return cls.from_dict({**read_yaml(path), **overrides})
-
-    @classmethod
-    def from_dict(cls, data: dict):
-        check_known_fields(data, cls, cls.COMMAND)
-        return cls(**data)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
 
 
 def check_run_options(config) -> None:

@@ -9,9 +9,10 @@ import dataclasses
 
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import check_fsdp_options, option
+from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least, check_save_minutes
 from fastgrpo.train.options import (
-    ConfigFile, check_model_options, check_optimizer_options, check_run_options, inherited,
+    check_model_options, check_optimizer_options, check_run_options, inherited,
 )
 from fastgrpo.train.prompts import PROMPT_FORMATS
 
