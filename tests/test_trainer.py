@@ -97,6 +97,21 @@ def test_long_prompts_left_truncated_with_warning(tmp_path, caplog):
     assert "left-truncated" in caplog.text
 
 
+def test_a_long_prompt_is_refused_naming_the_settings_as_the_user_writes_them(tmp_path, capsys):
+    """From Python the fields (max_prompt_length, truncate_prompts=True); on the command line the flags: the
+    message had mixed a field with a flag."""
+    from fastgrpo.train.cli import main
+
+    rows = [{"prompt": "0123456789 say a", "letter": "a"}]
+    with pytest.raises(ValueError, match=r"; raise max_prompt_length or pass truncate_prompts=True to left-truncate$"):
+        _trainer(tmp_path, dataset=rows, max_prompt_length=5)
+    data = tmp_path / "rows.jsonl"
+    data.write_text(json.dumps(rows[0]) + "\n")
+    assert main(["train", "--dataset", str(data), "--max-prompt-length", "5", "--output-dir", str(tmp_path / "run"),
+                 "--batch-size", "4", "--num-generations", "4"]) != 0
+    assert "; raise --max-prompt-length or pass --truncate-prompts to left-truncate" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
 def test_gradient_accumulation_equals_one_batch(tmp_path, loss_type):
     grads = []

@@ -34,8 +34,8 @@ def _row_prompt_ids(prompt, index: int, tokenizer, config: GRPOConfig) -> list[i
     if len(ids) > limit:
         if not config.truncate_prompts:
             raise ValueError(f"dataset: row {index} has a {len(ids)}-token prompt, over max_prompt_length "
-                             f"({limit}); raise max_prompt_length or pass {setting('truncate_prompts', True)} to "
-                             "left-truncate")
+                             f"({limit}); raise {setting('max_prompt_length')} or pass "
+                             f"{setting('truncate_prompts', True)} to left-truncate")
         logger.warning("row %d: prompt of %d tokens left-truncated to max_prompt_length=%d", index, len(ids), limit)
         ids = ids[-limit:]
     return list(ids)
