@@ -29,11 +29,12 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
         if isinstance(module, LoraLayer):
             weight = _dequantized(module.base_layer.weight).float()
             for adapter in module.active_adapters:
-                if adapter in module.lora_A:
+                if adapter in module.lora_A or adapter in module.lora_embedding_A:  # an embedding's are the latter
                     weight = weight + module.get_delta_weight(adapter).float()
             merged[f"{name}.weight"] = weight.to(dtype).cpu()
-            if module.base_layer.bias is not None:
-                merged[f"{name}.bias"] = module.base_layer.bias.detach().to(dtype).cpu()
+            bias = getattr(module.base_layer, "bias", None)  # an embedding has none
+            if bias is not None:
+                merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
             continue
         if any(isinstance(parent, LoraLayer) for parent in _ancestors(base, name)):
             continue
