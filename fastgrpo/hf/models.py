@@ -113,7 +113,7 @@ def logit_softcap(model: nn.Module) -> float | None:
 def cache_keyword(model: nn.Module) -> str:
     """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
     inner = unwrap_peft(model)
-    # the class's forward: patch_model may bind a (*args, **kwargs) wrapper on the instance
+    # the class's forward, whatever is bound on the instance (patch_model, accelerate hooks)
     return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
 
 

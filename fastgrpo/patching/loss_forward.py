@@ -2,6 +2,7 @@
 the final hidden states through fastgrpo.fused_linear_logprobs, never materializing [B, T, V] logits."""
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -61,4 +62,13 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD, None)},
         )
 
+    # HF reads a forward's parameter names: generate builds the attention mask from pad tokens and passes
+    # logits_to_keep only to a forward that names them, and the Trainer drops the dataset columns it does not name
+    # (every one, for (*args, **kwargs)). Shown with `self`, which a bound method's signature leaves out.
+    forward.__signature__ = _with_self(inspect.signature(previous))
     return forward
+
+
+def _with_self(signature: inspect.Signature) -> inspect.Signature:
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return signature.replace(parameters=[this, *signature.parameters.values()])
