@@ -2,7 +2,9 @@
 transformers classes)."""
 import copy
 import inspect
+import io
 
+import pytest
 import torch
 
 from fastgrpo.patching import patch_model
@@ -49,3 +51,16 @@ def test_hf_trainer_trains_a_patched_model_as_the_unpatched_one(tmp_path):
         losses.append(torch.tensor([log["loss"] for log in trainer.state.log_history if "loss" in log]))
     assert len(losses[0]) == 2
     torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("options", [{}, {"offload_activations": True}])
+def test_torch_save_of_a_patched_model_is_one_line(options):
+    """torch.save(model) of a patched model failed deep in pickle, naming a transformers function ('Can't pickle
+    <function LlamaAttention.forward ...>: attribute lookup ... on transformers.utils.deprecation failed')."""
+    from fastgrpo.patching import unpatch_model
+
+    model = patch_model(tiny_model("llama"), **options)
+    with pytest.raises(TypeError, match=r"^model: a model patched by fastgrpo cannot be pickled \(Llama\w+\.forward "
+                                        r"is bound on the instance\); save its state_dict\(\) or .*unpatch_model"):
+        torch.save(model, io.BytesIO())
+    torch.save(unpatch_model(model), io.BytesIO())

@@ -47,6 +47,15 @@ class WeakBoundMethod:
     def __deepcopy__(self, memo: dict) -> WeakBoundMethod:
         return WeakBoundMethod(_with_rebound_closure(self.__func__, memo), copy.deepcopy(self.__self__, memo))
 
+    def __reduce__(self):
+        # pickle (torch.save(model)) would fail inside the function held, naming a transformers function
+        owner = type(self._instance()).__name__
+        raise TypeError(
+            f"model: a model patched by fastgrpo cannot be pickled ({owner}.forward is bound on the instance); save "
+            "its state_dict() or use save_pretrained(), or call fastgrpo.unpatch_model(model) (or "
+            "fastgrpo.disable_offload_checkpointing) first"
+        )
+
     def __repr__(self) -> str:
         instance = self._instance()
         target = "a freed instance" if instance is None else f"{type(instance).__name__} at {id(instance):#x}"
