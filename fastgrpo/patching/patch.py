@@ -64,9 +64,9 @@ def patch_model(
     intermediates are most of the peak; a kept layer holds them anyway), True / False force it everywhere. Under
     checkpointing it adds no MLP FLOPs (the recompute stops before the MLP), except on gemma2/3 (one more MLP
     forward: their recompute needs the MLP output); without checkpointing, one more MLP forward. mlp_chunk_tokens:
-    tokens per chunk; None: as many as keep the MLP's widest intermediate ([chunk, intermediate_size], Phi-3's fused
-    gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's dtype
-    (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16, 14976), so micro-batches of fewer tokens run
+    tokens per chunk (an error where no MLP runs tiled); None: as many as keep the MLP's widest intermediate
+    ([chunk, intermediate_size], Phi-3's fused gate_up [chunk, 2 x intermediate_size]) within 256 MiB in the model's
+    dtype (fastgrpo.ops.tiled_mlp.chunk_tokens_for: Qwen2.5-1.5B in bf16, 14976), so micro-batches of fewer tokens run
     untiled.
     fused_lora: PEFT LoRA Linear layers (peft.tuners.lora.layer.Linear, and the QLoRA classes bnb.Linear4bit /
     Linear8bitLt over a bitsandbytes base) compute their vanilla adapter branch with fastgrpo.ops.lora, which keeps
@@ -118,6 +118,10 @@ def patch_model(
     if tiled_mlp is None:
         tiled_mlp = bool(checkpointed)
         tiled_modules = {id(m) for layer in checkpointed for m in layer.modules()}
+    if not tiled_mlp and mlp_chunk_tokens is not None:  # a setting that would do nothing
+        why = "False" if tiled_mlp_argument is False else "None and offload_activations checkpoints no layer"
+        raise ValueError(f"mlp_chunk_tokens: sizes the tiled MLP's chunks, and no MLP runs tiled (tiled_mlp={why}); "
+                         "pass tiled_mlp=True, or leave mlp_chunk_tokens None")
     if tiled_mlp and mlp_chunk_tokens is None:  # sized by the MLP's widest intermediate (Phi-3's is gate_up's 2I)
         widest = hf_model.config.get_text_config().intermediate_size * (2 if arch.mlp_fused_gate_up else 1)
         mlp_chunk_tokens = chunk_tokens_for(widest, hf_model.dtype.itemsize)
