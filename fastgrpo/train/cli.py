@@ -118,14 +118,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def parse_command_line(argv: list[str]) -> tuple[Command, argparse.ArgumentParser, argparse.Namespace]:
+    """The command `argv` names, its parser and the parsed flags; runs nothing (bad input exits 2 in one line)."""
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     command = next(c for c in COMMANDS if c.name == args.command)
     subparser = parser.command_parsers[command.name]
     if extra:
         subparser.error(_unrecognized(extra, subparser, command.name))
+    return command, subparser, args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    command, subparser, args = parse_command_line(argv)
     args.argv = argv  # for a command's "continue with ..." hint
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.rewards.scoring import RewardError
