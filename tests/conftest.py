@@ -11,6 +11,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _define_every_kernel() -> None:
+    """Import every fastgrpo.kernels module now, so each @triton.jit is defined under the interpreter: a test that
+    unsets TRITON_INTERPRET for a while (test_readme runs a user's session, test_adamw the eager twin) and imports a
+    kernel module first left it defined for the GPU, and later tests' interpreted kernels failed calling it ("Cannot
+    call @triton.jit'd outside of the scope of a kernel"; e.g. test_readme.py before test_cli.py)."""
+    import importlib
+    import pkgutil
+
+    import fastgrpo.kernels
+
+    for module in pkgutil.iter_modules(fastgrpo.kernels.__path__):
+        importlib.import_module(f"fastgrpo.kernels.{module.name}")
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _define_every_kernel()
+
 from hypothesis import settings  # noqa: E402
 
 # CI is a 2-core CPU running Triton's interpreter: few, small examples, no deadline.

@@ -184,12 +184,18 @@ def command_start_line(text: str, offset: int) -> int:
     ("--max-seq-length 4096", "--max-seq-length 4k", "4k"),  # an int flag's value
 ])
 def test_a_wrong_readme_command_is_named_with_its_line(old, new, named):
+    _check_named(old, new, named, bad_commands, command_start_line)
+
+
+def _check_named(old: str, new: str, named: str, find_bad, line_at) -> None:
+    """README's text with `old` replaced by `new`: find_bad reports exactly one line, naming `named`, at the line
+    line_at gives for the change."""
     text = README.read_text()
     assert old in text, f"README.md no longer has {old!r}: pick another place to break"
     broken = text.replace(old, new, 1)
-    bad = bad_commands(broken)
+    bad = find_bad(broken)
     assert len(bad) == 1 and named in bad[0], bad
-    assert bad[0].startswith(f"README.md:{command_start_line(broken, broken.index(new))}: `"), bad
+    assert bad[0].startswith(f"README.md:{line_at(broken, broken.index(new))}: `"), bad
 
 
 @pytest.mark.parametrize("old, new, named", [
@@ -201,9 +207,4 @@ def test_a_wrong_readme_command_is_named_with_its_line(old, new, named):
     ("`--offload-host-memory-gib N`", "`--offload-host-memory-gib lots`", "lots"),  # a float flag's value
 ])
 def test_a_wrong_readme_flag_is_named_with_its_line(old, new, named):
-    text = README.read_text()
-    assert old in text, f"README.md no longer has {old!r}: pick another place to break"
-    broken = text.replace(old, new, 1)
-    bad = bad_flag_spans(broken)
-    assert len(bad) == 1 and named in bad[0], bad
-    assert bad[0].startswith(f"README.md:{line_of(broken, broken.index(new))}: `"), bad
+    _check_named(old, new, named, bad_flag_spans, line_of)
