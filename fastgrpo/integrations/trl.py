@@ -23,11 +23,13 @@ import torch
 from packaging.specifiers import SpecifierSet
 from transformers import ProcessorMixin
 
+from fastgrpo._checks import check_int_at_least
 from fastgrpo.hf.models import (
     backbone_and_head, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.offload import ActivationOffloader
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs
 from fastgrpo.patching import patch_model
 
@@ -92,6 +94,25 @@ def _model_refusals(trainer) -> list[str]:
     return found
 
 
+def _offload_problems(patch, offload_activations, recompute_layers) -> list[str]:
+    """patch_model's checks of the offload keywords, run before TRL loads the model (minutes for a large one)."""
+    if not isinstance(offload_activations, (bool, ActivationOffloader)):
+        return ["offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
+                f"got {type(offload_activations).__name__}"]
+    if offload_activations is not False and not patch:
+        return ["offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True"]
+    if recompute_layers is None:
+        return []
+    if offload_activations is False:
+        return ["recompute_layers: chooses the layers offload_activations checkpoints, and it is off "
+                "(TRL's gradient_checkpointing covers every layer)"]
+    try:
+        check_int_at_least("recompute_layers", recompute_layers, 0, or_else=" or None")
+    except ValueError as err:
+        return [str(err)]
+    return []
+
+
 def _no_autocast(tensor: torch.Tensor):
     """The fused lm_head runs in its inputs' dtype with fp32 accumulation (an fp32 dW accumulator among them), which
     an enclosing autocast (mixed precision) would recast."""
@@ -118,11 +139,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             problems.append(f"patch: expected True or False, got {patch!r}")
         if backend not in BACKENDS:  # here, not at the first step after the model is loaded and patched
             problems.append(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
-        if offload_activations is not False and not patch:
-            problems.append("offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True")
-        if recompute_layers is not None and offload_activations is False:
-            problems.append("recompute_layers: chooses the layers offload_activations checkpoints, and it is off "
-                            "(TRL's gradient_checkpointing covers every layer)")
+        problems += _offload_problems(patch, offload_activations, recompute_layers)
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
