@@ -30,3 +30,14 @@ def test_offload_keywords_are_checked_before_the_model_loads(tmp_path, kwargs, m
     with pytest.raises(ValueError, match=f"^FastGRPOTrainer cannot honour: {match}$"):
         FastGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda completions, **_: [0.0],
                         args=args, train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), **kwargs)
+
+
+def test_a_triton_backend_without_a_gpu_is_refused_before_the_model_loads(tmp_path, monkeypatch):
+    # Unrefused, it surfaced at the first loss, after the model had loaded and the first completions were generated.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    args = GRPOConfig(output_dir=str(tmp_path), use_cpu=True, bf16=False, report_to=[], per_device_train_batch_size=4,
+                      num_generations=4)
+    match = r"^FastGRPOTrainer cannot honour: backend: 'triton' needs CUDA tensors .*got device cpu; use backend='torch'"
+    with pytest.raises(ValueError, match=match):
+        FastGRPOTrainer(model=str(tmp_path / "no-such-model"), reward_funcs=lambda completions, **_: [0.0],
+                        args=args, train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), backend="triton")

@@ -30,7 +30,7 @@ from fastgrpo.hf.models import (
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.offload import ActivationOffloader
-from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs
+from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
 
 # The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
@@ -139,6 +139,11 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             problems.append(f"patch: expected True or False, got {patch!r}")
         if backend not in BACKENDS:  # here, not at the first step after the model is loaded and patched
             problems.append(f"backend: expected one of {', '.join(BACKENDS)}, got {backend!r}")
+        elif config is not None:  # 'triton' on a CPU-only run, the same way
+            try:
+                resolve_backend(backend, config.device)
+            except ValueError as err:
+                problems.append(str(err))
         problems += _offload_problems(patch, offload_activations, recompute_layers)
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
