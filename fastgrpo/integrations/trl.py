@@ -23,15 +23,14 @@ import torch
 from packaging.specifiers import SpecifierSet
 from transformers import ProcessorMixin
 
-from fastgrpo._checks import check_int_at_least
 from fastgrpo.hf.models import (
     backbone_and_head, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
-from fastgrpo.offload import ActivationOffloader
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
+from fastgrpo.patching.patch import check_offload_options
 
 # The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
 # below) this module was checked against; pyproject's `trl` extra says the same (tests/test_trl.py compares them).
@@ -96,20 +95,15 @@ def _model_refusals(trainer) -> list[str]:
 
 def _offload_problems(patch, offload_activations, recompute_layers) -> list[str]:
     """patch_model's checks of the offload keywords, run before TRL loads the model (minutes for a large one)."""
-    if not isinstance(offload_activations, (bool, ActivationOffloader)):
-        return ["offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
-                f"got {type(offload_activations).__name__}"]
-    if offload_activations is not False and not patch:
-        return ["offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True"]
-    if recompute_layers is None:
-        return []
-    if offload_activations is False:
-        return ["recompute_layers: chooses the layers offload_activations checkpoints, and it is off "
-                "(TRL's gradient_checkpointing covers every layer)"]
     try:
-        check_int_at_least("recompute_layers", recompute_layers, 0, or_else=" or None")
+        check_offload_options(offload_activations, recompute_layers)
     except ValueError as err:
         return [str(err)]
+    if offload_activations is not False and not patch:
+        return ["offload_activations: offload runs in fastgrpo.patch_model's layers; keep patch=True"]
+    if recompute_layers is not None and offload_activations is False:
+        return ["recompute_layers: chooses the layers offload_activations checkpoints, and it is off "
+                "(TRL's gradient_checkpointing covers every layer)"]
     return []
 
 

@@ -106,12 +106,7 @@ def patch_model(
     if mlp_chunk_tokens is not None:
         check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
-    if not isinstance(offload_activations, bool):
-        if not isinstance(offload_activations, ActivationOffloader):
-            raise ValueError(
-                "offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
-                f"got {type(offload_activations).__name__}"
-            )
+    check_offload_options(offload_activations, recompute_layers)
     layers = decoder_layers(hf_model, arch)
     checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
     tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
@@ -206,13 +201,22 @@ def _modules(model: nn.Module) -> list[tuple[str, type]]:
     return [(name, type(module)) for name, module in model.named_modules()]
 
 
+def check_offload_options(offload_activations, recompute_layers) -> None:
+    """offload_activations' type and recompute_layers' value, which need no model (FastGRPOTrainer checks them
+    before TRL loads one)."""
+    if not isinstance(offload_activations, (bool, ActivationOffloader)):
+        raise ValueError("offload_activations: expected a bool or a fastgrpo.offload.ActivationOffloader, "
+                         f"got {type(offload_activations).__name__}")
+    if recompute_layers is not None:
+        check_int_at_least("recompute_layers", recompute_layers, 0, or_else=" or None")
+
+
 def _checkpointed_layers(
     layers: list[nn.Module], offload_activations: bool | ActivationOffloader, recompute_layers: int | None
 ) -> list[nn.Module]:
     """The decoder layers offload checkpointing wraps: the first recompute_layers of them (None: all)."""
     if recompute_layers is None:
         return layers if offload_activations is not False else []
-    check_int_at_least("recompute_layers", recompute_layers, 0, or_else=" or None")
     if offload_activations is False:
         raise ValueError("recompute_layers: chooses the layers offload_activations checkpoints, and "
                          "offload_activations is off")
