@@ -50,6 +50,8 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
         raise ValueError(f"{field}: {dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
                          "needs `pip install datasets`") from None
     try:
+        if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
+            return datasets.load_from_disk(str(path))
         return datasets.load_dataset(dataset, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
         if not path.is_dir():  # a Hub name: the network's errors are not the user's input
@@ -57,6 +59,12 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
         cause = err.__cause__ or err  # a local folder: what datasets cannot read there is the folder's fault
         raise ValueError(f"{field}: datasets.load_dataset could not read the folder {path} ({split!r} split): "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
+
+
+
+def _saved_to_disk(path: Path) -> bool:
+    """A folder Dataset.save_to_disk wrote (one dataset, no splits; a DatasetDict's folder load_dataset reads)."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
 def load_dataset(config, builtin=None):

@@ -1,0 +1,16 @@
+"""A user's own data and reward functions, as `fastgrpo train / sft / ei / eval` take them."""
+from __future__ import annotations
+
+import pytest
+
+from fastgrpo.train.loading import load_rows
+
+
+def test_a_folder_written_by_save_to_disk_loads(tmp_path):
+    # datasets.load_dataset refuses such a folder ("use load_from_disk"), which a command-line user cannot call
+    datasets = pytest.importorskip("datasets")
+    rows = [{"prompt": "what is 1 plus 1", "answer": "2"}, {"prompt": "what is 2 plus 2", "answer": "4"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    loaded = load_rows(str(tmp_path / "saved"))
+    assert [dict(loaded[i]) for i in range(len(loaded))] == rows
+
