@@ -116,9 +116,15 @@ def score(
     failures = {}
     for j, (func, name) in enumerate(zip(reward_funcs, reward_names(reward_funcs))):
         try:
-            values = list(func(prompts, completions, **columns))
+            returned = func(prompts, completions, **columns)
         except Exception as err:  # a user's function may raise anything; the caller decides what happens
             failures[name] = RewardFailure(name, f"raised {_first_line(err)}")
+            continue
+        try:
+            values = list(returned)
+        except TypeError:  # None (a forgotten return) or one number: not an error the function raised
+            failures[name] = RewardFailure(name, f"returned {returned!r:.40}, expected a list of {n} rewards (one per "
+                                                 "completion)")
             continue
         if len(values) != n:
             failures[name] = RewardFailure(name, f"returned {len(values)} rewards for {n} completions")
