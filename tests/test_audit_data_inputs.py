@@ -1,10 +1,14 @@
 """A user's own data and reward functions, as `fastgrpo train / sft / ei / eval` take them."""
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fastgrpo.rewards.scoring import score
-from fastgrpo.train.loading import load_rows
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.loading import load_dataset, load_rows
 
 
 def test_a_folder_written_by_save_to_disk_loads(tmp_path):
@@ -29,3 +33,26 @@ def test_a_reward_function_returning_none_is_named_as_returning_it():
 def test_a_reward_function_returning_one_number_is_named_as_returning_it():
     rewards, failures = score([lambda prompts, completions, **columns: 1.0], ["p", "p"], ["a", "b"], {})
     assert failures["<lambda>"] == "returned 1.0, expected a list of 2 rewards (one per completion)"
+
+
+@pytest.mark.parametrize("prompt, kind", [(None, "NoneType"), (7, "int"), ([{"content": "hi"}], "list")])
+def test_a_row_whose_prompt_is_no_prompt_is_refused_as_the_rows_load(tmp_path, prompt, kind):
+    # found only when the rows were tokenized, after the model had loaded (minutes for a large one)
+    path = tmp_path / "data.jsonl"
+    rows = [{"prompt": "what is 1 plus 1", "answer": "2"}, {"prompt": prompt, "answer": "4"}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as err:
+        load_dataset(GRPOConfig(dataset=str(path)))
+    assert str(err.value) == ("dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., "
+                              f"'content': ...}}, got {kind}")
+
+
+def test_only_the_rows_an_evaluation_reads_are_checked(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = [{"question": "what is 1 plus 1", "answer": "2"}, {"question": None, "answer": "4"}]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    config = EvalConfig(dataset=str(tmp_path / "saved"), prompt_column="question", max_examples=1)
+    assert len(load_dataset(config)) == 2
+    config.max_examples = 0
+    with pytest.raises(ValueError, match=r"^dataset: row 1: prompt: expected a string .*, got NoneType$"):
+        load_dataset(config)

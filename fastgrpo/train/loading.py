@@ -17,6 +17,7 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.prompts import check_prompt
 from fastgrpo.train.sources import import_function, read_json_rows
 
 
@@ -72,8 +73,26 @@ def load_dataset(config, builtin=None):
     if config.dataset is None:
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
+    check_prompts(rows, config.prompt_column, getattr(config, "max_examples", 0))
     default_task.warn_unknown_characters(rows, config)
     return rows
+
+
+def check_prompts(rows, column: str, max_examples: int = 0) -> None:
+    """A null, number or other non-prompt in `column` is refused naming the row here, before the model loads
+    (tokenizing it would find it after). Only the rows a command reads (an evaluation's first max_examples; 0: all);
+    rows without the column are left to the commands' column checks."""
+    count = len(rows) if not max_examples else min(max_examples, len(rows))
+    names = getattr(rows, "column_names", None)
+    if names is not None:  # a datasets.Dataset: a column is read at once, a row at a time is slow
+        values = rows[column][:count] if column in names else []
+    else:
+        values = (rows[i].get(column, "") if isinstance(rows[i], dict) else "" for i in range(count))
+    for i, value in enumerate(values):
+        try:
+            check_prompt(value)
+        except ValueError as err:
+            raise ValueError(f"dataset: row {i}: {err}") from None
 
 
 def resolve_device_dtype(config) -> tuple[str, torch.dtype]:

@@ -65,6 +65,13 @@ def chat_messages(prompt) -> list[dict]:
                      f"got {type(prompt).__name__}")
 
 
+def check_prompt(prompt) -> None:
+    """A ValueError unless `prompt` is text or a list of chat messages (chat_messages), which needs no tokenizer:
+    the commands check every row's before the model loads."""
+    if not isinstance(prompt, str):
+        chat_messages(prompt)
+
+
 def _ids(encoded) -> list[int]:
     """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding, depending on the transformers version."""
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
