@@ -9,6 +9,7 @@ from fastgrpo.rewards.scoring import score
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.loading import load_dataset, load_rows
+from fastgrpo.train.sft_config import SFTConfig
 
 
 def test_a_folder_written_by_save_to_disk_loads(tmp_path):
@@ -56,3 +57,12 @@ def test_only_the_rows_an_evaluation_reads_are_checked(tmp_path):
     config.max_examples = 0
     with pytest.raises(ValueError, match=r"^dataset: row 1: prompt: expected a string .*, got NoneType$"):
         load_dataset(config)
+
+
+def test_an_sft_row_without_a_response_is_refused_as_the_rows_load(tmp_path):
+    path = tmp_path / "traces.jsonl"
+    rows = [{"prompt": "say a", "response": "aaa"}, {"prompt": "say b"}, {"prompt": "say c", "response": None}]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as err:
+        load_dataset(SFTConfig(dataset=str(path)))
+    assert str(err.value) == "dataset: row 2: response: expected a string, got NoneType"

@@ -17,7 +17,7 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
-from fastgrpo.train.prompts import check_prompt
+from fastgrpo.train.prompts import check_prompt, check_response
 from fastgrpo.train.sources import import_function, read_json_rows
 
 
@@ -73,24 +73,27 @@ def load_dataset(config, builtin=None):
     if config.dataset is None:
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
-    check_prompts(rows, config.prompt_column, getattr(config, "max_examples", 0))
+    count = getattr(config, "max_examples", 0)  # an evaluation reads only its first max_examples rows (0: all)
+    check_values(rows, config.prompt_column, check_prompt, count)
+    if hasattr(config, "response_column"):  # sft's
+        check_values(rows, config.response_column, check_response, count)
     default_task.warn_unknown_characters(rows, config)
     return rows
 
 
-def check_prompts(rows, column: str, max_examples: int = 0) -> None:
-    """A null, number or other non-prompt in `column` is refused naming the row here, before the model loads
-    (tokenizing it would find it after). Only the rows a command reads (an evaluation's first max_examples; 0: all);
-    rows without the column are left to the commands' column checks."""
+def check_values(rows, column: str, check, max_examples: int = 0) -> None:
+    """A null, a number or another value of the wrong kind in a text column (check: prompts.check_prompt or
+    check_response) is refused naming the row here, before the model loads (tokenizing it would find it after).
+    Only the first max_examples rows (0: all); rows without the column are left to the commands' column checks."""
     count = len(rows) if not max_examples else min(max_examples, len(rows))
     names = getattr(rows, "column_names", None)
     if names is not None:  # a datasets.Dataset: a column is read at once, a row at a time is slow
-        values = rows[column][:count] if column in names else []
+        values = enumerate(rows[column][:count] if column in names else [])
     else:
-        values = (rows[i].get(column, "") if isinstance(rows[i], dict) else "" for i in range(count))
-    for i, value in enumerate(values):
+        values = ((i, rows[i][column]) for i in range(count) if isinstance(rows[i], dict) and column in rows[i])
+    for i, value in values:
         try:
-            check_prompt(value)
+            check(value)
         except ValueError as err:
             raise ValueError(f"dataset: row {i}: {err}") from None
 

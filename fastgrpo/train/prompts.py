@@ -72,6 +72,11 @@ def check_prompt(prompt) -> None:
         chat_messages(prompt)
 
 
+def check_response(response) -> None:
+    if not isinstance(response, str):
+        raise ValueError(f"response: expected a string, got {type(response).__name__}")
+
+
 def _ids(encoded) -> list[int]:
     """apply_chat_template(tokenize=True) returns a list, or a BatchEncoding, depending on the transformers version."""
     return list(encoded["input_ids"] if hasattr(encoded, "keys") else encoded)
@@ -102,8 +107,7 @@ def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
 
 def response_ids(tokenizer, prompt, response: str, prompt_format: str) -> list[int]:
     """Token ids of `response` as it follows prompt_ids(tokenizer, prompt, prompt_format)."""
-    if not isinstance(response, str):
-        raise ValueError(f"response: expected a string, got {type(response).__name__}")
+    check_response(response)
     if uses_chat_template(tokenizer, prompt, prompt_format):
         messages = chat_messages(prompt)
         head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
