@@ -62,7 +62,6 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
 
-
 def _saved_to_disk(path: Path) -> bool:
     """A folder Dataset.save_to_disk wrote (one dataset, no splits; a DatasetDict's folder load_dataset reads)."""
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
