@@ -279,9 +279,7 @@ class GRPOConfig(ConfigFile):
             raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
         if not 0 < self.temperature < math.inf:  # GRPO compares sampled completions: 0 (greedy) gives G equal ones
             raise ValueError(f"temperature: expected a finite number > 0, got {self.temperature}")
-        # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model is loaded
-        SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
-                       top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
+        self.sampling()  # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model loads
         check_at_least(self, ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "warmup_steps", "save_steps",
                               "logging_steps"), 0)
         check_save_minutes(self)
@@ -304,6 +302,11 @@ class GRPOConfig(ConfigFile):
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         check_rollout_options(self)
         check_activation_memory_options(self)
+
+    def sampling(self) -> SamplingParams:
+        """How every rollout of the run samples: one generation config for the whole batch."""
+        return SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, min_p=self.min_p, repetition_penalty=self.repetition_penalty)
 
     @property
     def stop_strings(self) -> list[str] | None:

@@ -1,4 +1,4 @@
-"""The trainer's side of the rollout: the engine its completions come from and the sampling settings they use.
+"""The trainer's side of the rollout: the engine its completions come from.
 
 Kept out of trainer.py so that the loop reads top to bottom.
 """
@@ -8,7 +8,7 @@ import dataclasses
 
 import torch
 
-from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.train.config import GRPOConfig
 
@@ -37,10 +37,3 @@ def rollout_engine(model: torch.nn.Module, tokenizer, config: GRPOConfig, device
         raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(engine).__name__}")
     return engine
 
-
-def sampling_params(config: GRPOConfig) -> SamplingParams:
-    """How every rollout of the run samples: one generation config for the whole batch."""
-    return SamplingParams(
-        max_new_tokens=config.max_completion_length, temperature=config.temperature, top_p=config.top_p,
-        top_k=config.top_k, min_p=config.min_p, repetition_penalty=config.repetition_penalty,
-    )

@@ -3,8 +3,8 @@
 rollout -> rewards -> group advantages -> old (when the update needs them first) / reference log-probs ->
 num_iterations epochs over minibatches (gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR
 schedule -> adaptive beta -> log -> checkpoint. Bad input is rejected in __init__, before any compute.
-What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine, its
-sampling), step_rewards (scoring), loss_setup (the loss options).
+What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine),
+step_rewards (scoring), loss_setup (the loss options).
 """
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.rollout_setup import rollout_engine, sampling_params
+from fastgrpo.train.rollout_setup import rollout_engine
 from fastgrpo.train.step_rewards import score_groups
 
 logger = logging.getLogger(__name__)
@@ -66,7 +66,7 @@ class GRPOTrainer:
         self.device = next(model.parameters()).device
         # built before the optimizer and the reference copy: a VLLMEngine re-points the model's parameters at vLLM's
         self.engine = rollout_engine(model, tokenizer, config, self.device, engine)
-        self.sampling = sampling_params(config)
+        self.sampling = config.sampling()
         weights = config.reward_weights or [1.0] * len(self.reward_funcs)
         self.reward_weights = torch.tensor(weights, dtype=torch.float64)
         self.beta = config.beta
