@@ -31,15 +31,13 @@ import argparse
 import dataclasses
 import functools
 import itertools
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 
-from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, fastest, kernel_us, listed,
-                               positive_ints, print_table, write_results)
+from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, kernel_us, listed,
+                               positive_ints, print_sweep_report, run_cases)
 from fastgrpo.ops.decode_glu import decode_glu, fold_norm_weight
 
 SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "llama-3.1-8b": LLAMA31_8B}
@@ -158,19 +156,12 @@ def main(argv: list[str] | None = None) -> None:
         bandwidth = _copy_bandwidth()
     config = {"copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP, "dtype": "bfloat16",
               "timing": "common.kernel_us (CUDA graph of 20 calls, weights past L2)"}
-    directory = Path(tempfile.mkdtemp()) if args.dry_run else None
-    rows, swept = [], []
-    with torch.no_grad():
-        for shape, M in itertools.product(["tiny"] if args.dry_run else shapes, row_counts):
-            done, done_sweep = shape_rows(shape, DRY_SHAPE if args.dry_run else SHAPES[shape], M, device, bandwidth,
-                                          args.sweep)
-            rows, swept = rows + done, swept + done_sweep
-            path = write_results("decode_glu", rows + swept, config, directory)
-    print(f"wrote {path}")
-    if args.sweep:
-        print_table(fastest(swept, ("shape", "rows"), BEST_SHOWN), SWEEP_COLUMNS)
-        print()
-    print_table(rows, COLUMNS)
+    rows, swept = run_cases(
+        "decode_glu", itertools.product(["tiny"] if args.dry_run else shapes, row_counts),
+        lambda shape, M: shape_rows(shape, DRY_SHAPE if args.dry_run else SHAPES[shape], M, device, bandwidth,
+                                    args.sweep),
+        config, args.dry_run)
+    print_sweep_report(rows, swept, args.sweep, ("shape", "rows"), BEST_SHOWN, SWEEP_COLUMNS, COLUMNS)
 
 
 if __name__ == "__main__":

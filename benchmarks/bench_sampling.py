@@ -28,13 +28,11 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
-import tempfile
-from pathlib import Path
 
 import torch
 
-from benchmarks.common import (check_interpreted, copies_past_l2, fastest, kernel_us, listed, positive_ints,
-                               print_table, write_results)
+from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, positive_ints,
+                               print_sweep_report, run_cases)
 from fastgrpo.rollout.sampling import keyed_exponential, mix32, row_keys, sample, step_words
 
 VOCABS = {"qwen2.5-1.5b": 151936, "llama-3.1-8b": 128256}
@@ -115,19 +113,11 @@ def main(argv: list[str] | None = None) -> None:
     cases = [("tiny", DRY_VOCAB)] if args.dry_run else [(name, VOCABS[name]) for name in vocabs]
     config = {"sweep": SWEEP, "dtype": "bfloat16", "position": POSITION,
               "timing": "common.kernel_us (CUDA graph of 20 calls, logits past L2)"}
-    directory = Path(tempfile.mkdtemp()) if args.dry_run else None
-    rows, swept = [], []
-    with torch.no_grad():
-        for (vocab, V), N, greedy in itertools.product(cases, row_counts, (False, True)):
-            done, done_sweep = case_rows(vocab, V, N, greedy, device,
-                                         args.sweep and (args.dry_run or N == SWEEP_ROWS))
-            rows, swept = rows + done, swept + done_sweep
-            path = write_results("sampling", rows + swept, config, directory)
-    print(f"wrote {path}")
-    if args.sweep:
-        print_table(fastest(swept, ("vocab", "mode"), BEST_SHOWN), COLUMNS)
-        print()
-    print_table(rows, COLUMNS)
+    rows, swept = run_cases(
+        "sampling", itertools.product(cases, row_counts, (False, True)),
+        lambda case, N, greedy: case_rows(*case, N, greedy, device, args.sweep and (args.dry_run or N == SWEEP_ROWS)),
+        config, args.dry_run)
+    print_sweep_report(rows, swept, args.sweep, ("vocab", "mode"), BEST_SHOWN, COLUMNS, COLUMNS)
 
 
 if __name__ == "__main__":

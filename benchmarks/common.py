@@ -14,6 +14,7 @@ import math
 import os
 import platform
 import re
+import tempfile
 import time
 from pathlib import Path
 
@@ -253,6 +254,31 @@ def print_table(rows: list[dict], columns: list[str]) -> None:
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths)))
     for row in cells:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)))
+
+
+def run_cases(suite: str, cases, measure, config: dict, dry_run: bool) -> tuple[list[dict], list[dict]]:
+    """Today's rows and the sweep's rows of every case (measure(*case) -> (rows, swept)), under no_grad. The results
+    file is rewritten after each case, so a case that fails keeps those before it; a dry run writes to a temporary
+    folder."""
+    directory = Path(tempfile.mkdtemp()) if dry_run else None
+    rows, swept = [], []
+    with torch.no_grad():
+        for case in cases:
+            done, done_sweep = measure(*case)
+            rows, swept = rows + done, swept + done_sweep
+            path = write_results(suite, rows + swept, config, directory)
+    print(f"wrote {path}")
+    return rows, swept
+
+
+def print_sweep_report(rows: list[dict], swept: list[dict], show_sweep: bool, group: tuple[str, ...], best_shown: int,
+                       sweep_columns: list[str], columns: list[str]) -> None:
+    """With show_sweep, the sweep's best_shown fastest of each group first; then today's rows, last, so the device
+    reply shows them."""
+    if show_sweep:
+        print_table(fastest(swept, group, best_shown), sweep_columns)
+        print()
+    print_table(rows, columns)
 
 
 def eager_grpo_loss(d: dict, beta: float, softcap: float | None = None) -> torch.Tensor:
