@@ -89,26 +89,18 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
 def process_logits(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
     """Raw [N, V] logits -> the logits of the sampling distribution (temperature 1 when greedy): fp32, or the raw
     logits themselves where no filter applies (keyed_sample reads them in fp32: on CUDA no fp32 copy is written)."""
-    if not _filters(params):
-        return logits
-    logits = logits.float()
+    # each filter takes fp32 (.float() of fp32 is the tensor itself): with none, the raw logits come back
     if params.uses_seen_tokens:
-        logits = apply_repetition_penalty(logits, seen, params.repetition_penalty)
+        logits = apply_repetition_penalty(logits.float(), seen, params.repetition_penalty)
     if not params.greedy and params.temperature != 1.0:
-        logits = logits / params.temperature
+        logits = logits.float() / params.temperature
     if params.top_k > 0:
-        logits = top_k_filter(logits, params.top_k)
+        logits = top_k_filter(logits.float(), params.top_k)
     if params.top_p < 1.0:
-        logits = top_p_filter(logits, params.top_p)
+        logits = top_p_filter(logits.float(), params.top_p)
     if params.min_p > 0.0:
-        logits = min_p_filter(logits, params.min_p)
+        logits = min_p_filter(logits.float(), params.min_p)
     return logits
-
-
-def _filters(params: SamplingParams) -> bool:
-    """Whether process_logits changes any logit."""
-    return (params.uses_seen_tokens or (not params.greedy and params.temperature != 1.0) or params.top_k > 0
-            or params.top_p < 1.0 or params.min_p > 0.0)
 
 
 def sample(logits: torch.Tensor, noise: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
