@@ -14,8 +14,8 @@ from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
-from fastgrpo.train.coercion import PATH_FIELDS, base_type, coerce_fields, type_hints
-from fastgrpo.train.config_file import ConfigFile
+from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
+from fastgrpo.train.config_file import INPUT_PATH_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
 )
@@ -333,8 +333,9 @@ def config_changes(saved: dict, config) -> list[str]:
 
 
 def _same_local_path(name: str, before, now) -> bool:
-    """The same file or folder of a path field, spelt another way (data.jsonl, ./data.jsonl, its absolute path)."""
-    if name not in PATH_FIELDS or not isinstance(before, str) or not isinstance(now, str):
+    """The same file or folder of an input path field (recorded absolute: ConfigFile.to_dict), spelt another way
+    (data.jsonl, ./data.jsonl, its absolute path)."""
+    if name not in INPUT_PATH_FIELDS or not isinstance(before, str) or not isinstance(now, str):
         return False
     before, now = Path(before).expanduser(), Path(now).expanduser()
     return before.exists() and now.exists() and before.resolve() == now.resolve()
