@@ -210,15 +210,12 @@ def test_w8a8_tiles_by_width():
 def test_default_config_on_a_gpu_takes_the_tiles_by_width(monkeypatch):
     """default_config on a CUDA device (faked: the SM count and shared memory of an H100, then of a card with 99 KB)
     hands w8a8_tiles the shape and the card, and config_for the family it returns; W8A16 keeps GPU_TILES."""
-    import types
-
     from fastgrpo.kernels import fp8_linear as kernel
 
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: types.SimpleNamespace(
-        multi_processor_count=132))
+    monkeypatch.setattr(kernel, "sm_count", lambda device: 132)
     cuda = torch.device("cuda", 0)
     for shared, narrow in ((227 * 1024, kernel.W8A8_NARROW_TILES), (99 * 1024, kernel.W8A8_TILES)):
-        monkeypatch.setattr(kernel, "_max_shared", lambda index, shared=shared: shared)
+        monkeypatch.setattr(kernel, "max_shared", lambda device, shared=shared: shared)
         for N, tiles in ((6144, narrow), (4096, narrow), (28672, kernel.W8A8_WIDE_TILES)):
             got = kernel.default_config(64, N, 4096, cuda, fp8_x=True)
             assert got == kernel.config_for(64, N, 4096, 132, **tiles), (shared, N)

@@ -74,6 +74,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels.cards import sm_count
+
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
 NEG = tl.constexpr(-1.0e30)  # a global a @jit function reads must be a tl.constexpr instance (compiler rule)
@@ -333,7 +335,7 @@ def default_splits(programs: int, max_slots: int, block_r: int, block_d: int, kv
     attention itself (H100 profile, benchmarks/NOTES_rollout.md)."""
     if device.type != "cuda":
         return max(1, min(3, triton.cdiv(max_slots, 2 * INTERPRET_BLOCK_N)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     kv_read = max_slots * block_d * 2 * kv_bytes  # K and V
     partial = block_r * block_d * 4 * 2  # fp32, written and read back
     by_partials = kv_read // (4 * partial)

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels.cards import sm_count
 from fastgrpo.kernels.fp8_linear import Fp8LinearConfig, _counters, _interpreting, config_for, program_tile, split_plan
 from fastgrpo.kernels.swiglu import ACTIVATIONS, _act_and_grad
 
@@ -141,7 +142,7 @@ def default_config(M: int, N: int, K: int, device: torch.device) -> Fp8LinearCon
     and config_for's splits. Interpreter: 16-wide tiles, so small test shapes cross tiles, splits and edges."""
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     return config_for(M, N, K, sms, **GPU_TILES, max_block_m=MAX_BLOCK_M)
 
 

@@ -37,6 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels.cards import max_shared, sm_count
+
 # Tickets of one launch; the counters are shared by all launches on a device (one stream at a time: the engine's
 # steps run in order), so this bounds tiles per launch: 64K tiles of 64 features is a 4M-wide output.
 MAX_TILES = 1 << 16
@@ -176,11 +178,10 @@ def default_config(M: int, N: int, K: int, device: torch.device, fp8_x: bool = F
     """
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=16, split_k=min(3, triton.cdiv(K, 16)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     if not fp8_x:
         return config_for(M, N, K, sms, **GPU_TILES)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    return config_for(M, N, K, sms, **w8a8_tiles(M, N, sms, _max_shared(index)))
+    return config_for(M, N, K, sms, **w8a8_tiles(M, N, sms, max_shared(device)))
 
 
 def w8a8_tiles(M: int, N: int, sms: int, max_shared: int) -> dict:
@@ -190,15 +191,6 @@ def w8a8_tiles(M: int, N: int, sms: int, max_shared: int) -> dict:
     if tiles > sms:
         return W8A8_WIDE_TILES
     return W8A8_NARROW_TILES if max_shared >= W8A8_NARROW_SHARED else W8A8_TILES
-
-
-@functools.cache
-def _max_shared(index: int) -> int:
-    """Shared memory a block may opt into on CUDA device `index`, bytes, as Triton's driver reports it (what
-    Triton checks a launch against)."""
-    from triton.runtime import driver
-
-    return driver.active.utils.get_device_properties(index)["max_shared_mem"]
 
 
 def config_for(M: int, N: int, K: int, sms: int, block_n: int, block_k: int, programs_per_sm: int,

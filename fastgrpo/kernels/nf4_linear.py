@@ -36,6 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels.cards import sm_count
 from fastgrpo.kernels.fp8_linear import (Fp8LinearConfig, _counters, _interpreting, config_for, program_tile,
                                          split_k_total, split_plan)
 
@@ -122,7 +123,7 @@ def default_config(M: int, N: int, K: int, blocksize: int, device: torch.device)
     splits and edges."""
     if device.type != "cuda":
         return Fp8LinearConfig(block_m=16, block_n=16, block_k=blocksize, split_k=min(3, K // blocksize))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    sms = sm_count(device)
     return config_for(M, N, K, sms, **{**GPU_TILES, "block_k": max(GPU_TILES["block_k"], blocksize)})
 
 

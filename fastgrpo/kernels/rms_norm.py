@@ -11,6 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
+from fastgrpo.kernels.cards import sm_count
+
 
 @triton.jit
 def _rms_norm_fwd_kernel(
@@ -97,7 +99,7 @@ def rms_norm_bwd(
     block_rows, block_h = _blocks(n_cols)
     n_blocks = triton.cdiv(n_rows, block_rows)
     # ~4 programs per SM keeps the fp32 dw partials small ([programs, H]) and the GPU busy.
-    programs = 4 * torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+    programs = 4 * sm_count(x.device) if x.is_cuda else 1
     programs = max(1, min(programs, n_blocks))
     blocks_per_program = triton.cdiv(n_blocks, programs)
     dw_partial = torch.zeros((programs, n_cols), dtype=torch.float32, device=x.device)

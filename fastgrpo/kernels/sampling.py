@@ -21,11 +21,11 @@ differ from torch's in the last bits, and a near-tie between the two best scores
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
+
+from fastgrpo.kernels.cards import sm_count
 
 BLOCK = 2048  # elements per load on a GPU (fp32: 16 per thread at 4 warps)
 NUM_WARPS = 4
@@ -127,11 +127,6 @@ def _pick_kernel(LOGITS, MAXES, SUMS, BEST, BEST_INDEX, TOKENS, LOGPS, stride_ro
     tl.store(LOGPS + row, (x - top) - log_sum)
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def blocks_per_chunk_for(N: int, V: int, block: int, sms: int) -> int:
     """Blocks of `block` elements per program: as many as keep N x chunks >= PROGRAMS_PER_SM x sms (each program's
     partials and the row's combine stay few), at most MAX_BLOCKS_PER_CHUNK. 64 x 151936 on 132 SMs: 4 (chunks of
@@ -153,7 +148,7 @@ def keyed_sample(logits: torch.Tensor, step_keys: torch.Tensor | None, second: t
         block = INTERPRET_BLOCK if interpret else BLOCK
     if blocks_per_chunk is None:
         blocks_per_chunk = (INTERPRET_BLOCKS_PER_CHUNK if interpret
-                            else blocks_per_chunk_for(N, V, block, _sm_count(logits.device.index or 0)))
+                            else blocks_per_chunk_for(N, V, block, sm_count(logits.device)))
     chunks = triton.cdiv(V, block * blocks_per_chunk)
     chunks_p2 = triton.next_power_of_2(chunks)
     f32 = dict(dtype=torch.float32, device=logits.device)
