@@ -11,6 +11,7 @@ randomness depends on its own key only, not on which rows share the call.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -189,8 +190,13 @@ def keyed_sample(logits: torch.Tensor, keys: torch.Tensor | None,
         return _keyed_sample_op(logits, *words)
     if keys is None:
         return sample(logits.float(), None)
-    vocab_keys = mix32(torch.arange(logits.shape[-1], device=logits.device))
-    return sample(logits.float(), keyed_exponential(keys, position, vocab_keys))
+    return sample(logits.float(), keyed_exponential(keys, position, _vocab_keys(logits.shape[-1], logits.device)))
+
+
+@functools.lru_cache(maxsize=4)
+def _vocab_keys(V: int, device: torch.device) -> torch.Tensor:
+    """mix32(arange(V)), kept: hashing the vocabulary took most of a one-row CPU step at V = 151936."""
+    return mix32(torch.arange(V, device=device))
 
 
 def _unit_stride(logits: torch.Tensor) -> torch.Tensor:
