@@ -1,6 +1,10 @@
 """Math rewards graded for mathematical equivalence with math-verify (no hand-written LaTeX parsing).
 
-`r1_zero_math_reward`: the R1-Zero format `... </think> <answer> ... </answer>` with a correct answer scores 1.
+`r1_zero_math_reward`: the R1-Zero format `... </think> <answer> ... </answer>` with a correct answer scores 1. It
+grades as the course's `r1_zero_reward_fn` (CS336's drgrpo_grader) does: the LAST `<answer>` block (a model that
+corrects itself is graded on its correction), and inside it the last `\\boxed{...}` when there is one. Deliberate
+differences: any whitespace between `</think>` and `<answer>` passes (the course's wants one space), and the last
+block must be closed, with the text after `</answer>` ignored (the course's grades all of it).
 `boxed_math_reward`: the last `\\boxed{...}` of the completion, graded against the `answer` column.
 Both score 0.0 on anything they cannot read, so arbitrary model text never raises; a row without a reference answer
 (null, or an empty string) is a ValueError: nothing could match it, and every completion would score 0 silently.
@@ -13,7 +17,7 @@ import threading
 
 # Past this many characters an "answer" is degenerate model text; parsing it could take seconds of sympy.
 MAX_ANSWER_CHARS = 1000
-_ANSWER = re.compile(r"</think>\s*<answer>(.*?)</answer>", re.DOTALL)
+_R1_ZERO_FORMAT = re.compile(r"</think>\s*<answer>")
 
 
 def _timeout() -> int | None:
@@ -80,14 +84,27 @@ def last_boxed(text: str) -> str | None:
     return None
 
 
+def r1_zero_answer(completion: str) -> str | None:
+    """What r1_zero grades: the content of the last `<answer>` block of a `... </think> <answer> ...` completion, or
+    None when the completion lacks that format or its last block is not closed."""
+    if _R1_ZERO_FORMAT.search(completion) is None:
+        return None
+    start = completion.rfind("<answer>") + len("<answer>")
+    end = completion.find("</answer>", start)
+    return None if end < 0 else completion[start:end]
+
+
 def r1_zero_grades(completion: str, answer) -> tuple[float, float]:
     """(format_reward, answer_reward) of one completion: format 1.0 for `... </think> <answer> X </answer>`, answer
-    1.0 when, in addition, X equals `answer` (the course's r1_zero grading; its reward is the answer reward)."""
+    1.0 when, in addition, X (its last \\boxed{} if it has one) equals `answer` (the course's r1_zero grading; its
+    reward is the answer reward)."""
     check_answer(answer)  # whatever the completion: a row's error does not depend on what the model wrote
-    match = _ANSWER.search(completion)
-    if match is None:
+    graded = r1_zero_answer(completion)
+    if graded is None:
         return 0.0, 0.0
-    return 1.0, float(is_equivalent(match.group(1), answer))
+    if "\\boxed" in graded:
+        graded = last_boxed(graded)  # None: an unclosed box, formatted but wrong
+    return 1.0, float(graded is not None and is_equivalent(graded, answer))
 
 
 def r1_zero_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
