@@ -5,7 +5,9 @@ bad row) or is logged and trained through (reward_errors="skip").
 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
 for a completion the function does not apply to (scored NaN, left out of the sum across functions:
-fastgrpo.loss.grpo.weighted_rewards).
+fastgrpo.loss.grpo.weighted_rewards). A function with a parameter named `completions` is called as TRL calls it, by
+keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by position. Each
+dataset column other than the prompt is a keyword holding one value per completion, as in TRL.
 """
 from __future__ import annotations
 
@@ -37,12 +39,30 @@ def reward_names(funcs: Sequence[Callable]) -> list[str]:
     return names
 
 
-def required_columns(func: Callable) -> list[str]:
-    """Dataset columns `func` needs: keyword parameters after (prompts, completions) that have no default."""
+def _by_keyword(func: Callable) -> bool:
+    """True for a function that names `completions` as TRL's examples do: TRL passes prompts and completions by
+    keyword, so such a function may leave out `prompts` or put `completions` first."""
     try:
-        params = list(inspect.signature(func).parameters.values())[2:]
+        return "completions" in inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list]):
+    """What `func` returns for these completions, called by keyword or by position (_by_keyword)."""
+    if _by_keyword(func):
+        return func(prompts=prompts, completions=completions, **columns)
+    return func(prompts, completions, **columns)
+
+
+def required_columns(func: Callable) -> list[str]:
+    """Dataset columns `func` needs: its parameters without a default other than prompts and completions (by name
+    for a function called by keyword, else the first two)."""
+    try:
+        params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return []
+    params = [p for p in params if p.name not in ("prompts", "completions")] if _by_keyword(func) else params[2:]
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
 
@@ -116,7 +136,7 @@ def score(
     failures = {}
     for j, (func, name) in enumerate(zip(reward_funcs, reward_names(reward_funcs))):
         try:
-            returned = func(prompts, completions, **columns)
+            returned = call_reward(func, prompts, completions, columns)
         except Exception as err:  # a user's function may raise anything; the caller decides what happens
             failures[name] = RewardFailure(name, f"raised {_first_line(err)}")
             continue
@@ -173,7 +193,7 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
     message of a function that raised on the batch (it costs up to one call per row: only when the run stops)."""
     for i in range(len(completions)):
         try:
-            func(prompts[i:i + 1], completions[i:i + 1], **{k: v[i:i + 1] for k, v in columns.items()})
+            call_reward(func, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
         except Exception:
             return i
     return None

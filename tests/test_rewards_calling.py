@@ -1,0 +1,64 @@
+"""How reward functions are called: as TRL calls them (prompts and completions by keyword, each dataset column as a
+keyword holding one value per completion), so a function written for TRL's GRPOTrainer works unchanged."""
+import math
+
+import pytest
+
+from fastgrpo.rewards import required_columns, score
+
+
+def accuracy_reward(completions, solution, **kwargs):  # the shape of TRL's documented examples
+    return [float(c == s) for c, s in zip(completions, solution)]
+
+
+def format_reward(completions, **kwargs):
+    return [float(c.startswith("<")) for c in completions]
+
+
+def test_a_trl_style_reward_gets_its_arguments_by_keyword():
+    """TRL passes prompts= and completions= by keyword; fastgrpo passed them by position, so `f(completions,
+    solution, **kwargs)` got the prompts as completions and failed with "got multiple values for argument"."""
+    per_func, failures = score([accuracy_reward, format_reward], ["p", "q"], ["1", "<2"], {"solution": ["1", "1"]})
+    assert not failures and per_func.tolist() == [[1.0, 0.0], [0.0, 1.0]]
+    assert required_columns(accuracy_reward) == ["solution"]  # checked against the dataset before anything runs
+    assert required_columns(format_reward) == []
+
+
+def test_positional_rewards_still_work():
+    """fastgrpo's own convention, f(prompts, completions, ...), with any parameter names."""
+    per_func, failures = score([lambda p, c, **kw: [len(x) for x in c]], ["p"], ["abc"], {})
+    assert not failures and per_func.tolist() == [[3.0]]
+    assert required_columns(lambda p, c, answer, **kw: []) == ["answer"]
+
+
+def test_a_trl_style_reward_trains(tmp_path):
+    """A run end to end with a keyword-style reward reading a dataset column (the built-in task's `letter`)."""
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    def letter_reward(completions, letter, **kwargs):
+        assert len(letter) == len(completions)  # one value per completion, as TRL repeats the row's
+        return default_task.repeat_letter_reward(None, completions, letter)
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 4, "max_steps": 1, "export": False, "progress_bar": False,
+                           "logging_steps": 0, "output_dir": str(tmp_path)})
+    tokenizer = default_task.build_tokenizer()
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, letter_reward,
+                          default_task.build_dataset(16), config)
+    history = trainer.train()
+    assert history[0]["reward_errors"] == 0 and math.isfinite(history[0]["rewards/letter_reward"])
+
+
+@pytest.mark.parametrize("returned", ["numpy", "tensor"])
+def test_array_rewards_are_read_as_lists(returned):
+    """A numpy array or a torch tensor of N rewards is N rewards; a NaN in one is still a failure."""
+    import numpy as np
+    import torch
+
+    make = np.array if returned == "numpy" else torch.tensor
+    per_func, failures = score([lambda p, c, **kw: make([1.0, 0.5])], ["p"] * 2, ["a", "b"], {})
+    assert not failures and per_func[:, 0].tolist() == [1.0, 0.5]
+    _, failures = score([lambda p, c, **kw: make([1.0, float("nan")])], ["p"] * 2, ["a", "b"], {})
+    assert failures["<lambda>"].row == 1
