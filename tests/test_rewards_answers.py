@@ -23,3 +23,23 @@ pytest.importorskip("math_verify")
 def test_r1_zero_grades_the_last_answer_block(completion, answer, grades):
     assert r1_zero_grades(completion, answer) == grades
     assert r1_zero_math_reward(["q"], [completion], answer=[answer]) == [grades[1]]
+
+
+@pytest.mark.parametrize("prediction, answer, expected", [
+    ("1/2", "0.5", True), ("\\frac{1}{2}", "1/2", True), ("\\dfrac{3}{4}", "0.75", True), ("2/4", "\\frac12", True),
+    ("-\\frac{1}{2}", "-0.5", True), ("\\boxed{7}", "7", True), ("7", "\\boxed{7}", True),
+    ("1,000", "1000", True), ("1,234,567", "1234567", True), ("10000", "10{,}000", True), ("10,\\!000", "10000", True),
+    ("1\\,000", "1000", True), ("1\\,000\\,000", "10^6", True),  # a thin space between digit groups
+    ("\\$18.90", "18.90", True), ("\\$18.90", "\\$18.90", True), ("18.90", "\\$18.90", True), ("$5", "5", True),
+    ("5 cm", "5", True), ("5\\text{ cm}", "5", True), ("12 dollars", "12", True), ("12 dollars", "\\$12", True),
+    ("3.5 meters", "3.5", True), ("5^\\circ", "5", True),
+    ("-3", "-3", True), ("−3", "-3", True), ("-3", "3", False), ("3", "-3", False),
+    ("50\\%", "50", True), ("50%", "50\\%", True),
+    ("x=3", "3", True), ("3.0", "3", True), ("4", "4.5", False), ("0.333", "1/3", False),
+    ("3\\,x", "3x", True), ("2 x", "2", False), ("2 pi", "2", False),  # algebra, not units
+])
+def test_answer_normalisation(prediction, answer, expected):
+    """Currency (\\$18.90 parsed to nothing, so even the reference equalled nothing), a thin space between digit
+    groups (1\\,000 read as 1 * 0) and a unit in words ("12 dollars" read as 12 * d * o * l ...) were wrong."""
+    assert is_equivalent(prediction, answer) is expected
+    assert boxed_math_reward(["q"], [f"\\boxed{{{prediction}}}"], answer=[answer]) == [float(expected)]

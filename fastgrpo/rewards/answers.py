@@ -1,4 +1,5 @@
-"""Math rewards graded for mathematical equivalence with math-verify (no hand-written LaTeX parsing).
+"""Math rewards graded for mathematical equivalence with math-verify (it parses the LaTeX; _plain_number only
+takes out what it misreads in reference answers: currency signs, thin spaces in numbers, units in words).
 
 `r1_zero_math_reward`: the R1-Zero format `... </think> <answer> ... </answer>` with a correct answer scores 1. It
 grades as the course's `r1_zero_reward_fn` (CS336's drgrpo_grader) does: the LAST `<answer>` block (a model that
@@ -18,6 +19,11 @@ import threading
 # Past this many characters an "answer" is degenerate model text; parsing it could take seconds of sympy.
 MAX_ANSWER_CHARS = 1000
 _R1_ZERO_FORMAT = re.compile(r"</think>\s*<answer>")
+# "1\\,000": LaTeX's thin space between digit groups, which math-verify reads as a product (1 * 0)
+_GROUP_SPACE = re.compile(r"(?<=\d)\\,(?=\d{3}(?!\d))")
+# "12 dollars", "3.5 meters": a number and a unit in words (math-verify reads some as products of letters); one
+# letter ("2 x") or pi is algebra, not a unit
+_NUMBER_AND_UNIT = re.compile(r"(-?\d[\d,.]*)\s+(?!pi\b)[A-Za-z]{2,}(?:\s+[A-Za-z]{2,})*\.?")
 
 
 def _timeout() -> int | None:
@@ -25,9 +31,18 @@ def _timeout() -> int | None:
     return 5 if threading.current_thread() is threading.main_thread() else None
 
 
+def _plain_number(text: str) -> str:
+    """`text` with what math-verify misreads in reference answers taken out: a currency sign (\\$18.90 parsed to
+    nothing), a thin space between digit groups, a unit in words after a number."""
+    text = _GROUP_SPACE.sub("", text.replace("\\$", ""))
+    unit = _NUMBER_AND_UNIT.fullmatch(text.strip())
+    return unit.group(1) if unit else text
+
+
 def _parse(text: str) -> list:
     from math_verify import parse
 
+    text = _plain_number(text)
     # An answer is one expression: read it whole as LaTeX math ("1 + x^2" plain would parse as its first number),
     # unless it carries its own delimiters or box.
     text = text.strip()
