@@ -1,7 +1,9 @@
 """IFEval-style verifiable constraints: each a pure check of the text, combined by `ifeval_reward`.
 
 A dataset row carries `constraints`: a list of {"type": <name in CONSTRAINTS>, **arguments}, e.g.
-[{"type": "num_words", "min": 50}, {"type": "forbidden_keywords", "keywords": ["sorry"]}].
+[{"type": "num_words", "min": 50}, {"type": "forbidden_keywords", "keywords": ["sorry"]}]. An argument set to None is
+left out (a Hugging Face dataset stores such a column as one struct: every constraint gets every key, None where
+unset). A row ifeval_reward cannot read is refused before anything runs (value_checks; the trainer's dataset check).
 """
 from __future__ import annotations
 
@@ -48,7 +50,7 @@ def forbidden_keywords(text: str, keywords: list[str]) -> bool:
 def json_output(text: str) -> bool:
     """The whole response parses as JSON, optionally inside one ```json fence."""
     body = text.strip()
-    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL)
+    fenced = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.DOTALL | re.IGNORECASE)  # ```JSON too, as IFEval
     try:
         json.loads(fenced.group(1) if fenced else body)
     except ValueError:
@@ -94,17 +96,37 @@ def check_constraint(text: str, constraint: dict) -> bool:
     kind = constraint.get("type")
     if kind not in CONSTRAINTS:
         raise ValueError(f"constraints: unknown type {kind!r}, expected one of {sorted(CONSTRAINTS)}")
-    args = {k: v for k, v in constraint.items() if k != "type"}
+    args = {k: v for k, v in constraint.items() if k != "type" and v is not None}
     try:
         return bool(CONSTRAINTS[kind](text, **args))
     except TypeError as err:
         raise ValueError(f"constraints: bad arguments {args} for {kind!r}: {err}") from None
 
 
+def row_constraints(row) -> list:
+    """A row's constraints as a list: one dict alone, or a list of them; anything else is a ValueError."""
+    if isinstance(row, dict):
+        return [row]
+    if not isinstance(row, (list, tuple)):
+        raise ValueError(f"constraints: expected a list of constraints {{'type': name, **arguments}}, got {row!r:.80}")
+    return list(row)
+
+
+def check_row(row) -> None:
+    """A ValueError naming the first constraint of `row` that ifeval_reward cannot read (each is tried on an empty
+    text, which checks its type and arguments), None when it can read them all."""
+    for constraint in row_constraints(row):
+        check_constraint("", constraint)
+
+
 def ifeval_reward(prompts: list, completions: list[str], constraints: list[list[dict]], **kwargs) -> list[float]:
     """The fraction of each row's constraints the completion satisfies (1.0 = all), in [0, 1]."""
     rewards = []
     for text, row in zip(completions, constraints):
-        row = [row] if isinstance(row, dict) else list(row)
+        row = row_constraints(row)
         rewards.append(sum(check_constraint(text, c) for c in row) / len(row) if row else 1.0)
     return rewards
+
+
+# The rows are checked before anything runs (fastgrpo.rewards.scoring.check_column_values).
+ifeval_reward.value_checks = {"constraints": check_row}
