@@ -1,7 +1,11 @@
 """Run reward functions over a batch and report every failure: a function that raises, returns the wrong number
 of rewards, or a value that is not a finite number or None. Its failed samples score 0.0; the caller decides whether a
 failure stops the run (GRPOTrainer's default, reward_errors="raise": RewardError names the function and the first
-bad row) or is logged and trained through (reward_errors="skip").
+bad row) or is logged and trained through (reward_errors="skip"). A function raising mid-run is the run failing in
+the user's code, not a mistake in the command's input: `fastgrpo train / ei / eval` end with exit 1 (as any uncaught
+Python error; fastgrpo.train.errors), the one line naming the line that raised, and --debug shows the function's
+traceback (RewardError is raised from its exception). Input a built-in reward cannot read (a null answer, an unknown
+ifeval constraint) is refused before anything runs (value_checks): exit 2, with the other input mistakes.
 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
 for a completion the function does not apply to (scored NaN, left out of the sum across functions:
@@ -14,6 +18,8 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import os
+import traceback
 from collections.abc import Callable, Sequence
 
 import torch
@@ -68,21 +74,26 @@ def required_columns(func: Callable) -> list[str]:
 
 
 def value_checks(func: Callable) -> dict[str, Callable[[object], str | None]]:
-    """{column: check} for the columns `func` needs a value of in every row: check(value) names what is wrong with
-    one ("null", "empty"), None when nothing is. From the function's `value_checks` attribute (the math rewards'
-    answer); none for other functions."""
+    """{column: check} for the columns `func` needs a readable value of in every row: check(value) names what is
+    missing ("null", "empty"), raises ValueError for a value `func` cannot read (ifeval's unknown constraint), and
+    returns None when nothing is wrong. From the function's `value_checks` attribute (the math rewards' answer,
+    ifeval's constraints); none for other functions."""
     return getattr(func, "value_checks", {})
 
 
 def check_column_values(reward_funcs: Sequence[Callable], rows, field: str) -> None:
-    """Refuse the first row whose value in a column a reward function needs (value_checks) is missing, naming the row
-    and the column: the math rewards scored a null answer 0 on every completion, silently. rows: a list of dict rows
-    that have the columns, or a datasets.Dataset; field names them in the error."""
+    """Refuse the first row whose value in a column a reward function needs (value_checks) is missing or unreadable,
+    naming the row and the column: the math rewards scored a null answer 0 on every completion, silently, and
+    ifeval raised on a bad constraint only once the run had sampled the row. rows: a list of dict rows that have the
+    columns, or a datasets.Dataset; field names them in the error."""
     for func in reward_funcs:
         for column, check in value_checks(func).items():
             values = rows[column] if getattr(rows, "column_names", None) is not None else (row[column] for row in rows)
             for i, value in enumerate(values):
-                problem = check(value)
+                try:
+                    problem = check(value)
+                except ValueError as err:
+                    raise ValueError(f"{field}: row {i}: {err}") from None
                 if problem is not None:
                     raise ValueError(f"{field}: row {i} has no {column} (the {column} column is {problem}); reward "
                                      f"function {reward_name(func)} needs one per row")
@@ -94,16 +105,27 @@ class RewardError(RuntimeError):
 
 class RewardFailure(str):
     """The message of one reward function's failure on a batch ("raised KeyError: 'x'", "returned nan, ..."), a
-    str (it goes into metrics and JSON as it is) that also carries the function's name and `row`: the first
-    completion (batch position) the failure shows on, None when no single row is to blame (a wrong count)."""
+    str (it goes into metrics and JSON as it is) that also carries the function's name, `row`: the first
+    completion (batch position) the failure shows on, None when no single row is to blame (a wrong count), and
+    `error`: the exception it raised (None when it returned something wrong), whose traceback --debug shows."""
 
     function: str
     row: int | None
+    error: Exception | None
 
-    def __new__(cls, function: str, problem: str, row: int | None = None):
+    def __new__(cls, function: str, problem: str, row: int | None = None, error: Exception | None = None):
         out = super().__new__(cls, problem)
-        out.function, out.row = function, row
+        out.function, out.row, out.error = function, row, error
         return out
+
+    @property
+    def raised_at(self) -> str:
+        """" (at rewards.py:12, in lookup)": the line that raised (the innermost frame: the user's code, or what it
+        called), "" when nothing raised."""
+        if self.error is None or self.error.__traceback__ is None:
+            return ""
+        frame = traceback.extract_tb(self.error.__traceback__)[-1]
+        return f" (at {os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
 
 
 def _as_float(value) -> float | None:
@@ -138,7 +160,7 @@ def score(
         try:
             returned = call_reward(func, prompts, completions, columns)
         except Exception as err:  # a user's function may raise anything; the caller decides what happens
-            failures[name] = RewardFailure(name, f"raised {_first_line(err)}")
+            failures[name] = RewardFailure(name, f"raised {_first_line(err)}", error=err)
             continue
         try:
             values = list(returned)
@@ -216,5 +238,5 @@ def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Ca
         func = reward_funcs[reward_names(reward_funcs).index(failure.function)]
         row = first_failing_row(func, prompts, completions, columns)
     where = "" if row is None else f" on {describe_row(row)}: {completions[row][:40]!r}"
-    raise RewardError(f"reward function {failure.function} {failure}{where}; {setting('reward_errors', 'skip')} "
-                      "scores such rows 0 instead")
+    raise RewardError(f"reward function {failure.function} {failure}{failure.raised_at}{where}; "
+                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from failure.error

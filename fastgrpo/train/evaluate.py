@@ -115,8 +115,8 @@ def check_reward_failures(failures: dict, reward_errors: str, *, warn: bool = Tr
                 logger.warning("reward function %s failed; its failed samples score 0: %s", name, failure)
         return
     name, failure = next(iter(failures.items()))
-    raise RewardError(f"reward function {name} {failure}; {setting('reward_errors', 'skip')} scores such rows 0 "
-                      "instead")
+    raise RewardError(f"reward function {name} {failure}{getattr(failure, 'raised_at', '')}; "  # merged: plain text
+                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from getattr(failure, "error", None)
 
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
