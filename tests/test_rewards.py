@@ -234,8 +234,8 @@ def _trainer(tmp_path, reward, **fields):
 
 
 @pytest.mark.parametrize("failure, message", [
-    ("raise", r"reward function flaky raised ZeroDivisionError: division by zero on dataset row \d+ \(completion 3 "
-              r"of 4\): '.*'"),
+    ("raise", r"reward function flaky raised ZeroDivisionError: division by zero \(at test_rewards.py:\d+, in flaky\) "
+              r"on dataset row \d+ \(completion 3 of 4\): '.*'"),
     ("count", r"reward function flaky returned 7 rewards for 8 completions; reward_errors='skip'"),
     ("nan", r"reward function flaky returned nan, not a finite number or None on dataset row \d+ \(completion 3 of 4"),
 ])
