@@ -49,9 +49,10 @@ def _by_keyword(func: Callable) -> bool:
     """True for a function that names `completions` as TRL's examples do: TRL passes prompts and completions by
     keyword, so such a function may leave out `prompts` or put `completions` first."""
     try:
-        return "completions" in inspect.signature(func).parameters
+        param = inspect.signature(func).parameters.get("completions")
     except (TypeError, ValueError):
         return False
+    return param is not None and param.kind != inspect.Parameter.POSITIONAL_ONLY
 
 
 def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list]):
