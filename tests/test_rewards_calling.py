@@ -26,8 +26,11 @@ def test_a_trl_style_reward_gets_its_arguments_by_keyword():
 
 def test_positional_rewards_still_work():
     """fastgrpo's own convention, f(prompts, completions, ...), with any parameter names."""
-    per_func, failures = score([lambda p, c, **kw: [len(x) for x in c]], ["p"], ["abc"], {})
-    assert not failures and per_func.tolist() == [[3.0]]
+    def positional_only(prompts, completions, /, **kwargs):
+        return [len(x) for x in completions]
+
+    per_func, failures = score([lambda p, c, **kw: [len(x) for x in c], positional_only], ["p"], ["abc"], {})
+    assert not failures and per_func.tolist() == [[3.0, 3.0]]
     assert required_columns(lambda p, c, answer, **kw: []) == ["answer"]
 
 
@@ -62,3 +65,20 @@ def test_array_rewards_are_read_as_lists(returned):
     assert not failures and per_func[:, 0].tolist() == [1.0, 0.5]
     _, failures = score([lambda p, c, **kw: make([1.0, float("nan")])], ["p"] * 2, ["a", "b"], {})
     assert failures["<lambda>"].row == 1
+
+
+def test_built_in_rewards_read_chat_completions_as_trl_passes_them():
+    """TRL (and so FastGRPOTrainer) passes a conversational dataset's completions as [{"role": "assistant",
+    "content": text}]: the math rewards and ifeval raised TypeError on them and length scored len(list) == 1."""
+    from fastgrpo.rewards import boxed_math_reward, ifeval_reward, length_reward, r1_zero_math_reward
+
+    def chat(text):
+        return [{"role": "assistant", "content": text}]
+
+    prompts = [[{"role": "user", "content": "q"}]]
+    assert r1_zero_math_reward(prompts, [chat("x </think> <answer> 4 </answer>")], answer=["4"]) == [1.0]
+    assert boxed_math_reward(prompts, [chat("\\boxed{4}")], answer=["4"]) == [1.0]
+    assert ifeval_reward(prompts, [chat("two words")], constraints=[[{"type": "num_words", "max": 2}]]) == [1.0]
+    assert length_reward(prompts, [chat("x" * 10)], target_length=10) == [1.0]
+    with pytest.raises(ValueError, match=r"^completions: expected text or a list of chat messages"):
+        length_reward(prompts, [{"content": "x"}], target_length=10)

@@ -16,6 +16,8 @@ import math
 import re
 import threading
 
+from fastgrpo.rewards.completions import completion_texts
+
 # Past this many characters an "answer" is degenerate model text; parsing it could take seconds of sympy.
 MAX_ANSWER_CHARS = 1000
 _R1_ZERO_FORMAT = re.compile(r"</think>\s*<answer>")
@@ -122,15 +124,15 @@ def r1_zero_grades(completion: str, answer) -> tuple[float, float]:
     return 1.0, float(graded is not None and is_equivalent(graded, answer))
 
 
-def r1_zero_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
+def r1_zero_math_reward(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
     """1.0 for `... </think> <answer> X </answer>` with X equal to `answer`, else 0.0 (format alone scores 0)."""
-    return [r1_zero_grades(completion, gold)[1] for completion, gold in zip(completions, answer)]
+    return [r1_zero_grades(completion, gold)[1] for completion, gold in zip(completion_texts(completions), answer)]
 
 
-def boxed_math_reward(prompts: list, completions: list[str], answer: list, **kwargs) -> list[float]:
+def boxed_math_reward(prompts: list, completions: list, answer: list, **kwargs) -> list[float]:
     """1.0 when the last \\boxed{...} of the completion equals `answer`, else 0.0."""
     rewards = []
-    for completion, gold in zip(completions, answer):
+    for completion, gold in zip(completion_texts(completions), answer):
         check_answer(gold)
         boxed = last_boxed(completion)
         rewards.append(float(boxed is not None and is_equivalent(boxed, gold)))

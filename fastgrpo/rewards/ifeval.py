@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import re
 
+from fastgrpo.rewards.completions import completion_texts
+
 _SENTENCE_END = re.compile(r"[.!?]+(?:\s|$)")
 
 
@@ -119,10 +121,10 @@ def check_row(row) -> None:
         check_constraint("", constraint)
 
 
-def ifeval_reward(prompts: list, completions: list[str], constraints: list[list[dict]], **kwargs) -> list[float]:
+def ifeval_reward(prompts: list, completions: list, constraints: list[list[dict]], **kwargs) -> list[float]:
     """The fraction of each row's constraints the completion satisfies (1.0 = all), in [0, 1]."""
     rewards = []
-    for text, row in zip(completions, constraints):
+    for text, row in zip(completion_texts(completions), constraints):
         row = row_constraints(row)
         rewards.append(sum(check_constraint(text, c) for c in row) / len(row) if row else 1.0)
     return rewards
