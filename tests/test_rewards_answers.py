@@ -43,3 +43,17 @@ def test_answer_normalisation(prediction, answer, expected):
     groups (1\\,000 read as 1 * 0) and a unit in words ("12 dollars" read as 12 * d * o * l ...) were wrong."""
     assert is_equivalent(prediction, answer) is expected
     assert boxed_math_reward(["q"], [f"\\boxed{{{prediction}}}"], answer=[answer]) == [float(expected)]
+
+
+@pytest.mark.parametrize("reward, completion", [
+    (r1_zero_math_reward, "</think> <answer> 4 </answer>"), (boxed_math_reward, "\\boxed{4}"),
+])
+def test_a_list_of_reference_answers_accepts_any_of_them(reward, completion):
+    """The course's grader takes a list of ground truths (correct when any matches); the list was read as the text
+    "['3', '4']", whose first number alone could match."""
+    assert reward(["q"], [completion], answer=[["3", "4"]]) == [1.0]
+    assert reward(["q"], [completion], answer=[["4.5", "3"]]) == [0.0]
+    with pytest.raises(ValueError, match=r"^answer: expected a reference answer, got \[\] \(empty\)"):
+        reward(["q"], [completion], answer=[[]])
+    with pytest.raises(ValueError, match=r"^answer: expected a reference answer, got \['4', None\] \(null\)"):
+        reward(["q"], [completion], answer=[["4", None]])

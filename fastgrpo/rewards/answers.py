@@ -52,9 +52,18 @@ def _parse(text: str) -> list:
     return parse(wrapped, parsing_timeout=_timeout()) or parse(text, parsing_timeout=_timeout())
 
 
+def _references(answer) -> list:
+    """The reference answers of a row: a list of them (any one matching is correct, as in the course's grader), or
+    one."""
+    return list(answer) if isinstance(answer, (list, tuple)) else [answer]
+
+
 def missing_answer(answer) -> str | None:
     """What makes a reference answer ungradable: "null" (None, or NaN as pandas reads an empty cell) or "empty" (a
-    blank string, which parses to nothing); None for a gradable one (a number or a non-blank string)."""
+    blank string, which parses to nothing, or an empty list); None for a gradable one (a number, a non-blank string,
+    a list of gradable ones)."""
+    if isinstance(answer, (list, tuple)):
+        return next(filter(None, map(missing_answer, answer)), None) if answer else "empty"
     if answer is None or (isinstance(answer, float) and math.isnan(answer)):
         return "null"
     if isinstance(answer, str) and not answer.strip():
@@ -70,17 +79,18 @@ def check_answer(answer) -> None:
                          "per row")
 
 
-def is_equivalent(prediction: str, answer: str) -> bool:
-    """True when `prediction` and the reference `answer` are mathematically equal (both are plain or LaTeX); a null
-    or empty `answer` is a ValueError (check_answer)."""
+def is_equivalent(prediction: str, answer) -> bool:
+    """True when `prediction` and the reference `answer` (or one of a list of them) are mathematically equal (both
+    are plain or LaTeX); a null or empty `answer` is a ValueError (check_answer)."""
     from math_verify import verify
 
     check_answer(answer)
     if not prediction.strip() or len(prediction) > MAX_ANSWER_CHARS:
         return False
     try:
-        gold, pred = _parse(str(answer)), _parse(prediction)
-        return bool(gold and pred and verify(gold, pred, timeout_seconds=_timeout()))
+        pred = _parse(prediction)
+        return bool(pred) and any(verify(gold, pred, timeout_seconds=_timeout())
+                                  for gold in map(_parse, map(str, _references(answer))) if gold)
     except Exception:  # sympy can raise anything on adversarial text; unreadable means wrong
         return False
 
