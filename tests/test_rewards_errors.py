@@ -78,4 +78,29 @@ def test_eval_and_ei_name_where_it_raised_too():
     with pytest.raises(RewardError, match=r"^reward function broken raised ZeroDivisionError: division by zero \(at "
                                           r"test_rewards_errors.py:\d+, in (<listcomp>|broken)\); ") as caught:
         check_reward_failures(failures, "raise")
-    assert isinstance(caught.value.__cause__, ZeroDivisionError)
+    assert "1 / 0" in str(caught.value.__cause__)  # its traceback: --debug shows it
+
+
+def test_a_failure_keeps_no_frames_alive():
+    """With reward_errors="skip" a failure stays in the step's metrics; holding the exception held its frames, and
+    through them every local of the step (its tensors), for as long as the run's history lived."""
+    import gc
+    import weakref
+
+    from fastgrpo.rewards import score
+
+    class Payload:
+        pass
+
+    payloads = []
+
+    def raises(prompts, completions, **kwargs):
+        payload = Payload()
+        payloads.append(weakref.ref(payload))
+        raise KeyError("x")
+
+    _, failures = score([raises], ["p"], ["a"], {})
+    gc.collect()
+    assert payloads[0]() is None
+    assert failures["raises"].raised_at.startswith(" (at test_rewards_errors.py:")
+    assert "in raises" in failures["raises"].trace

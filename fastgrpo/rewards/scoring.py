@@ -107,26 +107,36 @@ class RewardError(RuntimeError):
 class RewardFailure(str):
     """The message of one reward function's failure on a batch ("raised KeyError: 'x'", "returned nan, ..."), a
     str (it goes into metrics and JSON as it is) that also carries the function's name, `row`: the first
-    completion (batch position) the failure shows on, None when no single row is to blame (a wrong count), and
-    `error`: the exception it raised (None when it returned something wrong), whose traceback --debug shows."""
+    completion (batch position) the failure shows on, None when no single row is to blame (a wrong count), and for
+    an exception it raised (`error`), `raised_at` (" (at rewards.py:12, in lookup)": the innermost frame, the user's
+    code or what it called) and `trace`, its traceback as text. Text, not the exception: its frames would hold the
+    step's tensors alive for as long as the metrics keep the failure (reward_errors="skip")."""
 
     function: str
     row: int | None
-    error: Exception | None
+    raised_at: str
+    trace: str | None
 
     def __new__(cls, function: str, problem: str, row: int | None = None, error: Exception | None = None):
         out = super().__new__(cls, problem)
-        out.function, out.row, out.error = function, row, error
+        out.function, out.row, out.raised_at, out.trace = function, row, "", None
+        if error is not None and error.__traceback__ is not None:
+            frame = traceback.extract_tb(error.__traceback__)[-1]
+            out.raised_at = f" (at {os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
+            out.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
         return out
 
-    @property
-    def raised_at(self) -> str:
-        """" (at rewards.py:12, in lookup)": the line that raised (the innermost frame: the user's code, or what it
-        called), "" when nothing raised."""
-        if self.error is None or self.error.__traceback__ is None:
-            return ""
-        frame = traceback.extract_tb(self.error.__traceback__)[-1]
-        return f" (at {os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
+
+class ReportedTraceback(Exception):
+    """A reward function's traceback, as text: what a RewardError is raised from, so that --debug shows where the
+    user's function failed."""
+
+
+def traceback_of(failure: str) -> ReportedTraceback | None:
+    """The traceback of the exception a failure (a RewardFailure) stands for; None for one that raised nothing, or
+    plain text (failures merged across processes)."""
+    trace = getattr(failure, "trace", None)
+    return None if trace is None else ReportedTraceback(trace)
 
 
 def _as_float(value) -> float | None:
@@ -240,4 +250,4 @@ def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Ca
         row = first_failing_row(func, prompts, completions, columns)
     where = "" if row is None else f" on {describe_row(row)}: {completions[row][:40]!r}"
     raise RewardError(f"reward function {failure.function} {failure}{failure.raised_at}{where}; "
-                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from failure.error
+                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from traceback_of(failure)

@@ -21,7 +21,7 @@ import torch
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
-from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, warn_unscored
+from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, traceback_of, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.input_checks import check_reward_rows
@@ -116,7 +116,7 @@ def check_reward_failures(failures: dict, reward_errors: str, *, warn: bool = Tr
         return
     name, failure = next(iter(failures.items()))
     raise RewardError(f"reward function {name} {failure}{getattr(failure, 'raised_at', '')}; "  # merged: plain text
-                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from getattr(failure, "error", None)
+                      f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from traceback_of(failure)
 
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
