@@ -205,12 +205,12 @@ def test_yaml_unknown_key_is_named(tmp_path):
                                 "`fastgrpo sft` / `fastgrpo ei` setting); see `fastgrpo eval --help`"),
 ])
 def test_yaml_key_of_another_command_names_that_command(command, text, message, tmp_path):
-    from fastgrpo.train.command_fields import config_file_settings
+    from fastgrpo.train.commands import CONFIGS
 
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
-        config_file_settings(command, str(path))
+        CONFIGS[command].file_settings(str(path))
     assert str(info.value) == message
 
 

@@ -27,7 +27,7 @@ from fastgrpo.train.commands import (
     check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.command_fields import config_file_settings, elsewhere
+from fastgrpo.train.command_fields import elsewhere
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
@@ -172,7 +172,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     # typed: YAML's `none`, "16", ~/ as a flag's
-    merged = coerced(GRPOConfig, {**config_file_settings("train", args.config), **flags})
+    merged = coerced(GRPOConfig, {**GRPOConfig.file_settings(args.config), **flags})
     preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     if merged.get("dataset") is None:
         preset["reward_funcs"] = list(default_task.REWARD_FUNCS)

@@ -2,23 +2,48 @@
 `max_steps` under `fastgrpo ei` is 'a `fastgrpo train` / `fastgrpo sft` setting; ei counts rounds with ei_steps'
 (a close match would name save_steps).
 
-It sits above every command's config: GRPOConfig.from_dict cannot import the configs built on its fields (a cycle),
-so the CLI checks a --config file's keys here; from Python, from_dict names the nearest field only.
+FIELDS is every command's fields written out, not read from the configs: ConfigFile.from_dict (which GRPOConfig has)
+names the command of a key from it, and it cannot import the configs built on GRPOConfig's fields (a cycle).
+tests/test_config_commands.py checks it against the configs, so a field added to a config and not here fails there.
 """
 from __future__ import annotations
 
-import dataclasses
-import functools
-
-from fastgrpo._checks import check_known_fields
-from fastgrpo.train.config import GRPOConfig
-from fastgrpo.train.config_file import read_yaml
-from fastgrpo.train.ei_config import EIConfig
-from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.naming import flag
-from fastgrpo.train.sft_config import SFTConfig
 
-CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
+# Fields by the commands that have them (each command's config lists them in its own order).
+_OWNERS = {
+    ("train", "sft", "ei", "eval"): ("model", "dataset", "dataset_split", "prompt_column", "prompt_format", "dtype",
+                                     "device", "batch_size", "seed", "output_dir", "overwrite_output_dir"),
+    ("train", "sft", "ei"): (
+        "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
+        "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",
+        "fsdp_layers_per_group", "offload_activations", "recompute_layers", "offload_host_memory_gib",
+        "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
+        "max_grad_norm", "lr_scheduler", "warmup_steps", "save_steps", "save_total_limit", "resume",
+        "resume_allow_changes", "export", "logging_steps", "report_to", "progress_bar", "eval_steps", "eval_dataset",
+        "eval_max_examples"),
+    ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop",
+                              "reward_errors"),
+    ("train", "ei"): ("max_prompt_length", "max_completion_length"),
+    ("train", "sft"): ("max_steps", "save_minutes"),
+    ("ei", "eval"): ("correct_threshold",),
+    ("train",): (
+        "truncate_prompts", "top_k", "min_p", "repetition_penalty", "rollout_engine", "rollout_attention",
+        "rollout_weights", "rollout_kv_cache", "vllm_gpu_memory_utilization", "vllm_lora_sync", "vllm_execution",
+        "num_iterations", "num_minibatches", "loss_type", "importance_sampling_level", "epsilon_low", "epsilon_high",
+        "delta", "scale_rewards", "beta", "kl_target", "kl_max_log_step", "sapo_temperature_pos",
+        "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+        "top_entropy_quantile", "off_policy_mask_threshold", "use_bias_correction_kl", "entropy_coef",
+        "use_adaptive_entropy", "entropy_coef_min", "entropy_coef_max", "entropy_coef_delta", "entropy_target",
+        "mask_truncated_completions", "multi_objective_aggregation", "rollout_correction", "rollout_correction_level",
+        "rollout_correction_clip_min", "rollout_correction_clip_max"),
+    ("sft",): ("response_column", "max_seq_length", "truncate_sequences", "num_epochs", "eval_reward_funcs",
+               "eval_max_new_tokens", "eval_temperature"),
+    ("ei",): ("questions_per_step", "generation_batch_size", "sft_epochs", "ei_steps"),
+    ("eval",): ("checkpoint", "max_examples", "max_new_tokens", "log_generations"),
+}
+FIELDS = {command: frozenset(name for owners, names in _OWNERS.items() if command in owners for name in names)
+          for command in ("train", "sft", "ei", "eval")}
 
 # One setting under each command's own name(s): {command: (what the command does, with the fields)}. A key that is
 # another command's field of a row is answered with this command's entry of the first such row.
@@ -48,15 +73,14 @@ COUNTERPARTS = (
 )
 
 
-@functools.cache
 def fields(command: str) -> frozenset[str]:
-    return frozenset(f.name for f in dataclasses.fields(CONFIGS[command]))
+    return FIELDS[command]
 
 
 def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
     """For a field `name` that `command`'s config lacks and others have: 'a `fastgrpo train` setting; ei counts
     rounds with ei_steps' (as_flag: 'a `fastgrpo train` flag; ei counts rounds with --ei-steps'); None otherwise."""
-    owners = [other for other in CONFIGS if other != command and name in fields(other)]
+    owners = [other for other in FIELDS if other != command and name in fields(other)]
     if name in fields(command) or not owners:
         return None
     note = f"a {' / '.join(f'`fastgrpo {owner}`' for owner in owners)} {'flag' if as_flag else 'setting'}"
@@ -67,10 +91,7 @@ def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
     return note
 
 
-def config_file_settings(command: str, path: str | None) -> dict:
-    """The settings of a --config file (none: {}); a key that is no field of `command`'s config is an error, naming
-    the command it belongs to where it is another's."""
-    data = read_yaml(path) if path is not None else {}
-    notes = {key: note for key in data if (note := elsewhere(key, command)) is not None}
-    check_known_fields(data, CONFIGS[command], command, notes)
-    return data
+def other_commands_notes(data: dict, command: str) -> dict[str, str]:
+    """{key: elsewhere(key, command)} for each key of `data` that is another command's field (check_known_fields'
+    notes)."""
+    return {key: note for key in data if (note := elsewhere(key, command)) is not None}

@@ -16,15 +16,18 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.command_fields import CONFIGS, config_file_settings
-from fastgrpo.train.config import add_config_arguments, check_resume
+from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
+from fastgrpo.train.ei_config import EIConfig
+from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.naming import setting
+from fastgrpo.train.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
 
+CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
 MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
 
 SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
@@ -61,7 +64,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     # typed: YAML's `none`, "16", ~/ as a flag's
-    merged = coerced(CONFIGS[name], {**config_file_settings(name, args.config), **flags})
+    merged = coerced(CONFIGS[name], {**CONFIGS[name].file_settings(args.config), **flags})
     run, source = _trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions

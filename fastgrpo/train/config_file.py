@@ -8,6 +8,8 @@ import os
 from pathlib import Path
 
 from fastgrpo._checks import check_known_fields
+from fastgrpo.train.coercion import coerced
+from fastgrpo.train.command_fields import other_commands_notes
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
@@ -22,12 +24,27 @@ class ConfigFile:
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides):
         """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
-        return cls.from_dict({**read_yaml(path), **overrides})
+        return cls.from_dict({**cls.file_settings(path), **overrides})
 
     @classmethod
     def from_dict(cls, data: dict):
-        check_known_fields(data, cls, cls.COMMAND)
+        """The config of `data`'s fields; a key that is none is an error naming it (and the command it belongs to
+        where it is another command's field)."""
+        check_known_fields(data, cls, cls.COMMAND, other_commands_notes(data, cls.COMMAND))
         return cls(**data)
+
+    @classmethod
+    def file_settings(cls, path: str | Path | None) -> dict:
+        """The {field: value} settings of a YAML config file (`--config`; none: {}), each value of its field's type,
+        before presets and flags join them; an unknown key or a wrong type is an error naming the file."""
+        if path is None:
+            return {}
+        data = read_yaml(path)
+        check_known_fields(data, cls, cls.COMMAND, other_commands_notes(data, cls.COMMAND))
+        try:
+            return coerced(cls, data)
+        except ValueError as err:  # `learning_rate: expected a number, got 'fast'`: a flag could have said that
+            raise ValueError(f"config: {Path(path).expanduser()}: {err}") from None
 
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
