@@ -78,10 +78,12 @@ def read_yaml(path: str | Path) -> dict:
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
-                key = self.construct_object(key_node, deep=deep)
+                key = self.construct_object(key_node, deep=True)  # a [a, b] key whole, not yet []
+                where = f"config: {path}:{key_node.start_mark.line + 1}"
+                if not isinstance(key, str):  # `1:`, `yes:` (YAML 1.1's true), `[a, b]:`: no field's name
+                    raise ValueError(f"{where}: key {key!r} is no field name (expected text)")
                 if key in seen:
-                    mark = key_node.start_mark
-                    raise ValueError(f"config: {path}:{mark.line + 1}: {key!r} is given twice")
+                    raise ValueError(f"{where}: {key!r} is given twice")
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 

@@ -1,0 +1,46 @@
+"""A --config file / from_yaml: each problem of the file is one line naming the file (and the key)."""
+import pytest
+
+from fastgrpo.train.cli import main
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.sft_config import SFTConfig
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("learning_rate: fast\n", "learning_rate: expected a number, got 'fast'"),
+    ("learning_rate: [1.0e-5, 2.0e-5]\n", "learning_rate: expected a number, got [1e-05, 2e-05]"),
+    ("learning_rate: null\n", "learning_rate: expected a number, got None"),
+    ("max_steps: 2.5\n", "max_steps: expected an integer, got 2.5"),
+    ("reward_funcs: {length: 1}\n", "reward_funcs: expected a list of strings, got {'length': 1}"),
+])
+def test_a_wrong_type_names_the_key_and_the_file(text, problem, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == f"config: {path}: {problem}"
+    assert main(["train", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"fastgrpo train: error: config: {path}: {problem}\n"
+
+
+def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("max_steps: 3\n")
+    with pytest.raises(ValueError) as info:
+        SFTConfig.from_yaml(path, learning_rate="fast")
+    assert str(info.value) == "learning_rate: expected a number, got 'fast'"
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("seed: 1\n1: 2\n", ":2: key 1 is no field name (expected text)"),
+    ("yes: 2\n", ":1: key True is no field name (expected text)"),  # YAML 1.1 reads yes / on / no as booleans
+    ("? [a, b]\n: 1\n", ":1: key ['a', 'b'] is no field name (expected text)"),
+])
+def test_a_key_that_is_no_text_is_one_line(text, problem, tmp_path, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == f"config: {path}{problem}"
+    assert main(["sft", "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"fastgrpo sft: error: config: {path}{problem}\n"
