@@ -14,6 +14,9 @@ from fastgrpo.train.command_fields import other_commands_notes
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
 INPUT_PATH_FIELDS = ("model", "dataset", "eval_dataset", "checkpoint")
+# what one invocation does with the run already in output_dir, not a setting of the run: left out of the record, which
+# fed back as --config would do it again (overwrite_output_dir: delete the run the record came from)
+INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
 
 
 class ConfigFile:
@@ -48,8 +51,9 @@ class ConfigFile:
 
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
-        (INPUT_PATH_FIELDS) made absolute, so the record names the file the run read wherever it is read later."""
-        data = dataclasses.asdict(self)
+        (INPUT_PATH_FIELDS) made absolute, so the record names the file the run read wherever it is read later; no
+        INVOCATION_FIELDS."""
+        data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
                 data[name] = os.path.abspath(data[name])

@@ -1,0 +1,40 @@
+"""A run's record of its config (checkpoint-<step>/run_config.json, final/, summary.json) fed back as --config: it
+reproduces the run, and never deletes the run it came from."""
+import json
+
+import pytest
+
+from fastgrpo.train.cli import main
+from fastgrpo.train.commands import CONFIGS
+
+TINY = ["--max-steps", "2", "--learning-rate", "1e-3", "--no-export"]
+
+
+def _rewards(run):
+    return [line["reward"] for line in map(json.loads, (run / "metrics.jsonl").read_text().splitlines())]
+
+
+def test_a_run_record_fed_back_reproduces_the_run_and_keeps_it(tmp_path, capsys):
+    run, again = tmp_path / "run", tmp_path / "again"
+    run.mkdir()
+    (run / "notes.txt").write_text("mine")  # not a run's file: kept
+    assert main(["train", *TINY, "--output-dir", str(run), "--overwrite-output-dir"]) == 0
+    record = run / "checkpoint-2" / "run_config.json"
+    # the record's overwrite_output_dir would delete this run when fed back as it stands
+    assert main(["train", "--config", str(record)]) == 2
+    assert f"output_dir: {run} holds another run" in capsys.readouterr().err
+    assert (run / "checkpoint-2").is_dir() and _rewards(run) and (run / "notes.txt").read_text() == "mine"
+    assert main(["train", "--config", str(record), "--output-dir", str(again)]) == 0  # a flag over the file
+    assert _rewards(again) == _rewards(run)
+    saved, resaved = (json.loads(p.read_text()) for p in (record, again / "checkpoint-2" / "run_config.json"))
+    assert resaved.pop("output_dir") == str(again) and saved.pop("output_dir") == str(run) and saved == resaved
+
+
+@pytest.mark.parametrize("command", sorted(CONFIGS))
+def test_the_record_holds_what_the_run_computes_not_what_its_invocation_did(command):
+    """resume / overwrite_output_dir / resume_allow_changes say what one invocation did with the run already in
+    output_dir; recorded, a record fed back as --config would repeat it (overwrite: delete that run)."""
+    config = CONFIGS[command](overwrite_output_dir=True)
+    record = config.to_dict()
+    assert not {"resume", "resume_allow_changes", "overwrite_output_dir"} & set(record)
+    assert CONFIGS[command].from_dict(record) == CONFIGS[command]()
