@@ -44,3 +44,21 @@ def test_a_key_that_is_no_text_is_one_line(text, problem, tmp_path, capsys):
     assert str(info.value) == f"config: {path}{problem}"
     assert main(["sft", "--config", str(path)]) == 2
     assert capsys.readouterr().err == f"fastgrpo sft: error: config: {path}{problem}\n"
+
+
+def test_paths_expand_the_home_folder_and_environment_variables(tmp_path, monkeypatch):
+    """As a shell expands them on a command line; YAML does not."""
+    monkeypatch.setenv("FASTGRPO_TEST_ROOT", str(tmp_path))
+    monkeypatch.delenv("FASTGRPO_TEST_UNSET", raising=False)
+    path = tmp_path / "run.yaml"
+    path.write_text("dataset: $FASTGRPO_TEST_ROOT/d.jsonl\noutput_dir: ${FASTGRPO_TEST_ROOT}/out\n"
+                    "eval_dataset: ~/e.jsonl\nprompt_column: $question\n")
+    config = GRPOConfig.from_yaml(path)
+    assert (config.dataset, config.output_dir) == (f"{tmp_path}/d.jsonl", f"{tmp_path}/out")
+    assert config.eval_dataset.endswith("/e.jsonl") and "~" not in config.eval_dataset
+    assert config.prompt_column == "$question"  # a column name, no path
+    path.write_text("model: $FASTGRPO_TEST_UNSET/models/m\n")
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == (f"config: {path}: model: environment variable FASTGRPO_TEST_UNSET is not set (in "
+                               "'$FASTGRPO_TEST_UNSET/models/m')")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import types
 import typing
 
@@ -28,7 +29,8 @@ def coerced(config_class: type, values: dict) -> dict:
     return {k: coerced_value(k, v, hints[k]) if k in hints else v for k, v in values.items()}
 
 
-# fields holding a path, where a leading ~ is the home folder (as a shell expands it on a command line; YAML does not)
+# fields holding a path, where ~ and $VAR / ${VAR} are expanded (as a shell expands them on a command line; YAML
+# does not)
 PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
 
 
@@ -36,7 +38,7 @@ def coerced_value(name: str, value, hint):
     """`value` of field `name` as its type hint says, or a ValueError naming it. YAML 1.1 reads `learning_rate:
     1e-6` as a string (a float needs a dot there), so numeric strings become the field's int / float; an integral
     float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element list (`reward_funcs: length`); 'none'
-    unsets an optional field, as its flag's 'none' does; a path field's leading ~ is expanded."""
+    unsets an optional field, as its flag's 'none' does; a path field's ~ and environment variables are expanded."""
     scalar, is_list, optional = base_type(hint)
     if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
         value = None
@@ -44,14 +46,24 @@ def coerced_value(name: str, value, hint):
         if not optional:
             raise ValueError(f"{name}: expected {_describe(scalar, is_list)}, got None")
         return None
-    if name in PATH_FIELDS and isinstance(value, str) and value.startswith("~"):
-        return os.path.expanduser(value)
+    if name in PATH_FIELDS and isinstance(value, str):
+        return _expanded_path(name, value)
     if is_list:
         items = [value] if isinstance(value, (str, int, float)) else value
         if not isinstance(items, (list, tuple)):
             raise ValueError(f"{name}: expected {_describe(scalar, True)}, got {value!r}")
         return [_coerce(name, item, scalar) for item in items]
     return _coerce(name, value, scalar)
+
+
+def _expanded_path(name: str, path: str) -> str:
+    """`path` with ~ and $VAR / ${VAR} expanded; a variable that is not set is an error naming it (os.path.expandvars
+    would leave a folder named `$SCRATCH` to be read or created)."""
+    expanded = os.path.expandvars(os.path.expanduser(path))
+    unset = re.search(r"\$(\w+|\{[^}]*\})", expanded)
+    if unset is not None:
+        raise ValueError(f"{name}: environment variable {unset.group(1).strip('{}')} is not set (in {path!r})")
+    return expanded
 
 
 def _coerce(name: str, value, scalar: type):
