@@ -48,3 +48,39 @@ def test_from_dict_names_the_command_a_key_belongs_to(config, data, message):
     with pytest.raises(ValueError) as info:
         config.from_dict(data)
     assert str(info.value) == message
+
+
+@pytest.mark.parametrize("config, key, note", [
+    (GRPOConfig, "lr", "TRL's name; here learning_rate"),
+    (SFTConfig, "model_name_or_path", "TRL's name; here model"),
+    (GRPOConfig, "bf16", "TRL's name; here dtype: bfloat16"),
+    (EvalConfig, "fp16", "TRL's name; here dtype: float16"),
+    (EIConfig, "use_peft", "TRL's name; here lora_rank > 0"),
+    (GRPOConfig, "use_vllm", "TRL's name; here rollout_engine: vllm"),
+    (SFTConfig, "num_train_epochs", "TRL's name; here num_epochs"),  # not max_steps: sft has both
+    (GRPOConfig, "num_train_epochs", "TRL's name; here max_steps"),  # a close match said num_iterations
+    (GRPOConfig, "steps_per_generation", "TRL's name; here num_minibatches (optimizer steps per rollout batch)"),
+    (SFTConfig, "gradient_accumulation_steps", "TRL's name; here micro_batch_size (gradients accumulate over a "
+                                               "step's micro-batches)"),
+])
+def test_a_trl_name_names_fastgrpos(config, key, note, tmp_path):
+    """A TrlParser YAML's keys that a close match would miss or mislead on name the setting that does it here."""
+    path = tmp_path / "trl.yaml"
+    path.write_text(f"{key}: 1\n")
+    with pytest.raises(ValueError) as info:
+        config.from_yaml(path)
+    assert f"'{key}' for `fastgrpo {config.COMMAND}` ({note}); see" in str(info.value)
+
+
+def test_a_trl_name_of_what_a_command_lacks_has_no_note():
+    with pytest.raises(ValueError) as info:
+        SFTConfig.from_dict({"use_vllm": True})
+    assert str(info.value) == "config: unknown field 'use_vllm' for `fastgrpo sft`; see `fastgrpo sft --help`"
+
+
+def test_trl_names_name_fields_and_are_none():
+    from fastgrpo.train.command_fields import TRL_NAMES
+
+    ours = set().union(*FIELDS.values())
+    for name, (fields_, _) in TRL_NAMES.items():
+        assert name not in ours and set(fields_) <= ours, name

@@ -73,6 +73,21 @@ COUNTERPARTS = (
 )
 
 
+# Names TRL's configs (a TrlParser YAML) give settings that fastgrpo names otherwise, where a close match would miss or
+# mislead (num_train_epochs -> num_iterations): {TRL's name: (fastgrpo's fields, the first a command has, and how)}.
+TRL_NAMES = {
+    "lr": (("learning_rate",), ""),
+    "model_name_or_path": (("model",), ""),
+    "bf16": (("dtype",), ": bfloat16"),
+    "fp16": (("dtype",), ": float16"),
+    "use_peft": (("lora_rank",), " > 0"),
+    "use_vllm": (("rollout_engine",), ": vllm"),
+    "num_train_epochs": (("num_epochs", "sft_epochs", "max_steps"), ""),
+    "steps_per_generation": (("num_minibatches",), " (optimizer steps per rollout batch)"),
+    "gradient_accumulation_steps": (("micro_batch_size",), " (gradients accumulate over a step's micro-batches)"),
+}
+
+
 def fields(command: str) -> frozenset[str]:
     return FIELDS[command]
 
@@ -91,7 +106,13 @@ def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
     return note
 
 
-def other_commands_notes(data: dict, command: str) -> dict[str, str]:
-    """{key: elsewhere(key, command)} for each key of `data` that is another command's field (check_known_fields'
-    notes)."""
-    return {key: note for key in data if (note := elsewhere(key, command)) is not None}
+def trl_name(name: str, command: str) -> str | None:
+    """For a TRL_NAMES key: "TRL's name; here dtype: bfloat16" where `command` has the setting; None otherwise."""
+    ours, how = TRL_NAMES.get(name, ((), ""))
+    field = next((f for f in ours if f in fields(command)), None)
+    return f"TRL's name; here {field}{how}" if field is not None else None
+
+
+def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
+    """check_known_fields' notes on the keys of `data`: another command's field (elsewhere) or a TRL name."""
+    return {key: note for key in data if (note := elsewhere(key, command) or trl_name(key, command)) is not None}

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from fastgrpo._checks import check_known_fields
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.command_fields import other_commands_notes
+from fastgrpo.train.command_fields import unknown_key_notes
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
@@ -33,7 +33,7 @@ class ConfigFile:
     def from_dict(cls, data: dict):
         """The config of `data`'s fields; a key that is none is an error naming it (and the command it belongs to
         where it is another command's field)."""
-        check_known_fields(data, cls, cls.COMMAND, other_commands_notes(data, cls.COMMAND))
+        check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         return cls(**data)
 
     @classmethod
@@ -43,7 +43,7 @@ class ConfigFile:
         if path is None:
             return {}
         data = read_yaml(path)
-        check_known_fields(data, cls, cls.COMMAND, other_commands_notes(data, cls.COMMAND))
+        check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         try:
             return coerced(cls, data)
         except ValueError as err:  # `learning_rate: expected a number, got 'fast'`: a flag could have said that
