@@ -62,3 +62,16 @@ def test_paths_expand_the_home_folder_and_environment_variables(tmp_path, monkey
         GRPOConfig.from_yaml(path)
     assert str(info.value) == (f"config: {path}: model: environment variable FASTGRPO_TEST_UNSET is not set (in "
                                "'$FASTGRPO_TEST_UNSET/models/m')")
+
+
+def test_a_folder_is_no_config_file_and_a_runs_names_its_record(tmp_path, capsys):
+    run = tmp_path / "run"
+    for step in (2, 10):  # checkpoint-10 is the newest, though it sorts first as text
+        (run / f"checkpoint-{step}").mkdir(parents=True)
+        (run / f"checkpoint-{step}" / "run_config.json").write_text("{}")
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(run)
+    assert str(info.value) == (f"config: {run} is a folder, not a YAML file (the run's settings are in "
+                               f"{run / 'checkpoint-10' / 'run_config.json'})")
+    assert main(["eval", "--config", str(tmp_path)]) == 2
+    assert capsys.readouterr().err == f"fastgrpo eval: error: config: {tmp_path} is a folder, not a YAML file\n"

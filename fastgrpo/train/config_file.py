@@ -96,6 +96,8 @@ def read_yaml(path: str | Path) -> dict:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is no key
     except FileNotFoundError:
         raise ValueError(f"config: no such file {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"config: {path} is a folder, not a YAML file{_run_record_note(path)}") from None
     except OSError as err:
         raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
     except UnicodeDecodeError as err:
@@ -110,3 +112,11 @@ def read_yaml(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
     return data
+
+
+def _run_record_note(folder: Path) -> str:
+    """' (the run's settings are in <folder>/checkpoint-<newest>/run_config.json)' for a run's output_dir, the file
+    a --config of the run's folder likely meant (fastgrpo.train.checkpoint writes it); '' for another folder."""
+    steps = {int(p.parent.name.removeprefix("checkpoint-")): p for p in folder.glob("checkpoint-*/run_config.json")
+             if p.parent.name.removeprefix("checkpoint-").isdigit()}
+    return f" (the run's settings are in {steps[max(steps)]})" if steps else ""
