@@ -84,3 +84,12 @@ def test_trl_names_name_fields_and_are_none():
     ours = set().union(*FIELDS.values())
     for name, (fields_, _) in TRL_NAMES.items():
         assert name not in ours and set(fields_) <= ours, name
+
+
+def test_a_nested_mapping_of_fields_says_the_configs_are_flat(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("optimizer:\n  learning_rate: 1.0e-5\n  weight_decay: 0.1\n  betas: [0.9, 0.99]\n")
+    with pytest.raises(ValueError) as info:
+        SFTConfig.from_yaml(path)
+    assert str(info.value) == ("config: unknown field 'optimizer' for `fastgrpo sft` (a config is flat: write "
+                               "learning_rate, weight_decay at the top level); see `fastgrpo sft --help`")

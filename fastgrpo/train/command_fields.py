@@ -114,5 +114,13 @@ def trl_name(name: str, command: str) -> str | None:
 
 
 def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
-    """check_known_fields' notes on the keys of `data`: another command's field (elsewhere) or a TRL name."""
-    return {key: note for key in data if (note := elsewhere(key, command) or trl_name(key, command)) is not None}
+    """check_known_fields' notes on the keys of `data`: another command's field (elsewhere), a TRL name, or a
+    section of fields (`optimizer: {learning_rate: ...}`)."""
+    notes = {key: elsewhere(key, command) or trl_name(key, command) or _nested(value, command)
+             for key, value in data.items()}
+    return {key: note for key, note in notes.items() if note is not None}
+
+
+def _nested(value, command: str) -> str | None:
+    nested = [name for name in value if name in fields(command)] if isinstance(value, dict) else []
+    return f"a config is flat: write {', '.join(nested)} at the top level" if nested else None
