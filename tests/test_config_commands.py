@@ -93,3 +93,10 @@ def test_a_nested_mapping_of_fields_says_the_configs_are_flat(tmp_path):
         SFTConfig.from_yaml(path)
     assert str(info.value) == ("config: unknown field 'optimizer' for `fastgrpo sft` (a config is flat: write "
                                "learning_rate, weight_decay at the top level); see `fastgrpo sft --help`")
+
+
+def test_a_nested_whole_config_is_named_in_a_short_note():
+    with pytest.raises(ValueError) as info:
+        EvalConfig.from_dict({"config": EvalConfig().to_dict()})  # summary.json's section, say
+    assert str(info.value) == ("config: unknown field 'config' for `fastgrpo eval` (a config is flat: write model, "
+                               "checkpoint, dataset, ... at the top level); see `fastgrpo eval --help`")

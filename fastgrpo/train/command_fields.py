@@ -123,4 +123,5 @@ def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
 
 def _nested(value, command: str) -> str | None:
     nested = [name for name in value if name in fields(command)] if isinstance(value, dict) else []
-    return f"a config is flat: write {', '.join(nested)} at the top level" if nested else None
+    listed = ", ".join(nested[:3]) + (", ..." if len(nested) > 3 else "")  # a whole config nested: one line still
+    return f"a config is flat: write {listed} at the top level" if nested else None
