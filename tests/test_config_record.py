@@ -38,3 +38,24 @@ def test_the_record_holds_what_the_run_computes_not_what_its_invocation_did(comm
     record = config.to_dict()
     assert not {"resume", "resume_allow_changes", "overwrite_output_dir"} & set(record)
     assert CONFIGS[command].from_dict(record) == CONFIGS[command]()
+
+
+def test_an_older_record_fed_back_keeps_its_run(tmp_path, capsys):
+    """Records written before they left out the invocation's fields hold overwrite_output_dir: true."""
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "metrics.jsonl").write_text('{"step": 1}\n')
+    record = run / "checkpoint-3" / "run_config.json"
+    record.write_text(json.dumps({**CONFIGS["train"]().to_dict(), "output_dir": str(run), "max_steps": 1,
+                                  "overwrite_output_dir": True, "resume": False}))
+    assert CONFIGS["train"].file_settings(record).get("overwrite_output_dir") is None
+    assert main(["train", "--config", str(record)]) == 2
+    assert f"output_dir: {run} holds another run" in capsys.readouterr().err
+    assert record.is_file() and (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_the_record_name_is_the_checkpoints():
+    from fastgrpo.train.checkpoint import CONFIG_FILE
+    from fastgrpo.train.config_file import RUN_RECORD
+
+    assert RUN_RECORD == CONFIG_FILE

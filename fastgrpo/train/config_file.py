@@ -17,6 +17,7 @@ INPUT_PATH_FIELDS = ("model", "dataset", "eval_dataset", "checkpoint")
 # what one invocation does with the run already in output_dir, not a setting of the run: left out of the record, which
 # fed back as --config would do it again (overwrite_output_dir: delete the run the record came from)
 INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
+RUN_RECORD = "run_config.json"  # the name of a run's record (fastgrpo.train.checkpoint.CONFIG_FILE)
 
 
 class ConfigFile:
@@ -43,6 +44,8 @@ class ConfigFile:
         if path is None:
             return {}
         data = read_yaml(path)
+        if Path(path).name == RUN_RECORD:  # a record from before to_dict left them out: not this invocation's
+            data = {key: value for key, value in data.items() if key not in INVOCATION_FIELDS}
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         try:
             return coerced(cls, data)
@@ -116,7 +119,7 @@ def read_yaml(path: str | Path) -> dict:
 
 def _run_record_note(folder: Path) -> str:
     """' (the run's settings are in <folder>/checkpoint-<newest>/run_config.json)' for a run's output_dir, the file
-    a --config of the run's folder likely meant (fastgrpo.train.checkpoint writes it); '' for another folder."""
-    steps = {int(p.parent.name.removeprefix("checkpoint-")): p for p in folder.glob("checkpoint-*/run_config.json")
+    a --config of the run's folder likely meant; '' for another folder."""
+    steps = {int(p.parent.name.removeprefix("checkpoint-")): p for p in folder.glob(f"checkpoint-*/{RUN_RECORD}")
              if p.parent.name.removeprefix("checkpoint-").isdigit()}
     return f" (the run's settings are in {steps[max(steps)]})" if steps else ""
