@@ -75,3 +75,19 @@ def test_a_folder_is_no_config_file_and_a_runs_names_its_record(tmp_path, capsys
                                f"{run / 'checkpoint-10' / 'run_config.json'})")
     assert main(["eval", "--config", str(tmp_path)]) == 2
     assert capsys.readouterr().err == f"fastgrpo eval: error: config: {tmp_path} is a folder, not a YAML file\n"
+
+
+def test_a_json_config_is_read_as_json(tmp_path):
+    """JSON is YAML, except where YAML refuses it: a tab that indents (an editor's JSON), escaped surrogate pairs."""
+    path = tmp_path / "run.json"
+    path.write_text('{\n\t"learning_rate": 1e-5,\n\t"max_steps": 3,\n\t"stop": ["\\ud83d\\ude00"]\n}\n')
+    config = GRPOConfig.from_yaml(path)
+    assert (config.learning_rate, config.max_steps, config.stop) == (1e-5, 3, ["\U0001F600"])
+    path.write_text('{"seed": 1,\n "seed": 2}')
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == f"config: {path}: 'seed' is given twice"
+    path.write_text('{"seed": 1,\n "max_steps": }')
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == f"config: {path}:2:15: malformed JSON (Expecting value)"

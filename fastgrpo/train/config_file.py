@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 from pathlib import Path
 
@@ -77,8 +78,27 @@ class _GivenOnce(argparse.Action):
 
 
 def read_yaml(path: str | Path) -> dict:
-    """The {field: value} mapping of a YAML config file (an empty file is {}); a missing file, bad YAML or a key
-    given twice (YAML would keep the last silently) is a one-line ValueError with the file and line."""
+    """The {field: value} mapping of a YAML config file, or a JSON one (a .json file: JSON is YAML but for the tabs
+    that editors indent it with); an empty file is {}. A missing file, bad YAML or a key given twice (YAML would keep
+    the last silently) is a one-line ValueError with the file and line."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is no key
+    except FileNotFoundError:
+        raise ValueError(f"config: no such file {path}") from None
+    except IsADirectoryError:
+        raise ValueError(f"config: {path} is a folder, not a YAML file{_run_record_note(path)}") from None
+    except OSError as err:
+        raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ValueError(f"config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
+    data = (_parse_json if path.suffix.lower() == ".json" else _parse_yaml)(text, path)
+    if not isinstance(data, dict):
+        raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
+    return data
+
+
+def _parse_yaml(text: str, path: Path):
     import yaml
 
     class UniqueKeys(yaml.SafeLoader):
@@ -94,27 +114,27 @@ def read_yaml(path: str | Path) -> dict:
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
-    path = Path(path).expanduser()
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is no key
-    except FileNotFoundError:
-        raise ValueError(f"config: no such file {path}") from None
-    except IsADirectoryError:
-        raise ValueError(f"config: {path} is a folder, not a YAML file{_run_record_note(path)}") from None
-    except OSError as err:
-        raise ValueError(f"config: cannot read {path}: {err.strerror}") from None
-    except UnicodeDecodeError as err:
-        raise ValueError(f"config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
-    try:
-        data = yaml.load(text, Loader=UniqueKeys) or {}
+        return yaml.load(text, Loader=UniqueKeys) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ValueError(f"config: {where}: malformed YAML ({problem})") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
-    return data
+
+
+def _parse_json(text: str, path: Path):
+    def unique_keys(pairs: list) -> dict:
+        keys = [key for key, _ in pairs]
+        for key in keys:
+            if keys.count(key) > 1:
+                raise ValueError(f"config: {path}: {key!r} is given twice")
+        return dict(pairs)
+
+    try:
+        return json.loads(text, object_pairs_hook=unique_keys) if text.strip() else {}
+    except json.JSONDecodeError as err:
+        raise ValueError(f"config: {path}:{err.lineno}:{err.colno}: malformed JSON ({err.msg})") from None
 
 
 def _run_record_note(folder: Path) -> str:
