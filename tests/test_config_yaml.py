@@ -91,3 +91,11 @@ def test_a_json_config_is_read_as_json(tmp_path):
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
     assert str(info.value) == f"config: {path}:2:15: malformed JSON (Expecting value)"
+
+
+def test_scale_rewards_takes_trls_booleans(tmp_path):
+    """TRL's GRPOConfig reads scale_rewards true / false as group / none (Dr. GRPO recipes write `false`)."""
+    path = tmp_path / "run.yaml"
+    path.write_text("scale_rewards: false\n")
+    assert GRPOConfig.from_yaml(path).scale_rewards == "none"
+    assert GRPOConfig(scale_rewards=True).scale_rewards == "group"

@@ -34,12 +34,19 @@ def coerced(config_class: type, values: dict) -> dict:
 PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
 
 
+# values TRL's configs take for a field that fastgrpo spells otherwise, as TRL reads them (a recipe's YAML works here)
+TRL_VALUES = {"scale_rewards": {True: "group", False: "none"}}
+
+
 def coerced_value(name: str, value, hint):
     """`value` of field `name` as its type hint says, or a ValueError naming it. YAML 1.1 reads `learning_rate:
     1e-6` as a string (a float needs a dot there), so numeric strings become the field's int / float; an integral
     float becomes an int (`max_steps: 1e3`); one scalar becomes a one-element list (`reward_funcs: length`); 'none'
-    unsets an optional field, as its flag's 'none' does; a path field's ~ and environment variables are expanded."""
+    unsets an optional field, as its flag's 'none' does; a path field's ~ and environment variables are expanded;
+    TRL's scale_rewards: false is 'none'."""
     scalar, is_list, optional = base_type(hint)
+    if isinstance(value, bool) and name in TRL_VALUES:
+        value = TRL_VALUES[name][value]
     if optional and isinstance(value, str) and value.lower() in ("none", "null"):  # as on the command line
         value = None
     if value is None:
