@@ -1,6 +1,7 @@
 """Which command a setting belongs to, for the one-line error of a YAML key or flag given to another command:
 `max_steps` under `fastgrpo ei` is 'a `fastgrpo train` / `fastgrpo sft` setting; ei counts rounds with ei_steps'
-(a close match would name save_steps).
+(a close match would name save_steps); and the other notes on a key that is no field (unknown_key_notes): a name
+TRL's configs use, a nested section.
 
 FIELDS is every command's fields written out, not read from the configs: ConfigFile.from_dict (which GRPOConfig has)
 names the command of a key from it, and it cannot import the configs built on GRPOConfig's fields (a cycle).

@@ -33,8 +33,8 @@ class ConfigFile:
 
     @classmethod
     def from_dict(cls, data: dict):
-        """The config of `data`'s fields; a key that is none is an error naming it (and the command it belongs to
-        where it is another command's field)."""
+        """The config of `data`'s fields; a key that is no field is an error naming it (and the command it belongs
+        to where it is another command's field: command_fields.unknown_key_notes)."""
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         return cls(**data)
 
