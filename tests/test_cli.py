@@ -95,7 +95,7 @@ def _bad_inputs(tmp_path):
     (tmp_path / "twice.yaml").write_text("seed: 1\nmax_steps: 2\nseed: 2\n")
     (tmp_path / "latin1.yaml").write_bytes("seed: 1 # caf\xe9\n".encode("latin-1"))
     (tmp_path / "rows.jsonl").write_text('{"prompt": "1 say a"}\n\n{"prompt": "2 say b",}\n')
-    (tmp_path / "rows.csv").write_text("prompt\n1 say a\n")
+    (tmp_path / "rows.txt").write_text("prompt\n1 say a\n")
     (tmp_path / "a_file").write_text("")
     (tmp_path / "typed.jsonl").write_text('{"prompt": "1 say a"}\n{"prompt": 5}\n')
     (tmp_path / "chat.jsonl").write_text('{"prompt": [{"role": "user", "content": "1 say a"}]}\n')
@@ -130,8 +130,9 @@ def _bad_inputs(tmp_path):
         (["--adam-beta2", "-1"], "adam_beta2: expected a number in [0, 1), got -1.0"),
         (["--learning-rate", "inf"], "learning_rate: expected a finite number >= 0, got inf"),
         (["--dataset", str(tmp_path / "no_prompt.jsonl")], "error: dataset: no prompt column 'prompt' (prompt_column)"),
-        (["--dataset", str(tmp_path / "rows.csv")], f"dataset: expected a .jsonl or .json file (or a Hugging Face "
-                                                     f"dataset), got {tmp_path / 'rows.csv'}"),
+        (["--dataset", str(tmp_path / "rows.txt")], f"dataset: expected a .jsonl, .json, .parquet, .csv or .tsv file "
+                                                     f"(.jsonl.gz, .csv.gz too), a folder of them or a Hugging Face "
+                                                     f"dataset name; got {tmp_path / 'rows.txt'}"),
         (["--output-dir", str(tmp_path / "a_file")], "output_dir: expected a folder (or a path to create one at)"),
         (["--output-dir", str(tmp_path / "a_file" / "run")], "output_dir: expected a folder"),
         (["--load-in-4bit", "--lora-rank", "8"], "load_in_4bit: quantizes the weights of --model as they load"),

@@ -18,7 +18,8 @@ from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
 from fastgrpo.train.prompts import check_prompt, check_response
-from fastgrpo.train.sources import import_function, read_json_rows
+from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
+                                    read_json_rows)
 
 
 def resolve_reward(name: str):
@@ -33,32 +34,38 @@ def resolve_reward(name: str):
 
 
 def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
-    """Rows of a local .jsonl / .json file or of a Hugging Face dataset (needs `datasets`); `field` names the
-    config field in errors."""
+    """Rows of a local data file (sources.DATA_FILE_FORMS: JSON ones read here, tables through `datasets`), of a
+    folder of them or one save_to_disk wrote, or of a Hugging Face dataset; `field` names the config field in
+    errors. A file is its only split, as datasets.load_dataset(builder, data_files=file) makes it "train"."""
     path = Path(dataset)
-    json_file = path.suffix.lower() in (".jsonl", ".json")
-    # a missing path whose folder is here is a mistyped local name, not a Hub dataset (which would be retried for
-    # half a minute, then reported as unreachable)
-    if not path.exists() and (json_file or path.parent.is_dir() and path.parent != Path(".")):
+    suffix = data_suffix(path)
+    # a missing path with a data file's suffix, or whose folder is here, is a mistyped local name, not a Hub dataset
+    # (which would be retried for half a minute, then reported as unreachable)
+    if not path.exists() and (suffix or path.parent.is_dir() and path.parent != Path(".")):
         raise ValueError(f"{field}: no such file {path}")
-    if json_file:
-        return read_json_rows(path, field)  # a bad row is an error at file:line
-    if path.is_file():  # load_dataset would take its name for the Hub's
-        raise ValueError(f"{field}: expected a .jsonl or .json file (or a Hugging Face dataset), got {path}")
+    if path.is_file():
+        if suffix in JSON_SUFFIXES:
+            return read_json_rows(path, field)  # a bad row is an error at file:line
+        if not suffix:  # load_dataset would take its name for the Hub's
+            raise ValueError(f"{field}: expected a {DATA_FILE_FORMS}; got {path}")
     try:
         import datasets
     except ImportError:
-        raise ValueError(f"{field}: {dataset!r} is not a .jsonl/.json file; loading a Hugging Face dataset "
-                         "needs `pip install datasets`") from None
+        raise ValueError(f"{field}: reading {dataset!r} needs `pip install datasets` (a .jsonl / .json file does "
+                         "not)") from None
     try:
+        if path.is_file():
+            builder, options = TABLE_BUILDERS[suffix]
+            return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
             return datasets.load_from_disk(str(path))
         return datasets.load_dataset(dataset, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
-        if not path.is_dir():  # a Hub name: the network's errors are not the user's input
+        if not path.exists():  # a Hub name: the network's errors are not the user's input
             raise
-        cause = err.__cause__ or err  # a local folder: what datasets cannot read there is the folder's fault
-        raise ValueError(f"{field}: datasets.load_dataset could not read the folder {path} ({split!r} split): "
+        cause = err.__cause__ or err  # a local file or folder: what datasets cannot read there is its fault
+        what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
+        raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
 

@@ -5,6 +5,7 @@ for data), which the commands print as `fastgrpo <command>: error: ...` (fastgrp
 from __future__ import annotations
 
 import contextlib
+import gzip
 import importlib
 import importlib.util
 import json
@@ -73,14 +74,40 @@ def _on_sys_path(folder: str):
             sys.path.remove(folder)
 
 
+# The data files a dataset field takes, by suffix (a trailing .gz: gzipped): JSON ones are read here, so that a bad
+# row is named by its line; tables by the `datasets` builder named, as datasets.load_dataset(builder, data_files=...)
+JSON_SUFFIXES = (".jsonl", ".json")
+TABLE_BUILDERS = {".parquet": ("parquet", {}), ".csv": ("csv", {}), ".tsv": ("csv", {"sep": "\t"})}
+DATA_FILE_FORMS = (".jsonl, .json, .parquet, .csv or .tsv file (.jsonl.gz, .csv.gz too), a folder of them or a Hugging "
+                   "Face dataset name")
+
+
+def data_suffix(path: Path) -> str:
+    """A data file's format suffix, lower case, under a .gz ("data.jsonl.gz" -> ".jsonl"); "" for no known one."""
+    suffixes = [s.lower() for s in path.suffixes[-2:]]
+    if suffixes[-1:] == [".gz"]:
+        suffixes.pop()
+    suffix = suffixes[-1] if suffixes else ""
+    return suffix if suffix in JSON_SUFFIXES or suffix in TABLE_BUILDERS else ""
+
+
 def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
-    """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects; a
-    bad row is reported as `file:line: ...`."""
+    """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects, either
+    maybe gzipped (.jsonl.gz); a bad row is reported as `file:line: ...`."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{field}: no such file {path}")
-    text = path.read_text(encoding="utf-8-sig")  # a byte-order mark (Windows editors write one) is not a row
-    if path.suffix.lower() == ".json":
+    data = path.read_bytes()
+    if path.suffix.lower() == ".gz":
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError) as err:
+            raise ValueError(f"{field}: {path} is not a readable gzip file ({err})") from None
+    try:
+        text = data.decode("utf-8-sig")  # a byte-order mark (Windows editors write one) is not a row
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{field}: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
+    if data_suffix(path) == ".json":
         try:
             rows = json.loads(text)
         except json.JSONDecodeError as err:

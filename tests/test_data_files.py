@@ -1,0 +1,82 @@
+"""One data file as `--dataset` / `--eval-dataset`, in the formats datasets.load_dataset(builder, data_files=...)
+reads: what a user of TRL / HF brings."""
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from fastgrpo.train.loading import load_rows
+
+# text answers: a CSV column of numbers is read as numbers (datasets' csv builder infers types), as TRL's users get
+ROWS = [{"prompt": "what is 1 plus 1", "answer": "two"}, {"prompt": "what is 2 plus 2", "answer": "four"}]
+
+
+def as_list(rows) -> list[dict]:
+    return [dict(rows[i]) for i in range(len(rows))]
+
+
+@pytest.mark.parametrize("suffix", [".parquet", ".csv", ".tsv"])
+def test_a_table_file_loads(tmp_path, suffix):
+    # refused with "expected a .jsonl or .json file", while the folder holding the same file loaded
+    datasets = pytest.importorskip("datasets")
+    path = tmp_path / f"data{suffix}"
+    table = datasets.Dataset.from_list(ROWS)
+    if suffix == ".parquet":
+        table.to_parquet(str(path))
+    else:
+        table.to_csv(str(path), index=False, sep="\t" if suffix == ".tsv" else ",")
+    assert as_list(load_rows(str(path))) == ROWS
+    assert as_list(load_rows(str(path), "test", field="eval_dataset")) == ROWS  # one file is its only split
+
+
+@pytest.mark.parametrize("suffix", [".jsonl.gz", ".json.gz"])
+def test_a_gzipped_json_file_loads(tmp_path, suffix):
+    path = tmp_path / f"data{suffix}"
+    text = json.dumps(ROWS) if suffix == ".json.gz" else "".join(json.dumps(row) + "\n" for row in ROWS)
+    path.write_bytes(gzip.compress(text.encode()))
+    assert load_rows(str(path)) == ROWS
+
+
+def test_a_bad_row_of_a_gzipped_jsonl_file_is_named_by_its_line(tmp_path):
+    path = tmp_path / "data.jsonl.gz"
+    path.write_bytes(gzip.compress(b'{"prompt": "a"}\n{"prompt": \n'))
+    with pytest.raises(ValueError, match=r"data\.jsonl\.gz:2: invalid JSON in dataset "):
+        load_rows(str(path))
+
+
+def test_a_file_of_another_kind_is_refused_naming_the_forms_taken(tmp_path):
+    path = tmp_path / "data.txt"
+    path.write_text("what is 1 plus 1\n")
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    assert str(err.value) == (f"dataset: expected a .jsonl, .json, .parquet, .csv or .tsv file (.jsonl.gz, .csv.gz "
+                              f"too), a folder of them or a Hugging Face dataset name; got {path}")
+
+
+@pytest.mark.parametrize("name", ["data.parquet", "data.csv", "data.jsonl.gz"])
+def test_a_missing_data_file_in_the_current_folder_is_no_such_file(tmp_path, monkeypatch, name):
+    # a bare name with a data file's suffix is the user's file, not a Hub dataset to retry for half a minute
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"^eval_dataset: no such file {name}$"):
+        load_rows(name, field="eval_dataset")
+
+
+def test_a_table_file_datasets_cannot_read_is_one_line_naming_it(tmp_path):
+    pytest.importorskip("datasets")
+    path = tmp_path / "data.parquet"
+    path.write_bytes(b"not a parquet file")
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    message = str(err.value)
+    assert message.startswith(f"dataset: datasets.load_dataset could not read the file {path}: ")
+    assert "\n" not in message
+
+
+def test_a_spark_style_folder_named_like_a_file_loads_as_a_folder(tmp_path):
+    # Spark writes data.parquet/ as a folder of part files
+    datasets = pytest.importorskip("datasets")
+    (tmp_path / "data.parquet").mkdir()
+    datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "data.parquet" / "part-0.parquet"))
+    assert as_list(load_rows(str(tmp_path / "data.parquet"))) == ROWS
