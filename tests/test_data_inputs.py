@@ -65,4 +65,9 @@ def test_an_sft_row_without_a_response_is_refused_as_the_rows_load(tmp_path):
     path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     with pytest.raises(ValueError) as err:
         load_dataset(SFTConfig(dataset=str(path)))
-    assert str(err.value) == "dataset: row 2: response: expected a string, got NoneType"
+    assert str(err.value) == ("dataset: row 1 has no column 'response'; row 0 has ['prompt', 'response'], and every "
+                              "row needs the prompt and response columns")
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows[::2]))
+    with pytest.raises(ValueError) as err:
+        load_dataset(SFTConfig(dataset=str(path)))
+    assert str(err.value) == "dataset: row 1: response: expected a string, got NoneType"

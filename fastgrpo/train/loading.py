@@ -17,7 +17,8 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
-from fastgrpo.train.prompts import check_prompt, check_response
+from fastgrpo.train.prompts import check_prompt
+from fastgrpo.train.sft_data import sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
                                     read_json_rows)
 
@@ -79,17 +80,17 @@ def load_dataset(config, builtin=None):
     if config.dataset is None:
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
-    count = getattr(config, "max_examples", 0)  # an evaluation reads only its first max_examples rows (0: all)
-    check_values(rows, config.prompt_column, check_prompt, count)
-    if hasattr(config, "response_column"):  # sft's
-        check_values(rows, config.response_column, check_response, count)
+    if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
+        sft_pairs(rows, config.prompt_column, config.response_column)
+    else:  # an evaluation reads only its first max_examples rows (0: all)
+        check_values(rows, config.prompt_column, check_prompt, getattr(config, "max_examples", 0))
     default_task.warn_unknown_characters(rows, config)
     return rows
 
 
 def check_values(rows, column: str, check, max_examples: int = 0) -> None:
-    """A null, a number or another value of the wrong kind in a text column (check: prompts.check_prompt or
-    check_response) is refused naming the row here, before the model loads (tokenizing it would find it after).
+    """A null, a number or another value of the wrong kind in a text column (check: e.g. prompts.check_prompt) is
+    refused naming the row here, before the model loads (tokenizing it would find it after).
     Only the first max_examples rows (0: all); rows without the column are left to the commands' column checks."""
     count = len(rows) if not max_examples else min(max_examples, len(rows))
     names = getattr(rows, "column_names", None)

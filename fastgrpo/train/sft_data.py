@@ -14,9 +14,9 @@ import logging
 
 import torch
 
-from fastgrpo.train.input_checks import check_rows_have
+from fastgrpo.train.input_checks import check_rows_have, dataset_columns
 from fastgrpo.train.naming import setting
-from fastgrpo.train.prompts import prompt_ids, response_ids
+from fastgrpo.train.prompts import check_prompt, check_response, prompt_ids, response_ids
 
 logger = logging.getLogger(__name__)
 
@@ -30,21 +30,84 @@ class SFTExample:
         return len(self.prompt_ids) + len(self.response_ids)
 
 
-def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, prompt_format: str,
-                  max_seq_length: int, truncate: bool) -> list[SFTExample]:
-    """One SFTExample per row. A row longer than max_seq_length is an error naming it, unless `truncate`: then its
-    response loses its end (with a warning); a row left without response tokens is an error either way."""
-    if rows is None or len(rows) == 0:
-        raise ValueError("dataset: expected at least one row, got an empty dataset")
-    columns = list(getattr(rows, "column_names", None) or rows[0])
+# TRL's SFT dataset columns, which stand in where the rows lack the default response column ("response",
+# SFTConfig's): prompt / `completion` rows, or conversational rows of `messages` (split_conversation)
+DEFAULT_RESPONSE_COLUMN = "response"
+COMPLETION_COLUMN = "completion"
+MESSAGES_COLUMN = "messages"
+
+
+def sft_columns(columns: list[str], prompt_column: str, response_column: str) -> tuple[str, str] | None:
+    """The (prompt, response) columns that rows with `columns` are read from, or None for TRL's conversational rows
+    (the messages column): TRL's names are taken only for the default response column, which the rows lack."""
+    if response_column == DEFAULT_RESPONSE_COLUMN and response_column not in columns:
+        if COMPLETION_COLUMN in columns and prompt_column in columns:
+            return prompt_column, COMPLETION_COLUMN
+        if MESSAGES_COLUMN in columns:
+            return None
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
             raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}")
-    check_rows_have(rows, (prompt_column, response_column), "dataset", "the prompt and response columns")
+    return prompt_column, response_column
+
+
+def split_conversation(messages) -> tuple[list, object]:
+    """A conversation as (prompt, response), as TRL trains on its completion: the turns before the last, and the
+    content of the last, which must be the assistant's."""
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) and "role" in m for m in messages):
+        raise ValueError(f"messages: expected a list of chat messages {{'role': ..., 'content': ...}}, got "
+                         f"{type(messages).__name__}")
+    if not messages or messages[-1]["role"] != "assistant":
+        got = f"a {messages[-1]['role']!r} turn" if messages else "no turns"
+        raise ValueError(f"messages: expected the last turn to be the assistant's (the response trained on), got {got}")
+    if len(messages) == 1:
+        raise ValueError("messages: expected turns before the last assistant turn (the prompt), got only the "
+                         "assistant's")
+    return list(messages[:-1]), messages[-1].get("content")
+
+
+def completion_text(response):
+    """A response as text: TRL's conversational completion, one assistant message, gives its content."""
+    if isinstance(response, (list, tuple)) and len(response) == 1 and isinstance(response[0], dict) \
+            and response[0].get("role") == "assistant":
+        return response[0].get("content")
+    return response
+
+
+def sft_pairs(rows, prompt_column: str, response_column: str) -> list[tuple]:
+    """Each row's (prompt, response), from the columns sft_columns picks, checked as text or chat messages (prompt)
+    and text (response) without a tokenizer: the commands call this before the model loads. A row's mistake is a
+    ValueError naming it."""
+    if rows is None or len(rows) == 0:
+        raise ValueError("dataset: expected at least one row, got an empty dataset")
+    picked = sft_columns(dataset_columns(rows), prompt_column, response_column)
+    needed = picked or (MESSAGES_COLUMN,)
+    check_rows_have(rows, needed, "dataset", "the prompt and response columns" if picked else "its messages")
+    pairs = []
+    for i, values in enumerate(zip(*(_column(rows, column) for column in needed))):
+        try:
+            prompt, response = values if picked else split_conversation(values[0])
+            response = completion_text(response)
+            check_prompt(prompt)
+            check_response(response)
+        except ValueError as err:
+            raise ValueError(f"dataset: row {i}: {err}") from None
+        pairs.append((prompt, response))
+    return pairs
+
+
+def _column(rows, column: str):
+    """A column's values: a datasets.Dataset's read at once (a row at a time is slow), a list's row by row."""
+    return rows[column] if getattr(rows, "column_names", None) is not None else (row[column] for row in rows)
+
+
+def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, prompt_format: str,
+                  max_seq_length: int, truncate: bool) -> list[SFTExample]:
+    """One SFTExample per row (sft_pairs: TRL's completion and messages rows too). A row longer than max_seq_length
+    is an error naming it, unless `truncate`: then its response loses its end (with a warning); a row left without
+    response tokens is an error either way."""
     examples = []
-    for i in range(len(rows)):
-        row = rows[i]
-        prompt, response = row[prompt_column], row[response_column]
+    for i, (prompt, response) in enumerate(sft_pairs(rows, prompt_column, response_column)):
         try:
             p = prompt_ids(tokenizer, prompt, prompt_format)
             r = response_ids(tokenizer, prompt, response, prompt_format)
