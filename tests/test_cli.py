@@ -142,7 +142,8 @@ def _bad_inputs(tmp_path):
          "dataset: row 1: prompt: expected a string or a list of chat messages {'role': ..., 'content': ...}, "
          "got int"),
         (["--dataset", str(tmp_path / "chat.jsonl"), "--reward-funcs", "length"],
-         "dataset: row 0: chat messages need a tokenizer with a chat template"),
+         "dataset: row 0: chat messages need a chat template, and the model's tokenizer has none: give text prompts "
+         "(--prompt-format raw, auto or r1_zero) or a model whose tokenizer has a chat template"),
     ], cuda
 
 

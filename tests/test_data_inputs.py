@@ -71,3 +71,51 @@ def test_an_sft_row_without_a_response_is_refused_as_the_rows_load(tmp_path):
     with pytest.raises(ValueError) as err:
         load_dataset(SFTConfig(dataset=str(path)))
     assert str(err.value) == "dataset: row 1: response: expected a string, got NoneType"
+
+
+NO_TEMPLATE = ("dataset: row 1: chat messages need a chat template, and the model's tokenizer has none: give text "
+               "prompts (prompt_format raw, auto or r1_zero) or a model whose tokenizer has a chat template")
+
+
+@pytest.fixture
+def model_without_chat_template(tmp_path):
+    # a tokenizer and a config only: were the weights read, from_pretrained would fail
+    from fastgrpo.train import default_task
+
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.save_pretrained(tmp_path / "model")
+    default_task.build_model(tokenizer).config.save_pretrained(tmp_path / "model")
+    return str(tmp_path / "model")
+
+
+@pytest.mark.parametrize("make_config", [
+    lambda data, model: GRPOConfig(dataset=data, model=model),
+    lambda data, model: EvalConfig(dataset=data, model=model, prompt_format="raw"),
+    lambda data, model: SFTConfig(dataset=data, model=model),
+    lambda data, model: GRPOConfig(dataset=data),  # the built-in model's tokenizer has none either
+])
+def test_chat_prompts_without_a_chat_template_are_refused_before_the_model_loads(
+        tmp_path, model_without_chat_template, make_config):
+    # found by tokenizing, after the model had loaded, in a line that named no option
+    chat = [{"role": "user", "content": "say b"}]
+    rows = [{"prompt": "say a", "response": "a", "answer": "a"}, {"prompt": chat, "response": "b", "answer": "b"}]
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError) as err:
+        load_dataset(make_config(str(path), model_without_chat_template))
+    assert str(err.value) == NO_TEMPLATE
+
+
+def test_the_chat_format_without_a_chat_template_is_refused_before_the_model_loads(
+        tmp_path, model_without_chat_template):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "say a"}\n')
+    with pytest.raises(ValueError, match=r"^dataset: row 0: prompt_format: 'chat' needs a tokenizer with a chat "):
+        load_dataset(GRPOConfig(dataset=str(path), model=model_without_chat_template, prompt_format="chat"))
+
+
+def test_chat_prompts_under_r1_zero_are_refused_before_the_model_loads(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}\n')
+    with pytest.raises(ValueError, match=r"^dataset: row 0: prompt_format: 'r1_zero' wraps a text question; got chat"):
+        load_dataset(EvalConfig(dataset=str(path)))

@@ -17,10 +17,10 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
-from fastgrpo.train.prompts import check_prompt
+from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
-                                    read_json_rows)
+                                    naming_the_model, read_json_rows)
 
 
 def resolve_reward(name: str):
@@ -76,31 +76,54 @@ def _saved_to_disk(path: Path) -> bool:
 
 
 def load_dataset(config, builtin=None):
-    """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's)."""
+    """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
+    Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
+    mistake after it."""
     if config.dataset is None:
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
-        sft_pairs(rows, config.prompt_column, config.response_column)
+        prompts = list(enumerate(p for p, _ in sft_pairs(rows, config.prompt_column, config.response_column)))
     else:  # an evaluation reads only its first max_examples rows (0: all)
-        check_values(rows, config.prompt_column, check_prompt, getattr(config, "max_examples", 0))
+        prompts = prompt_values(rows, config.prompt_column, getattr(config, "max_examples", 0))
+    check_prompt_formats(prompts, config)
     default_task.warn_unknown_characters(rows, config)
     return rows
 
 
-def check_values(rows, column: str, check, max_examples: int = 0) -> None:
-    """A null, a number or another value of the wrong kind in a text column (check: e.g. prompts.check_prompt) is
-    refused naming the row here, before the model loads (tokenizing it would find it after).
-    Only the first max_examples rows (0: all); rows without the column are left to the commands' column checks."""
+def prompt_values(rows, column: str, max_examples: int = 0) -> list[tuple[int, object]]:
+    """(row, prompt) of the first max_examples rows (0: all), each prompt checked (prompts.check_prompt: a null or a
+    number is refused naming the row). Rows without the column are left to the commands' column checks."""
     count = len(rows) if not max_examples else min(max_examples, len(rows))
     names = getattr(rows, "column_names", None)
     if names is not None:  # a datasets.Dataset: a column is read at once, a row at a time is slow
-        values = enumerate(rows[column][:count] if column in names else [])
+        values = list(enumerate(rows[column][:count] if column in names else []))
     else:
-        values = ((i, rows[i][column]) for i in range(count) if isinstance(rows[i], dict) and column in rows[i])
+        values = [(i, rows[i][column]) for i in range(count) if isinstance(rows[i], dict) and column in rows[i]]
     for i, value in values:
         try:
-            check(value)
+            check_prompt(value)
+        except ValueError as err:
+            raise ValueError(f"dataset: row {i}: {err}") from None
+    return values
+
+
+def check_prompt_formats(prompts: list[tuple[int, object]], config) -> None:
+    """Each (row, prompt) in config.prompt_format against the chat template of the tokenizer it will meet
+    (prompts.check_prompt_format). That tokenizer loads (cheaply, before the model) only where a prompt needs a
+    template; it is unknown for an evaluation of a --checkpoint without --model, whose run names it: left to
+    tokenizing then."""
+    needs_template = config.prompt_format == "chat" or any(not isinstance(p, str) for _, p in prompts)
+    has_template = True
+    if needs_template and config.prompt_format != "r1_zero":
+        if config.model is not None:
+            with naming_the_model(config.model):
+                has_template = bool(load_tokenizer(config.model).chat_template)
+        elif getattr(config, "checkpoint", None) is None:
+            has_template = bool(default_task.build_tokenizer().chat_template)
+    for i, prompt in prompts:
+        try:
+            check_prompt_format(prompt, config.prompt_format, has_template)
         except ValueError as err:
             raise ValueError(f"dataset: row {i}: {err}") from None
 
@@ -120,12 +143,9 @@ def load_model_and_tokenizer(config):
         tokenizer = default_task.build_tokenizer()
         model = default_task.build_model(tokenizer, seed=config.seed).to(device=device, dtype=dtype)
     else:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
 
-        tokenizer = AutoTokenizer.from_pretrained(config.model)
-        tokenizer.padding_side = "left"
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
+        tokenizer = load_tokenizer(config.model)
         extra = {}
         if config.load_in_4bit:
             from transformers import BitsAndBytesConfig
@@ -152,6 +172,17 @@ def load_model_and_tokenizer(config):
     if config.gradient_checkpointing and config.recompute_layers is not None:
         hf_checkpointing_only_first(model, config.recompute_layers)
     return model, tokenizer
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a model folder or Hub name, padding on the left (for generation), with a pad token."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
 
 
 def _with_lora(model, config):

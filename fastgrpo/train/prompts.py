@@ -45,15 +45,27 @@ def as_wrapped(prompt_format: str) -> str:
 
 
 def uses_chat_template(tokenizer, prompt, prompt_format: str) -> bool:
-    check_choice("prompt_format", prompt_format, PROMPT_FORMATS)
+    has_template = bool(getattr(tokenizer, "chat_template", None))
+    check_prompt_format(prompt, prompt_format, has_template)
     if prompt_format == "r1_zero":
         return False
-    if not isinstance(prompt, str):
-        return True
-    has_template = bool(getattr(tokenizer, "chat_template", None))
-    if prompt_format == "chat" and not has_template:
+    return not isinstance(prompt, str) or prompt_format == "chat" or (prompt_format == "auto" and has_template)
+
+
+def check_prompt_format(prompt, prompt_format: str, has_chat_template: bool) -> None:
+    """A ValueError for a prompt that prompt_format cannot take with a tokenizer that has (or lacks) a chat
+    template: chat messages under r1_zero, and a template needed (by chat messages; by any prompt under 'chat')
+    that the tokenizer lacks. Needs no tokenizer: the commands check every row's before the model loads."""
+    check_choice("prompt_format", prompt_format, PROMPT_FORMATS)
+    check_prompt(prompt)
+    if prompt_format == "r1_zero":
+        prompt_text(prompt, prompt_format)
+    elif not has_chat_template and not isinstance(prompt, str):
+        raise ValueError(f"chat messages need a chat template, and the model's tokenizer has none: give text prompts "
+                         f"({setting('prompt_format')} raw, auto or r1_zero) or a model whose tokenizer has a chat "
+                         "template")
+    elif not has_chat_template and prompt_format == "chat":
         raise ValueError("prompt_format: 'chat' needs a tokenizer with a chat template; use 'raw' or 'auto'")
-    return prompt_format == "chat" or (prompt_format == "auto" and has_template)
 
 
 def chat_messages(prompt) -> list[dict]:
@@ -95,8 +107,6 @@ def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
     """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation."""
     if uses_chat_template(tokenizer, prompt, prompt_format):
         messages = chat_messages(prompt)
-        if not getattr(tokenizer, "chat_template", None):  # transformers' own error names no row or option
-            raise ValueError("chat messages need a tokenizer with a chat template")
         return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
     # not through the template: a text prompt (uses_chat_template takes every other), r1_zero-wrapped or as it is
     ids = list(tokenizer(prompt_text(prompt, prompt_format), add_special_tokens=True)["input_ids"])
