@@ -119,3 +119,26 @@ def test_chat_prompts_under_r1_zero_are_refused_before_the_model_loads(tmp_path)
     path.write_text('{"prompt": [{"role": "user", "content": "1 + 1?"}], "answer": "2"}\n')
     with pytest.raises(ValueError, match=r"^dataset: row 0: prompt_format: 'r1_zero' wraps a text question; got chat"):
         load_dataset(EvalConfig(dataset=str(path)))
+
+
+def test_a_missing_column_names_a_close_match():
+    from fastgrpo.train.input_checks import check_reward_rows
+    from fastgrpo.train.sft_data import sft_pairs
+
+    def needs_answer(prompts, completions, answer, **columns):
+        return [0.0] * len(completions)
+
+    with pytest.raises(ValueError) as err:
+        check_reward_rows([{"promt": "say a", "answer": "a"}], "prompt", [], "dataset")
+    assert str(err.value) == ("dataset: no prompt column 'prompt' (prompt_column); columns: ['promt', 'answer']; did "
+                              "you mean 'promt'?")
+    with pytest.raises(ValueError) as err:
+        check_reward_rows([{"prompt": "say a", "answers": "a"}], "prompt", [needs_answer], "eval_dataset")
+    assert str(err.value) == ("eval_dataset: reward function needs_answer needs columns ['answer'], which the dataset "
+                              "lacks (columns: ['prompt', 'answers']); did you mean 'answers'?")
+    with pytest.raises(ValueError) as err:
+        sft_pairs([{"prompt": "say a", "respones": "a"}], "prompt", "response")
+    assert str(err.value) == ("dataset: no column 'response' (response_column); columns: ['prompt', 'respones']; did "
+                              "you mean 'respones'?")
+    with pytest.raises(ValueError, match=r"columns: \['question', 'answer'\]$"):  # none close: no guess
+        check_reward_rows([{"question": "say a", "answer": "a"}], "prompt", [], "dataset")

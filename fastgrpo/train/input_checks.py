@@ -3,6 +3,7 @@ sampling loop's reward functions, dataset and tokenizer (GRPO and expert iterati
 shows the config's model-loading fields."""
 from __future__ import annotations
 
+import difflib
 import logging
 import math
 from collections.abc import Callable, Sequence
@@ -78,6 +79,13 @@ def reward_list(reward_funcs) -> list:
     return [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
 
 
+def close_match(names: Sequence[str], columns: Sequence[str]) -> str:
+    """For an error about columns the rows lack: "; did you mean 'x'?" naming the column closest to the first of
+    `names` (a typo, or another spelling: 'promt', 'answers'), "" when none is close."""
+    matches = difflib.get_close_matches(names[0], columns, n=1) if names else []
+    return f"; did you mean {matches[0]!r}?" if matches else ""
+
+
 def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
     """Rows given as a list (a JSONL file's) may differ from one another, a datasets.Dataset's may not: the first
     list row lacking one of `needed` is a ValueError naming it, the column and `why` every row needs it."""
@@ -99,12 +107,13 @@ def check_reward_rows(rows, prompt_column: str, reward_funcs: Sequence[Callable]
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     columns = dataset_columns(rows)
     if prompt_column not in columns:
-        raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}")
+        raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}"
+                         f"{close_match([prompt_column], columns)}")
     for func in reward_funcs:
         missing = [c for c in required_columns(func) if c not in columns]
         if missing:
             raise ValueError(f"{field}: reward function {reward_name(func)} needs columns {missing}, which the "
-                             f"dataset lacks (columns: {columns})")
+                             f"dataset lacks (columns: {columns}){close_match(missing, columns)}")
     needed = [prompt_column, *dict.fromkeys(c for func in reward_funcs for c in required_columns(func))]
     check_rows_have(rows, needed, field, "the prompt column and those the reward functions read")
     check_column_values(reward_funcs, rows, field)

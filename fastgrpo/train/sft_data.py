@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from fastgrpo.train.input_checks import check_rows_have, dataset_columns
+from fastgrpo.train.input_checks import check_rows_have, close_match, dataset_columns
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_response, prompt_ids, response_ids
 
@@ -47,7 +47,8 @@ def sft_columns(columns: list[str], prompt_column: str, response_column: str) ->
             return None
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
-            raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}")
+            raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}"
+                             f"{close_match([column], columns)}")
     return prompt_column, response_column
 
 
