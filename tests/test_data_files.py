@@ -80,3 +80,17 @@ def test_a_spark_style_folder_named_like_a_file_loads_as_a_folder(tmp_path):
     (tmp_path / "data.parquet").mkdir()
     datasets.Dataset.from_list(ROWS).to_parquet(str(tmp_path / "data.parquet" / "part-0.parquet"))
     assert as_list(load_rows(str(tmp_path / "data.parquet"))) == ROWS
+
+
+def test_a_split_the_folder_lacks_names_the_split_setting_and_the_splits(tmp_path):
+    # "datasets.load_dataset could not read the folder ...: ValueError: Unknown split ...", naming no setting
+    pytest.importorskip("datasets")
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    with pytest.raises(ValueError) as err:
+        load_rows(str(tmp_path), "validation")
+    assert str(err.value) == (f"dataset_split: no 'validation' split in {tmp_path}; its splits: ['train'] (pass "
+                              "dataset_split='train')")
+    with pytest.raises(ValueError) as err:  # an evaluation's split is not a setting: name the file instead
+        load_rows(str(tmp_path), "test", field="eval_dataset")
+    assert str(err.value) == (f"eval_dataset: no 'test' split (the one evaluated) in {tmp_path}; its splits: "
+                              "['train'] (a file is read whole: name one)")

@@ -17,6 +17,7 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
@@ -62,12 +63,31 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
             return datasets.load_from_disk(str(path))
         return datasets.load_dataset(dataset, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
+        missing = _missing_split(datasets, dataset, split, field) if split in str(err) else None
+        if missing is not None:
+            raise ValueError(missing) from err
         if not path.exists():  # a Hub name: the network's errors are not the user's input
             raise
         cause = err.__cause__ or err  # a local file or folder: what datasets cannot read there is its fault
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
         raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
+
+
+def _missing_split(datasets, dataset: str, split: str, field: str) -> str | None:
+    """For a load that failed naming `split`: the line saying the dataset has no such split and which it has; None
+    where it has it or its splits cannot be read (the load's own error then shows)."""
+    try:
+        names = datasets.get_dataset_split_names(dataset)
+    except Exception:  # noqa: BLE001 - whatever it is, the load's error is the one to show
+        return None
+    if split in names or not names:
+        return None
+    if field == "dataset":
+        return (f"dataset_split: no {split!r} split in {dataset}; its splits: {names} (pass "
+                f"{setting('dataset_split', names[0])})")
+    return f"{field}: no {split!r} split (the one evaluated) in {dataset}; its splits: {names} (a file is read " \
+           "whole: name one)"
 
 
 def _saved_to_disk(path: Path) -> bool:
