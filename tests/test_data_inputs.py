@@ -142,3 +142,25 @@ def test_a_missing_column_names_a_close_match():
                               "you mean 'respones'?")
     with pytest.raises(ValueError, match=r"columns: \['question', 'answer'\]$"):  # none close: no guess
         check_reward_rows([{"question": "say a", "answer": "a"}], "prompt", [], "dataset")
+
+
+def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
+    # read inside the trainer: a wrong path or column stopped the run after the model had loaded
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "say a", "response": "a", "answer": "a"}\n')
+    chats = tmp_path / "chats.jsonl"  # TRL's conversational rows: sft trains on them, an evaluation needs prompts
+    chats.write_text('{"messages": [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]}\n')
+    chat_prompts = tmp_path / "chat_prompts.jsonl"
+    chat_prompts.write_text('{"prompt": [{"role": "user", "content": "say a"}], "answer": "a"}\n')
+    for config, message in [
+        (SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl"), eval_steps=10),
+         f"eval_dataset: no such file {tmp_path / 'nope.jsonl'}"),
+        (SFTConfig(dataset=str(train), eval_dataset=str(chats), eval_steps=10),
+         "eval_dataset: no prompt column 'prompt' (prompt_column); columns: ['messages']"),
+        (GRPOConfig(dataset=str(train), eval_dataset=str(chat_prompts), eval_steps=10, reward_funcs=["r1_zero_math"]),
+         NO_TEMPLATE.replace("dataset: row 1", "eval_dataset: row 0")),
+    ]:
+        with pytest.raises(ValueError) as err:
+            load_dataset(config)
+        assert str(err.value) == message
+    assert len(load_dataset(SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl")))) == 1

@@ -17,6 +17,7 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import sft_pairs
@@ -99,6 +100,7 @@ def load_dataset(config, builtin=None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
     mistake after it."""
+    check_eval_dataset(config)
     if config.dataset is None:
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split)
@@ -111,7 +113,22 @@ def load_dataset(config, builtin=None):
     return rows
 
 
-def prompt_values(rows, column: str, max_examples: int = 0) -> list[tuple[int, object]]:
+def check_eval_dataset(config) -> None:
+    """The rows a run evaluates on every eval_steps (eval_dataset), checked as its training rows are, before the
+    model loads: they are read inside the trainer, where a wrong path or column stopped the run after the model had
+    loaded. The trainer reads them again (the first eval_max_examples rows)."""
+    if getattr(config, "eval_dataset", None) is None or not config.eval_steps:
+        return
+    from fastgrpo.train.evaluate import first_rows
+    from fastgrpo.train.periodic_eval import EVAL_SPLIT  # here, not above: periodic_eval imports this module
+
+    rows = first_rows(load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset"), config.eval_max_examples)
+    names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
+    check_reward_rows(rows, config.prompt_column, [resolve_reward(name) for name in names], "eval_dataset")
+    check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, "eval_dataset")
+
+
+def prompt_values(rows, column: str, max_examples: int = 0, field: str = "dataset") -> list[tuple[int, object]]:
     """(row, prompt) of the first max_examples rows (0: all), each prompt checked (prompts.check_prompt: a null or a
     number is refused naming the row). Rows without the column are left to the commands' column checks."""
     count = len(rows) if not max_examples else min(max_examples, len(rows))
@@ -124,11 +141,11 @@ def prompt_values(rows, column: str, max_examples: int = 0) -> list[tuple[int, o
         try:
             check_prompt(value)
         except ValueError as err:
-            raise ValueError(f"dataset: row {i}: {err}") from None
+            raise ValueError(f"{field}: row {i}: {err}") from None
     return values
 
 
-def check_prompt_formats(prompts: list[tuple[int, object]], config) -> None:
+def check_prompt_formats(prompts: list[tuple[int, object]], config, field: str = "dataset") -> None:
     """Each (row, prompt) in config.prompt_format against the chat template of the tokenizer it will meet
     (prompts.check_prompt_format). That tokenizer loads (cheaply, before the model) only where a prompt needs a
     template; it is unknown for an evaluation of a --checkpoint without --model, whose run names it: left to
@@ -145,7 +162,7 @@ def check_prompt_formats(prompts: list[tuple[int, object]], config) -> None:
         try:
             check_prompt_format(prompt, config.prompt_format, has_template)
         except ValueError as err:
-            raise ValueError(f"dataset: row {i}: {err}") from None
+            raise ValueError(f"{field}: row {i}: {err}") from None
 
 
 def resolve_device_dtype(config) -> tuple[str, torch.dtype]:
