@@ -94,3 +94,14 @@ def test_a_split_the_folder_lacks_names_the_split_setting_and_the_splits(tmp_pat
         load_rows(str(tmp_path), "test", field="eval_dataset")
     assert str(err.value) == (f"eval_dataset: no 'test' split (the one evaluated) in {tmp_path}; its splits: "
                               "['train'] (a file is read whole: name one)")
+
+
+def test_a_json_file_holding_json_lines_loads(tmp_path):
+    # datasets' Dataset.to_json("data.json") writes one object per line, which load_dataset("json") reads; it was
+    # refused as "data.json:2: invalid JSON in dataset (Extra data, column 1)"
+    path = tmp_path / "data.json"
+    path.write_text("".join(json.dumps(row) + "\n" for row in ROWS))
+    assert load_rows(str(path)) == ROWS
+    path.write_text(json.dumps(ROWS[0]) + "\n{\n")  # a bad line of it is still named
+    with pytest.raises(ValueError, match=r"data\.json:2: invalid JSON in dataset "):
+        load_rows(str(path))

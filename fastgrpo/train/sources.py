@@ -92,8 +92,8 @@ def data_suffix(path: Path) -> str:
 
 
 def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
-    """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects, either
-    maybe gzipped (.jsonl.gz); a bad row is reported as `file:line: ...`."""
+    """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects (or JSON
+    lines too), either maybe gzipped (.jsonl.gz); a bad row is reported as `file:line: ...`."""
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"{field}: no such file {path}")
@@ -109,16 +109,28 @@ def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
         raise ValueError(f"{field}: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     if data_suffix(path) == ".json":
         try:
-            rows = json.loads(text)
+            document = json.loads(text)
         except json.JSONDecodeError as err:
-            raise ValueError(f"{path}:{err.lineno}: invalid JSON in {setting(field)} ({err.msg}, column "
-                             f"{err.colno})") from None
-        if not isinstance(rows, list):
-            raise ValueError(f"{field}: expected a JSON list of row objects in {path}, got {type(rows).__name__}")
-        for i, row in enumerate(rows):
-            if not isinstance(row, dict):
-                raise ValueError(f"{path}: row {i} is {type(row).__name__}, expected a JSON object")
-        return rows
+            if err.msg != "Extra data":  # else one object after another: JSON lines, as datasets' to_json writes
+                raise ValueError(f"{path}:{err.lineno}: invalid JSON in {setting(field)} ({err.msg}, column "
+                                 f"{err.colno})") from None
+        else:
+            return _listed_rows(document, path, field)
+    return _json_lines(text, path, field)
+
+
+def _listed_rows(document, path: Path, field: str) -> list[dict]:
+    """The rows of a .json file's document: a list of objects."""
+    if not isinstance(document, list):
+        raise ValueError(f"{field}: expected a JSON list of row objects in {path}, got {type(document).__name__}")
+    for i, row in enumerate(document):
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}: row {i} is {type(row).__name__}, expected a JSON object")
+    return document
+
+
+def _json_lines(text: str, path: Path, field: str) -> list[dict]:
+    """The rows of JSON lines text: one object per line, blank lines skipped."""
     rows = []
     for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
