@@ -17,12 +17,17 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.evaluate import first_rows
 from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
                                     naming_the_model, read_json_rows)
+
+
+# The split of an HF dataset that a run's periodic evaluation reads (fastgrpo.train.periodic_eval)
+EVAL_SPLIT = "test"
 
 
 def resolve_reward(name: str):
@@ -64,8 +69,8 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
             return datasets.load_from_disk(str(path))
         return datasets.load_dataset(dataset, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
-        missing = _missing_split(datasets, dataset, split, field) if split in str(err) else None
-        if missing is not None:
+        missing = None if path.is_file() or split not in str(err) else _missing_split(datasets, dataset, split, field)
+        if missing is not None:  # datasets' "Unknown split", said naming the setting
             raise ValueError(missing) from err
         if not path.exists():  # a Hub name: the network's errors are not the user's input
             raise
@@ -87,8 +92,8 @@ def _missing_split(datasets, dataset: str, split: str, field: str) -> str | None
     if field == "dataset":
         return (f"dataset_split: no {split!r} split in {dataset}; its splits: {names} (pass "
                 f"{setting('dataset_split', names[0])})")
-    return f"{field}: no {split!r} split (the one evaluated) in {dataset}; its splits: {names} (a file is read " \
-           "whole: name one)"
+    return (f"{field}: no {split!r} split (the one evaluated) in {dataset}; its splits: {names} (a file is read "
+            "whole: name one)")
 
 
 def _saved_to_disk(path: Path) -> bool:
@@ -119,9 +124,6 @@ def check_eval_dataset(config) -> None:
     loaded. The trainer reads them again (the first eval_max_examples rows)."""
     if getattr(config, "eval_dataset", None) is None or not config.eval_steps:
         return
-    from fastgrpo.train.evaluate import first_rows
-    from fastgrpo.train.periodic_eval import EVAL_SPLIT  # here, not above: periodic_eval imports this module
-
     rows = first_rows(load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset"), config.eval_max_examples)
     names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
     check_reward_rows(rows, config.prompt_column, [resolve_reward(name) for name in names], "eval_dataset")

@@ -14,11 +14,9 @@ from fastgrpo.train import default_task
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
 from fastgrpo.train.input_checks import model_positions
-from fastgrpo.train.loading import load_rows, resolve_reward
+from fastgrpo.train.loading import EVAL_SPLIT, load_rows, resolve_reward
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import stop_strings
-
-EVAL_SPLIT = "test"
 
 
 class PeriodicEval:
