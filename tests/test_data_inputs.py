@@ -164,3 +164,5 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
             load_dataset(config)
         assert str(err.value) == message
     assert len(load_dataset(SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl")))) == 1
+    with pytest.raises(ValueError, match="^eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate"):
+        load_dataset(SFTConfig(dataset=str(train), eval_steps=10))  # no eval_dataset

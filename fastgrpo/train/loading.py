@@ -26,7 +26,7 @@ from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDE
                                     naming_the_model, read_json_rows)
 
 
-# The split of an HF dataset that a run's periodic evaluation reads (fastgrpo.train.periodic_eval)
+# The split of an HF dataset that a run's periodic evaluation reads (eval_rows)
 EVAL_SPLIT = "test"
 
 
@@ -118,13 +118,27 @@ def load_dataset(config, builtin=None):
     return rows
 
 
+def eval_rows(config):
+    """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset:
+    its EVAL_SPLIT), or for a run on the built-in task held-out rows of it; a run on its own data needs eval_dataset.
+    """
+    if config.eval_dataset is not None:
+        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset")
+    if config.dataset is None:
+        # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
+        return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
+    raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
+                     f"{setting('eval_dataset')} (a .jsonl, .json, .parquet or .csv file, a folder of them or an HF "
+                     "dataset name)")
+
+
 def check_eval_dataset(config) -> None:
-    """The rows a run evaluates on every eval_steps (eval_dataset), checked as its training rows are, before the
-    model loads: they are read inside the trainer, where a wrong path or column stopped the run after the model had
-    loaded. The trainer reads them again (the first eval_max_examples rows)."""
-    if getattr(config, "eval_dataset", None) is None or not config.eval_steps:
-        return
-    rows = first_rows(load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset"), config.eval_max_examples)
+    """A run's eval_rows, checked as its training rows are, before the model loads: they are read inside the trainer,
+    where a wrong path or column stopped the run after the model had loaded. The trainer reads them again (the first
+    eval_max_examples rows)."""
+    if not getattr(config, "eval_steps", 0) or config.eval_dataset is None and config.dataset is None:
+        return  # no evaluation, or the built-in task's rows
+    rows = first_rows(eval_rows(config), config.eval_max_examples)
     names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
     check_reward_rows(rows, config.prompt_column, [resolve_reward(name) for name in names], "eval_dataset")
     check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, "eval_dataset")

@@ -10,12 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
-from fastgrpo.train import default_task
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
 from fastgrpo.train.input_checks import model_positions
-from fastgrpo.train.loading import EVAL_SPLIT, load_rows, resolve_reward
-from fastgrpo.train.naming import setting
+from fastgrpo.train.loading import eval_rows, resolve_reward
 from fastgrpo.train.prompts import stop_strings
 
 
@@ -63,22 +61,12 @@ class PeriodicEval:
         return summary
 
 
-def _rows(config):
-    if config.eval_dataset is not None:
-        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset")
-    if config.dataset is None:
-        # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
-        return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
-    raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
-                     f"{setting('eval_dataset')} (a .jsonl / .json file or an HF dataset name)")
-
-
 def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
     """For an SFTConfig: its prompt column and format, eval_reward_funcs, eval_max_new_tokens, eval_temperature."""
     if not config.eval_steps:
         return None
     rewards = [resolve_reward(name) for name in config.eval_reward_funcs]
-    task = build_eval_task(_rows(config), tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(eval_rows(config), tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=rewards,
                            max_examples=config.eval_max_examples, max_positions=model_positions(model),
                            max_new_tokens=config.eval_max_new_tokens, new_tokens_field="eval_max_new_tokens")
@@ -93,7 +81,7 @@ def ei_evaluator(run) -> PeriodicEval | None:
     config = run.config
     if not config.eval_steps:
         return None
-    task = build_eval_task(_rows(config), run.tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(eval_rows(config), run.tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=run.reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
                            max_examples=config.eval_max_examples, max_positions=model_positions(run.model),
@@ -109,7 +97,7 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
     config = trainer.config
     if not config.eval_steps:
         return None
-    task = build_eval_task(_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(eval_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=trainer.reward_funcs,
                            reward_weights=config.reward_weights, max_examples=config.eval_max_examples,
                            max_positions=model_positions(trainer.model),
