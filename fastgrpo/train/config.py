@@ -62,8 +62,9 @@ class GRPOConfig(ConfigFile):
 
     # Model and data.
     model: str | None = option(None, "HF model path or hub name; none: the built-in tiny model")
-    dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "
-                                       "name (both need `datasets`); none: the built-in task")
+    dataset: str | None = option(None, "a .jsonl / .json (or .gz) file of rows; a .parquet / .csv / .tsv file, a "
+                                       "folder of data files or of save_to_disk, or an HF dataset name (these need "
+                                       "`datasets`); none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
     prompt_format: str = option("raw", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); r1_zero: the R1-Zero "

@@ -27,8 +27,8 @@ class EIConfig(ConfigFile):
     COMMAND = "ei"
     # Model and data.
     model: str | None = inherited("model")
-    dataset: str | None = option(None, "a .jsonl / .json file of question rows (with the reward's columns, e.g. "
-                                       "answer), or an HF dataset name; none: the built-in task")
+    dataset: str | None = option(None, "question rows (with the reward's columns, e.g. answer) in a file, a "
+                                       "folder or an HF dataset, as train's --dataset; none: the built-in task")
     dataset_split: str = inherited("dataset_split")
     prompt_column: str = option("prompt", "column with the question: text, or chat messages")
     prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts)")

@@ -22,8 +22,9 @@ class SFTConfig(ConfigFile):
     COMMAND = "sft"
     # Model and data.
     model: str | None = inherited("model")
-    dataset: str | None = option(None, "a .jsonl / .json file of prompt/response rows, or an HF dataset name; "
-                                       "none: the built-in task")
+    dataset: str | None = option(None, "rows of prompt/response (or TRL's prompt/completion, or a messages "
+                                       "conversation ending in the assistant's turn) in a file, a folder or an HF "
+                                       "dataset, as train's --dataset; none: the built-in task")
     dataset_split: str = inherited("dataset_split")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages")
     response_column: str = option("response", "column with the target response text")
