@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import dataclasses
 
+from fastgrpo._checks import check_choice
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import option
+from fastgrpo.train.config import DTYPES, MAX_SEED, option
 from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least
 from fastgrpo.train.options import check_scoring_options, inherited
@@ -54,6 +55,11 @@ class EvalConfig(ConfigFile):
         check_at_least(self, ("num_generations", "max_new_tokens", "batch_size"), 1)
         check_at_least(self, ("max_examples", "log_generations"), 0)
         check_scoring_options(self)
+        check_choice("dtype", self.dtype, DTYPES)
+        if not 0 <= self.seed < MAX_SEED:
+            raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
+        if not self.output_dir.strip():  # Path("") is the current folder: the results would land among its files
+            raise ValueError(f"output_dir: expected a folder path, got {self.output_dir!r}")
         self.sampling()
 
     def sampling(self) -> SamplingParams:
