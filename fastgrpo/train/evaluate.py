@@ -5,6 +5,8 @@
 also gets the course's split: format_reward (the `</think> <answer> ... </answer>` shape) and answer_reward (that
 shape with the right answer; the reward is the answer reward). Other rewards leave those two fields null.
 A completion counts as correct when its (weighted) reward is >= correct_threshold; accuracy is the correct fraction.
+With several completions per prompt the summary has pass@k too (pass_at_k), and with several reward functions the
+mean of each (rewards/<name>, as in train's metrics).
 """
 from __future__ import annotations
 
@@ -173,31 +175,55 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
     return records, summarize(records, names, errors, seconds, tokens)
 
 
-def summarize(records: list[dict], names: list[str], errors: dict, seconds: float, tokens: int) -> dict:
-    def mean(values):  # None values (an unscored completion's reward) left out
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else None
+def _mean(values):
+    """The mean of the values that are not None (an unscored completion's reward); None when none are."""
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
 
+
+def summarize(records: list[dict], names: list[str], errors: dict, seconds: float, tokens: int) -> dict:
+    """The summary of an evaluation's records: each number is recomputable from the per-example JSONL."""
     correct = [r for r in records if r["correct"]]
     wrong = [r for r in records if not r["correct"]]
     split = records[0]["format_reward"] is not None
+    per_func = {f"rewards/{name}": _mean(r[f"rewards/{name}"] for r in records) for name in names} \
+        if len(names) > 1 else {}
     return {
         "num_examples": len({r["index"] for r in records}),
         "num_samples": len(records),
-        "accuracy": mean(r["correct"] for r in records),
-        "reward": mean(r["reward"] for r in records),
-        "format_rate": mean(r["format_reward"] for r in records) if split else None,
-        "answer_rate": mean(r["answer_reward"] for r in records) if split else None,
-        "completion_length": mean(r["length"] for r in records),
-        "completion_length_correct": mean(r["length"] for r in correct),
-        "completion_length_wrong": mean(r["length"] for r in wrong),
+        "accuracy": _mean(r["correct"] for r in records),
+        **pass_at_k(records),
+        "reward": _mean(r["reward"] for r in records),
+        **per_func,
+        "format_rate": _mean(r["format_reward"] for r in records) if split else None,
+        "answer_rate": _mean(r["answer_reward"] for r in records) if split else None,
+        "completion_length": _mean(r["length"] for r in records),
+        "completion_length_correct": _mean(r["length"] for r in correct),
+        "completion_length_wrong": _mean(r["length"] for r in wrong),
         "completion_length_max": max(r["length"] for r in records),
-        "truncated_frac": mean(r["finish_reason"] == "length" for r in records),
+        "truncated_frac": _mean(r["finish_reason"] == "length" for r in records),
         "reward_funcs": names,
         "reward_errors": errors,
         "seconds": seconds,
         "tokens_per_s": tokens / max(seconds, 1e-9),
     }
+
+
+def pass_at_k(records: list[dict]) -> dict:
+    """pass@k for k = 1, 2, 4, ... and n, the samples per example, when n > 1 ({} for one sample: pass@1 is the
+    accuracy): the unbiased estimator of Chen et al. 2021 (HumanEval), the chance that k of an example's n samples
+    drawn without replacement hold a correct one, 1 - C(n - c, k) / C(n, k) with c correct, averaged over examples."""
+    counts: dict[int, list[int]] = {}  # index: [samples, correct]
+    for r in records:
+        count = counts.setdefault(r["index"], [0, 0])
+        count[0] += 1
+        count[1] += bool(r["correct"])
+    n = min(samples for samples, _ in counts.values())
+    if n < 2:
+        return {}
+    ks = sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i < n), n})
+    return {f"pass@{k}": sum(1 - math.comb(samples - c, k) / math.comb(samples, k) for samples, c in counts.values())
+            / len(counts) for k in ks}
 
 
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
