@@ -2,11 +2,17 @@
 enumerating the k-subsets of each example's samples."""
 import itertools
 import json
+from datetime import datetime
 
 import pytest
+import torch
 
+import fastgrpo
+from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
 from fastgrpo.train.evaluate import pass_at_k
+
+QUIET = ["--no-progress-bar", "--logging-steps", "0"]
 
 
 def _results(out):
@@ -70,3 +76,30 @@ def test_the_summary_equals_what_the_jsonl_gives(tmp_path):
     assert summary["completion_length_correct"] == _mean(r["length"] for r in records if r["correct"])
     assert summary["completion_length_max"] == max(r["length"] for r in records)
     assert summary["truncated_frac"] == _mean(r["finish_reason"] == "length" for r in records)
+
+
+def _model_folder(path):
+    """The built-in tiny model saved as an HF folder: a run on it records a model path."""
+    tokenizer = default_task.build_tokenizer()
+    default_task.build_model(tokenizer).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_the_summary_names_the_model_sampling_and_versions(tmp_path):
+    """As lm-eval-harness's results do: the model a --checkpoint's run trained (the summary said "model": null
+    without --model), the sampling settings in effect (stop strings included) and the library versions."""
+    folder, run, out = _model_folder(tmp_path / "base"), tmp_path / "run", tmp_path / "out"
+    assert main(["train", "--model", str(folder), "--output-dir", str(run), "--max-steps", "1", "--dtype", "float32",
+                 "--device", "cpu", "--max-prompt-length", "32", "--max-completion-length", "8", "--batch-size", "8",
+                 "--micro-batch-size", "8", "--no-export", *QUIET]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--output-dir", str(out), "--max-examples", "4",
+                 "--max-new-tokens", "6", "--temperature", "0.5", "--top-p", "0.9", "--stop", "b", "--seed", "3"]) == 0
+    summary = _results(out)[1]
+    assert summary["model"] == str(folder) and summary["checkpoint"] == str(run / "checkpoint-1")
+    assert {k: summary["sampling"][k] for k in ("max_new_tokens", "temperature", "top_p", "num_generations", "seed",
+                                                "stop")} == \
+        {"max_new_tokens": 6, "temperature": 0.5, "top_p": 0.9, "num_generations": 1, "seed": 3, "stop": ["b"]}
+    assert summary["versions"]["fastgrpo"] == fastgrpo.__version__
+    assert summary["versions"]["torch"] == torch.__version__
+    assert datetime.fromisoformat(summary["date"]).tzinfo is not None

@@ -294,7 +294,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import build_eval_task, evaluate, first_rows, log_generations, write_eval
+    from fastgrpo.train.evaluate import (build_eval_task, evaluate, evaluated_model, first_rows, log_generations,
+                                         write_eval)
     from fastgrpo.train.input_checks import check_reward_rows, model_positions
     from fastgrpo.train.loading import find_checkpoint, load_dataset, load_inference_model, resolve_reward
     from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
@@ -327,8 +328,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,
                                     reward_errors=config.reward_errors)
-        summary = {**summary, "model": config.model, "checkpoint": str(checkpoint) if checkpoint else None,
-                   "dataset": config.dataset, "config": config.to_dict()}
+        summary = {**summary, "model": evaluated_model(config.model, checkpoint),
+                   "checkpoint": str(checkpoint) if checkpoint else None, "dataset": config.dataset,
+                   "config": config.to_dict()}
         write_eval(records, summary, output / "results.jsonl", output / "summary.json")
     log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "

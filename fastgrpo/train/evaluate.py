@@ -16,6 +16,8 @@ import logging
 import math
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime, timezone
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -172,7 +174,10 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
             records.append(record)
     engine.release_memory()
     seconds = time.perf_counter() - t0
-    return records, summarize(records, names, errors, seconds, tokens)
+    settings = {"sampling": {**dataclasses.asdict(sampling), "num_generations": num_generations, "seed": seed,
+                             "stop": stop},
+                "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return records, {**summarize(records, names, errors, seconds, tokens), **settings}
 
 
 def _mean(values):
@@ -224,6 +229,28 @@ def pass_at_k(records: list[dict]) -> dict:
     ks = sorted({*(2 ** i for i in range(n.bit_length()) if 2 ** i < n), n})
     return {f"pass@{k}": sum(1 - math.comb(samples - c, k) / math.comb(samples, k) for samples, c in counts.values())
             / len(counts) for k in ks}
+
+
+def library_versions() -> dict:
+    """fastgrpo's version and those of the libraries that generate and score (as `fastgrpo --version` prints)."""
+    from fastgrpo import __version__
+
+    found = {"fastgrpo": __version__}
+    for name in ("torch", "triton", "transformers", "peft"):
+        try:
+            found[name] = version(name)
+        except PackageNotFoundError:
+            pass
+    return found
+
+
+def evaluated_model(model: str | None, checkpoint: Path | None) -> str | None:
+    """The model an evaluation ran: `model`, else the base model of the checkpoint's run (None: the built-in one)."""
+    if model is not None or checkpoint is None:
+        return model
+    from fastgrpo.train.checkpoint import read_run_config
+
+    return read_run_config(checkpoint).get("model")
 
 
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:

@@ -55,7 +55,7 @@ class PeriodicEval:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
                                     seed=self.seed, reward_errors=self.reward_errors, warn=main)
         if main:
-            write_eval(records, summary, self.directory / f"step-{step}.jsonl",
+            write_eval(records, {"step": step, **summary}, self.directory / f"step-{step}.jsonl",
                        self.directory / f"step-{step}_summary.json")
             log_generations(records, self.log_count, f"eval step {step}")
         return summary
