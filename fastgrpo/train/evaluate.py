@@ -14,6 +14,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -254,11 +255,17 @@ def evaluated_model(model: str | None, checkpoint: Path | None) -> str | None:
 
 
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
-    """One JSON line per completion to examples_path; the summary as a JSON object to summary_path."""
-    for path in (examples_path, summary_path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(examples_path).write_text("".join(json.dumps(r) + "\n" for r in records))
-    Path(summary_path).write_text(json.dumps(summary, indent=2) + "\n")
+    """One JSON line per completion to examples_path; the summary as a JSON object to summary_path. Each file
+    appears whole or not at all, the summary last: a kill leaves no cut-off results beside a summary of them."""
+    _write_whole(Path(examples_path), "".join(json.dumps(r) + "\n" for r in records))
+    _write_whole(Path(summary_path), json.dumps(summary, indent=2) + "\n")
+
+
+def _write_whole(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def log_generations(records: list[dict], count: int, title: str) -> None:

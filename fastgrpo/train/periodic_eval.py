@@ -7,6 +7,8 @@ are the run's own, so an evaluation scores what the run optimises.
 """
 from __future__ import annotations
 
+import logging
+import re
 from pathlib import Path
 
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
@@ -15,6 +17,9 @@ from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_gen
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import eval_rows, resolve_reward
 from fastgrpo.train.prompts import stop_strings
+
+STEP_FILE = re.compile(r"step-(\d+)(\.jsonl|_summary\.json)")
+logger = logging.getLogger(__name__)
 
 
 class PeriodicEval:
@@ -31,6 +36,7 @@ class PeriodicEval:
         self.reward_errors = reward_errors
         self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
         self.seed, self.log_count = seed, log_count
+        self.started = False
 
     def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
         """The step's evaluation when it is due (or forced); dist: the trainer's Distributed (None: one process).
@@ -40,15 +46,31 @@ class PeriodicEval:
         returns the numbers ({} on the others). Not rank 0 alone: FSDP2 prefetches in the backward by the order of the
         forwards it saw, which must be alike on every process (rank 0 evaluating alone hung the next step's
         collectives), and the others would only wait. An error on any process stops every process."""
+        dist = dist or Distributed()
+        if not self.started:
+            self.started = True
+            if dist.is_main:
+                self.drop_replaced(step)
         if not force and step % self.every:
             return {}
-        dist = dist or Distributed()
         self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
         with dist.full_weights():
             summary = dist.raise_together(lambda: self._evaluate(step, main=dist.is_main))
         if not dist.is_main:
             return {}
         return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def drop_replaced(self, first_step: int) -> None:
+        """Delete the files of evaluations at first_step or later: a run resumed from an earlier checkpoint than its
+        last evaluation (killed between the two) replaces those steps, as metrics.jsonl drops their lines; with
+        another --eval-steps their files would stay beside the new run's, from weights it threw away."""
+        replaced = sorted((int(match[1]), path.name) for path in self.directory.glob("step-*")
+                          if (match := STEP_FILE.fullmatch(path.name)) and int(match[1]) >= first_step)
+        for _, name in replaced:
+            (self.directory / name).unlink()
+        if replaced:
+            logger.info("eval: deleted %s, the evaluations of steps this run replaces",
+                        ", ".join(name for _, name in replaced))
 
     def _evaluate(self, step: int, main: bool) -> dict:
         """main: this process writes and logs (the others draw the same samples: their warnings would repeat)."""
