@@ -294,10 +294,10 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import (build_eval_task, evaluate, evaluated_model, first_rows, log_generations,
-                                         write_eval)
+    from fastgrpo.train.evaluate import (build_eval_task, evaluate, evaluated_model, first_rows,
+                                         load_evaluated_model, log_generations, write_eval)
     from fastgrpo.train.input_checks import check_reward_rows, model_positions
-    from fastgrpo.train.loading import find_checkpoint, load_dataset, load_inference_model, resolve_reward
+    from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
     from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
     from fastgrpo.train.sources import naming_the_model
 
@@ -317,8 +317,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         torch.manual_seed(config.seed)
         with naming_the_model(config.model):
-            model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
-                                                    seed=config.seed, checkpoint=checkpoint)
+            model, tokenizer, checkpoint = load_evaluated_model(config, checkpoint)
         task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                                prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                                reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
