@@ -50,7 +50,7 @@ def _mean(values):
     return sum(values) / len(values) if values else None
 
 
-def test_the_summary_equals_what_the_jsonl_gives(tmp_path):
+def test_the_summary_equals_what_the_jsonl_gives(tmp_path, capsys):
     """Four samples of 12 rows, two weighted rewards and a threshold some completions reach: accuracy, pass@k, the
     reward, each function's mean and the lengths recomputed from the per-example lines."""
     data = tmp_path / "rows.jsonl"
@@ -67,6 +67,7 @@ def test_the_summary_equals_what_the_jsonl_gives(tmp_path):
     for k in (1, 2, 4):
         assert summary[f"pass@{k}"] == pytest.approx(_pass_by_enumeration(records, k)), k
     assert summary["pass@1"] == pytest.approx(summary["accuracy"])
+    assert f"accuracy {summary['accuracy']:.3f}, pass@4 {summary['pass@4']:.3f}, reward" in capsys.readouterr().out
     assert summary["reward"] == pytest.approx(_mean(r["reward"] for r in records))
     for name in ("repeat_letter_reward", "length_reward"):
         assert summary[f"rewards/{name}"] == pytest.approx(_mean(r[f"rewards/{name}"] for r in records)), name

@@ -334,6 +334,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "
                                                        f"answer {summary['answer_rate']:.3f}")
-    print(f"accuracy {summary['accuracy']:.3f}, reward {number(summary['reward'])}{rates} over "
+    best_of = f", pass@{config.num_generations} {summary[f'pass@{config.num_generations}']:.3f}" \
+        if config.num_generations > 1 else ""
+    print(f"accuracy {summary['accuracy']:.3f}{best_of}, reward {number(summary['reward'])}{rates} over "
           f"{summary['num_samples']} completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
     return 0
