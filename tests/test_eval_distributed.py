@@ -20,7 +20,7 @@ STEPS = 2
 ARGS = ["--batch-size", "16", "--num-generations", "8", "--micro-batch-size", "8", "--max-completion-length", "8",
         "--max-steps", str(STEPS), "--eval-steps", "1", "--eval-max-examples", "4", "--no-progress-bar",
         "--logging-steps", "1", "--learning-rate", "0.05"]
-TIMINGS = ("seconds", "tokens_per_s")  # the summary's numbers that differ from one evaluation to the next
+TIMINGS = ("seconds", "tokens_per_s", "date")  # what differs in the summary from one evaluation to the next
 
 
 def _train_argv(tmp, output: str, lora: bool) -> list[str]:
@@ -79,7 +79,8 @@ def test_train_evaluates_on_every_process_and_rank_0_writes(tmp_path, lora):
         summary = json.loads((evals / f"step-{metrics['step']}_summary.json").read_text())
         assert summary["num_samples"] == 4
         assert {k[len("eval/"):]: v for k, v in metrics.items() if k.startswith("eval/")} == {
-            k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+            k: v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"}
+        assert summary["step"] == metrics["step"]  # the metrics line's own step, not an eval/ number
 
     # one process evaluating the weights the run ended with writes the same completions and numbers; the weights
     # it starts from sample others (the comparison depends on the weights)
