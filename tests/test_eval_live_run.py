@@ -32,8 +32,8 @@ def test_a_checkpoint_pruned_while_it_loads_gives_way_to_the_runs_newest(run, ca
     found = run / "checkpoint-1"  # what --checkpoint <run> found when the run's newest was step 1
     shutil.rmtree(found)
     with caplog.at_level(logging.WARNING):
-        model, _, checkpoint = load_evaluated_model(_config(run), found)
-    assert checkpoint == run / "checkpoint-2" and not model.training
+        model, _, source = load_evaluated_model(_config(run), found)
+    assert source == {"model": None, "checkpoint": str(run / "checkpoint-2")} and not model.training
     assert f"checkpoint: {found} was deleted while it loaded" in caplog.text
     assert "evaluating the run's newest, checkpoint-2, instead" in caplog.text
 

@@ -294,8 +294,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import (build_eval_task, evaluate, evaluated_model, first_rows,
-                                         load_evaluated_model, log_generations, write_eval)
+    from fastgrpo.train.evaluate import (build_eval_task, evaluate, first_rows, load_evaluated_model,
+                                         log_generations, write_eval)
     from fastgrpo.train.input_checks import check_reward_rows, model_positions
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
     from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
@@ -317,7 +317,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         torch.manual_seed(config.seed)
         with naming_the_model(config.model):
-            model, tokenizer, checkpoint = load_evaluated_model(config, checkpoint)
+            model, tokenizer, source = load_evaluated_model(config, checkpoint)
         task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                                prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                                reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
@@ -327,9 +327,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,
                                     reward_errors=config.reward_errors)
-        summary = {**summary, "model": evaluated_model(config.model, checkpoint),
-                   "checkpoint": str(checkpoint) if checkpoint else None, "dataset": config.dataset,
-                   "config": config.to_dict()}
+        summary = {**summary, **source, "dataset": config.dataset, "config": config.to_dict()}
         write_eval(records, summary, output / "results.jsonl", output / "summary.json")
     log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "

@@ -233,18 +233,21 @@ def pass_at_k(records: list[dict]) -> dict:
 
 
 def load_evaluated_model(config, checkpoint: Path | None, *, attempts: int = 3):
-    """(model, tokenizer, checkpoint) for `fastgrpo eval` (loading.load_inference_model). A run still training
-    deletes its older checkpoints as it saves new ones (--save-total-limit): when the one being loaded goes, the
-    run's newest is taken instead, with a warning, if --checkpoint named the run's folder; if it named that
-    checkpoint, a one-line ValueError says so (so does a damaged one)."""
+    """(model, tokenizer, source) for `fastgrpo eval` (loading.load_inference_model); source: the summary's "model"
+    (evaluated_model) and "checkpoint" (the one loaded), read as it loads. A run still training deletes its older
+    checkpoints as it saves new ones (--save-total-limit): when the one being loaded goes, the run's newest is taken
+    instead, with a warning, if --checkpoint named the run's folder; if it named that checkpoint, a one-line
+    ValueError says so (so does a damaged one)."""
     from fastgrpo.train.checkpoint import STATE_FILE, TornCheckpoint
     from fastgrpo.train.loading import find_checkpoint, load_inference_model
 
     for attempt in range(attempts):
         try:
+            source = {"model": evaluated_model(config.model, checkpoint),
+                      "checkpoint": str(checkpoint) if checkpoint else None}
             model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
                                                     seed=config.seed, checkpoint=checkpoint)
-            return model, tokenizer, checkpoint
+            return model, tokenizer, source
         except TornCheckpoint as err:
             if (checkpoint / STATE_FILE).exists():
                 raise ValueError(f"checkpoint: cannot read {err}") from None
