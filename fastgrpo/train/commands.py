@@ -290,6 +290,18 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
+def _evaluates_here() -> bool:
+    """Under torchrun rank 0 evaluates every row and writes the results; the others, which would repeat its work
+    (the rows are not split across processes) and race it for the folder, stop after the input checks."""
+    from fastgrpo.train.distributed import launched_processes
+    from fastgrpo.train.ranks import is_main_process
+
+    if is_main_process() and launched_processes() > 1:
+        logger.info("eval: evaluates on process 0 alone (the rows are not split across torchrun's %d processes)",
+                    launched_processes())
+    return is_main_process()
+
+
 def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
@@ -309,6 +321,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                                        seed=config.seed + 1))
     check_reward_rows(first_rows(rows, config.max_examples), config.prompt_column, reward_funcs, "dataset")
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+    if not _evaluates_here():
+        return 0
     output = Path(config.output_dir)
     # another evaluation's files there are refused (or overwritten); a train run's folder may take its results, its
     # checkpoint-<step>/ and final/ may not (RunDirectory)

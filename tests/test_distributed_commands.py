@@ -1,0 +1,23 @@
+"""The commands as `torchrun --nproc_per_node 2 -m fastgrpo ...` runs them (2 gloo processes, forked, each running
+fastgrpo.train.cli.main): a command's refusal or stop is one line, printed by rank 0 alone; `fastgrpo eval`, which
+does not split its rows across processes, evaluates on rank 0 alone."""
+import json
+
+from tests.forked_gloo import cli, run_forked
+
+EVAL = ["eval", "--max-examples", "4", "--num-generations", "2", "--max-new-tokens", "4"]
+
+
+def _run(worker, tmp_path, *args) -> list:
+    return run_forked(worker, tmp_path, *args, deadline_s=120, group_timeout_s=60)
+
+
+def test_eval_runs_on_rank_0_alone_and_writes_once(tmp_path):
+    """Each process took the output folder's lock: rank 1 met 'in use by another run (PID <rank 0's>)' and exited 2,
+    so torchrun stopped rank 0 in the middle of its evaluation."""
+    found = _run(cli, tmp_path, [[*EVAL, "--output-dir", str(tmp_path / "out" / "eval")]])
+    assert [rank["exits"] for rank in found] == [[0], [0]], found[1]["stderr"]
+    assert "accuracy" in found[0]["stdout"] and found[1]["stdout"] == "" and found[1]["writes"] == []
+    results = (tmp_path / "out" / "eval" / "results.jsonl").read_text().splitlines()
+    assert sorted((r["index"], r["sample"]) for r in map(json.loads, results)) == [(i, s) for i in range(4)
+                                                                                    for s in range(2)]
