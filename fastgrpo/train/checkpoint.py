@@ -196,8 +196,18 @@ def restore_checkpoint(state: dict, model: torch.nn.Module) -> dict:
 
 
 def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
-    """read_checkpoint + restore_checkpoint: load `path` into `model` and the RNGs; return the rest of the state."""
-    return restore_checkpoint(read_checkpoint(path), model)
+    """read_checkpoint + restore_checkpoint: load `path` into `model` and the RNGs; return the rest of the state. The
+    checkpoint of a run that sharded its weights over processes (FSDP2: Distributed Checkpoint's files in shards/)
+    loads whole into this process's model."""
+    state = read_checkpoint(path)
+    if not state.get("sharded"):
+        return restore_checkpoint(state, model)
+    from fastgrpo.train.distributed import SHARDS, load_sharded_state  # which imports this module
+
+    load_sharded_state(Path(path) / SHARDS, model, None)
+    state = dict(state)
+    set_rng_states(state.pop("rng"))
+    return state
 
 
 def list_checkpoints(output_dir: str | Path) -> list[tuple[int, Path]]:

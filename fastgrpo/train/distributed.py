@@ -25,6 +25,7 @@ import contextlib
 import gc
 import logging
 import os
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -114,7 +115,9 @@ def load_sharded_state(shards: Path, model: torch.nn.Module, optimizer) -> None:
     for fqn, param_state in saved.get("optimizer", {}).get("state", {}).items():
         for key in [k for k in param_state if f"optimizer.state.{fqn}.{k}" not in stored]:
             del param_state[key]
-    dcp.load(saved, checkpoint_id=shards)
+    with warnings.catch_warnings():  # without a process group: whole, into one process (`fastgrpo eval`), as meant
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(saved, checkpoint_id=shards)
     if optimizer is None:
         set_model_state_dict(model, saved["model"])
     else:
