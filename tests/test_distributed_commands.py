@@ -2,6 +2,9 @@
 fastgrpo.train.cli.main): a command's refusal or stop is one line, printed by rank 0 alone; `fastgrpo eval`, which
 does not split its rows across processes, evaluates on rank 0 alone."""
 import json
+import threading
+
+import pytest
 
 from tests.forked_gloo import cli, run_forked
 
@@ -39,3 +42,90 @@ def test_eval_of_a_sharded_checkpoint_loads_its_shards(tmp_path):
     completions = [[json.loads(line)["completion"] for line in (tmp_path / name / "results.jsonl").open()]
                    for name in ("of-checkpoint", "of-export")]
     assert completions[0] == completions[1]
+
+
+REWARD = '''import torch.distributed as dist
+
+from fastgrpo.train.default_task import repeat_letter_reward
+
+
+def fails_on_rank_1(prompts, completions, **kwargs):
+    if dist.get_rank() == 1:
+        raise RuntimeError("no score here")
+    return repeat_letter_reward(prompts, completions, **kwargs)
+'''
+
+
+def test_a_refusal_or_failure_prints_once_by_rank_0(tmp_path):
+    """Bad input every process reads alike, a folder rank 0 refuses, a reward function that fails on rank 1 alone:
+    each is one line, printed by rank 0; rank 1 ends with the same exit code and prints none. Each process printed
+    it (rank 1 with '(on process 0)'), so torchrun's output showed every refusal twice."""
+    (tmp_path / "reward.py").write_text(REWARD)
+    (tmp_path / "out" / "used").mkdir(parents=True)
+    (tmp_path / "out" / "used" / "metrics.jsonl").write_text('{"step": 1}\n')
+    train = ["train", "--max-steps", "1", "--batch-size", "16", "--num-generations", "8", "--micro-batch-size", "8",
+             "--max-completion-length", "4"]
+    runs = [[*train, "--output-dir", str(tmp_path / "out" / "odd"), "--batch-size", "12"],
+            [*train, "--output-dir", str(tmp_path / "out" / "used")],
+            [*train, "--output-dir", str(tmp_path / "out" / "failed"),
+             "--reward-funcs", f"{tmp_path / 'reward.py'}:fails_on_rank_1"]]
+    found = _run(cli, tmp_path, runs)
+    assert found[0]["exits"] == found[1]["exits"] == [2, 2, 1]
+    lines = found[0]["stderr"].splitlines()
+    assert [line.split(": ")[2] for line in lines] == ["batch_size", "output_dir", "(on process 1) reward function "
+                                                       "fails_on_rank_1 raised RuntimeError"], lines
+    assert "error" not in found[1]["stderr"], found[1]["stderr"]
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_bad_flag_prints_once_by_rank_0(monkeypatch, capsys, rank):
+    """torchrun's processes parse the same command line: rank 0 alone prints the refusal (each process printed it)."""
+    from fastgrpo.train.cli import main
+
+    monkeypatch.setenv("RANK", rank)
+    with pytest.raises(SystemExit) as stop:
+        main(["train", "--max-step", "2"])
+    assert stop.value.code == 2
+    expected = "fastgrpo train: error: unrecognized arguments: --max-step (did you mean --max-steps?)"
+    assert capsys.readouterr().err.startswith(expected) == (rank == "0")
+
+
+def _stops(err: BaseException):
+    def body():
+        raise err
+    return body
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_a_stop_every_process_agreed_on_prints_once_by_rank_0(monkeypatch, capsys, rank):
+    """A SIGTERM that torchrun passes to every process stops them at one step with one checkpoint: each printed the
+    same 'stopped by SIGTERM: step 3 saved in ...' line."""
+    import signal
+
+    from fastgrpo.train.errors import run_command
+    from fastgrpo.train.interrupts import Interrupted
+
+    monkeypatch.setenv("RANK", rank)
+    stop = Interrupted(signal.SIGTERM, 3, "run/checkpoint-3")
+    assert run_command("fastgrpo train", _stops(stop)) == 143
+    assert capsys.readouterr().err.startswith("fastgrpo train: stopped by SIGTERM: step 3") == (rank == "0")
+
+
+def test_under_torchrun_bad_input_waits_for_rank_0_to_end(monkeypatch, capsys):
+    """torchrun stops the other processes as soon as one fails: rank 1, leaving the refusal to rank 0, waits for
+    torchrun's SIGTERM (here already pending), which says rank 0 has ended, rather than exiting first and having rank
+    0 stopped before it printed."""
+    import signal
+
+    from fastgrpo.train.errors import run_command
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "test")
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # pending on this thread until taken
+        assert run_command("fastgrpo train", _stops(ValueError("batch_size: expected ..."))) == 2
+        assert signal.SIGTERM not in signal.sigpending()  # taken by the wait
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    assert capsys.readouterr().err == ""

@@ -192,13 +192,12 @@ def test_a_batch_that_does_not_split_stops_every_process_before_overwrite(tmp_pa
     odd_batch = _sft_argv(tmp_path, "run", True, "--overwrite-output-dir", "--micro-batch-size", "1")
     odd_batch[odd_batch.index("--batch-size") + 1] = "5"
     found = _run(cli, tmp_path, [odd_share, odd_batch])
-    for rank in range(WORLD):
-        assert found[rank]["exits"] == [2, 2]
-        assert found[rank]["stderr"].splitlines() == [
-            "fastgrpo sft: error: micro_batch_size: expected a divisor of 3 (each of the 2 processes' batch_size 6 / "
-            "2 rows), got 2",
-            "fastgrpo sft: error: batch_size: expected a multiple of 2 (each of the 2 processes takes an equal share "
-            "of a step's rows), got 5"], found[rank]["stderr"]
+    assert found[0]["exits"] == found[1]["exits"] == [2, 2] and found[1]["stderr"] == ""  # rank 0 says it
+    assert found[0]["stderr"].splitlines() == [
+        "fastgrpo sft: error: micro_batch_size: expected a divisor of 3 (each of the 2 processes' batch_size 6 / "
+        "2 rows), got 2",
+        "fastgrpo sft: error: batch_size: expected a multiple of 2 (each of the 2 processes takes an equal share "
+        "of a step's rows), got 5"], found[0]["stderr"]
     assert previous.read_text() == '{"step": 1}\n'
 
 
@@ -208,5 +207,5 @@ def test_a_folder_rank_0_refuses_stops_every_process(tmp_path):
     found = _run(cli, tmp_path, [_sft_argv(tmp_path, "used", True)])
     first = found[0]["stderr"].strip().splitlines()
     assert found[0]["exits"] == found[1]["exits"] == [2] and len(first) == 1 and "holds another run" in first[0]
-    assert found[1]["stderr"].strip() == first[0].replace("error: ", "error: (on process 0) ", 1)
+    assert found[1]["stderr"] == ""  # rank 0 says it
 

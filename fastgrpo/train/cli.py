@@ -70,7 +70,11 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message):
-        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        from fastgrpo.train.ranks import is_main_process, rank_0_ended
+
+        # under torchrun every process parses the same command line: rank 0 says it once
+        said = not is_main_process() and rank_0_ended()
+        self.exit(2, None if said else f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
 # Short names other trainers use, too far from ours for a close match

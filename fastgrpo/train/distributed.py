@@ -40,6 +40,7 @@ from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.checkpoint import finish_export, set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.naming import setting
+from fastgrpo.train.ranks import raised_on_every_process
 
 logger = logging.getLogger(__name__)
 SHARDS = "shards"  # the Distributed Checkpoint folder inside checkpoint-<step>/ (FSDP2)
@@ -378,11 +379,11 @@ class Distributed:
             failure = err
         messages = self.gather_objects(None if failure is None else (type(failure), str(failure)))
         if failure is not None:
-            raise failure
+            raise raised_on_every_process(failure)
         first = next((m for m in messages if m is not None), None)
         if first is not None:
             kind, text = first
-            raise kind(f"(on process {messages.index(first)}) {text}")
+            raise raised_on_every_process(kind(f"(on process {messages.index(first)}) {text}"))
         return result
 
     def combine_metrics(self, metrics: dict) -> dict:

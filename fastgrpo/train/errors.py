@@ -19,6 +19,7 @@ from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted
 from fastgrpo.train.naming import command_line
+from fastgrpo.train.ranks import reported_by_rank_0
 
 USAGE_EXIT = 2
 RUN_EXIT = 1
@@ -49,12 +50,19 @@ def one_line(err: BaseException) -> str:
     return lines[0] if len(lines) == 1 else f"{lines[0]} (--debug shows the rest)"
 
 
+def _report(line: str, err: BaseException) -> None:
+    """Print `line` to stderr, unless rank 0 of a torchrun launch prints it (fastgrpo.train.ranks)."""
+    if not reported_by_rank_0(err):
+        print(line, file=sys.stderr, flush=True)
+
+
 def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
                 run_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a command's body and turn its ending into an exit code, printing one line to stderr for the ends the
     module docstring lists. run_errors: more exception types to treat as RunError (e.g. OffloadMemoryError).
     fastgrpo's log records (warnings, info) print to stderr as `prog: ...` lines meanwhile; under torchrun the
-    info lines only on rank 0, as the step lines (each rank's warnings and errors still print)."""
+    info lines only on rank 0, as the step lines (each rank's warnings still print), and the error or stop that rank
+    0 reports too on rank 0 alone."""
     logger = logging.getLogger("fastgrpo")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_LineFormatter(prog))
@@ -67,7 +75,7 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
         with command_line():  # messages name flags, not the configs' field names
             return body()
     except Interrupted as stop:  # not an error: the run saved its state and says how to continue
-        print(f"{prog}: {stop}", file=sys.stderr, flush=True)
+        _report(f"{prog}: {stop}", stop)
         return stop.exit_code
     except KeyboardInterrupt:  # before the run loop took over the signals (while loading, say)
         if debug:
@@ -77,12 +85,12 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
     except ValueError as err:
         if debug:
             raise
-        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        _report(f"{prog}: error: {one_line(err)}", err)
         return USAGE_EXIT
     except (RunError, OSError, *run_errors) as err:
         if debug:
             raise
-        print(f"{prog}: error: {one_line(err)}", file=sys.stderr, flush=True)
+        _report(f"{prog}: error: {one_line(err)}", err)
         return RUN_EXIT
     finally:
         logger.removeHandler(handler)

@@ -5,10 +5,13 @@ once, not once per process. An error a process meets alone still prints there.""
 from __future__ import annotations
 
 import os
+import signal
+import threading
 
 from fastgrpo.train.interrupts import Interrupted
 
 _ON_EVERY_PROCESS = "_fastgrpo_on_every_process"  # set on an exception every process of the run raises
+RANK_0_GRACE_S = 60  # how long a process waits for rank 0 to end with the bad input it met too
 
 
 def process_rank() -> int:
@@ -39,4 +42,31 @@ def reported_by_rank_0(err: BaseException) -> bool:
         return False
     if isinstance(err, Interrupted):
         return err.step is not None
-    return isinstance(err, ValueError) or getattr(err, _ON_EVERY_PROCESS, False)
+    if _on_every_process(err):
+        return True  # raised here and on rank 0 after one collective: rank 0 prints it as this process ends
+    return isinstance(err, ValueError) and rank_0_ended()
+
+
+def rank_0_ended() -> bool:
+    """Under torchrun, whether rank 0 ended within RANK_0_GRACE_S (torchrun then stops this process with SIGTERM,
+    taken here): bad input is met by each process at its own pace, and torchrun stops the others as soon as one
+    fails, so a process that exited first on it had rank 0 stopped before rank 0 printed the line. False: rank 0 has
+    not ended (this process prints the line itself). Without torchrun (processes a caller forked): True."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ or threading.current_thread() is not threading.main_thread():
+        return True
+    # blocked: torchrun's SIGTERM is taken by sigtimedwait, not by the default action (an exit by the signal)
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        return signal.sigtimedwait({signal.SIGTERM}, RANK_0_GRACE_S) is not None
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+def _on_every_process(err: BaseException | None) -> bool:
+    """err, or the error it was raised from (a loop that saves a checkpoint before raising it again), was raised on
+    every process."""
+    while err is not None:
+        if getattr(err, _ON_EVERY_PROCESS, False):
+            return True
+        err = err.__cause__
+    return False
