@@ -26,10 +26,11 @@ def test_eval_runs_on_rank_0_alone_and_writes_once(tmp_path):
                                                                                     for s in range(2)]
 
 
-def test_eval_of_a_sharded_checkpoint_loads_its_shards(tmp_path):
+def test_a_sharded_checkpoint_evaluates_on_one_process_and_resumes_on_two_only(tmp_path, capsys):
     """`fastgrpo eval --checkpoint` of a run fully fine-tuned on 2 processes (FSDP2: its weights in checkpoint-<step>/
     shards) evaluates the trained weights, as of the run's export; it stopped with KeyError 'trainable' (a
-    traceback)."""
+    traceback). `--resume` of it on one process is refused in one line (a warning that the process counts differ came
+    first)."""
     from fastgrpo.train.cli import main
 
     run = tmp_path / "out" / "run"
@@ -42,6 +43,11 @@ def test_eval_of_a_sharded_checkpoint_loads_its_shards(tmp_path):
     completions = [[json.loads(line)["completion"] for line in (tmp_path / name / "results.jsonl").open()]
                    for name in ("of-checkpoint", "of-export")]
     assert completions[0] == completions[1]
+    capsys.readouterr()
+    assert main([*train, "--max-steps", "2", "--resume"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        "fastgrpo train: error: resume: checkpoint-1 holds FSDP2 shards of 2 processes; resume it under torchrun "
+        "--nproc_per_node 2"]
 
 
 REWARD = '''import torch.distributed as dist

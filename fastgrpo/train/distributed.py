@@ -448,20 +448,21 @@ class Distributed:
         """Load checkpoint `path` (its state read by read_checkpoint) into model, optimizer and the RNGs; return
         the rest of the state (step, scheduler, beta, ...)."""
         saved_world = state.pop("world_size", 1)
+        sharded = state.pop("sharded", False)
+        if sharded and self._fsdp is None:
+            raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "
+                             f"torchrun --nproc_per_node {saved_world}")
+        if not sharded and self._fsdp is not None:
+            raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
+                             "resume it with the process count that wrote it")
         if saved_world != self.world_size:
             logger.warning("resume: %s was written by %d process(es), this run has %d", path.name, saved_world,
                            self.world_size)
-        if not state.pop("sharded", False):
-            if self._fsdp is not None:
-                raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
-                                 "resume it with the process count that wrote it")
+        if not sharded:
             state = restore_checkpoint(state, model)
             if optimizer is not None:
                 optimizer.load_state_dict(state.pop("optimizer"))
             return state
-        if self._fsdp is None:
-            raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "
-                             f"torchrun --nproc_per_node {saved_world}")
         load_sharded_state(Path(path) / SHARDS, model, optimizer)
         set_rng_states(state.pop("rng"))
         return state
