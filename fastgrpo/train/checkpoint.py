@@ -36,6 +36,7 @@ import torch
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import merged_state_dict
 from fastgrpo.train.naming import setting
+from fastgrpo.train.sharded_state import SHARDS, load_sharded_state
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -202,8 +203,6 @@ def load_checkpoint(path: str | Path, model: torch.nn.Module) -> dict:
     state = read_checkpoint(path)
     if not state.get("sharded"):
         return restore_checkpoint(state, model)
-    from fastgrpo.train.distributed import SHARDS, load_sharded_state  # which imports this module
-
     load_sharded_state(Path(path) / SHARDS, model, None)
     state = dict(state)
     set_rng_states(state.pop("rng"))

@@ -25,7 +25,6 @@ import contextlib
 import gc
 import logging
 import os
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -39,11 +38,11 @@ from fastgrpo.train.checkpoint import (STATE_FILE, atomic_directory, check_final
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.checkpoint import finish_export, set_rng_states, write_run_config
 from fastgrpo.train.run_dir import RunDirectory
+from fastgrpo.train.sharded_state import SHARDS, load_sharded_state, sharded_state
 from fastgrpo.train.naming import setting
 from fastgrpo.train.ranks import raised_on_every_process
 
 logger = logging.getLogger(__name__)
-SHARDS = "shards"  # the Distributed Checkpoint folder inside checkpoint-<step>/ (FSDP2)
 # metrics that each rank measures on its own share: combined over ranks (sum, max or mean) for rank 0's log
 SUMMED, MAXED, AVERAGED = ("rollout_tokens_per_s", "train_tokens_per_s", "reward_errors"), ("peak_gpu_mem_gib",), \
     ("truncated_frac",)
@@ -101,39 +100,6 @@ class _Silent:
 
     def __getattr__(self, name):
         return lambda *args, **kwargs: None
-
-
-def load_sharded_state(shards: Path, model: torch.nn.Module, optimizer) -> None:
-    """Load the weights and optimizer state Distributed Checkpoint wrote to `shards` into model and optimizer (None:
-    the weights alone, as expert iteration saves them). An optimizer state this run keeps but the checkpoint lacks
-    (StochasticRoundingAdamW's fp32 `master` of offloaded weights, when the run that wrote it stepped on the GPU) is
-    left out of the load; the optimizer's load_state_dict then derives it from the loaded weights."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-    saved = _sharded_state(model, optimizer)
-    stored = dcp.FileSystemReader(str(shards)).read_metadata().state_dict_metadata
-    for fqn, param_state in saved.get("optimizer", {}).get("state", {}).items():
-        for key in [k for k in param_state if f"optimizer.state.{fqn}.{k}" not in stored]:
-            del param_state[key]
-    with warnings.catch_warnings():  # without a process group: whole, into one process (`fastgrpo eval`), as meant
-        warnings.filterwarnings("ignore", "torch.distributed is disabled")
-        dcp.load(saved, checkpoint_id=shards)
-    if optimizer is None:
-        set_model_state_dict(model, saved["model"])
-    else:
-        set_state_dict(model, optimizer, model_state_dict=saved["model"], optim_state_dict=saved["optimizer"])
-
-
-def _sharded_state(model: torch.nn.Module, optimizer) -> dict:
-    """What Distributed Checkpoint saves of an FSDP2 run: {"model": its shards, "optimizer": the optimizer's}, or
-    the model's alone when there is no optimizer (expert iteration starts a fresh one each round)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-    if optimizer is None:
-        return {"model": get_model_state_dict(model)}
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    return {"model": model_state, "optimizer": optimizer_state}
 
 
 class Distributed:
@@ -437,7 +403,7 @@ class Distributed:
         with atomic_directory(path) if self.is_main else contextlib.nullcontext() as tmp:
             where = [str(tmp)]
             dist.broadcast_object_list(where, src=0)
-            dcp.save(_sharded_state(model, optimizer), checkpoint_id=Path(where[0]) / SHARDS)
+            dcp.save(sharded_state(model, optimizer), checkpoint_id=Path(where[0]) / SHARDS)
             if self.is_main:
                 torch.save(state, tmp / STATE_FILE)
                 write_run_config(tmp, state.get("config", {}))
