@@ -135,3 +135,19 @@ def test_under_torchrun_bad_input_waits_for_rank_0_to_end(monkeypatch, capsys):
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     assert capsys.readouterr().err == ""
+
+
+def test_fsdp_cpu_offload_runs_on_gloo(tmp_path):
+    """`--fsdp-cpu-offload` on CPU processes: FSDP2 asked for pinned host memory, which needs a GPU, and every
+    process stopped with 'Cannot access accelerator device when none is available' (a traceback). The step is the
+    one without offload."""
+    from tests.forked_gloo import read_metrics
+
+    train = ["train", "--max-steps", "1", "--batch-size", "16", "--num-generations", "8", "--micro-batch-size", "8",
+             "--max-completion-length", "4", "--no-export"]
+    runs = [[*train, "--output-dir", str(tmp_path / "out" / name), *flags]
+            for name, flags in (("offload", ["--fsdp-cpu-offload"]), ("plain", []))]
+    found = _run(cli, tmp_path, runs)
+    assert found[0]["exits"] == found[1]["exits"] == [0, 0], found[0]["stderr"][-2000:]
+    offloaded, plain = (read_metrics(tmp_path / "out" / name)[0] for name in ("offload", "plain"))
+    assert offloaded["loss"] == plain["loss"] and offloaded["grad_norm"] == pytest.approx(plain["grad_norm"])

@@ -183,7 +183,8 @@ class Distributed:
         from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
         mesh = init_device_mesh(self.device.type, (self.world_size,))
-        offload = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+        # pinned host memory speeds the copies to a GPU, and needs one
+        offload = CPUOffloadPolicy(pin_memory=self.device.type == "cuda") if cpu_offload else OffloadPolicy()
         layers = decoder_layers(model, architecture(model))
         for start in range(0, len(layers), layers_per_group):
             group = layers[start:start + layers_per_group]  # one FSDP2 group: gathered and reduced together
