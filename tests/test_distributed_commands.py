@@ -151,3 +151,18 @@ def test_fsdp_cpu_offload_runs_on_gloo(tmp_path):
     assert found[0]["exits"] == found[1]["exits"] == [0, 0], found[0]["stderr"][-2000:]
     offloaded, plain = (read_metrics(tmp_path / "out" / name)[0] for name in ("offload", "plain"))
     assert offloaded["loss"] == plain["loss"] and offloaded["grad_norm"] == pytest.approx(plain["grad_norm"])
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_the_signal_every_process_gets_is_announced_once(monkeypatch, caplog, rank):
+    """torchrun passes Ctrl-C / SIGTERM to every process: rank 0 alone says they will save and stop (each did)."""
+    import logging
+    import signal
+
+    from fastgrpo.train.interrupts import InterruptGuard
+
+    monkeypatch.setenv("RANK", rank)
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"), InterruptGuard(deferred=True) as guard:
+        signal.raise_signal(signal.SIGTERM)
+    assert guard.requested == signal.SIGTERM
+    assert ("all processes save a checkpoint and stop" in caplog.text) == (rank == "0")

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted
 from fastgrpo.train.naming import command_line
-from fastgrpo.train.ranks import reported_by_rank_0
+from fastgrpo.train.ranks import is_main_process, reported_by_rank_0
 
 USAGE_EXIT = 2
 RUN_EXIT = 1
@@ -75,7 +75,8 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
         with command_line():  # messages name flags, not the configs' field names
             return body()
     except Interrupted as stop:  # not an error: the run saved its state and says how to continue
-        _report(f"{prog}: {stop}", stop)
+        if stop.step is None or is_main_process():  # at a step: where every process agreed to stop; rank 0 says it
+            print(f"{prog}: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except KeyboardInterrupt:  # before the run loop took over the signals (while loading, say)
         if debug:

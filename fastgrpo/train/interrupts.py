@@ -34,6 +34,8 @@ import signal
 import threading
 from pathlib import Path
 
+from fastgrpo.train.ranks import is_main_process
+
 logger = logging.getLogger(__name__)
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -102,6 +104,8 @@ class InterruptGuard:
             self.abandonable = False  # no checkpoint: the other processes may be anywhere in the step
         if (self.abandonable and not self.deferred) or not first:
             raise Interrupted(signum, unit=self.unit)
+        if self.deferred and not is_main_process():
+            return  # torchrun passes a signal to every process: rank 0 says what follows, once
         name = signal.Signals(signum).name
         what = f"all processes save a checkpoint and stop, before the current {self.unit}'s update or after it" \
             if self.deferred else f"finishing the current {self.unit}, then saving a checkpoint"

@@ -8,8 +8,6 @@ import os
 import signal
 import threading
 
-from fastgrpo.train.interrupts import Interrupted
-
 _ON_EVERY_PROCESS = "_fastgrpo_on_every_process"  # set on an exception every process of the run raises
 RANK_0_GRACE_S = 60  # how long a process waits for rank 0 to end with the bad input it met too
 
@@ -36,12 +34,9 @@ def raised_on_every_process(err: BaseException) -> BaseException:
 def reported_by_rank_0(err: BaseException) -> bool:
     """Whether rank 0 prints the line for `err`, met on this process: on rank 0 itself False (it prints it); on
     another, True for bad input (a ValueError: every process reads the same flags, files and folders, and a process's
-    own refusal reaches the others through Distributed.raise_together), for an error every process raised, and for a
-    stop every process agreed on (Interrupted at a step)."""
+    own refusal reaches the others through Distributed.raise_together) and for an error every process raised."""
     if is_main_process():
         return False
-    if isinstance(err, Interrupted):
-        return err.step is not None
     if _on_every_process(err):
         return True  # raised here and on rank 0 after one collective: rank 0 prints it as this process ends
     return isinstance(err, ValueError) and rank_0_ended()
