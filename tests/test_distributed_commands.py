@@ -166,3 +166,27 @@ def test_the_signal_every_process_gets_is_announced_once(monkeypatch, caplog, ra
         signal.raise_signal(signal.SIGTERM)
     assert guard.requested == signal.SIGTERM
     assert ("all processes save a checkpoint and stop" in caplog.text) == (rank == "0")
+
+
+def _resumed_warnings(rank, tmp):
+    import logging
+
+    from fastgrpo.train.checkpoint import rng_states
+    from fastgrpo.train.distributed import Distributed
+    from tests.forked_gloo import tiny_model
+
+    model, _ = tiny_model(lora=True)
+    state = {"world_size": 1, "rng": rng_states(),
+             "trainable": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}}
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logging.getLogger("fastgrpo").addHandler(handler)
+    Distributed.current().restore_checkpoint(tmp / "checkpoint-3", state, model, None)
+    return [record.getMessage() for record in records]
+
+
+def test_resuming_on_another_process_count_warns_once(tmp_path):
+    """A LoRA checkpoint of 1 process resumed on 2: rank 0 says so (each process did)."""
+    assert _run(_resumed_warnings, tmp_path) == [["resume: checkpoint-3 was written by 1 process(es), this run has 2"],
+                                                 []]

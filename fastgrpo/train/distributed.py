@@ -422,7 +422,7 @@ class Distributed:
         if not sharded and self._fsdp is not None:
             raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
                              "resume it with the process count that wrote it")
-        if saved_world != self.world_size:
+        if saved_world != self.world_size and self.is_main:
             logger.warning("resume: %s was written by %d process(es), this run has %d", path.name, saved_world,
                            self.world_size)
         if not sharded:
