@@ -7,8 +7,11 @@ Prompt formats:
   auto     chat when the tokenizer has a chat template, else raw.
   r1_zero  the R1-Zero prompt (R1_ZERO_PROMPT) around the text, then raw: the course's format for base models, and
            the one the `r1_zero_math` reward grades (`... </think> <answer> ... </answer>`).
-A response is the assistant turn of the chat template where the prompt went through it, else its text followed by
-the EOS token, so that a trained model learns to stop.
+A response is the assistant turn of the chat template where the prompt went through it (its end-of-turn token
+included), else its text followed by the EOS token (once: not after a text that ends with it), so that a trained
+model learns to stop. The prompt is tokenized alone, exactly as generation sees it, and the response on its own: a
+BPE merge across the boundary (prompt "... t", response "here") cannot move it. TRL tokenizes the joined text and
+starts the completion where it diverges from the prompt's tokens, training on a context generation never shows.
 """
 from __future__ import annotations
 
@@ -131,4 +134,5 @@ def response_ids(tokenizer, prompt, response: str, prompt_format: str) -> list[i
     ids = list(tokenizer(response, add_special_tokens=False)["input_ids"])
     if tokenizer.eos_token_id is None:
         raise ValueError("tokenizer: needs an eos_token_id (appended to each response so the model learns to stop)")
-    return ids + [tokenizer.eos_token_id]
+    # a response whose text ends with the EOS token already has it (as TRL checks): once, not twice
+    return ids if ids[-1:] == [tokenizer.eos_token_id] else ids + [tokenizer.eos_token_id]
