@@ -76,3 +76,16 @@ def test_a_chat_template_trains_the_assistant_content_and_its_end_of_turn(bpe, t
         assert bpe.decode(prompt_ids(bpe, "what is 2+2?", "chat")).endswith(header)
     finally:
         bpe.chat_template = None
+
+
+def test_truncated_rows_are_counted_in_one_warning_and_lose_their_response_end(bpe, caplog):
+    # each cut row logged a line of its own: 10,000 long rows, 10,000 lines
+    rows = [{"prompt": "what is 2+2?", "response": " 4" * n} for n in (1, 30, 30, 40, 30, 30, 30)]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.sft_data"):
+        examples = tokenize_rows(rows, bpe, prompt_format="raw", truncate=True, **{**KWARGS, "max_seq_length": 20})
+    assert [r.getMessage() for r in caplog.records] == [
+        "dataset: 6 of 7 rows over max_seq_length (20) lost their response's end (truncate_sequences=True; those "
+        "responses end without EOS): rows 1, 2, 3, 4, 5, ..."]
+    assert [len(e) for e in examples] == [len(examples[0])] + [20] * 6
+    assert examples[1].prompt_ids == examples[0].prompt_ids  # the prompt stays whole: the response's end goes
+    assert examples[0].response_ids[-1] == bpe.eos_token_id != examples[1].response_ids[-1]

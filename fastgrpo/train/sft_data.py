@@ -107,7 +107,7 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     """One SFTExample per row (sft_pairs: TRL's completion and messages rows too). A row longer than max_seq_length
     is an error naming it, unless `truncate`: then its response loses its end (with a warning); a row left without
     response tokens is an error either way."""
-    examples = []
+    examples, cut = [], []
     for i, (prompt, response) in enumerate(sft_pairs(rows, prompt_column, response_column)):
         try:
             p = prompt_ids(tokenizer, prompt, prompt_format)
@@ -122,13 +122,22 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
                 raise ValueError(f"dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
                                  f"({max_seq_length}); raise max_seq_length or pass "
                                  f"{setting('truncate_sequences', True)}")
-            logger.warning("row %d: %d tokens cut to max_seq_length=%d", i, len(p) + len(r), max_seq_length)
+            cut.append(i)
             r = r[: max(0, max_seq_length - len(p))]
         if not r:
             raise ValueError(f"dataset: row {i} has no response tokens (a {len(p)}-token prompt, "
                              f"max_seq_length {max_seq_length})")
         examples.append(SFTExample(tuple(p), tuple(r)))
+    if cut:  # one line for the dataset, not one per row
+        logger.warning(truncation_note(cut, len(examples), max_seq_length))
     return examples
+
+
+def truncation_note(cut: list[int], num_rows: int, max_seq_length: int) -> str:
+    """The warning for the rows `cut` (their indices) of num_rows: how many, which (the first few)."""
+    shown = ", ".join(map(str, cut[:5])) + (", ..." if len(cut) > 5 else "")
+    return (f"dataset: {len(cut)} of {num_rows} rows over max_seq_length ({max_seq_length}) lost their response's end "
+            f"({setting('truncate_sequences', True)}; those responses end without EOS): rows {shown}")
 
 
 def steps_per_epoch(num_examples: int, batch_size: int) -> int:
