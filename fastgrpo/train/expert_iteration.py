@@ -1,8 +1,8 @@
 """Expert iteration: for each round, sample G completions per question with the rollout engine, keep those the
 reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) for sft_epochs; repeat ei_steps times.
 
-A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold)
--> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
+A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold;
+a question's completion sampled twice, once: distinct_correct) -> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
 Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
 resumed run continues at the next round with the weights and RNG states of a straight one.
 
@@ -89,6 +89,26 @@ def _merged_failure(found: list[tuple[int, str]], world_size: int) -> str:
     return f"{message} (in process {rank}'s share of the round{also})"
 
 
+def distinct_correct(prompts: list[list[int]], completions: list[list[int]], correct: torch.Tensor,
+                     num_generations: int) -> tuple[list[SFTExample], int]:
+    """The SFT examples (prompt ids, sampled completion ids) of a round's correct, non-empty completions, each
+    distinct completion of a question once, and how many repeats were dropped. completions: num_generations per
+    question of `prompts`, in order; correct: [N] bool. A completion sampled again is dropped, as rejection-sampling
+    fine-tuning keeps distinct reasoning paths (Yuan et al. 2023): kept, it would weight the questions the model
+    already solves by how sure of them it is, over the ones it solves once in a while."""
+    kept, seen, repeats = [], set(), 0
+    for k in correct.nonzero().flatten().tolist():
+        question, completion = k // num_generations, tuple(completions[k])
+        if not completion:
+            continue
+        if (question, completion) in seen:
+            repeats += 1
+            continue
+        seen.add((question, completion))
+        kept.append(SFTExample(tuple(prompts[question]), completion))
+    return kept, repeats
+
+
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
                  train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
@@ -156,10 +176,8 @@ class ExpertIteration:
             check_reward_failures(errors, config.reward_errors)
             warn_unscored(rewards)
         correct = rewards >= config.correct_threshold  # an unscored completion is not kept
-        self.last_kept = kept = [
-            SFTExample(tuple(self.prompts[indices[k // G]]), tuple(samples[k][0]))
-            for k in correct.nonzero().flatten().tolist() if samples[k][0]
-        ]
+        kept, repeats = distinct_correct([self.prompts[i] for i in indices], [ids for ids, _ in samples], correct, G)
+        self.last_kept = kept
 
         # 3. SFT on the kept completions (none kept: the round leaves the weights as they are). From here a signal
         # lets the round finish.
@@ -184,6 +202,7 @@ class ExpertIteration:
             **{f"rewards/{name}": nan_mean(per_func[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))},
             "reward_errors": len(errors),
             "kept": len(kept),
+            "kept_repeats_dropped": repeats,
             "kept_frac": len(kept) / rewards.numel(),
             "questions_solved_frac": correct.view(-1, G).any(-1).float().mean().item(),
             "sft_steps": len(sft),
