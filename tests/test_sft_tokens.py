@@ -89,3 +89,28 @@ def test_truncated_rows_are_counted_in_one_warning_and_lose_their_response_end(b
     assert [len(e) for e in examples] == [len(examples[0])] + [20] * 6
     assert examples[1].prompt_ids == examples[0].prompt_ids  # the prompt stays whole: the response's end goes
     assert examples[0].response_ids[-1] == bpe.eos_token_id != examples[1].response_ids[-1]
+
+
+@pytest.mark.parametrize("eos_token, warns", [("<|endoftext|>", True), ("<|im_end|>", False)])
+def test_a_template_whose_end_of_turn_generation_does_not_stop_at_is_said(bpe, tmp_path, caplog, eos_token, warns):
+    # a base model's tokenizer (EOS <|endoftext|>) with a Qwen-style template: the responses trained <|im_end|>,
+    # which generation does not stop at, and the run said nothing: eval then ran every answer to max_new_tokens
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from fastgrpo.train.sft import SFTTrainer
+    from fastgrpo.train.sft_config import SFTConfig
+
+    tokenizer = bpe.__class__(tokenizer_object=bpe.backend_tokenizer, eos_token=eos_token, pad_token="<|endoftext|>",
+                              chat_template=QWEN_TEMPLATE)
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                         max_position_embeddings=64, eos_token_id=tokenizer.eos_token_id))
+    config = SFTConfig(prompt_format="chat", max_seq_length=64, batch_size=1, micro_batch_size=1,
+                       output_dir=str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.sft"):
+        SFTTrainer(model, tokenizer, [{"prompt": "what is 2+2?", "response": "4"}], config)
+    expected = ("dataset: no response holds a token generation stops at ('<|endoftext|>': the tokenizer's eos_token "
+                "and generation_config.json's eos_token_id), so the model will not learn to stop; where the chat "
+                "template ends a turn with another token, add its id to the model folder's generation_config.json "
+                "eos_token_id")
+    assert [r.getMessage() for r in caplog.records if r.name == "fastgrpo.train.sft"] == ([expected] if warns else [])

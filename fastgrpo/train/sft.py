@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.loss.sft import sft_loss
+from fastgrpo.rollout.requests import as_list
 from fastgrpo.train.checkpoint import (
     export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, warn_stale_export,
 )
@@ -60,6 +61,20 @@ def total_steps(config: SFTConfig, num_examples: int) -> int:
     return config.max_steps or config.num_epochs * steps_per_epoch(num_examples, config.batch_size)
 
 
+def warn_no_stop_token(model, tokenizer, examples: list[SFTExample]) -> None:
+    """A warning when no response trains a token that generation stops at (the tokenizer's EOS, the model's
+    generation_config eos_token_id): the model would never learn to stop. A chat template whose end of turn is
+    neither does this, e.g. Qwen2.5's `<|im_end|>` with a base model's tokenizer, whose EOS is `<|endoftext|>`."""
+    generation_config = getattr(model, "generation_config", None)
+    stops = {tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))} - {None}
+    if any(stops.intersection(e.response_ids) for e in examples):
+        return
+    logger.warning("dataset: no response holds a token generation stops at (%s: the tokenizer's eos_token and "
+                   "generation_config.json's eos_token_id), so the model will not learn to stop; where the chat "
+                   "template ends a turn with another token, add its id to the model folder's generation_config.json "
+                   "eos_token_id", ", ".join(repr(tokenizer.convert_ids_to_tokens(i)) for i in sorted(stops)))
+
+
 def _is_examples(data) -> bool:
     return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(e, SFTExample) for e in data)
 
@@ -94,6 +109,7 @@ class SFTTrainer:
                 prompt_format=config.prompt_format, max_seq_length=config.max_seq_length,
                 truncate=config.truncate_sequences,
             )
+            warn_no_stop_token(model, tokenizer, self.examples)
         self.lengths = [len(e) for e in self.examples]
         self.device = next(model.parameters()).device
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
