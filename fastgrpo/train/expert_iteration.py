@@ -2,7 +2,8 @@
 reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) for sft_epochs; repeat ei_steps times.
 
 A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold;
-a question's completion sampled twice, once: distinct_correct) -> SFT on the kept (prompt ids, completion ids) pairs, exactly the sampled tokens (no re-tokenization) -> metrics.
+a question's completion sampled twice, once: distinct_correct) -> SFT on the kept (prompt ids, completion ids)
+pairs, exactly the sampled tokens (no re-tokenization), masked as sft's rows -> metrics.
 Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
 resumed run continues at the next round with the weights and RNG states of a straight one.
 
