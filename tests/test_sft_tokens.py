@@ -23,7 +23,8 @@ KWARGS = dict(prompt_column="prompt", response_column="response", max_seq_length
 
 @pytest.fixture(scope="module")
 def bpe():
-    """A byte-level BPE (GPT-2 / Qwen / Llama-3 style) trained on text where " there" is one token."""
+    """A byte-level BPE (GPT-2 / Qwen / Llama-3 style) trained on text where " there" is one token; its pad token is
+    its EOS, as Qwen's: the EOS still gets the loss (the response mask comes from the lengths, not the pad id)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
