@@ -203,7 +203,7 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         (["train", "--max-step", "3"], "unrecognized arguments: --max-step (did you mean --max-steps?) 3"),
         (["sft", "--max-seq-len", "4"], "unrecognized arguments: --max-seq-len (did you mean --max-seq-length?) 4"),
         (["train", "--learning_rate=3"], "unrecognized arguments: --learning_rate=3 (did you mean --learning-rate?)"),
-        (["train", "--lr", "3"], "unrecognized arguments: --lr (did you mean --learning-rate?) 3 (see"),
+        (["train", "--lr", "3"], "unrecognized arguments: --lr (TRL's name; here --learning-rate) 3 (see"),
         (["ei", "--max-steps", "3"], "unrecognized arguments: --max-steps (a `fastgrpo train` / `fastgrpo sft` flag; "
                                      "ei counts rounds with --ei-steps) 3"),
         (["sft", "--no-truncate-prompts"], "unrecognized arguments: --no-truncate-prompts (a `fastgrpo train` flag; "

@@ -27,11 +27,12 @@ from fastgrpo.train.commands import (
     check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.command_fields import elsewhere
+from fastgrpo.train.command_fields import TRL_NAMES, elsewhere, fields
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import number
 from fastgrpo.train.errors import RunError, run_command
+from fastgrpo.train.naming import flag
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,27 +78,53 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, None if said else f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
-# Short names other trainers use, too far from ours for a close match
-FLAG_ALIASES = {"--lr": "--learning-rate"}
+MAX_FLAGS_NAMED = 6  # in a hint for a flag several start with
 
 
 def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: str) -> str:
-    """argparse's 'unrecognized arguments' naming, for each unknown flag, the other command it belongs to (and this
-    command's counterpart) or else the closest flag of the command."""
-    known = [flag for action in parser._actions for flag in action.option_strings  # argparse has no public list
-             if flag not in ("-h", "--help")]
+    """argparse's 'unrecognized arguments' naming, for each unknown flag, this command's counterpart of a TRL flag, the
+    other command it belongs to (and this command's counterpart), the flags it starts (--reward: --reward-funcs, ...)
+    or else the closest flag of the command."""
+    known = [option for action in parser._actions for option in action.option_strings  # argparse has no public list
+             if option not in ("-h", "--help")]
     hints = []
     for arg in extra:
         name = arg.split("=")[0]
-        if FLAG_ALIASES.get(name) in known:
-            hint = f"did you mean {FLAG_ALIASES[name]}?"
-        elif other := _other_commands_flag(name, command):
-            hint = other
-        else:
-            close = difflib.get_close_matches(name, known, n=1, cutoff=0.8) if arg.startswith("--") else []
-            hint = f"did you mean {close[0]}?" if close else ""
+        hint = "" if not arg.startswith("--") else (
+            _trl_flag(name, command) or _other_commands_flag(name, command) or _flags_starting(name, known)
+            or _closest_flag(name, known))
         hints.append(f"{arg} ({hint})" if hint else arg)
     return "unrecognized arguments: " + " ".join(hints)
+
+
+def _trl_flag(name: str, command: str) -> str | None:
+    """"TRL's name; here --dtype bfloat16" for --bf16 (command_fields.TRL_NAMES, which YAML keys get too), in TRL's
+    spelling (--use_peft) or ours (--use-peft); None for a flag TRL_NAMES lacks or `command` has no counterpart of."""
+    ours, how = TRL_NAMES.get(name[2:].replace("-", "_"), ((), ""))
+    field = next((f for f in ours if f in fields(command)), None)
+    if field is None:
+        return None
+    if how.startswith(": "):  # "dtype: bfloat16" -> "--dtype bfloat16"
+        how = f" {how[2:]}"
+    elif how.startswith(" ("):  # a note: not in parentheses inside the hint's own
+        how = f", {how[2:-1]}"
+    return f"TRL's name; here {flag(field)}{how}"
+
+
+def _flags_starting(name: str, known: list[str]) -> str | None:
+    """"did you mean --reward-funcs, --reward-weights or --reward-errors?" for --reward, the first word of each (of
+    more than MAX_FLAGS_NAMED, the first ones and how many)."""
+    found = [f for f in known if f.startswith(f"{name}-")]
+    if len(found) > MAX_FLAGS_NAMED:
+        return f"one of the {len(found)} flags {name}-*: {', '.join(found[:MAX_FLAGS_NAMED - 1])}, ..."
+    if len(found) > 1:
+        return f"did you mean {', '.join(found[:-1])} or {found[-1]}?"
+    return f"did you mean {found[0]}?" if found else None
+
+
+def _closest_flag(name: str, known: list[str]) -> str | None:
+    close = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f"did you mean {close[0]}?" if close else None
 
 
 def _other_commands_flag(name: str, command: str) -> str | None:

@@ -1,0 +1,47 @@
+"""The hints of `fastgrpo`'s one-line errors: the flags a word starts, TRL's flag names, comma-joined reward names, the
+config file a bad value came from, fsdp_* settings that would do nothing; --help once under torchrun; the closing
+line of a one-step run."""
+import pytest
+
+from fastgrpo.train.cli import main
+
+
+def _error(argv, capsys) -> str:
+    """The one line `fastgrpo ...` prints for bad input (exit 2), without its "(see ... --help)"."""
+    try:
+        code = main(argv)
+    except SystemExit as exit_info:  # argparse's
+        code = exit_info.code
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1, (argv, err)
+    return err.removesuffix("\n").split(" (see fastgrpo")[0]
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--reward", "length"], "--reward (did you mean --reward-funcs, --reward-weights or --reward-errors?)"),
+    (["eval", "--checkpoint-dir", "x"], "--checkpoint-dir (did you mean --checkpoint?)"),
+    (["train", "--fsdp", "1"], "--fsdp (did you mean --fsdp-cpu-offload, --fsdp-reshard-after-forward, "
+                               "--fsdp-sync-every-micro-batch or --fsdp-layers-per-group?)"),
+    (["train", "--rollout"], "--rollout (one of the 8 flags --rollout-*: --rollout-engine, --rollout-attention, "
+                             "--rollout-weights, --rollout-kv-cache, --rollout-correction, ...)"),
+])
+def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
+    assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}" + (
+        f" {argv[2]}" if len(argv) > 2 else "")
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--num-train-epochs", "3"], "--num-train-epochs (TRL's name; here --max-steps) 3"),
+    (["sft", "--num_train_epochs=3"], "--num_train_epochs=3 (TRL's name; here --num-epochs)"),
+    (["train", "--model-name-or-path", "m"], "--model-name-or-path (TRL's name; here --model) m"),
+    (["train", "--use-peft"], "--use-peft (TRL's name; here --lora-rank > 0)"),
+    (["ei", "--bf16"], "--bf16 (TRL's name; here --dtype bfloat16)"),
+    (["train", "--use_vllm"], "--use_vllm (TRL's name; here --rollout-engine vllm)"),
+    (["train", "--gradient-accumulation-steps", "4"], "--gradient-accumulation-steps (TRL's name; here "
+                                                      "--micro-batch-size, gradients accumulate over a step's "
+                                                      "micro-batches) 4"),
+    (["train", "--lr", "3"], "--lr (TRL's name; here --learning-rate) 3"),
+    (["eval", "--use-peft"], "--use-peft"),  # eval trains nothing: no counterpart
+])
+def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
+    assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"
