@@ -45,3 +45,9 @@ def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
 ])
 def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"
+
+
+def test_comma_joined_reward_names_are_told_to_be_spaced(tmp_path, capsys):
+    err = _error(["train", "--reward-funcs", "length,ifeval", "--output-dir", str(tmp_path)], capsys)
+    assert err == ("fastgrpo train: error: reward_funcs: unknown reward 'length,ifeval'; names are separated by "
+                   "spaces, not commas (--reward-funcs length ifeval; in YAML, a list: [length, ifeval])")

@@ -35,6 +35,9 @@ def resolve_reward(name: str):
     current folder too) or "path/to/file.py:function" (fastgrpo.train.sources.import_function)."""
     if name in REGISTRY:
         return REGISTRY[name]
+    if "," in name and ":" not in name:  # --reward-funcs length,ifeval
+        raise ValueError(f"reward_funcs: unknown reward {name!r}; names are separated by spaces, not commas "
+                         f"(--reward-funcs {name.replace(',', ' ')}; in YAML, a list: [{name.replace(',', ', ')}])")
     if ":" not in name:
         raise ValueError(f"reward_funcs: unknown reward {name!r}; expected one of {sorted(REGISTRY)}, "
                          "'module:function' or 'path/to/file.py:function'")
