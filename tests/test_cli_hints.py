@@ -51,3 +51,19 @@ def test_comma_joined_reward_names_are_told_to_be_spaced(tmp_path, capsys):
     err = _error(["train", "--reward-funcs", "length,ifeval", "--output-dir", str(tmp_path)], capsys)
     assert err == ("fastgrpo train: error: reward_funcs: unknown reward 'length,ifeval'; names are separated by "
                    "spaces, not commas (--reward-funcs length ifeval; in YAML, a list: [length, ifeval])")
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei", "eval"])
+def test_a_bad_value_from_the_config_file_names_the_file(tmp_path, capsys, command):
+    """Wrong types from the file named it; wrong values did not. A flag's bad value names the flag's setting alone,
+    also where the file set the same key."""
+    path = tmp_path / "run.yaml"
+    path.write_text("dtype: bf16\nseed: 1\n")
+    out = ["--output-dir", str(tmp_path / "out")]
+    expected = "dtype: expected one of ['auto', 'float32', 'bfloat16', 'float16'], got 'bf16'"
+    assert _error([command, "--config", str(path), *out], capsys) == (
+        f"fastgrpo {command}: error: config: {path}: {expected}")
+    assert _error([command, "--config", str(path), "--dtype", "bf16", *out], capsys) == (
+        f"fastgrpo {command}: error: {expected}")
+    assert _error([command, "--config", str(path), "--dtype", "float32", "--seed", "-1", *out], capsys) == (
+        f"fastgrpo {command}: error: seed: expected an int in [0, 2**32), got -1")

@@ -29,7 +29,7 @@ from fastgrpo.train.commands import (
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import TRL_NAMES, elsewhere, fields
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
-from fastgrpo.train.config_file import add_config_file_argument
+from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import number
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.naming import flag
@@ -171,8 +171,27 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    return run_command(f"fastgrpo {command.name}", lambda: command.run(subparser, args), debug=args.debug,
-                       run_errors=(RewardError, OffloadMemoryError))
+    return run_command(f"fastgrpo {command.name}", lambda: _naming_the_config_file(args, command.run, subparser),
+                       debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
+
+
+def _naming_the_config_file(args: argparse.Namespace, run: Callable, parser: argparse.ArgumentParser) -> int:
+    """run(parser, args), where a ValueError about a setting that args.config gave (and no flag overrode) names the
+    file, as a wrong type there does: `config: run.yaml: dtype: expected one of [...], got 'bf16'`."""
+    try:
+        return run(parser, args)
+    except ValueError as err:
+        key = str(err).split(":", 1)[0]
+        if args.config is None or key in vars(args) or key not in _config_file_keys(args.config):
+            raise
+        raise ValueError(f"config: {Path(args.config).expanduser()}: {err}") from err
+
+
+def _config_file_keys(path: Path) -> set[str]:
+    try:
+        return set(read_yaml(path))
+    except ValueError:  # the error being reported
+        return set()
 
 
 # ---- fastgrpo train ----
