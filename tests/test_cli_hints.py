@@ -67,3 +67,9 @@ def test_a_bad_value_from_the_config_file_names_the_file(tmp_path, capsys, comma
         f"fastgrpo {command}: error: {expected}")
     assert _error([command, "--config", str(path), "--dtype", "float32", "--seed", "-1", *out], capsys) == (
         f"fastgrpo {command}: error: seed: expected an int in [0, 2**32), got -1")
+
+
+def test_a_one_step_run_closes_with_its_reward_once(tmp_path, capsys):
+    assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--no-export"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.startswith("reward ") and last.count("(step 1)") == 1 and "->" not in last, last

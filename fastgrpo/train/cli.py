@@ -30,7 +30,7 @@ from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import TRL_NAMES, elsewhere, fields
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
-from fastgrpo.train.console import number
+from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.naming import flag
 
@@ -284,8 +284,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
     if history and dist.is_main:
         first, last = history[0], history[-1]
-        print(f"reward {number(first['reward'])} (step {first['step']}) -> {number(last['reward'])} (step "
-              f"{last['step']}); metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+        print(f"{change('reward', first, last)}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
     return 0
 
 

@@ -68,6 +68,13 @@ def number(value: float | None, fmt: str = "{:.3f}") -> str:
     return "none" if value is None else fmt.format(value)
 
 
+def change(key: str, first: dict, last: dict, unit: str = "step", fmt: str = "{:.3f}") -> str:
+    """A run's closing summary of metric `key`: "reward 0.044 (step 1) -> 0.253 (step 40)" from its first and last
+    logged metrics; "reward 0.044 (step 3)" for a run of one step (or round)."""
+    start = f"{key} {number(first[key], fmt)} ({unit} {first[unit]})"
+    return start if first[unit] == last[unit] else f"{start} -> {number(last[key], fmt)} ({unit} {last[unit]})"
+
+
 def _mean(window: list[dict], key: str) -> float | None:
     values = [m[key] for m in window if isinstance(m.get(key), (int, float))]
     return sum(values) / len(values) if values else None
