@@ -73,3 +73,28 @@ def test_a_one_step_run_closes_with_its_reward_once(tmp_path, capsys):
     assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--no-export"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.startswith("reward ") and last.count("(step 1)") == 1 and "->" not in last, last
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_fsdp_settings_that_do_nothing_are_refused(monkeypatch, tmp_path, capsys, command):
+    """fsdp_* settings shape FSDP2, which shards full fine-tuning under torchrun: a LoRA run trains through DDP there
+    and a run of one process wraps nothing; both ignored them silently."""
+    out = ["--output-dir", str(tmp_path / "out")]
+    assert _error([command, "--fsdp-layers-per-group", "2", *out], capsys) == (
+        f"fastgrpo {command}: error: fsdp_layers_per_group: shapes FSDP2, which shards full fine-tuning under "
+        "torchrun, and this run has one process")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _error([command, "--lora-rank", "8", "--no-fsdp-reshard-after-forward", *out], capsys) == (
+        f"fastgrpo {command}: error: fsdp_reshard_after_forward: shapes FSDP2, which shards full fine-tuning under "
+        "torchrun, and a LoRA run (--lora-rank 8) trains through DDP")
+
+
+def test_fsdp_settings_of_a_full_fine_tuning_launch_or_at_their_defaults_pass(monkeypatch):
+    from fastgrpo.train.cli import build_parser, config_from_args
+
+    def config(argv):
+        return config_from_args(build_parser().parse_args(["train", *argv]))
+
+    assert config(["--fsdp-reshard-after-forward", "--fsdp-layers-per-group", "1"]).fsdp_layers_per_group == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert config(["--fsdp-cpu-offload", "--fsdp-layers-per-group", "2"]).fsdp_cpu_offload

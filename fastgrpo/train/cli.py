@@ -32,6 +32,7 @@ from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
+from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
 
 
@@ -229,7 +230,9 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     from fastgrpo.train.distributed import launched_processes
 
     # under torchrun each process takes a share of a step's rows
-    return GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
+    config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
+    check_fsdp_applies(config, launched_processes())
+    return config
 
 
 def resume_command(argv: list[str]) -> str:

@@ -22,6 +22,7 @@ from fastgrpo.train.console import number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -77,8 +78,10 @@ def config_from_args(name: str, args: argparse.Namespace):
     from fastgrpo.train.distributed import launched_processes
 
     # under torchrun each process runs a share of a step's rows
-    return CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **from_run,
-                                    **merged})
+    config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **from_run,
+                                      **merged})
+    check_fsdp_applies(config, launched_processes())  # sft, ei (eval has no fsdp_* fields)
+    return config
 
 
 def _trained_by(merged: dict) -> tuple[dict | None, str]:

@@ -1,7 +1,9 @@
 """The checks of the fields that refine offload_activations and gradient_checkpointing, shared by every config
-that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs)."""
+that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs), and of the fsdp_* fields
+that refine a torchrun launch's FSDP2 (the commands' check_fsdp_applies)."""
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from fastgrpo._checks import check_int_at_least
@@ -27,3 +29,23 @@ def check_activation_memory_options(config) -> None:
         if not (config.gradient_checkpointing or (config.offload_activations and config.patch)):
             raise ValueError("recompute_layers: chooses the layers that gradient_checkpointing or offload_activations "
                              "(with patch) recompute, and neither is on")
+
+
+FSDP_FIELDS = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
+
+
+def check_fsdp_applies(config, processes: int) -> None:
+    """An fsdp_* field set off its default where FSDP2 does not run (it shards full fine-tuning under torchrun, and
+    DDP trains LoRA there): refused, as it would do nothing. The commands check it (they know `processes`, the
+    launch's); a config has no such count when built."""
+    defaults = {f.name: f.default for f in dataclasses.fields(config)}
+    changed = [name for name in FSDP_FIELDS if name in defaults and getattr(config, name) != defaults[name]]
+    if not changed:
+        return
+    if processes == 1:
+        why = "this run has one process"
+    elif config.lora_rank > 0:
+        why = f"a LoRA run ({setting('lora_rank', config.lora_rank)}) trains through DDP"
+    else:
+        return
+    raise ValueError(f"{changed[0]}: shapes FSDP2, which shards full fine-tuning under torchrun, and {why}")
