@@ -69,6 +69,17 @@ def test_a_bad_value_from_the_config_file_names_the_file(tmp_path, capsys, comma
         f"fastgrpo {command}: error: seed: expected an int in [0, 2**32), got -1")
 
 
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_help_prints_once_under_torchrun(monkeypatch, capsys, rank):
+    """torchrun runs `fastgrpo train --help` on every process: rank 0 prints it, the others exit 0 quietly."""
+    monkeypatch.setenv("RANK", rank)
+    for argv in (["train", "--help"], ["--help"], ["--version"]):
+        with pytest.raises(SystemExit) as exit_info:
+            main(argv)
+        out = capsys.readouterr().out
+        assert exit_info.value.code == 0 and (out != "") == (rank == "0"), (argv, out)
+
+
 def test_a_one_step_run_closes_with_its_reward_once(tmp_path, capsys):
     assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--no-export"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]

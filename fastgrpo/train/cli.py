@@ -59,8 +59,10 @@ class _Version(argparse.Action):
             except PackageNotFoundError:
                 pass
         from fastgrpo import __version__
+        from fastgrpo.train.ranks import is_main_process
 
-        print(f"fastgrpo {__version__} ({', '.join(found)})")
+        if is_main_process():  # under torchrun every process parses the same command line: rank 0 says it once
+            print(f"fastgrpo {__version__} ({', '.join(found)})")
         parser.exit(0)
 
 
@@ -70,6 +72,12 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def print_help(self, file=None):
+        from fastgrpo.train.ranks import is_main_process
+
+        if is_main_process():  # --help: rank 0 prints it, the other processes of a torchrun launch exit 0 quietly
+            super().print_help(file)
 
     def error(self, message):
         from fastgrpo.train.ranks import is_main_process, rank_0_ended
