@@ -429,7 +429,7 @@ def test_a_run_no_reward_function_scored_ends_with_its_summary(tmp_path, capsys)
     assert main(argv) == 0
     assert json.loads((tmp_path / "o" / "metrics.jsonl").read_text())["reward"] is None
     out = capsys.readouterr()
-    assert out.out.splitlines()[-1].startswith("reward none (step 1) -> none (step 1); metrics in "), out.out
+    assert out.out.splitlines()[-1].startswith("reward none (step 1); metrics in "), out.out
     assert "every reward function returned None for 4 completion(s)" in out.err, out.err
 
 
