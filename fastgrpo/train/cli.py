@@ -239,7 +239,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
 
     # under torchrun each process takes a share of a step's rows
     config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
-    check_fsdp_applies(config, launched_processes())
+    check_fsdp_applies(config)
     return config
 
 

@@ -80,7 +80,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     # under torchrun each process runs a share of a step's rows
     config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **from_run,
                                       **merged})
-    check_fsdp_applies(config, launched_processes())  # sft, ei (eval has no fsdp_* fields)
+    check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
     return config
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 from fastgrpo._checks import check_int_at_least
 from fastgrpo.train.naming import setting
@@ -34,18 +35,28 @@ def check_activation_memory_options(config) -> None:
 FSDP_FIELDS = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
 
 
-def check_fsdp_applies(config, processes: int) -> None:
+def check_fsdp_applies(config) -> None:
     """An fsdp_* field set off its default where FSDP2 does not run (it shards full fine-tuning under torchrun, and
-    DDP trains LoRA there): refused, as it would do nothing. The commands check it (they know `processes`, the
-    launch's); a config has no such count when built."""
+    DDP trains LoRA there): refused, as it would do nothing. The commands check it, in the processes that run: a
+    config can be built before they start (the Python API)."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
     changed = [name for name in FSDP_FIELDS if name in defaults and getattr(config, name) != defaults[name]]
     if not changed:
         return
-    if processes == 1:
+    if _processes() == 1:
         why = "this run has one process"
     elif config.lora_rank > 0:
         why = f"a LoRA run ({setting('lora_rank', config.lora_rank)}) trains through DDP"
     else:
         return
     raise ValueError(f"{changed[0]}: shapes FSDP2, which shards full fine-tuning under torchrun, and {why}")
+
+
+def _processes() -> int:
+    """This run's process count: its process group's where it joined one (processes a caller forked), else torchrun's
+    WORLD_SIZE (the group is joined after the config is checked)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
