@@ -1,8 +1,9 @@
 """`fastgrpo train --eval-steps` on 2 gloo processes (real torch.distributed, forked, as tests/test_sft_distributed.py
-runs `fastgrpo sft`): every process evaluates (under FSDP2 with every weight gathered) and draws the same samples,
-and rank 0 alone writes output_dir/eval/ and logs the numbers; the files are the ones a single process evaluating
-the same weights writes. Before, every rank wrote the same files into rank 0's folder, and under FSDP2 each rank
-generated from its shards and failed ("aten.embedding.default got mixed torch.Tensor and DTensor").
+runs `fastgrpo sft`): every process evaluates every 2nd row (under FSDP2 with every weight gathered), drawing the
+samples one process draws for them, and rank 0 alone writes output_dir/eval/ and logs the numbers; the files are the
+ones a single process evaluating the same weights writes. Before, every rank wrote the same files into rank 0's
+folder, and under FSDP2 each rank generated from its shards and failed ("aten.embedding.default got mixed
+torch.Tensor and DTensor").
 """
 import json
 import os

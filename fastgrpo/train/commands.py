@@ -10,6 +10,7 @@ Heavy modules (transformers, the trainers) are imported inside the run functions
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import shlex
 from pathlib import Path
@@ -293,59 +294,41 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     return 0
 
 
-def _evaluates_here() -> bool:
-    """Under torchrun rank 0 evaluates every row and writes the results; the others, which would repeat its work
-    (the rows are not split across processes) and race it for the folder, stop after the input checks."""
-    from fastgrpo.train.distributed import launched_processes
-    from fastgrpo.train.ranks import is_main_process
-
-    if is_main_process() and launched_processes() > 1:
-        logger.info("eval: evaluates on process 0 alone (the rows are not split across torchrun's %d processes)",
-                    launched_processes())
-    return is_main_process()
-
-
 def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.evaluate import (build_eval_task, evaluate, first_rows, load_evaluated_model,
-                                         log_generations, write_eval)
-    from fastgrpo.train.input_checks import check_reward_rows, model_positions
+    from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.evaluate import evaluate, first_rows, log_generations, write_eval
+    from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
-    from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
-    from fastgrpo.train.sources import naming_the_model
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
+    # under torchrun: join its process group, take this rank's GPU; each process evaluates every N-th row
+    dist = init_distributed(config.device)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
                                                                        seed=config.seed + 1))
     check_reward_rows(first_rows(rows, config.max_examples), config.prompt_column, reward_funcs, "dataset")
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
-    if not _evaluates_here():
-        return 0
     output = Path(config.output_dir)
-    # another evaluation's files there are refused (or overwritten); a train run's folder may take its results, its
-    # checkpoint-<step>/ and final/ may not (RunDirectory)
-    with RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False) as run_dir:
-        # command: a refusal names the files an evaluation's results, not "another run"
-        run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
+    with _eval_directory(dist, output, config):
         torch.manual_seed(config.seed)
-        with naming_the_model(config.model):
-            model, tokenizer, source = load_evaluated_model(config, checkpoint)
-        task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
-                               prompt_format=config.prompt_format, reward_funcs=reward_funcs,
-                               reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
-                               max_examples=config.max_examples, max_positions=model_positions(model),
-                               max_new_tokens=config.max_new_tokens, field="dataset")
+        # every process loads the whole model; a failure on one (a GPU out of memory) stops them all
+        model, tokenizer, source, task = dist.raise_together(
+            lambda: _load_eval(config, checkpoint, rows, reward_funcs))
+        _check_one_checkpoint(dist, source)
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,
-                                    reward_errors=config.reward_errors)
+                                    reward_errors=config.reward_errors, dist=dist)
         summary = {**summary, **source, "dataset": config.dataset, "config": config.to_dict()}
-        write_eval(records, summary, output / "results.jsonl", output / "summary.json")
+        if dist.is_main:
+            write_eval(records, summary, output / "results.jsonl", output / "summary.json")
+    if not dist.is_main:
+        return 0
     log_generations(records, config.log_generations, "sample")
     rates = "" if summary["format_rate"] is None else (f", format {summary['format_rate']:.3f}, "
                                                        f"answer {summary['answer_rate']:.3f}")
@@ -354,3 +337,49 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     print(f"accuracy {summary['accuracy']:.3f}{best_of}, reward {number(summary['reward'])}{rates} over "
           f"{summary['num_samples']} completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
     return 0
+
+
+@contextlib.contextmanager
+def _eval_directory(dist, output: Path, config):
+    """Rank 0 locks and prepares `fastgrpo eval`'s output folder; the other processes wait, and raise its refusal.
+    Another evaluation's files there are refused (or overwritten); a train run's folder may take its results, its
+    checkpoint-<step>/ and final/ may not (RunDirectory)."""
+    from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
+
+    with contextlib.ExitStack() as stack:
+        def prepare() -> None:
+            if dist.is_main:
+                run_dir = stack.enter_context(RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False))
+                # command: a refusal names the files an evaluation's results, not "another run"
+                run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
+
+        dist.raise_together(prepare)
+        yield
+
+
+def _load_eval(config, checkpoint: Path | None, rows, reward_funcs: list):
+    """(model, tokenizer, source, task) of `fastgrpo eval`: the model evaluated and its rows (build_eval_task)."""
+    from fastgrpo.train.evaluate import build_eval_task, load_evaluated_model
+    from fastgrpo.train.input_checks import model_positions
+    from fastgrpo.train.sources import naming_the_model
+
+    with naming_the_model(config.model):
+        model, tokenizer, source = load_evaluated_model(config, checkpoint)
+    task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column, prompt_format=config.prompt_format,
+                           reward_funcs=reward_funcs, reward_weights=config.reward_weights,
+                           correct_threshold=config.correct_threshold, max_examples=config.max_examples,
+                           max_positions=model_positions(model), max_new_tokens=config.max_new_tokens,
+                           field="dataset")
+    return model, tokenizer, source, task
+
+
+def _check_one_checkpoint(dist, source: dict) -> None:
+    """Under torchrun, refuse an evaluation whose processes loaded different checkpoints (a run still training
+    deleted the one named as they loaded it: load_evaluated_model took its newest), which would mix their results."""
+    from fastgrpo.train.ranks import raised_on_every_process
+
+    loaded = sorted({str(found["checkpoint"]) for found in dist.gather_objects(source)})
+    if len(loaded) > 1:
+        raise raised_on_every_process(ValueError(
+            f"checkpoint: torchrun's processes loaded different checkpoints ({', '.join(loaded)}) as their run "
+            "deleted older ones (--save-total-limit); pass one checkpoint that stays"))

@@ -29,6 +29,7 @@ from fastgrpo.rewards.answers import r1_zero_grades
 from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, traceback_of, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
@@ -125,44 +126,68 @@ def check_reward_failures(failures: dict, reward_errors: str, *, warn: bool = Tr
 
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
-             num_generations: int = 1, seed: int = 0, batch_size: int = 64,
-             reward_errors: str = "raise", warn: bool = True) -> tuple[list[dict], dict]:
+             num_generations: int = 1, seed: int = 0, batch_size: int = 64, reward_errors: str = "raise",
+             dist: Distributed | None = None) -> tuple[list[dict], dict]:
     """Generate num_generations completions per row, batch_size prompts per engine call; (records, summary).
     reward_errors: see check_reward_failures; the summary counts the failures of each function either way.
-    warn: log the rewards' warnings (skipped failures, unscored completions); False on the processes of a torchrun
-    evaluation but rank 0, which all draw the same samples (PeriodicEval)."""
+    dist: under torchrun, the processes' group: each process generates and scores every world_size-th row (its
+    samples keyed by the row's position, so they are the ones one process draws); every process returns the whole
+    evaluation, in row order, and rank 0 logs the rewards' warnings of it. A failure on any process raises on all."""
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1 prompts per rollout call, got {batch_size}")
+    dist = dist or Distributed()
+    names = reward_names(task.reward_funcs)
+    t0 = time.perf_counter()
+    positions = list(range(dist.rank, len(task.rows), dist.world_size))
+    # fewer rows than processes: one left without a row evaluates row 0 and drops it, as under FSDP2 every process
+    # must run the model (a backward prefetches by the forwards each process saw: one without them hung the next)
+    padded = not positions and len(task.rows) > 0
+    share = dist.raise_together(lambda: _evaluate_rows(engine, tokenizer, task, sampling, [0] if padded else positions,
+                                                       stop=stop, num_generations=num_generations, seed=seed,
+                                                       batch_size=batch_size, reward_errors=reward_errors))
+    shares = dist.gather_objects(([], {}) if padded else share)
+    records = sorted((r for own, _ in shares for r in own), key=lambda r: (r["index"], r["sample"]))
+    errors = _merged_errors([errors for _, errors in shares])
+    if dist.is_main:
+        _warn_of_rewards(records, errors, reward_errors, num_generations)
+    seconds, tokens = time.perf_counter() - t0, sum(r["length"] for r in records)
+    settings = {"sampling": {**dataclasses.asdict(sampling), "num_generations": num_generations, "seed": seed,
+                             "stop": stop},
+                "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
+    return records, {**summarize(records, names, errors, seconds, tokens), **settings}
+
+
+def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
+                   *, stop, num_generations: int, seed: int, batch_size: int,
+                   reward_errors: str) -> tuple[list[dict], dict]:
+    """(records, {function name: its last failure's message}) of the rows at `positions`, batch_size per call."""
     names = reward_names(task.reward_funcs)
     weights = torch.tensor(task.reward_weights or [1.0] * len(names), dtype=torch.float64)
-    records, errors, tokens, t0 = [], {}, 0, time.perf_counter()
+    records, errors = [], {}
     keyed = accepts_prompt_keys(engine)
     engine.reacquire_memory()
-    for start in range(0, len(task.rows), batch_size):
-        rows = task.rows[start:start + batch_size]
-        # keyed by row: a row's samples do not depend on batch_size or on the rows beside it
-        keys = {"prompt_keys": list(range(start, start + len(rows)))} if keyed else {}
-        out = engine.generate(task.prompt_ids[start:start + batch_size], num_generations=num_generations,
-                              sampling=sampling, stop=stop, seed=seed if keyed else seed + start, **keys)
+    for start in range(0, len(positions), batch_size):
+        batch = positions[start:start + batch_size]
+        rows, ids = [task.rows[i] for i in batch], [task.prompt_ids[i] for i in batch]
+        # keyed by row: a row's samples do not depend on batch_size, on the rows beside it or on the process
+        keys = {"prompt_keys": batch} if keyed else {}
+        out = engine.generate(ids, num_generations=num_generations, sampling=sampling, stop=stop,
+                              seed=seed if keyed else seed + batch[0], **keys)
         expanded = [row for row in rows for _ in range(num_generations)]
-        # what the model saw, chat template and special tokens included
-        prompt_texts = tokenizer.batch_decode(task.prompt_ids[start:start + batch_size])
+        prompt_texts = tokenizer.batch_decode(ids)  # what the model saw, chat template and special tokens included
         prompts = [row[task.prompt_column] for row in expanded]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != task.prompt_column}
         per_func, failures = score(task.reward_funcs, prompts, out.texts, columns)  # per_func: [n, F]
-        check_reward_failures(failures, reward_errors, warn=warn)
+        check_reward_failures(failures, reward_errors, warn=False)  # skipped: evaluate warns of the whole
         for name, failure in failures.items():
             errors[name] = str(failure)
         rewards = weighted_rewards(per_func, weights)  # rewards: [n]; NaN where no function applied
-        if warn:
-            warn_unscored(rewards)
         rewards = [None if math.isnan(r) else r for r in rewards.tolist()]  # null in the JSON
         lengths = out.completion_mask.sum(-1).tolist()
-        tokens += sum(lengths)
         for k, (row, text) in enumerate(zip(expanded, out.texts)):
             grades = r1_zero_grades(text, row["answer"]) if task.splits_r1_zero else (None, None)
             record = {
-                "index": start + k // num_generations, "sample": k % num_generations,
+                "index": batch[k // num_generations], "sample": k % num_generations,
                 "prompt": prompt_texts[k // num_generations], "completion": text,
                 "format_reward": grades[0], "answer_reward": grades[1], "reward": rewards[k],
                 "correct": rewards[k] is not None and rewards[k] >= task.correct_threshold, "length": int(lengths[k]),
@@ -174,11 +199,32 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
                 record["answer"] = row["answer"]
             records.append(record)
     engine.release_memory()
-    seconds = time.perf_counter() - t0
-    settings = {"sampling": {**dataclasses.asdict(sampling), "num_generations": num_generations, "seed": seed,
-                             "stop": stop},
-                "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    return records, {**summarize(records, names, errors, seconds, tokens), **settings}
+    return records, errors
+
+
+def _warn_of_rewards(records: list[dict], errors: dict, reward_errors: str, num_generations: int) -> None:
+    """The rewards' warnings of a whole evaluation, once: each function's skipped failures, the unscored completions."""
+    check_reward_failures(errors, reward_errors)
+    rewards = torch.tensor([math.nan if r["reward"] is None else r["reward"] for r in records], dtype=torch.float64)
+    warn_unscored(rewards, lambda k: f"row {records[k]['index']} (completion {records[k]['sample'] + 1} of "
+                                     f"{num_generations})")
+
+
+def _merged_errors(shares: list[dict]) -> dict:
+    """The processes' {function name: failure message} as one: the first failing process's message, whose row counts
+    are of its rows alone, so it says so and which processes failed too (one process: its message as is)."""
+    failed_on: dict[str, list[tuple[int, str]]] = {}
+    for rank, errors in enumerate(shares):
+        for name, message in errors.items():
+            failed_on.setdefault(name, []).append((rank, message))
+    if len(shares) == 1:
+        return {name: found[0][1] for name, found in failed_on.items()}
+    merged = {}
+    for name, ((rank, message), *others) in failed_on.items():
+        also = f"; process{'es' if len(others) > 1 else ''} {', '.join(str(r) for r, _ in others)} failed too" \
+            if others else ""
+        merged[name] = f"{message} (in process {rank}'s rows{also})"
+    return merged
 
 
 def _mean(values):

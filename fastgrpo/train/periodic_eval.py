@@ -41,11 +41,10 @@ class PeriodicEval:
     def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
         """The step's evaluation when it is due (or forced); dist: the trainer's Distributed (None: one process).
 
-        Under torchrun every process evaluates, under FSDP2 with every weight gathered (as for a rollout), drawing the
-        same samples (the same weights and seeds), and rank 0 alone writes, logs (the rewards' warnings too) and
-        returns the numbers ({} on the others). Not rank 0 alone: FSDP2 prefetches in the backward by the order of the
-        forwards it saw, which must be alike on every process (rank 0 evaluating alone hung the next step's
-        collectives), and the others would only wait. An error on any process stops every process."""
+        Under torchrun every process evaluates every world_size-th row (evaluate), under FSDP2 with every weight
+        gathered (as for a rollout: the gathering is a collective, so no process can stay out), and rank 0 alone
+        writes, logs (the rewards' warnings too) and returns the numbers ({} on the others). An error on any process
+        stops every process."""
         dist = dist or Distributed()
         if not self.started:
             self.started = True
@@ -55,7 +54,7 @@ class PeriodicEval:
             return {}
         self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
         with dist.full_weights():
-            summary = dist.raise_together(lambda: self._evaluate(step, main=dist.is_main))
+            summary = dist.raise_together(lambda: self._evaluate(step, dist))
         if not dist.is_main:
             return {}
         return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
@@ -72,11 +71,10 @@ class PeriodicEval:
             logger.info("eval: deleted %s, the evaluations of steps this run replaces",
                         ", ".join(name for _, name in replaced))
 
-    def _evaluate(self, step: int, main: bool) -> dict:
-        """main: this process writes and logs (the others draw the same samples: their warnings would repeat)."""
+    def _evaluate(self, step: int, dist: Distributed) -> dict:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
-                                    seed=self.seed, reward_errors=self.reward_errors, warn=main)
-        if main:
+                                    seed=self.seed, reward_errors=self.reward_errors, dist=dist)
+        if dist.is_main:
             write_eval(records, {"step": step, **summary}, self.directory / f"step-{step}.jsonl",
                        self.directory / f"step-{step}_summary.json")
             log_generations(records, self.log_count, f"eval step {step}")
