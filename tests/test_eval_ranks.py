@@ -1,8 +1,9 @@
 """`torchrun --nproc_per_node 2 -m fastgrpo eval` (2 gloo processes, forked, each running fastgrpo.train.cli.main):
 each process generates and scores every 2nd row, and rank 0 gathers them and writes results.jsonl and summary.json,
 the files one process writes (the timings and date aside). Before, rank 0 evaluated every row alone and the others
-stopped after the input checks."""
+stopped after the input checks. Also: periodic evaluation under `ei` logs its rounds as rounds."""
 import json
+import logging
 
 from fastgrpo.train import default_task
 from tests.forked_gloo import cli, run_forked
@@ -75,6 +76,22 @@ def test_eval_splits_the_rows_across_processes_and_writes_one_process_results(tm
     assert _summary(two) == _summary(one)
     completions = [json.loads(line)["completion"] for line in (one / "results.jsonl").read_text().splitlines()]
     assert len(set(completions)) > 5  # sampled: the rows' completions differ (the comparison is not of constants)
+
+
+def test_ei_periodic_eval_logs_rounds(tmp_path, caplog):
+    """`ei` evaluates every --eval-steps rounds: its log said 'eval step <N>'."""
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.expert_iteration import ExpertIteration
+
+    tokenizer = default_task.build_tokenizer()
+    config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "questions_per_step": 4,
+                         "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "output_dir": str(tmp_path),
+                         "eval_steps": 1, "eval_max_examples": 2})
+    run = ExpertIteration(default_task.build_model(tokenizer), tokenizer, default_task.repeat_letter_reward,
+                          default_task.build_dataset(num_rows=8), config)
+    with caplog.at_level(logging.INFO, logger="fastgrpo"):
+        assert run.evaluator(3, force=True)["eval/num_examples"] == 2
+    assert "eval round 3 |" in caplog.text and "eval step" not in caplog.text
 
 
 def test_fewer_eval_rows_than_processes_under_fsdp2(tmp_path):

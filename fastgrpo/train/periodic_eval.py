@@ -25,17 +25,17 @@ logger = logging.getLogger(__name__)
 class PeriodicEval:
     """Evaluation every `every` steps, into <output_dir>/eval/step-<N>.jsonl and step-<N>_summary.json; returns the
     summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due (and on every
-    process but rank 0 under torchrun)."""
+    process but rank 0 under torchrun). unit: what the log lines call a step ("round" under `ei`)."""
 
     def __init__(self, model, engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *,
                  every: int, output_dir: str | Path, stop=None, seed: int = 0, reward_errors: str = "raise",
-                 log_count: int = 3):
+                 log_count: int = 3, unit: str = "step"):
         if every < 1:
             raise ValueError(f"eval_steps: expected >= 1 for a periodic evaluation, got {every}")
         self.model, self.engine, self.tokenizer, self.task, self.sampling = model, engine, tokenizer, task, sampling
         self.reward_errors = reward_errors
         self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
-        self.seed, self.log_count = seed, log_count
+        self.seed, self.log_count, self.unit = seed, log_count, unit
         self.started = False
 
     def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
@@ -68,8 +68,8 @@ class PeriodicEval:
         for _, name in replaced:
             (self.directory / name).unlink()
         if replaced:
-            logger.info("eval: deleted %s, the evaluations of steps this run replaces",
-                        ", ".join(name for _, name in replaced))
+            logger.info("eval: deleted %s, the evaluations of %ss this run replaces",
+                        ", ".join(name for _, name in replaced), self.unit)
 
     def _evaluate(self, step: int, dist: Distributed) -> dict:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
@@ -77,7 +77,7 @@ class PeriodicEval:
         if dist.is_main:
             write_eval(records, {"step": step, **summary}, self.directory / f"step-{step}.jsonl",
                        self.directory / f"step-{step}_summary.json")
-            log_generations(records, self.log_count, f"eval step {step}")
+            log_generations(records, self.log_count, f"eval {self.unit} {step}")
         return summary
 
 
@@ -108,7 +108,7 @@ def ei_evaluator(run) -> PeriodicEval | None:
                            max_new_tokens=run.sampling.max_new_tokens, new_tokens_field="max_completion_length")
     return PeriodicEval(run.model, run.engine, run.tokenizer, task, run.sampling, every=config.eval_steps,
                         output_dir=config.output_dir, stop=config.stop_strings, seed=config.seed,
-                        reward_errors=config.reward_errors)
+                        reward_errors=config.reward_errors, unit="round")
 
 
 def grpo_evaluator(trainer) -> PeriodicEval | None:
