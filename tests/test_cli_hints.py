@@ -80,10 +80,14 @@ def test_help_prints_once_under_torchrun(monkeypatch, capsys, rank):
         assert exit_info.value.code == 0 and (out != "") == (rank == "0"), (argv, out)
 
 
-def test_a_one_step_run_closes_with_its_reward_once(tmp_path, capsys):
-    assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", "--no-export"]) == 0
+@pytest.mark.parametrize("command, length, unit", [("train", "--max-steps", "step"), ("sft", "--max-steps", "step"),
+                                                   ("ei", "--ei-steps", "round")])
+def test_a_one_step_run_closes_with_its_numbers_once(tmp_path, capsys, command, length, unit):
+    """"reward 0.044 (step 1) -> 0.044 (step 1)" said one number twice; sft's loss and ei's reward and kept share
+    did too."""
+    assert main([command, "--output-dir", str(tmp_path), length, "1", "--no-progress-bar", "--no-export"]) == 0
     last = capsys.readouterr().out.splitlines()[-1]
-    assert last.startswith("reward ") and last.count("(step 1)") == 1 and "->" not in last, last
+    assert f"(1 {unit})" not in last and f"({unit} 1)" in last and "->" not in last, last
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "ei"])

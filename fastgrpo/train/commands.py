@@ -19,7 +19,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume
 from fastgrpo.train.config_file import add_config_file_argument
-from fastgrpo.train.console import number
+from fastgrpo.train.console import change, number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
@@ -262,8 +262,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
-        print(f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']}); "
-              f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+        print(f"{change('loss', first, last, fmt='{:.4f}')}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
     return 0
 
 
@@ -288,9 +287,8 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
-        print(f"reward {number(first['reward'])} (round {first['round']}) -> {number(last['reward'])} (round "
-              f"{last['round']}), kept {first['kept_frac']:.3f} -> {last['kept_frac']:.3f}; metrics in "
-              f"{Path(config.output_dir) / 'metrics.jsonl'}")
+        print(f"{change('reward', first, last, unit='round')}, {change('kept_frac', first, last, unit='round')}; "
+              f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
     return 0
 
 
