@@ -1,6 +1,6 @@
 """The commands as `torchrun --nproc_per_node 2 -m fastgrpo ...` runs them (2 gloo processes, forked, each running
-fastgrpo.train.cli.main): a command's refusal or stop is one line, printed by rank 0 alone; `fastgrpo eval`, which
-does not split its rows across processes, evaluates on rank 0 alone."""
+fastgrpo.train.cli.main): a command's refusal or stop is one line, printed by rank 0 alone; `fastgrpo eval` splits its
+rows across the processes and rank 0 alone writes (tests/test_eval_ranks.py checks the split)."""
 import json
 import threading
 
@@ -15,7 +15,7 @@ def _run(worker, tmp_path, *args) -> list:
     return run_forked(worker, tmp_path, *args, deadline_s=120, group_timeout_s=60)
 
 
-def test_eval_runs_on_rank_0_alone_and_writes_once(tmp_path):
+def test_eval_takes_one_lock_and_rank_0_alone_writes(tmp_path):
     """Each process took the output folder's lock: rank 1 met 'in use by another run (PID <rank 0's>)' and exited 2,
     so torchrun stopped rank 0 in the middle of its evaluation."""
     found = _run(cli, tmp_path, [[*EVAL, "--output-dir", str(tmp_path / "out" / "eval")]])
