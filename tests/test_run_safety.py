@@ -111,6 +111,23 @@ def test_a_crafted_checkpoint_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("content", [b"<html>404 Not Found</html>", b"\0" * 64, b"version https://git-lfs"],
+                         ids=["html", "zeros", "lfs-pointer"])
+def test_a_damaged_checkpoint_is_named_unreadable_not_crafted(tmp_path, content):
+    # a file torch.save did not write (a download's error page, a Git LFS pointer, zeros after a crash) was refused as
+    # "holds objects other than tensors...; could run code": a damaged file, not a crafted one
+    from fastgrpo.train.checkpoint import TornCheckpoint, read_checkpoint
+
+    folder = tmp_path / "checkpoint-1"
+    folder.mkdir()
+    (folder / "trainer_state.pt").write_bytes(content)
+    state = folder / "trainer_state.pt"
+    with pytest.raises(TornCheckpoint, match=rf"^{state}: not a file torch.save wrote \(File is not a zip file\)$"):
+        read_checkpoint(folder)
+    with pytest.raises(ValueError, match=rf"^checkpoint: cannot read {state}: not a file torch.save wrote"):
+        read_run_config(folder)  # `fastgrpo eval --checkpoint` reads the config the same way
+
+
 def test_resume_names_each_changed_setting(tmp_path, caplog):
     _trainer(tmp_path, max_steps=1).train()
     with pytest.raises(ValueError, match=r"resume: checkpoint-1 was made with other settings: temperature: 1.0 in "

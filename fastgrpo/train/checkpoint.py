@@ -118,34 +118,47 @@ def read_checkpoint(path: str | Path) -> dict:
 
     Raises TornCheckpoint when the file is incomplete or damaged, ValueError when it holds anything but tensors
     and plain containers (refused: unpickling it could run code)."""
-    file = Path(path) / STATE_FILE
+    return _load_state(Path(path) / STATE_FILE)
+
+
+def read_run_config(path: str | Path) -> dict:
+    """The resolved config of the run that wrote checkpoint folder `path`: its run_config.json, or (a checkpoint
+    from before that file) the state's "config", memory-mapped so the weights are not read. A damaged state is a
+    ValueError naming it."""
+    path = Path(path)
+    if (path / CONFIG_FILE).is_file():
+        return _config_json(path / CONFIG_FILE, "checkpoint", "restore it, or delete it to read the config saved "
+                                                              "with the weights")
+    file = path / STATE_FILE
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        state = _load_state(file, mmap=True)
+    except TornCheckpoint as err:
+        if not file.exists():  # deleted as it was read (a live run prunes its checkpoints): its callers' case
+            raise FileNotFoundError(str(err)) from None
+        raise ValueError(f"checkpoint: cannot read {err}") from None
+    config = state.get("config") if isinstance(state, dict) else None
+    if not isinstance(config, dict):
+        raise ValueError(f"checkpoint: {path / STATE_FILE} holds no run config")
+    return config
+
+
+def _load_state(file: Path, mmap: bool = False) -> dict:
+    """torch.load of a trainer state with weights_only. A file that is no zip archive (torch.save writes one) is
+    damaged, TornCheckpoint: torch reads it as a legacy pickle, whose garbage it reported as objects other than
+    tensors, the refusal of a crafted file."""
+    try:
+        if file.exists() and not zipfile.is_zipfile(file):
+            zipfile.ZipFile(file)  # raises BadZipFile, whose message names the problem
+        return torch.load(file, map_location="cpu", weights_only=True, mmap=mmap)
+    except zipfile.BadZipFile as err:
+        raise TornCheckpoint(f"{file}: not a file torch.save wrote ({err})") from None
     except pickle.UnpicklingError as err:
         if "weights_only" in str(err) or "Weights only" in str(err):
             raise ValueError(f"checkpoint: {file} holds objects other than tensors and plain containers; refused, "
                              "since loading it could run code (was it written by fastgrpo?)") from None
         raise TornCheckpoint(f"{file}: {str(err).splitlines()[0]}") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile) as err:
+    except (RuntimeError, EOFError, OSError) as err:
         raise TornCheckpoint(f"{file}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-
-
-def read_run_config(path: str | Path) -> dict:
-    """The resolved config of the run that wrote checkpoint folder `path`: its run_config.json, or (a checkpoint
-    from before that file) the state's "config", memory-mapped so the weights are not read."""
-    path = Path(path)
-    if (path / CONFIG_FILE).is_file():
-        return _config_json(path / CONFIG_FILE, "checkpoint", "restore it, or delete it to read the config saved "
-                                                              "with the weights")
-    try:
-        state = torch.load(path / STATE_FILE, map_location="cpu", weights_only=True, mmap=True)
-    except pickle.UnpicklingError:
-        raise ValueError(f"checkpoint: {path / STATE_FILE} holds objects other than tensors and plain containers; "
-                         "refused, since loading it could run code") from None
-    config = state.get("config") if isinstance(state, dict) else None
-    if not isinstance(config, dict):
-        raise ValueError(f"checkpoint: {path / STATE_FILE} holds no run config")
-    return config
 
 
 def read_exported_run_config(folder: str | Path) -> dict | None:
