@@ -166,3 +166,24 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
     assert len(load_dataset(SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl")))) == 1
     with pytest.raises(ValueError, match="^eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate"):
         load_dataset(SFTConfig(dataset=str(train), eval_steps=10))  # no eval_dataset
+
+
+@pytest.mark.parametrize("spelt", ["$REWARDS_DIR/my_reward.py:fn", "${REWARDS_DIR}/my_reward.py:fn",
+                                   "~/my_reward.py:fn"])
+def test_a_reward_files_path_expands_variables_and_home(tmp_path, monkeypatch, spelt):
+    # as dataset and model paths do (coercion.PATH_FIELDS): `--reward-funcs '$X/r.py:fn'` in YAML or quoted
+    from fastgrpo.train.loading import resolve_reward
+
+    (tmp_path / "my_reward.py").write_text("def fn(completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.setenv("REWARDS_DIR", str(tmp_path))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert resolve_reward(spelt)(["a", "b"]) == [1.0, 1.0]
+
+
+def test_an_unset_variable_in_a_reward_files_path_is_named(monkeypatch):
+    from fastgrpo.train.loading import resolve_reward
+
+    monkeypatch.delenv("NO_SUCH_REWARDS_DIR", raising=False)
+    with pytest.raises(ValueError, match=r"^reward_funcs: environment variable NO_SUCH_REWARDS_DIR is not set \(in "
+                                         r"'\$NO_SUCH_REWARDS_DIR/r.py'\)$"):
+        resolve_reward("$NO_SUCH_REWARDS_DIR/r.py:fn")

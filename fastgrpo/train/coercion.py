@@ -30,7 +30,7 @@ def coerced(config_class: type, values: dict) -> dict:
 
 
 # fields holding a path, where ~ and $VAR / ${VAR} are expanded (as a shell expands them on a command line; YAML
-# does not)
+# does not); a reward function's file is expanded as it is imported (fastgrpo.train.sources.import_function)
 PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
 
 
@@ -54,7 +54,7 @@ def coerced_value(name: str, value, hint):
             raise ValueError(f"{name}: expected {_describe(scalar, is_list)}, got None")
         return None
     if name in PATH_FIELDS and isinstance(value, str):
-        return _expanded_path(name, value)
+        return expanded_path(name, value)
     if is_list:
         items = [value] if isinstance(value, (str, int, float)) else value
         if not isinstance(items, (list, tuple)):
@@ -63,7 +63,7 @@ def coerced_value(name: str, value, hint):
     return _coerce(name, value, scalar)
 
 
-def _expanded_path(name: str, path: str) -> str:
+def expanded_path(name: str, path: str) -> str:
     """`path` with ~ and $VAR / ${VAR} expanded; a variable that is not set is an error naming it (os.path.expandvars
     would leave a folder named `$SCRATCH` to be read or created)."""
     expanded = os.path.expandvars(os.path.expanduser(path))

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.hub import hub_model_problem
+from fastgrpo.train.coercion import expanded_path
 from fastgrpo.train.naming import setting
 
 
@@ -23,12 +24,14 @@ def import_function(spec: str, field: str):
     """The callable that "module:function" or "path/to/file.py:function" names.
 
     A module is looked up as `python -m` would: the current folder first (so `myrewards:fn` finds ./myrewards.py
-    from the `fastgrpo` console script too), then sys.path. A .py path is loaded from that file."""
+    from the `fastgrpo` console script too), then sys.path. A .py path is loaded from that file, its ~ and $VAR /
+    ${VAR} expanded."""
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(f"{field}: expected 'module:function' or 'path/to/file.py:function', got {spec!r}")
+    target = expanded_path(field, target)  # as a dataset's path is (coercion.PATH_FIELDS); a module name stays
     if target.endswith(".py"):
-        module = _module_from_file(Path(target).expanduser(), field)
+        module = _module_from_file(Path(target), field)
     else:
         try:
             with _on_sys_path(os.getcwd()):
