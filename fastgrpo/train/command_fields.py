@@ -13,8 +13,9 @@ from fastgrpo.train.naming import flag
 
 # Fields by the commands that have them (each command's config lists them in its own order).
 _OWNERS = {
-    ("train", "sft", "ei", "eval"): ("model", "dataset", "dataset_split", "prompt_column", "prompt_format", "dtype",
-                                     "device", "batch_size", "seed", "output_dir", "overwrite_output_dir"),
+    ("train", "sft", "ei", "eval"): ("model", "dataset", "dataset_split", "dataset_config", "prompt_column",
+                                     "prompt_format", "dtype", "device", "batch_size", "seed", "output_dir",
+                                     "overwrite_output_dir"),
     ("train", "sft", "ei"): (
         "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
         "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",
@@ -22,7 +23,7 @@ _OWNERS = {
         "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
         "max_grad_norm", "lr_scheduler", "warmup_steps", "save_steps", "save_total_limit", "resume",
         "resume_allow_changes", "export", "logging_steps", "report_to", "progress_bar", "eval_steps", "eval_dataset",
-        "eval_max_examples"),
+        "eval_dataset_config", "eval_max_examples"),
     ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop",
                               "reward_errors"),
     ("train", "ei"): ("max_prompt_length", "max_completion_length"),
@@ -53,6 +54,7 @@ _LENGTHS = ("bounds a sequence with", ("max_prompt_length", "max_completion_leng
 _NEW_TOKENS = ("caps generated tokens with", ("max_completion_length",))
 _EVAL_ROWS = ("evaluates the first N rows with", ("eval_max_examples",))
 _EVAL_DATA = ("evaluates on", ("eval_dataset",))
+_EVAL_CONFIG = ("names its eval dataset's config with", ("eval_dataset_config",))
 COUNTERPARTS = (
     {"train": _STEPS, "sft": _STEPS, "ei": ("counts rounds with", ("ei_steps",))},
     {"sft": ("counts passes over the data with", ("num_epochs",)),
@@ -69,6 +71,8 @@ COUNTERPARTS = (
     {"train": ("scores with", ("reward_funcs",)), "ei": ("scores with", ("reward_funcs",)),
      "eval": ("scores with", ("reward_funcs",)), "sft": ("scores its evaluation with", ("eval_reward_funcs",))},
     {"train": _EVAL_DATA, "sft": _EVAL_DATA, "ei": _EVAL_DATA, "eval": ("evaluates on", ("dataset",))},
+    {"train": _EVAL_CONFIG, "sft": _EVAL_CONFIG, "ei": _EVAL_CONFIG,
+     "eval": ("names its dataset's config with", ("dataset_config",))},
     {"ei": ("sets the questions per rollout call with", ("generation_batch_size",)),
      "eval": ("sets the prompts per rollout call with", ("batch_size",))},
 )

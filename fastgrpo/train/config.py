@@ -66,6 +66,8 @@ class GRPOConfig(ConfigFile):
                                        "folder of data files or of save_to_disk, or an HF dataset name (these need "
                                        "`datasets`); none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset")
+    dataset_config: str | None = option(None, "config (subset) of an HF dataset that has several, as "
+                                              "datasets.load_dataset(dataset, name) takes it: main for openai/gsm8k")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
     prompt_format: str = option("raw", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); r1_zero: the R1-Zero "
                                 "template around the text, generation stopping at </answer> unless --stop")
@@ -245,6 +247,9 @@ class GRPOConfig(ConfigFile):
     eval_dataset: str | None = option(None, "rows to evaluate on (an HF dataset: its test split); none: the built-in "
                                             "task's held-out rows when training on the built-in task",
                                       run_control=True)
+    eval_dataset_config: str | None = option(None, "config of an HF eval_dataset that has several; none: "
+                                                   "dataset_config when eval_dataset is the run's dataset",
+                                             run_control=True)
     eval_max_examples: int = option(256, "evaluate on the first N rows, one completion each", run_control=True)
 
     def __post_init__(self):

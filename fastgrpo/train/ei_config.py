@@ -30,6 +30,7 @@ class EIConfig(ConfigFile):
     dataset: str | None = option(None, "question rows (with the reward's columns, e.g. answer) in a file, a "
                                        "folder or an HF dataset, as train's --dataset; none: the built-in task")
     dataset_split: str = inherited("dataset_split")
+    dataset_config: str | None = inherited("dataset_config")
     prompt_column: str = option("prompt", "column with the question: text, or chat messages")
     prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts)")
     reward_funcs: list[str] = option(["r1_zero_math"], "names in fastgrpo.rewards.REGISTRY, module:function or "
@@ -100,6 +101,7 @@ class EIConfig(ConfigFile):
     eval_dataset: str | None = option(None, "rows to evaluate on with the same prompt format and rewards (an HF "
                                             "dataset: its test split); none: the built-in task's held-out rows "
                                             "when training on the built-in task", run_control=True)
+    eval_dataset_config: str | None = inherited("eval_dataset_config")
     eval_max_examples: int = option(256, "evaluate on the first N rows", run_control=True)
 
     def __post_init__(self):

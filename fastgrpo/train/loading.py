@@ -44,11 +44,15 @@ def resolve_reward(name: str):
     return import_function(name, "reward_funcs")
 
 
-def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
+def load_rows(dataset: str, split: str = "train", field: str = "dataset", config_name: str | None = None):
     """Rows of a local data file (sources.DATA_FILE_FORMS: JSON ones read here, tables through `datasets`), of a
-    folder of them or one save_to_disk wrote, or of a Hugging Face dataset; `field` names the config field in
-    errors. A file is its only split, as datasets.load_dataset(builder, data_files=file) makes it "train"."""
+    folder of them or one save_to_disk wrote, or of a Hugging Face dataset (config_name: its config, which
+    `field`_config names); `field` names the config field in errors. A file is its only split, as
+    datasets.load_dataset(builder, data_files=file) makes it "train"."""
     path = Path(dataset)
+    if config_name is not None and (path.is_file() or _saved_to_disk(path)):  # it would be ignored
+        raise ValueError(f"{field}_config: names a config of an HF dataset (or of a folder whose README.md lists "
+                         f"configs); {path} is {'one file' if path.is_file() else 'a folder save_to_disk wrote'}")
     suffix = data_suffix(path)
     # a missing path with a data file's suffix, or whose folder is here, is a mistyped local name, not a Hub dataset
     # (which would be retried for half a minute, then reported as unreachable)
@@ -70,9 +74,12 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
             return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
             return datasets.load_from_disk(str(path))
-        return datasets.load_dataset(dataset, split=split)
+        return datasets.load_dataset(dataset, config_name, split=split)
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
-        missing = None if path.is_file() or split not in str(err) else _missing_split(datasets, dataset, split, field)
+        if not path.is_file() and "config" in str(err).lower():  # "Config name is missing", "BuilderConfig 'x' ..."
+            _check_config_name(datasets, dataset, config_name, field)
+        missing = None if path.is_file() or split not in str(err) else _missing_split(datasets, dataset, split, field,
+                                                                                     config_name)
         if missing is not None:  # datasets' "Unknown split", said naming the setting
             raise ValueError(missing) from err
         if not path.exists():  # a Hub name: the network's errors are not the user's input
@@ -83,19 +90,34 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset"):
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
 
 
-def _missing_split(datasets, dataset: str, split: str, field: str) -> str | None:
-    """For a load that failed naming `split`: the line saying the dataset has no such split and which it has; None
-    where it has it or its splits cannot be read (the load's own error then shows)."""
+def _check_config_name(datasets, dataset: str, config_name: str | None, field: str) -> None:
+    """For a load that failed naming a config: the line saying which configs the dataset has, where config_name is
+    none of them (or is None and it has several); nothing where they cannot be read (the load's error then shows)."""
     try:
-        names = datasets.get_dataset_split_names(dataset)
+        names = datasets.get_dataset_config_names(dataset)
+    except Exception:  # noqa: BLE001 - whatever it is, the load's error is the one to show
+        return
+    if config_name is None and len(names) > 1:
+        raise ValueError(f"{field}_config: {dataset} has several configs, {names}: name one "
+                         f"({setting(f'{field}_config', names[0])})")
+    if config_name is not None and names and config_name not in names:
+        raise ValueError(f"{field}_config: no config {config_name!r} in {dataset}; its configs: {names}")
+
+
+def _missing_split(datasets, dataset: str, split: str, field: str, config_name: str | None) -> str | None:
+    """For a load that failed naming `split`: the line saying the dataset (its config config_name) has no such split
+    and which it has; None where it has it or its splits cannot be read (the load's own error then shows)."""
+    try:
+        names = datasets.get_dataset_split_names(dataset, config_name)
     except Exception:  # noqa: BLE001 - whatever it is, the load's error is the one to show
         return None
     if split in names or not names:
         return None
+    where = f"{dataset} (config {config_name!r})" if config_name is not None else dataset
     if field == "dataset":
-        return (f"dataset_split: no {split!r} split in {dataset}; its splits: {names} (pass "
+        return (f"dataset_split: no {split!r} split in {where}; its splits: {names} (pass "
                 f"{setting('dataset_split', names[0])})")
-    return (f"{field}: no {split!r} split (the one evaluated) in {dataset}; its splits: {names} (a file is read "
+    return (f"{field}: no {split!r} split (the one evaluated) in {where}; its splits: {names} (a file is read "
             "whole: name one)")
 
 
@@ -110,8 +132,10 @@ def load_dataset(config, builtin=None):
     mistake after it."""
     check_eval_dataset(config)
     if config.dataset is None:
+        if config.dataset_config is not None:
+            raise ValueError("dataset_config: names a config of dataset; the built-in task (no dataset) has none")
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
-    rows = load_rows(config.dataset, config.dataset_split)
+    rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config)
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
         prompts = list(enumerate(p for p, _ in sft_pairs(rows, config.prompt_column, config.response_column)))
     else:  # an evaluation reads only its first max_examples rows (0: all)
@@ -126,13 +150,24 @@ def eval_rows(config):
     its EVAL_SPLIT), or for a run on the built-in task held-out rows of it; a run on its own data needs eval_dataset.
     """
     if config.eval_dataset is not None:
-        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset")
+        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset", config_name=eval_dataset_config(config))
+    if config.eval_dataset_config is not None:
+        raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
+                         "has none")
     if config.dataset is None:
         # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
         return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
     raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
                      f"{setting('eval_dataset')} (a .jsonl, .json, .parquet or .csv file, a folder of them or an HF "
                      "dataset name)")
+
+
+def eval_dataset_config(config) -> str | None:
+    """eval_dataset's config: eval_dataset_config, else the run's dataset_config where eval_dataset is the run's
+    dataset (its test split, as TRL's scripts read one dataset_config for both splits)."""
+    if config.eval_dataset_config is None and config.eval_dataset == config.dataset:
+        return config.dataset_config
+    return config.eval_dataset_config
 
 
 def check_eval_dataset(config) -> None:

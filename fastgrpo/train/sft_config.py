@@ -26,6 +26,7 @@ class SFTConfig(ConfigFile):
                                        "conversation ending in the assistant's turn) in a file, a folder or an HF "
                                        "dataset, as train's --dataset; none: the built-in task")
     dataset_split: str = inherited("dataset_split")
+    dataset_config: str | None = inherited("dataset_config")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages")
     response_column: str = option("response", "column with the target response text")
     prompt_format: str = option("auto", f"one of {PROMPT_FORMATS}: auto uses the tokenizer's chat template when "
@@ -88,6 +89,7 @@ class SFTConfig(ConfigFile):
     eval_dataset: str | None = option(None, "rows with prompt_column and the reward's columns (an HF dataset: its "
                                             "test split); none: the built-in task's held-out rows when training "
                                             "on the built-in task", run_control=True)
+    eval_dataset_config: str | None = inherited("eval_dataset_config")
     eval_max_examples: int = option(256, "evaluate on the first N rows", run_control=True)
     eval_reward_funcs: list[str] = option(["r1_zero_math"], "rewards that grade the generations", run_control=True)
     eval_max_new_tokens: int = option(1024, "tokens generated per evaluation prompt at most", run_control=True)
