@@ -58,6 +58,42 @@ def model_positions(model) -> int | None:
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
 
+def check_lengths_before_load(config) -> None:
+    """check_lengths_fit against config.model's positions as its config.json gives them (transformers.AutoConfig:
+    no weights), so that a run the model cannot take stops before its weights load; the trainers check the loaded
+    model again. The built-in model (none), a config.json that cannot be read (the load says why) and a command
+    without such lengths (eval: a row's length is known once it is tokenized) pass."""
+    if config.model is None or not hasattr(config, "max_seq_length") and not hasattr(config, "max_prompt_length"):
+        return
+    from transformers import AutoConfig
+
+    try:
+        model_config = AutoConfig.from_pretrained(config.model)
+    except Exception:  # noqa: BLE001 - whatever it is, loading the model reports it
+        return
+    check_lengths_fit(config, getattr(model_config, "max_position_embeddings", None))
+
+
+def check_lengths_fit(config, positions: int | None) -> None:
+    """The longest sequence `config` makes, within a model's `positions` (None: no bound): sft's max_seq_length, or
+    max_prompt_length + max_completion_length; a ValueError naming the settings otherwise."""
+    if positions is None:
+        return
+    if hasattr(config, "max_seq_length"):
+        if config.max_seq_length > positions:
+            raise ValueError(f"max_seq_length: {config.max_seq_length} exceeds the model's max_position_embeddings "
+                             f"({positions})")
+        return
+    prompt, completion = config.max_prompt_length, config.max_completion_length
+    if prompt + completion > positions:
+        over = prompt + completion - positions  # name only the settings whose lowering alone makes them fit
+        fixes = [f"{name} to {value - over} or less" for name, value in (("max_completion_length", completion),
+                                                                          ("max_prompt_length", prompt))
+                 if value > over]
+        raise ValueError(f"max_prompt_length + max_completion_length ({prompt} + {completion}) exceeds the model's "
+                         f"max_position_embeddings ({positions}): lower {' or '.join(fixes) or 'both'}")
+
+
 def dataset_columns(dataset) -> list[str]:
     """A datasets.Dataset's columns, or those of the first row of a list of dict rows (ValueError for other data)."""
     names = getattr(dataset, "column_names", None)
@@ -138,15 +174,7 @@ def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Calla
                                  f"{sorted(columns)}; every row needs the same columns")
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-    positions = model_positions(model)
-    prompt, completion = config.max_prompt_length, config.max_completion_length
-    if positions is not None and prompt + completion > positions:
-        over = prompt + completion - positions  # name only the settings whose lowering alone makes them fit
-        fixes = [f"{name} to {value - over} or less" for name, value in (("max_completion_length", completion),
-                                                                          ("max_prompt_length", prompt))
-                 if value > over]
-        raise ValueError(f"max_prompt_length + max_completion_length ({prompt} + {completion}) exceeds the model's "
-                         f"max_position_embeddings ({positions}): lower {' or '.join(fixes) or 'both'}")
+    check_lengths_fit(config, model_positions(model))
 
 
 def warn_unapplied_model_fields(model, config) -> None:

@@ -18,7 +18,7 @@ from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
 from fastgrpo.train.evaluate import first_rows
-from fastgrpo.train.input_checks import check_reward_rows
+from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import sft_pairs
@@ -129,7 +129,8 @@ def _saved_to_disk(path: Path) -> bool:
 def load_dataset(config, builtin=None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
-    mistake after it."""
+    mistake after it; so are the run's lengths against the model's positions (its config.json)."""
+    check_lengths_before_load(config)
     check_eval_dataset(config)
     if config.dataset is None:
         if config.dataset_config is not None:

@@ -28,7 +28,7 @@ from fastgrpo.train.checkpoint import (
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.input_checks import model_positions, warn_unapplied_model_fields
+from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
@@ -92,10 +92,7 @@ class SFTTrainer:
         check_process_split(config, self.dist.world_size)
         if tokenizer.pad_token_id is None:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
-        positions = model_positions(model)
-        if positions is not None and config.max_seq_length > positions:
-            raise ValueError(f"max_seq_length: {config.max_seq_length} exceeds the model's max_position_embeddings "
-                             f"({positions})")
+        check_lengths_fit(config, model_positions(model))
         if _is_examples(train_dataset):  # expert iteration's kept samples: its own config was checked
             self.examples = list(train_dataset)
             longest = max(len(e) for e in self.examples)
