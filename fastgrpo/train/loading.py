@@ -129,9 +129,15 @@ def _saved_to_disk(path: Path) -> bool:
 def load_dataset(config, builtin=None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
-    mistake after it; so are the run's lengths against the model's positions (its config.json)."""
-    check_lengths_before_load(config)
+    mistake after it; then the run's lengths against the model's positions (its config.json)."""
     check_eval_dataset(config)
+    rows = _checked_rows(config, builtin)
+    check_lengths_before_load(config)
+    return rows
+
+
+def _checked_rows(config, builtin):
+    """load_dataset's rows, their prompts (and sft's responses) checked."""
     if config.dataset is None:
         if config.dataset_config is not None:
             raise ValueError("dataset_config: names a config of dataset; the built-in task (no dataset) has none")
