@@ -133,7 +133,9 @@ def test_a_dataset_mistake_is_named_before_the_model_loads(tmp_path, capsys, com
     data = tmp_path / "math.jsonl"
     rows = [{"prompt": "1 say 2", "answer": "2"}, {"prompt": "2 say 4", "answer": None}]
     data.write_text("".join(json.dumps(row) + "\n" for row in rows))
-    reward = [] if command == "eval" else ["--reward-funcs", "r1_zero_math"]
+    # lengths within the model's 64 positions, which are checked before the weights load too
+    reward = [] if command == "eval" else ["--reward-funcs", "r1_zero_math", "--max-prompt-length", "32",
+                                           "--max-completion-length", "16"]
     argv = [command, "--model", str(folder), "--dataset", str(data), *reward, "--output-dir", str(tmp_path / "out")]
     assert main(argv) == 2
     err = capsys.readouterr().err
