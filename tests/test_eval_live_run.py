@@ -10,7 +10,7 @@ import pytest
 
 from fastgrpo.train.cli import main
 from fastgrpo.train.eval_config import EvalConfig
-from fastgrpo.train.evaluate import load_evaluated_model
+from fastgrpo.train.eval_model import load_evaluated_model
 
 QUIET = ["--no-progress-bar", "--logging-steps", "0"]
 

@@ -357,7 +357,8 @@ def _eval_directory(dist, output: Path, config):
 
 def _load_eval(config, checkpoint: Path | None, rows, reward_funcs: list):
     """(model, tokenizer, source, task) of `fastgrpo eval`: the model evaluated and its rows (build_eval_task)."""
-    from fastgrpo.train.evaluate import build_eval_task, load_evaluated_model
+    from fastgrpo.train.eval_model import load_evaluated_model
+    from fastgrpo.train.evaluate import build_eval_task
     from fastgrpo.train.input_checks import model_positions
     from fastgrpo.train.sources import naming_the_model
 
