@@ -25,3 +25,20 @@ def test_an_exported_lora_on_the_embedding_equals_peft_merge_and_unload(tmp_path
     for name, tensor in want.items():
         # the same fp32 sum W + get_delta_weight in both: no rounding between them
         assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_lora_export_keeps_the_base_models_dtype(tmp_path, dtype):
+    """The merged weights are saved in the base's dtype, as merge_and_unload keeps it: an fp32 run (every CPU run)
+    exported bf16, rounding each trained weight to 8 bits of mantissa."""
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config, dtype=dtype),
+                           LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(export_model(model, None, tmp_path / "final"), dtype="auto")
+    got = exported.state_dict()
+    assert {t.dtype for t in got.values()} == {dtype}
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(got[name], want[name].to(dtype)), (got[name] - want[name]).abs().max().item()

@@ -111,6 +111,6 @@ def test_lora_export_merges_into_the_base(tmp_path):
         got = merged(ids).logits.double()
     assert (got - expected).abs().max() < 1e-4
     assert any("lora" in n for n, _ in base.named_parameters())  # the trained model is left as it was
-    export_model(model, tokenizer, tmp_path / "bf16")
+    export_model(model, tokenizer, tmp_path / "bf16", dtype=torch.bfloat16)  # default: the base's (test_export_lora)
     assert AutoModelForCausalLM.from_pretrained(tmp_path / "bf16").dtype == torch.bfloat16
     assert (tmp_path / "bf16" / "tokenizer.json").exists()

@@ -354,10 +354,11 @@ def write_run_config(folder: Path, config: dict) -> None:
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
 
-def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype = torch.bfloat16,
+def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype | None = None,
                  run_config: dict | None = None, step: int | None = None) -> Path:
     """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
-    `dtype`; a fully fine-tuned model is saved as it is, in its own dtype. run_config: the run's config, saved beside
+    `dtype` (None: merged_dtype's); a fully fine-tuned model is saved as it is, in its own dtype. run_config: the
+    run's config, saved beside
     (CONFIG_FILE), so that `fastgrpo eval --model` on the folder prompts as the run did; step: the run's step of the
     weights, recorded with the files written (EXPORT_FILE: export_due); transformers ignores both."""
     from transformers import AutoModelForCausalLM
@@ -371,6 +372,7 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             config = config.__class__.from_dict(
                 {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
             )
+            dtype = dtype or merged_dtype(model)
             with torch.device("meta"):
                 fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
             fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
@@ -381,6 +383,15 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             fresh.save_pretrained(tmp)
         finish_export(tmp, tokenizer, run_config, step)
     return path
+
+
+def merged_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype a LoRA model's merged weights are saved in: the base's (its embedding's, which PEFT's fp32 adapters
+    do not change), so an fp32 run exports fp32 as PEFT's merge_and_unload keeps it; bf16 over a quantized base."""
+    base = model.get_base_model()
+    if getattr(base.config, "quantization_config", None) is not None:
+        return torch.bfloat16
+    return base.get_input_embeddings().weight.dtype
 
 
 def finish_export(folder: Path, tokenizer, run_config: dict | None, step: int | None) -> None:

@@ -417,6 +417,6 @@ class GRPOTrainer:
         logger.info("resumed from %s at step %d", path, self.step)
 
     def export(self, path: str | Path) -> Path:
-        """An HF model directory; a LoRA adapter is merged into the dequantized base, saved in bf16."""
+        """An HF model directory; a LoRA adapter is merged into the dequantized base (export_model)."""
         return self.dist.export(export_model, self.model, self.tokenizer, path, run_config=self.config.to_dict(),
                                 step=self.step)
