@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from fastgrpo.train.cli import COMMANDS, build_parser, parse_command_line
+from tests.markdown_code import block_lines, command_start_line, inline_spans, line_of
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -24,42 +25,6 @@ PLACEHOLDERS = {"N": "2"}
 # README.md had 30 commands and 89 flag spans; far fewer means the extractor broke, not the README.
 MIN_COMMANDS = 25
 MIN_FLAG_SPANS = 70
-
-
-def line_of(text: str, offset: int) -> int:
-    return text.count("\n", 0, offset) + 1
-
-
-def prose(text: str) -> str:
-    """`text` with its fenced blocks blanked (offsets and line numbers kept): spans and headings outside code."""
-    return re.sub(r"^```.*?^```$", lambda m: re.sub(r"[^\n]", " ", m.group(0)), text, flags=re.S | re.M)
-
-
-def inline_spans(text: str) -> list[tuple[int, str, str]]:
-    """(line, section, span) of each inline `code` span; a span broken across lines is joined with a space."""
-    outside = prose(text)
-    headings = [(m.start(), m.group(1)) for m in re.finditer(r"^## (.+)$", outside, flags=re.M)]
-    spans = []
-    for m in re.finditer(r"`([^`]+)`", outside):
-        section = next((name for start, name in reversed(headings) if start < m.start()), "")
-        spans.append((line_of(text, m.start()), section, " ".join(m.group(1).split())))
-    return spans
-
-
-def block_lines(text: str) -> list[tuple[int, str]]:
-    """(line of its first physical line, logical line) of each ```bash block line, backslash continuations joined."""
-    lines = []
-    for block in re.finditer(r"^```(?:bash|sh|shell)\n(.*?)^```$", text, flags=re.S | re.M):
-        first = line_of(text, block.start(1))
-        pending, start = [], None
-        for n, physical in enumerate(block.group(1).splitlines(), first):
-            start = n if start is None else start
-            if physical.endswith("\\"):
-                pending.append(physical[:-1])
-                continue
-            lines.append((start, " ".join(part.strip() for part in [*pending, physical])))
-            pending, start = [], None
-    return lines
 
 
 def program_index(words: list[str]) -> int | None:
@@ -162,15 +127,6 @@ def test_readme_flag_spans_are_fastgrpo_flags():
     assert len(spans) >= MIN_FLAG_SPANS, f"only {len(spans)} `--flag` spans found in README.md's {FLAG_SECTIONS}"
     bad = bad_flag_spans(text)
     assert not bad, "README.md flags no fastgrpo command takes:\n" + "\n".join(bad)
-
-
-def command_start_line(text: str, offset: int) -> int:
-    """The line a command holding `offset` starts on: back over the lines a backslash continues."""
-    lines = text[:offset].split("\n")
-    n = len(lines)
-    while n > 1 and lines[n - 2].endswith("\\"):
-        n -= 1
-    return n
 
 
 @pytest.mark.parametrize("old, new, named", [
