@@ -12,6 +12,7 @@ them (fastgrpo's engines share the trainer's weights: ~0 s), the baseline's row 
 """
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def targets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    # no options yet; --help must describe the run, not start it (it rewrote every loop results file)
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args(argv)
     for path in sorted(RESULTS_DIR.glob("loop_*.json")):
         result = json.loads(path.read_text())
         result["targets"] = targets(result["rows"])
