@@ -385,6 +385,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.summarize and not args.suite:
         parser.error("--suite: required with --summarize (results/<suite>-<card>.json)")
+    if args.summarize and not Path(args.summarize).is_file():  # else a results file of no rows, earlier runs pushed down
+        parser.error(f"--summarize: expected the rows file that --case launches appended to, got {args.summarize!r} "
+                     "(no such file)")
     if args.case:
         with _code_path(args.case):
             run_case(args.case, args.out)

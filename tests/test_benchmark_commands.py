@@ -175,3 +175,17 @@ def test_each_script_answers_help_and_does_nothing_else(script, capsys):
         importlib.import_module(f"benchmarks.{script}").main()
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+def test_bench_multigpu_refuses_a_rows_file_that_is_not_there(tmp_path, monkeypatch, capsys):
+    """A misspelt --summarize path: the parser's one line naming the flag, and no results file (it wrote one of no
+    rows, which on the same card pushes the suite's real rows down into earlier_runs)."""
+    from benchmarks import bench_multigpu, common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    argv = ["bench_multigpu", "--summarize", str(tmp_path / "rows.jsnol"), "--suite", "multigpu_mb16"]
+    with mock.patch.object(sys, "argv", argv), pytest.raises(SystemExit) as done:
+        bench_multigpu.main()
+    assert done.value.code == 2
+    assert "--summarize: expected the rows file that --case launches appended to" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
