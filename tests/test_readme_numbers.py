@@ -1,6 +1,7 @@
-"""The numbers of README.md's measured tables are the results files' numbers, rounded as written: the GRPO-step,
-longest-completion, fused-loss and SFT tables cell by cell against their suites' rows, and each row of a whole-step
-table ("| system | step | rollout | ...") against a row, current or replaced, of the loop results it cites."""
+"""The numbers of README.md's measured tables are the results files' numbers, rounded as written: the TRL-trainer,
+GRPO-step, longest-completion, fused-loss and SFT tables cell by cell against their suites' rows, and each row of a
+whole-step table ("| system | step | rollout | ...") against a row, current or replaced, of the loop results it
+cites."""
 import json
 import re
 from pathlib import Path
@@ -15,6 +16,8 @@ NUMBER = re.compile(r"(\d[\d,]*(?:\.\d+)?)\s*(ms|s|GiB|x)?(?![\w.])")
 # A table by the start of its header row: the results files it quotes, the JSON fields a row's first cells pick
 # (cell text -> value), the fields each later column picks, and the JSON field each unit of a cell's numbers quotes.
 MODELS = {"Qwen2.5-1.5B": "qwen2.5-1.5b", "Llama-3.1-8B": "llama-3.1-8b"}
+TRAINERS = {"`trl.GRPOTrainer`": "trl", "TRL, `use_liger_kernel=True`": "trl-liger", "`FastGRPOTrainer`": "fastgrpo",
+            "`FastGRPOTrainer(offload_activations=True)`": "fastgrpo-offload"}
 KEYED_TABLES = {
     "| model | mode | completion |": dict(
         files=("e2e_qwen2.5-1.5b-nvidia-h200.json", "e2e_llama-3.1-8b-nvidia-h200.json"),
@@ -37,6 +40,11 @@ KEYED_TABLES = {
         key=lambda cells: {"mode": {"LoRA r=16": "lora16", "full": "full"}[cells[0]]},
         columns=[{"system": "hf"}, {"system": "hf+fused_ce"}, {"system": "liger"}, {"system": "fastgrpo"}],
         units={"ms": "ms", "s": "ms / 1000", "GiB": "peak_gib"}),
+    "| trainer | 8 x 1024: step | peak |": dict(
+        files=("trl-nvidia-h200.json",),
+        key=lambda cells: {"system": TRAINERS[cells[0]]},
+        columns=[{"completion": 1024}, {"completion": 1024}, {"completion": 4096}, {"completion": 4096}],
+        units={"s": "step_s", "GiB": "peak_gib"}),
 }
 PHASE_TABLE = "| system | step | rollout | weight sync | log-probs | update | peak GiB |"
 PHASES = ("step_s", "rollout_s", "sync_s", "logprobs_s", "update_s", "peak_gib")
@@ -151,6 +159,7 @@ def test_readme_tables_quote_the_results_files():
     ("| 1852 ms, 61.8 GiB |", "| 1852 ms, 61.3 GiB |", "61.3 GiB"),
     ("| 13.6 ms (1.20x), +0.80 GiB |", "| 13.6 ms (1.30x), +0.80 GiB |", "1.30 x"),
     ("| 1.71 s, 61.6 GiB |", "| 1.77 s, 61.6 GiB |", "1.77 s"),
+    ("| 0.545 s | 5.39 GiB |", "| 0.545 s | 5.93 GiB |", "5.93 GiB"),
     ("| 73.0 s | 40.6 |", "| 73.0 s | 40.9 |", "'rollout_s': '40.9'"),
 ])
 def test_a_wrong_readme_number_is_named_with_its_line(old, new, named):
