@@ -17,7 +17,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import GIB, print_table, refuse_script_run, write_results
 from benchmarks.e2e import SYSTEMS, StepSetup, make_step, modeling_globals_restored
 
 BUDGET_GIB = float(os.environ.get("FASTGRPO_BUDGET_GIB", "24"))
@@ -96,3 +96,7 @@ def teardown_module(module):
     if ROWS:
         print()
         print_table(ROWS, ["test", "model", "system", "micro_batch", "longest_completion", "first_oom", "fits", "peak_gib"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from benchmarks.common import measure_step, print_table, write_results
+from benchmarks.common import measure_step, print_table, refuse_script_run, write_results
 from benchmarks.e2e import SYSTEMS, StepSetup, make_step, modeling_globals_restored
 
 LENGTHS = [int(x) for x in os.environ.get("FASTGRPO_E2E_LENGTHS", "1024,4096").split(",")]
@@ -50,3 +50,7 @@ def teardown_module(module):
     if ROWS:
         print()
         print_table(ROWS, ["model", "mode", "completion_length", "system", "ms", "peak_gib", "tokens_per_s"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

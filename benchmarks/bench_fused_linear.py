@@ -20,7 +20,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.common import eager_grpo_loss, measure, print_table, write_results
+from benchmarks.common import eager_grpo_loss, measure, print_table, refuse_script_run, write_results
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.ops import fused_linear
 
@@ -138,3 +138,7 @@ def teardown_module(module):
         print()
         print_table(ROWS, ["H", "tokens", "case", "chunk", "ms", "peak_gib", "x_gemm", "x_floor", "meets_time",
                            "meets_memory", "error"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import measure, print_table, write_results
+from benchmarks.common import measure, print_table, refuse_script_run, write_results
 
 B, T, H, I, HEADS, KV_HEADS, D = 8, 4096, 1536, 8960, 12, 2, 128
 ROWS: list[dict] = []
@@ -112,3 +112,7 @@ def teardown_module(module):
                                               "head_dim": D, "dtype": "bfloat16"})
         print(f"\nwrote {path}")
         print_table(ROWS, ["layer", "mode", "impl", "ms", "peak_gib", "speedup", "max_err_out", "max_err_grad"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

@@ -29,7 +29,7 @@ import statistics
 import pytest
 import torch
 
-from benchmarks.common import QWEN25_15B, GIB, print_table, write_results
+from benchmarks.common import QWEN25_15B, GIB, print_table, refuse_script_run, write_results
 
 BATCH, SEQ = 8, int(os.environ.get("FASTGRPO_OFFLOAD_SEQ", "8192"))
 WARMUP, STEPS = 2, 5
@@ -266,3 +266,7 @@ def _free_model():
     _SETUP.clear()
     gc.collect()
     torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.common import QWEN25_15B, measure, print_table, write_results
+from benchmarks.common import QWEN25_15B, measure, print_table, refuse_script_run, write_results
 
 BATCH = 8
 SEQS = [int(s) for s in os.environ.get("FASTGRPO_PATCH_SEQS", "1024,4096,8192").split(",")]
@@ -129,3 +129,7 @@ def teardown_module(module):
         print(f"\nwrote {path}")
         print_table(ROWS, ["mode", "T", "variant", "ms", "peak_gib", "oom", "loss", "time_vs_unpatched",
                            "peak_vs_unpatched"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

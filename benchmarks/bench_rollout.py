@@ -23,7 +23,7 @@ import time
 import pytest
 import torch
 
-from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.common import GIB, card_name, print_table, refuse_script_run, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 
 PROMPTS, GENERATIONS, PROMPT_LEN = 8, 8, 256
@@ -263,3 +263,7 @@ def teardown_module(module):
         print_table(ROWS, ["engine", "tokens_per_s", "tokens_per_s_unseeded", "speedup_vs_hf_default", "speedup_vs_vllm",
                            "ms_per_step", "roofline_share", "peak_extra_gib", "peak_total_gib", "left_allocated_mib",
                            "first_call_s"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

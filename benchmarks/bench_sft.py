@@ -22,7 +22,7 @@ import os
 import pytest
 import torch
 
-from benchmarks.common import measure_step, print_table, write_results
+from benchmarks.common import measure_step, print_table, refuse_script_run, write_results
 from benchmarks.e2e import StepSetup, build_model, modeling_globals_restored
 
 SYSTEMS = ("hf", "hf+fused_ce", "liger", "fastgrpo")
@@ -130,3 +130,7 @@ def teardown_module(module):
     if ROWS:
         print()
         print_table(ROWS, ["mode", "system", "ms", "peak_gib", "tokens_per_s", "first_loss"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

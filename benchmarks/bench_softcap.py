@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from benchmarks.common import eager_grpo_loss, measure, print_table, write_results
+from benchmarks.common import eager_grpo_loss, measure, print_table, refuse_script_run, write_results
 from fastgrpo.loss.fused import fused_linear_grpo_loss
 
 H, V, CAP, B, T, BETA = 2304, 256000, 30.0, 8, 2048, 0.04
@@ -76,3 +76,7 @@ def teardown_module(module):
     if ROWS:
         print()
         print_table(ROWS, ["H", "V", "tokens", "case", "softcap", "ms", "peak_gib", "x_nocap", "tokens_per_s"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

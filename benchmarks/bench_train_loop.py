@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from benchmarks.common import GIB, print_table, write_results
+from benchmarks.common import GIB, print_table, refuse_script_run, write_results
 from benchmarks.e2e import StepSetup, build_model
 
 STEPS = int(os.environ.get("FASTGRPO_TRAIN_STEPS", "10"))
@@ -85,3 +85,7 @@ def test_train_loop_qwen_1_5b_lora(tmp_path):
     print()
     print_table([row], ["model", "mode", "completion_length", "rollout_s", "reference_s", "train_s", "step_s",
                         "rollout_tokens_per_s", "train_tokens_per_s", "peak_gib", "export_s"])
+
+
+if __name__ == "__main__":
+    refuse_script_run(__file__)

@@ -234,6 +234,12 @@ def check_interpreted(parser, dry_run: bool) -> None:
         parser.error("--dry-run: run with TRITON_INTERPRET=1 (the kernels in Triton's interpreter)")
 
 
+def refuse_script_run(path: str) -> None:
+    """`python -m benchmarks.<suite>` of a pytest suite (which ran nothing and exited 0): how to run it instead."""
+    suite = Path(path).resolve().relative_to(Path(__file__).resolve().parents[1])
+    raise SystemExit(f"{suite} is a pytest suite, not a script: run python -m pytest {suite} -q -s")
+
+
 def fastest(rows: list[dict], fields: tuple[str, ...], count: int) -> list[dict]:
     """The `count` fastest ("us") of each group of rows alike in `fields`, groups in sorted order; rows that failed
     ("error") left out: a sweep's table of its best configs."""

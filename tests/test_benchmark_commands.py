@@ -8,6 +8,7 @@ import contextlib
 import importlib
 import io
 import re
+import runpy
 import shlex
 import sys
 from pathlib import Path
@@ -19,9 +20,10 @@ from tests.markdown_code import block_lines, inline_spans, line_of
 
 ROOT = Path(__file__).parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "benchmarks").glob("*.md")), *sorted((ROOT / "benchmarks").glob("*.py"))]
-# The scripts with a command line (the other bench_*.py are pytest suites; host_probe, common, e2e are libraries).
-SCRIPTS = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py")
-                 if re.search(r"^if __name__ == \"__main__\":", path.read_text(), flags=re.M))
+# The scripts with a command line, and the pytest suites (host_probe, common, e2e are libraries).
+SCRIPTS = sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py") if "ArgumentParser(" in path.read_text())
+SUITES = sorted(path.stem for path in (ROOT / "benchmarks").glob("bench_*.py")
+                if re.search(r"^def test_", path.read_text(), flags=re.M))
 # Values the docs write as placeholders, and what the parser gets instead; a `...` (more of the same) is dropped.
 PLACEHOLDERS = {"P": "4", "A": "fastgrpo", "B": "trl", "S": "fastgrpo"}
 # A docstring line that is a command (not prose that mentions one): an indented program, after VAR=value settings.
@@ -175,6 +177,16 @@ def test_each_script_answers_help_and_does_nothing_else(script, capsys):
         importlib.import_module(f"benchmarks.{script}").main()
     assert done.value.code == 0
     assert capsys.readouterr().out.startswith("usage:")
+
+
+@pytest.mark.filterwarnings("ignore:.*found in sys.modules:RuntimeWarning")  # runpy: another script imported it
+@pytest.mark.parametrize("suite", SUITES)
+def test_a_pytest_suite_run_as_a_script_says_how_to_run_it(suite):
+    """`python -m benchmarks.bench_e2e --help` ran nothing and exited 0, silently."""
+    with mock.patch.object(sys, "argv", [suite, "--help"]), pytest.raises(SystemExit) as done:
+        runpy.run_module(f"benchmarks.{suite}", run_name="__main__")
+    assert done.value.code == f"benchmarks/{suite}.py is a pytest suite, not a script: run python -m pytest " \
+                              f"benchmarks/{suite}.py -q -s"
 
 
 def test_bench_multigpu_refuses_a_rows_file_that_is_not_there(tmp_path, monkeypatch, capsys):
