@@ -28,7 +28,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import QWEN25_15B, print_table, write_results
+from benchmarks.common import QWEN25_15B, print_table, require_cuda, write_results
 
 CASES = ("per_tensor", "multi_tensor", "torch_fused")
 SHAPE_SETS = ("qwen2.5-1.5b", "square-256")
@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
         unknown = set(value.split(",")) - set(known)
         if unknown:
             raise SystemExit(f"{flag}: expected names from {','.join(known)}, got {','.join(sorted(unknown))}")
+    if not args.dry_run:
+        require_cuda(parser)
     args.scale, device, dtype, directory = 1, "cuda", torch.bfloat16, None
     if args.dry_run:
         os.environ["TRITON_INTERPRET"] = "1"  # before fastgrpo's kernels are imported (in make_case)

@@ -29,7 +29,8 @@ import itertools
 import torch
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import check_interpreted, copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, print_table, require_cuda,
+                               write_results)
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, program_blocks, tiles_for
 from fastgrpo.ops.decode_attention import quantize_kv
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> None:
         parser.error(f"--splits: expected 'auto' or positive integers; got {args.splits!r}")
     shapes = listed(parser, "--shapes", args.shapes, SHAPES)
     check_interpreted(parser, args.dry_run)
+    if not args.dry_run:
+        require_cuda(parser)
     device = "cpu" if args.dry_run else "cuda"
     sizes = DRY_SIZES if args.dry_run else GPU_SIZES
     bandwidth = None if args.dry_run else _copy_bandwidth()

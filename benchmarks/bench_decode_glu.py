@@ -37,7 +37,7 @@ import torch.nn.functional as F
 import triton
 
 from benchmarks.common import (LLAMA31_8B, QWEN25_15B, check_interpreted, copies_past_l2, kernel_us, listed,
-                               positive_ints, print_sweep_report, run_cases)
+                               positive_ints, print_sweep_report, require_cuda, run_cases)
 from fastgrpo.ops.decode_glu import decode_glu, fold_norm_weight
 
 SHAPES = {"qwen2.5-1.5b": QWEN25_15B, "llama-3.1-8b": LLAMA31_8B}
@@ -146,6 +146,8 @@ def main(argv: list[str] | None = None) -> None:
     shapes = listed(parser, "--shapes", args.shapes, SHAPES)
     row_counts = positive_ints(parser, "--rows", args.rows or (DRY_ROWS if args.dry_run else ROWS))
     check_interpreted(parser, args.dry_run)
+    if not args.dry_run:
+        require_cuda(parser)
     device = "cpu" if args.dry_run else "cuda"
     bandwidth = None
     if not args.dry_run:

@@ -61,7 +61,8 @@ import torch.nn.functional as F
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, weight_bytes
 from benchmarks.profile_rollout import StepClock, rollout
-from benchmarks.common import GIB, RolloutSizes, copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import (GIB, RolloutSizes, copies_past_l2, kernel_us, listed, print_table,
+                               require_cuda, write_results)
 from fastgrpo.hf.peft import dense_linears
 from fastgrpo.loss.correction import logprob_gap
 from fastgrpo.loss.model import sequence_logprobs
@@ -449,6 +450,8 @@ def main(argv: list[str] | None = None) -> None:
     device = "cpu" if args.dry_run else "cuda"
     sizes = dataclasses.replace(DRY_SIZES if args.dry_run else GPU_SIZES, repeats=args.repeats)
     shapes = [DRY_SHAPE] if args.dry_run else listed(parser, "--shapes", args.shapes, SHAPES)
+    if not args.dry_run:
+        require_cuda(parser)
     results_dir = Path(tempfile.mkdtemp(prefix="bench_fp8_")) if args.dry_run else common.RESULTS_DIR
     gemms: list[dict] = []
     rollouts: list[dict] = []

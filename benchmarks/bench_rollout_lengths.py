@@ -41,7 +41,8 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import build_model
-from benchmarks.common import GIB, RolloutSizes, card_name, listed, print_table, write_results
+from benchmarks.common import (GIB, RolloutSizes, card_name, listed, print_table, require_cuda,
+                               write_results)
 from fastgrpo.rollout import compaction
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
@@ -167,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     modes = listed(parser, "--modes", args.modes, MODES)
     device, sizes = ("cpu", DRY_SIZES) if args.dry_run else ("cuda", GPU_SIZES)
     shapes = ["tiny-qwen2"] if args.dry_run else listed(parser, "--shapes", args.shapes, SHAPES)
+    if not args.dry_run:
+        require_cuda(parser)
     results_dir = Path(tempfile.mkdtemp(prefix="rollout_lengths_")) if args.dry_run else common.RESULTS_DIR
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []

@@ -32,7 +32,7 @@ import itertools
 import torch
 
 from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, positive_ints,
-                               print_sweep_report, run_cases)
+                               print_sweep_report, require_cuda, run_cases)
 from fastgrpo.rollout.sampling import keyed_exponential, mix32, row_keys, sample, step_words
 
 VOCABS = {"qwen2.5-1.5b": 151936, "llama-3.1-8b": 128256}
@@ -109,6 +109,8 @@ def main(argv: list[str] | None = None) -> None:
     vocabs = listed(parser, "--vocabs", args.vocabs, VOCABS)
     row_counts = positive_ints(parser, "--rows", args.rows or (DRY_ROWS if args.dry_run else ROWS))
     check_interpreted(parser, args.dry_run)
+    if not args.dry_run:
+        require_cuda(parser)
     device = "cpu" if args.dry_run else "cuda"
     cases = [("tiny", DRY_VOCAB)] if args.dry_run else [(name, VOCABS[name]) for name in vocabs]
     config = {"sweep": SWEEP, "dtype": "bfloat16", "position": POSITION,

@@ -165,8 +165,10 @@ def main() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     import torch
 
-    from benchmarks.common import QWEN25_15B, print_table, write_results
+    from benchmarks.common import QWEN25_15B, print_table, require_cuda, write_results
 
+    if not args.dry_run:
+        require_cuda(parser)
     shape = TINY if args.dry_run else QWEN25_15B
     completions = args.completions or ([16] if args.dry_run else [1024, 4096])
     folder = Path(args.models_dir) / ("tiny-qwen2" if args.dry_run else "qwen2.5-1.5b")

@@ -36,7 +36,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.common import GIB, RESULTS_DIR, card_name, print_table, versions
+from benchmarks.common import GIB, RESULTS_DIR, card_name, print_table, require_cuda, versions
 
 PROMPTS, GENERATIONS, PROMPT_LEN = 8, 8, 256
 NEW_TOKENS = int(os.environ.get("FASTGRPO_VLLM_NEW_TOKENS", "1024"))
@@ -339,6 +339,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per case")
     args = parser.parse_args()
+    require_cuda(parser, cpu_check=None)
     if args.run_case:  # the child process of one case
         args.out.write_text(json.dumps(run_case(args.run_case)))
         return 0

@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, write_results
+from benchmarks.common import copies_past_l2, kernel_us, listed, print_table, require_cuda, write_results
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.ops.fp8_linear import dequantize_fp8, prepare_fp8_linear, quantize_fp8, quantize_groups, quantize_rows
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
@@ -110,6 +110,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     args = parser.parse_args(argv)
     shapes = listed(parser, "--shapes", args.shapes, SHAPES)
+    if not args.dry_run:
+        require_cuda(parser)
     device = "cpu" if args.dry_run else "cuda"
     if device == "cuda":
         prepare_fp8_linear(torch.device(device))  # the split-K tickets, before any capture

@@ -42,7 +42,7 @@ from unittest import mock
 
 import torch
 
-from benchmarks.common import card_name, print_table, write_results
+from benchmarks.common import card_name, print_table, require_cuda, write_results
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 DRY_SHAPE = "tiny-qwen2"
@@ -181,6 +181,8 @@ def main(argv: list[str] | None = None) -> None:
     scopes = args.scopes.split(",")
     if set(scopes) - set(SCOPES):
         parser.error(f"--scopes: expected some of {', '.join(SCOPES)}")
+    if not args.dry_run:
+        require_cuda(parser)
     work = Path(tempfile.mkdtemp(prefix="rollout_warmup_"))
     print(f"compile caches and per-process rows: {work}", flush=True)
     deadline = time.monotonic() + (float("inf") if args.dry_run else DEADLINE_S)

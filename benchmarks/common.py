@@ -228,6 +228,14 @@ def positive_ints(parser, flag: str, text: str) -> list[int]:
     return values
 
 
+def require_cuda(parser, cpu_check: str | None = "--dry-run") -> None:
+    """A GPU run started without CUDA: the parser's one line before anything runs or is written (the scripts failed
+    on their first CUDA tensor with a traceback; profile_rollout wrote results/rollout_profile-cpu.json)."""
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA GPU (torch.cuda.is_available() is False)"
+                     + (f"; {cpu_check} checks its code on the CPU" if cpu_check else ""))
+
+
 def check_interpreted(parser, dry_run: bool) -> None:
     """--dry-run runs the Triton kernels on the CPU, which needs Triton's interpreter on from the start."""
     if dry_run and os.environ.get("TRITON_INTERPRET") != "1":

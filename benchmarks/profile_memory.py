@@ -16,7 +16,7 @@ from collections import defaultdict
 
 import torch
 
-from benchmarks.common import GIB
+from benchmarks.common import GIB, require_cuda
 from benchmarks.e2e import StepSetup, make_step
 
 _OURS = ("/fastgrpo/", "/transformers/", "/peft/", "/torch/utils/checkpoint", "/torch/nn/", "/benchmarks/")
@@ -54,6 +54,7 @@ def main() -> None:
     parser.add_argument("--first", action="store_true", help="record the first step (what bench_context measures)")
     parser.add_argument("--stacks", default="python", choices=["python", "all"], help="'all' adds C++ frames")
     args = parser.parse_args()
+    require_cuda(parser, cpu_check=None)
 
     setup = StepSetup(model_name=args.model, system=args.system, completion_length=args.length,
                       micro_batch_size=args.micro_batch)

@@ -65,7 +65,7 @@ import torch
 
 from benchmarks import common
 from benchmarks.bench_rollout import _copy_bandwidth, build_model, kv_bytes_per_token, weight_bytes
-from benchmarks.common import RolloutSizes, card_name, listed, print_table, write_results
+from benchmarks.common import RolloutSizes, card_name, listed, print_table, require_cuda, write_results
 from benchmarks.trace_gaps import union
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.decode_weights import copy_bytes
@@ -420,6 +420,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.new_tokens is not None and (args.new_tokens < 128 or args.new_tokens % 16):
         parser.error(f"--new-tokens: expected a multiple of 16 (the engine's host-sync interval) >= 128, "
                      f"got {args.new_tokens}")
+    shapes = [DRY_SHAPE] if dry else listed(parser, "--shapes", args.shapes, SHAPES)
+    if not dry:
+        require_cuda(parser)
     sizes = sizes_for(dry, args.prompts, args.new_tokens)
     sizes_args = [arg for flag, value in (("--prompts", args.prompts), ("--new-tokens", args.new_tokens))
                   if value is not None for arg in (flag, str(value))]
@@ -431,7 +434,7 @@ def main(argv: list[str] | None = None) -> None:
     print(f"key_averages tables, chrome traces and per-shape rows: {trace_dir}", flush=True)
     deadline = time.monotonic() + DEADLINE_S
     rows: list[dict] = []
-    for shape in [DRY_SHAPE] if dry else listed(parser, "--shapes", args.shapes, SHAPES):
+    for shape in shapes:
         # a longer rollout decodes longer in each call (MODE_TIMEOUT_S is for 1024 tokens)
         timeout = min(MODE_TIMEOUT_S * len(modes) * max(1.0, sizes.new_tokens / 1024), deadline - time.monotonic())
         rows += run_shape(shape, dry, trace_dir, timeout, modes, sizes_args)

@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.bench_loop import Case, build_folder, fastgrpo_trainer
-from benchmarks.common import GIB, card_name, print_table, write_results
+from benchmarks.common import GIB, card_name, print_table, require_cuda, write_results
 from benchmarks.trace_gaps import Trace, print_summary
 from fastgrpo.loss.correction import ROLLOUT_CORRECTIONS
 
@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> None:
         if name not in VARIANTS or (at and not (name.startswith("offload") and layers.isdigit())):
             raise SystemExit(f"--variants: expected names from {','.join(VARIANTS)} (offload ones with an optional "
                              f"@<recompute_layers>), got {variant!r}")
+    if not args.dry_run:
+        require_cuda(parser)
     trace_dir = Path(args.trace_dir or tempfile.mkdtemp())
     trace_dir.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.dry_run else "cuda"

@@ -15,6 +15,7 @@ from pathlib import Path
 from unittest import mock
 
 import pytest
+import torch
 
 from tests.markdown_code import block_lines, inline_spans, line_of
 
@@ -187,6 +188,24 @@ def test_a_pytest_suite_run_as_a_script_says_how_to_run_it(suite):
         runpy.run_module(f"benchmarks.{suite}", run_name="__main__")
     assert done.value.code == f"benchmarks/{suite}.py is a pytest suite, not a script: run python -m pytest " \
                               f"benchmarks/{suite}.py -q -s"
+
+
+# The scripts that time on a GPU (bench_multigpu has its own CPU mode, FASTGRPO_BENCH_CPU=1).
+GPU_SCRIPTS = sorted(set(SCRIPTS) - {"loop_targets", "report", "trace_gaps", "bench_multigpu"})
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a machine without CUDA answers")
+@pytest.mark.parametrize("script", GPU_SCRIPTS)
+def test_a_gpu_benchmark_without_cuda_says_so_in_one_line(script, tmp_path, monkeypatch, capsys):
+    """They failed on their first CUDA tensor with a traceback (profile_rollout wrote rollout_profile-cpu.json)."""
+    from benchmarks import common
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with mock.patch.object(sys, "argv", [script]), pytest.raises(SystemExit) as done:
+        importlib.import_module(f"benchmarks.{script}").main()
+    said = str(done.value.code) if isinstance(done.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
+    assert "needs a CUDA GPU (torch.cuda.is_available() is False)" in said
+    assert not list(tmp_path.iterdir())
 
 
 def test_bench_multigpu_refuses_a_rows_file_that_is_not_there(tmp_path, monkeypatch, capsys):
