@@ -56,3 +56,43 @@ def test_the_same_spelling_from_another_folder_is_another_file(tmp_path, monkeyp
     capsys.readouterr()
     assert main([*run, "--max-steps", "2", "--resume"]) != 0
     assert f"dataset: '{tmp_path / 'a' / 'data.jsonl'}' in the checkpoint, 'data.jsonl' now" in capsys.readouterr().err
+
+
+def _reward_file(path):
+    path.parent.mkdir(exist_ok=True)
+    path.write_text("def score(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n")
+    return path
+
+
+def test_a_reward_file_is_recorded_absolute_and_compared_by_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    _reward_file(tmp_path / "r" / "my_rewards.py")
+    _reward_file(tmp_path / "other.py")
+    saved = GRPOConfig(reward_funcs=["length", "r/my_rewards.py:score", "json:dumps"]).to_dict()
+    # the file part made absolute; a built-in name and a module:function as typed
+    assert saved["reward_funcs"] == ["length", f"{tmp_path / 'r' / 'my_rewards.py'}:score", "json:dumps"]
+    assert config_changes(saved, GRPOConfig(reward_funcs=["length", "./r/my_rewards.py:score", "json:dumps"])) == []
+    assert config_changes(saved, GRPOConfig(reward_funcs=["length", "other.py:score", "json:dumps"])) != []
+    assert config_changes(saved, GRPOConfig(reward_funcs=["length", "r/my_rewards.py:other", "json:dumps"])) != []
+
+
+def test_an_sft_evaluation_reward_file_alike(tmp_path, monkeypatch):
+    from fastgrpo.train.sft_config import SFTConfig
+
+    monkeypatch.chdir(tmp_path)
+    _reward_file(tmp_path / "my_rewards.py")
+    saved = SFTConfig(eval_reward_funcs=["my_rewards.py:score"]).to_dict()
+    assert saved["eval_reward_funcs"] == [f"{tmp_path / 'my_rewards.py'}:score"]
+
+
+def test_resume_from_another_folder_reads_the_run_s_reward_file(tmp_path, monkeypatch, capsys):
+    _rows(tmp_path / "data.jsonl")
+    _reward_file(tmp_path / "a" / "my_rewards.py")
+    run = ["train", "--output-dir", str(tmp_path / "run"), "--batch-size", "8", "--num-generations", "4",
+           "--dataset", str(tmp_path / "data.jsonl")]
+    monkeypatch.chdir(tmp_path / "a")
+    assert main([*run, "--reward-funcs", "my_rewards.py:score", "--max-steps", "1"]) == 0
+    monkeypatch.chdir(tmp_path)
+    record = tmp_path / "run" / "checkpoint-1" / "run_config.json"
+    assert main(["train", "--config", str(record), "--max-steps", "2", "--resume"]) == 0
+    assert main([*run, "--reward-funcs", "a/my_rewards.py:score", "--max-steps", "3", "--resume"]) == 0

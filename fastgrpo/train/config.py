@@ -15,7 +15,7 @@ from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
-from fastgrpo.train.config_file import INPUT_PATH_FIELDS, ConfigFile
+from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
 )
@@ -25,6 +25,7 @@ from fastgrpo.train.naming import flag as flag_of, setting
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 from fastgrpo.train.run_kind import check_same_command
+from fastgrpo.train.sources import function_file
 
 logger = logging.getLogger(__name__)
 LR_SCHEDULERS = ("constant", "linear", "cosine")
@@ -333,7 +334,8 @@ def config_changes(saved: dict, config) -> list[str]:
             continue
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         before, now = saved.get(field.name, default), getattr(config, field.name)
-        if _plain(before) != _plain(now) and not _same_local_path(field.name, before, now):
+        if _plain(before) != _plain(now) and not _same_local_path(field.name, before, now) \
+                and not _same_reward_files(field.name, before, now):
             changes.append(f"{field.name}: {before!r} in the checkpoint, {now!r} now")
     return changes
 
@@ -343,8 +345,29 @@ def _same_local_path(name: str, before, now) -> bool:
     (data.jsonl, ./data.jsonl, its absolute path)."""
     if name not in INPUT_PATH_FIELDS or not isinstance(before, str) or not isinstance(now, str):
         return False
-    before, now = Path(before).expanduser(), Path(now).expanduser()
+    return _same_file(Path(before).expanduser(), Path(now).expanduser())
+
+
+def _same_file(before: Path, now: Path) -> bool:
     return before.exists() and now.exists() and before.resolve() == now.resolve()
+
+
+def _same_reward_files(name: str, before, now) -> bool:
+    """The same reward functions, a "path/to/file.py:function" entry's file (recorded absolute: ConfigFile.to_dict)
+    spelt another way."""
+    if name not in REWARD_FUNCTION_FIELDS or not isinstance(before, list) or not isinstance(now, list):
+        return False
+    return len(before) == len(now) and all(_same_function(name, b, n) for b, n in zip(before, now))
+
+
+def _same_function(name: str, before: str, now: str) -> bool:
+    if before == now:
+        return True
+    try:
+        files = function_file(before, name), function_file(now, name)
+    except ValueError:  # an unset variable: no file to compare
+        return False
+    return None not in files and before.rpartition(":")[2] == now.rpartition(":")[2] and _same_file(*files)
 
 
 def check_4bit_base(config) -> None:

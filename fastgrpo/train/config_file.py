@@ -11,10 +11,14 @@ from pathlib import Path
 from fastgrpo._checks import check_known_fields
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
+from fastgrpo.train.sources import recorded_function
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
 INPUT_PATH_FIELDS = ("model", "dataset", "eval_dataset", "checkpoint")
+# fields listing reward functions: the file of a "path/to/file.py:function" entry is recorded absolute alike
+# (sources.recorded_function); a built-in name or a "module:function" is kept as typed
+REWARD_FUNCTION_FIELDS = ("reward_funcs", "eval_reward_funcs")
 # what one invocation does with the run already in output_dir, not a setting of the run: left out of the record, which
 # fed back as --config would do it again (overwrite_output_dir: delete the run the record came from)
 INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
@@ -55,12 +59,15 @@ class ConfigFile:
 
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
-        (INPUT_PATH_FIELDS) made absolute, so the record names the file the run read wherever it is read later; no
-        INVOCATION_FIELDS."""
+        (INPUT_PATH_FIELDS) made absolute, as is a reward function's file (REWARD_FUNCTION_FIELDS), so the record
+        names the file the run read wherever it is read later; no INVOCATION_FIELDS."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
                 data[name] = os.path.abspath(data[name])
+        for name in REWARD_FUNCTION_FIELDS:
+            if isinstance(data.get(name), list):
+                data[name] = [recorded_function(spec, name) for spec in data[name]]
         return data
 
 

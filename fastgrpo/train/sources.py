@@ -29,24 +29,49 @@ def import_function(spec: str, field: str):
     target, sep, attr = spec.rpartition(":")
     if not sep or not target or not attr:
         raise ValueError(f"{field}: expected 'module:function' or 'path/to/file.py:function', got {spec!r}")
-    target = expanded_path(field, target)  # as a dataset's path is (coercion.PATH_FIELDS); a module name stays
-    if target.endswith(".py"):
-        module = _module_from_file(Path(target), field)
-    else:
-        try:
-            with _on_sys_path(os.getcwd()):
-                module = importlib.import_module(target)
-        except ModuleNotFoundError as err:
-            if err.name and (target == err.name or target.startswith(err.name + ".")):
-                raise ValueError(f"{field}: no module {target!r} in the current folder or on sys.path "
-                                 f"(for a file, name it as path/to/file.py:{attr})") from None
-            raise ValueError(f"{field}: importing {target!r} failed: {err}") from None
-        except Exception as err:  # the user's module is run: any error in it is theirs to see, in one line
-            raise ValueError(f"{field}: importing {target!r} failed: {type(err).__name__}: {err}") from None
+    file = function_file(spec, field)
+    module = _module_from_file(file, field) if file is not None else _module_named(target, attr, field)
     func = getattr(module, attr, None)
     if not callable(func):
-        raise ValueError(f"{field}: {target} has no function {attr!r}")
+        raise ValueError(f"{field}: {file or target} has no function {attr!r}")
     return func
+
+
+def function_file(spec: str, field: str) -> Path | None:
+    """The file of a "path/to/file.py:function" spec, its ~ and $VAR / ${VAR} expanded (as a dataset's path is:
+    coercion.PATH_FIELDS); None for a "module:function" (a module name, looked up as Python does) and for a name
+    without ':' (a built-in reward)."""
+    target, sep, _ = spec.rpartition(":")
+    if not sep or not target:
+        return None
+    target = expanded_path(field, target)
+    return Path(target) if target.endswith(".py") else None
+
+
+def recorded_function(spec: str, field: str) -> str:
+    """`spec` as a run's record keeps it (ConfigFile.to_dict): a "path/to/file.py:function" whose file exists here
+    with that file absolute, as a dataset's path is, so a resume or an eval from another folder imports the file the
+    run did; any other form as typed."""
+    try:
+        file = function_file(spec, field)
+    except ValueError:  # an unset variable: importing the reward says so
+        return spec
+    if file is None or not file.is_file():
+        return spec
+    return f"{os.path.abspath(file)}:{spec.rpartition(':')[2]}"
+
+
+def _module_named(target: str, attr: str, field: str):
+    try:
+        with _on_sys_path(os.getcwd()):
+            return importlib.import_module(target)
+    except ModuleNotFoundError as err:
+        if err.name and (target == err.name or target.startswith(err.name + ".")):
+            raise ValueError(f"{field}: no module {target!r} in the current folder or on sys.path "
+                             f"(for a file, name it as path/to/file.py:{attr})") from None
+        raise ValueError(f"{field}: importing {target!r} failed: {err}") from None
+    except Exception as err:  # the user's module is run: any error in it is theirs to see, in one line
+        raise ValueError(f"{field}: importing {target!r} failed: {type(err).__name__}: {err}") from None
 
 
 def _module_from_file(path: Path, field: str):
