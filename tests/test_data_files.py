@@ -90,10 +90,10 @@ def test_a_split_the_folder_lacks_names_the_split_setting_and_the_splits(tmp_pat
         load_rows(str(tmp_path), "validation")
     assert str(err.value) == (f"dataset_split: no 'validation' split in {tmp_path}; its splits: ['train'] (pass "
                               "dataset_split='train')")
-    with pytest.raises(ValueError) as err:  # an evaluation's split is not a setting: name the file instead
+    with pytest.raises(ValueError) as err:  # an evaluation's split is eval_dataset_split
         load_rows(str(tmp_path), "test", field="eval_dataset")
-    assert str(err.value) == (f"eval_dataset: no 'test' split (the one evaluated) in {tmp_path}; its splits: "
-                              "['train'] (a file is read whole: name one)")
+    assert str(err.value) == (f"eval_dataset_split: no 'test' split in {tmp_path}; its splits: ['train'] (pass "
+                              "eval_dataset_split='train')")
 
 
 def test_a_json_file_holding_json_lines_loads(tmp_path):

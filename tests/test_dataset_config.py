@@ -103,8 +103,7 @@ def test_a_config_of_what_has_none_is_refused(gsm, tmp_path):
 def test_the_eval_dataset_takes_the_runs_config_when_it_is_the_runs_dataset(gsm):
     run = dict(dataset=gsm, dataset_config="main", eval_dataset=gsm, eval_steps=1)
     assert _prompts(eval_rows(GRPOConfig(**run))) == ["2+2"]  # main's test split
-    with pytest.raises(ValueError, match=r"^eval_dataset: no 'test' split \(the one evaluated\) in .* \(config "
-                                         r"'socratic'\)"):
+    with pytest.raises(ValueError, match=r"^eval_dataset_split: no 'test' split in .* \(config 'socratic'\)"):
         eval_rows(SFTConfig(**run, eval_dataset_config="socratic"))
     with pytest.raises(ValueError, match="^eval_dataset_config: .* has several configs"):
         eval_rows(EIConfig(eval_dataset=gsm, eval_steps=1))  # another dataset than the run's: its own config

@@ -23,7 +23,7 @@ _OWNERS = {
         "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
         "max_grad_norm", "lr_scheduler", "warmup_steps", "save_steps", "save_total_limit", "resume",
         "resume_allow_changes", "export", "logging_steps", "report_to", "progress_bar", "eval_steps", "eval_dataset",
-        "eval_dataset_config", "eval_max_examples"),
+        "eval_dataset_split", "eval_dataset_config", "eval_max_examples"),
     ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop",
                               "reward_errors"),
     ("train", "ei"): ("max_prompt_length", "max_completion_length"),

@@ -245,9 +245,11 @@ class GRPOConfig(ConfigFile):
     # Periodic evaluation with the rollout engine (fastgrpo.train.periodic_eval): this run's rewards and sampling.
     eval_steps: int = option(0, "evaluate every N steps and at the end, into output_dir/eval/; 0: off",
                              run_control=True)
-    eval_dataset: str | None = option(None, "rows to evaluate on (an HF dataset: its test split); none: the built-in "
-                                            "task's held-out rows when training on the built-in task",
-                                      run_control=True)
+    eval_dataset: str | None = option(None, "rows to evaluate on (an HF dataset or a folder: its eval_dataset_split); "
+                                            "none: the built-in task's held-out rows when training on the built-in "
+                                            "task", run_control=True)
+    eval_dataset_split: str = option("test", "split of an HF eval_dataset, or of a folder of data files (they load as "
+                                             "'train'), to evaluate on; a file is read whole", run_control=True)
     eval_dataset_config: str | None = option(None, "config of an HF eval_dataset that has several; none: "
                                                    "dataset_config when eval_dataset is the run's dataset",
                                              run_control=True)

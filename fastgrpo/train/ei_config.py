@@ -99,8 +99,9 @@ class EIConfig(ConfigFile):
     eval_steps: int = option(0, "evaluate every N rounds (before the first one too) and at the end; 0: off",
                              run_control=True)
     eval_dataset: str | None = option(None, "rows to evaluate on with the same prompt format and rewards (an HF "
-                                            "dataset: its test split); none: the built-in task's held-out rows "
-                                            "when training on the built-in task", run_control=True)
+                                            "dataset or a folder: its eval_dataset_split); none: the built-in task's "
+                                            "held-out rows when training on the built-in task", run_control=True)
+    eval_dataset_split: str = inherited("eval_dataset_split")
     eval_dataset_config: str | None = inherited("eval_dataset_config")
     eval_max_examples: int = option(256, "evaluate on the first N rows", run_control=True)
 

@@ -26,10 +26,6 @@ from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDE
                                     naming_the_model, read_json_rows)
 
 
-# The split of an HF dataset that a run's periodic evaluation reads (eval_rows)
-EVAL_SPLIT = "test"
-
-
 def resolve_reward(name: str):
     """A name of fastgrpo.rewards.REGISTRY, or a user's reward function: "module:function" (a module.py in the
     current folder too) or "path/to/file.py:function" (fastgrpo.train.sources.import_function)."""
@@ -114,11 +110,8 @@ def _missing_split(datasets, dataset: str, split: str, field: str, config_name: 
     if split in names or not names:
         return None
     where = f"{dataset} (config {config_name!r})" if config_name is not None else dataset
-    if field == "dataset":
-        return (f"dataset_split: no {split!r} split in {where}; its splits: {names} (pass "
-                f"{setting('dataset_split', names[0])})")
-    return (f"{field}: no {split!r} split (the one evaluated) in {where}; its splits: {names} (a file is read "
-            "whole: name one)")
+    return (f"{field}_split: no {split!r} split in {where}; its splits: {names} (pass "
+            f"{setting(f'{field}_split', names[0])})")
 
 
 def _saved_to_disk(path: Path) -> bool:
@@ -153,11 +146,12 @@ def _checked_rows(config, builtin):
 
 
 def eval_rows(config):
-    """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset:
-    its EVAL_SPLIT), or for a run on the built-in task held-out rows of it; a run on its own data needs eval_dataset.
-    """
+    """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset or
+    a folder: its eval_dataset_split), or for a run on the built-in task held-out rows of it; a run on its own data
+    needs eval_dataset."""
     if config.eval_dataset is not None:
-        return load_rows(config.eval_dataset, EVAL_SPLIT, field="eval_dataset", config_name=eval_dataset_config(config))
+        return load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
+                         config_name=eval_dataset_config(config))
     if config.eval_dataset_config is not None:
         raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
                          "has none")
