@@ -106,3 +106,27 @@ def test_fewer_eval_rows_than_processes_under_fsdp2(tmp_path):
     for step in (1, 2):
         results = (tmp_path / "out" / "run" / "eval" / f"step-{step}.jsonl").read_text().splitlines()
         assert [json.loads(line)["index"] for line in results] == [0]
+
+
+def _evaluated_here(rank, tmp_path):
+    """evaluate() on this process of 2: (records, summary) as it returns them."""
+    from fastgrpo.rollout import BuiltinEngine, SamplingParams
+    from fastgrpo.train.distributed import Distributed
+    from fastgrpo.train.evaluate import build_eval_task, evaluate
+    from tests.forked_gloo import tiny_model
+
+    model, tokenizer = tiny_model(lora=False)
+    task = build_eval_task(default_task.build_sft_dataset(num_rows=5, seed=1), tokenizer, prompt_column="prompt",
+                           prompt_format="raw", reward_funcs=[default_task.repeat_letter_reward])
+    return evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, SamplingParams(max_new_tokens=4),
+                    num_generations=2, dist=Distributed.current())
+
+
+def test_the_evaluation_is_gathered_on_rank_0_alone(tmp_path):
+    """Every process gathered every process's records (all_gather_object), while rank 0 alone writes and logs them:
+    each process held the whole evaluation's completions for nothing."""
+    (records, summary), (others, other_summary) = run_forked(_evaluated_here, tmp_path, deadline_s=120,
+                                                             group_timeout_s=60)
+    assert [r["index"] for r in records] == [i for i in range(5) for _ in range(2)]
+    assert summary["num_examples"] == 5
+    assert (others, other_summary) == ([], {})

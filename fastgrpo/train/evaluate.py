@@ -131,8 +131,9 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
     """Generate num_generations completions per row, batch_size prompts per engine call; (records, summary).
     reward_errors: see check_reward_failures; the summary counts the failures of each function either way.
     dist: under torchrun, the processes' group: each process generates and scores every world_size-th row (its
-    samples keyed by the row's position, so they are the ones one process draws); every process returns the whole
-    evaluation, in row order, and rank 0 logs the rewards' warnings of it. A failure on any process raises on all."""
+    samples keyed by the row's position, so they are the ones one process draws); rank 0 gathers and returns the
+    whole evaluation, in row order, and logs the rewards' warnings of it; the others return ([], {}) (rank 0 alone
+    writes and reports it). A failure on any process raises on all."""
     if batch_size < 1:
         raise ValueError(f"batch_size: expected >= 1 prompts per rollout call, got {batch_size}")
     dist = dist or Distributed()
@@ -145,16 +146,29 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
     share = dist.raise_together(lambda: _evaluate_rows(engine, tokenizer, task, sampling, [0] if padded else positions,
                                                        stop=stop, num_generations=num_generations, seed=seed,
                                                        batch_size=batch_size, reward_errors=reward_errors))
-    shares = dist.gather_objects(([], {}) if padded else share)
+    shares = _gathered_on_main(dist, ([], {}) if padded else share)
+    if shares is None:  # not rank 0
+        return [], {}
     records = sorted((r for own, _ in shares for r in own), key=lambda r: (r["index"], r["sample"]))
     errors = _merged_errors([errors for _, errors in shares])
-    if dist.is_main:
-        _warn_of_rewards(records, errors, reward_errors, num_generations)
+    _warn_of_rewards(records, errors, reward_errors, num_generations)
     seconds, tokens = time.perf_counter() - t0, sum(r["length"] for r in records)
     settings = {"sampling": {**dataclasses.asdict(sampling), "num_generations": num_generations, "seed": seed,
                              "stop": stop},
                 "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     return records, {**summarize(records, names, errors, seconds, tokens), **settings}
+
+
+def _gathered_on_main(dist: Distributed, value) -> list | None:
+    """Every process's `value` in rank order on rank 0, None on the others: only rank 0 writes and logs an
+    evaluation, so no other process needs a copy of every completion."""
+    if not dist.active:
+        return [value]
+    import torch.distributed
+
+    shares = [None] * dist.world_size if dist.is_main else None
+    torch.distributed.gather_object(value, shares, dst=0)
+    return shares
 
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
