@@ -902,13 +902,13 @@ def main(argv=None) -> int:
     if args.build:
         print(build_folder(args.build, args.models_dir, "cuda"))
         return 0
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, RUNNING_CASES.stop)
     dry = args.dry_run
     import torch  # here, as elsewhere in this file: its cases run in child processes
 
     if not dry and not torch.cuda.is_available():  # else every case's model folder fails to build, one line each
         raise SystemExit("needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run checks its code on the CPU")
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, RUNNING_CASES.stop)
     gpus = [None] if dry else physical_gpus(args.gpus)
     shapes = args.shapes or list(DRY_SHAPES if dry else FIT_SHAPES if args.max_fit else SHAPES)
     for shape in shapes:

@@ -10,6 +10,7 @@ import io
 import re
 import runpy
 import shlex
+import signal
 import sys
 from pathlib import Path
 from unittest import mock
@@ -201,8 +202,11 @@ def test_a_gpu_benchmark_without_cuda_says_so_in_one_line(script, tmp_path, monk
     from benchmarks import common
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     with mock.patch.object(sys, "argv", [script]), pytest.raises(SystemExit) as done:
         importlib.import_module(f"benchmarks.{script}").main()
+    # bench_loop installed its stop handlers first, and they outlived the call: a later test's SIGINT met them
+    assert {signum: signal.getsignal(signum) for signum in handlers} == handlers
     said = str(done.value.code) if isinstance(done.value.code, str) else capsys.readouterr().err.strip().splitlines()[-1]
     assert "needs a CUDA GPU (torch.cuda.is_available() is False)" in said
     assert not list(tmp_path.iterdir())
