@@ -117,6 +117,17 @@ def cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
 
 
+def loading_attention(model: str) -> str:
+    """The attention implementation to load the causal LM `model` (a folder or Hub name) with: SDPA where its
+    transformers class has it, else eager (Gemma-2, whose attention soft-caps its scores: transformers refuses to
+    load it with "sdpa"). Asked for by name rather than left to transformers, which would take one a config.json
+    names."""
+    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig
+
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(AutoConfig.from_pretrained(model)), None)
+    return "eager" if model_class is not None and not model_class._supports_sdpa else "sdpa"
+
+
 @contextlib.contextmanager
 def attention_implementation(model: nn.Module, name: str | None) -> Iterator[str]:
     """Within the block the model's attention runs through the registered attention function `name` (None: keep

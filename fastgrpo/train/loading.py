@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from fastgrpo.hf.models import hf_checkpointing_only_first
+from fastgrpo.hf.models import hf_checkpointing_only_first, loading_attention
 from fastgrpo.offload import ActivationOffloader, HostBufferPool
 from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
@@ -246,7 +246,8 @@ def load_model_and_tokenizer(config):
                 load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=dtype
             )
             extra["device_map"] = {"": device}
-        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation="sdpa", **extra)
+        attention = loading_attention(config.model)
+        model = AutoModelForCausalLM.from_pretrained(config.model, dtype=dtype, attn_implementation=attention, **extra)
         if not config.load_in_4bit:
             model.to(device)
     if config.gradient_checkpointing:
