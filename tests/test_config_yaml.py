@@ -14,13 +14,8 @@ from fastgrpo.train.sft_config import SFTConfig
     ("reward_funcs: {length: 1}\n", "reward_funcs: expected a list of strings, got {'length': 1}"),
 ])
 def test_a_wrong_type_names_the_key_and_the_file(text, problem, tmp_path, capsys):
-    path = tmp_path / "run.yaml"
-    path.write_text(text)
-    with pytest.raises(ValueError) as info:
-        GRPOConfig.from_yaml(path)
-    assert str(info.value) == f"config: {path}: {problem}"
-    assert main(["train", "--config", str(path)]) == 2
-    assert capsys.readouterr().err == f"fastgrpo train: error: config: {path}: {problem}\n"
+    path, message = _refusal(text, "train", tmp_path, capsys)
+    assert message == f"config: {path}: {problem}"
 
 
 def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
@@ -37,13 +32,20 @@ def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
     ("? [a, b]\n: 1\n", ":1: key ['a', 'b'] is no field name (expected text)"),
 ])
 def test_a_key_that_is_no_text_is_one_line(text, problem, tmp_path, capsys):
+    path, message = _refusal(text, "sft", tmp_path, capsys)
+    assert message == f"config: {path}{problem}"
+
+
+def _refusal(text: str, command: str, tmp_path, capsys) -> tuple:
+    """(the file, the one line GRPOConfig.from_yaml raised for a config file of `text`), checked to be the line
+    `fastgrpo <command> --config <file>` prints as it exits 2."""
     path = tmp_path / "run.yaml"
     path.write_text(text)
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
-    assert str(info.value) == f"config: {path}{problem}"
-    assert main(["sft", "--config", str(path)]) == 2
-    assert capsys.readouterr().err == f"fastgrpo sft: error: config: {path}{problem}\n"
+    assert main([command, "--config", str(path)]) == 2
+    assert capsys.readouterr().err == f"fastgrpo {command}: error: {info.value}\n"
+    return path, str(info.value)
 
 
 def test_paths_expand_the_home_folder_and_environment_variables(tmp_path, monkeypatch):
