@@ -18,7 +18,6 @@ import difflib
 import shlex
 import sys
 from collections.abc import Callable
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 from fastgrpo.train import default_task
@@ -34,6 +33,7 @@ from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
+from fastgrpo.train.versions import library_versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,17 +52,12 @@ class _Version(argparse.Action):
         super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS, help="print the versions and exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        found = []
-        for name in ("torch", "triton", "transformers", "peft"):
-            try:
-                found.append(f"{name} {version(name)}")
-            except PackageNotFoundError:
-                pass
-        from fastgrpo import __version__
         from fastgrpo.train.ranks import is_main_process
 
         if is_main_process():  # under torchrun every process parses the same command line: rank 0 says it once
-            print(f"fastgrpo {__version__} ({', '.join(found)})")
+            found = library_versions()
+            ours = found.pop("fastgrpo")
+            print(f"fastgrpo {ours} ({', '.join(f'{name} {v}' for name, v in found.items())})")
         parser.exit(0)
 
 

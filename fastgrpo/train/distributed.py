@@ -328,6 +328,15 @@ class Distributed:
         dist.all_gather_object(values, value)
         return values
 
+    def gather_on_main(self, value) -> list | None:
+        """A picklable value of every rank -> their list in rank order on rank 0, None on the others (gather_objects
+        where only rank 0 uses them: an evaluation's completions)."""
+        if not self.active:
+            return [value]
+        values = [None] * self.world_size if self.is_main else None
+        dist.gather_object(value, values, dst=0)
+        return values
+
     def own_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows of a whole-batch tensor (the inverse of gather_rows)."""
         n = value.shape[0] // self.world_size

@@ -14,11 +14,9 @@ import dataclasses
 import json
 import logging
 import math
-import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
-from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 import torch
@@ -33,6 +31,8 @@ from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
+from fastgrpo.train.run_dir import write_whole
+from fastgrpo.train.versions import library_versions
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
     share = dist.raise_together(lambda: _evaluate_rows(engine, tokenizer, task, sampling, [0] if padded else positions,
                                                        stop=stop, num_generations=num_generations, seed=seed,
                                                        batch_size=batch_size, reward_errors=reward_errors))
-    shares = _gathered_on_main(dist, ([], {}) if padded else share)
+    shares = dist.gather_on_main(([], {}) if padded else share)  # only rank 0 writes and logs an evaluation
     if shares is None:  # not rank 0
         return [], {}
     records = sorted((r for own, _ in shares for r in own), key=lambda r: (r["index"], r["sample"]))
@@ -157,18 +157,6 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
                              "stop": stop},
                 "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     return records, {**summarize(records, names, errors, seconds, tokens), **settings}
-
-
-def _gathered_on_main(dist: Distributed, value) -> list | None:
-    """Every process's `value` in rank order on rank 0, None on the others: only rank 0 writes and logs an
-    evaluation, so no other process needs a copy of every completion."""
-    if not dist.active:
-        return [value]
-    import torch.distributed
-
-    shares = [None] * dist.world_size if dist.is_main else None
-    torch.distributed.gather_object(value, shares, dst=0)
-    return shares
 
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
@@ -292,31 +280,11 @@ def pass_at_k(records: list[dict]) -> dict:
             / len(counts) for k in ks}
 
 
-def library_versions() -> dict:
-    """fastgrpo's version and those of the libraries that generate and score (as `fastgrpo --version` prints)."""
-    from fastgrpo import __version__
-
-    found = {"fastgrpo": __version__}
-    for name in ("torch", "triton", "transformers", "peft"):
-        try:
-            found[name] = version(name)
-        except PackageNotFoundError:
-            pass
-    return found
-
-
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
     """One JSON line per completion to examples_path; the summary as a JSON object to summary_path. Each file
     appears whole or not at all, the summary last: a kill leaves no cut-off results beside a summary of them."""
-    _write_whole(Path(examples_path), "".join(json.dumps(r) + "\n" for r in records))
-    _write_whole(Path(summary_path), json.dumps(summary, indent=2) + "\n")
-
-
-def _write_whole(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_whole(Path(examples_path), "".join(json.dumps(r) + "\n" for r in records))
+    write_whole(Path(summary_path), json.dumps(summary, indent=2) + "\n")
 
 
 def log_generations(records: list[dict], count: int, title: str) -> None:

@@ -5,11 +5,11 @@ from __future__ import annotations
 import importlib
 import json
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
+from fastgrpo.train.run_dir import write_whole
 
 logger = logging.getLogger(__name__)
 REPORTERS = ("wandb", "tensorboard")
@@ -61,9 +61,7 @@ class MetricsLog:
         if not kept:
             self.path.unlink(missing_ok=True)
             return
-        tmp = self.path.with_name(f".{self.path.name}.tmp")
-        tmp.write_text("".join(kept))
-        os.replace(tmp, self.path)  # a kill during the rewrite leaves the old log, not half of it
+        write_whole(self.path, "".join(kept))  # a kill during the rewrite leaves the old log, not half of it
 
     def write(self, metrics: dict) -> None:
         with self.path.open("a") as f:

@@ -15,6 +15,7 @@ them. Any command that writes a run folder uses it the same way:
         ...                                                 # the lock is held until the block ends
 
 `artifacts` names what a run leaves in the folder (glob patterns); the default is what `fastgrpo train` writes.
+write_whole writes one of a run's files so that a kill leaves the old file or the new one, never part of either.
 """
 from __future__ import annotations
 
@@ -284,3 +285,11 @@ def _alive(pid) -> bool:
     except PermissionError:  # another user's process
         return True
     return True
+
+
+def write_whole(path: Path, text: str) -> None:
+    """`text` into the file `path` (its folder made), whole or not at all: written beside it, then renamed over it."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
