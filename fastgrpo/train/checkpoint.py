@@ -35,12 +35,13 @@ import torch
 
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import merged_state_dict
+from fastgrpo.train.config_file import RUN_RECORD
 from fastgrpo.train.naming import setting
 from fastgrpo.train.sharded_state import SHARDS, load_sharded_state
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
-CONFIG_FILE = "run_config.json"
+CONFIG_FILE = RUN_RECORD  # the run's config, beside a checkpoint's state and an export's weights
 EXPORT_FILE = "export.json"  # in a run's final/: the step of its weights, the files the export wrote
 # The names of the files a model export holds (weights, config, tokenizer): in a final/ exported before EXPORT_FILE,
 # any other file is the user's.

@@ -22,7 +22,7 @@ REWARD_FUNCTION_FIELDS = ("reward_funcs", "eval_reward_funcs")
 # what one invocation does with the run already in output_dir, not a setting of the run: left out of the record, which
 # fed back as --config would do it again (overwrite_output_dir: delete the run the record came from)
 INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
-RUN_RECORD = "run_config.json"  # the name of a run's record (fastgrpo.train.checkpoint.CONFIG_FILE)
+RUN_RECORD = "run_config.json"  # the name of a run's record (fastgrpo.train.checkpoint.CONFIG_FILE is this one)
 
 
 class ConfigFile:
