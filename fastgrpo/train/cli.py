@@ -26,7 +26,7 @@ from fastgrpo.train.commands import (
     check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.command_fields import TRL_NAMES, elsewhere, fields
+from fastgrpo.train.command_fields import elsewhere, trl_counterpart
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
 from fastgrpo.train.config_file import add_config_file_argument, read_yaml
 from fastgrpo.train.console import change
@@ -104,10 +104,10 @@ def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: st
 def _trl_flag(name: str, command: str) -> str | None:
     """"TRL's name; here --dtype bfloat16" for --bf16 (command_fields.TRL_NAMES, which YAML keys get too), in TRL's
     spelling (--use_peft) or ours (--use-peft); None for a flag TRL_NAMES lacks or `command` has no counterpart of."""
-    ours, how = TRL_NAMES.get(name[2:].replace("-", "_"), ((), ""))
-    field = next((f for f in ours if f in fields(command)), None)
-    if field is None:
+    found = trl_counterpart(name[2:].replace("-", "_"), command)
+    if found is None:
         return None
+    field, how = found
     if how.startswith(": "):  # "dtype: bfloat16" -> "--dtype bfloat16"
         how = f" {how[2:]}"
     elif how.startswith(" ("):  # a note: not in parentheses inside the hint's own

@@ -111,11 +111,18 @@ def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
     return note
 
 
-def trl_name(name: str, command: str) -> str | None:
-    """For a TRL_NAMES key: "TRL's name; here dtype: bfloat16" where `command` has the setting; None otherwise."""
+def trl_counterpart(name: str, command: str) -> tuple[str, str] | None:
+    """For a TRL_NAMES key: (the field of `command` that does its job, how: ": bfloat16", " > 0", " (a note)", "");
+    None for another name, or where `command` has no such field."""
     ours, how = TRL_NAMES.get(name, ((), ""))
     field = next((f for f in ours if f in fields(command)), None)
-    return f"TRL's name; here {field}{how}" if field is not None else None
+    return (field, how) if field is not None else None
+
+
+def trl_name(name: str, command: str) -> str | None:
+    """For a TRL_NAMES key: "TRL's name; here dtype: bfloat16" where `command` has the setting; None otherwise."""
+    found = trl_counterpart(name, command)
+    return f"TRL's name; here {found[0]}{found[1]}" if found is not None else None
 
 
 def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
