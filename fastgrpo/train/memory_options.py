@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 from fastgrpo._checks import check_int_at_least
 from fastgrpo.train.naming import setting
+from fastgrpo.train.ranks import process_count
 
 
 def check_activation_memory_options(config) -> None:
@@ -43,20 +43,10 @@ def check_fsdp_applies(config) -> None:
     changed = [name for name in FSDP_FIELDS if name in defaults and getattr(config, name) != defaults[name]]
     if not changed:
         return
-    if _processes() == 1:
+    if process_count() == 1:  # the group is joined after the config is checked: WORLD_SIZE then
         why = "this run has one process"
     elif config.lora_rank > 0:
         why = f"a LoRA run ({setting('lora_rank', config.lora_rank)}) trains through DDP"
     else:
         return
     raise ValueError(f"{changed[0]}: shapes FSDP2, which shards full fine-tuning under torchrun, and {why}")
-
-
-def _processes() -> int:
-    """This run's process count: its process group's where it joined one (processes a caller forked), else torchrun's
-    WORLD_SIZE (the group is joined after the config is checked)."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", "1"))

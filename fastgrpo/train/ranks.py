@@ -21,6 +21,16 @@ def process_rank() -> int:
     return int(os.environ.get("RANK", "0"))
 
 
+def process_count() -> int:
+    """This run's process count: its process group's when it joined one (processes a caller forked), else torchrun's
+    WORLD_SIZE (1 without torchrun)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 def is_main_process() -> bool:
     return process_rank() == 0
 
