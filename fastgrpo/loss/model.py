@@ -2,7 +2,8 @@
 
 Alignment, for every [B, T] tensor here: position t is about token input_ids[:, t] predicted from
 input_ids[:, :t]; only positions where completion_mask is 1 count (log-probs elsewhere are 0). The backbone runs
-on all T positions; the fused lm_head + loss runs on the columns that hold completion tokens only.
+on all T positions (padded rows without their mask where that changes nothing read: fastgrpo.loss.row_layout); the
+fused lm_head + loss runs on the columns that hold completion tokens only.
 """
 from __future__ import annotations
 
@@ -36,6 +37,7 @@ from fastgrpo.loss.correction import (
     raise_if_overflowed,
 )
 from fastgrpo.loss.fused import fused_linear_grpo_loss_of_checked_values
+from fastgrpo.loss.row_layout import Unpadded, padding_facts, run_backbone, take_columns, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 
@@ -44,6 +46,7 @@ class _Batch(NamedTuple):
 
     window: slice  # the input_ids columns from the first to the last that hold a completion token
     completion_tokens: int  # completion_mask's 1s
+    layout: Unpadded  # how the backbone runs the rows
 
 
 def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
@@ -67,9 +70,10 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     completion = completion_mask.bool()
     columns = completion.any(0)  # columns: [T]
     positions = torch.arange(T, device=columns.device)
-    attention_flag, completion_flag, first_column, low, high, first, last, tokens, *bad = read_ints(
+    attention_flag, completion_flag, first_column, low, high, first, last, tokens, droppable, left, *bad = read_ints(
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
+        *padding_facts(attention_mask, completion_mask),
         *(() if advantages is None else first_nonfinite(advantages)), *masked_nonfinite(completion_mask, per_token),
         *(() if correction is None else first_nonfinite(correction[0], completion_mask)[:1]),
     )
@@ -87,7 +91,7 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     if correction is not None:
         raise_if_overflowed(correction[1], input_ids.shape, overflow)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
-    return _Batch(window, tokens)
+    return _Batch(window, tokens, unpadded(attention_mask, droppable, left))
 
 
 def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:
@@ -103,9 +107,9 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
     backbone, head = backbone_and_head(model)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
                      correction)
-    out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
     cols = batch.window
-    hidden = out.last_hidden_state[:, cols.start - 1 : cols.stop - 1]  # hidden: [B, W, H]
+    hidden = take_columns(run_backbone(backbone, input_ids, batch.layout), batch.layout,
+                          slice(cols.start - 1, cols.stop - 1))  # hidden: [B, W, H]
     return hidden, head, batch
 
 

@@ -1,6 +1,7 @@
 """The SFT loss of a Hugging Face causal LM: cross-entropy of the response tokens through the fused lm_head.
 
-The backbone runs on every position; only the hidden states that predict a response token go through
+The backbone runs on every position (without the mask where that changes nothing read:
+fastgrpo.loss.row_layout); only the hidden states that predict a response token go through
 fastgrpo.fused_linear_logprobs (its chunked lm_head + log-softmax), so neither [B, T, V] logits nor logits of the
 prompt positions ever exist. The fused cross-entropy is -logp of the labels.
 
@@ -13,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
-from fastgrpo._checks import check_binary_mask, check_index_range, check_shape
+from fastgrpo._checks import check_binary_mask, check_index_range, check_shape, read_ints
 from fastgrpo.hf.models import backbone_and_head, logit_softcap
+from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_positions, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 
@@ -53,10 +55,11 @@ def sft_loss(
     _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch)
     backbone, head = backbone_and_head(model)
     check_index_range("input_ids", input_ids, head.weight.shape[0])
-    hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    layout = unpadded(attention_mask, *read_ints(*padding_facts(attention_mask, response_mask)))
+    hidden = run_backbone(backbone, input_ids, layout)
     labels = response_mask[:, 1:].bool()  # labels: [B, T-1], position t-1 predicts token t
-    # Boolean indexing keeps only the response rows: the fused head does no work for prompt or padding positions.
-    selected = hidden[:, :-1][labels]  # selected: [n, H]
+    # Only the response positions are kept: the fused head does no work for prompt or padding positions.
+    selected = take_positions(hidden, layout, *labels.nonzero(as_tuple=True))  # selected: [n, H]
     logp = fused_linear_logprobs_of_checked_values(  # the ids were checked above: no second range read
         selected, head.weight, input_ids[:, 1:][labels], bias=head.bias, softcap=logit_softcap(model),
         backend=backend,
