@@ -33,6 +33,12 @@ def adapters_active(module: nn.Module) -> bool:
     )
 
 
+def head_bias(head: nn.Module) -> torch.Tensor | None:
+    """The bias the lm_head's forward adds, or None. PEFT's TrainableTokensWrapper (trainable_token_indices on an
+    lm_head, or on the embedding it is tied to) has no `.bias`: its forward is F.linear(x, merged weight) alone."""
+    return getattr(head, "bias", None)
+
+
 def architecture(model: nn.Module) -> Architecture:
     """The patch table's entry of a transformers causal LM; ValueError for anything else."""
     config = getattr(model, "config", None)

@@ -10,7 +10,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastgrpo._checks import check_integer_ids, check_shape, read_ints
 from fastgrpo.hf.architectures import Architecture
-from fastgrpo.hf.models import adapters_active
+from fastgrpo.hf.models import adapters_active, head_bias
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
 IGNORE_INDEX = -100  # the labels value Hugging Face's loss skips
@@ -51,7 +51,7 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
                 raise ValueError(f"{name}: expected ids in [0, {vocab}) or {IGNORE_INDEX} (ignored), got min {low} "
                                  f"max {high}")
         logps = fused_linear_logprobs_of_checked_values(
-            hidden, lm_head.weight, targets, bias=lm_head.bias, softcap=arch.logit_softcap(self.config)
+            hidden, lm_head.weight, targets, bias=head_bias(lm_head), softcap=arch.logit_softcap(self.config)
         )
         denom = valid.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
         # (-logps).sum(): no ignored label at all gives loss 0.0, not -0.0 (HF's mean gives NaN, 0 / 0; with the
