@@ -45,3 +45,48 @@ def test_trainable_tokens_on_the_lm_head_train_through_the_fused_loss(model_type
         base_loss = model(input_ids=ids, attention_mask=mask, labels=ids).loss
         torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask, labels=ids).loss, base_loss)
     assert abs(float(base_loss - loss)) > 1e-3  # the trained token rows change the loss
+
+
+def tiny_gemma3_with_vision():
+    """Gemma3ForConditionalGeneration (what AutoModelForCausalLM loads from a Gemma-3 4B+ checkpoint): the text
+    model of tests/test_patching.py's gemma3_text, a 1-layer SigLIP tower of 56 x 56 images in 14 x 14 patches, 4
+    image tokens per image (id 127, between 125 and 126)."""
+    import transformers
+
+    from tests.test_patching import TINY
+
+    text = transformers.Gemma3TextConfig(**TINY, sliding_window=4, query_pre_attn_scalar=8)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=56, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4, image_token_index=127, boi_token_index=125,
+                                       eoi_token_index=126)
+    config._attn_implementation = "eager"
+    torch.manual_seed(0)
+    return transformers.Gemma3ForConditionalGeneration(config)
+
+
+def test_gemma3_with_vision_and_all_linear_lora_trains_on_images_as_unpatched():
+    """PEFT's target_modules="all-linear" wraps the vision tower's linears too: patch_model fuses
+    every LoRA layer it finds, those included, and a batch with images gives PEFT's loss and gradients (the vision
+    adapters' as well). Keeping a text-only trainer's LoRA out of the vision tower is the LoRA config's business
+    (PEFT's exclude_modules), not patch_model's."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_gemma3_with_vision(), LoraConfig(r=4, target_modules="all-linear"))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, 0.0, 0.1)
+    patched = patch_model(copy.deepcopy(model))
+    vision_loras = [n for n, m in model.named_modules() if hasattr(m, "lora_A") and "language_model" not in n]
+    assert len(vision_loras) == 9  # the SigLIP layer's q, k, v, out_proj, fc1, fc2; its pooling head's 3
+    summary = patched.get_base_model().fastgrpo_patch_summary
+    assert summary["patched"]["fused_lora"] == 7 * 2 + len(vision_loras) and summary["skipped"] == {}
+    ids = torch.tensor([[1, 5, 125, 127, 127, 127, 127, 126, 9, 10, 11]] * 2)
+    inputs = dict(input_ids=ids, pixel_values=torch.randn(2, 3, 56, 56), token_type_ids=(ids == 127).long(),
+                  labels=ids)
+    loss, grads = labels_loss_and_grads(model, **inputs)
+    loss_p, grads_p = labels_loss_and_grads(patched, **inputs)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_p.keys() and any("vision_tower" in name for name in grads)
+    assert_fp32_grads_close(grads_p, grads)
