@@ -90,3 +90,25 @@ def test_gemma3_with_vision_and_all_linear_lora_trains_on_images_as_unpatched():
     torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
     assert grads.keys() == grads_p.keys() and any("vision_tower" in name for name in grads)
     assert_fp32_grads_close(grads_p, grads)
+
+
+def test_labels_loss_of_a_model_whose_lm_head_accelerate_offloads_is_the_librarys(tmp_path):
+    """device_map offload (here the lm_head to disk) leaves lm_head.weight on the meta device until its accelerate hook
+    loads it for the lm_head's own forward, which the fused loss never calls: the patched labels= loss read the meta
+    tensor, silently giving ~1e35 for HF's 4.83 (the CPU interpreter reading memory that is not there)."""
+    from transformers import AutoModelForCausalLM
+
+    tiny_model("llama").save_pretrained(tmp_path / "model")
+    device_map = {"model.embed_tokens": "cpu", "model.layers": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu",
+                  "lm_head": "disk"}
+
+    def load():
+        return AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, dtype=torch.float32,
+                                                    offload_folder=tmp_path / "offload", attn_implementation="eager")
+
+    model, patched = load(), patch_model(load())
+    assert patched.lm_head.weight.is_meta
+    ids, mask = batch(1)
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask, labels=ids).loss
+        torch.testing.assert_close(patched(input_ids=ids, attention_mask=mask, labels=ids).loss, want)

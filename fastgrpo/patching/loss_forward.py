@@ -19,15 +19,16 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
-    """Without labels, with return_dict=False or with PEFT adapters on the lm_head (the fused loss reads its weight
-    alone): `previous` (the library forward). With labels: HF's loss (shifted labels, or shift_labels as given, sum
-    over the non-ignored tokens divided by their count or by num_items_in_batch, on logits soft-capped as the config
-    says), returned with logits=None."""
+    """Without labels, with return_dict=False, with PEFT adapters on the lm_head (the fused loss reads its weight
+    alone) or with its weight offloaded (on the meta device until the lm_head's own forward, which the fused loss
+    does not call, has an accelerate hook load it): `previous` (the library forward). With labels: HF's loss
+    (shifted labels, or shift_labels as given, sum over the non-ignored tokens divided by their count or by
+    num_items_in_batch, on logits soft-capped as the config says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
         # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
         tuple_out = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-        if kwargs.get("labels") is None or tuple_out or adapters_active(self.get_output_embeddings()):
+        if kwargs.get("labels") is None or tuple_out or not _head_weight_usable(self.get_output_embeddings()):
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -67,6 +68,12 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
     # (every one, for (*args, **kwargs)). Shown with `self`, which a bound method's signature leaves out.
     forward.__signature__ = _with_self(inspect.signature(previous))
     return forward
+
+
+def _head_weight_usable(head) -> bool:
+    """Whether head.weight (and head_bias) is what the lm_head's forward multiplies by: not with active PEFT adapters
+    (their delta is not in it), nor on the meta device (device_map offload: the weight is loaded by the hook)."""
+    return not adapters_active(head) and not head.weight.is_meta
 
 
 def _with_self(signature: inspect.Signature) -> inspect.Signature:
