@@ -27,7 +27,7 @@ from fastgrpo._checks import (
     raise_unless_in_range,
     read_ints,
 )
-from fastgrpo.hf.models import backbone_and_head, logit_softcap
+from fastgrpo.hf.models import backbone_and_head, head_bias, logit_softcap
 from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, finite_where_completion, resolve
 from fastgrpo.loss.correction import (
     RolloutCorrection,
@@ -182,7 +182,7 @@ def grpo_loss(
     loss, metrics = fused_linear_grpo_loss_of_checked_values(
         batch.completion_tokens, hidden, head.weight, input_ids[:, cols], completion_mask[:, cols],
         advantages if advantages.dim() == 1 else window(advantages),
-        old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head.bias,
+        old_logps=window(old_logps), ref_logps=window(ref_logps), config=cfg, bias=head_bias(head),
         return_entropy=return_entropy, token_weights=window(token_weights), sampling_logps=window(sampling_logps),
         return_logps=return_logps, backend=backend,
     )
@@ -222,8 +222,8 @@ def _own_logps(hidden, head, input_ids, cols, cfg, backend) -> torch.Tensor:
     states, as sequence_logprobs computes them."""
     # input_ids were checked by _inspect: no second host sync, which here would wait for the whole forward
     own = fused_linear_logprobs_of_checked_values(hidden.detach(), head.weight, input_ids[:, cols],
-                                                  temperature=cfg.temperature, bias=head.bias, softcap=cfg.softcap,
-                                                  backend=backend)
+                                                  temperature=cfg.temperature, bias=head_bias(head),
+                                                  softcap=cfg.softcap, backend=backend)
     return _unwindow(own.float(), input_ids.shape, cols)
 
 
@@ -244,13 +244,14 @@ def sequence_logprobs(
     reference policy, without a second copy of the weights)."""
     if disable_adapter and not callable(getattr(model, "disable_adapter", None)):
         raise ValueError(f"disable_adapter: needs a PEFT model, got {type(model).__name__}")
+    # The head too runs with the adapter off: modules_to_save=["lm_head"] swaps in a trained copy of it.
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
         hidden, head, batch = _hidden_and_window(model, input_ids, attention_mask, completion_mask)
-    cols = batch.window
-    out = fused_linear_logprobs_of_checked_values(  # input_ids checked by _inspect, in its one host read
-        hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head.bias,
-        softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
-    )
+        cols = batch.window
+        out = fused_linear_logprobs_of_checked_values(  # input_ids checked by _inspect, in its one host read
+            hidden, head.weight, input_ids[:, cols], temperature=temperature, bias=head_bias(head),
+            softcap=logit_softcap(model), return_entropy=return_entropy, backend=backend,
+        )
     mask = completion_mask[:, cols].bool()
     full = [_unwindow(torch.where(mask, values, 0.0), input_ids.shape, cols)
             for values in (out if return_entropy else (out,))]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from fastgrpo._checks import check_binary_mask, check_index_range, check_shape, read_ints
-from fastgrpo.hf.models import backbone_and_head, logit_softcap
+from fastgrpo.hf.models import backbone_and_head, head_bias, logit_softcap
 from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_positions, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
@@ -61,7 +61,7 @@ def sft_loss(
     # Only the response positions are kept: the fused head does no work for prompt or padding positions.
     selected = take_positions(hidden, layout, *labels.nonzero(as_tuple=True))  # selected: [n, H]
     logp = fused_linear_logprobs_of_checked_values(  # the ids were checked above: no second range read
-        selected, head.weight, input_ids[:, 1:][labels], bias=head.bias, softcap=logit_softcap(model),
+        selected, head.weight, input_ids[:, 1:][labels], bias=head_bias(head), softcap=logit_softcap(model),
         backend=backend,
     )  # logp: [n] fp32
     nll_sum = (-logp).sum()  # no response token: 0.0, not -0.0
