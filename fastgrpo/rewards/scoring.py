@@ -10,8 +10,11 @@ ifeval constraint) is refused before anything runs (value_checks): exit 2, with 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
 for a completion the function does not apply to (scored NaN, left out of the sum across functions:
 fastgrpo.loss.grpo.weighted_rewards). A function with a parameter named `completions` is called as TRL calls it, by
-keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by position. Each
-dataset column other than the prompt is a keyword holding one value per completion, as in TRL.
+keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by position. The
+arguments are TRL 1.16's (GRPOTrainer._calculate_rewards): the completions as text, or for a conversational dataset
+(prompts of chat messages) as [{"role": "assistant", "content": text}] (completions.as_trl_passes); each dataset
+column other than the prompt as a keyword holding one value per completion; and TRAINER_KEYWORDS, given to a function
+that names them or takes **kwargs.
 """
 from __future__ import annotations
 
@@ -24,10 +27,14 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from fastgrpo.rewards.completions import as_trl_passes
 from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 FAILURE = 0.0
+# What a trainer passes a reward function besides prompts, completions and the dataset's columns, as TRL does: each
+# completion's token ids (a list of ints, the stop token included) and transformers' TrainerState of the run.
+TRAINER_KEYWORDS = ("completion_ids", "trainer_state")
 
 
 def reward_name(func: Callable) -> str:
@@ -55,8 +62,22 @@ def _by_keyword(func: Callable) -> bool:
     return param is not None and param.kind != inspect.Parameter.POSITIONAL_ONLY
 
 
-def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list]):
-    """What `func` returns for these completions, called by keyword or by position (_by_keyword)."""
+def _accepted(func: Callable, keywords: dict) -> dict:
+    """The keywords `func` names or takes as **kwargs: a function written for fastgrpo before it passed
+    TRAINER_KEYWORDS, f(prompts, completions, answer), keeps working."""
+    try:
+        params = inspect.signature(func).parameters
+    except (TypeError, ValueError):
+        return {}
+    if any(p.kind == inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return keywords
+    return {k: v for k, v in keywords.items() if k in params and params[k].kind != inspect.Parameter.POSITIONAL_ONLY}
+
+
+def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list], trainer: dict):
+    """What `func` returns for these completions, called by keyword or by position (_by_keyword); trainer: the
+    TRAINER_KEYWORDS' values, each passed if `func` takes it."""
+    columns = {**columns, **_accepted(func, trainer)}
     if _by_keyword(func):
         return func(prompts=prompts, completions=completions, **columns)
     return func(prompts, completions, **columns)
@@ -64,14 +85,15 @@ def call_reward(func: Callable, prompts: list, completions: list, columns: dict[
 
 def required_columns(func: Callable) -> list[str]:
     """Dataset columns `func` needs: its parameters without a default other than prompts and completions (by name
-    for a function called by keyword, else the first two)."""
+    for a function called by keyword, else the first two) and the TRAINER_KEYWORDS."""
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return []
     params = [p for p in params if p.name not in ("prompts", "completions")] if _by_keyword(func) else params[2:]
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+    return [p.name for p in params
+            if p.kind in kinds and p.default is inspect.Parameter.empty and p.name not in TRAINER_KEYWORDS]
 
 
 def value_checks(func: Callable) -> dict[str, Callable[[object], str | None]]:
@@ -159,35 +181,58 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
+def _trainer_keywords(completion_ids: list[list[int]] | None, trainer_state) -> dict:
+    """The TRAINER_KEYWORDS a caller has values for."""
+    return {k: v for k, v in zip(TRAINER_KEYWORDS, (completion_ids, trainer_state)) if v is not None}
+
+
+def _call_all(reward_funcs: Sequence[Callable], prompts: list, completions: list, columns: dict[str, list],
+              trainer: dict) -> list:
+    """Each function's return value, or the Exception it raised."""
+    outs = []
+    for func in reward_funcs:
+        try:
+            outs.append(call_reward(func, prompts, completions, columns, trainer))
+        except Exception as err:  # a user's function may raise anything; the caller decides what happens
+            outs.append(err)
+    return outs
+
+
+def _rewards_of(name: str, returned, n: int) -> tuple[list[float | None], RewardFailure | None]:
+    """A function's return value as n floats (None for a bad value) and the failure, if any."""
+    if isinstance(returned, Exception):
+        return [None] * n, RewardFailure(name, f"raised {_first_line(returned)}", error=returned)
+    try:
+        values = list(returned)
+    except TypeError:  # None (a forgotten return) or one number: not an error the function raised
+        return [None] * n, RewardFailure(name, f"returned {returned!r:.40}, expected a list of {n} rewards (one per "
+                                               "completion)")
+    if len(values) != n:
+        return [None] * n, RewardFailure(name, f"returned {len(values)} rewards for {n} completions")
+    parsed = [_as_float(v) for v in values]
+    bad = [i for i, v in enumerate(parsed) if v is None]
+    if not bad:
+        return parsed, None
+    more = f" ({len(bad) - 1} more rows too)" if len(bad) > 1 else ""
+    return parsed, RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number or None{more}", bad[0])
+
+
 def score(
-    reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list]
+    reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list], *,
+    completion_ids: list[list[int]] | None = None, trainer_state=None,
 ) -> tuple[torch.Tensor, dict[str, RewardFailure]]:
-    """Rewards [N, F] (float64) of N completions under F functions, and {name: failure} for those that failed
-    (their failed samples score FAILURE). A None reward is NaN."""
+    """Rewards [N, F] (float64) of N completions (texts) under F functions, and {name: failure} for those that
+    failed (their failed samples score FAILURE). A None reward is NaN. The functions get the completions as TRL
+    passes them (as_trl_passes) and completion_ids / trainer_state where given (TRAINER_KEYWORDS)."""
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
     failures = {}
-    for j, (func, name) in enumerate(zip(reward_funcs, reward_names(reward_funcs))):
-        try:
-            returned = call_reward(func, prompts, completions, columns)
-        except Exception as err:  # a user's function may raise anything; the caller decides what happens
-            failures[name] = RewardFailure(name, f"raised {_first_line(err)}", error=err)
-            continue
-        try:
-            values = list(returned)
-        except TypeError:  # None (a forgotten return) or one number: not an error the function raised
-            failures[name] = RewardFailure(name, f"returned {returned!r:.40}, expected a list of {n} rewards (one per "
-                                                 "completion)")
-            continue
-        if len(values) != n:
-            failures[name] = RewardFailure(name, f"returned {len(values)} rewards for {n} completions")
-            continue
-        parsed = [_as_float(v) for v in values]
-        bad = [i for i, v in enumerate(parsed) if v is None]
-        if bad:
-            more = f" ({len(bad) - 1} more rows too)" if len(bad) > 1 else ""
-            failures[name] = RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number or None{more}",
-                                           bad[0])
+    outs = _call_all(reward_funcs, prompts, as_trl_passes(prompts, completions), columns,
+                     _trainer_keywords(completion_ids, trainer_state))
+    for j, (returned, name) in enumerate(zip(outs, reward_names(reward_funcs))):
+        parsed, failure = _rewards_of(name, returned, n)
+        if failure is not None:
+            failures[name] = failure
         rewards[:, j] = torch.tensor([FAILURE if v is None else v for v in parsed], dtype=torch.float64)
     return rewards, failures
 
@@ -221,12 +266,17 @@ def zero_spread_fraction(grouped: torch.Tensor) -> float:
     return ((high == low) | grouped.isnan().all(-1)).float().mean().item()
 
 
-def first_failing_row(func: Callable, prompts: list, completions: list[str], columns: dict[str, list]) -> int | None:
-    """The first row on which `func`, called on that row alone, raises; None if every row alone passes. For the
-    message of a function that raised on the batch (it costs up to one call per row: only when the run stops)."""
+def first_failing_row(func: Callable, prompts: list, completions: list[str], columns: dict[str, list], *,
+                      completion_ids: list[list[int]] | None = None, trainer_state=None) -> int | None:
+    """The first row on which `func`, called on that row alone (as score() calls it), raises; None if every row
+    alone passes. For the message of a function that raised on the batch (it costs up to one call per row: only
+    when the run stops)."""
+    passed = as_trl_passes(prompts, completions)
     for i in range(len(completions)):
+        row_ids = None if completion_ids is None else completion_ids[i:i + 1]
         try:
-            call_reward(func, prompts[i:i + 1], completions[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()})
+            call_reward(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
+                      _trainer_keywords(row_ids, trainer_state))
         except Exception:
             return i
     return None
@@ -234,11 +284,12 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
 
 def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Callable], prompts: list,
                    completions: list[str], columns: dict[str, list], *, on_error: str,
-                   describe_row: Callable[[int], str] = lambda row: f"row {row}") -> None:
+                   describe_row: Callable[[int], str] = lambda row: f"row {row}",
+                   completion_ids: list[list[int]] | None = None, trainer_state=None) -> None:
     """What a run does with score()'s failures. on_error="skip": log each one (its samples scored 0). "raise":
     RewardError naming the first failing function, what went wrong and the first bad row, as describe_row(batch
     position) words it (a trainer names the dataset row); for a function that raised on the batch, the row is
-    found by calling it on each row alone."""
+    found by calling it on each row alone (with score()'s arguments: completion_ids, trainer_state)."""
     if on_error == "skip":
         for failure in failures.values():
             logger.warning("reward function %s failed; its failed samples score 0: %s", failure.function, failure)
@@ -247,7 +298,8 @@ def check_failures(failures: dict[str, RewardFailure], reward_funcs: Sequence[Ca
     row = failure.row
     if row is None and failure.startswith("raised"):
         func = reward_funcs[reward_names(reward_funcs).index(failure.function)]
-        row = first_failing_row(func, prompts, completions, columns)
+        row = first_failing_row(func, prompts, completions, columns, completion_ids=completion_ids,
+                                trainer_state=trainer_state)
     where = "" if row is None else f" on {describe_row(row)}: {completions[row][:40]!r}"
     raise RewardError(f"reward function {failure.function} {failure}{failure.raised_at}{where}; "
                       f"{setting('reward_errors', 'skip')} scores such rows 0 instead") from traceback_of(failure)

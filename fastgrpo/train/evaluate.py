@@ -32,6 +32,8 @@ from fastgrpo.train.input_checks import check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import write_whole
+from fastgrpo.train.step_rewards import completion_id_lists
+from fastgrpo.train.step_rewards import trainer_state as default_trainer_state
 from fastgrpo.train.versions import library_versions
 
 logger = logging.getLogger(__name__)
@@ -127,9 +129,10 @@ def check_reward_failures(failures: dict, reward_errors: str, *, warn: bool = Tr
 
 def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *, stop=None,
              num_generations: int = 1, seed: int = 0, batch_size: int = 64, reward_errors: str = "raise",
-             dist: Distributed | None = None) -> tuple[list[dict], dict]:
+             dist: Distributed | None = None, trainer_state=None) -> tuple[list[dict], dict]:
     """Generate num_generations completions per row, batch_size prompts per engine call; (records, summary).
     reward_errors: see check_reward_failures; the summary counts the failures of each function either way.
+    trainer_state: what reward functions get as `trainer_state` (a run's progress; default: step 0 of 0).
     dist: under torchrun, the processes' group: each process generates and scores every world_size-th row (its
     samples keyed by the row's position, so they are the ones one process draws); rank 0 gathers and returns the
     whole evaluation, in row order, and logs the rewards' warnings of it; the others return ([], {}) (rank 0 alone
@@ -143,9 +146,11 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
     # fewer rows than processes: one left without a row evaluates row 0 and drops it, as under FSDP2 every process
     # must run the model (a backward prefetches by the forwards each process saw: one without them hung the next)
     padded = not positions and len(task.rows) > 0
+    trainer_state = trainer_state if trainer_state is not None else default_trainer_state()
     share = dist.raise_together(lambda: _evaluate_rows(engine, tokenizer, task, sampling, [0] if padded else positions,
                                                        stop=stop, num_generations=num_generations, seed=seed,
-                                                       batch_size=batch_size, reward_errors=reward_errors))
+                                                       batch_size=batch_size, reward_errors=reward_errors,
+                                                       trainer_state=trainer_state))
     shares = dist.gather_on_main(([], {}) if padded else share)  # only rank 0 writes and logs an evaluation
     if shares is None:  # not rank 0
         return [], {}
@@ -161,7 +166,7 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
                    *, stop, num_generations: int, seed: int, batch_size: int,
-                   reward_errors: str) -> tuple[list[dict], dict]:
+                   reward_errors: str, trainer_state) -> tuple[list[dict], dict]:
     """(records, {function name: its last failure's message}) of the rows at `positions`, batch_size per call."""
     names = reward_names(task.reward_funcs)
     weights = torch.tensor(task.reward_weights or [1.0] * len(names), dtype=torch.float64)
@@ -179,7 +184,9 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
         prompt_texts = tokenizer.batch_decode(ids)  # what the model saw, chat template and special tokens included
         prompts = [row[task.prompt_column] for row in expanded]
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != task.prompt_column}
-        per_func, failures = score(task.reward_funcs, prompts, out.texts, columns)  # per_func: [n, F]
+        per_func, failures = score(task.reward_funcs, prompts, out.texts, columns,  # per_func: [n, F]
+                                   completion_ids=completion_id_lists(out.completion_ids, out.completion_mask),
+                                   trainer_state=trainer_state)
         check_reward_failures(failures, reward_errors, warn=False)  # skipped: evaluate warns of the whole
         for name, failure in failures.items():
             errors[name] = str(failure)

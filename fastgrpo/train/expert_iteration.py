@@ -49,6 +49,7 @@ from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
+from fastgrpo.train.step_rewards import trainer_state
 
 logger = logging.getLogger(__name__)
 
@@ -168,7 +169,9 @@ class ExpertIteration:
         texts = [text for _, text, _ in samples]
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
-        per_func, errors = score(self.reward_funcs, prompts, texts, columns)  # per_func: [N, F]
+        per_func, errors = score(self.reward_funcs, prompts, texts, columns,  # per_func: [N, F]
+                                 completion_ids=[ids for ids, _, _ in samples],
+                                 trainer_state=trainer_state(self.round, config.ei_steps))
         dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors, warn=False))
         samples, per_func, errors = gather_round(dist, positions, [(ids, reason) for ids, _, reason in samples],
                                                  per_func, errors, G)

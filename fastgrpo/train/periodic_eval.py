@@ -17,6 +17,7 @@ from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_gen
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import eval_rows, resolve_reward
 from fastgrpo.train.prompts import stop_strings
+from fastgrpo.train.step_rewards import trainer_state
 
 STEP_FILE = re.compile(r"step-(\d+)(\.jsonl|_summary\.json)")
 logger = logging.getLogger(__name__)
@@ -25,17 +26,18 @@ logger = logging.getLogger(__name__)
 class PeriodicEval:
     """Evaluation every `every` steps, into <output_dir>/eval/step-<N>.jsonl and step-<N>_summary.json; returns the
     summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due (and on every
-    process but rank 0 under torchrun). unit: what the log lines call a step ("round" under `ei`)."""
+    process but rank 0 under torchrun). unit: what the log lines call a step ("round" under `ei`); max_steps: the
+    run's steps (rounds), for the reward functions' `trainer_state`."""
 
     def __init__(self, model, engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, *,
                  every: int, output_dir: str | Path, stop=None, seed: int = 0, reward_errors: str = "raise",
-                 log_count: int = 3, unit: str = "step"):
+                 log_count: int = 3, unit: str = "step", max_steps: int = 0):
         if every < 1:
             raise ValueError(f"eval_steps: expected >= 1 for a periodic evaluation, got {every}")
         self.model, self.engine, self.tokenizer, self.task, self.sampling = model, engine, tokenizer, task, sampling
         self.reward_errors = reward_errors
         self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
-        self.seed, self.log_count, self.unit = seed, log_count, unit
+        self.seed, self.log_count, self.unit, self.max_steps = seed, log_count, unit, max_steps
         self.started = False
 
     def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
@@ -73,7 +75,8 @@ class PeriodicEval:
 
     def _evaluate(self, step: int, dist: Distributed) -> dict:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
-                                    seed=self.seed, reward_errors=self.reward_errors, dist=dist)
+                                    seed=self.seed, reward_errors=self.reward_errors, dist=dist,
+                                    trainer_state=trainer_state(step, self.max_steps))
         if dist.is_main:
             write_eval(records, {"step": step, **summary}, self.directory / f"step-{step}.jsonl",
                        self.directory / f"step-{step}_summary.json")
@@ -108,7 +111,7 @@ def ei_evaluator(run) -> PeriodicEval | None:
                            max_new_tokens=run.sampling.max_new_tokens, new_tokens_field="max_completion_length")
     return PeriodicEval(run.model, run.engine, run.tokenizer, task, run.sampling, every=config.eval_steps,
                         output_dir=config.output_dir, stop=config.stop_strings, seed=config.seed,
-                        reward_errors=config.reward_errors, unit="round")
+                        reward_errors=config.reward_errors, unit="round", max_steps=config.ei_steps)
 
 
 def grpo_evaluator(trainer) -> PeriodicEval | None:
@@ -126,4 +129,4 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
     return PeriodicEval(trainer.model, trainer.engine, trainer.tokenizer, task, trainer.sampling,
                         every=config.eval_steps, output_dir=config.output_dir,
                         stop=config.stop_strings, seed=config.seed,
-                        reward_errors=config.reward_errors)
+                        reward_errors=config.reward_errors, max_steps=config.max_steps)

@@ -109,7 +109,7 @@ class GRPOTrainer:
         # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
         # or scores its failed samples 0 (reward_errors="skip"). per_func [N, F], rewards [N]: the whole batch's.
         per_func, rewards, errors = score_groups(self.reward_funcs, self.reward_weights, self.dataset, indices,
-                                                 batch["texts"], config, self.dist)
+                                                 batch, config, self.dist, self.step)
 
         # 3. Group-normalized advantages.
         advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
