@@ -1,10 +1,13 @@
 """How reward functions are called: as TRL calls them (prompts and completions by keyword, each dataset column as a
 keyword holding one value per completion), so a function written for TRL's GRPOTrainer works unchanged."""
+import asyncio
+import functools
 import math
 
 import pytest
 
 from fastgrpo.rewards import required_columns, score
+from fastgrpo.rewards.scoring import RewardError, check_failures
 
 
 def accuracy_reward(completions, solution, **kwargs):  # the shape of TRL's documented examples
@@ -82,3 +85,42 @@ def test_built_in_rewards_read_chat_completions_as_trl_passes_them():
     assert length_reward(prompts, [chat("x" * 10)], target_length=10) == [1.0]
     with pytest.raises(ValueError, match=r"^completions: expected text or a list of chat messages"):
         length_reward(prompts, [{"content": "x"}], target_length=10)
+
+
+async def async_length(completions, **kwargs):
+    await asyncio.sleep(0)
+    return [float(len(c)) for c in completions]
+
+
+class AsyncJudge:  # an object with an async __call__ and no __name__, as TRL's docs allow
+    async def __call__(self, prompts, completions, **kwargs):
+        return [1.0 if "b" in c else None for c in completions]
+
+
+async def async_lookup(completions, table, **kwargs):
+    return [row[c] for row, c in zip(table, completions)]  # KeyError on a completion not in the row's table
+
+
+def test_async_rewards_are_awaited():
+    """TRL awaits an async reward function (a function, a partial of one, an object with an async __call__), all of a
+    batch's together; fastgrpo took the coroutine for its rewards ("returned <coroutine object ...>, expected a list
+    of 2 rewards") and never awaited it."""
+    funcs = [async_length, functools.partial(async_length), AsyncJudge()]
+    per_func, failures = score(funcs, ["p", "q"], ["a", "bb"], {})
+    assert not failures and per_func[:, :2].tolist() == [[1.0, 1.0], [2.0, 2.0]]
+    assert math.isnan(per_func[0, 2]) and per_func[1, 2] == 1.0  # None: not applicable, as for a plain function
+
+    async def in_a_running_loop():  # a notebook's: the rewards' loop is another
+        return score([async_length], ["p"], ["abc"], {})
+
+    assert asyncio.run(in_a_running_loop())[0].tolist() == [[3.0]]
+
+
+def test_an_async_reward_that_raises_names_its_row():
+    """An async function's exception is its failure, and the row it fails on is found as for a plain function."""
+    table = [{"a": 1.0, "b": 0.0}] * 3
+    _, failures = score([async_lookup], ["p"] * 3, ["a", "c", "b"], {"table": table})
+    assert failures["async_lookup"].startswith("raised KeyError: 'c'")
+    with pytest.raises(RewardError, match=r"async_lookup raised KeyError: 'c' \(at test_rewards_calling.py:\d+, in "
+                                          r"(<listcomp>|async_lookup)\) on row 1: 'c'"):
+        check_failures(failures, [async_lookup], ["p"] * 3, ["a", "c", "b"], {"table": table}, on_error="raise")

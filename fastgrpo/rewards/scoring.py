@@ -14,14 +14,17 @@ keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and
 arguments are TRL 1.16's (GRPOTrainer._calculate_rewards): the completions as text, or for a conversational dataset
 (prompts of chat messages) as [{"role": "assistant", "content": text}] (completions.as_trl_passes); each dataset
 column other than the prompt as a keyword holding one value per completion; and TRAINER_KEYWORDS, given to a function
-that names them or takes **kwargs.
+that names them or takes **kwargs. An async function (one returning an awaitable) is awaited, all of a batch's
+together, on one event loop kept for the process (as TRL's), so a client a function keeps stays on its loop.
 """
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
 import os
+import threading
 import traceback
 from collections.abc import Callable, Sequence
 
@@ -76,7 +79,7 @@ def _accepted(func: Callable, keywords: dict) -> dict:
 
 def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list], trainer: dict):
     """What `func` returns for these completions, called by keyword or by position (_by_keyword); trainer: the
-    TRAINER_KEYWORDS' values, each passed if `func` takes it."""
+    TRAINER_KEYWORDS' values, each passed if `func` takes it. An awaitable for an async function."""
     columns = {**columns, **_accepted(func, trainer)}
     if _by_keyword(func):
         return func(prompts=prompts, completions=completions, **columns)
@@ -181,6 +184,38 @@ def _first_line(err: BaseException) -> str:
     return f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
 
 
+_loop: asyncio.AbstractEventLoop | None = None  # the async reward functions' event loop, started on first use
+
+
+def _event_loop() -> asyncio.AbstractEventLoop:
+    """One event loop for the process, run by a daemon thread: a reward's await works inside a caller's running
+    loop too (a notebook), and a client a function created on an earlier batch is still on its loop."""
+    global _loop
+    if _loop is None:
+        _loop = asyncio.new_event_loop()
+        threading.Thread(target=_loop.run_forever, name="fastgrpo-async-rewards", daemon=True).start()
+    return _loop
+
+
+def _await_together(awaitables: list) -> list:
+    """The results of the awaitables, awaited concurrently (as TRL's asyncio.gather); an exception one raised in its
+    place."""
+    async def gather():
+        return await asyncio.gather(*awaitables, return_exceptions=True)
+
+    return asyncio.run_coroutine_threadsafe(gather(), _event_loop()).result()
+
+
+def _returned(func: Callable, prompts: list, completions: list, columns: dict[str, list], trainer: dict):
+    """What `func` returns, an async function's result awaited; raises what it raised."""
+    out = call_reward(func, prompts, completions, columns, trainer)
+    if inspect.isawaitable(out):
+        out, = _await_together([out])
+        if isinstance(out, BaseException):
+            raise out
+    return out
+
+
 def _trainer_keywords(completion_ids: list[list[int]] | None, trainer_state) -> dict:
     """The TRAINER_KEYWORDS a caller has values for."""
     return {k: v for k, v in zip(TRAINER_KEYWORDS, (completion_ids, trainer_state)) if v is not None}
@@ -188,13 +223,18 @@ def _trainer_keywords(completion_ids: list[list[int]] | None, trainer_state) -> 
 
 def _call_all(reward_funcs: Sequence[Callable], prompts: list, completions: list, columns: dict[str, list],
               trainer: dict) -> list:
-    """Each function's return value, or the Exception it raised."""
+    """Each function's return value, or the Exception it raised; the async ones awaited together."""
     outs = []
     for func in reward_funcs:
         try:
             outs.append(call_reward(func, prompts, completions, columns, trainer))
         except Exception as err:  # a user's function may raise anything; the caller decides what happens
             outs.append(err)
+    pending = [j for j, out in enumerate(outs) if inspect.isawaitable(out)]
+    for j, out in zip(pending, _await_together([outs[j] for j in pending]) if pending else []):
+        if isinstance(out, BaseException) and not isinstance(out, Exception):  # KeyboardInterrupt: the user's stop
+            raise out
+        outs[j] = out
     return outs
 
 
@@ -275,7 +315,7 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
     for i in range(len(completions)):
         row_ids = None if completion_ids is None else completion_ids[i:i + 1]
         try:
-            call_reward(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
+            _returned(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
                       _trainer_keywords(row_ids, trainer_state))
         except Exception:
             return i
