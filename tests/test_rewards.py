@@ -269,7 +269,7 @@ def test_repeated_reward_names_stay_apart():
     half = functools.partial(length_reward, target_length=2)
     funcs = [lambda p, c, **kw: 1 / 0, half, lambda p, c, **kw: 1 / 0, half]
     names = reward_names(funcs)
-    assert names == ["<lambda>", "partial", "<lambda>_2", "partial_2"]
+    assert names == ["<lambda>", "length_reward", "<lambda>_2", "length_reward_2"]  # a partial: as TRL names it
     _, errors = score(funcs, ["p"], ["ab"], {})
     assert set(errors) == {"<lambda>", "<lambda>_2"}
 

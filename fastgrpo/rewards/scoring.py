@@ -20,6 +20,7 @@ together, on one event loop kept for the process (as TRL's), so a client a funct
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import logging
 import math
@@ -41,6 +42,10 @@ TRAINER_KEYWORDS = ("completion_ids", "trainer_state")
 
 
 def reward_name(func: Callable) -> str:
+    """As TRL names it (trl.trainer.utils.get_callable_name): a functools.partial by the function it wraps, an object
+    without __name__ by its class."""
+    while isinstance(func, functools.partial):
+        func = func.func
     return getattr(func, "__name__", type(func).__name__)
 
 
