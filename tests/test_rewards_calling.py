@@ -124,3 +124,39 @@ def test_an_async_reward_that_raises_names_its_row():
     with pytest.raises(RewardError, match=r"async_lookup raised KeyError: 'c' \(at test_rewards_calling.py:\d+, in "
                                           r"(<listcomp>|async_lookup)\) on row 1: 'c'"):
         check_failures(failures, [async_lookup], ["p"] * 3, ["a", "c", "b"], {"table": table}, on_error="raise")
+
+
+class Judge:
+    def __call__(self, completions, **kwargs):
+        return [1.0] * len(completions)
+
+
+def logs_accuracy(completions, log_metric, **kwargs):  # TRL's log_metric, required
+    log_metric("accuracy", 1.0)
+    return [1.0] * len(completions)
+
+
+def logs_if_it_can(completions, log_metric=None, **kwargs):
+    if log_metric is not None:
+        log_metric("accuracy", 1.0)
+    return [1.0] * len(completions)
+
+
+def test_what_a_run_would_call_wrongly_is_refused_before_it_starts():
+    """A class named as a reward (`--reward-funcs my_rewards.py:Judge`) was constructed with the completions once
+    the model had loaded and sampled (TypeError: Judge() takes no arguments); a function needing TRL's log_metric was
+    refused as reading a dataset column 'log_metric'. An instance of the class works; so does a log_metric with a
+    default (fastgrpo passes none)."""
+    from fastgrpo.train.input_checks import check_reward_rows
+
+    rows = [{"prompt": "p"}]
+    with pytest.raises(ValueError, match=r"^reward_funcs: Judge is a class; expected a reward function or an "
+                                         r"instance \(Judge\(\)\) of a class with __call__$"):
+        check_reward_rows(rows, "prompt", [Judge], "dataset")
+    with pytest.raises(ValueError, match=r"^reward_funcs: reward function logs_accuracy needs log_metric, which "
+                                         r"TRL's GRPOTrainer passes for its own logging and fastgrpo does not; give it "
+                                         r"a default \(log_metric=None\) and log nothing when it is None$"):
+        check_reward_rows(rows, "prompt", [logs_accuracy], "dataset")
+    check_reward_rows(rows, "prompt", [Judge(), logs_if_it_can], "dataset")
+    per_func, failures = score([Judge(), logs_if_it_can], ["p"], ["a"], {})
+    assert not failures and per_func.tolist() == [[1.0, 1.0]]

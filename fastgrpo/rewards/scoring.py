@@ -39,6 +39,9 @@ FAILURE = 0.0
 # What a trainer passes a reward function besides prompts, completions and the dataset's columns, as TRL does: each
 # completion's token ids (a list of ints, the stop token included) and transformers' TrainerState of the run.
 TRAINER_KEYWORDS = ("completion_ids", "trainer_state")
+# What TRL also passes, for its own logging (a completions table's extra columns, extra metrics): fastgrpo has neither,
+# so it passes neither; a function that cannot do without one is refused before the run (trl_logging_needs).
+TRL_LOGGING_KEYWORDS = ("log_extra", "log_metric")
 
 
 def reward_name(func: Callable) -> str:
@@ -91,17 +94,28 @@ def call_reward(func: Callable, prompts: list, completions: list, columns: dict[
     return func(prompts, completions, **columns)
 
 
-def required_columns(func: Callable) -> list[str]:
-    """Dataset columns `func` needs: its parameters without a default other than prompts and completions (by name
-    for a function called by keyword, else the first two) and the TRAINER_KEYWORDS."""
+def _required_keywords(func: Callable) -> list[str]:
+    """The parameters `func` needs a value for, other than prompts and completions (by name for a function called
+    by keyword, else the first two)."""
     try:
         params = list(inspect.signature(func).parameters.values())
     except (TypeError, ValueError):
         return []
     params = [p for p in params if p.name not in ("prompts", "completions")] if _by_keyword(func) else params[2:]
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in params
-            if p.kind in kinds and p.default is inspect.Parameter.empty and p.name not in TRAINER_KEYWORDS]
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty]
+
+
+def required_columns(func: Callable) -> list[str]:
+    """Dataset columns `func` needs: the parameters it needs a value for other than prompts, completions, the
+    TRAINER_KEYWORDS and TRL_LOGGING_KEYWORDS."""
+    passed = (*TRAINER_KEYWORDS, *TRL_LOGGING_KEYWORDS)
+    return [name for name in _required_keywords(func) if name not in passed]
+
+
+def trl_logging_needs(func: Callable) -> list[str]:
+    """The TRL_LOGGING_KEYWORDS `func` needs a value for (a parameter without a default)."""
+    return [name for name in _required_keywords(func) if name in TRL_LOGGING_KEYWORDS]
 
 
 def value_checks(func: Callable) -> dict[str, Callable[[object], str | None]]:

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
-from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name
+from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name, trl_logging_needs
 
 logger = logging.getLogger(__name__)
 
@@ -134,17 +134,32 @@ def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
                              f"row needs {why}")
 
 
+def check_reward_callables(reward_funcs: Sequence[Callable]) -> None:
+    """Refuse what a run would call wrongly: a class (it would be constructed with the completions, failing after
+    the model loaded and sampled) and a function that needs TRL's logging keywords (scoring.TRL_LOGGING_KEYWORDS)."""
+    for func in reward_funcs:
+        if isinstance(func, type):
+            raise ValueError(f"reward_funcs: {func.__name__} is a class; expected a reward function or an instance "
+                             f"({func.__name__}()) of a class with __call__")
+        needs = trl_logging_needs(func)
+        if needs:
+            raise ValueError(f"reward_funcs: reward function {reward_name(func)} needs {needs[0]}, which TRL's "
+                             f"GRPOTrainer passes for its own logging and fastgrpo does not; give it a default "
+                             f"({needs[0]}=None) and log nothing when it is None")
+
+
 def check_reward_rows(rows, prompt_column: str, reward_funcs: Sequence[Callable], field: str) -> None:
-    """The rows a rollout samples and scores: at least one, the prompt column and the columns each reward function
-    reads in every row, and a value in every row where a reward needs one (the math rewards' answer): one ValueError
-    naming `field`, the row and the column. The commands check this before the model loads; the trainers and
-    build_eval_task check it again for rows given from Python."""
+    """The reward functions (check_reward_callables) and the rows a rollout samples and scores: at least one, the
+    prompt column and the columns each reward function reads in every row, and a value in every row where a reward
+    needs one (the math rewards' answer): one ValueError naming `field`, the row and the column. The commands check
+    this before the model loads; the trainers and build_eval_task check it again for rows given from Python."""
     if rows is None or len(rows) == 0:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset")
     columns = dataset_columns(rows)
     if prompt_column not in columns:
         raise ValueError(f"{field}: no prompt column {prompt_column!r} (prompt_column); columns: {columns}"
                          f"{close_match([prompt_column], columns)}")
+    check_reward_callables(reward_funcs)
     for func in reward_funcs:
         missing = [c for c in required_columns(func) if c not in columns]
         if missing:
