@@ -16,7 +16,8 @@ datasets = pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs `data
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from tokenizers import Tokenizer, models  # noqa: E402
-from transformers import PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM, TrainerState  # noqa: E402
+from transformers import (AutoTokenizer, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM,  # noqa: E402
+                          TrainerState)
 
 from fastgrpo.train.config import GRPOConfig  # noqa: E402
 from fastgrpo.train.trainer import GRPOTrainer  # noqa: E402
@@ -167,3 +168,40 @@ def test_ei_and_eval_pass_what_train_passes(model_dir, tmp_path, conversational)
     check_received(spy.calls[-1], conversational, global_step=0, max_steps=0)  # `fastgrpo eval`: no run around it
     PeriodicEval(model, engine, tokenizer, task, sampling, every=1, output_dir=tmp_path / "run", max_steps=5)(3)
     check_received(spy.calls[-1], conversational, global_step=3, max_steps=5)  # eval_steps: the run's progress
+
+
+REWARD_FILE = '''import json
+
+
+def trl_reward(prompts, completions, completion_ids, solution, trainer_state, **kwargs):
+    """Written for TRL: reads a chat completion's content; records what it got."""
+    with open({out!r}, "a") as f:
+        f.write(json.dumps(dict(prompt=prompts[0], completion=completions[0], ids=completion_ids[0],
+                                step=trainer_state.global_step, max_steps=trainer_state.max_steps)) + "\\n")
+    return [float(s in c[0]["content"]) for c, s in zip(completions, solution)]
+'''
+
+
+def test_a_trl_reward_file_trains_from_the_cli(model_dir, tmp_path, monkeypatch):
+    """`fastgrpo train --reward-funcs my_rewards.py:trl_reward` on a JSONL file of chat prompts."""
+    import json
+
+    from fastgrpo.train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "seen.jsonl"
+    (tmp_path / "my_rewards.py").write_text(REWARD_FILE.format(out=str(out)))
+    rows = [{"prompt": [{"role": "user", "content": q}], "solution": s} for q, s in zip(QUESTIONS, SOLUTIONS)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    assert main(["train", "--model", model_dir, "--dataset", "data.jsonl", "--reward-funcs", "my_rewards.py:trl_reward",
+                 "--max-steps", "2", "--batch-size", "4", "--num-generations", "2", "--micro-batch-size", "4",
+                 "--max-prompt-length", "32", "--max-completion-length", "6", "--dtype", "float32", "--device", "cpu",
+                 "--no-progress-bar", "--output-dir", "run"]) == 0
+    seen = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(s["step"], s["max_steps"]) for s in seen] == [(0, 2), (1, 2)]
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)  # as the command loads it
+    for s in seen:
+        assert s["prompt"][0]["role"] == "user" and [m["role"] for m in s["completion"]] == ["assistant"]
+        assert tokenizer.decode(s["ids"], skip_special_tokens=True) == s["completion"][0]["content"]
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [m["reward_errors"] for m in metrics] == [0, 0]
