@@ -80,12 +80,16 @@ def padded_rows(draw, holes=False):
     return ids, mask, completion
 
 
-def backbone_masks(model):
-    """Record the attention_mask the backbone is called with."""
+def backbone_masks(model, widths=None):
+    """Record the attention_mask the backbone is called with (and in `widths`, its input_ids' columns)."""
     seen = []
-    handle = model.model.register_forward_pre_hook(
-        lambda module, args, kwargs: seen.append(kwargs.get("attention_mask")), with_kwargs=True)
-    return seen, handle
+
+    def record(module, args, kwargs):
+        seen.append(kwargs.get("attention_mask"))
+        if widths is not None:
+            widths.append(kwargs["input_ids"].shape[1])
+
+    return seen, model.model.register_forward_pre_hook(record, with_kwargs=True)
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -94,12 +98,14 @@ def backbone_masks(model):
 def test_sequence_logprobs_of_padded_rows_are_the_masked_forwards(name, batch):
     model = MODELS[name]
     ids, mask, completion = batch
-    seen, handle = backbone_masks(model)
+    widths = []
+    seen, handle = backbone_masks(model, widths)
     try:
         got = sequence_logprobs(model, ids, mask, completion)
     finally:
         handle.remove()
     assert seen == [None], "a mask of one run per row reached the backbone"
+    assert widths == [int(mask.sum(1).max())], "the backbone ran past the longest row"
     with torch.no_grad():
         want = oracle_logps(model, ids, mask, completion)
     # fp64 on both sides, the same positions (RoPE's angles are fp32 in HF whatever the dtype: other positions would

@@ -70,7 +70,8 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     completion = completion_mask.bool()
     columns = completion.any(0)  # columns: [T]
     positions = torch.arange(T, device=columns.device)
-    attention_flag, completion_flag, first_column, low, high, first, last, tokens, droppable, left, *bad = read_ints(
+    (attention_flag, completion_flag, first_column, low, high, first, last, tokens, droppable, left, longest,
+     *bad) = read_ints(
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
         *padding_facts(attention_mask, completion_mask),
@@ -91,7 +92,7 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     if correction is not None:
         raise_if_overflowed(correction[1], input_ids.shape, overflow)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
-    return _Batch(window, tokens, unpadded(attention_mask, droppable, left))
+    return _Batch(window, tokens, unpadded(attention_mask, droppable, left, longest))
 
 
 def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:

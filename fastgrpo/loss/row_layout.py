@@ -6,7 +6,9 @@ a [B, 1, T, T] mask and SDPA leaves its causal flash path: on an H200 that cost 
 each row's 1s are one run, rolling the row left by its left padding gives [prompt | completion | padding], whose
 real tokens see exactly what the mask let them see under the causal mask alone: padding after a token never reaches
 it. Position ids then start at 0 on every row's first real token, as the rollout engines number them; RoPE scores
-depend only on distances, so the values are those of the masked forward up to rounding.
+depend only on distances, so the values are those of the masked forward up to rounding. The backbone then runs only
+up to the longest row: columns every row pads (a micro-batch of short completions in a batch of long ones) cost
+nothing.
 """
 from __future__ import annotations
 
@@ -16,44 +18,51 @@ import torch
 
 
 class Unpadded(NamedTuple):
-    """How the backbone runs a batch: with `mask` (None: the causal mask alone), on rows rolled left by `shift`."""
+    """How the backbone runs a batch: with `mask` (None: the causal mask alone), on rows rolled left by `shift`,
+    over their first `length` columns."""
 
     mask: torch.Tensor | None
     shift: torch.Tensor | None  # [B] long: the left padding of each row; None when no row has any
+    length: int  # the columns the backbone runs: the longest row's real tokens, or all T with the mask
 
 
-def padding_facts(attention_mask: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def padding_facts(attention_mask: torch.Tensor, target_mask: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """0-dim tensors, for the caller's one host read: whether the mask can be dropped (every row's 1s are one run,
-    and every target token t, predicted from position t - 1, has 1s at t - 1 and t), and the most left padding of a
-    row. target_mask [B, T]: the tokens whose log-probs are read (GRPO's completion_mask, SFT's response_mask)."""
+    and every target token t, predicted from position t - 1, has 1s at t - 1 and t), the most left padding of a row
+    and the most real tokens of a row. target_mask [B, T]: the tokens whose log-probs are read (GRPO's
+    completion_mask, SFT's response_mask)."""
     real, target = attention_mask.bool(), target_mask.bool()
     runs = real[:, 0].long() + (real[:, 1:] & ~real[:, :-1]).sum(1)  # runs: [B]
     seen = real[:, 1:] & real[:, :-1]  # position t - 1 and token t both real
     droppable = (runs <= 1).all() & ~(target[:, 1:] & ~seen).any()
-    return droppable, _left_padding(real).max()
+    return droppable, _left_padding(real).max(), real.sum(1).max()
 
 
-def unpadded(attention_mask: torch.Tensor, droppable: int, most_left_padding: int) -> Unpadded:
+def unpadded(attention_mask: torch.Tensor, droppable: int, most_left_padding: int, longest: int) -> Unpadded:
     """The layout to run, from padding_facts' values read on the host."""
     if not droppable:
-        return Unpadded(attention_mask, None)
-    return Unpadded(None, _left_padding(attention_mask.bool()) if most_left_padding else None)
+        return Unpadded(attention_mask, None, attention_mask.shape[1])
+    shift = _left_padding(attention_mask.bool()) if most_left_padding else None
+    return Unpadded(None, shift, max(longest, 1))
 
 
 def run_backbone(backbone: torch.nn.Module, input_ids: torch.Tensor, layout: Unpadded) -> torch.Tensor:
-    """last_hidden_state [B, T, H] of the (rolled) rows; read it back through take_columns / take_positions."""
-    if layout.shift is not None:
-        input_ids = torch.gather(input_ids, 1, _source_columns(layout.shift, input_ids.shape[1]))
+    """last_hidden_state [B, length, H] of the (rolled) rows; read it back through take_columns / take_positions."""
+    if layout.shift is None:
+        input_ids = input_ids[:, :layout.length]
+    else:
+        input_ids = torch.gather(input_ids, 1, _source_columns(layout.shift, input_ids.shape[1], layout.length))
     return backbone(input_ids=input_ids, attention_mask=layout.mask, use_cache=False).last_hidden_state
 
 
 def take_columns(hidden: torch.Tensor, layout: Unpadded, columns: slice) -> torch.Tensor:
-    """hidden [B, W, H] of the batch's columns `columns` (a step-1 slice), as the unrolled rows hold them."""
+    """hidden [B, W, H] of the batch's columns `columns` (a step-1 slice whose last column some row holds a real
+    token in, as grpo_loss's window), as the unrolled rows hold them."""
     if layout.shift is None:
         return hidden[:, columns]
     wanted = torch.arange(columns.start, columns.stop, device=hidden.device)[None, :] - layout.shift[:, None]
-    # Columns left of a row's first real token are its padding, never read: any index will do.
-    index = wanted.clamp(min=0)[:, :, None].expand(-1, -1, hidden.shape[2])
+    # Columns outside a row's real tokens are its padding, never read: any index will do.
+    index = wanted.clamp(0, layout.length - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
     return torch.gather(hidden, 1, index)
 
 
@@ -69,6 +78,6 @@ def _left_padding(real: torch.Tensor) -> torch.Tensor:
     return torch.where(real.any(1), real.int().argmax(1), 0).long()
 
 
-def _source_columns(shift: torch.Tensor, T: int) -> torch.Tensor:
-    """[B, T]: the column each rolled position takes; the left padding wraps round to the end of the row."""
-    return (torch.arange(T, device=shift.device)[None, :] + shift[:, None]) % T
+def _source_columns(shift: torch.Tensor, T: int, length: int) -> torch.Tensor:
+    """[B, length]: the column each rolled position takes; the left padding wraps round to the end of the row."""
+    return (torch.arange(length, device=shift.device)[None, :] + shift[:, None]) % T
