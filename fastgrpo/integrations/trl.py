@@ -13,7 +13,7 @@ checkpoints stay TRL's. Two of its documented override points are replaced:
 The model is patched (fastgrpo.patch_model: fused RMSNorm, RoPE, SwiGLU, LoRA) unless patch=False;
 offload_activations=True (or an ActivationOffloader) checkpoints the layers with their inputs in CPU memory, in place
 of TRL's gradient checkpointing. What it cannot compute the same way is refused when it is built (_refusals), never
-run differently.
+run differently; a compute_metrics, which GRPO evaluation never calls (it returns no logits), where it is set.
 """
 from __future__ import annotations
 
@@ -63,6 +63,9 @@ def _refusals(args) -> list[str]:
     if args.use_liger_kernel:
         found.append("use_liger_kernel: Liger's layer kernels would replace the ones fastgrpo.patch_model binds, and "
                      "FastGRPOTrainer computes the loss itself; set use_liger_kernel=False")
+    if args.torch_compile:  # HF compiles the model's forward, which FastGRPOTrainer's loss never calls
+        found.append("torch_compile: FastGRPOTrainer runs the backbone and fastgrpo's fused lm_head outside the "
+                     "compiled model, so nothing would be compiled; set torch_compile=False")
     if args.world_size > 1 or args.deepspeed or args.fsdp:
         found.append("one process only: fastgrpo's loss reads the lm_head weight and runs the backbone outside the "
                      "DDP / DeepSpeed / FSDP wrapper; launch a single process (or use trl.GRPOTrainer)")
@@ -157,6 +160,21 @@ class FastGRPOTrainer(trl.GRPOTrainer):
                     setattr(self.args, name, False)
         if recompute_layers is not None:  # TRL's __init__ turns HF's flag on for a PEFT model: off on the kept layers
             hf_checkpointing_only_first(self.model, recompute_layers)
+
+    @property
+    def compute_metrics(self):
+        """Always None: GRPO evaluation's prediction_step (TRL's) returns the loss alone, so HF's Trainer would skip
+        a compute_metrics without a word; setting one is refused where it is set."""
+        return None
+
+    @compute_metrics.setter
+    def compute_metrics(self, function) -> None:
+        if function is not None:
+            raise ValueError(
+                "FastGRPOTrainer cannot honour: compute_metrics: GRPO evaluation (trl.GRPOTrainer's too) returns the "
+                "loss alone, no logits or labels, so compute_metrics would never be called; score completions with a "
+                "reward function of weight 0 (GRPOConfig.reward_weights), which logs rewards/<name>/mean"
+            )
 
     def _completion_hidden(self, model, input_ids, attention_mask, logits_to_keep):
         """hidden [B, T, H] of the positions that predict the last T = logits_to_keep tokens, in the lm_head's dtype
