@@ -62,7 +62,7 @@ def test_a_bad_value_from_the_config_file_names_the_file(tmp_path, capsys, comma
     out = ["--output-dir", str(tmp_path / "out")]
     expected = "dtype: expected one of ['auto', 'float32', 'bfloat16', 'float16'], got 'bf16'"
     assert _error([command, "--config", str(path), *out], capsys) == (
-        f"fastgrpo {command}: error: config: {path}: {expected}")
+        f"fastgrpo {command}: error: dtype (from {path}): {expected.removeprefix('dtype: ')}")
     assert _error([command, "--config", str(path), "--dtype", "bf16", *out], capsys) == (
         f"fastgrpo {command}: error: {expected}")
     assert _error([command, "--config", str(path), "--dtype", "float32", "--seed", "-1", *out], capsys) == (

@@ -22,7 +22,7 @@ def test_a_run_record_fed_back_reproduces_the_run_and_keeps_it(tmp_path, capsys)
     record = run / "checkpoint-2" / "run_config.json"
     # the record's overwrite_output_dir would delete this run when fed back as it stands
     assert main(["train", "--config", str(record)]) == 2
-    assert f"output_dir: {run} holds another run" in capsys.readouterr().err
+    assert f"output_dir (from {record}): {run} holds another run" in capsys.readouterr().err
     assert (run / "checkpoint-2").is_dir() and _rewards(run) and (run / "notes.txt").read_text() == "mine"
     assert main(["train", "--config", str(record), "--output-dir", str(again)]) == 0  # a flag over the file
     assert _rewards(again) == _rewards(run)
@@ -50,7 +50,7 @@ def test_an_older_record_fed_back_keeps_its_run(tmp_path, capsys):
                                   "overwrite_output_dir": True, "resume": False}))
     assert CONFIGS["train"].file_settings(record).get("overwrite_output_dir") is None
     assert main(["train", "--config", str(record)]) == 2
-    assert f"output_dir: {run} holds another run" in capsys.readouterr().err
+    assert f"output_dir (from {record}): {run} holds another run" in capsys.readouterr().err
     assert record.is_file() and (run / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 

@@ -15,7 +15,8 @@ from fastgrpo.train.sft_config import SFTConfig
 ])
 def test_a_wrong_type_names_the_key_and_the_file(text, problem, tmp_path, capsys):
     path, message = _refusal(text, "train", tmp_path, capsys)
-    assert message == f"config: {path}: {problem}"
+    field, expected = problem.split(": ", 1)
+    assert message == f"{field} (from {path}): {expected}"
 
 
 def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
@@ -62,7 +63,7 @@ def test_paths_expand_the_home_folder_and_environment_variables(tmp_path, monkey
     path.write_text("model: $FASTGRPO_TEST_UNSET/models/m\n")
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
-    assert str(info.value) == (f"config: {path}: model: environment variable FASTGRPO_TEST_UNSET is not set (in "
+    assert str(info.value) == (f"model (from {path}): environment variable FASTGRPO_TEST_UNSET is not set (in "
                                "'$FASTGRPO_TEST_UNSET/models/m')")
 
 

@@ -28,11 +28,14 @@ from fastgrpo.train.commands import (
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
 from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
-from fastgrpo.train.config_file import add_config_file_argument, read_yaml
+from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
+from fastgrpo.train.setting_sources import (
+    DATA_PRESET, MODEL_PRESET, SettingSources, from_file, naming_recorded_sources, record_sources,
+)
 from fastgrpo.train.versions import library_versions
 
 
@@ -175,27 +178,15 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    return run_command(f"fastgrpo {command.name}", lambda: _naming_the_config_file(args, command.run, subparser),
+    return run_command(f"fastgrpo {command.name}", lambda: _naming_sources(args, command.run, subparser),
                        debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
 
 
-def _naming_the_config_file(args: argparse.Namespace, run: Callable, parser: argparse.ArgumentParser) -> int:
-    """run(parser, args), where a ValueError about a setting that args.config gave (and no flag overrode) names the
-    file, as a wrong type there does: `config: run.yaml: dtype: expected one of [...], got 'bf16'`."""
-    try:
+def _naming_sources(args: argparse.Namespace, run: Callable, parser: argparse.ArgumentParser) -> int:
+    """run(parser, args), where a ValueError about a setting names where the value came from, as the command's
+    config_from_args recorded it: `dtype (from run.yaml): expected one of [...], got 'bf16'`."""
+    with naming_recorded_sources():
         return run(parser, args)
-    except ValueError as err:
-        key = str(err).split(":", 1)[0]
-        if args.config is None or key in vars(args) or key not in _config_file_keys(args.config):
-            raise
-        raise ValueError(f"config: {Path(args.config).expanduser()}: {err}") from err
-
-
-def _config_file_keys(path: Path) -> set[str]:
-    try:
-        return set(read_yaml(path))
-    except ValueError:  # the error being reported
-        return set()
 
 
 # ---- fastgrpo train ----
@@ -225,11 +216,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
-    # typed: YAML's `none`, "16", ~/ as a flag's
-    merged = coerced(GRPOConfig, {**GRPOConfig.file_settings(args.config), **flags})
-    preset = dict(default_task.PRESET) if merged.get("model") is None else {}
-    if merged.get("dataset") is None:
-        preset["reward_funcs"] = list(default_task.REWARD_FUNCS)
+    file = GRPOConfig.file_settings(args.config)
+    merged = coerced(GRPOConfig, {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
+    model_preset = dict(default_task.PRESET) if merged.get("model") is None else {}
+    data_preset = {"reward_funcs": list(default_task.REWARD_FUNCS)} if merged.get("dataset") is None else {}
+    preset = {**model_preset, **data_preset}
+    record_sources(SettingSources(GRPOConfig, (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
+                                  (file, from_file(args.config) if file else None), (flags, None)))
     from fastgrpo.train.distributed import launched_processes
 
     # under torchrun each process takes a share of a step's rows

@@ -25,6 +25,7 @@ from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
+from fastgrpo.train.setting_sources import DATA_PRESET, MODEL_PRESET, SettingSources, from_file, record_sources
 from fastgrpo.train.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
@@ -65,17 +66,20 @@ def config_from_args(name: str, args: argparse.Namespace):
     """defaults < built-in presets < (eval --checkpoint) the run's prompt settings < YAML < flags, as a
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
-    # typed: YAML's `none`, "16", ~/ as a flag's
-    merged = coerced(CONFIGS[name], {**CONFIGS[name].file_settings(args.config), **flags})
+    file = CONFIGS[name].file_settings(args.config)
+    merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     run, source = _trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
     # leave no room for the default 1024 new tokens)
     builtin_model = run.get("model") is None if run is not None else merged.get("model") is None
-    preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
-    if merged.get("dataset") is None:
-        preset.update(default_task.BUILTIN_DATA[name])
+    model_preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
+    data_preset = dict(default_task.BUILTIN_DATA[name]) if merged.get("dataset") is None else {}
+    preset = {**model_preset, **data_preset}
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
+    record_sources(SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
+                                  (from_run, f"from {source}"), (file, from_file(args.config) if file else None),
+                                  (flags, None)))
     from fastgrpo.train.distributed import launched_processes
 
     # under torchrun each process runs a share of a step's rows

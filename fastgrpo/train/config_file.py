@@ -11,6 +11,7 @@ from pathlib import Path
 from fastgrpo._checks import check_known_fields
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
+from fastgrpo.train.setting_sources import SettingSources, from_file
 from fastgrpo.train.sources import recorded_function
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
@@ -32,8 +33,11 @@ class ConfigFile:
 
     @classmethod
     def from_yaml(cls, path: str | Path, **overrides):
-        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them."""
-        return cls.from_dict({**cls.file_settings(path), **overrides})
+        """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them, a refused value one
+        naming the file where the file gave it."""
+        settings = cls.file_settings(path)
+        with SettingSources(cls, (settings, from_file(path)), (overrides, None)).naming():
+            return cls.from_dict({**settings, **overrides})
 
     @classmethod
     def from_dict(cls, data: dict):
@@ -52,10 +56,9 @@ class ConfigFile:
         if Path(path).name == RUN_RECORD:  # a record from before to_dict left them out: not this invocation's
             data = {key: value for key, value in data.items() if key not in INVOCATION_FIELDS}
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
-        try:
+        # `learning_rate: expected a number, got 'fast'` names the file: a flag could have said that
+        with SettingSources(cls, (data, from_file(path))).naming():
             return coerced(cls, data)
-        except ValueError as err:  # `learning_rate: expected a number, got 'fast'`: a flag could have said that
-            raise ValueError(f"config: {Path(path).expanduser()}: {err}") from None
 
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
