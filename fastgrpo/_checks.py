@@ -225,16 +225,21 @@ def check_per_token_inputs(
             check_shape(name, logps, (B, T))
 
 
-def check_known_fields(data: dict, config_class: type, command: str, notes: dict[str, str] | None = None) -> None:
+MAX_UNKNOWN_NAMED = 4  # keys check_known_fields names; another command's whole config has dozens
+
+
+def check_known_fields(data: dict, config_class: type, command: str, notes: dict[str, str] | None = None,
+                       source: str = "config") -> None:
     """A ValueError naming the keys of `data` that are no field of config_class, each with notes[key] (what it is
-    instead, e.g. another command's setting) or else the nearest field name."""
+    instead, e.g. another command's setting) or else the nearest field name; the first MAX_UNKNOWN_NAMED of them and
+    how many more. source: where the keys came from, as the message begins ("config: run.yaml")."""
     names = [f.name for f in dataclasses.fields(config_class)]
     unknown = sorted(set(data) - set(names))
     if not unknown:
         return
     notes = notes or {}
     described = []
-    for key in unknown:
+    for key in unknown[:MAX_UNKNOWN_NAMED]:
         near = difflib.get_close_matches(key, names, n=1)
         note = notes.get(key) or (f"did you mean {near[0]}?" if near else "")
         described.append((repr(key), f" ({note})" if note else ""))
@@ -242,5 +247,6 @@ def check_known_fields(data: dict, config_class: type, command: str, notes: dict
     if len(described) == 1:
         listed = f"field {described[0][0]} {where}{described[0][1]}"
     else:
-        listed = f"fields {where}: {', '.join(key + note for key, note in described)}"
-    raise ValueError(f"config: unknown {listed}; see `fastgrpo {command} --help`")
+        more = f", and {len(unknown) - len(described)} more" if len(unknown) > len(described) else ""
+        listed = f"fields {where}: {', '.join(key + note for key, note in described)}{more}"
+    raise ValueError(f"{source}: unknown {listed}; see `fastgrpo {command} --help`")

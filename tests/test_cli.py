@@ -224,9 +224,9 @@ def test_a_yaml_key_of_another_command_is_one_line_naming_it(tmp_path, capsys, m
     monkeypatch.chdir(tmp_path)
     (tmp_path / "ei.yaml").write_text("max_steps: 3\n")
     assert main(["ei", "--config", "ei.yaml"]) == 2
-    assert capsys.readouterr().err == ("fastgrpo ei: error: config: unknown field 'max_steps' for `fastgrpo ei` (a "
-                                       "`fastgrpo train` / `fastgrpo sft` setting; ei counts rounds with ei_steps); "
-                                       "see `fastgrpo ei --help`\n")
+    assert capsys.readouterr().err == ("fastgrpo ei: error: config: ei.yaml: unknown field 'max_steps' for `fastgrpo "
+                                       "ei` (a `fastgrpo train` / `fastgrpo sft` setting; ei counts rounds with "
+                                       "ei_steps); see `fastgrpo ei --help`\n")
     assert [p.name for p in tmp_path.iterdir()] == ["ei.yaml"]  # refused before a run folder or a model
 
 

@@ -181,7 +181,7 @@ def test_yaml_unknown_key_is_named(tmp_path):
     path.write_text("learning_rte: 1.0\nzzz: 1\n")
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
-    assert str(info.value) == ("config: unknown fields for `fastgrpo train`: 'learning_rte' (did you mean "
+    assert str(info.value) == (f"config: {path}: unknown fields for `fastgrpo train`: 'learning_rte' (did you mean "
                                "learning_rate?), 'zzz'; see `fastgrpo train --help`")
     with pytest.raises(ValueError) as info:
         SFTConfig.from_dict({"max_seq_len": 8})
@@ -211,7 +211,7 @@ def test_yaml_key_of_another_command_names_that_command(command, text, message, 
     path.write_text(text)
     with pytest.raises(ValueError) as info:
         CONFIGS[command].file_settings(str(path))
-    assert str(info.value) == message
+    assert str(info.value) == message.replace("config: ", f"config: {path}: ", 1)
 
 
 def test_counterparts_are_fields_of_their_commands():

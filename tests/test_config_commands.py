@@ -28,9 +28,9 @@ def test_from_yaml_names_the_command_a_key_belongs_to(tmp_path):
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
     assert str(info.value) == (
-        "config: unknown fields for `fastgrpo train`: 'max_seq_length' (a `fastgrpo sft` setting; train bounds a "
-        "sequence with max_prompt_length and max_completion_length), 'num_epochs' (a `fastgrpo sft` setting); see "
-        "`fastgrpo train --help`")
+        f"config: {path}: unknown fields for `fastgrpo train`: 'max_seq_length' (a `fastgrpo sft` setting; train "
+        "bounds a sequence with max_prompt_length and max_completion_length), 'num_epochs' (a `fastgrpo sft` "
+        "setting); see `fastgrpo train --help`")
 
 
 @pytest.mark.parametrize("config, data, message", [
@@ -91,7 +91,7 @@ def test_a_nested_mapping_of_fields_says_the_configs_are_flat(tmp_path):
     path.write_text("optimizer:\n  learning_rate: 1.0e-5\n  weight_decay: 0.1\n  betas: [0.9, 0.99]\n")
     with pytest.raises(ValueError) as info:
         SFTConfig.from_yaml(path)
-    assert str(info.value) == ("config: unknown field 'optimizer' for `fastgrpo sft` (a config is flat: write "
+    assert str(info.value) == (f"config: {path}: unknown field 'optimizer' for `fastgrpo sft` (a config is flat: write "
                                "learning_rate, weight_decay at the top level); see `fastgrpo sft --help`")
 
 

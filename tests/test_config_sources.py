@@ -1,8 +1,11 @@
 """Where a refused setting came from: a config file (named), a flag (its name alone), a built-in preset or the default;
 the one line `fastgrpo <command>` prints says which, whatever check refused it and whenever."""
+import json
+
 import pytest
 
 from fastgrpo.train.cli import main
+from fastgrpo.train.commands import CONFIGS
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -72,3 +75,24 @@ def test_from_yaml_names_the_file_for_its_values_not_for_the_keywords(tmp_path):
         GRPOConfig.from_yaml(path, learning_rate=-2.0)
     assert str(info.value) == "learning_rate: expected a finite number >= 0, got -2.0"
 
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei", "eval"])
+def test_an_unknown_key_names_the_file_and_the_closest_field(command, tmp_path, out, capsys):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 1\nmodle: m\n")
+    expected = (f"config: {path}: unknown field 'modle' for `fastgrpo {command}` (did you mean model?); see "
+                f"`fastgrpo {command} --help`")
+    assert _error([command, "--config", str(path), *out], capsys) == expected
+    with pytest.raises(ValueError) as info:
+        CONFIGS[command].from_yaml(path)
+    assert str(info.value) == expected
+
+
+def test_another_commands_whole_config_is_one_short_line(tmp_path, out, capsys):
+    """A train run's record given to eval: the first keys and how many more, not eighty notes."""
+    path = tmp_path / "run_config.json"
+    path.write_text(json.dumps(GRPOConfig().to_dict()))
+    err = _error(["eval", "--config", str(path), *out], capsys)
+    unknown = set(GRPOConfig().to_dict()) - set(CONFIGS["eval"]().to_dict())
+    assert err.startswith(f"config: {path}: unknown fields for `fastgrpo eval`: 'adam_beta1' (a `fastgrpo train` / ")
+    assert err.endswith(f", and {len(unknown) - 4} more; see `fastgrpo eval --help`") and len(err) < 500

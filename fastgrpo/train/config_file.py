@@ -55,7 +55,8 @@ class ConfigFile:
         data = read_yaml(path)
         if Path(path).name == RUN_RECORD:  # a record from before to_dict left them out: not this invocation's
             data = {key: value for key, value in data.items() if key not in INVOCATION_FIELDS}
-        check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
+        check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND),
+                           source=f"config: {Path(path).expanduser()}")
         # `learning_rate: expected a number, got 'fast'` names the file: a flag could have said that
         with SettingSources(cls, (data, from_file(path))).naming():
             return coerced(cls, data)
