@@ -29,7 +29,7 @@ def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
 
 @pytest.mark.parametrize("text, problem", [
     ("seed: 1\n1: 2\n", ":2: key 1 is no field name (expected text)"),
-    ("yes: 2\n", ":1: key True is no field name (expected text)"),  # YAML 1.1 reads yes / on / no as booleans
+    ("true: 2\n", ":1: key True is no field name (expected text)"),
     ("? [a, b]\n: 1\n", ":1: key ['a', 'b'] is no field name (expected text)"),
 ])
 def test_a_key_that_is_no_text_is_one_line(text, problem, tmp_path, capsys):
@@ -102,3 +102,29 @@ def test_scale_rewards_takes_trls_booleans(tmp_path):
     path.write_text("scale_rewards: false\n")
     assert GRPOConfig.from_yaml(path).scale_rewards == "none"
     assert GRPOConfig(scale_rewards=True).scale_rewards == "group"
+
+
+def test_yaml_1_1s_surprises_read_as_the_author_meant(tmp_path):
+    """PyYAML reads YAML 1.1: `010` in octal (8), `1:30` in base 60 (90), yes / no / on / off as booleans, `1e-5` as
+    text. Read as YAML 1.2 (and a flag) does: 10, text, text (a bool field takes the words), a number."""
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 010\nprompt_column: no\nstop: [on, 'off', yes]\nexport: off\ngradient_checkpointing: Yes\n"
+                    "scale_rewards: no\nlearning_rate: 1e-5\nreward_weights: [1e-1, 2]\nmax_steps: 1_000\n")
+    config = GRPOConfig.from_yaml(path)
+    assert (config.seed, config.prompt_column, config.stop) == (10, "no", ["on", "off", "yes"])
+    assert (config.export, config.gradient_checkpointing, config.scale_rewards) == (False, True, "none")
+    assert (config.learning_rate, config.reward_weights, config.max_steps) == (1e-5, [0.1, 2.0], 1000)
+    path.write_text("learning_rate: 1e-5\nnum_epochs: 010\n")
+    assert (SFTConfig.from_yaml(path).learning_rate, SFTConfig.from_yaml(path).num_epochs) == (1e-5, 10)
+
+
+@pytest.mark.parametrize("text, problem", [
+    ("save_minutes: 1:30\n", "save_minutes: expected a number, got '1:30'"),  # YAML 1.1: 90
+    ("seed: 1:30\n", "seed: expected an integer, got '1:30'"),
+    ("export: maybe\n", "export: expected true or false, got 'maybe'"),
+    ("lr_scheduler: [linear]\n", "lr_scheduler: expected a string, got ['linear']"),
+])
+def test_a_value_yaml_1_1_would_misread_is_refused_in_one_line(text, problem, tmp_path, capsys):
+    path, message = _refusal(text, "train", tmp_path, capsys)
+    field, expected = problem.split(": ", 1)
+    assert message == f"{field} (from {path}): {expected}"

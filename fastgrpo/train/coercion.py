@@ -23,16 +23,29 @@ def coerce_fields(config) -> None:
 
 def coerced(config_class: type, values: dict) -> dict:
     """`values` (a YAML file's, say) with each field of config_class given its type as coerce_fields gives it, so
-    that what reads them before the config is built (presets) sees `16` for a YAML `"16"` and None for `none`;
-    other keys as they are (from_dict names them)."""
+    that what reads them before the config is built (presets) sees `16` for a YAML `"16"` and None for `none`; a
+    bool field's yes / no / on / off (BOOL_WORDS) true / false; other keys as they are (from_dict names them)."""
     hints = type_hints(config_class)
-    return {k: coerced_value(k, v, hints[k]) if k in hints else v for k, v in values.items()}
+    return {k: coerced_value(k, _yaml_bool(k, v, hints[k]), hints[k]) if k in hints else v for k, v in values.items()}
+
+
+def _yaml_bool(name: str, value, hint):
+    """`value` as a bool where it is one of BOOL_WORDS for a bool field (or one TRL_VALUES maps); else as it is. Not
+    coerce_fields': from Python, patch='yes' is more likely a mistake than a YAML author's boolean."""
+    if isinstance(value, str) and value.lower() in BOOL_WORDS and (base_type(hint)[0] is bool or name in TRL_VALUES):
+        return BOOL_WORDS[value.lower()]
+    return value
 
 
 # fields holding a path, where ~ and $VAR / ${VAR} are expanded (as a shell expands them on a command line; YAML
 # does not); a reward function's file is expanded as it is imported (fastgrpo.train.sources.import_function)
 PATH_FIELDS = ("model", "dataset", "eval_dataset", "output_dir", "checkpoint")
 
+
+# what a config file's bool field takes as text: YAML 1.2 (config_file's reading) leaves yes / no / on / off as text,
+# which YAML 1.1 (and TRL's configs) read as booleans
+BOOL_WORDS = {word: value for value, words in ((True, ("true", "yes", "on")), (False, ("false", "no", "off")))
+              for word in words}
 
 # values TRL's configs take for a field that fastgrpo spells otherwise, as TRL reads them (a recipe's YAML works here)
 TRL_VALUES = {"scale_rewards": {True: "group", False: "none"}}

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
+import re
 from pathlib import Path
 
 from fastgrpo._checks import check_known_fields
@@ -109,10 +111,42 @@ def read_yaml(path: str | Path) -> dict:
     return data
 
 
+# YAML 1.1 (PyYAML's) reads what a config's author meant otherwise: `seed: 010` as octal (8), `save_minutes: 1:30` in
+# base 60 (90), `prompt_column: no` / `export: on` as booleans. Read them as YAML 1.2 does: 010 is 10 (as `--seed 010`
+# is), 1:30 is text (refused where a number is expected), only true / false are booleans (a bool field takes yes / no
+# / on / off too: coercion.BOOL_WORDS)
+_BOOL_TAG = "tag:yaml.org,2002:bool"
+_OCTAL_LOOKING = re.compile(r"[-+]?0[0-7]+")
+
+
+@functools.cache
+def _yaml_1_2_loader():
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_yaml_int(self, node):
+            text = self.construct_scalar(node)
+            digits = text.replace("_", "")
+            if ":" in digits:
+                return text
+            return int(digits, 10) if _OCTAL_LOOKING.fullmatch(digits) else super().construct_yaml_int(node)
+
+        def construct_yaml_float(self, node):
+            text = self.construct_scalar(node)
+            return text if ":" in text else super().construct_yaml_float(node)
+
+    Loader.yaml_implicit_resolvers = {first: [(tag, regexp) for tag, regexp in resolvers if tag != _BOOL_TAG]
+                                      for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    Loader.add_implicit_resolver(_BOOL_TAG, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+    Loader.add_constructor("tag:yaml.org,2002:int", Loader.construct_yaml_int)
+    Loader.add_constructor("tag:yaml.org,2002:float", Loader.construct_yaml_float)
+    return Loader
+
+
 def _parse_yaml(text: str, path: Path):
     import yaml
 
-    class UniqueKeys(yaml.SafeLoader):
+    class UniqueKeys(_yaml_1_2_loader()):
         def construct_mapping(self, node, deep=False):
             seen = set()
             for key_node, _ in node.value:
