@@ -26,7 +26,19 @@ def coerced(config_class: type, values: dict) -> dict:
     that what reads them before the config is built (presets) sees `16` for a YAML `"16"` and None for `none`; a
     bool field's yes / no / on / off (BOOL_WORDS) true / false; other keys as they are (from_dict names them)."""
     hints = type_hints(config_class)
-    return {k: coerced_value(k, _yaml_bool(k, v, hints[k]), hints[k]) if k in hints else v for k, v in values.items()}
+    return {k: _file_value(k, v, hints[k]) if k in hints else v for k, v in values.items()}
+
+
+def _file_value(name: str, value, hint):
+    """coerced_value of a config file's value; a number or boolean for a text field is refused saying how to write
+    it as text (`dataset_config: 2023`: '2023', as the flag would have it)."""
+    try:
+        return coerced_value(name, _yaml_bool(name, value, hint), hint)
+    except ValueError as err:
+        if base_type(hint)[0] is str and isinstance(value, (bool, int, float)):
+            raise ValueError(f"{err} (YAML reads it as {'a boolean' if isinstance(value, bool) else 'a number'}: "
+                             "quote it)") from None
+        raise
 
 
 def _yaml_bool(name: str, value, hint):
@@ -70,8 +82,8 @@ def coerced_value(name: str, value, hint):
         return expanded_path(name, value)
     if is_list:
         items = [value] if isinstance(value, (str, int, float)) else value
-        if not isinstance(items, (list, tuple)):
-            raise ValueError(f"{name}: expected {_describe(scalar, True)}, got {value!r}")
+        if not isinstance(items, (list, tuple)) or any(isinstance(item, (list, tuple, dict)) for item in items):
+            raise ValueError(f"{name}: expected {_describe(scalar, True)}, got {value!r}")  # [[a, b]]: no list of lists
         return [_coerce(name, item, scalar) for item in items]
     return _coerce(name, value, scalar)
 
