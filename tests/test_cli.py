@@ -85,7 +85,7 @@ def test_none_in_yaml_unsets_as_on_the_command_line(tmp_path):
     path.write_bytes(b"\xef\xbb\xbfmax_steps: 3\n")  # a byte-order mark, as Windows editors write
     assert _config(["--config", str(path)]).max_steps == 3
     path.write_text("max_steps: none\n")  # not optional: still an error naming it
-    with pytest.raises(ValueError, match="max_steps: expected an integer, got 'none'"):
+    with pytest.raises(ValueError, match=r"max_steps \(from .*\): expected an integer, got 'none'"):
         _config(["--config", str(path)])
 
 

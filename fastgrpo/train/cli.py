@@ -221,13 +221,15 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     model_preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     data_preset = {"reward_funcs": list(default_task.REWARD_FUNCS)} if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
-    record_sources(SettingSources(GRPOConfig, (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
-                                  (file, from_file(args.config) if file else None), (flags, None)))
+    sources = SettingSources(GRPOConfig, (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
+                             (file, from_file(args.config) if file else None), (flags, None))
+    record_sources(sources)
     from fastgrpo.train.distributed import launched_processes
 
-    # under torchrun each process takes a share of a step's rows
-    config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
-    check_fsdp_applies(config)
+    with sources.naming():
+        # under torchrun each process takes a share of a step's rows
+        config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
+        check_fsdp_applies(config)
     return config
 
 

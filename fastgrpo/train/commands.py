@@ -77,15 +77,17 @@ def config_from_args(name: str, args: argparse.Namespace):
     data_preset = dict(default_task.BUILTIN_DATA[name]) if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
-    record_sources(SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
-                                  (from_run, f"from {source}"), (file, from_file(args.config) if file else None),
-                                  (flags, None)))
+    sources = SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
+                             (from_run, f"from {source}"), (file, from_file(args.config) if file else None),
+                             (flags, None))
+    record_sources(sources)
     from fastgrpo.train.distributed import launched_processes
 
-    # under torchrun each process runs a share of a step's rows
-    config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **from_run,
-                                      **merged})
-    check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
+    with sources.naming():
+        # under torchrun each process runs a share of a step's rows
+        config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
+                                          **from_run, **merged})
+        check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
     return config
 
 

@@ -2,8 +2,11 @@
 value's one-line error names the place to change it, `learning_rate (from run.yaml): expected a finite number >= 0,
 got -1.0`; a flag's (or a Python keyword's) error stays `learning_rate: ...`, the name the user typed.
 
-The CLI runs each command inside naming_recorded_sources(); the command's config_from_args records the sources it
-merged (record_sources), so an error raised later in the run (`model: no such folder ...`) names them too.
+A command's config_from_args names every source while it builds and checks the config (SettingSources.naming: there
+`batch_size (the default): expected a multiple of num_generations (3), got 64` says the user never set it). The CLI
+runs each command inside naming_recorded_sources(), where config_from_args records its sources (record_sources): an
+error raised later in the run names the file of a setting the user wrote there (`model (from run.yaml): no such
+folder ...`), not a default, whose error is about the run's state more than about the value.
 """
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from pathlib import Path
 DEFAULT = "the default"
 MODEL_PRESET = "the built-in model's setting"
 DATA_PRESET = "the built-in task's setting"
+UNSET = (DEFAULT, MODEL_PRESET, DATA_PRESET)  # the sources of what the user did not set
 
 # the field(s) a message is about, as the codebase's errors begin: `name: ...`, `name / other: ...`
 _LEADING_FIELDS = re.compile(r"([a-z][a-z0-9_]*(?: / [a-z][a-z0-9_]*)*): ")
@@ -37,15 +41,18 @@ class SettingSources:
         for names, where in layers:
             self._where.update({name: where for name in names if name in self._where})
 
-    def named(self, err: ValueError) -> ValueError:
+    def named(self, err: ValueError, unset_too: bool = True) -> ValueError:
         """`err` with where each field it begins with came from, `lr (from run.yaml): ...`; `err` itself where it
-        begins with no field, or only with fields the user typed."""
+        begins with no field, or only with fields the user typed. unset_too: a default's or a preset's too, else only
+        what a file (or a checkpoint's run) gave."""
         message = str(err)
         match = _LEADING_FIELDS.match(message)
         names = match.group(1).split(" / ") if match is not None else []
-        if type(err) is not ValueError or not any(self._where.get(name) for name in names):
+        said = {name: self._where.get(name) for name in names}
+        said = {name: where for name, where in said.items() if where and (unset_too or where not in UNSET)}
+        if type(err) is not ValueError or not said:
             return err
-        lead = " / ".join(f"{name} ({self._where[name]})" if self._where.get(name) else name for name in names)
+        lead = " / ".join(f"{name} ({said[name]})" if name in said else name for name in names)
         return ValueError(f"{lead}: {message[match.end():]}")
 
     @contextlib.contextmanager
@@ -54,7 +61,7 @@ class SettingSources:
         try:
             yield
         except ValueError as err:
-            _raise_named(err, self)
+            _raise_named(err, self.named(err))
 
 
 def record_sources(sources: SettingSources) -> None:
@@ -66,7 +73,7 @@ def record_sources(sources: SettingSources) -> None:
 
 @contextlib.contextmanager
 def naming_recorded_sources():
-    """Inside: a ValueError about a setting names where it came from, by the sources record_sources last got."""
+    """Inside: a ValueError about a setting a file gave names the file, by the sources record_sources last got."""
     recorded: list[SettingSources] = []
     token = _RECORDED.set(recorded)
     try:
@@ -74,13 +81,12 @@ def naming_recorded_sources():
     except ValueError as err:
         if not recorded:
             raise
-        _raise_named(err, recorded[-1])
+        _raise_named(err, recorded[-1].named(err, unset_too=False))
     finally:
         _RECORDED.reset(token)
 
 
-def _raise_named(err: ValueError, sources: SettingSources):
-    named = sources.named(err)
+def _raise_named(err: ValueError, named: ValueError):
     if named is err:
         raise err
     raise named from err
