@@ -13,8 +13,8 @@ from fastgrpo.train.sft_config import SFTConfig
     ("max_steps: 2.5\n", "max_steps: expected an integer, got 2.5"),
     ("reward_funcs: {length: 1}\n", "reward_funcs: expected a list of strings, got {'length': 1}"),
     ("reward_funcs: [[length, format]]\n", "reward_funcs: expected a list of strings, got [['length', 'format']]"),
-    ("dataset_config: 2023\n", "dataset_config: expected a string, got 2023 (YAML reads it as a number: quote it)"),
-    ("prompt_column: true\n", "prompt_column: expected a string, got True (YAML reads it as a boolean: quote it)"),
+    ("dataset_config: 2023\n", "dataset_config: expected a string, got 2023 (read as a number: quote it)"),
+    ("prompt_column: true\n", "prompt_column: expected a string, got True (read as a boolean: quote it)"),
 ])
 def test_a_wrong_type_names_the_key_and_the_file(text, problem, tmp_path, capsys):
     path, message = _refusal(text, "train", tmp_path, capsys)

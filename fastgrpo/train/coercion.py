@@ -36,7 +36,7 @@ def _file_value(name: str, value, hint):
         return coerced_value(name, _yaml_bool(name, value, hint), hint)
     except ValueError as err:
         if base_type(hint)[0] is str and isinstance(value, (bool, int, float)):
-            raise ValueError(f"{err} (YAML reads it as {'a boolean' if isinstance(value, bool) else 'a number'}: "
+            raise ValueError(f"{err} (read as {'a boolean' if isinstance(value, bool) else 'a number'}: "
                              "quote it)") from None
         raise
 
