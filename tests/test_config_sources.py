@@ -1,5 +1,5 @@
-"""Where a refused setting came from: a config file (named), a flag (its name alone), a built-in preset or the default;
-the one line `fastgrpo <command>` prints says which, whatever check refused it and whenever."""
+"""Where a refused setting came from: a config file (named), a flag (its name alone), a built-in preset or the default,
+as the one line `fastgrpo <command>` prints it; a file's setting is named also where the run refuses it later."""
 import json
 
 import pytest
