@@ -103,7 +103,8 @@ def _bad_inputs(tmp_path):
     (tmp_path / "no_prompt.jsonl").write_text('{"question": "1 say a"}\n')
     cuda = "needs a CUDA GPU" if not torch.cuda.is_available() else "GPU(s)"
     return [
-        (["--config", str(tmp_path / "list.yaml")], "config: expected a YAML mapping"),
+        (["--config", str(tmp_path / "list.yaml")], f"config: {tmp_path / 'list.yaml'}: expected a mapping of field: "
+                                                     "value, got a list"),
         (["--config", str(tmp_path / "missing.yaml")], f"config: no such file {tmp_path / 'missing.yaml'}"),
         (["--config", str(tmp_path / "broken.yaml")], f"config: {tmp_path / 'broken.yaml'}:3:1: malformed YAML"),
         (["--config", str(tmp_path / "twice.yaml")], f"config: {tmp_path / 'twice.yaml'}:3: 'seed' is given twice"),

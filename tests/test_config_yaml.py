@@ -131,3 +131,16 @@ def test_a_value_yaml_1_1_would_misread_is_refused_in_one_line(text, problem, tm
     path, message = _refusal(text, "train", tmp_path, capsys)
     field, expected = problem.split(": ", 1)
     assert message == f"{field} (from {path}): {expected}"
+
+
+@pytest.mark.parametrize("name, text, held", [
+    ("run.yaml", "- learning_rate: 1.0e-5\n", "a list"),
+    ("run.yaml", "learning_rate 1e-5\n", "text"),  # the colon forgotten
+    ("run.json", "null", "null"),
+])
+def test_a_file_that_is_no_mapping_says_what_it_holds(name, text, held, tmp_path):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError) as info:
+        GRPOConfig.from_yaml(path)
+    assert str(info.value) == f"config: {path}: expected a mapping of field: value, got {held}"

@@ -107,7 +107,7 @@ def read_yaml(path: str | Path) -> dict:
         raise ValueError(f"config: {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None
     data = (_parse_json if path.suffix.lower() == ".json" else _parse_yaml)(text, path)
     if not isinstance(data, dict):
-        raise ValueError(f"config: expected a YAML mapping of field: value in {path}, got {type(data).__name__}")
+        raise ValueError(f"config: {path}: expected a mapping of field: value, got {_kind(data)}")
     return data
 
 
@@ -166,6 +166,12 @@ def _parse_yaml(text: str, path: Path):
         where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark is not None else str(path)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
         raise ValueError(f"config: {where}: malformed YAML ({problem})") from None
+
+
+def _kind(data) -> str:
+    """What a file holds instead of a mapping, as its author wrote it: 'a list', 'null' (a JSON file), 'text'."""
+    kinds = {list: "a list", str: "text", bool: "true or false", int: "a number", float: "a number"}
+    return kinds.get(type(data), "null" if data is None else type(data).__name__)
 
 
 def _parse_json(text: str, path: Path):
