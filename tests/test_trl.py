@@ -240,6 +240,26 @@ def configure(trainer, case: dict, vllm: str | None = None) -> None:
     trainer.model.zero_grad(set_to_none=True)
 
 
+def test_left_padded_rows_run_without_their_mask(trainer_pair):
+    """The micro-batch's rows (left-padded prompts, padded completions, an empty completion) are each one run of 1s:
+    the backbone runs them rolled left, on the causal mask alone (fastgrpo.loss.row_layout), up to the longest row;
+    test_compute_loss_matches_trl checks the values against TRL's masked forward."""
+    trainer = trainer_pair[1]
+    inputs = micro_batch(trainer_pair[0], None, False, False)
+    configure(trainer, {})
+    seen = []
+    backbone = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    hook = backbone.model.register_forward_pre_hook(
+        lambda module, args, kwargs: seen.append((kwargs["attention_mask"], kwargs["input_ids"].shape[1])),
+        with_kwargs=True)
+    try:
+        trainer._compute_loss(trainer.model, inputs)
+    finally:
+        hook.remove()
+    longest = int((inputs["prompt_mask"].sum(1) + inputs["completion_mask"].sum(1)).max())
+    assert seen == [(None, longest)]
+
+
 @pytest.fixture(scope="module")
 def trainer_pair(model_dir, tmp_path_factory):
     path = tmp_path_factory.mktemp("pair")

@@ -23,11 +23,13 @@ import torch
 from packaging.specifiers import SpecifierSet
 from transformers import ProcessorMixin
 
+from fastgrpo._checks import read_ints
 from fastgrpo.hf.models import (
-    backbone_and_head, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
+    backbone_and_head, head_bias, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
+from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_columns, unpadded
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
 from fastgrpo.patching.patch import check_offload_options
@@ -180,9 +182,14 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         """hidden [B, T, H] of the positions that predict the last T = logits_to_keep tokens, in the lm_head's dtype
         (an fp32 head with cast_lm_head_to_fp32), and the lm_head."""
         backbone, head = backbone_and_head(model)
+        T = input_ids.shape[1]
+        targets = torch.zeros_like(attention_mask)
+        targets[:, T - logits_to_keep:] = attention_mask[:, T - logits_to_keep:]
+        # TRL's [left-padded prompt | completion | padding] rows run without their mask (fastgrpo.loss.row_layout)
+        layout = unpadded(attention_mask, *read_ints(*padding_facts(attention_mask, targets)))
         with self.accelerator.autocast():
-            out = backbone(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
-        hidden = out.last_hidden_state[:, -logits_to_keep - 1:-1]
+            hidden = take_columns(run_backbone(backbone, input_ids, layout), layout,
+                                  slice(T - logits_to_keep - 1, T - 1))
         return hidden.to(head.weight.dtype), head
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
@@ -199,7 +206,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             with _no_autocast(hidden):
                 out = fused_linear_logprobs(
                     hidden, head.weight, input_ids[rows, -logits_to_keep:], temperature=self.temperature,
-                    bias=head.bias, softcap=logit_softcap(model), return_entropy=compute_entropy,
+                    bias=head_bias(head), softcap=logit_softcap(model), return_entropy=compute_entropy,
                     backend=self.fastgrpo_backend,
                 )
             valid = attention_mask[rows, -logits_to_keep:].bool()
@@ -256,7 +263,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
                 hidden, head.weight, completion_ids, mask, inputs["advantages"],
                 old_logps=inputs.get("old_per_token_logps"),
                 ref_logps=inputs.get("ref_per_token_logps") if self.beta != 0.0 else None, config=config,
-                bias=head.bias, return_entropy=True, token_weights=weights,
+                bias=head_bias(head), return_entropy=True, token_weights=weights,
                 sampling_logps=inputs.get("sampling_per_token_logps"), backend=self.fastgrpo_backend,
             )
         policy_loss = metrics.get("policy_loss", loss.detach())

@@ -56,11 +56,12 @@ def run_backbone(backbone: torch.nn.Module, input_ids: torch.Tensor, layout: Unp
 
 
 def take_columns(hidden: torch.Tensor, layout: Unpadded, columns: slice) -> torch.Tensor:
-    """hidden [B, W, H] of the batch's columns `columns` (a step-1 slice whose last column some row holds a real
-    token in, as grpo_loss's window), as the unrolled rows hold them."""
-    if layout.shift is None:
+    """hidden [B, W, H] of the batch's columns `columns` (a step-1 slice), as the unrolled rows hold them."""
+    if layout.shift is None and columns.stop <= layout.length:
         return hidden[:, columns]
-    wanted = torch.arange(columns.start, columns.stop, device=hidden.device)[None, :] - layout.shift[:, None]
+    wanted = torch.arange(columns.start, columns.stop, device=hidden.device).expand(hidden.shape[0], -1)
+    if layout.shift is not None:
+        wanted = wanted - layout.shift[:, None]
     # Columns outside a row's real tokens are its padding, never read: any index will do.
     index = wanted.clamp(0, layout.length - 1)[:, :, None].expand(-1, -1, hidden.shape[2])
     return torch.gather(hidden, 1, index)
