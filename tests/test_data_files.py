@@ -28,7 +28,8 @@ def test_a_table_file_loads(tmp_path, suffix):
     else:
         table.to_csv(str(path), index=False, sep="\t" if suffix == ".tsv" else ",")
     assert as_list(load_rows(str(path))) == ROWS
-    assert as_list(load_rows(str(path), "test", field="eval_dataset")) == ROWS  # one file is its only split
+    # one file is its only split, read whole under eval_dataset_split's default too
+    assert as_list(load_rows(str(path), "test", field="eval_dataset", default_split="test")) == ROWS
 
 
 @pytest.mark.parametrize("suffix", [".jsonl.gz", ".json.gz"])

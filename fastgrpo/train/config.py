@@ -66,7 +66,8 @@ class GRPOConfig(ConfigFile):
     dataset: str | None = option(None, "a .jsonl / .json (or .gz) file of rows; a .parquet / .csv / .tsv file, a "
                                        "folder of data files or of save_to_disk, or an HF dataset name (these need "
                                        "`datasets`); none: the built-in task")
-    dataset_split: str = option("train", "split of an HF dataset")
+    dataset_split: str = option("train", "split of an HF dataset or a folder; a file (or a save_to_disk folder of "
+                                        "one Dataset) is read whole, under 'train'")
     dataset_config: str | None = option(None, "config (subset) of an HF dataset that has several, as "
                                               "datasets.load_dataset(dataset, name) takes it: main for openai/gsm8k")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")

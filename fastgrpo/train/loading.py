@@ -40,15 +40,16 @@ def resolve_reward(name: str):
     return import_function(name, "reward_funcs")
 
 
-def load_rows(dataset: str, split: str = "train", field: str = "dataset", config_name: str | None = None):
+def load_rows(dataset: str, split: str = "train", field: str = "dataset", config_name: str | None = None,
+              default_split: str = "train"):
     """Rows of a local data file (sources.DATA_FILE_FORMS: JSON ones read here, tables through `datasets`), of a
     folder of them or one save_to_disk wrote, or of a Hugging Face dataset (config_name: its config, which
-    `field`_config names); `field` names the config field in errors. A file is its only split, as
-    datasets.load_dataset(builder, data_files=file) makes it "train"."""
+    `field`_config names); `field` names the config field in errors. A file (or a saved Dataset) is its only split,
+    as datasets.load_dataset(builder, data_files=file) makes it "train": it is read whole under that split or the
+    field's default_split (eval's "test"), and another split is refused rather than ignored."""
     path = Path(dataset)
-    if config_name is not None and (path.is_file() or _saved_to_disk(path)):  # it would be ignored
-        raise ValueError(f"{field}_config: names a config of an HF dataset (or of a folder whose README.md lists "
-                         f"configs); {path} is {'one file' if path.is_file() else 'a folder save_to_disk wrote'}")
+    if path.is_file() or _saved_to_disk(path):
+        _check_whole_split(path, split, field, config_name, default_split)
     suffix = data_suffix(path)
     # a missing path with a data file's suffix, or whose folder is here, is a mistyped local name, not a Hub dataset
     # (which would be retried for half a minute, then reported as unreachable)
@@ -84,6 +85,19 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset", config
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
         raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
+
+
+def _check_whole_split(path: Path, split: str, field: str, config_name: str | None, default_split: str) -> None:
+    """For a file or a saved Dataset, read whole: a config or a split named that it does not have, which would be
+    ignored (a user's `--dataset-split test` got the training rows)."""
+    what = "one file" if path.is_file() else "a folder save_to_disk wrote, of one split"
+    if config_name is not None:
+        raise ValueError(f"{field}_config: names a config of an HF dataset (or of a folder whose README.md lists "
+                         f"configs); {path} is {what}")
+    if split not in ("train", default_split):
+        raise ValueError(f"{field}_split: {split!r} names a split of an HF dataset or a folder of data files; {path} "
+                         f"is {what}, read whole: give the file of those rows, or leave {setting(f'{field}_split')} "
+                         f"at {default_split!r}")
 
 
 def _check_config_name(datasets, dataset: str, config_name: str | None, field: str) -> None:
@@ -135,7 +149,8 @@ def _checked_rows(config, builtin):
         if config.dataset_config is not None:
             raise ValueError("dataset_config: names a config of dataset; the built-in task (no dataset) has none")
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
-    rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config)
+    rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config,
+                     default_split=default_of(config, "dataset_split"))
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
         prompts = list(enumerate(p for p, _ in sft_pairs(rows, config.prompt_column, config.response_column)))
     else:  # an evaluation reads only its first max_examples rows (0: all)
@@ -151,7 +166,7 @@ def eval_rows(config):
     needs eval_dataset."""
     if config.eval_dataset is not None:
         return load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
-                         config_name=eval_dataset_config(config))
+                         config_name=eval_dataset_config(config), default_split=default_of(config, "eval_dataset_split"))
     if config.eval_dataset_config is not None:
         raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
                          "has none")
@@ -161,6 +176,11 @@ def eval_rows(config):
     raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
                      f"{setting('eval_dataset')} (a .jsonl, .json, .parquet or .csv file, a folder of them or an HF "
                      "dataset name)")
+
+
+def default_of(config, name: str):
+    """The default of config's field `name` (eval's dataset_split is "test", train's "train")."""
+    return type(config).__dataclass_fields__[name].default
 
 
 def eval_dataset_config(config) -> str | None:

@@ -1,0 +1,64 @@
+"""Edges of how the commands read a user's data: a split named for one file, numbers in a CSV's text columns, TRL's
+plain `text` rows for sft, conversational rows as eval_dataset, emptied and saved datasets."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.loading import eval_rows, load_dataset, load_rows
+
+ROWS = [{"prompt": "what is 1 plus 1", "answer": "2"}, {"prompt": "what is 2 plus 2", "answer": "4"}]
+
+
+def write_rows(path, rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return str(path)
+
+
+def as_list(rows) -> list[dict]:
+    return [dict(rows[i]) for i in range(len(rows))]
+
+
+def test_a_split_one_file_lacks_is_refused_naming_the_split_setting(tmp_path):
+    # `--dataset data.jsonl --dataset-split test` trained on the file's rows: a file has no test split
+    data = write_rows(tmp_path / "data.jsonl", ROWS)
+    with pytest.raises(ValueError) as err:
+        load_dataset(GRPOConfig(dataset=data, dataset_split="test"))
+    assert str(err.value) == (f"dataset_split: 'test' names a split of an HF dataset or a folder of data files; "
+                              f"{data} is one file, read whole: give the file of those rows, or leave dataset_split "
+                              "at 'train'")
+    assert load_dataset(GRPOConfig(dataset=data, dataset_split="train")) == ROWS  # datasets' name for a file's rows
+
+
+def test_a_file_is_read_whole_under_the_fields_default_split(tmp_path):
+    # eval's dataset_split and every eval_dataset_split default to 'test': a file is its rows all the same
+    data = write_rows(tmp_path / "data.jsonl", ROWS)
+    assert load_dataset(EvalConfig(dataset=data, prompt_format="raw")) == ROWS
+    assert eval_rows(GRPOConfig(dataset=data, eval_dataset=data, eval_steps=1)) == ROWS
+    with pytest.raises(ValueError, match=r"^eval_dataset_split: 'validation' names a split .* leave "
+                                         r"eval_dataset_split at 'test'$"):
+        eval_rows(GRPOConfig(dataset=data, eval_dataset=data, eval_steps=1, eval_dataset_split="validation"))
+
+
+def test_a_split_a_saved_dataset_lacks_is_refused(tmp_path):
+    # Dataset.save_to_disk writes one split; load_from_disk ignored the one named
+    datasets = pytest.importorskip("datasets")
+    datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "saved"))
+    with pytest.raises(ValueError, match=r"^dataset_split: 'test' names a split .* is a folder save_to_disk wrote, "
+                                         "of one split, read whole"):
+        load_rows(str(tmp_path / "saved"), "test")
+
+
+def test_a_saved_dataset_dict_gives_the_split_named(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    splits = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS),
+                                   "test": datasets.Dataset.from_list(ROWS[1:])})
+    splits.save_to_disk(str(tmp_path / "saved"))
+    assert as_list(load_rows(str(tmp_path / "saved"), "test")) == ROWS[1:]
+    assert as_list(load_rows(str(tmp_path / "saved"))) == ROWS
+    with pytest.raises(ValueError, match=r"^dataset_split: no 'validation' split in .*; its splits: \['train', "
+                                         r"'test'\] \(pass dataset_split='train'\)$"):
+        load_rows(str(tmp_path / "saved"), "validation")
