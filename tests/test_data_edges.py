@@ -6,11 +6,17 @@ import json
 
 import pytest
 
+from fastgrpo.train import default_task
+from fastgrpo.train.cli import main
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.loading import eval_rows, load_dataset, load_rows
+from fastgrpo.train.sft_config import SFTConfig
+from fastgrpo.train.sft_data import SFTExample, tokenize_rows
 
 ROWS = [{"prompt": "what is 1 plus 1", "answer": "2"}, {"prompt": "what is 2 plus 2", "answer": "4"}]
+SFT_KWARGS = dict(prompt_column="prompt", response_column="response", prompt_format="auto", max_seq_length=64,
+                  truncate=False)
 
 
 def write_rows(path, rows):
@@ -62,3 +68,35 @@ def test_a_saved_dataset_dict_gives_the_split_named(tmp_path):
     with pytest.raises(ValueError, match=r"^dataset_split: no 'validation' split in .*; its splits: \['train', "
                                          r"'test'\] \(pass dataset_split='train'\)$"):
         load_rows(str(tmp_path / "saved"), "validation")
+
+
+def test_sft_trains_on_every_token_of_trls_text_rows(tmp_path):
+    # TRL's language-modelling rows ({"text": ...}, SFTTrainer's dataset_text_field) were refused with "no column
+    # 'prompt'"; TRL trains on every token but the first (which no token predicts), EOS appended once
+    tokenizer = default_task.build_tokenizer()
+    texts = ["417 say c ccc", "12 say a aa" + tokenizer.eos_token]
+    examples = tokenize_rows([{"text": t} for t in texts], tokenizer, **SFT_KWARGS)
+    for example, text in zip(examples, texts):
+        ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        ids = ids if ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+        assert example == SFTExample(tuple(ids[:1]), tuple(ids[1:]))
+    data = write_rows(tmp_path / "text.jsonl", [{"text": t} for t in texts])
+    assert load_dataset(SFTConfig(dataset=data)) == [{"text": t} for t in texts]  # no prompt to check, none needed
+
+
+@pytest.mark.parametrize("text, problem", [
+    (7, "text: expected a string, got int"),
+    ("", "text: '' has no tokens to train on"),
+])
+def test_a_text_row_that_is_no_text_is_refused_naming_the_row(tmp_path, text, problem):
+    data = write_rows(tmp_path / "text.jsonl", [{"text": "417 say c ccc"}, {"text": text}])
+    with pytest.raises(ValueError) as err:
+        tokenize_rows(load_dataset(SFTConfig(dataset=data)), default_task.build_tokenizer(), **SFT_KWARGS)
+    assert str(err.value) == f"dataset: row 1: {problem}"
+
+
+def test_sft_on_text_rows_runs_from_the_command_line(tmp_path):
+    data = write_rows(tmp_path / "text.jsonl", [{"text": "417 say c ccc"}, {"text": "12 say a aa"}] * 4)
+    assert main(["sft", "--dataset", data, "--output-dir", str(tmp_path / "run"), "--max-steps", "1",
+                 "--batch-size", "4", "--micro-batch-size", "2", "--max-seq-length", "32", "--no-export",
+                 "--device", "cpu", "--no-progress-bar"]) == 0

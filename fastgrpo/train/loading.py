@@ -152,7 +152,8 @@ def _checked_rows(config, builtin):
     rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config,
                      default_split=default_of(config, "dataset_split"))
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
-        prompts = list(enumerate(p for p, _ in sft_pairs(rows, config.prompt_column, config.response_column)))
+        pairs = sft_pairs(rows, config.prompt_column, config.response_column)
+        prompts = [(i, prompt) for i, (prompt, _) in enumerate(pairs) if prompt is not None]  # text rows: none
     else:  # an evaluation reads only its first max_examples rows (0: all)
         prompts = prompt_values(rows, config.prompt_column, getattr(config, "max_examples", 0))
     check_prompt_formats(prompts, config)

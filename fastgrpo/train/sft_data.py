@@ -1,4 +1,5 @@
-"""SFT examples (prompt ids + response ids), the length-sorted micro-batches of an optimizer step, and padding.
+"""SFT examples (prompt ids + response ids; a plain text row: its first token + the rest), the length-sorted
+micro-batches of an optimizer step, and padding.
 
 Micro-batches are length-aware by SORTING, not packing: each optimizer step takes `batch_size` rows of a seeded
 shuffle of the data (so a step's contents are not biased by length), sorts them by length and cuts them into
@@ -31,20 +32,24 @@ class SFTExample:
 
 
 # TRL's SFT dataset columns, which stand in where the rows lack the default response column ("response",
-# SFTConfig's): prompt / `completion` rows, or conversational rows of `messages` (split_conversation)
+# SFTConfig's): prompt / `completion` rows, conversational rows of `messages` (split_conversation), or language
+# modelling rows of `text` (SFTTrainer's dataset_text_field), trained on every token
 DEFAULT_RESPONSE_COLUMN = "response"
 COMPLETION_COLUMN = "completion"
 MESSAGES_COLUMN = "messages"
+TEXT_COLUMN = "text"
 
 
-def sft_columns(columns: list[str], prompt_column: str, response_column: str) -> tuple[str, str] | None:
-    """The (prompt, response) columns that rows with `columns` are read from, or None for TRL's conversational rows
-    (the messages column): TRL's names are taken only for the default response column, which the rows lack."""
+def sft_columns(columns: list[str], prompt_column: str, response_column: str) -> tuple[str, ...]:
+    """The columns that rows with `columns` are read from: (prompt, response), or one of TRL's single columns
+    (messages: a conversation; text: plain text). TRL's names are taken only for the default response column, which
+    the rows lack."""
     if response_column == DEFAULT_RESPONSE_COLUMN and response_column not in columns:
         if COMPLETION_COLUMN in columns and prompt_column in columns:
             return prompt_column, COMPLETION_COLUMN
-        if MESSAGES_COLUMN in columns:
-            return None
+        for single in (MESSAGES_COLUMN, TEXT_COLUMN):
+            if single in columns:
+                return (single,)
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
             raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}"
@@ -77,24 +82,33 @@ def completion_text(response):
 
 def sft_pairs(rows, prompt_column: str, response_column: str) -> list[tuple]:
     """Each row's (prompt, response), from the columns sft_columns picks, checked as text or chat messages (prompt)
-    and text (response) without a tokenizer: the commands call this before the model loads. A row's mistake is a
-    ValueError naming it."""
+    and text (response) without a tokenizer: the commands call this before the model loads. A text row (TRL's
+    language modelling) is (None, text): no prompt, trained on all of it. A row's mistake is a ValueError naming it."""
     if rows is None or len(rows) == 0:
         raise ValueError("dataset: expected at least one row, got an empty dataset")
-    picked = sft_columns(dataset_columns(rows), prompt_column, response_column)
-    needed = picked or (MESSAGES_COLUMN,)
-    check_rows_have(rows, needed, "dataset", "the prompt and response columns" if picked else "its messages")
+    needed = sft_columns(dataset_columns(rows), prompt_column, response_column)
+    why = f"its {needed[0]}" if len(needed) == 1 else "the prompt and response columns"
+    check_rows_have(rows, needed, "dataset", why)
     pairs = []
     for i, values in enumerate(zip(*(_column(rows, column) for column in needed))):
         try:
-            prompt, response = values if picked else split_conversation(values[0])
-            response = completion_text(response)
-            check_prompt(prompt)
-            check_response(response)
+            pairs.append(_row_pair(values, needed))
         except ValueError as err:
             raise ValueError(f"dataset: row {i}: {err}") from None
-        pairs.append((prompt, response))
     return pairs
+
+
+def _row_pair(values: tuple, columns: tuple[str, ...]) -> tuple:
+    """A row's (prompt, response) from its values of `columns` (sft_columns), checked."""
+    if columns == (TEXT_COLUMN,):
+        if not isinstance(values[0], str):
+            raise ValueError(f"text: expected a string, got {type(values[0]).__name__}")
+        return None, values[0]
+    prompt, response = values if len(columns) == 2 else split_conversation(values[0])
+    response = completion_text(response)
+    check_prompt(prompt)
+    check_response(response)
+    return prompt, response
 
 
 def _column(rows, column: str):
@@ -110,8 +124,8 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     examples, cut = [], []
     for i, (prompt, response) in enumerate(sft_pairs(rows, prompt_column, response_column)):
         try:
-            p = prompt_ids(tokenizer, prompt, prompt_format)
-            r = response_ids(tokenizer, prompt, response, prompt_format)
+            p, r = text_ids(tokenizer, response) if prompt is None else \
+                (prompt_ids(tokenizer, prompt, prompt_format), response_ids(tokenizer, prompt, response, prompt_format))
         except ValueError as err:
             raise ValueError(f"dataset: row {i}: {err}") from None
         if not p:
@@ -131,6 +145,20 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
     if cut:  # one line for the dataset, not one per row
         logger.warning(truncation_note(cut, len(examples), max_seq_length))
     return examples
+
+
+def text_ids(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """A text row's tokens (the tokenizer's special tokens, EOS appended once, as TRL's add_eos) as (prompt,
+    response) ids: the first token, which no token predicts, and the rest, each trained on as TRL's language
+    modelling does. prompt_format does not apply: the text is taken as written."""
+    ids = list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    if tokenizer.eos_token_id is None:
+        raise ValueError("tokenizer: needs an eos_token_id (appended to each text so the model learns to stop)")
+    if ids[-1:] != [tokenizer.eos_token_id]:
+        ids.append(tokenizer.eos_token_id)
+    if not text or len(ids) < 2:
+        raise ValueError(f"text: {text!r} has no tokens to train on")
+    return ids[:1], ids[1:]
 
 
 def truncation_note(cut: list[int], num_rows: int, max_seq_length: int) -> str:
