@@ -100,3 +100,19 @@ def test_sft_on_text_rows_runs_from_the_command_line(tmp_path):
     assert main(["sft", "--dataset", data, "--output-dir", str(tmp_path / "run"), "--max-steps", "1",
                  "--batch-size", "4", "--micro-batch-size", "2", "--max-seq-length", "32", "--no-export",
                  "--device", "cpu", "--no-progress-bar"]) == 0
+
+
+def test_a_csv_column_of_numbers_is_its_text_where_it_is_a_prompt_or_a_response(tmp_path):
+    # datasets' csv builder reads a column of digits as int: a prompt "0123" was refused ("expected a string ...,
+    # got int"), and would have lost its 0; other columns keep the types TRL's users get (an answer 4 stays 4)
+    pytest.importorskip("datasets")
+    data = tmp_path / "data.csv"
+    data.write_text("question,response,answer\n0123,4,4\n17,34,34\n")
+    rows = load_dataset(GRPOConfig(dataset=str(data), prompt_column="question", reward_funcs=["length"]))
+    assert as_list(rows) == [{"question": "0123", "response": 4, "answer": 4},
+                             {"question": "17", "response": 34, "answer": 34}]
+    evaluated = eval_rows(GRPOConfig(eval_dataset=str(data), prompt_column="question", eval_steps=1))
+    assert evaluated["question"] == ["0123", "17"]
+    sft_rows = load_dataset(SFTConfig(dataset=str(data), prompt_column="question"))
+    assert as_list(sft_rows) == [{"question": "0123", "response": "4", "answer": 4},
+                                 {"question": "17", "response": "34", "answer": 34}]

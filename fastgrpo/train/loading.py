@@ -21,7 +21,7 @@ from fastgrpo.train.evaluate import first_rows
 from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
-from fastgrpo.train.sft_data import sft_pairs
+from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
                                     naming_the_model, read_json_rows)
 
@@ -41,12 +41,14 @@ def resolve_reward(name: str):
 
 
 def load_rows(dataset: str, split: str = "train", field: str = "dataset", config_name: str | None = None,
-              default_split: str = "train"):
+              default_split: str = "train", text_columns: tuple[str, ...] = ()):
     """Rows of a local data file (sources.DATA_FILE_FORMS: JSON ones read here, tables through `datasets`), of a
     folder of them or one save_to_disk wrote, or of a Hugging Face dataset (config_name: its config, which
     `field`_config names); `field` names the config field in errors. A file (or a saved Dataset) is its only split,
     as datasets.load_dataset(builder, data_files=file) makes it "train": it is read whole under that split or the
-    field's default_split (eval's "test"), and another split is refused rather than ignored."""
+    field's default_split (eval's "test"), and another split is refused rather than ignored. A CSV / TSV file's
+    text_columns (the prompt's, sft's response's) are read as written: "0123", not the int 123 the csv builder makes
+    of digits; its other columns keep the types it infers, as TRL's users get them."""
     path = Path(dataset)
     if path.is_file() or _saved_to_disk(path):
         _check_whole_split(path, split, field, config_name, default_split)
@@ -68,6 +70,8 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset", config
     try:
         if path.is_file():
             builder, options = TABLE_BUILDERS[suffix]
+            if builder == "csv":  # pandas' converters take a cell's text; columns the file lacks are ignored
+                options = {**options, "converters": dict.fromkeys(text_columns, str)}
             return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
             return datasets.load_from_disk(str(path))
@@ -150,7 +154,7 @@ def _checked_rows(config, builtin):
             raise ValueError("dataset_config: names a config of dataset; the built-in task (no dataset) has none")
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config,
-                     default_split=default_of(config, "dataset_split"))
+                     default_split=default_of(config, "dataset_split"), text_columns=text_columns(config))
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
         pairs = sft_pairs(rows, config.prompt_column, config.response_column)
         prompts = [(i, prompt) for i, (prompt, _) in enumerate(pairs) if prompt is not None]  # text rows: none
@@ -167,7 +171,8 @@ def eval_rows(config):
     needs eval_dataset."""
     if config.eval_dataset is not None:
         return load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
-                         config_name=eval_dataset_config(config), default_split=default_of(config, "eval_dataset_split"))
+                         config_name=eval_dataset_config(config),
+                         default_split=default_of(config, "eval_dataset_split"), text_columns=(config.prompt_column,))
     if config.eval_dataset_config is not None:
         raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
                          "has none")
@@ -177,6 +182,13 @@ def eval_rows(config):
     raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
                      f"{setting('eval_dataset')} (a .jsonl, .json, .parquet or .csv file, a folder of them or an HF "
                      "dataset name)")
+
+
+def text_columns(config) -> tuple[str, ...]:
+    """The columns a run reads as text: the prompt's, and sft's response (TRL's completion and text columns too)."""
+    if not hasattr(config, "response_column"):
+        return (config.prompt_column,)
+    return config.prompt_column, config.response_column, COMPLETION_COLUMN, TEXT_COLUMN
 
 
 def default_of(config, name: str):
