@@ -2,6 +2,7 @@
 plain `text` rows for sft, conversational rows as eval_dataset, emptied and saved datasets."""
 from __future__ import annotations
 
+import gzip
 import json
 
 import pytest
@@ -116,3 +117,43 @@ def test_a_csv_column_of_numbers_is_its_text_where_it_is_a_prompt_or_a_response(
     sft_rows = load_dataset(SFTConfig(dataset=str(data), prompt_column="question"))
     assert as_list(sft_rows) == [{"question": "0123", "response": "4", "answer": 4},
                                  {"question": "17", "response": "34", "answer": 34}]
+
+
+@pytest.mark.parametrize("suffix, text, where", [
+    (".jsonl", '{"prompt": "a", "answer": "1"}\n{"prompt": "b", "answer": "2", "prompt": "c"}\n', ":2"),
+    (".json", '[{"prompt": "a", "answer": "1"},\n {"prompt": "b", "answer": "2", "prompt": "c"}]', ""),
+])
+def test_a_row_with_a_key_twice_is_refused(tmp_path, suffix, text, where):
+    # JSON keeps the last value of a repeated key: the row's first "prompt" was dropped without a word
+    path = tmp_path / f"data{suffix}"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path), field="eval_dataset")
+    assert str(err.value) == (f"{path}{where}: the key 'prompt' twice in a row of eval_dataset (JSON keeps the last "
+                              "value, losing the other)")
+
+
+@pytest.mark.parametrize("name, header", [("data.csv", "prompt,answer,prompt"),
+                                          ("data.tsv.gz", "prompt\tanswer\tprompt")])
+def test_a_table_file_naming_a_column_twice_is_refused(tmp_path, name, header):
+    # the csv reader renamed the second 'prompt' 'prompt.1': the run read the first and dropped the other silently
+    pytest.importorskip("datasets")
+    path = tmp_path / name
+    text = f"{header}\nq1{header[6]}1{header[6]}q2\n"
+    path.write_bytes(gzip.compress(text.encode()) if name.endswith(".gz") else text.encode())
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    assert str(err.value) == f"dataset: {path} names the column 'prompt' twice in its header line"
+
+
+@pytest.mark.parametrize("text", ["prompt,answer\n", ""])
+def test_a_table_file_without_rows_is_an_empty_dataset(tmp_path, text):
+    # it was "datasets.load_dataset could not read the file ...: ValueError: Instruction "train" corresponds to no
+    # data!"
+    pytest.importorskip("datasets")
+    path = tmp_path / "data.csv"
+    path.write_text(text)
+    with pytest.raises(ValueError) as err:
+        load_rows(str(path))
+    assert str(err.value) == f"dataset: expected at least one row, got an empty dataset ({path} has none under its " \
+                             "header line)"

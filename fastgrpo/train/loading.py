@@ -22,8 +22,8 @@ from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_pairs
-from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, data_suffix, import_function,
-                                    naming_the_model, read_json_rows)
+from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, check_table_file, data_suffix,
+                                    import_function, naming_the_model, read_json_rows)
 
 
 def resolve_reward(name: str):
@@ -62,6 +62,8 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset", config
             return read_json_rows(path, field)  # a bad row is an error at file:line
         if not suffix:  # load_dataset would take its name for the Hub's
             raise ValueError(f"{field}: expected a {DATA_FILE_FORMS}; got {path}")
+        if TABLE_BUILDERS[suffix][0] == "csv":
+            check_table_file(path, field)
     try:
         import datasets
     except ImportError:

@@ -5,6 +5,7 @@ for data), which the commands print as `fastgrpo <command>: error: ...` (fastgrp
 from __future__ import annotations
 
 import contextlib
+import csv
 import gzip
 import importlib
 import importlib.util
@@ -119,6 +120,27 @@ def data_suffix(path: Path) -> str:
     return suffix if suffix in JSON_SUFFIXES or suffix in TABLE_BUILDERS else ""
 
 
+def check_table_file(path: Path, field: str = "dataset") -> None:
+    """A ValueError for a CSV / TSV file (maybe gzipped) whose header line names a column twice (the csv reader
+    renames the second `name.1`: a run would read the first and drop the other without a word), or that has no row
+    under its header (datasets says 'Instruction "train" corresponds to no data!')."""
+    _, options = TABLE_BUILDERS[data_suffix(path)]
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as file:
+            lines = csv.reader(file, delimiter=options.get("sep", ","))
+            header, first_row = next(lines, []), next(lines, None)
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error):
+        return  # the csv builder's reading says what is wrong with the file
+    names = [name.strip() for name in header]
+    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    if twice is not None:
+        raise ValueError(f"{field}: {path} names the column {twice!r} twice in its header line")
+    if first_row is None:
+        raise ValueError(f"{field}: expected at least one row, got an empty dataset ({path} has none under its "
+                         "header line)")
+
+
 def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
     """The rows of a .jsonl file (one JSON object per line; blank lines skipped) or a .json list of objects (or JSON
     lines too), either maybe gzipped (.jsonl.gz); a bad row is reported as `file:line: ...`."""
@@ -137,14 +159,39 @@ def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
         raise ValueError(f"{field}: {path} is not UTF-8 text (byte {err.start}: {err.reason})") from None
     if data_suffix(path) == ".json":
         try:
-            document = json.loads(text)
+            document = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             if err.msg != "Extra data":  # else one object after another: JSON lines, as datasets' to_json writes
                 raise ValueError(f"{path}:{err.lineno}: invalid JSON in {setting(field)} ({err.msg}, column "
                                  f"{err.colno})") from None
+        except _RepeatedKey as err:
+            raise ValueError(f"{path}: {err.message(field)}") from None
         else:
             return _listed_rows(document, path, field)
     return _json_lines(text, path, field)
+
+
+class _RepeatedKey(ValueError):
+    """A JSON object with a key twice, which json.loads would keep the last value of."""
+
+    def __init__(self, key: str):
+        super().__init__(key)
+        self.key = key
+
+    def message(self, field: str) -> str:
+        return f"the key {self.key!r} twice in a row of {setting(field)} (JSON keeps the last value, losing the other)"
+
+
+def _unique_keys(pairs: list[tuple]) -> dict:
+    """json.loads' object_pairs_hook: the object as a dict, a _RepeatedKey for a key given twice."""
+    row = dict(pairs)
+    if len(row) == len(pairs):
+        return row
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen.add(key)
 
 
 def _listed_rows(document, path: Path, field: str) -> list[dict]:
@@ -164,10 +211,12 @@ def _json_lines(text: str, path: Path, field: str) -> list[dict]:
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as err:
             raise ValueError(f"{path}:{number}: invalid JSON in {setting(field)} ({err.msg}, column "
                              f"{err.colno})") from None
+        except _RepeatedKey as err:
+            raise ValueError(f"{path}:{number}: {err.message(field)}") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{number}: expected a JSON object (one row), got {type(row).__name__}")
         rows.append(row)
