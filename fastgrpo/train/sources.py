@@ -132,8 +132,7 @@ def check_table_file(path: Path, field: str = "dataset") -> None:
             header, first_row = next(lines, []), next(lines, None)
     except (OSError, EOFError, UnicodeDecodeError, csv.Error):
         return  # the csv builder's reading says what is wrong with the file
-    names = [name.strip() for name in header]
-    twice = next((name for i, name in enumerate(names) if name in names[:i]), None)
+    twice = next((name for i, name in enumerate(header) if name in header[:i]), None)  # as pandas: " a" is not "a"
     if twice is not None:
         raise ValueError(f"{field}: {path} names the column {twice!r} twice in its header line")
     if first_row is None:
