@@ -157,3 +157,21 @@ def test_a_table_file_without_rows_is_an_empty_dataset(tmp_path, text):
         load_rows(str(path))
     assert str(err.value) == f"dataset: expected at least one row, got an empty dataset ({path} has none under its " \
                              "header line)"
+
+
+TURNS = [{"role": "user", "content": "417 say c"}, {"role": "assistant", "content": "cccc"}]
+
+
+def test_sft_evaluates_on_the_conversations_its_dataset_takes(tmp_path):
+    # sft trains on TRL's messages rows, and its --eval-dataset of the same rows was refused ("no prompt column
+    # 'prompt'"): they evaluate on the turns before the assistant's, the prompt sft trains them on
+    data = write_rows(tmp_path / "chat.jsonl", [{"messages": TURNS, "answer": "c"},
+                                                {"messages": TURNS[:1], "answer": "c"}])
+    config = SFTConfig(dataset=data, eval_dataset=data, eval_steps=1, eval_reward_funcs=["length"])
+    assert eval_rows(config) == [{"messages": TURNS, "answer": "c", "prompt": TURNS[:1]},
+                                 {"messages": TURNS[:1], "answer": "c", "prompt": TURNS[:1]}]
+    bad = write_rows(tmp_path / "bad.jsonl", [{"messages": TURNS}, {"messages": TURNS[1:]}])
+    with pytest.raises(ValueError) as err:
+        eval_rows(SFTConfig(dataset=data, eval_dataset=bad, eval_steps=1))
+    assert str(err.value) == ("eval_dataset: row 1: messages: expected turns before the last assistant turn (the "
+                              "prompt), got only the assistant's")

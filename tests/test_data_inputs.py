@@ -148,7 +148,8 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
     # read inside the trainer: a wrong path or column stopped the run after the model had loaded
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "say a", "response": "a", "answer": "a"}\n')
-    chats = tmp_path / "chats.jsonl"  # TRL's conversational rows: sft trains on them, an evaluation needs prompts
+    chats = tmp_path / "chats.jsonl"  # TRL's conversational rows: sft evaluates on their prompt turns, graded by
+    # eval_reward_funcs (r1_zero_math: each row's answer)
     chats.write_text('{"messages": [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]}\n')
     chat_prompts = tmp_path / "chat_prompts.jsonl"
     chat_prompts.write_text('{"prompt": [{"role": "user", "content": "say a"}], "answer": "a"}\n')
@@ -156,7 +157,8 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
         (SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl"), eval_steps=10),
          f"eval_dataset: no such file {tmp_path / 'nope.jsonl'}"),
         (SFTConfig(dataset=str(train), eval_dataset=str(chats), eval_steps=10),
-         "eval_dataset: no prompt column 'prompt' (prompt_column); columns: ['messages']"),
+         "eval_dataset: reward function r1_zero_math_reward needs columns ['answer'], which the dataset lacks "
+         "(columns: ['messages', 'prompt'])"),
         (GRPOConfig(dataset=str(train), eval_dataset=str(chat_prompts), eval_steps=10, reward_funcs=["r1_zero_math"]),
          NO_TEMPLATE.replace("dataset: row 1", "eval_dataset: row 0")),
     ]:

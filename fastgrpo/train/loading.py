@@ -21,7 +21,7 @@ from fastgrpo.train.evaluate import first_rows
 from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
-from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_pairs
+from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_eval_rows, sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, check_table_file, data_suffix,
                                     import_function, naming_the_model, read_json_rows)
 
@@ -169,12 +169,15 @@ def _checked_rows(config, builtin):
 
 def eval_rows(config):
     """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset or
-    a folder: its eval_dataset_split), or for a run on the built-in task held-out rows of it; a run on its own data
-    needs eval_dataset."""
+    a folder: its eval_dataset_split; for sft, TRL's conversational rows too: sft_data.sft_eval_rows), or for a run
+    on the built-in task held-out rows of it; a run on its own data needs eval_dataset."""
     if config.eval_dataset is not None:
-        return load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
+        rows = load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
                          config_name=eval_dataset_config(config),
                          default_split=default_of(config, "eval_dataset_split"), text_columns=(config.prompt_column,))
+        if hasattr(config, "response_column"):  # sft's: TRL's conversations too, as its dataset
+            return sft_eval_rows(rows, config.prompt_column, config.eval_max_examples)
+        return rows
     if config.eval_dataset_config is not None:
         raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
                          "has none")

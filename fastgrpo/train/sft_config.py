@@ -87,7 +87,8 @@ class SFTConfig(ConfigFile):
     progress_bar: bool = inherited("progress_bar")
     # Periodic evaluation with the rollout engine (fastgrpo.train.periodic_eval).
     eval_steps: int = option(0, "evaluate every N steps and at the end; 0: off", run_control=True)
-    eval_dataset: str | None = option(None, "rows with prompt_column and the reward's columns (an HF dataset or a "
+    eval_dataset: str | None = option(None, "rows with prompt_column (or TRL's messages, evaluated on the turns "
+                                            "before the assistant's) and the reward's columns (an HF dataset or a "
                                             "folder: its eval_dataset_split); none: the built-in task's held-out "
                                             "rows when training on the built-in task", run_control=True)
     eval_dataset_split: str = inherited("eval_dataset_split")

@@ -72,6 +72,36 @@ def split_conversation(messages) -> tuple[list, object]:
     return list(messages[:-1]), messages[-1].get("content")
 
 
+def conversation_prompt(messages) -> list:
+    """What a conversation is evaluated on: the turns before the last where that is the assistant's (the reference,
+    as split_conversation takes it for training), else all of them."""
+    if isinstance(messages, (list, tuple)) and messages and isinstance(messages[-1], dict) \
+            and messages[-1].get("role") != "assistant":
+        check_prompt(list(messages))
+        return list(messages)
+    return split_conversation(messages)[0]
+
+
+def sft_eval_rows(rows, prompt_column: str, max_examples: int):
+    """An sft run's eval rows as its dataset takes them: TRL's conversational rows (a messages column, no prompt
+    column) get prompt_column, their conversation_prompt; the first max_examples (0: all) are the ones evaluated.
+    Other rows are returned as they are."""
+    if rows is None or len(rows) == 0:
+        return rows
+    columns = dataset_columns(rows)
+    if prompt_column in columns or MESSAGES_COLUMN not in columns:
+        return rows
+    count = min(len(rows), max_examples) if max_examples else len(rows)
+    evaluated = []
+    for i in range(count):
+        row = dict(rows[i])
+        try:
+            evaluated.append({**row, prompt_column: conversation_prompt(row.get(MESSAGES_COLUMN))})
+        except ValueError as err:
+            raise ValueError(f"eval_dataset: row {i}: {err}") from None
+    return evaluated
+
+
 def completion_text(response):
     """A response as text: TRL's conversational completion, one assistant message, gives its content."""
     if isinstance(response, (list, tuple)) and len(response) == 1 and isinstance(response[0], dict) \
