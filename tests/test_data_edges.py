@@ -36,7 +36,7 @@ def test_a_split_one_file_lacks_is_refused_naming_the_split_setting(tmp_path):
         load_dataset(GRPOConfig(dataset=data, dataset_split="test"))
     assert str(err.value) == (f"dataset_split: 'test' names a split of an HF dataset or a folder of data files; "
                               f"{data} is one file, read whole: give the file of those rows, or leave dataset_split "
-                              "at 'train'")
+                              "at 'train' (or slice it: 'train[:100]')")
     assert load_dataset(GRPOConfig(dataset=data, dataset_split="train")) == ROWS  # datasets' name for a file's rows
 
 
@@ -46,7 +46,7 @@ def test_a_file_is_read_whole_under_the_fields_default_split(tmp_path):
     assert load_dataset(EvalConfig(dataset=data, prompt_format="raw")) == ROWS
     assert eval_rows(GRPOConfig(dataset=data, eval_dataset=data, eval_steps=1)) == ROWS
     with pytest.raises(ValueError, match=r"^eval_dataset_split: 'validation' names a split .* leave "
-                                         r"eval_dataset_split at 'test'$"):
+                                         r"eval_dataset_split at 'test' \(or slice it: 'test\[:100\]'\)$"):
         eval_rows(GRPOConfig(dataset=data, eval_dataset=data, eval_steps=1, eval_dataset_split="validation"))
 
 
@@ -175,3 +175,25 @@ def test_sft_evaluates_on_the_conversations_its_dataset_takes(tmp_path):
         eval_rows(SFTConfig(dataset=data, eval_dataset=bad, eval_steps=1))
     assert str(err.value) == ("eval_dataset: row 1: messages: expected turns before the last assistant turn (the "
                               "prompt), got only the assistant's")
+
+
+@pytest.mark.parametrize("split, picked", [("train[:1]", [0]), ("train[-1:]", [1]), ("train[50%:]", [1]),
+                                           ("test[:1]", [0])])
+def test_a_slice_of_a_files_split_picks_its_rows(tmp_path, split, picked):
+    # datasets' split slices, which a Hub dataset or a folder honours, were ignored for one file: all rows were read
+    pytest.importorskip("datasets")
+    data = write_rows(tmp_path / "data.jsonl", ROWS)
+    assert load_rows(data, split, field="eval_dataset", default_split="test") == [ROWS[i] for i in picked]
+    csv = tmp_path / "data.csv"
+    csv.write_text("prompt,answer\nwhat is 1 plus 1,2\nwhat is 2 plus 2,4\n")
+    assert as_list(load_rows(str(csv), split, field="eval_dataset", default_split="test")) == \
+        [{"prompt": ROWS[i]["prompt"], "answer": int(ROWS[i]["answer"])} for i in picked]
+    with pytest.raises(ValueError, match=r"^dataset_split: 'validation\[:1\]' names a split of an HF dataset"):
+        load_rows(data, "validation[:1]")
+
+
+def test_text_rows_with_a_prompt_column_are_not_taken_for_plain_text():
+    # which column is the response is the user's to say: training on all of `text` would drop the prompt unsaid
+    with pytest.raises(ValueError, match=r"^dataset: no column 'response' \(response_column\); columns: \['prompt', "
+                                         r"'text'\]$"):
+        tokenize_rows([{"prompt": "417 say c", "text": "ccc"}], default_task.build_tokenizer(), **SFT_KWARGS)

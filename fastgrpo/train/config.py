@@ -67,7 +67,7 @@ class GRPOConfig(ConfigFile):
                                        "folder of data files or of save_to_disk, or an HF dataset name (these need "
                                        "`datasets`); none: the built-in task")
     dataset_split: str = option("train", "split of an HF dataset or a folder; a file (or a save_to_disk folder of "
-                                        "one Dataset) is read whole, under 'train'")
+                                        "one Dataset) is read whole, under 'train', or sliced: 'train[:100]'")
     dataset_config: str | None = option(None, "config (subset) of an HF dataset that has several, as "
                                               "datasets.load_dataset(dataset, name) takes it: main for openai/gsm8k")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages for the chat template")
@@ -250,7 +250,8 @@ class GRPOConfig(ConfigFile):
                                             "none: the built-in task's held-out rows when training on the built-in "
                                             "task", run_control=True)
     eval_dataset_split: str = option("test", "split of an HF eval_dataset, or of a folder of data files (they load as "
-                                             "'train'), to evaluate on; a file is read whole", run_control=True)
+                                             "'train'), to evaluate on; a file is read whole, or sliced: "
+                                             "'test[:100]'", run_control=True)
     eval_dataset_config: str | None = option(None, "config of an HF eval_dataset that has several; none: "
                                                    "dataset_config when eval_dataset is the run's dataset",
                                              run_control=True)

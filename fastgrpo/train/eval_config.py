@@ -23,7 +23,8 @@ class EvalConfig(ConfigFile):
     dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "
                                        "name; none: the built-in task's held-out rows")
     dataset_split: str = option("test", "split of an HF dataset or a folder; a file (or a save_to_disk folder of "
-                                        "one Dataset) is read whole, under 'test' or 'train'")
+                                        "one Dataset) is read whole, under 'test' or 'train', or sliced: "
+                                        "'test[:100]'")
     dataset_config: str | None = inherited("dataset_config")
     prompt_column: str = option("prompt", "column with the question: text, or chat messages")
     prompt_format: str = option("r1_zero", f"one of {PROMPT_FORMATS} (fastgrpo.train.prompts); with --checkpoint "

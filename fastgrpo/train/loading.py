@@ -46,12 +46,23 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset", config
     folder of them or one save_to_disk wrote, or of a Hugging Face dataset (config_name: its config, which
     `field`_config names); `field` names the config field in errors. A file (or a saved Dataset) is its only split,
     as datasets.load_dataset(builder, data_files=file) makes it "train": it is read whole under that split or the
-    field's default_split (eval's "test"), and another split is refused rather than ignored. A CSV / TSV file's
-    text_columns (the prompt's, sft's response's) are read as written: "0123", not the int 123 the csv builder makes
-    of digits; its other columns keep the types it infers, as TRL's users get them."""
+    field's default_split (eval's "test"), or a slice of it ("train[:100]"); another split is refused rather than
+    ignored. A CSV / TSV file's text_columns (the prompt's, sft's response's) are read as written: "0123", not the
+    int 123 the csv builder makes of digits; its other columns keep the types it infers, as TRL's users get them."""
     path = Path(dataset)
-    if path.is_file() or _saved_to_disk(path):
-        _check_whole_split(path, split, field, config_name, default_split)
+    if not (path.is_file() or _saved_to_disk(path)):
+        return _read_rows(dataset, split, field, config_name, text_columns)
+    _check_whole_split(path, split, field, config_name, default_split)
+    rows = _read_rows(dataset, split, field, config_name, text_columns)
+    indices = _slice_indices(split, len(rows), default_split)
+    if indices is None:
+        return rows
+    return [rows[i] for i in indices] if isinstance(rows, list) else rows.select(indices)
+
+
+def _read_rows(dataset: str, split: str, field: str, config_name: str | None, text_columns: tuple[str, ...]):
+    """load_rows' reading, of `split` where `dataset` is not a file or a saved Dataset (those are read whole)."""
+    path = Path(dataset)
     suffix = data_suffix(path)
     # a missing path with a data file's suffix, or whose folder is here, is a mistyped local name, not a Hub dataset
     # (which would be retried for half a minute, then reported as unreachable)
@@ -100,10 +111,28 @@ def _check_whole_split(path: Path, split: str, field: str, config_name: str | No
     if config_name is not None:
         raise ValueError(f"{field}_config: names a config of an HF dataset (or of a folder whose README.md lists "
                          f"configs); {path} is {what}")
-    if split not in ("train", default_split):
+    try:
+        _slice_indices(split, 0, default_split)
+    except ValueError:
         raise ValueError(f"{field}_split: {split!r} names a split of an HF dataset or a folder of data files; {path} "
                          f"is {what}, read whole: give the file of those rows, or leave {setting(f'{field}_split')} "
-                         f"at {default_split!r}")
+                         f"at {default_split!r} (or slice it: '{default_split}[:100]')") from None
+
+
+def _slice_indices(split: str, count: int, default_split: str) -> list[int] | None:
+    """The rows of a file's (or saved Dataset's) `count` that `split` picks: None for all of them (its one split,
+    which datasets names "train", or the field's default_split); a slice of it ("train[:100]", "test[10%:]") as
+    datasets.ReadInstruction reads one for a Hub dataset. A ValueError for any other split."""
+    if split in ("train", default_split):
+        return None
+    if "[" not in split:
+        raise ValueError(split)
+    try:
+        from datasets import ReadInstruction
+        parts = ReadInstruction.from_spec(split).to_absolute({"train": count, default_split: count})
+    except (ImportError, AssertionError) as err:  # no datasets; a spec it cannot read
+        raise ValueError(split) from err
+    return [i for part in parts for i in range(part.from_, part.to)]
 
 
 def _check_config_name(datasets, dataset: str, config_name: str | None, field: str) -> None:

@@ -47,9 +47,10 @@ def sft_columns(columns: list[str], prompt_column: str, response_column: str) ->
     if response_column == DEFAULT_RESPONSE_COLUMN and response_column not in columns:
         if COMPLETION_COLUMN in columns and prompt_column in columns:
             return prompt_column, COMPLETION_COLUMN
-        for single in (MESSAGES_COLUMN, TEXT_COLUMN):
-            if single in columns:
-                return (single,)
+        if MESSAGES_COLUMN in columns:
+            return (MESSAGES_COLUMN,)
+        if TEXT_COLUMN in columns and prompt_column not in columns:  # with a prompt, which is the response is unsaid
+            return (TEXT_COLUMN,)
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
         if column not in columns:
             raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}"
