@@ -197,3 +197,12 @@ def test_text_rows_with_a_prompt_column_are_not_taken_for_plain_text():
     with pytest.raises(ValueError, match=r"^dataset: no column 'response' \(response_column\); columns: \['prompt', "
                                          r"'text'\]$"):
         tokenize_rows([{"prompt": "417 say c", "text": "ccc"}], default_task.build_tokenizer(), **SFT_KWARGS)
+
+
+def test_a_row_over_max_seq_length_names_the_flag_to_raise(tmp_path, capsys):
+    # the line said "raise max_seq_length" beside "--truncate-sequences"
+    data = write_rows(tmp_path / "text.jsonl", [{"text": "417 say c " * 20}])
+    assert main(["sft", "--dataset", data, "--output-dir", str(tmp_path / "run"), "--max-seq-length", "32",
+                 "--device", "cpu", "--no-progress-bar"]) == 2
+    assert capsys.readouterr().err.endswith("over max_seq_length (32); raise --max-seq-length or pass "
+                                            "--truncate-sequences\n")

@@ -165,7 +165,7 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
         if len(p) + len(r) > max_seq_length:
             if not truncate:
                 raise ValueError(f"dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
-                                 f"({max_seq_length}); raise max_seq_length or pass "
+                                 f"({max_seq_length}); raise {setting('max_seq_length')} or pass "
                                  f"{setting('truncate_sequences', True)}")
             cut.append(i)
             r = r[: max(0, max_seq_length - len(p))]
