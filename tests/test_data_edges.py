@@ -13,7 +13,7 @@ from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.loading import eval_rows, load_dataset, load_rows
 from fastgrpo.train.sft_config import SFTConfig
-from fastgrpo.train.sft_data import SFTExample, tokenize_rows
+from fastgrpo.train.sft_data import SFTExample, sft_eval_rows, tokenize_rows
 
 ROWS = [{"prompt": "what is 1 plus 1", "answer": "2"}, {"prompt": "what is 2 plus 2", "answer": "4"}]
 SFT_KWARGS = dict(prompt_column="prompt", response_column="response", prompt_format="auto", max_seq_length=64,
@@ -206,3 +206,15 @@ def test_a_row_over_max_seq_length_names_the_flag_to_raise(tmp_path, capsys):
                  "--device", "cpu", "--no-progress-bar"]) == 2
     assert capsys.readouterr().err.endswith("over max_seq_length (32); raise --max-seq-length or pass "
                                             "--truncate-sequences\n")
+
+
+def test_sft_takes_sharegpt_conversations_as_trl_does():
+    # TRL's maybe_convert_to_chatml: a `conversations` column of {"from", "value"} turns is `messages` of {"role",
+    # "content"}; they were refused with "no column 'prompt' (prompt_column); columns: ['conversations']"
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.chat_template = ("{% for m in messages %}{{ m['role'][0] }}:{{ m['content'] }}{{ eos_token }}"
+                               "{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+    turns = [{"from": "user", "value": "417 say c"}, {"from": "assistant", "value": "cccc"}]
+    expected = tokenize_rows([{"messages": TURNS}], tokenizer, **SFT_KWARGS)
+    assert tokenize_rows([{"conversations": turns}], tokenizer, **SFT_KWARGS) == expected
+    assert sft_eval_rows([{"conversations": turns, "answer": "c"}], "prompt", 0)[0]["prompt"] == TURNS[:1]

@@ -22,10 +22,10 @@ class SFTConfig(ConfigFile):
     COMMAND = "sft"
     # Model and data.
     model: str | None = inherited("model")
-    dataset: str | None = option(None, "rows of prompt/response (or TRL's prompt/completion, a messages "
-                                       "conversation ending in the assistant's turn, or plain text: a text column, "
-                                       "trained on every token) in a file, a folder or an HF dataset, as train's "
-                                       "--dataset; none: the built-in task")
+    dataset: str | None = option(None, "rows of prompt/response (or TRL's prompt/completion, a messages (or "
+                                       "ShareGPT conversations) list ending in the assistant's turn, or plain text: "
+                                       "a text column, trained on every token) in a file, a folder or an HF dataset, "
+                                       "as train's --dataset; none: the built-in task")
     dataset_split: str = inherited("dataset_split")
     dataset_config: str | None = inherited("dataset_config")
     prompt_column: str = option("prompt", "column with the prompt: text, or chat messages")

@@ -32,11 +32,13 @@ class SFTExample:
 
 
 # TRL's SFT dataset columns, which stand in where the rows lack the default response column ("response",
-# SFTConfig's): prompt / `completion` rows, conversational rows of `messages` (split_conversation), or language
-# modelling rows of `text` (SFTTrainer's dataset_text_field), trained on every token
+# SFTConfig's): prompt / `completion` rows, conversational rows of `messages` (split_conversation) or ShareGPT's
+# `conversations` (chatml), or language modelling rows of `text` (SFTTrainer's dataset_text_field), trained on every
+# token
 DEFAULT_RESPONSE_COLUMN = "response"
 COMPLETION_COLUMN = "completion"
 MESSAGES_COLUMN = "messages"
+CONVERSATIONS_COLUMN = "conversations"
 TEXT_COLUMN = "text"
 
 
@@ -47,8 +49,9 @@ def sft_columns(columns: list[str], prompt_column: str, response_column: str) ->
     if response_column == DEFAULT_RESPONSE_COLUMN and response_column not in columns:
         if COMPLETION_COLUMN in columns and prompt_column in columns:
             return prompt_column, COMPLETION_COLUMN
-        if MESSAGES_COLUMN in columns:
-            return (MESSAGES_COLUMN,)
+        conversation = _conversation_column(columns)
+        if conversation is not None:
+            return (conversation,)
         if TEXT_COLUMN in columns and prompt_column not in columns:  # with a prompt, which is the response is unsaid
             return (TEXT_COLUMN,)
     for name, column in (("prompt_column", prompt_column), ("response_column", response_column)):
@@ -56,6 +59,20 @@ def sft_columns(columns: list[str], prompt_column: str, response_column: str) ->
             raise ValueError(f"dataset: no column {column!r} ({name}); columns: {columns}"
                              f"{close_match([column], columns)}")
     return prompt_column, response_column
+
+
+def _conversation_column(columns: list[str]) -> str | None:
+    """The column of TRL's conversational rows: messages, else ShareGPT's conversations; None for neither."""
+    return next((c for c in (MESSAGES_COLUMN, CONVERSATIONS_COLUMN) if c in columns), None)
+
+
+def chatml(messages):
+    """ShareGPT's turns {"from", "value"} as chat messages {"role", "content"}, as TRL's maybe_convert_to_chatml
+    renames them; other values as they are."""
+    if not isinstance(messages, (list, tuple)):
+        return messages
+    renamed = {"from": "role", "value": "content"}
+    return [{renamed.get(k, k): v for k, v in m.items()} if isinstance(m, dict) else m for m in messages]
 
 
 def split_conversation(messages) -> tuple[list, object]:
@@ -84,20 +101,21 @@ def conversation_prompt(messages) -> list:
 
 
 def sft_eval_rows(rows, prompt_column: str, max_examples: int):
-    """An sft run's eval rows as its dataset takes them: TRL's conversational rows (a messages column, no prompt
-    column) get prompt_column, their conversation_prompt; the first max_examples (0: all) are the ones evaluated.
-    Other rows are returned as they are."""
+    """An sft run's eval rows as its dataset takes them: TRL's conversational rows (a messages or conversations
+    column, no prompt column) get prompt_column, their conversation_prompt; the first max_examples (0: all) are the
+    ones evaluated. Other rows are returned as they are."""
     if rows is None or len(rows) == 0:
         return rows
     columns = dataset_columns(rows)
-    if prompt_column in columns or MESSAGES_COLUMN not in columns:
+    conversation = _conversation_column(columns)
+    if prompt_column in columns or conversation is None:
         return rows
     count = min(len(rows), max_examples) if max_examples else len(rows)
     evaluated = []
     for i in range(count):
         row = dict(rows[i])
         try:
-            evaluated.append({**row, prompt_column: conversation_prompt(row.get(MESSAGES_COLUMN))})
+            evaluated.append({**row, prompt_column: conversation_prompt(chatml(row.get(conversation)))})
         except ValueError as err:
             raise ValueError(f"eval_dataset: row {i}: {err}") from None
     return evaluated
@@ -135,7 +153,7 @@ def _row_pair(values: tuple, columns: tuple[str, ...]) -> tuple:
         if not isinstance(values[0], str):
             raise ValueError(f"text: expected a string, got {type(values[0]).__name__}")
         return None, values[0]
-    prompt, response = values if len(columns) == 2 else split_conversation(values[0])
+    prompt, response = values if len(columns) == 2 else split_conversation(chatml(values[0]))
     response = completion_text(response)
     check_prompt(prompt)
     check_response(response)
