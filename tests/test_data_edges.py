@@ -218,3 +218,12 @@ def test_sft_takes_sharegpt_conversations_as_trl_does():
     expected = tokenize_rows([{"messages": TURNS}], tokenizer, **SFT_KWARGS)
     assert tokenize_rows([{"conversations": turns}], tokenizer, **SFT_KWARGS) == expected
     assert sft_eval_rows([{"conversations": turns, "answer": "c"}], "prompt", 0)[0]["prompt"] == TURNS[:1]
+
+
+def test_a_folder_of_csv_files_reads_its_prompts_as_written(tmp_path):
+    # as one CSV file does: the csv builder made a column of digits ints, refused as prompts
+    pytest.importorskip("datasets")
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "part-0.csv").write_text("question,answer\n0123,4\n17,34\n")
+    rows = load_rows(str(tmp_path / "data"), text_columns=("question",))
+    assert as_list(rows) == [{"question": "0123", "answer": 4}, {"question": "17", "answer": 34}]

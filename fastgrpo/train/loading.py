@@ -88,7 +88,7 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
             return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
         if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
             return datasets.load_from_disk(str(path))
-        return datasets.load_dataset(dataset, config_name, split=split)
+        return datasets.load_dataset(dataset, config_name, split=split, **_folder_options(path, text_columns))
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
         if not path.is_file() and "config" in str(err).lower():  # "Config name is missing", "BuilderConfig 'x' ..."
             _check_config_name(datasets, dataset, config_name, field)
@@ -102,6 +102,15 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
         raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
+
+
+def _folder_options(path: Path, text_columns: tuple[str, ...]) -> dict:
+    """load_dataset's options for a local folder whose data files are all CSV: its text_columns read as written, as a
+    CSV file's are (load_rows); none for another folder or a Hub name (other builders refuse `converters`)."""
+    if not path.is_dir() or _saved_to_disk(path):
+        return {}
+    suffixes = {data_suffix(file) for file in path.rglob("*") if file.is_file()} - {""}
+    return {"converters": dict.fromkeys(text_columns, str)} if suffixes == {".csv"} else {}
 
 
 def _check_whole_split(path: Path, split: str, field: str, config_name: str | None, default_split: str) -> None:
