@@ -7,6 +7,7 @@ same names.
 from __future__ import annotations
 
 import types
+import warnings
 from pathlib import Path
 
 import torch
@@ -359,15 +360,35 @@ def _with_lora(model, config):
     from peft import LoraConfig, get_peft_model
 
     targets = config.lora_target_modules
+    outside = _linears_outside_the_decoder(model)
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
-                      target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM")
+                      target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
+                      **({"exclude_modules": outside} if outside else {}))
     try:
-        return get_peft_model(model, lora)
+        with warnings.catch_warnings():
+            # peft 0.21 reads transformers 5.24's deprecated is_gradient_checkpointing: a warning on every LoRA run
+            # that its user cannot act on
+            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
+                                    category=FutureWarning)
+            return get_peft_model(model, lora)
     except ValueError as err:
         problem = _lora_target_problem(model, targets)
         if problem is None:
             raise
         raise ValueError(f"lora_target_modules: {problem}") from err
+
+
+def _linears_outside_the_decoder(model) -> list[str]:
+    """Names of the linears a text run never trains: a multimodal checkpoint's vision tower and projector (Gemma-3
+    4B+ loads as Gemma3ForConditionalGeneration), whose q/k/v_proj and fc layers "all-linear" or the projection
+    names would give adapters that get no gradient yet cost optimizer state. The lm_head is left to the targets."""
+    decoder = model.get_decoder() if callable(getattr(model, "get_decoder", None)) else None
+    if decoder is None:
+        return []
+    inside = {id(module) for module in decoder.modules()}
+    head = model.get_output_embeddings()
+    return [name for name, module in model.named_modules()
+            if isinstance(module, torch.nn.Linear) and id(module) not in inside and module is not head]
 
 
 # What PEFT's LoRA wraps (its LoraModel._create_new_module); a bitsandbytes 4-bit linear is an nn.Linear
