@@ -85,6 +85,27 @@ def correction_metrics(config, loss_batch: dict, old_logps: torch.Tensor) -> tup
                               *correction_of(config))
 
 
+def micro_batch_scale(loss_type: str, rows: int, minibatch_rows: int, world_size: int) -> float:
+    """What a micro-batch's loss is multiplied by before its backward: token-sum types by the process count (their
+    divisor counts every process's tokens, and DDP / FSDP2 average over processes), the per-micro-batch means by the
+    micro-batch's share of the minibatch's rows."""
+    return float(world_size) if loss_type in TOKEN_SUM_TYPES else rows / minibatch_rows
+
+
+# Loss types whose scaled micro-batch losses add up to the same minibatch loss whichever rows share a micro-batch
+# (per-row terms, or sums over the minibatch's tokens); bnpo divides by each micro-batch's own tokens.
+ROW_ADDITIVE_TYPES = ("grpo", "sapo", "dr_grpo", "luspo", *TOKEN_SUM_TYPES)
+
+
+def rows_may_regroup(config) -> bool:
+    """Whether the update may group a minibatch's rows into micro-batches by length (short rows together, which the
+    backbone then runs only to their longest) without changing the loss or its gradient. Not with bnpo, nor with
+    top_entropy_quantile < 1 (a micro-batch's entropy quantile picks the tokens) or an entropy bonus (a
+    micro-batch's mean)."""
+    return (config.loss_type in ROW_ADDITIVE_TYPES and config.top_entropy_quantile == 1.0
+            and config.entropy_coef == 0.0 and not config.use_adaptive_entropy)
+
+
 def minibatch_config(config, base: GRPOLossConfig, num_items: int, share: float, entropy_coef: float) -> GRPOLossConfig:
     """The loss config of one micro-batch: token-sum types divide by the minibatch's tokens; the entropy bonus is a
     per-micro-batch mean weighted by the micro-batch's share of the minibatch whatever the loss type (TRL: / GA)."""

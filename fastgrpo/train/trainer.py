@@ -31,8 +31,10 @@ from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
-from fastgrpo.train.loss_setup import LOSS_EXTRAS, TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, minibatch_config
-from fastgrpo.train.loss_setup import correction_metrics, correction_of, prepare_loss_batch
+from fastgrpo.train.loss_setup import (
+    LOSS_EXTRAS, AdaptiveEntropy, correction_metrics, correction_of, loss_config, micro_batch_scale, minibatch_config,
+    prepare_loss_batch, rows_may_regroup,
+)
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
@@ -252,6 +254,7 @@ class GRPOTrainer:
         micro_count = 0
         logps = torch.zeros(batch["input_ids"].shape, device=self.device) if return_logps else None  # [N, P + L]
         correction = correction_of(config) if old_logps is None else None  # on-policy: the loss weights itself
+        regroup, lengths = rows_may_regroup(config), batch["attention_mask"].sum(1)
         model.train()
         for iteration in range(config.num_iterations):
             # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
@@ -259,6 +262,8 @@ class GRPOTrainer:
             order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.device)
             for start in range(0, n, mb_size):
                 minibatch = order[start:start + mb_size]
+                if regroup:  # short rows share micro-batches, which the backbone runs only to their longest row
+                    minibatch = minibatch[lengths[minibatch].argsort(stable=True)]
                 # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
                 # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
                 num_items = int(self.dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))
@@ -279,7 +284,7 @@ class GRPOTrainer:
                     )
                     if return_logps:
                         logps[rows] = metrics["logps"].float()  # rows: shuffled positions in the batch
-                    scale = float(self.dist.world_size) if config.loss_type in TOKEN_SUM_TYPES else len(rows) / mb_size
+                    scale = micro_batch_scale(config.loss_type, len(rows), mb_size, self.dist.world_size)
                     (loss * scale).backward()
                     sums["loss"] += loss.detach().double() * scale
                     for k in ("clip_ratio", "entropy"):
