@@ -1,8 +1,8 @@
 """Run the backbone on padded rows without their attention mask, where that changes no token the loss reads.
 
 A batch of GRPO rows is [left padding | prompt | completion | right padding]. Given such a mask, transformers builds
-a [B, 1, T, T] mask and SDPA leaves its causal flash path: on an H200 that cost a LoRA update of Qwen2.5-1.5B
-(8 x 1280 tokens) 11% more time, 2 GiB more memory and ~2 s once (benchmarks/NOTES.md, thirty-fifth session). When
+a [B, 1, T, T] mask and SDPA leaves its causal flash path, which costs the update time, memory and a first-call
+compile (measured in benchmarks/NOTES.md, "Padded rows without their mask"). When
 each row's 1s are one run, rolling the row left by its left padding gives [prompt | completion | padding], whose
 real tokens see exactly what the mask let them see under the causal mask alone: padding after a token never reaches
 it. Position ids then start at 0 on every row's first real token, as the rollout engines number them; RoPE scores
