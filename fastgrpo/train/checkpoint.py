@@ -8,8 +8,9 @@ bit for bit, so N straight steps equal k steps + resume + N - k steps.
 Safety: a checkpoint is written into a hidden sibling folder, fsynced and renamed into place, so a kill leaves
 either the whole checkpoint or none (`.checkpoint-*` leftovers are not checkpoints). The state is read with
 `torch.load(weights_only=True)`: tensors and plain containers only, so a crafted file cannot run code. A checkpoint
-that still fails to load (torn by a file system without atomic rename, a disk error) raises TornCheckpoint, and
-`load_latest_checkpoint` falls back to the next older one with a warning.
+that still fails to load (torn by a file system without atomic rename, a disk error, a copy cut short; an FSDP2
+run's shards/ checked against its .metadata) raises TornCheckpoint, and `load_latest_checkpoint` falls back to the next
+older one with a warning.
 
 A run's export `<output_dir>/final/` (export_model) records the step of its weights and the files it wrote
 (`export.json`): a resumed run writes it again unless it is of the run's last step (export_due); an export that would
@@ -37,7 +38,7 @@ from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import merged_state_dict
 from fastgrpo.train.config_file import RUN_RECORD
 from fastgrpo.train.naming import setting
-from fastgrpo.train.sharded_state import SHARDS, load_sharded_state
+from fastgrpo.train.sharded_state import SHARDS, damaged_shards, load_sharded_state
 
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
@@ -117,9 +118,14 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Pa
 def read_checkpoint(path: str | Path) -> dict:
     """The saved state of checkpoint folder `path` (tensors on the CPU), without touching any model.
 
-    Raises TornCheckpoint when the file is incomplete or damaged, ValueError when it holds anything but tensors
-    and plain containers (refused: unpickling it could run code)."""
-    return _load_state(Path(path) / STATE_FILE)
+    Raises TornCheckpoint when the file (or, for an FSDP2 run's, its shards/) is incomplete or damaged, ValueError
+    when it holds anything but tensors and plain containers (refused: unpickling it could run code)."""
+    state = _load_state(Path(path) / STATE_FILE)
+    if isinstance(state, dict) and state.get("sharded"):
+        problem = damaged_shards(Path(path) / SHARDS)
+        if problem is not None:
+            raise TornCheckpoint(f"{Path(path) / SHARDS}: {problem}")
+    return state
 
 
 def read_run_config(path: str | Path) -> dict:

@@ -1,0 +1,72 @@
+"""A run folder from a user's side: what a damaged checkpoint, --overwrite-output-dir and a resume do to the files
+in it. An FSDP2 checkpoint (Distributed Checkpoint's shards/ beside trainer_state.pt) is made here by
+Distributed Checkpoint in one process, the format `fastgrpo eval --checkpoint` reads whole."""
+import logging
+import os
+import warnings
+
+import pytest
+import torch
+
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import STATE_FILE, TornCheckpoint, load_checkpoint, load_latest_checkpoint, rng_states
+from fastgrpo.train.sharded_state import SHARDS, sharded_state
+
+
+def _sharded_checkpoint(output_dir, step: int):
+    """checkpoint-<step>/ as an FSDP2 run writes it: its weights in shards/, the rest in trainer_state.pt."""
+    import torch.distributed.checkpoint as dcp
+
+    folder = output_dir / f"checkpoint-{step}"
+    folder.mkdir(parents=True)
+    model = default_task.build_model(default_task.build_tokenizer(), seed=step)
+    with warnings.catch_warnings():  # no process group: one process writes every shard
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.save(sharded_state(model, None), checkpoint_id=folder / SHARDS)
+    torch.save({"step": step, "rng": rng_states(), "sharded": True, "config": {}}, folder / STATE_FILE)
+    return folder
+
+
+def _shard_file(folder):
+    return next(p for p in (folder / SHARDS).iterdir() if p.suffix == ".distcp")
+
+
+# A copy cut short (a full disk, an interrupted rsync), `cp shards/*` (which leaves the hidden .metadata behind)
+DAMAGES = {
+    "shard cut short": lambda folder: os.truncate(_shard_file(folder), 100),
+    "shard missing": lambda folder: _shard_file(folder).unlink(),
+    "metadata missing": lambda folder: (folder / SHARDS / ".metadata").unlink(),
+    "metadata cut short": lambda folder: os.truncate(folder / SHARDS / ".metadata", 50),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_resume_skips_a_sharded_checkpoint_whose_shards_are_damaged(tmp_path, caplog, damage):
+    _sharded_checkpoint(tmp_path, 1)
+    DAMAGES[damage](_sharded_checkpoint(tmp_path, 2))
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
+        path, state = load_latest_checkpoint(tmp_path)
+    assert (path.name, state["step"]) == ("checkpoint-1", 1)
+    assert "skipped checkpoint-2, which is incomplete or damaged" in caplog.text, caplog.text
+
+
+@pytest.mark.parametrize("damage", DAMAGES)
+def test_loading_a_damaged_sharded_checkpoint_names_it_in_one_line(tmp_path, damage):
+    folder = _sharded_checkpoint(tmp_path, 1)
+    DAMAGES[damage](folder)
+    model = default_task.build_model(default_task.build_tokenizer())
+    with pytest.raises(TornCheckpoint, match=rf"^{folder / SHARDS}: ") as caught:
+        load_checkpoint(folder, model)
+    assert "\n" not in str(caught.value)
+
+
+def test_a_sharded_checkpoint_whose_bytes_are_garbage_is_one_line_not_a_traceback(tmp_path):
+    """Shards of the right size but damaged content pass the size check: Distributed Checkpoint's failure is a
+    BaseException, which passed every handler of the CLI as a traceback."""
+    folder = _sharded_checkpoint(tmp_path, 1)
+    shard = _shard_file(folder)
+    shard.write_bytes(bytes(shard.stat().st_size))
+    model = default_task.build_model(default_task.build_tokenizer())
+    with pytest.raises(ValueError, match=rf"^checkpoint: cannot load {folder / SHARDS} \(") as caught:
+        load_checkpoint(folder, model)
+    assert "\n" not in str(caught.value)
