@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from fastgrpo.train import default_task
-from fastgrpo.train.checkpoint import STATE_FILE, TornCheckpoint, load_checkpoint, load_latest_checkpoint, rng_states
+from fastgrpo.train.checkpoint import (STATE_FILE, TornCheckpoint, export_model, load_checkpoint, load_latest_checkpoint,
+                                       rng_states, save_checkpoint)
+from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, sharded_state
 
 
@@ -70,3 +72,30 @@ def test_a_sharded_checkpoint_whose_bytes_are_garbage_is_one_line_not_a_tracebac
     with pytest.raises(ValueError, match=rf"^checkpoint: cannot load {folder / SHARDS} \(") as caught:
         load_checkpoint(folder, model)
     assert "\n" not in str(caught.value)
+
+
+def _finished_run(output_dir):
+    """A run's folder as `fastgrpo train` leaves it: a checkpoint, the metrics, the export in final/."""
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    save_checkpoint(output_dir / "checkpoint-2", model, {"step": 2, "config": {}})
+    (output_dir / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    export_model(model, tokenizer, output_dir / "final", run_config={}, step=2)
+
+
+def test_overwrite_refuses_to_delete_the_files_a_user_put_in_final_as_the_export_does(tmp_path):
+    """A second export refuses to delete the files a user put beside the exported model; --overwrite-output-dir
+    deleted them with final/ (its refusal said it deletes "final", the run's export)."""
+    _finished_run(tmp_path)
+    (tmp_path / "final" / "README.md").write_text("my model card\n")
+    with RunDirectory(tmp_path) as run_dir:
+        with pytest.raises(ValueError, match=rf"^overwrite_output_dir: {tmp_path / 'final'} holds files the export "
+                                             r"did not write \(README.md\), which starting afresh there would delete; "
+                                             r"move them out of it, then start afresh with overwrite_output_dir=True$"):
+            run_dir.prepare(resume=False, overwrite=True, command="train")
+    assert (tmp_path / "final" / "README.md").read_text() == "my model card\n"
+    assert (tmp_path / "checkpoint-2" / STATE_FILE).is_file() and (tmp_path / "metrics.jsonl").is_file()
+    (tmp_path / "final" / "README.md").unlink()
+    with RunDirectory(tmp_path) as run_dir:
+        run_dir.prepare(resume=False, overwrite=True, command="train")
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

@@ -308,13 +308,22 @@ def check_final_exportable(output_dir: str | Path) -> None:
         _refuse_users_files(final, _export_record(final), "exporting the run's last step", "start the run again")
 
 
-def _refuse_users_files(final: Path, record: dict, exporting: str, then: str) -> None:
+def check_final_overwritable(output_dir: str | Path) -> None:
+    """For overwrite_output_dir, before it deletes the previous run: the files the user put in its final/ are refused
+    as an export refuses them (the refusal of a fresh run named final/, the export, among the files it deletes)."""
+    final = Path(output_dir) / "final"
+    if final.is_dir():
+        _refuse_users_files(final, _export_record(final), "starting afresh",
+                            f"start afresh with {setting('overwrite_output_dir', True)}", field="overwrite_output_dir")
+
+
+def _refuse_users_files(final: Path, record: dict, exporting: str, then: str, field: str = "export") -> None:
     """A ValueError naming the files in final/ its export did not write (they are the user's to move), which
-    `exporting` there would delete; `then`: what to do once they are moved."""
+    `exporting` there would delete; `then`: what to do once they are moved; `field`: the setting that would."""
     foreign = _not_exported(final, record)
     if foreign:
         listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"export: {final} holds files the export did not write ({listed}), which {exporting} "
+        raise ValueError(f"{field}: {final} holds files the export did not write ({listed}), which {exporting} "
                          f"there would delete; move them out of it, then {then}")
 
 

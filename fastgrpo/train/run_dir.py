@@ -7,7 +7,7 @@ system has no flock (some Lustre / FUSE mounts) the PID alone decides, on the sa
 
 RunDirectory: the lock, plus the check that a fresh run does not start in a folder that holds another run's
 checkpoints, metrics or export (a one-line error suggesting --resume or --overwrite-output-dir); overwriting
-deletes those files first. A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes
+deletes those files first (refused while final/ holds files the user put beside the export, as an export refuses it). A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes
 them. Any command that writes a run folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
@@ -213,6 +213,10 @@ class RunDirectory:
             resume = f"continue it with {setting('resume', True)}, or " if resumable else ""
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
                              f"{fresh} (deletes those files)")
+        if any(path.name == "final" for path in found):
+            from fastgrpo.train.checkpoint import check_final_overwritable
+
+            check_final_overwritable(self.path)
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:
