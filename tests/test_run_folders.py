@@ -99,3 +99,30 @@ def test_overwrite_refuses_to_delete_the_files_a_user_put_in_final_as_the_export
     with RunDirectory(tmp_path) as run_dir:
         run_dir.prepare(resume=False, overwrite=True, command="train")
     assert sorted(p.name for p in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("folder", ["eval", "tensorboard"])
+def test_a_users_own_eval_or_tensorboard_folder_is_not_a_run_and_never_deleted(tmp_path, folder):
+    """A folder named as a run's (--eval-steps' eval/, tensorboard/) that holds none of a run's files is the user's:
+    neither refused as another run nor deleted by --overwrite-output-dir (it was both)."""
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / "my_script.py").write_text("print('mine')\n")
+    with RunDirectory(tmp_path) as run_dir:
+        run_dir.prepare(resume=False, overwrite=False, command="train")
+        run_dir.prepare(resume=False, overwrite=True, command="train")
+    assert (tmp_path / folder / "my_script.py").is_file()
+
+
+@pytest.mark.parametrize("folder, runs_file", [("eval", "step-2_summary.json"),
+                                               ("tensorboard", "events.out.tfevents.1.host.1.0")])
+def test_overwrite_refuses_to_delete_a_users_files_beside_the_runs_in_eval_or_tensorboard(tmp_path, folder, runs_file):
+    _finished_run(tmp_path)
+    (tmp_path / folder).mkdir()
+    (tmp_path / folder / runs_file).write_text("{}\n")
+    (tmp_path / folder / "notes.txt").write_text("mine\n")
+    with RunDirectory(tmp_path) as run_dir:
+        with pytest.raises(ValueError, match=rf"^overwrite_output_dir: {tmp_path / folder} holds files the run did "
+                                             r"not write \(notes.txt\), which starting afresh would delete; move them "
+                                             r"out of it, then start afresh with overwrite_output_dir=True$"):
+            run_dir.prepare(resume=False, overwrite=True, command="train")
+    assert (tmp_path / folder / "notes.txt").is_file() and (tmp_path / "final").is_dir()

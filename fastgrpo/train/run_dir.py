@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fnmatch
 import json
 import logging
 import os
@@ -47,6 +48,12 @@ TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eva
 # Of what the checkpoint patterns match, the names a run writes (checkpoint-<step>, and atomic_directory's hidden
 # partial writes): a user's checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
 _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
+# The files a run writes in its eval/ (--eval-steps, a `fastgrpo eval` into it; write_whole's partial writes) and
+# tensorboard/: anything else there is the user's. A folder of those names holding none of a run's files is not run
+# data (neither refused nor deleted); overwriting refuses one that holds the user's files beside the run's.
+_EVAL_FILES = ("step-*.jsonl", "step-*_summary.json", *EVAL_ARTIFACTS)
+_RUN_FOLDER_FILES = {"eval": (*_EVAL_FILES, *(f".{name}.tmp" for name in _EVAL_FILES)),
+                     "tensorboard": ("events.out.tfevents.*",)}
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -167,7 +174,8 @@ class RunDirectory:
 
     def previous_run(self) -> list[Path]:
         """The files and folders another run left here (an empty metrics.jsonl holds nothing and does not count)."""
-        return [p for p in self._found(self.artifacts) if not (p.is_file() and p.stat().st_size == 0)]
+        return [p for p in self._found(self.artifacts) if not (p.is_file() and p.stat().st_size == 0)
+                and not (p.is_dir() and p.name in _RUN_FOLDER_FILES and not _run_and_user_files(p)[0])]
 
     def _command_of_run(self) -> str | None:
         """The command that wrote the newest checkpoint here (fastgrpo.train.run_kind), or None where unknown."""
@@ -213,10 +221,7 @@ class RunDirectory:
             resume = f"continue it with {setting('resume', True)}, or " if resumable else ""
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
                              f"{fresh} (deletes those files)")
-        if any(path.name == "final" for path in found):
-            from fastgrpo.train.checkpoint import check_final_overwritable
-
-            check_final_overwritable(self.path)
+        self._check_overwritable(found)
         for path in found:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
         if found:
@@ -226,6 +231,28 @@ class RunDirectory:
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
+
+    def _check_overwritable(self, found: list[Path]) -> None:
+        """A ValueError where deleting the previous run's `found` would delete files the user put among them (in
+        final/, eval/, tensorboard/)."""
+        from fastgrpo.train.checkpoint import check_final_overwritable
+
+        if any(path.name == "final" for path in found):
+            check_final_overwritable(self.path)
+        for folder in (path for path in found if path.is_dir() and path.name in _RUN_FOLDER_FILES):
+            users = _run_and_user_files(folder)[1]
+            if users:
+                listed = ", ".join(users[:3]) + (f" and {len(users) - 3} more" if len(users) > 3 else "")
+                raise ValueError(f"overwrite_output_dir: {folder} holds files the run did not write ({listed}), which "
+                                 "starting afresh would delete; move them out of it, then start afresh with "
+                                 f"{setting('overwrite_output_dir', True)}")
+
+
+def _run_and_user_files(folder: Path) -> tuple[list[str], list[str]]:
+    """(the run's, the user's) files under one of _RUN_FOLDER_FILES' folders, as sorted paths relative to it."""
+    files = sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
+    runs = [name for name in files if any(fnmatch.fnmatchcase(name, p) for p in _RUN_FOLDER_FILES[folder.name])]
+    return runs, [name for name in files if name not in runs]
 
 
 def check_outside_run_folders(path: Path) -> None:
