@@ -56,6 +56,21 @@ def _report(line: str, err: BaseException) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+# What another library logs on every command that a fastgrpo user cannot act on: bitsandbytes, imported through peft
+# (LoRA, or transformers' TrainerState for a reward function), on a CPU with AVX512-BF16 and no `kernels` package,
+# says its optional CPU 4-bit kernel is missing (a speed hint for 4-bit models run on the CPU).
+_LIBRARY_NOISE = {"bitsandbytes.backends.cpu.ops": "Failed to load CPU gemm_4bit_forward"}
+
+
+class _DropStartingWith(logging.Filter):
+    def __init__(self, prefix: str) -> None:
+        super().__init__()
+        self.prefix = prefix
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefix)
+
+
 def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
                 run_errors: tuple[type[BaseException], ...] = ()) -> int:
     """Run a command's body and turn its ending into an exit code, printing one line to stderr for the ends the
@@ -71,6 +86,9 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
     other_rank = os.environ.get("RANK", "0") != "0"
     logger.setLevel(logging.DEBUG if debug else logging.WARNING if other_rank else logging.INFO)
     logger.propagate = False
+    quiet = [(logging.getLogger(name), _DropStartingWith(prefix)) for name, prefix in _LIBRARY_NOISE.items()]
+    for library_logger, noise in quiet:
+        library_logger.addFilter(noise)
     try:
         with command_line():  # messages name flags, not the configs' field names
             return body()
@@ -94,6 +112,8 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
         _report(f"{prog}: error: {one_line(err)}", err)
         return RUN_EXIT
     finally:
+        for library_logger, noise in quiet:
+            library_logger.removeFilter(noise)
         logger.removeHandler(handler)
         logger.setLevel(saved[0])
         logger.propagate = saved[1]
