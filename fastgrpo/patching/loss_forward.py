@@ -19,16 +19,18 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
-    """Without labels, with return_dict=False, with PEFT adapters on the lm_head (the fused loss reads its weight
-    alone) or with its weight offloaded (on the meta device until the lm_head's own forward, which the fused loss
-    does not call, has an accelerate hook load it): `previous` (the library forward). With labels: HF's loss
-    (shifted labels, or shift_labels as given, sum over the non-ignored tokens divided by their count or by
-    num_items_in_batch, on logits soft-capped as the config says), returned with logits=None."""
+    """Without labels, in eval mode (unless skip_logits=True), with return_dict=False, with PEFT adapters on the
+    lm_head (the fused loss reads its weight alone) or with its weight offloaded (on the meta device until the
+    lm_head's own forward, which the fused loss does not call, has an accelerate hook load it): `previous` (the
+    library forward). With labels in training mode (or skip_logits=True): HF's loss (shifted labels, or shift_labels
+    as given, sum over the non-ignored tokens divided by their count or by num_items_in_batch, on logits soft-capped
+    as the config says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
+        skip_logits = _skip_logits(self, kwargs)
         # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
         tuple_out = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-        if kwargs.get("labels") is None or tuple_out or not _head_weight_usable(self.get_output_embeddings()):
+        if not skip_logits or tuple_out or not _head_weight_usable(self.get_output_embeddings()):
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -68,6 +70,20 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
     # (every one, for (*args, **kwargs)). Shown with `self`, which a bound method's signature leaves out.
     forward.__signature__ = _with_self(inspect.signature(previous))
     return forward
+
+
+def _skip_logits(model, kwargs: dict) -> bool:
+    """Whether the labels= forward gives the loss alone, popping Liger's `skip_logits` keyword (the Trainer passes it
+    under use_liger_kernel for an evaluation that keeps the loss only). Its default, Liger's: in training mode. In
+    eval mode the Trainer's evaluate / predict hand the logits to compute_metrics, as HF code reading out.logits
+    does."""
+    skip_logits = kwargs.pop("skip_logits", None)
+    if not isinstance(skip_logits, (bool, type(None))):
+        raise ValueError(f"skip_logits: expected True, False or None, got {skip_logits!r}")
+    labelled = kwargs.get("labels") is not None
+    if skip_logits and not labelled:
+        raise ValueError("skip_logits: True gives the labels= loss without logits, and no labels were passed")
+    return labelled and (model.training if skip_logits is None else skip_logits)
 
 
 def _head_weight_usable(head) -> bool:

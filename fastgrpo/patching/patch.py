@@ -48,8 +48,10 @@ def patch_model(
 
     model: a transformers causal LM (llama, mistral, qwen2, qwen3, gemma, gemma2, gemma3 / gemma3_text, phi3),
     a PEFT wrapper of one, or one with a bitsandbytes 4-bit base. swiglu also covers Gemma's GeGLU.
-    fused_loss: with `labels`, the model's forward computes the loss from hidden states without [B, T, V] logits
-    (fastgrpo.grpo_loss / sequence_logprobs are fused whether or not the model is patched).
+    fused_loss: with `labels`, in training mode, the model's forward computes the loss from hidden states without
+    [B, T, V] logits (logits=None). In eval mode it is the library's forward, logits and all (HF's Trainer hands them
+    to compute_metrics), as Liger's is, unless called with skip_logits=True (Liger's keyword too). fastgrpo.grpo_loss /
+    sequence_logprobs are fused whether or not the model is patched.
     offload_activations: wrap the decoder layers with fastgrpo.offload's offload checkpointing. True uses the
     default offloader of the inputs' device: its pinned host pool is unbounded and kept for reuse until the last
     layer using it is unpatched (or fastgrpo.offload.release_host_memory()). An ActivationOffloader is used instead,
