@@ -75,3 +75,53 @@ def test_bad_skip_logits_is_one_line(value, labelled, expected):
     with pytest.raises(ValueError, match=f"^skip_logits: {expected}$"):
         model(input_ids=ids, attention_mask=mask, skip_logits=value, **labels)
 
+
+CHAT_ROWS = [("2+2=", "4"), ("hi ", "hello"), ("abc", "d"), ("cat ", "dog and more"), ("x", "yz"), ("q ", "r s t")]
+
+
+def sft_dataset():
+    from datasets import Dataset
+
+    return Dataset.from_list([{"prompt": p, "completion": c} for p, c in CHAT_ROWS])
+
+
+def sft_trainer(tmp_path, model, dataset=None, **options):
+    from trl import SFTConfig, SFTTrainer
+
+    from tests.test_algorithms import char_tokenizer
+
+    args = SFTConfig(str(tmp_path), per_device_train_batch_size=2, max_steps=2, logging_steps=1, report_to=[],
+                     save_strategy="no", use_cpu=True, seed=3, disable_tqdm=True, **options)
+    return SFTTrainer(model=model, args=args, train_dataset=dataset or sft_dataset(), processing_class=char_tokenizer())
+
+
+def logged(trainer, keys=("loss", "grad_norm", "mean_token_accuracy", "entropy")):
+    """[steps, keys]: what each logged training step reported."""
+    return torch.tensor([[log[k] for k in keys] for log in trainer.state.log_history if "loss" in log])
+
+
+def sft_logs(tmp_path, model, patch_after=False, dataset=None, **options):
+    """logged() of TRL's SFTTrainer trained on `model`; patch_after: patch_model(trainer.model) once the trainer is
+    built (TRL has wrapped the forward by then)."""
+    trainer = sft_trainer(tmp_path, model, dataset, **options)
+    if patch_after:
+        patch_model(trainer.model)
+    trainer.train()
+    return logged(trainer)
+
+
+def assert_logs_close(got, want):
+    """fp32 on the CPU: the fused kernels' rounding differs from eager's by ~1e-6 relative in the loss (seen 1e-6),
+    a few 1e-5 in the gradient norm after the first step moved the weights (seen 2e-5)."""
+    assert got.shape == want.shape and len(want) == 2
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_sft_trainer_trains_a_model_patched_after_it_was_built(tmp_path):
+    """TRL's SFTTrainer wraps the model's forward with its fused lm_head (add_fused_lm_head) and calls it with
+    fused_lm_head=True: a model patched once the trainer was built took those labels for its own loss and returned
+    no log_probs ("'CausalLMOutputWithPast' object has no attribute 'log_probs'")."""
+    want = sft_logs(tmp_path / "plain", tiny_model("llama"))
+    assert_logs_close(sft_logs(tmp_path / "after", tiny_model("llama"), patch_after=True), want)
+    assert_logs_close(sft_logs(tmp_path / "before", patch_model(tiny_model("llama"))), want)
+

@@ -27,6 +27,10 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
     as the config says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
+        if "fused_lm_head" in kwargs:
+            # TRL's keyword (its trainers' add_fused_lm_head): the model was patched after TRL wrapped its forward,
+            # and TRL's head gives the log_probs, entropy and is_top1 its trainer reads
+            return previous(*args, **kwargs)
         skip_logits = _skip_logits(self, kwargs)
         # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
         tuple_out = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
