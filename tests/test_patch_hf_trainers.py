@@ -125,3 +125,18 @@ def test_sft_trainer_trains_a_model_patched_after_it_was_built(tmp_path):
     assert_logs_close(sft_logs(tmp_path / "after", tiny_model("llama"), patch_after=True), want)
     assert_logs_close(sft_logs(tmp_path / "before", patch_model(tiny_model("llama"))), want)
 
+
+def test_unpatching_a_model_trls_trainer_wrapped_keeps_trls_forward(tmp_path):
+    """SFTTrainer wraps the patched forward (add_fused_lm_head puts its own in the model's __dict__): unpatch_model
+    deleted TRL's forward, and the trainer's next step failed ("'CausalLMOutputWithPast' object has no attribute
+    'log_probs'"). Now TRL's forward stays and the fastgrpo forward it wraps runs the library's: the run is the
+    unpatched model's, bit for bit."""
+    from fastgrpo.patching import unpatch_model
+
+    want = sft_logs(tmp_path / "plain", tiny_model("llama"))
+    model = patch_model(tiny_model("llama"))
+    trainer = sft_trainer(tmp_path / "unpatched", model)
+    unpatch_model(model)
+    assert not any("forward" in m.__dict__ for m in model.model.modules())
+    trainer.train()
+    assert torch.equal(logged(trainer), want)

@@ -105,12 +105,27 @@ def bind_forward(module: Any, make_forward: Callable[[Callable], Callable]) -> B
     attr = "_old_forward" if hasattr(module, "_hf_hook") else "forward"
     own = module.__dict__.get(attr)
     previous = own if own is not None else WeakBoundMethod(type(module).forward, module)
-    module.__dict__[attr] = WeakBoundMethod(make_forward(previous), module)
+    bound = WeakBoundMethod(make_forward(previous), module)
+    module.__dict__[attr] = bound
 
     def restore(module: Any) -> None:
-        if own is None:
+        if module.__dict__.get(attr) is not bound:
+            # Bound over since, by a forward that may call this one (TRL's trainers wrap the model's forward with
+            # their fused lm_head): that one stays, and this one now passes straight to the forward it replaced.
+            bound.__func__ = _passing_to(previous, inspect.signature(bound.__func__))
+        elif own is None:
             del module.__dict__[attr]
         else:
             module.__dict__[attr] = own
 
     return Binding(previous, WeakBoundMethod(restore, module))
+
+
+def _passing_to(previous: Callable, signature: inspect.Signature) -> Callable:
+    """A forward (taking the module first) that calls `previous`, showing `signature`."""
+
+    def forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+        return previous(*args, **kwargs)
+
+    forward.__signature__ = signature
+    return forward
