@@ -19,22 +19,22 @@ _CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__
 
 
 def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture) -> Callable:
-    """Without labels, in eval mode (unless skip_logits=True), with return_dict=False, with PEFT adapters on the
-    lm_head (the fused loss reads its weight alone) or with its weight offloaded (on the meta device until the
-    lm_head's own forward, which the fused loss does not call, has an accelerate hook load it): `previous` (the
-    library forward). With labels in training mode (or skip_logits=True): HF's loss (shifted labels, or shift_labels
-    as given, sum over the non-ignored tokens divided by their count or by num_items_in_batch, on logits soft-capped
-    as the config says), returned with logits=None."""
+    """Without labels, in eval mode (unless skip_logits=True), with TRL's fused_lm_head keyword, with
+    return_dict=False, with PEFT adapters on the lm_head (the fused loss reads its weight alone) or with its weight
+    offloaded (on the meta device until the lm_head's own forward, which the fused loss does not call, has an
+    accelerate hook load it): `previous` (the library forward). With labels in training mode (or skip_logits=True):
+    HF's loss (shifted labels, or shift_labels as given, sum over the non-ignored tokens divided by their count or by
+    num_items_in_batch, on logits soft-capped as the config says), returned with logits=None."""
 
     def forward(self, *args, **kwargs):
         if "fused_lm_head" in kwargs:
             # TRL's keyword (its trainers' add_fused_lm_head): the model was patched after TRL wrapped its forward,
             # and TRL's head gives the log_probs, entropy and is_top1 its trainer reads
             return previous(*args, **kwargs)
-        skip_logits = _skip_logits(self, kwargs)
+        loss_alone = _loss_alone(self, kwargs)
         # a tuple caller reads logits at [1]: the library's forward gives them (this one has none to give)
         tuple_out = kwargs.get("return_dict", getattr(self.config, "return_dict", True)) is False
-        if not skip_logits or tuple_out or not _head_weight_usable(self.get_output_embeddings()):
+        if not loss_alone or tuple_out or not _head_weight_usable(self.get_output_embeddings()):
             return previous(*args, **kwargs)
         labels = kwargs.pop("labels")
         num_items_in_batch = kwargs.pop("num_items_in_batch", None)
@@ -76,7 +76,7 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
     return forward
 
 
-def _skip_logits(model, kwargs: dict) -> bool:
+def _loss_alone(model, kwargs: dict) -> bool:
     """Whether the labels= forward gives the loss alone, popping Liger's `skip_logits` keyword (the Trainer passes it
     under use_liger_kernel for an evaluation that keeps the loss only). Its default, Liger's: in training mode. In
     eval mode the Trainer's evaluate / predict hand the logits to compute_metrics, as HF code reading out.logits
