@@ -130,7 +130,8 @@ def test_a_prompt_over_max_prompt_length_says_how_it_was_wrapped(tmp_path, capsy
     assert main(["ei", "--dataset", str(data), "--output-dir", str(tmp_path / "o"), *ROUNDS]) == 2
     err = capsys.readouterr().err
     assert re.fullmatch(r"fastgrpo ei: error: dataset: row 0 has a \d+-token prompt as --prompt-format r1_zero wraps "
-                        r"it \(raw: as written\), over max_prompt_length \(16\)\n", err), err
+                        r"it \(raw: as written\), over max_prompt_length \(16\); raise --max-prompt-length or pass "
+                        r"--truncate-prompts to left-truncate\n", err), err
 
 
 def test_a_finished_run_resumed_keeps_its_export(tmp_path):

@@ -26,11 +26,11 @@ _OWNERS = {
         "eval_dataset_split", "eval_dataset_config", "eval_max_examples"),
     ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop",
                               "reward_errors"),
-    ("train", "ei"): ("max_prompt_length", "max_completion_length"),
+    ("train", "ei"): ("max_prompt_length", "truncate_prompts", "max_completion_length"),
     ("train", "sft"): ("max_steps", "save_minutes"),
     ("ei", "eval"): ("correct_threshold",),
     ("train",): (
-        "truncate_prompts", "top_k", "min_p", "repetition_penalty", "rollout_engine", "rollout_attention",
+        "top_k", "min_p", "repetition_penalty", "rollout_engine", "rollout_attention",
         "rollout_weights", "rollout_kv_cache", "vllm_gpu_memory_utilization", "vllm_lora_sync", "vllm_execution",
         "num_iterations", "num_minibatches", "loss_type", "importance_sampling_level", "epsilon_low", "epsilon_high",
         "delta", "scale_rewards", "beta", "kl_target", "kl_max_log_step", "sapo_temperature_pos",
@@ -51,6 +51,7 @@ FIELDS = {command: frozenset(name for owners, names in _OWNERS.items() if comman
 # another command's field of a row is answered with this command's entry of the first such row.
 _STEPS = ("counts optimizer steps with", ("max_steps",))
 _LENGTHS = ("bounds a sequence with", ("max_prompt_length", "max_completion_length"))
+_TRUNCATE_PROMPTS = ("left-truncates long prompts with", ("truncate_prompts",))
 _NEW_TOKENS = ("caps generated tokens with", ("max_completion_length",))
 _EVAL_ROWS = ("evaluates the first N rows with", ("eval_max_examples",))
 _EVAL_DATA = ("evaluates on", ("eval_dataset",))
@@ -62,7 +63,7 @@ COUNTERPARTS = (
     {"train": _LENGTHS, "ei": _LENGTHS, "sft": ("bounds prompt + response with", ("max_seq_length",))},
     {"train": _NEW_TOKENS, "ei": _NEW_TOKENS, "eval": ("caps generated tokens with", ("max_new_tokens",)),
      "sft": ("caps its evaluation's generated tokens with", ("eval_max_new_tokens",))},
-    {"train": ("left-truncates long prompts with", ("truncate_prompts",)),
+    {"train": _TRUNCATE_PROMPTS, "ei": _TRUNCATE_PROMPTS,
      "sft": ("truncates long rows with", ("truncate_sequences",))},
     {"train": _EVAL_ROWS, "sft": _EVAL_ROWS, "ei": _EVAL_ROWS, "eval": ("evaluates the first N rows with",
                                                                       ("max_examples",))},

@@ -278,6 +278,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.loading import load_dataset, resolve_reward
     from fastgrpo.train.naming import setting
+    from fastgrpo.train.prompt_lengths import check_prompts_before_load
 
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -287,6 +288,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
+    check_prompts_before_load(config, rows)
     history = _train(config, dist,
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
@@ -303,9 +305,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
-    from fastgrpo.train.evaluate import evaluate, first_rows, log_generations, write_eval
-    from fastgrpo.train.input_checks import check_reward_rows
+    from fastgrpo.train.evaluate import evaluate, log_generations, write_eval
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
+    from fastgrpo.train.prompt_lengths import eval_task_before_load
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -315,14 +317,13 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
                                                                        seed=config.seed + 1))
-    check_reward_rows(first_rows(rows, config.max_examples), config.prompt_column, reward_funcs, "dataset")
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+    task = eval_task_before_load(config, rows, reward_funcs, checkpoint)  # its rows' and lengths' errors, first
     output = Path(config.output_dir)
     with _eval_directory(dist, output, config):
         torch.manual_seed(config.seed)
         # every process loads the whole model; a failure on one (a GPU out of memory) stops them all
-        model, tokenizer, source, task = dist.raise_together(
-            lambda: _load_eval(config, checkpoint, rows, reward_funcs))
+        model, tokenizer, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task))
         _check_one_checkpoint(dist, source)
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
@@ -361,21 +362,22 @@ def _eval_directory(dist, output: Path, config):
         yield
 
 
-def _load_eval(config, checkpoint: Path | None, rows, reward_funcs: list):
-    """(model, tokenizer, source, task) of `fastgrpo eval`: the model evaluated and its rows (build_eval_task)."""
+def _load_eval(config, checkpoint: Path | None, task):
+    """(model, tokenizer, source) of `fastgrpo eval`: the model evaluated, with room for task's prompts and
+    max_new_tokens in its positions."""
     from fastgrpo.train.eval_model import load_evaluated_model
-    from fastgrpo.train.evaluate import build_eval_task
+    from fastgrpo.train.evaluate import check_positions
     from fastgrpo.train.input_checks import model_positions
+    from fastgrpo.train.prompts import as_wrapped
     from fastgrpo.train.sources import naming_the_model
 
     with naming_the_model(config.model):
         model, tokenizer, source = load_evaluated_model(config, checkpoint)
-    task = build_eval_task(rows, tokenizer, prompt_column=config.prompt_column, prompt_format=config.prompt_format,
-                           reward_funcs=reward_funcs, reward_weights=config.reward_weights,
-                           correct_threshold=config.correct_threshold, max_examples=config.max_examples,
-                           max_positions=model_positions(model), max_new_tokens=config.max_new_tokens,
-                           field="dataset")
-    return model, tokenizer, source, task
+    positions = model_positions(model)
+    if positions is not None:
+        check_positions(task.prompt_ids, positions, config.max_new_tokens, "max_new_tokens", "dataset",
+                        as_wrapped(config.prompt_format))
+    return model, tokenizer, source
 
 
 def _check_one_checkpoint(dist, source: dict) -> None:

@@ -62,6 +62,7 @@ class EIConfig(ConfigFile):
     generation_batch_size: int = option(64, "questions per rollout-engine call (its KV cache holds this many x "
                                             "num_generations sequences)", run_control=True)
     max_prompt_length: int = inherited("max_prompt_length")
+    truncate_prompts: bool = inherited("truncate_prompts")
     max_completion_length: int = option(1024, "tokens generated per completion at most")
     temperature: float = inherited("temperature")
     top_p: float = inherited("top_p")

@@ -91,12 +91,12 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
             raise ValueError(f"{field}: row {i} has a {n}-token prompt{wrapped}, over max_prompt_length "
                              f"({max_prompt_length})")
     if max_positions is not None:
-        _check_positions(ids, max_positions, max_new_tokens, new_tokens_field, field, wrapped)
+        check_positions(ids, max_positions, max_new_tokens, new_tokens_field, field, wrapped)
     return EvalTask(rows, ids, prompt_column, list(reward_funcs), reward_weights and list(reward_weights),
                     correct_threshold)
 
 
-def _check_positions(ids: list[list[int]], max_positions: int, max_new_tokens: int, new_tokens_field: str,
+def check_positions(ids: list[list[int]], max_positions: int, max_new_tokens: int, new_tokens_field: str,
                      field: str, wrapped: str) -> None:
     """Refuse prompts that max_new_tokens more would take past max_positions: the error names the longest prompt's
     row and the largest max_new_tokens that leaves room for every prompt."""

@@ -39,13 +39,12 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
-from fastgrpo.train.grpo_data import walk_rows
+from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
-from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
@@ -127,16 +126,7 @@ class ExpertIteration:
         self.reward_funcs = reward_list(reward_funcs)
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
-        self.prompts = []
-        for i in range(len(train_dataset)):
-            try:
-                self.prompts.append(prompt_ids(tokenizer, train_dataset[i][config.prompt_column], config.prompt_format))
-            except ValueError as err:
-                raise ValueError(f"dataset: row {i}: {err}") from None
-            if len(self.prompts[-1]) > config.max_prompt_length:
-                raise ValueError(f"dataset: row {i} has a {len(self.prompts[-1])}-token prompt"
-                                 f"{as_wrapped(config.prompt_format)}, over max_prompt_length "
-                                 f"({config.max_prompt_length})")
+        self.prompts = prompt_token_ids(train_dataset, tokenizer, config)  # every row's, before any compute
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
         self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, once for every round
         self.sampling = config.sampling()

@@ -59,19 +59,27 @@ def model_positions(model) -> int | None:
 
 
 def check_lengths_before_load(config) -> None:
-    """check_lengths_fit against config.model's positions as its config.json gives them (transformers.AutoConfig:
-    no weights), so that a run the model cannot take stops before its weights load; the trainers check the loaded
-    model again. The built-in model (none), a config.json that cannot be read (the load says why) and a command
-    without such lengths (eval: a row's length is known once it is tokenized) pass."""
-    if config.model is None or not hasattr(config, "max_seq_length") and not hasattr(config, "max_prompt_length"):
+    """check_lengths_fit against config.model's positions as its config.json gives them (positions_before_load), so
+    that a run the model cannot take stops before its weights load; the trainers check the loaded model again. The
+    built-in model (none), a config.json that cannot be read (the load says why) and a command without such lengths
+    (eval: a row's length is known once it is tokenized) pass."""
+    if not hasattr(config, "max_seq_length") and not hasattr(config, "max_prompt_length"):
         return
+    check_lengths_fit(config, positions_before_load(config.model))
+
+
+def positions_before_load(model: str | None) -> int | None:
+    """The max_position_embeddings of model's config.json (transformers.AutoConfig: no weights); None for the
+    built-in model (none), a config that names none, or one that cannot be read (loading the model says why)."""
+    if model is None:
+        return None
     from transformers import AutoConfig
 
     try:
-        model_config = AutoConfig.from_pretrained(config.model)
+        model_config = AutoConfig.from_pretrained(model)
     except Exception:  # noqa: BLE001 - whatever it is, loading the model reports it
-        return
-    check_lengths_fit(config, getattr(model_config, "max_position_embeddings", None))
+        return None
+    return getattr(model_config, "max_position_embeddings", None)
 
 
 def check_lengths_fit(config, positions: int | None) -> None:
