@@ -207,8 +207,8 @@ def test_flag_mistakes_are_one_line_with_a_hint(capsys):
         (["train", "--lr", "3"], "unrecognized arguments: --lr (TRL's name; here --learning-rate) 3 (see"),
         (["ei", "--max-steps", "3"], "unrecognized arguments: --max-steps (a `fastgrpo train` / `fastgrpo sft` flag; "
                                      "ei counts rounds with --ei-steps) 3"),
-        (["sft", "--no-truncate-prompts"], "unrecognized arguments: --no-truncate-prompts (a `fastgrpo train` flag; "
-                                           "sft truncates long rows with --truncate-sequences)"),
+        (["sft", "--no-truncate-prompts"], "unrecognized arguments: --no-truncate-prompts (a `fastgrpo train` / "
+                                           "`fastgrpo ei` flag; sft truncates long rows with --truncate-sequences)"),
         (["eval", "--eval-steps=3"], "unrecognized arguments: --eval-steps=3 (a `fastgrpo train` / `fastgrpo sft` / "
                                      "`fastgrpo ei` flag)"),
         (["ei", "--config", "a.yaml", "--config", "b.yaml"], "argument --config: given twice (a.yaml, b.yaml)"),

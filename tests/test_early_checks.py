@@ -35,7 +35,7 @@ def test_lengths_over_the_models_positions_are_refused_before_its_weights_load(c
 
 
 def test_lengths_within_the_positions_pass_to_the_load(config_only, tmp_path, capsys, monkeypatch):
-    # the check reads the positions and lets a run that fits go on: the load then finds no weights
+    # the check reads the positions and lets a run that fits go on: the load then finds no tokenizer (nor weights)
     monkeypatch.chdir(tmp_path)
     assert main(["sft", "--model", config_only, "--max-seq-length", "32"]) == 2
     err = capsys.readouterr().err

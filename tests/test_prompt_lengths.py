@@ -120,3 +120,80 @@ def test_eval_of_a_checkpoint_checks_with_its_runs_model(no_weights, tmp_path, c
     err = capsys.readouterr().err.splitlines()[-1]  # after the line saying the run's prompt_format is taken
     assert re.fullmatch(r"fastgrpo eval: error: dataset: row 0 has a 10-token prompt; with 60 new tokens that is 70 "
                         r"positions, over the model's max_position_embeddings \(64\): .*", err), err
+
+
+def test_sft_refuses_an_over_long_row_before_the_model_loads(no_weights, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "sft.jsonl"
+    data.write_text(json.dumps({"prompt": "1234 say a", "response": "aaaa"}) + "\n")
+    argv = ["sft", "--model", no_weights, "--dataset", str(data), "--prompt-format", "raw", "--max-seq-length", "12",
+            "--output-dir", str(tmp_path / "run"), *QUIET]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("fastgrpo sft: error: dataset: row 0 has 15 tokens, over max_seq_length (12); "
+                                       "raise --max-seq-length or pass --truncate-sequences\n")
+
+
+@pytest.mark.parametrize("command, argv, new_tokens", [
+    ("train", ["--max-prompt-length", "8", "--max-completion-length", "49"], "--max-completion-length"),
+    ("sft", ["--max-seq-length", "16", "--eval-max-new-tokens", "49"], "--eval-max-new-tokens"),
+])
+def test_eval_rows_past_the_models_positions_are_refused_before_it_loads(no_weights, tmp_path, capsys, monkeypatch,
+                                                                         command, argv, new_tokens):
+    """A run's periodic evaluation (--eval-steps): its prompts and new tokens within the model's positions."""
+    monkeypatch.chdir(tmp_path)
+    eval_data = tmp_path / "eval.jsonl"
+    eval_data.write_text(json.dumps({"prompt": "1234567890 say a", "letter": "a", "answer": "a"}) + "\n")
+    train_data = tmp_path / "train.jsonl"
+    train_data.write_text(json.dumps({"prompt": "1 say a", "letter": "a", "response": "a"}) + "\n")
+    rewards = ["--eval-reward-funcs", "fastgrpo.train.default_task:repeat_letter_reward"] if command == "sft" else \
+        ["--reward-funcs", "fastgrpo.train.default_task:repeat_letter_reward"]
+    assert main([command, "--model", no_weights, "--dataset", str(train_data), "--eval-steps", "1", "--eval-dataset",
+                 str(eval_data), "--prompt-format", "raw", *rewards, *argv, "--output-dir", str(tmp_path / "run"),
+                 *QUIET]) == 2
+    assert capsys.readouterr().err == (
+        f"fastgrpo {command}: error: eval_dataset: row 0 has a 16-token prompt; with 49 new tokens that is 65 "
+        f"positions, over the model's max_position_embeddings (64): shorten the prompts or lower {new_tokens} to 48 "
+        "or less\n")
+
+
+@pytest.mark.parametrize("command", ["train", "ei"])
+def test_reward_weights_of_another_count_are_refused_before_the_model_loads(no_weights, tmp_path, capsys,
+                                                                            monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    argv = [command, "--model", no_weights, "--dataset", _rows(tmp_path, "1 say a"), "--reward-funcs",
+            "fastgrpo.train.default_task:repeat_letter_reward", "--reward-weights", "1", "2", "--prompt-format", "raw",
+            "--max-prompt-length", "16", "--max-completion-length", "8", "--output-dir", str(tmp_path / "run"), *QUIET]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: reward_weights: expected 1 weights (one per "
+                                       "reward function), got 2\n")
+
+
+@pytest.mark.parametrize("command", ["train", "ei"])
+def test_rows_of_other_columns_are_refused_before_the_model_loads(no_weights, tmp_path, capsys, monkeypatch, command):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "mixed.jsonl"
+    data.write_text(json.dumps({"prompt": "1 say a", "letter": "a"}) + "\n"
+                    + json.dumps({"prompt": "2 say b", "letter": "b", "id": 3}) + "\n")
+    argv = [command, "--model", no_weights, "--dataset", str(data), "--reward-funcs",
+            "fastgrpo.train.default_task:repeat_letter_reward", "--prompt-format", "raw", "--max-prompt-length", "16",
+            "--max-completion-length", "8", "--output-dir", str(tmp_path / "run"), *QUIET]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: dataset: row 1 has columns ['id', 'letter', "
+                                       "'prompt'], row 0 has ['letter', 'prompt']; every row needs the same columns\n")
+
+
+def test_a_model_folder_without_a_tokenizer_is_one_line_naming_it(tmp_path, capsys, monkeypatch):
+    """transformers makes an empty tokenizer of a qwen2 config.json alone: every prompt had no tokens ('prompt: ...
+    has no tokens'), which blamed the rows."""
+    from transformers import Qwen2Config
+
+    monkeypatch.chdir(tmp_path)
+    folder = tmp_path / "model"
+    Qwen2Config(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, max_position_embeddings=64).save_pretrained(folder)
+    argv = ["train", "--model", str(folder), "--dataset", _rows(tmp_path, "1 say a"), "--max-prompt-length", "16",
+            "--max-completion-length", "8", "--output-dir", str(tmp_path / "run"), *QUIET]
+    assert main(argv) == 2
+    assert capsys.readouterr().err == (f"fastgrpo train: error: model: cannot load '{folder}' from the local folder: "
+                                       "it has no tokenizer files (tokenizer.json, tokenizer_config.json); save the "
+                                       "model's tokenizer there (tokenizer.save_pretrained)\n")

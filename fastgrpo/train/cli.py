@@ -244,10 +244,9 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
-    from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.interrupts import Interrupted
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
-    from fastgrpo.train.prompt_lengths import check_prompts_before_load
+    from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.sources import check_model_source, naming_the_model, resolve_device
     from fastgrpo.train.trainer import GRPOTrainer
@@ -261,8 +260,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     dataset = load_dataset(config)
-    check_reward_rows(dataset, config.prompt_column, reward_funcs, "dataset")
-    check_prompts_before_load(config, dataset)
+    check_sampling_before_load(config, dataset, reward_funcs)
     if dist.active:
         dist.check_sizes(config)
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it

@@ -255,6 +255,7 @@ def _train(config, dist, finished, make_trainer, args) -> list[dict]:
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.early_checks import check_sft_rows_before_load
     from fastgrpo.train.loading import load_dataset
     from fastgrpo.train.sft import SFTTrainer, check_process_split
 
@@ -264,6 +265,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     check_process_split(config, dist.world_size)
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed))
+    check_sft_rows_before_load(config, rows)
     history = _train(config, dist, lambda: _finished_sft(config, len(rows)),
                      lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
     if history and dist.is_main:
@@ -274,11 +276,10 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
-    from fastgrpo.train.input_checks import check_reward_rows
     from fastgrpo.train.loading import load_dataset, resolve_reward
     from fastgrpo.train.naming import setting
-    from fastgrpo.train.prompt_lengths import check_prompts_before_load
 
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -287,8 +288,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_process_split(config, dist.world_size)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     rows = load_dataset(config)  # the built-in rows: the GRPO task's
-    check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
-    check_prompts_before_load(config, rows)
+    check_sampling_before_load(config, rows, reward_funcs)
     history = _train(config, dist,
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
@@ -305,9 +305,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.early_checks import eval_task_before_load
     from fastgrpo.train.evaluate import evaluate, log_generations, write_eval
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
-    from fastgrpo.train.prompt_lengths import eval_task_before_load
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation

@@ -28,7 +28,7 @@ from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score,
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.input_checks import check_reward_rows
+from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import write_whole
@@ -72,11 +72,7 @@ def build_eval_task(rows, tokenizer, *, prompt_column: str, prompt_format: str, 
     over max_prompt_length, or prompts that max_new_tokens more would take past the model's max_positions
     (input_checks.model_positions), are refused here, naming the row and the config field of max_new_tokens, before
     anything is generated."""
-    if not reward_funcs or not all(callable(f) for f in reward_funcs):
-        raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
-    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward function), "
-                         f"got {len(reward_weights)}")
+    check_reward_setup(reward_funcs, reward_weights)
     rows = first_rows(rows, max_examples)
     check_reward_rows(rows, prompt_column, reward_funcs, field)
     ids = []

@@ -178,23 +178,34 @@ def check_reward_rows(rows, prompt_column: str, reward_funcs: Sequence[Callable]
     check_column_values(reward_funcs, rows, field)
 
 
-def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
-    """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads,
-    with the values a reward needs in every row: the math rewards' answer), the tokenizer's pad token, and prompt +
-    completion lengths against the model's positions: one ValueError naming the argument. `config` has
-    reward_weights, prompt_column, max_prompt_length and max_completion_length."""
+def check_reward_setup(reward_funcs: Sequence[Callable], reward_weights: Sequence[float] | None) -> None:
+    """One or more callables, and a weight for each where weights are given."""
     if not reward_funcs or not all(callable(f) for f in reward_funcs):
         raise ValueError(f"reward_funcs: expected one or more callables, got {reward_funcs!r}")
-    if config.reward_weights is not None and len(config.reward_weights) != len(reward_funcs):
-        raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward "
-                         f"function), got {len(config.reward_weights)}")
-    check_reward_rows(dataset, config.prompt_column, reward_funcs, "dataset")
-    if getattr(dataset, "column_names", None) is None:  # a list of dicts: rows may differ
+    if reward_weights is not None and len(reward_weights) != len(reward_funcs):
+        raise ValueError(f"reward_weights: expected {len(reward_funcs)} weights (one per reward function), "
+                         f"got {len(reward_weights)}")
+
+
+def check_same_columns(dataset) -> None:
+    """Every row of a list of dicts with row 0's columns (a datasets.Dataset's rows have them): a step's reward
+    functions get each column for every completion."""
+    if getattr(dataset, "column_names", None) is None:
         columns = dataset_columns(dataset)
         for i in range(len(dataset)):
             if set(dataset[i]) != set(columns):
                 raise ValueError(f"dataset: row {i} has columns {sorted(dataset[i])}, row 0 has "
                                  f"{sorted(columns)}; every row needs the same columns")
+
+
+def check_sampling_inputs(config, model, tokenizer, reward_funcs: Sequence[Callable], dataset) -> None:
+    """Reward functions and weights, the dataset's rows and columns (the prompt column and what each reward reads,
+    with the values a reward needs in every row: the math rewards' answer), the tokenizer's pad token, and prompt +
+    completion lengths against the model's positions: one ValueError naming the argument. `config` has
+    reward_weights, prompt_column, max_prompt_length and max_completion_length."""
+    check_reward_setup(reward_funcs, config.reward_weights)
+    check_reward_rows(dataset, config.prompt_column, reward_funcs, "dataset")
+    check_same_columns(dataset)
     if tokenizer.pad_token_id is None:
         raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
     check_lengths_fit(config, model_positions(model))

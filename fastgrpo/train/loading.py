@@ -18,8 +18,8 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
-from fastgrpo.train.evaluate import first_rows
-from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows
+from fastgrpo.train.evaluate import build_eval_task, first_rows
+from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows, positions_before_load
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_eval_rows, sft_pairs
@@ -250,14 +250,21 @@ def eval_dataset_config(config) -> str | None:
 
 def check_eval_dataset(config) -> None:
     """A run's eval_rows, checked as its training rows are, before the model loads: they are read inside the trainer,
-    where a wrong path or column stopped the run after the model had loaded. The trainer reads them again (the first
-    eval_max_examples rows)."""
+    where a wrong path, column or prompt length stopped the run after the model had loaded. The trainer reads them
+    again (the first eval_max_examples rows)."""
     if not getattr(config, "eval_steps", 0) or config.eval_dataset is None and config.dataset is None:
         return  # no evaluation, or the built-in task's rows
     rows = first_rows(eval_rows(config), config.eval_max_examples)
     names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
-    check_reward_rows(rows, config.prompt_column, [resolve_reward(name) for name in names], "eval_dataset")
+    reward_funcs = [resolve_reward(name) for name in names]
+    check_reward_rows(rows, config.prompt_column, reward_funcs, "eval_dataset")
     check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, "eval_dataset")
+    # each prompt with the new tokens within the model's positions (its config.json; the built-in model's: once built)
+    new_tokens = "eval_max_new_tokens" if hasattr(config, "eval_max_new_tokens") else "max_completion_length"
+    build_eval_task(rows, tokenizer_before_load(config.model), prompt_column=config.prompt_column,
+                    prompt_format=config.prompt_format, reward_funcs=reward_funcs,
+                    max_positions=positions_before_load(config.model), max_new_tokens=getattr(config, new_tokens),
+                    new_tokens_field=new_tokens)
 
 
 def prompt_values(rows, column: str, max_examples: int = 0, field: str = "dataset") -> list[tuple[int, object]]:
@@ -344,10 +351,30 @@ def load_model_and_tokenizer(config):
     return model, tokenizer
 
 
+def tokenizer_before_load(model: str | None):
+    """The tokenizer load_model_and_tokenizer gives with `model` (None: the built-in model's), loaded alone (in well
+    under a second, where the model can take minutes) to check a run's rows before the model loads."""
+    if model is None:
+        return default_task.build_tokenizer()
+    with naming_the_model(model):
+        return load_tokenizer(model)
+
+
+# What a tokenizer is read from (save_pretrained's files, a sentencepiece or tiktoken model, a BPE vocabulary)
+_TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "*.model", "*.tiktoken")
+
+
 def load_tokenizer(model: str):
-    """The tokenizer of a model folder or Hub name, padding on the left (for generation), with a pad token."""
+    """The tokenizer of a model folder or Hub name, padding on the left (for generation), with a pad token. A folder
+    without tokenizer files is refused: transformers builds an empty tokenizer for some (a qwen2 config.json alone),
+    whose prompts have no tokens, and a multi-line error for others."""
     from transformers import AutoTokenizer
 
+    folder = Path(model)
+    if folder.is_dir() and not any(any(folder.glob(pattern)) for pattern in _TOKENIZER_FILES):
+        raise ValueError(f"model: cannot load {model!r} from the local folder: it has no tokenizer files "
+                         "(tokenizer.json, tokenizer_config.json); save the model's tokenizer there "
+                         "(tokenizer.save_pretrained)")
     tokenizer = AutoTokenizer.from_pretrained(model)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:

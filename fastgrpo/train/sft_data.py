@@ -166,10 +166,10 @@ def _column(rows, column: str):
 
 
 def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, prompt_format: str,
-                  max_seq_length: int, truncate: bool) -> list[SFTExample]:
+                  max_seq_length: int, truncate: bool, warn: bool = True) -> list[SFTExample]:
     """One SFTExample per row (sft_pairs: TRL's completion and messages rows too). A row longer than max_seq_length
-    is an error naming it, unless `truncate`: then its response loses its end (with a warning); a row left without
-    response tokens is an error either way."""
+    is an error naming it, unless `truncate`: then its response loses its end (with a warning, when `warn`); a row
+    left without response tokens is an error either way."""
     examples, cut = [], []
     for i, (prompt, response) in enumerate(sft_pairs(rows, prompt_column, response_column)):
         try:
@@ -191,7 +191,7 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
             raise ValueError(f"dataset: row {i} has no response tokens (a {len(p)}-token prompt, "
                              f"max_seq_length {max_seq_length})")
         examples.append(SFTExample(tuple(p), tuple(r)))
-    if cut:  # one line for the dataset, not one per row
+    if cut and warn:  # one line for the dataset, not one per row
         logger.warning(truncation_note(cut, len(examples), max_seq_length))
     return examples
 
