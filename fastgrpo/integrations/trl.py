@@ -29,7 +29,7 @@ from fastgrpo.hf.models import (
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
-from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_columns, unpadded
+from fastgrpo.loss.row_layout import as_given, padding_facts, run_backbone, take_columns, unpadded
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
 from fastgrpo.patching.patch import check_offload_options
@@ -185,8 +185,12 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         T = input_ids.shape[1]
         targets = torch.zeros_like(attention_mask)
         targets[:, T - logits_to_keep:] = attention_mask[:, T - logits_to_keep:]
-        # TRL's [left-padded prompt | completion | padding] rows run without their mask (fastgrpo.loss.row_layout)
-        layout = unpadded(attention_mask, *read_ints(*padding_facts(attention_mask, targets)))
+        # TRL's [left-padded prompt | completion | padding] rows run without their mask (fastgrpo.loss.row_layout);
+        # not under NEFTune, whose noise is drawn for, and scaled by, the padded rows' shape
+        if self.args.neftune_noise_alpha is None:
+            layout = unpadded(attention_mask, *read_ints(*padding_facts(attention_mask, targets)))
+        else:
+            layout = as_given(attention_mask)
         with self.accelerator.autocast():
             hidden = take_columns(run_backbone(backbone, input_ids, layout), layout,
                                   slice(T - logits_to_keep - 1, T - 1))

@@ -38,10 +38,15 @@ def padding_facts(attention_mask: torch.Tensor, target_mask: torch.Tensor) -> tu
     return droppable, _left_padding(real).max(), real.sum(1).max()
 
 
+def as_given(attention_mask: torch.Tensor) -> Unpadded:
+    """The rows as they are, with their mask."""
+    return Unpadded(attention_mask, None, attention_mask.shape[1])
+
+
 def unpadded(attention_mask: torch.Tensor, droppable: int, most_left_padding: int, longest: int) -> Unpadded:
     """The layout to run, from padding_facts' values read on the host."""
     if not droppable:
-        return Unpadded(attention_mask, None, attention_mask.shape[1])
+        return as_given(attention_mask)
     shift = _left_padding(attention_mask.bool()) if most_left_padding else None
     return Unpadded(None, shift, max(longest, 1))
 
