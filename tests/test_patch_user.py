@@ -106,7 +106,7 @@ def test_labels_loss_of_a_model_whose_lm_head_accelerate_offloads_is_the_library
         return AutoModelForCausalLM.from_pretrained(tmp_path / "model", device_map=device_map, dtype=torch.float32,
                                                     offload_folder=tmp_path / "offload", attn_implementation="eager")
 
-    model, patched = load(), patch_model(load())
+    model, patched = load().train(), patch_model(load()).train()  # training mode: the fused loss (eval: logits)
     assert patched.lm_head.weight.is_meta
     ids, mask = batch(1)
     with torch.no_grad():
