@@ -7,7 +7,7 @@ import transformers
 from hypothesis import given, settings
 from transformers import AutoModelForCausalLM
 
-from fastgrpo.loss import reference
+from fastgrpo.loss import reference, row_layout
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.loss.sft import sft_loss
 
@@ -90,6 +90,14 @@ def backbone_masks(model, widths=None):
             widths.append(kwargs["input_ids"].shape[1])
 
     return seen, model.model.register_forward_pre_hook(record, with_kwargs=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def columns_one_by_one():
+    """Rows cut at their longest row exactly (LENGTH_MULTIPLE 1): these rows are shorter than one multiple."""
+    saved, row_layout.LENGTH_MULTIPLE = row_layout.LENGTH_MULTIPLE, 1
+    yield
+    row_layout.LENGTH_MULTIPLE = saved
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -192,3 +200,14 @@ def test_sft_loss_of_padded_rows_is_the_masked_forwards(batch):
         logps = oracle_logps(model, ids, mask, response)
     want = -logps.sum() / response.sum().clamp(min=1)
     torch.testing.assert_close(loss.detach(), want, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("multiple, longest, T, length", [(128, 5, 13, 13), (128, 100, 300, 128), (128, 129, 300, 256),
+                                                          (128, 290, 300, 300), (1, 7, 13, 7)])
+def test_rows_are_cut_to_a_multiple_past_the_longest(monkeypatch, multiple, longest, T, length):
+    """A few lengths recur across micro-batches (each new length was a new shape for the kernels: slower on an
+    H200), never past the rows given."""
+    monkeypatch.setattr(row_layout, "LENGTH_MULTIPLE", multiple)
+    mask = torch.zeros(2, T, dtype=torch.long)
+    mask[0, :longest] = 1
+    assert row_layout.unpadded(mask, 1, 0, longest).length == length

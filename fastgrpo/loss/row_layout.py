@@ -7,14 +7,19 @@ each row's 1s are one run, rolling the row left by its left padding gives [promp
 real tokens see exactly what the mask let them see under the causal mask alone: padding after a token never reaches
 it. Position ids then start at 0 on every row's first real token, as the rollout engines number them; RoPE scores
 depend only on distances, so the values are those of the masked forward up to rounding. The backbone then runs only
-up to the longest row: columns every row pads (a micro-batch of short completions in a batch of long ones) cost
-nothing.
+up to the longest row (rounded up to LENGTH_MULTIPLE): columns every row pads (a micro-batch of short completions in
+a batch of long ones) cost nothing.
 """
 from __future__ import annotations
 
 from typing import NamedTuple
 
 import torch
+
+
+# The rows run are cut to a multiple of this many columns past the longest row: a few shapes recur, where a
+# length per micro-batch made each a new shape (slower on an H200: benchmarks/NOTES.md).
+LENGTH_MULTIPLE = 128
 
 
 class Unpadded(NamedTuple):
@@ -48,7 +53,8 @@ def unpadded(attention_mask: torch.Tensor, droppable: int, most_left_padding: in
     if not droppable:
         return as_given(attention_mask)
     shift = _left_padding(attention_mask.bool()) if most_left_padding else None
-    return Unpadded(None, shift, max(longest, 1))
+    length = -(-max(longest, 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
+    return Unpadded(None, shift, min(length, attention_mask.shape[1]))
 
 
 def run_backbone(backbone: torch.nn.Module, input_ids: torch.Tensor, layout: Unpadded) -> torch.Tensor:
