@@ -3,14 +3,18 @@ defaults and help, so fastgrpo.train.loading builds the model from any of them) 
 config_file.ConfigFile, which GRPOConfig has too).
 
 Each config stays a flat dataclass (one field = one flag = one YAML key); `inherited` copies a GRPOConfig field
-instead of restating its default and help text.
+instead of restating its default and help text. Below them, what the trainers (GRPOTrainer, SFTTrainer) share as
+Python objects: the check of the objects they are given, and how a second train() call knows its own run.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from pathlib import Path
 
 from fastgrpo._checks import check_choice
+from fastgrpo.train.checkpoint import latest_checkpoint
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
                                    option)
 from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
@@ -67,3 +71,57 @@ def check_scoring_options(config) -> None:
     check_reward_weights(config.reward_weights)
     if not math.isfinite(config.correct_threshold):  # nan / inf count no completion correct, -inf each
         raise ValueError(f"correct_threshold: expected a finite number, got {config.correct_threshold}")
+
+
+# how an Interrupted raised by a trainer's train() says to continue from Python (the CLI puts its command line there)
+CONTINUE_FROM_PYTHON = "train() on this trainer, or resume=True in a new one (with the same settings otherwise)"
+
+
+def check_trainer_objects(model, tokenizer, config, config_class: type) -> None:
+    """A trainer's model, tokenizer and config are objects (the commands load them by name): a name, a dict or
+    another object in their place is one ValueError naming the argument, before anything uses it."""
+    import torch
+
+    if not isinstance(model, torch.nn.Module):
+        hint = "; fastgrpo.train.loading.load_model_and_tokenizer(config) loads one by name" \
+            if isinstance(model, str) else ""
+        raise ValueError(f"model: expected a loaded model (a torch.nn.Module), got {_given(model)}{hint}")
+    if isinstance(tokenizer, str) or not hasattr(tokenizer, "pad_token_id"):
+        raise ValueError("tokenizer: expected a loaded tokenizer (transformers.AutoTokenizer.from_pretrained(name)), "
+                         f"got {_given(tokenizer)}")
+    if config is not None and not isinstance(config, config_class):
+        name = config_class.__name__
+        hint = f"; build one from it: {name}(**values) or {name}.from_dict(values)" if isinstance(config, dict) else ""
+        raise ValueError(f"config: expected a {name}, got {_given(config)}{hint}")
+
+
+def _given(value) -> str:
+    return f"the name {value!r}" if isinstance(value, str) else type(value).__name__
+
+
+def checkpoint_identity(path: Path | None) -> tuple[int, int] | None:
+    """What tells the checkpoint folder `path` from one another run writes at the same path later (a new folder
+    renamed into place): its inode and modification time; None where there is no such folder."""
+    try:
+        stat = os.stat(path)
+    except (TypeError, OSError):
+        return None
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def check_own_run(output_dir: Path, saved: Path, identity: tuple[int, int] | None) -> None:
+    """Before train() called again continues a trainer's run: the newest checkpoint of output_dir is still the one
+    the trainer wrote (`saved`, `identity`). Another run started afresh there since (overwrite_output_dir), or the
+    folder was emptied: continuing would take up that run's checkpoint and append to its log."""
+    if latest_checkpoint(output_dir) != saved or checkpoint_identity(saved) != identity:
+        raise ValueError(f"output_dir: {output_dir} no longer holds this trainer's {saved.name} (another run wrote "
+                         "there since); build a new trainer to train there")
+
+
+def restore_schedule(scheduler, state: dict) -> None:
+    """Load a checkpoint's LR scheduler `state` and give each parameter group its schedule's LR at the restored
+    position: the optimizer's saved LR is of the saved schedule, and where max_steps was raised since (a longer
+    linear / cosine schedule) the first update would have taken the old one's (0 at a linear schedule's end)."""
+    scheduler.load_state_dict(state)
+    for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
+        group["lr"] = base * factor(scheduler.last_epoch)

@@ -32,6 +32,9 @@ from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
+from fastgrpo.train.options import (
+    CONTINUE_FROM_PYTHON, check_own_run, check_trainer_objects, checkpoint_identity, restore_schedule,
+)
 from fastgrpo.train.periodic_eval import sft_evaluator
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import (
@@ -86,6 +89,7 @@ class SFTTrainer:
         a list of SFTExample (already tokenized, e.g. expert iteration's kept samples). dist: a Distributed whose
         data_parallel wrapped `model` already (expert iteration's, once for all its rounds: DDP or FSDP2 wrap a model
         once); none: this process's, wrapping the model here under torchrun."""
+        check_trainer_objects(model, tokenizer, config, SFTConfig)
         self.config = config = config or SFTConfig()
         self.model, self.tokenizer = model, tokenizer
         self.dist = dist if dist is not None else Distributed.current()
@@ -118,6 +122,9 @@ class SFTTrainer:
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
+        self.metrics_log = None  # built by the first train(), kept by the next (one wandb run)
+        # the newest checkpoint written or resumed from, as GRPOTrainer's
+        self._saved_step = self._saved_path = self._saved_identity = None
 
     # ---- one step ----
     def train_step(self) -> dict:
@@ -152,7 +159,7 @@ class SFTTrainer:
         # 3. Clip, AdamW, LR schedule.
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
         grad_norm = self.dist.finish_gradients(params, config.max_grad_norm)
-        lr = self.scheduler.get_last_lr()[0]
+        lr = self.optimizer.param_groups[0]["lr"]  # this update's
         self.optimizer.step()
         self.scheduler.step()
         self.step += 1
@@ -178,7 +185,8 @@ class SFTTrainer:
 
     # ---- the run ----
     def train(self, run_dir=None) -> list[dict]:
-        """Run (or, with config.resume, continue) to the last step; returns the metrics of this call's steps.
+        """Run (or, with config.resume, continue) to the last step; returns the metrics of this call's steps
+        (self.history holds the run's). Called again, it continues this trainer's run, as GRPOTrainer.train does.
 
         As GRPOTrainer.train: the output folder is locked and a fresh run refuses one that holds another run
         (run_dir: the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all);
@@ -186,12 +194,23 @@ class SFTTrainer:
         got one).
         """
         config, dist = self.config, self.dist
+        again = self._saved_path is not None  # this trainer's run is in output_dir: it goes on
         with contextlib.ExitStack() as stack:
             if run_dir is None:
                 run_dir = stack.enter_context(dist.run_directory(self.output_dir))
-                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
-            log = dist.on_main(MetricsLog, self.output_dir, report_to=config.report_to, run_config=config.to_dict())
-            if config.resume:
+                run_dir.prepare(resume=config.resume or again, overwrite=config.overwrite_output_dir and not again,
+                                command=config.COMMAND)
+            if self.metrics_log is None:
+                self.metrics_log = dist.on_main(MetricsLog, self.output_dir, report_to=config.report_to,
+                                                run_config=config.to_dict())
+            log = self.metrics_log
+            if again:
+                dist.raise_together(lambda: dist.is_main and check_own_run(self.output_dir, self._saved_path,
+                                                                          self._saved_identity))
+                # the schedule spans a max_steps / num_epochs raised in between, as a resumed run's does
+                self.total_steps = total_steps(config, len(self.examples))
+                self.optimizer, self.scheduler = adamw_with_schedule(self.model, config, self.device, self.total_steps)
+            if config.resume or again:
                 self.resume()
                 if self.step >= self.total_steps and dist.is_main:
                     field = "max_steps" if config.max_steps else "num_epochs"
@@ -206,24 +225,13 @@ class SFTTrainer:
             stack.callback(console.close)
             # every part of an SFT step is the update: it finishes; several processes stop together after it
             guard = stack.enter_context(InterruptGuard(deferred=dist.active))
-            started = self.step
-            saved_step, saved_time = self.step if config.resume else None, time.monotonic()
-            while self.step < self.total_steps:
-                metrics = self.train_step()
-                if self.evaluator is not None:
-                    metrics.update(self._evaluate(force=self.step == self.total_steps))
-                self.history.append(metrics)
-                log.write(metrics)
-                console.add(metrics)
-                every_steps = config.save_steps and self.step % config.save_steps == 0
-                every_minutes = config.save_minutes and time.monotonic() - saved_time >= 60 * config.save_minutes
-                # all processes save, or none; and all stop when any got a signal
-                signum, save = dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
-                if save or signum:
-                    path, saved_step, saved_time = self.save_checkpoint(), self.step, time.monotonic()
-                if signum:
-                    raise Interrupted(signum, self.step, path)
-            if saved_step != self.step:
+            started, first = self.step, len(self.history)
+            try:
+                self._run_steps(log, console, guard)
+            except Interrupted as stop:
+                stop.how_to_resume = CONTINUE_FROM_PYTHON  # the CLI names its command line instead
+                raise
+            if self._saved_step != self.step:
                 self.save_checkpoint()
             # every process joins the export's collectives or none: they agree on whether it is due
             if config.export and dist.agree(lambda: export_due(self.output_dir, self.step, self.step > started)):
@@ -231,7 +239,27 @@ class SFTTrainer:
                             run_config=config.to_dict(), step=self.step)
             elif not config.export and dist.is_main:
                 warn_stale_export(self.output_dir, self.step)
-        return self.history
+        return self.history[first:]
+
+    def _run_steps(self, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard) -> None:
+        config, dist = self.config, self.dist
+        saved_time = time.monotonic()
+        while self.step < self.total_steps:
+            metrics = self.train_step()
+            if self.evaluator is not None:
+                metrics.update(self._evaluate(force=self.step == self.total_steps))
+            self.history.append(metrics)
+            log.write(metrics)
+            console.add(metrics)
+            every_steps = config.save_steps and self.step % config.save_steps == 0
+            every_minutes = config.save_minutes and time.monotonic() - saved_time >= 60 * config.save_minutes
+            # all processes save, or none; and all stop when any got a signal
+            signum, save = dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
+            if save or signum:
+                self.save_checkpoint()
+                saved_time = time.monotonic()
+            if signum:
+                raise Interrupted(signum, self.step, self._saved_path)
 
     def _evaluate(self, force: bool) -> dict:
         """The periodic evaluation's metrics when it is due; under torchrun on every process, rank 0 writing and
@@ -248,6 +276,8 @@ class SFTTrainer:
         }
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer,
                                          state)
+        self._saved_step, self._saved_path = self.step, path
+        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
         if self.dist.is_main:
             prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
         return path
@@ -259,6 +289,9 @@ class SFTTrainer:
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.scheduler, state["scheduler"])
         self.step = state["step"]
+        self._saved_step, self._saved_path = self.step, path
+        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
+        self.history = [m for m in self.history if m["step"] <= self.step]  # past the checkpoint: undone
         logger.info("resumed from %s at step %d", path, self.step)

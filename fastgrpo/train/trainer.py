@@ -38,6 +38,9 @@ from fastgrpo.train.loss_setup import (
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
+from fastgrpo.train.options import (
+    CONTINUE_FROM_PYTHON, check_own_run, check_trainer_objects, checkpoint_identity, restore_schedule,
+)
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_engine
 from fastgrpo.train.step_rewards import score_groups
@@ -59,6 +62,7 @@ class GRPOTrainer:
     ):
         """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
         the model's own modules, or a VLLMEngine sharing the model's weights)."""
+        check_trainer_objects(model, tokenizer, config, GRPOConfig)
         self.config = config = config or GRPOConfig()
         self.reward_funcs = reward_list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
@@ -83,9 +87,7 @@ class GRPOTrainer:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.dist = Distributed.wrap(model, self.ref_model, config)  # DDP (LoRA) / FSDP2 under torchrun; else as is
         self.updates_per_step = config.num_iterations * config.num_minibatches
-        self.optimizer, self.scheduler = adamw_with_schedule(
-            model, config, self.device, config.max_steps * self.updates_per_step
-        )
+        self.optimizer, self.scheduler = self._optimizer()
         self.step = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
@@ -93,6 +95,7 @@ class GRPOTrainer:
                                              run_config=config.to_dict())
         self._guard: InterruptGuard | None = None  # while train() runs
         self._saved_step = self._saved_path = None  # the newest checkpoint written or resumed from
+        self._saved_identity = None  # its checkpoint_identity: train() again continues there only while it is ours
         self._saved_time = time.monotonic()
         self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
 
@@ -305,9 +308,16 @@ class GRPOTrainer:
             "entropy_coef": self.entropy.coef,
         }, logps
 
+    def _optimizer(self):
+        """AdamW and its schedule over config.max_steps' updates (built again when train() is called again: the
+        schedule spans a max_steps raised in between, as a resumed run's does)."""
+        return adamw_with_schedule(self.model, self.config, self.device, self.config.max_steps * self.updates_per_step)
+
     # ---- the run ----
     def train(self, run_dir=None) -> list[dict]:
-        """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps.
+        """Run (or, with config.resume, continue) to config.max_steps; returns the metrics of this call's steps
+        (self.history holds the run's). Called again (after the run's end, a raised max_steps, a Ctrl-C), it
+        continues this trainer's run from its newest checkpoint, as resume=True would.
 
         The output folder is locked for the run, and a fresh run refuses a folder that holds another run unless
         overwrite_output_dir (fastgrpo.train.run_dir; under torchrun rank 0 does it for all); run_dir: the folder
@@ -316,11 +326,17 @@ class GRPOTrainer:
         reward function (reward_errors="raise") saves the step before it, then raises RewardError.
         """
         config = self.config
+        again = self._saved_path is not None  # this trainer's run is in output_dir: it goes on
         with contextlib.ExitStack() as stack:
             if run_dir is None:
                 run_dir = stack.enter_context(self.dist.run_directory(self.output_dir))  # under torchrun: rank 0's
-                run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
-            if config.resume:
+                run_dir.prepare(resume=config.resume or again, overwrite=config.overwrite_output_dir and not again,
+                                command=config.COMMAND)
+            if again:
+                self.dist.raise_together(lambda: self.dist.is_main and check_own_run(
+                    self.output_dir, self._saved_path, self._saved_identity))
+                self.optimizer, self.scheduler = self._optimizer()
+            if config.resume or again:
                 self.resume()
                 if self.step >= config.max_steps:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
@@ -328,14 +344,18 @@ class GRPOTrainer:
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
                 self.dist.check_final_exportable(self.output_dir)
             self.metrics_log.start_at(self.step)
-            started = self.step
+            started, first = self.step, len(self.history)
             self._saved_time = time.monotonic()
             console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
                                         progress_bar=config.progress_bar)
             stack.callback(console.close)
             self._guard = stack.enter_context(InterruptGuard(deferred=self.dist.active))
             stack.callback(setattr, self, "_guard", None)
-            self._run_steps(console)
+            try:
+                self._run_steps(console)
+            except Interrupted as stop:
+                stop.how_to_resume = CONTINUE_FROM_PYTHON  # the CLI names its command line instead
+                raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
             # every rank joins the export's collectives or none: they agree on whether it is due
@@ -343,7 +363,7 @@ class GRPOTrainer:
                 self.export(self.output_dir / "final")
             elif not config.export and self.dist.is_main:
                 warn_stale_export(self.output_dir, self.step)
-        return self.history
+        return self.history[first:]
 
     def _run_steps(self, console: ConsoleLog) -> None:
         config, guard = self.config, self._guard
@@ -405,6 +425,7 @@ class GRPOTrainer:
         }
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer, state)
         self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
+        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
         if self.dist.is_main:
             prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
         return path
@@ -416,12 +437,14 @@ class GRPOTrainer:
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
-        self.scheduler.load_state_dict(state["scheduler"])
+        restore_schedule(self.scheduler, state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
         self.entropy.coef, self.entropy.last_entropy = state["entropy_coef"], state["last_entropy"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta
         self._saved_step, self._saved_path = self.step, path
+        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
+        self.history = [m for m in self.history if m["step"] <= self.step]  # past the checkpoint: undone
         logger.info("resumed from %s at step %d", path, self.step)
 
     def export(self, path: str | Path) -> Path:

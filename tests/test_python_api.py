@@ -1,0 +1,127 @@
+"""The trainers as a notebook uses them: train() called again (after the run's end, after a Ctrl-C) continues the
+trainer's own run, never another's, and a wrong object given to a trainer is one line naming the argument."""
+import logging
+import os
+import signal
+
+import pytest
+import torch
+
+import fastgrpo
+from fastgrpo.train import default_task
+
+GRPO_SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=8, max_completion_length=5, export=False,
+                  progress_bar=False, logging_steps=0)
+SFT_SMALL = dict(batch_size=8, micro_batch_size=4, export=False, progress_bar=False, logging_steps=0)
+
+
+def _grpo(output_dir, reward=default_task.repeat_letter_reward, **fields):
+    tokenizer = default_task.build_tokenizer()
+    config = fastgrpo.GRPOConfig(**{**default_task.PRESET, **GRPO_SMALL, "output_dir": str(output_dir), **fields})
+    return fastgrpo.GRPOTrainer(default_task.build_model(tokenizer), tokenizer, reward,
+                                default_task.build_dataset(16), config)
+
+
+def _sft(output_dir, **fields):
+    tokenizer = default_task.build_tokenizer()
+    config = fastgrpo.SFTConfig(**{**default_task.SFT_PRESET, **SFT_SMALL, "output_dir": str(output_dir), **fields})
+    return fastgrpo.SFTTrainer(default_task.build_model(tokenizer), tokenizer, default_task.build_sft_dataset(32),
+                               config)
+
+
+def _weights(trainer) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in trainer.model.parameters()]
+
+
+def _assert_same_run(got, straight):
+    """The same steps' metrics (timings aside) and the same weights as the straight run's."""
+    timings = ("_s", "tokens_per_s")
+    strip = [[{k: v for k, v in m.items() if not k.endswith(timings)} for m in t.history] for t in (got, straight)]
+    assert strip[0] == strip[1]
+    for a, b in zip(_weights(got), _weights(straight)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("lr_scheduler", ["constant", "linear"])
+@pytest.mark.parametrize("build", [_grpo, _sft])
+def test_train_again_with_more_steps_continues_as_one_run(tmp_path, build, lr_scheduler):
+    """trainer.train() after a finished run continues it from its last step (as resume=True does); raising
+    config.max_steps between the calls trains the new steps over the new length's schedule (a linear one had ended
+    at 0). It had refused its own folder: 'output_dir: ... holds another run (checkpoint-2, metrics.jsonl); continue
+    it with resume=True, or start afresh with overwrite_output_dir=True (deletes those files)'."""
+    straight = build(tmp_path / "straight", max_steps=3, lr_scheduler=lr_scheduler)
+    straight.train()
+    trainer = build(tmp_path / "twice", max_steps=2, lr_scheduler=lr_scheduler)
+    assert [m["step"] for m in trainer.train()] == [1, 2]
+    trainer.config.max_steps = 3
+    assert [m["step"] for m in trainer.train()] == [3]  # this call's steps
+    assert [m["step"] for m in trainer.history] == [1, 2, 3]  # the run's
+    assert len((tmp_path / "twice" / "metrics.jsonl").read_text().splitlines()) == 3
+    assert trainer.history[-1]["lr"] == pytest.approx(straight.history[-1]["lr"])
+    if lr_scheduler == "constant":
+        _assert_same_run(trainer, straight)
+
+
+def test_train_again_at_the_last_step_trains_nothing_and_says_so(tmp_path, caplog):
+    trainer = _grpo(tmp_path, max_steps=1)
+    trainer.train()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        assert trainer.train() == []
+    assert f"nothing to train: the run in {tmp_path} is at step 1 of max_steps=1; pass a larger max_steps" in caplog.text
+    assert [m["step"] for m in trainer.history] == [1]
+
+
+def test_train_again_after_ctrl_c_continues_as_one_run(tmp_path):
+    """A notebook's interrupt (SIGINT) while the second step scores its completions: the trainer saves step 1 and
+    raises; train() again redoes step 2 exactly as the straight run did it, and says so in the interrupt's line."""
+    scored = []
+
+    def repeat_letter_reward(prompts, completions, letter, **kwargs):  # named as the straight run's
+        scored.append(len(scored))
+        if len(scored) == 2:
+            os.kill(os.getpid(), signal.SIGINT)
+        return default_task.repeat_letter_reward(prompts, completions, letter=letter)
+
+    straight = _grpo(tmp_path / "straight", max_steps=3)
+    straight.train()
+    trainer = _grpo(tmp_path / "stopped", repeat_letter_reward, max_steps=3)
+    with pytest.raises(KeyboardInterrupt, match="step 1 saved in .*; continue with train\\(\\) on this trainer"):
+        trainer.train()
+    assert [m["step"] for m in trainer.train()] == [2, 3]
+    _assert_same_run(trainer, straight)
+
+
+def test_train_again_refuses_a_folder_another_run_took_over(tmp_path):
+    """Between two calls another trainer started afresh in the same folder (overwrite_output_dir): continuing there
+    would take up that run's checkpoint and append to its log."""
+    first = _sft(tmp_path, max_steps=1)
+    first.train()
+    _sft(tmp_path, max_steps=1, overwrite_output_dir=True, learning_rate=0.1).train()
+    with pytest.raises(ValueError, match=r"^output_dir: .* no longer holds this trainer's checkpoint-1 \(another run "
+                                         r"wrote there since\); build a new trainer to train there$"):
+        first.train()
+
+
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "SFTTrainer"])
+@pytest.mark.parametrize("position, value, match", [
+    (0, "Qwen/Qwen2.5-0.5B", r"^model: expected a loaded model \(a torch.nn.Module\), got the name "
+                             r"'Qwen/Qwen2.5-0.5B'; fastgrpo.train.loading.load_model_and_tokenizer\(config\) loads "
+                             r"one by name$"),
+    (1, "Qwen/Qwen2.5-0.5B", r"^tokenizer: expected a loaded tokenizer \(transformers.AutoTokenizer."
+                             r"from_pretrained\(name\)\), got the name 'Qwen/Qwen2.5-0.5B'$"),
+    ("config", {"max_steps": 1}, r"^config: expected a (GRPO|SFT)Config, got dict; build one from it: "
+                                 r"(GRPO|SFT)Config\(\*\*values\) or (GRPO|SFT)Config.from_dict\(values\)$"),
+])
+def test_a_wrong_object_is_one_line_naming_the_argument(tmp_path, trainer_name, position, value, match):
+    tokenizer = default_task.build_tokenizer()
+    args = [default_task.build_model(tokenizer), tokenizer, default_task.build_dataset(16)]
+    if trainer_name == "GRPOTrainer":
+        args.insert(2, default_task.repeat_letter_reward)
+    kwargs = {}
+    if position == "config":
+        kwargs["config"] = value
+    else:
+        args[position] = value
+    with pytest.raises(ValueError, match=match):
+        getattr(fastgrpo, trainer_name)(*args, **kwargs)
+
