@@ -125,3 +125,23 @@ def test_a_wrong_object_is_one_line_naming_the_argument(tmp_path, trainer_name, 
     with pytest.raises(ValueError, match=match):
         getattr(fastgrpo, trainer_name)(*args, **kwargs)
 
+
+def test_each_trainer_logs_to_a_wandb_run_of_its_own(tmp_path, monkeypatch):
+    """Two trainers in one process (a notebook's cells) with report_to=['wandb']: the second made no run of its own
+    (wandb.init returned the first's) and wandb dropped its steps ("Tried to log to step 1 that is less than the
+    current step 2"); train() called again logs on into the trainer's run. (Skipped where wandb is not installed.)"""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs = []
+    for name in ("first", "second"):
+        trainer = _sft(tmp_path / name, max_steps=1, report_to=["wandb"])
+        trainer.train()
+        runs.append(wandb.run.id)
+    assert runs[0] != runs[1]
+    trainer.config.max_steps = 2
+    trainer.train()
+    assert wandb.run.id == runs[1]
+    wandb.finish()
+

@@ -78,8 +78,13 @@ def _wandb(run_config: dict) -> Callable[[int, dict], None]:
 
     def log(step: int, scalars: dict) -> None:
         nonlocal run
-        if run is None:  # at the first line, as metrics.jsonl: a run that logs nothing makes no wandb run
-            run = wandb.init(project="fastgrpo", config=run_config)
+        # At the first line, as metrics.jsonl (a run that logs nothing makes no wandb run), a wandb run of this log's
+        # own: by default wandb.init gave a second trainer of the process the first's run back, where wandb dropped
+        # its steps as "less than the current step". Where another trainer's run (or wandb.finish) ended ours since,
+        # ours is taken up again (resume="allow").
+        if run is None or wandb.run is not run:
+            again = {} if run is None else {"id": run.id, "resume": "allow"}
+            run = wandb.init(project="fastgrpo", config=run_config, reinit="finish_previous", **again)
         run.log(scalars, step=step)
 
     return log
