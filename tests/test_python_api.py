@@ -3,6 +3,7 @@ trainer's own run, never another's, and a wrong object given to a trainer is one
 import logging
 import os
 import signal
+from pathlib import Path
 
 import pytest
 import torch
@@ -145,3 +146,25 @@ def test_each_trainer_logs_to_a_wandb_run_of_its_own(tmp_path, monkeypatch):
     assert wandb.run.id == runs[1]
     wandb.finish()
 
+
+def test_a_notebook_shows_the_progress_bar(monkeypatch, tmp_path):
+    """In a Jupyter kernel stderr is no terminal (isatty() is False) but its front end redraws a bar in place: the
+    bar showed only in a terminal, so a notebook's run (progress_bar=True, the default) had none."""
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    paths = [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
+    cell = ("from fastgrpo.train.console import ConsoleLog\n"
+            "console = ConsoleLog(2, 4)\n"
+            "for step in range(1, 5):\n"
+            "    console.add({'step': step, 'loss': 0.5})\n"
+            "console.close()")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nbclient.NotebookClient(nb, timeout=120, kernel_name="python3",
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()
+    outputs = nb.cells[0].outputs
+    text = {name: "".join(o.get("text", "") for o in outputs if o.get("name") == name) for name in ("stdout", "stderr")}
+    assert [line.split(" |")[0] for line in text["stdout"].splitlines()] == ["step 2/4", "step 4/4"]
+    widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert widgets or "fastgrpo: 100%" in text["stderr"]  # a widget where ipywidgets is installed, else text
+    assert "TqdmWarning" not in text["stderr"]  # tqdm.auto's "IProgress not found" without ipywidgets

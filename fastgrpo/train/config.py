@@ -241,8 +241,8 @@ class GRPOConfig(ConfigFile):
     logging_steps: int = option(1, "print one line of metrics every N steps (their means); 0: none",
                                 run_control=True)
     report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard", run_control=True)
-    progress_bar: bool = option(True, "tqdm progress bar between the lines, when stderr is a terminal",
-                                run_control=True)
+    progress_bar: bool = option(True, "tqdm progress bar between the lines, when stderr is a terminal or a "
+                                      "Jupyter notebook's", run_control=True)
     # Periodic evaluation with the rollout engine (fastgrpo.train.periodic_eval): this run's rewards and sampling.
     eval_steps: int = option(0, "evaluate every N steps and at the end, into output_dir/eval/; 0: off",
                              run_control=True)

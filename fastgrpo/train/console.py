@@ -4,7 +4,8 @@
     35K train | 0.12 s/step | peak 0.41 GiB RSS            (one line, cut in two here)
 
 Each line holds the means over the steps since the previous line (peak memory: their maximum). A tqdm bar runs
-between the lines only when stderr is a terminal (in a file its redraws make one line of many kilobytes).
+between the lines only when stderr is a terminal or a Jupyter notebook's output (in a file its redraws make one line
+of many kilobytes).
 Another command's loop uses it the same way: `console = ConsoleLog(every, total)`, `console.add(metrics)` once per
 step with the keys it has (missing ones are left out of the line), `console.close()` at the end; a loop that counts
 rounds, not steps, passes unit="round" and its metrics carry "round" (expert iteration).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import warnings
 
 # (metrics key, label, format); tokens/s and time are composed in _line
 _FIELDS = (
@@ -33,8 +35,12 @@ class ConsoleLog:
         self.stream = stream if stream is not None else sys.stdout
         self._window: list[dict] = []
         self._bar = None
-        if progress_bar and sys.stderr.isatty():
-            from tqdm.auto import tqdm
+        if progress_bar and _redraws_in_place(sys.stderr):
+            from tqdm import TqdmWarning
+
+            with warnings.catch_warnings():  # a notebook without ipywidgets gets tqdm's text bar, not its warning
+                warnings.simplefilter("ignore", TqdmWarning)
+                from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total, initial=initial, desc="fastgrpo", leave=False)
 
@@ -60,6 +66,12 @@ class ConsoleLog:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+
+def _redraws_in_place(stream) -> bool:
+    """A terminal, or a Jupyter kernel's stream, whose isatty() is False but whose front end redraws a bar in place
+    (tqdm.auto draws a widget there when ipywidgets is installed)."""
+    return stream.isatty() or type(stream).__module__.startswith("ipykernel.")
 
 
 def number(value: float | None, fmt: str = "{:.3f}") -> str:
