@@ -127,6 +127,30 @@ def test_a_wrong_object_is_one_line_naming_the_argument(tmp_path, trainer_name, 
         getattr(fastgrpo, trainer_name)(*args, **kwargs)
 
 
+@pytest.mark.parametrize("trainer_name", ["GRPOTrainer", "SFTTrainer"])
+@pytest.mark.parametrize("make, match", [
+    (lambda rows: "rows.jsonl", r"got the name 'rows.jsonl'; fastgrpo.train.loading.load_rows\(name\) reads one$"),
+    (lambda rows: __import__("pandas").DataFrame(rows), r"got DataFrame; datasets.Dataset.from_pandas\(frame\) "
+                                                         r"makes one$"),
+    (lambda rows: (row for row in rows), r"got generator; list\(rows\) makes one$"),
+    (lambda rows: __import__("datasets").Dataset.from_list(rows).to_iterable_dataset(),
+     r"got IterableDataset, whose rows stream without a length; load it without streaming=True$"),
+])
+def test_a_dataset_of_another_kind_is_one_line_saying_what_to_give(trainer_name, make, match):
+    """A pandas DataFrame raised KeyError: 0, a generator or a streamed dataset TypeError: object of type ... has no
+    len(), from deep inside the dataset checks."""
+    tokenizer = default_task.build_tokenizer()
+    rows = (default_task.build_dataset if trainer_name == "GRPOTrainer" else default_task.build_sft_dataset)(8)
+    model = default_task.build_model(tokenizer)
+    if trainer_name == "GRPOTrainer":
+        args = [model, tokenizer, default_task.repeat_letter_reward, make(rows), fastgrpo.GRPOConfig(**default_task.PRESET)]
+    else:
+        args = [model, tokenizer, make(rows), fastgrpo.SFTConfig(**default_task.SFT_PRESET)]
+    with pytest.raises(ValueError, match=r"^dataset: expected a list of dict rows \({'prompt': ...}\) or a "
+                                         r"datasets.Dataset, " + match):
+        getattr(fastgrpo, trainer_name)(*args)
+
+
 def test_each_trainer_logs_to_a_wandb_run_of_its_own(tmp_path, monkeypatch):
     """Two trainers in one process (a notebook's cells) with report_to=['wandb']: the second made no run of its own
     (wandb.init returned the first's) and wandb dropped its steps ("Tried to log to step 1 that is less than the

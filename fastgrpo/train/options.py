@@ -77,9 +77,10 @@ def check_scoring_options(config) -> None:
 CONTINUE_FROM_PYTHON = "train() on this trainer, or resume=True in a new one (with the same settings otherwise)"
 
 
-def check_trainer_objects(model, tokenizer, config, config_class: type) -> None:
-    """A trainer's model, tokenizer and config are objects (the commands load them by name): a name, a dict or
-    another object in their place is one ValueError naming the argument, before anything uses it."""
+def check_trainer_objects(model, tokenizer, dataset, config, config_class: type) -> None:
+    """A trainer's model, tokenizer, dataset and config are objects (the commands load them by name): a name, a dict
+    or another object in their place is one ValueError naming the argument, before anything uses it. The rows
+    themselves are checked where they are read (input_checks, sft_data)."""
     import torch
 
     if not isinstance(model, torch.nn.Module):
@@ -93,10 +94,30 @@ def check_trainer_objects(model, tokenizer, config, config_class: type) -> None:
         name = config_class.__name__
         hint = f"; build one from it: {name}(**values) or {name}.from_dict(values)" if isinstance(config, dict) else ""
         raise ValueError(f"config: expected a {name}, got {_given(config)}{hint}")
+    check_dataset_kind(dataset)
 
 
 def _given(value) -> str:
     return f"the name {value!r}" if isinstance(value, str) else type(value).__name__
+
+
+def check_dataset_kind(dataset) -> None:
+    """A list (or tuple) of rows or a datasets.Dataset: what a trainer indexes and takes the length of (a dict of
+    columns and None are named by input_checks). A name, a pandas DataFrame (frame[0] is a column), a generator or a streamed
+    dataset is one ValueError saying what to give instead."""
+    if dataset is None or isinstance(dataset, (list, tuple, dict)) or hasattr(dataset, "column_names") \
+            and hasattr(dataset, "__len__"):
+        return
+    kind = type(dataset).__name__
+    if isinstance(dataset, str):
+        how = f"got the name {dataset!r}; fastgrpo.train.loading.load_rows(name) reads one"
+    elif kind == "DataFrame":
+        how = "got DataFrame; datasets.Dataset.from_pandas(frame) makes one"
+    elif kind == "IterableDataset":
+        how = "got IterableDataset, whose rows stream without a length; load it without streaming=True"
+    else:
+        how = f"got {kind}; list(rows) makes one"
+    raise ValueError(f"dataset: expected a list of dict rows ({{'prompt': ...}}) or a datasets.Dataset, {how}")
 
 
 def checkpoint_identity(path: Path | None) -> tuple[int, int] | None:

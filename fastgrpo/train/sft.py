@@ -89,7 +89,7 @@ class SFTTrainer:
         a list of SFTExample (already tokenized, e.g. expert iteration's kept samples). dist: a Distributed whose
         data_parallel wrapped `model` already (expert iteration's, once for all its rounds: DDP or FSDP2 wrap a model
         once); none: this process's, wrapping the model here under torchrun."""
-        check_trainer_objects(model, tokenizer, config, SFTConfig)
+        check_trainer_objects(model, tokenizer, train_dataset, config, SFTConfig)
         self.config = config = config or SFTConfig()
         self.model, self.tokenizer = model, tokenizer
         self.dist = dist if dist is not None else Distributed.current()

@@ -62,7 +62,7 @@ class GRPOTrainer:
     ):
         """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
         the model's own modules, or a VLLMEngine sharing the model's weights)."""
-        check_trainer_objects(model, tokenizer, config, GRPOConfig)
+        check_trainer_objects(model, tokenizer, train_dataset, config, GRPOConfig)
         self.config = config = config or GRPOConfig()
         self.reward_funcs = reward_list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
