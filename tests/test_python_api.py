@@ -192,3 +192,17 @@ def test_a_notebook_shows_the_progress_bar(monkeypatch, tmp_path):
     widgets = [o for o in outputs if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
     assert widgets or "fastgrpo: 100%" in text["stderr"]  # a widget where ipywidgets is installed, else text
     assert "TqdmWarning" not in text["stderr"]  # tqdm.auto's "IProgress not found" without ipywidgets
+
+
+def test_sft_trainer_exports_as_the_grpo_trainer_does(tmp_path):
+    """SFTTrainer had no export(path) (GRPOTrainer's: an HF model folder of the trained weights, with the
+    tokenizer), so a notebook that trained with export=False had no way but final/ to write one."""
+    from transformers import AutoModelForCausalLM
+
+    trainer = _sft(tmp_path / "run", max_steps=1)
+    trainer.train()
+    trainer.export(tmp_path / "model")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    for (name, saved), trained in zip(loaded.state_dict().items(), trainer.model.state_dict().values()):
+        torch.testing.assert_close(saved, trained, rtol=0, atol=0, msg=name)
+    assert (tmp_path / "model" / "tokenizer_config.json").is_file()

@@ -235,8 +235,7 @@ class SFTTrainer:
                 self.save_checkpoint()
             # every process joins the export's collectives or none: they agree on whether it is due
             if config.export and dist.agree(lambda: export_due(self.output_dir, self.step, self.step > started)):
-                dist.export(export_model, self.model, self.tokenizer, self.output_dir / "final",
-                            run_config=config.to_dict(), step=self.step)
+                self.export(self.output_dir / "final")
             elif not config.export and dist.is_main:
                 warn_stale_export(self.output_dir, self.step)
         return self.history[first:]
@@ -260,6 +259,11 @@ class SFTTrainer:
                 saved_time = time.monotonic()
             if signum:
                 raise Interrupted(signum, self.step, self._saved_path)
+
+    def export(self, path: str | Path) -> Path:
+        """An HF model directory of the current weights and the tokenizer, as GRPOTrainer.export (export_model)."""
+        return self.dist.export(export_model, self.model, self.tokenizer, Path(path), run_config=self.config.to_dict(),
+                                step=self.step)
 
     def _evaluate(self, force: bool) -> dict:
         """The periodic evaluation's metrics when it is due; under torchrun on every process, rank 0 writing and
