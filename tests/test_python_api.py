@@ -206,3 +206,28 @@ def test_sft_trainer_exports_as_the_grpo_trainer_does(tmp_path):
     for (name, saved), trained in zip(loaded.state_dict().items(), trainer.model.state_dict().values()):
         torch.testing.assert_close(saved, trained, rtol=0, atol=0, msg=name)
     assert (tmp_path / "model" / "tokenizer_config.json").is_file()
+
+
+@pytest.mark.parametrize("build", [_grpo, _sft])
+def test_max_steps_set_before_train_is_trained_over_its_own_schedule(tmp_path, build):
+    """trainer.config.max_steps set after the trainer was built: the schedule (and SFT's step count) had been made
+    from the old value, so SFT trained the old count and a linear schedule ran over the old length."""
+    straight = build(tmp_path / "straight", max_steps=3, lr_scheduler="linear")
+    straight.train()
+    trainer = build(tmp_path / "set", max_steps=1, lr_scheduler="linear")
+    trainer.config.max_steps = 3
+    assert [m["step"] for m in trainer.train()] == [1, 2, 3]
+    assert [m["lr"] for m in trainer.history] == [m["lr"] for m in straight.history]
+
+
+@pytest.mark.parametrize("build", [_grpo, _sft])
+def test_a_field_set_on_the_config_after_the_trainer_was_built_is_refused(tmp_path, build):
+    """The trainer applied output_dir (and the sampling, the prompts, ...) as it was built: set on trainer.config
+    later, the run had gone on in the old folder without a word."""
+    trainer = build(tmp_path / "old", max_steps=1)
+    trainer.config.output_dir = str(tmp_path / "new")
+    with pytest.raises(ValueError, match=r"^config: output_dir changed since the trainer was built \('.*old' then, "
+                                         r"'.*new' now\), and the trainer applied it as it was built; build a new "
+                                         r"trainer for the new value \(resume=True continues this run\)$"):
+        trainer.train()
+    assert not (tmp_path / "old").exists() and not (tmp_path / "new").exists()

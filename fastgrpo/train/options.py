@@ -146,3 +146,20 @@ def restore_schedule(scheduler, state: dict) -> None:
     scheduler.load_state_dict(state)
     for group, base, factor in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, scheduler.lr_lambdas):
         group["lr"] = base * factor(scheduler.last_epoch)
+
+
+# the config fields a trainer reads again at each train() call; it applied the others as it was built
+LIVE_FIELDS = ("max_steps", "num_epochs", "save_steps", "save_minutes", "save_total_limit", "logging_steps",
+               "progress_bar", "export", "resume", "resume_allow_changes", "overwrite_output_dir")
+
+
+def check_config_unchanged(built: dict, config) -> None:
+    """Before train(): a field of trainer.config set since the trainer was built (`built`: its dataclasses.asdict
+    then), other than LIVE_FIELDS, would be half applied (the prompts, the sampling, the output folder were made from
+    the old value): one ValueError naming it."""
+    now = dataclasses.asdict(config)
+    for name, before in built.items():
+        if name not in LIVE_FIELDS and now[name] != before:
+            raise ValueError(f"config: {name} changed since the trainer was built ({before!r} then, {now[name]!r} "
+                             "now), and the trainer applied it as it was built; build a new trainer for the new "
+                             f"value ({setting('resume', True)} continues this run)")

@@ -14,6 +14,7 @@ the metrics, the periodic evaluation and the export; the processes agree on when
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from pathlib import Path
@@ -33,7 +34,8 @@ from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.options import (
-    CONTINUE_FROM_PYTHON, check_own_run, check_trainer_objects, checkpoint_identity, restore_schedule,
+    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, checkpoint_identity,
+    restore_schedule,
 )
 from fastgrpo.train.periodic_eval import sft_evaluator
 from fastgrpo.train.sft_config import SFTConfig
@@ -91,6 +93,7 @@ class SFTTrainer:
         once); none: this process's, wrapping the model here under torchrun."""
         check_trainer_objects(model, tokenizer, train_dataset, config, SFTConfig)
         self.config = config = config or SFTConfig()
+        self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
         self.model, self.tokenizer = model, tokenizer
         self.dist = dist if dist is not None else Distributed.current()
         check_process_split(config, self.dist.world_size)
@@ -194,6 +197,7 @@ class SFTTrainer:
         got one).
         """
         config, dist = self.config, self.dist
+        check_config_unchanged(self._built_with, config)
         again = self._saved_path is not None  # this trainer's run is in output_dir: it goes on
         with contextlib.ExitStack() as stack:
             if run_dir is None:
@@ -207,7 +211,8 @@ class SFTTrainer:
             if again:
                 dist.raise_together(lambda: dist.is_main and check_own_run(self.output_dir, self._saved_path,
                                                                           self._saved_identity))
-                # the schedule spans a max_steps / num_epochs raised in between, as a resumed run's does
+            if again or total_steps(config, len(self.examples)) != self.total_steps:
+                # the schedule spans a max_steps / num_epochs set since, as a resumed run's does
                 self.total_steps = total_steps(config, len(self.examples))
                 self.optimizer, self.scheduler = adamw_with_schedule(self.model, config, self.device, self.total_steps)
             if config.resume or again:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,7 +40,8 @@ from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.options import (
-    CONTINUE_FROM_PYTHON, check_own_run, check_trainer_objects, checkpoint_identity, restore_schedule,
+    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, checkpoint_identity,
+    restore_schedule,
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_engine
@@ -64,6 +66,7 @@ class GRPOTrainer:
         the model's own modules, or a VLLMEngine sharing the model's weights)."""
         check_trainer_objects(model, tokenizer, train_dataset, config, GRPOConfig)
         self.config = config = config or GRPOConfig()
+        self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
         self.reward_funcs = reward_list(reward_funcs)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
@@ -309,8 +312,9 @@ class GRPOTrainer:
         }, logps
 
     def _optimizer(self):
-        """AdamW and its schedule over config.max_steps' updates (built again when train() is called again: the
-        schedule spans a max_steps raised in between, as a resumed run's does)."""
+        """AdamW and its schedule over config.max_steps' updates (built again by train() called again, or where
+        max_steps was set since: the schedule spans the new length, as a resumed run's does)."""
+        self._scheduled_steps = self.config.max_steps
         return adamw_with_schedule(self.model, self.config, self.device, self.config.max_steps * self.updates_per_step)
 
     # ---- the run ----
@@ -326,6 +330,7 @@ class GRPOTrainer:
         reward function (reward_errors="raise") saves the step before it, then raises RewardError.
         """
         config = self.config
+        check_config_unchanged(self._built_with, config)
         again = self._saved_path is not None  # this trainer's run is in output_dir: it goes on
         with contextlib.ExitStack() as stack:
             if run_dir is None:
@@ -335,6 +340,7 @@ class GRPOTrainer:
             if again:
                 self.dist.raise_together(lambda: self.dist.is_main and check_own_run(
                     self.output_dir, self._saved_path, self._saved_identity))
+            if again or config.max_steps != self._scheduled_steps:
                 self.optimizer, self.scheduler = self._optimizer()
             if config.resume or again:
                 self.resume()
