@@ -82,7 +82,7 @@ def _wandb(run_config: dict) -> Callable[[int, dict], None]:
         # own: by default wandb.init gave a second trainer of the process the first's run back, where wandb dropped
         # its steps as "less than the current step". Where another trainer's run (or wandb.finish) ended ours since,
         # ours is taken up again (resume="allow").
-        if run is None or wandb.run is not run:
+        if run is None or getattr(wandb, "run", run) is not run:  # wandb.run: the process's current run
             again = {} if run is None else {"id": run.id, "resume": "allow"}
             run = wandb.init(project="fastgrpo", config=run_config, reinit="finish_previous", **again)
         run.log(scalars, step=step)
