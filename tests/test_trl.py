@@ -267,6 +267,18 @@ def trainer_pair(model_dir, tmp_path_factory):
     return [build(cls, model_dir, path / cls.__name__, patch=False) for cls in (GRPOTrainer, FastGRPOTrainer)]
 
 
+def assert_same_loss_and_metrics(results) -> tuple[dict, dict]:
+    """results: TRL's and FastGRPOTrainer's (loss, grads, logged metrics) of one micro-batch; the grads of each,
+    over the same parameters, for the caller's tolerance."""
+    (want, want_grads, want_metrics), (got, got_grads, got_metrics) = results
+    assert close(want, got), f"loss: trl {want!r}, fastgrpo {got!r}"
+    assert set(got_metrics) == set(want_metrics), set(got_metrics) ^ set(want_metrics)
+    for key, values in want_metrics.items():
+        assert all(close(a, b) for a, b in zip(values, got_metrics[key])), f"{key}: {values} vs {got_metrics[key]}"
+    assert set(got_grads) == set(want_grads)
+    return want_grads, got_grads
+
+
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
 def test_compute_loss_matches_trl(trainer_pair, case):
     case = dict(case)
@@ -279,12 +291,7 @@ def test_compute_loss_matches_trl(trainer_pair, case):
         loss.backward()
         grads = {n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.grad is not None}
         results.append((loss.item(), grads, {k: list(v) for k, v in trainer._metrics["train"].items()}))
-    (want, want_grads, want_metrics), (got, got_grads, got_metrics) = results
-    assert close(want, got), f"loss: trl {want!r}, fastgrpo {got!r}"
-    assert set(got_metrics) == set(want_metrics), set(got_metrics) ^ set(want_metrics)
-    for key, values in want_metrics.items():
-        assert all(close(a, b) for a, b in zip(values, got_metrics[key])), f"{key}: {values} vs {got_metrics[key]}"
-    assert set(got_grads) == set(want_grads)
+    want_grads, got_grads = assert_same_loss_and_metrics(results)
     for name, want_grad in want_grads.items():
         err = float((got_grads[name] - want_grad).norm() / want_grad.norm().clamp(min=1e-12))
         assert err <= REL or float((got_grads[name] - want_grad).abs().max()) <= ABS, f"{name}: relative {err:.2e}"

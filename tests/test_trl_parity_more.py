@@ -35,8 +35,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastgrpo.integrations.trl import FastGRPOTrainer  # noqa: E402
 from tests.test_trl import (  # noqa: E402,F401 (model_dir and trainer_pair are fixtures)
-    LOSS_TYPES, SKIP_KEYS, RecordedFast, RecordedTRL, build_tokenizer, close, configure, micro_batch, model_dir,
-    trainer_pair, vowel_reward,
+    LOSS_TYPES, SKIP_KEYS, RecordedFast, RecordedTRL, assert_same_loss_and_metrics, build_tokenizer, close, configure,
+    micro_batch, model_dir, trainer_pair, vowel_reward,
 )
 
 WEIGHT_REL = 1e-2
@@ -278,12 +278,7 @@ def test_compute_loss_matches_trl_on_more_batches(trainer_pair, shape, case, mod
         results.append((loss.item(), grads, {k: list(v) for k, v in run._metrics[mode].items()}))
     for run in trainer_pair:
         run.model.train()
-    (want, want_grads, want_metrics), (got, got_grads, got_metrics) = results
-    assert close(want, got), f"loss: trl {want!r}, fastgrpo {got!r}"
-    assert set(got_metrics) == set(want_metrics), set(got_metrics) ^ set(want_metrics)
-    for key, values in want_metrics.items():
-        assert all(close(a, b) for a, b in zip(values, got_metrics[key])), f"{key}: {values} vs {got_metrics[key]}"
-    assert set(got_grads) == set(want_grads)
+    want_grads, got_grads = assert_same_loss_and_metrics(results)
     for name, grad in want_grads.items():
         assert torch.allclose(got_grads[name], grad, rtol=1e-4, atol=2e-6), name
 
