@@ -231,3 +231,15 @@ def test_a_field_set_on_the_config_after_the_trainer_was_built_is_refused(tmp_pa
                                          r"trainer for the new value \(resume=True continues this run\)$"):
         trainer.train()
     assert not (tmp_path / "old").exists() and not (tmp_path / "new").exists()
+
+
+@pytest.mark.parametrize("rewards, match", [
+    (None, "got NoneType"),  # TypeError: 'NoneType' object is not iterable
+    ({"letter": default_task.repeat_letter_reward}, "got dict"),  # its keys were taken for the functions
+    (["length"], "got the name 'length'"),
+    ([default_task.repeat_letter_reward, 0.5], "got float"),
+])
+def test_reward_funcs_of_another_kind_are_one_line(rewards, match):
+    tokenizer = default_task.build_tokenizer()
+    with pytest.raises(ValueError, match=rf"^reward_funcs: expected a callable or a list of callables, {match}"):
+        fastgrpo.GRPOTrainer(default_task.build_model(tokenizer), tokenizer, rewards, default_task.build_dataset(16))

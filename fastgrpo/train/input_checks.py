@@ -115,12 +115,18 @@ def dataset_columns(dataset) -> list[str]:
 
 
 def reward_list(reward_funcs) -> list:
-    """A trainer's reward_funcs argument as a list: one callable or a sequence of them (a name is the commands')."""
-    if isinstance(reward_funcs, str):
-        raise ValueError(f"reward_funcs: expected a callable or a list of callables, got the name {reward_funcs!r} "
-                         "(a name is for the commands' --reward-funcs; fastgrpo.train.loading.resolve_reward gives "
-                         "its function)")
-    return [reward_funcs] if callable(reward_funcs) else list(reward_funcs)
+    """A trainer's reward_funcs argument as a list: one callable or a list / tuple of them (a name is the
+    commands')."""
+    funcs = list(reward_funcs) if isinstance(reward_funcs, (list, tuple)) else [reward_funcs]
+    for func in funcs:
+        if isinstance(func, str):
+            raise ValueError(f"reward_funcs: expected a callable or a list of callables, got the name {func!r} (a name "
+                             "is for the commands' --reward-funcs; fastgrpo.train.loading.resolve_reward gives its "
+                             "function)")
+        if not callable(func):  # None, a dict of functions (its keys would be taken), a number
+            raise ValueError(f"reward_funcs: expected a callable or a list of callables, got "
+                             f"{type(func).__name__}")
+    return funcs
 
 
 def close_match(names: Sequence[str], columns: Sequence[str]) -> str:
