@@ -125,3 +125,11 @@ def test_command_line_run_is_refused_while_another_holds_the_folder_and_stops_on
     assert last.startswith("fastgrpo train: stopped by SIGINT: step ") and last.endswith("--resume`"), stderr
     assert stdout.splitlines()[0].startswith("step 1/100000 | reward ")
     assert list_checkpoints(out)
+
+
+def test_a_stop_before_the_first_step_ended_says_what_to_do_from_python(tmp_path):
+    """From Python there is no command to run again: the stop says to call train() again (the CLI's says to run its
+    command again)."""
+    with pytest.raises(Interrupted) as stop:
+        _trainer(tmp_path, reward=_signal_at_rewards(1, signal.SIGINT)).train()
+    assert str(stop.value) == "stopped by SIGINT before the first step ended; nothing to keep: call train() again"

@@ -280,6 +280,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             history = trainer.train(run_dir)
         except Interrupted as stop:
             stop.how_to_resume = f"`{resume_command(args.argv)}`"
+            stop.how_to_restart = "run the same command again"
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err

@@ -248,6 +248,7 @@ def _train(config, dist, finished, make_trainer, args) -> list[dict]:
             return trainer.train(run_dir)
         except Interrupted as stop:
             stop.how_to_resume = f"`{_resume_command(args.argv)}`"
+            stop.how_to_restart = "run the same command again"
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err

@@ -49,6 +49,7 @@ class Interrupted(KeyboardInterrupt):
         super().__init__(signum)
         self.signum, self.step, self.checkpoint, self.unit = signum, step, checkpoint, unit
         self.how_to_resume = "resume=True (and the same settings otherwise)"  # the CLI puts its command line here
+        self.how_to_restart = "call train() again"  # with nothing saved; the CLI says to run its command again
 
     @property
     def exit_code(self) -> int:
@@ -57,13 +58,13 @@ class Interrupted(KeyboardInterrupt):
     def saved(self, step: int, checkpoint: Path | None) -> Interrupted:
         """This interrupt, after the loop saved `step` to `checkpoint`."""
         out = Interrupted(self.signum, step, checkpoint, self.unit)
-        out.how_to_resume = self.how_to_resume
+        out.how_to_resume, out.how_to_restart = self.how_to_resume, self.how_to_restart
         return out
 
     def __str__(self) -> str:
         name = signal.Signals(self.signum).name
         if self.checkpoint is None and self.step == 0:
-            return f"stopped by {name} before the first {self.unit} ended; nothing to keep: run the same command again"
+            return f"stopped by {name} before the first {self.unit} ended; nothing to keep: {self.how_to_restart}"
         if self.checkpoint is not None:
             return (f"stopped by {name}: {self.unit} {self.step} saved in {self.checkpoint}; continue with "
                     f"{self.how_to_resume}")
