@@ -129,6 +129,21 @@ RUNS = {
 }
 
 
+def assert_same_logs(theirs, ours, steps: int) -> list[list[dict]]:
+    """Two runs that sampled the same completions logged the same keys and values (SKIP_KEYS aside) at each of
+    their `steps` steps; returns their logs."""
+    assert ours.recorded == theirs.recorded, "the runs sampled different completions: no step-by-step comparison"
+    logs = [[entry for entry in t.state.log_history if "train_runtime" not in entry] for t in (theirs, ours)]
+    assert len(logs[0]) == len(logs[1]) == steps
+    for step, (want, got) in enumerate(zip(*logs), start=1):
+        assert set(got) == set(want), (step, set(got) ^ set(want))
+        for key, value in want.items():
+            if key in SKIP_KEYS or not isinstance(value, (int, float, type(None))):
+                continue
+            assert close(value, got[key]), f"step {step} {key}: trl {value!r}, fastgrpo {got[key]!r}"
+    return logs
+
+
 @pytest.mark.parametrize("name", sorted(RUNS))
 def test_training_logs_what_trl_logs(model_dir, tmp_path, name):
     fields = dict(RUNS[name])
@@ -140,15 +155,7 @@ def test_training_logs_what_trl_logs(model_dir, tmp_path, name):
         runs.append(trainer)
     theirs, ours = runs
     assert bool(getattr(unwrap_peft(ours.model), "fastgrpo_patch_summary", None)) == patch
-    assert ours.recorded == theirs.recorded, "the runs sampled different completions: no step-by-step comparison"
-    logs = [[entry for entry in t.state.log_history if "train_runtime" not in entry] for t in runs]
-    assert len(logs[0]) == len(logs[1]) == 2
-    for step, (want, got) in enumerate(zip(*logs), start=1):
-        assert set(got) == set(want), (step, set(got) ^ set(want))
-        for key, value in want.items():
-            if key in SKIP_KEYS or not isinstance(value, (int, float, type(None))):
-                continue
-            assert close(value, got[key]), f"step {step} {key}: trl {value!r}, fastgrpo {got[key]!r}"
+    logs = assert_same_logs(theirs, ours, 2)
     loss_side = {"loss", "entropy", "clip_ratio/region_mean", "clip_ratio/low_min"}
     loss_side |= {"kl"} if fields.get("beta") else set()
     assert loss_side <= set(logs[0][0]), loss_side - set(logs[0][0])

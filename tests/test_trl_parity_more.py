@@ -35,8 +35,8 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 from fastgrpo.integrations.trl import FastGRPOTrainer  # noqa: E402
 from tests.test_trl import (  # noqa: E402,F401 (model_dir and trainer_pair are fixtures)
-    LOSS_TYPES, SKIP_KEYS, RecordedFast, RecordedTRL, assert_same_loss_and_metrics, build_tokenizer, close, configure,
-    micro_batch, model_dir, trainer_pair, vowel_reward,
+    LOSS_TYPES, RecordedFast, RecordedTRL, assert_same_logs, assert_same_loss_and_metrics, build_tokenizer, close,
+    configure, micro_batch, model_dir, trainer_pair, vowel_reward,
 )
 
 WEIGHT_REL = 1e-2
@@ -75,15 +75,7 @@ def train_both(make) -> tuple:
 
 
 def assert_same_run(theirs, ours) -> None:
-    assert ours.recorded == theirs.recorded, "the runs sampled different completions: no step-by-step comparison"
-    logs = [[entry for entry in t.state.log_history if "train_runtime" not in entry] for t in (theirs, ours)]
-    assert len(logs[0]) == len(logs[1]) == theirs.state.max_steps
-    for step, (want, got) in enumerate(zip(*logs), start=1):
-        assert set(got) == set(want), (step, set(got) ^ set(want))
-        for key, value in want.items():
-            if key in SKIP_KEYS or not isinstance(value, (int, float, type(None))):
-                continue
-            assert close(value, got[key]), f"step {step} {key}: trl {value!r}, fastgrpo {got[key]!r}"
+    assert_same_logs(theirs, ours, theirs.state.max_steps)
     want, got = (dict(t.model.named_parameters()) for t in (theirs, ours))
     assert set(want) == set(got) and set(theirs.initial) == set(ours.initial)
     for name, start in theirs.initial.items():
