@@ -17,9 +17,7 @@ from fastgrpo.train.sft_config import SFTConfig
     ("prompt_column: true\n", "prompt_column: expected a string, got True (read as a boolean: quote it)"),
 ])
 def test_a_wrong_type_names_the_key_and_the_file(text, problem, tmp_path, capsys):
-    path, message = _refusal(text, "train", tmp_path, capsys)
-    field, expected = problem.split(": ", 1)
-    assert message == f"{field} (from {path}): {expected}"
+    _assert_refused_from_the_file(text, problem, tmp_path, capsys)
 
 
 def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
@@ -38,6 +36,13 @@ def test_a_wrong_type_of_an_override_is_no_files(tmp_path):
 def test_a_key_that_is_no_text_is_one_line(text, problem, tmp_path, capsys):
     path, message = _refusal(text, "sft", tmp_path, capsys)
     assert message == f"config: {path}{problem}"
+
+
+def _assert_refused_from_the_file(text: str, problem: str, tmp_path, capsys) -> None:
+    """`fastgrpo train --config <file of text>` refuses it with problem ("field: expected ...") naming the file."""
+    path, message = _refusal(text, "train", tmp_path, capsys)
+    field, expected = problem.split(": ", 1)
+    assert message == f"{field} (from {path}): {expected}"
 
 
 def _refusal(text: str, command: str, tmp_path, capsys) -> tuple:
@@ -128,9 +133,7 @@ def test_yaml_1_1s_surprises_read_as_the_author_meant(tmp_path):
     ("lr_scheduler: [linear]\n", "lr_scheduler: expected a string, got ['linear']"),
 ])
 def test_a_value_yaml_1_1_would_misread_is_refused_in_one_line(text, problem, tmp_path, capsys):
-    path, message = _refusal(text, "train", tmp_path, capsys)
-    field, expected = problem.split(": ", 1)
-    assert message == f"{field} (from {path}): {expected}"
+    _assert_refused_from_the_file(text, problem, tmp_path, capsys)
 
 
 @pytest.mark.parametrize("name, text, held", [
