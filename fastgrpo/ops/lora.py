@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fastgrpo._checks import check_floating, check_positive_int, check_shape
+from fastgrpo.ops.fp8_base import fp8_base_product
 
 # 4096 tokens: one chunk of x in fp32 (and of its fp32 gradient) at Qwen2.5-1.5B's down_proj (in = 8960) is
 # 140 MiB, where unchunked at 8 x 8192 tokens it would be 2.2 GiB.
@@ -145,11 +146,11 @@ class LoRALinearFunction(torch.autograd.Function):
     the base weight is saved as autograd's linear saves it (a parameter: no memory)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scalings, *weights):
+    def forward(ctx, x, weight, bias, fp8_weight, scalings, *weights):
         # weights: a_1, b_1, a_2, b_2, ... of any floating dtypes; casts: the same in x's dtype (tiny)
         casts = [w.to(x.dtype) for w in weights]
-        out, hs = _linear_with_deltas(x, weight, bias, casts, scalings)
-        want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        out, hs = _linear_with_deltas(x, weight, bias, casts, scalings, fp8_weight)
+        want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         hs = [h if want_b else None for h, want_b in zip(hs, wants[1::2])]
         ctx.save_for_backward(x if any(wants[0::2]) else None, weight if want_x else None, *hs, *casts)
         ctx.scalings, ctx.weight_dtypes, ctx.x_shape = scalings, [w.dtype for w in weights], x.shape
@@ -160,7 +161,7 @@ class LoRALinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         x, weight, *rest = ctx.saved_tensors
         hs, casts = rest[: len(ctx.scalings)], rest[len(ctx.scalings) :]
-        want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[4:]
+        want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # g: [N, out]
         grad_x = g.mm(weight) if want_x else None  # grad_x: [N, in], the base layer's; the adapters' add into it
         grads = []
@@ -171,17 +172,19 @@ class LoRALinearFunction(torch.autograd.Function):
             )
             grads += [grad_a, grad_b]
         grad_x = None if grad_x is None else grad_x.view(ctx.x_shape)
-        return grad_x, None, None, None, *grads
+        return grad_x, None, None, None, None, *grads
 
 
-def _linear_with_deltas(x, weight, bias, casts, scalings) -> tuple[torch.Tensor, list[torch.Tensor]]:
+def _linear_with_deltas(x, weight, bias, casts, scalings, fp8_weight=None) -> tuple[torch.Tensor, list[torch.Tensor]]:
     """(F.linear(x, weight, bias) + each delta, [h_i = x a_i^T]) for casts [a_1, b_1, ...] in x's dtype. The base
     product goes into a new tensor of the output's shape (not a view, see _add_delta) by the GEMM F.linear runs for a
     contiguous x (addmm with the bias in its epilogue, or mm: the same bits); each delta is added into it by its
-    second GEMM."""
+    second GEMM. fp8_weight (q, scale): the base product is fp8_base_product's instead."""
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))
     x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])  # x2: [N, in], out2: [N, out]
-    if bias is None:
+    if fp8_weight is not None:
+        fp8_base_product(x2, *fp8_weight, bias, out=out2)
+    elif bias is None:
         torch.mm(x2, weight.t(), out=out2)
     else:
         torch.addmm(bias, x2, weight.t(), out=out2)
@@ -292,15 +295,17 @@ def lora_linear_of_checked_values(
     weight: torch.Tensor,
     bias: torch.Tensor | None,
     adapters: Sequence[tuple[torch.Tensor, torch.Tensor, float]],
+    fp8_weight: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """lora_linear without its argument checks, for a caller whose arguments are a PEFT layer's own (patch_model's
     forward, which runs once per adapted linear, micro-batch and recompute in a host-bound LoRA update: the checks
-    took ~25 us of the op's ~110 us of host time, measured on a CPU)."""
+    took ~25 us of the op's ~110 us of host time, measured on a CPU). fp8_weight: (q [out, in] e4m3, scale [out]
+    fp32), quantize_fp8 of weight: the forward's base product is fp8_base_product's (the backward keeps weight)."""
     scalings = tuple(float(scaling) for _, _, scaling in adapters)
     weights = [w for weight_a, weight_b, _ in adapters for w in (weight_a, weight_b)]  # a_1, b_1, a_2, b_2, ...
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):
-        return _linear_with_deltas(x, weight, bias, [w.to(x.dtype) for w in weights], scalings)[0]
-    return LoRALinearFunction.apply(x, weight, bias, scalings, *weights)
+        return _linear_with_deltas(x, weight, bias, [w.to(x.dtype) for w in weights], scalings, fp8_weight)[0]
+    return LoRALinearFunction.apply(x, weight, bias, fp8_weight, scalings, *weights)
 
 
 def _check_x(x: object) -> None:

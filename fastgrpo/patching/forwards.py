@@ -11,6 +11,7 @@ from torch import nn
 
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
+from fastgrpo.ops.fp8_base import fp8_weight_of
 from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear_of_checked_values
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
@@ -49,15 +50,19 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
 
 
 def lora_linear_forward(
-    previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input"
+    previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input", fp8_forward: bool = False
 ) -> Callable:
     """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's branch where PEFT would run its vanilla branch
     alone; `previous` (PEFT's own forward) for everything else. lora_dtype "input": in x's dtype (autocast's math),
     lora_linear where the base is a frozen nn.Linear it can stand in for, else base_layer(x) then lora_add; "adapter":
-    lora_delta in the adapter's dtype (bitwise PEFT)."""
+    lora_delta in the adapter's dtype (bitwise PEFT). fp8_forward (with "input"): lora_linear's base product in FP8
+    (fastgrpo.ops.fp8_base), with the adapters disabled too (a reference model's forward)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = _vanilla_adapters(self, x, args, kwargs, one_dtype=lora_dtype == "adapter")
+        if adapters is None and fp8_forward and _base_alone(self, args, kwargs) and _frozen_plain_linear(
+                self.base_layer, x):
+            adapters = []  # PEFT would run base_layer(x) alone: the FP8 product stands in for it
         if adapters is None:
             return previous(x, *args, **kwargs)
         base = self.base_layer
@@ -65,7 +70,8 @@ def lora_linear_forward(
             # One op for the base and the adapters: the layer's input gradient is written once (lora_linear).
             # _frozen_plain_linear and _vanilla_adapters checked what lora_linear would: a PEFT layer's own weights
             return lora_linear_of_checked_values(x, base.weight, base.bias,
-                                                 [(a.weight, b.weight, s) for a, b, s in adapters])
+                                                 [(a.weight, b.weight, s) for a, b, s in adapters],
+                                                 fp8_weight_of(base) if fp8_forward else None)
         result = base(x)
         if lora_dtype == "input":
             # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd
@@ -104,6 +110,12 @@ def _frozen_plain_linear(layer: nn.Module, x: torch.Tensor) -> bool:
         return False
     params = [p for p in (layer.weight, layer.bias) if p is not None]
     return not any(p.requires_grad or p.dtype != x.dtype for p in params)
+
+
+def _base_alone(layer: nn.Module, args: tuple, kwargs: dict) -> bool:
+    """Whether PEFT's LoRA forward would return base_layer(x) and nothing else: adapters disabled (not merged),
+    no arguments for the base layer."""
+    return layer.disable_adapters and not layer.merged and not args and not kwargs
 
 
 def _vanilla_adapters(
