@@ -235,3 +235,34 @@ def test_gpu_every_lora_layer_multiplies_in_fp8():
         assert torch.equal(out, want)
     assert all(torch.isfinite(p.grad).all() for n, p in model.named_parameters() if "lora_" in n)
 
+
+# ---- the commands ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("argv, message", [
+    (["--patch", "--lora-rank", "0"], "fp8_forward: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
+                           "every weight (--lora-rank 0); set lora_rank > 0"),
+    (["--lora-rank", "8", "--no-patch"], "fp8_forward: runs in patch_model's LoRA layers, and patch is off (pass "
+                                         "--patch)"),
+])
+def test_commands_refuse_before_loading(argv, message, capsys):
+    from fastgrpo.train.cli import main
+
+    for command in ("train", "sft", "ei"):
+        assert main([command, "--fp8-forward", *argv]) == 2
+        assert message in capsys.readouterr().err
+
+
+def test_train_runs_with_fp8_forward(tmp_path):
+    """The built-in task's LoRA run (its linears' sides are multiples of 16: every base multiplies in FP8 on the CPU's
+    _scaled_mm), the reference pass included."""
+    import json
+
+    from fastgrpo.train.cli import main
+
+    assert main(["train", "--patch", "--fp8-forward", "--lora-rank", "8", "--beta", "0.04", "--output-dir", str(tmp_path),
+                 "--no-progress-bar", "--max-steps", "2"]) == 0
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+    from fastgrpo.train.checkpoint import CONFIG_FILE
+
+    assert json.loads((tmp_path / "checkpoint-2" / CONFIG_FILE).read_text())["fp8_forward"] is True
