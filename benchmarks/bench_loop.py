@@ -15,6 +15,8 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
                  LoRA-merged or dequantized weights per rollout, activations in e4m3) and rollout_kv_cache="fp8",
                  the policy term corrected by pi_old / pi_rollout (rollout_correction="truncate", per sequence,
                  at most 3; pi_old from the loss's own forward: no old log-prob pass, where TRL runs one)
+  fastgrpo-fp8train  (not run by default; sm89+, LoRA) fastgrpo-fp8 with patch_model(fp8_forward=True): the
+                 frozen base's forward GEMMs (reference pass, update forward and recompute) in e4m3 too
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its
@@ -90,7 +92,7 @@ from pathlib import Path
 from benchmarks import loop_targets
 
 SYSTEMS = ("fastgrpo", "fastgrpo-vllm", "fastgrpo-fast", "trl", "trl-liger", "unsloth")
-ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "fastgrpo-fp8", "unsloth-hf")
+ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "fastgrpo-fp8", "fastgrpo-fp8train", "unsloth-hf")
 SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
 FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
 DRY_SHAPES = ("tiny-qwen2-lora", "tiny-llama-qlora")
@@ -366,7 +368,8 @@ class DeviceMemory:
 # ---- the systems (run inside the case's process) ----
 def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, offload: bool | None = None):
     """The fastgrpo GRPOTrainer of a case: the folder's model (+ LoRA), patch_model (activation offload on CUDA
-    unless `offload` says), the benchmark's settings; engine: builtin, fast, nf4 or vllm (see the module doc)."""
+    unless `offload` says), the benchmark's settings; engine: builtin, fast, nf4, fp8, fp8train or vllm (see the
+    module doc)."""
     import fastgrpo
 
     model = load_hf(case)
@@ -377,7 +380,8 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
         model = get_peft_model(model, lora_config())
     if offload is None:  # on the CPU (--dry-run) offload is plain checkpointing; a recompute_layers case needs it
         offload = case.device == "cuda" or case.recompute_layers is not None
-    fastgrpo.patch_model(model, offload_activations=offload, recompute_layers=case.recompute_layers)
+    fastgrpo.patch_model(model, offload_activations=offload, recompute_layers=case.recompute_layers,
+                         fp8_forward=engine == "fp8train")
     fields = dict(
         model=case.folder, lora_rank=0 if case.mode == "full" else 16, load_in_4bit=case.mode == "qlora",
         batch_size=case.batch, num_generations=case.generations, max_prompt_length=case.prompt_length,
@@ -392,7 +396,7 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
         if case.mode != "qlora":
             raise ValueError(f"fastgrpo-nf4 decodes a 4-bit base's own weights: qlora shapes only, not {case.mode}")
         fields["rollout_weights"] = "nf4"
-    if engine == "fp8":
+    if engine in ("fp8", "fp8train"):
         fields.update(rollout_weights="w8a8", rollout_kv_cache="fp8", rollout_correction="truncate")
     if engine == "vllm":
         if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
@@ -491,6 +495,7 @@ RUNNERS = {
     "fastgrpo-fast": functools.partial(run_fastgrpo, engine="fast"),
     "fastgrpo-nf4": functools.partial(run_fastgrpo, engine="nf4"),
     "fastgrpo-fp8": functools.partial(run_fastgrpo, engine="fp8"),
+    "fastgrpo-fp8train": functools.partial(run_fastgrpo, engine="fp8train"),
     "trl": run_trl,
     "trl-liger": functools.partial(run_trl, liger=True),
     "unsloth": functools.partial(run_trl, unsloth=True),
