@@ -431,7 +431,7 @@ def test_a_run_no_reward_function_scored_ends_with_its_summary(tmp_path, capsys)
     assert json.loads((tmp_path / "o" / "metrics.jsonl").read_text())["reward"] is None
     out = capsys.readouterr()
     assert out.out.splitlines()[-1].startswith("reward none (step 1); metrics in "), out.out
-    assert "every reward function returned None for 4 completion(s)" in out.err, out.err
+    assert "every reward function returned None (or NaN) for 4 completion(s)" in out.err, out.err
 
 
 def test_yaml_none_and_quoted_numbers_reach_the_presets_as_flags_do(tmp_path):

@@ -244,7 +244,7 @@ def test_reward_warnings_are_logged_once_by_rank_0(tmp_path):
     found = _run(cli, tmp_path, [argv], {"WORLD_SIZE": str(WORLD)})
     assert [rank["exits"] for rank in found] == [[0], [0]], found[1]["stderr"]
     warnings = ("reward function none_or_text failed; its failed samples score 0: returned 'n/a'",
-                "every reward function returned None for")
+                "every reward function returned None (or NaN) for")
     assert [[rank["stderr"].count(w) for w in warnings] for rank in found] == [[3, 3], [0, 0]], found[1]["stderr"]
     # the round's merged failure: its row count is of process 0's share, and it says so
     merged = "(in process 0's share of the round; process 1 failed too)"

@@ -171,7 +171,7 @@ def test_score_reports_failures_and_scores_them_zero():
         return [1.0]
 
     def junk(prompts, completions, **kw):
-        return [float("nan"), None, "x"]
+        return [float("nan"), None, "x"]  # NaN and None: does not apply, as in TRL
 
     def infinite(prompts, completions, **kw):
         return [1, True, float("-inf")]
@@ -182,13 +182,13 @@ def test_score_reports_failures_and_scores_them_zero():
     rewards, errors = score([ok, raises, short, junk, infinite, text], ["p"] * 3, ["a", "b", "c"], {})
     assert rewards[:, 0].tolist() == [1.5] * 3
     assert rewards[:, 1:3].abs().sum() == 0 and rewards[:, 4].tolist() == [1.0, 1.0, 0.0]
-    assert rewards[0, 3] == 0 and rewards[2, 3] == 0 and math.isnan(rewards[1, 3])  # None: does not apply
+    assert rewards[:2, 3].isnan().all() and rewards[2, 3] == 0
     assert errors == {"raises": "raised RuntimeError: boom", "short": "returned 1 rewards for 3 completions",
-                      "junk": "returned nan, not a finite number or None (1 more rows too)",
-                      "infinite": "returned -inf, not a finite number or None",
-                      "text": "returned '1', not a finite number or None"}
+                      "junk": "returned 'x', not a finite number, None or NaN",
+                      "infinite": "returned -inf, not a finite number, None or NaN",
+                      "text": "returned '1', not a finite number, None or NaN"}
     assert [(e.function, e.row) for e in errors.values()] == [
-        ("raises", None), ("short", None), ("junk", 0), ("infinite", 2), ("text", 1)]
+        ("raises", None), ("short", None), ("junk", 2), ("infinite", 2), ("text", 1)]
     assert json.loads(json.dumps(errors)) == errors  # plain strings in metrics.jsonl
 
 
@@ -237,7 +237,8 @@ def _trainer(tmp_path, reward, **fields):
     ("raise", r"reward function flaky raised ZeroDivisionError: division by zero \(at test_rewards.py:\d+, in flaky\) "
               r"on dataset row \d+ \(completion 3 of 4\): '.*'"),
     ("count", r"reward function flaky returned 7 rewards for 8 completions; reward_errors='skip'"),
-    ("nan", r"reward function flaky returned nan, not a finite number or None on dataset row \d+ \(completion 3 of 4"),
+    ("inf", r"reward function flaky returned inf, not a finite number, None or NaN on dataset row \d+ \(completion 3 "
+            r"of 4"),
 ])
 def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failure, message):
     """flaky works in step 1 and fails in step 2 on the third completion: the run stops with one line, after
@@ -256,7 +257,7 @@ def test_a_failing_reward_stops_the_run_naming_function_and_row(tmp_path, failur
             if len(calls) in (2, 5):
                 raise ZeroDivisionError("division by zero")
             return [0.5] * n
-        return [0.5] * (n - 1) if failure == "count" else [0.5, 0.5, float("nan")] + [0.5] * (n - 3)
+        return [0.5] * (n - 1) if failure == "count" else [0.5, 0.5, float("inf")] + [0.5] * (n - 3)
 
     with pytest.raises(RewardError, match=message + r".*step 1 is saved in .*checkpoint-1: continue with resume=True"):
         _trainer(tmp_path, flaky).train()
@@ -282,9 +283,11 @@ def test_score_passes_dataset_columns():
     assert rewards[:, 0].tolist() == [1.0, 0.0] and not errors
 
 
-def test_a_run_trains_through_none_rewards(tmp_path, caplog):
+@pytest.mark.parametrize("not_applicable", [None, math.nan], ids=["None", "NaN"])
+def test_a_run_trains_through_none_rewards(tmp_path, caplog, not_applicable):
     """TRL's None: a function that applies to some completions only trains with finite losses and metrics (before,
-    None stopped the run); a completion no function scored is named in a warning and gets advantage 0."""
+    None stopped the run); a completion no function scored is named in a warning and gets advantage 0. NaN is the
+    same (TRL's nansum reads it as None; before, it stopped the run as a bug)."""
     import logging
 
     from fastgrpo.train import default_task
@@ -292,7 +295,8 @@ def test_a_run_trains_through_none_rewards(tmp_path, caplog):
     from fastgrpo.train.trainer import GRPOTrainer
 
     def first_only(prompts, completions, letter, **kwargs):  # scores a batch's first completion, None the rest
-        return default_task.repeat_letter_reward(prompts[:1], completions[:1], letter[:1]) + [None] * (len(letter) - 1)
+        return (default_task.repeat_letter_reward(prompts[:1], completions[:1], letter[:1])
+                + [not_applicable] * (len(letter) - 1))
 
     config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
                            "max_completion_length": 4, "max_steps": 2, "export": False, "progress_bar": False,
@@ -304,4 +308,4 @@ def test_a_run_trains_through_none_rewards(tmp_path, caplog):
         history = trainer.train()
     assert len(history) == 2 and all(math.isfinite(m["loss"]) and math.isfinite(m["reward"]) for m in history)
     assert all(m["reward_errors"] == 0 and m["rewards/first_only"] == m["reward"] for m in history)
-    assert "every reward function returned None for 7 completion(s), first dataset row" in caplog.text
+    assert "every reward function returned None (or NaN) for 7 completion(s), first dataset row" in caplog.text

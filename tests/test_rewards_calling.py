@@ -59,14 +59,17 @@ def test_a_trl_style_reward_trains(tmp_path):
 
 @pytest.mark.parametrize("returned", ["numpy", "tensor"])
 def test_array_rewards_are_read_as_lists(returned):
-    """A numpy array or a torch tensor of N rewards is N rewards; a NaN in one is still a failure."""
+    """A numpy array or a torch tensor of N rewards is N rewards; a NaN in one does not apply (as None), an inf is a
+    failure."""
     import numpy as np
     import torch
 
     make = np.array if returned == "numpy" else torch.tensor
     per_func, failures = score([lambda p, c, **kw: make([1.0, 0.5])], ["p"] * 2, ["a", "b"], {})
     assert not failures and per_func[:, 0].tolist() == [1.0, 0.5]
-    _, failures = score([lambda p, c, **kw: make([1.0, float("nan")])], ["p"] * 2, ["a", "b"], {})
+    per_func, failures = score([lambda p, c, **kw: make([1.0, float("nan")])], ["p"] * 2, ["a", "b"], {})
+    assert not failures and per_func[0, 0] == 1.0 and per_func[1, 0].isnan()
+    _, failures = score([lambda p, c, **kw: make([1.0, float("inf")])], ["p"] * 2, ["a", "b"], {})
     assert failures["<lambda>"].row == 1
 
 

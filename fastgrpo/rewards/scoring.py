@@ -1,14 +1,14 @@
 """Run reward functions over a batch and report every failure: a function that raises, returns the wrong number
-of rewards, or a value that is not a finite number or None. Its failed samples score 0.0; the caller decides whether a
-failure stops the run (GRPOTrainer's default, reward_errors="raise": RewardError names the function and the first
-bad row) or is logged and trained through (reward_errors="skip"). A function raising mid-run is the run failing in
-the user's code, not a mistake in the command's input: `fastgrpo train / ei / eval` end with exit 1 (as any uncaught
-Python error; fastgrpo.train.errors), the one line naming the line that raised, and --debug shows the function's
-traceback (RewardError is raised from its exception). Input a built-in reward cannot read (a null answer, an unknown
-ifeval constraint) is refused before anything runs (value_checks): exit 2, with the other input mistakes.
+of rewards, or a value that is not a number, None or NaN (inf, text). Its failed samples score 0.0; the caller decides
+whether a failure stops the run (GRPOTrainer's default, reward_errors="raise": RewardError names the function and the
+first bad row) or is logged and trained through (reward_errors="skip"). A function raising mid-run is the run failing
+in the user's code, not a mistake in the command's input: `fastgrpo train / ei / eval` end with exit 1 (as any
+uncaught Python error; fastgrpo.train.errors), the one line naming the line that raised, and --debug shows the
+function's traceback (RewardError is raised from its exception). Input a built-in reward cannot read (a null answer,
+an unknown ifeval constraint) is refused before anything runs (value_checks): exit 2, with the other input mistakes.
 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
-for a completion the function does not apply to (scored NaN, left out of the sum across functions:
+(or NaN, which TRL reads alike) for a completion the function does not apply to (left out of the sum across functions:
 fastgrpo.loss.grpo.weighted_rewards). A function with a parameter named `completions` is called as TRL calls it, by
 keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by position. The
 arguments are TRL 1.16's (GRPOTrainer._calculate_rewards): the completions as text, or for a conversational dataset
@@ -149,7 +149,7 @@ class RewardError(RuntimeError):
 
 
 class RewardFailure(str):
-    """The message of one reward function's failure on a batch ("raised KeyError: 'x'", "returned nan, ..."), a
+    """The message of one reward function's failure on a batch ("raised KeyError: 'x'", "returned inf, ..."), a
     str (it goes into metrics and JSON as it is) that also carries the function's name, `row`: the first
     completion (batch position) the failure shows on, None when no single row is to blame (a wrong count), and for
     an exception it raised (`error`), `raised_at` (" (at rewards.py:12, in lookup)": the innermost frame, the user's
@@ -184,7 +184,8 @@ def traceback_of(failure: str) -> ReportedTraceback | None:
 
 
 def _as_float(value) -> float | None:
-    """A finite float; NaN for None (not applicable); None for anything else (NaN, inf, text, even "1"): a bug."""
+    """A finite float; NaN for None or NaN (not applicable: TRL's nansum leaves both out); None for anything else
+    (inf, text, even "1"): a bug."""
     if value is None:
         return math.nan
     if isinstance(value, (str, bytes)):  # float("1") would pass a reward that is text, which TRL refuses
@@ -195,7 +196,7 @@ def _as_float(value) -> float | None:
         out = float(value)
     except (TypeError, ValueError):
         return None
-    return out if math.isfinite(out) else None
+    return None if math.isinf(out) else out
 
 
 def _first_line(err: BaseException) -> str:
@@ -273,7 +274,7 @@ def _rewards_of(name: str, returned, n: int) -> tuple[list[float | None], Reward
     if not bad:
         return parsed, None
     more = f" ({len(bad) - 1} more rows too)" if len(bad) > 1 else ""
-    return parsed, RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number or None{more}", bad[0])
+    return parsed, RewardFailure(name, f"returned {values[bad[0]]!r}, not a finite number, None or NaN{more}", bad[0])
 
 
 def score(
@@ -297,12 +298,12 @@ def score(
 
 
 def warn_unscored(rewards: torch.Tensor, describe_row: Callable[[int], str] = lambda row: f"row {row}") -> None:
-    """A warning for the completions no reward function applied to (every one returned None; rewards [N] NaN):
+    """A warning for the completions no reward function applied to (every one returned None or NaN; rewards [N] NaN):
     they carry no signal, as in TRL (advantage 0, not counted in means)."""
     unscored = rewards.isnan().nonzero().flatten().tolist()
     if unscored:
-        logger.warning("every reward function returned None for %d completion(s), first %s; they are left out "
-                       "(advantage 0): make at least one function score every completion", len(unscored),
+        logger.warning("every reward function returned None (or NaN) for %d completion(s), first %s; they are left "
+                       "out (advantage 0): make at least one function score every completion", len(unscored),
                        describe_row(unscored[0]))
 
 
