@@ -147,19 +147,17 @@ def logs_if_it_can(completions, log_metric=None, **kwargs):
 
 def test_what_a_run_would_call_wrongly_is_refused_before_it_starts():
     """A class named as a reward (`--reward-funcs my_rewards.py:Judge`) was constructed with the completions once
-    the model had loaded and sampled (TypeError: Judge() takes no arguments); a function needing TRL's log_metric was
-    refused as reading a dataset column 'log_metric'. An instance of the class works; so does a log_metric with a
-    default (fastgrpo passes none)."""
+    the model had loaded and sampled (TypeError: Judge() takes no arguments). An instance of the class works; so does
+    a function needing TRL's log_metric, with a default or without (before, it was refused: fastgrpo passed none)."""
+    from fastgrpo.rewards.reward_logs import RewardLogs
     from fastgrpo.train.input_checks import check_reward_rows
 
     rows = [{"prompt": "p"}]
     with pytest.raises(ValueError, match=r"^reward_funcs: Judge is a class; expected a reward function or an "
                                          r"instance \(Judge\(\)\) of a class with __call__$"):
         check_reward_rows(rows, "prompt", [Judge], "dataset")
-    with pytest.raises(ValueError, match=r"^reward_funcs: reward function logs_accuracy needs log_metric, which "
-                                         r"TRL's GRPOTrainer passes for its own logging and fastgrpo does not; give it "
-                                         r"a default \(log_metric=None\) and log nothing when it is None$"):
-        check_reward_rows(rows, "prompt", [logs_accuracy], "dataset")
-    check_reward_rows(rows, "prompt", [Judge(), logs_if_it_can], "dataset")
-    per_func, failures = score([Judge(), logs_if_it_can], ["p"], ["a"], {})
-    assert not failures and per_func.tolist() == [[1.0, 1.0]]
+    check_reward_rows(rows, "prompt", [Judge(), logs_if_it_can, logs_accuracy], "dataset")
+    logs = RewardLogs()
+    per_func, failures = score([Judge(), logs_if_it_can, logs_accuracy], ["p"], ["a"], {}, logs=logs)
+    assert not failures and per_func.tolist() == [[1.0, 1.0, 1.0]]
+    assert logs.values == {"accuracy": [1.0, 1.0]} and logs.sources == {"accuracy": "logs_if_it_can"}

@@ -2,7 +2,8 @@
 dataset: for a conversational dataset (prompts as chat messages) the prompts as message lists and each completion
 as [{"role": "assistant", "content": text}], for a standard one both as text; every other column as a keyword holding
 one value per completion; completion_ids (each completion's token ids) and trainer_state (transformers'
-TrainerState). Both trainers run one step on the same tiny Qwen2 model, the reward recording what it received."""
+TrainerState), and TRL's logging hooks log_metric / log_extra. Both trainers run one step on the same tiny Qwen2
+model, the reward recording what it received."""
 from __future__ import annotations
 
 import os
@@ -67,7 +68,8 @@ def shape(value):
 
 
 class Spy:
-    """A TRL-style reward that records each call's arguments and reads a chat completion as TRL's docs do."""
+    """A TRL-style reward that records each call's arguments, reads a chat completion as TRL's docs do, and logs the
+    share it scored 1 with log_metric (and the solutions with log_extra) when given them."""
 
     __name__ = "spy"
 
@@ -78,18 +80,23 @@ class Spy:
         self.calls.append(dict(prompts=prompts, completions=completions, completion_ids=completion_ids,
                                solution=solution, **kwargs))
         texts = [c[0]["content"] if isinstance(c, list) else c for c in completions]
-        return [float(s in t) for t, s in zip(texts, solution)]
+        rewards = [float(s in t) for t, s in zip(texts, solution)]
+        if "log_metric" in kwargs:
+            kwargs["log_metric"]("spy/solved", sum(rewards) / len(rewards))
+            kwargs["log_extra"]("solution", solution)
+        return rewards
 
 
-def run_trl(model_dir, tmp_path, rows) -> dict:
+def run_trl(model_dir, tmp_path, rows) -> tuple[dict, list[dict]]:
     spy = Spy()
     args = trl.GRPOConfig(output_dir=str(tmp_path / "trl"), per_device_train_batch_size=8, num_generations=2,
                           max_completion_length=6, max_steps=1, learning_rate=1e-3, report_to=[],
                           save_strategy="no", disable_tqdm=True, dataloader_num_workers=0, bf16=False, fp16=False,
                           gradient_checkpointing=False, use_cpu=True, seed=0, logging_steps=1)
-    trl.GRPOTrainer(model=model_dir, reward_funcs=spy, args=args, train_dataset=rows,
-                    processing_class=build_tokenizer()).train()
-    return spy.calls[0]
+    trainer = trl.GRPOTrainer(model=model_dir, reward_funcs=spy, args=args, train_dataset=rows,
+                              processing_class=build_tokenizer())
+    trainer.train()
+    return spy.calls[0], trainer.state.log_history
 
 
 def run_fastgrpo(model_dir, tmp_path, rows) -> tuple[dict, GRPOTrainer]:
@@ -106,13 +113,12 @@ def run_fastgrpo(model_dir, tmp_path, rows) -> tuple[dict, GRPOTrainer]:
 @pytest.mark.parametrize("conversational", [True, False], ids=["conversational", "standard"])
 def test_a_trl_reward_gets_what_trl_passes(model_dir, tmp_path, conversational):
     rows = dataset(conversational)
-    theirs = run_trl(model_dir, tmp_path, rows)
+    theirs, their_logs = run_trl(model_dir, tmp_path, rows)
     ours, trainer = run_fastgrpo(model_dir, tmp_path, rows)
-    # TRL's log_extra / log_metric (its completions table and extra metrics) have no counterpart in fastgrpo
-    trl_only = {"log_extra", "log_metric"}
-    assert set(ours) == set(theirs) - trl_only, set(ours) ^ set(theirs)
-    assert {key: shape(value) for key, value in ours.items()} == {
-        key: shape(value) for key, value in theirs.items() if key not in trl_only}
+    assert set(ours) == set(theirs), set(ours) ^ set(theirs)
+    assert {key: shape(value) for key, value in ours.items()} == {key: shape(value) for key, value in theirs.items()}
+    # log_metric's value is logged under its name by both, the step's mean (the completions differ: not the value)
+    assert 0 <= their_logs[0]["spy/solved"] <= 1 and 0 <= trainer.history[0]["spy/solved"] <= 1
     if conversational:
         assert ours["completions"][0][0]["role"] == "assistant"
         assert ours["prompts"][0] == [{"role": "user", "content": ours["prompts"][0][0]["content"]}]
@@ -132,7 +138,8 @@ def test_a_trl_reward_gets_what_trl_passes(model_dir, tmp_path, conversational):
 
 def check_received(call: dict, conversational: bool, global_step: int, max_steps: int) -> None:
     """What Spy got is what TRL passes (test above): completions in the dataset's form, with their token ids."""
-    assert set(call) == {"prompts", "completions", "completion_ids", "solution", "trainer_state"}
+    assert set(call) == {"prompts", "completions", "completion_ids", "solution", "trainer_state", "log_extra",
+                         "log_metric"}
     tokenizer = build_tokenizer()
     for prompt, completion, ids in zip(call["prompts"], call["completions"], call["completion_ids"]):
         assert isinstance(prompt, list if conversational else str)

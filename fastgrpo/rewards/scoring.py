@@ -8,14 +8,15 @@ function's traceback (RewardError is raised from its exception). Input a built-i
 an unknown ifeval constraint) is refused before anything runs (value_checks): exit 2, with the other input mistakes.
 
 Reward functions follow TRL: f(prompts, completions, **dataset_columns) -> list[float], one per completion; None
-(or NaN, which TRL reads alike) for a completion the function does not apply to (left out of the sum across functions:
-fastgrpo.loss.grpo.weighted_rewards). A function with a parameter named `completions` is called as TRL calls it, by
-keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by position. The
-arguments are TRL 1.16's (GRPOTrainer._calculate_rewards): the completions as text, or for a conversational dataset
-(prompts of chat messages) as [{"role": "assistant", "content": text}] (completions.as_trl_passes); each dataset
-column other than the prompt as a keyword holding one value per completion; and TRAINER_KEYWORDS, given to a function
-that names them or takes **kwargs. An async function (one returning an awaitable) is awaited, all of a batch's
-together, on one event loop kept for the process (as TRL's), so a client a function keeps stays on its loop.
+(or NaN, which TRL reads alike) for a completion the function does not apply to (left out of the sum across
+functions: fastgrpo.loss.grpo.weighted_rewards). A function with a parameter named `completions` is called as TRL
+calls it, by keyword (`f(completions, solution, **kwargs)` works); any other gets prompts and completions by
+position. The arguments are TRL 1.16's (GRPOTrainer._calculate_rewards): the completions as text, or for a
+conversational dataset (prompts of chat messages) as [{"role": "assistant", "content": text}]
+(completions.as_trl_passes); each dataset column other than the prompt as a keyword holding one value per
+completion; and TRAINER_KEYWORDS and TRL's logging hooks log_metric / log_extra (fastgrpo.rewards.reward_logs), given
+to a function that names them or takes **kwargs. An async function (one returning an awaitable) is awaited, all of a
+batch's together, on one event loop kept for the process (as TRL's), so a client a function keeps stays on its loop.
 """
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fastgrpo.rewards.completions import as_trl_passes
+from fastgrpo.rewards.reward_logs import HOOKS, RewardLogs
 from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
@@ -39,9 +41,6 @@ FAILURE = 0.0
 # What a trainer passes a reward function besides prompts, completions and the dataset's columns, as TRL does: each
 # completion's token ids (a list of ints, the stop token included) and transformers' TrainerState of the run.
 TRAINER_KEYWORDS = ("completion_ids", "trainer_state")
-# What TRL also passes, for its own logging (a completions table's extra columns, extra metrics): fastgrpo has neither,
-# so it passes neither; a function that cannot do without one is refused before the run (trl_logging_needs).
-TRL_LOGGING_KEYWORDS = ("log_extra", "log_metric")
 
 
 def reward_name(func: Callable) -> str:
@@ -87,7 +86,8 @@ def _accepted(func: Callable, keywords: dict) -> dict:
 
 def call_reward(func: Callable, prompts: list, completions: list, columns: dict[str, list], trainer: dict):
     """What `func` returns for these completions, called by keyword or by position (_by_keyword); trainer: the
-    TRAINER_KEYWORDS' values, each passed if `func` takes it. An awaitable for an async function."""
+    TRAINER_KEYWORDS' values and the logging hooks (RewardLogs.hooks), each passed if `func` takes it. An awaitable
+    for an async function."""
     columns = {**columns, **_accepted(func, trainer)}
     if _by_keyword(func):
         return func(prompts=prompts, completions=completions, **columns)
@@ -108,14 +108,9 @@ def _required_keywords(func: Callable) -> list[str]:
 
 def required_columns(func: Callable) -> list[str]:
     """Dataset columns `func` needs: the parameters it needs a value for other than prompts, completions, the
-    TRAINER_KEYWORDS and TRL_LOGGING_KEYWORDS."""
-    passed = (*TRAINER_KEYWORDS, *TRL_LOGGING_KEYWORDS)
+    TRAINER_KEYWORDS and the logging hooks (log_metric, log_extra)."""
+    passed = (*TRAINER_KEYWORDS, *HOOKS)
     return [name for name in _required_keywords(func) if name not in passed]
-
-
-def trl_logging_needs(func: Callable) -> list[str]:
-    """The TRL_LOGGING_KEYWORDS `func` needs a value for (a parameter without a default)."""
-    return [name for name in _required_keywords(func) if name in TRL_LOGGING_KEYWORDS]
 
 
 def value_checks(func: Callable) -> dict[str, Callable[[object], str | None]]:
@@ -242,12 +237,12 @@ def _trainer_keywords(completion_ids: list[list[int]] | None, trainer_state) -> 
 
 
 def _call_all(reward_funcs: Sequence[Callable], prompts: list, completions: list, columns: dict[str, list],
-              trainer: dict) -> list:
+              trainer: dict, logs: RewardLogs) -> list:
     """Each function's return value, or the Exception it raised; the async ones awaited together."""
     outs = []
-    for func in reward_funcs:
+    for func, name in zip(reward_funcs, reward_names(reward_funcs)):
         try:
-            outs.append(call_reward(func, prompts, completions, columns, trainer))
+            outs.append(call_reward(func, prompts, completions, columns, {**trainer, **logs.hooks(name)}))
         except Exception as err:  # a user's function may raise anything; the caller decides what happens
             outs.append(err)
     pending = [j for j, out in enumerate(outs) if inspect.isawaitable(out)]
@@ -279,16 +274,17 @@ def _rewards_of(name: str, returned, n: int) -> tuple[list[float | None], Reward
 
 def score(
     reward_funcs: Sequence[Callable], prompts: list, completions: list[str], columns: dict[str, list], *,
-    completion_ids: list[list[int]] | None = None, trainer_state=None,
+    completion_ids: list[list[int]] | None = None, trainer_state=None, logs: RewardLogs | None = None,
 ) -> tuple[torch.Tensor, dict[str, RewardFailure]]:
     """Rewards [N, F] (float64) of N completions (texts) under F functions, and {name: failure} for those that
     failed (their failed samples score FAILURE). A None reward is NaN. The functions get the completions as TRL
-    passes them (as_trl_passes) and completion_ids / trainer_state where given (TRAINER_KEYWORDS)."""
+    passes them (as_trl_passes), completion_ids / trainer_state where given (TRAINER_KEYWORDS), and log_metric /
+    log_extra, into `logs` (None: a caller that records none of it, RewardLogs(recorded=False))."""
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
     failures = {}
     outs = _call_all(reward_funcs, prompts, as_trl_passes(prompts, completions), columns,
-                     _trainer_keywords(completion_ids, trainer_state))
+                     _trainer_keywords(completion_ids, trainer_state), logs or RewardLogs(recorded=False))
     for j, (returned, name) in enumerate(zip(outs, reward_names(reward_funcs))):
         parsed, failure = _rewards_of(name, returned, n)
         if failure is not None:
@@ -330,13 +326,13 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
                       completion_ids: list[list[int]] | None = None, trainer_state=None) -> int | None:
     """The first row on which `func`, called on that row alone (as score() calls it), raises; None if every row
     alone passes. For the message of a function that raised on the batch (it costs up to one call per row: only
-    when the run stops)."""
-    passed = as_trl_passes(prompts, completions)
+    when the run stops; what it logs is dropped)."""
+    passed, hooks = as_trl_passes(prompts, completions), RewardLogs().hooks(reward_name(func))
     for i in range(len(completions)):
         row_ids = None if completion_ids is None else completion_ids[i:i + 1]
         try:
             _returned(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
-                      _trainer_keywords(row_ids, trainer_state))
+                      {**_trainer_keywords(row_ids, trainer_state), **hooks})
         except Exception:
             return i
     return None

@@ -9,7 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
-from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name, trl_logging_needs
+from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name
 
 logger = logging.getLogger(__name__)
 
@@ -150,16 +150,11 @@ def check_rows_have(rows, needed: Sequence[str], field: str, why: str) -> None:
 
 def check_reward_callables(reward_funcs: Sequence[Callable]) -> None:
     """Refuse what a run would call wrongly: a class (it would be constructed with the completions, failing after
-    the model loaded and sampled) and a function that needs TRL's logging keywords (scoring.TRL_LOGGING_KEYWORDS)."""
+    the model loaded and sampled)."""
     for func in reward_funcs:
         if isinstance(func, type):
             raise ValueError(f"reward_funcs: {func.__name__} is a class; expected a reward function or an instance "
                              f"({func.__name__}()) of a class with __call__")
-        needs = trl_logging_needs(func)
-        if needs:
-            raise ValueError(f"reward_funcs: reward function {reward_name(func)} needs {needs[0]}, which TRL's "
-                             f"GRPOTrainer passes for its own logging and fastgrpo does not; give it a default "
-                             f"({needs[0]}=None) and log nothing when it is None")
 
 
 def check_reward_rows(rows, prompt_column: str, reward_funcs: Sequence[Callable], field: str) -> None:

@@ -1,5 +1,5 @@
 """A GRPO step's rewards: every reward function on every completion, failures handled as config.reward_errors
-says, the scores weighted into one reward per completion."""
+says, the scores weighted into one reward per completion, and the metrics the functions logged (TRL's log_metric)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
@@ -7,7 +7,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from fastgrpo.loss.grpo import weighted_rewards
-from fastgrpo.rewards.scoring import RewardFailure, check_failures, score, warn_unscored
+from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
+from fastgrpo.rewards.scoring import RewardError, RewardFailure, check_failures, score, warn_unscored
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
 
@@ -29,11 +30,12 @@ def completion_id_lists(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]
 
 def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, dataset, indices: list[int], batch: dict,
                  config: GRPOConfig, dist: Distributed, step: int,
-                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, RewardFailure]]:
+                 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, RewardFailure], dict]:
     """Score this process's groups (dataset rows `indices`, num_generations completions each, rows grouped by
     prompt; batch: their rollout, texts and [prompt | completion] ids with the completion mask) at optimizer step
     `step`. Returns the whole batch's (all processes') scores per function [N, F] and weighted rewards [N] (NaN
-    where no function applied), and this process's failures {function name: failure}.
+    where no function applied), this process's failures {function name: failure}, and what the functions logged
+    with log_metric on every process ({name: (mean, function)}: merged_means).
 
     A failing function stops the run (reward_errors="raise": every process raises, naming the function and the
     first bad row) or scores its failed samples 0 (reward_errors="skip": logged).
@@ -45,7 +47,8 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
     completions = batch["texts"]
     trainer = dict(completion_ids=completion_id_lists(batch["input_ids"], batch["completion_mask"]),
                    trainer_state=trainer_state(step, config.max_steps))
-    per_func, failures = score(reward_funcs, prompts, completions, columns, **trainer)  # per_func: [N, F]
+    logs = RewardLogs()
+    per_func, failures = score(reward_funcs, prompts, completions, columns, logs=logs, **trainer)  # per_func: [N, F]
 
     def describe_row(row: int) -> str:
         return f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})"
@@ -55,4 +58,16 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
         describe_row=describe_row, **trainer))
     rewards = weighted_rewards(per_func, weights)  # rewards: [N]; NaN where no function applied
     warn_unscored(rewards, describe_row)
-    return dist.gather_rows(per_func), dist.gather_rows(rewards), failures
+    logged = merged_means(dist.gather_objects((logs.values, logs.sources)))
+    return dist.gather_rows(per_func), dist.gather_rows(rewards), failures, logged
+
+
+def add_logged_metrics(metrics: dict, logged: dict) -> dict:
+    """A step's metrics with the ones its reward functions logged (score_groups), each under its own name as TRL logs
+    it. A name fastgrpo logs itself (or adds later: step_s, eval/...) stops the run: one would hide the other."""
+    for name, (value, function) in logged.items():
+        if name in metrics or name == "step_s" or name.startswith("eval/"):
+            raise RewardError(f"reward function {function} logged metric {name!r} with log_metric, a name fastgrpo's "
+                              f"own metrics take; give it another (e.g. '{function}/{name}')")
+        metrics[name] = value
+    return metrics

@@ -45,7 +45,7 @@ from fastgrpo.train.options import (
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_engine
-from fastgrpo.train.step_rewards import score_groups
+from fastgrpo.train.step_rewards import add_logged_metrics, score_groups
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -115,9 +115,10 @@ class GRPOTrainer:
         t_rollout = time.perf_counter()
 
         # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
-        # or scores its failed samples 0 (reward_errors="skip"). per_func [N, F], rewards [N]: the whole batch's.
-        per_func, rewards, errors = score_groups(self.reward_funcs, self.reward_weights, self.dataset, indices,
-                                                 batch, config, self.dist, self.step)
+        # or scores its failed samples 0 (reward_errors="skip"). per_func [N, F], rewards [N]: the whole batch's;
+        # logged: what the functions logged with TRL's log_metric, a part of the step's metrics.
+        per_func, rewards, errors, logged = score_groups(self.reward_funcs, self.reward_weights, self.dataset,
+                                                         indices, batch, config, self.dist, self.step)
 
         # 3. Group-normalized advantages.
         advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
@@ -182,7 +183,7 @@ class GRPOTrainer:
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
-        return self.dist.combine_metrics(metrics)
+        return self.dist.combine_metrics(add_logged_metrics(metrics, logged))
 
     def _rollout(self, prompt_ids: list[list[int]], keys: list[int]) -> dict:
         """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""

@@ -1,0 +1,116 @@
+"""TRL's logging hooks for reward functions (TRL 1.16 passes every function log_metric and log_extra): log_metric's
+values are a training step's metric under their own name, the step's mean (metrics.jsonl); log_extra's columns (TRL's
+completions table, which fastgrpo does not keep) are taken and not recorded, with a warning once."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
+from fastgrpo.rewards.scoring import RewardError, score
+
+
+def test_log_metric_takes_numbers_and_leaves_nan_out():
+    def logs_all(completions, log_metric, **kwargs):
+        for value in (1, torch.tensor(0.5), np.float32(0.0), np.array(2.0)):
+            log_metric("acc", value)
+        log_metric("unmeasured", float("nan"))
+        return [1.0] * len(completions)
+
+    logs = RewardLogs()
+    _, failures = score([logs_all], ["p"] * 2, ["a", "b"], {}, logs=logs)
+    assert not failures and logs.values == {"acc": [1.0, 0.5, 0.0, 2.0], "unmeasured": []}
+    assert merged_means([(logs.values, logs.sources)]) == {"acc": (0.875, "logs_all"), "unmeasured": (None, "logs_all")}
+
+
+@pytest.mark.parametrize("name, value, message", [
+    ("acc", math.inf, "log_metric: 'acc' got inf, expected one finite number"),
+    ("acc", "1", "log_metric: 'acc' got '1', expected one finite number"),
+    ("acc", [1.0, 2.0], "log_metric: 'acc' got [1.0, 2.0], expected one finite number"),
+    ("acc", None, "log_metric: 'acc' got None, expected one finite number"),
+    (3, 1.0, "log_metric: expected a metric name (text), got 3"),
+])
+def test_a_bad_log_metric_call_is_the_reward_functions_failure(name, value, message):
+    """The ValueError is raised in the function that called log_metric: the run's reward error names it."""
+    def logs_badly(completions, log_metric, **kwargs):
+        log_metric(name, value)
+        return [1.0] * len(completions)
+
+    _, failures = score([logs_badly], ["p"], ["a"], {}, logs=RewardLogs())
+    assert failures["logs_badly"] == f"raised ValueError: {message}"
+
+
+def test_metrics_of_several_processes_are_one_mean():
+    """As TRL's sum and count gathered across processes: a mean over all the values, not a mean of means."""
+    shares = [({"acc": [1.0, 0.0]}, {"acc": "f"}), ({"acc": [1.0], "late": []}, {"acc": "f", "late": "g"})]
+    assert merged_means(shares) == {"acc": (2 / 3, "f"), "late": (None, "g")}
+
+
+def test_what_is_not_recorded_is_said_once(caplog):
+    """An evaluation (score() without logs) and log_extra record nothing: one warning per name, not one per batch."""
+    def evaluated(completions, log_metric, log_extra, **kwargs):
+        log_metric("eval_only_metric", 1.0)
+        log_extra("eval_only_column", list(completions))
+        return [1.0] * len(completions)
+
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        for _ in range(2):
+            assert not score([evaluated], ["p"], ["a"], {})[1]
+    assert [r.getMessage() for r in caplog.records] == [
+        "reward function evaluated logged metric 'eval_only_metric' with log_metric: only a training step records "
+        "such metrics (metrics.jsonl), not an evaluation or an expert-iteration round",
+        "reward function evaluated logged column 'eval_only_column' with log_extra: fastgrpo keeps no completions "
+        "table (TRL's log_completions), so it is not recorded"]
+
+
+def _trainer(tmp_path, reward, max_steps=2):
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 4, "max_steps": max_steps, "export": False, "progress_bar": False,
+                           "logging_steps": 0, "output_dir": str(tmp_path)})
+    tokenizer = default_task.build_tokenizer()
+    return GRPOTrainer(default_task.build_model(tokenizer), tokenizer, reward, default_task.build_dataset(16), config)
+
+
+def test_a_training_run_logs_what_its_reward_functions_log(tmp_path, caplog):
+    """A function written for TRL, needing log_metric and log_extra and returning NaN where it does not apply (another
+    function scores every completion), trains: each step's metrics.jsonl line has its metric, the mean of the step's
+    values, under the name it gave."""
+    from fastgrpo.train.default_task import repeat_letter_reward
+
+    logged = []
+
+    def letter_judge(prompts, completions, letter, log_metric, log_extra, **kwargs):
+        rewards = repeat_letter_reward(prompts, completions, letter)
+        rewards = [r if i % 2 == 0 else math.nan for i, r in enumerate(rewards)]  # every other: not applicable
+        log_metric("judge/first_reward", rewards[0])
+        log_metric("judge/first_reward", 1.0)
+        log_extra("letter", letter)
+        logged.append((rewards[0] + 1.0) / 2)
+        return rewards
+
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        history = _trainer(tmp_path, [repeat_letter_reward, letter_judge]).train()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["judge/first_reward"] for m in lines] == [m["judge/first_reward"] for m in history] == logged
+    assert all(m["reward_errors"] == 0 and math.isfinite(m["rewards/letter_judge"]) for m in lines)
+    assert caplog.text.count("with log_extra") == 1 and "returned None (or NaN)" not in caplog.text
+
+
+def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run(tmp_path):
+    """Under the name of fastgrpo's own metric, one value would hide the other."""
+    def clashing(completions, log_metric, **kwargs):
+        log_metric("kl", 0.0)
+        return [1.0] * len(completions)
+
+    with pytest.raises(RewardError, match=r"^reward function clashing logged metric 'kl' with log_metric, a name "
+                                          r"fastgrpo's own metrics take; give it another \(e.g. 'clashing/kl'\)$"):
+        _trainer(tmp_path, clashing, max_steps=1).train()
