@@ -114,3 +114,35 @@ def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run(tmp_path):
     with pytest.raises(RewardError, match=r"^reward function clashing logged metric 'kl' with log_metric, a name "
                                           r"fastgrpo's own metrics take; give it another \(e.g. 'clashing/kl'\)$"):
         _trainer(tmp_path, clashing, max_steps=1).train()
+
+
+def _logs_by_rank(rank: int, tmp) -> dict:
+    from fastgrpo.train import default_task
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    def by_rank(completions, log_metric, **kwargs):  # rank 0 logs 0.0 once, rank 1 logs 1.0 twice and "rank1_only"
+        for _ in range(rank + 1):
+            log_metric("by_rank", float(rank))
+        if rank == 1:
+            log_metric("rank1_only", 5.0)
+        return [0.0] * len(completions)
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 4,
+                           "max_completion_length": 4, "max_steps": 1, "save_steps": 0, "save_minutes": 0,
+                           "export": False, "progress_bar": False, "logging_steps": 0, "output_dir": str(tmp / "run")})
+    tokenizer = default_task.build_tokenizer()
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, by_rank, default_task.build_dataset(16),
+                          config)
+    return {key: value for key, value in trainer.train()[0].items() if key in ("by_rank", "rank1_only")}
+
+
+def test_a_metric_of_several_processes_is_the_mean_of_all_their_values(tmp_path):
+    """Under torchrun (2 gloo processes): every process logs the mean over all processes' values (TRL's sum / count:
+    (0 + 1 + 1) / 3, not the mean of the processes' means), a name only one process logged too."""
+    from tests.forked_gloo import run_forked
+
+    expected = {"by_rank": pytest.approx(2 / 3), "rank1_only": 5.0}
+    assert run_forked(_logs_by_rank, tmp_path, deadline_s=60, group_timeout_s=30) == [expected, expected]
+    line = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
+    assert line["by_rank"] == pytest.approx(2 / 3) and line["rank1_only"] == 5.0
