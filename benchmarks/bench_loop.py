@@ -15,7 +15,7 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
                  LoRA-merged or dequantized weights per rollout, activations in e4m3) and rollout_kv_cache="fp8",
                  the policy term corrected by pi_old / pi_rollout (rollout_correction="truncate", per sequence,
                  at most 3; pi_old from the loss's own forward: no old log-prob pass, where TRL runs one)
-  fastgrpo-fp8train  (not run by default; sm89+, LoRA) fastgrpo-fp8 with patch_model(fp8_forward=True): the
+  fastgrpo-fp8train  (not run by default; sm89+, LoRA) fastgrpo-fp8 with patch_model(fp8_base=True): the
                  frozen base's forward GEMMs (reference pass, update forward and recompute) in e4m3 too
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
@@ -381,7 +381,7 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
     if offload is None:  # on the CPU (--dry-run) offload is plain checkpointing; a recompute_layers case needs it
         offload = case.device == "cuda" or case.recompute_layers is not None
     fastgrpo.patch_model(model, offload_activations=offload, recompute_layers=case.recompute_layers,
-                         fp8_forward=engine == "fp8train")
+                         fp8_base=engine == "fp8train")
     fields = dict(
         model=case.folder, lora_rank=0 if case.mode == "full" else 16, load_in_4bit=case.mode == "qlora",
         batch_size=case.batch, num_generations=case.generations, max_prompt_length=case.prompt_length,

@@ -1,17 +1,17 @@
-"""The frozen base's product in FP8 for training forwards: patch_model(fp8_forward=True).
+"""The frozen base's GEMMs in FP8 for training: patch_model(fp8_base=True).
 
-Why: in a LoRA step of a large model the base GEMMs are most of the work: the forward (reference log-probs, the
-update's forward and its recompute) and the backward's input gradient, each about a third. The base weights never
-change, so an e4m3 copy made once serves every forward; the FP8 tensor cores then take the product at about 1.5x
-bf16's speed (an H200, Llama-3.1-8B's four GEMMs of a layer at 10,240 tokens: 3.85 ms with the activation quantizer
-against 5.99 in bf16, benchmarks/NOTES.md). The backward keeps the bf16 weight: the input gradient is g W, the
-gradient of the bf16 product (the straight-through rule of FP8 training); an e4m3 copy laid out for that GEMM would
-cost the copy's bytes again.
+Why: in a LoRA step of a large model the base GEMMs are most of the work: the forwards (reference log-probs, the
+update's forward and its recompute) and the backward's input gradient. The base weights never change, so an e4m3
+copy made once serves every one of them, and the FP8 tensor cores take each GEMM at about 1.5x bf16's speed (an H200,
+Llama-3.1-8B's four GEMMs of a layer at 10,240 tokens: 3.85 ms with the activation quantizer against 5.99 in bf16,
+benchmarks/NOTES.md). The adapters stay in the input's dtype; LoRA's weight gradients never read the base.
 
 fp8_base_product(x, q, scale, bias) = (xq q^T) sx scale + bias, as fastgrpo.ops.fp8_scaled_linear computes it (each
 row of x quantized like a weight row: |x - xq sx| <= 2^-4 |x| for normals), through torch._scaled_mm with row-wise
-scales and the bias in its epilogue, out in bf16 (Hopper's row-wise kernel writes bf16 only), then x's dtype. The
-activation quantizer is quantize_fp8's one-pass Triton kernel on CUDA (torch ops elsewhere: the same bytes).
+scales and the bias in its epilogue, out in bf16 (Hopper's row-wise kernel writes bf16 only), then x's dtype.
+fp8_input_grad(g, q, scale) = g (q scale) with the weight's row scales moved into g (they lie along that GEMM's
+sum) before g's rows are quantized the same way. Both quantizers are quantize_fp8's one-pass Triton kernel on CUDA
+(torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
 makes it again whenever the weight changes (in place, which bumps its version counter, or replaced).
@@ -45,6 +45,17 @@ def fp8_base_product(
     return out
 
 
+def fp8_input_grad(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """g [M, N] (the output's gradient) times the weight (q [N, K] e4m3, scale [N] fp32) -> g W [M, K] in g's dtype,
+    on the FP8 tensor cores. The weight's row scales lie along this GEMM's sum, so they go into g before its rows are
+    quantized (g_n scale_n: one fp32 multiply in the quantizer), and q is multiplied as it is, transposed into the
+    column-major operand the GEMM takes (a transient copy of the layer's e4m3 bytes)."""
+    gq, sg = quantize_fp8(g if g.stride(-1) == 1 else g.contiguous(), column_scale=scale)
+    ones = torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
+    y = torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
+    return y.to(g.dtype)
+
+
 def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
     """quantize_fp8(layer.weight) for fp8_base_product, made at the first call and again after the weight changed;
     None where _scaled_mm cannot take the shape (K and N multiples of 16): that layer multiplies in bf16."""
@@ -69,5 +80,5 @@ def check_fp8_device(device: torch.device) -> None:
     """One line where the GPU has no FP8 tensor cores (the CPU runs _scaled_mm in software: the tests' path)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         found = ".".join(map(str, torch.cuda.get_device_capability(device)))
-        raise ValueError(f"fp8_forward: needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
+        raise ValueError(f"fp8_base: needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
                          f"Hopper), and {device} ({torch.cuda.get_device_name(device)}) is {found}")

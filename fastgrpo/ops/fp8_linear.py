@@ -27,10 +27,11 @@ _ACTIVATIONS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 @torch.no_grad()
-def quantize_fp8(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_fp8(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 column_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [N, K] (any float dtype) -> (q [N, K] float8_e4m3fn, scale [N] fp32), on weight's device; into `out`
-    (q, scale) where given (e.g. a fused group's slice of its stacked copy).
+    (q, scale) where given (e.g. a fused group's slice of its stacked copy). column_scale [K] fp32: the rows of
+    weight * column_scale (each product one fp32 multiply) are quantized instead.
 
     scale = amax over the row / 448, at least fp32's smallest normal (an all-zero row gets q = 0, not 0/0).
     A 16-bit or fp32 weight on CUDA goes through the Triton kernel (kernels/quantize_fp8.py: one pass, the same
@@ -50,15 +51,21 @@ def quantize_fp8(weight: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor] | 
     for name, t in (("out[0]", q), ("out[1]", scale)):
         if t.device != weight.device:
             raise ValueError(f"{name}: expected a tensor on the weight's device {weight.device}, got {t.device}")
+    if column_scale is not None:
+        check_shape("column_scale", column_scale, (K,))
+        check_dtype("column_scale", column_scale, (torch.float32,))
     kernel = weight.is_cuda and os.environ.get("TRITON_INTERPRET") != "1"
     if kernel and weight.dtype in _ACTIVATIONS and q.stride(1) == 1 and scale.stride(0) == 1:
         from fastgrpo.kernels.quantize_fp8 import quantize_rows_fwd
 
-        quantize_rows_fwd(weight if weight.stride(1) == 1 else weight.contiguous(), q, scale)
+        quantize_rows_fwd(weight if weight.stride(1) == 1 else weight.contiguous(), q, scale,
+                          None if column_scale is None else column_scale.contiguous())
         return q, scale
     rows = max(1, QUANT_CHUNK // max(K, 1))
     for start in range(0, N, rows):
-        q[start:start + rows], scale[start:start + rows] = quantize_rows(weight[start:start + rows])
+        rows_of = weight[start:start + rows]
+        q[start:start + rows], scale[start:start + rows] = quantize_rows(
+            rows_of if column_scale is None else rows_of.float() * column_scale)
     return q, scale
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fastgrpo._checks import check_floating, check_positive_int, check_shape
-from fastgrpo.ops.fp8_base import fp8_base_product
+from fastgrpo.ops.fp8_base import fp8_base_product, fp8_input_grad
 
 # 4096 tokens: one chunk of x in fp32 (and of its fp32 gradient) at Qwen2.5-1.5B's down_proj (in = 8960) is
 # 140 MiB, where unchunked at 8 x 8192 tokens it would be 2.2 GiB.
@@ -152,8 +152,10 @@ class LoRALinearFunction(torch.autograd.Function):
         out, hs = _linear_with_deltas(x, weight, bias, casts, scalings, fp8_weight)
         want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         hs = [h if want_b else None for h, want_b in zip(hs, wants[1::2])]
-        ctx.save_for_backward(x if any(wants[0::2]) else None, weight if want_x else None, *hs, *casts)
+        ctx.save_for_backward(x if any(wants[0::2]) else None, weight if want_x and fp8_weight is None else None,
+                              *hs, *casts)
         ctx.scalings, ctx.weight_dtypes, ctx.x_shape = scalings, [w.dtype for w in weights], x.shape
+        ctx.fp8_weight = fp8_weight  # the layer's e4m3 copy (not an activation: kept out of saved-tensor hooks)
         return out
 
     @staticmethod
@@ -163,7 +165,9 @@ class LoRALinearFunction(torch.autograd.Function):
         hs, casts = rest[: len(ctx.scalings)], rest[len(ctx.scalings) :]
         want_x, wants = ctx.needs_input_grad[0], ctx.needs_input_grad[5:]
         g = grad_out.reshape(-1, grad_out.shape[-1])  # g: [N, out]
-        grad_x = g.mm(weight) if want_x else None  # grad_x: [N, in], the base layer's; the adapters' add into it
+        grad_x = None  # grad_x: [N, in], the base layer's; the adapters' add into it
+        if want_x:
+            grad_x = g.mm(weight) if ctx.fp8_weight is None else fp8_input_grad(g, *ctx.fp8_weight)
         grads = []
         for i, scaling in enumerate(ctx.scalings):
             grad_x, grad_a, grad_b = _branch_backward(
@@ -300,7 +304,7 @@ def lora_linear_of_checked_values(
     """lora_linear without its argument checks, for a caller whose arguments are a PEFT layer's own (patch_model's
     forward, which runs once per adapted linear, micro-batch and recompute in a host-bound LoRA update: the checks
     took ~25 us of the op's ~110 us of host time, measured on a CPU). fp8_weight: (q [out, in] e4m3, scale [out]
-    fp32), quantize_fp8 of weight: the forward's base product is fp8_base_product's (the backward keeps weight)."""
+    fp32), quantize_fp8 of weight: the base product is fp8_base_product's and its input gradient fp8_input_grad's."""
     scalings = tuple(float(scaling) for _, _, scaling in adapters)
     weights = [w for weight_a, weight_b, _ in adapters for w in (weight_a, weight_b)]  # a_1, b_1, a_2, b_2, ...
     if not torch.is_grad_enabled() or not (x.requires_grad or any(w.requires_grad for w in weights)):

@@ -50,17 +50,17 @@ def tiled_mlp_forward(previous: Callable, chunk_tokens: int) -> Callable:
 
 
 def lora_linear_forward(
-    previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input", fp8_forward: bool = False
+    previous: Callable, lora_class: LoRAClass = LORA_CLASSES[0], lora_dtype: str = "input", fp8_base: bool = False
 ) -> Callable:
     """PEFT's LoRA forward of `lora_class` with fastgrpo.ops.lora's branch where PEFT would run its vanilla branch
     alone; `previous` (PEFT's own forward) for everything else. lora_dtype "input": in x's dtype (autocast's math),
     lora_linear where the base is a frozen nn.Linear it can stand in for, else base_layer(x) then lora_add; "adapter":
-    lora_delta in the adapter's dtype (bitwise PEFT). fp8_forward (with "input"): lora_linear's base product in FP8
+    lora_delta in the adapter's dtype (bitwise PEFT). fp8_base (with "input"): lora_linear's base GEMMs in FP8
     (fastgrpo.ops.fp8_base), with the adapters disabled too (a reference model's forward)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         adapters = _vanilla_adapters(self, x, args, kwargs, one_dtype=lora_dtype == "adapter")
-        if adapters is None and fp8_forward and _base_alone(self, args, kwargs) and _frozen_plain_linear(
+        if adapters is None and fp8_base and _base_alone(self, args, kwargs) and _frozen_plain_linear(
                 self.base_layer, x):
             adapters = []  # PEFT would run base_layer(x) alone: the FP8 product stands in for it
         if adapters is None:
@@ -71,7 +71,7 @@ def lora_linear_forward(
             # _frozen_plain_linear and _vanilla_adapters checked what lora_linear would: a PEFT layer's own weights
             return lora_linear_of_checked_values(x, base.weight, base.bias,
                                                  [(a.weight, b.weight, s) for a, b, s in adapters],
-                                                 fp8_weight_of(base) if fp8_forward else None)
+                                                 fp8_weight_of(base) if fp8_base else None)
         result = base(x)
         if lora_dtype == "input":
             # The base output is added into (saving a copy of [N, out]) when it is ours alone: not a view (autograd

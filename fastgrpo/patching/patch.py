@@ -44,7 +44,7 @@ def patch_model(
     mlp_chunk_tokens: int | None = None,
     fused_lora: bool = True,
     lora_dtype: str = "input",
-    fp8_forward: bool = False,
+    fp8_base: bool = False,
 ) -> nn.Module:
     """Replace RMSNorm, rotary embedding and gated-MLP math of `model` with fastgrpo's fused kernels.
 
@@ -88,13 +88,13 @@ def patch_model(
     "adapter": PEFT's own math without autocast,
     bitwise (input cast to the fp32 adapters, fp32 GEMMs, an fp32 [tokens, out] delta added and cast back), which
     measured on an H100 costs more GPU time than the base model in a Qwen2.5-1.5B LoRA step (ops/lora.py).
-    fp8_forward: the frozen nn.Linear bases of LoRA layers multiply in FP8 in the forward (fastgrpo.ops.fp8_base:
-    each row of the input and of the weight in e4m3 with its own scale, ~2^-4 relative per element; the backward's
-    input gradient stays bf16). An e4m3 copy of each such weight is kept beside it (1 byte per parameter) and made
-    again when the weight changes. Faster where the GEMMs are large (an H200, Llama-3.1-8B at 10,240 tokens: 1.55x
-    the forward GEMMs; Qwen2.5-1.5B: 1.04x, benchmarks/NOTES.md); it changes the numbers the model computes, as a
-    QLoRA base does. Needs fused_lora, lora_dtype "input", a LoRA layer to act on, and FP8 tensor cores (compute
-    capability 8.9+) on CUDA; the CPU runs it in software.
+    fp8_base: the frozen nn.Linear bases of LoRA layers multiply in FP8, in the forward and in the input gradient
+    (fastgrpo.ops.fp8_base: each row of the input, of the output's gradient and of the weight in e4m3 with its own
+    scale, ~2^-4 relative per element). An e4m3 copy of each such weight is kept beside it (1 byte per parameter)
+    and made again when the weight changes. Faster where the GEMMs are large (an H200, Llama-3.1-8B at 10,240
+    tokens: 1.55x the forward GEMMs; Qwen2.5-1.5B: 1.04x, benchmarks/NOTES.md); it changes the numbers the model
+    computes, as a QLoRA base does. Needs fused_lora, lora_dtype "input", a LoRA layer over an nn.Linear, and FP8
+    tensor cores (compute capability 8.9+) on CUDA; the CPU runs it in software.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
     for anything left alone, the options resolved and the arguments as given). Patching again with the same
@@ -108,7 +108,7 @@ def patch_model(
         check_supported(library)
     # A truthy stand-in ("no" read from a config file) would switch on what it meant to leave off.
     switches = {"rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
-                "fused_lora": fused_lora, "fp8_forward": fp8_forward}
+                "fused_lora": fused_lora, "fp8_base": fp8_base}
     for name, value in switches.items():
         if not isinstance(value, bool):
             raise ValueError(f"{name}: expected True or False, got {value!r}")
@@ -117,8 +117,8 @@ def patch_model(
     if mlp_chunk_tokens is not None:
         check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
-    if fp8_forward and not (fused_lora and lora_dtype == "input"):
-        raise ValueError(f"fp8_forward: runs in fastgrpo's LoRA forward, which needs fused_lora=True and "
+    if fp8_base and not (fused_lora and lora_dtype == "input"):
+        raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which needs fused_lora=True and "
                          f"lora_dtype='input'; got fused_lora={fused_lora}, lora_dtype={lora_dtype!r}")
     check_offload_options(offload_activations, recompute_layers)
     layers = decoder_layers(hf_model, arch)
@@ -138,7 +138,7 @@ def patch_model(
         "rms_norm": rms_norm, "rope": rope, "swiglu": swiglu, "fused_loss": fused_loss,
         "offload_activations": offload_activations, "recompute_layers": recompute_layers, "tiled_mlp": tiled_mlp,
         "mlp_chunk_tokens": mlp_chunk_tokens, "fused_lora": fused_lora, "lora_dtype": lora_dtype,
-        "fp8_forward": fp8_forward,
+        "fp8_base": fp8_base,
     }
     # Compared as given: tiled_mlp None and True resolve alike when every layer is checkpointed, not otherwise.
     arguments = {**options, "tiled_mlp": tiled_mlp_argument}
@@ -158,15 +158,15 @@ def patch_model(
     skipped: dict[str, str] = {}
     rope_forwards: dict[type, Callable | None] = {}
     lora_classes = loaded_lora_classes() if fused_lora else {}
-    if fp8_forward:
+    if fp8_base:
         _check_fp8_bases(hf_model, lora_classes)
     for module in hf_model.modules():
         name = type(module).__name__
         lora_class = lora_classes.get(type(module))  # exactly: subclasses have forwards of their own
         if lora_class is not None:
-            bind(module, lambda previous: lora_linear_forward(previous, lora_class, lora_dtype, fp8_forward))
+            bind(module, lambda previous: lora_linear_forward(previous, lora_class, lora_dtype, fp8_base))
             patched["fused_lora"] += 1
-            if fp8_forward:  # its e4m3 copy goes with the patch
+            if fp8_base:  # its e4m3 copy goes with the patch
                 undo.append(WeakBoundMethod(lambda layer: drop_fp8_weight(layer.base_layer), module))
         elif rms_norm and name in arch.norm_classes:
             bind(module, lambda _: rms_norm_forward(
@@ -217,13 +217,13 @@ def patch_model(
 
 
 def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
-    """fp8_forward acts on LoRA layers over plain nn.Linear bases: one line where the model has none."""
+    """fp8_base acts on LoRA layers over plain nn.Linear bases: one line where the model has none."""
     bases = [m.base_layer for m in model.modules() if type(m) in lora_classes]
     linears = [base for base in bases if type(base) is nn.Linear]
     if not linears:
         kinds = sorted({type(base).__name__ for base in bases})
         has = f"its LoRA layers' bases are {kinds}" if bases else "it has no LoRA layer"
-        raise ValueError(f"fp8_forward: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and "
+        raise ValueError(f"fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and "
                          f"{has} in this {type(model).__name__} (get_peft_model over a bf16 / fp16 model)")
     check_fp8_device(linears[0].weight.device)
 

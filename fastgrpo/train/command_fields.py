@@ -19,7 +19,7 @@ _OWNERS = {
     ("train", "sft", "ei"): (
         "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
         "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",
-        "fsdp_layers_per_group", "offload_activations", "recompute_layers", "fp8_forward", "offload_host_memory_gib",
+        "fsdp_layers_per_group", "offload_activations", "recompute_layers", "fp8_base", "offload_host_memory_gib",
         "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2", "adam_epsilon",
         "max_grad_norm", "lr_scheduler", "warmup_steps", "save_steps", "save_total_limit", "resume",
         "resume_allow_changes", "export", "logging_steps", "report_to", "progress_bar", "eval_steps", "eval_dataset",

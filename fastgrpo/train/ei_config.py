@@ -50,7 +50,7 @@ class EIConfig(ConfigFile):
     gradient_checkpointing: bool = inherited("gradient_checkpointing")
     offload_activations: bool = inherited("offload_activations")
     recompute_layers: int | None = inherited("recompute_layers")
-    fp8_forward: bool = inherited("fp8_forward")
+    fp8_base: bool = inherited("fp8_base")
     offload_host_memory_gib: float | None = inherited("offload_host_memory_gib")
     fsdp_cpu_offload: bool = inherited("fsdp_cpu_offload")
     fsdp_reshard_after_forward: bool = inherited("fsdp_reshard_after_forward")

@@ -346,7 +346,7 @@ def load_model_and_tokenizer(config):
         offload = _offload_setting(config, device)
         patch_model(model, offload_activations=offload,
                     recompute_layers=config.recompute_layers if offload is not False else None,
-                    fp8_forward=config.fp8_forward)
+                    fp8_base=config.fp8_base)
     if config.gradient_checkpointing and config.recompute_layers is not None:
         hf_checkpointing_only_first(model, config.recompute_layers)
     return model, tokenizer

@@ -1,4 +1,4 @@
-"""The checks of the fields that refine offload_activations and gradient_checkpointing, and of fp8_forward, shared
+"""The checks of the fields that refine offload_activations and gradient_checkpointing, and of fp8_base, shared
 by every config that loads a model (GRPOConfig, and through fastgrpo.train.options the sft and ei configs), and of the
 fsdp_* fields that refine a torchrun launch's FSDP2 (the commands' check_fsdp_applies)."""
 from __future__ import annotations
@@ -24,7 +24,7 @@ def check_activation_memory_options(config) -> None:
         if not (config.offload_activations and config.patch):
             raise ValueError("offload_host_memory_gib: bounds the memory of offload_activations, which is off "
                              "(it needs patch and offload_activations)")
-    check_fp8_forward(config)
+    check_fp8_base(config)
     layers = config.recompute_layers
     if layers is not None:
         check_int_at_least("recompute_layers", layers, 0, or_else=" or none")
@@ -33,18 +33,18 @@ def check_activation_memory_options(config) -> None:
                              "(with patch) recompute, and neither is on")
 
 
-def check_fp8_forward(config) -> None:
-    """fp8_forward runs in patch_model's LoRA forward, over a base of 16-bit linears."""
-    if not config.fp8_forward:
+def check_fp8_base(config) -> None:
+    """fp8_base runs in patch_model's LoRA layers, over a base of 16-bit linears."""
+    if not config.fp8_base:
         return
     if not config.patch:
-        raise ValueError(f"fp8_forward: runs in patch_model's LoRA layers, and patch is off (pass "
+        raise ValueError(f"fp8_base: runs in patch_model's LoRA layers, and patch is off (pass "
                          f"{setting('patch', True)})")
     if config.lora_rank == 0:
-        raise ValueError(f"fp8_forward: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
+        raise ValueError(f"fp8_base: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
                          f"every weight ({setting('lora_rank', 0)}); set lora_rank > 0")
     if config.load_in_4bit:
-        raise ValueError(f"fp8_forward: multiplies a 16-bit base in FP8, and {setting('load_in_4bit', True)} "
+        raise ValueError(f"fp8_base: multiplies a 16-bit base in FP8, and {setting('load_in_4bit', True)} "
                          "loads it in 4 bits; use one of them")
 
 

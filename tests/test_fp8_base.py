@@ -1,10 +1,12 @@
-"""patch_model(fp8_forward=True): the frozen base of each LoRA layer multiplies in FP8 (fastgrpo.ops.fp8_base).
+"""patch_model(fp8_base=True): the frozen base of each LoRA layer multiplies in FP8 (fastgrpo.ops.fp8_base).
 
 - fp8_base_product against the fp64 reference of the quantized product (fp8_scaled_linear_reference), within
   test_fp8_scaled_linear's bounds (a) and (b): the same math as the rollout's W8A8 op, at training shapes.
-- lora_linear with an e4m3 copy: the base product is that op's, each adapter's delta is added as without it (fp32
-  inputs: the deltas' GEMMs bounded in fp32), and the backward is the bf16 op's bit for bit (the straight-through
-  rule: the weight's own bf16 values, not the copy's).
+- fp8_input_grad (g W through the copy, the weight's scales moved into g) against the same reference for g * scale
+  and q^T, within the same bounds.
+- lora_linear with an e4m3 copy: the base product and input gradient are those ops', each adapter's delta and
+  input-gradient term are added as without it (fp32 inputs: the adapters' GEMMs bounded in fp32), and the adapters'
+  weight gradients are the op's without the copy, bit for bit.
 - In a patched PEFT model every LoRA layer runs it, with the adapters disabled too (the reference pass), the copy
   is made again after the weight changes, and unpatch_model drops it.
 """
@@ -19,7 +21,7 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import fastgrpo
-from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR, fp8_base_product, fp8_weight_of
+from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR, fp8_base_product, fp8_input_grad, fp8_weight_of
 from fastgrpo.ops.fp8_linear import quantize_fp8, quantize_rows
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear_reference
 from fastgrpo.ops.lora import lora_linear_of_checked_values
@@ -77,19 +79,54 @@ def test_lora_linear_adds_deltas_to_the_fp8_product(seed):
     assert (got - plain).abs().max() > 0, "the e4m3 product must differ from the exact one"
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_backward_is_the_bf16_ops(dtype):
-    """The same upstream gradient gives the input and adapter gradients of the op without the copy, bit for bit."""
-    x, weight, bias, pairs = lora_case(3, dtype)
-    grads = []
-    for fp8 in (quantize_fp8(weight), None):
+def input_grad_reference(g, q, scale, c_acc=CPU_ACC):
+    """g W as fp8_input_grad computes it, fp64: the GEMM of g * scale (fp32) quantized per row with q^T as it is
+    (scale 1), in fp8_scaled_linear's terms; and that GEMM's bound (a) + (b) against the exact g (q scale)."""
+    gs = g.float() * scale
+    qt, ones = q.t().contiguous(), torch.ones(q.shape[1])
+    ref = fp8_scaled_linear_reference(gs, qt, ones)
+    return ref, bound(ref, gs, qt, ones, None, g.dtype, c_acc), rounding_x(gs, qt, ones)
+
+
+@settings(max_examples=25, deadline=None)
+@given(M=st.integers(1, 40), N=st.integers(1, 5).map(lambda n: 16 * n), K=st.integers(1, 6).map(lambda k: 16 * k),
+       dtype=st.sampled_from([torch.bfloat16, torch.float16, torch.float32]), seed=st.integers(0, 2**16))
+def test_input_grad_matches_reference(M, N, K, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    g = make(gen, M, 16, N, dtype)[0]  # g [M, N]: the output's gradient, rows of different magnitudes
+    _, q, scale, _ = make(gen, 1, N, K, dtype)  # the weight [N, K]
+    got = fp8_input_grad(g, q, scale)
+    assert got.dtype == dtype and got.shape == (M, K)
+    ref, tol, rounding = input_grad_reference(g, q, scale)
+    assert_within(got, ref, tol, f"M{M} N{N} K{K} {dtype} vs the reference")
+    exact_grad = g.double() @ (q.double() * scale.double()[:, None])
+    assert_within(got, exact_grad, tol + rounding, "vs unquantized g")
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_backward(seed):
+    """The same upstream gradient: the adapters' gradients are the op's without the copy, bit for bit (they never
+    read the base weight); the input gradient is fp8_input_grad's plus each adapter's term, within that GEMM's
+    bound and the adapter GEMMs' fp32 roundings."""
+    x, weight, bias, pairs = lora_case(seed, torch.float32)
+    q, scale = quantize_fp8(weight)
+    grads, g = [], None
+    for fp8 in ((q, scale), None):
         xg = x.clone().requires_grad_()
         leaves = [(a.clone().requires_grad_(), b.clone().requires_grad_(), s) for a, b, s in pairs]
         out = lora_linear_of_checked_values(xg, weight, bias, leaves, fp8)
-        out.backward(torch.linspace(-1, 1, out.numel()).reshape(out.shape).to(dtype))
+        g = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+        out.backward(g)
         grads.append([xg.grad] + [t.grad for a, b, _ in leaves for t in (a, b)])
-    for got, want in zip(*grads):
+    for got, want in zip(grads[0][1:], grads[1][1:]):
         assert torch.equal(got, want)
+    ref, tol, _ = input_grad_reference(g, q, scale)
+    terms = sum(s * (g.double() @ b.double() @ a.double()) for a, b, s in pairs)
+    size = sum(s * (g.double().abs() @ b.double().abs() @ a.double().abs()) for a, b, s in pairs)
+    N, r = g.shape[1], pairs[0][0].shape[0]
+    tol = tol + (N + r + 2) * U32 * size + 2 * U32 * (ref + terms).abs()
+    assert_within(grads[0][0], ref + terms, tol, f"input gradient, seed {seed}")
+    assert (grads[0][0] - grads[1][0]).abs().max() > 0, "the e4m3 input gradient must differ from the exact one"
 
 
 def tiny_lora_model(seed=0, targets="all-linear", vocab=80):
@@ -120,7 +157,7 @@ def test_every_lora_layer_multiplies_in_fp8(disabled):
     disabled (the reference pass) the FP8 product alone. The hooks stay off the base layers (lora_linear stands in
     only for an unhooked base)."""
     model = tiny_lora_model()
-    fastgrpo.patch_model(model, fp8_forward=True)
+    fastgrpo.patch_model(model, fp8_base=True)
     layers = lora_layers(model)
     seen, handles = record_io(layers)
     ids = torch.randint(0, 80, (2, 7), generator=torch.Generator().manual_seed(1))
@@ -144,7 +181,7 @@ def test_every_lora_layer_multiplies_in_fp8(disabled):
 
 def test_copy_follows_the_weight_and_goes_with_unpatch():
     model = tiny_lora_model()
-    fastgrpo.patch_model(model, fp8_forward=True)
+    fastgrpo.patch_model(model, fp8_base=True)
     layer = lora_layers(model)[0]
     base = layer.base_layer
     first = fp8_weight_of(base)
@@ -162,7 +199,7 @@ def test_trains_and_odd_sides_stay_bf16():
     """A LoRA step runs end to end; a base whose sides _scaled_mm cannot take (an lm_head of 44 words) multiplies
     in bf16 with the op's plain bits."""
     model = tiny_lora_model(targets=["q_proj", "lm_head"], vocab=44)
-    fastgrpo.patch_model(model, fp8_forward=True, fused_loss=False)
+    fastgrpo.patch_model(model, fp8_base=True, fused_loss=False)
     head = model.base_model.model.lm_head
     assert fp8_weight_of(head.base_layer) is None and fp8_weight_of(lora_layers(model)[0].base_layer) is not None
     seen, handles = record_io([head])
@@ -177,14 +214,14 @@ def test_trains_and_odd_sides_stay_bf16():
 
 
 @pytest.mark.parametrize("kwargs, words", [
-    (dict(lora_dtype="adapter"), "fp8_forward: runs in fastgrpo's LoRA forward, which needs fused_lora=True and "
+    (dict(lora_dtype="adapter"), "fp8_base: runs in fastgrpo's LoRA forward, which needs fused_lora=True and "
                                  "lora_dtype='input'; got fused_lora=True, lora_dtype='adapter'"),
     (dict(fused_lora=False), "needs fused_lora=True"),
-    (dict(fp8_forward="yes"), "fp8_forward: expected True or False, got 'yes'"),
+    (dict(fp8_base="yes"), "fp8_base: expected True or False, got 'yes'"),
 ])
 def test_refused_settings(kwargs, words):
     with pytest.raises(ValueError, match=None) as caught:
-        fastgrpo.patch_model(tiny_lora_model(), **{"fp8_forward": True, **kwargs})
+        fastgrpo.patch_model(tiny_lora_model(), **{"fp8_base": True, **kwargs})
     assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
@@ -192,9 +229,9 @@ def test_refused_without_lora():
     model = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                          num_attention_heads=4, num_key_value_heads=2))
     with pytest.raises(ValueError) as caught:
-        fastgrpo.patch_model(model, fp8_forward=True)
+        fastgrpo.patch_model(model, fp8_base=True)
     assert str(caught.value) == (
-        "fp8_forward: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and it has no LoRA layer in "
+        "fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and it has no LoRA layer in "
         "this LlamaForCausalLM (get_peft_model over a bf16 / fp16 model)")
     assert "fastgrpo_patch_summary" not in model.__dict__
 
@@ -220,9 +257,27 @@ def test_gpu_product_matches_reference(M, N, K):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("M, N, K", GPU_SHAPES)
+def test_gpu_input_grad_matches_reference(M, N, K):
+    """g W on the FP8 tensor cores within bounds (a) and (b); the Triton quantizer of g * scale gives the CPU's
+    bytes."""
+    gen = torch.Generator().manual_seed(0)
+    g = make(gen, M, 16, N, torch.bfloat16, device="cuda")[0]
+    _, q, scale, _ = make(gen, 1, N, K, torch.bfloat16, device="cuda")
+    on_gpu, on_cpu = quantize_fp8(g, column_scale=scale), quantize_rows(g.cpu().float() * scale.cpu())
+    assert torch.equal(on_gpu[0].cpu().view(torch.uint8), on_cpu[0].view(torch.uint8))
+    assert torch.equal(on_gpu[1].cpu(), on_cpu[1])
+    got = fp8_input_grad(g, q, scale).cpu()
+    g, q, scale = g.cpu(), q.cpu(), scale.cpu()
+    ref, tol, rounding = input_grad_reference(g, q, scale, GPU_ACC)
+    assert_within(got, ref, tol, f"gpu M{M} N{N} K{K} vs the reference")
+    assert_within(got, g.double() @ (q.double() * scale.double()[:, None]), tol + rounding, "vs unquantized g")
+
+
+@pytest.mark.gpu
 def test_gpu_every_lora_layer_multiplies_in_fp8():
     model = tiny_lora_model().cuda()
-    fastgrpo.patch_model(model, fp8_forward=True)
+    fastgrpo.patch_model(model, fp8_base=True)
     seen, handles = record_io(lora_layers(model))
     model(torch.randint(0, 80, (2, 7), device="cuda")).logits.float().square().mean().backward()
     for handle in handles:
@@ -239,30 +294,30 @@ def test_gpu_every_lora_layer_multiplies_in_fp8():
 # ---- the commands ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--patch", "--lora-rank", "0"], "fp8_forward: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
+    (["--patch", "--lora-rank", "0"], "fp8_base: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
                            "every weight (--lora-rank 0); set lora_rank > 0"),
-    (["--lora-rank", "8", "--no-patch"], "fp8_forward: runs in patch_model's LoRA layers, and patch is off (pass "
+    (["--lora-rank", "8", "--no-patch"], "fp8_base: runs in patch_model's LoRA layers, and patch is off (pass "
                                          "--patch)"),
 ])
 def test_commands_refuse_before_loading(argv, message, capsys):
     from fastgrpo.train.cli import main
 
     for command in ("train", "sft", "ei"):
-        assert main([command, "--fp8-forward", *argv]) == 2
+        assert main([command, "--fp8-base", *argv]) == 2
         assert message in capsys.readouterr().err
 
 
-def test_train_runs_with_fp8_forward(tmp_path):
+def test_train_runs_with_fp8_base(tmp_path):
     """The built-in task's LoRA run (its linears' sides are multiples of 16: every base multiplies in FP8 on the CPU's
     _scaled_mm), the reference pass included."""
     import json
 
     from fastgrpo.train.cli import main
 
-    assert main(["train", "--patch", "--fp8-forward", "--lora-rank", "8", "--beta", "0.04", "--output-dir", str(tmp_path),
+    assert main(["train", "--patch", "--fp8-base", "--lora-rank", "8", "--beta", "0.04", "--output-dir", str(tmp_path),
                  "--no-progress-bar", "--max-steps", "2"]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
     from fastgrpo.train.checkpoint import CONFIG_FILE
 
-    assert json.loads((tmp_path / "checkpoint-2" / CONFIG_FILE).read_text())["fp8_forward"] is True
+    assert json.loads((tmp_path / "checkpoint-2" / CONFIG_FILE).read_text())["fp8_base"] is True
