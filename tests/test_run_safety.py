@@ -355,3 +355,20 @@ def test_a_finished_run_resumed_from_python_keeps_its_final_folder(tmp_path):
     shutil.rmtree(tmp_path / "final")
     _trainer(tmp_path, max_steps=1, export=True, resume=True).train()
     assert (tmp_path / "final" / "config.json").is_file()
+
+
+def test_tensorboard_shows_each_step_a_resume_redid_once_as_metrics_jsonl_does(tmp_path):
+    """A run stopped after logging step 3 but before its checkpoint-3: the resume from checkpoint-2 redoes step 3,
+    which its tensorboard writer logged beside the stopped run's, so TensorBoard drew step 3 twice. The writer
+    purges from the first step redone (purge_step): each step once, with the value metrics.jsonl keeps."""
+    pytest.importorskip("tensorboard", reason="report_to tensorboard needs `pip install tensorboard`")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _trainer(tmp_path, max_steps=3, save_steps=2, report_to=["tensorboard"]).train()
+    shutil.rmtree(tmp_path / "checkpoint-3")  # the kill came before the step's checkpoint
+    _trainer(tmp_path, max_steps=3, save_steps=2, report_to=["tensorboard"], resume=True).train()
+    logged = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    drawn = [(event.step, event.value) for event in events.Scalars("step_s")]  # a time: each run's differs
+    assert drawn == [(row["step"], pytest.approx(row["step_s"], rel=1e-6)) for row in logged], drawn

@@ -34,15 +34,19 @@ class MetricsLog:
                  key: str = "step"):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.key = key
+        self._started_at = 0  # the step the run starts from (start_at): the steps after it are logged anew
         check_report_to(report_to)
         self._loggers: list[Callable[[int, dict], None]] = [
-            _wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent) for name in report_to or []
+            _wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent, self._redone_from)
+            for name in report_to or []
         ]
 
     def start_at(self, step: int) -> None:
         """Keep the log consistent with the weights a run starts from: drop the lines past `step`. A line that does
         not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning. The file
-        is created by the first write: a run that fails before its first step leaves none (nor an emptied one)."""
+        is created by the first write: a run that fails before its first step leaves none (nor an emptied one).
+        tensorboard's event files are append-only: its writer drops the steps past `step` on the reader's side."""
+        self._started_at = step
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         kept, torn = [], []
         for number, line in enumerate(lines, 1):
@@ -62,6 +66,11 @@ class MetricsLog:
             self.path.unlink(missing_ok=True)
             return
         write_whole(self.path, "".join(kept))  # a kill during the rewrite leaves the old log, not half of it
+
+    def _redone_from(self) -> int | None:
+        """The first step a resumed run logs again (a stopped run may have logged it past its checkpoint), None for
+        a fresh run."""
+        return self._started_at + 1 if self._started_at > 0 else None
 
     def write(self, metrics: dict) -> None:
         with self.path.open("a") as f:
@@ -90,7 +99,9 @@ def _wandb(run_config: dict) -> Callable[[int, dict], None]:
     return log
 
 
-def _tensorboard(output_dir: Path) -> Callable[[int, dict], None]:
+def _tensorboard(output_dir: Path, redone_from: Callable[[], int | None]) -> Callable[[int, dict], None]:
+    """redone_from(): the first step this run logs again; TensorBoard drops what earlier runs logged from it on
+    (purge_step), as start_at drops metrics.jsonl's lines: each step is drawn once, with this run's value."""
     from torch.utils.tensorboard import SummaryWriter
 
     writer = None
@@ -98,7 +109,7 @@ def _tensorboard(output_dir: Path) -> Callable[[int, dict], None]:
     def log(step: int, scalars: dict) -> None:
         nonlocal writer
         if writer is None:  # at the first line, as metrics.jsonl: a run that fails before it leaves no folder
-            writer = SummaryWriter(str(output_dir / "tensorboard"))
+            writer = SummaryWriter(str(output_dir / "tensorboard"), purge_step=redone_from())
         for key, value in scalars.items():
             writer.add_scalar(key, value, step)
         writer.flush()
