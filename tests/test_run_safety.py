@@ -372,3 +372,28 @@ def test_tensorboard_shows_each_step_a_resume_redid_once_as_metrics_jsonl_does(t
     events.Reload()
     drawn = [(event.step, event.value) for event in events.Scalars("step_s")]  # a time: each run's differs
     assert drawn == [(row["step"], pytest.approx(row["step_s"], rel=1e-6)) for row in logged], drawn
+
+
+def test_a_damaged_newest_checkpoint_at_max_steps_is_not_a_finished_run(tmp_path, capsys):
+    """--resume said "nothing to train" from the newest checkpoint's name while the resume itself skips a damaged
+    one: the run stayed at step 1 for good. It resumes from the checkpoint a resume loads and trains the step."""
+    from fastgrpo.train.cli import main
+
+    argv = ["train", "--output-dir", str(tmp_path), "--no-progress-bar", "--no-export", "--max-steps", "2",
+            "--save-steps", "1", "--logging-steps", "0"]
+    assert main(argv) == 0
+    state = tmp_path / "checkpoint-2" / "trainer_state.pt"
+    state.write_bytes(state.read_bytes()[:100])  # a copy cut short
+    capsys.readouterr()
+    assert main([*argv, "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert "nothing to train" not in out and "(step 2); metrics in" in out, out
+    assert err.count("resume: skipped checkpoint-2, which is incomplete or damaged") == 1, err
+    assert torch.load(state, weights_only=True)["step"] == 2
+    for step in (1, 2):  # none left to resume from: the resume's error, before the model loads
+        state = tmp_path / f"checkpoint-{step}" / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[:100])
+    assert main([*argv, "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: resume: every checkpoint in {tmp_path} is incomplete or damaged (see the warnings)\n" in err, err
+    assert "resumed from" not in err and err.count("resume: skipped checkpoint-") == 2, err

@@ -115,12 +115,13 @@ def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Pa
     return path
 
 
-def read_checkpoint(path: str | Path) -> dict:
-    """The saved state of checkpoint folder `path` (tensors on the CPU), without touching any model.
+def read_checkpoint(path: str | Path, mmap: bool = False) -> dict:
+    """The saved state of checkpoint folder `path` (tensors on the CPU; mmap: memory-mapped, not read), without
+    touching any model.
 
     Raises TornCheckpoint when the file (or, for an FSDP2 run's, its shards/) is incomplete or damaged, ValueError
     when it holds anything but tensors and plain containers (refused: unpickling it could run code)."""
-    state = _load_state(Path(path) / STATE_FILE)
+    state = _load_state(Path(path) / STATE_FILE, mmap=mmap)
     if isinstance(state, dict) and state.get("sharded"):
         problem = damaged_shards(Path(path) / SHARDS)
         if problem is not None:
@@ -247,16 +248,29 @@ def latest_checkpoint(output_dir: str | Path) -> Path | None:
 def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
     """(folder, state) of the newest checkpoint of output_dir that reads back; torn ones are skipped with a
     warning. ValueError when there is none."""
+    path, state, skipped = newest_readable_checkpoint(output_dir)
+    for line in skipped:
+        logger.warning(line)
+    return path, state
+
+
+def newest_readable_checkpoint(output_dir: str | Path, mmap: bool = False) -> tuple[Path, dict, list[str]]:
+    """The checkpoint a resume loads: (folder, state) of the newest checkpoint of output_dir that reads back (mmap:
+    its tensors memory-mapped, not read), and the warning for each newer one skipped as incomplete or damaged,
+    for the caller to say. ValueError when none reads back (the warnings said first, as the error points to them)."""
     found = list_checkpoints(output_dir)
     if not found:
         raise ValueError(f"resume: no checkpoint-<step> with a trainer state in {output_dir}; start without "
                          f"{setting('resume', True)} (with {setting('overwrite_output_dir', True)} where a run left "
                          "files there before its first checkpoint)")
+    skipped = []
     for _, path in reversed(found):
         try:
-            return path, read_checkpoint(path)
+            return path, read_checkpoint(path, mmap=mmap), skipped
         except TornCheckpoint as err:
-            logger.warning("resume: skipped %s, which is incomplete or damaged (%s)", path.name, err)
+            skipped.append(f"resume: skipped {path.name}, which is incomplete or damaged ({err})")
+    for line in skipped:
+        logger.warning(line)
     raise ValueError(f"resume: every checkpoint in {output_dir} is incomplete or damaged (see the warnings)")
 
 

@@ -189,14 +189,20 @@ def finished_run(config) -> str | None:
 def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import export_due, list_checkpoints, nothing_to_train
+    from fastgrpo.train.checkpoint import export_due, list_checkpoints, newest_readable_checkpoint, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
 
     check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
     if not found or found[-1][0] < last:
         return None
-    step, newest = found[-1]
+    # the checkpoint the resume loads, read as it reads it (tensors left unread): a damaged newest one is skipped
+    newest, state, skipped = newest_readable_checkpoint(config.output_dir, mmap=True)
+    step = state["step"]
+    if step < last:
+        return None  # the resume goes on from an older checkpoint, and says which it skipped
+    for line in skipped:
+        logger.warning(line)
     # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
     if config.export and export_due(config.output_dir, step, trained=False):
         return None
