@@ -201,11 +201,11 @@ def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | Non
     step = state["step"]
     if step < last:
         return None  # the resume goes on from an older checkpoint, and says which it skipped
-    for line in skipped:
-        logger.warning(line)
     # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
     if config.export and export_due(config.output_dir, step, trained=False):
         return None
+    for line in skipped:  # said here only when no resume follows to say it
+        logger.warning(line)
     exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
     return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
 
