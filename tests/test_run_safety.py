@@ -397,3 +397,28 @@ def test_a_damaged_newest_checkpoint_at_max_steps_is_not_a_finished_run(tmp_path
     err = capsys.readouterr().err
     assert f"error: resume: every checkpoint in {tmp_path} is incomplete or damaged (see the warnings)\n" in err, err
     assert "resumed from" not in err and err.count("resume: skipped checkpoint-") == 2, err
+
+
+@pytest.mark.parametrize("argv, where", [
+    (["train", "--max-steps", "1"], "step 1 of --max-steps 1"),
+    (["sft", "--max-steps", "1"], "step 1 of 1 (--max-steps 1)"),
+    (["ei", "--ei-steps", "1", "--questions-per-step", "4"], "round 1 of --ei-steps 1"),
+])
+def test_a_finished_run_resumed_without_its_export_says_it_exports_it(tmp_path, capsys, argv, where):
+    """--resume of a finished run whose final/ is missing (stopped before its export) or of another step (it went on
+    with --no-export): the export is the work left. It warned "nothing to train ...; pass a larger --max-steps to
+    train on" and exported anyway; it says it exports, and does."""
+    from fastgrpo.train.cli import main
+
+    argv = [*argv, "--output-dir", str(tmp_path), "--no-progress-bar", "--logging-steps", "0"]
+    assert main(argv) == 0
+    final = tmp_path / "final"
+    shutil.rmtree(final)
+    for left in ("is missing", "holds another point's weights"):
+        capsys.readouterr()
+        assert main([*argv, "--resume"]) == 0
+        err = capsys.readouterr().err
+        assert (f"warning: nothing to train: the run in {tmp_path} is at {where}; exporting it to {final}, which "
+                f"{left}\n") in err, err
+        assert "pass a larger" not in err and json.loads((final / "export.json").read_text())["step"] == 1
+        (final / "export.json").write_text(json.dumps({**json.loads((final / "export.json").read_text()), "step": 0}))

@@ -290,11 +290,28 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     return doomed
 
 
-def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str) -> str:
+def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str, export_step: int | None = None) -> str:
     """The line for a resumed run at its last step already (`where`: "step 40", `of`: its limit, as the user set
-    it), naming the setting to raise; the CLI prints it, the Python trainers warn it (train() returns [])."""
+    it), naming the setting to raise; the CLI prints it, the Python trainers warn it (train() returns []).
+    export_step: the step of the run's weights, where export is on: a final/ not of it (export_due) is the work left,
+    which the line says instead."""
+    final = Path(output_dir) / "final"
+    if export_step is not None and _exported_step(final) != export_step:
+        left = "holds another point's weights" if final.is_dir() else "is missing"
+        return f"nothing to train: the run in {output_dir} is at {where} of {of}; exporting it to {final}, which {left}"
     return (f"nothing to train: the run in {output_dir} is at {where} of {of}; pass a larger {setting(field)} to "
             "train on")
+
+
+def _exported_step(final: Path) -> int | None:
+    """The step of final/'s weights as its export recorded it; None where it is missing, unrecorded or damaged
+    (export_due says what a damaged record stops)."""
+    if not final.is_dir():
+        return None
+    try:
+        return _export_record(final).get("step")
+    except ValueError:
+        return None
 
 
 def export_due(output_dir: str | Path, step: int, trained: bool) -> bool:

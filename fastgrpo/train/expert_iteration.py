@@ -262,7 +262,8 @@ class ExpertIteration:
                 self.resume()
                 if self.round >= config.ei_steps and dist.is_main:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
-                                                    setting("ei_steps", config.ei_steps), "ei_steps"))
+                                                    setting("ei_steps", config.ei_steps), "ei_steps",
+                                                    self.round if config.export else None))
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
                 dist.check_final_exportable(self.output_dir)
             log.start_at(self.round)

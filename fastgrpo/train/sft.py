@@ -221,7 +221,7 @@ class SFTTrainer:
                     field = "max_steps" if config.max_steps else "num_epochs"
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
-                                                    field))
+                                                    field, self.step if config.export else None))
             if config.export and self.step < self.total_steps:  # said before the first step, not after the last
                 dist.check_final_exportable(self.output_dir)
             log.start_at(self.step)

@@ -347,7 +347,8 @@ class GRPOTrainer:
                 self.resume()
                 if self.step >= config.max_steps:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
-                                                    setting("max_steps", config.max_steps), "max_steps"))
+                                                    setting("max_steps", config.max_steps), "max_steps",
+                                                    self.step if config.export else None))
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
                 self.dist.check_final_exportable(self.output_dir)
             self.metrics_log.start_at(self.step)
