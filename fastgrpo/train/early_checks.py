@@ -2,11 +2,14 @@
 under a second, where a model can take minutes) or the model's config.json tells: train and ei's reward functions,
 weights and rows, with every prompt tokenized against max_prompt_length; sft's rows against max_seq_length; eval's
 prompts with its new tokens against the model's positions (a run's periodic evaluation rows: loading.
-check_eval_dataset). These were found once the model had loaded. The trainers tokenize again with the tokenizer
-they are given, through the same functions, so the two agree; eval evaluates the ids tokenized here."""
+check_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
+modules. These were found once the model had loaded. The trainers tokenize again with the tokenizer they are given,
+through the same functions, so the two agree; eval evaluates the ids tokenized here."""
 from __future__ import annotations
 
 from pathlib import Path
+
+import torch
 
 from fastgrpo.train.eval_model import evaluated_model
 from fastgrpo.train.evaluate import EvalTask, build_eval_task
@@ -14,7 +17,8 @@ from fastgrpo.train.grpo_data import prompt_token_ids
 from fastgrpo.train.input_checks import (
     check_reward_rows, check_reward_setup, check_same_columns, positions_before_load,
 )
-from fastgrpo.train.loading import tokenizer_before_load
+from fastgrpo.train.loading import lora_model, lora_target_problem, tokenizer_before_load
+from fastgrpo.train.rollout_options import check_engine_installed
 from fastgrpo.train.sft_data import tokenize_rows
 
 
@@ -22,7 +26,10 @@ def check_sampling_before_load(config, rows, reward_funcs: list) -> None:
     """train, ei: what input_checks.check_sampling_inputs checks without a model: the reward functions and weights,
     the rows, their columns (what the rewards read; the same in every row), and every row's prompt tokenized as the
     trainer will, one over max_prompt_length refused (unless truncate_prompts: the trainer truncates it then, and
-    says so)."""
+    says so); train's rollout engine installed, and the LoRA targets (check_lora_targets_before_load)."""
+    if hasattr(config, "rollout_engine"):  # train's; ei samples with the built-in engine
+        check_engine_installed(config)
+    check_lora_targets_before_load(config)
     check_reward_setup(reward_funcs, config.reward_weights)
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
     check_same_columns(rows)
@@ -31,10 +38,44 @@ def check_sampling_before_load(config, rows, reward_funcs: list) -> None:
 
 def check_sft_rows_before_load(config, rows) -> None:
     """sft: every row tokenized as SFTTrainer will (sft_data.tokenize_rows), one over max_seq_length refused (unless
-    truncate_sequences: the trainer truncates it then, and says so)."""
+    truncate_sequences: the trainer truncates it then, and says so); the LoRA targets (check_lora_targets_before_load)."""
+    check_lora_targets_before_load(config)
     tokenize_rows(rows, tokenizer_before_load(config.model), prompt_column=config.prompt_column,
                   response_column=config.response_column, prompt_format=config.prompt_format,
                   max_seq_length=config.max_seq_length, truncate=config.truncate_sequences, warn=False)
+
+
+def check_lora_targets_before_load(config) -> None:
+    """lora_target_modules against config.model's modules, built from its config.json on the meta device (no weights:
+    well under a second for an 8B model), wrapped by PEFT itself as the load wraps them (loading.lora_model), so that
+    the two agree on what matches ("all-linear", a name or the end of one): targets the load would refuse (loading.
+    lora_target_problem) are refused now, in its words. The built-in model (it loads at once), a config that cannot
+    be read or built and PEFT's other refusals are left to the load, which reports them."""
+    if config.lora_rank == 0 or config.model is None:
+        return
+    model = model_without_weights(config.model)
+    if model is None:
+        return
+    try:
+        lora_model(model, config, low_cpu_mem_usage=True)  # the adapters on the meta device too
+    except ValueError as err:
+        problem = lora_target_problem(model, config.lora_target_modules)
+        if problem is not None:
+            raise ValueError(f"lora_target_modules: {problem}") from err
+    except Exception:  # noqa: BLE001 - PEFT failing otherwise on a model without weights: the load decides
+        return
+
+
+def model_without_weights(model: str) -> torch.nn.Module | None:
+    """The model load_model_and_tokenizer builds of `model` (AutoModelForCausalLM's class for its config.json), on the
+    meta device: its modules, without weights or memory; None where its config cannot be read or built."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    except Exception:  # noqa: BLE001 - whatever it is, loading the model reports it
+        return None
 
 
 def eval_task_before_load(config, rows, reward_funcs: list, checkpoint: Path | None) -> EvalTask:

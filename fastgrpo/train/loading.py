@@ -385,6 +385,17 @@ def load_tokenizer(model: str):
 
 def _with_lora(model, config):
     """The model wrapped in LoRA adapters of config's lora_* fields."""
+    try:
+        return lora_model(model, config)
+    except ValueError as err:
+        problem = lora_target_problem(model, config.lora_target_modules)
+        if problem is None:
+            raise
+        raise ValueError(f"lora_target_modules: {problem}") from err
+
+
+def lora_model(model, config, **peft_options):
+    """get_peft_model of `model` and the LoraConfig of config's lora_* fields (peft_options: get_peft_model's)."""
     from peft import LoraConfig, get_peft_model
 
     targets = config.lora_target_modules
@@ -392,18 +403,11 @@ def _with_lora(model, config):
     lora = LoraConfig(r=config.lora_rank, lora_alpha=config.lora_alpha, lora_dropout=config.lora_dropout,
                       target_modules=targets[0] if targets == ["all-linear"] else targets, task_type="CAUSAL_LM",
                       **({"exclude_modules": outside} if outside else {}))
-    try:
-        with warnings.catch_warnings():
-            # peft 0.21 reads transformers 5.24's deprecated is_gradient_checkpointing: a warning on every LoRA run
-            # that its user cannot act on
-            warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated",
-                                    category=FutureWarning)
-            return get_peft_model(model, lora)
-    except ValueError as err:
-        problem = _lora_target_problem(model, targets)
-        if problem is None:
-            raise
-        raise ValueError(f"lora_target_modules: {problem}") from err
+    with warnings.catch_warnings():
+        # peft 0.21 reads transformers 5.24's deprecated is_gradient_checkpointing: a warning on every LoRA run that
+        # its user cannot act on
+        warnings.filterwarnings("ignore", message="`is_gradient_checkpointing` is deprecated", category=FutureWarning)
+        return get_peft_model(model, lora, **peft_options)
 
 
 def _linears_outside_the_decoder(model) -> list[str]:
@@ -424,7 +428,7 @@ _LORA_WRAPPABLE = (torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.n
                    torch.nn.MultiheadAttention)
 
 
-def _lora_target_problem(model, targets: list[str]) -> str | None:
+def lora_target_problem(model, targets: list[str]) -> str | None:
     """Why PEFT refused `targets`, which its message says without naming the setting or the model's layers (or in
     the repr of a whole module it cannot wrap): no module has such a name, or one it matches is no layer LoRA wraps;
     None for anything else. PEFT matches a name of the list as a module's name or the end of it after a dot."""

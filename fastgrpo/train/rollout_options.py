@@ -1,9 +1,11 @@
 """The checks of GRPOConfig's rollout-engine fields, before any model is loaded."""
 from __future__ import annotations
 
+import importlib.util
+
 from fastgrpo._checks import check_choice
 from fastgrpo.rollout.decode_weights import WEIGHTS
-from fastgrpo.rollout.vllm import EXECUTIONS, LORA_SYNCS
+from fastgrpo.rollout.vllm import EXECUTIONS, INSTALL_HINT, LORA_SYNCS
 from fastgrpo.train.naming import setting
 
 ROLLOUT_ENGINES = ("builtin", "vllm")
@@ -35,3 +37,11 @@ def check_rollout_options(config) -> None:
     if config.rollout_engine == "vllm" and config.device == "cpu":
         raise ValueError(f"rollout_engine: vllm runs on a CUDA GPU; pass {setting('device', 'cuda')} (the built-in "
                          "task's preset is the CPU)")
+
+
+def check_engine_installed(config) -> None:
+    """vllm importable where the run asks for it: found (importlib's find_spec, without importing it: seconds) before
+    the model loads rather than once it has. A vllm that is there and fails to import is the engine's to report."""
+    if config.rollout_engine == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ValueError(f"rollout_engine: vllm is not installed; {INSTALL_HINT}, or pass "
+                         f"{setting('rollout_engine', 'builtin')}")
