@@ -33,7 +33,8 @@ def check_sampling_before_load(config, rows, reward_funcs: list) -> None:
     check_reward_setup(reward_funcs, config.reward_weights)
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
     check_same_columns(rows)
-    prompt_token_ids(rows, tokenizer_before_load(config.model), config, warn=False)
+    # kept for the trainer, which tokenizes the same prompts with the same tokenizer, loaded again
+    prompt_token_ids(rows, tokenizer_before_load(config.model), config, warn=False, keep=True)
 
 
 def check_sft_rows_before_load(config, rows) -> None:
