@@ -99,8 +99,9 @@ def test_bad_input_and_failing_rewards(tmp_path):
         _run(r1_zero_math_reward, tmp_path)
     with pytest.raises(ValueError, match="micro_batch_size: expected a divisor of batch_size"):
         EIConfig(batch_size=6, micro_batch_size=4)
-    _, run = _run(lambda prompts, completions, **c: [float("nan")] * len(completions), tmp_path)
-    with pytest.raises(RewardError, match="not a finite number"):
+    # inf is a bug in the function (NaN, like None, means 'does not apply': TRL's rule)
+    _, run = _run(lambda prompts, completions, **c: [float("inf")] * len(completions), tmp_path)
+    with pytest.raises(RewardError, match="returned inf, not a finite number"):
         run.run_round()
 
 
