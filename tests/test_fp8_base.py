@@ -103,6 +103,18 @@ def test_input_grad_matches_reference(M, N, K, dtype, seed):
     assert_within(got, exact_grad, tol + rounding, "vs unquantized g")
 
 
+@settings(max_examples=20, deadline=None)
+@given(R=st.integers(0, 150), C=st.integers(0, 150), seed=st.integers(0, 2**16))
+def test_transpose_bytes(R, C, seed):
+    """The Triton tile transpose (the interpreter here) of any shape, odd and empty ones too: torch's, byte for byte."""
+    from fastgrpo.kernels.transpose import transpose_bytes
+
+    x = torch.randint(0, 256, (R, C), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    got = transpose_bytes(x.view(torch.float8_e4m3fn))
+    assert got.dtype == torch.float8_e4m3fn and got.is_contiguous()
+    assert torch.equal(got.view(torch.uint8), x.t().contiguous())
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_backward(seed):
     """The same upstream gradient: the adapters' gradients are the op's without the copy, bit for bit (they never

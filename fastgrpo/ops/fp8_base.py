@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgrpo.ops._backend import use_triton
 from fastgrpo.ops.fp8_linear import quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import scaled_mm_fits
 
@@ -52,8 +53,17 @@ def fp8_input_grad(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     column-major operand the GEMM takes (a transient copy of the layer's e4m3 bytes)."""
     gq, sg = quantize_fp8(g if g.stride(-1) == 1 else g.contiguous(), column_scale=scale)
     ones = torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
-    y = torch._scaled_mm(gq, q.t().contiguous().t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
+    y = torch._scaled_mm(gq, _transposed(q).t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
     return y.to(g.dtype)
+
+
+def _transposed(q: torch.Tensor) -> torch.Tensor:
+    """q^T contiguous: the Triton tile transpose where Triton runs (torch's 1-byte strided copy is slow on CUDA)."""
+    if not use_triton(q):
+        return q.t().contiguous()
+    from fastgrpo.kernels.transpose import transpose_bytes
+
+    return transpose_bytes(q)
 
 
 def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
