@@ -23,6 +23,7 @@ from fastgrpo.patching.forwards import (
     rope_attention_forward,
     tiled_mlp_forward,
 )
+from fastgrpo.patching.liger import guard_against_liger
 from fastgrpo.patching.loss_forward import causal_lm_forward
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
@@ -122,6 +123,7 @@ def patch_model(
                          f"lora_dtype='input'; got fused_lora={fused_lora}, lora_dtype={lora_dtype!r}")
     check_offload_options(offload_activations, recompute_layers)
     layers = decoder_layers(hf_model, arch)
+    guard_against_liger(hf_model, layers)
     checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
     tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
     if tiled_mlp is None:

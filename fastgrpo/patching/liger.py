@@ -1,0 +1,73 @@
+"""Liger-Kernel beside patch_model: a model runs one library's fused forwards, never a silent mix of both.
+
+Liger binds its forwards on the same module instances as patch_model (apply_liger_kernel_to_*(model=...), which HF's
+Trainer calls at train() under use_liger_kernel=True), and swaps the modeling module's classes for the models built
+afterwards (LlamaRMSNorm becomes LigerRMSNorm, in the whole process). Over a patched model it replaced fastgrpo's
+RMSNorm, MLP (tiled MLP included) and loss forwards but not its RoPE, while fastgrpo_patch_summary still listed them;
+patch_model over a Liger-patched model replaced Liger's or, on Liger's classes, left them and patched the rest.
+A Liger forward is known by the package it is defined in, so liger-kernel need not be installed to check.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+LIGER_PACKAGE = "liger_kernel"
+PATCHED_ATTR = "fastgrpo_patch_summary"  # patch.SUMMARY_ATTR, there while the model is patched (patch.py imports us)
+_WATCHED_ATTR = "_fastgrpo_liger_watched"
+
+
+def liger_modules(model: nn.Module) -> list[str]:
+    """The class names of the modules of `model` whose forward in effect is Liger-Kernel's, sorted."""
+    return sorted({type(module).__name__ for module in model.modules() if _is_liger(_forward_in_effect(module))})
+
+
+def liger_patched_problem(model: nn.Module) -> str | None:
+    """The one-line refusal for patching a model Liger-Kernel has patched, or None."""
+    names = liger_modules(model)
+    if not names:
+        return None
+    return (f"model: Liger-Kernel's forwards already run in its {', '.join(names)} modules, and "
+            "fastgrpo.patch_model would mix its kernels with them; build the model in a process where Liger has not "
+            "run (apply_liger_kernel_to_* and use_liger_kernel=True patch every model of that type built after), or "
+            "leave it unpatched to train on Liger's")
+
+
+def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
+    """patch_model's check: refuse a model Liger-Kernel has patched, and make the patched model refuse, at its next
+    training forward, the Liger forwards put over fastgrpo's later (HF's Trainer puts them at train())."""
+    problem = liger_patched_problem(hf_model)
+    if problem is not None:
+        raise ValueError(problem)
+    # Liger's apply functions patch every decoder layer alike: the first one's modules tell, in 10 us where a walk of
+    # a 28-layer LoRA model took 6 ms per step.
+    hf_model.__dict__[_WATCHED_ATTR] = layers[0] if layers else None
+    # Called through the model's __call__ by HF's Trainer, TRL's trainers and PEFT's LoraModel alike; a module-level
+    # function, so a deepcopy's hook checks the copy.
+    if _refuse_liger_over_fastgrpo not in hf_model._forward_pre_hooks.values():
+        hf_model.register_forward_pre_hook(_refuse_liger_over_fastgrpo)
+
+
+def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
+    # Training steps only: Liger comes in when training starts; generate (no grad) calls the model once per token.
+    if not (hf_model.training and torch.is_grad_enabled()) or PATCHED_ATTR not in hf_model.__dict__:
+        return
+    layer = hf_model.__dict__.get(_WATCHED_ATTR)
+    watched = [hf_model, *(layer.children() if layer is not None else ())]
+    names = sorted({type(module).__name__ for module in watched if _is_liger(_forward_in_effect(module))})
+    if names:
+        raise ValueError(
+            f"use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model bound on this model "
+            f"({', '.join(names)}), as HF's Trainer does at train() with use_liger_kernel=True; set it False to train "
+            "on fastgrpo's kernels, or leave the model unpatched to train on Liger's"
+        )
+
+
+def _forward_in_effect(module: nn.Module):
+    attr = "_old_forward" if "_hf_hook" in module.__dict__ else "forward"  # accelerate's hooked modules
+    return module.__dict__.get(attr, type(module).forward)
+
+
+def _is_liger(function) -> bool:
+    function = getattr(function, "__func__", function)  # a bound method, or fastgrpo's WeakBoundMethod
+    return (getattr(function, "__module__", None) or "").partition(".")[0] == LIGER_PACKAGE

@@ -1,0 +1,126 @@
+"""Liger-Kernel beside fastgrpo: patch_model over a Liger-patched model, HF's Trainer and TRL's SFTTrainer with
+use_liger_kernel=True over a patched model (real liger-kernel, tiny real models, fp32 on the CPU; FastGRPOTrainer's
+use_liger_kernel: tests/test_trl_liger.py).
+
+Liger's Triton kernels fail under Triton's CPU interpreter (its RMSNorm, SwiGLU and fused linear cross-entropy:
+"'float' object has no attribute 'to'"), so these tests look at the forwards bound and at the errors raised before a
+Liger kernel would run, not at Liger's numbers. Liger rebinds names in transformers' modeling modules for the whole
+process: each test puts them back.
+"""
+import pytest
+import torch
+
+pytest.importorskip("liger_kernel.transformers", reason="liger-kernel is not installed (pip install liger-kernel)")
+
+from liger_kernel.transformers import _apply_liger_kernel_to_instance, apply_liger_kernel_to_llama  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+
+from fastgrpo.patching import patch_model  # noqa: E402
+from fastgrpo.patching.liger import liger_modules  # noqa: E402
+from tests.test_patch_hf_trainers import hf_args, rows_of, sft_trainer  # noqa: E402
+from tests.test_patching import batch, tiny_model  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def liger_undone():
+    """Liger's apply functions rebind the modeling modules' classes and apply_rotary_pos_emb (every model built
+    afterwards gets LigerRMSNorm), and a class's forward when given no model: put them back."""
+    modules = (modeling_llama, modeling_qwen2)
+    names = [(module, dict(vars(module))) for module in modules]
+    classes = [value for module in modules for value in vars(module).values()
+               if isinstance(value, type) and value.__module__ == module.__name__]
+    forwards = [(cls, cls.__dict__.get("forward")) for cls in classes]
+    cross_entropy = torch.nn.functional.cross_entropy
+    yield
+    for module, saved in names:
+        vars(module).update(saved)
+    for cls, forward in forwards:
+        if forward is not None:
+            cls.forward = forward
+        elif "forward" in cls.__dict__:
+            del cls.forward
+    torch.nn.functional.cross_entropy = cross_entropy
+
+
+def forwards(model):
+    """{module class: the module its forward in effect is defined in}."""
+    found = {}
+    for module in model.modules():
+        forward = module.__dict__.get("forward", type(module).forward)
+        found[type(module).__name__] = getattr(forward, "__func__", forward).__module__
+    return found
+
+
+def liger_instance(model):
+    _apply_liger_kernel_to_instance(model=model)  # what HF's Trainer calls at train() under use_liger_kernel=True
+    return model
+
+
+def liger_classes_then_built():
+    apply_liger_kernel_to_llama()  # Liger's documented use: patch transformers, then load the model
+    return tiny_model("llama")
+
+
+LIGER_PATCHED = {
+    # before: patch_model replaced Liger's forwards with its own without a word
+    "liger on the instance": (lambda: liger_instance(tiny_model("llama")), "LlamaForCausalLM, LlamaMLP, LlamaRMSNorm"),
+    # before: fastgrpo's RoPE and loss under Liger's RMSNorm and MLP classes, which patch_model skipped (its summary
+    # said "no module of class ['LlamaRMSNorm']")
+    "liger's classes": (liger_classes_then_built, "LigerRMSNorm, LigerSwiGLUMLP, LlamaForCausalLM"),
+    # before: patching again with the same arguments returned at once, the model still running Liger's forwards
+    "patched, then liger": (lambda: liger_instance(patch_model(tiny_model("llama"))),
+                            "LlamaForCausalLM, LlamaMLP, LlamaRMSNorm"),
+}
+
+
+@pytest.mark.parametrize("case", LIGER_PATCHED)
+def test_patch_model_refuses_a_model_liger_patched_and_leaves_it_as_it_was(case):
+    build, names = LIGER_PATCHED[case]
+    model = build()
+    before = forwards(model)
+    with pytest.raises(ValueError, match=f"^model: Liger-Kernel's forwards already run in its {names} modules, "
+                                         "and fastgrpo.patch_model would mix its kernels with them; build the model "
+                                         "in a process where Liger has not run"):
+        patch_model(model)
+    assert forwards(model) == before
+
+
+@pytest.mark.parametrize("trainer_kind, names", [
+    # Liger's RMSNorm, SwiGLU and fused linear cross-entropy over fastgrpo's (its RoPE stayed: the attention forward
+    # patch_model binds reads its own apply_rotary_pos_emb)
+    ("Trainer", "LlamaForCausalLM, LlamaMLP, LlamaRMSNorm"),
+    ("SFTTrainer", "LlamaMLP, LlamaRMSNorm"),  # TRL turns Liger's loss off for its own fused lm_head
+])
+def test_use_liger_kernel_over_a_patched_model_is_refused_at_the_first_step(tmp_path, trainer_kind, names):
+    """HF's Trainer applies Liger at train(): before, Liger's forwards replaced fastgrpo's and the run went on
+    (on a GPU; here Liger's first kernel failed in Triton's interpreter) while fastgrpo_patch_summary still listed
+    them. Now the first training forward refuses, before a Liger kernel runs."""
+    model = patch_model(tiny_model("llama"))
+    if trainer_kind == "Trainer":
+        from transformers import Trainer
+
+        ids, _ = batch(2)
+        trainer = Trainer(model=model, args=hf_args(tmp_path, use_liger_kernel=True), train_dataset=rows_of(ids))
+    else:
+        pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[dev]' installs it)")
+        trainer = sft_trainer(tmp_path, model, use_liger_kernel=True)
+    with pytest.raises(ValueError, match=rf"^use_liger_kernel: Liger-Kernel has replaced forwards "
+                                         rf"fastgrpo.patch_model bound on this model \({names}\), as HF's Trainer does "
+                                         "at train"):
+        trainer.train()
+    assert trainer.state.global_step == 0
+    assert liger_modules(model)  # the refusal names what Liger did; it undoes nothing
+
+
+def test_a_patched_model_without_liger_trains_and_generates_as_before(tmp_path):
+    """The training-forward check finds nothing on a patched model Liger never touched: HF's Trainer trains it
+    (test_patch_hf_trainers compares the numbers) and generate runs."""
+    from transformers import Trainer
+
+    ids, mask = batch(2)
+    model = patch_model(tiny_model("llama"))
+    trainer = Trainer(model=model, args=hf_args(tmp_path), train_dataset=rows_of(ids))
+    trainer.train()
+    assert trainer.state.global_step == 2 and not liger_modules(model)
+    assert model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False).shape[1] == 12
