@@ -32,6 +32,7 @@ from fastgrpo.loss.fused import fused_linear_grpo_loss
 from fastgrpo.loss.row_layout import as_given, padding_facts, run_backbone, take_columns, unpadded
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
+from fastgrpo.patching.liger import liger_patched_problem
 from fastgrpo.patching.patch import check_offload_options
 
 # The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
@@ -59,12 +60,14 @@ TOKEN_SUM_TYPES = ("cispo", "dapo", "vespo")  # normalized by the generation bat
 LOGIT_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 
 
-def _refusals(args) -> list[str]:
+def _refusals(args, patch: bool) -> list[str]:
     """What a trl.GRPOConfig asks that FastGRPOTrainer cannot do as TRL does."""
     found = []
-    if args.use_liger_kernel:
-        found.append("use_liger_kernel: Liger's layer kernels would replace the ones fastgrpo.patch_model binds, and "
-                     "FastGRPOTrainer computes the loss itself; set use_liger_kernel=False")
+    # TRL applies only Liger's layer kernels (its loss never runs here): with patch=False they replace nothing
+    if args.use_liger_kernel and patch:
+        found.append("use_liger_kernel: HF's Trainer would put Liger's layer kernels over the ones "
+                     "fastgrpo.patch_model binds when training starts; set use_liger_kernel=False, or patch=False to "
+                     "run Liger's layers under fastgrpo's loss")
     if args.torch_compile:  # HF compiles the model's forward, which FastGRPOTrainer's loss never calls
         found.append("torch_compile: FastGRPOTrainer runs the backbone and fastgrpo's fused lm_head outside the "
                      "compiled model, so nothing would be compiled; set torch_compile=False")
@@ -74,9 +77,12 @@ def _refusals(args) -> list[str]:
     return found
 
 
-def _model_refusals(trainer) -> list[str]:
+def _model_refusals(trainer, patch: bool) -> list[str]:
     """What the model and processing class ask that FastGRPOTrainer cannot do as TRL does."""
     found = []
+    liger = liger_patched_problem(unwrap_peft(trainer.model)) if patch else None
+    if liger is not None:  # patch_model would refuse it after TRL's whole set-up
+        found.append(liger)
     if isinstance(trainer.processing_class, ProcessorMixin):
         found.append("processing_class: vision-language models (a processor) are not supported; their forward "
                      "takes pixel inputs fastgrpo's text-only loss path does not pass")
@@ -122,8 +128,9 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer on fastgrpo's kernels: same constructor and trl.GRPOConfig, plus
 
     patch: fastgrpo.patch_model the policy (and a reference copy) before training (fused RMSNorm, RoPE, SwiGLU,
-    LoRA). offload_activations: True or a fastgrpo.offload.ActivationOffloader checkpoints every decoder layer with
-    its input kept in pinned CPU memory (needs patch). It replaces TRL's gradient checkpointing, whose flag is set to
+    LoRA); patch=False with use_liger_kernel=True runs Liger's layer kernels under fastgrpo's loss.
+    offload_activations: True or a fastgrpo.offload.ActivationOffloader checkpoints every decoder layer with its input
+    kept in pinned CPU memory (needs patch). It replaces TRL's gradient checkpointing, whose flag is set to
     False on the trainer's args: HF's Trainer would turn HF's checkpointing on again at train(), and TRL around each
     generation, and the layers would then be checkpointed without offload. recompute_layers (with
     offload_activations): only the first N decoder layers are checkpointed, the later ones keep their activations
@@ -133,7 +140,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     def __init__(self, *args, patch: bool = True, offload_activations=False, recompute_layers: int | None = None,
                  backend: str = "auto", **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
-        problems = _refusals(config) if config is not None else []
+        problems = _refusals(config, patch) if config is not None else []
         if not isinstance(patch, bool):  # "no" is truthy: it would patch
             problems.append(f"patch: expected True or False, got {patch!r}")
         if backend not in BACKENDS:  # here, not at the first step after the model is loaded and patched
@@ -147,7 +154,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
-        problems = _refusals(self.args) + _model_refusals(self)
+        problems = _refusals(self.args, patch) + _model_refusals(self, patch)
         if problems:
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         self.fastgrpo_backend = backend
