@@ -107,7 +107,7 @@ def test_use_liger_kernel_over_a_patched_model_is_refused_at_the_first_step(tmp_
         trainer = sft_trainer(tmp_path, model, use_liger_kernel=True)
     with pytest.raises(ValueError, match=rf"^use_liger_kernel: Liger-Kernel has replaced forwards "
                                          rf"fastgrpo.patch_model bound on this model \({names}\), as HF's Trainer does "
-                                         "at train"):
+                                         "with use_liger_kernel=True; set it False"):
         trainer.train()
     assert trainer.state.global_step == 0
     assert liger_modules(model)  # the refusal names what Liger did; it undoes nothing

@@ -31,9 +31,9 @@ def test_patch_false_runs_ligers_layers_under_fastgrpos_loss(model_dir, tmp_path
 
 def test_patch_true_refuses_use_liger_kernel_naming_the_ways_out(model_dir, tmp_path):
     with pytest.raises(ValueError, match="^FastGRPOTrainer cannot honour: use_liger_kernel: HF's Trainer would put "
-                                         "Liger's layer kernels over the ones fastgrpo.patch_model binds when training "
-                                         "starts; set use_liger_kernel=False, or patch=False to run Liger's layers "
-                                         "under fastgrpo's loss$"):
+                                         "Liger's layer kernels over the ones fastgrpo.patch_model binds; set "
+                                         "use_liger_kernel=False, or patch=False to run Liger's layers under "
+                                         "fastgrpo's loss$"):
         build(model_dir, tmp_path, use_liger_kernel=True)
 
 

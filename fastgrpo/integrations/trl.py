@@ -66,8 +66,8 @@ def _refusals(args, patch: bool) -> list[str]:
     # TRL applies only Liger's layer kernels (its loss never runs here): with patch=False they replace nothing
     if args.use_liger_kernel and patch:
         found.append("use_liger_kernel: HF's Trainer would put Liger's layer kernels over the ones "
-                     "fastgrpo.patch_model binds when training starts; set use_liger_kernel=False, or patch=False to "
-                     "run Liger's layers under fastgrpo's loss")
+                     "fastgrpo.patch_model binds; set use_liger_kernel=False, or patch=False to run Liger's layers "
+                     "under fastgrpo's loss")
     if args.torch_compile:  # HF compiles the model's forward, which FastGRPOTrainer's loss never calls
         found.append("torch_compile: FastGRPOTrainer runs the backbone and fastgrpo's fused lm_head outside the "
                      "compiled model, so nothing would be compiled; set torch_compile=False")

@@ -1,11 +1,11 @@
 """Liger-Kernel beside patch_model: a model runs one library's fused forwards, never a silent mix of both.
 
 Liger binds its forwards on the same module instances as patch_model (apply_liger_kernel_to_*(model=...), which HF's
-Trainer calls at train() under use_liger_kernel=True), and swaps the modeling module's classes for the models built
-afterwards (LlamaRMSNorm becomes LigerRMSNorm, in the whole process). Over a patched model it replaced fastgrpo's
-RMSNorm, MLP (tiled MLP included) and loss forwards but not its RoPE, while fastgrpo_patch_summary still listed them;
-patch_model over a Liger-patched model replaced Liger's or, on Liger's classes, left them and patched the rest.
-A Liger forward is known by the package it is defined in, so liger-kernel need not be installed to check.
+Trainer calls under use_liger_kernel=True, at train() in transformers 5.24), and swaps the modeling module's classes
+for the models built afterwards (LlamaRMSNorm becomes LigerRMSNorm, in the whole process). Over a patched model it
+replaced fastgrpo's RMSNorm, MLP (tiled MLP included) and loss forwards but not its RoPE, while fastgrpo_patch_summary
+still listed them; patch_model over a Liger-patched model replaced Liger's or, on Liger's classes, left them and
+patched the rest. A Liger forward is known by the package it is defined in: liger-kernel need not be installed.
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ def liger_patched_problem(model: nn.Module) -> str | None:
 
 def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
     """patch_model's check: refuse a model Liger-Kernel has patched, and make the patched model refuse, at its next
-    training forward, the Liger forwards put over fastgrpo's later (HF's Trainer puts them at train())."""
+    training forward, Liger forwards put over fastgrpo's later (as HF's Trainer does under use_liger_kernel)."""
     problem = liger_patched_problem(hf_model)
     if problem is not None:
         raise ValueError(problem)
@@ -58,8 +58,8 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
     if names:
         raise ValueError(
             f"use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model bound on this model "
-            f"({', '.join(names)}), as HF's Trainer does at train() with use_liger_kernel=True; set it False to train "
-            "on fastgrpo's kernels, or leave the model unpatched to train on Liger's"
+            f"({', '.join(names)}), as HF's Trainer does with use_liger_kernel=True; set it False to train on "
+            "fastgrpo's kernels, or leave the model unpatched to train on Liger's"
         )
 
 
