@@ -124,3 +124,14 @@ def test_a_patched_model_without_liger_trains_and_generates_as_before(tmp_path):
     trainer.train()
     assert trainer.state.global_step == 2 and not liger_modules(model)
     assert model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=2, do_sample=False).shape[1] == 12
+
+
+def test_the_training_step_check_is_registered_once_and_gone_once_unpatched():
+    from fastgrpo.patching import unpatch_model
+
+    ids, mask = batch(2)
+    model = patch_model(patch_model(tiny_model("llama")), rms_norm=False)  # patched again with other arguments
+    assert len(model._forward_pre_hooks) == 1
+    unpatch_model(model)
+    model.train()(input_ids=ids, attention_mask=mask)  # the check finds the model unpatched and takes itself off
+    assert not model._forward_pre_hooks and "_fastgrpo_liger_watched" not in model.__dict__

@@ -49,8 +49,11 @@ def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
 
 
 def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
+    if PATCHED_ATTR not in hf_model.__dict__:  # unpatched since: Liger's forwards alone are the user's choice
+        _remove_guard(hf_model)
+        return
     # Training steps only: Liger comes in when training starts; generate (no grad) calls the model once per token.
-    if not (hf_model.training and torch.is_grad_enabled()) or PATCHED_ATTR not in hf_model.__dict__:
+    if not (hf_model.training and torch.is_grad_enabled()):
         return
     layer = hf_model.__dict__.get(_WATCHED_ATTR)
     watched = [hf_model, *(layer.children() if layer is not None else ())]
@@ -61,6 +64,13 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
             f"({', '.join(names)}), as HF's Trainer does with use_liger_kernel=True; set it False to train on "
             "fastgrpo's kernels, or leave the model unpatched to train on Liger's"
         )
+
+
+def _remove_guard(hf_model: nn.Module) -> None:
+    hf_model.__dict__.pop(_WATCHED_ATTR, None)
+    hooks = hf_model._forward_pre_hooks
+    for key in [key for key, hook in hooks.items() if hook is _refuse_liger_over_fastgrpo]:
+        del hooks[key]
 
 
 def _forward_in_effect(module: nn.Module):
