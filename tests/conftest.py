@@ -43,7 +43,7 @@ def pytest_sessionstart(session):
     from importlib.metadata import PackageNotFoundError, version
 
     found = []
-    for name in ("torch", "triton", "transformers", "peft", "bitsandbytes", "trl", "hypothesis"):
+    for name in ("torch", "triton", "transformers", "peft", "bitsandbytes", "trl", "liger-kernel", "hypothesis"):
         try:
             found.append(f"{name} {version(name)}")
         except PackageNotFoundError:
