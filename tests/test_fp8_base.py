@@ -333,3 +333,34 @@ def test_train_runs_with_fp8_base(tmp_path):
     from fastgrpo.train.checkpoint import CONFIG_FILE
 
     assert json.loads((tmp_path / "checkpoint-2" / CONFIG_FILE).read_text())["fp8_base"] is True
+
+
+# ---- TRL's drop-in ---------------------------------------------------------------------------------------------
+
+def test_trl_drop_in_trains_on_the_fp8_base(tmp_path_factory, tmp_path):
+    """FastGRPOTrainer(fp8_base=True) with a peft_config: two TRL steps with beta > 0 (the reference pass through
+    the disabled adapters), every LoRA layer's base multiplied through its e4m3 copy; refused without patch or LoRA
+    before TRL loads the model."""
+    from datasets import Dataset
+    from peft import LoraConfig as PeftLoraConfig
+
+    from fastgrpo.integrations.trl import FastGRPOTrainer
+    from tests.test_trl import build_tokenizer, grpo_config, model_dir, vowel_reward
+
+    def trainer(model, **kwargs):
+        return FastGRPOTrainer(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path, beta=0.04),
+                               train_dataset=Dataset.from_dict({"prompt": ["2+2=", "abc"] * 4}),
+                               processing_class=build_tokenizer(), fp8_base=True, **kwargs)
+
+    lora = PeftLoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+    run = trainer(model_dir.__wrapped__(tmp_path_factory), peft_config=lora)
+    run.train()
+    layers = lora_layers(run.model)
+    assert len(layers) == 6 and all(FP8_WEIGHT_ATTR in layer.base_layer.__dict__ for layer in layers)
+    for kwargs, message in [(dict(patch=False, peft_config=lora), "fp8_base: runs in fastgrpo.patch_model's LoRA "
+                                                                  "layers; keep patch=True"),
+                            ({}, "fp8_base: multiplies a LoRA model's frozen base in FP8; pass peft_config (or a "
+                                 "PEFT model)")]:
+        with pytest.raises(ValueError) as caught:
+            trainer("/nonexistent/model", **kwargs)
+        assert str(caught.value) == "FastGRPOTrainer cannot honour: " + message

@@ -118,6 +118,17 @@ def _offload_problems(patch, offload_activations, recompute_layers) -> list[str]
     return []
 
 
+def _fp8_base_problems(fp8_base, patch, model, peft_config) -> list[str]:
+    """fp8_base's keyword checks, before TRL loads the model: patch_model runs it, on a LoRA model's frozen base."""
+    if not isinstance(fp8_base, bool):
+        return [f"fp8_base: expected True or False, got {fp8_base!r}"]
+    if fp8_base and not patch:
+        return ["fp8_base: runs in fastgrpo.patch_model's LoRA layers; keep patch=True"]
+    if fp8_base and peft_config is None and not hasattr(model, "peft_config"):
+        return ["fp8_base: multiplies a LoRA model's frozen base in FP8; pass peft_config (or a PEFT model)"]
+    return []
+
+
 def _no_autocast(tensor: torch.Tensor):
     """The fused lm_head runs in its inputs' dtype with fp32 accumulation (an fp32 dW accumulator among them), which
     an enclosing autocast (mixed precision) would recast."""
@@ -134,11 +145,12 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     False on the trainer's args: HF's Trainer would turn HF's checkpointing on again at train(), and TRL around each
     generation, and the layers would then be checkpointed without offload. recompute_layers (with
     offload_activations): only the first N decoder layers are checkpointed, the later ones keep their activations
-    (patch_model's). backend: "auto" (Triton on CUDA, chunked PyTorch on the CPU), "triton" or "torch".
+    (patch_model's). fp8_base (needs patch and a LoRA model: peft_config or a PEFT model): the frozen base's GEMMs in
+    FP8 (patch_model's). backend: "auto" (Triton on CUDA, chunked PyTorch on the CPU), "triton" or "torch".
     """
 
     def __init__(self, *args, patch: bool = True, offload_activations=False, recompute_layers: int | None = None,
-                 backend: str = "auto", **kwargs):
+                 fp8_base: bool = False, backend: str = "auto", **kwargs):
         config = kwargs.get("args", args[2] if len(args) > 2 else None)
         problems = _refusals(config, patch) if config is not None else []
         if not isinstance(patch, bool):  # "no" is truthy: it would patch
@@ -151,6 +163,8 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             except ValueError as err:
                 problems.append(str(err))
         problems += _offload_problems(patch, offload_activations, recompute_layers)
+        problems += _fp8_base_problems(fp8_base, patch, kwargs.get("model", args[0] if args else None),
+                                       kwargs.get("peft_config"))
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
@@ -160,7 +174,7 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         self.fastgrpo_backend = backend
         if patch:  # draws no random numbers: TRL's seeding at the end of its __init__ still decides the run
             patch_model(self.model, fused_loss=False, offload_activations=offload_activations,
-                        recompute_layers=recompute_layers)
+                        recompute_layers=recompute_layers, fp8_base=fp8_base)
             if self.ref_model is not None:
                 patch_model(self.ref_model, fused_loss=False)
         if offload_activations is not False:
