@@ -1,6 +1,7 @@
 """TRL's logging hooks for reward functions (TRL 1.16 passes every function log_metric and log_extra): log_metric's
-values are a training step's metric under their own name, the step's mean (metrics.jsonl); log_extra's columns (TRL's
-completions table, which fastgrpo does not keep) are taken and not recorded, with a warning once."""
+values are a training step's metric under their own name, the step's mean (metrics.jsonl; expert iteration and
+evaluation: tests/test_reward_logs_commands.py); log_extra's columns (TRL's completions table, which fastgrpo does not
+keep) are taken and not recorded, with a warning once."""
 from __future__ import annotations
 
 import json
@@ -52,9 +53,9 @@ def test_metrics_of_several_processes_are_one_mean():
 
 
 def test_what_is_not_recorded_is_said_once(caplog):
-    """An evaluation (score() without logs) and log_extra record nothing: one warning per name, not one per batch."""
+    """score() called without logs, and log_extra, record nothing: one warning per name, not one per batch."""
     def evaluated(completions, log_metric, log_extra, **kwargs):
-        log_metric("eval_only_metric", 1.0)
+        log_metric("unrecorded_metric", 1.0)
         log_extra("eval_only_column", list(completions))
         return [1.0] * len(completions)
 
@@ -62,8 +63,8 @@ def test_what_is_not_recorded_is_said_once(caplog):
         for _ in range(2):
             assert not score([evaluated], ["p"], ["a"], {})[1]
     assert [r.getMessage() for r in caplog.records] == [
-        "reward function evaluated logged metric 'eval_only_metric' with log_metric: only a training step records "
-        "such metrics (metrics.jsonl), not an evaluation or an expert-iteration round",
+        "reward function evaluated logged metric 'unrecorded_metric' with log_metric: score() was called without "
+        "logs=RewardLogs(), so it is not recorded",
         "reward function evaluated logged column 'eval_only_column' with log_extra: fastgrpo keeps no completions "
         "table (TRL's log_completions), so it is not recorded"]
 

@@ -1,10 +1,11 @@
 """TRL's logging hooks for reward functions, as fastgrpo honours them (TRL 1.16's GRPOTrainer passes every function
 `log_metric` and `log_extra`, bound to its _log_metric / _log_completion_extra).
 
-log_metric(name, value): a scalar for this batch. A training step logs, under `name` as TRL does, the mean of the
-values logged under it during the step on every process (metrics.jsonl, wandb, tensorboard); a NaN value is "not
-measured" (left out; a step with none logs null, as TRL's log() drops NaN). An evaluation or an expert-iteration round
-takes the values and records none (RewardLogs(recorded=False); a warning says so once per name).
+log_metric(name, value): a scalar for this batch. Under `name`, as TRL logs it, every command records the mean of the
+values logged under it on every process: a training step in its metrics line (metrics.jsonl, wandb, tensorboard), an
+expert-iteration round in its line of metrics.jsonl, an evaluation in its summary (summary.json; "eval/<name>" in the
+metrics line of the step it ran at). A NaN value is "not measured" (left out; a name with none logs null, as TRL's
+log() drops NaN). score() called without a RewardLogs records none, with a warning once per name.
 log_extra(column, values): a column of TRL's completions table (its log_completions), which fastgrpo does not keep:
 taken and not recorded, with a warning once per column.
 """
@@ -42,7 +43,7 @@ def metric_value(name, value) -> float:
 class RewardLogs:
     """What the reward functions of one batch log through TRL's hooks: `values` {metric name: the numbers logged
     under it, NaN left out} and `sources` {metric name: the function that logged it first}. recorded=False for a
-    caller that records no metrics: a warning names what is not recorded."""
+    score() call given none, whose caller records no metrics: a warning names what is not recorded."""
 
     def __init__(self, recorded: bool = True):
         self.values: dict[str, list[float]] = {}
@@ -67,9 +68,8 @@ class _FunctionHooks:
         if not math.isnan(value):
             logs.values[name].append(value)
         if not logs.recorded:
-            _warn_once("log_metric", name, "reward function %s logged metric %r with log_metric: only a training "
-                       "step records such metrics (metrics.jsonl), not an evaluation or an expert-iteration round",
-                       self.function, name)
+            _warn_once("log_metric", name, "reward function %s logged metric %r with log_metric: score() was "
+                       "called without logs=RewardLogs(), so it is not recorded", self.function, name)
 
     def log_extra(self, column: str, values: list) -> None:
         _warn_once("log_extra", str(column), "reward function %s logged column %r with log_extra: fastgrpo keeps no "

@@ -6,7 +6,8 @@ also gets the course's split: format_reward (the `</think> <answer> ... </answer
 shape with the right answer; the reward is the answer reward). Other rewards leave those two fields null.
 A completion counts as correct when its (weighted) reward is >= correct_threshold; accuracy is the correct fraction.
 With several completions per prompt the summary has pass@k too (pass_at_k), and with several reward functions the
-mean of each (rewards/<name>, as in train's metrics).
+mean of each (rewards/<name>, as in train's metrics). What the reward functions log with TRL's log_metric is in the
+summary under its own name, the mean over the whole evaluation (fastgrpo.rewards.reward_logs).
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
+from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, traceback_of, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
@@ -32,11 +34,13 @@ from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import write_whole
-from fastgrpo.train.step_rewards import completion_id_lists
+from fastgrpo.train.step_rewards import add_logged_metrics, completion_id_lists
 from fastgrpo.train.step_rewards import trainer_state as default_trainer_state
 from fastgrpo.train.versions import library_versions
 
 logger = logging.getLogger(__name__)
+# what PeriodicEval ("step") and `fastgrpo eval` (the model's source, the dataset, the config) add to a summary
+SUMMARY_ADDED = ("step", "model", "checkpoint", "dataset", "config")
 
 
 @dataclasses.dataclass
@@ -147,26 +151,36 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
                                                        stop=stop, num_generations=num_generations, seed=seed,
                                                        batch_size=batch_size, reward_errors=reward_errors,
                                                        trainer_state=trainer_state))
-    shares = dist.gather_on_main(([], {}) if padded else share)  # only rank 0 writes and logs an evaluation
+    shares = dist.gather_on_main(([], {}, ({}, {})) if padded else share)  # only rank 0 writes and logs it
     if shares is None:  # not rank 0
         return [], {}
-    records = sorted((r for own, _ in shares for r in own), key=lambda r: (r["index"], r["sample"]))
-    errors = _merged_errors([errors for _, errors in shares])
+    records = sorted((r for own, _, _ in shares for r in own), key=lambda r: (r["index"], r["sample"]))
+    errors = _merged_errors([errors for _, errors, _ in shares])
     _warn_of_rewards(records, errors, reward_errors, num_generations)
     seconds, tokens = time.perf_counter() - t0, sum(r["length"] for r in records)
     settings = {"sampling": {**dataclasses.asdict(sampling), "num_generations": num_generations, "seed": seed,
                              "stop": stop},
                 "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
-    return records, {**summarize(records, names, errors, seconds, tokens), **settings}
+    summary = {**summarize(records, names, errors, seconds, tokens), **settings}
+    return records, _with_logged_metrics(summary, merged_means([logged for _, _, logged in shares]))
+
+
+def _with_logged_metrics(summary: dict, logged: dict) -> dict:
+    """The summary with what the reward functions logged ({name: (mean, function)}: merged_means), each under its own
+    name. A name the summary takes, or one added to it later (SUMMARY_ADDED), stops the evaluation as it stops a
+    training run: one would hide the other."""
+    taken = add_logged_metrics({**dict.fromkeys(SUMMARY_ADDED), **summary}, logged)  # SUMMARY_ADDED: taken too
+    return {name: value for name, value in taken.items() if name not in SUMMARY_ADDED}
 
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
                    *, stop, num_generations: int, seed: int, batch_size: int,
-                   reward_errors: str, trainer_state) -> tuple[list[dict], dict]:
-    """(records, {function name: its last failure's message}) of the rows at `positions`, batch_size per call."""
+                   reward_errors: str, trainer_state) -> tuple[list[dict], dict, tuple[dict, dict]]:
+    """(records, {function name: its last failure's message}, (values, sources) of what the reward functions logged:
+    RewardLogs) of the rows at `positions`, batch_size per call."""
     names = reward_names(task.reward_funcs)
     weights = torch.tensor(task.reward_weights or [1.0] * len(names), dtype=torch.float64)
-    records, errors = [], {}
+    records, errors, logs = [], {}, RewardLogs()
     keyed = accepts_prompt_keys(engine)
     engine.reacquire_memory()
     for start in range(0, len(positions), batch_size):
@@ -182,7 +196,7 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
         columns = {k: [row.get(k) for row in expanded] for k in rows[0] if k != task.prompt_column}
         per_func, failures = score(task.reward_funcs, prompts, out.texts, columns,  # per_func: [n, F]
                                    completion_ids=completion_id_lists(out.completion_ids, out.completion_mask),
-                                   trainer_state=trainer_state)
+                                   trainer_state=trainer_state, logs=logs)
         check_reward_failures(failures, reward_errors, warn=False)  # skipped: evaluate warns of the whole
         for name, failure in failures.items():
             errors[name] = str(failure)
@@ -204,7 +218,7 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
                 record["answer"] = row["answer"]
             records.append(record)
     engine.release_memory()
-    return records, errors
+    return records, errors, (logs.values, logs.sources)
 
 
 def _warn_of_rewards(records: list[dict], errors: dict, reward_errors: str, num_generations: int) -> None:

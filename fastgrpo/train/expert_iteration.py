@@ -3,7 +3,8 @@ reward marks correct, and fine-tune on them (SFTTrainer on the kept token ids) f
 
 A round reads top to bottom in `run_round`: questions -> rollout -> rewards -> keep (reward >= correct_threshold;
 a question's completion sampled twice, once: distinct_correct) -> SFT on the kept (prompt ids, completion ids)
-pairs, exactly the sampled tokens (no re-tokenization), masked as sft's rows -> metrics.
+pairs, exactly the sampled tokens (no re-tokenization), masked as sft's rows -> metrics (with the means of what the
+reward functions logged with TRL's log_metric over the round, as a training step's).
 Each round starts a fresh AdamW and LR schedule (the data changes every round); checkpoints are per round, so a
 resumed run continues at the next round with the weights and RNG states of a straight one.
 
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.loss.grpo import weighted_rewards
+from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
@@ -48,7 +50,7 @@ from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
-from fastgrpo.train.step_rewards import trainer_state
+from fastgrpo.train.step_rewards import add_logged_metrics, trainer_state
 
 logger = logging.getLogger(__name__)
 
@@ -155,16 +157,18 @@ class ExpertIteration:
         t_rollout = time.perf_counter()
 
         # 2. Score (a failing function stops every process); gather the round's (completion ids, finish reason) and
-        # rewards; keep the completions marked correct, as (prompt ids, sampled completion ids).
-        texts = [text for _, text, _ in samples]
+        # rewards and what the functions logged; keep the completions marked correct, as (prompt ids, sampled
+        # completion ids).
+        texts, logs = [text for _, text, _ in samples], RewardLogs()
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, texts, columns,  # per_func: [N, F]
                                  completion_ids=[ids for ids, _, _ in samples],
-                                 trainer_state=trainer_state(self.round, config.ei_steps))
+                                 trainer_state=trainer_state(self.round, config.ei_steps), logs=logs)
         dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors, warn=False))
         samples, per_func, errors = gather_round(dist, positions, [(ids, reason) for ids, _, reason in samples],
                                                  per_func, errors, G)
+        logged = merged_means(dist.gather_objects((logs.values, logs.sources)))  # {name: (mean, function)}
         rewards = weighted_rewards(per_func, self.weights)  # rewards: [N]; NaN where no function applied
         if dist.is_main:  # the whole round's warnings, once: skipped failures merged across the processes
             check_reward_failures(errors, config.reward_errors)
@@ -209,7 +213,7 @@ class ExpertIteration:
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
-        return metrics
+        return add_logged_metrics(metrics, logged)
 
     def _sample(self, indices: list[int], positions: list[int]) -> list[tuple[list[int], str, str]]:
         """(completion token ids, text, finish reason) of num_generations samples of each question at `positions` of

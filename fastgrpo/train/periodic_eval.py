@@ -25,7 +25,8 @@ logger = logging.getLogger(__name__)
 
 class PeriodicEval:
     """Evaluation every `every` steps, into <output_dir>/eval/step-<N>.jsonl and step-<N>_summary.json; returns the
-    summary's numbers prefixed "eval/" for the step's metrics line, and {} when the step is not due (and on every
+    summary's numbers (what the reward functions logged with log_metric among them) prefixed "eval/" for the step's
+    metrics line, and {} when the step is not due (and on every
     process but rank 0 under torchrun). unit: what the log lines call a step ("round" under `ei`); max_steps: the
     run's steps (rounds), for the reward functions' `trainer_state`."""
 
