@@ -11,7 +11,7 @@ from torch import nn
 
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
-from fastgrpo.ops.fp8_base import fp8_weight_of
+from fastgrpo.ops.fp8_base import drop_fp8_weight, fp8_weight_of
 from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear_of_checked_values
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
@@ -59,6 +59,10 @@ def lora_linear_forward(
     (fastgrpo.ops.fp8_base), with the adapters disabled too (a reference model's forward)."""
 
     def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if fp8_base and self.merged:
+            # PEFT merges and unmerges through weight.data, which moves no version counter fp8_weight_of could see:
+            # the copy of the unmerged weight goes now, and the one made after unmerging is of the weight PEFT left.
+            drop_fp8_weight(self.base_layer)
         adapters = _vanilla_adapters(self, x, args, kwargs, one_dtype=lora_dtype == "adapter")
         if adapters is None and fp8_base and _base_alone(self, args, kwargs) and _frozen_plain_linear(
                 self.base_layer, x):

@@ -1,0 +1,133 @@
+"""patch_model(fp8_base=True) / --fp8-base as a user meets it (tests/test_fp8_base.py checks the math).
+
+- The e4m3 copy of each base follows that base's weight through what a user does to a patched model: a deepcopy (the
+  copy's own weights), .to() another dtype, load_state_dict, PEFT's merge_adapter / unmerge_adapter (which write the
+  weight through .data, moving no version counter), several active adapters; unpatch_model frees the copies.
+- The commands: a run's checkpoint and export hold no e4m3 copy and final/ is in the run's dtype; --resume with
+  --fp8-base flipped is refused naming the field; eval --checkpoint evaluates the run's adapter over the base in its
+  own dtype (eval has no fp8_base: it measures what final/ serves); a LoRA run on 2 gloo processes (DDP) trains.
+"""
+from __future__ import annotations
+
+import copy
+import gc
+import json
+import weakref
+
+import pytest
+import torch
+from peft import LoraConfig
+from safetensors import safe_open
+
+import fastgrpo
+from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR
+from fastgrpo.ops.fp8_linear import quantize_fp8
+from fastgrpo.ops.lora import lora_linear_of_checked_values
+from tests.test_fp8_base import lora_layers, record_io, tiny_lora_model
+
+
+def ids(seed=1):
+    return torch.randint(0, 80, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def copies(model) -> dict:
+    """{base layer: its e4m3 bytes} for every base holding a copy."""
+    return {m: m.__dict__[FP8_WEIGHT_ATTR][1][0] for m in model.modules() if FP8_WEIGHT_ATTR in m.__dict__}
+
+
+def assert_copies_follow_weights(model, count=14):
+    held = copies(model)
+    assert len(held) == count
+    for base, q in held.items():
+        assert q.device == base.weight.device
+        assert torch.equal(q.view(torch.uint8), quantize_fp8(base.weight.detach())[0].view(torch.uint8))
+
+
+def patched(**kwargs):
+    model = tiny_lora_model(**kwargs)
+    fastgrpo.patch_model(model, fp8_base=True)
+    with torch.no_grad():
+        model(ids())
+    return model
+
+
+def test_deepcopy_has_copies_of_its_own_weights():
+    model = patched()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in twin.named_parameters():
+            if "base_layer.weight" in name:
+                p.mul_(2)
+        twin(ids())
+    assert_copies_follow_weights(twin)
+    assert_copies_follow_weights(model)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_another_dtype_remakes_the_copies(dtype):
+    model = patched().to(dtype)
+    with torch.no_grad():
+        assert model(ids()).logits.dtype == dtype
+    assert_copies_follow_weights(model)
+
+
+def test_load_state_dict_remakes_the_copies():
+    model = patched()
+    state = {k: v * 3 if "base_layer.weight" in k else v for k, v in model.state_dict().items()}
+    assert not [k for k in state if "fp8" in k]
+    model.load_state_dict(state)
+    with torch.no_grad():
+        model(ids())
+    assert_copies_follow_weights(model)
+
+
+def test_merged_adapter_runs_peft_and_the_copy_follows_the_unmerged_weight():
+    """Merged, PEFT's forward runs (the base with the merged deltas in bf16: the bits without fp8_base) and no copy
+    of the unmerged weight is kept; unmerged again, the copies are of the weight PEFT left (its W + d - d in bf16)."""
+    model = patched()
+    plain = copy.deepcopy(model)
+    fastgrpo.patch_model(plain, fp8_base=False)
+    for m in (model, plain):
+        m.base_model.merge_adapter()
+    with torch.no_grad():
+        assert torch.equal(model(ids()).logits, plain(ids()).logits)
+    assert not copies(model)
+    model.base_model.unmerge_adapter()
+    with torch.no_grad():
+        model(ids())
+    assert_copies_follow_weights(model)
+
+
+def test_several_active_adapters_add_to_the_fp8_product():
+    model = tiny_lora_model()
+    model.add_adapter("second", LoraConfig(r=2, lora_alpha=4, target_modules="all-linear", init_lora_weights=False))
+    model.base_model.set_adapter(["default", "second"])
+    fastgrpo.patch_model(model, fp8_base=True)
+    seen, handles = record_io(lora_layers(model))
+    with torch.no_grad():
+        model(ids())
+    for handle in handles:
+        handle.remove()
+    for layer, (x, out) in seen.items():
+        base = layer.base_layer
+        adapters = [(layer.lora_A[n].weight, layer.lora_B[n].weight, layer.scaling[n]) for n in layer.active_adapters]
+        assert len(adapters) == 2
+        assert torch.equal(out, lora_linear_of_checked_values(x, base.weight, base.bias, adapters,
+                                                              quantize_fp8(base.weight)))
+
+
+def test_patching_again_and_unpatch_free_the_copies():
+    model = patched()
+    held = copies(model)
+    fastgrpo.patch_model(model, fp8_base=True)
+    assert copies(model) == held, "the same arguments: nothing done"
+    fastgrpo.patch_model(model, fp8_base=False)
+    assert not copies(model)
+    fastgrpo.patch_model(model, fp8_base=True)
+    with torch.no_grad():
+        model(ids())
+    alive = [weakref.ref(q) for q in copies(model).values()]
+    del held
+    fastgrpo.unpatch_model(model)
+    gc.collect()
+    assert not copies(model) and not [ref for ref in alive if ref() is not None]
