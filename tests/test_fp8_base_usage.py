@@ -131,3 +131,54 @@ def test_patching_again_and_unpatch_free_the_copies():
     fastgrpo.unpatch_model(model)
     gc.collect()
     assert not copies(model) and not [ref for ref in alive if ref() is not None]
+
+
+# ---- the commands ------------------------------------------------------------------------------------------------
+
+def tensors_of(value) -> list[torch.Tensor]:
+    if torch.is_tensor(value):
+        return [value]
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else []
+    return [t for item in items for t in tensors_of(item)]
+
+
+def test_a_run_saves_no_copy_resumes_only_as_it_ran_and_evaluates(tmp_path, capsys):
+    """A bf16 run with --fp8-base: its checkpoint (adapter and trainer state) and final/ hold no 1-byte float and
+    final/ is bf16; --resume with --no-fp8-base is refused naming the field, and runs with --resume-allow-changes;
+    eval --checkpoint evaluates it (over the bf16 base: eval takes no fp8_base)."""
+    from fastgrpo.train.cli import main
+
+    run = tmp_path / "run"
+    argv = ["train", "--patch", "--lora-rank", "8", "--dtype", "bfloat16", "--output-dir", str(run),
+            "--no-progress-bar", "--batch-size", "8", "--max-completion-length", "4"]
+    assert main([*argv, "--fp8-base", "--max-steps", "1"]) == 0
+    saved = torch.load(run / "checkpoint-1" / "trainer_state.pt", weights_only=False)
+    for path in (run / "checkpoint-1" / "adapter_model.safetensors", run / "final" / "model.safetensors"):
+        with safe_open(path, "pt") as f:
+            saved[path.name] = {k: f.get_tensor(k) for k in f.keys()}
+    assert saved["model.safetensors"] and not [t for t in tensors_of(saved) if t.is_floating_point() and t.element_size() == 1]
+    assert {t.dtype for t in saved["model.safetensors"].values()} == {torch.bfloat16}
+    capsys.readouterr()
+    assert main([*argv, "--no-fp8-base", "--max-steps", "2", "--resume"]) == 2
+    assert "checkpoint-1 was made with other settings: fp8_base: True in the checkpoint, False now" in (
+        capsys.readouterr().err)
+    assert main([*argv, "--no-fp8-base", "--max-steps", "2", "--resume", "--resume-allow-changes"]) == 0
+    assert main(["eval", "--checkpoint", str(run / "checkpoint-1"), "--max-examples", "4", "--output-dir",
+                 str(tmp_path / "eval")]) == 0
+    assert json.loads((tmp_path / "eval" / "summary.json").read_text())
+
+
+def _lora_run(rank, tmp, argv):
+    from fastgrpo.train.cli import main
+
+    return {"exit": main(argv)}
+
+
+def test_a_lora_run_on_two_gloo_processes_trains(tmp_path):
+    from tests.forked_gloo import read_metrics, run_forked
+
+    argv = ["train", "--patch", "--fp8-base", "--lora-rank", "8", "--output-dir", str(tmp_path / "run"),
+            "--no-progress-bar", "--batch-size", "8", "--num-generations", "4", "--micro-batch-size", "4",
+            "--max-completion-length", "4", "--max-steps", "2", "--save-steps", "0", "--no-export"]
+    assert run_forked(_lora_run, tmp_path, argv, deadline_s=120, group_timeout_s=60) == [{"exit": 0}] * 2
+    assert [m["step"] for m in read_metrics(tmp_path / "run") if "loss" in m] == [1, 2]
