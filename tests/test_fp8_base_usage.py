@@ -182,3 +182,55 @@ def test_a_lora_run_on_two_gloo_processes_trains(tmp_path):
             "--max-completion-length", "4", "--max-steps", "2", "--save-steps", "0", "--no-export"]
     assert run_forked(_lora_run, tmp_path, argv, deadline_s=120, group_timeout_s=60) == [{"exit": 0}] * 2
     assert [m["step"] for m in read_metrics(tmp_path / "run") if "loss" in m] == [1, 2]
+
+
+# ---- adapter dropout: the training forward would be PEFT's, the base in bf16 ----------------------------------
+
+def test_adapter_dropout_is_refused():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from peft import get_peft_model
+
+    config = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2)
+    model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
+                           LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05))
+    with pytest.raises(ValueError) as caught:
+        fastgrpo.patch_model(model, fp8_base=True)
+    assert str(caught.value) == (
+        "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this LlamaForCausalLM's LoRA "
+        "layers have lora_dropout 0.05 (their training forward would be PEFT's, the base in bf16); use "
+        "LoraConfig(lora_dropout=0)")
+
+
+def test_commands_refuse_adapter_dropout_before_loading(capsys):
+    from fastgrpo.train.cli import main
+
+    for command in ("train", "sft", "ei"):
+        assert main([command, "--patch", "--fp8-base", "--lora-rank", "8", "--lora-dropout", "0.05",
+                     "--model", "/nonexistent/model"]) == 2
+        assert ("fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and --lora-dropout 0.05 "
+                "would leave training to PEFT's forward (the base in bf16); set --lora-dropout 0") in (
+            capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("fields, lora, message", [
+    (dict(bf16=True), {}, "fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's "
+                          "(the backbone under autocast, the base in bf16); set bf16=False and load the model in bf16 "
+                          "(model_init_kwargs={'dtype': torch.bfloat16})"),
+    ({}, dict(lora_dropout=0.05), "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and "
+                                  "peft_config has lora_dropout 0.05 (training would run PEFT's forward, the base in "
+                                  "bf16); set lora_dropout=0"),
+])
+def test_trl_drop_in_refuses_what_would_leave_the_base_in_bf16(tmp_path, fields, lora, message):
+    """TRL's bf16=True (its default) runs the backbone under autocast, which fastgrpo's LoRA forward leaves to PEFT:
+    the update's GEMMs would skip FP8, as with adapter dropout. Refused before TRL loads the model."""
+    from datasets import Dataset
+
+    from fastgrpo.integrations.trl import FastGRPOTrainer
+    from tests.test_trl import build_tokenizer, grpo_config, vowel_reward
+
+    with pytest.raises(ValueError) as caught:
+        FastGRPOTrainer(model="/nonexistent/model", reward_funcs=vowel_reward, args=grpo_config(tmp_path, **fields),
+                        train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}), processing_class=build_tokenizer(),
+                        peft_config=LoraConfig(r=4, target_modules=["q_proj"], **lora), fp8_base=True)
+    assert str(caught.value) == "FastGRPOTrainer cannot honour: " + message

@@ -46,6 +46,10 @@ def check_fp8_base(config) -> None:
     if config.load_in_4bit:
         raise ValueError(f"fp8_base: multiplies a 16-bit base in FP8, and {setting('load_in_4bit', True)} "
                          "loads it in 4 bits; use one of them")
+    if config.lora_dropout:  # the training forward would be PEFT's, the base in bf16: FP8 silently off
+        raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and "
+                         f"{setting('lora_dropout', config.lora_dropout)} would leave training to PEFT's forward "
+                         f"(the base in bf16); set {setting('lora_dropout', 0)}")
 
 
 FSDP_FIELDS = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
