@@ -186,20 +186,27 @@ def test_a_lora_run_on_two_gloo_processes_trains(tmp_path):
 
 # ---- adapter dropout: the training forward would be PEFT's, the base in bf16 ----------------------------------
 
-def test_adapter_dropout_is_refused():
-    from transformers import LlamaConfig, LlamaForCausalLM
+@pytest.mark.parametrize("lora, message", [
+    (dict(lora_dropout=0.05), "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this "
+                              "LlamaForCausalLM's LoRA layers have lora_dropout 0.05 (their training forward would be "
+                              "PEFT's, the base in bf16); use LoraConfig(lora_dropout=0)"),
+    (dict(use_dora=True), "fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and this "
+                          "LlamaForCausalLM's LoRA layers have DoraLinearVariant ones (PEFT's forward runs them, the "
+                          "base in bf16); use LoraConfig(use_dora=False)"),
+])
+def test_adapters_peft_runs_itself_are_refused(lora, message):
+    """Adapter dropout (in training) and DoRA run PEFT's forward, whose base multiplies in bf16: fp8_base would do
+    nothing there."""
     from peft import get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                          num_attention_heads=4, num_key_value_heads=2)
     model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16),
-                           LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.05))
+                           LoraConfig(r=4, target_modules="all-linear", **lora))
     with pytest.raises(ValueError) as caught:
         fastgrpo.patch_model(model, fp8_base=True)
-    assert str(caught.value) == (
-        "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this LlamaForCausalLM's LoRA "
-        "layers have lora_dropout 0.05 (their training forward would be PEFT's, the base in bf16); use "
-        "LoraConfig(lora_dropout=0)")
+    assert str(caught.value) == message
 
 
 def test_commands_refuse_adapter_dropout_before_loading(capsys):
@@ -220,10 +227,13 @@ def test_commands_refuse_adapter_dropout_before_loading(capsys):
     ({}, dict(lora_dropout=0.05), "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and "
                                   "peft_config has lora_dropout 0.05 (training would run PEFT's forward, the base in "
                                   "bf16); set lora_dropout=0"),
+    ({}, dict(use_dora=True), "fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and "
+                              "peft_config has use_dora=True (PEFT's forward runs DoRA, the base in bf16); set "
+                              "use_dora=False"),
 ])
 def test_trl_drop_in_refuses_what_would_leave_the_base_in_bf16(tmp_path, fields, lora, message):
     """TRL's bf16=True (its default) runs the backbone under autocast, which fastgrpo's LoRA forward leaves to PEFT:
-    the update's GEMMs would skip FP8, as with adapter dropout. Refused before TRL loads the model."""
+    the update's GEMMs would skip FP8, as with adapter dropout or DoRA. Refused before TRL loads the model."""
     from datasets import Dataset
 
     from fastgrpo.integrations.trl import FastGRPOTrainer

@@ -219,8 +219,8 @@ def patch_model(
 
 
 def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
-    """fp8_base acts on LoRA layers over plain nn.Linear bases, without adapter dropout: one line where the model
-    has none, or has dropout."""
+    """fp8_base acts on plain LoRA layers (no DoRA, no adapter dropout) over nn.Linear bases: one line where the
+    model has none, or has those."""
     bases = [m.base_layer for m in model.modules() if type(m) in lora_classes]
     linears = [base for base in bases if type(base) is nn.Linear]
     if not linears:
@@ -228,8 +228,13 @@ def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
         has = f"its LoRA layers' bases are {kinds}" if bases else "it has no LoRA layer"
         raise ValueError(f"fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and "
                          f"{has} in this {type(model).__name__} (get_peft_model over a bf16 / fp16 model)")
-    dropouts = sorted({d.p for m in model.modules() if type(m) in lora_classes for d in m.lora_dropout.values()
-                       if isinstance(d, nn.Dropout) and d.p > 0})
+    layers = [m for m in model.modules() if type(m) in lora_classes]
+    variants = sorted({type(v).__name__ for m in layers for v in m.lora_variant.values()})
+    if variants:  # DoRA and the like: PEFT's forward runs them, the base in bf16: FP8 silently off
+        raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and this "
+                         f"{type(model).__name__}'s LoRA layers have {variants[0]} ones (PEFT's forward runs them, the "
+                         "base in bf16); use LoraConfig(use_dora=False)")
+    dropouts = sorted({d.p for m in layers for d in m.lora_dropout.values() if isinstance(d, nn.Dropout) and d.p > 0})
     if dropouts:  # in training PEFT's forward would run, the base in bf16: FP8 silently off
         raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this "
                          f"{type(model).__name__}'s LoRA layers have lora_dropout {dropouts[-1]} (their training "
