@@ -94,8 +94,10 @@ def patch_model(
     scale, ~2^-4 relative per element). An e4m3 copy of each such weight is kept beside it (1 byte per parameter)
     and made again when the weight changes. Faster where the GEMMs are large (an H200, Llama-3.1-8B at 10,240
     tokens: 1.55x the forward GEMMs; Qwen2.5-1.5B: 1.04x, benchmarks/NOTES.md); it changes the numbers the model
-    computes, as a QLoRA base does. Needs fused_lora, lora_dtype "input", a LoRA layer over an nn.Linear, and FP8
-    tensor cores (compute capability 8.9+) on CUDA; the CPU runs it in software.
+    computes, as a QLoRA base does. Needs fused_lora, lora_dtype "input", a LoRA layer over an nn.Linear, plain
+    adapters (no DoRA, no lora_dropout), and FP8 tensor cores (compute capability 8.9+) on CUDA; the CPU runs it in
+    software. A forward under autocast, or of a merged adapter, is PEFT's: its base multiplies in the autocast /
+    model dtype.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
     for anything left alone, the options resolved and the arguments as given). Patching again with the same
