@@ -186,7 +186,7 @@ def test_a_lora_run_on_two_gloo_processes_trains(tmp_path):
 
 # ---- adapter dropout: the training forward would be PEFT's, the base in bf16 ----------------------------------
 
-@pytest.mark.parametrize("lora, message", [
+@pytest.mark.parametrize("lora, message", ids=["dropout", "dora"], argvalues=[
     (dict(lora_dropout=0.05), "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this "
                               "LlamaForCausalLM's LoRA layers have lora_dropout 0.05 (their training forward would be "
                               "PEFT's, the base in bf16); use LoraConfig(lora_dropout=0)"),
@@ -220,7 +220,7 @@ def test_commands_refuse_adapter_dropout_before_loading(capsys):
             capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("fields, lora, message", [
+@pytest.mark.parametrize("fields, lora, message", ids=["bf16", "dropout", "dora"], argvalues=[
     (dict(bf16=True), {}, "fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's "
                           "(the backbone under autocast, the base in bf16); set bf16=False and load the model in bf16 "
                           "(model_init_kwargs={'dtype': torch.bfloat16})"),
@@ -244,3 +244,21 @@ def test_trl_drop_in_refuses_what_would_leave_the_base_in_bf16(tmp_path, fields,
                         train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}), processing_class=build_tokenizer(),
                         peft_config=LoraConfig(r=4, target_modules=["q_proj"], **lora), fp8_base=True)
     assert str(caught.value) == "FastGRPOTrainer cannot honour: " + message
+
+
+@pytest.mark.gpu
+def test_trl_drop_in_refuses_trls_own_config_after_loading(tmp_path_factory, tmp_path, monkeypatch):
+    """No args: TRL makes its GRPOConfig (bf16=True) in its __init__, so the refusal comes after the model loaded,
+    before anything trains. A GPU's: on a CPU, TRL's own config refuses bf16 first."""
+    from datasets import Dataset
+
+    from fastgrpo.integrations.trl import FastGRPOTrainer
+    from tests.test_trl import build_tokenizer, model_dir, vowel_reward
+
+    monkeypatch.chdir(tmp_path)  # TRL's default output_dir is relative
+    with pytest.raises(ValueError) as caught:
+        FastGRPOTrainer(model=model_dir.__wrapped__(tmp_path_factory), reward_funcs=vowel_reward,
+                        train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}), processing_class=build_tokenizer(),
+                        peft_config=LoraConfig(r=4, target_modules=["q_proj"]), fp8_base=True)
+    assert str(caught.value).startswith("FastGRPOTrainer cannot honour: fp8_base: runs in fastgrpo's LoRA forward, "
+                                        "which leaves TRL's mixed precision to PEFT's")

@@ -182,6 +182,8 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
         problems = _refusals(self.args, patch) + _model_refusals(self, patch)
+        if config is None:  # TRL's own GRPOConfig (bf16=True) only now
+            problems += _fp8_base_problems(fp8_base, patch, self.model, None, self.args)
         if problems:
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         self.fastgrpo_backend = backend
