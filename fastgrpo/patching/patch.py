@@ -223,14 +223,13 @@ def patch_model(
 def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
     """fp8_base acts on plain LoRA layers (no DoRA, no adapter dropout) over nn.Linear bases: one line where the
     model has none, or has those."""
-    bases = [m.base_layer for m in model.modules() if type(m) in lora_classes]
-    linears = [base for base in bases if type(base) is nn.Linear]
+    layers = [m for m in model.modules() if type(m) in lora_classes]
+    linears = [m.base_layer for m in layers if type(m.base_layer) is nn.Linear]
     if not linears:
-        kinds = sorted({type(base).__name__ for base in bases})
-        has = f"its LoRA layers' bases are {kinds}" if bases else "it has no LoRA layer"
+        kinds = sorted({type(m.base_layer).__name__ for m in layers})
+        has = f"its LoRA layers' bases are {kinds}" if layers else "it has no LoRA layer"
         raise ValueError(f"fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and "
                          f"{has} in this {type(model).__name__} (get_peft_model over a bf16 / fp16 model)")
-    layers = [m for m in model.modules() if type(m) in lora_classes]
     variants = sorted({type(v).__name__ for m in layers for v in m.lora_variant.values()})
     if variants:  # DoRA and the like: PEFT's forward runs them, the base in bf16: FP8 silently off
         raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and this "
