@@ -46,6 +46,18 @@ def test_a_bad_log_metric_call_is_the_reward_functions_failure(name, value, mess
     assert failures["logs_badly"] == f"raised ValueError: {message}"
 
 
+def test_a_bad_log_metric_call_is_located_at_the_users_line():
+    """The failure's location is the reward function's call of log_metric, not the line of fastgrpo's that refused
+    the value."""
+    def logs_a_list(completions, log_metric, **kwargs):
+        log_metric("acc", [1.0] * len(completions))  # the mean forgotten
+        return [1.0] * len(completions)
+
+    _, failures = score([logs_a_list], ["p"], ["a"], {}, logs=RewardLogs())
+    assert failures["logs_a_list"].raised_at.startswith(" (at test_reward_logs.py:")
+    assert failures["logs_a_list"].raised_at.endswith(", in logs_a_list)")
+
+
 def test_metrics_of_several_processes_are_one_mean():
     """As TRL's sum and count gathered across processes: a mean over all the values, not a mean of means."""
     shares = [({"acc": [1.0, 0.0]}, {"acc": "f"}), ({"acc": [1.0], "late": []}, {"acc": "f", "late": "g"})]

@@ -38,6 +38,7 @@ from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 FAILURE = 0.0
+_HOOKS_FILE = inspect.getfile(RewardLogs)  # a bad log_metric call raises in there: the user's line is the caller's
 # What a trainer passes a reward function besides prompts, completions and the dataset's columns, as TRL does: each
 # completion's token ids (a list of ints, the stop token included) and transformers' TrainerState of the run.
 TRAINER_KEYWORDS = ("completion_ids", "trainer_state")
@@ -148,7 +149,7 @@ class RewardFailure(str):
     str (it goes into metrics and JSON as it is) that also carries the function's name, `row`: the first
     completion (batch position) the failure shows on, None when no single row is to blame (a wrong count), and for
     an exception it raised (`error`), `raised_at` (" (at rewards.py:12, in lookup)": the innermost frame, the user's
-    code or what it called) and `trace`, its traceback as text. Text, not the exception: its frames would hold the
+    code or what it called; for a bad log_metric call, the line that made it) and `trace`, its traceback as text. Text, not the exception: its frames would hold the
     step's tensors alive for as long as the metrics keep the failure (reward_errors="skip")."""
 
     function: str
@@ -160,7 +161,7 @@ class RewardFailure(str):
         out = super().__new__(cls, problem)
         out.function, out.row, out.raised_at, out.trace = function, row, "", None
         if error is not None and error.__traceback__ is not None:
-            frame = traceback.extract_tb(error.__traceback__)[-1]
+            frame = [f for f in traceback.extract_tb(error.__traceback__) if f.filename != _HOOKS_FILE][-1]
             out.raised_at = f" (at {os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
             out.trace = "".join(traceback.format_exception(type(error), error, error.__traceback__)).rstrip()
         return out
