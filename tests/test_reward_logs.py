@@ -129,6 +129,16 @@ def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run(tmp_path):
         _trainer(tmp_path, clashing, max_steps=1).train()
 
 
+def test_a_logged_metric_named_as_a_reward_error_is_refused_on_every_step():
+    """reward_error/<function> is in a step's metrics only on the steps where that function fails: the name is refused
+    on a step without failures too, not first on the step (and the process) where the function fails."""
+    from fastgrpo.train.step_rewards import add_logged_metrics
+
+    with pytest.raises(RewardError, match=r"^reward function judge logged metric 'reward_error/judge' with "
+                                          r"log_metric, a name fastgrpo's own metrics take"):
+        add_logged_metrics({"reward_errors": 0}, {"reward_error/judge": (1.0, "judge")})
+
+
 def _logs_by_rank(rank: int, tmp) -> dict:
     from fastgrpo.train import default_task
     from fastgrpo.train.config import GRPOConfig
