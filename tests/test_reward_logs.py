@@ -18,15 +18,15 @@ from fastgrpo.rewards.scoring import RewardError, score
 
 def test_log_metric_takes_numbers_and_leaves_nan_out():
     def logs_all(completions, log_metric, **kwargs):
-        for value in (1, torch.tensor(0.5), np.float32(0.0), np.array(2.0)):
+        for value in (1, torch.tensor(0.5), np.float32(0.0), np.array(2.0), True):
             log_metric("acc", value)
         log_metric("unmeasured", float("nan"))
         return [1.0] * len(completions)
 
     logs = RewardLogs()
     _, failures = score([logs_all], ["p"] * 2, ["a", "b"], {}, logs=logs)
-    assert not failures and logs.values == {"acc": [1.0, 0.5, 0.0, 2.0], "unmeasured": []}
-    assert merged_means([(logs.values, logs.sources)]) == {"acc": (0.875, "logs_all"), "unmeasured": (None, "logs_all")}
+    assert not failures and logs.values == {"acc": [1.0, 0.5, 0.0, 2.0, 1.0], "unmeasured": []}
+    assert merged_means([(logs.values, logs.sources)]) == {"acc": (0.9, "logs_all"), "unmeasured": (None, "logs_all")}
 
 
 @pytest.mark.parametrize("name, value, message", [
@@ -56,6 +56,48 @@ def test_a_bad_log_metric_call_is_located_at_the_users_line():
     _, failures = score([logs_a_list], ["p"], ["a"], {}, logs=RewardLogs())
     assert failures["logs_a_list"].raised_at.startswith(" (at test_reward_logs.py:")
     assert failures["logs_a_list"].raised_at.endswith(", in logs_a_list)")
+
+
+def test_what_a_function_logged_before_it_raised_is_dropped():
+    """Under reward_errors="skip" the step trains on: a function that raised measured part of the batch, so its values
+    are left out as its rewards are (its name null: not measured); another function's values under the name count."""
+    def measures_then_raises(completions, log_metric, **kwargs):
+        log_metric("judge/acc", 0.0)
+        log_metric("judge/only_mine", 0.0)
+        raise KeyError("verdict")
+
+    def measures(completions, log_metric, **kwargs):
+        log_metric("judge/acc", 1.0)
+        return [1.0] * len(completions)
+
+    logs = RewardLogs()
+    _, failures = score([measures_then_raises, measures], ["p"], ["a"], {}, logs=logs)
+    assert list(failures) == ["measures_then_raises"]
+    assert merged_means([(logs.values, logs.sources)]) == {"judge/acc": (1.0, "measures_then_raises"),
+                                                           "judge/only_mine": (None, "measures_then_raises")}
+
+
+def test_a_hook_kept_from_an_earlier_call_logs_into_the_batch_scored_now(caplog):
+    """TRL passes one log_metric for the whole run, so a reward may keep it: fastgrpo's, one per call, records a kept
+    one's values with the batch being scored when it is called; called between batches, they are not recorded, and
+    a warning says so."""
+    kept = []
+
+    def keeps_its_hook(completions, log_metric, **kwargs):
+        kept.append(log_metric)
+        kept[0]("judge/calls", 1.0)
+        return [1.0] * len(completions)
+
+    batches = [RewardLogs(), RewardLogs()]
+    for logs in batches:
+        score([keeps_its_hook], ["p"], ["a"], {}, logs=logs)
+    assert [logs.values for logs in batches] == [{"judge/calls": [1.0]}] * 2
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        kept[0]("judge/between", 1.0)
+    assert [logs.values for logs in batches] == [{"judge/calls": [1.0]}] * 2
+    assert caplog.messages == ["reward function keeps_its_hook called log_metric('judge/between') after its call "
+                               "returned and outside any reward call: not recorded (log with the log_metric of the call "
+                               "being made)"]
 
 
 def test_metrics_of_several_processes_are_one_mean():

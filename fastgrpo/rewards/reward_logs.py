@@ -5,14 +5,17 @@ log_metric(name, value): a scalar for this batch. Under `name`, as TRL logs it, 
 values logged under it on every process: a training step in its metrics line (metrics.jsonl, wandb, tensorboard), an
 expert-iteration round in its line of metrics.jsonl, an evaluation in its summary (summary.json; "eval/<name>" in the
 metrics line of the step it ran at). A NaN value is "not measured" (left out; a name with none logs null, as TRL's
-log() drops NaN). score() called without a RewardLogs records none, with a warning once per name.
+log() drops NaN). Values of a call that raised are dropped (reward_errors="skip"), a hook kept past its call logs into
+the batch being scored (RewardLogs). score() called without a RewardLogs records none, with a warning once per name.
 log_extra(column, values): a column of TRL's completions table (its log_completions), which fastgrpo does not keep:
 taken and not recorded, with a warning once per column.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+import threading
 
 logger = logging.getLogger(__name__)
 HOOKS = ("log_extra", "log_metric")
@@ -43,33 +46,96 @@ def metric_value(name, value) -> float:
 class RewardLogs:
     """What the reward functions of one batch log through TRL's hooks: `values` {metric name: the numbers logged
     under it, NaN left out} and `sources` {metric name: the function that logged it first}. recorded=False for a
-    score() call given none, whose caller records no metrics: a warning names what is not recorded."""
+    score() call given none, whose caller records no metrics: a warning names what is not recorded.
+
+    A call's values count once it is settled (score(): the function returned); a call that raised logged part of what
+    it meant to (reward_errors="skip" trains on), so its values are dropped, its names kept (null: not measured).
+    TRL's hooks are one pair for the whole run, fastgrpo's one per call: a hook kept from an earlier call (or used by
+    a thread still running after its call returned) logs into the batch being scored now, as TRL's would; with none
+    being scored, what it logs is not recorded (a warning says so)."""
 
     def __init__(self, recorded: bool = True):
         self.values: dict[str, list[float]] = {}
         self.sources: dict[str, str] = {}
         self.recorded = recorded
+        self._calls: dict[str, _FunctionHooks] = {}  # {function: its hooks in the call not settled yet}
+        self._lock = threading.Lock()  # a reward may log from a thread pool while its call is settled
 
     def hooks(self, function: str) -> dict:
         """log_metric and log_extra for reward function `function` (its name in metrics and errors): bound methods
         taking what TRL's take."""
-        hooks = _FunctionHooks(self, function)
+        hooks = self._calls[function] = _FunctionHooks(self, function)
         return {"log_extra": hooks.log_extra, "log_metric": hooks.log_metric}
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """While score() calls the functions: the batch that hooks kept from earlier calls log into."""
+        global _scoring
+        outer, _scoring = _scoring, self
+        try:
+            yield self
+        finally:
+            _scoring = outer
+
+    def settle(self, function: str, raised: bool) -> None:
+        """Record what `function`'s call logged: its names only, for a call that raised."""
+        with self._lock:
+            hooks = self._calls.pop(function)
+            hooks.settled = True
+            for name, value in hooks.pending:
+                self._record(function, name, math.nan if raised else value)
+
+    def hold(self, hooks: _FunctionHooks, name: str, value: float) -> bool:
+        """Hold a value `hooks` logged until its call is settled; False once it is."""
+        with self._lock:
+            if hooks.settled:
+                return False
+            hooks.pending.append((name, value))
+        self._warn_if_unrecorded(hooks.function, name)
+        return True
+
+    def hold_late(self, function: str, name: str, value: float) -> None:
+        """A value from a hook of an earlier call of `function`: held with this batch's call of it, if unsettled."""
+        with self._lock:
+            call = self._calls.get(function)
+            if call is not None:
+                call.pending.append((name, value))
+            else:
+                self._record(function, name, value)
+        self._warn_if_unrecorded(function, name)
+
+    def _record(self, function: str, name: str, value: float) -> None:
+        self.values.setdefault(name, [])
+        self.sources.setdefault(name, function)
+        if not math.isnan(value):
+            self.values[name].append(value)
+
+    def _warn_if_unrecorded(self, function: str, name: str) -> None:
+        if not self.recorded:
+            _warn_once("log_metric", name, "reward function %s logged metric %r with log_metric: score() was "
+                       "called without logs=RewardLogs(), so it is not recorded", function, name)
+
+
+_scoring: RewardLogs | None = None  # the batch score() is scoring now on this process
 
 
 class _FunctionHooks:
     def __init__(self, logs: RewardLogs, function: str):
         self.logs, self.function = logs, function
+        self.pending: list[tuple[str, float]] = []  # (name, value) logged by this call, until it is settled
+        self.settled = False
 
     def log_metric(self, name: str, value: float) -> None:
-        value, logs = metric_value(name, value), self.logs
-        logs.values.setdefault(name, [])
-        logs.sources.setdefault(name, self.function)
-        if not math.isnan(value):
-            logs.values[name].append(value)
-        if not logs.recorded:
-            _warn_once("log_metric", name, "reward function %s logged metric %r with log_metric: score() was "
-                       "called without logs=RewardLogs(), so it is not recorded", self.function, name)
+        value = metric_value(name, value)
+        if self.logs.hold(self, name, value):
+            return
+        batch = _scoring
+        if batch is None:
+            _warn_once("late", self.function, "reward function %s called log_metric(%r) after its call returned and "
+                       "outside any reward call: not recorded (log with the log_metric of the call being made)",
+                       self.function, name)
+            return
+        batch.hold_late(self.function, name, value)
 
     def log_extra(self, column: str, values: list) -> None:
         _warn_once("log_extra", str(column), "reward function %s logged column %r with log_extra: fastgrpo keeps no "

@@ -280,12 +280,16 @@ def score(
     """Rewards [N, F] (float64) of N completions (texts) under F functions, and {name: failure} for those that
     failed (their failed samples score FAILURE). A None reward is NaN. The functions get the completions as TRL
     passes them (as_trl_passes), completion_ids / trainer_state where given (TRAINER_KEYWORDS), and log_metric /
-    log_extra, into `logs` (None: a caller that records none of it, RewardLogs(recorded=False))."""
+    log_extra, into `logs` (None: a caller that records none of it, RewardLogs(recorded=False)); what a function that
+    raised logged is dropped (RewardLogs.settle)."""
     n = len(completions)
     rewards = torch.full((n, len(reward_funcs)), FAILURE, dtype=torch.float64)
     failures = {}
-    outs = _call_all(reward_funcs, prompts, as_trl_passes(prompts, completions), columns,
-                     _trainer_keywords(completion_ids, trainer_state), logs or RewardLogs(recorded=False))
+    with (logs or RewardLogs(recorded=False)).scoring() as logs:
+        outs = _call_all(reward_funcs, prompts, as_trl_passes(prompts, completions), columns,
+                         _trainer_keywords(completion_ids, trainer_state), logs)
+        for returned, name in zip(outs, reward_names(reward_funcs)):
+            logs.settle(name, raised=isinstance(returned, Exception))
     for j, (returned, name) in enumerate(zip(outs, reward_names(reward_funcs))):
         parsed, failure = _rewards_of(name, returned, n)
         if failure is not None:
