@@ -34,7 +34,8 @@ def test_log_metric_takes_numbers_and_leaves_nan_out():
     ("acc", "1", "log_metric: 'acc' got '1', expected one finite number"),
     ("acc", [1.0, 2.0], "log_metric: 'acc' got [1.0, 2.0], expected one finite number"),
     ("acc", None, "log_metric: 'acc' got None, expected one finite number"),
-    (3, 1.0, "log_metric: expected a metric name (text), got 3"),
+    (3, 1.0, "log_metric: expected a metric name (text, not blank), got 3"),
+    (" ", 1.0, "log_metric: expected a metric name (text, not blank), got ' '"),
 ])
 def test_a_bad_log_metric_call_is_the_reward_functions_failure(name, value, message):
     """The ValueError is raised in the function that called log_metric: the run's reward error names it."""

@@ -32,8 +32,8 @@ def metric_value(name, value) -> float:
     """`value` as a float: a number, a one-element tensor or a 0-d array; NaN stays NaN (not measured). Anything else,
     inf, or a name that is not text, is a ValueError naming log_metric (raised in the reward function that called
     it, so that the run's reward error names the function)."""
-    if not isinstance(name, str) or not name:
-        raise ValueError(f"log_metric: expected a metric name (text), got {name!r:.40}")
+    if not isinstance(name, str) or not name.strip():  # a blank name is no key a metrics viewer can show
+        raise ValueError(f"log_metric: expected a metric name (text, not blank), got {name!r:.40}")
     try:
         out = None if isinstance(value, (str, bytes)) else float(value)  # float("1") would take text
     except (TypeError, ValueError):
