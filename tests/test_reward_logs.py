@@ -124,14 +124,14 @@ def test_what_is_not_recorded_is_said_once(caplog):
         "table (TRL's log_completions), so it is not recorded"]
 
 
-def _trainer(tmp_path, reward, max_steps=2):
+def _trainer(tmp_path, reward, max_steps=2, **fields):
     from fastgrpo.train import default_task
     from fastgrpo.train.config import GRPOConfig
     from fastgrpo.train.trainer import GRPOTrainer
 
     config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
                            "max_completion_length": 4, "max_steps": max_steps, "export": False, "progress_bar": False,
-                           "logging_steps": 0, "output_dir": str(tmp_path)})
+                           "logging_steps": 0, "output_dir": str(tmp_path), **fields})
     tokenizer = default_task.build_tokenizer()
     return GRPOTrainer(default_task.build_model(tokenizer), tokenizer, reward, default_task.build_dataset(16), config)
 
@@ -159,6 +159,29 @@ def test_a_training_run_logs_what_its_reward_functions_log(tmp_path, caplog):
     assert [m["judge/first_reward"] for m in lines] == [m["judge/first_reward"] for m in history] == logged
     assert all(m["reward_errors"] == 0 and math.isfinite(m["rewards/letter_judge"]) for m in lines)
     assert caplog.text.count("with log_extra") == 1 and "returned None (or NaN)" not in caplog.text
+
+
+def test_a_step_that_skips_a_failed_function_logs_none_of_its_values(tmp_path):
+    """reward_errors="skip": on the step where an async function raises after logging, its names are null and a name
+    another function shares has that function's values only; the next step has both."""
+    import asyncio
+
+    async def flaky(completions, log_metric, trainer_state, **kwargs):
+        log_metric("judge/flaky", 1.0)
+        log_metric("judge/shared", 0.0)
+        await asyncio.sleep(0)
+        if trainer_state.global_step == 0:
+            raise RuntimeError("judge unreachable")
+        return [0.5] * len(completions)
+
+    async def steady(completions, log_metric, **kwargs):
+        log_metric("judge/shared", np.float32(1.0))
+        return [1.0] * len(completions)
+
+    _trainer(tmp_path, [flaky, steady], reward_errors="skip").train()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(m["reward_errors"], m["judge/flaky"], m["judge/shared"]) for m in lines] == [(1, None, 1.0),
+                                                                                           (0, 1.0, 0.5)]
 
 
 def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run(tmp_path):
