@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
-from fastgrpo.rewards.scoring import RewardError, score
+from fastgrpo.rewards.scoring import RewardError, check_failures, score
 
 
 def test_log_metric_takes_numbers_and_leaves_nan_out():
@@ -99,6 +99,25 @@ def test_a_hook_kept_from_an_earlier_call_logs_into_the_batch_scored_now(caplog)
     assert caplog.messages == ["reward function keeps_its_hook called log_metric('judge/between') after its call "
                                "returned and outside any reward call: not recorded (log with the log_metric of the call "
                                "being made)"]
+
+
+def test_finding_the_row_a_function_raised_on_warns_of_no_kept_hook(caplog):
+    """When the run stops, the function that raised is called again row by row: a hook it kept is called inside a
+    reward call then, not "outside any reward call"."""
+    kept = []
+
+    def keeps_its_hook(completions, log_metric, **kwargs):
+        kept.append(log_metric)
+        kept[0]("judge/calls", 1.0)
+        if "b" in completions:
+            raise KeyError("b")
+        return [1.0] * len(completions)
+
+    score([keeps_its_hook], ["p"], ["a"], {}, logs=RewardLogs())
+    failures = score([keeps_its_hook], ["p"] * 2, ["a", "b"], {}, logs=RewardLogs())[1]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"), pytest.raises(RewardError, match=r"on row 1: 'b'"):
+        check_failures(failures, [keeps_its_hook], ["p"] * 2, ["a", "b"], {}, on_error="raise")
+    assert "outside any reward call" not in caplog.text
 
 
 def test_metrics_of_several_processes_are_one_mean():

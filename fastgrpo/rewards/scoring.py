@@ -332,14 +332,16 @@ def first_failing_row(func: Callable, prompts: list, completions: list[str], col
     """The first row on which `func`, called on that row alone (as score() calls it), raises; None if every row
     alone passes. For the message of a function that raised on the batch (it costs up to one call per row: only
     when the run stops; what it logs is dropped)."""
-    passed, hooks = as_trl_passes(prompts, completions), RewardLogs().hooks(reward_name(func))
-    for i in range(len(completions)):
-        row_ids = None if completion_ids is None else completion_ids[i:i + 1]
-        try:
-            _returned(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
-                      {**_trainer_keywords(row_ids, trainer_state), **hooks})
-        except Exception:
-            return i
+    passed = as_trl_passes(prompts, completions)
+    with RewardLogs().scoring() as dropped:  # a log_metric `func` kept from an earlier call logs in here too
+        hooks = dropped.hooks(reward_name(func))
+        for i in range(len(completions)):
+            row_ids = None if completion_ids is None else completion_ids[i:i + 1]
+            try:
+                _returned(func, prompts[i:i + 1], passed[i:i + 1], {k: v[i:i + 1] for k, v in columns.items()},
+                          {**_trainer_keywords(row_ids, trainer_state), **hooks})
+            except Exception:
+                return i
     return None
 
 
