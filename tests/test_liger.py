@@ -57,6 +57,16 @@ def liger_instance(model):
     return model
 
 
+def accelerate_hooked(model):
+    """Every module under an accelerate hook, as device_map offload leaves them: the hook's forward calls
+    `_old_forward`, where patch_model binds, and Liger binds its forward over the hook's."""
+    from accelerate.hooks import ModelHook, add_hook_to_module
+
+    for module in model.modules():
+        add_hook_to_module(module, ModelHook())
+    return model
+
+
 def liger_classes_then_built():
     apply_liger_kernel_to_llama()  # Liger's documented use: patch transformers, then load the model
     return tiny_model("llama")
@@ -71,6 +81,9 @@ LIGER_PATCHED = {
     # before: patching again with the same arguments returned at once, the model still running Liger's forwards
     "patched, then liger": (lambda: liger_instance(patch_model(tiny_model("llama"))),
                             "LlamaForCausalLM, LlamaMLP, LlamaRMSNorm"),
+    # before: Liger's forwards, over accelerate's hooks, went unseen and patch_model bound its own under the hooks
+    "liger over accelerate's hooks": (lambda: liger_instance(accelerate_hooked(tiny_model("llama"))),
+                                      "LlamaForCausalLM, LlamaMLP, LlamaRMSNorm"),
 }
 
 
@@ -111,6 +124,17 @@ def test_use_liger_kernel_over_a_patched_model_is_refused_at_the_first_step(tmp_
         trainer.train()
     assert trainer.state.global_step == 0
     assert liger_modules(model)  # the refusal names what Liger did; it undoes nothing
+
+
+def test_liger_over_a_patched_model_under_accelerate_hooks_is_refused_at_the_first_step():
+    """Liger binds its forwards over accelerate's hooks, which call the `_old_forward` patch_model bound: the check
+    read `_old_forward` only, found fastgrpo's, and Liger's first kernel ran (here failing in Triton's
+    interpreter)."""
+    ids, mask = batch(2)
+    model = liger_instance(patch_model(accelerate_hooked(tiny_model("llama"))))
+    with pytest.raises(ValueError, match=r"^use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model "
+                                         r"bound on this model \(LlamaForCausalLM, LlamaMLP, LlamaRMSNorm\)"):
+        model.train()(input_ids=ids, attention_mask=mask, labels=ids)
 
 
 def test_a_patched_model_without_liger_trains_and_generates_as_before(tmp_path):

@@ -19,7 +19,7 @@ _WATCHED_ATTR = "_fastgrpo_liger_watched"
 
 def liger_modules(model: nn.Module) -> list[str]:
     """The class names of the modules of `model` whose forward in effect is Liger-Kernel's, sorted."""
-    return sorted({type(module).__name__ for module in model.modules() if _is_liger(_forward_in_effect(module))})
+    return sorted({type(module).__name__ for module in model.modules() if _runs_liger(module)})
 
 
 def liger_patched_problem(model: nn.Module) -> str | None:
@@ -57,7 +57,7 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
         return
     layer = hf_model.__dict__.get(_WATCHED_ATTR)
     watched = [hf_model, *(layer.children() if layer is not None else ())]
-    names = sorted({type(module).__name__ for module in watched if _is_liger(_forward_in_effect(module))})
+    names = sorted({type(module).__name__ for module in watched if _runs_liger(module)})
     if names:
         raise ValueError(
             f"use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model bound on this model "
@@ -73,9 +73,11 @@ def _remove_guard(hf_model: nn.Module) -> None:
         del hooks[key]
 
 
-def _forward_in_effect(module: nn.Module):
-    attr = "_old_forward" if "_hf_hook" in module.__dict__ else "forward"  # accelerate's hooked modules
-    return module.__dict__.get(attr, type(module).forward)
+def _runs_liger(module: nn.Module) -> bool:
+    """Whether Liger's forward is in effect. Under an accelerate hook (device_map offload), whose forward calls
+    `_old_forward` (where patch_model binds), Liger binds `forward` over the hook's, or the hook wraps Liger's."""
+    forwards = ("forward", "_old_forward") if "_hf_hook" in module.__dict__ else ("forward",)
+    return any(_is_liger(module.__dict__.get(attr, type(module).forward)) for attr in forwards)
 
 
 def _is_liger(function) -> bool:
