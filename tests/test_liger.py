@@ -118,12 +118,27 @@ def test_use_liger_kernel_over_a_patched_model_is_refused_at_the_first_step(tmp_
     else:
         pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[dev]' installs it)")
         trainer = sft_trainer(tmp_path, model, use_liger_kernel=True)
-    with pytest.raises(ValueError, match=rf"^use_liger_kernel: Liger-Kernel has replaced forwards "
-                                         rf"fastgrpo.patch_model bound on this model \({names}\), as HF's Trainer does "
-                                         "with use_liger_kernel=True; set it False"):
+    with pytest.raises(ValueError, match=rf"^use_liger_kernel: Liger-Kernel's forwards now run in this "
+                                         rf"fastgrpo-patched model \({names}\), beside fastgrpo.patch_model's, as HF's "
+                                         "Trainer puts them with use_liger_kernel=True; set it False"):
         trainer.train()
     assert trainer.state.global_step == 0
     assert liger_modules(model)  # the refusal names what Liger did; it undoes nothing
+
+
+def test_liger_beside_fastgrpos_forwards_is_refused_without_claiming_it_replaced_them(tmp_path):
+    """fused_loss=False leaves the model's forward to HF, and Liger's loss alone (liger_kernel_config) goes there:
+    one model would run both libraries' kernels, refused as before, but the line said Liger 'has replaced forwards
+    fastgrpo.patch_model bound on this model (LlamaForCausalLM)', a forward patch_model never bound."""
+    from transformers import Trainer
+
+    ids, _ = batch(2)
+    model = patch_model(tiny_model("llama"), fused_loss=False)
+    args = hf_args(tmp_path, use_liger_kernel=True, liger_kernel_config={"rms_norm": False, "swiglu": False})
+    trainer = Trainer(model=model, args=args, train_dataset=rows_of(ids))
+    with pytest.raises(ValueError, match=r"^use_liger_kernel: Liger-Kernel's forwards now run in this "
+                                         r"fastgrpo-patched model \(LlamaForCausalLM\), beside fastgrpo.patch_model's"):
+        trainer.train()
 
 
 def test_liger_over_a_patched_model_under_accelerate_hooks_is_refused_at_the_first_step():
@@ -132,8 +147,8 @@ def test_liger_over_a_patched_model_under_accelerate_hooks_is_refused_at_the_fir
     interpreter)."""
     ids, mask = batch(2)
     model = liger_instance(patch_model(accelerate_hooked(tiny_model("llama"))))
-    with pytest.raises(ValueError, match=r"^use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model "
-                                         r"bound on this model \(LlamaForCausalLM, LlamaMLP, LlamaRMSNorm\)"):
+    with pytest.raises(ValueError, match=r"^use_liger_kernel: Liger-Kernel's forwards now run in this "
+                                         r"fastgrpo-patched model \(LlamaForCausalLM, LlamaMLP, LlamaRMSNorm\)"):
         model.train()(input_ids=ids, attention_mask=mask, labels=ids)
 
 

@@ -35,7 +35,7 @@ def liger_patched_problem(model: nn.Module) -> str | None:
 
 def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
     """patch_model's check: refuse a model Liger-Kernel has patched, and make the patched model refuse, at its next
-    training forward, Liger forwards put over fastgrpo's later (as HF's Trainer does under use_liger_kernel)."""
+    training forward, Liger forwards put in it later (as HF's Trainer does under use_liger_kernel)."""
     problem = liger_patched_problem(hf_model)
     if problem is not None:
         raise ValueError(problem)
@@ -58,11 +58,11 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
     layer = hf_model.__dict__.get(_WATCHED_ATTR)
     watched = [hf_model, *(layer.children() if layer is not None else ())]
     names = sorted({type(module).__name__ for module in watched if _runs_liger(module)})
-    if names:
+    if names:  # not only over fastgrpo's forwards: beside them (fused_loss=False, then Liger's loss) is a mix too
         raise ValueError(
-            f"use_liger_kernel: Liger-Kernel has replaced forwards fastgrpo.patch_model bound on this model "
-            f"({', '.join(names)}), as HF's Trainer does with use_liger_kernel=True; set it False to train on "
-            "fastgrpo's kernels, or leave the model unpatched to train on Liger's"
+            f"use_liger_kernel: Liger-Kernel's forwards now run in this fastgrpo-patched model ({', '.join(names)}), "
+            "beside fastgrpo.patch_model's, as HF's Trainer puts them with use_liger_kernel=True; set it False to "
+            "train on fastgrpo's kernels, or leave the model unpatched to train on Liger's"
         )
 
 
