@@ -166,11 +166,18 @@ def test_a_patched_model_without_liger_trains_and_generates_as_before(tmp_path):
 
 
 def test_the_training_step_check_is_registered_once_and_gone_once_unpatched():
+    """unpatch_model takes the check off at once: the unpatched model pickles without fastgrpo (torch.save, as the
+    patched model's pickle error tells users to do after unpatching); a patch refused after the Liger check leaves
+    none either."""
+    import pickle
+
     from fastgrpo.patching import unpatch_model
 
-    ids, mask = batch(2)
     model = patch_model(patch_model(tiny_model("llama")), rms_norm=False)  # patched again with other arguments
     assert len(model._forward_pre_hooks) == 1
     unpatch_model(model)
-    model.train()(input_ids=ids, attention_mask=mask)  # the check finds the model unpatched and takes itself off
     assert not model._forward_pre_hooks and "_fastgrpo_liger_watched" not in model.__dict__
+    assert b"fastgrpo" not in pickle.dumps(model)
+    with pytest.raises(ValueError, match="recompute_layers"):
+        patch_model(model, recompute_layers=1)  # refused after refuse_liger_patched ran
+    assert not model._forward_pre_hooks and b"fastgrpo" not in pickle.dumps(model)

@@ -33,12 +33,16 @@ def liger_patched_problem(model: nn.Module) -> str | None:
             "leave it unpatched to train on Liger's")
 
 
-def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
-    """patch_model's check: refuse a model Liger-Kernel has patched, and make the patched model refuse, at its next
-    training forward, Liger forwards put in it later (as HF's Trainer does under use_liger_kernel)."""
+def refuse_liger_patched(hf_model: nn.Module) -> None:
+    """patch_model's first check: a model Liger-Kernel has patched is refused."""
     problem = liger_patched_problem(hf_model)
     if problem is not None:
         raise ValueError(problem)
+
+
+def watch_for_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
+    """patch_model's last step: the patched model refuses, at its next training forward, Liger forwards put in it
+    later (as HF's Trainer does under use_liger_kernel). unwatch_liger takes the check off (unpatch_model)."""
     # Liger's apply functions patch every decoder layer alike: the first one's modules tell, in 10 us where a walk of
     # a 28-layer LoRA model took 6 ms per step.
     hf_model.__dict__[_WATCHED_ATTR] = layers[0] if layers else None
@@ -49,8 +53,8 @@ def guard_against_liger(hf_model: nn.Module, layers: list[nn.Module]) -> None:
 
 
 def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
-    if PATCHED_ATTR not in hf_model.__dict__:  # unpatched since: Liger's forwards alone are the user's choice
-        _remove_guard(hf_model)
+    if PATCHED_ATTR not in hf_model.__dict__:  # no longer patched: Liger's forwards alone are the user's choice
+        unwatch_liger(hf_model)
         return
     # Training steps only: Liger comes in when training starts; generate (no grad) calls the model once per token.
     if not (hf_model.training and torch.is_grad_enabled()):
@@ -66,7 +70,8 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
         )
 
 
-def _remove_guard(hf_model: nn.Module) -> None:
+def unwatch_liger(hf_model: nn.Module) -> None:
+    """watch_for_liger undone: the hook and its attribute go (an unpatched model pickles without fastgrpo)."""
     hf_model.__dict__.pop(_WATCHED_ATTR, None)
     hooks = hf_model._forward_pre_hooks
     for key in [key for key, hook in hooks.items() if hook is _refuse_liger_over_fastgrpo]:

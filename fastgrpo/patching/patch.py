@@ -23,7 +23,7 @@ from fastgrpo.patching.forwards import (
     rope_attention_forward,
     tiled_mlp_forward,
 )
-from fastgrpo.patching.liger import guard_against_liger
+from fastgrpo.patching.liger import refuse_liger_patched, unwatch_liger, watch_for_liger
 from fastgrpo.patching.loss_forward import causal_lm_forward
 
 SUMMARY_ATTR = "fastgrpo_patch_summary"
@@ -125,7 +125,7 @@ def patch_model(
                          f"lora_dtype='input'; got fused_lora={fused_lora}, lora_dtype={lora_dtype!r}")
     check_offload_options(offload_activations, recompute_layers)
     layers = decoder_layers(hf_model, arch)
-    guard_against_liger(hf_model, layers)
+    refuse_liger_patched(hf_model)
     checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
     tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
     if tiled_mlp is None:
@@ -211,6 +211,8 @@ def patch_model(
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
         patched["offload_activations"] += len(checkpointed)
+    watch_for_liger(hf_model, layers)
+    undo.append(WeakBoundMethod(unwatch_liger, hf_model))
     hf_model.__dict__[_UNDO_ATTR] = undo
     hf_model.__dict__[_MODULES_ATTR] = _modules(hf_model)
     hf_model.__dict__[SUMMARY_ATTR] = {
