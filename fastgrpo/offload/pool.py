@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 GIB = 1024**3
+MIB = 1024**2
 # Below 1 MiB a class per size is not worth it: small inputs share 1 MiB buffers.
 _MIN_CLASS_BYTES = 1 << 20
 
@@ -33,6 +34,14 @@ def size_class(nbytes: int, steps: int = 8) -> int:
         return _MIN_CLASS_BYTES
     step = 1 << max(0, nbytes.bit_length() - steps.bit_length())
     return -(-nbytes // step) * step
+
+
+def _amount(nbytes: int) -> str:
+    """nbytes for a message, in the unit that shows it: 0.00 GiB said nothing of a 1 MiB buffer or bound."""
+    for unit, size in (("GiB", GIB), ("MiB", MIB)):
+        if nbytes >= size:
+            return f"{nbytes / size:.2f} {unit}"
+    return f"{nbytes / 1024:.2f} KiB"
 
 
 def _pinned_bytes(nbytes: int) -> torch.Tensor:
@@ -127,11 +136,13 @@ class HostBufferPool:
                 self._free[cls].pop()
                 self.bytes_free -= cls
         if self.bytes_held + size > self.max_bytes:
+            # What is in use belongs to live autograd graphs: this forward's, and any an earlier one left alive.
             raise OffloadMemoryError(
-                f"activation offload needs {size / GIB:.2f} GiB more host memory but the pool already holds "
-                f"{self.bytes_held / GIB:.2f} GiB in use of its max_bytes={self.max_bytes} "
-                f"({self.max_bytes / GIB:.2f} GiB): raise max_bytes, use shorter or fewer sequences per step, "
-                "or turn activation offload off (offload_activations=False / disable_offload_checkpointing)"
+                f"activation offload needs {_amount(size)} more host memory but the pool already holds "
+                f"{_amount(self.bytes_held)} in use of its max_bytes={self.max_bytes} ({_amount(self.max_bytes)}): "
+                "raise max_bytes, use shorter or fewer sequences per step, free the outputs / losses of forwards "
+                "whose backward did not run or failed (their graphs hold their inputs' buffers), or turn activation "
+                "offload off (offload_activations=False / disable_offload_checkpointing)"
             )
 
     def _allocate_or_raise(self, size: int) -> torch.Tensor:
@@ -140,8 +151,8 @@ class HostBufferPool:
         except (RuntimeError, MemoryError) as err:
             kind = "pinned" if self.pin_memory else "host"
             raise OffloadMemoryError(
-                f"could not allocate {size / GIB:.2f} GiB of {kind} host memory for activation offload "
-                f"(the pool holds {self.bytes_held / GIB:.2f} GiB): use fewer or shorter sequences per micro-batch, "
+                f"could not allocate {_amount(size)} of {kind} host memory for activation offload "
+                f"(the pool holds {_amount(self.bytes_held)}): use fewer or shorter sequences per micro-batch, "
                 "or turn activation offload off (offload_activations=False / disable_offload_checkpointing); "
                 f"HostBufferPool(max_bytes=...) makes this an explicit limit. Cause: {err}"
             ) from err
