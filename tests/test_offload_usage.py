@@ -118,3 +118,9 @@ def test_a_step_after_a_failed_backward_names_what_holds_the_pool():
     del loss
     assert offloader.pool.bytes_in_use == 0
     model(**batch()).loss.backward()  # the bound suffices again
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or torch.accelerator.is_available(), reason="this machine can pin")
+def test_a_pinned_pool_where_nothing_can_pin_is_refused_when_made():
+    with pytest.raises(ValueError, match=r"^pin_memory: True needs CUDA .*HostBufferPool\(pin_memory=False\)"):
+        HostBufferPool(max_bytes=8 * MIB)

@@ -44,6 +44,10 @@ def _amount(nbytes: int) -> str:
     return f"{nbytes / 1024:.2f} KiB"
 
 
+def _can_pin() -> bool:
+    return torch.cuda.is_available() or torch.accelerator.is_available()
+
+
 def _pinned_bytes(nbytes: int) -> torch.Tensor:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
@@ -69,6 +73,10 @@ class HostBufferPool:
     ) -> None:
         if max_bytes is not None and (not isinstance(max_bytes, int) or max_bytes <= 0):
             raise ValueError(f"max_bytes: expected a positive int or None, got {max_bytes!r}")
+        if pin_memory and allocator is None and not _can_pin():
+            # else the first step fails, naming the pool's size and the offload switch, which are not the cause
+            raise ValueError("pin_memory: True needs CUDA (or another accelerator) to pin host memory, which this "
+                             "machine lacks; pass HostBufferPool(pin_memory=False) (with ActivationOffloader('cpu'))")
         self.max_bytes = max_bytes
         self.pin_memory = pin_memory
         self.class_steps = 1 if pin_memory else 8
