@@ -124,3 +124,34 @@ def test_a_step_after_a_failed_backward_names_what_holds_the_pool():
 def test_a_pinned_pool_where_nothing_can_pin_is_refused_when_made():
     with pytest.raises(ValueError, match=r"^pin_memory: True needs CUDA .*HostBufferPool\(pin_memory=False\)"):
         HostBufferPool(max_bytes=8 * MIB)
+
+
+# --- giving the default pool back -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def default_cpu_pool(monkeypatch) -> HostBufferPool:
+    """The default offloaders' registry holding one CPU offloader with 1 MiB in its pool, and no layer using it."""
+    monkeypatch.setattr(offloader_module, "_DEFAULT_OFFLOADERS", {})
+    monkeypatch.setattr(checkpointing_module, "_DEFAULT_USERS", weakref.WeakSet())
+    pool = offloader_module.default_offloader("cpu").pool
+    pool.release(pool.acquire(MIB))
+    return pool
+
+
+def test_unpatching_a_deepcopy_last_releases_the_default_pool(default_cpu_pool):
+    model = fastgrpo.patch_model(tiny_model(), offload_activations=True)
+    twin = copy.deepcopy(model)  # as fastgrpo.GRPOTrainer makes its reference model
+    fastgrpo.unpatch_model(model)
+    default_cpu_pool.release(default_cpu_pool.acquire(MIB))  # the copy's steps fill it again
+    fastgrpo.unpatch_model(twin)
+    assert default_cpu_pool.bytes_held == 0  # no patched model is left to use it
+
+
+def test_unpatching_one_of_two_patched_models_keeps_the_default_pool(default_cpu_pool):
+    first = fastgrpo.patch_model(tiny_model(), offload_activations=True)
+    second = fastgrpo.patch_model(tiny_model(), offload_activations=True)
+    fastgrpo.unpatch_model(first)
+    assert default_cpu_pool.bytes_held == MIB  # second still uses it
+    fastgrpo.unpatch_model(second)
+    assert default_cpu_pool.bytes_held == 0

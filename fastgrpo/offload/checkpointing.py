@@ -342,11 +342,14 @@ def disable_offload_checkpointing(layers: Iterable[nn.Module]) -> None:
     When this disables the last layer that used the default offloaders, their host memory is released
     (release_host_memory()); an offloader passed to enable is left as it is.
     """
-    had_users = bool(_DEFAULT_USERS)
+    # Read from the states, not from _DEFAULT_USERS: a deepcopy's layers (fastgrpo's reference model, a user's copy)
+    # use the default offloaders without having been registered there.
+    disabled_a_user = False
     for layer in _check_layers(layers):
         state = layer.__dict__.pop(_STATE_ATTR, None)
         if state is None:
             continue
+        disabled_a_user |= state.offloader is None
         _DEFAULT_USERS.discard(layer)
         state.restore_forward()
         # HF's flag goes back on only if nobody changed it meanwhile.
@@ -355,5 +358,5 @@ def disable_offload_checkpointing(layers: Iterable[nn.Module]) -> None:
                 del layer.__dict__["gradient_checkpointing"]
             else:
                 layer.__dict__["gradient_checkpointing"] = state.hf_flag
-    if had_users and not _DEFAULT_USERS:
+    if disabled_a_user and not _DEFAULT_USERS:
         release_host_memory()
