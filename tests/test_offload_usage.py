@@ -155,3 +155,20 @@ def test_unpatching_one_of_two_patched_models_keeps_the_default_pool(default_cpu
     assert default_cpu_pool.bytes_held == MIB  # second still uses it
     fastgrpo.unpatch_model(second)
     assert default_cpu_pool.bytes_held == 0
+
+
+def test_recompute_layers_turns_hfs_checkpointing_off_on_the_kept_layers():
+    """patch_model(recompute_layers=N) on a model with HF's gradient checkpointing on: the layers after the first N
+    keep their activations (HF's flag off there too, as the commands and the TRL drop-in already did), and
+    unpatch_model puts HF's flags back."""
+    from fastgrpo.patching import patch_model, unpatch_model
+    from tests.test_patching import tiny_model
+
+    model = tiny_model("llama")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    layers = model.model.layers
+    assert len(layers) >= 2 and all(layer.gradient_checkpointing for layer in layers)
+    patch_model(model, offload_activations=True, recompute_layers=1)
+    assert [bool(layer.gradient_checkpointing) for layer in layers[1:]] == [False] * (len(layers) - 1)
+    unpatch_model(model)
+    assert all(layer.gradient_checkpointing for layer in layers)

@@ -211,6 +211,8 @@ def patch_model(
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
         patched["offload_activations"] += len(checkpointed)
+    if checkpointed and recompute_layers is not None:
+        undo.append(_hf_checkpointing_off(hf_model, arch, layers, recompute_layers))
     watch_for_liger(hf_model, layers)
     undo.append(WeakBoundMethod(unwatch_liger, hf_model))
     hf_model.__dict__[_UNDO_ATTR] = undo
@@ -220,6 +222,21 @@ def patch_model(
         "patched": dict(patched), "skipped": skipped,
     }
     return model
+
+
+def _hf_checkpointing_off(hf_model: nn.Module, arch, layers: list[nn.Module], first_kept: int) -> Callable[[], None]:
+    """HF's gradient checkpointing off on the decoder layers from first_kept on (those recompute_layers keeps, whose
+    activations stay for the backward: HF's flag would recompute them); the undo puts each flag back."""
+    was_on = [i for i in range(first_kept, len(layers)) if getattr(layers[i], "gradient_checkpointing", False)]
+    for i in was_on:
+        layers[i].gradient_checkpointing = False
+
+    def restore(model: nn.Module) -> None:  # bound to the model: a deepcopy's undo restores the copy's layers
+        model_layers = decoder_layers(model, arch)
+        for i in was_on:
+            model_layers[i].gradient_checkpointing = True
+
+    return WeakBoundMethod(restore, hf_model)
 
 
 def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
