@@ -172,6 +172,7 @@ def check_loss_inputs(
     check_integer_ids("target_ids", target_ids)
     check_mask("completion_mask", completion_mask, "target_ids", target_ids)
     check_per_token_inputs(B, T, advantages, old_logps, ref_logps)
+    check_floating(old_logps=old_logps, ref_logps=ref_logps)
     check_extra_inputs(B, T, token_weights, sampling_logps)
     if cfg.beta > 0 and ref_logps is None:
         raise ValueError("ref_logps: required when beta > 0, got None")
@@ -213,8 +214,15 @@ def check_extra_inputs(B: int, T: int, token_weights, sampling_logps) -> None:
     for name, tensor in (("token_weights", token_weights), ("sampling_logps", sampling_logps)):
         if tensor is not None:
             check_shape(name, tensor, (B, T))
-            if not tensor.dtype.is_floating_point:
-                raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
+    check_floating(token_weights=token_weights, sampling_logps=sampling_logps)
+
+
+def check_floating(**tensors: torch.Tensor | None) -> None:
+    """Each given tensor has a floating dtype: integer log-probs (torch.zeros_like(input_ids), say) would truncate
+    every value silently."""
+    for name, tensor in tensors.items():
+        if tensor is not None and not tensor.dtype.is_floating_point:
+            raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
 
 
 def _check_real(name: str, value: object, expected: str, ok) -> None:

@@ -28,7 +28,13 @@ from fastgrpo._checks import (
     read_ints,
 )
 from fastgrpo.hf.models import backbone_and_head, head_bias, logit_softcap
-from fastgrpo.loss.config import GRPOLossConfig, check_extra_inputs, finite_where_completion, resolve
+from fastgrpo.loss.config import (
+    GRPOLossConfig,
+    check_extra_inputs,
+    check_floating,
+    finite_where_completion,
+    resolve,
+)
 from fastgrpo.loss.correction import (
     RolloutCorrection,
     check_rollout_correction,
@@ -154,6 +160,7 @@ def grpo_loss(
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
+    check_floating(old_logps=old_logps, ref_logps=ref_logps)
     check_extra_inputs(*input_ids.shape, token_weights, sampling_logps)
     per_token = finite_where_completion(old_logps, ref_logps, token_weights, sampling_logps)
     weights = None  # the rollout correction's token_weights, when known before the forward (from old_logps)

@@ -1,0 +1,72 @@
+"""The "use the kernels in your own loop" API as a user's own loop calls it: grpo_loss, sequence_logprobs and sft_loss
+on a real (tiny, random) HF model, against an eager fp64 reference of the README's formulas, and the inputs users
+get wrong, each refused in one line naming the argument."""
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+import fastgrpo
+
+B, P, C, V = 3, 4, 5, 97
+
+
+def tiny_llama():
+    config = transformers.LlamaConfig(
+        vocab_size=V, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=True, pad_token_id=0,
+    )
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float64).eval()
+
+
+def padded_batch():
+    """[left padding | prompt | completion | right padding] rows of P + C columns."""
+    input_ids = torch.randint(1, V, (B, P + C), generator=torch.Generator().manual_seed(0))
+    attention_mask = torch.ones(B, P + C, dtype=torch.long)
+    completion_mask = torch.zeros(B, P + C, dtype=torch.long)
+    completion_mask[:, P:] = 1
+    attention_mask[0, 0] = 0  # a shorter prompt
+    attention_mask[1, -2:] = completion_mask[1, -2:] = 0  # a shorter completion
+    return input_ids, attention_mask, completion_mask
+
+
+def eager_logps(model, input_ids, attention_mask, completion_mask, temperature):
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits.double() / temperature
+    logps = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None])[..., 0]
+    logps = torch.cat([torch.zeros(B, 1, dtype=logps.dtype), logps], 1)  # position t: token t
+    return torch.where(completion_mask.bool(), logps, 0.0)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo"])
+def test_grpo_loss_is_the_readme_formula_in_fp64(loss_type):
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    advantages = torch.tensor([1.0, -0.5, 0.3], dtype=torch.float64)
+    temperature, eps_low, eps_high, beta = 0.7, 0.2, 0.28, 0.04
+    with torch.no_grad():
+        logp = eager_logps(model, input_ids, attention_mask, completion_mask, temperature)
+    noise = torch.randn(B, P + C, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    old = torch.where(completion_mask.bool(), (logp + 0.3 * noise).clamp(max=0.0), 0.0)
+    ref = torch.where(completion_mask.bool(), logp - 0.1, 0.0)
+    loss, _ = fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages, old_logps=old,
+                                 ref_logps=ref, loss_type=loss_type, beta=beta, temperature=temperature,
+                                 epsilon_low=eps_low, epsilon_high=eps_high, max_completion_length=C)
+    r = torch.exp(logp - old)
+    a = advantages[:, None]
+    per_token = -torch.min(r * a, r.clamp(1 - eps_low, 1 + eps_high) * a) + beta * (
+        torch.exp(ref - logp) - (ref - logp) - 1)
+    m = completion_mask.double()
+    expected = {"grpo": ((per_token * m).sum(1) / m.sum(1)).mean(), "bnpo": (per_token * m).sum() / m.sum(),
+                "dr_grpo": (per_token * m).sum() / (B * C)}[loss_type]
+    torch.testing.assert_close(loss.detach(), expected, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("name", ["old_logps", "ref_logps"])
+def test_integer_old_or_ref_logps_are_refused(name):
+    # A long tensor of log-probs (e.g. from torch.zeros_like(input_ids)) truncated every value to an int silently.
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    given = {name: torch.zeros(B, P + C, dtype=torch.long)}
+    with pytest.raises(ValueError, match=f"^{name}: expected a floating dtype, got int64$"):
+        fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, torch.ones(B), beta=0.1, **given)
