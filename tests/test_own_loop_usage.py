@@ -70,3 +70,12 @@ def test_integer_old_or_ref_logps_are_refused(name):
     given = {name: torch.zeros(B, P + C, dtype=torch.long)}
     with pytest.raises(ValueError, match=f"^{name}: expected a floating dtype, got int64$"):
         fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, torch.ones(B), beta=0.1, **given)
+
+
+@pytest.mark.parametrize("temperature", [float("inf"), "1.0", True])
+def test_sequence_logprobs_refuses_a_temperature_grpo_loss_refuses(temperature):
+    # inf gave every token log(1 / V) silently; a string raised a TypeError from inside the kernel's launcher.
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    with pytest.raises(ValueError, match=r"^temperature: expected a finite float > 0, got "):
+        fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)

@@ -87,7 +87,7 @@ class GRPOLossConfig:
         _check_optional_real("delta", self.delta, "None or a float >= 1", lambda v: 1 <= v < math.inf)
         check_choice("loss_type", self.loss_type, LOSS_TYPES)
         check_choice("importance_sampling_level", self.importance_sampling_level, IMPORTANCE_SAMPLING_LEVELS)
-        _check_real("temperature", self.temperature, "a finite float > 0", lambda v: 0 < v < math.inf)
+        check_temperature(self.temperature)
         _check_optional_real("softcap", self.softcap, "None or a positive finite float", lambda v: 0 < v < math.inf)
         if self.softcap is not None:  # an int cap would be specialized by Triton into a constant
             object.__setattr__(self, "softcap", float(self.softcap))
@@ -223,6 +223,11 @@ def check_floating(**tensors: torch.Tensor | None) -> None:
     for name, tensor in tensors.items():
         if tensor is not None and not tensor.dtype.is_floating_point:
             raise ValueError(f"{name}: expected a floating dtype, got {str(tensor.dtype).removeprefix('torch.')}")
+
+
+def check_temperature(value: object) -> None:
+    """temperature: a finite real > 0 (inf made every log-prob log(1 / V) silently)."""
+    _check_real("temperature", value, "a finite float > 0", lambda v: 0 < v < math.inf)
 
 
 def _check_real(name: str, value: object, expected: str, ok) -> None:

@@ -32,6 +32,7 @@ from fastgrpo.loss.config import (
     GRPOLossConfig,
     check_extra_inputs,
     check_floating,
+    check_temperature,
     finite_where_completion,
     resolve,
 )
@@ -250,6 +251,7 @@ def sequence_logprobs(
     """Per-token log-probs [B, T] fp32 (and entropy [B, T]) of input_ids under `model`, 0 where completion_mask
     is 0; for old / reference log-probs. disable_adapter=True runs a PEFT model with its adapter disabled (the
     reference policy, without a second copy of the weights)."""
+    check_temperature(temperature)
     if disable_adapter and not callable(getattr(model, "disable_adapter", None)):
         raise ValueError(f"disable_adapter: needs a PEFT model, got {type(model).__name__}")
     # The head too runs with the adapter off: modules_to_save=["lm_head"] swaps in a trained copy of it.
