@@ -79,3 +79,14 @@ def test_sequence_logprobs_refuses_a_temperature_grpo_loss_refuses(temperature):
     input_ids, attention_mask, completion_mask = padded_batch()
     with pytest.raises(ValueError, match=r"^temperature: expected a finite float > 0, got "):
         fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
+
+
+@pytest.mark.parametrize("function", ["grpo_loss", "sequence_logprobs"])
+def test_a_completion_token_on_padding_is_refused(function):
+    # sft_loss refuses a response token where attention_mask is 0; grpo_loss scored it as a real completion token.
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    completion_mask[1, -1] = 1  # row 1's right padding
+    args = (model, input_ids, attention_mask, completion_mask) + ((torch.ones(B),) if function == "grpo_loss" else ())
+    with pytest.raises(ValueError, match=r"^completion_mask: is 1 where attention_mask is 0 \(row 1, column 8\)"):
+        getattr(fastgrpo, function)(*args)

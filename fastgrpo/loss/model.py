@@ -77,9 +77,10 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     completion = completion_mask.bool()
     columns = completion.any(0)  # columns: [T]
     positions = torch.arange(T, device=columns.device)
-    (attention_flag, completion_flag, first_column, low, high, first, last, tokens, droppable, left, longest,
-     *bad) = read_ints(
-        nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(), *input_ids.aminmax(),
+    (attention_flag, completion_flag, first_column, on_padding, low, high, first, last, tokens, droppable, left,
+     longest, *bad) = read_ints(
+        nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(),
+        _first_flat_index(completion & ~attention_mask.bool()), *input_ids.aminmax(),
         torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
         *padding_facts(attention_mask, completion_mask),
         *(() if advantages is None else first_nonfinite(advantages)), *masked_nonfinite(completion_mask, per_token),
@@ -89,6 +90,9 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     raise_if_nonbinary("completion_mask", completion_flag)
     if first_column:
         raise ValueError("completion_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
+    if on_padding < B * T:
+        raise ValueError("completion_mask: is 1 where attention_mask is 0 (row {}, column {}): a padding position "
+                         "cannot be a completion token".format(*divmod(on_padding, T)))
     raise_unless_in_range("input_ids", low, high, vocab_size)
     if advantages is not None:
         raise_if_nonfinite("advantages", advantages.shape, *bad[:2])
@@ -100,6 +104,12 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
         raise_if_overflowed(correction[1], input_ids.shape, overflow)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
     return _Batch(window, tokens, unpadded(attention_mask, droppable, left, longest))
+
+
+def _first_flat_index(flags: torch.Tensor) -> torch.Tensor:
+    """0-dim: the flat index of the first True in flags, flags.numel() when none is."""
+    flat = flags.reshape(-1)
+    return torch.where(flat, torch.arange(flat.numel(), device=flat.device), flat.numel()).min()
 
 
 def _unwindow(values: torch.Tensor, shape: torch.Size, cols: slice) -> torch.Tensor:
@@ -157,7 +167,7 @@ def grpo_loss(
     Where completion_mask is 1, a NaN / inf or positive old or ref log-prob, a negative token weight and an inf or
     positive rollout or sampling log-prob (NaN: a token the engine could not score, counted 0) are refused in the one
     value read, as is, with old_logps, a weight that overflowed to inf (clip_max None); without old_logps such a
-    weight is refused in a second read.
+    weight is refused in a second read, and so is a completion token where attention_mask is 0 (padding).
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)
