@@ -90,3 +90,22 @@ def test_a_completion_token_on_padding_is_refused(function):
     args = (model, input_ids, attention_mask, completion_mask) + ((torch.ones(B),) if function == "grpo_loss" else ())
     with pytest.raises(ValueError, match=r"^completion_mask: is 1 where attention_mask is 0 \(row 1, column 8\)"):
         getattr(fastgrpo, function)(*args)
+
+
+@pytest.mark.parametrize("num_items_in_batch", [float("inf"), "13", True, torch.tensor([13, 13])])
+def test_sft_loss_refuses_a_normalizer_that_is_no_positive_count(num_items_in_batch):
+    # inf gave a zero loss silently; a string raised a TypeError; True divided by 1; two counts broadcast.
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    with pytest.raises(ValueError, match=r"^num_items_in_batch: expected > 0 \(response tokens of the step\) or None"):
+        fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask, num_items_in_batch=num_items_in_batch)
+
+
+def test_sft_loss_takes_a_count_as_a_number_or_a_tensor():
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    with torch.no_grad():
+        expected = -eager_logps(model, input_ids, attention_mask, completion_mask, 1.0).sum() / 26
+    for count in (26, 26.0, torch.tensor(26), torch.tensor([26.0])):
+        loss, _ = fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask, num_items_in_batch=count)
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-7, atol=1e-9)

@@ -12,6 +12,9 @@ call's own response-token count (a per-token mean of the micro-batch).
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import torch
 
 from fastgrpo._checks import check_binary_mask, check_integer_ids, check_shape, raise_unless_in_range, read_ints
@@ -30,9 +33,16 @@ def _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch) 
         raise ValueError("response_mask: column 0 must be 0 (no earlier token predicts input_ids[:, 0])")
     if (response_mask.bool() & ~attention_mask.bool()).any():
         raise ValueError("response_mask: is 1 where attention_mask is 0 (a padding position cannot be a label)")
-    if num_items_in_batch is not None and not num_items_in_batch > 0:
+    if num_items_in_batch is not None and not _positive_count(num_items_in_batch):
         raise ValueError(f"num_items_in_batch: expected > 0 (response tokens of the step) or None, "
-                         f"got {num_items_in_batch}")
+                         f"got {num_items_in_batch!r}")
+
+
+def _positive_count(value) -> bool:
+    """A finite number > 0, or a one-element tensor of one (inf made the loss 0 silently)."""
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1 and bool(value.isfinite() & (value > 0))
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf
 
 
 def sft_loss(
@@ -70,4 +80,6 @@ def sft_loss(
     nll_sum = (-logp).sum()  # no response token: 0.0, not -0.0
     count = labels.sum()
     divisor = count.clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    if isinstance(divisor, torch.Tensor):
+        divisor = divisor.reshape(())  # a [1] count would make the loss [1]
     return nll_sum / divisor, {"nll_sum": nll_sum.detach(), "response_tokens": count}
