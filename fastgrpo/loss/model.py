@@ -258,9 +258,10 @@ def sequence_logprobs(
     disable_adapter: bool = False,
     backend: str = "auto",
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Per-token log-probs [B, T] fp32 (and entropy [B, T]) of input_ids under `model`, 0 where completion_mask
-    is 0; for old / reference log-probs. disable_adapter=True runs a PEFT model with its adapter disabled (the
-    reference policy, without a second copy of the weights)."""
+    """Per-token log-probs [B, T] (and entropy [B, T]) of input_ids under `model` at `temperature`, 0 where
+    completion_mask is 0; fp32 for an fp16 / bf16 / fp32 model, fp64 for an fp64 one; for old / reference
+    log-probs (pass the temperature the completions were sampled at). disable_adapter=True runs a PEFT model with its
+    adapter disabled (the reference policy, without a second copy of the weights)."""
     check_temperature(temperature)
     if disable_adapter and not callable(getattr(model, "disable_adapter", None)):
         raise ValueError(f"disable_adapter: needs a PEFT model, got {type(model).__name__}")
