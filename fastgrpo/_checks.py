@@ -181,8 +181,8 @@ def check_linear_args(
         raise ValueError(f"weight: expected the dtype of hidden ({hidden.dtype}), got {weight.dtype}")
     if bias is not None:
         check_shape("bias", bias, (weight.shape[0],))
-    if not temperature > 0:
-        raise ValueError(f"temperature: expected > 0, got {temperature}")
+    if isinstance(temperature, bool) or not isinstance(temperature, numbers.Real) or not 0 < temperature < math.inf:
+        raise ValueError(f"temperature: expected a finite float > 0, got {temperature!r}")
     if softcap is not None and (
         isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not 0 < softcap < math.inf
     ):

@@ -81,6 +81,14 @@ def test_sequence_logprobs_refuses_a_temperature_grpo_loss_refuses(temperature):
         fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask, temperature=temperature)
 
 
+@pytest.mark.parametrize("temperature", [float("inf"), float("nan"), "1.0", True])
+def test_the_fused_head_ops_refuse_a_temperature_that_is_no_positive_finite_number(temperature):
+    # inf gave every token log(1 / V) silently (fused_linear_logprobs / fused_linear_grpo_loss check it themselves)
+    hidden, weight, ids = torch.randn(3, 16), torch.randn(11, 16), torch.tensor([1, 2, 3])
+    with pytest.raises(ValueError, match=r"^temperature: expected a finite float > 0, got "):
+        fastgrpo.fused_linear_logprobs(hidden, weight, ids, temperature=temperature)
+
+
 @pytest.mark.parametrize("function", ["grpo_loss", "sequence_logprobs"])
 def test_a_completion_token_on_padding_is_refused(function):
     # sft_loss refuses a response token where attention_mask is 0; grpo_loss scored it as a real completion token.
