@@ -274,7 +274,7 @@ def test_token_id_prompts_equal_text_prompts():
         ([], {}, "prompts"),
         ("abc", {}, "prompts"),
         (["abc", ""], {}, "prompts\\[1\\]"),
-        ([[3, 4, 999]], {}, "prompts\\[0\\]"),
+        ([[3, 4, 999]], {}, "prompts\\[0\\]: expected token ids in \\[0, \\d+\\), got 999 at position 2$"),
         ([[{"role": "user", "content": "say a"}]], {}, "prompts: expected strings or token id lists, got chat"),
     ],
 )

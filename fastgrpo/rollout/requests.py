@@ -67,8 +67,9 @@ def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
     for i, p in enumerate(ids):
         if p is None or not p:
             raise ValueError(f"prompts[{i}]: expected a non-empty string or token id list, got {prompts[i]!r}")
-        if not all(isinstance(t, int) and 0 <= t < vocab for t in p):
-            raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab})")
+        bad = next(((j, t) for j, t in enumerate(p) if not (isinstance(t, int) and 0 <= t < vocab)), None)
+        if bad is not None:
+            raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {bad[1]!r} at position {bad[0]}")
     return ids
 
 
