@@ -220,6 +220,8 @@ def check_per_token_inputs(
     if not isinstance(advantages, torch.Tensor) or advantages.shape not in (torch.Size([B]), torch.Size([B, T])):
         got = list(advantages.shape) if isinstance(advantages, torch.Tensor) else type(advantages).__name__
         raise ValueError(f"advantages: expected a tensor of shape [{B}] or [{B}, {T}], got {got}")
+    if advantages.dtype == torch.bool:  # a mask passed by mistake would train as advantages of 0 and 1
+        raise ValueError("advantages: expected numbers, got a bool tensor")
     for name, logps in (("old_logps", old_logps), ("ref_logps", ref_logps)):
         if logps is not None:
             check_shape(name, logps, (B, T))

@@ -117,3 +117,12 @@ def test_sft_loss_takes_a_count_as_a_number_or_a_tensor():
     for count in (26, 26.0, torch.tensor(26), torch.tensor([26.0])):
         loss, _ = fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask, num_items_in_batch=count)
         torch.testing.assert_close(loss.detach(), expected, rtol=1e-7, atol=1e-9)
+
+
+def test_bool_advantages_are_refused():
+    # a mask passed as advantages trained as advantages of 0 and 1
+    model = tiny_llama()
+    input_ids, attention_mask, completion_mask = padded_batch()
+    with pytest.raises(ValueError, match=r"^advantages: expected numbers, got a bool tensor$"):
+        fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask,
+                           torch.ones(input_ids.shape[0], dtype=torch.bool))
