@@ -25,7 +25,7 @@ from transformers import ProcessorMixin
 
 from fastgrpo._checks import read_ints
 from fastgrpo.hf.models import (
-    backbone_and_head, head_bias, hf_checkpointing_only_first, is_peft_model, logit_softcap, unwrap_peft,
+    backbone_and_head, head_bias, is_peft_model, logit_softcap, unwrap_peft,
 )
 from fastgrpo.loss.config import GRPOLossConfig
 from fastgrpo.loss.fused import fused_linear_grpo_loss
@@ -196,8 +196,6 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             for name in ("gradient_checkpointing", "activation_checkpointing"):  # newer transformers have both
                 if getattr(self.args, name, None):
                     setattr(self.args, name, False)
-        if recompute_layers is not None:  # TRL's __init__ turns HF's flag on for a PEFT model: off on the kept layers
-            hf_checkpointing_only_first(self.model, recompute_layers)
 
     @property
     def compute_metrics(self):
