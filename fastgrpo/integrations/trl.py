@@ -123,18 +123,20 @@ def _fp8_base_problems(fp8_base, patch, model, peft_config, args) -> list[str]:
     outside autocast (fastgrpo's LoRA forward leaves an autocast pass to PEFT's: the base would multiply in bf16)."""
     if not isinstance(fp8_base, bool):
         return [f"fp8_base: expected True or False, got {fp8_base!r}"]
-    if fp8_base and not patch:
+    if not fp8_base:
+        return []
+    if not patch:
         return ["fp8_base: runs in fastgrpo.patch_model's LoRA layers; keep patch=True"]
-    if fp8_base and peft_config is None and not hasattr(model, "peft_config"):
+    if peft_config is None and not hasattr(model, "peft_config"):
         return ["fp8_base: multiplies a LoRA model's frozen base in FP8; pass peft_config (or a PEFT model)"]
-    if fp8_base and getattr(peft_config, "use_dora", False):  # patch_model's refusals, before TRL loads the model
+    if getattr(peft_config, "use_dora", False):  # patch_model's refusals, before TRL loads the model
         return ["fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and peft_config has "
                 "use_dora=True (PEFT's forward runs DoRA, the base in bf16); set use_dora=False"]
-    if fp8_base and getattr(peft_config, "lora_dropout", 0):
+    if getattr(peft_config, "lora_dropout", 0):
         return [f"fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and peft_config has "
                 f"lora_dropout {peft_config.lora_dropout} (training would run PEFT's forward, the base in bf16); set "
                 "lora_dropout=0"]
-    if fp8_base and args is not None and (args.bf16 or args.fp16):
+    if args is not None and (args.bf16 or args.fp16):
         return [f"fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's (the "
                 f"backbone under autocast, the base in {'bf16' if args.bf16 else 'fp16'}); set "
                 f"{'bf16' if args.bf16 else 'fp16'}=False and load the model in bf16 (model_init_kwargs="
