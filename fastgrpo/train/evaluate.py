@@ -169,8 +169,7 @@ def _with_logged_metrics(summary: dict, logged: dict) -> dict:
     """The summary with what the reward functions logged ({name: (mean, function)}: merged_means), each under its own
     name. A name the summary takes, or one added to it later (SUMMARY_ADDED), stops the evaluation as it stops a
     training run: one would hide the other."""
-    taken = add_logged_metrics({**dict.fromkeys(SUMMARY_ADDED), **summary}, logged)  # SUMMARY_ADDED: taken too
-    return {name: value for name, value in taken.items() if name not in SUMMARY_ADDED}
+    return add_logged_metrics(summary, logged, also_taken=SUMMARY_ADDED)
 
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],

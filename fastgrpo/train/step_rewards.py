@@ -62,12 +62,12 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
     return dist.gather_rows(per_func), dist.gather_rows(rewards), failures, logged
 
 
-def add_logged_metrics(metrics: dict, logged: dict) -> dict:
+def add_logged_metrics(metrics: dict, logged: dict, also_taken: Sequence[str] = ()) -> dict:
     """A step's metrics with the ones its reward functions logged (score_groups), each under its own name as TRL logs
-    it. A name fastgrpo logs itself (or adds later: step_s, eval/...; or on a step where a function fails:
-    reward_error/...) stops the run: one would hide the other."""
+    it. A name fastgrpo logs itself (or adds later: step_s, eval/..., the caller's also_taken; or on a step where a
+    function fails: reward_error/...) stops the run: one would hide the other."""
     for name, (value, function) in logged.items():
-        if name in metrics or name == "step_s" or name.startswith(("eval/", "reward_error/")):
+        if name in metrics or name in ("step_s", *also_taken) or name.startswith(("eval/", "reward_error/")):
             raise RewardError(f"reward function {function} logged metric {name!r} with log_metric, a name fastgrpo's "
                               f"own metrics take; give it another (e.g. '{function}/{name}')")
         metrics[name] = value
