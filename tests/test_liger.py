@@ -152,6 +152,23 @@ def test_liger_over_a_patched_model_under_accelerate_hooks_is_refused_at_the_fir
         model.train()(input_ids=ids, attention_mask=mask, labels=ids)
 
 
+def test_liger_inside_peft_modules_to_save_wrappers_is_refused_at_the_first_step():
+    """modules_to_save wraps each layer's norms in a ModulesToSaveWrapper; Liger binds its RMSNorm on the original
+    and the trained copy inside, not on the wrapper. The check read the layer's children (the wrappers, PEFT's
+    forward) and Liger's first kernel ran (here failing in Triton's interpreter)."""
+    from peft import LoraConfig, get_peft_model
+
+    ids, mask = batch(2)
+    lora = LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=["input_layernorm", "post_attention_layernorm"])
+    model = patch_model(get_peft_model(tiny_model("llama"), lora))
+    # Liger's RMSNorm alone: the model's and the MLPs' forwards stay fastgrpo's, the norms are all wrapped
+    _apply_liger_kernel_to_instance(model=model.get_base_model(), rms_norm=True, swiglu=False, rope=False,
+                                    fused_linear_cross_entropy=False)
+    with pytest.raises(ValueError, match=r"^use_liger_kernel: Liger-Kernel's forwards now run in this "
+                                         r"fastgrpo-patched model \(LlamaRMSNorm\)"):
+        model.train()(input_ids=ids, attention_mask=mask, labels=ids)
+
+
 def test_a_patched_model_without_liger_trains_and_generates_as_before(tmp_path):
     """The training-forward check finds nothing on a patched model Liger never touched: HF's Trainer trains it
     (test_patch_hf_trainers compares the numbers) and generate runs."""

@@ -45,6 +45,16 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
     return merged
 
 
+def modules_to_save_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules a PEFT modules_to_save wrapper (ModulesToSaveWrapper) runs in its place: the original and each
+    adapter's trained copy; [] for any other module."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if not isinstance(module, ModulesToSaveWrapper):
+        return []
+    return [module.original_module, *module.modules_to_save.values()]
+
+
 def _ancestors(root: torch.nn.Module, name: str):
     parts = name.split(".") if name else []
     for i in range(1, len(parts)):

@@ -12,6 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fastgrpo.hf.peft import modules_to_save_inside
+
 LIGER_PACKAGE = "liger_kernel"
 PATCHED_ATTR = "fastgrpo_patch_summary"  # patch.SUMMARY_ATTR, there while the model is patched (patch.py imports us)
 _WATCHED_ATTR = "_fastgrpo_liger_watched"
@@ -60,7 +62,9 @@ def _refuse_liger_over_fastgrpo(hf_model: nn.Module, args) -> None:
     if not (hf_model.training and torch.is_grad_enabled()):
         return
     layer = hf_model.__dict__.get(_WATCHED_ATTR)
-    watched = [hf_model, *(layer.children() if layer is not None else ())]
+    children = list(layer.children()) if layer is not None else []
+    # Liger patches the modules inside a PEFT modules_to_save wrapper (its RMSNorm), not the wrapper.
+    watched = [hf_model, *children, *(inner for child in children for inner in modules_to_save_inside(child))]
     names = sorted({type(module).__name__ for module in watched if _runs_liger(module)})
     if names:  # not only over fastgrpo's forwards: beside them (fused_loss=False, then Liger's loss) is a mix too
         raise ValueError(
