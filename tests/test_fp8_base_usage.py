@@ -71,6 +71,20 @@ def test_another_dtype_remakes_the_copies(dtype):
     assert_copies_follow_weights(model)
 
 
+@pytest.mark.parametrize("move", [torch.float32, "meta"])
+def test_a_move_that_changes_the_weights_drops_the_copies_at_once(move):
+    """Before, the copies stayed until the next forward: a model moved from the GPU to the CPU held its GPU copies
+    (on the CPU, "meta" stands in for the other device; test_gpu_a_model_moved_to_the_cpu_frees_its_gpu_copies
+    moves a GPU's). A .to() that changes nothing keeps them; the _apply that drops them goes with them."""
+    model = patched()
+    held = copies(model)
+    model.to("cpu")
+    assert copies(model) == held
+    model.to(move)
+    assert not copies(model)
+    assert not [m for m in model.modules() if "_apply" in m.__dict__]
+
+
 def test_load_state_dict_remakes_the_copies():
     model = patched()
     state = {k: v * 3 if "base_layer.weight" in k else v for k, v in model.state_dict().items()}
@@ -264,3 +278,19 @@ def test_trl_drop_in_refuses_trls_own_config_after_loading(tmp_path_factory, tmp
                         peft_config=LoraConfig(r=4, target_modules=["q_proj"]), fp8_base=True)
     assert str(caught.value).startswith("FastGRPOTrainer cannot honour: fp8_base: runs in fastgrpo's LoRA forward, "
                                         "which leaves TRL's mixed precision to PEFT's")
+
+
+@pytest.mark.gpu
+def test_gpu_a_model_moved_to_the_cpu_frees_its_gpu_copies():
+    model = tiny_lora_model().cuda()
+    fastgrpo.patch_model(model, fp8_base=True)
+    with torch.no_grad():
+        model(ids().cuda())
+    alive = [weakref.ref(q) for q in copies(model).values()]
+    assert len(alive) == 14 and all(ref().is_cuda for ref in alive)
+    model.to("cpu")
+    gc.collect()
+    assert not copies(model) and not [ref for ref in alive if ref() is not None]
+    with torch.no_grad():
+        model(ids())
+    assert_copies_follow_weights(model)

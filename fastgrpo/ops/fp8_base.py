@@ -14,13 +14,16 @@ sum) before g's rows are quantized the same way. Both quantizers are quantize_fp
 (torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
-makes it again whenever the weight changes (in place, which bumps its version counter, or replaced).
+makes it again whenever the weight changes (in place, which bumps its version counter, or replaced). A .to() /
+.cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound while it holds a copy): the
+GPU copies of a model moved to the CPU lived on until its next forward.
 """
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from fastgrpo.hf.binding import WeakBoundMethod
 from fastgrpo.ops._backend import use_triton
 from fastgrpo.ops.fp8_linear import quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import scaled_mm_fits
@@ -72,18 +75,38 @@ def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
     weight = layer.weight
     if not scaled_mm_fits(*weight.shape):
         return None
-    key = (weight.data_ptr(), weight._version, weight.device, weight.dtype)
+    key = _weight_key(weight)
     cached = layer.__dict__.get(FP8_WEIGHT_ATTR)
     if cached is None or cached[0] != key:
         check_fp8_device(weight.device)
-        layer.__dict__.pop(FP8_WEIGHT_ATTR, None)  # the old copy goes before the new one is made
+        drop_fp8_weight(layer)  # the old copy goes before the new one is made
         cached = (key, quantize_fp8(weight.detach()))
         layer.__dict__[FP8_WEIGHT_ATTR] = cached
+        if "_apply" not in layer.__dict__:  # else another library's: the copy waits for the next forward
+            layer.__dict__["_apply"] = WeakBoundMethod(_apply_dropping_stale_copy, layer)
     return cached[1]
 
 
+def _weight_key(weight: torch.Tensor) -> tuple:
+    return weight.data_ptr(), weight._version, weight.device, weight.dtype
+
+
+def _apply_dropping_stale_copy(layer: nn.Module, *args, **kwargs) -> nn.Module:
+    """nn.Module._apply (what .to(), .cuda(), .half() run on every submodule), then the e4m3 copy goes if the weight
+    it was made from moved or changed."""
+    result = type(layer)._apply(layer, *args, **kwargs)
+    cached = layer.__dict__.get(FP8_WEIGHT_ATTR)
+    if cached is not None and cached[0] != _weight_key(layer.weight):
+        drop_fp8_weight(layer)
+    return result
+
+
 def drop_fp8_weight(layer: nn.Module) -> None:
+    """The e4m3 copy goes, and the _apply bound with it."""
     layer.__dict__.pop(FP8_WEIGHT_ATTR, None)
+    bound = layer.__dict__.get("_apply")
+    if isinstance(bound, WeakBoundMethod) and bound.__func__ is _apply_dropping_stale_copy:
+        del layer.__dict__["_apply"]
 
 
 def check_fp8_device(device: torch.device) -> None:
