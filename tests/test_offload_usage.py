@@ -7,13 +7,16 @@ default offloaders exist per CUDA device, so their release is watched on a CPU o
 from __future__ import annotations
 
 import copy
+import re
 import weakref
 
 import pytest
 import torch
 
 import fastgrpo
-from fastgrpo.offload import ActivationOffloader, HostBufferPool, OffloadMemoryError
+from fastgrpo.offload import (
+    ActivationOffloader, HostBufferPool, OffloadMemoryError, enable_offload_checkpointing, offload_checkpoint,
+)
 from fastgrpo.offload import checkpointing as checkpointing_module
 from fastgrpo.offload import offloader as offloader_module
 
@@ -78,6 +81,62 @@ def test_offloaded_backward_equals_the_plain_models_in_fp64(lora, recompute_laye
     offloaded = 3 if recompute_layers is None else recompute_layers
     assert offloader.pool.num_allocations == offloaded  # one 1 MiB buffer per checkpointed layer: it did offload
     assert offloader.pool.bytes_in_use == 0 and offloader.num_live == 0
+
+
+# --- an offloader for another device -----------------------------------------------------------------------------
+
+
+def meta_model():
+    """tiny_model not yet placed: its weights on "meta", whose forward reaches the decoder layers (on the CPU, the
+    other device a model can be on)."""
+    with torch.device("meta"):
+        return tiny_model()
+
+
+def test_an_offloader_for_another_device_is_refused_at_the_first_forward():
+    """Before, the layers left it out and checkpointed plainly, without a word. A model on "meta" is not placed yet,
+    so patch_model lets it through; its first training forward refuses (the GPU test below: placed weights are
+    refused by patch_model). A disabled offloader offloads nothing: any device's inputs pass."""
+    ids = torch.randint(0, 96, (2, 12), device="meta")
+    model = fastgrpo.patch_model(meta_model(), offload_activations=cpu_offloader(), **OFFLOAD_ONLY)
+    with pytest.raises(ValueError, match=r"^offload_activations: the ActivationOffloader is for cpu, and "
+                                         r"Qwen2DecoderLayer's input is on meta; pass one made for meta, or "
+                                         r"offload_activations=True \(each device's default offloader\)$"):
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"^offloader: the ActivationOffloader is for cpu, and the input is on meta; "
+                                         r"pass one made for meta, or offloader=None"):
+        offload_checkpoint(torch.tanh, torch.ones(3, device="meta"), offloader=cpu_offloader())
+    disabled = ActivationOffloader("cpu", pool=HostBufferPool(pin_memory=False), enabled=False)  # offloads nothing
+    fastgrpo.patch_model(model, offload_activations=disabled, **OFFLOAD_ONLY)
+    assert model(input_ids=ids).logits.device.type == "meta"
+
+
+@pytest.mark.gpu
+def test_gpu_an_offloader_for_another_device_is_refused_at_patch_time():
+    for model, offloader, found in [(tiny_model(), ActivationOffloader("cuda:0"), "is for cuda:0, and layer 0 "
+                                     "(Qwen2DecoderLayer) is on cpu; pass one made for cpu"),
+                                    (tiny_model().cuda(), cpu_offloader(), "is for cpu, and layer 0 "
+                                     "(Qwen2DecoderLayer) is on cuda:0; pass one made for cuda:0")]:
+        with pytest.raises(ValueError, match=rf"^offload_activations: the ActivationOffloader {re.escape(found)}, or "
+                                             r"offload_activations=True \(each device's default offloader\)$"):
+            fastgrpo.patch_model(model, offload_activations=offloader)
+        assert "fastgrpo_patch_summary" not in model.__dict__  # refused before anything was bound
+        with pytest.raises(ValueError, match=rf"^offloader: the ActivationOffloader {re.escape(found)}, or "
+                                             r"offloader=None"):
+            enable_offload_checkpointing(model.model.layers, offloader=offloader)
+    # placed after patching: its first training forward refuses
+    model = fastgrpo.patch_model(tiny_model().cuda(), offload_activations=ActivationOffloader("cuda:0")).cpu()
+    with pytest.raises(ValueError, match=r"^offload_activations: the ActivationOffloader is for cuda:0, and "
+                                         r"Qwen2DecoderLayer's input is on cpu; pass one made for cpu"):
+        model(**batch())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_an_offloader_for_another_gpu_is_refused_at_patch_time():
+    with pytest.raises(ValueError, match=r"^offload_activations: the ActivationOffloader is for cuda:1, and layer 0 "
+                                         r"\(Qwen2DecoderLayer\) is on cuda:0; pass one made for cuda:0"):
+        fastgrpo.patch_model(tiny_model().to("cuda:0"), offload_activations=ActivationOffloader("cuda:1"))
 
 
 # --- a bounded pool ---------------------------------------------------------------------------------------------

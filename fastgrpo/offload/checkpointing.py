@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
@@ -101,20 +102,43 @@ def _runner(function: Callable, slot: int | str, args: tuple, kwargs: dict) -> C
 
 
 def _offload_target(
-    args: tuple, kwargs: dict, offloader: ActivationOffloader | None
+    args: tuple, kwargs: dict, offloader: ActivationOffloader | None, setting: str, what: str
 ) -> tuple[int | str, torch.Tensor, ActivationOffloader] | None:
     """(slot, input, offloader) of a call whose input can be offloaded (offloader None: default_offloader of a CUDA
     input's device); None where it is checkpointed plainly: no tensor input, a CPU input without an offloader, a
-    disabled offloader, an input that is not contiguous."""
+    disabled offloader, an input that is not contiguous. An offloader for another device than the input's is refused
+    naming `setting`, `what` (the input's owner) and both devices."""
     slot = _hidden_slot(args, kwargs)
     if slot is None:
         return None
     hidden = args[slot] if isinstance(slot, int) else kwargs[slot]
     if offloader is None and hidden.is_cuda:
         offloader = default_offloader(hidden.device)
-    if offloader is None or not offloader.accepts(hidden):
+    if offloader is None:
+        return None
+    problem = offloader.other_device(hidden.device, what)
+    if problem is not None:
+        raise ValueError(f"{setting}: {problem}, or {_DEFAULT_VALUES[setting]}")
+    if not offloader.accepts(hidden):
         return None
     return slot, hidden, offloader
+
+
+# What gives each device its default offloader, per setting an offloader is passed as.
+_DEFAULT_VALUES = {"offload_activations": "offload_activations=True (each device's default offloader)",
+                   "offloader": "offloader=None (each device's default offloader)"}
+
+
+def check_offloader_device(offloader: ActivationOffloader, layers: list[nn.Module], setting: str) -> None:
+    """One line where a layer's weights are on another device than `offloader`'s, before any layer is wrapped (its
+    inputs would be there too). Layers whose weights are all on "meta" are not placed yet: the first forward checks
+    their inputs."""
+    for i, layer in enumerate(layers):
+        placed = (t.device for t in itertools.chain(layer.parameters(), layer.buffers()) if t.device.type != "meta")
+        device = next(placed, None)
+        problem = None if device is None else offloader.other_device(device, f"layer {i} ({type(layer).__name__})")
+        if problem is not None:
+            raise ValueError(f"{setting}: {problem}, or {_DEFAULT_VALUES[setting]}")
 
 
 @contextlib.contextmanager
@@ -140,13 +164,14 @@ def offload_checkpoint(
 
     The input offloaded is the first tensor positional argument (else kwargs["hidden_states"]); other arguments are
     kept as they are (position embeddings and masks are shared by all layers). offloader: default_offloader of the
-    input's device. Falls back to plain non-reentrant checkpointing for CPU tensors, a disabled offloader, or an
-    input that is not contiguous. Under no_grad the function just runs.
+    input's device; one for another device than the input's is refused. Falls back to plain non-reentrant
+    checkpointing for CPU tensors, a disabled offloader, or an input that is not contiguous. Under no_grad the
+    function just runs.
     Raises OffloadMemoryError (naming the setting to change) when no host buffer can be had.
     """
     if not torch.is_grad_enabled():
         return function(*args, **kwargs)
-    target = _offload_target(args, kwargs, offloader)
+    target = _offload_target(args, kwargs, offloader, "offloader", "the input")
     if target is None:
         return _plain_checkpoint(function, args, kwargs)
     return _checkpoint_offloaded(function, args, kwargs, *target)
@@ -277,7 +302,8 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         )
         return state.inner(*args, **kwargs)
     kwargs = _without_cache(self, kwargs)
-    target = _offload_target(args, kwargs, state.offloader)
+    # Named as patch_model takes it; a layer's weights on another device were refused when it was wrapped.
+    target = _offload_target(args, kwargs, state.offloader, "offload_activations", f"{type(self).__name__}'s input")
     if target is None:
         return _plain_checkpoint(state.inner, args, kwargs)
     slot, hidden, _ = target
@@ -304,15 +330,19 @@ def enable_offload_checkpointing(
 
     Active in training mode with grad enabled; in eval mode or under no_grad the layer runs as before. HF's own
     gradient checkpointing flag on these layers is turned off while this is on (restored by disable).
-    offloader: None uses default_offloader of each input's device (CPU inputs: plain checkpointing). Calling again
-    with an offloader replaces the one in use.
+    offloader: None uses default_offloader of each input's device (CPU inputs: plain checkpointing). One for another
+    device than the layers' is refused (here where their weights are placed, else at the first forward). Calling
+    again with an offloader replaces the one in use.
     tiled_mlp_chunk_tokens: the layers' MLPs run tiled (fastgrpo.ops.tiled_mlp) in chunks of this many tokens; a
     micro-batch of more tokens is then checkpointed the non-reentrant way, whose recompute stops before the MLP (see
     the module docstring). None: untiled. Calling again sets it.
     """
     if tiled_mlp_chunk_tokens is not None:
         check_positive_int("tiled_mlp_chunk_tokens", tiled_mlp_chunk_tokens)
-    for layer in _check_layers(layers):
+    layers = _check_layers(layers)
+    if offloader is not None:
+        check_offloader_device(offloader, layers, "offloader")
+    for layer in layers:
         state = layer.__dict__.get(_STATE_ATTR)
         if state is not None:
             state.offloader = offloader or state.offloader

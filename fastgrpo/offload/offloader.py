@@ -132,12 +132,15 @@ class ActivationOffloader:
         return self  # a per-device resource (stream, host pool): a deepcopy of a model shares it
 
     def accepts(self, tensor: torch.Tensor) -> bool:
-        return (
-            self.enabled
-            and tensor.device == self.device
-            and tensor.is_contiguous()
-            and tensor.numel() > 0
-        )
+        """Whether it offloads `tensor` (else plain checkpointing), which other_device found on its device."""
+        return self.enabled and tensor.is_contiguous() and tensor.numel() > 0
+
+    def other_device(self, device: torch.device, what: str) -> str | None:
+        """Why this offloader cannot take `what` on `device`, or None: it copies one device's tensors, on that
+        device's stream. A disabled one offloads nothing, so any device passes."""
+        if not self.enabled or device == self.device:
+            return None
+        return f"the ActivationOffloader is for {self.device}, and {what} is on {device}; pass one made for {device}"
 
     @property
     def num_live(self) -> int:

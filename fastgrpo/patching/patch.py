@@ -14,6 +14,7 @@ from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers, split_recomputed, unwrap_peft
 from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
+from fastgrpo.offload.checkpointing import check_offloader_device
 from fastgrpo.ops.fp8_base import check_fp8_device, drop_fp8_weight
 from fastgrpo.ops.tiled_mlp import chunk_tokens_for
 from fastgrpo.patching.forwards import (
@@ -59,7 +60,8 @@ def patch_model(
     default offloader of the inputs' device: its pinned host pool is unbounded and kept for reuse until the last
     layer using it is unpatched (or fastgrpo.offload.release_host_memory()). An ActivationOffloader is used instead,
     e.g. ActivationOffloader("cuda", pool=HostBufferPool(max_bytes=8 << 30)) to bound the pinned memory; it is
-    yours: release_host_memory(offloader) gives its memory back.
+    yours: release_host_memory(offloader) gives its memory back. It must be made for the layers' device: one for
+    another is refused (here, or at the first forward of a model not yet placed, on "meta").
     recompute_layers: with offload_activations, checkpoint only the first N decoder layers; the later ones keep their
     activations on the GPU, so the backward does not run them again (a faster update for more memory: measured in
     benchmarks/NOTES.md). None: every layer. The last layers are the ones kept because the backward reaches them
@@ -127,6 +129,8 @@ def patch_model(
     layers = decoder_layers(hf_model, arch)
     refuse_liger_patched(hf_model)
     checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
+    if isinstance(offload_activations, ActivationOffloader):
+        check_offloader_device(offload_activations, checkpointed, "offload_activations")
     tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
     if tiled_mlp is None:
         tiled_mlp = bool(checkpointed)
