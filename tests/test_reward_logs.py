@@ -101,6 +101,25 @@ def test_a_hook_kept_from_an_earlier_call_logs_into_the_batch_scored_now(caplog)
                                "being made)"]
 
 
+def test_a_kept_hook_logging_a_taken_name_is_refused_by_the_batch_scored_now():
+    """A kept log_metric logs into the batch being scored: that batch's caller raises its refusal, not the earlier
+    batch's, which no one looks at any more."""
+    kept = []
+
+    def keeps_its_hook(completions, log_metric, **kwargs):
+        kept.append(log_metric)
+        if len(kept) == 2:
+            kept[0]("loss", 1.0)
+        return [1.0] * len(completions)
+
+    batches = [RewardLogs(taken={"loss"}), RewardLogs(taken={"loss"})]
+    for logs in batches:
+        score([keeps_its_hook], ["p"], ["a"], {}, logs=logs)
+    assert batches[0].clash is None and batches[1].values == {}
+    assert batches[1].clash.startswith("reward function keeps_its_hook logged metric 'loss' with log_metric (at "
+                                       "test_reward_logs.py:")
+
+
 def test_finding_the_row_a_function_raised_on_warns_of_no_kept_hook(caplog):
     """When the run stops, the function that raised is called again row by row: a hook it kept is called inside a
     reward call then, not "outside any reward call"."""
@@ -203,25 +222,58 @@ def test_a_step_that_skips_a_failed_function_logs_none_of_its_values(tmp_path):
                                                                                            (0, 1.0, 0.5)]
 
 
-def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run(tmp_path):
-    """Under the name of fastgrpo's own metric, one value would hide the other."""
+def _weights(model) -> dict:
+    return {name: tensor.clone() for name, tensor in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("name, fields", [("loss", {}), ("accuracy", {"eval_steps": 1, "eval_max_examples": 2})])
+def test_a_logged_metric_named_as_one_of_fastgrpos_stops_the_run_before_the_update(tmp_path, name, fields):
+    """Under the name of fastgrpo's own metric, one value would hide the other: refused as the function logs it, so
+    the first step stops before its update (the weights and the optimizer untouched, nothing saved), with the line
+    that logged it. "loss" is known only after the update; "accuracy" is the periodic evaluation's (same functions),
+    which would first run after the step."""
     def clashing(completions, log_metric, **kwargs):
-        log_metric("kl", 0.0)
+        log_metric(name, 0.0)
+        return [float(i % 2) for i in range(len(completions))]  # advantages not 0: an update moves the weights
+
+    trainer = _trainer(tmp_path, clashing, max_steps=1, **fields)
+    before = _weights(trainer.model)
+    with pytest.raises(RewardError, match=rf"^reward function clashing logged metric '{name}' with log_metric \(at "
+                                          rf"test_reward_logs.py:\d+, in clashing\), a name fastgrpo's own metrics "
+                                          rf"take; give it another \(e.g. 'clashing/{name}'\)$"):
+        trainer.train()
+    after = _weights(trainer.model)
+    assert all(torch.equal(before[k], after[k]) for k in before) and not trainer.optimizer.state
+    assert trainer.step == 0 and not list(tmp_path.glob("checkpoint-*"))
+
+
+def test_every_metric_of_a_step_is_a_name_log_metric_may_not_take(tmp_path):
+    """The names refused as they are logged cover everything a step writes (its evaluation's, the rollout
+    correction's too): none would be found first after the update."""
+    def judge(completions, log_metric, **kwargs):
+        log_metric("judge/seen", 1.0)
         return [1.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"^reward function clashing logged metric 'kl' with log_metric, a name "
-                                          r"fastgrpo's own metrics take; give it another \(e.g. 'clashing/kl'\)$"):
-        _trainer(tmp_path, clashing, max_steps=1).train()
+    trainer = _trainer(tmp_path, judge, max_steps=1, eval_steps=1, eval_max_examples=2, beta=0.1,
+                       rollout_correction="truncate")
+    metrics = trainer.train()[0]
+    assert "rollout_is_weight_mean" in metrics and "eval/accuracy" in metrics
+    assert [name for name in metrics if name not in trainer.taken_names] == ["judge/seen"]
 
 
 def test_a_logged_metric_named_as_a_reward_error_is_refused_on_every_step():
     """reward_error/<function> is in a step's metrics only on the steps where that function fails: the name is refused
     on a step without failures too, not first on the step (and the process) where the function fails."""
-    from fastgrpo.train.step_rewards import add_logged_metrics
+    from fastgrpo.train.step_rewards import metric_names
 
-    with pytest.raises(RewardError, match=r"^reward function judge logged metric 'reward_error/judge' with "
-                                          r"log_metric, a name fastgrpo's own metrics take"):
-        add_logged_metrics({"reward_errors": 0}, {"reward_error/judge": (1.0, "judge")})
+    def judge(completions, log_metric, **kwargs):
+        log_metric("reward_error/judge", 1.0)
+        return [1.0] * len(completions)
+
+    logs = RewardLogs(taken=metric_names(["reward"], ["judge"]))
+    _, failures = score([judge], ["p"], ["a"], {}, logs=logs)
+    assert not failures and logs.values == {} and logs.clash.startswith(
+        "reward function judge logged metric 'reward_error/judge' with log_metric (at test_reward_logs.py:")
 
 
 def _logs_by_rank(rank: int, tmp) -> dict:

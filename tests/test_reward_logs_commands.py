@@ -7,6 +7,7 @@ import json
 import logging
 
 import pytest
+import torch
 
 from fastgrpo.rewards.scoring import RewardError
 from fastgrpo.rollout import BuiltinEngine, SamplingParams
@@ -38,24 +39,33 @@ def _ei(tmp_path, reward, **fields) -> ExpertIteration:
 def test_an_expert_iteration_round_records_what_its_rewards_log(tmp_path, caplog):
     """The round's 8 completions (4 questions x 2) are scored at once: the round's line in metrics.jsonl has 8.0, null
     for a name never measured; the evaluations before and after the round (3 rows, one batch) have theirs as
-    eval/<name> (a null one left out, as the summary's other null fields are)."""
+    eval/<name> (a null one left out, as the summary's other null fields are). Every other name of the round is one
+    log_metric may not take."""
+    run = _ei(tmp_path, counting_judge, eval_steps=1, eval_max_examples=3)
     with caplog.at_level(logging.WARNING, logger="fastgrpo"):
-        history = _ei(tmp_path, counting_judge, eval_steps=1, eval_max_examples=3).train()
+        history = run.train()
     start, line = [json.loads(text) for text in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert line["judge/batch_size"] == history[0]["judge/batch_size"] == 8.0 and line["judge/unmeasured"] is None
     assert start["eval/judge/batch_size"] == line["eval/judge/batch_size"] == 3.0  # one batch of the 3 rows
     assert "eval/judge/unmeasured" not in line and "log_metric" not in caplog.text
+    assert [name for name in history[0] if name not in run.taken_names] == ["judge/batch_size", "judge/unmeasured"]
 
 
-def test_a_logged_metric_named_as_one_of_a_rounds_stops_the_run(tmp_path):
+def test_a_logged_metric_named_as_one_of_a_rounds_stops_the_run_before_its_fine_tuning(tmp_path):
+    """Every completion is correct (reward 1.0), so the round would fine-tune on them: refused as the function logs
+    the name, the round stops before, the weights untouched and nothing saved."""
     def clashing(completions, log_metric, **kwargs):
         log_metric("kept_frac", 1.0)
-        return [0.0] * len(completions)
+        return [1.0] * len(completions)
 
-    with pytest.raises(RewardError, match=r"^reward function clashing logged metric 'kept_frac' with log_metric, a "
-                                          r"name fastgrpo's own metrics take; give it another \(e.g. "
-                                          r"'clashing/kept_frac'\)$"):
-        _ei(tmp_path, clashing).train()
+    run = _ei(tmp_path, clashing)
+    before = {name: tensor.clone() for name, tensor in run.model.state_dict().items()}
+    with pytest.raises(RewardError, match=r"^reward function clashing logged metric 'kept_frac' with log_metric \(at "
+                                          r"test_reward_logs_commands.py:\d+, in clashing\), a name fastgrpo's own "
+                                          r"metrics take; give it another \(e.g. 'clashing/kept_frac'\)$"):
+        run.train()
+    assert all(torch.equal(before[name], tensor) for name, tensor in run.model.state_dict().items())
+    assert run.round == 0 and not list(tmp_path.glob("checkpoint-*"))
 
 
 def _task(reward, rows: int = 3):
@@ -72,17 +82,24 @@ def test_an_evaluation_summary_has_the_mean_of_every_batchs_values():
     assert summary["judge/batch_size"] == pytest.approx(20 / 6) and summary["judge/unmeasured"] is None
 
 
-@pytest.mark.parametrize("name", ["accuracy", "dataset"])
-def test_a_logged_metric_named_as_a_summarys_field_stops_the_evaluation(name):
-    """A field of the summary, or one the command adds to it (the dataset evaluated), would be hidden."""
+@pytest.mark.parametrize("name", ["accuracy", "dataset", "pass@2"])
+def test_a_logged_metric_named_as_a_summarys_field_stops_the_evaluation_at_once(name):
+    """A field of the summary, or one the command adds to it (the dataset evaluated), would be hidden (pass@k: with
+    several samples per row): the evaluation stops at the first batch that logs it (of 3 rows, one per batch), not
+    after generating them all."""
+    calls = []
+
     def clashing(completions, log_metric, **kwargs):
+        calls.append(len(completions))
         log_metric(name, 1.0)
         return [0.0] * len(completions)
 
     engine, tokenizer, task = _task(clashing)
-    with pytest.raises(RewardError, match=rf"^reward function clashing logged metric '{name}' with log_metric, a name "
-                                          rf"fastgrpo's own metrics take; give it another \(e.g. 'clashing/{name}'\)$"):
-        evaluate(engine, tokenizer, task, SamplingParams(max_new_tokens=2))
+    with pytest.raises(RewardError, match=rf"^reward function clashing logged metric '{name}' with log_metric \(at "
+                                          rf"test_reward_logs_commands.py:\d+, in clashing\), a name fastgrpo's own "
+                                          rf"metrics take; give it another \(e.g. 'clashing/{name}'\)$"):
+        evaluate(engine, tokenizer, task, SamplingParams(max_new_tokens=2), batch_size=1)
+    assert calls == [1]
 
 
 def test_fastgrpo_eval_writes_them_in_its_summary(tmp_path, monkeypatch):

@@ -7,15 +7,21 @@ expert-iteration round in its line of metrics.jsonl, an evaluation in its summar
 metrics line of the step it ran at). A NaN value is "not measured" (left out; a name with none logs null, as TRL's
 log() drops NaN). Values of a call that raised are dropped (reward_errors="skip"), a hook kept past its call logs into
 the batch being scored (RewardLogs). score() called without a RewardLogs records none, with a warning once per name.
+A name the command's own metrics take (RewardLogs' `taken`) is refused as it is logged, before the command changes
+anything (the caller raises `clash`).
 log_extra(column, values): a column of TRL's completions table (its log_completions), which fastgrpo does not keep:
 taken and not recorded, with a warning once per column.
 """
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
+import os
 import threading
+import traceback
+from collections.abc import Container
 
 logger = logging.getLogger(__name__)
 HOOKS = ("log_extra", "log_metric")
@@ -26,6 +32,33 @@ def _warn_once(hook: str, name: str, message: str, *args) -> None:
     if (hook, name) not in _warned:
         _warned.add((hook, name))
         logger.warning(message, *args)
+
+
+@dataclasses.dataclass(frozen=True)
+class TakenNames:
+    """The metric names a command's own metrics take: `names`, and every name starting with one of `prefixes`."""
+
+    names: frozenset[str] = frozenset()
+    prefixes: tuple[str, ...] = ()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names or name.startswith(self.prefixes)
+
+    def __or__(self, other: TakenNames) -> TakenNames:
+        return TakenNames(self.names | other.names, self.prefixes + other.prefixes)
+
+
+def clash_message(function: str, name: str, where: str = "") -> str:
+    """The error of reward function `function` logging metric `name` that fastgrpo's own metrics take; where: the
+    line that logged it (" (at my_rewards.py:3, in judge)")."""
+    return (f"reward function {function} logged metric {name!r} with log_metric{where}, a name fastgrpo's own metrics "
+            f"take; give it another (e.g. '{function}/{name}')")
+
+
+def _calling_line() -> str:
+    """ (at file:line, in function) of the innermost frame outside this module: the line that called log_metric."""
+    frame = [f for f in traceback.extract_stack() if f.filename != __file__][-1]
+    return f" (at {os.path.basename(frame.filename)}:{frame.lineno}, in {frame.name})"
 
 
 def metric_value(name, value) -> float:
@@ -52,12 +85,17 @@ class RewardLogs:
     it meant to (reward_errors="skip" trains on), so its values are dropped, its names kept (null: not measured).
     TRL's hooks are one pair for the whole run, fastgrpo's one per call: a hook kept from an earlier call (or used by
     a thread still running after its call returned) logs into the batch being scored now, as TRL's would; with none
-    being scored, what it logs is not recorded (a warning says so)."""
+    being scored, what it logs is not recorded (a warning says so).
 
-    def __init__(self, recorded: bool = True):
+    taken: the names the command's own metrics take (TakenNames). Logging one records nothing: `clash` is then the
+    error of the first such call (clash_message, naming its line), which the caller raises once the functions
+    return, before it changes anything (a training step's update would be lost with the step's metrics)."""
+
+    def __init__(self, recorded: bool = True, taken: Container[str] = ()):
         self.values: dict[str, list[float]] = {}
         self.sources: dict[str, str] = {}
-        self.recorded = recorded
+        self.recorded, self.taken = recorded, taken
+        self.clash: str | None = None
         self._calls: dict[str, _FunctionHooks] = {}  # {function: its hooks in the call not settled yet}
         self._lock = threading.Lock()  # a reward may log from a thread pool while its call is settled
 
@@ -90,19 +128,29 @@ class RewardLogs:
         with self._lock:
             if hooks.settled:
                 return False
-            hooks.pending.append((name, value))
+            if not self._refused(hooks.function, name):
+                hooks.pending.append((name, value))
         self._warn_if_unrecorded(hooks.function, name)
         return True
 
     def hold_late(self, function: str, name: str, value: float) -> None:
         """A value from a hook of an earlier call of `function`: held with this batch's call of it, if unsettled."""
         with self._lock:
+            if self._refused(function, name):
+                return
             call = self._calls.get(function)
             if call is not None:
                 call.pending.append((name, value))
             else:
                 self._record(function, name, value)
         self._warn_if_unrecorded(function, name)
+
+    def _refused(self, function: str, name: str) -> bool:
+        """Whether `name` is taken (called holding the lock); the first taken one logged becomes `clash`."""
+        if name not in self.taken:
+            return False
+        self.clash = self.clash or clash_message(function, name, _calling_line())
+        return True
 
     def _record(self, function: str, name: str, value: float) -> None:
         self.values.setdefault(name, [])

@@ -7,7 +7,8 @@ shape with the right answer; the reward is the answer reward). Other rewards lea
 A completion counts as correct when its (weighted) reward is >= correct_threshold; accuracy is the correct fraction.
 With several completions per prompt the summary has pass@k too (pass_at_k), and with several reward functions the
 mean of each (rewards/<name>, as in train's metrics). What the reward functions log with TRL's log_metric is in the
-summary under its own name, the mean over the whole evaluation (fastgrpo.rewards.reward_logs).
+summary under its own name, the mean over the whole evaluation (fastgrpo.rewards.reward_logs); a name the summary
+takes (summary_names) stops the evaluation at the batch that logs it.
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ import torch
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.rewards.answers import r1_zero_grades
-from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
+from fastgrpo.rewards.reward_logs import RewardLogs, TakenNames, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, traceback_of, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
@@ -34,13 +35,24 @@ from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import write_whole
-from fastgrpo.train.step_rewards import add_logged_metrics, completion_id_lists
+from fastgrpo.train.step_rewards import add_logged_metrics, completion_id_lists, metric_names, refuse_taken
 from fastgrpo.train.step_rewards import trainer_state as default_trainer_state
 from fastgrpo.train.versions import library_versions
 
 logger = logging.getLogger(__name__)
 # what PeriodicEval ("step") and `fastgrpo eval` (the model's source, the dataset, the config) add to a summary
 SUMMARY_ADDED = ("step", "model", "checkpoint", "dataset", "config")
+# the summary's own fields (summarize, then evaluate's settings); pass@k are taken by their prefix
+SUMMARY_FIELDS = ("num_examples", "num_samples", "accuracy", "reward", "format_rate", "answer_rate",
+                  "completion_length", "completion_length_correct", "completion_length_wrong", "completion_length_max",
+                  "truncated_frac", "reward_funcs", "reward_errors", "seconds", "tokens_per_s", "sampling", "versions",
+                  "date")
+
+
+def summary_names(reward_names: Sequence[str]) -> TakenNames:
+    """The names an evaluation's summary takes (with rewards/<name> of each of `reward_names`): a reward function's
+    log_metric may take none of them, in `fastgrpo eval` or in a periodic evaluation of a run."""
+    return metric_names((*SUMMARY_FIELDS, *SUMMARY_ADDED), reward_names) | TakenNames(prefixes=("pass@",))
 
 
 @dataclasses.dataclass
@@ -162,14 +174,8 @@ def evaluate(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: Samplin
                              "stop": stop},
                 "versions": library_versions(), "date": datetime.now(timezone.utc).isoformat(timespec="seconds")}
     summary = {**summarize(records, names, errors, seconds, tokens), **settings}
-    return records, _with_logged_metrics(summary, merged_means([logged for _, _, logged in shares]))
-
-
-def _with_logged_metrics(summary: dict, logged: dict) -> dict:
-    """The summary with what the reward functions logged ({name: (mean, function)}: merged_means), each under its own
-    name. A name the summary takes, or one added to it later (SUMMARY_ADDED), stops the evaluation as it stops a
-    training run: one would hide the other."""
-    return add_logged_metrics(summary, logged, also_taken=SUMMARY_ADDED)
+    logged = merged_means([logged for _, _, logged in shares])  # each under its own name, as in a training step's
+    return records, add_logged_metrics(summary, logged, summary_names(names))
 
 
 def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: SamplingParams, positions: list[int],
@@ -179,7 +185,7 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
     RewardLogs) of the rows at `positions`, batch_size per call."""
     names = reward_names(task.reward_funcs)
     weights = torch.tensor(task.reward_weights or [1.0] * len(names), dtype=torch.float64)
-    records, errors, logs = [], {}, RewardLogs()
+    records, errors, logs = [], {}, RewardLogs(taken=summary_names(names))
     keyed = accepts_prompt_keys(engine)
     engine.reacquire_memory()
     for start in range(0, len(positions), batch_size):
@@ -196,6 +202,7 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
         per_func, failures = score(task.reward_funcs, prompts, out.texts, columns,  # per_func: [n, F]
                                    completion_ids=completion_id_lists(out.completion_ids, out.completion_mask),
                                    trainer_state=trainer_state, logs=logs)
+        refuse_taken(logs)
         check_reward_failures(failures, reward_errors, warn=False)  # skipped: evaluate warns of the whole
         for name, failure in failures.items():
             errors[name] = str(failure)

@@ -50,9 +50,13 @@ from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
-from fastgrpo.train.step_rewards import add_logged_metrics, trainer_state
+from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, refuse_taken, trainer_state
 
 logger = logging.getLogger(__name__)
+# The names of a round's metrics (run_round), which log_metric may not take
+ROUND_METRICS = ("round", "reward", "reward_std", "reward_errors", "kept", "kept_repeats_dropped", "kept_frac",
+                 "questions_solved_frac", "sft_steps", "sft_loss_first", "sft_loss_last", "completion_length",
+                 "truncated_frac", "rollout_s", "sft_s")
 
 
 def check_process_split(config: EIConfig, world_size: int) -> None:
@@ -137,6 +141,9 @@ class ExpertIteration:
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
         self.evaluator = ei_evaluator(self)  # None unless eval_steps
+        # what a reward function may not log: a name of the round's metrics, or of the evaluation's (same functions)
+        taken = metric_names(ROUND_METRICS, reward_names(self.reward_funcs))
+        self.taken_names = taken if self.evaluator is None else taken | self.evaluator.taken_names
         self._guard: InterruptGuard | None = None  # while train() runs
         self.last_kept: list[SFTExample] = []  # the SFT examples of the latest round
 
@@ -159,13 +166,14 @@ class ExpertIteration:
         # 2. Score (a failing function stops every process); gather the round's (completion ids, finish reason) and
         # rewards and what the functions logged; keep the completions marked correct, as (prompt ids, sampled
         # completion ids).
-        texts, logs = [text for _, text, _ in samples], RewardLogs()
+        texts, logs = [text for _, text, _ in samples], RewardLogs(taken=self.taken_names)
         prompts = [row[config.prompt_column] for row in rows for _ in range(G)]
         columns = {k: [row[k] for row in rows for _ in range(G)] for k in rows[0] if k != config.prompt_column}
         per_func, errors = score(self.reward_funcs, prompts, texts, columns,  # per_func: [N, F]
                                  completion_ids=[ids for ids, _, _ in samples],
                                  trainer_state=trainer_state(self.round, config.ei_steps), logs=logs)
-        dist.raise_together(lambda: check_reward_failures(errors, config.reward_errors, warn=False))
+        dist.raise_together(lambda: refuse_taken(logs) or check_reward_failures(errors, config.reward_errors,
+                                                                                warn=False))
         samples, per_func, errors = gather_round(dist, positions, [(ids, reason) for ids, _, reason in samples],
                                                  per_func, errors, G)
         logged = merged_means(dist.gather_objects((logs.values, logs.sources)))  # {name: (mean, function)}
@@ -213,7 +221,7 @@ class ExpertIteration:
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
-        return add_logged_metrics(metrics, logged)
+        return add_logged_metrics(metrics, logged, self.taken_names)
 
     def _sample(self, indices: list[int], positions: list[int]) -> list[tuple[list[int], str, str]]:
         """(completion token ids, text, finish reason) of num_generations samples of each question at `positions` of

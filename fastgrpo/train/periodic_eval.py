@@ -11,9 +11,11 @@ import logging
 import re
 from pathlib import Path
 
+from fastgrpo.rewards.reward_logs import TakenNames
+from fastgrpo.rewards.scoring import reward_names
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, write_eval
+from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, summary_names, write_eval
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import eval_rows, resolve_reward
 from fastgrpo.train.prompts import stop_strings
@@ -61,6 +63,12 @@ class PeriodicEval:
         if not dist.is_main:
             return {}
         return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    @property
+    def taken_names(self) -> TakenNames:
+        """The names its summary takes: a run refuses them as a reward function logs them on its first step, not
+        first at the evaluation, after steps it would then lose."""
+        return summary_names(reward_names(self.task.reward_funcs))
 
     def drop_replaced(self, first_step: int) -> None:
         """Delete the files of evaluations at first_step or later: a run resumed from an earlier checkpoint than its

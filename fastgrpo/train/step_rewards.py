@@ -2,12 +2,12 @@
 says, the scores weighted into one reward per completion, and the metrics the functions logged (TRL's log_metric)."""
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 
 import torch
 
 from fastgrpo.loss.grpo import weighted_rewards
-from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
+from fastgrpo.rewards.reward_logs import RewardLogs, TakenNames, clash_message, merged_means
 from fastgrpo.rewards.scoring import RewardError, RewardFailure, check_failures, score, warn_unscored
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
@@ -28,8 +28,23 @@ def completion_id_lists(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]
     return [row[keep].tolist() for row, keep in zip(ids, mask)]
 
 
+def metric_names(own: Iterable[str], reward_names: Sequence[str]) -> TakenNames:
+    """The names a command's metrics take: `own`, rewards/<name> of each reward function and, as a training step's
+    or a round's metrics get them later or on a step where a function fails, step_s, eval/... and reward_error/...
+    """
+    return TakenNames(frozenset({*own, "step_s", *(f"rewards/{name}" for name in reward_names)}),
+                      ("eval/", "reward_error/"))
+
+
+def refuse_taken(logs: RewardLogs) -> None:
+    """Stop the run when a reward function logged a name its command's metrics take (RewardLogs.clash): raised
+    as the functions return, before anything changed."""
+    if logs.clash is not None:
+        raise RewardError(logs.clash)
+
+
 def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, dataset, indices: list[int], batch: dict,
-                 config: GRPOConfig, dist: Distributed, step: int,
+                 config: GRPOConfig, dist: Distributed, step: int, taken: Container[str] = (),
                  ) -> tuple[torch.Tensor, torch.Tensor, dict[str, RewardFailure], dict]:
     """Score this process's groups (dataset rows `indices`, num_generations completions each, rows grouped by
     prompt; batch: their rollout, texts and [prompt | completion] ids with the completion mask) at optimizer step
@@ -38,7 +53,8 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
     with log_metric on every process ({name: (mean, function)}: merged_means).
 
     A failing function stops the run (reward_errors="raise": every process raises, naming the function and the
-    first bad row) or scores its failed samples 0 (reward_errors="skip": logged).
+    first bad row) or scores its failed samples 0 (reward_errors="skip": logged). A metric name in `taken` (the
+    step's own: metric_names) stops it either way.
     """
     G = config.num_generations
     rows = [dataset[i] for i in indices]
@@ -47,13 +63,13 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
     completions = batch["texts"]
     trainer = dict(completion_ids=completion_id_lists(batch["input_ids"], batch["completion_mask"]),
                    trainer_state=trainer_state(step, config.max_steps))
-    logs = RewardLogs()
+    logs = RewardLogs(taken=taken)
     per_func, failures = score(reward_funcs, prompts, completions, columns, logs=logs, **trainer)  # per_func: [N, F]
 
     def describe_row(row: int) -> str:
         return f"dataset row {indices[row // G]} (completion {row % G + 1} of {G})"
 
-    dist.raise_together(lambda: failures and check_failures(
+    dist.raise_together(lambda: refuse_taken(logs) or failures and check_failures(
         failures, reward_funcs, prompts, completions, columns, on_error=config.reward_errors,
         describe_row=describe_row, **trainer))
     rewards = weighted_rewards(per_func, weights)  # rewards: [N]; NaN where no function applied
@@ -62,13 +78,12 @@ def score_groups(reward_funcs: Sequence[Callable], weights: torch.Tensor, datase
     return dist.gather_rows(per_func), dist.gather_rows(rewards), failures, logged
 
 
-def add_logged_metrics(metrics: dict, logged: dict, also_taken: Sequence[str] = ()) -> dict:
+def add_logged_metrics(metrics: dict, logged: dict, taken: Container[str] = ()) -> dict:
     """A step's metrics with the ones its reward functions logged (score_groups), each under its own name as TRL logs
-    it. A name fastgrpo logs itself (or adds later: step_s, eval/..., the caller's also_taken; or on a step where a
-    function fails: reward_error/...) stops the run: one would hide the other."""
+    it. RewardLogs refused the names in `taken` (the command's: metric_names) as they were logged; one that still
+    meets a name of `metrics` stops the run all the same: one would hide the other."""
     for name, (value, function) in logged.items():
-        if name in metrics or name in ("step_s", *also_taken) or name.startswith(("eval/", "reward_error/")):
-            raise RewardError(f"reward function {function} logged metric {name!r} with log_metric, a name fastgrpo's "
-                              f"own metrics take; give it another (e.g. '{function}/{name}')")
+        if name in metrics or name in taken:
+            raise RewardError(clash_message(function, name))
         metrics[name] = value
     return metrics

@@ -45,11 +45,18 @@ from fastgrpo.train.options import (
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_engine
-from fastgrpo.train.step_rewards import add_logged_metrics, score_groups
+from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
 ADVANTAGE_EPS = 1e-4
+# The names of a step's metrics (train_step; the rollout correction's among them), which log_metric may not take
+STEP_METRICS = ("step", "reward", "reward_std", "reward_errors", "frac_reward_zero_std", "kl", "kl_p95", "beta",
+                "rollout_logp_diff", "rollout_logp_diff_max", "rollout_is_weight_mean", "rollout_is_weight_min",
+                "rollout_is_weight_max", "rollout_truncated_frac", "rollout_masked_frac", "loss", "grad_norm",
+                "clip_ratio", "entropy", "entropy_coef", "completion_length", "completion_length_max",
+                "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "reference_s",
+                "train_s", "peak_gpu_mem_gib")
 
 
 class GRPOTrainer:
@@ -101,6 +108,9 @@ class GRPOTrainer:
         self._saved_identity = None  # its checkpoint_identity: train() again continues there only while it is ours
         self._saved_time = time.monotonic()
         self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
+        # what a reward function may not log: a name of the step's metrics, or of the evaluation's (same functions)
+        taken = metric_names(STEP_METRICS, reward_names(self.reward_funcs))
+        self.taken_names = taken if self.evaluator is None else taken | self.evaluator.taken_names
 
     # ---- one step ----
     def train_step(self) -> dict:
@@ -118,7 +128,8 @@ class GRPOTrainer:
         # or scores its failed samples 0 (reward_errors="skip"). per_func [N, F], rewards [N]: the whole batch's;
         # logged: what the functions logged with TRL's log_metric, a part of the step's metrics.
         per_func, rewards, errors, logged = score_groups(self.reward_funcs, self.reward_weights, self.dataset,
-                                                         indices, batch, config, self.dist, self.step)
+                                                         indices, batch, config, self.dist, self.step,
+                                                         self.taken_names)
 
         # 3. Group-normalized advantages.
         advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
@@ -183,7 +194,7 @@ class GRPOTrainer:
         }
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
-        return self.dist.combine_metrics(add_logged_metrics(metrics, logged))
+        return self.dist.combine_metrics(add_logged_metrics(metrics, logged, self.taken_names))
 
     def _rollout(self, prompt_ids: list[list[int]], keys: list[int]) -> dict:
         """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
