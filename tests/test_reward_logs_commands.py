@@ -14,7 +14,7 @@ from fastgrpo.rollout import BuiltinEngine, SamplingParams
 from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
 from fastgrpo.train.ei_config import EIConfig
-from fastgrpo.train.evaluate import build_eval_task, evaluate
+from fastgrpo.train.evaluate import build_eval_task, evaluate, logged_metrics
 from fastgrpo.train.expert_iteration import ExpertIteration
 
 
@@ -80,6 +80,7 @@ def test_an_evaluation_summary_has_the_mean_of_every_batchs_values():
     engine, tokenizer, task = _task(counting_judge)
     _, summary = evaluate(engine, tokenizer, task, SamplingParams(max_new_tokens=2), num_generations=2, batch_size=2)
     assert summary["judge/batch_size"] == pytest.approx(20 / 6) and summary["judge/unmeasured"] is None
+    assert logged_metrics(summary) == {"judge/batch_size": summary["judge/batch_size"], "judge/unmeasured": None}
 
 
 @pytest.mark.parametrize("name", ["accuracy", "dataset", "pass@2"])
@@ -102,7 +103,7 @@ def test_a_logged_metric_named_as_a_summarys_field_stops_the_evaluation_at_once(
     assert calls == [1]
 
 
-def test_fastgrpo_eval_writes_them_in_its_summary(tmp_path, monkeypatch):
+def test_fastgrpo_eval_writes_them_in_its_summary_and_its_line(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "my_rewards.py").write_text(
         "def judge(completions, log_metric, **kwargs):\n"
@@ -111,6 +112,7 @@ def test_fastgrpo_eval_writes_them_in_its_summary(tmp_path, monkeypatch):
     assert main(["eval", "--output-dir", "out", "--max-examples", "3", "--batch-size", "2", "--reward-funcs",
                  "my_rewards.py:judge"]) == 0
     assert json.loads((tmp_path / "out" / "summary.json").read_text())["judge/seen"] == 1.5  # batches of 2 and 1
+    assert "reward 1.000, judge/seen 1.500 over 3 completions; " in capsys.readouterr().out
 
 
 def _logged_by_rank(rank: int, tmp) -> list[dict]:

@@ -313,7 +313,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import eval_task_before_load
-    from fastgrpo.train.evaluate import evaluate, log_generations, write_eval
+    from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
 
     config = config_from_args("eval", args)
@@ -346,7 +346,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                        f"answer {summary['answer_rate']:.3f}")
     best_of = f", pass@{config.num_generations} {summary[f'pass@{config.num_generations}']:.3f}" \
         if config.num_generations > 1 else ""
-    print(f"accuracy {summary['accuracy']:.3f}{best_of}, reward {number(summary['reward'])}{rates} over "
+    logged = "".join(f", {name} {number(value)}" for name, value in logged_metrics(summary).items())  # log_metric's
+    print(f"accuracy {summary['accuracy']:.3f}{best_of}, reward {number(summary['reward'])}{rates}{logged} over "
           f"{summary['num_samples']} completions; {output / 'results.jsonl'}, {output / 'summary.json'}")
     return 0
 

@@ -55,6 +55,12 @@ def summary_names(reward_names: Sequence[str]) -> TakenNames:
     return metric_names((*SUMMARY_FIELDS, *SUMMARY_ADDED), reward_names) | TakenNames(prefixes=("pass@",))
 
 
+def logged_metrics(summary: dict) -> dict:
+    """What the reward functions logged with log_metric in an evaluation's summary: {name: mean}, in name order."""
+    taken = summary_names(summary["reward_funcs"])
+    return {name: value for name, value in summary.items() if name not in taken}
+
+
 @dataclasses.dataclass
 class EvalTask:
     """Rows to evaluate on (reward functions read their columns), each with its prompt's token ids."""
