@@ -105,6 +105,33 @@ def test_bad_input_and_failing_rewards(tmp_path):
         run.run_round()
 
 
+def test_a_failing_reward_saves_the_rounds_before_it(tmp_path):
+    """Without a checkpoint every round (save_steps=0: only at the end), a reward function failing in round 3 stops
+    the run after saving round 2, as train saves the step before a failing one: the rounds done are not lost."""
+    from fastgrpo.train.checkpoint import list_checkpoints
+
+    calls = []
+
+    def fails_in_round_3(prompts, completions, **columns):
+        calls.append(1)
+        if len(calls) == 3:
+            raise ZeroDivisionError("division by zero")
+        return [float(i % 2 == 0) for i in range(len(completions))]
+
+    _, run = _run(fails_in_round_3, tmp_path, ei_steps=3, save_steps=0, export=False, progress_bar=False,
+                  logging_steps=0)
+    with pytest.raises(RewardError, match=r"^reward function fails_in_round_3 raised ZeroDivisionError: division by "
+                                          r"zero .*; round 2 is saved in .*checkpoint-2: continue with resume=True "
+                                          r"once fixed$"):
+        run.train()
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2]
+    calls.clear()  # saved every round: the message names the checkpoint the round before wrote
+    _, run = _run(fails_in_round_3, tmp_path / "every", ei_steps=3, save_steps=1, export=False, progress_bar=False,
+                  logging_steps=0)
+    with pytest.raises(RewardError, match=r"; round 2 is saved in .*every/checkpoint-2: continue with resume=True"):
+        run.train()
+
+
 def test_console_and_a_stop_count_rounds(tmp_path, capsys):
     """ei's console lines and its stop message say round (its metrics' and --ei-steps' word), not step: a SIGINT
     while round 2 scores abandons that round (round 1's checkpoint, written by --save-steps, stays the last)."""

@@ -29,7 +29,7 @@ import torch
 
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
-from fastgrpo.rewards.scoring import nan_mean, nan_std, reward_names, score, warn_unscored
+from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
@@ -261,7 +261,8 @@ class ExpertIteration:
         As GRPOTrainer.train: the output folder is locked and a fresh run refuses one holding another run (run_dir:
         the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all). A signal while a
         round samples abandons it (the checkpoint is the previous round's); once its SFT began, the round finishes,
-        is saved, and Interrupted is raised (on every process, when any got one).
+        is saved, and Interrupted is raised (on every process, when any got one). A failing reward function
+        (reward_errors="raise") saves the round before it, then raises RewardError.
         """
         config, dist = self.config, self.dist
         with contextlib.ExitStack() as stack:
@@ -292,11 +293,17 @@ class ExpertIteration:
                 guard.abandonable = True  # until the round's SFT starts
                 try:
                     metrics = self.run_round()
-                except Interrupted as stop:
+                except (Interrupted, RewardError) as stop:
                     if not guard.abandonable:
                         raise
+                    # the round changed nothing yet: save the rounds before it (with the RNG states it began from)
                     path = self.save_checkpoint(rng) if self.round > 0 and saved != self.round else None
-                    raise stop.saved(self.round, path) from None
+                    if isinstance(stop, Interrupted):
+                        raise stop.saved(self.round, path) from None
+                    path = path or (self.output_dir / f"checkpoint-{self.round}" if self.round else None)
+                    where = f"; round {self.round} is saved in {path}: continue with {setting('resume', True)} " \
+                        "once fixed" if path else ""
+                    raise RewardError(f"{stop}{where}") from stop
                 if self.evaluator is not None:
                     metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps, dist=dist))
                 self.history.append(metrics)
