@@ -42,3 +42,19 @@ def test_a_lora_export_keeps_the_base_models_dtype(tmp_path, dtype):
     assert {t.dtype for t in got.values()} == {dtype}
     name = "model.layers.0.self_attn.q_proj.weight"
     assert torch.equal(got[name], want[name].to(dtype)), (got[name] - want[name]).abs().max().item()
+
+
+def test_a_lora_export_keeps_the_base_models_generation_config(tmp_path):
+    """The merged model is built from config.json, which gave it a generation_config of config.json's one EOS: the
+    base's generation_config.json (a chat model's end-of-turn id in eos_token_id, its sampling defaults) was lost, so
+    `fastgrpo train --model <lora sft>/final` generated past every end of turn."""
+    from transformers import GenerationConfig
+
+    config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, eos_token_id=2)
+    base = AutoModelForCausalLM.from_config(config)
+    base.generation_config = GenerationConfig(eos_token_id=[7, 2], pad_token_id=0, do_sample=True, temperature=0.7)
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj"]))
+    exported = GenerationConfig.from_pretrained(export_model(model, None, tmp_path / "final"))
+    assert (exported.eos_token_id, exported.pad_token_id, exported.do_sample, exported.temperature) == ([7, 2], 0,
+                                                                                                       True, 0.7)

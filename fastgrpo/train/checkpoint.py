@@ -20,6 +20,7 @@ end.
 from __future__ import annotations
 
 import contextlib
+import copy
 import fnmatch
 import json
 import logging
@@ -424,6 +425,8 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
                 fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
             fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
             fresh.tie_weights()
+            # from_config derives one from config.json: the base's own (an end-of-turn EOS, sampling defaults) goes
+            fresh.generation_config = copy.deepcopy(model.get_base_model().generation_config)
             missing = [n for n, p in fresh.named_parameters() if p.is_meta]
             if missing:
                 raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
