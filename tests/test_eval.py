@@ -188,7 +188,7 @@ def test_checkpoint_and_model_mixed_up_point_to_each_other(tmp_path, capsys):
         # not read as an exported final/ (its run_config.json): no 'prompt_format as the run trained' line
         (["--model", str(run / "checkpoint-1")], f"model: {run / 'checkpoint-1'} is a run's checkpoint, not a model "
                                                  "folder: pass it as --checkpoint"),
-        (["--model", str(run)], "(a run's folder: its final/ is a model; --checkpoint takes the run)"),
+        (["--model", str(run)], "(a run's folder: --model takes its final/; fastgrpo eval --checkpoint takes the run)"),
         (["--checkpoint", str(tmp_path / "nope")], f"checkpoint: no such folder {tmp_path / 'nope'}"),
     ]:
         assert main(["eval", *argv, "--output-dir", str(tmp_path / "out")]) == 2, argv

@@ -246,9 +246,8 @@ def check_model_source(model: str) -> None:
     path = Path(model)
     if path.exists():
         if not (path / "config.json").is_file():
-            run = " (a run's folder: its final/ is a model; --checkpoint takes the run)" \
-                if (path / "final" / "config.json").is_file() or any(path.glob("checkpoint-*")) else ""
-            raise ValueError(f"model: {model} is not a Hugging Face model folder (no config.json in it){run}")
+            raise ValueError(f"model: {model} is not a Hugging Face model folder (no config.json in it)"
+                             f"{_run_folder_hint(path)}")
         return
     looks_local = path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1 or "\\" in model
     if looks_local:
@@ -256,6 +255,18 @@ def check_model_source(model: str) -> None:
     problem = hub_model_problem(model)
     if problem is not None:
         raise ValueError(f"model: no such folder {model}, and {problem}")
+
+
+def _run_folder_hint(path: Path) -> str:
+    """What --model takes instead of a run's folder or one of its checkpoints (which hold no config.json), in words
+    true for every command: only `eval` has --checkpoint."""
+    from fastgrpo.train.checkpoint import STATE_FILE  # not at the top: checkpoint imports config_file, which imports us
+
+    if (path / STATE_FILE).is_file():
+        return " (a run's checkpoint: --model takes the run's final/; fastgrpo eval --checkpoint takes a checkpoint)"
+    if (path / "final" / "config.json").is_file() or any(path.glob("checkpoint-*")):
+        return " (a run's folder: --model takes its final/; fastgrpo eval --checkpoint takes the run)"
+    return ""
 
 
 def model_load_error(model: str, err: Exception) -> ValueError:
