@@ -259,10 +259,8 @@ def check_model_source(model: str) -> None:
 
 def _run_folder_hint(path: Path) -> str:
     """What --model takes instead of a run's folder or one of its checkpoints (which hold no config.json), in words
-    true for every command: only `eval` has --checkpoint."""
-    from fastgrpo.train.checkpoint import STATE_FILE  # not at the top: checkpoint imports config_file, which imports us
-
-    if (path / STATE_FILE).is_file():
+    true for every command: only `eval` has --checkpoint. Told apart by the names runs write (checkpoint-<step>)."""
+    if path.name.startswith("checkpoint-") and path.name[len("checkpoint-"):].isdigit():
         return " (a run's checkpoint: --model takes the run's final/; fastgrpo eval --checkpoint takes a checkpoint)"
     if (path / "final" / "config.json").is_file() or any(path.glob("checkpoint-*")):
         return " (a run's folder: --model takes its final/; fastgrpo eval --checkpoint takes the run)"
