@@ -292,3 +292,28 @@ def test_eval_of_a_checkpoint_over_another_runs_export_says_so(tmp_path, capsys)
     assert main(["eval", "--checkpoint", str(then), "--model", str(first / "final"), "--max-new-tokens", "8",
                  "--max-examples", "8", "--output-dir", str(tmp_path / "then-eval")]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command, default", [("train", "raw"), ("sft", "auto"), ("ei", "r1_zero")])
+def test_a_run_from_an_export_says_when_it_prompts_unlike_the_export_learned(tmp_path, caplog, command, default):
+    """The commands' default prompt formats differ, so sft -> train -> ei with the defaults prompted each export in
+    a format it never saw, without a word (eval takes the export's own); a flag or YAML that sets it is not second-
+    guessed."""
+    import functools
+    import logging
+
+    from fastgrpo.train import commands
+    from fastgrpo.train.cli import build_parser, config_from_args
+
+    tokenizer = default_task.build_tokenizer()
+    final = export_model(default_task.build_model(tokenizer), tokenizer, tmp_path / "final",
+                         run_config={"prompt_format": "chat"})
+    build = config_from_args if command == "train" else functools.partial(commands.config_from_args, command)
+    argv = [command, "--model", str(final), "--dataset", "rows.jsonl"]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.commands"):
+        assert build(build_parser().parse_args(argv)).prompt_format == default
+        assert build(build_parser().parse_args([*argv, "--prompt-format", default])).prompt_format == default
+    assert [r.getMessage() for r in caplog.records] == [
+        f"prompt_format: {final} was trained on 'chat' prompts (its run_config.json), and this run prompts in "
+        f"{default!r}, the default: pass prompt_format='chat' to prompt it as it learned, or "
+        f"prompt_format={default!r} to keep this"]

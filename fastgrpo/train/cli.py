@@ -23,7 +23,7 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_export_before_load,
-    check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
+    check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
@@ -230,6 +230,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
         # under torchrun each process takes a share of a step's rows
         config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
         check_fsdp_applies(config)
+    warn_prompt_format_unlike_export(config, merged)
     return config
 
 

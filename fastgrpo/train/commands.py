@@ -88,7 +88,25 @@ def config_from_args(name: str, args: argparse.Namespace):
         config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
                                           **from_run, **merged})
         check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
+    if name != "eval":  # eval takes the run's format itself (_prompt_settings)
+        warn_prompt_format_unlike_export(config, merged)
     return config
+
+
+def warn_prompt_format_unlike_export(config, merged: dict) -> None:
+    """A run from another run's export (--model run/final) whose prompt format no flag or YAML file sets takes its
+    command's default, and those differ (train: raw, sft: auto, ei: r1_zero): sft -> train -> ei with the defaults
+    prompted a model in a format it never saw. Said, naming both; the built-in rows (no dataset) have their own."""
+    from fastgrpo.train.checkpoint import read_exported_run_config
+
+    if config.model is None or config.dataset is None or "prompt_format" in merged:
+        return
+    trained = (read_exported_run_config(config.model) or {}).get("prompt_format")
+    if trained is not None and trained != config.prompt_format:
+        logger.warning("prompt_format: %s was trained on %r prompts (its run_config.json), and this run prompts in "
+                       "%r, the default: pass %s to prompt it as it learned, or %s to keep this", config.model,
+                       trained, config.prompt_format, setting("prompt_format", trained),
+                       setting("prompt_format", config.prompt_format))
 
 
 def _trained_by(merged: dict) -> tuple[dict | None, str]:
