@@ -196,6 +196,19 @@ def test_checkpoint_and_model_mixed_up_point_to_each_other(tmp_path, capsys):
         assert message in err and err.count("\n") == 1, (argv, err)
 
 
+def test_a_checkpoint_whose_base_model_moved_names_the_flag_for_its_new_path(tmp_path, capsys):
+    """A LoRA (or full) checkpoint loads over its run's base model; with that folder moved, eval failed inside
+    transformers ('Repo id must be in the form ...'), saying nothing of --model, which takes the base's new path."""
+    checkpoint = tmp_path / "run" / "checkpoint-1"
+    checkpoint.mkdir(parents=True)
+    (checkpoint / "trainer_state.pt").write_bytes(b"")
+    (checkpoint / "run_config.json").write_text(json.dumps({"model": str(tmp_path / "base"), "prompt_format": "raw"}))
+    assert main(["eval", "--checkpoint", str(checkpoint), "--output-dir", str(tmp_path / "out")]) == 2
+    error = capsys.readouterr().err.splitlines()[-1]
+    assert error == (f"fastgrpo eval: error: model: no such folder {tmp_path / 'base'} (the base model of "
+                     f"{checkpoint}'s run): pass its new path as --model")
+
+
 def test_r1_zero_grades():
     assert r1_zero_grades("so 2 + 2 </think> <answer> 4 </answer>", "4") == (1.0, 1.0)
     assert r1_zero_grades("so 2 + 2 </think> <answer> 5 </answer>", "4") == (1.0, 0.0)

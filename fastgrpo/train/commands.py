@@ -176,6 +176,23 @@ def _check_sources(config) -> None:
         check_model_source(config.model)
 
 
+def _check_checkpoint_base(checkpoint: Path) -> None:
+    """The base model a checkpoint's run recorded (its weights load over it) is still where the run found it: a moved
+    folder failed inside transformers ('Repo id must be in the form ...'), not naming --model, which takes its new
+    path."""
+    from fastgrpo.train.checkpoint import read_run_config
+    from fastgrpo.train.sources import check_model_source
+
+    base = read_run_config(checkpoint).get("model")
+    if base is None:  # the built-in model
+        return
+    try:
+        check_model_source(base)
+    except ValueError as err:
+        raise ValueError(f"{err} (the base model of {checkpoint}'s run): pass its new path as {setting('model')}") \
+            from None
+
+
 def _load_model(config):
     from fastgrpo.train.loading import load_model_and_tokenizer
     from fastgrpo.train.sources import naming_the_model
@@ -343,6 +360,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
                                                                        seed=config.seed + 1))
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
+    if checkpoint is not None and config.model is None:
+        _check_checkpoint_base(checkpoint)
     task = eval_task_before_load(config, rows, reward_funcs, checkpoint)  # its rows' and lengths' errors, first
     output = Path(config.output_dir)
     with _eval_directory(dist, output, config):
