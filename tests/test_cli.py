@@ -420,15 +420,21 @@ def test_a_model_that_is_no_folder_nor_reachable_repo_fails_at_once(tmp_path, ca
 @pytest.mark.parametrize("command", ["train", "sft", "ei"])
 def test_a_run_or_its_checkpoint_as_model_names_what_model_takes(tmp_path, capsys, command):
     """A run's folder as --model pointed to '--checkpoint', which only eval has (train answered 'unrecognized
-    arguments: --checkpoint'), and a checkpoint-<step>/ (say an SFT run's, to start GRPO from) got no hint at all."""
+    arguments: --checkpoint'); a checkpoint-<step>/ (say an SFT run's, to start GRPO from) and a PEFT adapter folder
+    got no hint at all."""
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)
     (run / "final" / "config.json").write_text("{}")
     (run / "checkpoint-1").mkdir()
     (run / "checkpoint-1" / "trainer_state.pt").write_bytes(b"")
+    adapter = tmp_path / "trl_lora"  # TRL's SFT with a peft_config saves the adapter alone
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text("{}")
     for model, hint in [(run, "(a run's folder: --model takes its final/; fastgrpo eval --checkpoint takes the run)"),
                         (run / "checkpoint-1", "(a run's checkpoint: --model takes the run's final/; fastgrpo eval "
-                                               "--checkpoint takes a checkpoint)")]:
+                                               "--checkpoint takes a checkpoint)"),
+                        (adapter, "(a PEFT adapter: --model takes a whole model; save the adapter's merge_and_unload() "
+                                  "and its tokenizer to a folder)")]:
         assert main([command, "--model", str(model), "--output-dir", str(tmp_path / "out")]) == 2
         assert capsys.readouterr().err == (f"fastgrpo {command}: error: model: {model} is not a Hugging Face model "
                                            f"folder (no config.json in it) {hint}\n")

@@ -257,13 +257,20 @@ def check_model_source(model: str) -> None:
         raise ValueError(f"model: no such folder {model}, and {problem}")
 
 
+# checkpoint.STATE_FILE, which this module cannot import (checkpoint -> config_file -> sources)
+_CHECKPOINT_STATE = "trainer_state.pt"
+
+
 def _run_folder_hint(path: Path) -> str:
-    """What --model takes instead of a run's folder or one of its checkpoints (which hold no config.json), in words
-    true for every command: only `eval` has --checkpoint. Told apart by the names runs write (checkpoint-<step>)."""
-    if path.name.startswith("checkpoint-") and path.name[len("checkpoint-"):].isdigit():
+    """What --model takes instead of a folder without config.json: a run's, one of its checkpoints, or a PEFT
+    adapter (TRL's LoRA output, say), in words true for every command: only `eval` has --checkpoint."""
+    if (path / _CHECKPOINT_STATE).is_file():
         return " (a run's checkpoint: --model takes the run's final/; fastgrpo eval --checkpoint takes a checkpoint)"
     if (path / "final" / "config.json").is_file() or any(path.glob("checkpoint-*")):
         return " (a run's folder: --model takes its final/; fastgrpo eval --checkpoint takes the run)"
+    if (path / "adapter_config.json").is_file():
+        return (" (a PEFT adapter: --model takes a whole model; save the adapter's merge_and_unload() and its "
+                "tokenizer to a folder)")
     return ""
 
 
