@@ -317,3 +317,5 @@ def test_a_run_from_an_export_says_when_it_prompts_unlike_the_export_learned(tmp
         f"prompt_format: {final} was trained on 'chat' prompts (its run_config.json), and this run prompts in "
         f"{default!r}, the default: pass prompt_format='chat' to prompt it as it learned, or "
         f"prompt_format={default!r} to keep this"]
+    (final / "run_config.json").write_text("{")  # damaged: only eval needs it; this run does not stop for it
+    assert build(build_parser().parse_args(argv)).prompt_format == default

@@ -101,7 +101,10 @@ def warn_prompt_format_unlike_export(config, merged: dict) -> None:
 
     if config.model is None or config.dataset is None or "prompt_format" in merged:
         return
-    trained = (read_exported_run_config(config.model) or {}).get("prompt_format")
+    try:
+        trained = (read_exported_run_config(config.model) or {}).get("prompt_format")
+    except ValueError:  # a damaged record, which eval refuses: a warning has nothing to go on, and stops no run
+        return
     if trained is not None and trained != config.prompt_format:
         logger.warning("prompt_format: %s was trained on %r prompts (its run_config.json), and this run prompts in "
                        "%r, the default: pass %s to prompt it as it learned, or %s to keep this", config.model,
