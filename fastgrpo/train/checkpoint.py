@@ -50,6 +50,9 @@ EXPORT_FILE = "export.json"  # in a run's final/: the step of its weights, the f
 _MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
                 "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*", CONFIG_FILE)
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
+# A state's key for the metrics of its step (round), whose periodic evaluation failed after the update: the resumed run
+# evaluates that step first, as its settings say it is due, and writes the step's metrics line again, whole.
+UNEVALUATED = "unevaluated"
 
 
 class TornCheckpoint(Exception):

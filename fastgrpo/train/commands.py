@@ -227,7 +227,9 @@ def finished_run(config) -> str | None:
 def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import export_due, list_checkpoints, newest_readable_checkpoint, nothing_to_train
+    from fastgrpo.train.checkpoint import (
+        UNEVALUATED, export_due, list_checkpoints, newest_readable_checkpoint, nothing_to_train,
+    )
     from fastgrpo.train.metrics_log import check_report_to
 
     check_report_to(config.report_to)
@@ -239,6 +241,8 @@ def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | Non
     step = state["step"]
     if step < last:
         return None  # the resume goes on from an older checkpoint, and says which it skipped
+    if UNEVALUATED in state and config.eval_steps:
+        return None  # its last step's evaluation failed: the resume evaluates it
     # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
     if config.export and export_due(config.output_dir, step, trained=False):
         return None

@@ -34,10 +34,10 @@ class MetricsLog:
                  key: str = "step"):
         self.path = Path(output_dir) / "metrics.jsonl"
         self.key = key
-        self._started_at = 0  # the step the run starts from (start_at): the steps after it are logged anew
+        self._redone_from: int | None = None  # the first step logged again (start_at); None: a fresh log
         check_report_to(report_to)
         self._loggers: list[Callable[[int, dict], None]] = [
-            _wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent, self._redone_from)
+            _wandb(run_config or {}) if name == "wandb" else _tensorboard(self.path.parent, lambda: self._redone_from)
             for name in report_to or []
         ]
 
@@ -46,8 +46,9 @@ class MetricsLog:
         not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning. The file
         is created by the first write: a run that fails before its first step leaves none (nor an emptied one).
         tensorboard's event files are append-only: its writer drops the steps past `step` on the reader's side."""
-        self._started_at = step
         lines = self.path.read_text().splitlines() if self.path.exists() else []
+        # a run resumed from step 0 (its step 1's evaluation failed: logged again, whole) has lines before it
+        self._redone_from = step + 1 if step > 0 or lines else None
         kept, torn = [], []
         for number, line in enumerate(lines, 1):
             if not line.strip():
@@ -66,11 +67,6 @@ class MetricsLog:
             self.path.unlink(missing_ok=True)
             return
         write_whole(self.path, "".join(kept))  # a kill during the rewrite leaves the old log, not half of it
-
-    def _redone_from(self) -> int | None:
-        """The first step a resumed run logs again (a stopped run may have logged it past its checkpoint), None for
-        a fresh run."""
-        return self._started_at + 1 if self._started_at > 0 else None
 
     def write(self, metrics: dict) -> None:
         with self.path.open("a") as f:

@@ -7,17 +7,21 @@ are the run's own, so an evaluation scores what the run optimises.
 """
 from __future__ import annotations
 
+import json
 import logging
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from fastgrpo.rewards.reward_logs import TakenNames
-from fastgrpo.rewards.scoring import reward_names
+from fastgrpo.rewards.scoring import RewardError, reward_names
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine, SamplingParams
+from fastgrpo.train.checkpoint import rng_states
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.evaluate import EvalTask, build_eval_task, evaluate, log_generations, summary_names, write_eval
 from fastgrpo.train.input_checks import model_positions
 from fastgrpo.train.loading import eval_rows, resolve_reward
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import stop_strings
 from fastgrpo.train.step_rewards import trainer_state
 
@@ -55,7 +59,7 @@ class PeriodicEval:
             self.started = True
             if dist.is_main:
                 self.drop_replaced(step)
-        if not force and step % self.every:
+        if not self.due(step, force):
             return {}
         self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
         with dist.full_weights():
@@ -63,6 +67,26 @@ class PeriodicEval:
         if not dist.is_main:
             return {}
         return {f"eval/{k}": v for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+    def due(self, step: int, force: bool = False) -> bool:
+        return force or step % self.every == 0
+
+    def add_to(self, metrics: dict, step: int, *, force: bool, dist: Distributed, log,
+               save: Callable[[dict | None, dict], Path]) -> dict:
+        """The step's metrics with its evaluation's when due (__call__). One failing after the step's update (a reward
+        function with reward_errors="raise", or a log_metric name clash: RewardError) would lose the steps since the
+        last checkpoint; instead the metrics line is written without it (log: the run's MetricsLog), the step is
+        saved with save(rng, metrics): the RNG states of before the evaluation and the metrics as plain JSON, for the
+        resumed run to evaluate the step and log it whole (checkpoint.UNEVALUATED), and the error says so."""
+        rng = rng_states() if self.due(step, force) else None  # a resumed run evaluates from the same RNG states
+        try:
+            return {**metrics, **self(step, force=force, dist=dist)}
+        except RewardError as err:
+            log.write(metrics)
+            path = save(rng, json.loads(json.dumps(metrics)))
+            raise RewardError(f"{err}; {self.unit} {step}'s evaluation failed after its update: {self.unit} {step} "
+                              f"is saved in {path}: continue with {setting('resume', True)} once fixed (the resumed "
+                              "run evaluates it first)") from err
 
     @property
     def taken_names(self) -> TakenNames:

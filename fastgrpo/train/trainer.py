@@ -23,8 +23,8 @@ from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
-from fastgrpo.train.checkpoint import (export_due, export_model, load_latest_checkpoint, nothing_to_train,
-                                       prune_checkpoints, rng_states, warn_stale_export)
+from fastgrpo.train.checkpoint import (UNEVALUATED, export_due, export_model, load_latest_checkpoint,
+                                       nothing_to_train, prune_checkpoints, rng_states, warn_stale_export)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -108,6 +108,7 @@ class GRPOTrainer:
         self._saved_identity = None  # its checkpoint_identity: train() again continues there only while it is ours
         self._saved_time = time.monotonic()
         self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
+        self._unevaluated = None  # a resumed step's metrics, whose evaluation failed: evaluated first
         # what a reward function may not log: a name of the step's metrics, or of the evaluation's (same functions)
         taken = metric_names(STEP_METRICS, reward_names(self.reward_funcs))
         self.taken_names = taken if self.evaluator is None else taken | self.evaluator.taken_names
@@ -339,7 +340,8 @@ class GRPOTrainer:
         overwrite_output_dir (fastgrpo.train.run_dir; under torchrun rank 0 does it for all); run_dir: the folder
         Distributed.run_directory gave the caller (the CLI opens it before it loads the model). SIGINT / SIGTERM end
         the run at a step boundary with a checkpoint, then raise Interrupted (fastgrpo.train.interrupts); a failing
-        reward function (reward_errors="raise") saves the step before it, then raises RewardError.
+        reward function (reward_errors="raise") saves the step before it, then raises RewardError; one failing in the
+        evaluation after a step's update saves that step, which the resumed run evaluates first.
         """
         config = self.config
         check_config_unchanged(self._built_with, config)
@@ -356,16 +358,17 @@ class GRPOTrainer:
                 self.optimizer, self.scheduler = self._optimizer()
             if config.resume or again:
                 self.resume()
-                if self.step >= config.max_steps:
+                if self.step >= config.max_steps and self._unevaluated is None:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps",
                                                     self.step if config.export else None))
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
                 self.dist.check_final_exportable(self.output_dir)
-            self.metrics_log.start_at(self.step)
+            logged = self.step - (self._unevaluated is not None)  # the steps logged whole
+            self.metrics_log.start_at(logged)
             started, first = self.step, len(self.history)
             self._saved_time = time.monotonic()
-            console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=self.step,
+            console = self.dist.on_main(ConsoleLog, config.logging_steps, config.max_steps, initial=logged,
                                         progress_bar=config.progress_bar)
             stack.callback(console.close)
             self._guard = stack.enter_context(InterruptGuard(deferred=self.dist.active))
@@ -386,6 +389,9 @@ class GRPOTrainer:
 
     def _run_steps(self, console: ConsoleLog) -> None:
         config, guard = self.config, self._guard
+        if self._unevaluated is not None:  # evaluated now, then saved again without them
+            metrics, self._unevaluated = self._unevaluated, None
+            self._end_step(metrics, console, save_now=True)
         while self.step < config.max_steps:
             rng, t_start = rng_states(), time.perf_counter()
             guard.abandonable = True  # until train_step calls _begin_update
@@ -406,19 +412,26 @@ class GRPOTrainer:
                 raise RewardError(f"{stop}{where}") from stop
             guard.abandonable = False
             metrics["step_s"] = time.perf_counter() - t_start
-            if self.evaluator is not None:
-                metrics.update(self.evaluator(self.step, force=self.step == config.max_steps, dist=self.dist))
-            self.history.append(metrics)
-            self.metrics_log.write(metrics)
-            console.add(metrics)
-            every_steps = config.save_steps and self.step % config.save_steps == 0
-            every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
-            # all ranks save, or none; and all stop when any got a signal
-            signum, save = self.dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
-            if save or signum:
-                self.save_checkpoint()
-            if signum:
-                raise Interrupted(signum, self.step, self._saved_path)
+            self._end_step(metrics, console)
+
+    def _end_step(self, metrics: dict, console: ConsoleLog, save_now: bool = False) -> None:
+        """After the update: the evaluation when due (a failing one saves the step: PeriodicEval.add_to), the metrics
+        line, the checkpoint when due (or save_now), the stop a signal asked for."""
+        config = self.config
+        if self.evaluator is not None:
+            metrics = self.evaluator.add_to(metrics, self.step, force=self.step == config.max_steps, dist=self.dist,
+                                            log=self.metrics_log, save=self.save_checkpoint)
+        self.history.append(metrics)
+        self.metrics_log.write(metrics)
+        console.add(metrics)
+        every_steps = config.save_steps and self.step % config.save_steps == 0
+        every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
+        # all ranks save, or none; and all stop when any got a signal
+        signum, save = self.dist.max(self._guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
+        if save or signum:
+            self.save_checkpoint()
+        if signum:
+            raise Interrupted(signum, self.step, self._saved_path)
 
     def _begin_update(self) -> None:
         """Called by train_step as the update starts: from here a signal lets the step finish (see train). Several
@@ -428,9 +441,10 @@ class GRPOTrainer:
                 raise Interrupted(signum)
             self._guard.abandonable = False
 
-    def save_checkpoint(self, rng: dict | None = None) -> Path:
-        """checkpoint-<step> of the current state (rng: RNG states captured earlier, for a step that was abandoned);
-        then the oldest checkpoints past save_total_limit are deleted."""
+    def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
+        """checkpoint-<step> of the current state (rng: RNG states captured earlier, for a step that was abandoned
+        or whose evaluation failed; unevaluated: the metrics of the latter); then the oldest checkpoints past
+        save_total_limit are deleted."""
         state = {
             "step": self.step,
             "data_position": self.step * (self.config.batch_size // self.config.num_generations),
@@ -441,6 +455,7 @@ class GRPOTrainer:
             "last_entropy": self.entropy.last_entropy,
             "config": self.config.to_dict(),
             **({"rng": rng} if rng is not None else {}),
+            **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
         }
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer, state)
         self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
@@ -458,6 +473,8 @@ class GRPOTrainer:
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
+        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
+        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
         self.entropy.coef, self.entropy.last_entropy = state["entropy_coef"], state["last_entropy"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta

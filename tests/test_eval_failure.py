@@ -1,0 +1,89 @@
+"""A periodic evaluation (--eval-steps) that fails after a step's update -- a reward function raising with
+reward_errors=raise -- ended the run with no checkpoint: the steps since the last one were lost. Now train, ei and
+sft save the step (its metrics line written without the evaluation), say how to continue, and the resumed run
+evaluates that step first, then goes on: each step trained once, its line in metrics.jsonl whole."""
+import json
+
+import pytest
+import torch
+
+from fastgrpo.rewards.scoring import RewardError
+from fastgrpo.train import default_task
+from fastgrpo.train.checkpoint import list_checkpoints
+
+QUIET = {"progress_bar": False, "logging_steps": 0, "export": False}
+
+
+def _lines(out) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+def _evaluated(out) -> list[int]:
+    """The steps (rounds) with an evaluation summary in out/eval/."""
+    return sorted(int(path.name[5:-len("_summary.json")]) for path in (out / "eval").glob("step-*_summary.json"))
+
+
+class Judge:
+    """A reward function that fails in the evaluation while `broken` (the built-in task's held-out rows carry a
+    "response" column, its training rows none), and counts the training batches it scored."""
+
+    def __init__(self, broken: bool = True, evaluations_before: int = 0):
+        self.broken, self.evaluations_before = broken, evaluations_before
+        self.trained = self.evaluated = 0
+        self.__name__ = "judge"
+
+    def __call__(self, prompts, completions, letter, **columns):
+        if "response" not in columns:
+            self.trained += 1
+        else:
+            self.evaluated += 1
+            if self.broken and self.evaluated > self.evaluations_before:
+                raise ZeroDivisionError("division by zero")
+        return default_task.repeat_letter_reward(prompts, completions, letter)
+
+
+def _grpo(out, judge, **fields):
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                           "max_completion_length": 4, "max_steps": 2, "eval_steps": 1, "eval_max_examples": 2,
+                           "save_steps": 0, "output_dir": str(out), **QUIET, **fields})
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    return model, GRPOTrainer(model, tokenizer, judge, default_task.build_dataset(16), config)
+
+
+def test_train_saves_the_step_whose_evaluation_failed_and_evaluates_it_on_resume(tmp_path):
+    """Step 1's evaluation fails (save_steps 0: no checkpoint until the end): checkpoint-1 holds step 1, its line is
+    written without eval numbers. The resume after the fix trains only step 2, evaluates step 1 first, and ends as a
+    straight run with the fixed function: same weights, same metrics, each step drawn once in TensorBoard."""
+    pytest.importorskip("tensorboard", reason="report_to tensorboard needs `pip install tensorboard`")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out, judge = tmp_path / "run", Judge()
+    with pytest.raises(RewardError, match=r"^reward function judge raised ZeroDivisionError: division by zero .*; "
+                                          r"step 1's evaluation failed after its update: step 1 is saved in "
+                                          r".*run/checkpoint-1: continue with resume=True once fixed \(the resumed "
+                                          r"run evaluates it first\)$"):
+        _grpo(out, judge, report_to=["tensorboard"])[1].train()
+    assert [step for step, _ in list_checkpoints(out)] == [1] and judge.trained == 1
+    (line,) = _lines(out)
+    assert line["step"] == 1 and "loss" in line and not any(k.startswith("eval/") for k in line)
+
+    judge.broken = False
+    model, trainer = _grpo(out, judge, report_to=["tensorboard"], resume=True)
+    history = trainer.train()
+    assert [m["step"] for m in history] == [1, 2] and judge.trained == 2  # step 1 not trained again
+    straight_model, straight = _grpo(tmp_path / "straight", Judge(broken=False))
+    straight.train()
+    for name, param in straight_model.named_parameters():
+        assert torch.equal(param, dict(model.named_parameters())[name]), name
+    lines, expected = _lines(out), _lines(tmp_path / "straight")
+    untimed = [{k: v for k, v in m.items() if not k.endswith(("_s", "seconds"))} for m in lines]
+    assert untimed == [{k: v for k, v in m.items() if not k.endswith(("_s", "seconds"))} for m in expected]
+    assert all("eval/accuracy" in m for m in lines) and _evaluated(out) == [1, 2]
+    events = EventAccumulator(str(out / "tensorboard"))
+    events.Reload()
+    drawn = [(event.step, event.value) for event in events.Scalars("step_s")]
+    assert drawn == [(m["step"], pytest.approx(m["step_s"], rel=1e-6)) for m in lines], drawn
