@@ -87,3 +87,40 @@ def test_train_saves_the_step_whose_evaluation_failed_and_evaluates_it_on_resume
     events.Reload()
     drawn = [(event.step, event.value) for event in events.Scalars("step_s")]
     assert drawn == [(m["step"], pytest.approx(m["step_s"], rel=1e-6)) for m in lines], drawn
+
+
+def test_ei_saves_the_round_whose_evaluation_failed_and_evaluates_it_on_resume(tmp_path):
+    """The evaluation before round 1 passes, round 1's fails: checkpoint-1 holds round 1; the resume evaluates it
+    and runs round 2 only. A resume with the evaluation off instead keeps round 1's line as written."""
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.expert_iteration import ExpertIteration
+
+    def run(out, judge, **fields):
+        config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "questions_per_step": 4,
+                             "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "sft_epochs": 1,
+                             "ei_steps": 2, "eval_steps": 1, "eval_max_examples": 2, "save_steps": 0,
+                             "output_dir": str(out), **QUIET, **fields})
+        tokenizer = default_task.build_tokenizer()
+        return ExpertIteration(default_task.build_model(tokenizer), tokenizer, judge,
+                               default_task.build_dataset(num_rows=8), config)
+
+    out, judge = tmp_path / "run", Judge(evaluations_before=1)
+    with pytest.raises(RewardError, match=r"; round 1's evaluation failed after its update: round 1 is saved in "
+                                          r".*run/checkpoint-1: continue with resume=True once fixed"):
+        run(out, judge).train()
+    assert [step for step, _ in list_checkpoints(out)] == [1] and judge.trained == 1
+    assert [(m["round"], "eval/accuracy" in m) for m in _lines(out)] == [(0, True), (1, False)]
+
+    judge.broken = False
+    history = run(out, judge, resume=True).train()
+    assert [m["round"] for m in history] == [1, 2] and judge.trained == 2  # round 1 not sampled again
+    assert [(m["round"], "eval/accuracy" in m) for m in _lines(out)] == [(0, True), (1, True), (2, True)]
+    assert _evaluated(out) == [0, 1, 2]
+    assert list_checkpoints(out)[0][0] == 1 and "unevaluated" not in \
+        torch.load(out / "checkpoint-1" / "trainer_state.pt", weights_only=True)  # saved again, evaluated
+
+    off, judge = tmp_path / "off", Judge(evaluations_before=1)
+    with pytest.raises(RewardError):
+        run(off, judge).train()
+    run(off, judge, resume=True, eval_steps=0).train()
+    assert [(m["round"], "eval/accuracy" in m) for m in _lines(off)] == [(0, True), (1, False), (2, False)]

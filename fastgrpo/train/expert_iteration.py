@@ -33,7 +33,7 @@ from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_name
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (
-    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, rng_states,
+    UNEVALUATED, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, rng_states,
     warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
@@ -141,6 +141,7 @@ class ExpertIteration:
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
         self.evaluator = ei_evaluator(self)  # None unless eval_steps
+        self._unevaluated = None  # a resumed round's metrics, whose evaluation failed: evaluated first
         # what a reward function may not log: a name of the round's metrics, or of the evaluation's (same functions)
         taken = metric_names(ROUND_METRICS, reward_names(self.reward_funcs))
         self.taken_names = taken if self.evaluator is None else taken | self.evaluator.taken_names
@@ -262,7 +263,8 @@ class ExpertIteration:
         the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all). A signal while a
         round samples abandons it (the checkpoint is the previous round's); once its SFT began, the round finishes,
         is saved, and Interrupted is raised (on every process, when any got one). A failing reward function
-        (reward_errors="raise") saves the round before it, then raises RewardError.
+        (reward_errors="raise") saves the round before it, then raises RewardError; one failing in the evaluation
+        after a round's SFT saves that round, which the resumed run evaluates first.
         """
         config, dist = self.config, self.dist
         with contextlib.ExitStack() as stack:
@@ -273,21 +275,25 @@ class ExpertIteration:
                                key="round")
             if config.resume:
                 self.resume()
-                if self.round >= config.ei_steps and dist.is_main:
+                if self.round >= config.ei_steps and self._unevaluated is None and dist.is_main:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
                                                     setting("ei_steps", config.ei_steps), "ei_steps",
                                                     self.round if config.export else None))
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
                 dist.check_final_exportable(self.output_dir)
-            log.start_at(self.round)
+            logged = self.round - (self._unevaluated is not None)  # the rounds logged whole
+            log.start_at(logged)
             if self.evaluator is not None and self.round == 0:  # the starting point the rounds improve on
                 log.write({"round": 0, **self.evaluator(0, force=True, dist=dist)})
-            console = dist.on_main(ConsoleLog, config.logging_steps, config.ei_steps, initial=self.round,
+            console = dist.on_main(ConsoleLog, config.logging_steps, config.ei_steps, initial=logged,
                                    progress_bar=config.progress_bar, unit="round")
             stack.callback(console.close)
             self._guard = guard = stack.enter_context(InterruptGuard(unit="round", deferred=dist.active))
             stack.callback(setattr, self, "_guard", None)
             started = saved = self.round if config.resume else None
+            if self._unevaluated is not None:  # evaluated now, then saved again without them
+                metrics, self._unevaluated = self._unevaluated, None
+                self._end_round(metrics, log, console, save_now=True)
             while self.round < config.ei_steps:
                 rng = rng_states()
                 guard.abandonable = True  # until the round's SFT starts
@@ -304,18 +310,7 @@ class ExpertIteration:
                     where = f"; round {self.round} is saved in {path}: continue with {setting('resume', True)} " \
                         "once fixed" if path else ""
                     raise RewardError(f"{stop}{where}") from stop
-                if self.evaluator is not None:
-                    metrics.update(self.evaluator(self.round, force=self.round == config.ei_steps, dist=dist))
-                self.history.append(metrics)
-                log.write(metrics)
-                console.add({**metrics, "loss": metrics["sft_loss_last"]})
-                # all processes save, or none; and all stop when any got a signal
-                every = config.save_steps and self.round % config.save_steps == 0
-                signum, save = dist.max(guard.requested or 0, int(bool(every)))
-                if save or signum:
-                    path, saved = self.save_checkpoint(), self.round
-                if signum:
-                    raise Interrupted(signum, self.round, path, unit="round")
+                saved = self._end_round(metrics, log, console) or saved
             if saved != self.round:
                 self.save_checkpoint()
             # every process joins the export's collectives or none: they agree on whether it is due
@@ -326,10 +321,31 @@ class ExpertIteration:
                 warn_stale_export(self.output_dir, self.round)
         return self.history
 
-    def save_checkpoint(self, rng: dict | None = None) -> Path:
-        """checkpoint-<round> (weights, RNG states, round); the oldest past save_total_limit are deleted."""
+    def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> int | None:
+        """After the round's SFT: the evaluation when due (a failing one saves the round: PeriodicEval.add_to), the
+        metrics line, the checkpoint when due or save_now (returns its round; None when none), the stop a signal
+        asked for."""
+        config, dist = self.config, self.dist
+        if self.evaluator is not None:
+            metrics = self.evaluator.add_to(metrics, self.round, force=self.round == config.ei_steps, dist=dist,
+                                            log=log, save=self.save_checkpoint)
+        self.history.append(metrics)
+        log.write(metrics)
+        console.add({**metrics, "loss": metrics["sft_loss_last"]})
+        # all processes save, or none; and all stop when any got a signal
+        every = config.save_steps and self.round % config.save_steps == 0
+        signum, save = dist.max(self._guard.requested or 0, int(bool(save_now or every)))
+        path = self.save_checkpoint() if save or signum else None
+        if signum:
+            raise Interrupted(signum, self.round, path, unit="round")
+        return self.round if path else None
+
+    def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
+        """checkpoint-<round> (weights, RNG states, round; unevaluated: the metrics of a round whose evaluation
+        failed, with rng, the RNG states of before it); the oldest past save_total_limit are deleted."""
         state = {"step": self.round, "round": self.round, "config": self.config.to_dict(),
-                 **({"rng": rng} if rng is not None else {})}
+                 **({"rng": rng} if rng is not None else {}),
+                 **({UNEVALUATED: unevaluated} if unevaluated is not None else {})}
         # no optimizer state: each round starts a fresh AdamW
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, None, state)
         if self.dist.is_main:
@@ -342,4 +358,6 @@ class ExpertIteration:
         path, state = load_latest_checkpoint(self.output_dir)
         check_resume(state.get("config", {}), self.config, path.name)
         self.round = self.dist.restore_checkpoint(path, state, self.model, None)["round"]
+        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
+        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
         logger.info("resumed from %s after round %d", path, self.round)
