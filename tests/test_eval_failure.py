@@ -124,3 +124,49 @@ def test_ei_saves_the_round_whose_evaluation_failed_and_evaluates_it_on_resume(t
         run(off, judge).train()
     run(off, judge, resume=True, eval_steps=0).train()
     assert [(m["round"], "eval/accuracy" in m) for m in _lines(off)] == [(0, True), (1, False), (2, False)]
+
+
+def _sft_argv(out, judge: str, eval_steps: int) -> list[str]:
+    """`fastgrpo sft` of 2 steps on the built-in task, eval_reward_funcs: the function `judge` (its source)."""
+    (out.parent / "judge.py").write_text(judge)
+    return ["sft", "--output-dir", str(out), "--max-steps", "2", "--eval-steps", str(eval_steps),
+            "--eval-max-examples", "2", "--eval-reward-funcs", f"{out.parent / 'judge.py'}:judge", "--no-export",
+            "--no-progress-bar", "--logging-steps", "0"]
+
+
+def test_sft_saves_its_last_step_whose_evaluation_failed_and_the_resume_evaluates_it(tmp_path, capsys):
+    """`fastgrpo sft` whose eval_reward_funcs fail at the last step's evaluation: one line naming checkpoint-2 and
+    --resume; the resume after the fix is not a finished run ("nothing to train") but evaluates step 2."""
+    from fastgrpo.train.cli import main
+
+    broken, out = tmp_path / "broken", tmp_path / "run"
+    broken.touch()
+    judge = (f"import os\n\n\ndef judge(prompts, completions, **columns):\n    if os.path.exists({str(broken)!r}):\n"
+             "        raise ZeroDivisionError('division by zero')\n    return [0.0] * len(completions)\n")
+    argv = _sft_argv(out, judge, eval_steps=2)
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert f"; step 2's evaluation failed after its update: step 2 is saved in {out / 'checkpoint-2'}: continue " \
+           "with --resume once fixed (the resumed run evaluates it first)\n" in err, err
+    assert "Traceback" not in err and [m["step"] for m in _lines(out)] == [1, 2] and not (out / "eval").exists()
+
+    broken.unlink()
+    assert main([*argv, "--resume"]) == 0
+    assert "nothing to train" not in "".join(capsys.readouterr())  # neither the CLI's line nor the trainer's warning
+    assert [(m["step"], "eval/accuracy" in m) for m in _lines(out)] == [(1, False), (2, True)]
+    assert _evaluated(out) == [2]
+
+
+def test_sft_saves_the_step_whose_evaluation_logs_a_name_its_summary_takes(tmp_path, capsys):
+    """eval_reward_funcs run first in the evaluation, so a log_metric name the summary takes is met there, after
+    step 1's update: the step is saved as for a failing function."""
+    from fastgrpo.train.cli import main
+
+    out = tmp_path / "run"
+    argv = _sft_argv(out, "def judge(prompts, completions, log_metric, **columns):\n"
+                          "    log_metric('accuracy', 1.0)\n    return [0.0] * len(completions)\n", eval_steps=1)
+    assert main(argv) != 0
+    err = capsys.readouterr().err
+    assert "logged metric 'accuracy' with log_metric" in err and "; step 1's evaluation failed after its update: " \
+        f"step 1 is saved in {out / 'checkpoint-1'}: continue with --resume once fixed" in err, err
+    assert [step for step, _ in list_checkpoints(out)] == [1]

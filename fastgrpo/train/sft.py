@@ -24,7 +24,8 @@ import torch
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.rollout.requests import as_list
 from fastgrpo.train.checkpoint import (
-    export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, warn_stale_export,
+    UNEVALUATED, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
+    warn_stale_export,
 )
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
@@ -119,6 +120,7 @@ class SFTTrainer:
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
         self.total_steps = total_steps(config, len(self.examples))
         self.evaluator = sft_evaluator(config, model, tokenizer)  # None unless eval_steps
+        self._unevaluated = None  # a resumed step's metrics, whose evaluation failed: evaluated first
         if dist is None:
             self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, before the optimizer
         self.optimizer, self.scheduler = adamw_with_schedule(model, config, self.device, self.total_steps)
@@ -194,7 +196,8 @@ class SFTTrainer:
         As GRPOTrainer.train: the output folder is locked and a fresh run refuses one that holds another run
         (run_dir: the folder Distributed.run_directory gave the caller; under torchrun rank 0 does it for all);
         SIGINT / SIGTERM let the step finish, save a checkpoint and raise Interrupted (on every process, when any
-        got one).
+        got one). A reward function failing in the evaluation after a step saves that step, which the resumed run
+        evaluates first.
         """
         config, dist = self.config, self.dist
         check_config_unchanged(self._built_with, config)
@@ -217,15 +220,16 @@ class SFTTrainer:
                 self.optimizer, self.scheduler = adamw_with_schedule(self.model, config, self.device, self.total_steps)
             if config.resume or again:
                 self.resume()
-                if self.step >= self.total_steps and dist.is_main:
+                if self.step >= self.total_steps and self._unevaluated is None and dist.is_main:
                     field = "max_steps" if config.max_steps else "num_epochs"
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
                                                     field, self.step if config.export else None))
             if config.export and self.step < self.total_steps:  # said before the first step, not after the last
                 dist.check_final_exportable(self.output_dir)
-            log.start_at(self.step)
-            console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=self.step,
+            logged = self.step - (self._unevaluated is not None)  # the steps logged whole
+            log.start_at(logged)
+            console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=logged,
                                    progress_bar=config.progress_bar)
             stack.callback(console.close)
             # every part of an SFT step is the update: it finishes; several processes stop together after it
@@ -246,46 +250,52 @@ class SFTTrainer:
         return self.history[first:]
 
     def _run_steps(self, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard) -> None:
-        config, dist = self.config, self.dist
-        saved_time = time.monotonic()
+        self._saved_time = time.monotonic()
+        if self._unevaluated is not None:  # evaluated now, then saved again without them
+            metrics, self._unevaluated = self._unevaluated, None
+            self._end_step(metrics, log, console, guard, save_now=True)
         while self.step < self.total_steps:
-            metrics = self.train_step()
-            if self.evaluator is not None:
-                metrics.update(self._evaluate(force=self.step == self.total_steps))
-            self.history.append(metrics)
-            log.write(metrics)
-            console.add(metrics)
-            every_steps = config.save_steps and self.step % config.save_steps == 0
-            every_minutes = config.save_minutes and time.monotonic() - saved_time >= 60 * config.save_minutes
-            # all processes save, or none; and all stop when any got a signal
-            signum, save = dist.max(guard.requested or 0, int(bool(every_steps or every_minutes)))
-            if save or signum:
-                self.save_checkpoint()
-                saved_time = time.monotonic()
-            if signum:
-                raise Interrupted(signum, self.step, self._saved_path)
+            self._end_step(self.train_step(), log, console, guard)
+
+    def _end_step(self, metrics: dict, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard,
+                  save_now: bool = False) -> None:
+        """After the update: the evaluation when due (a failing one saves the step: PeriodicEval.add_to), the metrics
+        line, the checkpoint when due (or save_now), the stop a signal asked for."""
+        config, dist = self.config, self.dist
+        if self.evaluator is not None:
+            metrics = self.evaluator.add_to(metrics, self.step, force=self.step == self.total_steps, dist=dist,
+                                            log=log, save=self.save_checkpoint)
+        self.history.append(metrics)
+        log.write(metrics)
+        console.add(metrics)
+        every_steps = config.save_steps and self.step % config.save_steps == 0
+        every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
+        # all processes save, or none; and all stop when any got a signal
+        signum, save = dist.max(guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
+        if save or signum:
+            self.save_checkpoint()
+        if signum:
+            raise Interrupted(signum, self.step, self._saved_path)
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory of the current weights and the tokenizer, as GRPOTrainer.export (export_model)."""
         return self.dist.export(export_model, self.model, self.tokenizer, Path(path), run_config=self.config.to_dict(),
                                 step=self.step)
 
-    def _evaluate(self, force: bool) -> dict:
-        """The periodic evaluation's metrics when it is due; under torchrun on every process, rank 0 writing and
-        returning them (PeriodicEval)."""
-        return self.evaluator(self.step, force=force, dist=self.dist)
-
-    def save_checkpoint(self) -> Path:
-        """checkpoint-<step> of the current state; then the oldest past save_total_limit are deleted."""
+    def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
+        """checkpoint-<step> of the current state (unevaluated: the metrics of a step whose evaluation failed, with
+        rng, the RNG states of before it); then the oldest past save_total_limit are deleted."""
         state = {
             "step": self.step,
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "config": self.config.to_dict(),
+            **({"rng": rng} if rng is not None else {}),
+            **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
         }
         path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer,
                                          state)
-        self._saved_step, self._saved_path = self.step, path
+        self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
         self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
         if self.dist.is_main:
             prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
@@ -300,6 +310,8 @@ class SFTTrainer:
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step = state["step"]
+        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
+        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
         self._saved_step, self._saved_path = self.step, path
         self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
         self.history = [m for m in self.history if m["step"] <= self.step]  # past the checkpoint: undone
