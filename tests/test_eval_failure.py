@@ -170,3 +170,18 @@ def test_sft_saves_the_step_whose_evaluation_logs_a_name_its_summary_takes(tmp_p
     assert "logged metric 'accuracy' with log_metric" in err and "; step 1's evaluation failed after its update: " \
         f"step 1 is saved in {out / 'checkpoint-1'}: continue with --resume once fixed" in err, err
     assert [step for step, _ in list_checkpoints(out)] == [1]
+
+
+def test_sft_evaluation_takes_reward_errors_as_its_hint_says(tmp_path, capsys):
+    """The evaluation's error names --reward-errors skip; sft takes it (it had no such flag, so the hint was a dead
+    end): with skip the run finishes, the failing function's rows scored 0 and counted."""
+    from fastgrpo.train.cli import main
+
+    out = tmp_path / "run"
+    failing = "def judge(prompts, completions, **columns):\n    raise ZeroDivisionError('division by zero')\n"
+    assert main(_sft_argv(out, failing, eval_steps=2)) != 0
+    assert "--reward-errors skip scores such rows 0 instead" in capsys.readouterr().err
+
+    out = tmp_path / "skipped"
+    assert main([*_sft_argv(out, failing, eval_steps=2), "--reward-errors", "skip"]) == 0, capsys.readouterr().err
+    assert _evaluated(out) == [2] and [m["step"] for m in _lines(out)] == [1, 2]

@@ -15,7 +15,7 @@ from fastgrpo.train.naming import flag
 _OWNERS = {
     ("train", "sft", "ei", "eval"): ("model", "dataset", "dataset_split", "dataset_config", "prompt_column",
                                      "prompt_format", "dtype", "device", "batch_size", "seed", "output_dir",
-                                     "overwrite_output_dir"),
+                                     "overwrite_output_dir", "reward_errors"),
     ("train", "sft", "ei"): (
         "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
         "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",
@@ -24,8 +24,7 @@ _OWNERS = {
         "max_grad_norm", "lr_scheduler", "warmup_steps", "save_steps", "save_total_limit", "resume",
         "resume_allow_changes", "export", "logging_steps", "report_to", "progress_bar", "eval_steps", "eval_dataset",
         "eval_dataset_split", "eval_dataset_config", "eval_max_examples"),
-    ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop",
-                              "reward_errors"),
+    ("train", "ei", "eval"): ("reward_funcs", "reward_weights", "num_generations", "temperature", "top_p", "stop"),
     ("train", "ei"): ("max_prompt_length", "truncate_prompts", "max_completion_length"),
     ("train", "sft"): ("max_steps", "save_minutes"),
     ("ei", "eval"): ("correct_threshold",),

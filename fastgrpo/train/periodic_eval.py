@@ -129,7 +129,7 @@ def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
     sampling = SamplingParams(max_new_tokens=config.eval_max_new_tokens, temperature=config.eval_temperature)
     stop = stop_strings(None, config.prompt_format, config.eval_reward_funcs)
     return PeriodicEval(model, BuiltinEngine(model, tokenizer), tokenizer, task, sampling, every=config.eval_steps,
-                        output_dir=config.output_dir, stop=stop, seed=config.seed)
+                        output_dir=config.output_dir, stop=stop, seed=config.seed, reward_errors=config.reward_errors)
 
 
 def ei_evaluator(run) -> PeriodicEval | None:

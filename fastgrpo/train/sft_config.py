@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import dataclasses
 
+from fastgrpo._checks import check_choice
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import check_fsdp_options, option
+from fastgrpo.train.config import REWARD_ERRORS, check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least, check_save_minutes
 from fastgrpo.train.options import (
@@ -98,6 +99,7 @@ class SFTConfig(ConfigFile):
     eval_reward_funcs: list[str] = option(["r1_zero_math"], "rewards that grade the generations", run_control=True)
     eval_max_new_tokens: int = option(1024, "tokens generated per evaluation prompt at most", run_control=True)
     eval_temperature: float = option(1.0, "sampling temperature of the evaluation; 0: greedy", run_control=True)
+    reward_errors: str = inherited("reward_errors")
 
     def __post_init__(self):
         coerce_fields(self)
@@ -110,6 +112,7 @@ class SFTConfig(ConfigFile):
                              f"got {self.micro_batch_size}")
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
+        check_choice("reward_errors", self.reward_errors, REWARD_ERRORS)
         check_run_options(self)
         check_model_options(self)
         check_optimizer_options(self)
