@@ -8,6 +8,7 @@ import shutil
 
 import pytest
 
+from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.eval_model import load_evaluated_model
@@ -32,7 +33,7 @@ def test_a_checkpoint_pruned_while_it_loads_gives_way_to_the_runs_newest(run, ca
     found = run / "checkpoint-1"  # what --checkpoint <run> found when the run's newest was step 1
     shutil.rmtree(found)
     with caplog.at_level(logging.WARNING):
-        model, _, source = load_evaluated_model(_config(run), found)
+        model, source = load_evaluated_model(_config(run), found, default_task.build_tokenizer())
     assert source == {"model": None, "checkpoint": str(run / "checkpoint-2")} and not model.training
     assert f"checkpoint: {found} was deleted while it loaded" in caplog.text
     assert "evaluating the run's newest, checkpoint-2, instead" in caplog.text
@@ -44,7 +45,7 @@ def test_a_named_checkpoint_pruned_while_it_loads_is_one_line(run):
     with pytest.raises(ValueError, match=rf"^checkpoint: {found} was deleted while it loaded \(its run, still "
                                          r"training, prunes older checkpoints as it saves: --save-total-limit\); "
                                          r"pass a newer one$"):
-        load_evaluated_model(_config(found), found)
+        load_evaluated_model(_config(found), found, default_task.build_tokenizer())
 
 
 def test_a_damaged_checkpoint_is_one_line_not_a_traceback(run, tmp_path, capsys):

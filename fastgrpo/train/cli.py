@@ -246,8 +246,9 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted
-    from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
+    from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward, tokenizer_before_load
     from fastgrpo.train.early_checks import check_sampling_before_load
+    from fastgrpo.train.input_checks import check_lengths_before_load
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.sources import check_model_source, naming_the_model, resolve_device
     from fastgrpo.train.trainer import GRPOTrainer
@@ -260,8 +261,10 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if config.model is not None:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    dataset = load_dataset(config)
-    check_sampling_before_load(config, dataset, reward_funcs)
+    check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
+    tokenizer = tokenizer_before_load(config.model)  # once: every check, the model's load and the trainer take it
+    dataset = load_dataset(config, tokenizer=tokenizer)
+    check_sampling_before_load(config, dataset, reward_funcs, tokenizer)
     if dist.active:
         dist.check_sizes(config)
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
@@ -275,7 +278,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):
-            model, tokenizer = load_model_and_tokenizer(config)
+            model, _ = load_model_and_tokenizer(config, tokenizer)
         trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config)
         try:
             history = trainer.train(run_dir)

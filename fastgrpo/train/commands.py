@@ -196,12 +196,13 @@ def _check_checkpoint_base(checkpoint: Path) -> None:
             from None
 
 
-def _load_model(config):
+def _load_model(config, tokenizer):
     from fastgrpo.train.loading import load_model_and_tokenizer
     from fastgrpo.train.sources import naming_the_model
 
     with naming_the_model(config.model):
-        return load_model_and_tokenizer(config)
+        model, _ = load_model_and_tokenizer(config, tokenizer)
+    return model
 
 
 def check_resume_before_load(config) -> None:
@@ -270,10 +271,10 @@ def _finished_sft(config, num_rows: int) -> str | None:
     return _finished_at(config, last, "step", f"{last} ({setting(field, getattr(config, field))})", field)
 
 
-def _train(config, dist, finished, make_trainer, args) -> list[dict]:
+def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
     """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, say there is nothing
     to train when the resumed run is finished (finished(): finished_run's line, or None), else check final/ can take
-    the export, load the model, build and run the trainer."""
+    the export, load the model (its tokenizer: the one the command loaded), build and run the trainer."""
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
@@ -290,8 +291,7 @@ def _train(config, dist, finished, make_trainer, args) -> list[dict]:
             return []
         check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
-        model, tokenizer = _load_model(config)
-        trainer = make_trainer(model, tokenizer)
+        trainer = make_trainer(_load_model(config, tokenizer))
         try:
             return trainer.train(run_dir)
         except Interrupted as stop:
@@ -305,7 +305,8 @@ def _train(config, dist, finished, make_trainer, args) -> list[dict]:
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import check_sft_rows_before_load
-    from fastgrpo.train.loading import load_dataset
+    from fastgrpo.train.input_checks import check_lengths_before_load
+    from fastgrpo.train.loading import load_dataset, tokenizer_before_load
     from fastgrpo.train.sft import SFTTrainer, check_process_split
 
     config = config_from_args("sft", args)
@@ -313,10 +314,12 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_sources(config)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     check_process_split(config, dist.world_size)
-    rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed))
-    check_sft_rows_before_load(config, rows)
-    history = _train(config, dist, lambda: _finished_sft(config, len(rows)),
-                     lambda model, tokenizer: SFTTrainer(model, tokenizer, rows, config), args)
+    check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
+    tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
+    rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed), tokenizer)
+    check_sft_rows_before_load(config, rows, tokenizer)
+    history = _train(config, dist, lambda: _finished_sft(config, len(rows)), tokenizer,
+                     lambda model: SFTTrainer(model, tokenizer, rows, config), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"{change('loss', first, last, fmt='{:.4f}')}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
@@ -327,7 +330,8 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
-    from fastgrpo.train.loading import load_dataset, resolve_reward
+    from fastgrpo.train.input_checks import check_lengths_before_load
+    from fastgrpo.train.loading import load_dataset, resolve_reward, tokenizer_before_load
     from fastgrpo.train.naming import setting
 
     config = config_from_args("ei", args)
@@ -336,12 +340,14 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     check_process_split(config, dist.world_size)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    rows = load_dataset(config)  # the built-in rows: the GRPO task's
-    check_sampling_before_load(config, rows, reward_funcs)
+    check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
+    tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
+    rows = load_dataset(config, tokenizer=tokenizer)  # the built-in rows: the GRPO task's
+    check_sampling_before_load(config, rows, reward_funcs, tokenizer)
     history = _train(config, dist,
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
-                     lambda model, tokenizer: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
+                     tokenizer, lambda model: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"{change('reward', first, last, unit='round')}, {change('kept_frac', first, last, unit='round')}; "
@@ -355,8 +361,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import eval_task_before_load
+    from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
-    from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward
+    from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward, tokenizer_before_load
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -364,17 +371,19 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     # under torchrun: join its process group, take this rank's GPU; each process evaluates every N-th row
     dist = init_distributed(config.device)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
-    rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
-                                                                       seed=config.seed + 1))
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     if checkpoint is not None and config.model is None:
         _check_checkpoint_base(checkpoint)
-    task = eval_task_before_load(config, rows, reward_funcs, checkpoint)  # its rows' and lengths' errors, first
+    # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
+    tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
+    rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
+                                                                       seed=config.seed + 1), tokenizer)
+    task = eval_task_before_load(config, rows, reward_funcs, checkpoint, tokenizer)  # rows' and lengths' errors
     output = Path(config.output_dir)
     with _eval_directory(dist, output, config):
         torch.manual_seed(config.seed)
         # every process loads the whole model; a failure on one (a GPU out of memory) stops them all
-        model, tokenizer, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task))
+        model, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task, tokenizer))
         _check_one_checkpoint(dist, source)
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
@@ -414,9 +423,9 @@ def _eval_directory(dist, output: Path, config):
         yield
 
 
-def _load_eval(config, checkpoint: Path | None, task):
-    """(model, tokenizer, source) of `fastgrpo eval`: the model evaluated, with room for task's prompts and
-    max_new_tokens in its positions."""
+def _load_eval(config, checkpoint: Path | None, task, tokenizer):
+    """(model, source) of `fastgrpo eval`: the model evaluated (tokenizer: its, as the command loaded it), with room
+    for task's prompts and max_new_tokens in its positions."""
     from fastgrpo.train.eval_model import load_evaluated_model
     from fastgrpo.train.evaluate import check_positions
     from fastgrpo.train.input_checks import model_positions
@@ -424,12 +433,12 @@ def _load_eval(config, checkpoint: Path | None, task):
     from fastgrpo.train.sources import naming_the_model
 
     with naming_the_model(config.model):
-        model, tokenizer, source = load_evaluated_model(config, checkpoint)
+        model, source = load_evaluated_model(config, checkpoint, tokenizer)
     positions = model_positions(model)
     if positions is not None:
         check_positions(task.prompt_ids, positions, config.max_new_tokens, "max_new_tokens", "dataset",
                         as_wrapped(config.prompt_format))
-    return model, tokenizer, source
+    return model, source
 
 
 def _check_one_checkpoint(dist, source: dict) -> None:

@@ -3,8 +3,9 @@ under a second, where a model can take minutes) or the model's config.json tells
 weights and rows, with every prompt tokenized against max_prompt_length; sft's rows against max_seq_length; eval's
 prompts with its new tokens against the model's positions (a run's periodic evaluation rows: loading.
 check_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
-modules. These were found once the model had loaded. The trainers tokenize again with the tokenizer they are given,
-through the same functions, so the two agree; eval evaluates the ids tokenized here."""
+modules. These were found once the model had loaded. Each takes the tokenizer its command loaded once (loading.
+tokenizer_before_load). The trainers tokenize again with that tokenizer, through the same functions, so the two
+agree; eval evaluates the ids tokenized here."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -17,12 +18,12 @@ from fastgrpo.train.grpo_data import prompt_token_ids
 from fastgrpo.train.input_checks import (
     check_reward_rows, check_reward_setup, check_same_columns, positions_before_load,
 )
-from fastgrpo.train.loading import lora_model, lora_target_problem, tokenizer_before_load
+from fastgrpo.train.loading import lora_model, lora_target_problem
 from fastgrpo.train.rollout_options import check_engine_installed
 from fastgrpo.train.sft_data import tokenize_rows
 
 
-def check_sampling_before_load(config, rows, reward_funcs: list) -> None:
+def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> None:
     """train, ei: what input_checks.check_sampling_inputs checks without a model: the reward functions and weights,
     the rows, their columns (what the rewards read; the same in every row), and every row's prompt tokenized as the
     trainer will, one over max_prompt_length refused (unless truncate_prompts: the trainer truncates it then, and
@@ -33,15 +34,15 @@ def check_sampling_before_load(config, rows, reward_funcs: list) -> None:
     check_reward_setup(reward_funcs, config.reward_weights)
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
     check_same_columns(rows)
-    # kept for the trainer, which tokenizes the same prompts with the same tokenizer, loaded again
-    prompt_token_ids(rows, tokenizer_before_load(config.model), config, warn=False, keep=True)
+    # kept for the trainer, which tokenizes the same prompts with the same tokenizer
+    prompt_token_ids(rows, tokenizer, config, warn=False, keep=True)
 
 
-def check_sft_rows_before_load(config, rows) -> None:
+def check_sft_rows_before_load(config, rows, tokenizer) -> None:
     """sft: every row tokenized as SFTTrainer will (sft_data.tokenize_rows), one over max_seq_length refused (unless
     truncate_sequences: the trainer truncates it then, and says so); the LoRA targets (check_lora_targets_before_load)."""
     check_lora_targets_before_load(config)
-    tokenize_rows(rows, tokenizer_before_load(config.model), prompt_column=config.prompt_column,
+    tokenize_rows(rows, tokenizer, prompt_column=config.prompt_column,
                   response_column=config.response_column, prompt_format=config.prompt_format,
                   max_seq_length=config.max_seq_length, truncate=config.truncate_sequences, warn=False)
 
@@ -79,12 +80,12 @@ def model_without_weights(model: str) -> torch.nn.Module | None:
         return None
 
 
-def eval_task_before_load(config, rows, reward_funcs: list, checkpoint: Path | None) -> EvalTask:
+def eval_task_before_load(config, rows, reward_funcs: list, checkpoint: Path | None, tokenizer) -> EvalTask:
     """eval: the task of its first max_examples rows (evaluate.build_eval_task), tokenized with the evaluated model's
     tokenizer and checked against its positions as its config.json gives them: --model's, or for a --checkpoint
     without one its run's model. The positions of the model loaded are checked again (the built-in model's, first)."""
     model = evaluated_model(config.model, checkpoint)
-    return build_eval_task(rows, tokenizer_before_load(model), prompt_column=config.prompt_column,
+    return build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
                            max_examples=config.max_examples, max_positions=positions_before_load(model),

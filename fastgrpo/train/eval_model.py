@@ -11,8 +11,9 @@ from fastgrpo.train.loading import find_checkpoint, load_inference_model
 logger = logging.getLogger(__name__)
 
 
-def load_evaluated_model(config, checkpoint: Path | None, *, attempts: int = 3):
-    """(model, tokenizer, source) for `fastgrpo eval` (loading.load_inference_model); source: the summary's "model"
+def load_evaluated_model(config, checkpoint: Path | None, tokenizer, *, attempts: int = 3):
+    """(model, source) for `fastgrpo eval` (loading.load_inference_model; tokenizer: the evaluated model's, which the
+    command loaded before the model, tokenizer_before_load); source: the summary's "model"
     (evaluated_model) and "checkpoint" (the one loaded), read as it loads. A run still training deletes its older
     checkpoints as it saves new ones (--save-total-limit): when the one being loaded goes, the run's newest is taken
     instead, with a warning, if --checkpoint named the run's folder; if it named that checkpoint, a one-line
@@ -21,9 +22,9 @@ def load_evaluated_model(config, checkpoint: Path | None, *, attempts: int = 3):
         try:
             source = {"model": evaluated_model(config.model, checkpoint),
                       "checkpoint": str(checkpoint) if checkpoint else None}
-            model, tokenizer = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
-                                                    seed=config.seed, checkpoint=checkpoint)
-            return model, tokenizer, source
+            model, _ = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
+                                            seed=config.seed, checkpoint=checkpoint, tokenizer=tokenizer)
+            return model, source
         except TornCheckpoint as err:
             if (checkpoint / STATE_FILE).exists():
                 raise ValueError(f"checkpoint: cannot read {err}") from None

@@ -19,7 +19,7 @@ from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
 from fastgrpo.train.evaluate import build_eval_task, first_rows
-from fastgrpo.train.input_checks import check_lengths_before_load, check_reward_rows, positions_before_load
+from fastgrpo.train.input_checks import check_reward_rows, positions_before_load
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_eval_rows, sft_pairs
@@ -178,17 +178,18 @@ def _saved_to_disk(path: Path) -> bool:
     return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
-def load_dataset(config, builtin=None):
+def load_dataset(config, builtin=None, tokenizer=None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
-    mistake after it; then the run's lengths against the model's positions (its config.json)."""
-    check_eval_dataset(config)
-    rows = _checked_rows(config, builtin)
-    check_lengths_before_load(config)
-    return rows
+    mistake after it. tokenizer: the run's, which a command loads once and hands on (tokenizer_before_load; eval's:
+    the evaluated model's); None: config.model's, loaded here."""
+    if tokenizer is None:
+        tokenizer = tokenizer_before_load(config.model)
+    check_eval_dataset(config, tokenizer)
+    return _checked_rows(config, builtin, tokenizer)
 
 
-def _checked_rows(config, builtin):
+def _checked_rows(config, builtin, tokenizer):
     """load_dataset's rows, their prompts (and sft's responses) checked."""
     if config.dataset is None:
         if config.dataset_config is not None:
@@ -201,7 +202,7 @@ def _checked_rows(config, builtin):
         prompts = [(i, prompt) for i, (prompt, _) in enumerate(pairs) if prompt is not None]  # text rows: none
     else:  # an evaluation reads only its first max_examples rows (0: all)
         prompts = prompt_values(rows, config.prompt_column, getattr(config, "max_examples", 0))
-    check_prompt_formats(prompts, config)
+    check_prompt_formats(prompts, config, tokenizer)
     default_task.warn_unknown_characters(rows, config)
     return rows
 
@@ -248,20 +249,21 @@ def eval_dataset_config(config) -> str | None:
     return config.eval_dataset_config
 
 
-def check_eval_dataset(config) -> None:
-    """A run's eval_rows, checked as its training rows are, before the model loads: they are read inside the trainer,
-    where a wrong path, column or prompt length stopped the run after the model had loaded. The trainer reads them
-    again (the first eval_max_examples rows)."""
+def check_eval_dataset(config, tokenizer) -> None:
+    """A run's eval_rows, checked as its training rows are (with its tokenizer), before the model loads: they are read
+    inside the trainer, where a wrong path, column or prompt length stopped the run after the model had loaded. The
+    trainer reads them again (the first eval_max_examples rows)."""
     if not getattr(config, "eval_steps", 0) or config.eval_dataset is None and config.dataset is None:
         return  # no evaluation, or the built-in task's rows
     rows = first_rows(eval_rows(config), config.eval_max_examples)
     names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
     reward_funcs = [resolve_reward(name) for name in names]
     check_reward_rows(rows, config.prompt_column, reward_funcs, "eval_dataset")
-    check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, "eval_dataset")
+    check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, tokenizer,
+                         "eval_dataset")
     # each prompt with the new tokens within the model's positions (its config.json; the built-in model's: once built)
     new_tokens = "eval_max_new_tokens" if hasattr(config, "eval_max_new_tokens") else "max_completion_length"
-    build_eval_task(rows, tokenizer_before_load(config.model), prompt_column=config.prompt_column,
+    build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
                     prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                     max_positions=positions_before_load(config.model), max_new_tokens=getattr(config, new_tokens),
                     new_tokens_field=new_tokens)
@@ -284,19 +286,10 @@ def prompt_values(rows, column: str, max_examples: int = 0, field: str = "datase
     return values
 
 
-def check_prompt_formats(prompts: list[tuple[int, object]], config, field: str = "dataset") -> None:
-    """Each (row, prompt) in config.prompt_format against the chat template of the tokenizer it will meet
-    (prompts.check_prompt_format). That tokenizer loads (cheaply, before the model) only where a prompt needs a
-    template; it is unknown for an evaluation of a --checkpoint without --model, whose run names it: left to
-    tokenizing then."""
-    needs_template = config.prompt_format == "chat" or any(not isinstance(p, str) for _, p in prompts)
-    has_template = True
-    if needs_template and config.prompt_format != "r1_zero":
-        if config.model is not None:
-            with naming_the_model(config.model):
-                has_template = bool(load_tokenizer(config.model).chat_template)
-        elif getattr(config, "checkpoint", None) is None:
-            has_template = bool(default_task.build_tokenizer().chat_template)
+def check_prompt_formats(prompts: list[tuple[int, object]], config, tokenizer, field: str = "dataset") -> None:
+    """Each (row, prompt) in config.prompt_format against the chat template of `tokenizer`, the one it will meet
+    (prompts.check_prompt_format)."""
+    has_template = bool(tokenizer.chat_template)
     for i, prompt in prompts:
         try:
             check_prompt_format(prompt, config.prompt_format, has_template)
@@ -312,16 +305,17 @@ def resolve_device_dtype(config) -> tuple[str, torch.dtype]:
     return device, getattr(torch, dtype_name)
 
 
-def load_model_and_tokenizer(config):
-    """The model (LoRA-wrapped, patched, checkpointed as configured) on its device, and its tokenizer."""
+def load_model_and_tokenizer(config, tokenizer=None):
+    """The model (LoRA-wrapped, patched, checkpointed as configured) on its device, and its tokenizer: `tokenizer`
+    where the caller loaded it already (tokenizer_before_load: the commands, before the model), else loaded here."""
     device, dtype = resolve_device_dtype(config)
+    if tokenizer is None:
+        tokenizer = tokenizer_before_load(config.model)
     if config.model is None:
-        tokenizer = default_task.build_tokenizer()
         model = default_task.build_model(tokenizer, seed=config.seed).to(device=device, dtype=dtype)
     else:
         from transformers import AutoModelForCausalLM
 
-        tokenizer = load_tokenizer(config.model)
         extra = {}
         if config.load_in_4bit:
             from transformers import BitsAndBytesConfig
@@ -353,8 +347,9 @@ def load_model_and_tokenizer(config):
 
 
 def tokenizer_before_load(model: str | None):
-    """The tokenizer load_model_and_tokenizer gives with `model` (None: the built-in model's), loaded alone (in well
-    under a second, where the model can take minutes) to check a run's rows before the model loads."""
+    """The tokenizer of `model` (None: the built-in model's), loaded alone (in seconds, where the model can take
+    minutes) to check a run's rows before the model loads. A command loads it once and hands it to each check, the
+    model's load and the trainer (a 151K-token vocabulary: ~2 s a load)."""
     if model is None:
         return default_task.build_tokenizer()
     with naming_the_model(model):
@@ -473,10 +468,11 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def load_inference_model(*, model: str | None, dtype: str, device: str, seed: int = 0,
-                         checkpoint: Path | None = None):
+                         checkpoint: Path | None = None, tokenizer=None):
     """A model and tokenizer for evaluation: unpatched, without gradient checkpointing, in eval mode. With a
     checkpoint: the model its run trained (base and LoRA settings from the run's config) with its weights, `model`
-    then being a new path of the base model (None: the saved one)."""
+    then being a new path of the base model (None: the saved one). tokenizer: as load_model_and_tokenizer's (that
+    model's, loaded by the caller already; None: loaded here)."""
     fields = dict(model=None, lora_rank=0, lora_alpha=32, lora_dropout=0.0, lora_target_modules=["all-linear"],
                   load_in_4bit=False, seed=seed)
     if checkpoint is not None:
@@ -486,7 +482,7 @@ def load_inference_model(*, model: str | None, dtype: str, device: str, seed: in
         fields["model"] = model
     setup = types.SimpleNamespace(**fields, dtype=dtype, device=device, gradient_checkpointing=False, patch=False,
                                   offload_activations=False, offload_host_memory_gib=None, recompute_layers=None)
-    built, tokenizer = load_model_and_tokenizer(setup)
+    built, tokenizer = load_model_and_tokenizer(setup, tokenizer)
     if checkpoint is not None:
         load_checkpoint(checkpoint, built)
     return built.eval(), tokenizer
