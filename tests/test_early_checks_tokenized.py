@@ -1,6 +1,6 @@
-"""train and ei tokenize every prompt once: the trainer takes the ids the early check (before the model loads) made,
-where they are of the same prompts, format and tokenizer state. The trainer tokenized them all again: 5,000 prompts
-took 1-3 s of a CPU core. Another tokenizer, format or rows get their own ids, as before."""
+"""train and ei tokenize every prompt once: the command hands the trainer the ids its early check (before the model
+loads) made, whole, which the trainer checks and truncates as it does its own. The trainer tokenized them all again:
+5,000 prompts took 1-3 s of a CPU core."""
 from __future__ import annotations
 
 import collections
@@ -12,8 +12,10 @@ import pytest
 from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
 from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.early_checks import check_sampling_before_load
 from fastgrpo.train.grpo_data import prompt_token_ids
 from fastgrpo.train.loading import load_tokenizer
+from fastgrpo.train.trainer import GRPOTrainer
 
 PROMPTS = [f"{i} say a" for i in range(4)]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}:{% endfor %}"
@@ -59,41 +61,43 @@ def test_a_run_tokenizes_each_prompt_once(model, tmp_path, tokenized, command):
 
 
 def _config(**fields) -> GRPOConfig:
-    return GRPOConfig(**{"prompt_format": "chat", "max_prompt_length": 16, **fields})
+    return GRPOConfig(**{"prompt_format": "chat", "max_prompt_length": 16, "batch_size": 4, "num_generations": 2,
+                         "micro_batch_size": 4, "max_completion_length": 2, **fields})
 
 
-def test_the_ids_kept_are_taken_for_the_same_prompts_format_and_tokenizer_state(model, tokenized):
-    rows = [{"prompt": p} for p in PROMPTS]
-    kept = prompt_token_ids(rows, load_tokenizer(model), _config(), keep=True)
-    assert prompt_token_ids(rows, load_tokenizer(model), _config()) == kept  # another load of the same files
-    assert {p: tokenized[p + ":"] for p in PROMPTS} == dict.fromkeys(PROMPTS, 1)
+def _rows(prompts=PROMPTS) -> list[dict]:
+    return [{"prompt": p, "letter": "a"} for p in prompts]
 
 
-@pytest.mark.parametrize("change", ["tokenizer", "format", "rows"])
-def test_ids_of_another_tokenizer_format_or_rows_are_their_own(model, change):
-    rows = [{"prompt": p} for p in PROMPTS]
-    prompt_token_ids(rows, load_tokenizer(model), _config(), keep=True)
+def test_the_early_checks_ids_are_those_the_trainer_would_tokenize(model, tokenized):
     tokenizer, config = load_tokenizer(model), _config()
-    if change == "tokenizer":
-        tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-    elif change == "format":
-        config = _config(prompt_format="raw")
-    else:
-        rows = [{"prompt": p + "b"} for p in PROMPTS]
-    expected = prompt_token_ids(rows, tokenizer, config)  # nothing kept now: tokenized here
-    prompt_token_ids([{"prompt": p} for p in PROMPTS], load_tokenizer(model), _config(), keep=True)
-    assert prompt_token_ids(rows, tokenizer, config) == expected
+    ids = check_sampling_before_load(config, _rows(), [default_task.repeat_letter_reward], tokenizer)
+    assert {p: tokenized[p + ":"] for p in PROMPTS} == dict.fromkeys(PROMPTS, 1)
+    assert ids == prompt_token_ids(_rows(), tokenizer, config)  # tokenized here (again)
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, default_task.repeat_letter_reward, _rows(),
+                          config, prompt_ids=ids)
+    assert trainer.prompts == ids
+    assert {p: tokenized[p + ":"] for p in PROMPTS} == dict.fromkeys(PROMPTS, 2)  # not by the trainer
 
 
 def test_the_trainers_call_still_truncates_and_says_so(model, caplog):
-    """The early check keeps the ids whole and says nothing (warn=False); the trainer's call truncates them and warns,
-    as when it tokenized them itself."""
-    rows = [{"prompt": p} for p in ("1 say a", "1234 say a")]
+    """The early check hands the ids whole and says nothing; the trainer's call truncates them and warns, as when it
+    tokenized them itself."""
+    rows, tokenizer = _rows(["1 say a", "1234 say a"]), load_tokenizer(model)
     config = _config(prompt_format="raw", max_prompt_length=7, truncate_prompts=True)
-    prompt_token_ids(rows, load_tokenizer(model), config, warn=False, keep=True)
     with caplog.at_level(logging.WARNING, logger="fastgrpo.train.grpo_data"):
-        ids = prompt_token_ids(rows, load_tokenizer(model), config)
+        ids = check_sampling_before_load(config, rows, [default_task.repeat_letter_reward], tokenizer)
+        assert [len(i) for i in ids] == [7, 10] and not caplog.records
+        ids = prompt_token_ids(rows, tokenizer, config, prompt_ids=ids)
     assert [len(i) for i in ids] == [7, 7]
     assert [r.getMessage() for r in caplog.records] == [
         "dataset: 1 of 2 prompts over max_prompt_length (7) left-truncated to their last 7 tokens "
         "(truncate_prompts=True): rows 1"]
+
+
+def test_prompt_ids_of_other_rows_are_refused(model):
+    tokenizer, config = load_tokenizer(model), _config()
+    ids = prompt_token_ids(_rows(), tokenizer, config)
+    with pytest.raises(ValueError, match=r"^prompt_ids: expected the ids of each of the dataset's 4 rows, got 3$"):
+        GRPOTrainer(default_task.build_model(tokenizer), tokenizer, default_task.repeat_letter_reward, _rows(), config,
+                    prompt_ids=ids[:3])

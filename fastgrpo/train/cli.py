@@ -264,7 +264,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check, the model's load and the trainer take it
     dataset = load_dataset(config, tokenizer=tokenizer)
-    check_sampling_before_load(config, dataset, reward_funcs, tokenizer)
+    prompt_ids = check_sampling_before_load(config, dataset, reward_funcs, tokenizer)
     if dist.active:
         dist.check_sizes(config)
     with dist.run_directory(config.output_dir) as run_dir:  # rank 0 locks and prepares it
@@ -279,7 +279,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):
             model, _ = load_model_and_tokenizer(config, tokenizer)
-        trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config)
+        trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config, prompt_ids=prompt_ids)
         try:
             history = trainer.train(run_dir)
         except Interrupted as stop:

@@ -343,11 +343,13 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
     rows = load_dataset(config, tokenizer=tokenizer)  # the built-in rows: the GRPO task's
-    check_sampling_before_load(config, rows, reward_funcs, tokenizer)
+    prompt_ids = check_sampling_before_load(config, rows, reward_funcs, tokenizer)
     history = _train(config, dist,
                      lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
-                     tokenizer, lambda model: ExpertIteration(model, tokenizer, reward_funcs, rows, config), args)
+                     tokenizer,
+                     lambda model: ExpertIteration(model, tokenizer, reward_funcs, rows, config, prompt_ids=prompt_ids),
+                     args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"{change('reward', first, last, unit='round')}, {change('kept_frac', first, last, unit='round')}; "

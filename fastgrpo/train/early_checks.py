@@ -4,8 +4,8 @@ weights and rows, with every prompt tokenized against max_prompt_length; sft's r
 prompts with its new tokens against the model's positions (a run's periodic evaluation rows: loading.
 check_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
 modules. These were found once the model had loaded. Each takes the tokenizer its command loaded once (loading.
-tokenizer_before_load). The trainers tokenize again with that tokenizer, through the same functions, so the two
-agree; eval evaluates the ids tokenized here."""
+tokenizer_before_load). train and ei train on the prompt ids tokenized here, and eval evaluates them; sft's trainer
+tokenizes its rows again, through the same function, so the two agree."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,7 +14,7 @@ import torch
 
 from fastgrpo.train.eval_model import evaluated_model
 from fastgrpo.train.evaluate import EvalTask, build_eval_task
-from fastgrpo.train.grpo_data import prompt_token_ids
+from fastgrpo.train.grpo_data import prompt_token_ids, tokenized_prompts
 from fastgrpo.train.input_checks import (
     check_reward_rows, check_reward_setup, check_same_columns, positions_before_load,
 )
@@ -23,19 +23,21 @@ from fastgrpo.train.rollout_options import check_engine_installed
 from fastgrpo.train.sft_data import tokenize_rows
 
 
-def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> None:
+def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> list[list[int]]:
     """train, ei: what input_checks.check_sampling_inputs checks without a model: the reward functions and weights,
-    the rows, their columns (what the rewards read; the same in every row), and every row's prompt tokenized as the
-    trainer will, one over max_prompt_length refused (unless truncate_prompts: the trainer truncates it then, and
-    says so); train's rollout engine installed, and the LoRA targets (check_lora_targets_before_load)."""
+    the rows, their columns (what the rewards read; the same in every row), and every row's prompt tokenized, one
+    over max_prompt_length refused (unless truncate_prompts: the trainer truncates it then, and says so); train's
+    rollout engine installed, and the LoRA targets (check_lora_targets_before_load). Returns the prompts' ids, whole,
+    for the trainer to take (its prompt_ids) rather than tokenize them again (5,000 prompts: 1-3 s of a CPU core)."""
     if hasattr(config, "rollout_engine"):  # train's; ei samples with the built-in engine
         check_engine_installed(config)
     check_lora_targets_before_load(config)
     check_reward_setup(reward_funcs, config.reward_weights)
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
     check_same_columns(rows)
-    # kept for the trainer, which tokenizes the same prompts with the same tokenizer
-    prompt_token_ids(rows, tokenizer, config, warn=False, keep=True)
+    ids = tokenized_prompts(rows, tokenizer, config)
+    prompt_token_ids(rows, tokenizer, config, warn=False, prompt_ids=ids)  # the lengths; the trainer's call warns
+    return ids
 
 
 def check_sft_rows_before_load(config, rows, tokenizer) -> None:

@@ -118,9 +118,11 @@ def distinct_correct(prompts: list[list[int]], completions: list[list[int]], cor
 
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
-                 train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None):
+                 train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None,
+                 prompt_ids: list[list[int]] | None = None):
         """engine: where samples come from (default: BuiltinEngine on the model's own modules; under torchrun the
-        only one: each process samples with the model it trains)."""
+        only one: each process samples with the model it trains). prompt_ids: as GRPOTrainer's (every row's prompt
+        tokenized by the caller already; None: tokenized here)."""
         self.config = config = config or EIConfig()
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self.dist = Distributed.current()
@@ -132,7 +134,8 @@ class ExpertIteration:
         self.reward_funcs = reward_list(reward_funcs)
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
-        self.prompts = prompt_token_ids(train_dataset, tokenizer, config)  # every row's, before any compute
+        # every row's, before any compute
+        self.prompts = prompt_token_ids(train_dataset, tokenizer, config, prompt_ids=prompt_ids)
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)
         self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, once for every round
         self.sampling = config.sampling()

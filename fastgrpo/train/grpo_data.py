@@ -3,77 +3,59 @@ compute), and the rows each step takes (a function of the step, so a resumed run
 from __future__ import annotations
 
 import functools
-import hashlib
 import logging
-import pickle
 
 import torch
 
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.naming import setting
-from fastgrpo.train.prompts import as_wrapped, prompt_ids
+from fastgrpo.train.prompts import as_wrapped
+from fastgrpo.train.prompts import prompt_ids as one_prompt_ids  # the name of prompt_token_ids' argument
 
 logger = logging.getLogger(__name__)
 
-# The ids the commands' early check tokenized (keep=True), for the trainer's call to take rather than tokenize every
-# prompt again (5,000 prompts: 1-3 s on a CPU core): (tokenizer state, prompt_format), the prompts, their ids.
-_kept: tuple | None = None
 
-
-def prompt_token_ids(dataset, tokenizer, config, *, warn: bool = True, keep: bool = False) -> list[list[int]]:
-    """Token ids of every row's prompt in config.prompt_format (fastgrpo.train.prompts; chat messages go through
-    the chat template). `config` (a GRPOConfig or an EIConfig) has prompt_column, prompt_format, max_prompt_length
-    and truncate_prompts.
+def prompt_token_ids(dataset, tokenizer, config, *, warn: bool = True,
+                     prompt_ids: list[list[int]] | None = None) -> list[list[int]]:
+    """Token ids of every row's prompt in config.prompt_format (tokenized_prompts), within max_prompt_length.
+    `config` (a GRPOConfig or an EIConfig) has prompt_column, prompt_format, max_prompt_length and truncate_prompts.
 
     Prompts longer than max_prompt_length raise, naming the longest (the length the limit must reach), unless
     truncate_prompts: then they keep their last max_prompt_length tokens (the end holds the question and the
     generation prompt), said in one warning when `warn`.
 
-    keep: hold the ids for the next call to take where it tokenizes the same prompts in the same format with a
-    tokenizer in the same state (pickled alike: another load of the same files), which it then does not repeat.
+    prompt_ids: the rows' ids as tokenized_prompts gave them, where the caller has them already (the commands' early
+    check tokenized them before the model loaded): checked and truncated here, not tokenized again.
     """
-    prompts = [dataset[index][config.prompt_column] for index in range(len(dataset))]
-    ids = _tokenized(prompts, tokenizer, config.prompt_format, keep)
+    if prompt_ids is None:
+        prompt_ids = tokenized_prompts(dataset, tokenizer, config)
+    elif len(prompt_ids) != len(dataset):
+        raise ValueError(f"prompt_ids: expected the ids of each of the dataset's {len(dataset)} rows, got "
+                         f"{len(prompt_ids)}")
     limit = config.max_prompt_length
-    over = [index for index, row in enumerate(ids) if len(row) > limit]
+    over = [index for index, row in enumerate(prompt_ids) if len(row) > limit]
     if not over:
-        return ids
+        return prompt_ids
     if not config.truncate_prompts:
-        raise ValueError(_over_long(ids, over, config))
+        raise ValueError(_over_long(prompt_ids, over, config))
     if warn:
         shown = ", ".join(map(str, over[:5])) + (", ..." if len(over) > 5 else "")
         logger.warning("dataset: %d of %d prompts over max_prompt_length (%d) left-truncated to their last %d tokens "
-                       "(%s): rows %s", len(over), len(ids), limit, limit, setting("truncate_prompts", True), shown)
-    return [row[-limit:] for row in ids]
+                       "(%s): rows %s", len(over), len(prompt_ids), limit, limit, setting("truncate_prompts", True),
+                       shown)
+    return [row[-limit:] for row in prompt_ids]
 
 
-def _tokenized(prompts: list, tokenizer, prompt_format: str, keep: bool) -> list[list[int]]:
-    """prompt_ids of each prompt: those kept by the call before where they are of the same prompts, format and
-    tokenizer state (taken once: they are not held beyond the call that takes them), else tokenized here."""
-    global _kept
-    kept, _kept = _kept, None
-    if kept is not None and kept[1] == prompts and kept[0] == (_tokenizer_state(tokenizer), prompt_format):
-        return kept[2]
-    ids = [_row_prompt_ids(prompt, index, tokenizer, prompt_format) for index, prompt in enumerate(prompts)]
-    state = _tokenizer_state(tokenizer) if keep else None
-    if state is not None:
-        _kept = ((state, prompt_format), prompts, ids)
-    return ids
-
-
-def _tokenizer_state(tokenizer) -> bytes | None:
-    """A digest of everything the tokenizer's ids follow from (its class and pickled state: vocabulary, merges,
-    normalizer, special tokens, chat template); None for one that cannot be pickled (its ids are not kept). A
-    151K-token BPE vocabulary: 0.1-0.5 s, where tokenizing 5,000 prompts again took 1-3 s."""
-    try:
-        return hashlib.sha256(pickle.dumps(tokenizer)).digest()
-    except Exception:  # noqa: BLE001 - pickling fails in many ways (a local class, a handle); it then tokenizes
-        return None
+def tokenized_prompts(dataset, tokenizer, config) -> list[list[int]]:
+    """Every row's prompt (its config.prompt_column) in config.prompt_format, whole (fastgrpo.train.prompts; chat
+    messages go through the chat template)."""
+    prompts = [dataset[index][config.prompt_column] for index in range(len(dataset))]
+    return [_row_prompt_ids(prompt, index, tokenizer, config.prompt_format) for index, prompt in enumerate(prompts)]
 
 
 def _row_prompt_ids(prompt, index: int, tokenizer, prompt_format: str) -> list[int]:
     try:
-        return prompt_ids(tokenizer, prompt, prompt_format)
+        return one_prompt_ids(tokenizer, prompt, prompt_format)
     except ValueError as err:
         raise ValueError(f"dataset: row {index}: {err}") from None
 

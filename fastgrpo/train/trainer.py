@@ -68,9 +68,13 @@ class GRPOTrainer:
         train_dataset,
         config: GRPOConfig | None = None,
         engine: RolloutEngine | None = None,
+        *,
+        prompt_ids: list[list[int]] | None = None,
     ):
         """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
-        the model's own modules, or a VLLMEngine sharing the model's weights)."""
+        the model's own modules, or a VLLMEngine sharing the model's weights). prompt_ids: every row's prompt as
+        grpo_data.tokenized_prompts gives it, where the caller tokenized them already (the commands, to check their
+        lengths before the model loads); None: tokenized here."""
         check_trainer_objects(model, tokenizer, train_dataset, config, GRPOConfig)
         self.config = config = config or GRPOConfig()
         self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
@@ -78,7 +82,8 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
-        self.prompts = prompt_token_ids(train_dataset, tokenizer, config)  # every row's, before any compute
+        # every row's, before any compute
+        self.prompts = prompt_token_ids(train_dataset, tokenizer, config, prompt_ids=prompt_ids)
         self.device = next(model.parameters()).device
         # built before the optimizer and the reference copy: a VLLMEngine re-points the model's parameters at vLLM's
         self.engine = rollout_engine(model, tokenizer, config, self.device, engine)
