@@ -319,3 +319,20 @@ def test_a_run_from_an_export_says_when_it_prompts_unlike_the_export_learned(tmp
         f"prompt_format={default!r} to keep this"]
     (final / "run_config.json").write_text("{")  # damaged: only eval needs it; this run does not stop for it
     assert build(build_parser().parse_args(argv)).prompt_format == default
+
+
+def test_an_export_keeps_the_base_tokenizers_padding_side(tmp_path):
+    """fastgrpo pads its own batches (left_pad), so loading a model's tokenizer leaves its padding_side as shipped:
+    it used to set "left" on the tokenizer, and every export then saved "left" over a base's "right"."""
+    from fastgrpo.train.loading import load_tokenizer
+
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.padding_side = "right"
+    model = default_task.build_model(tokenizer)
+    base = tmp_path / "base"
+    model.save_pretrained(base)
+    tokenizer.save_pretrained(base)
+    loaded = load_tokenizer(str(base))
+    assert loaded.padding_side == "right"
+    folder = export_model(model, loaded, tmp_path / "final", run_config={})
+    assert AutoTokenizer.from_pretrained(folder).padding_side == "right"

@@ -361,9 +361,10 @@ _TOKENIZER_FILES = ("tokenizer*", "vocab.*", "merges.txt", "*.model", "*.tiktoke
 
 
 def load_tokenizer(model: str):
-    """The tokenizer of a model folder or Hub name, padding on the left (for generation), with a pad token. A folder
-    without tokenizer files is refused: transformers builds an empty tokenizer for some (a qwen2 config.json alone),
-    whose prompts have no tokens, and a multi-line error for others."""
+    """The tokenizer of a model folder or Hub name, with a pad token; its padding_side as shipped (fastgrpo pads its
+    own batches, and an export saves the tokenizer as loaded). A folder without tokenizer files is refused:
+    transformers builds an empty tokenizer for some (a qwen2 config.json alone), whose prompts have no tokens, and a
+    multi-line error for others."""
     from transformers import AutoTokenizer
 
     folder = Path(model)
@@ -372,7 +373,6 @@ def load_tokenizer(model: str):
                          "(tokenizer.json, tokenizer_config.json); save the model's tokenizer there "
                          "(tokenizer.save_pretrained)")
     tokenizer = AutoTokenizer.from_pretrained(model)
-    tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
