@@ -126,3 +126,24 @@ def test_overwrite_refuses_to_delete_a_users_files_beside_the_runs_in_eval_or_te
                                              r"out of it, then start afresh with overwrite_output_dir=True$"):
             run_dir.prepare(resume=False, overwrite=True, command="train")
     assert (tmp_path / folder / "notes.txt").is_file() and (tmp_path / "final").is_dir()
+
+
+def test_an_output_dir_on_a_read_only_file_system_is_named(tmp_path, monkeypatch, capsys):
+    """A folder that exists on a read-only mount (where root, whom permissions do not stop, gets EROFS rather than
+    EACCES) printed `error: [Errno 30] Read-only file system: '<dir>/.fastgrpo.lock'`, naming no setting."""
+    import errno
+
+    from fastgrpo.train.cli import main
+    from fastgrpo.train.run_dir import LOCK_FILE
+
+    real_open = os.open
+
+    def read_only(path, flags, *args, **kwargs):  # the kernel's answer there to a file created
+        if str(path).endswith(LOCK_FILE) and flags & os.O_CREAT:
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only)
+    assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar"]) == 2
+    assert capsys.readouterr().err == (f"fastgrpo train: error: output_dir: {tmp_path} is not writable (its lock "
+                                       "file cannot be created: Read-only file system)\n")

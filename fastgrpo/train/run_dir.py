@@ -162,8 +162,9 @@ class RunDirectory:
             raise ValueError(f"output_dir: cannot create {self.path} ({err.strerror})") from None
         try:
             self.lock.acquire()
-        except PermissionError:
-            raise ValueError(f"output_dir: {self.path} is not writable (its lock file cannot be created)") from None
+        except OSError as err:  # no permission, a read-only file system (root's runs too), a full disk
+            raise ValueError(f"output_dir: {self.path} is not writable (its lock file cannot be created: "
+                             f"{err.strerror})") from None
         return self
 
     def __exit__(self, *exc) -> None:
