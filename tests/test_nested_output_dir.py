@@ -48,3 +48,18 @@ def test_the_runs_own_folder_and_a_sibling_are_fine(tmp_path, capsys):
     run = _other_run(tmp_path)
     assert main(["train", "--max-steps", "1", "--output-dir", str(tmp_path / "sibling")]) == 0
     assert main(["train", "--max-steps", "1", "--output-dir", str(run / "notes" / "again")]) == 0
+
+
+@pytest.mark.parametrize("inside", ["checkpoint-1/notes", "final"])
+def test_a_symlink_into_a_runs_checkpoint_or_final_is_refused_too(tmp_path, capsys, inside):
+    """A symlink to another run's final/ (or to a folder in its checkpoint-<step>/) passed the check, which read the
+    folders' names on the path as written: the run wrote its checkpoints and metrics into that run's export."""
+    run = _other_run(tmp_path)
+    (run / inside).mkdir(exist_ok=True)
+    link = tmp_path / "latest"
+    link.symlink_to(run / inside)
+    assert main(["train", "--max-steps", "1", "--output-dir", str(link)]) == 2
+    err = capsys.readouterr().err
+    folder = run / inside.split("/")[0]
+    assert err.count("\n") == 1 and f"output_dir: {folder} is " in err and "pick a folder outside it" in err, err
+    assert sorted(p.name for p in (run / inside).iterdir()) == (["run_config.json"] if inside == "final" else [])

@@ -258,11 +258,12 @@ def _run_and_user_files(folder: Path) -> tuple[list[str], list[str]]:
 
 def check_outside_run_folders(path: Path) -> None:
     """A ValueError for a folder inside a run's checkpoint-<step>/ or final/: the run deletes those folders, and
-    what is in them, when it prunes checkpoints or exports again (and --overwrite-output-dir deletes them)."""
+    what is in them, when it prunes checkpoints or exports again (and --overwrite-output-dir deletes them). The
+    folders are those above the path as written and above the one it resolves to (a symlink to a run's final/)."""
     from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, list_checkpoints
 
-    path = Path(path).absolute()
-    for folder in (path, *path.parents):
+    path, real = Path(path).absolute(), Path(path).resolve()
+    for folder in dict.fromkeys((path, *path.parents, real, *real.parents)):
         if (folder / STATE_FILE).is_file():
             what = f"a checkpoint of the run in {folder.parent}, which deletes it when it prunes checkpoints"
         elif folder.name == "final" and (folder / CONFIG_FILE).is_file() and list_checkpoints(folder.parent):
