@@ -147,3 +147,30 @@ def test_an_output_dir_on_a_read_only_file_system_is_named(tmp_path, monkeypatch
     assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar"]) == 2
     assert capsys.readouterr().err == (f"fastgrpo train: error: output_dir: {tmp_path} is not writable (its lock "
                                        "file cannot be created: Read-only file system)\n")
+
+
+def test_a_checkpoint_pruned_halfway_by_a_kill_leaves_no_checkpoint_folder(tmp_path, monkeypatch):
+    """A kill while --save-total-limit deleted an old checkpoint left checkpoint-1/ holding run_config.json alone
+    (its state went first): no prune deleted it again (it has no state), so the run kept it beside its newest ones.
+    The folder is renamed to a hidden partial write's name first, which a resume deletes."""
+    from fastgrpo.train.checkpoint import prune_checkpoints
+
+    model = default_task.build_model(default_task.build_tokenizer())
+    for step in (1, 2):
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model, {"step": step, "config": {}})
+    real_unlink, deleted = os.unlink, []
+
+    def killed_after_one_file(path, *args, **kwargs):  # the process stops in the middle of the deletion
+        if deleted:
+            raise KeyboardInterrupt
+        deleted.append(path)
+        real_unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", killed_after_one_file)
+    with pytest.raises(KeyboardInterrupt):
+        prune_checkpoints(tmp_path, 1, 2)
+    monkeypatch.undo()
+    assert not (tmp_path / "checkpoint-1").exists()
+    with RunDirectory(tmp_path) as run_dir:
+        run_dir.prepare(resume=True, overwrite=False, command="train")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]

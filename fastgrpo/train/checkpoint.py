@@ -290,8 +290,16 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     for path in abandoned:
         logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)
     for path in doomed:
-        shutil.rmtree(path)
+        _delete_folder(path)
     return doomed
+
+
+def _delete_folder(path: Path) -> None:
+    """rmtree, after a rename to a partial write's hidden name: a kill in the middle of it leaves no checkpoint-<step>
+    lacking files (one without its state, which no prune deletes again), but a leftover that a resume deletes."""
+    hidden = path.with_name(f".{path.name}.old-{os.getpid()}")
+    os.replace(path, hidden)
+    shutil.rmtree(hidden)
 
 
 def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str, export_step: int | None = None) -> str:
