@@ -49,6 +49,23 @@ def test_a_resumed_run_drops_the_evaluations_of_the_steps_it_replaces(tmp_path, 
     assert evaluated == [1, 2, 4]
 
 
+
+def test_a_run_resumed_without_evaluations_drops_those_of_the_steps_it_replaces(tmp_path, capsys):
+    """As above, resumed with --eval-steps 0: the files were dropped at the resumed run's first evaluation, so a run
+    that evaluates no more kept eval/step-3.jsonl of the weights it threw away (here of another learning rate)."""
+    out = tmp_path / "run"
+    common = ["train", "--output-dir", str(out), "--save-steps", "2", "--no-export", *SMALL]
+    assert main([*common, "--eval-steps", "1", "--max-steps", "3"]) == 0
+    shutil.rmtree(out / "checkpoint-3")  # killed after step 3's evaluation
+    capsys.readouterr()
+    assert main([*common, "--eval-steps", "0", "--max-steps", "4", "--resume", "--learning-rate", "0.01",
+                 "--resume-allow-changes"]) == 0
+    names = sorted(p.name for p in (out / "eval").iterdir())
+    assert names == [f"step-{n}{suffix}" for n in (1, 2) for suffix in (".jsonl", "_summary.json")], names
+    assert "eval: deleted step-3.jsonl, step-3_summary.json, the evaluations of steps this run replaces" in \
+        capsys.readouterr().err
+
+
 def test_a_write_cut_short_leaves_no_partial_results(tmp_path, monkeypatch):
     """A disk that fills (or a kill) in the middle of writing results.jsonl left the lines written so far as the
     results, beside no summary or the summary of an earlier evaluation; now the file appears whole or not at all."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import json
 import logging
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,6 +15,7 @@ from fastgrpo.train.run_dir import write_whole
 logger = logging.getLogger(__name__)
 REPORTERS = ("wandb", "tensorboard")
 _MODULES = {"wandb": "wandb", "tensorboard": "torch.utils.tensorboard"}  # what each logger imports
+_EVALUATION_FILE = re.compile(r"step-(\d+)(\.jsonl|_summary\.json)")  # PeriodicEval's, in <output_dir>/eval/
 
 
 def check_report_to(report_to: list[str] | None) -> None:
@@ -45,7 +47,9 @@ class MetricsLog:
         """Keep the log consistent with the weights a run starts from: drop the lines past `step`. A line that does
         not parse (the last one, cut short by a kill in the middle of a write) is dropped with a warning. The file
         is created by the first write: a run that fails before its first step leaves none (nor an emptied one).
-        tensorboard's event files are append-only: its writer drops the steps past `step` on the reader's side."""
+        tensorboard's event files are append-only: its writer drops the steps past `step` on the reader's side. The
+        periodic evaluations past `step` (eval/step-<N>*) go as their lines do, whether or not this run evaluates."""
+        drop_evaluations_after(self.path.parent / "eval", step, self.key)
         lines = self.path.read_text().splitlines() if self.path.exists() else []
         # a run resumed from step 0 (its step 1's evaluation failed: logged again, whole) has lines before it
         self._redone_from = step + 1 if step > 0 or lines else None
@@ -74,6 +78,19 @@ class MetricsLog:
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != self.key}
         for log in self._loggers:
             log(metrics[self.key], scalars)
+
+
+def drop_evaluations_after(folder: Path, step: int, unit: str) -> None:
+    """Delete the files of the periodic evaluations (--eval-steps) past `step` in `folder`: a run resumed from an
+    earlier checkpoint than its last evaluation (killed between the two) replaces those steps; kept, they would stay
+    beside the new run's files, from weights it threw away. `unit`: what the run calls a step ("round")."""
+    replaced = sorted((int(match[1]), path.name) for path in folder.glob("step-*")
+                      if (match := _EVALUATION_FILE.fullmatch(path.name)) and int(match[1]) > step)
+    for _, name in replaced:
+        (folder / name).unlink()
+    if replaced:
+        logger.info("eval: deleted %s, the evaluations of %ss this run replaces", ", ".join(name for _, name in replaced),
+                    unit)
 
 
 def _wandb(run_config: dict) -> Callable[[int, dict], None]:

@@ -8,8 +8,6 @@ are the run's own, so an evaluation scores what the run optimises.
 from __future__ import annotations
 
 import json
-import logging
-import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -24,9 +22,6 @@ from fastgrpo.train.loading import eval_rows, resolve_reward
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import stop_strings
 from fastgrpo.train.step_rewards import trainer_state
-
-STEP_FILE = re.compile(r"step-(\d+)(\.jsonl|_summary\.json)")
-logger = logging.getLogger(__name__)
 
 
 class PeriodicEval:
@@ -45,7 +40,6 @@ class PeriodicEval:
         self.reward_errors = reward_errors
         self.every, self.directory, self.stop = every, Path(output_dir) / "eval", stop
         self.seed, self.log_count, self.unit, self.max_steps = seed, log_count, unit, max_steps
-        self.started = False
 
     def __call__(self, step: int, *, force: bool = False, dist: Distributed | None = None) -> dict:
         """The step's evaluation when it is due (or forced); dist: the trainer's Distributed (None: one process).
@@ -55,10 +49,6 @@ class PeriodicEval:
         writes, logs (the rewards' warnings too) and returns the numbers ({} on the others). An error on any process
         stops every process."""
         dist = dist or Distributed()
-        if not self.started:
-            self.started = True
-            if dist.is_main:
-                self.drop_replaced(step)
         if not self.due(step, force):
             return {}
         self.engine.load_weights(self.model)  # an engine with its own copy (vLLM) gets the step's weights
@@ -93,18 +83,6 @@ class PeriodicEval:
         """The names its summary takes: a run refuses them as a reward function logs them on its first step, not
         first at the evaluation, after steps it would then lose."""
         return summary_names(reward_names(self.task.reward_funcs))
-
-    def drop_replaced(self, first_step: int) -> None:
-        """Delete the files of evaluations at first_step or later: a run resumed from an earlier checkpoint than its
-        last evaluation (killed between the two) replaces those steps, as metrics.jsonl drops their lines; with
-        another --eval-steps their files would stay beside the new run's, from weights it threw away."""
-        replaced = sorted((int(match[1]), path.name) for path in self.directory.glob("step-*")
-                          if (match := STEP_FILE.fullmatch(path.name)) and int(match[1]) >= first_step)
-        for _, name in replaced:
-            (self.directory / name).unlink()
-        if replaced:
-            logger.info("eval: deleted %s, the evaluations of %ss this run replaces",
-                        ", ".join(name for _, name in replaced), self.unit)
 
     def _evaluate(self, step: int, dist: Distributed) -> dict:
         records, summary = evaluate(self.engine, self.tokenizer, self.task, self.sampling, stop=self.stop,
