@@ -133,3 +133,53 @@ def test_a_stop_before_the_first_step_ended_says_what_to_do_from_python(tmp_path
     with pytest.raises(Interrupted) as stop:
         _trainer(tmp_path, reward=_signal_at_rewards(1, signal.SIGINT)).train()
     assert str(stop.value) == "stopped by SIGINT before the first step ended; nothing to keep: call train() again"
+
+
+def _signal_as_saved(trainer, step: int, signum: int):
+    """Send `signum` to this process as the checkpoint of step `step` begins to be written (after the loop checked
+    for a signal): the real save runs after it."""
+    save = trainer.save_checkpoint
+
+    def saving(*args, **kwargs):
+        if getattr(trainer, "round", getattr(trainer, "step", None)) == step:  # expert iteration counts rounds
+            os.kill(os.getpid(), signum)
+        return save(*args, **kwargs)
+
+    trainer.save_checkpoint = saving
+
+
+def _sft_trainer(path):
+    from fastgrpo.train.sft import SFTTrainer
+    from fastgrpo.train.sft_config import SFTConfig
+
+    config = SFTConfig(**{**default_task.SFT_PRESET, "max_steps": STEPS, "save_steps": 1, "export": False,
+                          "progress_bar": False, "logging_steps": 0, "output_dir": str(path)})
+    tokenizer = default_task.build_tokenizer()
+    return SFTTrainer(default_task.build_model(tokenizer, seed=1), tokenizer, default_task.build_sft_dataset(64),
+                      config)
+
+
+def _ei_run(path):
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.expert_iteration import ExpertIteration
+
+    config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "ei_steps": STEPS, "questions_per_step": 4,
+                         "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "sft_epochs": 1,
+                         "export": False, "progress_bar": False, "logging_steps": 0, "output_dir": str(path)})
+    tokenizer = default_task.build_tokenizer()
+    return ExpertIteration(default_task.build_model(tokenizer, seed=1), tokenizer, default_task.repeat_letter_reward,
+                           default_task.build_dataset(16), config)
+
+
+@pytest.mark.parametrize("build, key", [(lambda path: _trainer(path, save_steps=1), "step"), (_sft_trainer, "step"),
+                                        (_ei_run, "round")], ids=["grpo", "sft", "ei"])
+def test_a_signal_as_a_step_is_saved_stops_there(tmp_path, build, key):
+    """A signal that came while step 2's checkpoint was written (the loop had checked for one) was acted on at the end
+    of step 3: the run trained a whole step more than asked, which a scheduler's grace period after its SIGTERM may
+    not leave. It stops with the checkpoint just written."""
+    trainer = build(tmp_path)
+    _signal_as_saved(trainer, 2, signal.SIGTERM)
+    with pytest.raises(Interrupted) as stop:
+        trainer.train()
+    assert stop.value.step == 2 and stop.value.checkpoint.name == "checkpoint-2", str(stop.value)
+    assert [json.loads(line)[key] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]

@@ -339,6 +339,8 @@ class ExpertIteration:
         every = config.save_steps and self.round % config.save_steps == 0
         signum, save = dist.max(self._guard.requested or 0, int(bool(save_now or every)))
         path = self.save_checkpoint() if save or signum else None
+        if path is not None:
+            signum = signum or self._guard.arrived_alone()  # one that came as the round was saved: stop with it
         if signum:
             raise Interrupted(signum, self.round, path, unit="round")
         return self.round if path else None

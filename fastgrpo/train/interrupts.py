@@ -93,6 +93,12 @@ class InterruptGuard:
             signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
         self._previous = {}
 
+    def arrived_alone(self) -> int:
+        """The signal received (0: none), for a loop to act on alone: one received as it saved the step it had
+        checked for a signal stops it there, not a step later. 0 under `deferred`: the processes agree on one at
+        their next check."""
+        return 0 if self.deferred else self.requested or 0
+
     def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
         """The exception to raise once the loop has saved `step` after a requested stop."""
         return Interrupted(self.requested, step, checkpoint, self.unit)

@@ -274,6 +274,7 @@ class SFTTrainer:
         signum, save = dist.max(guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
         if save or signum:
             self.save_checkpoint()
+            signum = signum or guard.arrived_alone()  # one that came as the step was saved: stop with it
         if signum:
             raise Interrupted(signum, self.step, self._saved_path)
 

@@ -435,6 +435,7 @@ class GRPOTrainer:
         signum, save = self.dist.max(self._guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
         if save or signum:
             self.save_checkpoint()
+            signum = signum or self._guard.arrived_alone()  # one that came as the step was saved: stop with it
         if signum:
             raise Interrupted(signum, self.step, self._saved_path)
 
