@@ -89,8 +89,8 @@ def drop_evaluations_after(folder: Path, step: int, unit: str) -> None:
     for _, name in replaced:
         (folder / name).unlink()
     if replaced:
-        logger.info("eval: deleted %s, the evaluations of %ss this run replaces", ", ".join(name for _, name in replaced),
-                    unit)
+        names = ", ".join(name for _, name in replaced)
+        logger.info("eval: deleted %s, the evaluations of %ss this run replaces", names, unit)
 
 
 def _wandb(run_config: dict) -> Callable[[int, dict], None]:
