@@ -174,3 +174,18 @@ def test_a_checkpoint_pruned_halfway_by_a_kill_leaves_no_checkpoint_folder(tmp_p
     with RunDirectory(tmp_path) as run_dir:
         run_dir.prepare(resume=True, overwrite=False, command="train")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-2"]
+
+
+@pytest.mark.parametrize("name", ["eval", "final", "tensorboard"])
+def test_a_users_file_named_like_a_runs_folder_is_refused_and_never_deleted(tmp_path, capsys, name):
+    """A file where a run writes a folder is the user's (a script named eval, notes named final): it was refused as
+    "holds another run (eval)", whose --overwrite-output-dir then deleted it."""
+    from fastgrpo.train.cli import main
+
+    (tmp_path / name).write_text("echo mine\n")
+    line = (f"fastgrpo train: error: output_dir: {tmp_path / name} is a file, where a run writes a folder; move it "
+            f"out of {tmp_path}, or pick another --output-dir\n")
+    for flags in ([], ["--overwrite-output-dir"], ["--resume"]):
+        assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", *flags]) == 2
+        assert capsys.readouterr().err == line
+    assert (tmp_path / name).read_text() == "echo mine\n"

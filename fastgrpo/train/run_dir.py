@@ -54,6 +54,7 @@ _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 _EVAL_FILES = ("step-*.jsonl", "step-*_summary.json", *EVAL_ARTIFACTS)
 _RUN_FOLDER_FILES = {"eval": (*_EVAL_FILES, *(f".{name}.tmp" for name in _EVAL_FILES)),
                      "tensorboard": ("events.out.tfevents.*",)}
+_FILE_ARTIFACTS = ("metrics.jsonl", *EVAL_ARTIFACTS)  # a run's files; its other artifacts are folders
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -200,6 +201,7 @@ class RunDirectory:
         if resume and overwrite:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
                              f"of {setting('resume', True)} and {setting('overwrite_output_dir', True)}")
+        self._check_no_file_at_a_folder()
         if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
             for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
                 shutil.rmtree(path, ignore_errors=True)
@@ -232,6 +234,15 @@ class RunDirectory:
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
+
+    def _check_no_file_at_a_folder(self) -> None:
+        """A ValueError for a file at a name the run writes a folder at (final, eval, tensorboard, checkpoint-<step>):
+        the user's (a script named eval), which a refusal named as another run's and overwriting deleted, and an
+        export moved aside."""
+        files = [path for path in self._found(self.artifacts) if path.name not in _FILE_ARTIFACTS and not path.is_dir()]
+        if files:
+            raise ValueError(f"output_dir: {files[0]} is a file, where a run writes a folder; move it out of "
+                             f"{self.path}, or pick another {setting('output_dir')}")
 
     def _check_overwritable(self, found: list[Path]) -> None:
         """A ValueError where deleting the previous run's `found` would delete files the user put among them (in
