@@ -189,3 +189,16 @@ def test_a_users_file_named_like_a_runs_folder_is_refused_and_never_deleted(tmp_
         assert main(["train", "--output-dir", str(tmp_path), "--max-steps", "1", "--no-progress-bar", *flags]) == 2
         assert capsys.readouterr().err == line
     assert (tmp_path / name).read_text() == "echo mine\n"
+
+
+@pytest.mark.parametrize("below", ["", "run"])
+def test_an_output_dir_through_a_broken_symlink_is_named_as_one(tmp_path, below):
+    """A symlink to a folder that does not exist (a scratch disk not mounted on this node) was named "is a file"."""
+    link = tmp_path / "scratch"
+    link.symlink_to(tmp_path / "unmounted" / "me")
+    with pytest.raises(ValueError, match=rf"^output_dir: {link} is a symlink to {tmp_path / 'unmounted' / 'me'}, "
+                                         r"which does not exist; create that folder \(is its disk mounted\?\), or "
+                                         r"pick another output_dir$"):
+        with RunDirectory(link / below):
+            pass
+    assert not (tmp_path / "unmounted").exists()

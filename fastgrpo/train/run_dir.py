@@ -156,7 +156,12 @@ class RunDirectory:
         self.created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file
+        except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file or a broken symlink
+            link = _broken_symlink(self.path)
+            if link is not None:
+                raise ValueError(f"output_dir: {link} is a symlink to {os.readlink(link)}, which does not exist; "
+                                 f"create that folder (is its disk mounted?), or pick another {setting('output_dir')}"
+                                 ) from None
             raise ValueError(f"output_dir: expected a folder (or a path to create one at), but {self.path} or a "
                              "folder above it is a file") from None
         except OSError as err:  # no permission, a read-only or missing file system
@@ -265,6 +270,11 @@ def _run_and_user_files(folder: Path) -> tuple[list[str], list[str]]:
     files = sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
     runs = [name for name in files if any(fnmatch.fnmatchcase(name, p) for p in _RUN_FOLDER_FILES[folder.name])]
     return runs, [name for name in files if name not in runs]
+
+
+def _broken_symlink(path: Path) -> Path | None:
+    """The symlink on `path` (it, or a folder above it) whose target does not exist (a disk not mounted), if any."""
+    return next((folder for folder in (path, *path.parents) if folder.is_symlink() and not folder.exists()), None)
 
 
 def check_outside_run_folders(path: Path) -> None:
