@@ -202,3 +202,32 @@ def test_an_output_dir_through_a_broken_symlink_is_named_as_one(tmp_path, below)
         with RunDirectory(link / below):
             pass
     assert not (tmp_path / "unmounted").exists()
+
+
+def _unshare_mount_works() -> bool:
+    import shutil
+    import subprocess
+
+    return os.geteuid() == 0 and shutil.which("unshare") is not None and subprocess.run(
+        ["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=1k tmpfs /mnt"], capture_output=True).returncode == 0
+
+
+@pytest.mark.skipif(not _unshare_mount_works(), reason="fills a small tmpfs: needs root and `unshare -m` (mounts)")
+@pytest.mark.parametrize("size, written", [("600k", "checkpoint-1"), ("1100k", "final")])
+def test_a_full_disk_is_one_line_and_the_run_folder_stays_whole(tmp_path, size, written):
+    """torch.save on a full disk raised "unexpected pos 573632 vs 573524" and safetensors "Error while serializing":
+    a traceback, as for a bug. The write stays atomic (no partial checkpoint) and the error says the disk is full."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "disk" / "run"
+    run.parent.mkdir()
+    command = (f"mount -t tmpfs -o size={size} tmpfs {run.parent} && {sys.executable} -m fastgrpo train --max-steps 1 "
+               f"--no-progress-bar --output-dir {run}; echo exit $?; ls -A {run}")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", command], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(__file__)))
+    *_, error = done.stderr.strip().splitlines()
+    assert error == (f"fastgrpo train: error: {written}: not written, the disk of {run} is full; make room and run "
+                     "again (--resume continues from the last checkpoint)"), done.stderr
+    kept = ["metrics.jsonl"] if written == "checkpoint-1" else ["checkpoint-1", "metrics.jsonl"]
+    assert done.stdout.split("\n")[-len(kept) - 2:] == ["exit 1", *kept, ""], done.stdout

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import fnmatch
 import json
 import logging
@@ -53,6 +54,7 @@ _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 # A state's key for the metrics of its step (round), whose periodic evaluation failed after the update: the resumed run
 # evaluates that step first, as its settings say it is due, and writes the step's metrics line again, whole.
 UNEVALUATED = "unevaluated"
+_NEARLY_FULL = 2**20  # bytes free on a disk where a write failed: it failed for want of space
 
 
 class TornCheckpoint(Exception):
@@ -79,13 +81,18 @@ def set_rng_states(states: dict) -> None:
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
     """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error it is fsynced
-    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one."""
+    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one. A write that
+    fails as the disk fills up is an OSError saying so (_raise_if_disk_full)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        yield tmp
+        try:
+            yield tmp
+        except Exception as err:
+            _raise_if_disk_full(path, err)
+            raise
         for file in tmp.rglob("*"):
             if file.is_file():
                 _fsync(file)
@@ -102,6 +109,16 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         _fsync(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_if_disk_full(path: Path, err: Exception) -> None:
+    """A one-line OSError for a write into `path` that failed as its disk filled up, which torch.save reports as
+    "unexpected pos 573632 vs 573524" and safetensors as "Error while serializing" (a traceback at the command line)."""
+    if shutil.disk_usage(path.parent).free < _NEARLY_FULL:
+        full = OSError(f"{path.name}: not written, the disk of {path.parent} is full; make room and run again "
+                       f"({setting('resume', True)} continues from the last checkpoint)")
+        full.errno = errno.ENOSPC
+        raise full from err
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
