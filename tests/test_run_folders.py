@@ -231,3 +231,22 @@ def test_a_full_disk_is_one_line_and_the_run_folder_stays_whole(tmp_path, size, 
                      "again (--resume continues from the last checkpoint)"), done.stderr
     kept = ["metrics.jsonl"] if written == "checkpoint-1" else ["checkpoint-1", "metrics.jsonl"]
     assert done.stdout.split("\n")[-len(kept) - 2:] == ["exit 1", *kept, ""], done.stdout
+
+
+def test_a_symlinked_final_is_refused_in_one_line(tmp_path, capsys):
+    """final/ linked to another disk: a resumed run's export renamed the link aside and wrote its folder in its place,
+    then failed with 'Cannot call rmtree on a symbolic link' (the link's target kept the old export); a fresh run
+    named the empty link another run, whose --overwrite-output-dir failed alike."""
+    from fastgrpo.train.cli import main
+
+    target = tmp_path / "big" / "final"
+    target.mkdir(parents=True)
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "final").symlink_to(target)
+    for flags in ([], ["--overwrite-output-dir"], ["--resume"]):
+        assert main(["train", "--output-dir", str(run), "--max-steps", "1", "--no-progress-bar", *flags]) == 2
+        assert capsys.readouterr().err == (
+            f"fastgrpo train: error: output_dir: {run / 'final'} is a symlink, where a run writes a folder it replaces "
+            "or deletes whole; make it a folder (or link the whole --output-dir to put the run on another disk)\n")
+    assert (run / "final").is_symlink() and target.is_dir()

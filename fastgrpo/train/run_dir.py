@@ -243,11 +243,17 @@ class RunDirectory:
     def _check_no_file_at_a_folder(self) -> None:
         """A ValueError for a file at a name the run writes a folder at (final, eval, tensorboard, checkpoint-<step>):
         the user's (a script named eval), which a refusal named as another run's and overwriting deleted, and an
-        export moved aside."""
-        files = [path for path in self._found(self.artifacts) if path.name not in _FILE_ARTIFACTS and not path.is_dir()]
-        if files:
-            raise ValueError(f"output_dir: {files[0]} is a file, where a run writes a folder; move it out of "
-                             f"{self.path}, or pick another {setting('output_dir')}")
+        export moved aside. Or for a symlink at one the run replaces or deletes whole (final, checkpoint-<step>): its
+        rename and rmtree act on the link, not the folder it points to (an export went on beside the link's target,
+        then failed with 'Cannot call rmtree on a symbolic link')."""
+        for path in self._found(pattern for pattern in self.artifacts if pattern not in _FILE_ARTIFACTS):
+            if not path.is_dir():
+                raise ValueError(f"output_dir: {path} is a file, where a run writes a folder; move it out of "
+                                 f"{self.path}, or pick another {setting('output_dir')}")
+            if path.is_symlink() and path.name not in _RUN_FOLDER_FILES:
+                raise ValueError(f"output_dir: {path} is a symlink, where a run writes a folder it replaces or "
+                                 f"deletes whole; make it a folder (or link the whole {setting('output_dir')} to put "
+                                 "the run on another disk)")
 
     def _check_overwritable(self, found: list[Path]) -> None:
         """A ValueError where deleting the previous run's `found` would delete files the user put among them (in
