@@ -63,3 +63,14 @@ def test_a_symlink_into_a_runs_checkpoint_or_final_is_refused_too(tmp_path, caps
     folder = run / inside.split("/")[0]
     assert err.count("\n") == 1 and f"output_dir: {folder} is " in err and "pick a folder outside it" in err, err
     assert sorted(p.name for p in (run / inside).iterdir()) == (["run_config.json"] if inside == "final" else [])
+
+
+@pytest.mark.parametrize("command", [["train", "--max-steps", "1"], ["sft", "--max-steps", "1"],
+                                     ["ei", "--ei-steps", "1"]])
+def test_resume_given_a_checkpoint_as_output_dir_names_the_runs_folder(tmp_path, capsys, command):
+    """`--resume --output-dir <run>/checkpoint-1` (a checkpoint for the run it continues) is refused as any folder
+    inside a run's checkpoint is, and the line says what --resume takes: the run's folder."""
+    run = _other_run(tmp_path)
+    assert main([*command, "--resume", "--output-dir", str(run / "checkpoint-1")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"to continue that run: --output-dir {run} --resume" in err, err

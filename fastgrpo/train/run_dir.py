@@ -152,7 +152,7 @@ class RunDirectory:
         self.lock = RunLock(self.path)
 
     def __enter__(self) -> RunDirectory:
-        check_outside_run_folders(self.path)
+        check_outside_run_folders(self.path, resumable=self.resumable)
         self.created = not self.path.exists()
         try:
             self.path.mkdir(parents=True, exist_ok=True)
@@ -283,21 +283,25 @@ def _broken_symlink(path: Path) -> Path | None:
     return next((folder for folder in (path, *path.parents) if folder.is_symlink() and not folder.exists()), None)
 
 
-def check_outside_run_folders(path: Path) -> None:
+def check_outside_run_folders(path: Path, resumable: bool = False) -> None:
     """A ValueError for a folder inside a run's checkpoint-<step>/ or final/: the run deletes those folders, and
     what is in them, when it prunes checkpoints or exports again (and --overwrite-output-dir deletes them). The
-    folders are those above the path as written and above the one it resolves to (a symlink to a run's final/)."""
+    folders are those above the path as written and above the one it resolves to (a symlink to a run's final/).
+    resumable: the command has --resume, which a checkpoint given as the folder itself likely meant."""
     from fastgrpo.train.checkpoint import CONFIG_FILE, STATE_FILE, list_checkpoints
 
     path, real = Path(path).absolute(), Path(path).resolve()
     for folder in dict.fromkeys((path, *path.parents, real, *real.parents)):
+        hint = ""
         if (folder / STATE_FILE).is_file():
             what = f"a checkpoint of the run in {folder.parent}, which deletes it when it prunes checkpoints"
+            if resumable and folder == path:
+                hint = f"; to continue that run: {setting('output_dir')} {folder.parent} {setting('resume', True)}"
         elif folder.name == "final" and (folder / CONFIG_FILE).is_file() and list_checkpoints(folder.parent):
             what = f"the exported model of the run in {folder.parent}, which replaces it when it exports again"
         else:
             continue
-        raise ValueError(f"output_dir: {folder} is {what} (and what is written in it); pick a folder outside it")
+        raise ValueError(f"output_dir: {folder} is {what} (and what is written in it); pick a folder outside it{hint}")
 
 
 def _read_holder(fd: int) -> dict:
