@@ -20,7 +20,7 @@ from peft import LoraConfig
 from safetensors import safe_open
 
 import fastgrpo
-from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR
+from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR, _cpu_takes_row_scales
 from fastgrpo.ops.fp8_linear import quantize_fp8
 from fastgrpo.ops.lora import lora_linear_of_checked_values
 from tests.test_fp8_base import lora_layers, record_io, tiny_lora_model
@@ -266,6 +266,8 @@ def test_trl_drop_in_refuses_trls_own_config_after_loading(tmp_path_factory, tmp
     before anything trains. A GPU's: on a CPU, TRL's own config refuses bf16 first."""
     for needed in ("datasets", "trl"):  # the GPU machine has neither unless staged
         pytest.importorskip(needed)
+    if torch.cuda.device_count() > 1:
+        pytest.skip("several GPUs visible: TRL's Trainer refuses nn.DataParallel before this check; run with one")
     from datasets import Dataset
 
     from fastgrpo.integrations.trl import FastGRPOTrainer
@@ -291,6 +293,23 @@ def test_gpu_a_model_moved_to_the_cpu_frees_its_gpu_copies():
     model.to("cpu")
     gc.collect()
     assert not copies(model) and not [ref for ref in alive if ref() is not None]
+    if not _cpu_takes_row_scales():  # torch 2.11 (the GPU machine's): the CPU forward is refused in one line
+        with pytest.raises(ValueError, match="^fp8_base: runs on the CPU only where torch's CPU _scaled_mm takes row"):
+            model(ids())
+        return
     with torch.no_grad():
         model(ids())
     assert_copies_follow_weights(model)
+
+
+def test_a_cpu_whose_scaled_mm_takes_no_row_scales_is_refused_in_one_line(monkeypatch):
+    """torch 2.11's CPU _scaled_mm takes per-tensor scales only and failed on an internal assert at the first forward;
+    fp8_base says so as it patches (and at the forward of a model moved to the CPU since: the GPU test above)."""
+    from fastgrpo.ops import fp8_base
+
+    monkeypatch.setattr(fp8_base, "_cpu_takes_row_scales", lambda: False)
+    with pytest.raises(ValueError) as caught:
+        fastgrpo.patch_model(tiny_lora_model(), fp8_base=True)
+    assert str(caught.value) == (f"fp8_base: runs on the CPU only where torch's CPU _scaled_mm takes row-wise scales, "
+                                 f"which torch {torch.__version__}'s does not; run the model on an FP8 GPU, or patch "
+                                 "it without fp8_base")

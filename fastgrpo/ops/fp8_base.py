@@ -20,6 +20,8 @@ GPU copies of a model moved to the CPU lived on until its next forward.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
@@ -110,8 +112,23 @@ def drop_fp8_weight(layer: nn.Module) -> None:
 
 
 def check_fp8_device(device: torch.device) -> None:
-    """One line where the GPU has no FP8 tensor cores (the CPU runs _scaled_mm in software: the tests' path)."""
+    """One line where the GPU has no FP8 tensor cores, or where this torch's CPU _scaled_mm (the tests' software
+    path) takes no row-wise scales (torch 2.11's: an internal assert)."""
     if device.type == "cuda" and torch.cuda.get_device_capability(device) < FP8_CAPABILITY:
         found = ".".join(map(str, torch.cuda.get_device_capability(device)))
         raise ValueError(f"fp8_base: needs a GPU with FP8 tensor cores (compute capability 8.9 or later: Ada, "
                          f"Hopper), and {device} ({torch.cuda.get_device_name(device)}) is {found}")
+    if device.type == "cpu" and not _cpu_takes_row_scales():
+        raise ValueError(f"fp8_base: runs on the CPU only where torch's CPU _scaled_mm takes row-wise scales, which "
+                         f"torch {torch.__version__}'s does not; run the model on an FP8 GPU, or patch it without "
+                         "fp8_base")
+
+
+@functools.cache
+def _cpu_takes_row_scales() -> bool:
+    a = torch.zeros(16, 16).to(torch.float8_e4m3fn)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1), scale_b=torch.ones(1, 16), out_dtype=torch.bfloat16)
+    except RuntimeError:
+        return False
+    return True
