@@ -196,6 +196,20 @@ def _check_checkpoint_base(checkpoint: Path) -> None:
             from None
 
 
+def _check_base_unchanged(checkpoint: Path, model: str | None) -> None:
+    """The base model a checkpoint's weights load over (`model`, else the one its run recorded) is the one its run
+    trained on (base_fingerprint.base_change): a LoRA adapter put on another run's weights mixes the two."""
+    from fastgrpo.train.base_fingerprint import base_change
+    from fastgrpo.train.checkpoint import read_run_config
+
+    run = read_run_config(checkpoint)
+    base = model if model is not None else run.get("model")
+    change = base_change(run, base, resuming=False)
+    if change is not None:
+        raise ValueError(f"model: {base} is not the base model the run of {checkpoint} trained on (its files changed "
+                         f"since: {change}); pass that base (or a copy of it) as {setting('model')}")
+
+
 def _load_model(config, tokenizer):
     from fastgrpo.train.loading import load_model_and_tokenizer
     from fastgrpo.train.sources import naming_the_model
@@ -376,6 +390,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     if checkpoint is not None and config.model is None:
         _check_checkpoint_base(checkpoint)
+    if checkpoint is not None:
+        _check_base_unchanged(checkpoint, config.model)
     # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
     tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,

@@ -14,6 +14,7 @@ from fastgrpo._checks import check_choice
 from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train.base_fingerprint import base_change, same_base
 from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
@@ -344,9 +345,14 @@ def config_changes(saved: dict, config) -> list[str]:
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         before, now = saved.get(field.name, default), getattr(config, field.name)
         if _plain(before) != _plain(now) and not _same_local_path(field.name, before, now) \
-                and not _same_reward_files(field.name, before, now):
+                and not _same_reward_files(field.name, before, now) and not _same_model(field.name, saved, now):
             changes.append(f"{field.name}: {before!r} in the checkpoint, {now!r} now")
     return changes
+
+
+def _same_model(name: str, saved: dict, now) -> bool:
+    """The very base model the checkpoint's run recorded (its fingerprint), at another path: moved or copied."""
+    return name == "model" and same_base(saved, now)
 
 
 def _same_local_path(name: str, before, now) -> bool:
@@ -391,6 +397,7 @@ def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> Non
     """Raise a ValueError naming every run-defining field whose value differs from the checkpoint's config `saved`;
     with config.resume_allow_changes, log them as a warning instead. Another command's run is always refused."""
     check_same_command(saved, config, checkpoint)
+    check_resumed_base(saved, config, checkpoint, warn)
     changes = config_changes(saved, config)
     if not changes:
         return
@@ -401,6 +408,22 @@ def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> Non
     raise ValueError(f"resume: {checkpoint} was made with other settings: {'; '.join(changes)}; resume with the "
                      f"run's own settings ({checkpoint}/run_config.json holds them all), or pass "
                      f"{setting('resume_allow_changes', True)} to continue with the new ones")
+
+
+def check_resumed_base(saved: dict, config, checkpoint: str, warn: bool = True) -> None:
+    """A ValueError where config.model is not the base model the checkpoint's run trained on (base_change: a folder
+    exported again since, say); with config.resume_allow_changes, a warning instead."""
+    change = base_change(saved, config.model, resuming=True, say=warn)
+    if change is None:
+        return
+    said = f"model: {config.model} is not the base model {checkpoint} was trained on (its files changed since: " \
+           f"{change})"
+    if getattr(config, "resume_allow_changes", False):
+        if warn:
+            logger.warning("resume: continuing %s on other base weights: %s", checkpoint, said)
+        return
+    raise ValueError(f"{said}; pass that base (or a copy of it) as {setting('model')}, or "
+                     f"{setting('resume_allow_changes', True)} to continue on these weights")
 
 
 def _plain(value):

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from fastgrpo._checks import check_known_fields
+from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, recorded_fingerprint
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
 from fastgrpo.train.setting_sources import SettingSources, from_file
@@ -44,7 +45,9 @@ class ConfigFile:
     @classmethod
     def from_dict(cls, data: dict):
         """The config of `data`'s fields; a key that is no field is an error naming it (and the command it belongs
-        to where it is another command's field: command_fields.unknown_key_notes)."""
+        to where it is another command's field: command_fields.unknown_key_notes). A record's fingerprint of its
+        base model is no setting: left out."""
+        data = {key: value for key, value in data.items() if key != FINGERPRINT_KEY}
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         return cls(**data)
 
@@ -57,6 +60,7 @@ class ConfigFile:
         data = read_yaml(path)
         if Path(path).name == RUN_RECORD:  # a record from before to_dict left them out: not this invocation's
             data = {key: value for key, value in data.items() if key not in INVOCATION_FIELDS}
+        data = {key: value for key, value in data.items() if key != FINGERPRINT_KEY}  # a record's, of its base model
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND),
                            source=f"config: {Path(path).expanduser()}")
         # `learning_rate: expected a number, got 'fast'` names the file: a flag could have said that
@@ -66,7 +70,9 @@ class ConfigFile:
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
         (INPUT_PATH_FIELDS) made absolute, as is a reward function's file (REWARD_FUNCTION_FIELDS), so the record
-        names the file the run read wherever it is read later; no INVOCATION_FIELDS."""
+        names the file the run read wherever it is read later; no INVOCATION_FIELDS. A local model folder's
+        fingerprint is added (FINGERPRINT_KEY: base_fingerprint.recorded_fingerprint), which a resume and eval
+        --checkpoint check the base against."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
@@ -74,7 +80,8 @@ class ConfigFile:
         for name in REWARD_FUNCTION_FIELDS:
             if isinstance(data.get(name), list):
                 data[name] = [recorded_function(spec, name) for spec in data[name]]
-        return data
+        recorded = recorded_fingerprint(self)
+        return data if recorded is None else {**data, FINGERPRINT_KEY: recorded}
 
 
 def add_config_file_argument(parser: argparse.ArgumentParser, config_name: str) -> None:

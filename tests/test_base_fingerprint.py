@@ -1,0 +1,102 @@
+"""A run records a fingerprint of its base model folder: a LoRA run whose base (another run's final/) was exported
+again since is refused on --resume and on eval --checkpoint (its adapter went on the new weights without a word,
+mixing two runs); the same base moved or copied, given as --model, is taken; a full fine-tune's checkpoint holds
+every weight and is not checked."""
+import json
+import logging
+import shutil
+
+import torch
+
+from fastgrpo.train import default_task
+from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, base_change, fingerprint
+from fastgrpo.train.cli import main
+from fastgrpo.train.config import config_changes
+from fastgrpo.train.sft_config import SFTConfig
+
+QUIET = ["--no-progress-bar", "--logging-steps", "0"]
+SFT = ["sft", "--max-seq-length", "16", "--batch-size", "8", "--micro-batch-size", "8", "--dtype", "float32",
+       "--device", "cpu", *QUIET]
+EVAL = ["eval", "--max-examples", "4", "--max-new-tokens", "8"]
+
+
+def _base(folder, seed=0):
+    tokenizer = default_task.build_tokenizer()
+    default_task.build_model(tokenizer, seed=seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_the_fingerprint_follows_the_bytes_not_the_place(tmp_path, caplog):
+    base = _base(tmp_path / "base")
+    recorded = fingerprint(str(base))
+    assert set(recorded) == {"model.safetensors", "config.json"}
+    shutil.copytree(base, tmp_path / "copy")
+    base.rename(tmp_path / "moved")
+    assert fingerprint(str(tmp_path / "copy")) == fingerprint(str(tmp_path / "moved")) == recorded
+    assert fingerprint("Qwen/Qwen2.5-0.5B") is None and fingerprint(None) is None  # a Hub name, the built-in model
+    # one trained tensor in the middle of the file (a LoRA of one projection, merged) is seen
+    model = default_task.build_model(default_task.build_tokenizer())
+    with torch.no_grad():
+        next(p for n, p in model.named_parameters() if "layers.0.self_attn.q_proj" in n)[-1, -1] += 0.5
+    model.save_pretrained(tmp_path / "copy")
+    record = {"lora_rank": 4, FINGERPRINT_KEY: recorded}
+    assert base_change(record, str(tmp_path / "copy"), resuming=False) == "model.safetensors differs"
+    full = {**record, "lora_rank": 0, "beta": 0.04}
+    assert base_change(full, str(tmp_path / "copy"), resuming=False) is None  # a full fine-tune's weights are its own
+    assert base_change(full, str(tmp_path / "copy"), resuming=True) == "model.safetensors differs"  # its KL reference
+    with caplog.at_level(logging.INFO, logger="fastgrpo.train.base_fingerprint"):  # a run recorded before them
+        assert base_change({"lora_rank": 4}, str(tmp_path / "copy"), resuming=False) is None
+    assert "recorded no fingerprint of its base model" in caplog.text
+
+
+def test_a_record_of_a_local_base_holds_its_fingerprint_and_feeds_back(tmp_path):
+    base = _base(tmp_path / "base")
+    record = SFTConfig(model=str(base)).to_dict()
+    assert record[FINGERPRINT_KEY] == fingerprint(str(base))
+    assert SFTConfig.from_dict(record) == SFTConfig(model=str(base))
+    path = tmp_path / "run_config.json"
+    path.write_text(json.dumps(record))
+    assert FINGERPRINT_KEY not in SFTConfig.file_settings(path)
+    shutil.copytree(base, tmp_path / "copy")  # the same weights at another path: no change of setting
+    assert config_changes(record, SFTConfig(model=str(tmp_path / "copy"))) == []
+    assert config_changes(record, SFTConfig(model=str(_base(tmp_path / "other", seed=1)))) != []
+
+
+def test_a_lora_run_on_a_base_exported_again_is_refused_and_on_a_copy_taken(tmp_path, capsys):
+    first, run, copy = tmp_path / "first", tmp_path / "run", tmp_path / "copy"
+    assert main([*SFT, "--max-steps", "1", "--output-dir", str(first)]) == 0
+    base = first / "final"
+    lora = [*SFT, "--model", str(base), "--lora-rank", "4", "--output-dir", str(run)]
+    assert main([*lora, "--max-steps", "1"]) == 0
+    assert json.loads((run / "checkpoint-1" / "run_config.json").read_text())[FINGERPRINT_KEY] == fingerprint(base)
+    shutil.copytree(base, copy)
+    assert main([*SFT, "--max-steps", "2", "--output-dir", str(first), "--resume"]) == 0  # final/ exported again
+    capsys.readouterr()
+
+    assert main([*lora, "--max-steps", "2", "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"fastgrpo sft: error: model: {base} is not the base model checkpoint-1 was trained on (its files changed "
+        "since: model.safetensors, export.json differ); pass that base (or a copy of it) as --model, or "
+        "--resume-allow-changes to continue on these weights\n")
+    assert main([*EVAL, "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval")]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        f"fastgrpo eval: error: model: {base} is not the base model the run of {run / 'checkpoint-1'} trained on (its "
+        "files changed since: model.safetensors, export.json differ); pass that base (or a copy of it) as --model")
+    assert not (tmp_path / "eval").exists()
+
+    # the base it trained on, at another path
+    assert main([*EVAL, "--checkpoint", str(run), "--model", str(copy), "--output-dir", str(tmp_path / "eval")]) == 0
+    resumed = [*SFT, "--model", str(copy), "--lora-rank", "4", "--output-dir", str(run)]
+    assert main([*resumed, "--max-steps", "2", "--resume"]) == 0
+    assert json.loads((run / "checkpoint-2" / "run_config.json").read_text())[FINGERPRINT_KEY] == fingerprint(copy)
+
+
+def test_a_full_fine_tune_holds_every_weight_and_is_not_checked(tmp_path):
+    first, run = tmp_path / "first", tmp_path / "run"
+    assert main([*SFT, "--max-steps", "1", "--output-dir", str(first)]) == 0
+    full = [*SFT, "--model", str(first / "final"), "--output-dir", str(run), "--no-export"]
+    assert main([*full, "--max-steps", "1"]) == 0
+    assert main([*SFT, "--max-steps", "2", "--output-dir", str(first), "--resume"]) == 0  # final/ exported again
+    assert main([*full, "--max-steps", "2", "--resume"]) == 0
+    assert main([*EVAL, "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval")]) == 0
