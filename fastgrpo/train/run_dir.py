@@ -153,19 +153,7 @@ class RunDirectory:
 
     def __enter__(self) -> RunDirectory:
         check_outside_run_folders(self.path, resumable=self.resumable)
-        self.created = not self.path.exists()
-        try:
-            self.path.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file or a broken symlink
-            link = _broken_symlink(self.path)
-            if link is not None:
-                raise ValueError(f"output_dir: {link} is a symlink to {os.readlink(link)}, which does not exist; "
-                                 f"create that folder (is its disk mounted?), or pick another {setting('output_dir')}"
-                                 ) from None
-            raise ValueError(f"output_dir: expected a folder (or a path to create one at), but {self.path} or a "
-                             "folder above it is a file") from None
-        except OSError as err:  # no permission, a read-only or missing file system
-            raise ValueError(f"output_dir: cannot create {self.path} ({err.strerror})") from None
+        self.created = make_output_folder(self.path)
         try:
             self.lock.acquire()
         except OSError as err:  # no permission, a read-only file system (root's runs too), a full disk
@@ -269,6 +257,24 @@ class RunDirectory:
                 raise ValueError(f"overwrite_output_dir: {folder} holds files the run did not write ({listed}), which "
                                  "starting afresh would delete; move them out of it, then start afresh with "
                                  f"{setting('overwrite_output_dir', True)}")
+
+
+def make_output_folder(path: Path) -> bool:
+    """Create the folder `path` (and those above it) where it is missing; True where it was. A file or a broken
+    symlink on the way, or no permission, is a one-line ValueError naming output_dir."""
+    created = not path.exists()
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):  # the path, or a folder on it, is a file or a broken symlink
+        link = _broken_symlink(path)
+        if link is not None:
+            raise ValueError(f"output_dir: {link} is a symlink to {os.readlink(link)}, which does not exist; create "
+                             f"that folder (is its disk mounted?), or pick another {setting('output_dir')}") from None
+        raise ValueError(f"output_dir: expected a folder (or a path to create one at), but {path} or a folder above "
+                         "it is a file") from None
+    except OSError as err:  # no permission, a read-only or missing file system
+        raise ValueError(f"output_dir: cannot create {path} ({err.strerror})") from None
+    return created
 
 
 def _run_and_user_files(folder: Path) -> tuple[list[str], list[str]]:
