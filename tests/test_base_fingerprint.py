@@ -84,9 +84,13 @@ def test_a_lora_run_on_a_base_exported_again_is_refused_and_on_a_copy_taken(tmp_
         f"fastgrpo eval: error: model: {base} is not the base model the run of {run / 'checkpoint-1'} trained on (its "
         "files changed since: model.safetensors, export.json differ); pass that base (or a copy of it) as --model")
     assert not (tmp_path / "eval").exists()
+    exported = tmp_path / "exported"
+    assert main(["export", "--checkpoint", str(run), "--output-dir", str(exported)]) == 2
+    assert f"model: {base} is not the base model the run of" in capsys.readouterr().err and not exported.exists()
 
     # the base it trained on, at another path
     assert main([*EVAL, "--checkpoint", str(run), "--model", str(copy), "--output-dir", str(tmp_path / "eval")]) == 0
+    assert main(["export", "--checkpoint", str(run), "--model", str(copy), "--output-dir", str(exported)]) == 0
     resumed = [*SFT, "--model", str(copy), "--lora-rank", "4", "--output-dir", str(run)]
     assert main([*resumed, "--max-steps", "2", "--resume"]) == 0
     assert json.loads((run / "checkpoint-2" / "run_config.json").read_text())[FINGERPRINT_KEY] == fingerprint(copy)

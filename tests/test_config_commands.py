@@ -9,9 +9,10 @@ from fastgrpo.train.command_fields import FIELDS, fields
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.sft_config import SFTConfig
 
-CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
+CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig, "export": ExportConfig}
 
 
 @pytest.mark.parametrize("command", sorted(CONFIGS))

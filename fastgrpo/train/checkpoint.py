@@ -377,6 +377,13 @@ def check_final_overwritable(output_dir: str | Path) -> None:
                             f"start afresh with {setting('overwrite_output_dir', True)}", field="overwrite_output_dir")
 
 
+def check_export_replaceable(folder: Path, exporting: str) -> None:
+    """For `fastgrpo export --overwrite-output-dir`: the files of the model folder it replaces that no export wrote
+    are refused, as check_final_overwritable refuses them in a run's final/."""
+    _refuse_users_files(folder, _export_record(folder), exporting,
+                        f"export again with {setting('overwrite_output_dir', True)}", field="overwrite_output_dir")
+
+
 def _refuse_users_files(final: Path, record: dict, exporting: str, then: str, field: str = "export") -> None:
     """A ValueError naming the files in final/ its export did not write (they are the user's to move), which
     `exporting` there would delete; `then`: what to do once they are moved; `field`: the setting that would."""

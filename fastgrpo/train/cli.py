@@ -22,8 +22,9 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
-    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_sft_arguments, check_export_before_load,
-    check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
+    EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
+    check_export_before_load, check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
+    warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
@@ -31,6 +32,7 @@ from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
+from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
 from fastgrpo.train.setting_sources import (
@@ -299,6 +301,7 @@ COMMANDS: list[Command] = [
     Command("sft", SFT_HELP, add_sft_arguments, run_sft, description("sft")),
     Command("ei", EI_HELP, add_ei_arguments, run_ei, description("ei")),
     Command("eval", EVAL_HELP, add_eval_arguments, run_eval, description("eval")),
+    Command("export", EXPORT_HELP, add_export_arguments, run_export, EXPORT_DESCRIPTION),
 ]
 
 if __name__ == "__main__":

@@ -13,9 +13,9 @@ from fastgrpo.train.naming import flag
 
 # Fields by the commands that have them (each command's config lists them in its own order).
 _OWNERS = {
-    ("train", "sft", "ei", "eval"): ("model", "dataset", "dataset_split", "dataset_config", "prompt_column",
-                                     "prompt_format", "dtype", "device", "batch_size", "seed", "output_dir",
-                                     "overwrite_output_dir", "reward_errors"),
+    ("train", "sft", "ei", "eval", "export"): ("model", "dtype", "device", "output_dir", "overwrite_output_dir"),
+    ("train", "sft", "ei", "eval"): ("dataset", "dataset_split", "dataset_config", "prompt_column", "prompt_format",
+                                     "batch_size", "seed", "reward_errors"),
     ("train", "sft", "ei"): (
         "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
         "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",
@@ -41,10 +41,11 @@ _OWNERS = {
     ("sft",): ("response_column", "max_seq_length", "truncate_sequences", "num_epochs", "eval_reward_funcs",
                "eval_max_new_tokens", "eval_temperature"),
     ("ei",): ("questions_per_step", "generation_batch_size", "sft_epochs", "ei_steps"),
-    ("eval",): ("checkpoint", "max_examples", "max_new_tokens", "log_generations"),
+    ("eval", "export"): ("checkpoint",),
+    ("eval",): ("max_examples", "max_new_tokens", "log_generations"),
 }
 FIELDS = {command: frozenset(name for owners, names in _OWNERS.items() if command in owners for name in names)
-          for command in ("train", "sft", "ei", "eval")}
+          for command in ("train", "sft", "ei", "eval", "export")}
 
 # One setting under each command's own name(s): {command: (what the command does, with the fields)}. A key that is
 # another command's field of a row is answered with this command's entry of the first such row.

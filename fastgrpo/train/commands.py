@@ -1,5 +1,6 @@
 """`fastgrpo sft`, `fastgrpo ei` and `fastgrpo eval`: their flags, built-in presets and runs, as rows of
-fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad input, exit 2).
+fastgrpo.train.cli.COMMANDS (run under its one-line errors: a ValueError is bad input, exit 2); `fastgrpo export`'s
+flags and config too (fastgrpo.train.export_command runs it).
 
 Precedence, as for `fastgrpo train`: dataclass defaults < the built-in presets (no --model: the tiny model's
 settings; no --dataset: the built-in task's reward and prompt format) < YAML file (--config) < command-line flags;
@@ -23,6 +24,7 @@ from fastgrpo.train.console import change, number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
+from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
 from fastgrpo.train.setting_sources import DATA_PRESET, MODEL_PRESET, SettingSources, from_file, record_sources
@@ -30,7 +32,7 @@ from fastgrpo.train.sft_config import SFTConfig
 
 logger = logging.getLogger(__name__)
 
-CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig}
+CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig, "export": ExportConfig}
 MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
 
 SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
@@ -50,16 +52,17 @@ def _add_arguments(name: str):
     def add(parser: argparse.ArgumentParser) -> None:
         defaults = CONFIGS[name]()
         notes = {k: default_task.MICRO_BATCH_NOTE.format(v) if k == "micro_batch_size" else
-                 f"{v} for the built-in model" for k, v in MODEL_PRESETS[name].items()
+                 f"{v} for the built-in model" for k, v in MODEL_PRESETS.get(name, {}).items()
                  if k == "micro_batch_size" or v != getattr(defaults, k)}  # no "32; 32 for the built-in model"
-        notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA[name].items()})
+        notes.update({k: f"{v} without --dataset" for k, v in default_task.BUILTIN_DATA.get(name, {}).items()})
         add_config_file_argument(parser, CONFIGS[name].__name__)
         add_config_arguments(parser, CONFIGS[name], notes=notes)
 
     return add
 
 
-add_sft_arguments, add_ei_arguments, add_eval_arguments = (_add_arguments(n) for n in ("sft", "ei", "eval"))
+add_sft_arguments, add_ei_arguments, add_eval_arguments, add_export_arguments = (
+    _add_arguments(n) for n in ("sft", "ei", "eval", "export"))
 
 
 def config_from_args(name: str, args: argparse.Namespace):
@@ -68,13 +71,13 @@ def config_from_args(name: str, args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = CONFIGS[name].file_settings(args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
-    run, source = _trained_by(merged) if name == "eval" else (None, "")
+    run, source = trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
     # leave no room for the default 1024 new tokens)
     builtin_model = run.get("model") is None if run is not None else merged.get("model") is None
-    model_preset = dict(MODEL_PRESETS[name]) if builtin_model else {}
-    data_preset = dict(default_task.BUILTIN_DATA[name]) if merged.get("dataset") is None else {}
+    model_preset = dict(MODEL_PRESETS.get(name, {})) if builtin_model else {}  # export has no presets
+    data_preset = dict(default_task.BUILTIN_DATA.get(name, {})) if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
     sources = SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
@@ -88,7 +91,7 @@ def config_from_args(name: str, args: argparse.Namespace):
         config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
                                           **from_run, **merged})
         check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
-    if name != "eval":  # eval takes the run's format itself (_prompt_settings)
+    if name in ("sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)
     return config
 
@@ -112,10 +115,11 @@ def warn_prompt_format_unlike_export(config, merged: dict) -> None:
                        setting("prompt_format", config.prompt_format))
 
 
-def _trained_by(merged: dict) -> tuple[dict | None, str]:
+def trained_by(merged: dict) -> tuple[dict | None, str]:
     """(config, description) of the run that trained the weights eval evaluates: a --checkpoint's run (its weights
     are loaded last, over a --model given as its base), or the run that exported a --model folder (its
-    run_config.json: export_model); (None, "") for any other model."""
+    run_config.json: export_model); (None, "") for any other model. `fastgrpo export` calls it for its refusals of a
+    --model beside its --checkpoint."""
     from fastgrpo.train.checkpoint import STATE_FILE, read_exported_run_config, read_run_config
     from fastgrpo.train.loading import find_checkpoint
 
@@ -179,7 +183,7 @@ def _check_sources(config) -> None:
         check_model_source(config.model)
 
 
-def _check_checkpoint_base(checkpoint: Path) -> None:
+def check_checkpoint_base(checkpoint: Path) -> None:
     """The base model a checkpoint's run recorded (its weights load over it) is still where the run found it: a moved
     folder failed inside transformers ('Repo id must be in the form ...'), not naming --model, which takes its new
     path."""
@@ -196,7 +200,7 @@ def _check_checkpoint_base(checkpoint: Path) -> None:
             from None
 
 
-def _check_base_unchanged(checkpoint: Path, model: str | None) -> None:
+def check_base_unchanged(checkpoint: Path, model: str | None) -> None:
     """The base model a checkpoint's weights load over (`model`, else the one its run recorded) is the one its run
     trained on (base_fingerprint.base_change): a LoRA adapter put on another run's weights mixes the two."""
     from fastgrpo.train.base_fingerprint import base_change
@@ -389,9 +393,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     if checkpoint is not None and config.model is None:
-        _check_checkpoint_base(checkpoint)
+        check_checkpoint_base(checkpoint)
     if checkpoint is not None:
-        _check_base_unchanged(checkpoint, config.model)
+        check_base_unchanged(checkpoint, config.model)
     # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
     tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
