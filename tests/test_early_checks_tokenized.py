@@ -21,15 +21,18 @@ PROMPTS = [f"{i} say a" for i in range(4)]
 TEMPLATE = "{% for m in messages %}{{ m['content'] }}:{% endfor %}"
 
 
-@pytest.fixture
-def model(tmp_path) -> str:
-    """A tiny Qwen2 model of the built-in tokenizer, saved with its (random) weights and a chat template."""
-    folder = tmp_path / "model"
+def saved_chat_model(folder) -> str:
+    """A tiny Qwen2 model of the built-in tokenizer, saved to folder with its (random) weights and a chat template."""
     tokenizer = default_task.build_tokenizer()
     tokenizer.chat_template = TEMPLATE
     tokenizer.save_pretrained(folder)
     default_task.build_model(tokenizer).save_pretrained(folder)
     return str(folder)
+
+
+@pytest.fixture
+def model(tmp_path) -> str:
+    return saved_chat_model(tmp_path / "model")
 
 
 @pytest.fixture

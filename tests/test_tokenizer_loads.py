@@ -9,8 +9,8 @@ import pytest
 
 from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
+from tests.test_early_checks_tokenized import saved_chat_model
 
-TEMPLATE = "{% for m in messages %}{{ m['content'] }}:{% endfor %}"
 QUIET = ["--no-progress-bar", "--logging-steps", "0"]
 SAMPLING = ["--reward-funcs", "fastgrpo.train.default_task:repeat_letter_reward", "--batch-size", "4",
             "--num-generations", "2", "--micro-batch-size", "4", "--max-prompt-length", "16",
@@ -27,13 +27,7 @@ COMMANDS = {
 
 @pytest.fixture
 def model(tmp_path) -> str:
-    """A tiny Qwen2 model of the built-in tokenizer, saved with its (random) weights and a chat template."""
-    folder = tmp_path / "model"
-    tokenizer = default_task.build_tokenizer()
-    tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(folder)
-    default_task.build_model(tokenizer).save_pretrained(folder)
-    return str(folder)
+    return saved_chat_model(tmp_path / "model")
 
 
 @pytest.fixture
