@@ -6,12 +6,14 @@ import json
 import logging
 import shutil
 
+import pytest
 import torch
 
 from fastgrpo.train import default_task
 from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, base_change, fingerprint
 from fastgrpo.train.cli import main
 from fastgrpo.train.config import config_changes
+from fastgrpo.train.loading import load_inference_model
 from fastgrpo.train.sft_config import SFTConfig
 
 QUIET = ["--no-progress-bar", "--logging-steps", "0"]
@@ -87,6 +89,8 @@ def test_a_lora_run_on_a_base_exported_again_is_refused_and_on_a_copy_taken(tmp_
     exported = tmp_path / "exported"
     assert main(["export", "--checkpoint", str(run), "--output-dir", str(exported)]) == 2
     assert f"model: {base} is not the base model the run of" in capsys.readouterr().err and not exported.exists()
+    with pytest.raises(ValueError, match=f"^model: {base} is not the base model the run of"):  # the Python API's
+        load_inference_model(model=None, dtype="float32", device="cpu", checkpoint=run / "checkpoint-1")
 
     # the base it trained on, at another path
     assert main([*EVAL, "--checkpoint", str(run), "--model", str(copy), "--output-dir", str(tmp_path / "eval")]) == 0

@@ -22,6 +22,8 @@ import logging
 import os
 from pathlib import Path
 
+from fastgrpo.train.naming import setting
+
 logger = logging.getLogger(__name__)
 FINGERPRINT_KEY = "model_fingerprint"  # in a run's record, beside "model"
 # the files of a model folder whose bytes make the model, weights first (a difference names them first)
@@ -114,6 +116,16 @@ def base_change(record: dict, model: str | None, resuming: bool, say: bool = Tru
                         "model): %s is not checked", model)
         return None
     return _differences(recorded, now)
+
+
+def check_base_unchanged(run: dict, checkpoint: Path, model: str | None) -> None:
+    """The base model the weights of `checkpoint` (its run's record: `run`) load over (`model`, else the one the run
+    recorded) is the one its run trained on (base_change): a LoRA adapter put on another run's weights mixes the two."""
+    base = model if model is not None else run.get("model")
+    change = base_change(run, base, resuming=False)
+    if change is not None:
+        raise ValueError(f"model: {base} is not the base model the run of {checkpoint} trained on (its files changed "
+                         f"since: {change}); pass that base (or a copy of it) as {setting('model')}")
 
 
 def _differences(recorded: dict[str, str], now: dict[str, str]) -> str | None:

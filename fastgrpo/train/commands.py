@@ -200,20 +200,6 @@ def check_checkpoint_base(checkpoint: Path) -> None:
             from None
 
 
-def check_base_unchanged(checkpoint: Path, model: str | None) -> None:
-    """The base model a checkpoint's weights load over (`model`, else the one its run recorded) is the one its run
-    trained on (base_fingerprint.base_change): a LoRA adapter put on another run's weights mixes the two."""
-    from fastgrpo.train.base_fingerprint import base_change
-    from fastgrpo.train.checkpoint import read_run_config
-
-    run = read_run_config(checkpoint)
-    base = model if model is not None else run.get("model")
-    change = base_change(run, base, resuming=False)
-    if change is not None:
-        raise ValueError(f"model: {base} is not the base model the run of {checkpoint} trained on (its files changed "
-                         f"since: {change}); pass that base (or a copy of it) as {setting('model')}")
-
-
 def _load_model(config, tokenizer):
     from fastgrpo.train.loading import load_model_and_tokenizer
     from fastgrpo.train.sources import naming_the_model
@@ -380,6 +366,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.base_fingerprint import check_base_unchanged
+    from fastgrpo.train.checkpoint import read_run_config
     from fastgrpo.train.early_checks import eval_task_before_load
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
@@ -395,7 +383,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if checkpoint is not None and config.model is None:
         check_checkpoint_base(checkpoint)
     if checkpoint is not None:
-        check_base_unchanged(checkpoint, config.model)
+        check_base_unchanged(read_run_config(checkpoint), checkpoint, config.model)  # before its tokenizer loads
     # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
     tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,

@@ -17,6 +17,7 @@ from fastgrpo.offload import ActivationOffloader, HostBufferPool
 from fastgrpo.patching import patch_model
 from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
+from fastgrpo.train.base_fingerprint import check_base_unchanged
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
 from fastgrpo.train.evaluate import build_eval_task, first_rows
 from fastgrpo.train.input_checks import check_reward_rows, positions_before_load
@@ -477,6 +478,7 @@ def load_inference_model(*, model: str | None, dtype: str, device: str, seed: in
                   load_in_4bit=False, seed=seed)
     if checkpoint is not None:
         saved = read_run_config(checkpoint)
+        check_base_unchanged(saved, checkpoint, model)  # a LoRA checkpoint on a base changed since would mix two runs
         fields.update({name: saved[name] for name in fields if name in saved})
     if model is not None:
         fields["model"] = model
