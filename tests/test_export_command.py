@@ -142,3 +142,11 @@ def test_an_output_dir_through_a_symlink_fills_the_folder_it_names(tmp_path):
     link.symlink_to(target)
     assert main(["export", "--checkpoint", str(run), "--output-dir", str(link)]) == 0
     assert link.is_symlink() and _files(target) == _files(run / "final")
+
+
+def test_export_under_torchrun_is_one_line(tmp_path, capsys, monkeypatch):
+    """Every process would load the checkpoint and replace the same folder: export runs in one process."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _refused(["--checkpoint", str(tmp_path / "run"), "--output-dir", str(tmp_path / "model")], capsys) == (
+        "export: runs in one process (torchrun launched 2); run `fastgrpo export` without torchrun")
+    assert not (tmp_path / "model").exists()

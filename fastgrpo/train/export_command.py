@@ -18,6 +18,7 @@ from pathlib import Path
 from fastgrpo.train.base_fingerprint import check_base_unchanged
 from fastgrpo.train.commands import check_checkpoint_base, config_from_args, trained_by
 from fastgrpo.train.naming import setting
+from fastgrpo.train.ranks import process_count
 
 EXPORT_HELP = "write a run's checkpoint as an HF model folder, as its final/ (LoRA merged, tokenizer, run config)"
 EXPORT_DESCRIPTION = (
@@ -37,6 +38,9 @@ def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     from fastgrpo.train.sources import check_model_source, resolve_device
 
     config = config_from_args("export", args)
+    if (processes := process_count()) > 1:  # each would load the checkpoint and replace the same folder
+        raise ValueError(f"export: runs in one process (torchrun launched {processes}); run `fastgrpo export` without "
+                         "torchrun")
     for name, expected in _REQUIRED.items():
         if getattr(config, name) is None:
             raise ValueError(f"{name}: expected {expected}; pass {setting(name)}")
