@@ -185,3 +185,27 @@ def test_sft_evaluation_takes_reward_errors_as_its_hint_says(tmp_path, capsys):
     out = tmp_path / "skipped"
     assert main([*_sft_argv(out, failing, eval_steps=2), "--reward-errors", "skip"]) == 0, capsys.readouterr().err
     assert _evaluated(out) == [2] and [m["step"] for m in _lines(out)] == [1, 2]
+
+
+def test_train_saves_the_step_whose_evaluation_failed_on_a_full_disk(tmp_path, monkeypatch):
+    """Any failure of the evaluation after the update (here its files' write on a full disk, injected), not only a
+    reward function's, saves the step in a one-process run: the error says where, and the resume evaluates it."""
+    import errno
+
+    from fastgrpo.train import periodic_eval
+
+    def full_disk(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    out, judge = tmp_path / "run", Judge(broken=False)
+    monkeypatch.setattr(periodic_eval, "write_eval", full_disk)
+    with pytest.raises(OSError) as caught:
+        _grpo(out, judge)[1].train()
+    assert getattr(caught.value, "__notes__", []) == [
+        f"step 1's evaluation failed after its update: step 1 is saved in {out / 'checkpoint-1'}: continue with "
+        "resume=True once fixed (the resumed run evaluates it first)"]
+    assert [step for step, _ in list_checkpoints(out)] == [1] and judge.trained == 1
+
+    monkeypatch.undo()
+    history = _grpo(out, judge, resume=True)[1].train()
+    assert [m["step"] for m in history] == [1, 2] and judge.trained == 2 and _evaluated(out) == [1, 2]

@@ -64,19 +64,28 @@ class PeriodicEval:
     def add_to(self, metrics: dict, step: int, *, force: bool, dist: Distributed, log,
                save: Callable[[dict | None, dict], Path]) -> dict:
         """The step's metrics with its evaluation's when due (__call__). One failing after the step's update (a reward
-        function with reward_errors="raise", or a log_metric name clash: RewardError) would lose the steps since the
-        last checkpoint; instead the metrics line is written without it (log: the run's MetricsLog), the step is
-        saved with save(rng, metrics): the RNG states of before the evaluation and the metrics as plain JSON, for the
-        resumed run to evaluate the step and log it whole (checkpoint.UNEVALUATED), and the error says so."""
+        function with reward_errors="raise", or a log_metric name clash: RewardError; in one process, any exception)
+        would lose the steps since the last checkpoint; instead the metrics line is written without it (log: the
+        run's MetricsLog), the step is saved with save(rng, metrics): the RNG states of before the evaluation and the
+        metrics as plain JSON, for the resumed run to evaluate the step and log it whole (checkpoint.UNEVALUATED), and
+        the error says so."""
         rng = rng_states() if self.due(step, force) else None  # a resumed run evaluates from the same RNG states
         try:
             return {**metrics, **self(step, force=force, dist=dist)}
-        except RewardError as err:
-            log.write(metrics)
-            path = save(rng, json.loads(json.dumps(metrics)))
-            raise RewardError(f"{err}; {self.unit} {step}'s evaluation failed after its update: {self.unit} {step} "
-                              f"is saved in {path}: continue with {setting('resume', True)} once fixed (the resumed "
-                              "run evaluates it first)") from err
+        except RewardError as err:  # raised on every process together: they save together
+            raise RewardError(f"{err}; {self._saved(metrics, step, rng, log, save)}") from err
+        except Exception as err:  # a full disk, a GPU out of memory: on one process, where nothing waits on others
+            if dist.active:
+                raise
+            err.add_note(self._saved(metrics, step, rng, log, save))
+            raise
+
+    def _saved(self, metrics: dict, step: int, rng: dict | None, log, save: Callable) -> str:
+        """Write the step's metrics line without the evaluation, save the step (add_to), and say so."""
+        log.write(metrics)
+        path = save(rng, json.loads(json.dumps(metrics)))
+        return (f"{self.unit} {step}'s evaluation failed after its update: {self.unit} {step} is saved in {path}: "
+                f"continue with {setting('resume', True)} once fixed (the resumed run evaluates it first)")
 
     @property
     def taken_names(self) -> TakenNames:
