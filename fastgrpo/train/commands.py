@@ -183,21 +183,23 @@ def _check_sources(config) -> None:
         check_model_source(config.model)
 
 
-def check_checkpoint_base(checkpoint: Path) -> None:
-    """The base model a checkpoint's run recorded (its weights load over it) is still where the run found it: a moved
-    folder failed inside transformers ('Repo id must be in the form ...'), not naming --model, which takes its new
-    path."""
+def check_checkpoint_base(checkpoint: Path, model: str | None) -> None:
+    """The base model a checkpoint's weights load over, before anything loads: without `model` (its new path), the
+    one its run recorded is still where the run found it (a moved folder failed inside transformers, 'Repo id must
+    be in the form ...', not naming --model); either way, it is the one its run trained on (check_base_unchanged)."""
+    from fastgrpo.train.base_fingerprint import check_base_unchanged
     from fastgrpo.train.checkpoint import read_run_config
     from fastgrpo.train.sources import check_model_source
 
-    base = read_run_config(checkpoint).get("model")
-    if base is None:  # the built-in model
-        return
-    try:
-        check_model_source(base)
-    except ValueError as err:
-        raise ValueError(f"{err} (the base model of {checkpoint}'s run): pass its new path as {setting('model')}") \
-            from None
+    run = read_run_config(checkpoint)
+    base = run.get("model")
+    if model is None and base is not None:  # None: the built-in model
+        try:
+            check_model_source(base)
+        except ValueError as err:
+            raise ValueError(f"{err} (the base model of {checkpoint}'s run): pass its new path as "
+                             f"{setting('model')}") from None
+    check_base_unchanged(run, checkpoint, model)
 
 
 def _load_model(config, tokenizer):
@@ -366,8 +368,6 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.rollout import BuiltinEngine
     from fastgrpo.train.distributed import init_distributed
-    from fastgrpo.train.base_fingerprint import check_base_unchanged
-    from fastgrpo.train.checkpoint import read_run_config
     from fastgrpo.train.early_checks import eval_task_before_load
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
@@ -380,10 +380,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     dist = init_distributed(config.device)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
-    if checkpoint is not None and config.model is None:
-        check_checkpoint_base(checkpoint)
     if checkpoint is not None:
-        check_base_unchanged(read_run_config(checkpoint), checkpoint, config.model)  # before its tokenizer loads
+        check_checkpoint_base(checkpoint, config.model)  # before its tokenizer loads
     # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
     tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,

@@ -15,7 +15,6 @@ import contextlib
 import types
 from pathlib import Path
 
-from fastgrpo.train.base_fingerprint import check_base_unchanged
 from fastgrpo.train.commands import check_checkpoint_base, config_from_args, trained_by
 from fastgrpo.train.naming import setting
 from fastgrpo.train.ranks import process_count
@@ -32,7 +31,7 @@ _REQUIRED = {"checkpoint": "a run's checkpoint-<step>/ folder or its output_dir"
 
 
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.checkpoint import export_model, read_run_config
+    from fastgrpo.train.checkpoint import export_model
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.loading import tokenizer_before_load
     from fastgrpo.train.sources import check_model_source, resolve_device
@@ -48,11 +47,9 @@ def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
     if config.model is not None:
         check_model_source(config.model)
     checkpoint = _checkpoint(config.checkpoint)
-    if config.model is None:
-        check_checkpoint_base(checkpoint)
-    else:  # eval's checks of a base beside a checkpoint: not a checkpoint, not the export of its own LoRA run
+    if config.model is not None:  # eval's checks of a base beside a checkpoint: not a checkpoint, not its own export
         trained_by({"model": config.model, "checkpoint": str(checkpoint)})
-    check_base_unchanged(read_run_config(checkpoint), checkpoint, config.model)  # else a LoRA would mix two runs
+    check_checkpoint_base(checkpoint, config.model)
     base = evaluated_model(config.model, checkpoint)
     output = Path(config.output_dir)
     _check_not_the_base(output, base, checkpoint)
