@@ -3,6 +3,9 @@
 
 For each completion and baseline the verdict takes the fastest fastgrpo row (any engine or option: fastgrpo,
 fastgrpo-fp8, ...) that peaks no higher than the baseline; where none does, the fastest one, marked over the peak.
+`speedup_same_machine` is the ratio against the fastest such row of the baseline's own machine (None where there is
+none): one setting's step moved ~15% between processes and machines (benchmarks/NOTES.md, thirty-eighth session), so
+a ratio near the target across machines says little.
 `same_machine` says whether both rows name the same device machine (their `machine` ids), None where a row does not
 say: ratios of rows of different machines move with the machines (README, "Whole GRPO steps"). `phases` are the
 baseline's phase times over fastgrpo's (the phase that loses is the one under the target); weight sync is not among
@@ -46,10 +49,13 @@ def verdict(ours: list[dict], base: dict, target: float) -> dict:
     peak = base.get("peak_gib")
     within = [r for r in ours if None not in (r.get("peak_gib"), peak) and r["peak_gib"] <= peak]
     best = min(within or ours, key=lambda r: r["step_s"])
+    beside = [r for r in within or ours if machine_id(base) is not None and machine_id(r) == machine_id(base)]
     speedup = _ratio(base["step_s"], best["step_s"])
     peak_ok = bool(within)
     same = None if machine_id(best) is None or machine_id(base) is None else machine_id(best) == machine_id(base)
+    beside_speedup = _ratio(base["step_s"], min(r["step_s"] for r in beside)) if beside else None
     return out | {"fastgrpo": best["system"], "speedup": speedup, "met": speedup >= target and peak_ok,
+                  "speedup_same_machine": beside_speedup,
                   "peak_gib": {"fastgrpo": _gib(best), "baseline": _gib(base)},
                   "within_peak": peak_ok, "same_machine": same,
                   "phases": {p: _ratio(base.get(p), best.get(p)) for p in PHASES}}

@@ -47,7 +47,7 @@ def target_summary(target: dict) -> dict:
     """A loop file's verdict with its peaks and phase ratios as one cell each."""
     peaks, phases = target.get("peak_gib"), target.get("phases") or {}
     return {**{k: target.get(k) for k in ("completion", "baseline", "target", "fastgrpo", "speedup", "met",
-                                          "same_machine")},
+                                          "same_machine", "speedup_same_machine")},
             "peak_gib (fastgrpo / baseline)": peaks and f"{_fmt(peaks['fastgrpo'])} / {_fmt(peaks['baseline'])}",
             "phase speed-ups": ", ".join(f"{k.removesuffix('_s')} {_fmt(v)}x" for k, v in phases.items()),
             "why": target.get("why")}

@@ -20,6 +20,20 @@ def test_the_fastest_fastgrpo_row_within_the_baselines_peak_is_compared():
     assert t["phases"] == {"rollout_s": 1.67, "logprobs_s": 1.67, "update_s": 1.67}
 
 
+def test_the_ratio_against_the_baselines_own_machine_is_given_beside_the_fastest():
+    """One setting's step moved ~15% between processes and machines (benchmarks/NOTES.md, thirty-eighth session): the
+    verdict also gives the ratio against the fastest fastgrpo row measured on the baseline's machine."""
+    rows = [step("fastgrpo-a", 12.5, 30.0, machine="38-d: another machine"),
+            step("fastgrpo-b", 13.0, 30.0, machine="39-a: the machine"),
+            step("fastgrpo-c", 12.0, 50.0, machine="39-a: the machine, over the peak"),
+            step("trl", 24.7, 44.0, machine="39-a: the machine")]
+    (t,) = loop_targets.targets(rows)
+    assert (t["fastgrpo"], t["speedup"], t["same_machine"]) == ("fastgrpo-a", 1.98, False)
+    assert t["speedup_same_machine"] == 1.9  # fastgrpo-b: fastgrpo-c peaks above TRL
+    alone, = loop_targets.targets(rows[:1] + rows[3:])
+    assert alone["speedup_same_machine"] is None
+
+
 def test_met_needs_the_ratio_and_the_memory():
     met, = loop_targets.targets([step("fastgrpo", 10.0, 8.0), step("unsloth", 13.0, 9.0)])
     assert met["met"] is True and met["target"] == 1.3 and met["same_machine"] is None
