@@ -124,6 +124,22 @@ def test_sampled_logprobs_are_under_the_sampling_distribution():
     assert torch.all(torch.isfinite(result.logprobs))
 
 
+@pytest.mark.parametrize("temperature", [0.7, 1.3])
+def test_sampled_logprobs_are_the_trainers_at_the_same_temperature(temperature):
+    """Without filters the engine's log-probs are log_softmax(logits / temperature), what the trainer's
+    sequence_logprobs computes at config.temperature (with top_k / top_p / min_p they are the filtered ones)."""
+    from fastgrpo.loss.model import sequence_logprobs
+
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    result = generate(model, tok, PROMPTS, num_generations=2, max_new_tokens=12, temperature=temperature, seed=1)
+    ids = torch.cat([result.prompt_ids, result.completion_ids], 1)
+    attention = torch.cat([result.prompt_mask, result.completion_mask], 1)
+    completion = torch.cat([torch.zeros_like(result.prompt_mask), result.completion_mask], 1)
+    with torch.no_grad():
+        train = sequence_logprobs(model, ids, attention, completion, temperature=temperature)
+    torch.testing.assert_close(train[:, result.prompt_ids.shape[1]:], result.logprobs, atol=1e-5, rtol=0)
+
+
 def vars_of(params: SamplingParams) -> dict:
     return {k: getattr(params, k) for k in ("max_new_tokens", "temperature", "top_p", "top_k", "min_p",
                                              "repetition_penalty")}
@@ -210,6 +226,42 @@ def test_stop_token_id_ends_the_row_after_it(unseen):
             assert ids == full
 
 
+def test_a_special_tokens_text_as_stop_string_stops_at_that_token():
+    """The texts skip special tokens, so stop="<unk>" (as "<|im_end|>" for a base model's chat template) was never
+    found and the rows ran on to max_new_tokens; it stops at the token now, as HF's stop_strings does."""
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    unk = tok.convert_tokens_to_ids("<unk>")
+    with torch.no_grad():  # <unk> scores above the token greedy picks 4th in row 0: it is picked there instead
+        picked = completions(generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0))[0][3]
+        model.lm_head.weight[unk] = model.lm_head.weight[picked] * 1.5
+    free = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0)
+    assert unk in completions(free)[0]
+    cut = generate(model, tok, PROMPTS, max_new_tokens=20, temperature=0, stop="<unk>")
+    for row, full in enumerate(completions(free)):
+        want = full[: full.index(unk) + 1] if unk in full else full
+        assert completions(cut)[row] == want
+        assert cut.finish_reasons[row] == ("stop" if unk in full else free.finish_reasons[row])
+    with pytest.raises(ValueError, match="^stop: 'a<unk>' holds the special token '<unk>', which the completions' "
+                                         "text .* never shows; pass '<unk>' alone to stop at that token$"):
+        generate(model, tok, PROMPTS, max_new_tokens=4, stop=["a<unk>"])
+
+
+def test_a_pad_token_past_the_embeddings_and_a_missing_tokenizer_fail_before_any_compute():
+    """A pad token added without resizing the embeddings sent its id through the prefill (IndexError on the CPU, a
+    device-side assert on a GPU); id prompts with no tokenizer failed with an AttributeError."""
+    tok, model = char_tokenizer(), tiny_model("llama")
+    tok.add_special_tokens({"pad_token": "[PAD]"})
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"^tokenizer: its pad token id 44 is outside the model's 44 embeddings .*"
+                                         r"model.resize_token_embeddings\(len\(tokenizer\)\) or set "
+                                         r"tokenizer.pad_token = tokenizer.eos_token$"):
+        generate(model, tok, PROMPTS, max_new_tokens=4)
+    with pytest.raises(ValueError, match="^tokenizer: expected a Hugging Face tokenizer .*, got NoneType$"):
+        generate(model, None, [[3, 4, 5]], max_new_tokens=4)
+    assert not calls
+
+
 def test_in_place_weight_update_is_used_by_the_next_call():
     tok, model = char_tokenizer(), tiny_model("llama", lora=True)
     before = generate(model, tok, PROMPTS, max_new_tokens=16, temperature=0)
@@ -289,8 +341,8 @@ def test_bad_input_fails_before_any_compute(prompts, kwargs, match):
 
 def test_an_engine_names_a_missing_tokenizer_and_a_sampling_dict():
     model = tiny_model("llama")
-    with pytest.raises(ValueError, match="^tokenizer: expected a Hugging Face tokenizer to read text prompts, got "
-                                         "NoneType$"):
+    with pytest.raises(ValueError, match="^tokenizer: expected a Hugging Face tokenizer \\(it reads text prompts and "
+                                         "decodes the completions\\), got NoneType$"):
         generate(model, None, ["say a"])
     with pytest.raises(ValueError, match=r"^sampling: expected a fastgrpo.rollout.SamplingParams .*got dict$"):
         BuiltinEngine(model, char_tokenizer()).generate(["say a"], num_generations=1, sampling={"max_new_tokens": 3})

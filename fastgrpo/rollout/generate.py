@@ -18,6 +18,7 @@ from fastgrpo.rollout.requests import (
     as_list,
     check_lengths,
     check_request,
+    check_tokenizer,
     pad_token_id,
     split_stop,
     tokenize_prompts,
@@ -49,10 +50,11 @@ def generate(
     prompts: texts (tokenized without special tokens, as a chat template already holds them) or token id lists.
     temperature=0 is greedy; its log-probs are then those at temperature 1 after the filters. The filters apply
     in HF's order: repetition_penalty, temperature, top_k (0: off), top_p, min_p (0: off). stop: strings and/or
-    token ids; the tokenizer's and the model's generation-config EOS ids always stop. seed: a fixed seed gives
-    the same samples; None draws one from torch's global generator. prompt_keys: one int per prompt (default: its
-    position in `prompts`); sample g of a prompt is a function of (seed, its key, g) alone, so a prompt keeps its
-    completions whichever prompts share the call (the trainer passes positions in the whole step's batch).
+    token ids (a special token's text, e.g. "<|im_end|>", stops at that token: the texts skip special tokens); the
+    tokenizer's and the model's generation-config EOS ids always stop. seed: a fixed seed gives the same samples;
+    None draws one from torch's global generator. prompt_keys: one int per prompt (default: its position in
+    `prompts`); sample g of a prompt is a function of (seed, its key, g) alone, so a prompt keeps its completions
+    whichever prompts share the call (the trainer passes positions in the whole step's batch).
     """
     if unknown:
         raise ValueError(unknown_options_message(unknown))
@@ -70,13 +72,14 @@ def generate_with_config(
 ) -> RolloutResult:
     """generate() with the sampling parameters as one object and the engine settings exposed."""
     check_request(num_generations, seed, params)
+    check_tokenizer(tokenizer)
     prompt_keys = _check_prompt_keys(prompt_keys, prompts)
     vocab = model.get_input_embeddings().weight.shape[0]
-    stop_strings, stop_ids = split_stop(stop, vocab)
+    stop_strings, stop_ids = split_stop(stop, tokenizer, vocab)
     prompt_ids = tokenize_prompts(tokenizer, prompts, vocab)
     check_lengths(model.config, prompt_ids, params.max_new_tokens)
 
-    pad_id = pad_token_id(tokenizer)
+    pad_id = pad_token_id(tokenizer, vocab)
     generation_config = getattr(model, "generation_config", None)
     eos = [tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
     stop_ids = [*stop_ids, *(i for i in eos if i is not None)]

@@ -33,8 +33,8 @@ def unknown_options_message(unknown: dict) -> str:
     return f"unknown sampling option {', '.join(parts)}: expected one of {list(OPTIONS)}"
 
 
-def split_stop(stop, vocab: int) -> tuple[list[str], list[int]]:
-    """stop -> (strings, token ids); a single str or int is a list of one."""
+def split_stop(stop, tokenizer, vocab: int) -> tuple[list[str], list[int]]:
+    """stop -> (strings, token ids); a single str or int is a list of one, a special token's text its id."""
     if stop is None:
         return [], []
     items = [stop] if isinstance(stop, (str, int)) else stop
@@ -48,16 +48,14 @@ def split_stop(stop, vocab: int) -> tuple[list[str], list[int]]:
             ids.append(item)
         else:
             raise ValueError(f"stop: expected non-empty strings or token ids in [0, {vocab}), got {item!r}")
-    return strings, ids
+    strings, special_ids = special_token_stops(tokenizer, strings, vocab)
+    return strings, ids + special_ids
 
 
 def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
     if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts: expected a non-empty list of strings or of token id lists")
     if all(isinstance(p, str) for p in prompts):
-        if not callable(tokenizer):
-            raise ValueError(f"tokenizer: expected a Hugging Face tokenizer to read text prompts, got "
-                             f"{type(tokenizer).__name__}")
         ids = tokenizer(list(prompts), add_special_tokens=False)["input_ids"]
     elif any(isinstance(p, dict) or (isinstance(p, Sequence) and p and isinstance(p[0], dict)) for p in prompts):
         raise ValueError("prompts: expected strings or token id lists, got chat messages; apply the chat template "
@@ -92,11 +90,52 @@ def check_lengths(config, prompt_ids: list[list[int]], max_new_tokens: int) -> N
         )
 
 
-def pad_token_id(tokenizer) -> int:
-    for pad in (tokenizer.pad_token_id, tokenizer.eos_token_id):
-        if pad is not None:
-            return pad
-    return 0
+def check_tokenizer(tokenizer) -> None:
+    """A tokenizer is needed whatever the prompts: it decodes the completions' texts (and reads text prompts)."""
+    if not callable(tokenizer) or not hasattr(tokenizer, "decode"):
+        raise ValueError(f"tokenizer: expected a Hugging Face tokenizer (it reads text prompts and decodes the "
+                         f"completions), got {type(tokenizer).__name__}")
+
+
+def pad_token_id(tokenizer, vocab: int) -> int:
+    """The id that pads prompts and completions: the tokenizer's pad token, else its EOS, else 0. The padded ids go
+    through the model's embedding (the prefill, the trainer's forward), so an id past it is refused."""
+    pad = next((i for i in (tokenizer.pad_token_id, tokenizer.eos_token_id) if i is not None), 0)
+    if not 0 <= pad < vocab:
+        raise ValueError(f"tokenizer: its pad token id {pad} is outside the model's {vocab} embeddings (a token "
+                         "added without resizing them?); call model.resize_token_embeddings(len(tokenizer)) or set "
+                         "tokenizer.pad_token = tokenizer.eos_token")
+    return pad
+
+
+def special_token_stops(tokenizer, strings: list[str], vocab: int) -> tuple[list[str], list[int]]:
+    """Stop strings -> (strings, token ids): a string that is one special token (e.g. "<|im_end|>") becomes its id.
+
+    Stop strings are looked for in the completion's text, which is decoded with special tokens skipped, so such a
+    string would never be found; HF generate's stop_strings stops at the token. A string that holds a special token
+    among other text can never match: refused."""
+    hidden = _hidden_tokens(tokenizer, strings)
+    kept, ids = [], []
+    for text in strings:
+        if text in hidden:
+            if hidden[text] < vocab:  # an id past the logits is never sampled
+                ids.append(hidden[text])
+            continue
+        inside = next((token for token in hidden if token in text), None)
+        if inside is not None:
+            raise ValueError(f"stop: {text!r} holds the special token {inside!r}, which the completions' text "
+                             f"(special tokens skipped) never shows; pass {inside!r} alone to stop at that token")
+        kept.append(text)
+    return kept, ids
+
+
+def _hidden_tokens(tokenizer, strings: list[str]) -> dict[str, int]:
+    """The added tokens written in `strings` that decode(..., skip_special_tokens=True) drops, by text (non-special
+    added tokens, e.g. Qwen3's <think>, stay in the text). Only those are decoded: Gemma-3 adds some 6,000."""
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return {token.content: i for i, token in added.items()
+            if token.content and any(token.content in text for text in strings)
+            and tokenizer.decode([i], skip_special_tokens=True) == ""}
 
 
 def as_list(ids) -> list:

@@ -34,7 +34,14 @@ import torch
 from fastgrpo._checks import check_choice
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
 from fastgrpo.rollout.base import RolloutResult
-from fastgrpo.rollout.requests import as_list, check_request, pad_token_id, split_stop, tokenize_prompts
+from fastgrpo.rollout.requests import (
+    as_list,
+    check_request,
+    check_tokenizer,
+    pad_token_id,
+    split_stop,
+    tokenize_prompts,
+)
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm_requests import check_prompt_keys, fan_out, request_seeds, sampling_kwargs, to_result
 from fastgrpo.rollout.vllm_weights import bind
@@ -223,8 +230,10 @@ class VLLMEngine:
         import vllm
 
         check_request(num_generations, seed, sampling)
-        stop_strings, stop_ids = split_stop(stop, self.vocab)
+        check_tokenizer(self.tokenizer)
+        stop_strings, stop_ids = split_stop(stop, self.tokenizer, self.vocab)
         prompt_ids = tokenize_prompts(self.tokenizer, prompts, self.vocab)
+        pad_id = pad_token_id(self.tokenizer, self.vocab)
         seeds = request_seeds(seed, check_prompt_keys(prompt_keys, len(prompt_ids)), num_generations)
         longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
         if len(prompt_ids[longest]) + sampling.max_new_tokens > self.max_model_len:
@@ -241,8 +250,7 @@ class VLLMEngine:
             [{"prompt_token_ids": ids} for ids in requests], params, use_tqdm=False,
             lora_request=self._lora_request if self._adapters is not None else None,
         )
-        return to_result(outputs, self.tokenizer, pad_token_id(self.tokenizer), num_generations, self.device,
-                         per_request=n)
+        return to_result(outputs, self.tokenizer, pad_id, num_generations, self.device, per_request=n)
 
     def release_memory(self) -> None:
         """Unmap the KV cache's pages (the weights stay: they are the trainer's)."""
