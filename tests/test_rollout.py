@@ -1,4 +1,6 @@
 """fastgrpo.rollout.generate on tiny CPU models: HF generate parity, log-probs, stops, seeds, shared weights, errors."""
+import re
+
 import pytest
 import torch
 from transformers import (
@@ -15,6 +17,7 @@ from transformers import (
 
 from fastgrpo.train import default_task
 from fastgrpo.rollout import BuiltinEngine, generate
+from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.sampling import SamplingParams, process_logits
 
 CHARS = "abcdefghijklmnopqrstuvwxyz .,!?0123456789"
@@ -260,6 +263,19 @@ def test_a_pad_token_past_the_embeddings_and_a_missing_tokenizer_fail_before_any
     with pytest.raises(ValueError, match="^tokenizer: expected a Hugging Face tokenizer .*, got NoneType$"):
         generate(model, None, [[3, 4, 5]], max_new_tokens=4)
     assert not calls
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(check_every=0), "EngineConfig.check_every: expected an int >= 1, got 0"),  # divided by 0 mid-rollout
+    (dict(check_every=2.5), "EngineConfig.check_every: expected an int >= 1, got 2.5"),  # synced every 5th step
+    (dict(length_bucket=0), "EngineConfig.length_bucket: expected an int >= 1, got 0"),
+    (dict(warmup_steps=-1), "EngineConfig.warmup_steps: expected an int >= 0, got -1"),
+    (dict(attention="triton", max_prompt_length=3.5),
+     "EngineConfig.max_prompt_length: expected an int >= 1 or None, got 3.5"),
+])
+def test_engine_config_refuses_step_counts_that_are_not_counts(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        EngineConfig(**kwargs)
 
 
 def test_in_place_weight_update_is_used_by_the_next_call():

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from fastgrpo._checks import check_int_at_least
 from fastgrpo.hf.models import cache_keyword
 from fastgrpo.rollout.attention import CACHE_KWARG, LENGTH_KWARG, NAME as ATTENTION_NAME
 from fastgrpo.rollout.compaction import FinishedRows
@@ -92,6 +93,9 @@ class EngineConfig:
     kv_cache: str = "model"
 
     def __post_init__(self):
+        # step counts: 0 would divide by zero mid-rollout, 2.5 would sync on every 5th step only
+        for name, low in (("check_every", 1), ("length_bucket", 1), ("warmup_steps", 0)):
+            check_int_at_least(f"EngineConfig.{name}", getattr(self, name), low)
         if self.weights not in WEIGHTS:
             raise ValueError(f"EngineConfig.weights: expected one of {list(WEIGHTS)}, got {self.weights!r}")
         if self.attention not in ("auto", "sdpa", "triton"):
@@ -116,9 +120,8 @@ class EngineConfig:
         if self.kv_cache == "fp8" and self.attention == "sdpa":
             raise ValueError("EngineConfig.kv_cache='fp8': needs attention='triton' or 'auto' (the decode kernel "
                              f"reads the e4m3 cache, SDPA cannot), got attention={self.attention!r}")
-        if self.max_prompt_length is not None and self.max_prompt_length < 1:
-            raise ValueError(f"EngineConfig.max_prompt_length: expected a positive int or None, got "
-                             f"{self.max_prompt_length!r}")
+        if self.max_prompt_length is not None:
+            check_int_at_least("EngineConfig.max_prompt_length", self.max_prompt_length, 1, or_else=" or None")
 
     def resolved(self, device: torch.device) -> EngineConfig:
         """The config with attention "auto" made concrete for a model on `device`."""
