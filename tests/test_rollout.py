@@ -5,6 +5,7 @@ import pytest
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    BatchEncoding,
     Gemma2Config,
     Gemma3TextConfig,
     GemmaConfig,
@@ -344,6 +345,11 @@ def test_token_id_prompts_equal_text_prompts():
         (["abc", ""], {}, "prompts\\[1\\]"),
         ([[3, 4, 999]], {}, "prompts\\[0\\]: expected token ids in \\[0, \\d+\\), got 999 at position 2$"),
         ([[{"role": "user", "content": "say a"}]], {}, "prompts: expected strings or token id lists, got chat"),
+        # transformers 5's apply_chat_template(messages) returns a BatchEncoding: it was echoed whole, with no fix
+        ([BatchEncoding({"input_ids": [3, 4], "attention_mask": [1, 1]})], {},
+         "^prompts\\[0\\]: expected strings or token id lists, got a tokenizer's output \\(BatchEncoding\\); pass "
+         "its \\['input_ids'\\], or the text of tokenizer.apply_chat_template"),
+        (BatchEncoding({"input_ids": [[3, 4]]}), {}, "^prompts: .*got a tokenizer's output \\(BatchEncoding\\)"),
     ],
 )
 def test_bad_input_fails_before_any_compute(prompts, kwargs, match):

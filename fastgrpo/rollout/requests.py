@@ -3,7 +3,7 @@ the pad id, unknown sampling options. Every argument is checked before any model
 from __future__ import annotations
 
 import difflib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -53,6 +53,7 @@ def split_stop(stop, tokenizer, vocab: int) -> tuple[list[str], list[int]]:
 
 
 def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
+    _check_not_encoded("prompts", prompts)
     if isinstance(prompts, (str, torch.Tensor)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("prompts: expected a non-empty list of strings or of token id lists")
     if all(isinstance(p, str) for p in prompts):
@@ -61,6 +62,8 @@ def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
         raise ValueError("prompts: expected strings or token id lists, got chat messages; apply the chat template "
                          "first (tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))")
     else:
+        for i, p in enumerate(prompts):
+            _check_not_encoded(f"prompts[{i}]", p)
         ids = [_id_list(p) for p in prompts]
     for i, p in enumerate(ids):
         if p is None or not p:
@@ -69,6 +72,15 @@ def tokenize_prompts(tokenizer, prompts, vocab: int) -> list[list[int]]:
         if bad is not None:
             raise ValueError(f"prompts[{i}]: expected token ids in [0, {vocab}), got {bad[1]!r} at position {bad[0]}")
     return ids
+
+
+def _check_not_encoded(where: str, value) -> None:
+    """A tokenizer's output (transformers 5's apply_chat_template returns one by default) named as such, with the
+    fix, rather than echoed whole."""
+    if isinstance(value, Mapping) and "input_ids" in value:
+        raise ValueError(f"{where}: expected strings or token id lists, got a tokenizer's output "
+                         f"({type(value).__name__}); pass its ['input_ids'], or the text of "
+                         "tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)")
 
 
 def _id_list(prompt) -> list | None:
