@@ -4,7 +4,8 @@ import dataclasses
 
 import pytest
 
-from fastgrpo.train.config import GRPOConfig, add_config_arguments
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.naming import TRAINERS

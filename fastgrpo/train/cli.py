@@ -28,7 +28,8 @@ from fastgrpo.train.commands import (
 )
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, run_control_fields
+from fastgrpo.train.config import GRPOConfig, run_control_fields
+from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command

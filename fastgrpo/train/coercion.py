@@ -1,7 +1,8 @@
 """Config field values given their annotated types, so a YAML file, a flag and a Python keyword mean the same.
 
 coerce_fields is what each config dataclass calls first in its __post_init__; coerced types a YAML mapping before the
-config is built (the presets read it); type_hints and base_type also give add_config_arguments each flag's type.
+config is built (the presets read it); type_hints and base_type also give config_flags.add_config_arguments each
+flag's type.
 """
 from __future__ import annotations
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.config import GRPOConfig, add_config_arguments, check_resume
+from fastgrpo.train.config import GRPOConfig, check_resume
+from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change, number
 from fastgrpo.train.cuda_memory import use_expandable_segments

@@ -4,7 +4,6 @@ Precedence: dataclass defaults < the built-in task's preset (no --model) < YAML 
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import logging
 import math
@@ -15,14 +14,14 @@ from fastgrpo.loss.config import IMPORTANCE_SAMPLING_LEVELS, LOSS_TYPES
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.base_fingerprint import base_change, same_base
-from fastgrpo.train.coercion import base_type, coerce_fields, type_hints
+from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
 )
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
-from fastgrpo.train.naming import flag as flag_of, setting
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.rollout_options import ROLLOUT_ENGINES, check_rollout_options
 from fastgrpo.train.run_kind import check_same_command
@@ -429,37 +428,3 @@ def check_resumed_base(saved: dict, config, checkpoint: str, warn: bool = True) 
 def _plain(value):
     """Lists and tuples compare alike (a config read back from JSON has lists)."""
     return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
-
-
-def _parser_for(scalar: type, optional: bool):
-    def parse(text: str):
-        if optional and text.lower() in ("none", "null"):
-            return None
-        return scalar(text)
-
-    parse.__name__ = scalar.__name__
-    return parse
-
-
-def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = GRPOConfig,
-                         notes: dict[str, str] | None = None) -> None:
-    """One `--field-name` flag per field of config_class (a config dataclass such as GRPOConfig); unset flags stay
-    absent from the parsed namespace. notes: {field: text} appended to the default in --help, for defaults that a
-    preset replaces (`default: 1e-06; 0.003 for the built-in model`)."""
-    hints = type_hints(config_class)
-    notes = notes or {}
-    for field in dataclasses.fields(config_class):
-        scalar, is_list, optional = base_type(hints[field.name])
-        flag = flag_of(field.name)
-        default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
-        note = f"; {notes[field.name]}" if field.name in notes else ""
-        help_text = f"{field.metadata.get('help', '')} (default: {default}{note})".replace("%", "%%")
-        if scalar is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
-        elif is_list:
-            parser.add_argument(flag, nargs="*", type=_parser_for(scalar, False), default=argparse.SUPPRESS,
-                                help=help_text + ", space-separated")
-        else:
-            parser.add_argument(flag, type=_parser_for(scalar, optional), default=argparse.SUPPRESS,
-                                help=help_text + (", 'none' to unset" if optional else ""))
