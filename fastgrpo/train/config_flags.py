@@ -20,6 +20,27 @@ def _parser_for(scalar: type, optional: bool):
     return parse
 
 
+class _ListOrNone(argparse.Action):
+    """An optional list's flag: a lone `none` unsets it, as a YAML `report_to: none` does (`--report-to none` is how
+    TRL's users turn reporting off); among other values it is a value (`--stop none END`)."""
+
+    def __init__(self, *args, item_type, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.item_type = item_type
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if len(values) == 1 and values[0].lower() in ("none", "null"):
+            setattr(namespace, self.dest, None)
+            return
+        items = []
+        for value in values:
+            try:
+                items.append(self.item_type(value))
+            except ValueError:  # argparse's own words for a bad value of a `type`
+                raise argparse.ArgumentError(self, f"invalid {self.item_type.__name__} value: {value!r}") from None
+        setattr(namespace, self.dest, items)
+
+
 def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = GRPOConfig,
                          notes: dict[str, str] | None = None) -> None:
     """One `--field-name` flag per field of config_class (a config dataclass such as GRPOConfig); unset flags stay
@@ -36,6 +57,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, config_class: type = G
         if scalar is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
                                 help=help_text)
+        elif is_list and optional:
+            parser.add_argument(flag, nargs="*", action=_ListOrNone, item_type=_parser_for(scalar, False),
+                                default=argparse.SUPPRESS, help=help_text + ", space-separated; 'none' to unset")
         elif is_list:
             parser.add_argument(flag, nargs="*", type=_parser_for(scalar, False), default=argparse.SUPPRESS,
                                 help=help_text + ", space-separated")
