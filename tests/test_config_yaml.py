@@ -1,7 +1,10 @@
 """A --config file / from_yaml: each problem of the file is one line naming the file (and the key)."""
+import os
+
 import pytest
 
-from fastgrpo.train.cli import main
+from fastgrpo.train.cli import build_parser, main
+from fastgrpo.train.commands import CONFIGS
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -147,3 +150,51 @@ def test_a_file_that_is_no_mapping_says_what_it_holds(name, text, held, tmp_path
     with pytest.raises(ValueError) as info:
         GRPOConfig.from_yaml(path)
     assert str(info.value) == f"config: {path}: expected a mapping of field: value, got {held}"
+
+
+@pytest.mark.parametrize("command, key, value, beside", [
+    ("train", "dataset", "data/rows.jsonl", "data/rows.jsonl"),
+    ("ei", "eval_dataset", "../rows.jsonl", "../rows.jsonl"),
+    ("train", "reward_funcs", "[rewards.py:score]", "rewards.py"),
+    ("eval", "checkpoint", "run/checkpoint-2", "run/checkpoint-2"),
+])
+def test_a_relative_path_beside_the_config_file_not_in_the_current_folder_is_one_line(
+        command, key, value, beside, tmp_path, monkeypatch, capsys):
+    """A config file's relative paths are read from the current folder, as a flag's (and TRL's and Axolotl's YAML
+    paths): one the file's folder has and the current folder lacks says where it is, not `no such file`."""
+    conf = tmp_path / "project" / "conf"
+    (conf / beside).parent.mkdir(parents=True, exist_ok=True)
+    (conf / beside).touch()
+    path = conf / "run.yaml"
+    path.write_text(f"{key}: {value}\n")
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert main([command, "--config", str(path)]) == 2
+    shown = beside if key != "reward_funcs" else "rewards.py"
+    assert capsys.readouterr().err == (
+        f"fastgrpo {command}: error: {key} (from {path}): {shown} is not in the current folder ({elsewhere}), where "
+        f"a config file's relative paths start, as a flag's do; it is beside the config file: write "
+        f"{os.path.normpath(conf / shown)} or run from {conf}\n")
+    with pytest.raises(ValueError, match=f"^{key} \\(from {path}\\): {shown} is not in the current folder"):
+        CONFIGS[command].from_yaml(path)
+
+
+def test_a_relative_path_read_from_the_current_folder_or_set_by_a_flag_is_taken(tmp_path, monkeypatch):
+    conf = tmp_path / "conf"
+    (conf / "data").mkdir(parents=True)
+    (conf / "data" / "rows.jsonl").touch()
+    path = conf / "run.yaml"
+    path.write_text("dataset: data/rows.jsonl\n")
+    monkeypatch.chdir(conf)  # run from the file's folder: read from there
+    assert GRPOConfig.from_yaml(path).dataset == "data/rows.jsonl"
+    monkeypatch.chdir(tmp_path)  # a flag replaces the file's path; an HF name is no local path
+    assert GRPOConfig.from_yaml(path, dataset="other.jsonl").dataset == "other.jsonl"
+    path.write_text("dataset: openai/gsm8k\n")
+    assert GRPOConfig.from_yaml(path).dataset == "openai/gsm8k"
+
+
+def test_the_help_of_config_says_where_relative_paths_start():
+    for command in CONFIGS:
+        text = " ".join(build_parser().command_parsers[command].format_help().split())
+        assert "relative paths in it start from the current folder, as a flag's do" in text, command

@@ -30,7 +30,7 @@ from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
 from fastgrpo.train.config import GRPOConfig, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
-from fastgrpo.train.config_file import add_config_file_argument
+from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
@@ -220,6 +220,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = GRPOConfig.file_settings(args.config)
+    check_relative_paths(file, flags, args.config)
     merged = coerced(GRPOConfig, {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     model_preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     data_preset = {"reward_funcs": list(default_task.REWARD_FUNCS)} if merged.get("dataset") is None else {}

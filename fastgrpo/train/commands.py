@@ -20,7 +20,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.config_flags import add_config_arguments
-from fastgrpo.train.config_file import add_config_file_argument
+from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
 from fastgrpo.train.console import change, number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
@@ -71,6 +71,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = CONFIGS[name].file_settings(args.config)
+    check_relative_paths(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     run, source = trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether

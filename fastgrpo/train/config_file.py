@@ -15,7 +15,7 @@ from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, recorded_fingerprin
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
 from fastgrpo.train.setting_sources import SettingSources, from_file
-from fastgrpo.train.sources import recorded_function
+from fastgrpo.train.sources import function_file, recorded_function
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
@@ -39,6 +39,7 @@ class ConfigFile:
         """Fields from a YAML mapping, then `overrides`; unknown keys are an error naming them, a refused value one
         naming the file where the file gave it."""
         settings = cls.file_settings(path)
+        check_relative_paths(settings, overrides, path)
         with SettingSources(cls, (settings, from_file(path)), (overrides, None)).naming():
             return cls.from_dict({**settings, **overrides})
 
@@ -84,9 +85,39 @@ class ConfigFile:
         return data if recorded is None else {**data, FINGERPRINT_KEY: recorded}
 
 
+def check_relative_paths(settings: dict, flags: dict, path: str | Path | None) -> None:
+    """A config file's relative paths start from the current folder, as a flag's do (and TRL's and Axolotl's YAML
+    paths). One of `settings` (the file's, no flag replacing it) missing there but found beside the file (a config
+    written for a run from its own folder) is a ValueError naming the file, where loading it would say `no such
+    file`."""
+    if path is None:
+        return
+    folder = Path(path).expanduser().absolute().parent
+    for name, given in _local_paths(settings):
+        if name not in flags and not Path(given).is_absolute() and not Path(given).exists() \
+                and (folder / given).exists():
+            raise ValueError(f"{name} ({from_file(path)}): {given} is not in the current folder ({Path.cwd()}), where a config file's "
+                             "relative paths start, as a flag's do; it is beside the config file: write "
+                             f"{os.path.normpath(folder / given)} or run from {folder}")
+
+
+def _local_paths(settings: dict):
+    """(field, path) of each input path of a config's settings: INPUT_PATH_FIELDS' and reward functions' files."""
+    for name in INPUT_PATH_FIELDS:
+        if isinstance(settings.get(name), str):
+            yield name, settings[name]
+    for name in REWARD_FUNCTION_FIELDS:
+        for spec in settings.get(name) or []:
+            file = function_file(spec, name) if isinstance(spec, str) else None
+            if file is not None:
+                yield name, str(file)
+
+
 def add_config_file_argument(parser: argparse.ArgumentParser, config_name: str) -> None:
     """--config, given at most once (a second one would replace the first silently)."""
-    parser.add_argument("--config", type=Path, action=_GivenOnce, help=f"YAML file of {config_name} fields")
+    parser.add_argument("--config", type=Path, action=_GivenOnce,
+                        help=f"YAML file of {config_name} fields; relative paths in it start from the current "
+                             "folder, as a flag's do")
 
 
 class _GivenOnce(argparse.Action):
