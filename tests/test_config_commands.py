@@ -101,3 +101,20 @@ def test_a_nested_whole_config_is_named_in_a_short_note():
         EvalConfig.from_dict({"config": EvalConfig().to_dict()})  # summary.json's section, say
     assert str(info.value) == ("config: unknown field 'config' for `fastgrpo eval` (a config is flat: write model, "
                                "checkpoint, dataset, ... at the top level); see `fastgrpo eval --help`")
+
+
+@pytest.mark.parametrize("config, key, note", [
+    (GRPOConfig, "learning-rate", "write learning_rate: a key is the field's name, with underscores"),
+    (SFTConfig, "max-seq-length", "write max_seq_length: a key is the field's name, with underscores"),
+    (GRPOConfig, "max-seq-length", "a `fastgrpo sft` setting; train bounds a sequence with max_prompt_length and "
+                                   "max_completion_length"),
+    (GRPOConfig, "num-train-epochs", "TRL's name; here max_steps"),  # a close match said num_iterations
+    (EIConfig, "use-peft", "TRL's name; here lora_rank > 0"),
+])
+def test_a_key_spelt_as_its_flag_with_dashes_names_the_field(config, key, note, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{key}: 1\n")
+    with pytest.raises(ValueError) as info:
+        config.from_yaml(path)
+    assert str(info.value) == (f"config: {path}: unknown field '{key}' for `fastgrpo {config.COMMAND}` ({note}); see "
+                               f"`fastgrpo {config.COMMAND} --help`")

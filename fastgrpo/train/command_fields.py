@@ -127,11 +127,18 @@ def trl_name(name: str, command: str) -> str | None:
 
 
 def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
-    """check_known_fields' notes on the keys of `data`: another command's field (elsewhere), a TRL name, or a
-    section of fields (`optimizer: {learning_rate: ...}`)."""
-    notes = {key: elsewhere(key, command) or trl_name(key, command) or _nested(value, command)
+    """check_known_fields' notes on the keys of `data`: a field spelt as its flag (`learning-rate`), another
+    command's field (elsewhere), a TRL name, or a section of fields (`optimizer: {learning_rate: ...}`); a key with
+    dashes gets the note of its name with underscores."""
+    notes = {key: _key_note(key.replace("-", "_") if isinstance(key, str) else key, value, command)
              for key, value in data.items()}
     return {key: note for key, note in notes.items() if note is not None}
+
+
+def _key_note(name, value, command: str) -> str | None:
+    if name in fields(command):  # only a dashed key gets here: its field's own name is no unknown key
+        return f"write {name}: a key is the field's name, with underscores"
+    return elsewhere(name, command) or trl_name(name, command) or _nested(value, command)
 
 
 def _nested(value, command: str) -> str | None:
