@@ -113,3 +113,16 @@ def test_fsdp_settings_of_a_full_fine_tuning_launch_or_at_their_defaults_pass(mo
     assert config(["--fsdp-reshard-after-forward", "--fsdp-layers-per-group", "1"]).fsdp_layers_per_group == 1
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert config(["--fsdp-cpu-offload", "--fsdp-layers-per-group", "2"]).fsdp_cpu_offload
+
+
+@pytest.mark.parametrize("argv, hint", [
+    (["train", "--gradient-checkpointing", "true"], "true (--gradient-checkpointing takes no value: "
+                                                    "--gradient-checkpointing turns it on, --no-gradient-checkpointing "
+                                                    "off)"),
+    (["sft", "--no-export", "False"], "False (--no-export takes no value: --export turns it on, --no-export off)"),
+    (["ei", "--truncate-prompts", "yes"], "yes (--truncate-prompts takes no value: --truncate-prompts turns it on, "
+                                          "--no-truncate-prompts off)"),
+])
+def test_a_value_after_a_true_false_flag_says_the_flag_takes_none(argv, hint, capsys):
+    """TRL's flags take one (`--gradient_checkpointing true`); argparse said only `unrecognized arguments: true`."""
+    assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"

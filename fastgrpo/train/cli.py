@@ -26,7 +26,7 @@ from fastgrpo.train.commands import (
     check_export_before_load, check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
     warn_prompt_format_unlike_export,
 )
-from fastgrpo.train.coercion import coerced
+from fastgrpo.train.coercion import BOOL_WORDS, coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
 from fastgrpo.train.config import GRPOConfig, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
@@ -91,16 +91,16 @@ class _Parser(argparse.ArgumentParser):
 MAX_FLAGS_NAMED = 6  # in a hint for a flag several start with
 
 
-def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: str) -> str:
+def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: str, argv: list[str]) -> str:
     """argparse's 'unrecognized arguments' naming, for each unknown flag, this command's counterpart of a TRL flag, the
     other command it belongs to (and this command's counterpart), the flags it starts (--reward: --reward-funcs, ...)
-    or else the closest flag of the command."""
+    or else the closest flag of the command; for a `true` after a true / false flag, that the flag takes none."""
     known = [option for action in parser._actions for option in action.option_strings  # argparse has no public list
              if option not in ("-h", "--help")]
     hints = []
     for arg in extra:
         name = arg.split("=")[0]
-        hint = "" if not arg.startswith("--") else (
+        hint = _bool_flags_value(arg, parser, argv) if not arg.startswith("--") else (
             _trl_flag(name, command) or _other_commands_flag(name, command) or _flags_starting(name, known)
             or _closest_flag(name, known))
         hints.append(f"{arg} ({hint})" if hint else arg)
@@ -119,6 +119,20 @@ def _trl_flag(name: str, command: str) -> str | None:
     elif how.startswith(" ("):  # a note: not in parentheses inside the hint's own
         how = f", {how[2:-1]}"
     return f"TRL's name; here {flag(field)}{how}"
+
+
+def _bool_flags_value(arg: str, parser: argparse.ArgumentParser, argv: list[str]) -> str | None:
+    """"--export takes no value: --export turns it on, --no-export off" for the `true` of `--export true` (TRL's
+    flags take one); None for another value."""
+    if arg.lower() not in BOOL_WORDS:
+        return None
+    switches = {option: action.option_strings for action in parser._actions
+                if isinstance(action, argparse.BooleanOptionalAction) for option in action.option_strings}
+    before = next((previous for previous, this in zip(argv, argv[1:]) if this == arg and previous in switches), None)
+    if before is None:
+        return None
+    on, off = switches[before]
+    return f"{before} takes no value: {on} turns it on, {off} off"
 
 
 def _flags_starting(name: str, known: list[str]) -> str | None:
@@ -166,7 +180,7 @@ def parse_command_line(argv: list[str]) -> tuple[Command, argparse.ArgumentParse
     command = next(c for c in COMMANDS if c.name == args.command)
     subparser = parser.command_parsers[command.name]
     if extra:
-        subparser.error(_unrecognized(extra, subparser, command.name))
+        subparser.error(_unrecognized(extra, subparser, command.name, argv))
     return command, subparser, args
 
 
