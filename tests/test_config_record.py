@@ -1,6 +1,7 @@
 """A run's record of its config (checkpoint-<step>/run_config.json, final/, summary.json) fed back as --config: it
 reproduces the run, and never deletes the run it came from."""
 import json
+import os
 
 import pytest
 
@@ -37,7 +38,10 @@ def test_the_record_holds_what_the_run_computes_not_what_its_invocation_did(comm
     config = CONFIGS[command](overwrite_output_dir=True)
     record = config.to_dict()
     assert not {"resume", "resume_allow_changes", "overwrite_output_dir"} & set(record)
-    assert CONFIGS[command].from_dict(record) == CONFIGS[command]()
+    default = CONFIGS[command]()
+    if default.output_dir is not None:  # recorded absolute: the run's folder, wherever the record is read
+        default.output_dir = os.path.abspath(default.output_dir)
+    assert CONFIGS[command].from_dict(record) == default
 
 
 def test_an_older_record_fed_back_keeps_its_run(tmp_path, capsys):
@@ -59,3 +63,19 @@ def test_the_record_name_is_the_checkpoints():
     from fastgrpo.train.config_file import RUN_RECORD
 
     assert RUN_RECORD == CONFIG_FILE
+
+
+def test_a_record_resumes_its_own_run_from_another_folder(tmp_path, monkeypatch, capsys):
+    """A relative output_dir was recorded as typed: `--config run/checkpoint-2/run_config.json --resume` from another
+    folder looked for the run there ("no checkpoint-<step> ... in run") instead of continuing it."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir()
+    other.mkdir()
+    monkeypatch.chdir(first)
+    assert main(["train", *TINY, "--output-dir", "run"]) == 0
+    record = first / "run" / "checkpoint-2" / "run_config.json"
+    assert json.loads(record.read_text())["output_dir"] == str(first / "run")
+    monkeypatch.chdir(other)
+    assert main(["train", "--config", str(record), "--resume", "--max-steps", "3"]) == 0, capsys.readouterr().err
+    assert (first / "run" / "checkpoint-3").is_dir() and len(_rewards(first / "run")) == 3
+    assert list(other.iterdir()) == []

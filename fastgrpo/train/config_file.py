@@ -71,13 +71,16 @@ class ConfigFile:
     def to_dict(self) -> dict:
         """The fields, as the run's record (checkpoints, exports, metrics) keeps them: an input path that exists here
         (INPUT_PATH_FIELDS) made absolute, as is a reward function's file (REWARD_FUNCTION_FIELDS), so the record
-        names the file the run read wherever it is read later; no INVOCATION_FIELDS. A local model folder's
+        names the file the run read wherever it is read later, and output_dir absolute (the run's folder, for a
+        resume from elsewhere); no INVOCATION_FIELDS. A local model folder's
         fingerprint is added (FINGERPRINT_KEY: base_fingerprint.recorded_fingerprint), which a resume and eval
         --checkpoint check the base against."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
                 data[name] = os.path.abspath(data[name])
+        if isinstance(data.get("output_dir"), str):  # the record fed back (--resume) names its own run from anywhere
+            data["output_dir"] = os.path.abspath(data["output_dir"])
         for name in REWARD_FUNCTION_FIELDS:
             if isinstance(data.get(name), list):
                 data[name] = [recorded_function(spec, name) for spec in data[name]]
