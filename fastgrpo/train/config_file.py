@@ -99,9 +99,9 @@ def check_relative_paths(settings: dict, flags: dict, path: str | Path | None) -
     for name, given in _local_paths(settings):
         if name not in flags and not Path(given).is_absolute() and not Path(given).exists() \
                 and (folder / given).exists():
-            raise ValueError(f"{name} ({from_file(path)}): {given} is not in the current folder ({Path.cwd()}), where a config file's "
-                             "relative paths start, as a flag's do; it is beside the config file: write "
-                             f"{os.path.normpath(folder / given)} or run from {folder}")
+            raise ValueError(f"{name} ({from_file(path)}): {given} is not in the current folder ({Path.cwd()}), "
+                             "where a config file's relative paths start, as a flag's do; it is beside the config "
+                             f"file: write {os.path.normpath(folder / given)} or run from {folder}")
 
 
 def _local_paths(settings: dict):
