@@ -37,3 +37,15 @@ def test_a_bad_item_of_an_optional_list_flag_is_argparses_one_line(capsys):
         build_parser().parse_args(["train", "--reward-weights", "1", "x"])
     assert info.value.code == 2
     assert "fastgrpo train: error: argument --reward-weights: invalid float value: 'x'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_the_help_of_a_resumable_command_lists_what_may_change_on_resume(command):
+    """train's --help listed them; sft's and ei's said nothing of which settings --resume takes anew."""
+    from fastgrpo.train.commands import CONFIGS
+    from fastgrpo.train.config import run_control_fields
+
+    text = " ".join(build_parser().command_parsers[command].format_help().split())
+    listed = text.split("these settings may change on resume, every other one must match the checkpoint's (or pass "
+                        "--resume-allow-changes): ")[1].split(".")[0]
+    assert listed.split(", ") == run_control_fields(CONFIGS[command])

@@ -23,12 +23,13 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
-    check_export_before_load, check_resume_before_load, description, finished_run, run_ei, run_eval, run_sft,
+    check_export_before_load, check_resume_before_load, description, finished_run, resume_note, run_ei, run_eval,
+    run_sft,
     warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import BOOL_WORDS, coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
-from fastgrpo.train.config import GRPOConfig, run_control_fields
+from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
 from fastgrpo.train.console import change
@@ -210,9 +211,7 @@ def _naming_sources(args: argparse.Namespace, run: Callable, parser: argparse.Ar
 TRAIN_DESCRIPTION = (
     "Every GRPOConfig field is a flag; flags override the YAML file given with --config. Without --model, the "
     "built-in tiny model's settings (fastgrpo.train.default_task.PRESET) replace some defaults (each flag's help "
-    "says so); without --dataset, the built-in task and its reward are used. --resume continues the newest "
-    "complete checkpoint in --output-dir; these settings may change on resume, every other one must match the "
-    f"checkpoint's (or pass --resume-allow-changes): {', '.join(run_control_fields())}."
+    f"says so); without --dataset, the built-in task and its reward are used. {resume_note(GRPOConfig)}"
 )
 
 

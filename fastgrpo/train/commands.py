@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.config import GRPOConfig, check_resume
+from fastgrpo.train.config import GRPOConfig, check_resume, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
 from fastgrpo.train.console import change, number
@@ -44,9 +44,17 @@ EVAL_HELP = "evaluate a model or checkpoint with the rollout engine: per-example
 def description(name: str) -> str:
     config = CONFIGS[name].__name__
     checkpoint = " (and without a --checkpoint of a run on a real model)" if name == "eval" else ""
+    resume = f" {resume_note(CONFIGS[name])}" if name in ("sft", "ei") else ""
     return (f"Every {config} field is a flag; flags override the YAML file given with --config. Without --model"
             f"{checkpoint}, the built-in tiny model's settings replace some defaults (each flag's help says so); "
-            "without --dataset, the built-in task is used.")
+            f"without --dataset, the built-in task is used.{resume}")
+
+
+def resume_note(config_class: type) -> str:
+    """What a resumable command's --help says of --resume: the settings it takes anew (run_control_fields)."""
+    return ("--resume continues the newest complete checkpoint in --output-dir; these settings may change on resume, "
+            "every other one must match the checkpoint's (or pass --resume-allow-changes): "
+            f"{', '.join(run_control_fields(config_class))}.")
 
 
 def _add_arguments(name: str):
