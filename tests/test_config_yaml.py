@@ -198,3 +198,22 @@ def test_the_help_of_config_says_where_relative_paths_start():
     for command in CONFIGS:
         text = " ".join(build_parser().command_parsers[command].format_help().split())
         assert "relative paths in it start from the current folder, as a flag's do" in text, command
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+@pytest.mark.parametrize("text, flags, problem", [
+    ("lora_target_modules: q_proj,v_proj\n", ["--lora-target-modules", "q_proj,v_proj"],
+     "'q_proj,v_proj' is no module name; names are separated by spaces, not commas (--lora-target-modules q_proj "
+     "v_proj; in YAML, a list: [q_proj, v_proj])"),
+    ("lora_target_modules: []\n", ["--lora-target-modules"],
+     "expected one or more module names (all-linear: every linear layer), got []"),
+])
+def test_lora_target_modules_joined_by_commas_or_none_are_one_line(command, text, flags, problem, tmp_path, capsys):
+    """Both were taken, and PEFT's load of the model failed on `no module ... is named 'q_proj,v_proj'` or ''."""
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    out = ["--output-dir", str(tmp_path / "out"), "--lora-rank", "8"]
+    assert main([command, "--config", str(path), *out]) == 2
+    assert capsys.readouterr().err == f"fastgrpo {command}: error: lora_target_modules (from {path}): {problem}\n"
+    assert main([command, *flags, *out]) == 2
+    assert capsys.readouterr().err == f"fastgrpo {command}: error: lora_target_modules: {problem}\n"

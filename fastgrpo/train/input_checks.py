@@ -31,10 +31,24 @@ def check_save_minutes(config) -> None:
 
 def check_lora_options(config) -> None:
     check_at_least(config, ("lora_rank",), 0)
+    check_lora_target_modules(config.lora_target_modules)
     if not 0 < config.lora_alpha < math.inf:  # the adapters' scale alpha / r: 0 would leave them without effect
         raise ValueError(f"lora_alpha: expected a finite number > 0, got {config.lora_alpha}")
     if not 0 <= config.lora_dropout < 1:  # PEFT takes 1 too, where the adapter sees only zeros and never learns
         raise ValueError(f"lora_dropout: expected a number in [0, 1), got {config.lora_dropout}")
+
+
+def check_lora_target_modules(targets: list[str]) -> None:
+    """One or more module names, none with a comma (a module's name has none: `q_proj,v_proj` is two names run
+    together, which PEFT's load would refuse as no module of the model)."""
+    if not targets:
+        raise ValueError("lora_target_modules: expected one or more module names (all-linear: every linear layer), "
+                         "got []")
+    joined = next((target for target in targets if "," in target), None)
+    if joined is not None:
+        spaced = " ".join(name.strip() for name in joined.split(",") if name.strip())
+        raise ValueError(f"lora_target_modules: {joined!r} is no module name; names are separated by spaces, not "
+                         f"commas (--lora-target-modules {spaced}; in YAML, a list: [{spaced.replace(' ', ', ')}])")
 
 
 def check_adamw_options(config) -> None:
