@@ -471,12 +471,10 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
 
 
 def merged_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype a LoRA model's merged weights are saved in: the base's (its embedding's, which PEFT's fp32 adapters
-    do not change), so an fp32 run exports fp32 as PEFT's merge_and_unload keeps it; bf16 over a quantized base."""
-    base = model.get_base_model()
-    if getattr(base.config, "quantization_config", None) is not None:
-        return torch.bfloat16
-    return base.get_input_embeddings().weight.dtype
+    """The dtype a LoRA model's merged weights are saved in: the one its base loaded in (its embedding's, which PEFT's
+    fp32 adapters do not change, and a 4-bit base leaves unquantized), as PEFT's merge_and_unload keeps it: the run's
+    dtype, so an fp32 run exports fp32 and a 4-bit base's weights dequantize to its compute dtype."""
+    return model.get_base_model().get_input_embeddings().weight.dtype
 
 
 def finish_export(folder: Path, tokenizer, run_config: dict | None, step: int | None) -> None:

@@ -15,7 +15,7 @@ from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, recorded_fingerprin
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
 from fastgrpo.train.setting_sources import SettingSources, from_file
-from fastgrpo.train.sources import function_file, recorded_function
+from fastgrpo.train.sources import function_file, recorded_function, resolved_dtype
 
 # fields naming a file or folder a run reads: recorded absolute (ConfigFile.to_dict), so that a resume from another
 # folder compares the files, not how they were spelt
@@ -26,6 +26,10 @@ REWARD_FUNCTION_FIELDS = ("reward_funcs", "eval_reward_funcs")
 # what one invocation does with the run already in output_dir, not a setting of the run: left out of the record, which
 # fed back as --config would do it again (overwrite_output_dir: delete the run the record came from)
 INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
+# the dtype the model loaded in where the record was written (dtype "auto" resolved there: a GPU run's bfloat16), so
+# that `fastgrpo export` on a CPU writes what the run's final/ holds; beside the fields, no setting of its own
+DTYPE_KEY = "resolved_dtype"
+RECORD_KEYS = (FINGERPRINT_KEY, DTYPE_KEY)  # a record's keys that are no fields: left out when it is read back
 RUN_RECORD = "run_config.json"  # the name of a run's record (fastgrpo.train.checkpoint.CONFIG_FILE is this one)
 
 
@@ -48,7 +52,7 @@ class ConfigFile:
         """The config of `data`'s fields; a key that is no field is an error naming it (and the command it belongs
         to where it is another command's field: command_fields.unknown_key_notes). A record's fingerprint of its
         base model is no setting: left out."""
-        data = {key: value for key, value in data.items() if key != FINGERPRINT_KEY}
+        data = {key: value for key, value in data.items() if key not in RECORD_KEYS}
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND))
         return cls(**data)
 
@@ -61,7 +65,7 @@ class ConfigFile:
         data = read_yaml(path)
         if Path(path).name == RUN_RECORD:  # a record from before to_dict left them out: not this invocation's
             data = {key: value for key, value in data.items() if key not in INVOCATION_FIELDS}
-        data = {key: value for key, value in data.items() if key != FINGERPRINT_KEY}  # a record's, of its base model
+        data = {key: value for key, value in data.items() if key not in RECORD_KEYS}  # a record's, not settings
         check_known_fields(data, cls, cls.COMMAND, unknown_key_notes(data, cls.COMMAND),
                            source=f"config: {Path(path).expanduser()}")
         # `learning_rate: expected a number, got 'fast'` names the file: a flag could have said that
@@ -74,7 +78,7 @@ class ConfigFile:
         names the file the run read wherever it is read later, and output_dir absolute (the run's folder, for a
         resume from elsewhere); no INVOCATION_FIELDS. A local model folder's
         fingerprint is added (FINGERPRINT_KEY: base_fingerprint.recorded_fingerprint), which a resume and eval
-        --checkpoint check the base against."""
+        --checkpoint check the base against, and the dtype the model loads in here (DTYPE_KEY)."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
@@ -84,6 +88,8 @@ class ConfigFile:
         for name in REWARD_FUNCTION_FIELDS:
             if isinstance(data.get(name), list):
                 data[name] = [recorded_function(spec, name) for spec in data[name]]
+        if isinstance(data.get("dtype"), str) and isinstance(data.get("device"), str):
+            data[DTYPE_KEY] = resolved_dtype(data["dtype"], data["device"])
         recorded = recorded_fingerprint(self)
         return data if recorded is None else {**data, FINGERPRINT_KEY: recorded}
 

@@ -89,11 +89,22 @@ def _load(config, checkpoint: Path, tokenizer):
     run = read_run_config(checkpoint)
     # the seed builds the built-in model's base weights, as the run built them (load_inference_model takes the run's)
     loading = types.SimpleNamespace(model=config.model, checkpoint=config.checkpoint, device=config.device,
-                                    dtype=config.dtype or run.get("dtype", "auto"), seed=run.get("seed", 0))
+                                    dtype=exported_dtype(config.dtype, run), seed=run.get("seed", 0))
     with naming_the_model(config.model):
         model, source = load_evaluated_model(loading, checkpoint, tokenizer)
     loaded = Path(source["checkpoint"])
     return model, read_run_config(loaded), read_checkpoint(loaded, mmap=True)["step"], loaded
+
+
+def exported_dtype(dtype: str | None, run: dict) -> str:
+    """The dtype an export loads and writes the model in: `dtype` (--dtype), else (none or auto) the one the run
+    trained in, as its final/ holds it: its "auto" as it resolved where it trained (a GPU run's bfloat16), not here
+    (a CPU's float32); a run recorded before that was kept: its dtype resolved here."""
+    from fastgrpo.train.config_file import DTYPE_KEY
+
+    if dtype not in (None, "auto"):
+        return dtype
+    return run.get(DTYPE_KEY) or run.get("dtype", "auto")
 
 
 @contextlib.contextmanager

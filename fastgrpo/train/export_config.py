@@ -17,8 +17,9 @@ class ExportConfig(ConfigFile):
                                           "checkpoint); the model that run trained, with the checkpoint's weights")
     model: str | None = option(None, "the base model's new path, where it moved since the run; none: the one the "
                                      "run recorded")
-    dtype: str | None = option(None, f"one of {DTYPES}: the exported weights' (a LoRA run's: its base's, which the "
-                                     "adapter merges into); none: the run's")
+    dtype: str | None = option(None, f"one of {DTYPES}: the exported weights' (a LoRA adapter merges into its base "
+                                     "in it; a 4-bit base dequantizes to it); none or auto: the dtype the run trained "
+                                     "in, as its final/ holds it (a GPU run's auto: bfloat16, on a CPU too)")
     device: str = inherited("device")
     output_dir: str | None = option(None, "required: the model folder to write (config.json, weights, tokenizer, "
                                           "run_config.json, export.json, as a run's final/); a new or empty folder")

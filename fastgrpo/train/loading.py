@@ -25,7 +25,7 @@ from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_eval_rows, sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, check_table_file, data_suffix,
-                                    import_function, naming_the_model, read_json_rows)
+                                    import_function, naming_the_model, read_json_rows, resolved_dtype)
 
 
 def resolve_reward(name: str):
@@ -300,10 +300,7 @@ def check_prompt_formats(prompts: list[tuple[int, object]], config, tokenizer, f
 
 def resolve_device_dtype(config) -> tuple[str, torch.dtype]:
     device = config.device if config.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype_name = config.dtype
-    if dtype_name == "auto":
-        dtype_name = "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
-    return device, getattr(torch, dtype_name)
+    return device, getattr(torch, resolved_dtype(config.dtype, device))
 
 
 def load_model_and_tokenizer(config, tokenizer=None):

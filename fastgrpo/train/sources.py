@@ -239,6 +239,15 @@ def resolve_device(device: str) -> str:
     return device
 
 
+def resolved_dtype(dtype: str, device: str) -> str:
+    """The dtype name a model loads in on `device` (a config's, "auto" too): "auto" -> bfloat16 on a GPU that has it,
+    else float32."""
+    if dtype != "auto":
+        return dtype
+    gpu = (device == "auto" or device.startswith("cuda")) and torch.cuda.is_available()
+    return "bfloat16" if gpu and torch.cuda.is_bf16_supported() else "float32"
+
+
 def check_model_source(model: str) -> None:
     """A model that is written as a local path must exist; another name must be a Hub repo id that is cached or
     that the Hub answers for (fastgrpo.hf.hub), else transformers answers after 20 s or more of retries. `model` is
