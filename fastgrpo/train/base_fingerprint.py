@@ -118,14 +118,23 @@ def base_change(record: dict, model: str | None, resuming: bool, say: bool = Tru
     return _differences(recorded, now)
 
 
-def check_base_unchanged(run: dict, checkpoint: Path, model: str | None) -> None:
-    """The base model the weights of `checkpoint` (its run's record: `run`) load over (`model`, else the one the run
-    recorded) is the one its run trained on (base_change): a LoRA adapter put on another run's weights mixes the two."""
+def check_base_unchanged(run: dict, checkpoint: Path, model: str | None, warn: bool = True) -> None:
+    """The base model the weights of `checkpoint` (its run's record: `run`) load over is the one its run trained on
+    (base_change): a LoRA adapter put on another run's weights mixes the two. The folder the run recorded, changed
+    since (another run's final/ exported again there), is refused; another folder named as `model` (--model) is the
+    user's choice, as PEFT puts an adapter on any base (the base re-saved in another dtype, a quantized copy): a
+    warning names both folders (warn: said here)."""
     base = model if model is not None else run.get("model")
     change = base_change(run, base, resuming=False)
-    if change is not None:
+    if change is None:
+        return
+    recorded = run.get("model")
+    if model is None or recorded is None or Path(model).resolve() == Path(recorded).resolve():
         raise ValueError(f"model: {base} is not the base model the run of {checkpoint} trained on (its files changed "
                          f"since: {change}); pass that base (or a copy of it) as {setting('model')}")
+    if warn:
+        logger.warning("model: putting the weights of %s on %s as --model asks, not on the base its run trained on, "
+                       "%s (%s)", checkpoint, model, recorded, change)
 
 
 def _differences(recorded: dict[str, str], now: dict[str, str]) -> str | None:

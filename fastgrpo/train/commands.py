@@ -196,7 +196,8 @@ def _check_sources(config) -> None:
 def check_checkpoint_base(checkpoint: Path, model: str | None) -> None:
     """The base model a checkpoint's weights load over, before anything loads: without `model` (its new path), the
     one its run recorded is still where the run found it (a moved folder failed inside transformers, 'Repo id must
-    be in the form ...', not naming --model); either way, it is the one its run trained on (check_base_unchanged)."""
+    be in the form ...', not naming --model); either way, it is the one its run trained on, or another base named as
+    `model`, which a warning says (check_base_unchanged)."""
     from fastgrpo.train.base_fingerprint import check_base_unchanged
     from fastgrpo.train.checkpoint import read_run_config
     from fastgrpo.train.sources import check_model_source

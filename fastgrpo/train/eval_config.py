@@ -17,7 +17,8 @@ from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 class EvalConfig(ConfigFile):
     COMMAND = "eval"
     model: str | None = inherited("model", help="HF model path or hub name (e.g. a run's final/); none: the "
-                                                "built-in tiny model; with --checkpoint: the base model's new path")
+                                                "built-in tiny model; with --checkpoint: the base model's new path, "
+                                                "or another base to put its weights on (a warning names both)")
     checkpoint: str | None = option(None, "a run's checkpoint-<step>/ folder, or its output_dir (the newest "
                                           "checkpoint): the model that run trained, with the checkpoint's weights")
     dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "

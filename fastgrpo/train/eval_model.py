@@ -22,8 +22,10 @@ def load_evaluated_model(config, checkpoint: Path | None, tokenizer, *, attempts
         try:
             source = {"model": evaluated_model(config.model, checkpoint),
                       "checkpoint": str(checkpoint) if checkpoint else None}
+            # the commands checked the base before loading (check_checkpoint_base), and warned of another once
             model, _ = load_inference_model(model=config.model, dtype=config.dtype, device=config.device,
-                                            seed=config.seed, checkpoint=checkpoint, tokenizer=tokenizer)
+                                            seed=config.seed, checkpoint=checkpoint, tokenizer=tokenizer,
+                                            warn_base=False)
             return model, source
         except TornCheckpoint as err:
             if (checkpoint / STATE_FILE).exists():

@@ -15,8 +15,8 @@ class ExportConfig(ConfigFile):
     COMMAND = "export"
     checkpoint: str | None = option(None, "required: a run's checkpoint-<step>/ folder, or its output_dir (the newest "
                                           "checkpoint); the model that run trained, with the checkpoint's weights")
-    model: str | None = option(None, "the base model's new path, where it moved since the run; none: the one the "
-                                     "run recorded")
+    model: str | None = option(None, "the base model's new path, where it moved since the run, or another base to "
+                                     "merge into (a warning names both); none: the one the run recorded")
     dtype: str | None = option(None, f"one of {DTYPES}: the exported weights' (a LoRA adapter merges into its base "
                                      "in it; a 4-bit base dequantizes to it); none or auto: the dtype the run trained "
                                      "in, as its final/ holds it (a GPU run's auto: bfloat16, on a CPU too)")

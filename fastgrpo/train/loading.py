@@ -466,16 +466,18 @@ def find_checkpoint(path: str | Path) -> Path:
 
 
 def load_inference_model(*, model: str | None, dtype: str, device: str, seed: int = 0,
-                         checkpoint: Path | None = None, tokenizer=None):
+                         checkpoint: Path | None = None, tokenizer=None, warn_base: bool = True):
     """A model and tokenizer for evaluation: unpatched, without gradient checkpointing, in eval mode. With a
     checkpoint: the model its run trained (base and LoRA settings from the run's config) with its weights, `model`
-    then being a new path of the base model (None: the saved one). tokenizer: as load_model_and_tokenizer's (that
-    model's, loaded by the caller already; None: loaded here)."""
+    then being a new path of the base model (None: the saved one), or another base to put them on (with a warning
+    unless warn_base is off: check_base_unchanged). tokenizer: as load_model_and_tokenizer's (that model's, loaded by
+    the caller already; None: loaded here)."""
     fields = dict(model=None, lora_rank=0, lora_alpha=32, lora_dropout=0.0, lora_target_modules=["all-linear"],
                   load_in_4bit=False, seed=seed)
     if checkpoint is not None:
         saved = read_run_config(checkpoint)
-        check_base_unchanged(saved, checkpoint, model)  # a LoRA checkpoint on a base changed since would mix two runs
+        # a LoRA checkpoint on a base changed since would mix two runs
+        check_base_unchanged(saved, checkpoint, model, warn=warn_base)
         fields.update({name: saved[name] for name in fields if name in saved})
     if model is not None:
         fields["model"] = model
