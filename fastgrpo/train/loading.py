@@ -195,6 +195,9 @@ def _checked_rows(config, builtin, tokenizer):
     if config.dataset is None:
         if config.dataset_config is not None:
             raise ValueError("dataset_config: names a config of dataset; the built-in task (no dataset) has none")
+        if config.dataset_split != default_of(config, "dataset_split"):  # ignored, it took every built-in row
+            raise ValueError(f"dataset_split: {config.dataset_split!r} names a split of dataset; the built-in task "
+                             "(no dataset) has none")
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config,
                      default_split=default_of(config, "dataset_split"), text_columns=text_columns(config))
