@@ -1,6 +1,7 @@
 """The built-in engine on the configuration variants real checkpoints of the supported families use: its greedy
 tokens and log-probs equal the unpatched HF model's forward over each prompt + completion (fp32, CPU), with
-completions that run past the sliding windows and the rope-scaling thresholds."""
+completions that run past the sliding windows and the rope-scaling thresholds; a longrope rollout that would
+straddle its threshold is refused (fastgrpo/rollout/rope_limits.py)."""
 import pytest
 import torch
 from transformers import (
@@ -114,3 +115,21 @@ def test_greedy_tokens_and_logprobs_equal_hf_forward(variant):
         # fp32 forwards of different shapes (one token at a time vs the whole row): the existing bound of the
         # engine-vs-HF tests (tests/test_rollout.py)
         torch.testing.assert_close(got, want.gather(1, out.tokens[row][:, None])[:, 0], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("original", [20, 30], ids=["prompts-on-both-sides", "completions-cross"])
+def test_longrope_rows_that_would_straddle_the_threshold_are_refused_before_any_compute(original):
+    """completions-cross: rows start on the short factors and pass the threshold, where HF's forward over the row
+    uses the long ones for every position, which K/V cached with the short ones cannot follow (unrefused, the
+    engine's log-probs were 3e-3 off and a greedy token differed). prompts-on-both-sides: the 25-token prompt puts
+    the prefill of every row on the long factors, where HF's forward over a short row that stops below the
+    threshold (an EOS) uses the short ones."""
+    model = AutoModelForCausalLM.from_config(Phi3Config(**longrope(original))).eval()
+    calls = []
+    model.register_forward_pre_hook(lambda *a: calls.append(1))
+    message = (rf"^rope_parameters\['original_max_position_embeddings'\] {original}: longrope switches .* prompts of 3 "
+               rf"to 25 tokens \+ max_new_tokens 24 cross it: keep the longest prompt \+ max_new_tokens <= "
+               rf"{original}, or every prompt longer than {original}$")
+    with pytest.raises(ValueError, match=message):
+        engine_greedy(model)
+    assert not calls

@@ -29,6 +29,7 @@ from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.regional import compiled_layers, layer_indices, layer_options
+from fastgrpo.rollout.rope_limits import check_rope_switch
 from fastgrpo.rollout.sampling import SamplingParams, keyed_sample, process_logits
 
 
@@ -182,6 +183,7 @@ def rollout(
     config = config.resolved(device)
     G, S = num_generations, params.max_new_tokens
     P = max(len(p) for p in prompts)
+    check_rope_switch(model.config, [len(p) for p in prompts], S)
     # the prompt slots to allocate: max_prompt_length's, unless a prompt is longer (e.g. an evaluation's: it gets a
     # cache of its own size, one more compile) or the model reads every slot (kept on "eager" attention)
     fixed = config.max_prompt_length is not None and model.config._attn_implementation != "eager"
