@@ -26,7 +26,8 @@ def test_default_run_reward_rises(tmp_path, capsys):
     # One plain line per step (--logging-steps 1), then the summary.
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" | ")[0] for line in lines[:-1]] == [f"step {i}/40" for i in range(1, 41)]
-    for label in ("| reward ", "| kl ", "| entropy ", "| clip ", "| length ", " tok/s gen, ", " s/step | peak "):
+    for label in ("| reward ", "| kl ", "| entropy ", "| clip_ratio ", "| completion_length ", "| rollout_tokens_per_s ",
+                  "| train_tokens_per_s ", "| step_s ", "| peak "):
         assert label in lines[0], lines[0]
     assert lines[-1].startswith("reward ")
 

@@ -146,7 +146,7 @@ def test_console_and_a_stop_count_rounds(tmp_path, capsys):
             "1", "--no-export", "--reward-funcs", f"{tmp_path / 'stop_in_round_2.py'}:fn"]
     assert main(argv) == 130
     out = capsys.readouterr()
-    assert out.out.splitlines()[0].startswith("round 1/3 | reward 1.000 | loss "), out.out
+    assert out.out.splitlines()[0].startswith("round 1/3 | reward 1.000 | sft_loss_last "), out.out
     assert "fastgrpo ei: stopped by SIGINT in the middle of a round, without a new checkpoint" in out.err, out.err
 
 

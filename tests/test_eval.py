@@ -247,7 +247,7 @@ def test_periodic_eval_inside_train(tmp_path, capsys):
     assert "eval step 2 |" in err  # a few generations in the log
     # the console line of the step that evaluated shows its accuracy; the other's does not
     lines = [line for line in out_text.splitlines() if line.startswith("step ")]
-    assert "eval accuracy" not in lines[0] and f"eval accuracy {summary['accuracy']:.3f}" in lines[1], lines
+    assert "eval/accuracy" not in lines[0] and f"eval/accuracy {summary['accuracy']:.3f}" in lines[1], lines
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"prompt": "1 say a", "letter": "a"}) + "\n")
     assert main(["train", "--dataset", str(data), "--eval-steps", "1", "--output-dir", str(tmp_path / "x")]) == 2

@@ -1,11 +1,14 @@
 """The console of a run: one plain line every `every` steps, readable in a terminal and in a log file alike.
 
-    step 10/100 | reward 0.253 | loss -0.0093 | kl 0 | entropy 2.31 | clip 0 | length 8.0 | 9.1K tok/s gen,
-    35K train | 0.12 s/step | peak 0.41 GiB RSS            (one line, cut in two here)
+    step 10/100 | reward 0.253 | loss -0.0093 | kl 0 | entropy 2.31 | clip_ratio 0 | completion_length 8.0 |
+    rollout_tokens_per_s 9.1K | train_tokens_per_s 35K | step_s 0.12 | peak RSS 0.41 GiB     (one line, cut here)
 
-Each line holds the means over the steps since the previous line (peak memory: their maximum). A tqdm bar runs
-between the lines only when stderr is a terminal or a Jupyter notebook's output (in a file its redraws make one line
-of many kilobytes).
+Each label is the name of the metric in metrics.jsonl (a user finds the console's numbers there under the same
+names): `fastgrpo ei`'s line shows its round's sft_loss_last, not a "loss" it does not log. Each line holds the
+means over the steps since the previous line (peak_gpu_mem_gib: their maximum; on the CPU, where that is 0, the
+process's peak resident memory, "peak RSS", which metrics.jsonl does not hold). A tqdm bar runs between the lines
+only when stderr is a terminal or a Jupyter notebook's output (in a file its redraws make one line of many
+kilobytes).
 Another command's loop uses it the same way: `console = ConsoleLog(every, total)`, `console.add(metrics)` once per
 step with the keys it has (missing ones are left out of the line), `console.close()` at the end; a loop that counts
 rounds, not steps, passes unit="round" and its metrics carry "round" (expert iteration).
@@ -16,15 +19,21 @@ import resource
 import sys
 import warnings
 
-# (metrics key, label, format); tokens/s and time are composed in _line
+# (metrics key, format), the key shown as the label; in this order, each where the window's metrics have it
 _FIELDS = (
-    ("reward", "reward", "{:.3f}"),
-    ("loss", "loss", "{:.4g}"),
-    ("kl", "kl", "{:.3g}"),
-    ("entropy", "entropy", "{:.3g}"),
-    ("clip_ratio", "clip", "{:.3g}"),
-    ("completion_length", "length", "{:.1f}"),
-    ("eval/accuracy", "eval accuracy", "{:.3f}"),  # the periodic evaluation's, on the steps it ran (--eval-steps)
+    ("reward", "{:.3f}"),
+    ("loss", "{:.4g}"),
+    ("sft_loss_last", "{:.4g}"),  # ei: its round's last SFT step's
+    ("kept_frac", "{:.3f}"),  # ei
+    ("kl", "{:.3g}"),
+    ("entropy", "{:.3g}"),
+    ("clip_ratio", "{:.3g}"),
+    ("completion_length", "{:.1f}"),
+    ("eval/accuracy", "{:.3f}"),  # the periodic evaluation's, on the steps it ran (--eval-steps)
+    ("rollout_tokens_per_s", "si"),
+    ("train_tokens_per_s", "si"),
+    ("tokens_per_s", "si"),  # sft
+    ("step_s", "{:.3g}"),
 )
 
 
@@ -94,16 +103,10 @@ def _mean(window: list[dict], key: str) -> float | None:
 
 def _line(window: list[dict], total: int, unit: str = "step") -> str:
     parts = [f"{unit} {window[-1].get(unit, '?')}/{total}"]
-    for key, label, fmt in _FIELDS:
+    for key, fmt in _FIELDS:
         value = _mean(window, key)
         if value is not None:
-            parts.append(f"{label} {fmt.format(value)}")
-    rollout, train = _mean(window, "rollout_tokens_per_s"), _mean(window, "train_tokens_per_s")
-    if rollout is not None and train is not None:
-        parts.append(f"{_si(rollout)} tok/s gen, {_si(train)} train")
-    seconds = _mean(window, "step_s")
-    if seconds is not None:
-        parts.append(f"{seconds:.3g} s/step")
+            parts.append(f"{key} {_si(value) if fmt == 'si' else fmt.format(value)}")
     parts.append(_peak_memory(window))
     return " | ".join(parts)
 
@@ -111,9 +114,9 @@ def _line(window: list[dict], total: int, unit: str = "step") -> str:
 def _peak_memory(window: list[dict]) -> str:
     gpu = max((m.get("peak_gpu_mem_gib", 0.0) for m in window), default=0.0)
     if gpu > 0:
-        return f"peak {gpu:.2f} GiB GPU"
-    # On the CPU the process's peak resident memory (ru_maxrss is in KiB on Linux).
-    return f"peak {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB RSS"
+        return f"peak_gpu_mem_gib {gpu:.2f}"
+    # On the CPU the process's peak resident memory (ru_maxrss is in KiB on Linux), a number metrics.jsonl lacks
+    return f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
 
 
 def _si(value: float) -> str:

@@ -334,7 +334,7 @@ class ExpertIteration:
                                             log=log, save=self.save_checkpoint)
         self.history.append(metrics)
         log.write(metrics)
-        console.add({**metrics, "loss": metrics["sft_loss_last"]})
+        console.add(metrics)
         # all processes save, or none; and all stop when any got a signal
         every = config.save_steps and self.round % config.save_steps == 0
         signum, save = dist.max(self._guard.requested or 0, int(bool(save_now or every)))
