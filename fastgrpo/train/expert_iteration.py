@@ -50,6 +50,7 @@ from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
+from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, refuse_taken, trainer_state
 
 logger = logging.getLogger(__name__)
@@ -325,24 +326,10 @@ class ExpertIteration:
         return self.history
 
     def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> int | None:
-        """After the round's SFT: the evaluation when due (a failing one saves the round: PeriodicEval.add_to), the
-        metrics line, the checkpoint when due or save_now (returns its round; None when none), the stop a signal
-        asked for."""
-        config, dist = self.config, self.dist
-        if self.evaluator is not None:
-            metrics = self.evaluator.add_to(metrics, self.round, force=self.round == config.ei_steps, dist=dist,
-                                            log=log, save=self.save_checkpoint)
-        self.history.append(metrics)
-        log.write(metrics)
-        console.add(metrics)
-        # all processes save, or none; and all stop when any got a signal
-        every = config.save_steps and self.round % config.save_steps == 0
-        signum, save = dist.max(self._guard.requested or 0, int(bool(save_now or every)))
-        path = self.save_checkpoint() if save or signum else None
-        if path is not None:
-            signum = signum or self._guard.arrived_alone()  # one that came as the round was saved: stop with it
-        if signum:
-            raise Interrupted(signum, self.round, path, unit="round")
+        """After the round's SFT: evaluation, metrics line, checkpoint, a signal's stop (step_end.end_step); returns
+        the round saved, None when none was."""
+        path = end_step(self, metrics, step=self.round, total=self.config.ei_steps, log=log, console=console,
+                        guard=self._guard, save_now=save_now, unit="round")
         return self.round if path else None
 
     def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:

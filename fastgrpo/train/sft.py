@@ -44,6 +44,7 @@ from fastgrpo.train.sft_data import (
     SFTExample, collate, padded_tokens, process_share, step_micro_batches, steps_per_epoch, tokenize_rows,
 )
 from fastgrpo.train.optim import adamw_with_schedule
+from fastgrpo.train.step_end import end_step
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -259,24 +260,9 @@ class SFTTrainer:
 
     def _end_step(self, metrics: dict, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard,
                   save_now: bool = False) -> None:
-        """After the update: the evaluation when due (a failing one saves the step: PeriodicEval.add_to), the metrics
-        line, the checkpoint when due (or save_now), the stop a signal asked for."""
-        config, dist = self.config, self.dist
-        if self.evaluator is not None:
-            metrics = self.evaluator.add_to(metrics, self.step, force=self.step == self.total_steps, dist=dist,
-                                            log=log, save=self.save_checkpoint)
-        self.history.append(metrics)
-        log.write(metrics)
-        console.add(metrics)
-        every_steps = config.save_steps and self.step % config.save_steps == 0
-        every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
-        # all processes save, or none; and all stop when any got a signal
-        signum, save = dist.max(guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
-        if save or signum:
-            self.save_checkpoint()
-            signum = signum or guard.arrived_alone()  # one that came as the step was saved: stop with it
-        if signum:
-            raise Interrupted(signum, self.step, self._saved_path)
+        """After the update: evaluation, metrics line, checkpoint, a signal's stop (step_end.end_step)."""
+        end_step(self, metrics, step=self.step, total=self.total_steps, log=log, console=console, guard=guard,
+                 save_now=save_now, saved_time=self._saved_time)
 
     def export(self, path: str | Path) -> Path:
         """An HF model directory of the current weights and the tokenizer, as GRPOTrainer.export (export_model)."""

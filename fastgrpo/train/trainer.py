@@ -45,6 +45,7 @@ from fastgrpo.train.options import (
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_engine
+from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
 
 logger = logging.getLogger(__name__)
@@ -420,24 +421,9 @@ class GRPOTrainer:
             self._end_step(metrics, console)
 
     def _end_step(self, metrics: dict, console: ConsoleLog, save_now: bool = False) -> None:
-        """After the update: the evaluation when due (a failing one saves the step: PeriodicEval.add_to), the metrics
-        line, the checkpoint when due (or save_now), the stop a signal asked for."""
-        config = self.config
-        if self.evaluator is not None:
-            metrics = self.evaluator.add_to(metrics, self.step, force=self.step == config.max_steps, dist=self.dist,
-                                            log=self.metrics_log, save=self.save_checkpoint)
-        self.history.append(metrics)
-        self.metrics_log.write(metrics)
-        console.add(metrics)
-        every_steps = config.save_steps and self.step % config.save_steps == 0
-        every_minutes = config.save_minutes and time.monotonic() - self._saved_time >= 60 * config.save_minutes
-        # all ranks save, or none; and all stop when any got a signal
-        signum, save = self.dist.max(self._guard.requested or 0, int(bool(save_now or every_steps or every_minutes)))
-        if save or signum:
-            self.save_checkpoint()
-            signum = signum or self._guard.arrived_alone()  # one that came as the step was saved: stop with it
-        if signum:
-            raise Interrupted(signum, self.step, self._saved_path)
+        """After the update: evaluation, metrics line, checkpoint, a signal's stop (step_end.end_step)."""
+        end_step(self, metrics, step=self.step, total=self.config.max_steps, log=self.metrics_log, console=console,
+                 guard=self._guard, save_now=save_now, saved_time=self._saved_time)
 
     def _begin_update(self) -> None:
         """Called by train_step as the update starts: from here a signal lets the step finish (see train). Several
