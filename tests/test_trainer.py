@@ -51,6 +51,17 @@ def test_lr_schedule():
     assert lr_factor(9, total=10, warmup=0, kind="constant") == 1.0
 
 
+def test_logged_lr_is_the_one_the_step_updated_with(tmp_path):
+    """A step's "lr" was the scheduler's after the step, the next update's (warm-up's first step logged 3/4 of the
+    peak, having updated with 1/4), where sft's is its update's: now the step's first update's, as sft's."""
+    trainer = _trainer(tmp_path, max_steps=3, num_minibatches=2, micro_batch_size=4, warmup_steps=4, learning_rate=1e-2)
+    assert trainer.updates_per_step == 2
+    first_updates = [2 * s for s in range(3)]
+    expected = [1e-2 * lr_factor(u, total=6, warmup=4, kind=trainer.config.lr_scheduler) for u in first_updates]
+    assert [m["lr"] for m in trainer.train()] == pytest.approx(expected, rel=1e-12)
+    assert expected[0] == pytest.approx(0.25e-2)
+
+
 @pytest.mark.parametrize("dataset, rewards, fields, match", [
     ([], None, {}, "^dataset: expected at least one row"),
     ([{"text": "x"}], None, {}, "^dataset: no prompt column 'prompt'"),

@@ -155,6 +155,7 @@ class GRPOTrainer:
         # 5. num_iterations epochs over minibatches, gradient accumulation over micro-batches. Without an old pass
         # the loss is on-policy and hands back the log-probs it computed (the policy's before its step) for step 6.
         self._begin_update()
+        lr = self.optimizer.param_groups[0]["lr"]  # the step's first update's (the scheduler's now is the next one's)
         loss_batch, correction = prepare_loss_batch(config, batch, old_logps)  # truncated rows, rollout correction
         self_weighted = old_logps is None and config.rollout_correction != "none"  # the loss weights itself
         train, policy_logps = self._update(loss_batch, advantages, old_logps, ref_logps,
@@ -190,7 +191,7 @@ class GRPOTrainer:
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
             "truncated_frac": sum(r == "length" for r in batch["finish_reasons"]) / len(batch["finish_reasons"]),
-            "lr": self.scheduler.get_last_lr()[0],
+            "lr": lr,
             "rollout_tokens_per_s": lengths.sum().item() / max(t_rollout - t_start, 1e-9),
             "train_tokens_per_s": (batch["attention_mask"].sum().item() * config.num_iterations
                                    / max(t_train - t_reference, 1e-9)),
