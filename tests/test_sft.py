@@ -231,3 +231,32 @@ def test_a_finished_run_resumed_says_so_before_loading_the_model(tmp_path, capsy
     assert capsys.readouterr().out == (
         f"fastgrpo sft: nothing to train: the run in {out} is at step 2 (checkpoint-2) of 2 (--num-epochs 1), "
         f"exported to {out / 'final'}; pass a larger --num-epochs to train on\n")
+
+
+def test_the_command_tokenizes_each_row_once(tmp_path, monkeypatch, capsys):
+    """`fastgrpo sft` tokenized every row twice: in its check before the model loads, and again in SFTTrainer. Now the
+    trainer takes the checked examples: one response tokenization per row, and the truncation warning said once."""
+    import fastgrpo.train.sft_data as sft_data
+
+    calls = []
+    monkeypatch.setattr(sft_data, "response_ids", lambda *a, **k: calls.append(1) or response_ids(*a, **k))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} say a", "response": "a" * (3 + 9 * (i == 0))}) + "\n"
+                            for i in range(8)))
+    argv = ["sft", "--dataset", str(rows), "--prompt-format", "raw", "--max-seq-length", "12", "--truncate-sequences",
+            "--output-dir", str(tmp_path / "out"), "--max-steps", "1", "--batch-size", "8", "--micro-batch-size", "8",
+            "--no-progress-bar", "--logging-steps", "0", "--no-export"]
+    assert main(argv) == 0
+    assert len(calls) == 8
+    err = capsys.readouterr().err
+    assert err.count("1 of 8 rows over max_seq_length (12) lost their response's end") == 1, err
+
+
+def test_examples_given_to_the_trainer_are_checked(tokenizer):
+    rows = [{"prompt": "1 say a", "response": "aaa"}] * 4
+    config = SFTConfig(prompt_format="raw", max_seq_length=12, batch_size=4, micro_batch_size=4)
+    model = default_task.build_model(tokenizer)
+    with pytest.raises(ValueError, match=r"^examples: expected the tokens of each of the dataset's 4 rows, got 3$"):
+        SFTTrainer(model, tokenizer, rows, config, examples=[SFTExample((1,), (2,))] * 3)
+    with pytest.raises(ValueError, match=r"^examples: an example has 13 tokens, over max_seq_length \(12\)$"):
+        SFTTrainer(model, tokenizer, rows, config, examples=[SFTExample((1,) * 3, (2,) * 10)] * 4)

@@ -334,9 +334,9 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed), tokenizer)
-    check_sft_rows_before_load(config, rows, tokenizer)
+    examples = check_sft_rows_before_load(config, rows, tokenizer)  # tokenized once: the trainer takes them
     history = _train(config, dist, lambda: _finished_sft(config, len(rows)), tokenizer,
-                     lambda model: SFTTrainer(model, tokenizer, rows, config), args)
+                     lambda model: SFTTrainer(model, tokenizer, rows, config, examples=examples), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"{change('loss', first, last, fmt='{:.4f}')}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")

@@ -4,8 +4,8 @@ weights and rows, with every prompt tokenized against max_prompt_length; sft's r
 prompts with its new tokens against the model's positions (a run's periodic evaluation rows: loading.
 check_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
 modules. These were found once the model had loaded. Each takes the tokenizer its command loaded once (loading.
-tokenizer_before_load). train and ei train on the prompt ids tokenized here, and eval evaluates them; sft's trainer
-tokenizes its rows again, through the same function, so the two agree."""
+tokenizer_before_load). train and ei train on the prompt ids tokenized here, eval evaluates them, and sft trains on
+the examples tokenized here."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -20,7 +20,7 @@ from fastgrpo.train.input_checks import (
 )
 from fastgrpo.train.loading import lora_model, lora_target_problem
 from fastgrpo.train.rollout_options import check_engine_installed
-from fastgrpo.train.sft_data import tokenize_rows
+from fastgrpo.train.sft_data import SFTExample, tokenize_rows
 
 
 def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> list[list[int]]:
@@ -40,13 +40,14 @@ def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> l
     return ids
 
 
-def check_sft_rows_before_load(config, rows, tokenizer) -> None:
-    """sft: every row tokenized as SFTTrainer will (sft_data.tokenize_rows), one over max_seq_length refused (unless
-    truncate_sequences: the trainer truncates it then, and says so); the LoRA targets (check_lora_targets_before_load)."""
+def check_sft_rows_before_load(config, rows, tokenizer) -> list[SFTExample]:
+    """sft: every row tokenized (sft_data.tokenize_rows), one over max_seq_length refused (unless truncate_sequences:
+    it is truncated, with a warning); the LoRA targets (check_lora_targets_before_load). Returns the rows' examples for
+    the trainer to take (its `examples`) rather than tokenize the rows again."""
     check_lora_targets_before_load(config)
-    tokenize_rows(rows, tokenizer, prompt_column=config.prompt_column,
-                  response_column=config.response_column, prompt_format=config.prompt_format,
-                  max_seq_length=config.max_seq_length, truncate=config.truncate_sequences, warn=False)
+    return tokenize_rows(rows, tokenizer, prompt_column=config.prompt_column,
+                         response_column=config.response_column, prompt_format=config.prompt_format,
+                         max_seq_length=config.max_seq_length, truncate=config.truncate_sequences)
 
 
 def check_lora_targets_before_load(config) -> None:

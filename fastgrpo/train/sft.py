@@ -86,13 +86,25 @@ def _is_examples(data) -> bool:
     return isinstance(data, (list, tuple)) and len(data) > 0 and all(isinstance(e, SFTExample) for e in data)
 
 
+def _checked_examples(examples, config: SFTConfig, field: str) -> list[SFTExample]:
+    """Examples tokenized before the trainer (expert iteration's kept samples, the sft command's rows), each within
+    config.max_seq_length."""
+    examples = list(examples)
+    longest = max(len(e) for e in examples)
+    if longest > config.max_seq_length:
+        raise ValueError(f"{field}: an example has {longest} tokens, over max_seq_length ({config.max_seq_length})")
+    return examples
+
+
 class SFTTrainer:
     def __init__(self, model: torch.nn.Module, tokenizer, train_dataset, config: SFTConfig | None = None, *,
-                 dist: Distributed | None = None):
+                 dist: Distributed | None = None, examples: list[SFTExample] | None = None):
         """train_dataset: rows with config.prompt_column / response_column (tokenized in config.prompt_format), or
         a list of SFTExample (already tokenized, e.g. expert iteration's kept samples). dist: a Distributed whose
         data_parallel wrapped `model` already (expert iteration's, once for all its rounds: DDP or FSDP2 wrap a model
-        once); none: this process's, wrapping the model here under torchrun."""
+        once); none: this process's, wrapping the model here under torchrun. examples: the rows as
+        sft_data.tokenize_rows gives them with this config, where the caller tokenized them already (`fastgrpo sft`,
+        to check them before the model loads); None: tokenized here."""
         check_trainer_objects(model, tokenizer, train_dataset, config, SFTConfig)
         self.config = config = config or SFTConfig()
         self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
@@ -103,18 +115,19 @@ class SFTTrainer:
             raise ValueError("tokenizer: needs a pad token (set tokenizer.pad_token)")
         check_lengths_fit(config, model_positions(model))
         if _is_examples(train_dataset):  # expert iteration's kept samples: its own config was checked
-            self.examples = list(train_dataset)
-            longest = max(len(e) for e in self.examples)
-            if longest > config.max_seq_length:
-                raise ValueError(f"dataset: an example has {longest} tokens, over max_seq_length "
-                                 f"({config.max_seq_length})")
+            self.examples = _checked_examples(train_dataset, config, "dataset")
         else:
             warn_unapplied_model_fields(model, config)
-            self.examples = tokenize_rows(
-                train_dataset, tokenizer, prompt_column=config.prompt_column, response_column=config.response_column,
-                prompt_format=config.prompt_format, max_seq_length=config.max_seq_length,
-                truncate=config.truncate_sequences,
-            )
+            if examples is None:
+                examples = tokenize_rows(
+                    train_dataset, tokenizer, prompt_column=config.prompt_column,
+                    response_column=config.response_column, prompt_format=config.prompt_format,
+                    max_seq_length=config.max_seq_length, truncate=config.truncate_sequences,
+                )
+            elif len(examples) != len(train_dataset):
+                raise ValueError(f"examples: expected the tokens of each of the dataset's {len(train_dataset)} rows, "
+                                 f"got {len(examples)}")
+            self.examples = _checked_examples(examples, config, "examples")
             warn_no_stop_token(model, tokenizer, self.examples)
         self.lengths = [len(e) for e in self.examples]
         self.device = next(model.parameters()).device
