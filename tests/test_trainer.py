@@ -62,6 +62,18 @@ def test_logged_lr_is_the_one_the_step_updated_with(tmp_path):
     assert expected[0] == pytest.approx(0.25e-2)
 
 
+def test_step_entropy_is_the_token_mean_whatever_the_micro_batches(tmp_path):
+    """A step's entropy was the plain mean of its micro-batches' token means, so micro-batches of few tokens (short
+    completions grouped together) weighed as much as full ones, and micro_batch_size changed the logged entropy: now
+    each micro-batch weighs by its tokens, as the adaptive entropy bonus weighs them. Stop strings make the
+    completions' lengths differ."""
+    runs = [_trainer(tmp_path / str(micro), batch_size=16, micro_batch_size=micro, max_completion_length=8,
+                     stop=["a", "e"], max_steps=1).train_step() for micro in (16, 2)]
+    whole, split = runs
+    assert whole["completion_length"] == split["completion_length"] < 8
+    assert split["entropy"] == pytest.approx(whole["entropy"], rel=2e-6)
+
+
 @pytest.mark.parametrize("dataset, rewards, fields, match", [
     ([], None, {}, "^dataset: expected at least one row"),
     ([{"text": "x"}], None, {}, "^dataset: no prompt column 'prompt'"),

@@ -274,10 +274,12 @@ class GRPOTrainer:
         n = batch["input_ids"].shape[0]
         mb_size, micro = n // config.num_minibatches, config.micro_batch_size
         params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        # fp64 sums on the device: one host sync per step (at the return), none per micro-batch
+        # fp64 sums on the device: one host sync per step (at the return), none per micro-batch. clip_ratio and
+        # entropy are a micro-batch's means over its tokens (its sequences, for sequence-level ratios): summed
+        # weighted by them, so that the step's are means over all its tokens, however they were split
         sums = {k: torch.zeros((), dtype=torch.float64, device=self.device)
-                for k in ("loss", "grad_norm", "clip_ratio", "entropy")}
-        micro_count = 0
+                for k in ("loss", "grad_norm", "clip_ratio", "entropy", "clip_weight", "tokens")}
+        per_sequence_clip = config.importance_sampling_level == "sequence"
         logps = torch.zeros(batch["input_ids"].shape, device=self.device) if return_logps else None  # [N, P + L]
         correction = correction_of(config) if old_logps is None else None  # on-policy: the loss weights itself
         regroup, lengths = rows_may_regroup(config), batch["attention_mask"].sum(1)
@@ -313,21 +315,26 @@ class GRPOTrainer:
                     scale = micro_batch_scale(config.loss_type, len(rows), mb_size, self.dist.world_size)
                     (loss * scale).backward()
                     sums["loss"] += loss.detach().double() * scale
-                    for k in ("clip_ratio", "entropy"):
-                        sums[k] += torch.as_tensor(metrics.get(k, 0.0)).detach()
-                    micro_count += 1
-                    self.entropy.add(metrics, batch["completion_mask"][rows].sum())
+                    tokens = batch["completion_mask"][rows].sum()
+                    clip_weight = len(rows) if per_sequence_clip else tokens
+                    sums["clip_ratio"] += torch.as_tensor(metrics.get("clip_ratio", 0.0)).detach() * clip_weight
+                    sums["clip_weight"] += clip_weight
+                    sums["entropy"] += torch.as_tensor(metrics.get("entropy", 0.0)).detach() * tokens
+                    sums["tokens"] += tokens
+                    self.entropy.add(metrics, tokens)
                 sums["grad_norm"] += self.dist.finish_gradients(params, config.max_grad_norm)
                 self.optimizer.step()
                 self.entropy.step(self.dist.all_reduce_sum)
                 self.scheduler.step()
         updates = self.updates_per_step
-        loss, grad_norm, clip_ratio, entropy = self.dist.mean(torch.stack(list(sums.values()))).tolist()
+        # the processes' means: of the weighted sums and of the weights, whose ratio is the ratio of their totals
+        loss, grad_norm, clip_ratio, entropy, clip_weight, tokens = \
+            self.dist.mean(torch.stack(list(sums.values()))).tolist()
         return {
             "loss": loss / updates,
             "grad_norm": grad_norm / updates,
-            "clip_ratio": clip_ratio / micro_count,
-            "entropy": entropy / micro_count,
+            "clip_ratio": clip_ratio / clip_weight if clip_weight else 0.0,
+            "entropy": entropy / tokens if tokens else 0.0,
             "entropy_coef": self.entropy.coef,
         }, logps
 
