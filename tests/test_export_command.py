@@ -7,7 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from fastgrpo.train.checkpoint import export_model, load_checkpoint, read_run_config
+from fastgrpo.train.checkpoint import load_checkpoint, read_run_config
+from fastgrpo.train.final_export import export_model
 from fastgrpo.train.cli import main
 from fastgrpo.train.commands import CONFIGS
 from fastgrpo.train.loading import load_model_and_tokenizer

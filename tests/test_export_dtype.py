@@ -9,7 +9,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, Qwen2Config
 
-from fastgrpo.train.checkpoint import CONFIG_FILE, export_model
+from fastgrpo.train.checkpoint import CONFIG_FILE
+from fastgrpo.train.final_export import export_model
 from fastgrpo.train.cli import main
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_file import DTYPE_KEY

@@ -8,7 +8,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-from fastgrpo.train.checkpoint import export_model
+from fastgrpo.train.final_export import export_model
 
 
 @pytest.mark.parametrize("tied", [True, False])

@@ -10,7 +10,8 @@ from transformers import AutoTokenizer
 
 from fastgrpo.rewards import r1_zero_math_reward
 from fastgrpo.train import default_task
-from fastgrpo.train.checkpoint import export_model, read_checkpoint
+from fastgrpo.train.checkpoint import read_checkpoint
+from fastgrpo.train.final_export import export_model
 from fastgrpo.train.cli import main
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.evaluate import build_eval_task

@@ -88,7 +88,7 @@ def test_patched_4bit_model_matches_unpatched(qlora_model):
 
 
 def test_export_merges_lora_into_the_dequantized_base(qlora_model, tmp_path):
-    from fastgrpo.train.checkpoint import export_model
+    from fastgrpo.train.final_export import export_model
 
     out = export_model(qlora_model, None, tmp_path / "merged", dtype=torch.float32)
     merged = AutoModelForCausalLM.from_pretrained(out)

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from fastgrpo.train import default_task
-from fastgrpo.train.checkpoint import export_model, latest_checkpoint, load_checkpoint, save_checkpoint
+from fastgrpo.train.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from fastgrpo.train.final_export import export_model
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.trainer import GRPOTrainer
 

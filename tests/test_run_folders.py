@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from fastgrpo.train import default_task
-from fastgrpo.train.checkpoint import (STATE_FILE, TornCheckpoint, export_model, load_checkpoint, load_latest_checkpoint,
-                                       rng_states, save_checkpoint)
+from fastgrpo.train.checkpoint import (STATE_FILE, TornCheckpoint, load_checkpoint, load_latest_checkpoint, rng_states,
+                                       save_checkpoint)
+from fastgrpo.train.final_export import export_model
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, sharded_state
 

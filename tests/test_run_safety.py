@@ -338,7 +338,7 @@ def test_resuming_past_a_damaged_checkpoint_deletes_it_once_the_run_has_a_newer_
 
 def test_a_resume_without_export_warns_that_final_is_older(tmp_path, caplog):
     _trainer(tmp_path, max_steps=2, export=True).train()
-    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.final_export"):
         _trainer(tmp_path, max_steps=3, resume=True).train()  # TINY: export=False
     assert f"export: {tmp_path / 'final'} holds the weights of an earlier point of this run" in caplog.text
 

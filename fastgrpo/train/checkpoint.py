@@ -1,43 +1,31 @@
-"""Checkpoints for exact resume, and export of the trained model as a Hugging Face directory.
+"""Checkpoints for exact resume: writing, pruning and reading them back.
 
 A checkpoint `<output_dir>/checkpoint-<step>/` holds `trainer_state.pt` (the trainable parameters, optimizer,
 LR scheduler, RNG states, step, data position, beta, the resolved config), `run_config.json` (the same config,
 readable without loading the state) and, for LoRA, the adapter in PEFT's format. Loading it restores every tensor
 bit for bit, so N straight steps equal k steps + resume + N - k steps.
 
-Safety: a checkpoint is written into a hidden sibling folder, fsynced and renamed into place, so a kill leaves
-either the whole checkpoint or none (`.checkpoint-*` leftovers are not checkpoints). The state is read with
+Safety: a checkpoint is written into a hidden sibling folder, fsynced and renamed into place (atomic_folder), so a kill
+leaves either the whole checkpoint or none (`.checkpoint-*` leftovers are not checkpoints). The state is read with
 `torch.load(weights_only=True)`: tensors and plain containers only, so a crafted file cannot run code. A checkpoint
 that still fails to load (torn by a file system without atomic rename, a disk error, a copy cut short; an FSDP2
 run's shards/ checked against its .metadata) raises TornCheckpoint, and `load_latest_checkpoint` falls back to the next
-older one with a warning.
-
-A run's export `<output_dir>/final/` (export_model) records the step of its weights and the files it wrote
-(`export.json`): a resumed run writes it again unless it is of the run's last step (export_due); an export that would
-delete files the user put in it is refused, at the start of a run that will export (check_final_exportable) and at its
-end.
+older one with a warning. The export of a run's final/ is fastgrpo.train.final_export's.
 """
 from __future__ import annotations
 
-import contextlib
-import copy
-import errno
-import fnmatch
 import json
 import logging
-import os
 import pickle
 import random
 import re
-import shutil
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.hf.peft import merged_state_dict
+from fastgrpo.train.atomic_folder import atomic_directory, delete_folder
 from fastgrpo.train.config_file import RUN_RECORD
 from fastgrpo.train.naming import setting
 from fastgrpo.train.sharded_state import SHARDS, damaged_shards, load_sharded_state
@@ -45,16 +33,10 @@ from fastgrpo.train.sharded_state import SHARDS, damaged_shards, load_sharded_st
 logger = logging.getLogger(__name__)
 STATE_FILE = "trainer_state.pt"
 CONFIG_FILE = RUN_RECORD  # the run's config, beside a checkpoint's state and an export's weights
-EXPORT_FILE = "export.json"  # in a run's final/: the step of its weights, the files the export wrote
-# The names of the files a model export holds (weights, config, tokenizer): in a final/ exported before EXPORT_FILE,
-# any other file is the user's.
-_MODEL_FILES = ("config.json", "generation_config.json", "*.safetensors", "*.safetensors.index.json", "tokenizer*",
-                "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "chat_template.*", CONFIG_FILE)
 _CHECKPOINT = re.compile(r"checkpoint-(\d+)$")
 # A state's key for the metrics of its step (round), whose periodic evaluation failed after the update: the resumed run
 # evaluates that step first, as its settings say it is due, and writes the step's metrics line again, whole.
 UNEVALUATED = "unevaluated"
-_NEARLY_FULL = 2**20  # bytes free on a disk where a write failed: it failed for want of space
 
 
 class TornCheckpoint(Exception):
@@ -77,48 +59,6 @@ def set_rng_states(states: dict) -> None:
     if "cuda" in states and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(states["cuda"])
 
-
-@contextlib.contextmanager
-def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error it is fsynced
-    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one. A write that
-    fails as the disk fills up is an OSError saying so (_raise_if_disk_full)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        try:
-            yield tmp
-        except Exception as err:
-            _raise_if_disk_full(path, err)
-            raise
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                _fsync(file)
-        _fsync(tmp)
-        if path.exists():
-            # Two renames, not rmtree first: the old folder stays whole until the new one is in place.
-            old = path.with_name(f".{path.name}.old-{os.getpid()}")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, path)
-        _fsync(path.parent)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _raise_if_disk_full(path: Path, err: Exception) -> None:
-    """A one-line OSError for a write into `path` that failed as its disk filled up, which torch.save reports as
-    "unexpected pos 573632 vs 573524" and safetensors as "Error while serializing" (a traceback at the command line)."""
-    if shutil.disk_usage(path.parent).free < _NEARLY_FULL:
-        full = OSError(f"{path.name}: not written, the disk of {path.parent} is full; make room and run again "
-                       f"({setting('resume', True)} continues from the last checkpoint)")
-        full.errno = errno.ENOSPC
-        raise full from err
 
 
 def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
@@ -156,7 +96,7 @@ def read_run_config(path: str | Path) -> dict:
     ValueError naming it."""
     path = Path(path)
     if (path / CONFIG_FILE).is_file():
-        return _config_json(path / CONFIG_FILE, "checkpoint", "restore it, or delete it to read the config saved "
+        return read_json_object(path / CONFIG_FILE, "checkpoint", "restore it, or delete it to read the config saved "
                                                               "with the weights")
     file = path / STATE_FILE
     try:
@@ -190,16 +130,8 @@ def _load_state(file: Path, mmap: bool = False) -> dict:
         raise TornCheckpoint(f"{file}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
 
 
-def read_exported_run_config(folder: str | Path) -> dict | None:
-    """The run config an export wrote beside its model (export_model's run_config), None where there is none."""
-    file = Path(folder) / CONFIG_FILE
-    if not file.is_file():
-        return None
-    return _config_json(file, "model", "restore it, or delete it (it only tells `fastgrpo eval` how the run "
-                                       "prompted; the model does not need it)")
 
-
-def _config_json(file: Path, field: str, remedy: str) -> dict:
+def read_json_object(file: Path, field: str, remedy: str) -> dict:
     """A run config file's {field: value} mapping; a damaged one is a one-line ValueError naming `field`."""
     try:
         config = json.loads(file.read_text())
@@ -307,190 +239,12 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     for path in abandoned:
         logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)
     for path in doomed:
-        _delete_folder(path)
+        delete_folder(path)
     return doomed
 
-
-def _delete_folder(path: Path) -> None:
-    """rmtree, after a rename to a partial write's hidden name: a kill in the middle of it leaves no checkpoint-<step>
-    lacking files (one without its state, which no prune deletes again), but a leftover that a resume deletes."""
-    hidden = path.with_name(f".{path.name}.old-{os.getpid()}")
-    os.replace(path, hidden)
-    shutil.rmtree(hidden)
-
-
-def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str, export_step: int | None = None) -> str:
-    """The line for a resumed run at its last step already (`where`: "step 40", `of`: its limit, as the user set
-    it), naming the setting to raise; the CLI prints it, the Python trainers warn it (train() returns []).
-    export_step: the step of the run's weights, where export is on: a final/ not of it (export_due) is the work left,
-    which the line says instead."""
-    final = Path(output_dir) / "final"
-    if export_step is not None and _exported_step(final) != export_step:
-        left = "holds another point's weights" if final.is_dir() else "is missing"
-        return f"nothing to train: the run in {output_dir} is at {where} of {of}; exporting it to {final}, which {left}"
-    return (f"nothing to train: the run in {output_dir} is at {where} of {of}; pass a larger {setting(field)} to "
-            "train on")
-
-
-def _exported_step(final: Path) -> int | None:
-    """The step of final/'s weights as its export recorded it; None where it is missing, unrecorded or damaged
-    (export_due says what a damaged record stops)."""
-    if not final.is_dir():
-        return None
-    try:
-        return _export_record(final).get("step")
-    except ValueError:
-        return None
-
-
-def export_due(output_dir: str | Path, step: int, trained: bool) -> bool:
-    """Whether a run's end at `step` (export on) writes final/: not when this call trained nothing and final/ holds
-    that step's weights already (a finished run resumed keeps it: the same weights, and the files the user put beside
-    them); a final/ of an earlier step (the run went on with export off, or stopped before its export) is written
-    again. A ValueError where that would delete files the export did not write: they are the user's to move."""
-    final = Path(output_dir) / "final"
-    if not final.is_dir():
-        return True
-    record = _export_record(final)
-    if not trained and record.get("step") == step:
-        return False
-    _refuse_users_files(final, record, f"exporting checkpoint-{step}",
-                        f"resume ({setting('resume', True)}) to export it")
-    return True
-
-
-def check_final_exportable(output_dir: str | Path) -> None:
-    """For a run with steps left to train and export on, before the first: export_due's refusal of the files the
-    user put in final/, said now rather than once the run is trained (files put there during the run are still
-    refused at its end)."""
-    final = Path(output_dir) / "final"
-    if final.is_dir():
-        _refuse_users_files(final, _export_record(final), "exporting the run's last step", "start the run again")
-
-
-def check_final_overwritable(output_dir: str | Path) -> None:
-    """For overwrite_output_dir, before it deletes the previous run: the files the user put in its final/ are refused
-    as an export refuses them (the refusal of a fresh run named final/, the export, among the files it deletes)."""
-    final = Path(output_dir) / "final"
-    if final.is_dir():
-        _refuse_users_files(final, _export_record(final), "starting afresh",
-                            f"start afresh with {setting('overwrite_output_dir', True)}", field="overwrite_output_dir")
-
-
-def check_export_replaceable(folder: Path, exporting: str) -> None:
-    """For `fastgrpo export --overwrite-output-dir`: the files of the model folder it replaces that no export wrote
-    are refused, as check_final_overwritable refuses them in a run's final/."""
-    _refuse_users_files(folder, _export_record(folder), exporting,
-                        f"export again with {setting('overwrite_output_dir', True)}", field="overwrite_output_dir")
-
-
-def _refuse_users_files(final: Path, record: dict, exporting: str, then: str, field: str = "export") -> None:
-    """A ValueError naming the files in final/ its export did not write (they are the user's to move), which
-    `exporting` there would delete; `then`: what to do once they are moved; `field`: the setting that would."""
-    foreign = _not_exported(final, record)
-    if foreign:
-        listed = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
-        raise ValueError(f"{field}: {final} holds files the export did not write ({listed}), which {exporting} "
-                         f"there would delete; move them out of it, then {then}")
-
-
-def warn_stale_export(output_dir: str | Path, step: int) -> None:
-    """For a run at `step` that did not export (export off): a final/ of another step is an earlier export of the
-    run it continued."""
-    final = Path(output_dir) / "final"
-    if final.is_dir() and _export_record(final).get("step") != step:
-        logger.warning("export: %s holds the weights of an earlier point of this run, not its last step's (export is "
-                       "off: %s)", final, setting("export", False))
-
-
-def _write_export_record(folder: Path, step: int) -> None:
-    """EXPORT_FILE in an export being filled: the run's step its weights are of, and every file in `folder` (so
-    call it last), which export_due tells from files put there later."""
-    record = {"step": step, "files": [*_files(folder), EXPORT_FILE]}
-    (folder / EXPORT_FILE).write_text(json.dumps(record, indent=1) + "\n")
-
-
-def _files(folder: Path) -> list[str]:
-    """Every file under `folder`, as sorted paths relative to it."""
-    return sorted(file.relative_to(folder).as_posix() for file in folder.rglob("*") if file.is_file())
-
-
-def _export_record(final: Path) -> dict:
-    """final/'s EXPORT_FILE; {} for one exported before the record was written (its step is unknown)."""
-    file = final / EXPORT_FILE
-    if not file.is_file():
-        return {}
-    return _config_json(file, "export", "delete it, and the next resume exports final/ again")
-
-
-def _not_exported(final: Path, record: dict) -> list[str]:
-    """The files in final/ its export did not write: those its record does not list, or (no record) those whose
-    names a model folder does not use."""
-    files = _files(final)
-    if isinstance(record.get("files"), list):
-        return [name for name in files if name not in record["files"]]
-    return [name for name in files if not any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILES)]
 
 
 def write_run_config(folder: Path, config: dict) -> None:
     """The run's resolved config as CONFIG_FILE in `folder` (a checkpoint, or an exported model: read_run_config)."""
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")
 
-
-def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype | None = None,
-                 run_config: dict | None = None, step: int | None = None) -> Path:
-    """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
-    `dtype` (None: merged_dtype's); a fully fine-tuned model is saved as it is, in its own dtype. run_config: the
-    run's config, saved beside
-    (CONFIG_FILE), so that `fastgrpo eval --model` on the folder prompts as the run did; step: the run's step of the
-    weights, recorded with the files written (EXPORT_FILE: export_due); transformers ignores both."""
-    from transformers import AutoModelForCausalLM
-
-    path = Path(path)
-    with atomic_directory(path) as tmp:
-        if not is_peft_model(model):
-            model.save_pretrained(tmp)
-        else:
-            config = model.get_base_model().config
-            config = config.__class__.from_dict(
-                {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
-            )
-            dtype = dtype or merged_dtype(model)
-            with torch.device("meta"):
-                fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
-            fresh.tie_weights()
-            # from_config derives one from config.json: the base's own (an end-of-turn EOS, sampling defaults) goes
-            fresh.generation_config = copy.deepcopy(model.get_base_model().generation_config)
-            missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-            if missing:
-                raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
-            fresh.save_pretrained(tmp)
-        finish_export(tmp, tokenizer, run_config, step)
-    return path
-
-
-def merged_dtype(model: torch.nn.Module) -> torch.dtype:
-    """The dtype a LoRA model's merged weights are saved in: the one its base loaded in (its embedding's, which PEFT's
-    fp32 adapters do not change, and a 4-bit base leaves unquantized), as PEFT's merge_and_unload keeps it: the run's
-    dtype, so an fp32 run exports fp32 and a 4-bit base's weights dequantize to its compute dtype."""
-    return model.get_base_model().get_input_embeddings().weight.dtype
-
-
-def finish_export(folder: Path, tokenizer, run_config: dict | None, step: int | None) -> None:
-    """What an export being filled holds beside the weights: the tokenizer, the run's config (CONFIG_FILE) and, last,
-    the record of the step and every file written (EXPORT_FILE)."""
-    if tokenizer is not None:
-        tokenizer.save_pretrained(folder)
-    if run_config is not None:
-        write_run_config(folder, run_config)
-    if step is not None:
-        _write_export_record(folder, step)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -110,7 +110,7 @@ def warn_prompt_format_unlike_export(config, merged: dict) -> None:
     """A run from another run's export (--model run/final) whose prompt format no flag or YAML file sets takes its
     command's default, and those differ (train: raw, sft: auto, ei: r1_zero): sft -> train -> ei with the defaults
     prompted a model in a format it never saw. Said, naming both; the built-in rows (no dataset) have their own."""
-    from fastgrpo.train.checkpoint import read_exported_run_config
+    from fastgrpo.train.final_export import read_exported_run_config
 
     if config.model is None or config.dataset is None or "prompt_format" in merged:
         return
@@ -130,7 +130,8 @@ def trained_by(merged: dict) -> tuple[dict | None, str]:
     are loaded last, over a --model given as its base), or the run that exported a --model folder (its
     run_config.json: export_model); (None, "") for any other model. `fastgrpo export` calls it for its refusals of a
     --model beside its --checkpoint."""
-    from fastgrpo.train.checkpoint import STATE_FILE, read_exported_run_config, read_run_config
+    from fastgrpo.train.checkpoint import STATE_FILE, read_run_config
+    from fastgrpo.train.final_export import read_exported_run_config
     from fastgrpo.train.loading import find_checkpoint
 
     model = merged.get("model")
@@ -245,9 +246,8 @@ def finished_run(config) -> str | None:
 def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import (
-        UNEVALUATED, export_due, list_checkpoints, newest_readable_checkpoint, nothing_to_train,
-    )
+    from fastgrpo.train.checkpoint import UNEVALUATED, list_checkpoints, newest_readable_checkpoint
+    from fastgrpo.train.final_export import export_due, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
 
     check_report_to(config.report_to)

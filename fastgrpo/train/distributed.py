@@ -33,10 +33,10 @@ import torch.distributed as dist
 
 from fastgrpo.hf.models import architecture, decoder_layers, is_peft_model
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import (STATE_FILE, atomic_directory, check_final_exportable, restore_checkpoint,
-                                       rng_states)
+from fastgrpo.train.atomic_folder import atomic_directory
+from fastgrpo.train.checkpoint import STATE_FILE, restore_checkpoint, rng_states, set_rng_states, write_run_config
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
-from fastgrpo.train.checkpoint import finish_export, set_rng_states, write_run_config
+from fastgrpo.train.final_export import check_final_exportable, finish_export
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, load_sharded_state, sharded_state
 from fastgrpo.train.naming import setting

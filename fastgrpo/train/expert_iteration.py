@@ -32,15 +32,13 @@ from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import (
-    UNEVALUATED, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints, rng_states,
-    warn_stale_export,
-)
+from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints, rng_states
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
+from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
 from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted

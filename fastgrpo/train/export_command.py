@@ -31,7 +31,7 @@ _REQUIRED = {"checkpoint": "a run's checkpoint-<step>/ folder or its output_dir"
 
 
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.checkpoint import export_model
+    from fastgrpo.train.final_export import export_model
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.loading import tokenizer_before_load
     from fastgrpo.train.sources import check_model_source, resolve_device
@@ -125,7 +125,7 @@ def _output_folder(output: Path):
 
 def _check_output_contents(output: Path, overwrite: bool, checkpoint: Path) -> None:
     """An export replaces its whole folder: an empty one, or (overwrite) one holding another export's files only."""
-    from fastgrpo.train.checkpoint import EXPORT_FILE, check_export_replaceable
+    from fastgrpo.train.final_export import EXPORT_FILE, check_export_replaceable
 
     found = sorted(path.name for path in output.iterdir())
     if not found:

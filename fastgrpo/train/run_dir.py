@@ -246,7 +246,7 @@ class RunDirectory:
     def _check_overwritable(self, found: list[Path]) -> None:
         """A ValueError where deleting the previous run's `found` would delete files the user put among them (in
         final/, eval/, tensorboard/)."""
-        from fastgrpo.train.checkpoint import check_final_overwritable
+        from fastgrpo.train.final_export import check_final_overwritable
 
         if any(path.name == "final" for path in found):
             check_final_overwritable(self.path)

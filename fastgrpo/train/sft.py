@@ -23,13 +23,11 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.rollout.requests import as_list
-from fastgrpo.train.checkpoint import (
-    UNEVALUATED, export_due, export_model, load_latest_checkpoint, nothing_to_train, prune_checkpoints,
-    warn_stale_export,
-)
+from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
 from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog

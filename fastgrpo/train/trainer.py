@@ -23,11 +23,11 @@ from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
-from fastgrpo.train.checkpoint import (UNEVALUATED, export_due, export_model, load_latest_checkpoint,
-                                       nothing_to_train, prune_checkpoints, rng_states, warn_stale_export)
+from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints, rng_states
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
+from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
 from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted

@@ -1,0 +1,77 @@
+"""Folders written whole or not at all, and deleted so that a kill leaves no part of one in place.
+
+atomic_directory fills a hidden sibling `.<name>.tmp-<pid>`, fsyncs it and renames it into place; delete_folder
+renames a folder to a hidden `.<name>.old-<pid>` before its rmtree. A kill leaves the whole folder (old or new) and,
+at most, a hidden leftover, which is no checkpoint or export (fastgrpo.train.run_dir deletes it on a resume).
+"""
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+from fastgrpo.train.naming import setting
+
+_NEARLY_FULL = 2**20  # bytes free on a disk where a write failed: it failed for want of space
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | Path) -> Iterator[Path]:
+    """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error it is fsynced
+    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one. A write that
+    fails as the disk fills up is an OSError saying so (_raise_if_disk_full)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        try:
+            yield tmp
+        except Exception as err:
+            _raise_if_disk_full(path, err)
+            raise
+        for file in tmp.rglob("*"):
+            if file.is_file():
+                _fsync(file)
+        _fsync(tmp)
+        if path.exists():
+            # Two renames, not rmtree first: the old folder stays whole until the new one is in place.
+            old = path.with_name(f".{path.name}.old-{os.getpid()}")
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+            os.replace(tmp, path)
+            shutil.rmtree(old)
+        else:
+            os.replace(tmp, path)
+        _fsync(path.parent)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _raise_if_disk_full(path: Path, err: Exception) -> None:
+    """A one-line OSError for a write into `path` that failed as its disk filled up, which torch.save reports as
+    "unexpected pos 573632 vs 573524" and safetensors as "Error while serializing" (a traceback at the command line)."""
+    if shutil.disk_usage(path.parent).free < _NEARLY_FULL:
+        full = OSError(f"{path.name}: not written, the disk of {path.parent} is full; make room and run again "
+                       f"({setting('resume', True)} continues from the last checkpoint)")
+        full.errno = errno.ENOSPC
+        raise full from err
+
+
+def delete_folder(path: Path) -> None:
+    """rmtree, after a rename to a partial write's hidden name: a kill in the middle of it leaves no checkpoint-<step>
+    lacking files (one without its state, which no prune deletes again), but a leftover that a resume deletes."""
+    hidden = path.with_name(f".{path.name}.old-{os.getpid()}")
+    os.replace(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
