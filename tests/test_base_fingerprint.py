@@ -110,3 +110,28 @@ def test_a_full_fine_tune_holds_every_weight_and_is_not_checked(tmp_path):
     assert main([*SFT, "--max-steps", "2", "--output-dir", str(first), "--resume"]) == 0  # final/ exported again
     assert main([*full, "--max-steps", "2", "--resume"]) == 0
     assert main([*EVAL, "--checkpoint", str(run), "--output-dir", str(tmp_path / "eval")]) == 0
+
+
+def test_a_finished_lora_run_on_a_changed_base_has_nothing_to_train_and_its_export_is_refused(tmp_path, capsys):
+    """--resume of a finished LoRA run whose base was exported again since refused on the fingerprint, where there
+    was nothing to train and no weights to put on the base: it says so now. The export still left (final/ missing)
+    puts the adapter on the base: refused, or done with a warning under --resume-allow-changes."""
+    first, run = tmp_path / "first", tmp_path / "run"
+    assert main([*SFT, "--max-steps", "1", "--output-dir", str(first)]) == 0
+    base = first / "final"
+    lora = [*SFT, "--model", str(base), "--lora-rank", "4", "--output-dir", str(run), "--max-steps", "1"]
+    assert main(lora) == 0
+    assert main([*SFT, "--max-steps", "2", "--output-dir", str(first), "--resume"]) == 0  # final/ exported again
+    capsys.readouterr()
+
+    assert main([*lora, "--resume"]) == 0
+    assert capsys.readouterr().out == (
+        f"fastgrpo sft: nothing to train: the run in {run} is at step 1 (checkpoint-1) of 1 (--max-steps 1), exported "
+        f"to {run / 'final'}; pass a larger --max-steps to train on\n")
+    shutil.rmtree(run / "final")  # stopped before its export: the resume would merge the adapter into the new base
+    assert main([*lora, "--resume"]) == 2
+    assert f"error: model: {base} is not the base model checkpoint-1 was trained on" in capsys.readouterr().err
+    assert not (run / "final").exists()
+    assert main([*lora, "--resume", "--resume-allow-changes"]) == 0
+    assert "resume: continuing checkpoint-1 on other base weights" in capsys.readouterr().err
+    assert (run / "final" / "config.json").is_file()

@@ -23,9 +23,8 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
-    check_export_before_load, check_resume_before_load, description, finished_run, resume_note, run_ei, run_eval,
-    run_sft,
-    warn_prompt_format_unlike_export,
+    check_base_before_load, check_export_before_load, check_resume_before_load, description, finished_run, resume_note,
+    run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import BOOL_WORDS, coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart
@@ -292,6 +291,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             if dist.is_main:
                 print(f"fastgrpo train: {nothing_to_do}")
             return 0
+        check_base_before_load(config)
         check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):

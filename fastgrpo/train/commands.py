@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.config import GRPOConfig, check_resume, run_control_fields
+from fastgrpo.train.config import GRPOConfig, check_resume, check_resumed_base, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
 from fastgrpo.train.console import change, number
@@ -225,12 +225,24 @@ def _load_model(config, tokenizer):
 
 def check_resume_before_load(config) -> None:
     """A --resume checked against the newest checkpoint's run config before the model loads; the trainer checks what
-    it loads again, and warns of the changes --resume-allow-changes lets through then."""
+    it loads again, and warns of the changes --resume-allow-changes lets through then. The base model's files are
+    check_base_before_load's: a finished run loads no model, and says it has nothing to train whatever its base."""
+    _check_newest_checkpoint(config, lambda saved, name: check_resume(saved, config, name, warn=False, base=False))
+
+
+def check_base_before_load(config) -> None:
+    """For a --resume that trains or exports (not finished_run's): the base model is the one the newest checkpoint's
+    run trained on (check_resumed_base), before it loads; a LoRA adapter put on another base mixes two runs."""
+    _check_newest_checkpoint(config, lambda saved, name: check_resumed_base(saved, config, name, warn=False))
+
+
+def _check_newest_checkpoint(config, check) -> None:
+    """check(run config, checkpoint name) of a --resume's newest checkpoint, where it has a run_config.json."""
     from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
 
     newest = latest_checkpoint(config.output_dir) if config.resume else None
     if newest is not None and (newest / CONFIG_FILE).is_file():
-        check_resume(read_run_config(newest), config, newest.name, warn=False)
+        check(read_run_config(newest), newest.name)
 
 
 def finished_run(config) -> str | None:
@@ -306,6 +318,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
             if dist.is_main:
                 print(f"fastgrpo {config.COMMAND}: {nothing_to_do}")
             return []
+        check_base_before_load(config)
         check_export_before_load(config, dist)
         torch.manual_seed(config.seed)  # LoRA's initialization
         trainer = make_trainer(_load_model(config, tokenizer))

@@ -392,11 +392,13 @@ def check_4bit_base(config) -> None:
         raise ValueError("load_in_4bit: a 4-bit base trains through LoRA; set lora_rank > 0")
 
 
-def check_resume(saved: dict, config, checkpoint: str, warn: bool = True) -> None:
+def check_resume(saved: dict, config, checkpoint: str, warn: bool = True, base: bool = True) -> None:
     """Raise a ValueError naming every run-defining field whose value differs from the checkpoint's config `saved`;
-    with config.resume_allow_changes, log them as a warning instead. Another command's run is always refused."""
+    with config.resume_allow_changes, log them as a warning instead. Another command's run is always refused.
+    base: check the base model's files too (check_resumed_base); off for a run that may load no model."""
     check_same_command(saved, config, checkpoint)
-    check_resumed_base(saved, config, checkpoint, warn)
+    if base:
+        check_resumed_base(saved, config, checkpoint, warn)
     changes = config_changes(saved, config)
     if not changes:
         return
