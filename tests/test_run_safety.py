@@ -212,6 +212,26 @@ def test_a_finished_run_resumed_from_python_says_so(tmp_path, caplog):
             "on") in caplog.text, caplog.text
 
 
+def test_a_finished_run_resumed_keeps_no_more_checkpoints_than_its_limit(tmp_path, capsys):
+    """A resume with nothing to train saves no checkpoint, after which it pruned: a --save-total-limit lowered since
+    went unapplied, the run keeping a checkpoint more than the limit said. It applies now, as at a run's next save,
+    and says what it deleted; from the CLI (no model loaded) and from Python."""
+    from fastgrpo.train.cli import main
+
+    cli, python = tmp_path / "cli", tmp_path / "python"
+    argv = ["train", "--output-dir", str(cli), "--no-progress-bar", "--no-export", "--max-steps", "3", "--save-steps",
+            "1"]
+    assert main(argv) == 0  # the default limit of 2
+    assert [step for step, _ in list_checkpoints(cli)] == [2, 3]
+    capsys.readouterr()
+    assert main([*argv, "--resume", "--save-total-limit", "1"]) == 0
+    assert "save_total_limit: deleted checkpoint-2" in capsys.readouterr().err
+    assert [step for step, _ in list_checkpoints(cli)] == [3]
+    _trainer(python, max_steps=2, save_steps=1).train()
+    assert _trainer(python, max_steps=2, save_total_limit=1, resume=True).train() == []
+    assert [step for step, _ in list_checkpoints(python)] == [2]
+
+
 @pytest.mark.parametrize("argv, line", [
     (["sft", "--max-steps", "1"],
      "is at step 1 (checkpoint-1) of 1 (--max-steps 1); pass a larger --max-steps to train on"),

@@ -244,6 +244,15 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
 
 
 
+def apply_save_limit(output_dir: str | Path, keep: int | None, newest: int) -> None:
+    """prune_checkpoints for a resumed run with nothing to train, which saves no checkpoint to prune after: a
+    save_total_limit lowered since applies now, as at the next save of a run that trains; what it deletes is said."""
+    deleted = prune_checkpoints(output_dir, keep, newest)
+    if deleted:
+        logger.info("save_total_limit: deleted %s, past the newest %s checkpoint(s) the limit keeps",
+                    ", ".join(path.name for path in deleted), keep)
+
+
 def write_run_config(folder: Path, config: dict) -> None:
     """The run's resolved config as CONFIG_FILE in `folder` (a checkpoint, or an exported model: read_run_config)."""
     (folder / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n")

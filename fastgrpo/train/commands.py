@@ -258,9 +258,10 @@ def finished_run(config) -> str | None:
 def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import UNEVALUATED, list_checkpoints, newest_readable_checkpoint
+    from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, list_checkpoints, newest_readable_checkpoint
     from fastgrpo.train.final_export import export_due, nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
+    from fastgrpo.train.ranks import is_main_process
 
     check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
@@ -278,6 +279,8 @@ def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | Non
         return None
     for line in skipped:  # said here only when no resume follows to say it
         logger.warning(line)
+    if is_main_process():
+        apply_save_limit(config.output_dir, config.save_total_limit, step)
     exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
     return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
 

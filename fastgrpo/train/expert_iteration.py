@@ -32,7 +32,8 @@ from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints, rng_states
+from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
+                                       rng_states)
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -281,6 +282,7 @@ class ExpertIteration:
                     logger.warning(nothing_to_train(self.output_dir, f"round {self.round}",
                                                     setting("ei_steps", config.ei_steps), "ei_steps",
                                                     self.round if config.export else None))
+                    apply_save_limit(self.output_dir, config.save_total_limit, self.round)
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
                 dist.check_final_exportable(self.output_dir)
             logged = self.round - (self._unevaluated is not None)  # the rounds logged whole

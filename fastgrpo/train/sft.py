@@ -23,7 +23,7 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.rollout.requests import as_list
-from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints
+from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints
 from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -237,6 +237,7 @@ class SFTTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     f"{self.total_steps} ({setting(field, getattr(config, field))})",
                                                     field, self.step if config.export else None))
+                    apply_save_limit(self.output_dir, config.save_total_limit, self.step)
             if config.export and self.step < self.total_steps:  # said before the first step, not after the last
                 dist.check_final_exportable(self.output_dir)
             logged = self.step - (self._unevaluated is not None)  # the steps logged whole

@@ -23,7 +23,8 @@ from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
-from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints, rng_states
+from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
+                                       rng_states)
 from fastgrpo.train.config import GRPOConfig, check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
@@ -376,6 +377,8 @@ class GRPOTrainer:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps",
                                                     self.step if config.export else None))
+                    if self.dist.is_main:
+                        apply_save_limit(self.output_dir, config.save_total_limit, self.step)
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
                 self.dist.check_final_exportable(self.output_dir)
             logged = self.step - (self._unevaluated is not None)  # the steps logged whole
