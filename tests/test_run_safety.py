@@ -325,6 +325,30 @@ def test_a_users_folder_named_like_a_checkpoint_is_neither_refused_nor_deleted(t
     assert not (tmp_path / ".checkpoint-1.tmp-99").exists() and (tmp_path / ".checkpoint-ideas").is_dir()
 
 
+def test_the_partial_writes_of_a_killed_run_are_deleted_by_a_resume_and_the_users_files_kept(tmp_path, caplog):
+    """A kill leaves hidden partial writes: a checkpoint's or an export's folder (atomic_directory, delete_folder),
+    the metrics log cut back on a resume (write_whole). The log's was neither deleted by a resume nor counted as the
+    run's by a fresh run (left beside the next run's files). A resume deletes each, saying so; a user's hidden files
+    named alike stay."""
+    _trainer(tmp_path, max_steps=1).train()
+    partial = [".checkpoint-2.tmp-99", ".checkpoint-1.old-98", ".final.tmp-97", ".metrics.jsonl.tmp"]
+    users = [".checkpoint-ideas", ".final.notes", ".metrics.jsonl.bak"]
+    for name in partial[:3] + users[:1]:
+        (tmp_path / name).mkdir()
+    for name in partial[3:] + users[1:]:
+        (tmp_path / name).write_text("{}\n")
+    with caplog.at_level(logging.INFO, logger="fastgrpo.train.run_dir"):
+        RunDirectory(tmp_path).prepare(resume=True, overwrite=False)
+    assert [name for name in partial if (tmp_path / name).exists()] == []
+    assert all((tmp_path / name).exists() for name in users)
+    assert "deleted .metrics.jsonl.tmp, a partial write of a stopped run" in caplog.text
+    (tmp_path / ".metrics.jsonl.tmp").write_text("{}\n")  # a fresh run refuses it as the run's; overwriting deletes it
+    with pytest.raises(ValueError, match=r"holds another run \(\.metrics\.jsonl\.tmp, checkpoint-1, metrics"):
+        RunDirectory(tmp_path).prepare(resume=False, overwrite=False)
+    RunDirectory(tmp_path).prepare(resume=False, overwrite=True)
+    assert not (tmp_path / ".metrics.jsonl.tmp").exists() and all((tmp_path / name).exists() for name in users)
+
+
 def test_a_fresh_run_refuses_an_evaluations_results_and_overwrite_deletes_them(tmp_path):
     for name in ("results.jsonl", "summary.json"):
         (tmp_path / name).write_text("{}\n")

@@ -43,8 +43,11 @@ EVAL_ARTIFACTS = ("results.jsonl", "summary.json")  # what `fastgrpo eval` write
 # What `fastgrpo train`, `sft` and `ei` leave in their folder (eval/: --eval-steps); hidden .checkpoint-* / .final.*
 # are partial writes of a killed run. An eval's results written into a run's folder describe that run's checkpoints:
 # they count as its files (a fresh run refuses them, overwriting deletes them with the checkpoints).
+# write_whole's partial writes in the folder itself (a kill as the metrics log was cut back on a resume, or as an eval
+# wrote its results there)
+_PARTIAL_FILES = tuple(f".{name}.tmp" for name in ("metrics.jsonl", *EVAL_ARTIFACTS))
 TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*",
-                   *EVAL_ARTIFACTS)
+                   *EVAL_ARTIFACTS, *_PARTIAL_FILES)
 # Of what the checkpoint patterns match, the names a run writes (checkpoint-<step>, and atomic_directory's hidden
 # partial writes): a user's checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
 _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
@@ -54,7 +57,7 @@ _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
 _EVAL_FILES = ("step-*.jsonl", "step-*_summary.json", *EVAL_ARTIFACTS)
 _RUN_FOLDER_FILES = {"eval": (*_EVAL_FILES, *(f".{name}.tmp" for name in _EVAL_FILES)),
                      "tensorboard": ("events.out.tfevents.*",)}
-_FILE_ARTIFACTS = ("metrics.jsonl", *EVAL_ARTIFACTS)  # a run's files; its other artifacts are folders
+_FILE_ARTIFACTS = ("metrics.jsonl", *EVAL_ARTIFACTS, *_PARTIAL_FILES)  # a run's files; its other artifacts are folders
 _NO_FLOCK = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.EINVAL)
 
 
@@ -197,7 +200,7 @@ class RunDirectory:
         self._check_no_file_at_a_folder()
         if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
             for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
-                shutil.rmtree(path, ignore_errors=True)
+                shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
                 logger.info("output_dir: deleted %s, a partial write of a stopped run", path.name)
             return
         found = self.previous_run()
