@@ -251,3 +251,48 @@ def test_a_symlinked_final_is_refused_in_one_line(tmp_path, capsys):
             f"fastgrpo train: error: output_dir: {run / 'final'} is a symlink, where a run writes a folder it replaces "
             "or deletes whole; make it a folder (or link the whole --output-dir to put the run on another disk)\n")
     assert (run / "final").is_symlink() and target.is_dir()
+
+
+def test_a_folder_being_replaced_when_the_run_stopped_is_never_lost(tmp_path, monkeypatch):
+    """atomic_directory replaces a folder (a checkpoint written again, final/) in two renames: the old one aside, the
+    new one in place. A kill between them left neither at checkpoint-<step>/, and the resume deleted both hidden
+    copies as partial writes: the checkpoint was lost. The resume now finishes the replacement (the new one was whole
+    and fsynced); an exception between the renames puts the old one back."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fastgrpo.train import atomic_folder
+
+    script = ("import os, sys\n"
+              "from fastgrpo.train.atomic_folder import atomic_directory\n"
+              "real, calls = os.replace, []\n"
+              "def replace(src, dst):\n"
+              "    calls.append(src)\n"
+              "    if len(calls) == 2:\n"
+              "        os._exit(137)  # killed, as by SIGKILL: no finally runs\n"
+              "    real(src, dst)\n"
+              "os.replace = replace\n"
+              "with atomic_directory(sys.argv[1]) as tmp:\n"
+              "    (tmp / 'state').write_text('new')\n")
+    folder = tmp_path / "checkpoint-2"
+    folder.mkdir()
+    (folder / "state").write_text("old")
+    killed = subprocess.run([sys.executable, "-c", script, str(folder)], cwd=Path(__file__).parents[1])
+    assert killed.returncode == 137 and not folder.exists()
+    RunDirectory(tmp_path).prepare(resume=True, overwrite=False)
+    assert (folder / "state").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+
+    real, calls = os.replace, []
+
+    def interrupted_second(src, dst):
+        calls.append(src)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(atomic_folder.os, "replace", interrupted_second)
+    with pytest.raises(KeyboardInterrupt):
+        with atomic_folder.atomic_directory(folder) as tmp:
+            (tmp / "state").write_text("newer")
+    assert (folder / "state").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]

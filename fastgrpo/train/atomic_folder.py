@@ -42,7 +42,11 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
             shutil.rmtree(old, ignore_errors=True)
             os.replace(path, old)
-            os.replace(tmp, path)
+            try:
+                os.replace(tmp, path)
+            except BaseException:  # a second Ctrl-C, say: the old one back, not left at a name a resume deletes
+                os.replace(old, path)
+                raise
             shutil.rmtree(old)
         else:
             os.replace(tmp, path)

@@ -51,6 +51,7 @@ TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eva
 # Of what the checkpoint patterns match, the names a run writes (checkpoint-<step>, and atomic_directory's hidden
 # partial writes): a user's checkpoint-notes/ beside them is not run data, so it is neither refused nor deleted.
 _WRITTEN = re.compile(r"checkpoint-\d+|\.(checkpoint-\d+|final)\.(tmp|old)-\d+")
+_REPLACED = re.compile(r"\.(checkpoint-\d+|final)\.old-(\d+)")  # atomic_directory's old version, as it replaces it
 # The files a run writes in its eval/ (--eval-steps, a `fastgrpo eval` into it; write_whole's partial writes) and
 # tensorboard/: anything else there is the user's. A folder of those names holding none of a run's files is not run
 # data (neither refused nor deleted); overwriting refuses one that holds the user's files beside the run's.
@@ -199,6 +200,7 @@ class RunDirectory:
                              f"of {setting('resume', True)} and {setting('overwrite_output_dir', True)}")
         self._check_no_file_at_a_folder()
         if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
+            self._finish_replacements()
             for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
                 logger.info("output_dir: deleted %s, a partial write of a stopped run", path.name)
@@ -230,6 +232,17 @@ class RunDirectory:
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
+
+    def _finish_replacements(self) -> None:
+        """A kill between atomic_directory's two renames (a checkpoint or final/ written again) left no <name>/, its
+        old version at .<name>.old-<pid> and the new one, filled and fsynced, at .<name>.tmp-<pid>: the second rename
+        is done now, where the leftovers' deletion lost both."""
+        for old in self.path.glob(".*.old-*"):
+            match = _REPLACED.fullmatch(old.name)
+            new = old.with_name(f".{match.group(1)}.tmp-{match.group(2)}") if match else None
+            if new is not None and new.is_dir() and not (self.path / match.group(1)).exists():
+                os.replace(new, self.path / match.group(1))
+                logger.warning("output_dir: finished writing %s, which a run stopped as it replaced it", match.group(1))
 
     def _check_no_file_at_a_folder(self) -> None:
         """A ValueError for a file at a name the run writes a folder at (final, eval, tensorboard, checkpoint-<step>):
