@@ -7,8 +7,10 @@ system has no flock (some Lustre / FUSE mounts) the PID alone decides, on the sa
 
 RunDirectory: the lock, plus the check that a fresh run does not start in a folder that holds another run's
 checkpoints, metrics or export (a one-line error suggesting --resume or --overwrite-output-dir); overwriting
-deletes those files first (refused while final/ holds files the user put beside the export, as an export refuses it). A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes
-them. Any command that writes a run folder uses it the same way:
+deletes those files first (refused while final/ holds files the user put beside the export, as an export refuses
+it). A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes them. A resume deletes
+the hidden partial writes a killed run left, once it has finished a folder's replacement cut short between its two
+renames. Any command that writes a run folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
@@ -40,12 +42,12 @@ except ImportError:  # not on Windows: the PID check alone
 logger = logging.getLogger(__name__)
 LOCK_FILE = ".fastgrpo.lock"
 EVAL_ARTIFACTS = ("results.jsonl", "summary.json")  # what `fastgrpo eval` writes
-# What `fastgrpo train`, `sft` and `ei` leave in their folder (eval/: --eval-steps); hidden .checkpoint-* / .final.*
-# are partial writes of a killed run. An eval's results written into a run's folder describe that run's checkpoints:
-# they count as its files (a fresh run refuses them, overwriting deletes them with the checkpoints).
-# write_whole's partial writes in the folder itself (a kill as the metrics log was cut back on a resume, or as an eval
-# wrote its results there)
+# write_whole's partial writes in a run's folder itself (a kill as the metrics log was cut back on a resume, or as an
+# eval wrote its results there)
 _PARTIAL_FILES = tuple(f".{name}.tmp" for name in ("metrics.jsonl", *EVAL_ARTIFACTS))
+# What `fastgrpo train`, `sft` and `ei` leave in their folder (eval/: --eval-steps); hidden .checkpoint-* / .final.*
+# and _PARTIAL_FILES are partial writes of a killed run. An eval's results written into a run's folder describe that
+# run's checkpoints: they count as its files (a fresh run refuses them, overwriting deletes them with the checkpoints).
 TRAIN_ARTIFACTS = ("metrics.jsonl", "checkpoint-*", "final", "tensorboard", "eval", ".checkpoint-*", ".final.*",
                    *EVAL_ARTIFACTS, *_PARTIAL_FILES)
 # Of what the checkpoint patterns match, the names a run writes (checkpoint-<step>, and atomic_directory's hidden
