@@ -54,6 +54,32 @@ def test_second_run_is_refused_and_a_stale_lock_taken_over(tmp_path, caplog, use
     lock.release()
 
 
+def test_two_runs_taking_over_a_stale_lock_at_once_without_flock_do_not_both_hold_it(tmp_path, monkeypatch):
+    """Without flock, a stale lock was deleted by each run that found it stale: one starting at the same moment had
+    deleted it and made its own lock by then, and the second run's unlink deleted that one: both held the folder.
+    The second now sees the lock is no longer the stale one, leaves it, and is refused."""
+    from fastgrpo.train import run_dir
+
+    stale = {"pid": _dead_pid(), "host": os.uname().nodename}
+    (tmp_path / LOCK_FILE).write_text(json.dumps(stale))
+    first = RunLock(tmp_path, use_flock=False)
+    read_holder = run_dir._read_holder_at
+
+    def first_run_takes_it_meanwhile(path):
+        holder = read_holder(path)
+        if holder == stale and first._fd is None:  # the other run deletes the stale lock and makes its own now
+            path.unlink()
+            first.acquire()
+        return holder
+
+    monkeypatch.setattr(run_dir, "_read_holder_at", first_run_takes_it_meanwhile)
+    with pytest.raises(ValueError, match=rf"in use by another run \(PID {os.getpid()} on "):
+        RunLock(tmp_path, use_flock=False).acquire()
+    assert json.loads((tmp_path / LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [LOCK_FILE]
+    first.release()
+
+
 def test_fresh_run_refuses_another_runs_folder_and_overwrite_deletes_it(tmp_path):
     first = _trainer(tmp_path, max_steps=3, save_steps=1, save_total_limit=None).train()
     (tmp_path / "run.yaml").write_text("seed: 0\n")  # the user's own file stays

@@ -128,12 +128,30 @@ class RunLock:
                 same_host = holder.get("host") == socket.gethostname()
                 if not (same_host and not _alive(holder.get("pid"))):
                     raise ValueError(self._in_use(holder)) from None
-                logger.warning("output_dir: removed the stale lock of %s, which no longer runs", _describe(holder))
-                try:
-                    self.path.unlink()
-                except FileNotFoundError:
-                    pass
+                if self._remove_stale(holder):
+                    logger.warning("output_dir: removed the stale lock of %s, which no longer runs", _describe(holder))
         self._write_holder(fd)
+
+    def _remove_stale(self, holder: dict) -> bool:
+        """Delete the lock file found to be the stale one of `holder`, unless it is another's by now: a run starting
+        at once found it stale too, deleted it and made its own, which an unlink here deleted (both runs then held the
+        lock). The file is moved aside first (one rename wins) and put back unless it is `holder`'s; True where it
+        was deleted. Left: a third run making a lock in the instant the file is aside."""
+        aside = self.path.with_name(f"{LOCK_FILE}.stale-{os.getpid()}")
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:
+            return False
+        data = aside.read_bytes()
+        if _parse_holder(data) == holder:
+            aside.unlink()
+            return True
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            os.write(fd, data)
+            os.close(fd)
+        aside.unlink()
+        return False
 
     def _write_holder(self, fd: int) -> None:
         os.ftruncate(fd, 0)
