@@ -296,3 +296,16 @@ def test_a_folder_being_replaced_when_the_run_stopped_is_never_lost(tmp_path, mo
         with atomic_folder.atomic_directory(folder) as tmp:
             (tmp / "state").write_text("newer")
     assert (folder / "state").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["checkpoint-2"]
+
+
+def test_a_finished_run_resumed_applies_its_limit_but_keeps_the_damaged_checkpoint_it_skipped(tmp_path):
+    """apply_save_limit (a resume with nothing to train) deletes past --save-total-limit up to the checkpoint it
+    resumed from; a later, damaged one stays until the run saves one of its own, as a resume that trains keeps it."""
+    from fastgrpo.train.checkpoint import apply_save_limit, list_checkpoints
+
+    model = default_task.build_model(default_task.build_tokenizer())
+    for step in (1, 2, 3):
+        save_checkpoint(tmp_path / f"checkpoint-{step}", model, {"step": step, "config": {}})
+    (tmp_path / "checkpoint-3" / STATE_FILE).write_bytes(b"torn")
+    apply_save_limit(tmp_path, 1, 2)
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3]

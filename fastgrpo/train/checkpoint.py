@@ -60,7 +60,6 @@ def set_rng_states(states: dict) -> None:
         torch.cuda.set_rng_state_all(states["cuda"])
 
 
-
 def save_checkpoint(path: str | Path, model: torch.nn.Module, state: dict) -> Path:
     """Write `state` (optimizer, scheduler, step, config, ...) plus the trainable parameters and RNG states (taken
     now unless state["rng"] holds earlier ones) to the folder `path`, atomically."""
@@ -128,7 +127,6 @@ def _load_state(file: Path, mmap: bool = False) -> dict:
         raise TornCheckpoint(f"{file}: {str(err).splitlines()[0]}") from None
     except (RuntimeError, EOFError, OSError) as err:
         raise TornCheckpoint(f"{file}: {str(err).splitlines()[0] if str(err) else type(err).__name__}") from None
-
 
 
 def read_json_object(file: Path, field: str, remedy: str) -> dict:
@@ -232,10 +230,8 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     of the others (None: keep all); returns the deleted folders. A later step's checkpoint is of the history a resume
     went back over (it fell back past a damaged one): kept, it would outrank this run's own checkpoints in the
     rotation and take the next --resume back to that history."""
-    found = _checkpoint_folders(output_dir)
-    abandoned = [path for step, path in found if step > newest]
-    kept = [path for step, path in found if step <= newest and (path / STATE_FILE).exists()]
-    doomed = abandoned + (kept[:-keep] if keep is not None and len(kept) > keep else [])
+    abandoned = [path for step, path in _checkpoint_folders(output_dir) if step > newest]
+    doomed = abandoned + _past_limit(output_dir, keep, newest)
     for path in abandoned:
         logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)
     for path in doomed:
@@ -243,14 +239,22 @@ def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> 
     return doomed
 
 
-
 def apply_save_limit(output_dir: str | Path, keep: int | None, newest: int) -> None:
-    """prune_checkpoints for a resumed run with nothing to train, which saves no checkpoint to prune after: a
-    save_total_limit lowered since applies now, as at the next save of a run that trains; what it deletes is said."""
-    deleted = prune_checkpoints(output_dir, keep, newest)
-    if deleted:
+    """For a resumed run with nothing to train, at checkpoint-<newest>: it saves no checkpoint, after which the
+    limit applies, so a save_total_limit lowered since applies now; what it deletes is said. A later (damaged)
+    checkpoint stays, as the resume skipped it: a run deletes one once it has saved its own (prune_checkpoints)."""
+    doomed = _past_limit(output_dir, keep, newest)
+    for path in doomed:
+        delete_folder(path)
+    if doomed:
         logger.info("save_total_limit: deleted %s, past the newest %s checkpoint(s) the limit keeps",
-                    ", ".join(path.name for path in deleted), keep)
+                    ", ".join(path.name for path in doomed), keep)
+
+
+def _past_limit(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
+    """The checkpoints of steps up to `newest` but the newest `keep` (None: keep all)."""
+    kept = [path for step, path in list_checkpoints(output_dir) if step <= newest]
+    return kept[:-keep] if keep is not None and len(kept) > keep else []
 
 
 def write_run_config(folder: Path, config: dict) -> None:

@@ -37,7 +37,6 @@ def read_exported_run_config(folder: str | Path) -> dict | None:
                                        "prompted; the model does not need it)")
 
 
-
 def nothing_to_train(output_dir: str | Path, where: str, of: str, field: str, export_step: int | None = None) -> str:
     """The line for a resumed run at its last step already (`where`: "step 40", `of`: its limit, as the user set
     it), naming the setting to raise; the CLI prints it, the Python trainers warn it (train() returns []).
@@ -149,7 +148,6 @@ def _not_exported(final: Path, record: dict) -> list[str]:
     if isinstance(record.get("files"), list):
         return [name for name in files if name not in record["files"]]
     return [name for name in files if not any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILES)]
-
 
 
 def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype | None = None,
