@@ -42,6 +42,15 @@ def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
                                                       "micro-batches) 4"),
     (["train", "--lr", "3"], "--lr (TRL's name; here --learning-rate) 3"),
     (["eval", "--use-peft"], "--use-peft"),  # eval trains nothing: no counterpart
+    (["sft", "--use-liger-kernel"], "--use-liger-kernel (TRL's name; here --patch, on by default: fastgrpo's own "
+                                    "fused kernels; the loss is fused always)"),
+    (["train", "--vllm-mode", "colocate"], "--vllm-mode (TRL's name; here --rollout-engine vllm, always colocated: "
+                                           "in this process, no server mode) colocate"),
+    (["sft", "--packing"], "--packing (TRL's name; no packing here: a step's rows are sorted by length into "
+                           "micro-batches, each padded to its longest)"),
+    (["sft", "--dataset-text-field", "body"], "--dataset-text-field (TRL's name; a column named text is read as "
+                                              "plain text, trained on every token) body"),  # was: --dataset-config
+    (["train", "--dataset_text_field", "body"], "--dataset_text_field (TRL's name; here --prompt-column) body"),
 ])
 def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"

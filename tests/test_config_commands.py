@@ -63,6 +63,21 @@ def test_from_dict_names_the_command_a_key_belongs_to(config, data, message):
     (GRPOConfig, "steps_per_generation", "TRL's name; here num_minibatches (optimizer steps per rollout batch)"),
     (SFTConfig, "gradient_accumulation_steps", "TRL's name; here micro_batch_size (gradients accumulate over a "
                                                "step's micro-batches)"),
+
+    (SFTConfig, "use_liger_kernel", "TRL's name; here patch (on by default: fastgrpo's own fused kernels; the loss is "
+                                    "fused always)"),
+    (GRPOConfig, "vllm_mode", "TRL's name; here rollout_engine: vllm, always colocated: in this process, no server "
+                              "mode"),
+    (GRPOConfig, "dataset_text_field", "TRL's name; here prompt_column"),  # a close match said dataset_config
+    (SFTConfig, "dataset_text_field", "TRL's name; a column named text is read as plain text, trained on every "
+                                      "token"),
+    (SFTConfig, "packing", "TRL's name; no packing here: a step's rows are sorted by length into micro-batches, "
+                           "each padded to its longest"),
+    (SFTConfig, "dataset_test_split", "TRL's name; here eval_dataset_split"),  # a close match said dataset_split
+    (GRPOConfig, "epsilon", "TRL's name; here epsilon_low (and the upper clip, epsilon_high: TRL's epsilon sets "
+                            "both)"),
+    (GRPOConfig, "vllm_importance_sampling_correction", "TRL's name; here rollout_correction: truncate or mask"),
+    (EIConfig, "deepspeed", "TRL's name; no DeepSpeed here: full fine-tuning under torchrun shards with FSDP2"),
 ])
 def test_a_trl_name_names_fastgrpos(config, key, note, tmp_path):
     """A TrlParser YAML's keys that a close match would miss or mislead on name the setting that does it here."""
@@ -80,11 +95,13 @@ def test_a_trl_name_of_what_a_command_lacks_has_no_note():
 
 
 def test_trl_names_name_fields_and_are_none():
-    from fastgrpo.train.command_fields import TRL_NAMES
+    from fastgrpo.train.command_fields import TRL_NAMES, TRL_WITHOUT
 
     ours = set().union(*FIELDS.values())
     for name, (fields_, _) in TRL_NAMES.items():
         assert name not in ours and set(fields_) <= ours, name
+    for name, (commands, _) in TRL_WITHOUT.items():
+        assert name not in ours and set(commands) <= set(FIELDS), name
 
 
 def test_a_nested_mapping_of_fields_says_the_configs_are_flat(tmp_path):

@@ -27,7 +27,7 @@ from fastgrpo.train.commands import (
     run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import BOOL_WORDS, coerced
-from fastgrpo.train.command_fields import elsewhere, trl_counterpart
+from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_without
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
@@ -109,10 +109,12 @@ def _unrecognized(extra: list[str], parser: argparse.ArgumentParser, command: st
 
 def _trl_flag(name: str, command: str) -> str | None:
     """"TRL's name; here --dtype bfloat16" for --bf16 (command_fields.TRL_NAMES, which YAML keys get too), in TRL's
-    spelling (--use_peft) or ours (--use-peft); None for a flag TRL_NAMES lacks or `command` has no counterpart of."""
-    found = trl_counterpart(name[2:].replace("-", "_"), command)
+    spelling (--use_peft) or ours (--use-peft); for a TRL_WITHOUT flag, why it needs none; None for another flag or
+    one `command` has no counterpart of."""
+    key = name[2:].replace("-", "_")
+    found = trl_counterpart(key, command)
     if found is None:
-        return None
+        return trl_without(key, command)
     field, how = found
     if how.startswith(": "):  # "dtype: bfloat16" -> "--dtype bfloat16"
         how = f" {how[2:]}"

@@ -91,6 +91,31 @@ TRL_NAMES = {
     "num_train_epochs": (("num_epochs", "sft_epochs", "max_steps"), ""),
     "steps_per_generation": (("num_minibatches",), " (optimizer steps per rollout batch)"),
     "gradient_accumulation_steps": (("micro_batch_size",), " (gradients accumulate over a step's micro-batches)"),
+    "use_liger_kernel": (("patch",), " (on by default: fastgrpo's own fused kernels; the loss is fused always)"),
+    "vllm_mode": (("rollout_engine",), ": vllm, always colocated: in this process, no server mode"),
+    "dataset_text_field": (("prompt_column",), ""),  # a close match said dataset_config; sft: TRL_WITHOUT
+    "dataset_test_split": (("eval_dataset_split",), ""),  # a close match said dataset_split
+    "data_seed": (("seed",), ""),  # a close match said dataset
+    "epsilon": (("epsilon_low",), " (and the upper clip, epsilon_high: TRL's epsilon sets both)"),
+    "warmup_ratio": (("warmup_steps",), " (in optimizer steps, not a fraction of the run)"),
+    "resume_from_checkpoint": (("resume",), " (the newest complete checkpoint in output_dir)"),
+    "activation_offloading": (("offload_activations",), ""),
+    "vllm_importance_sampling_correction": (("rollout_correction",), ": truncate or mask"),  # not the ratio's level
+    "vllm_importance_sampling_mode": (("rollout_correction",), " (truncate or mask; token or sequence: "
+                                                               "rollout_correction_level)"),
+    "vllm_importance_sampling_cap": (("rollout_correction_clip_max",), ""),
+}
+
+# TRL's names of what fastgrpo does in one way only, or not at all, by command: {TRL's name: (commands, why)}.
+_NO_PACKING = "no packing here: a step's rows are sorted by length into micro-batches, each padded to its longest"
+TRL_WITHOUT = {
+    "packing": (("sft",), _NO_PACKING),
+    "padding_free": (("sft",), _NO_PACKING),
+    "dataset_text_field": (("sft",), "a column named text is read as plain text, trained on every token"),
+    "completion_only_loss": (("sft",), "the loss is on the response tokens always"),
+    "assistant_only_loss": (("sft",), "the loss is on the last assistant turn always"),
+    "optim": (("train", "sft", "ei"), "AdamW always: fused on CUDA, foreach on the CPU"),
+    "deepspeed": (("train", "sft", "ei"), "no DeepSpeed here: full fine-tuning under torchrun shards with FSDP2"),
 }
 
 
@@ -114,16 +139,25 @@ def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
 
 def trl_counterpart(name: str, command: str) -> tuple[str, str] | None:
     """For a TRL_NAMES key: (the field of `command` that does its job, how: ": bfloat16", " > 0", " (a note)", "");
-    None for another name, or where `command` has no such field."""
+    None for another name, or where `command` has no such field or TRL_WITHOUT says why it needs none."""
+    if trl_without(name, command) is not None:
+        return None
     ours, how = TRL_NAMES.get(name, ((), ""))
     field = next((f for f in ours if f in fields(command)), None)
     return (field, how) if field is not None else None
 
 
+def trl_without(name: str, command: str) -> str | None:
+    """For a TRL_WITHOUT key of `command`: "TRL's name; AdamW always: ..."; None otherwise."""
+    commands, why = TRL_WITHOUT.get(name, ((), ""))
+    return f"TRL's name; {why}" if command in commands else None
+
+
 def trl_name(name: str, command: str) -> str | None:
-    """For a TRL_NAMES key: "TRL's name; here dtype: bfloat16" where `command` has the setting; None otherwise."""
+    """For a TRL_NAMES key: "TRL's name; here dtype: bfloat16" where `command` has the setting; for a TRL_WITHOUT
+    one, why it needs none; None otherwise."""
     found = trl_counterpart(name, command)
-    return f"TRL's name; here {found[0]}{found[1]}" if found is not None else None
+    return f"TRL's name; here {found[0]}{found[1]}" if found is not None else trl_without(name, command)
 
 
 def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
