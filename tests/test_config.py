@@ -105,6 +105,23 @@ def test_sft_ei_eval_configs_name_bad_numbers(config_class, fields, match):
         config_class(**fields)
 
 
+@pytest.mark.parametrize("config_class, field", [
+    (GRPOConfig, "reward_funcs"), (EIConfig, "reward_funcs"), (EvalConfig, "reward_funcs"),
+    (SFTConfig, "eval_reward_funcs"),
+])
+@pytest.mark.parametrize("names", [[], ["length", " "]])
+def test_no_reward_names_is_refused_with_the_config(config_class, field, names, tmp_path):
+    """`reward_funcs: []` (or --reward-funcs with no name) failed only once the data had loaded, where the names
+    are resolved; now the config refuses it, naming the file that gave it."""
+    path = tmp_path / "run.yaml"
+    path.write_text(f"{field}: {names}\n")
+    with pytest.raises(ValueError) as info:
+        config_class.from_yaml(path)
+    assert str(info.value) == (f"{field} (from {path}): expected one or more reward names "
+                               "(fastgrpo.rewards.REGISTRY's, module:function or path/to/file.py:function), got "
+                               f"{names!r}")
+
+
 def test_inf_where_it_means_off():
     """max_grad_norm inf: no clipping (nothing else turns it off); save_minutes inf: never by time, as 0."""
     for config_class in (GRPOConfig, SFTConfig):

@@ -17,7 +17,8 @@ from fastgrpo.train.base_fingerprint import base_change, same_base
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
-    check_adamw_options, check_at_least, check_lora_options, check_reward_weights, check_save_minutes,
+    check_adamw_options, check_at_least, check_lora_options, check_reward_names, check_reward_weights,
+    check_save_minutes,
 )
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
@@ -301,6 +302,7 @@ class GRPOConfig(ConfigFile):
         check_save_minutes(self)
         check_lora_options(self)
         check_adamw_options(self)
+        check_reward_names(self.reward_funcs)
         check_reward_weights(self.reward_weights)
         if not self.epsilon_low < 1:
             raise ValueError(f"epsilon_low: expected < 1 (the lower clip 1 - epsilon_low > 0), got {self.epsilon_low}")

@@ -62,6 +62,14 @@ def check_adamw_options(config) -> None:
         raise ValueError(f"max_grad_norm: expected > 0 (inf: no clipping), got {config.max_grad_norm}")
 
 
+def check_reward_names(names: Sequence[str], field: str = "reward_funcs") -> None:
+    """A config's reward functions, named: at least one, none blank (an empty list failed only once the data had
+    loaded, at the names' resolution)."""
+    if not names or not all(name.strip() for name in names):
+        raise ValueError(f"{field}: expected one or more reward names (fastgrpo.rewards.REGISTRY's, module:function "
+                         f"or path/to/file.py:function), got {names!r}")
+
+
 def check_reward_weights(weights: Sequence[float] | None) -> None:
     if weights is not None and not all(math.isfinite(w) for w in weights):  # a nan / inf weight makes nan rewards
         raise ValueError(f"reward_weights: expected finite numbers, got {weights}")

@@ -17,7 +17,9 @@ from fastgrpo._checks import check_choice
 from fastgrpo.train.checkpoint import latest_checkpoint
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
                                    option)
-from fastgrpo.train.input_checks import check_adamw_options, check_at_least, check_lora_options, check_reward_weights
+from fastgrpo.train.input_checks import (
+    check_adamw_options, check_at_least, check_lora_options, check_reward_names, check_reward_weights,
+)
 from fastgrpo.train.memory_options import check_activation_memory_options
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import PROMPT_FORMATS
@@ -60,14 +62,15 @@ def check_optimizer_options(config) -> None:
 
 
 def check_scoring_options(config) -> None:
-    """prompt_format, reward_errors, stop, reward_weights and correct_threshold of a command that samples and
-    scores (ei, eval)."""
+    """prompt_format, reward_errors, stop, reward_funcs, reward_weights and correct_threshold of a command that
+    samples and scores (ei, eval)."""
     if config.prompt_format not in PROMPT_FORMATS:
         raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {config.prompt_format!r}")
     if config.reward_errors not in REWARD_ERRORS:
         raise ValueError(f"reward_errors: expected one of {list(REWARD_ERRORS)}, got {config.reward_errors!r}")
     if config.stop is not None and not all(config.stop):
         raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {config.stop!r}")
+    check_reward_names(config.reward_funcs)
     check_reward_weights(config.reward_weights)
     if not math.isfinite(config.correct_threshold):  # nan / inf count no completion correct, -inf each
         raise ValueError(f"correct_threshold: expected a finite number, got {config.correct_threshold}")

@@ -11,7 +11,7 @@ from fastgrpo._checks import check_choice
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import REWARD_ERRORS, check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
-from fastgrpo.train.input_checks import check_at_least, check_save_minutes
+from fastgrpo.train.input_checks import check_at_least, check_reward_names, check_save_minutes
 from fastgrpo.train.options import (
     check_model_options, check_optimizer_options, check_run_options, inherited,
 )
@@ -113,6 +113,7 @@ class SFTConfig(ConfigFile):
         if self.prompt_format not in PROMPT_FORMATS:
             raise ValueError(f"prompt_format: expected one of {list(PROMPT_FORMATS)}, got {self.prompt_format!r}")
         check_choice("reward_errors", self.reward_errors, REWARD_ERRORS)
+        check_reward_names(self.eval_reward_funcs, "eval_reward_funcs")
         check_run_options(self)
         check_model_options(self)
         check_optimizer_options(self)
