@@ -56,6 +56,13 @@ def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"
 
 
+def test_greedy_sampling_of_a_group_names_both_flags(tmp_path, capsys):
+    err = _error(["eval", "--temperature", "0", "--num-generations", "4", "--output-dir", str(tmp_path)], capsys)
+    assert err == ("fastgrpo eval: error: temperature: 0 samples greedily: with --num-generations 4 the completions "
+                   "of a prompt are identical (pass@4 would be pass@1); for greedy pass --num-generations 1, or a "
+                   "temperature > 0")
+
+
 def test_comma_joined_reward_names_are_told_to_be_spaced(tmp_path, capsys):
     err = _error(["train", "--reward-funcs", "length,ifeval", "--output-dir", str(tmp_path)], capsys)
     assert err == ("fastgrpo train: error: reward_funcs: unknown reward 'length,ifeval'; names are separated by "

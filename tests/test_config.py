@@ -97,7 +97,6 @@ def test_invalid_fields_raise_naming_the_field(fields, match):
     (EvalConfig, dict(correct_threshold=float("inf")), "correct_threshold: expected a finite number, got inf"),
     (EvalConfig, dict(reward_weights=[float("nan")]), r"reward_weights: expected finite numbers, got \[nan\]"),
     (EIConfig, dict(num_generations=0), "num_generations: expected >= 1, got 0"),
-    (GRPOConfig, dict(temperature=0.0), "temperature: expected a finite number > 0, got 0.0"),
     (GRPOConfig, dict(temperature=float("inf")), "temperature: expected a finite number > 0, got inf"),
 ])
 def test_sft_ei_eval_configs_name_bad_numbers(config_class, fields, match):
@@ -120,6 +119,35 @@ def test_no_reward_names_is_refused_with_the_config(config_class, field, names, 
     assert str(info.value) == (f"{field} (from {path}): expected one or more reward names "
                                "(fastgrpo.rewards.REGISTRY's, module:function or path/to/file.py:function), got "
                                f"{names!r}")
+
+
+def test_greedy_train_with_a_group_is_refused_naming_both_settings():
+    """temperature 0 decodes greedily: a group's completions are one, every advantage 0 (train needs >= 2)."""
+    with pytest.raises(ValueError) as info:
+        GRPOConfig(temperature=0.0, num_generations=4, batch_size=8)
+    assert str(info.value) == ("temperature: 0 samples greedily: with num_generations=4 the completions of a prompt "
+                               "are identical: every advantage is 0, nothing is learned; expected a finite number > 0")
+
+
+def test_greedy_eval_of_several_samples_is_refused_naming_both_settings():
+    with pytest.raises(ValueError) as info:
+        EvalConfig(temperature=0.0, num_generations=8)
+    assert str(info.value) == ("temperature: 0 samples greedily: with num_generations=8 the completions of a prompt "
+                               "are identical (pass@8 would be pass@1); for greedy pass num_generations=1, or a "
+                               "temperature > 0")
+    assert EvalConfig(temperature=0.0).num_generations == 1  # greedy evaluation itself
+
+
+def test_greedy_ei_with_several_samples_warns(caplog):
+    """ei keeps one of a question's identical completions (the repeats are dropped): the rounds of num_generations 1,
+    at G times the sampling; a warning, nothing is lost."""
+    with caplog.at_level("WARNING", logger="fastgrpo"):
+        EIConfig(temperature=0.0, num_generations=4)
+        EIConfig(temperature=0.0, num_generations=1)
+        EIConfig(temperature=0.5, num_generations=4)
+    assert [r.getMessage() for r in caplog.records] == [
+        "temperature: 0 samples greedily: with num_generations=4 the completions of a prompt are identical, and a "
+        "round keeps one of them; num_generations=1 samples the same rounds in 1/4 of the time"]
 
 
 def test_inf_where_it_means_off():

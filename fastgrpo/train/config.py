@@ -18,7 +18,7 @@ from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_lora_options, check_reward_names, check_reward_weights,
-    check_save_minutes,
+    check_save_minutes, greedy_copies,
 )
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
@@ -294,7 +294,10 @@ class GRPOConfig(ConfigFile):
             raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if self.stop is not None and not all(self.stop):
             raise ValueError(f"stop: expected non-empty strings (the EOS token always stops), got {self.stop!r}")
-        if not 0 < self.temperature < math.inf:  # GRPO compares sampled completions: 0 (greedy) gives G equal ones
+        if greedy_copies(self) is not None:  # GRPO compares sampled completions (num_generations >= 2)
+            raise ValueError(f"{greedy_copies(self)}: every advantage is 0, nothing is learned; expected a finite "
+                             "number > 0")
+        if not 0 < self.temperature < math.inf:
             raise ValueError(f"temperature: expected a finite number > 0, got {self.temperature}")
         self.sampling()  # the rollout's checks of top_p / top_k / min_p / repetition_penalty, before any model loads
         check_at_least(self, ("beta", "epsilon_low", "epsilon_high", "kl_max_log_step", "warmup_steps", "save_steps",

@@ -2,15 +2,17 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
-from fastgrpo.train.input_checks import check_at_least
+from fastgrpo.train.input_checks import check_at_least, greedy_copies
 from fastgrpo.train.options import (
     check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
 )
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -20,6 +22,16 @@ _SFT_FIELDS = ("batch_size", "micro_batch_size", "learning_rate", "weight_decay"
                "lora_rank", "output_dir", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
                "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
 _SFT_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(SFTConfig)}
+logger = logging.getLogger(__name__)
+
+
+def warn_greedy_copies(config) -> None:
+    """temperature 0 with num_generations > 1: a round keeps one of a question's identical completions (its repeats
+    are dropped), as with num_generations 1, at num_generations times the sampling: a warning, since nothing is lost."""
+    said = greedy_copies(config)
+    if said is not None:
+        logger.warning("%s, and a round keeps one of them; %s samples the same rounds in 1/%d of the time", said,
+                       setting("num_generations", 1), config.num_generations)
 
 
 @dataclasses.dataclass
@@ -117,6 +129,7 @@ class EIConfig(ConfigFile):
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
                              f"got {self.micro_batch_size}")
         check_scoring_options(self)
+        warn_greedy_copies(self)
         self.sampling()
         check_run_options(self)
         check_model_options(self)

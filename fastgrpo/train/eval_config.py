@@ -8,8 +8,9 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import DTYPES, MAX_SEED, option
 from fastgrpo.train.config_file import ConfigFile
-from fastgrpo.train.input_checks import check_at_least
+from fastgrpo.train.input_checks import check_at_least, greedy_copies
 from fastgrpo.train.options import check_scoring_options, inherited
+from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import PROMPT_FORMATS, stop_strings
 
 
@@ -64,6 +65,9 @@ class EvalConfig(ConfigFile):
             raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if not self.output_dir.strip():  # Path("") is the current folder: the results would land among its files
             raise ValueError(f"output_dir: expected a folder path, got {self.output_dir!r}")
+        if greedy_copies(self) is not None:  # vLLM refuses n > 1 with greedy sampling too
+            raise ValueError(f"{greedy_copies(self)} (pass@{self.num_generations} would be pass@1); for greedy "
+                             f"pass {setting('num_generations', 1)}, or a temperature > 0")
         self.sampling()
 
     def sampling(self) -> SamplingParams:

@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
 from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name
+from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,15 @@ def check_adamw_options(config) -> None:
             raise ValueError(f"{name}: expected a number in [0, 1), got {getattr(config, name)}")
     if not config.max_grad_norm > 0:
         raise ValueError(f"max_grad_norm: expected > 0 (inf: no clipping), got {config.max_grad_norm}")
+
+
+def greedy_copies(config) -> str | None:
+    """'temperature: 0 samples greedily: with --num-generations 8 the completions of a prompt are identical' where
+    temperature 0 (greedy decoding) meets num_generations > 1; None otherwise."""
+    if config.temperature != 0 or config.num_generations < 2:
+        return None
+    return (f"temperature: 0 samples greedily: with {setting('num_generations', config.num_generations)} the "
+            "completions of a prompt are identical")
 
 
 def check_reward_names(names: Sequence[str], field: str = "reward_funcs") -> None:
