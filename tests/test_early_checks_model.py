@@ -94,3 +94,20 @@ def test_vllm_not_installed_is_refused_before_the_model_loads(no_weights, tmp_pa
     assert capsys.readouterr().err == ('fastgrpo train: error: rollout_engine: vllm is not installed; pip install '
                                        '"fastgrpo[vllm]" (vllm==0.24.0), or pass --rollout-engine builtin\n')
     assert not (tmp_path / "run").exists()
+
+
+def test_fp8_kv_cache_of_a_soft_capping_model_is_refused_before_it_loads(tmp_path, capsys):
+    """gemma2 decodes on eager attention (it soft-caps its scores), which cannot read an e4m3 cache: the engine
+    refused it at the first rollout, once the weights had loaded."""
+    from transformers import Gemma2Config
+
+    folder = tmp_path / "gemma2"
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.save_pretrained(folder)
+    Gemma2Config(vocab_size=len(tokenizer), hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                 num_attention_heads=2, num_key_value_heads=1, head_dim=8).save_pretrained(folder)
+    assert main(_argv("train", str(folder), tmp_path, "--rollout-kv-cache", "fp8")) == 2
+    assert capsys.readouterr().err == (
+        f"fastgrpo train: error: rollout_kv_cache: fp8 is read by the decode kernel, which cannot run {folder}'s "
+        "attention (eager: its config sets attn_logit_softcapping 50.0); use --rollout-kv-cache model\n")
+    assert not (tmp_path / "run").exists()

@@ -26,7 +26,7 @@ from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.kv_cache import LayerCache
 from fastgrpo.rollout.sampling import SamplingParams
-from tests.test_rollout import PROMPTS, char_tokenizer, tiny_model
+from tests.test_rollout import PROMPTS, char_tokenizer, gemma2_loaded_off_eager, tiny_model
 
 FP8_CACHE = EngineConfig(attention="triton", kv_cache="fp8")
 # The fp32 engine's own distance from the fp64 forward on the same tokens: measured 3.4e-7 with the model-dtype cache
@@ -247,6 +247,15 @@ def test_eager_attention_model_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="kv_cache='fp8'.*eager"):
         run(tiny_model("gemma2"), FP8_CACHE)
+
+
+def test_soft_capping_model_off_eager_is_refused(monkeypatch):
+    """gemma2 loaded on another attention (flash_attention_2, flex) soft-caps too: the engine's attention got its
+    softcap with the e4m3 cache and raised NotImplementedError at the first decode step, after the prefill. It runs
+    on eager in a rollout now, which an fp8 cache is refused for before any compute."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="kv_cache='fp8'.*runs 'eager'.*use kv_cache='model'"):
+        run(gemma2_loaded_off_eager(), FP8_CACHE)
 
 
 @pytest.mark.gpu

@@ -368,3 +368,39 @@ def test_an_engine_names_a_missing_tokenizer_and_a_sampling_dict():
         generate(model, None, ["say a"])
     with pytest.raises(ValueError, match=r"^sampling: expected a fastgrpo.rollout.SamplingParams .*got dict$"):
         BuiltinEngine(model, char_tokenizer()).generate(["say a"], num_generations=1, sampling={"max_new_tokens": 3})
+
+
+def gemma2_loaded_off_eager() -> torch.nn.Module:
+    """gemma2 as flash_attention_2 or flex_attention load it on a GPU: on an attention other than "eager" that
+    soft-caps its scores too (here a registered copy of transformers' eager function and mask); q and k scaled up so
+    that the scores pass the cap (1.0) and the cap changes the tokens."""
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    from fastgrpo.hf.models import register_attention
+
+    register_attention("fastgrpo_test_gemma2_own", eager_attention_forward)
+    AttentionMaskInterface.register("fastgrpo_test_gemma2_own", eager_mask)
+    config = CONFIGS["gemma2"]()
+    config.attn_logit_softcapping = 1.0
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fastgrpo_test_gemma2_own").eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith(("q_proj.weight", "k_proj.weight")):
+                param.mul_(20)
+    return model
+
+
+def test_soft_capping_model_off_eager_decodes_as_hf():
+    """The rollout replaced a gemma2 loaded off "eager" with its own SDPA attention, which dropped the soft-cap: other
+    log-probs and tokens than the model's, silently. It runs it on eager now, as gemma2 loaded by default."""
+    tok, model = char_tokenizer(), gemma2_loaded_off_eager()
+    result = generate(model, tok, PROMPTS, num_generations=1, max_new_tokens=12, temperature=0)
+    got = completions(result)
+    for i, prompt in enumerate(PROMPTS):
+        want, want_logp = hf_greedy(model, tok, prompt, 12)
+        assert got[i] == want, prompt
+        torch.testing.assert_close(result.logprobs[i, :len(want)].double(),
+                                   torch.tensor(want_logp, dtype=torch.float64), atol=1e-4, rtol=0)
+    assert model.config._attn_implementation == "fastgrpo_test_gemma2_own"  # the model's own, after the rollout

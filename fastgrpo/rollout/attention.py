@@ -25,7 +25,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from fastgrpo.hf.models import register_attention
+from fastgrpo.hf.models import register_attention, unwrap_peft
 from fastgrpo.ops.decode_attention import decode_attention
 
 NAME = "fastgrpo_rollout_sdpa"
@@ -66,6 +66,16 @@ def _kernel_fits(attention_mask, kwargs) -> bool:
     """The decode kernel takes a bool mask [N, 1, 1, M] and plain softmax attention (no soft-cap, no sinks)."""
     plain = kwargs.get("softcap") is None and kwargs.get("s_aux") is None
     return plain and isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool
+
+
+def rollout_attention(model) -> str | None:
+    """The attention implementation a rollout runs `model` with: its own where that is eager (it takes the engine's
+    masks), eager where its transformers class has no SDPA attention (gemma2: its attention soft-caps the scores,
+    which grouped_sdpa and the decode kernel do not, on whatever implementation it was loaded with: flash_attention_2,
+    flex_attention), else grouped_sdpa (registered_name)."""
+    if model.config._attn_implementation == "eager":
+        return None
+    return registered_name() if type(unwrap_peft(model))._supports_sdpa else "eager"
 
 
 @functools.cache

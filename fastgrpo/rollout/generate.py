@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from fastgrpo.hf.models import attention_implementation
-from fastgrpo.rollout.attention import registered_name
+from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.base import RolloutResult
 from fastgrpo.rollout.decode import EngineConfig, left_pad, rollout
 from fastgrpo.rollout.requests import (
@@ -136,13 +136,12 @@ def _result(tokenizer, prompt_ids, G, out, stops, pad_id) -> RolloutResult:
 @contextlib.contextmanager
 def _rollout_mode(model):
     """For the call: eval mode (dropout off; gradient checkpointing would drop the cache) and an attention that
-    takes the engine's masks: eager stays (it may softcap, e.g. gemma2), anything else becomes grouped_sdpa.
-    The modules' own settings come back afterwards."""
+    takes the engine's masks (attention.rollout_attention: eager for a soft-capping model such as gemma2, else
+    grouped_sdpa). The modules' own settings come back afterwards."""
     modes = [(m, m.training) for m in model.modules()]
     model.eval()
-    keep = model.config._attn_implementation == "eager"
     try:
-        with attention_implementation(model, None if keep else registered_name()):
+        with attention_implementation(model, rollout_attention(model)):
             yield
     finally:
         for module, training in modes:

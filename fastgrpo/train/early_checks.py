@@ -19,7 +19,7 @@ from fastgrpo.train.input_checks import (
     check_reward_rows, check_reward_setup, check_same_columns, positions_before_load,
 )
 from fastgrpo.train.loading import lora_model, lora_target_problem
-from fastgrpo.train.rollout_options import check_engine_installed
+from fastgrpo.train.rollout_options import check_engine_installed, check_kv_cache_before_load
 from fastgrpo.train.sft_data import SFTExample, tokenize_rows
 
 
@@ -27,10 +27,11 @@ def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> l
     """train, ei: what input_checks.check_sampling_inputs checks without a model: the reward functions and weights,
     the rows, their columns (what the rewards read; the same in every row), and every row's prompt tokenized, one
     over max_prompt_length refused (unless truncate_prompts: the trainer truncates it then, and says so); train's
-    rollout engine installed, and the LoRA targets (check_lora_targets_before_load). Returns the prompts' ids, whole,
+    rollout engine installed and its KV cache's kind against the model's attention, and the LoRA targets (check_lora_targets_before_load). Returns the prompts' ids, whole,
     for the trainer to take (its prompt_ids) rather than tokenize them again (5,000 prompts: 1-3 s of a CPU core)."""
     if hasattr(config, "rollout_engine"):  # train's; ei samples with the built-in engine
         check_engine_installed(config)
+        check_kv_cache_before_load(config)
     check_lora_targets_before_load(config)
     check_reward_setup(reward_funcs, config.reward_weights)
     check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")

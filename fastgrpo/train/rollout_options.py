@@ -4,6 +4,7 @@ from __future__ import annotations
 import importlib.util
 
 from fastgrpo._checks import check_choice
+from fastgrpo.hf.models import loading_attention
 from fastgrpo.rollout.decode_weights import WEIGHTS
 from fastgrpo.rollout.vllm import EXECUTIONS, INSTALL_HINT, LORA_SYNCS
 from fastgrpo.train.naming import setting
@@ -37,6 +38,26 @@ def check_rollout_options(config) -> None:
     if config.rollout_engine == "vllm" and config.device == "cpu":
         raise ValueError(f"rollout_engine: vllm runs on a CUDA GPU; pass {setting('device', 'cuda')} (the built-in "
                          "task's preset is the CPU)")
+
+
+def check_kv_cache_before_load(config) -> None:
+    """rollout_kv_cache fp8 against config.model's attention, from its config.json: a model whose transformers class
+    has no SDPA attention (gemma2: it soft-caps its scores) decodes on eager (rollout.attention.rollout_attention),
+    which cannot read the e4m3 cache; refused now rather than at the first rollout, once the model has loaded. The
+    built-in model and a config.json that cannot be read (the load says why) pass."""
+    if config.rollout_kv_cache != "fp8" or config.model is None:
+        return
+    from transformers import AutoConfig
+
+    try:
+        eager = loading_attention(config.model) == "eager"
+        cap = getattr(AutoConfig.from_pretrained(config.model), "attn_logit_softcapping", None)
+    except Exception:  # noqa: BLE001 - whatever it is, loading the model reports it
+        return
+    if eager:
+        why = f"its config sets attn_logit_softcapping {cap}" if cap is not None else "no SDPA in transformers"
+        raise ValueError(f"rollout_kv_cache: fp8 is read by the decode kernel, which cannot run {config.model}'s "
+                         f"attention (eager: {why}); use {setting('rollout_kv_cache', 'model')}")
 
 
 def check_engine_installed(config) -> None:
