@@ -1,6 +1,7 @@
 """The dtype an export writes is the one the run trained in, as its final/ holds it: a GPU run's dtype "auto"
 (bfloat16 there) was resolved again by `fastgrpo export` on the CPU, which wrote float32 (twice the size, unlike
 final/); a 4-bit base's merged weights were bfloat16 whatever the run's compute dtype. --dtype picks another."""
+import dataclasses
 import json
 import types
 
@@ -85,3 +86,12 @@ def test_a_4bit_base_merges_into_the_runs_compute_dtype(tmp_path):
     out = export_model(model, None, tmp_path / "final")
     assert _weights_dtypes(out) == {"F32"}
     assert _config_dtype(out) == "float32"
+
+
+def test_the_export_flag_says_final_holds_the_runs_dtype(tmp_path):
+    """--export's help said "LoRA merged into a bf16 base"; a float32 LoRA run's final/ is float32 (merged_dtype)."""
+    folder = tmp_path / "run"
+    assert main(["train", "--lora-rank", "4", "--max-steps", "1", "--output-dir", str(folder), *QUIET]) == 0
+    assert _weights_dtypes(folder / "final") == {"F32"}
+    help_text = {field.name: field.metadata["help"] for field in dataclasses.fields(GRPOConfig)}["export"]
+    assert "bf16" not in help_text and "the dtype the run trained in" in help_text, help_text

@@ -242,8 +242,8 @@ class GRPOConfig(ConfigFile):
     resume_allow_changes: bool = option(False, "with resume: continue although settings that define the run "
                                                "(all but the run-control ones) differ from the checkpoint's",
                                         run_control=True)
-    export: bool = option(True, "save an HF model directory to output_dir/final (LoRA merged into a bf16 base)",
-                          run_control=True)
+    export: bool = option(True, "save an HF model directory to output_dir/final (a LoRA adapter merged into its "
+                                "base, in the dtype the run trained in)", run_control=True)
     logging_steps: int = option(1, "print one line of metrics every N steps (their means); 0: none",
                                 run_control=True)
     report_to: list[str] | None = option(None, "also log to wandb and/or tensorboard", run_control=True)
