@@ -36,6 +36,7 @@ from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
+from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
 from fastgrpo.train.setting_sources import (
     DATA_PRESET, MODEL_PRESET, SettingSources, from_file, naming_recorded_sources, record_sources,
 )
@@ -236,11 +237,15 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     file = GRPOConfig.file_settings(args.config)
     check_relative_paths(file, flags, args.config)
     merged = coerced(GRPOConfig, {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
+    resumed, record = resumed_run_settings(GRPOConfig, merged)
+    merged = {**coerced(GRPOConfig, resumed), **merged}
     model_preset = dict(default_task.PRESET) if merged.get("model") is None else {}
     data_preset = {"reward_funcs": list(default_task.REWARD_FUNCS)} if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
+    say_kept(resumed, record, GRPOConfig, preset)
     sources = SettingSources(GRPOConfig, (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
-                             (file, from_file(args.config) if file else None), (flags, None))
+                             (resumed, None), (file, from_file(args.config) if file else None),
+                             (flags, None))
     record_sources(sources)
     from fastgrpo.train.distributed import launched_processes
 

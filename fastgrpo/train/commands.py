@@ -28,6 +28,7 @@ from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
+from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
 from fastgrpo.train.setting_sources import DATA_PRESET, MODEL_PRESET, SettingSources, from_file, record_sources
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -52,9 +53,9 @@ def description(name: str) -> str:
 
 def resume_note(config_class: type) -> str:
     """What a resumable command's --help says of --resume: the settings it takes anew (run_control_fields)."""
-    return ("--resume continues the newest complete checkpoint in --output-dir; these settings may change on resume, "
-            "every other one must match the checkpoint's (or pass --resume-allow-changes): "
-            f"{', '.join(run_control_fields(config_class))}.")
+    return ("--resume continues the newest complete checkpoint in --output-dir; these settings may change on resume "
+            "(one no flag or config file sets keeps the run's value, but for device), every other one must match the "
+            f"checkpoint's (or pass --resume-allow-changes): {', '.join(run_control_fields(config_class))}.")
 
 
 def _add_arguments(name: str):
@@ -81,6 +82,8 @@ def config_from_args(name: str, args: argparse.Namespace):
     file = CONFIGS[name].file_settings(args.config)
     check_relative_paths(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
+    resumed, record = resumed_run_settings(CONFIGS[name], merged)
+    merged = {**coerced(CONFIGS[name], resumed), **merged}
     run, source = trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
@@ -89,9 +92,11 @@ def config_from_args(name: str, args: argparse.Namespace):
     model_preset = dict(MODEL_PRESETS.get(name, {})) if builtin_model else {}  # export has no presets
     data_preset = dict(default_task.BUILTIN_DATA.get(name, {})) if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
+    say_kept(resumed, record, CONFIGS[name], preset)
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
     sources = SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
-                             (from_run, f"from {source}"), (file, from_file(args.config) if file else None),
+                             (from_run, f"from {source}"), (resumed, None),
+                             (file, from_file(args.config) if file else None),
                              (flags, None))
     record_sources(sources)
     from fastgrpo.train.distributed import launched_processes
