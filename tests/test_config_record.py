@@ -79,3 +79,33 @@ def test_a_record_resumes_its_own_run_from_another_folder(tmp_path, monkeypatch,
     assert main(["train", "--config", str(record), "--resume", "--max-steps", "3"]) == 0, capsys.readouterr().err
     assert (first / "run" / "checkpoint-3").is_dir() and len(_rewards(first / "run")) == 3
     assert list(other.iterdir()) == []
+
+
+def test_a_copied_runs_record_does_not_resume_the_original(tmp_path, capsys):
+    """The record keeps output_dir absolute: `--config copy/checkpoint-2/run_config.json --resume` continued (wrote
+    into) the run the copy was made from."""
+    import shutil
+
+    run, copy = tmp_path / "run", tmp_path / "copy"
+    assert main(["train", *TINY, "--output-dir", str(run)]) == 0
+    shutil.copytree(run, copy)
+    record = copy / "checkpoint-2" / "run_config.json"
+    assert main(["train", "--config", str(record), "--resume", "--max-steps", "3"]) == 2
+    assert (f"output_dir (from {record}): the record of the run in {copy} names {run} as its run folder (a copied "
+            f"run?); pass --output-dir {copy} for this one, or --output-dir {run} for that one"
+            in capsys.readouterr().err)
+    assert not (run / "checkpoint-3").exists() and not (copy / "checkpoint-3").exists()
+    assert main(["train", "--config", str(record), "--resume", "--max-steps", "3", "--output-dir", str(copy)]) == 0
+    assert (copy / "checkpoint-3").is_dir() and not (run / "checkpoint-3").exists()
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+@pytest.mark.parametrize("folder", ["checkpoint-4", "final"])
+def test_a_record_naming_another_run_is_refused_before_anything_runs(tmp_path, capsys, command, folder):
+    original, copy = tmp_path / "original", tmp_path / "copy"
+    (copy / folder).mkdir(parents=True)
+    record = copy / folder / "run_config.json"
+    record.write_text(json.dumps(CONFIGS[command](output_dir=str(original)).to_dict()))
+    assert main([command, "--config", str(record), "--resume"]) == 2
+    assert f"the record of the run in {copy} names {original} as its run folder" in capsys.readouterr().err
+    assert not original.exists() and sorted(p.name for p in copy.iterdir()) == [folder]

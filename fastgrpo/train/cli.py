@@ -30,7 +30,7 @@ from fastgrpo.train.coercion import BOOL_WORDS, coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_without
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_flags import add_config_arguments
-from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
+from fastgrpo.train.config_file import add_config_file_argument, check_record_output_dir, check_relative_paths
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
@@ -236,6 +236,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = GRPOConfig.file_settings(args.config)
     check_relative_paths(file, flags, args.config)
+    check_record_output_dir(file, flags, args.config)  # a copied run's record names the original run
     merged = coerced(GRPOConfig, {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     resumed, record = resumed_run_settings(GRPOConfig, merged)
     merged = {**coerced(GRPOConfig, resumed), **merged}

@@ -20,7 +20,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.config import GRPOConfig, check_resume, check_resumed_base, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
-from fastgrpo.train.config_file import add_config_file_argument, check_relative_paths
+from fastgrpo.train.config_file import add_config_file_argument, check_record_output_dir, check_relative_paths
 from fastgrpo.train.console import change, number
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
@@ -81,6 +81,8 @@ def config_from_args(name: str, args: argparse.Namespace):
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = CONFIGS[name].file_settings(args.config)
     check_relative_paths(file, flags, args.config)
+    if name in ("sft", "ei"):  # a copied run's record names the original run as output_dir
+        check_record_output_dir(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     resumed, record = resumed_run_settings(CONFIGS[name], merged)
     merged = {**coerced(CONFIGS[name], resumed), **merged}

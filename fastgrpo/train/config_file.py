@@ -14,6 +14,7 @@ from fastgrpo._checks import check_known_fields
 from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, recorded_fingerprint
 from fastgrpo.train.coercion import coerced
 from fastgrpo.train.command_fields import unknown_key_notes
+from fastgrpo.train.naming import setting
 from fastgrpo.train.setting_sources import SettingSources, from_file
 from fastgrpo.train.sources import function_file, recorded_function, resolved_dtype
 
@@ -108,6 +109,27 @@ def check_relative_paths(settings: dict, flags: dict, path: str | Path | None) -
             raise ValueError(f"{name} ({from_file(path)}): {given} is not in the current folder ({Path.cwd()}), "
                              "where a config file's relative paths start, as a flag's do; it is beside the config "
                              f"file: write {os.path.normpath(folder / given)} or run from {folder}")
+
+
+def check_record_output_dir(settings: dict, flags: dict, path: str | Path | None) -> None:
+    """A run's record (`<run>/checkpoint-<N>/` or `<run>/final/` RUN_RECORD) given as --config names its run's folder
+    as output_dir, absolute: read from a copy of the run, it would resume (write into) the original. Where that folder
+    is not the run folder holding the record and no --output-dir flag is given, a ValueError naming both folders."""
+    if path is None or "output_dir" in flags or not isinstance(settings.get("output_dir"), str):
+        return
+    record = Path(path).expanduser().absolute()
+    if record.name != RUN_RECORD or not _is_run_folder_part(record.parent.name):
+        return
+    run, named = record.parent.parent, Path(settings["output_dir"]).expanduser()
+    if named.resolve() != run.resolve():
+        raise ValueError(f"output_dir ({from_file(path)}): the record of the run in {run} names {named} as its run "
+                         f"folder (a copied run?); pass {setting('output_dir', run)} for this one, or "
+                         f"{setting('output_dir', named)} for that one")
+
+
+def _is_run_folder_part(name: str) -> bool:
+    """A run's checkpoint-<N>/ or final/ folder, where a run's record sits."""
+    return name == "final" or (name.startswith("checkpoint-") and name.removeprefix("checkpoint-").isdigit())
 
 
 def _local_paths(settings: dict):
