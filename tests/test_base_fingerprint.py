@@ -135,3 +135,48 @@ def test_a_finished_lora_run_on_a_changed_base_has_nothing_to_train_and_its_expo
     assert main([*lora, "--resume", "--resume-allow-changes"]) == 0
     assert "resume: continuing checkpoint-1 on other base weights" in capsys.readouterr().err
     assert (run / "final" / "config.json").is_file()
+
+
+def _python_run(command, base, run, **fields):
+    """The trainer of `command` from the Python API: a LoRA run of one step (round) on `base`, as the user builds it."""
+    from fastgrpo.train.config import GRPOConfig
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.expert_iteration import ExpertIteration
+    from fastgrpo.train.loading import load_model_and_tokenizer
+    from fastgrpo.train.sft import SFTTrainer
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    common = dict(model=str(base), output_dir=str(run), lora_rank=4, dtype="float32", device="cpu",
+                  progress_bar=False, logging_steps=0, **fields)
+    if command == "train":
+        config = GRPOConfig(**{**default_task.PRESET, "batch_size": 8, "num_generations": 4, "micro_batch_size": 8,
+                               "max_completion_length": 4, "max_steps": 1, **common})
+    elif command == "sft":
+        config = SFTConfig(**{**default_task.SFT_PRESET, "batch_size": 8, "micro_batch_size": 8, "max_steps": 1,
+                              **common})
+    else:
+        config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "questions_per_step": 4,
+                             "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "sft_epochs": 1,
+                             "ei_steps": 1, **common})
+    model, tokenizer = load_model_and_tokenizer(config)
+    if command == "train":
+        return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
+    if command == "sft":
+        return SFTTrainer(model, tokenizer, default_task.build_sft_dataset(32), config)
+    return ExpertIteration(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(8), config)
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_a_finished_lora_run_on_a_changed_base_from_python_has_nothing_to_train(tmp_path, caplog, command):
+    """resume=True from Python refused a finished LoRA run on its base's fingerprint, where the CLI says there is
+    nothing to train: it says so too now. A resume that exports (final/ missing) puts the adapter on the base: refused."""
+    base, run = _base(tmp_path / "base"), tmp_path / "run"
+    _python_run(command, base, run).train()
+    _base(base, seed=1)  # the base folder exported again since: other weights
+    with caplog.at_level(logging.WARNING):
+        assert _python_run(command, base, run, resume=True).train() == []
+    assert f"nothing to train: the run in {run} is at" in caplog.text
+    shutil.rmtree(run / "final")
+    with pytest.raises(ValueError, match=f"model: {base} is not the base model checkpoint-1 was trained on"):
+        _python_run(command, base, run, resume=True).train()
+    assert not (run / "final").exists()

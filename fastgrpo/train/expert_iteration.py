@@ -34,7 +34,6 @@ from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
                                        rng_states)
-from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
@@ -46,6 +45,7 @@ from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
+from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
@@ -348,7 +348,7 @@ class ExpertIteration:
         """Load the newest complete round checkpoint of output_dir: weights, RNG states, round. An FSDP2 one (full
         fine-tuning under torchrun) continues with the process count that wrote it."""
         path, state = load_latest_checkpoint(self.output_dir)
-        check_resume(state.get("config", {}), self.config, path.name)
+        check_resumed_checkpoint(state, self.config, path, self.config.ei_steps, self.evaluator is not None)
         self.round = self.dist.restore_checkpoint(path, state, self.model, None)["round"]
         # with the evaluation off now (eval_steps 0), the metrics line written without it stands
         self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None

@@ -24,7 +24,6 @@ import torch
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.rollout.requests import as_list
 from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints
-from fastgrpo.train.config import check_resume
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
@@ -37,6 +36,7 @@ from fastgrpo.train.options import (
     restore_schedule,
 )
 from fastgrpo.train.periodic_eval import sft_evaluator
+from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import (
     SFTExample, collate, padded_tokens, process_share, step_micro_batches, steps_per_epoch, tokenize_rows,
@@ -305,7 +305,7 @@ class SFTTrainer:
         run-defining settings must match the config's. An FSDP2 one (full fine-tuning under torchrun) continues with
         the process count that wrote it."""
         path, state = load_latest_checkpoint(self.output_dir)
-        check_resume(state.get("config", {}), self.config, path.name)
+        check_resumed_checkpoint(state, self.config, path, self.total_steps, self.evaluator is not None)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step = state["step"]

@@ -25,7 +25,7 @@ from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_name
 from fastgrpo.rollout import RolloutEngine
 from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
                                        rng_states)
-from fastgrpo.train.config import GRPOConfig, check_resume
+from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
@@ -45,6 +45,7 @@ from fastgrpo.train.options import (
     restore_schedule,
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
+from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.rollout_setup import rollout_engine
 from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
@@ -472,7 +473,7 @@ class GRPOTrainer:
         optimizer, scheduler, RNG, step, beta, the entropy coefficient. Its run-defining settings must match the
         config's (config_changes)."""
         path, state = load_latest_checkpoint(self.output_dir)
-        check_resume(state.get("config", {}), self.config, path.name)
+        check_resumed_checkpoint(state, self.config, path, self.config.max_steps, self.evaluator is not None)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]

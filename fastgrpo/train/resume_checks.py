@@ -1,0 +1,21 @@
+"""The check of the checkpoint a trainer resumes from, as the CLI makes it: a resume with work left (steps or rounds
+to train, a failed evaluation to redo, final/ to export) checks the base model's files too, which the checkpoint's
+LoRA adapter goes on; a finished run's says there is nothing to train whatever its base, from Python as from the CLI
+(fastgrpo.train.commands: finished_run, check_base_before_load)."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from fastgrpo.train.checkpoint import UNEVALUATED
+from fastgrpo.train.config import check_resume
+from fastgrpo.train.final_export import export_due
+
+
+def check_resumed_checkpoint(state: dict, config, checkpoint: Path, last: int, evaluates: bool) -> None:
+    """check_resume of `checkpoint` (its state, read: its "step" is the step or round it saved; last: the run's last;
+    evaluates: the trainer runs the periodic evaluation), the base model's files checked only where resuming it has
+    work left."""
+    done = state["step"]
+    work_left = done < last or (evaluates and UNEVALUATED in state) \
+        or (config.export and export_due(checkpoint.parent, done, trained=False))
+    check_resume(state.get("config", {}), config, checkpoint.name, base=work_left)
