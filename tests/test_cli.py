@@ -240,6 +240,8 @@ def test_each_commands_help_says_only_what_applies_to_it(capsys):
         texts[name] = " ".join(capsys.readouterr().out.split())
     assert [("--checkpoint of a run" in t) for t in texts.values()] == [False, False, True]
     assert not any(f"(default: {v}; {v} for the built-in model" in t for t in texts.values() for v in (8, 32, 64))
+    # ei fine-tunes on its kept completions with plain cross-entropy: train's "divides the logits of the loss" is not
+    assert "logits of the loss" not in texts["ei"] and "plain cross-entropy, at temperature 1" in texts["ei"]
 
 
 def test_reward_functions_from_the_current_folder_and_from_a_file(tmp_path, monkeypatch):

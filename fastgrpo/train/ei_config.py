@@ -77,7 +77,9 @@ class EIConfig(ConfigFile):
     max_prompt_length: int = inherited("max_prompt_length")
     truncate_prompts: bool = inherited("truncate_prompts")
     max_completion_length: int = option(1024, "tokens generated per completion at most")
-    temperature: float = inherited("temperature")
+    temperature: float = inherited("temperature", help="sampling temperature of each round's completions and of its "
+                                                    "evaluations; 0: greedy (the fine-tuning loss is plain "
+                                                    "cross-entropy, at temperature 1)")
     top_p: float = inherited("top_p")
     stop: list[str] | None = option(None, "stop strings (EOS always stops); none: </answer> under the r1_zero "
                                           "prompt format")
