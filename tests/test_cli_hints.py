@@ -51,6 +51,10 @@ def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
     (["sft", "--dataset-text-field", "body"], "--dataset-text-field (TRL's name; a column named text is read as "
                                               "plain text, trained on every token) body"),  # was: --dataset-config
     (["train", "--dataset_text_field", "body"], "--dataset_text_field (TRL's name; here --prompt-column) body"),
+    (["train", "--generation-batch-size", "8"], "--generation-batch-size (TRL's name; here --batch-size, the "
+                                                "completions of one rollout batch) 8"),  # not: a `fastgrpo ei` flag
+    (["ei", "--log-completions"], "--log-completions (TRL's name; here --eval-steps, an evaluation's completions: "
+                                  "every one in its JSONL file, a few printed to the log)"),
 ])
 def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"

@@ -51,6 +51,9 @@ def test_from_dict_names_the_command_a_key_belongs_to(config, data, message):
     assert str(info.value) == message
 
 
+_COMPLETIONS_LOGGED = "(an evaluation's completions: every one in its JSONL file, a few printed to the log)"
+
+
 @pytest.mark.parametrize("config, key, note", [
     (GRPOConfig, "lr", "TRL's name; here learning_rate"),
     (SFTConfig, "model_name_or_path", "TRL's name; here model"),
@@ -78,6 +81,13 @@ def test_from_dict_names_the_command_a_key_belongs_to(config, data, message):
                             "both)"),
     (GRPOConfig, "vllm_importance_sampling_correction", "TRL's name; here rollout_correction: truncate or mask"),
     (EIConfig, "deepspeed", "TRL's name; no DeepSpeed here: full fine-tuning under torchrun shards with FSDP2"),
+    # a close match said max_completion_length
+    (GRPOConfig, "log_completions", f"TRL's name; here eval_steps {_COMPLETIONS_LOGGED}"),
+    (EvalConfig, "log_completions", f"TRL's name; here log_generations {_COMPLETIONS_LOGGED}"),
+    # TRL's meaning under train: it said "a `fastgrpo ei` setting", whose generation_batch_size counts questions
+    (GRPOConfig, "generation_batch_size", "TRL's name; here batch_size (the completions of one rollout batch)"),
+    (EvalConfig, "generation_batch_size", "a `fastgrpo ei` setting; eval sets the prompts per rollout call with "
+                                          "batch_size"),
 ])
 def test_a_trl_name_names_fastgrpos(config, key, note, tmp_path):
     """A TrlParser YAML's keys that a close match would miss or mislead on name the setting that does it here."""
@@ -95,11 +105,12 @@ def test_a_trl_name_of_what_a_command_lacks_has_no_note():
 
 
 def test_trl_names_name_fields_and_are_none():
-    from fastgrpo.train.command_fields import TRL_NAMES, TRL_WITHOUT
+    from fastgrpo.train.command_fields import TRL_COMMANDS, TRL_NAMES, TRL_WITHOUT
 
     ours = set().union(*FIELDS.values())
-    for name, (fields_, _) in TRL_NAMES.items():
-        assert name not in ours and set(fields_) <= ours, name
+    for name, (fields_, _) in TRL_NAMES.items():  # one limited to some commands: none of theirs
+        theirs = set().union(*(FIELDS[c] for c in TRL_COMMANDS[name])) if name in TRL_COMMANDS else ours
+        assert name not in theirs and set(fields_) <= ours, name
     for name, (commands, _) in TRL_WITHOUT.items():
         assert name not in ours and set(commands) <= set(FIELDS), name
 

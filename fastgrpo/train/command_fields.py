@@ -104,7 +104,14 @@ TRL_NAMES = {
     "vllm_importance_sampling_mode": (("rollout_correction",), " (truncate or mask; token or sequence: "
                                                                "rollout_correction_level)"),
     "vllm_importance_sampling_cap": (("rollout_correction_clip_max",), ""),
+    # rollouts' completions are not logged; an evaluation's are (a close match said max_completion_length)
+    "log_completions": (("eval_steps", "log_generations"), " (an evaluation's completions: every one in its JSONL "
+                                                           "file, a few printed to the log)"),
+    "generation_batch_size": (("batch_size",), " (the completions of one rollout batch)"),  # TRL GRPOConfig's
 }
+# TRL_NAMES keys that mean their field only under these commands (elsewhere another command's field, or another
+# meaning): ei's own generation_batch_size counts questions per engine call, eval's batch_size prompts per call.
+TRL_COMMANDS = {"generation_batch_size": ("train",)}
 
 # TRL's names of what fastgrpo does in one way only, or not at all, by command: {TRL's name: (commands, why)}.
 _NO_PACKING = "no packing here: a step's rows are sorted by length into micro-batches, each padded to its longest"
@@ -140,7 +147,7 @@ def elsewhere(name: str, command: str, as_flag: bool = False) -> str | None:
 def trl_counterpart(name: str, command: str) -> tuple[str, str] | None:
     """For a TRL_NAMES key: (the field of `command` that does its job, how: ": bfloat16", " > 0", " (a note)", "");
     None for another name, or where `command` has no such field or TRL_WITHOUT says why it needs none."""
-    if trl_without(name, command) is not None:
+    if trl_without(name, command) is not None or command not in TRL_COMMANDS.get(name, (command,)):
         return None
     ours, how = TRL_NAMES.get(name, ((), ""))
     field = next((f for f in ours if f in fields(command)), None)
@@ -172,7 +179,7 @@ def unknown_key_notes(data: dict, command: str) -> dict[str, str]:
 def _key_note(name, value, command: str) -> str | None:
     if name in fields(command):  # only a dashed key gets here: its field's own name is no unknown key
         return f"write {name}: a key is the field's name, with underscores"
-    return elsewhere(name, command) or trl_name(name, command) or _nested(value, command)
+    return trl_name(name, command) or elsewhere(name, command) or _nested(value, command)  # the CLI's order
 
 
 def _nested(value, command: str) -> str | None:
