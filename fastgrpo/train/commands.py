@@ -53,9 +53,10 @@ def description(name: str) -> str:
 
 def resume_note(config_class: type) -> str:
     """What a resumable command's --help says of --resume: the settings it takes anew (run_control_fields)."""
-    return ("--resume continues the newest complete checkpoint in --output-dir; these settings may change on resume "
-            "(one no flag or config file sets keeps the run's value, but for device), every other one must match the "
-            f"checkpoint's (or pass --resume-allow-changes): {', '.join(run_control_fields(config_class))}.")
+    return ("--resume continues the newest complete checkpoint in --output-dir; these settings may change on resume, "
+            "every other one must match the checkpoint's (or pass --resume-allow-changes): "
+            f"{', '.join(run_control_fields(config_class))}. Of these, one that no flag and no config file sets keeps "
+            "the run's value, except device and export.")
 
 
 def _add_arguments(name: str):
