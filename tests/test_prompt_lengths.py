@@ -156,16 +156,17 @@ def test_eval_rows_past_the_models_positions_are_refused_before_it_loads(no_weig
         "or less\n")
 
 
-@pytest.mark.parametrize("command", ["train", "ei"])
-def test_reward_weights_of_another_count_are_refused_before_the_model_loads(no_weights, tmp_path, capsys,
-                                                                            monkeypatch, command):
+@pytest.mark.parametrize("command", ["train", "ei", "eval"])
+def test_reward_weights_of_another_count_are_refused_before_the_data_loads(no_weights, tmp_path, capsys,
+                                                                           monkeypatch, command):
+    """Each reward name is one function: the counts are known from the settings (the dataset named is no file)."""
     monkeypatch.chdir(tmp_path)
-    argv = [command, "--model", no_weights, "--dataset", _rows(tmp_path, "1 say a"), "--reward-funcs",
+    argv = [command, "--model", no_weights, "--dataset", str(tmp_path / "missing.jsonl"), "--reward-funcs",
             "fastgrpo.train.default_task:repeat_letter_reward", "--reward-weights", "1", "2", "--prompt-format", "raw",
-            "--max-prompt-length", "16", "--max-completion-length", "8", "--output-dir", str(tmp_path / "run"), *QUIET]
+            "--output-dir", str(tmp_path / "run")]
     assert main(argv) == 2
-    assert capsys.readouterr().err == (f"fastgrpo {command}: error: reward_weights: expected 1 weights (one per "
-                                       "reward function), got 2\n")
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: reward_weights: expected one weight per name in "
+                                       "reward_funcs (1), got 2\n")
 
 
 @pytest.mark.parametrize("command", ["train", "ei"])

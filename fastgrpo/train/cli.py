@@ -34,6 +34,7 @@ from fastgrpo.train.config_file import add_config_file_argument, check_record_ou
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
+from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
 from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
@@ -254,6 +255,7 @@ def config_from_args(args: argparse.Namespace) -> GRPOConfig:
         # under torchrun each process takes a share of a step's rows
         config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
         check_fsdp_applies(config)
+        check_reward_count(config)  # before any data loads
     warn_prompt_format_unlike_export(config, merged)
     return config
 

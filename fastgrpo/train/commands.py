@@ -26,6 +26,7 @@ from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.export_config import ExportConfig
+from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
 from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
@@ -109,6 +110,7 @@ def config_from_args(name: str, args: argparse.Namespace):
         config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
                                           **from_run, **merged})
         check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
+        check_reward_count(config)  # train, ei, eval: before any data loads
     if name in ("sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)
     return config

@@ -85,6 +85,16 @@ def check_reward_weights(weights: Sequence[float] | None) -> None:
         raise ValueError(f"reward_weights: expected finite numbers, got {weights}")
 
 
+def check_reward_count(config) -> None:
+    """A command's reward_weights against its reward_funcs, as its config is built: each name resolves to one
+    function, so another count was refused only once the data had loaded (check_reward_setup). Not a config's own
+    check: a trainer built in Python takes its reward functions as objects, whatever config.reward_funcs names."""
+    weights = getattr(config, "reward_weights", None)  # sft has none
+    if weights is not None and len(weights) != len(config.reward_funcs):
+        raise ValueError(f"reward_weights: expected one weight per name in reward_funcs ({len(config.reward_funcs)}), "
+                         f"got {len(weights)}")
+
+
 def model_positions(model) -> int | None:
     """The longest sequence the model's config allows (max_position_embeddings), None where it names none."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)
