@@ -50,3 +50,13 @@ def test_train_evaluates_on_a_folder_given_its_split(tmp_path, monkeypatch):
                  "data.jsonl", "--max-steps", "1", "--eval-steps", "1", "--eval-dataset", str(folder),
                  "--eval-dataset-split", "train", "--eval-max-examples", "2"]) == 0
     assert (tmp_path / "run" / "eval" / "step-1_summary.json").is_file()
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_a_split_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, capsys, command):
+    """The built-in task's held-out rows have no splits: the split named was ignored, the run evaluated on them."""
+    run = tmp_path / "run"
+    assert main([command, "--output-dir", str(run), "--eval-steps", "1", "--eval-dataset-split", "validation"]) == 2
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: eval_dataset_split: 'validation' names a split of "
+                                       "eval_dataset; the built-in task (no eval_dataset) has none\n")
+    assert not run.exists()

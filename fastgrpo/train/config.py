@@ -17,8 +17,8 @@ from fastgrpo.train.base_fingerprint import base_change, same_base
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
 from fastgrpo.train.input_checks import (
-    check_adamw_options, check_at_least, check_lora_options, check_reward_names, check_reward_weights,
-    check_save_minutes, greedy_copies,
+    check_adamw_options, check_at_least, check_eval_split, check_lora_options, check_reward_names,
+    check_reward_weights, check_save_minutes, greedy_copies,
 )
 from fastgrpo.train.loss_setup import check_loss_options
 from fastgrpo.train.memory_options import check_activation_memory_options
@@ -268,6 +268,7 @@ class GRPOConfig(ConfigFile):
         if self.eval_steps < 0 or self.eval_max_examples < 1:
             raise ValueError(f"eval_steps / eval_max_examples: expected >= 0 / >= 1, got {self.eval_steps} / "
                              f"{self.eval_max_examples}")
+        check_eval_split(self)
         check_at_least(self, ("batch_size", "max_prompt_length", "max_completion_length", "num_iterations",
                               "num_minibatches", "micro_batch_size", "max_steps"), 1)
         if self.num_generations < 2:

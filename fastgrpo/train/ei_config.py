@@ -8,7 +8,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
-from fastgrpo.train.input_checks import check_at_least, greedy_copies
+from fastgrpo.train.input_checks import check_at_least, check_eval_split, greedy_copies
 from fastgrpo.train.options import (
     check_model_options, check_optimizer_options, check_run_options, check_scoring_options, inherited,
 )
@@ -127,6 +127,7 @@ class EIConfig(ConfigFile):
                               "max_prompt_length", "max_completion_length", "sft_epochs", "batch_size",
                               "micro_batch_size", "eval_max_examples"), 1)
         check_at_least(self, ("eval_steps", "save_steps", "logging_steps"), 0)
+        check_eval_split(self)
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
                              f"got {self.micro_batch_size}")

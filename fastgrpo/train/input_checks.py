@@ -95,6 +95,16 @@ def check_reward_count(config) -> None:
                          f"got {len(weights)}")
 
 
+def check_eval_split(config) -> None:
+    """eval_dataset_split of a run that evaluates (eval_steps) on the built-in task's held-out rows (neither
+    eval_dataset nor dataset): they have no splits, and a split named was ignored."""
+    default = type(config).__dataclass_fields__["eval_dataset_split"].default
+    if config.eval_steps and config.eval_dataset is None and config.dataset is None \
+            and config.eval_dataset_split != default:
+        raise ValueError(f"eval_dataset_split: {config.eval_dataset_split!r} names a split of eval_dataset; the "
+                         "built-in task (no eval_dataset) has none")
+
+
 def model_positions(model) -> int | None:
     """The longest sequence the model's config allows (max_position_embeddings), None where it names none."""
     return getattr(getattr(model, "config", None), "max_position_embeddings", None)

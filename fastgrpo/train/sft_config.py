@@ -11,7 +11,7 @@ from fastgrpo._checks import check_choice
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config import REWARD_ERRORS, check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
-from fastgrpo.train.input_checks import check_at_least, check_reward_names, check_save_minutes
+from fastgrpo.train.input_checks import check_at_least, check_eval_split, check_reward_names, check_save_minutes
 from fastgrpo.train.options import (
     check_model_options, check_optimizer_options, check_run_options, inherited,
 )
@@ -106,6 +106,7 @@ class SFTConfig(ConfigFile):
         check_at_least(self, ("max_seq_length", "batch_size", "micro_batch_size", "num_epochs",
                               "eval_max_examples", "eval_max_new_tokens"), 1)
         check_at_least(self, ("max_steps", "save_steps", "logging_steps", "eval_steps", "eval_temperature"), 0)
+        check_eval_split(self)
         check_save_minutes(self)
         if self.batch_size % self.micro_batch_size:
             raise ValueError(f"micro_batch_size: expected a divisor of batch_size ({self.batch_size}), "
