@@ -23,8 +23,7 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
-    check_base_before_load, check_export_before_load, check_resume_before_load, description, finished_run, resume_note,
-    run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
+    description, resume_note, run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
 )
 from fastgrpo.train.coercion import BOOL_WORDS, coerced
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_without
@@ -37,6 +36,9 @@ from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_e
 from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
+from fastgrpo.train.resume_before_load import (
+    check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
+)
 from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
 from fastgrpo.train.setting_sources import (
     DATA_PRESET, MODEL_PRESET, SettingSources, from_file, naming_recorded_sources, record_sources,

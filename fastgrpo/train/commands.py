@@ -18,7 +18,7 @@ from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.coercion import coerced
-from fastgrpo.train.config import GRPOConfig, check_resume, check_resumed_base, run_control_fields
+from fastgrpo.train.config import GRPOConfig, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_record_output_dir, check_relative_paths
 from fastgrpo.train.console import change, number
@@ -29,6 +29,9 @@ from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
+from fastgrpo.train.resume_before_load import (
+    check_base_before_load, check_export_before_load, check_resume_before_load, finished_at, finished_sft,
+)
 from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
 from fastgrpo.train.setting_sources import DATA_PRESET, MODEL_PRESET, SettingSources, from_file, record_sources
 from fastgrpo.train.sft_config import SFTConfig
@@ -233,86 +236,6 @@ def _load_model(config, tokenizer):
     return model
 
 
-def check_resume_before_load(config) -> None:
-    """A --resume checked against the newest checkpoint's run config before the model loads; the trainer checks what
-    it loads again, and warns of the changes --resume-allow-changes lets through then. The base model's files are
-    check_base_before_load's: a finished run loads no model, and says it has nothing to train whatever its base."""
-    _check_newest_checkpoint(config, lambda saved, name: check_resume(saved, config, name, warn=False, base=False))
-
-
-def check_base_before_load(config) -> None:
-    """For a --resume that trains or exports (not finished_run's): the base model is the one the newest checkpoint's
-    run trained on (check_resumed_base), before it loads; a LoRA adapter put on another base mixes two runs."""
-    _check_newest_checkpoint(config, lambda saved, name: check_resumed_base(saved, config, name, warn=False))
-
-
-def _check_newest_checkpoint(config, check) -> None:
-    """check(run config, checkpoint name) of a --resume's newest checkpoint, where it has a run_config.json."""
-    from fastgrpo.train.checkpoint import CONFIG_FILE, latest_checkpoint, read_run_config
-
-    newest = latest_checkpoint(config.output_dir) if config.resume else None
-    if newest is not None and (newest / CONFIG_FILE).is_file():
-        check(read_run_config(newest), newest.name)
-
-
-def finished_run(config) -> str | None:
-    """For a --resume of a GRPO run whose newest checkpoint is at max_steps or past it (and whose final/ is that
-    checkpoint's export when export is on): the line saying there is nothing to train, instead of loading the model to
-    find that out. report_to is checked first, on every run: a finished one builds no trainer, whose metrics log
-    checks it."""
-    from fastgrpo.train.naming import setting
-
-    return _finished_at(config, config.max_steps, "step", setting("max_steps", config.max_steps), "max_steps")
-
-
-def _finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
-    """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
-    it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, list_checkpoints, newest_readable_checkpoint
-    from fastgrpo.train.final_export import export_due, nothing_to_train
-    from fastgrpo.train.metrics_log import check_report_to
-    from fastgrpo.train.ranks import is_main_process
-
-    check_report_to(config.report_to)
-    found = list_checkpoints(config.output_dir) if config.resume else []
-    if not found or found[-1][0] < last:
-        return None
-    # the checkpoint the resume loads, read as it reads it (tensors left unread): a damaged newest one is skipped
-    newest, state, skipped = newest_readable_checkpoint(config.output_dir, mmap=True)
-    step = state["step"]
-    if step < last:
-        return None  # the resume goes on from an older checkpoint, and says which it skipped
-    if UNEVALUATED in state and config.eval_steps:
-        return None  # its last step's evaluation failed: the resume evaluates it
-    # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
-    if config.export and export_due(config.output_dir, step, trained=False):
-        return None
-    for line in skipped:  # said here only when no resume follows to say it
-        logger.warning(line)
-    if is_main_process():
-        apply_save_limit(config.output_dir, config.save_total_limit, step)
-    exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
-    return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
-
-
-def check_export_before_load(config, dist) -> None:
-    """A run about to train (not finished_run's) with export on: a final/ holding files its export would delete is
-    refused now, before the model loads, not once the run is trained; rank 0 reads it, every process stops with its
-    line."""
-    if config.export:
-        dist.check_final_exportable(config.output_dir)
-
-
-def _finished_sft(config, num_rows: int) -> str | None:
-    """finished_run for an SFT run on num_rows rows (its last step: max_steps, or num_epochs passes)."""
-    from fastgrpo.train.naming import setting
-    from fastgrpo.train.sft import total_steps
-
-    field = "max_steps" if config.max_steps else "num_epochs"
-    last = total_steps(config, num_rows)
-    return _finished_at(config, last, "step", f"{last} ({setting(field, getattr(config, field))})", field)
-
-
 def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
     """Lock the output folder (rank 0, under torchrun), check a resume against the checkpoint, say there is nothing
     to train when the resumed run is finished (finished(): finished_run's line, or None), else check final/ can take
@@ -361,7 +284,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
     rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed), tokenizer)
     examples = check_sft_rows_before_load(config, rows, tokenizer)  # tokenized once: the trainer takes them
-    history = _train(config, dist, lambda: _finished_sft(config, len(rows)), tokenizer,
+    history = _train(config, dist, lambda: finished_sft(config, len(rows)), tokenizer,
                      lambda model: SFTTrainer(model, tokenizer, rows, config, examples=examples), args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
@@ -388,7 +311,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     rows = load_dataset(config, tokenizer=tokenizer)  # the built-in rows: the GRPO task's
     prompt_ids = check_sampling_before_load(config, rows, reward_funcs, tokenizer)
     history = _train(config, dist,
-                     lambda: _finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
+                     lambda: finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),
                                           "ei_steps"),
                      tokenizer,
                      lambda model: ExpertIteration(model, tokenizer, reward_funcs, rows, config, prompt_ids=prompt_ids),

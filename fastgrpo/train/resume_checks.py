@@ -1,7 +1,7 @@
 """The check of the checkpoint a trainer resumes from, as the CLI makes it: a resume with work left (steps or rounds
 to train, a failed evaluation to redo, final/ to export) checks the base model's files too, which the checkpoint's
 LoRA adapter goes on; a finished run's says there is nothing to train whatever its base, from Python as from the CLI
-(fastgrpo.train.commands: finished_run, check_base_before_load)."""
+(fastgrpo.train.resume_before_load: finished_run, check_base_before_load)."""
 from __future__ import annotations
 
 from pathlib import Path
