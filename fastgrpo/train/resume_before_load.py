@@ -45,10 +45,11 @@ def finished_run(config) -> str | None:
 def finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, list_checkpoints, newest_readable_checkpoint
-    from fastgrpo.train.final_export import export_due, nothing_to_train
+    from fastgrpo.train.checkpoint import apply_save_limit, list_checkpoints, newest_readable_checkpoint
+    from fastgrpo.train.final_export import nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
     from fastgrpo.train.ranks import is_main_process
+    from fastgrpo.train.resume_checks import has_work_left
 
     check_report_to(config.report_to)
     found = list_checkpoints(config.output_dir) if config.resume else []
@@ -56,14 +57,11 @@ def finished_at(config, last: int, unit: str, of: str, field: str) -> str | None
         return None
     # the checkpoint the resume loads, read as it reads it (tensors left unread): a damaged newest one is skipped
     newest, state, skipped = newest_readable_checkpoint(config.output_dir, mmap=True)
-    step = state["step"]
-    if step < last:
-        return None  # the resume goes on from an older checkpoint, and says which it skipped
-    if UNEVALUATED in state and config.eval_steps:
-        return None  # its last step's evaluation failed: the resume evaluates it
-    # final/ missing or of an earlier step (stopped before its export, or went on with export off): resuming exports
-    if config.export and export_due(config.output_dir, step, trained=False):
+    # an older checkpoint than `last` (the resume goes on from it, and says which it skipped), a failed evaluation
+    # to redo, or final/ to export: the resume has work
+    if has_work_left(state, config, config.output_dir, last, bool(config.eval_steps)):
         return None
+    step = state["step"]
     for line in skipped:  # said here only when no resume follows to say it
         logger.warning(line)
     if is_main_process():

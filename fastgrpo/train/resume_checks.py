@@ -12,10 +12,16 @@ from fastgrpo.train.final_export import export_due
 
 
 def check_resumed_checkpoint(state: dict, config, checkpoint: Path, last: int, evaluates: bool) -> None:
-    """check_resume of `checkpoint` (its state, read: its "step" is the step or round it saved; last: the run's last;
-    evaluates: the trainer runs the periodic evaluation), the base model's files checked only where resuming it has
-    work left."""
-    done = state["step"]
-    work_left = done < last or (evaluates and UNEVALUATED in state) \
-        or (config.export and export_due(checkpoint.parent, done, trained=False))
+    """check_resume of `checkpoint` (its state, read), the base model's files checked only where resuming it has
+    work left (has_work_left)."""
+    work_left = has_work_left(state, config, checkpoint.parent, last, evaluates)
     check_resume(state.get("config", {}), config, checkpoint.name, base=work_left)
+
+
+def has_work_left(state: dict, config, output_dir: str | Path, last: int, evaluates: bool) -> bool:
+    """Whether resuming the checkpoint of `state` (its "step": the step or round it saved) has work to do: steps or
+    rounds up to `last`; its last step's evaluation, which failed (evaluates: the run evaluates now); or final/ to
+    export (missing, or of an earlier step: stopped before its export, or went on with export off)."""
+    done = state["step"]
+    return done < last or (evaluates and UNEVALUATED in state) \
+        or bool(config.export and export_due(output_dir, done, trained=False))

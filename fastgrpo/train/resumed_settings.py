@@ -24,8 +24,7 @@ def resumed_run_settings(config_class: type, merged: dict) -> tuple[dict, str | 
     output folder holds no checkpoint with a record, or its run is another command's."""
     if not merged.get("resume"):
         return {}, None
-    defaults = {f.name: f.default for f in dataclasses.fields(config_class)}
-    output_dir = merged.get("output_dir", defaults.get("output_dir"))
+    output_dir = merged.get("output_dir", _defaults(config_class).get("output_dir"))
     records = [path / CONFIG_FILE for _, path in list_checkpoints(output_dir) if (path / CONFIG_FILE).is_file()]
     if not records:
         return {}, None
@@ -40,8 +39,12 @@ def resumed_run_settings(config_class: type, merged: dict) -> tuple[dict, str | 
 def say_kept(taken: dict, record: str | None, config_class: type, preset: dict) -> None:
     """One line naming each setting resumed_run_settings took (from `record`) whose value differs from the one the run
     would take otherwise (the default, or the built-in task's preset)."""
-    otherwise = {f.name: f.default for f in dataclasses.fields(config_class)} | preset
+    otherwise = _defaults(config_class) | preset
     kept = [f"{name} {value!r}" for name, value in taken.items() if value != otherwise.get(name)]
     if kept:
         logger.info("resume: keeping the run's %s (from %s; a flag or the config file sets another)", ", ".join(kept),
                     record)
+
+
+def _defaults(config_class: type) -> dict:
+    return {f.name: f.default for f in dataclasses.fields(config_class)}
