@@ -7,13 +7,14 @@ import pytest
 import torch
 
 from fastgrpo.train import default_task
-from fastgrpo.train.cli import build_parser, config_from_args, main
+from fastgrpo.train.cli import build_parser, main
+from fastgrpo.train.commands import config_from_args
 from fastgrpo.train.loading import resolve_reward
 from fastgrpo.rewards import length_reward
 
 
 def _config(argv):
-    return config_from_args(build_parser().parse_args(["train", *argv]))
+    return config_from_args("train", build_parser().parse_args(["train", *argv]))
 
 
 def test_default_run_reward_rises(tmp_path, capsys):

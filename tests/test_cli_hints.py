@@ -125,10 +125,11 @@ def test_fsdp_settings_that_do_nothing_are_refused(monkeypatch, tmp_path, capsys
 
 
 def test_fsdp_settings_of_a_full_fine_tuning_launch_or_at_their_defaults_pass(monkeypatch):
-    from fastgrpo.train.cli import build_parser, config_from_args
+    from fastgrpo.train.cli import build_parser
+    from fastgrpo.train.commands import config_from_args
 
     def config(argv):
-        return config_from_args(build_parser().parse_args(["train", *argv]))
+        return config_from_args("train", build_parser().parse_args(["train", *argv]))
 
     assert config(["--fsdp-reshard-after-forward", "--fsdp-layers-per-group", "1"]).fsdp_layers_per_group == 1
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -2,12 +2,12 @@
 import pytest
 
 from fastgrpo.train import commands
-from fastgrpo.train.cli import build_parser, config_from_args
+from fastgrpo.train.cli import build_parser
 
 
 def _config(command: str, argv: list[str]):
     args = build_parser().parse_args([command, *argv])
-    return config_from_args(args) if command == "train" else commands.config_from_args(command, args)
+    return commands.config_from_args(command, args)
 
 
 @pytest.mark.parametrize("command, field", [("train", "report_to"), ("train", "stop"), ("train", "reward_weights"),

@@ -43,11 +43,12 @@ def _trained_weights(run, lora: bool) -> dict:
 def _evaluate_on_one_process(argv: list[str], weights: dict) -> None:
     """The periodic evaluation of the run `argv` describes, on this (single) process: as step 0 with the weights the
     run starts from, as step STEPS with `weights` loaded."""
-    from fastgrpo.train.cli import build_parser, config_from_args
+    from fastgrpo.train.cli import build_parser
+    from fastgrpo.train.commands import config_from_args
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward
     from fastgrpo.train.trainer import GRPOTrainer
 
-    config = config_from_args(build_parser().parse_args(argv))
+    config = config_from_args("train", build_parser().parse_args(argv))
     torch.manual_seed(config.seed)  # LoRA's initialization, as the command does
     model, tokenizer = load_model_and_tokenizer(config)
     trainer = GRPOTrainer(model, tokenizer, [resolve_reward(name) for name in config.reward_funcs],

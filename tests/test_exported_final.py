@@ -304,12 +304,12 @@ def test_a_run_from_an_export_says_when_it_prompts_unlike_the_export_learned(tmp
     import logging
 
     from fastgrpo.train import commands
-    from fastgrpo.train.cli import build_parser, config_from_args
+    from fastgrpo.train.cli import build_parser
 
     tokenizer = default_task.build_tokenizer()
     final = export_model(default_task.build_model(tokenizer), tokenizer, tmp_path / "final",
                          run_config={"prompt_format": "chat"})
-    build = config_from_args if command == "train" else functools.partial(commands.config_from_args, command)
+    build = functools.partial(commands.config_from_args, command)
     argv = [command, "--model", str(final), "--dataset", "rows.jsonl"]
     with caplog.at_level(logging.WARNING, logger="fastgrpo.train.commands"):
         assert build(build_parser().parse_args(argv)).prompt_format == default

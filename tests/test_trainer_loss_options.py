@@ -101,17 +101,18 @@ def test_whole_sequence_options_run_in_the_loop(tmp_path):
 
 
 def test_every_option_is_a_flag_of_fastgrpo_train():
-    from fastgrpo.train.cli import build_parser, config_from_args
+    from fastgrpo.train.cli import build_parser
+    from fastgrpo.train.commands import config_from_args
 
     argv = ["train", "--loss-type", "sapo", "--sapo-temperature-neg", "2", "--top-entropy-quantile", "0.2",
             "--off-policy-mask-threshold", "0.1", "--use-bias-correction-kl", "--entropy-coef", "0.01",
             "--use-adaptive-entropy", "--mask-truncated-completions", "--multi-objective-aggregation",
             "normalize_then_sum", "--rollout-correction", "truncate", "--rollout-correction-level", "token",
             "--rollout-correction-clip-max", "none", "--rollout-correction-clip-min", "0.5"]
-    config = config_from_args(build_parser().parse_args(argv))
+    config = config_from_args("train", build_parser().parse_args(argv))
     assert (config.loss_type, config.sapo_temperature_neg, config.top_entropy_quantile) == ("sapo", 2.0, 0.2)
     assert config.use_bias_correction_kl and config.use_adaptive_entropy and config.mask_truncated_completions
     assert (config.rollout_correction, config.rollout_correction_clip_max, config.rollout_correction_clip_min) == (
         "truncate", None, 0.5)
     with pytest.raises(ValueError, match="^top_entropy_quantile: expected a float in"):
-        config_from_args(build_parser().parse_args(["train", "--top-entropy-quantile", "0"]))
+        config_from_args("train", build_parser().parse_args(["train", "--top-entropy-quantile", "0"]))

@@ -23,26 +23,21 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
-    description, resume_note, run_ei, run_eval, run_sft, warn_prompt_format_unlike_export,
+    config_from_args, description, resume_note, run_ei, run_eval, run_sft,
 )
-from fastgrpo.train.coercion import BOOL_WORDS, coerced
+from fastgrpo.train.coercion import BOOL_WORDS
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_without
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_flags import add_config_arguments
-from fastgrpo.train.config_file import add_config_file_argument, check_record_output_dir, check_relative_paths
+from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
-from fastgrpo.train.input_checks import check_reward_count
-from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import flag
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
 )
-from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
-from fastgrpo.train.setting_sources import (
-    DATA_PRESET, MODEL_PRESET, SettingSources, from_file, naming_recorded_sources, record_sources,
-)
+from fastgrpo.train.setting_sources import naming_recorded_sources
 from fastgrpo.train.versions import library_versions
 
 
@@ -234,34 +229,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, GRPOConfig, notes=_preset_notes())
 
 
-def config_from_args(args: argparse.Namespace) -> GRPOConfig:
-    """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < YAML < flags."""
-    flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
-    file = GRPOConfig.file_settings(args.config)
-    check_relative_paths(file, flags, args.config)
-    check_record_output_dir(file, flags, args.config)  # a copied run's record names the original run
-    merged = coerced(GRPOConfig, {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
-    resumed, record = resumed_run_settings(GRPOConfig, merged)
-    merged = {**coerced(GRPOConfig, resumed), **merged}
-    model_preset = dict(default_task.PRESET) if merged.get("model") is None else {}
-    data_preset = {"reward_funcs": list(default_task.REWARD_FUNCS)} if merged.get("dataset") is None else {}
-    preset = {**model_preset, **data_preset}
-    say_kept(resumed, record, GRPOConfig, preset)
-    sources = SettingSources(GRPOConfig, (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
-                             (resumed, None), (file, from_file(args.config) if file else None),
-                             (flags, None))
-    record_sources(sources)
-    from fastgrpo.train.distributed import launched_processes
-
-    with sources.naming():
-        # under torchrun each process takes a share of a step's rows
-        config = GRPOConfig.from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()), **merged})
-        check_fsdp_applies(config)
-        check_reward_count(config)  # before any data loads
-    warn_prompt_format_unlike_export(config, merged)
-    return config
-
-
 def resume_command(argv: list[str]) -> str:
     """The command line that continues the run `argv` started: the same flags, --resume, no overwrite."""
     kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
@@ -282,7 +249,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.trainer import GRPOTrainer
 
     # Everything a user can get wrong is checked before the model loads.
-    config = config_from_args(args)
+    config = config_from_args("train", args)
     use_expandable_segments(config.rollout_engine)  # before the first CUDA allocation
     resolve_device(config.device)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU

@@ -39,7 +39,8 @@ from fastgrpo.train.sft_config import SFTConfig
 logger = logging.getLogger(__name__)
 
 CONFIGS = {"train": GRPOConfig, "sft": SFTConfig, "ei": EIConfig, "eval": EvalConfig, "export": ExportConfig}
-MODEL_PRESETS = {"sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET, "eval": default_task.EVAL_PRESET}
+MODEL_PRESETS = {"train": default_task.PRESET, "sft": default_task.SFT_PRESET, "ei": default_task.EI_PRESET,
+                 "eval": default_task.EVAL_PRESET}
 
 SFT_HELP = "supervised fine-tuning on prompt/response rows (loss on the response tokens)"
 EI_HELP = "expert iteration: sample, keep the correct completions, fine-tune on them, repeat"
@@ -81,12 +82,13 @@ add_sft_arguments, add_ei_arguments, add_eval_arguments, add_export_arguments = 
 
 
 def config_from_args(name: str, args: argparse.Namespace):
-    """defaults < built-in presets < (eval --checkpoint) the run's prompt settings < YAML < flags, as a
+    """defaults < built-in presets (no --model: the tiny model's settings; no --dataset: its reward) < (eval
+    --checkpoint) the run's prompt settings < (--resume) the run's run-control settings < YAML < flags, as a
     CONFIGS[name]."""
     flags = {k: v for k, v in vars(args).items() if k not in ("command", "config", "debug", "argv")}
     file = CONFIGS[name].file_settings(args.config)
     check_relative_paths(file, flags, args.config)
-    if name in ("sft", "ei"):  # a copied run's record names the original run as output_dir
+    if name in ("train", "sft", "ei"):  # a copied run's record names the original run as output_dir
         check_record_output_dir(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     resumed, record = resumed_run_settings(CONFIGS[name], merged)
@@ -112,9 +114,9 @@ def config_from_args(name: str, args: argparse.Namespace):
         # under torchrun each process runs a share of a step's rows
         config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
                                           **from_run, **merged})
-        check_fsdp_applies(config)  # sft, ei (eval has no fsdp_* fields)
+        check_fsdp_applies(config)  # train, sft, ei (eval has no fsdp_* fields)
         check_reward_count(config)  # train, ei, eval: before any data loads
-    if name in ("sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
+    if name in ("train", "sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)
     return config
 

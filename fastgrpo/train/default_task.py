@@ -84,6 +84,7 @@ EI_PRESET = dict(
 EVAL_PRESET = dict(max_new_tokens=8, dtype="float32", device="cpu")
 # What a command uses on the built-in rows (no --dataset), as REWARD_FUNCS for `fastgrpo train`.
 BUILTIN_DATA = {
+    "train": dict(reward_funcs=REWARD_FUNCS),
     "sft": dict(eval_reward_funcs=REWARD_FUNCS),
     "ei": dict(reward_funcs=REWARD_FUNCS, prompt_format="raw"),
     "eval": dict(reward_funcs=REWARD_FUNCS, prompt_format="raw"),
