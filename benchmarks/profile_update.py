@@ -8,6 +8,8 @@
     python -m benchmarks.profile_update --variants offload,offload-lora-add   # lora_linear against the two-op path
     python -m benchmarks.profile_update --variants offload,offload@20,offload@14 --no-trace   # fewer recomputed layers
     python -m benchmarks.profile_update --variants offload --rollout-correction truncate   # fastgrpo-fp8's update
+    python -m benchmarks.profile_update --shape llama-3.1-8b-lora --variants offload --rollout-correction truncate \
+        --fp8-base                                              # fastgrpo-fp8train's update (sm89+)
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
 completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
@@ -106,7 +108,7 @@ class Clock:
         self.peaks[phase] = max(self.peaks.get(phase, 0.0), peak)
 
 
-def set_variant(trainer, variant: str) -> None:
+def set_variant(trainer, variant: str, fp8_base: bool = False) -> None:
     import fastgrpo
 
     model = trainer.model
@@ -115,7 +117,7 @@ def set_variant(trainer, variant: str) -> None:
     variant, _, layers = variant.partition("@")
     tiling = TILING.get(variant, dict(tiled_mlp=False))
     fastgrpo.patch_model(model, offload_activations=variant.startswith("offload"),
-                         recompute_layers=int(layers) if layers else None, **tiling)
+                         recompute_layers=int(layers) if layers else None, fp8_base=fp8_base, **tiling)
     if variant == "checkpoint":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
 
@@ -187,11 +189,11 @@ def sync_sites(trainer, batch, advantages, variant: str) -> list[tuple[str, int]
 
 
 def profile_variant(trainer, batch, advantages, variant: str, repeats: int, trace_dir: Path,
-                    python: bool = False, syncs: bool = False, no_trace: bool = False) -> dict:
+                    python: bool = False, syncs: bool = False, no_trace: bool = False, fp8_base: bool = False) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     cuda = trainer.device.type == "cuda"
-    set_variant(trainer, variant)
+    set_variant(trainer, variant, fp8_base)
     repeat(trainer, batch, advantages, Clock(cuda))  # warm-up: Triton autotuning, allocator
     clock = Clock(cuda)
     for _ in range(repeats):
@@ -236,6 +238,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rollout-correction", default="none", choices=ROLLOUT_CORRECTIONS,
                         help="GRPOConfig.rollout_correction: with one optimizer step the loss weights itself from its "
                              "own forward, as fastgrpo-fp8 runs it (the synthetic rollout log-probs are 0)")
+    parser.add_argument("--fp8-base", action="store_true",
+                        help="patch_model(fp8_base=True): the frozen base's GEMMs in e4m3, as fastgrpo-fp8train runs them")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 in --shape's mode, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")
@@ -255,17 +259,17 @@ def main(argv: list[str] | None = None) -> None:
                                    generations=4, micro_batch=4)
         args.models_dir = tempfile.mkdtemp(prefix="profile-update-models-")
     case = dataclasses.replace(case, folder=str(build_folder(case.model, Path(args.models_dir), device)))
-    trainer = fastgrpo_trainer(case)
+    trainer = fastgrpo_trainer(case, "fp8train" if args.fp8_base else "builtin")
     trainer.config = dataclasses.replace(trainer.config, rollout_correction=args.rollout_correction)
     batch, advantages = synthetic_batch(case, trainer.model.config.vocab_size, device)
     rows = []
     for variant in variants:
         with code_path(variant):
             rows.append(profile_variant(trainer, batch, advantages, variant, args.repeats, trace_dir,
-                                        args.python_profile, args.sync_sites, args.no_trace))
+                                        args.python_profile, args.sync_sites, args.no_trace, args.fp8_base))
     config = {"shape": case.shape, "completion": case.completion, "batch": f"{case.batch} x ({case.prompt_length} + "
               f"{case.completion})", "micro_batch": case.micro_batch, "beta": case.beta, "repeats": args.repeats,
-              "rollout_correction": args.rollout_correction, "card": card_name(), "trace_dir": str(trace_dir)}
+              "rollout_correction": args.rollout_correction, "fp8_base": args.fp8_base, "card": card_name(), "trace_dir": str(trace_dir)}
     directory = Path(tempfile.mkdtemp()) if args.dry_run else None
     print(f"wrote {write_results('update_profile', rows, config, directory)}")
     print_table(rows, ["variant", *[f"{p}_s" for p in PHASES], "total_s", *[f"{p}_peak_gib" for p in PHASES]])
