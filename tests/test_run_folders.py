@@ -309,3 +309,63 @@ def test_a_finished_run_resumed_applies_its_limit_but_keeps_the_damaged_checkpoi
     (tmp_path / "checkpoint-3" / STATE_FILE).write_bytes(b"torn")
     apply_save_limit(tmp_path, 1, 2)
     assert [step for step, _ in list_checkpoints(tmp_path)] == [2, 3]
+
+
+def _killed_writer(tmp_path, folder, die_at_rename: int):
+    """A process that writes `folder` with atomic_directory and is killed (os._exit) at its die_at_rename-th rename
+    (0: while filling the folder); returns its pid, no longer running."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = ("import os, sys\n"
+              "from fastgrpo.train.atomic_folder import atomic_directory\n"
+              "real, calls = os.replace, []\n"
+              "def replace(src, dst):\n"
+              "    calls.append(src)\n"
+              f"    if len(calls) == {die_at_rename}:\n"
+              "        os._exit(137)\n"
+              "    real(src, dst)\n"
+              "os.replace = replace\n"
+              "with atomic_directory(sys.argv[1]) as tmp:\n"
+              "    (tmp / 'model').write_text('new')\n"
+              f"    {'os._exit(137)' if die_at_rename == 0 else 'pass'}\n")
+    killed = subprocess.Popen([sys.executable, "-c", script, str(folder)], cwd=Path(__file__).parents[1])
+    assert killed.wait() == 137
+    return killed.pid
+
+
+def test_an_export_killed_while_writing_leaves_no_copy_behind_once_the_path_is_written_again(tmp_path):
+    """A killed export (`fastgrpo export --output PATH`, outside any run folder) left its partial copy of a whole model
+    at .PATH.tmp-<pid> for good: no run folder's resume cleans there, and each later export wrote its own. The next
+    write of PATH deletes the partial writes of processes no longer running; a running one's is not touched."""
+    export = tmp_path / "exported"
+    pid = _killed_writer(tmp_path, export, die_at_rename=0)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".exported.tmp-{pid}"]
+    running = tmp_path / f".exported.tmp-{os.getppid()}"  # another export of PATH still writing
+    running.mkdir()
+    from fastgrpo.train.atomic_folder import atomic_directory
+
+    with atomic_directory(export) as tmp:
+        (tmp / "model").write_text("again")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [running.name, "exported"], list(tmp_path.iterdir())
+    assert (export / "model").read_text() == "again"
+
+
+def test_an_export_killed_between_its_renames_is_finished_not_lost_by_the_next_write(tmp_path, caplog):
+    """Killed between the two renames, an export left no PATH: its old version at .PATH.old-<pid>, the new one (whole,
+    fsynced) at .PATH.tmp-<pid>. The next write of PATH finishes that rename first, so a failure of that write
+    leaves the whole copy at PATH, and deletes the old one."""
+    from fastgrpo.train.atomic_folder import atomic_directory
+
+    export = tmp_path / "exported"
+    export.mkdir()
+    (export / "model").write_text("old")
+    pid = _killed_writer(tmp_path, export, die_at_rename=2)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".exported.old-{pid}", f".exported.tmp-{pid}"]
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.atomic_folder"):
+        with pytest.raises(RuntimeError, match="export failed"):
+            with atomic_directory(export):
+                raise RuntimeError("export failed")
+    assert (export / "model").read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["exported"]
+    assert "put back the whole copy a stopped process left" in caplog.text

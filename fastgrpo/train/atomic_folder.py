@@ -2,12 +2,15 @@
 
 atomic_directory fills a hidden sibling `.<name>.tmp-<pid>`, fsyncs it and renames it into place; delete_folder
 renames a folder to a hidden `.<name>.old-<pid>` before its rmtree. A kill leaves the whole folder (old or new) and,
-at most, a hidden leftover, which is no checkpoint or export (fastgrpo.train.run_dir deletes it on a resume).
+at most, a hidden leftover, which is no checkpoint or export (fastgrpo.train.run_dir deletes it on a resume; the
+next atomic_directory of the same name deletes those of processes no longer running, e.g. a killed export's).
 """
 from __future__ import annotations
 
 import contextlib
 import errno
+import glob
+import logging
 import os
 import shutil
 from collections.abc import Iterator
@@ -15,6 +18,7 @@ from pathlib import Path
 
 from fastgrpo.train.naming import setting
 
+logger = logging.getLogger(__name__)
 _NEARLY_FULL = 2**20  # bytes free on a disk where a write failed: it failed for want of space
 
 
@@ -26,6 +30,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
+    _delete_dead_leftovers(path)
     tmp.mkdir(parents=True)
     try:
         try:
@@ -53,6 +58,37 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         _fsync(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _delete_dead_leftovers(path: Path) -> None:
+    """Clean up after processes that no longer run and were writing `path` (a killed export, which no run folder's
+    resume cleans up after, left a whole model's partial copy beside the user's path for good): a kill between the
+    two renames left no `path` (the old version at .<name>.old-<pid>, the new one, whole, at .<name>.tmp-<pid>):
+    the rename is finished (or, without the new one, the old one put back); then their partial writes are deleted."""
+    dead = {}
+    for leftover in sorted(path.parent.glob(f".{glob.escape(path.name)}.*-*")):
+        kind, _, pid = leftover.name[len(path.name) + 2:].partition("-")
+        if kind in ("tmp", "old") and pid.isdigit() and not _running(int(pid)):
+            dead[kind, pid] = leftover
+    for (kind, pid), old in dead.items():
+        if kind == "old" and not path.exists():
+            new = dead.get(("tmp", pid))
+            os.replace(new if new is not None and new.is_dir() else old, path)
+            logger.warning("%s: put back the whole copy a stopped process left as it replaced it", path)
+    for (kind, _), leftover in dead.items():  # an old version that is the last whole copy stays
+        if leftover.is_dir() and (kind == "tmp" or path.exists()):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process `pid` runs on this machine (another user's counts: its files are not ours to delete)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _raise_if_disk_full(path: Path, err: Exception) -> None:
