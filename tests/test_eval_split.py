@@ -60,3 +60,13 @@ def test_a_split_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, 
     assert capsys.readouterr().err == (f"fastgrpo {command}: error: eval_dataset_split: 'validation' names a split of "
                                        "eval_dataset; the built-in task (no eval_dataset) has none\n")
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_a_config_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, capsys, command):
+    """As a split: the trainer refused it, but only once the model had loaded (a minute for a large one)."""
+    run = tmp_path / "run"
+    assert main([command, "--output-dir", str(run), "--eval-steps", "1", "--eval-dataset-config", "main"]) == 2
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: eval_dataset_config: 'main' names a config of "
+                                       "eval_dataset; the built-in task (no eval_dataset) has none\n")
+    assert not run.exists()

@@ -96,12 +96,16 @@ def check_reward_count(config) -> None:
 
 
 def check_eval_split(config) -> None:
-    """eval_dataset_split of a run that evaluates (eval_steps) on the built-in task's held-out rows (neither
-    eval_dataset nor dataset): they have no splits, and a split named was ignored."""
-    default = type(config).__dataclass_fields__["eval_dataset_split"].default
-    if config.eval_steps and config.eval_dataset is None and config.dataset is None \
-            and config.eval_dataset_split != default:
+    """eval_dataset_split and eval_dataset_config of a run that evaluates (eval_steps) on the built-in task's
+    held-out rows (neither eval_dataset nor dataset): they have neither, and a split named was ignored (a config
+    named was refused by the trainer, once the model had loaded)."""
+    if not config.eval_steps or config.eval_dataset is not None or config.dataset is not None:
+        return
+    if config.eval_dataset_split != type(config).__dataclass_fields__["eval_dataset_split"].default:
         raise ValueError(f"eval_dataset_split: {config.eval_dataset_split!r} names a split of eval_dataset; the "
+                         "built-in task (no eval_dataset) has none")
+    if config.eval_dataset_config is not None:
+        raise ValueError(f"eval_dataset_config: {config.eval_dataset_config!r} names a config of eval_dataset; the "
                          "built-in task (no eval_dataset) has none")
 
 
