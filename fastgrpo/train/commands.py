@@ -29,10 +29,11 @@ from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
+from fastgrpo.train.ranks import process_count
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_at, finished_sft,
 )
-from fastgrpo.train.resumed_settings import resumed_run_settings, say_kept
+from fastgrpo.train.resumed_settings import resumed_run_settings
 from fastgrpo.train.setting_sources import DATA_PRESET, MODEL_PRESET, SettingSources, from_file, record_sources
 from fastgrpo.train.sft_config import SFTConfig
 
@@ -91,8 +92,6 @@ def config_from_args(name: str, args: argparse.Namespace):
     if name in ("train", "sft", "ei"):  # a copied run's record names the original run as output_dir
         check_record_output_dir(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
-    resumed, record = resumed_run_settings(CONFIGS[name], merged)
-    merged = {**coerced(CONFIGS[name], resumed), **merged}
     run, source = trained_by(merged) if name == "eval" else (None, "")
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
@@ -101,18 +100,19 @@ def config_from_args(name: str, args: argparse.Namespace):
     model_preset = dict(MODEL_PRESETS.get(name, {})) if builtin_model else {}  # export has no presets
     data_preset = dict(default_task.BUILTIN_DATA.get(name, {})) if merged.get("dataset") is None else {}
     preset = {**model_preset, **data_preset}
-    say_kept(resumed, record, CONFIGS[name], preset)
+    processes = process_count()  # under torchrun each process runs a share of a step's rows
+    # model and dataset, which the presets depend on, are no run-control settings: a resume takes neither
+    resumed = resumed_run_settings(CONFIGS[name], merged, preset, processes)
+    merged = {**coerced(CONFIGS[name], resumed), **merged}
     from_run = _prompt_settings(run, merged, source) if run is not None else {}
     sources = SettingSources(CONFIGS[name], (model_preset, MODEL_PRESET), (data_preset, DATA_PRESET),
                              (from_run, f"from {source}"), (resumed, None),
                              (file, from_file(args.config) if file else None),
                              (flags, None))
     record_sources(sources)
-    from fastgrpo.train.distributed import launched_processes
 
     with sources.naming():
-        # under torchrun each process runs a share of a step's rows
-        config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, launched_processes()),
+        config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, processes),
                                           **from_run, **merged})
         check_fsdp_applies(config)  # train, sft, ei (eval has no fsdp_* fields)
         check_reward_count(config)  # train, ei, eval: before any data loads
