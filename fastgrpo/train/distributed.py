@@ -422,24 +422,46 @@ class Distributed:
 
     def restore_checkpoint(self, path: Path, state: dict, model: torch.nn.Module, optimizer) -> dict:
         """Load checkpoint `path` (its state read by read_checkpoint) into model, optimizer and the RNGs; return
-        the rest of the state (step, scheduler, beta, ...)."""
+        the rest of the state (step, scheduler, beta, ...). A full fine-tuning run resumes on another process count
+        than the one that wrote it: FSDP2 shards load into any number of processes (one: whole), whole weights into
+        this run's shards."""
         saved_world = state.pop("world_size", 1)
         sharded = state.pop("sharded", False)
-        if sharded and self._fsdp is None:
-            raise ValueError(f"resume: {path.name} holds FSDP2 shards of {saved_world} processes; resume it under "
-                             f"torchrun --nproc_per_node {saved_world}")
-        if not sharded and self._fsdp is not None:
-            raise ValueError(f"resume: {path.name} holds whole weights, but this run shards them (FSDP2); "
-                             "resume it with the process count that wrote it")
         if saved_world != self.world_size and self.is_main:
             logger.warning("resume: %s was written by %d process(es), this run has %d", path.name, saved_world,
                            self.world_size)
-        if not sharded:
-            state = restore_checkpoint(state, model)
-            if optimizer is not None:
-                optimizer.load_state_dict(state.pop("optimizer"))
+        if sharded:
+            load_sharded_state(Path(path) / SHARDS, model, optimizer)
+            set_rng_states(state.pop("rng"))
             return state
-        load_sharded_state(Path(path) / SHARDS, model, optimizer)
+        if self._fsdp is not None:
+            return self._restore_whole_into_shards(state, model, optimizer)
+        state = restore_checkpoint(state, model)
+        if optimizer is not None:
+            optimizer.load_state_dict(state.pop("optimizer"))
+        return state
+
+    @staticmethod
+    def _restore_whole_into_shards(state: dict, model: torch.nn.Module, optimizer) -> dict:
+        """A checkpoint of whole weights (one process's) into this FSDP2 run: each process takes its shards of the
+        trainable parameters and of the optimizer's states (keyed by parameter position there, by name here)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict, set_state_dict
+
+        state = dict(state)
+        saved, names = state.pop("trainable"), [n for n, p in model.named_parameters() if p.requires_grad]
+        if sorted(saved) != sorted(names):
+            differ = sorted(set(saved).symmetric_difference(names))
+            raise ValueError(f"checkpoint: its trainable parameters and the model's differ ({differ[:3]}); was it "
+                             "built the same way?")
+        options = StateDictOptions(full_state_dict=True, strict=False)  # strict: tied weights are saved once
+        if optimizer is None:
+            set_model_state_dict(model, saved, options=options)
+        else:
+            by_position = state.pop("optimizer")
+            by_name = {"state": {names[i]: value for i, value in by_position["state"].items()},
+                       "param_groups": [{**group, "params": [names[i] for i in group["params"]]}
+                                        for group in by_position["param_groups"]]}
+            set_state_dict(model, optimizer, model_state_dict=saved, optim_state_dict=by_name, options=options)
         set_rng_states(state.pop("rng"))
         return state
 

@@ -345,8 +345,8 @@ class ExpertIteration:
         return path
 
     def resume(self) -> None:
-        """Load the newest complete round checkpoint of output_dir: weights, RNG states, round. An FSDP2 one (full
-        fine-tuning under torchrun) continues with the process count that wrote it."""
+        """Load the newest complete round checkpoint of output_dir: weights, RNG states, round (on any process count:
+        Distributed.restore_checkpoint)."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resumed_checkpoint(state, self.config, path, self.config.ei_steps, self.evaluator is not None)
         self.round = self.dist.restore_checkpoint(path, state, self.model, None)["round"]

@@ -302,8 +302,7 @@ class SFTTrainer:
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (weights, optimizer, scheduler, RNG, step); its
-        run-defining settings must match the config's. An FSDP2 one (full fine-tuning under torchrun) continues with
-        the process count that wrote it."""
+        run-defining settings must match the config's (Distributed.restore_checkpoint: on any process count)."""
         path, state = load_latest_checkpoint(self.output_dir)
         check_resumed_checkpoint(state, self.config, path, self.total_steps, self.evaluator is not None)
         state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
