@@ -100,3 +100,60 @@ def test_full_fine_tuning_resumes_on_another_process_count(tmp_path):
     back = _optimizer_states(model, optimizer)
     assert all(torch.equal(back[n][k], v) for n, s in states.items() for k, v in s.items())
 
+
+def test_processes_that_resolve_different_settings_stop_before_the_run(tmp_path):
+    """Each process resolves the command line itself: here `--output-dir ~/run` under a home of its own (a folder each
+    sees alone, as a disk local to each machine), where rank 0's holds the run's checkpoint and rank 1's nothing.
+    Rank 0 resumed the run while rank 1 found no checkpoint and stopped, leaving rank 0 in a collective until its
+    process group timed out. Every process now stops at once, rank 0 naming the setting."""
+    homes = [tmp_path / "out" / f"home-{rank}" for rank in range(2)]
+    for home in homes:
+        home.mkdir(parents=True)
+    train = ["train", "--output-dir", "~/run", "--max-steps", "1", *FAST]
+    assert main(["train", "--output-dir", str(homes[0] / "run"), "--max-steps", "1", *FAST]) == 0
+    found = _run(_at_home, tmp_path, [[*train, "--max-steps", "2", "--resume"]])
+    assert [rank["exits"] for rank in found] == [[2], [2]], found
+    assert found[0]["stderr"].splitlines()[-1] == (
+        f"fastgrpo train: error: output_dir: expected the same value on every process, got '{homes[0] / 'run'}' on "
+        f"process 0, '{homes[1] / 'run'}' on process 1; each reads the flags, config file and output folder itself: "
+        "start them again on one folder they all see as it stands")
+    assert "error" not in found[1]["stderr"]
+
+
+def _at_home(rank, tmp, runs) -> dict:
+    return cli(rank, tmp, runs, {"RANK": str(rank), "HOME": str(tmp / "out" / f"home-{rank}")})
+
+
+def _restored(rank, tmp) -> dict:
+    """Rank r restores checkpoint-<r + 1>, as a process that found another newest checkpoint would."""
+    from fastgrpo.train.checkpoint import read_checkpoint
+
+    model, _ = tiny_model(lora=True)
+    path = tmp / f"checkpoint-{rank + 1}"
+    try:
+        Distributed.current().restore_checkpoint(path, read_checkpoint(path), model, None)
+    except ValueError as err:
+        return {"error": str(err)}
+    return {"weights": trained_weights(model)}
+
+
+def test_processes_that_find_different_checkpoints_stop_together(tmp_path):
+    """Each process of a resume loads the newest checkpoint that reads back as it finds it: a checkpoint that a
+    previous launch's process was still writing as they looked made them continue from different steps, each with
+    other weights, unsaid (and the one further behind trained a step more, alone, waiting in its collectives)."""
+    from fastgrpo.train.checkpoint import rng_states
+
+    model, _ = tiny_model(lora=True)
+    for step in (1, 2):
+        trainable = {n: p.detach().clone() + step for n, p in model.named_parameters() if p.requires_grad}
+        torch.save({"step": step, "trainable": trainable, "rng": rng_states()},
+                   _folder(tmp_path / f"checkpoint-{step}") / "trainer_state.pt")
+    found = _run(_restored, tmp_path)
+    message = (f"resume: expected one checkpoint on every process, got {tmp_path / 'checkpoint-1'} on process 0, "
+               f"{tmp_path / 'checkpoint-2'} on process 1; start them again on one folder they all see as it stands")
+    assert found == [{"error": message}, {"error": message}], found
+
+
+def _folder(path: Path) -> Path:
+    path.mkdir()
+    return path

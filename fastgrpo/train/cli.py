@@ -34,6 +34,7 @@ from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
 from fastgrpo.train.naming import flag
+from fastgrpo.train.process_agreement import check_same_settings
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
 )
@@ -253,6 +254,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     use_expandable_segments(config.rollout_engine)  # before the first CUDA allocation
     resolve_device(config.device)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
+    check_same_settings(dist, config)
     if config.model is not None:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]

@@ -29,6 +29,7 @@ from fastgrpo.train.export_config import ExportConfig
 from fastgrpo.train.input_checks import check_reward_count
 from fastgrpo.train.memory_options import check_fsdp_applies
 from fastgrpo.train.naming import setting
+from fastgrpo.train.process_agreement import check_same_settings
 from fastgrpo.train.ranks import process_count
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_at, finished_sft,
@@ -281,6 +282,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
+    check_same_settings(dist, config)
     check_process_split(config, dist.world_size)
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
@@ -306,6 +308,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
+    check_same_settings(dist, config)
     check_process_split(config, dist.world_size)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
@@ -340,6 +343,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     _check_sources(config)
     # under torchrun: join its process group, take this rank's GPU; each process evaluates every N-th row
     dist = init_distributed(config.device)
+    check_same_settings(dist, config)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     if checkpoint is not None:

@@ -40,6 +40,7 @@ from fastgrpo.train.final_export import check_final_exportable, finish_export
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, load_sharded_state, sharded_state
 from fastgrpo.train.naming import setting
+from fastgrpo.train.process_agreement import check_same_checkpoint
 from fastgrpo.train.ranks import raised_on_every_process
 
 logger = logging.getLogger(__name__)
@@ -425,6 +426,7 @@ class Distributed:
         the rest of the state (step, scheduler, beta, ...). A full fine-tuning run resumes on another process count
         than the one that wrote it: FSDP2 shards load into any number of processes (one: whole), whole weights into
         this run's shards."""
+        check_same_checkpoint(self, path)
         saved_world = state.pop("world_size", 1)
         sharded = state.pop("sharded", False)
         if saved_world != self.world_size and self.is_main:
