@@ -43,6 +43,20 @@ def test_a_bare_resume_on_more_processes_fits_the_runs_micro_batch_to_each(tmp_p
     assert (record["micro_batch_size"], record["batch_size"]) == (4, 8)
 
 
+def test_a_bare_resume_on_one_process_keeps_the_runs_fsdp_settings(tmp_path):
+    """A full fine-tuning run of 2 processes with --fsdp-layers-per-group 2, resumed on 1 with `--resume` alone: the
+    resume took the setting from the run, and the command refused it ('fsdp_layers_per_group: shapes FSDP2, ...,
+    and this run has one process'), a setting the user never gave. It is kept (it shapes nothing on one process) for
+    the run's next resume on several."""
+    run = tmp_path / "out" / "run"
+    full = FAST[2:]  # without --lora-rank 4
+    start = ["train", "--output-dir", str(run), "--max-steps", "1", "--fsdp-layers-per-group", "2", *full]
+    assert [rank["exits"] for rank in _run(_launched, tmp_path, [start])] == [[0], [0]]
+    assert main(["train", "--output-dir", str(run), "--max-steps", "2", "--resume", *full]) == 0
+    record = json.loads((run / "checkpoint-2" / "run_config.json").read_text())
+    assert (record["fsdp_layers_per_group"], record["micro_batch_size"]) == (2, 4)
+
+
 def _optimizer_states(model, optimizer) -> dict:
     """{parameter name: {state name: whole fp64 copy}} of an AdamW over model's parameters (shards gathered)."""
     names = {id(p): n for n, p in model.named_parameters()}

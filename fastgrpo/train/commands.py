@@ -115,7 +115,7 @@ def config_from_args(name: str, args: argparse.Namespace):
     with sources.naming():
         config = CONFIGS[name].from_dict({**default_task.fit_micro_batch(preset, merged, processes),
                                           **from_run, **merged})
-        check_fsdp_applies(config)  # train, sft, ei (eval has no fsdp_* fields)
+        check_fsdp_applies(config, resumed)  # train, sft, ei (eval has no fsdp_* fields)
         check_reward_count(config)  # train, ei, eval: before any data loads
     if name in ("train", "sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Collection
 
 from fastgrpo._checks import check_int_at_least
 from fastgrpo.train.naming import setting
@@ -55,12 +56,14 @@ def check_fp8_base(config) -> None:
 FSDP_FIELDS = ("fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
 
 
-def check_fsdp_applies(config) -> None:
+def check_fsdp_applies(config, resumed: Collection[str] = ()) -> None:
     """An fsdp_* field set off its default where FSDP2 does not run (it shards full fine-tuning under torchrun, and
     DDP trains LoRA there): refused, as it would do nothing. The commands check it, in the processes that run: a
-    config can be built before they start (the Python API)."""
+    config can be built before they start (the Python API). `resumed`: the fields a --resume took from its run, which
+    no one set now: a run of several processes resumed on one keeps them, for its next resume on several."""
     defaults = {f.name: f.default for f in dataclasses.fields(config)}
-    changed = [name for name in FSDP_FIELDS if name in defaults and getattr(config, name) != defaults[name]]
+    changed = [name for name in FSDP_FIELDS
+               if name in defaults and name not in resumed and getattr(config, name) != defaults[name]]
     if not changed:
         return
     if process_count() == 1:  # the group is joined after the config is checked: WORLD_SIZE then
