@@ -57,9 +57,10 @@ def _fitted_micro_batch(taken: dict, settings: dict, processes: int) -> dict:
     if fitted == run_value:
         return {}
     share = sizes["batch_size"] // sizes.get("num_minibatches", 1) // processes
-    logger.info("resume: %s, not the run's %d, which does not divide each of the %d processes' share of a minibatch "
-                "(%d); the batch stays the run's (pass %s to choose another)",
-                setting("micro_batch_size", fitted), run_value, processes, share, setting("micro_batch_size"))
+    whose = f"each of the {processes} processes' share of a minibatch" if processes > 1 else "a minibatch"
+    logger.info("resume: %s, not the run's %d, which does not divide %s (%d); the batch stays the run's (pass %s to "
+                "choose another)", setting("micro_batch_size", fitted), run_value, whose, share,
+                setting("micro_batch_size"))
     return {"micro_batch_size": fitted}
 
 
