@@ -5,6 +5,7 @@ each sees alone (a file system local to each machine) would have them train diff
 in collectives the others never join."""
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from fastgrpo.train.ranks import raised_on_every_process
@@ -15,7 +16,8 @@ def check_same_settings(dist, config) -> None:
     process naming the first setting that differs and its value on each."""
     if not dist.active:
         return
-    found = dist.gather_objects({name: repr(value) for name, value in config.to_dict().items()})  # repr: nan == nan
+    # the fields as resolved (to_dict would fingerprint the model folder now, before it loads); repr: nan == nan
+    found = dist.gather_objects({name: repr(value) for name, value in dataclasses.asdict(config).items()})
     differ = [name for name in found[0] if any(other.get(name) != found[0][name] for other in found[1:])]
     if differ:
         values = ", ".join(f"{other.get(differ[0])} on process {rank}" for rank, other in enumerate(found))
