@@ -4,7 +4,7 @@ rollout -> rewards -> group advantages -> old (when the update needs them first)
 num_iterations epochs over minibatches (gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR
 schedule -> adaptive beta -> log -> checkpoint. Bad input is rejected in __init__, before any compute.
 What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine),
-step_rewards (scoring), loss_setup (the loss options).
+step_rewards (scoring), loss_setup (the loss options), grpo_update (the log-prob passes and the update).
 """
 from __future__ import annotations
 
@@ -20,7 +20,6 @@ import torch
 
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.loss.grpo import kl_penalty, reward_advantages
-from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
 from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
@@ -33,10 +32,8 @@ from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
-from fastgrpo.train.loss_setup import (
-    LOSS_EXTRAS, AdaptiveEntropy, correction_metrics, correction_of, loss_config, micro_batch_scale, minibatch_config,
-    prepare_loss_batch, rows_may_regroup,
-)
+from fastgrpo.train.grpo_update import batch_logprobs, needs_old_pass, update_policy
+from fastgrpo.train.loss_setup import AdaptiveEntropy, correction_metrics, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
@@ -229,116 +226,19 @@ class GRPOTrainer:
         }
 
     def _needs_old_pass(self) -> bool:
-        """Whether train_step runs a no-grad pass for the old log-probs before the update: when the policy moves
-        within the step (several optimizer steps), and with beta > 0 when mask_truncated_completions hides the
-        truncated rows from the loss (step 6's KL covers every completion token). Otherwise one optimizer step ends
-        the update, so no micro-batch's forward sees a moved policy and the old log-probs are the update's own (TRL:
-        per_token_logps.detach() as old with num_iterations == 1): the loss runs on-policy (ratio exp(logp -
-        logp.detach()) = 1: the gradient of a separate old pass up to the rounding of the two forwards; with
-        dropout, the ratio is no longer moved by it and the KL is taken from the train-mode forward), weights itself
-        by the rollout correction from those log-probs (its lm_head once more, no grad: grpo_loss), and returns
-        them for the KL. That saves one
-        no-grad forward over the batch (64 x 1280 tokens of Qwen2.5-1.5B LoRA: 1.3 s on an H100 with PEFT's fp32
-        adapter math; a bf16-branch pass, 0.5 s on an H200).
-        """
-        config = self.config
-        return self.updates_per_step > 1 or (self.beta > 0 and config.mask_truncated_completions)
+        """Whether train_step runs a no-grad pass for the old log-probs before the update (grpo_update.needs_old_pass:
+        when the policy moves within the step, or the KL needs rows the loss masks)."""
+        return needs_old_pass(self.config, self.updates_per_step, self.beta)
 
-    @torch.no_grad()
     def _logprobs(self, model: torch.nn.Module, batch: dict, disable_adapter: bool = False) -> torch.Tensor:
-        """Per-token log-probs [N, P + L] of the sampled tokens, micro-batch by micro-batch, without grad."""
-        was_training = model.training
-        model.eval()
-        size = self.config.micro_batch_size
-        # The adapter is switched off once for the pass: PEFT's switch walks every LoRA layer (37 ms for 28 layers
-        # x 7 adapted linears on a 2-core CPU), and done per micro-batch it left the GPU idle in between.
-        # Rows by length: a micro-batch's backbone runs to its longest row only (fastgrpo.loss.row_layout), and
-        # rows of a no-grad pass are independent, so short completions share micro-batches.
-        order = batch["attention_mask"].sum(1).argsort(stable=True)
-        out = torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=self.device)
-        with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
-            for i in range(0, len(order), size):
-                rows = order[i:i + size]
-                out[rows] = self.dist.forward(
-                    sequence_logprobs, model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                    batch["completion_mask"][rows], temperature=self.config.temperature,
-                ).float()
-        model.train(was_training)
-        return out
+        """Per-token log-probs [N, P + L] of the sampled tokens, without grad (grpo_update.batch_logprobs)."""
+        return batch_logprobs(model, batch, self.config, self.dist, self.device, disable_adapter=disable_adapter)
 
     def _update(self, batch: dict, advantages: torch.Tensor, old_logps, ref_logps,
                 return_logps: bool = False) -> tuple[dict, torch.Tensor | None]:
-        """num_iterations x num_minibatches optimizer steps; returns (the mean loss / grad norm / clip / entropy,
-        the per-token log-probs [N, P + L] fp32 of the loss's forwards in the batch's row order, as _logprobs lays
-        them out, when return_logps, else None). With several updates a row's log-probs are its last forward's."""
-        config, model = self.config, self.model
-        base_config = loss_config(config, self.beta)
-        n = batch["input_ids"].shape[0]
-        mb_size, micro = n // config.num_minibatches, config.micro_batch_size
-        params = [p for g in self.optimizer.param_groups for p in g["params"]]
-        # fp64 sums on the device: one host sync per step (at the return), none per micro-batch. clip_ratio and
-        # entropy are a micro-batch's means over its tokens (its sequences, for sequence-level ratios): summed
-        # weighted by them, so that the step's are means over all its tokens, however they were split
-        sums = {k: torch.zeros((), dtype=torch.float64, device=self.device)
-                for k in ("loss", "grad_norm", "clip_ratio", "entropy", "clip_weight", "tokens")}
-        per_sequence_clip = config.importance_sampling_level == "sequence"
-        logps = torch.zeros(batch["input_ids"].shape, device=self.device) if return_logps else None  # [N, P + L]
-        correction = correction_of(config) if old_logps is None else None  # on-policy: the loss weights itself
-        regroup, lengths = rows_may_regroup(config), batch["attention_mask"].sum(1)
-        model.train()
-        for iteration in range(config.num_iterations):
-            # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
-            seed = (config.seed * 1_000_003 + self.step) * 131 + iteration
-            order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(self.device)
-            for start in range(0, n, mb_size):
-                minibatch = order[start:start + mb_size]
-                if regroup:  # short rows share micro-batches, which the backbone runs only to their longest row
-                    minibatch = minibatch[lengths[minibatch].argsort(stable=True)]
-                # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
-                # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
-                num_items = int(self.dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))
-                micro_config = minibatch_config(config, base_config, num_items, micro / mb_size / self.dist.world_size,
-                                                self.entropy.applied())
-                self.optimizer.zero_grad(set_to_none=True)
-                for m in range(0, mb_size, micro):
-                    rows = minibatch[m:m + micro]
-                    self.dist.sync_gradients(m + micro >= mb_size)  # DDP: all-reduce on the last micro-batch only
-                    loss, metrics = self.dist.forward(
-                        grpo_loss, model, batch["input_ids"][rows], batch["attention_mask"][rows],
-                        batch["completion_mask"][rows], advantages[rows],
-                        old_logps=None if old_logps is None else old_logps[rows],
-                        ref_logps=None if ref_logps is None else ref_logps[rows], config=micro_config,
-                        return_entropy=True, return_logps=return_logps, rollout_correction=correction,
-                        rollout_logps=None if correction is None else batch["rollout_logps"][rows],
-                        **{k: batch[k][rows] for k in LOSS_EXTRAS if k in batch},
-                    )
-                    if return_logps:
-                        logps[rows] = metrics["logps"].float()  # rows: shuffled positions in the batch
-                    scale = micro_batch_scale(config.loss_type, len(rows), mb_size, self.dist.world_size)
-                    (loss * scale).backward()
-                    sums["loss"] += loss.detach().double() * scale
-                    tokens = batch["completion_mask"][rows].sum()
-                    clip_weight = len(rows) if per_sequence_clip else tokens
-                    sums["clip_ratio"] += torch.as_tensor(metrics.get("clip_ratio", 0.0)).detach() * clip_weight
-                    sums["clip_weight"] += clip_weight
-                    sums["entropy"] += torch.as_tensor(metrics.get("entropy", 0.0)).detach() * tokens
-                    sums["tokens"] += tokens
-                    self.entropy.add(metrics, tokens)
-                sums["grad_norm"] += self.dist.finish_gradients(params, config.max_grad_norm)
-                self.optimizer.step()
-                self.entropy.step(self.dist.all_reduce_sum)
-                self.scheduler.step()
-        updates = self.updates_per_step
-        # the processes' means: of the weighted sums and of the weights, whose ratio is the ratio of their totals
-        loss, grad_norm, clip_ratio, entropy, clip_weight, tokens = \
-            self.dist.mean(torch.stack(list(sums.values()))).tolist()
-        return {
-            "loss": loss / updates,
-            "grad_norm": grad_norm / updates,
-            "clip_ratio": clip_ratio / clip_weight if clip_weight else 0.0,
-            "entropy": entropy / tokens if tokens else 0.0,
-            "entropy_coef": self.entropy.coef,
-        }, logps
+        """num_iterations x num_minibatches optimizer steps: (the step's update metrics, the loss's log-probs when
+        return_logps) (grpo_update.update_policy)."""
+        return update_policy(self, batch, advantages, old_logps, ref_logps, return_logps=return_logps)
 
     def _optimizer(self):
         """AdamW and its schedule over config.max_steps' updates (built again by train() called again, or where
