@@ -32,8 +32,7 @@ from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
-from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
-                                       rng_states)
+from fastgrpo.train.checkpoint import apply_save_limit, rng_states
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
@@ -42,10 +41,10 @@ from fastgrpo.train.final_export import export_due, export_model, nothing_to_tra
 from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
+from fastgrpo.train.loop_checkpoints import restore_newest, write_checkpoint
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
-from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
@@ -335,21 +334,13 @@ class ExpertIteration:
     def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
         """checkpoint-<round> (weights, RNG states, round; unevaluated: the metrics of a round whose evaluation
         failed, with rng, the RNG states of before it); the oldest past save_total_limit are deleted."""
-        state = {"step": self.round, "round": self.round, "config": self.config.to_dict(),
-                 **({"rng": rng} if rng is not None else {}),
-                 **({UNEVALUATED: unevaluated} if unevaluated is not None else {})}
+        state = {"step": self.round, "round": self.round, "config": self.config.to_dict()}
         # no optimizer state: each round starts a fresh AdamW
-        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.round}", self.model, None, state)
-        if self.dist.is_main:
-            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.round)
-        return path
+        return write_checkpoint(self, self.round, None, state, rng, unevaluated, track=False)
 
     def resume(self) -> None:
         """Load the newest complete round checkpoint of output_dir: weights, RNG states, round (on any process count:
         Distributed.restore_checkpoint)."""
-        path, state = load_latest_checkpoint(self.output_dir)
-        check_resumed_checkpoint(state, self.config, path, self.config.ei_steps, self.evaluator is not None)
-        self.round = self.dist.restore_checkpoint(path, state, self.model, None)["round"]
-        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
-        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
+        path, state = restore_newest(self, self.config.ei_steps, None)
+        self.round = state["round"]
         logger.info("resumed from %s after round %d", path, self.round)

@@ -23,20 +23,19 @@ import torch
 
 from fastgrpo.loss.sft import sft_loss
 from fastgrpo.rollout.requests import as_list
-from fastgrpo.train.checkpoint import UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints
+from fastgrpo.train.checkpoint import apply_save_limit
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
 from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
+from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.options import (
-    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, checkpoint_identity,
-    restore_schedule,
+    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, restore_schedule,
 )
 from fastgrpo.train.periodic_eval import sft_evaluator
-from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import (
     SFTExample, collate, padded_tokens, process_share, step_micro_batches, steps_per_epoch, tokenize_rows,
@@ -289,28 +288,14 @@ class SFTTrainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "config": self.config.to_dict(),
-            **({"rng": rng} if rng is not None else {}),
-            **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
         }
-        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer,
-                                         state)
-        self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
-        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
-        if self.dist.is_main:
-            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
-        return path
+        return write_checkpoint(self, self.step, self.optimizer, state, rng, unevaluated)
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (weights, optimizer, scheduler, RNG, step); its
         run-defining settings must match the config's (Distributed.restore_checkpoint: on any process count)."""
-        path, state = load_latest_checkpoint(self.output_dir)
-        check_resumed_checkpoint(state, self.config, path, self.total_steps, self.evaluator is not None)
-        state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
+        path, state = restore_newest(self, self.total_steps, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step = state["step"]
-        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
-        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
-        self._saved_step, self._saved_path = self.step, path
-        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
-        self.history = [m for m in self.history if m["step"] <= self.step]  # past the checkpoint: undone
+        resumed_at(self, path)
         logger.info("resumed from %s at step %d", path, self.step)

@@ -22,27 +22,25 @@ from fastgrpo.hf.models import is_peft_model
 from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
-from fastgrpo.train.checkpoint import (UNEVALUATED, apply_save_limit, load_latest_checkpoint, prune_checkpoints,
-                                       rng_states)
+from fastgrpo.train.checkpoint import apply_save_limit, rng_states
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
 from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
+from fastgrpo.train.grpo_update import batch_logprobs, needs_old_pass, update_policy
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
-from fastgrpo.train.grpo_update import batch_logprobs, needs_old_pass, update_policy
+from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
 from fastgrpo.train.loss_setup import AdaptiveEntropy, correction_metrics, prepare_loss_batch
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.optim import adamw_with_schedule
 from fastgrpo.train.options import (
-    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, checkpoint_identity,
-    restore_schedule,
+    CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, restore_schedule,
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.resume_checks import check_resumed_checkpoint
 from fastgrpo.train.rollout_setup import rollout_engine
 from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
@@ -348,7 +346,7 @@ class GRPOTrainer:
     def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
         """checkpoint-<step> of the current state (rng: RNG states captured earlier, for a step that was abandoned
         or whose evaluation failed; unevaluated: the metrics of the latter); then the oldest checkpoints past
-        save_total_limit are deleted."""
+        save_total_limit are deleted (loop_checkpoints.write_checkpoint)."""
         state = {
             "step": self.step,
             "data_position": self.step * (self.config.batch_size // self.config.num_generations),
@@ -358,33 +356,20 @@ class GRPOTrainer:
             "entropy_coef": self.entropy.coef,  # the adaptive entropy bonus's state
             "last_entropy": self.entropy.last_entropy,
             "config": self.config.to_dict(),
-            **({"rng": rng} if rng is not None else {}),
-            **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
         }
-        path = self.dist.save_checkpoint(self.output_dir / f"checkpoint-{self.step}", self.model, self.optimizer, state)
-        self._saved_step, self._saved_path, self._saved_time = self.step, path, time.monotonic()
-        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
-        if self.dist.is_main:
-            prune_checkpoints(self.output_dir, self.config.save_total_limit, self.step)
-        return path
+        return write_checkpoint(self, self.step, self.optimizer, state, rng, unevaluated)
 
     def resume(self) -> None:
         """Load the newest complete checkpoint of output_dir (a torn one is skipped with a warning): weights,
         optimizer, scheduler, RNG, step, beta, the entropy coefficient. Its run-defining settings must match the
         config's (config_changes)."""
-        path, state = load_latest_checkpoint(self.output_dir)
-        check_resumed_checkpoint(state, self.config, path, self.config.max_steps, self.evaluator is not None)
-        state = self.dist.restore_checkpoint(path, state, self.model, self.optimizer)
+        path, state = restore_newest(self, self.config.max_steps, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step, self.beta = state["step"], state["beta"]
-        # with the evaluation off now (eval_steps 0), the metrics line written without it stands
-        self._unevaluated = state.get(UNEVALUATED) if self.evaluator is not None else None
         self.entropy.coef, self.entropy.last_entropy = state["entropy_coef"], state["last_entropy"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta
-        self._saved_step, self._saved_path = self.step, path
-        self._saved_identity = checkpoint_identity(path) if self.dist.is_main else None
-        self.history = [m for m in self.history if m["step"] <= self.step]  # past the checkpoint: undone
+        resumed_at(self, path)
         logger.info("resumed from %s at step %d", path, self.step)
 
     def export(self, path: str | Path) -> Path:
