@@ -251,12 +251,9 @@ class ExpertIteration:
         return samples
 
     def _begin_sft(self) -> None:
-        """Called as a round's SFT starts: from here a signal lets the round finish. Several processes abandon the
-        round here together when any got a signal before (their guards only note it)."""
+        """Called as a round's SFT starts: from here a signal lets the round finish (InterruptGuard.begin_update)."""
         if self._guard is not None:
-            if self._guard.deferred and (signum := self.dist.max(self._guard.requested or 0)[0]):
-                raise Interrupted(signum, unit="round")
-            self._guard.abandonable = False
+            self._guard.begin_update(self.dist)
 
     def train(self, run_dir=None) -> list[dict]:
         """Run (or, with config.resume, continue) to config.ei_steps rounds; returns this call's round metrics.

@@ -99,6 +99,14 @@ class InterruptGuard:
         their next check."""
         return 0 if self.deferred else self.requested or 0
 
+    def begin_update(self, dist) -> None:
+        """Called as a step's update begins (GRPOTrainer's, expert iteration's SFT): from here a signal lets the step
+        finish. Several processes (`deferred`) abandon the step here together when any got a signal before (their
+        guards only note it): dist.max, Distributed's, agrees on it."""
+        if self.deferred and (signum := dist.max(self.requested or 0)[0]):
+            raise Interrupted(signum, unit=self.unit)
+        self.abandonable = False
+
     def interrupted(self, step: int, checkpoint: Path | None) -> Interrupted:
         """The exception to raise once the loop has saved `step` after a requested stop."""
         return Interrupted(self.requested, step, checkpoint, self.unit)

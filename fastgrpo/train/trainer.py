@@ -336,12 +336,10 @@ class GRPOTrainer:
                  guard=self._guard, save_now=save_now, saved_time=self._saved_time)
 
     def _begin_update(self) -> None:
-        """Called by train_step as the update starts: from here a signal lets the step finish (see train). Several
-        processes abandon the step here together when any got a signal before (their guards only note it)."""
+        """Called by train_step as the update starts: from here a signal lets the step finish (see train;
+        InterruptGuard.begin_update)."""
         if self._guard is not None:
-            if self._guard.deferred and (signum := self.dist.max(self._guard.requested or 0)[0]):
-                raise Interrupted(signum)
-            self._guard.abandonable = False
+            self._guard.begin_update(self.dist)
 
     def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
         """checkpoint-<step> of the current state (rng: RNG states captured earlier, for a step that was abandoned
