@@ -1,4 +1,5 @@
-"""The trainer's side of the rollout: the engine its completions come from.
+"""The trainer's side of the rollout: the engine its completions come from, and a step's rollout laid out as the
+rows the loss takes.
 
 Kept out of trainer.py so that the loop reads top to bottom.
 """
@@ -37,3 +38,27 @@ def rollout_engine(model: torch.nn.Module, tokenizer, config: GRPOConfig, device
         raise ValueError(f"engine: expected a fastgrpo.rollout.RolloutEngine, got {type(engine).__name__}")
     return engine
 
+
+
+def rollout_batch(trainer, prompt_ids: list[list[int]], keys: list[int]) -> dict:
+    """Generate with `trainer`'s engine (a GRPOTrainer: its engine, model, dist, config, sampling, step, device) and
+    lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
+    config, engine, device = trainer.config, trainer.engine, trainer.device
+    # The weights of the last optimizer step (or of a resumed checkpoint) reach the engine before it samples.
+    engine.load_weights(trainer.model)
+    # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
+    engine.reacquire_memory()
+    out = trainer.dist.generate(
+        engine, prompt_ids, keys, num_generations=config.num_generations, sampling=trainer.sampling,
+        stop=config.stop_strings, seed=config.seed * 1_000_003 + trainer.step,
+    )
+    engine.release_memory()
+    prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
+    return {
+        "input_ids": torch.cat([out.prompt_ids, out.completion_ids], 1).to(device),  # [N, P + L]
+        "attention_mask": torch.cat([prompt_mask, completion_mask], 1).to(device),
+        "completion_mask": torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1).to(device),
+        "texts": list(out.texts),
+        "finish_reasons": list(out.finish_reasons),
+        "rollout_logps": torch.cat([prompt_mask * 0.0, out.logprobs.float()], 1).to(device),  # the engine's
+    }

@@ -3,8 +3,9 @@
 rollout -> rewards -> group advantages -> old (when the update needs them first) / reference log-probs ->
 num_iterations epochs over minibatches (gradient accumulation through fastgrpo's fused loss) -> AdamW, clipping, LR
 schedule -> adaptive beta -> log -> checkpoint. Bad input is rejected in __init__, before any compute.
-What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine),
-step_rewards (scoring), loss_setup (the loss options), grpo_update (the log-prob passes and the update).
+What the loop calls lives beside it: grpo_data (the prompts, a step's rows), rollout_setup (the engine, a step's
+rollout), step_rewards (scoring), loss_setup (the loss options), grpo_update (the log-prob passes and the update),
+loop_checkpoints (save and resume, shared with SFTTrainer and ExpertIteration).
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ from fastgrpo.train.options import (
     CONTINUE_FROM_PYTHON, check_config_unchanged, check_own_run, check_trainer_objects, restore_schedule,
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
-from fastgrpo.train.rollout_setup import rollout_engine
+from fastgrpo.train.rollout_setup import rollout_batch, rollout_engine
 from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
 
@@ -125,7 +126,7 @@ class GRPOTrainer:
 
         # 1. Rollout: G completions per prompt, one generation config for the whole batch.
         keys, indices = self.dist.shard(step_rows(config, len(self.dataset), self.step))  # this rank's, by position
-        batch = self._rollout([self.prompts[i] for i in indices], keys)
+        batch = rollout_batch(self, [self.prompts[i] for i in indices], keys)
         t_rollout = time.perf_counter()
 
         # 2. Rewards: every function on every completion. A failing function stops the run (reward_errors="raise")
@@ -200,28 +201,6 @@ class GRPOTrainer:
         for name, err in errors.items():
             metrics[f"reward_error/{name}"] = err
         return self.dist.combine_metrics(add_logged_metrics(metrics, logged, self.taken_names))
-
-    def _rollout(self, prompt_ids: list[list[int]], keys: list[int]) -> dict:
-        """Generate and lay out [prompt | completion] rows: input_ids, attention_mask, completion_mask [N, P + L]."""
-        config = self.config
-        # The weights of the last optimizer step (or of a resumed checkpoint) reach the engine before it samples.
-        self.engine.load_weights(self.model)
-        # A seed per step (not the global RNG) makes a resumed run sample exactly what the straight run did.
-        self.engine.reacquire_memory()
-        out = self.dist.generate(
-            self.engine, prompt_ids, keys, num_generations=config.num_generations, sampling=self.sampling,
-            stop=config.stop_strings, seed=config.seed * 1_000_003 + self.step,
-        )
-        self.engine.release_memory()
-        prompt_mask, completion_mask = out.prompt_mask.long(), out.completion_mask.long()  # [N, P], [N, L]
-        return {
-            "input_ids": torch.cat([out.prompt_ids, out.completion_ids], 1).to(self.device),  # [N, P + L]
-            "attention_mask": torch.cat([prompt_mask, completion_mask], 1).to(self.device),
-            "completion_mask": torch.cat([torch.zeros_like(prompt_mask), completion_mask], 1).to(self.device),
-            "texts": list(out.texts),
-            "finish_reasons": list(out.finish_reasons),
-            "rollout_logps": torch.cat([prompt_mask * 0.0, out.logprobs.float()], 1).to(self.device),  # the engine's
-        }
 
     def _needs_old_pass(self) -> bool:
         """Whether train_step runs a no-grad pass for the old log-probs before the update (grpo_update.needs_old_pass:
