@@ -37,7 +37,7 @@ from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
-from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
+from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
 from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
@@ -313,12 +313,9 @@ class ExpertIteration:
                 saved = self._end_round(metrics, log, console) or saved
             if saved != self.round:
                 self.save_checkpoint()
-            # every process joins the export's collectives or none: they agree on whether it is due
-            if config.export and dist.agree(lambda: export_due(self.output_dir, self.round, self.round != started)):
-                dist.export(export_model, self.model, self.tokenizer, self.output_dir / "final",
-                            run_config=config.to_dict(), step=self.round)
-            elif not config.export and dist.is_main:
-                warn_stale_export(self.output_dir, self.round)
+            export_at_end(self, self.round, self.round != started,
+                          lambda final: dist.export(export_model, self.model, self.tokenizer, final,
+                                                    run_config=config.to_dict(), step=self.round))
         return self.history
 
     def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> int | None:

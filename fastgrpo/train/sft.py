@@ -26,7 +26,7 @@ from fastgrpo.rollout.requests import as_list
 from fastgrpo.train.checkpoint import apply_save_limit
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
+from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
 from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
@@ -254,11 +254,7 @@ class SFTTrainer:
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            # every process joins the export's collectives or none: they agree on whether it is due
-            if config.export and dist.agree(lambda: export_due(self.output_dir, self.step, self.step > started)):
-                self.export(self.output_dir / "final")
-            elif not config.export and dist.is_main:
-                warn_stale_export(self.output_dir, self.step)
+            export_at_end(self, self.step, self.step > started, self.export)
         return self.history[first:]
 
     def _run_steps(self, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard) -> None:

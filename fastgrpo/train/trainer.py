@@ -27,7 +27,7 @@ from fastgrpo.train.checkpoint import apply_save_limit, rng_states
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.final_export import export_due, export_model, nothing_to_train, warn_stale_export
+from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
 from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.grpo_update import batch_logprobs, needs_old_pass, update_policy
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
@@ -275,11 +275,7 @@ class GRPOTrainer:
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            # every rank joins the export's collectives or none: they agree on whether it is due
-            if config.export and self.dist.agree(lambda: export_due(self.output_dir, self.step, self.step != started)):
-                self.export(self.output_dir / "final")
-            elif not config.export and self.dist.is_main:
-                warn_stale_export(self.output_dir, self.step)
+            export_at_end(self, self.step, self.step != started, self.export)
         return self.history[first:]
 
     def _run_steps(self, console: ConsoleLog) -> None:
