@@ -1,6 +1,7 @@
 """How a run on 2 gloo processes (real torch.distributed, forked) ends when only one process meets the reason to stop:
 every process stops with the message, and none waits in a collective that the others never join (each worker's
 process group times out after 30 s, and the test fails past its own deadline rather than hanging)."""
+import logging
 import os
 import signal
 from pathlib import Path
@@ -91,6 +92,29 @@ def test_train_from_python_takes_the_folder_once(tmp_path):
     follow; every rank locked it and rank 1 stopped with 'in use by another run (PID of rank 0)'."""
     assert _run(_trained, tmp_path) == [{"steps": [1]}, {"steps": [1]}]
     assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-1", "metrics.jsonl"]
+
+
+def _resumed_finished(rank: int, tmp: Path) -> dict:
+    """_trained's 1-step run, then resumed from Python on every rank: the 'nothing to train' lines each one logs."""
+    _trained(rank, tmp)
+    said = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("fastgrpo").addHandler(Collect(logging.WARNING))
+    model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                          GRPOConfig(**{**FIELDS, "max_steps": 1, "resume": True}, output_dir=str(tmp / "run")))
+    return {"steps": [m["step"] for m in trainer.train()], "said": [line for line in said if "nothing to train" in line]}
+
+
+def test_a_finished_run_resumed_says_nothing_to_train_once(tmp_path):
+    """Rank 0 says it, as SFTTrainer and ExpertIteration do; every rank said it, one line per process."""
+    found = _run(_resumed_finished, tmp_path)
+    assert [f["steps"] for f in found] == [[], []]
+    assert [len(f["said"]) for f in found] == [1, 0], found
 
 
 def _signalled(rank: int, tmp: Path, phase: str) -> dict:

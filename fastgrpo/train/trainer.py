@@ -251,12 +251,11 @@ class GRPOTrainer:
                 self.optimizer, self.scheduler = self._optimizer()
             if config.resume or again:
                 self.resume()
-                if self.step >= config.max_steps and self._unevaluated is None:
+                if self.step >= config.max_steps and self._unevaluated is None and self.dist.is_main:
                     logger.warning(nothing_to_train(self.output_dir, f"step {self.step}",
                                                     setting("max_steps", config.max_steps), "max_steps",
                                                     self.step if config.export else None))
-                    if self.dist.is_main:
-                        apply_save_limit(self.output_dir, config.save_total_limit, self.step)
+                    apply_save_limit(self.output_dir, config.save_total_limit, self.step)
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
                 self.dist.check_final_exportable(self.output_dir)
             logged = self.step - (self._unevaluated is not None)  # the steps logged whole
