@@ -117,6 +117,40 @@ def test_a_finished_run_resumed_says_nothing_to_train_once(tmp_path):
     assert [len(f["said"]) for f in found] == [1, 0], found
 
 
+def _resumed_past_a_damaged_checkpoint(rank: int, tmp: Path) -> dict:
+    """A 2-step run saving each step, its checkpoint-2 then torn (by rank 0), resumed from Python on every rank to
+    step 3: the lines each rank logs about the checkpoint it skipped."""
+    import torch.distributed as torch_dist
+
+    model, tokenizer = default_task.build_model(default_task.build_tokenizer()), default_task.build_tokenizer()
+    fields = {**FIELDS, "save_steps": 1, "save_total_limit": None}
+    GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                GRPOConfig(**{**fields, "max_steps": 2}, output_dir=str(tmp / "run"))).train()
+    if rank == 0:
+        state = tmp / "run" / "checkpoint-2" / "trainer_state.pt"
+        state.write_bytes(state.read_bytes()[: state.stat().st_size // 2])
+    torch_dist.barrier()
+    said = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            said.append(record.getMessage())
+
+    logging.getLogger("fastgrpo").addHandler(Collect(logging.WARNING))
+    model = default_task.build_model(default_task.build_tokenizer())
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(16),
+                          GRPOConfig(**{**fields, "max_steps": 3, "resume": True}, output_dir=str(tmp / "run")))
+    return {"steps": [m["step"] for m in trainer.train()], "said": [line for line in said if "skipped" in line]}
+
+
+def test_a_damaged_checkpoint_a_resume_skips_is_said_once(tmp_path):
+    """Rank 0 says it; every rank said it, one line per process."""
+    found = _run(_resumed_past_a_damaged_checkpoint, tmp_path)
+    assert [f["steps"] for f in found] == [[2, 3], [2, 3]]
+    assert [len(f["said"]) for f in found] == [1, 0], found
+    assert "resume: skipped checkpoint-2, which is incomplete or damaged" in found[0]["said"][0]
+
+
 def _signalled(rank: int, tmp: Path, phase: str) -> dict:
     """A 3-step run whose rank 1 alone gets SIGINT in step 2: while it scores the rollout (before the update) or as
     its optimizer steps (in the update)."""

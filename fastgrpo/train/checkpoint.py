@@ -200,9 +200,14 @@ def load_latest_checkpoint(output_dir: str | Path) -> tuple[Path, dict]:
     """(folder, state) of the newest checkpoint of output_dir that reads back; torn ones are skipped with a
     warning. ValueError when there is none."""
     path, state, skipped = newest_readable_checkpoint(output_dir)
-    for line in skipped:
-        logger.warning(line)
+    warn_skipped(skipped)
     return path, state
+
+
+def warn_skipped(lines: list[str]) -> None:
+    """Say newest_readable_checkpoint's lines for the checkpoints a resume skipped."""
+    for line in lines:
+        logger.warning(line)
 
 
 def newest_readable_checkpoint(output_dir: str | Path, mmap: bool = False) -> tuple[Path, dict, list[str]]:
@@ -220,8 +225,7 @@ def newest_readable_checkpoint(output_dir: str | Path, mmap: bool = False) -> tu
             return path, read_checkpoint(path, mmap=mmap), skipped
         except TornCheckpoint as err:
             skipped.append(f"resume: skipped {path.name}, which is incomplete or damaged ({err})")
-    for line in skipped:
-        logger.warning(line)
+    warn_skipped(skipped)
     raise ValueError(f"resume: every checkpoint in {output_dir} is incomplete or damaged (see the warnings)")
 
 

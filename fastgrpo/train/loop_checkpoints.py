@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from fastgrpo.train.checkpoint import UNEVALUATED, load_latest_checkpoint, prune_checkpoints
+from fastgrpo.train.checkpoint import UNEVALUATED, newest_readable_checkpoint, prune_checkpoints, warn_skipped
 from fastgrpo.train.options import checkpoint_identity
 from fastgrpo.train.resume_checks import check_resumed_checkpoint
 
@@ -41,7 +41,9 @@ def restore_newest(loop, last: int, optimizer) -> tuple[Path, dict]:
     the optimizer (None: a loop that keeps none) and the RNGs, once its settings are checked against the config's
     (check_resumed_checkpoint; last: the step or round the run ends at), and take up the metrics of a step whose
     evaluation failed (loop._unevaluated). Returns (its folder, the rest of its state)."""
-    path, state = load_latest_checkpoint(loop.output_dir)
+    path, state, skipped = newest_readable_checkpoint(loop.output_dir)
+    if loop.dist.is_main:  # every process skips the same ones (process_agreement): rank 0 says so
+        warn_skipped(skipped)
     check_resumed_checkpoint(state, loop.config, path, last, loop.evaluator is not None)
     state = loop.dist.restore_checkpoint(path, state, loop.model, optimizer)
     # with the evaluation off now (eval_steps 0), the metrics line written without it stands

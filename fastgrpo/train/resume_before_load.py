@@ -2,12 +2,9 @@
 checkpoint's record, and whether the run is finished (nothing to train: said without loading the model)."""
 from __future__ import annotations
 
-import logging
 from pathlib import Path
 
 from fastgrpo.train.config import check_resume, check_resumed_base
-
-logger = logging.getLogger(__name__)
 
 
 def check_resume_before_load(config) -> None:
@@ -45,7 +42,7 @@ def finished_run(config) -> str | None:
 def finished_at(config, last: int, unit: str, of: str, field: str) -> str | None:
     """finished_run for a run whose checkpoints count `unit`s (step, round) up to `last`, as setting `field` gives
     it (`of`: the limit as the user set it)."""
-    from fastgrpo.train.checkpoint import apply_save_limit, list_checkpoints, newest_readable_checkpoint
+    from fastgrpo.train.checkpoint import apply_save_limit, list_checkpoints, newest_readable_checkpoint, warn_skipped
     from fastgrpo.train.final_export import nothing_to_train
     from fastgrpo.train.metrics_log import check_report_to
     from fastgrpo.train.ranks import is_main_process
@@ -62,9 +59,8 @@ def finished_at(config, last: int, unit: str, of: str, field: str) -> str | None
     if has_work_left(state, config, config.output_dir, last, bool(config.eval_steps)):
         return None
     step = state["step"]
-    for line in skipped:  # said here only when no resume follows to say it
-        logger.warning(line)
     if is_main_process():
+        warn_skipped(skipped)  # said here only when no resume follows to say it; by rank 0 alone under torchrun
         apply_save_limit(config.output_dir, config.save_total_limit, step)
     exported = f", exported to {Path(config.output_dir) / 'final'}" if config.export else ""
     return nothing_to_train(config.output_dir, f"{unit} {step} ({newest.name})", of + exported, field)
