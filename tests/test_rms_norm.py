@@ -41,6 +41,32 @@ def test_matches_fp64_reference(rows, hidden, variant, eps, seed):
     assert _max_err(got, want) <= 2 * _max_err(eager, want) + 1e-5
 
 
+@given(
+    rows=st.integers(2, 20),
+    hidden=st.integers(1, 40),
+    x_pad=st.integers(1, 9),
+    dy_pad=st.integers(0, 9),
+    variant=st.sampled_from(VARIANTS),
+    seed=st.integers(0, 2**16),
+)
+def test_rows_with_a_row_stride_past_hidden(rows, hidden, x_pad, dy_pad, variant, seed):
+    # x a column slice of a wider buffer (a fused projection's part): its rows reach the kernel as a view whose row
+    # stride is hidden + x_pad, while y and dx are new contiguous tensors and dy has a third row stride, so each of
+    # the four row strides the kernels take is checked against the fp64 reference.
+    offset, cast = variant
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(rows, hidden + x_pad, generator=g) * 3)[:, :hidden]
+    w = torch.randn(hidden, generator=g)
+    dy = torch.randn(rows, hidden + dy_pad, generator=g)[:, :hidden]
+    want = _fwd_bwd(lambda a, b: reference.rms_norm(a, b, 1e-6, offset), x.double(), w.double(), dy.double())
+    eager = _fwd_bwd(lambda a, b: rms_norm_torch(a, b, 1e-6, offset, cast), x, w, dy)
+    got = _fwd_bwd(lambda a, b: rms_norm(a, b, 1e-6, offset, cast), x, w, dy)
+    bound = 2 * _max_err(eager, want) + 1e-5  # test_matches_fp64_reference's
+    for name, g_, w_ in zip(("y", "dx", "dw"), got, want):
+        err = (g_ - w_).abs().max().item()
+        assert err <= bound, f"{name}: max error {err:.3e} > bound {bound:.3e}"
+
+
 @pytest.mark.parametrize("offset, cast", VARIANTS)
 def test_leading_dims_and_strided_rows(offset, cast):
     # q/k norms see [B, H, T, D] views that are not contiguous (Gemma 3 normalizes after the transpose).
