@@ -57,6 +57,50 @@ def test_matches_fp64_reference(batch, q_heads, kv_groups, seq, half, partial, c
         torch.testing.assert_close(g_, w_, rtol=0, atol=2e-6)  # fp32 math, |values| < 10
 
 
+def _heads(layout, batch, heads, seq, head_dim, generator):
+    """[B, H, T, D] in one of the layouts q and k reach the op in: contiguous, HF's transposed [B, T, H, D], or
+    heads of a fused projection [B, T, 3 H D] (a row stride along T past H D)."""
+    if layout == "bhtd":
+        return torch.randn(batch, heads, seq, head_dim, generator=generator)
+    if layout == "bthd":
+        return torch.randn(batch, seq, heads, head_dim, generator=generator).transpose(1, 2)
+    fused = torch.randn(batch, seq, 3 * heads * head_dim, generator=generator)
+    return fused[..., heads * head_dim : 2 * heads * head_dim].view(batch, seq, heads, head_dim).transpose(1, 2)
+
+
+LAYOUTS = st.sampled_from(["bhtd", "bthd", "fused"])
+
+
+@given(
+    batch=st.integers(1, 3),
+    q_heads=st.integers(1, 5),
+    k_heads=st.integers(1, 3),
+    seq=st.integers(1, 9),
+    half=st.integers(1, 6),
+    q_layout=LAYOUTS,
+    k_layout=LAYOUTS,
+    cos_batch=st.booleans(),
+    seed=st.integers(0, 2**16),
+)
+def test_q_and_k_in_other_layouts_and_any_cos_sin(batch, q_heads, k_heads, seq, half, q_layout, k_layout, cos_batch,
+                                                  seed):
+    # q and k each in its own layout (their head, position and batch strides differ), and cos / sin whose two halves
+    # differ (HF's are cat(freqs, freqs)): the backward must be the transpose of the forward for any cos and sin,
+    # which reads sin's second half where the forward reads its first.
+    g = torch.Generator().manual_seed(seed)
+    q = _heads(q_layout, batch, q_heads, seq, 2 * half, g)
+    k = _heads(k_layout, batch, k_heads, seq, 2 * half, g)
+    angles = torch.randn(batch if cos_batch else 1, seq, 2 * half, generator=g, dtype=torch.float64) * 3
+    cos, sin = angles.cos().float(), (angles * 0.7).sin().float()
+    dq, dk = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g)
+    want = _fwd_bwd(reference.apply_rotary, q.double(), k.double(), cos.double(), sin.double(), dq.double(),
+                    dk.double())
+    got = _fwd_bwd(apply_rotary, q, k, cos, sin, dq, dk)
+    for name, g_, w_ in zip(("q_out", "k_out", "dq", "dk"), got, want):
+        err = (g_ - w_).abs().max().item()
+        assert err <= 2e-6, f"{name}: max error {err:.3e} > 2e-6 (fp32 math, |values| < 10)"
+
+
 def test_unsqueeze_dim_2_layout():
     g = torch.Generator().manual_seed(1)
     q, k = torch.randn(2, 5, 4, 6, generator=g), torch.randn(2, 5, 2, 6, generator=g)  # [B, T, H, D]
