@@ -368,6 +368,42 @@ def test_exact_and_special_values_pass_through(backend):
     assert out[p.isnan()].isnan().all()
 
 
+def _rounded_up(result, fp32):
+    """(result [n] bf16 is fp32's upper neighbour in magnitude, the probability q of that: fp32's low 16 bits / 2^16)."""
+    bits = fp32.view(torch.int32)
+    lower = (bits & -65536).view(torch.float32)
+    return result.float() != lower, (bits & 0xFFFF).double() / 65536
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_param_and_moment_roundings_are_independent(backend):
+    """The three bf16 roundings of an element draw independent bits: with a zero step (the param times decay alone)
+    and beta1 = beta2 = 0 (exp_avg = g, exp_avg_sq = g^2, each one exact or one fp32 rounding of known value), two
+    results both round up with probability q_a q_b; the count over n elements is within 5 standard deviations of
+    its expectation. Shared bits would make it min(q_a, q_b): ~0.30 n against ~0.18 n for param and exp_avg here."""
+    n = 4096
+    gen = torch.Generator().manual_seed(0)
+    sign = torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    p0 = (sign * (1 + torch.rand(n, generator=gen))).bfloat16()
+    g = sign * (1 + torch.rand(n, generator=gen))  # fp32: random low 16 bits
+    decay = 1 + 2.0**-9  # p0 (8 bits) times it: exact in fp32, between 1/4 and 1/2 of a bf16 spacing above p0
+    p, m, v = p0.clone(), torch.zeros(n, dtype=torch.bfloat16), torch.zeros(n, dtype=torch.bfloat16)
+    opt_step = adamw_step_ if backend == "triton" else adamw_step_torch_
+    with _path(backend):
+        opt_step(p, g, m, v, decay=decay, beta1=0.0, beta2=0.0, step_size=0.0, bias2_sqrt=1.0, eps=1e-8,
+                 seed=step_seed(0, 0, 1))
+    ups = {name: _rounded_up(result, exact) for name, result, exact in
+           (("param", p, p0.float() * decay), ("exp_avg", m, g), ("exp_avg_sq", v, g * g))}
+    for a, b in (("param", "exp_avg"), ("param", "exp_avg_sq"), ("exp_avg", "exp_avg_sq")):
+        (up_a, q_a), (up_b, q_b) = ups[a], ups[b]
+        both = (up_a & up_b).sum().item()
+        expect = (q_a * q_b).sum().item()
+        sd = (q_a * q_b * (1 - q_a * q_b)).sum().sqrt().item()
+        assert abs(both - expect) <= 5 * sd, (
+            f"{a} and {b} both rounded up {both} times of {n}, independent bits {expect:.0f} +- {sd:.0f}, "
+            f"shared bits {torch.minimum(q_a, q_b).sum().item():.0f}")
+
+
 @pytest.mark.skipif(not INTERPRETED, reason="CPU tensors reach Triton only under TRITON_INTERPRET=1")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_triton_and_eager_do_the_same_math(dtype):
