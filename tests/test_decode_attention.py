@@ -336,6 +336,35 @@ def test_fp8_dots_match_fp64_within_their_rounding(N, H, G, D, M, length_frac, d
                   f"fp8_dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits} split{split}")
 
 
+@given(
+    N=st.integers(1, 3), H=st.integers(1, 2), G=st.integers(1, 5), D=st.sampled_from([16, 24, 32]),
+    M=st.integers(1, 50), length_frac=st.floats(0, 1), dtype=st.sampled_from([torch.bfloat16, torch.float16]),
+    splits=st.sampled_from([1, 3]), v_slot_major=st.booleans(), magnitude=st.sampled_from([2.0**-9, 1.0, 300.0]),
+    seed=st.integers(0, 2**16),
+)
+def test_fp16_dots_over_an_fp8_cache_match_fp64(N, H, G, D, M, length_frac, dtype, splits, v_slot_major, magnitude,
+                                                 seed):
+    """The e4m3 cache's fp16 dots (fp8_dots off: the op's path where fp8_dots do not pay, past 64 rows or a head dim
+    of 128, which no other CPU test reaches) against the fp64 softmax over the dequantized cache, within bound's
+    fp8 branch. q of several magnitudes: its rows are divided by their power of two for the fp16 dots and the
+    scores multiplied back."""
+    from fastgrpo.kernels.decode_attention import decode_attention_fwd
+
+    g = torch.Generator().manual_seed(seed)
+    length = 1 + round(length_frac * (M - 1))
+    q = (torch.randn(N, H, G, D, generator=g) * magnitude).to(dtype)
+    kq, vq, ks, vs, visible = fp8_cache(g, N, H, M, D, length, float("nan"))
+    if v_slot_major:
+        vq = slot_major(vq)
+    L, s = torch.tensor([length]), 0.3 / magnitude
+    got = decode_attention_fwd(q, kq, vq, visible, L, s, splits=splits, k_scale=ks, v_scale=vs, fp8_dots=False)
+    ref = decode_attention_torch(q.double(), kq, vq, visible, L, s, k_scale=ks, v_scale=vs)
+    keep = visible & (torch.arange(M) < length)
+    k, v = dequantize_kv(kq, ks, torch.float64), dequantize_kv(vq, vs, torch.float64)
+    assert_within(got, ref, bound(ref, q, k, v, keep, s, dtype, fp8=True),
+                  f"fp16 dots {dtype} N{N} H{H} G{G} D{D} M{M} len{length} splits{splits} |q| ~{magnitude}")
+
+
 def test_fp8_split_is_within_a_bound_plain_fp8_dots_exceed():
     """The control: on 4 rows of 64 keys, fp8_dots without the split land outside the split's (16x tighter) bound
     and with it inside, so the second parts do reach the output and the split's bound can fail."""
