@@ -237,6 +237,34 @@ def test_softcap_saturated_and_banned_tokens(backend, dtype):
     assert torch.all(grads[2][::7] == 0)  # saturated: 1 - tanh^2 = 0
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_banned_whole_blocks_of_the_vocabulary(backend, softcap):
+    """Banned tokens (bias -inf) filling the first V blocks of the row passes (64 lanes under the interpreter, 4096 on
+    a GPU) and more: the running max stays -inf over those blocks, which must add nothing (no -inf - -inf). The
+    entropy only with the cap (banned tokens at -cap): without it the fp64 reference's entropy is NaN (0 x -inf)."""
+    g, hidden, weight, bias, targets = make_inputs(17, 2, 5, 48, 300, torch.float32)
+    with torch.no_grad():
+        bias[:150] = float("-inf")
+    targets = targets.clamp(min=150)  # the targets are allowed tokens
+    params = (hidden, weight, bias)
+    entropy = softcap is not None
+    want = reference.linear_logprobs(hidden, weight, targets, 0.7, bias, entropy, torch.float64, softcap=softcap)
+    with chunk_rows(4):
+        got = fused_linear_logprobs(hidden, weight, targets, temperature=0.7, bias=bias, softcap=softcap,
+                                    return_entropy=entropy, backend=backend)
+    got, want = (got, want) if entropy else ((got,), (want,))
+    for name, out, ref in zip(("logp", "entropy"), got, want):
+        err = rel_err(out, ref)
+        assert err < TOL[torch.float32], f"{name}: relative error {err:.3g} >= {TOL[torch.float32]}"
+    coef = torch.randn(len(got), 2, 5, generator=g, dtype=torch.float64)
+    want_grads = torch.autograd.grad(sum((c * w).sum() for c, w in zip(coef, want)), params)
+    grads = torch.autograd.grad(sum((c * o).sum() for c, o in zip(coef, got)), params)
+    for name, out, ref in zip(("hidden", "weight", "bias"), grads, want_grads):
+        err = rel_err(out, ref)
+        assert err < TOL[torch.float32] * 10, f"d{name}: relative error {err:.3g} >= {TOL[torch.float32] * 10}"
+
+
 class _Spy:
     """Records the chunk shapes the row passes see and the dW GEMMs the chunk loop issues."""
 
