@@ -127,6 +127,24 @@ def test_grads_equal_untiled(arch, dtype, chunk):
     assert_close_all(got, want, dtype)
 
 
+def test_bf16_param_grads_sum_their_chunks_in_fp32():
+    """A bf16 linear over 512 one-token chunks: each chunk's weight gradient g_t x_t^T is rounded to bf16 once
+    (2^-8 of it), the chunks are summed in fp32 (512 x 2^-24 of the running sum), the total rounded once (2^-8 |ref|):
+    bound 2^-8 (S + |ref|) + 2^-15 S, S = sum_t |g_t| |x_t| (fp64 of the same bf16 inputs). All terms positive here,
+    so a bf16 running sum stalls at 256 of them (its spacing there is 2 terms), far below the 512."""
+    lin = torch.nn.Linear(4, 4, bias=False).bfloat16()
+    g = torch.Generator().manual_seed(0)
+    x = torch.rand(1, 512, 4, generator=g).bfloat16()
+    grad_out = (0.5 + torch.rand(1, 512, 4, generator=g)).bfloat16()
+    out = tiled_mlp(lin, x, chunk_tokens=1)
+    (got,) = torch.autograd.grad(out, lin.weight, grad_out)
+    ref = grad_out[0].double().T @ x[0].double()
+    S = grad_out[0].double().abs().T @ x[0].double().abs()
+    tol = 2.0**-8 * (S + ref.abs()) + 2.0**-15 * S
+    err = (got.double() - ref).abs()
+    assert (err <= tol).all(), f"max error {err.max():.3g}, bound there {tol.flatten()[err.argmax()]:.3g}"
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma", "phi3"])
 def test_patched_fused_forward_with_lora_equal_untiled(arch):
     """The forward patch_model binds (fused SwiGLU/GeGLU, Phi-3's gate_up) over PEFT LoRA linears, fp32."""
