@@ -165,6 +165,27 @@ def test_filtered_tokens_are_never_chosen():
         assert_matches_reference(logits, keys, torch.tensor([position]), block=8, blocks_per_chunk=2)
 
 
+def test_a_filtered_token_whose_draw_is_zero_is_never_chosen():
+    """Step key 0 and second word 6042635 give vocabulary id 5 the uniform u = 1 (its hash's top 24 bits all set,
+    (2^24 - 0.5) 2^-24 rounds to 1 in fp32; found by search), so its draw E = -log u is 0, which `sample` clamps to
+    fp32's tiny: the score of a filtered (-inf) token stays -inf. Unclamped, -inf - log 0 is NaN, which must neither
+    win the race nor hide the tokens of its block: the token is `sample`'s (scores from the same uniforms)."""
+    step_keys, second = torch.tensor([0, 0]), torch.tensor([6042635, 6042635])
+    u = keyed_uniforms(step_keys, second, 40)
+    assert (u[:, 5] == 1.0).all()
+    logits = torch.randn(2, 40, generator=torch.Generator().manual_seed(4))
+    logits[:, 5] = NEG
+    logits[1, 6:] = NEG  # the second row: tokens 0-4 alone allowed, in token 5's block
+    logits[1, 3] = 8.0
+    scores = torch.log_softmax(logits, -1) - (-u.log()).clamp_min(torch.finfo(torch.float32).tiny).log()
+    want = scores.argmax(-1)
+    top2 = scores.topk(2, -1).values
+    assert ((top2[:, 0] - top2[:, 1]) > 1e-3).all(), top2  # no near-tie: the token is unambiguous
+    for split in (dict(block=8, blocks_per_chunk=2), dict(block=64, blocks_per_chunk=1)):
+        tokens, logps = kernel_sample(logits, step_keys, second, **split)
+        assert torch.equal(tokens, want) and torch.isfinite(logps).all(), (split, tokens, want, logps)
+
+
 def test_bf16_reads_the_same_as_its_fp32_copy():
     logits = (torch.randn(3, 150, generator=torch.Generator().manual_seed(1)) * 4).bfloat16()
     words = step_words(keys_for(3, 1), torch.tensor([2]))
