@@ -369,7 +369,7 @@ def test_exact_and_special_values_pass_through(backend):
 
 
 def _rounded_up(result, fp32):
-    """(result [n] bf16 is fp32's upper neighbour in magnitude, the probability q of that: fp32's low 16 bits / 2^16)."""
+    """(result [n] bf16 is fp32's upper neighbour in magnitude, its probability q: fp32's low 16 bits / 2^16)."""
     bits = fp32.view(torch.int32)
     lower = (bits & -65536).view(torch.float32)
     return result.float() != lower, (bits & 0xFFFF).double() / 65536
