@@ -66,3 +66,67 @@ def test_completion_tokens_and_kl_are_the_sampled_ones(tmp_path):
     print(f"kl logged {metrics['kl']:.6g}, k3 {k3.mean():.6g}, reversed {reverse.mean():.6g}")
     assert abs(reverse.mean().item() - k3.mean().item()) > 10 * tol  # the test tells the two orders apart
     assert metrics["kl"] == pytest.approx(k3.mean().item(), abs=tol)
+
+
+def test_step_clip_ratio_is_the_token_mean_whatever_the_micro_batches(tmp_path):
+    """The step's clip_ratio is the share of all its tokens on the clipped branch: micro-batches of few tokens weigh
+    by their tokens (as the step's entropy does). The second epoch (num_iterations=2) runs off-policy, where a narrow
+    epsilon clips; stop strings make the completions' lengths, and so the micro-batches' token counts, differ."""
+    runs = [_trainer(tmp_path / str(micro), batch_size=16, micro_batch_size=micro, max_completion_length=8,
+                     stop=["a", "e"], num_iterations=2, epsilon_low=0.01).train_step() for micro in (16, 2)]
+    whole, split = runs
+    assert whole["completion_length"] == split["completion_length"] < 8
+    assert whole["clip_ratio"] > 0.05
+    # The same ratios either way up to fp32 rounding of the accumulated gradient (a flag flips only for a ratio within
+    # ~1e-6 of a bound); a micro-batch mean moves the value by the spread of the micro-batches' shares.
+    assert split["clip_ratio"] == pytest.approx(whole["clip_ratio"], rel=1e-6)
+
+
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo"])
+def test_entropy_bonus_accumulates_like_one_batch(tmp_path, loss_type):
+    """With the entropy bonus on, four micro-batches of 2 rows give the gradient of one of 8: every completion has
+    max_completion_length tokens here, so the per-micro-batch means weighted by their shares (TRL's / GA) are the
+    whole batch's mean, for the token-sum types (dapo: the bonus weighted by the share) as for the others."""
+    grads = []
+    for micro in (8, 2):
+        trainer = _trainer(tmp_path / str(micro), micro_batch_size=micro, loss_type=loss_type, entropy_coef=0.5,
+                           max_grad_norm=1e9)
+        metrics = trainer.train_step()
+        assert metrics["truncated_frac"] == 1.0  # equal lengths: the premise of the equality
+        grads.append(torch.cat([p.grad.flatten() for p in trainer.model.parameters()]).double())
+    assert grads[0].abs().max() > 0
+    # fp32 sums of the same terms in another grouping (the trainer test of plain accumulation uses the same bounds)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-7)
+
+
+def test_token_sum_normalizer_is_the_minibatch_tokens(tmp_path):
+    """dapo divides each micro-batch's token sum by the active tokens of its minibatch (the accumulation window),
+    not of the whole batch: with two minibatches, each optimizer step's micro-batches carry the count of their own
+    completion tokens (a spy on the instance's forward and optimizer step)."""
+    trainer = _trainer(tmp_path, batch_size=16, num_minibatches=2, micro_batch_size=4, stop=["a", "e"],
+                       max_completion_length=8)
+    events, forward, step = [], trainer.dist.forward, trainer.optimizer.step
+
+    def spy_forward(fn, model, input_ids, attention_mask, completion_mask, *args, **kwargs):
+        if "config" in kwargs:  # the loss's forwards (not the old log-probs' pass)
+            events.append((kwargs["config"].num_items_in_batch, int(completion_mask.sum())))
+        return forward(fn, model, input_ids, attention_mask, completion_mask, *args, **kwargs)
+
+    def spy_step(*args, **kwargs):
+        events.append("step")
+        return step(*args, **kwargs)
+
+    trainer.dist.forward, trainer.optimizer.step = spy_forward, spy_step
+    trainer.train_step()
+    windows, current = [], []
+    for event in events:
+        if event == "step":
+            windows.append(current)
+            current = []
+        else:
+            current.append(event)
+    assert len(windows) == 2 and all(len(window) == 2 for window in windows)
+    for window in windows:
+        tokens = sum(count for _, count in window)
+        assert [items for items, _ in window] == [tokens] * len(window), window
+    assert windows[0] != windows[1]  # the two minibatches' counts differ here: the test tells them apart
