@@ -24,8 +24,9 @@ CASES = {
     "wide-clip-on-policy": dict(options=dict(epsilon_high=3.0, beta=0.04), on_policy=True),
     "delta-sequence-weighted": dict(options=dict(epsilon_high=0.28, delta=1.3, importance_sampling_level="sequence",
                                                  beta=0.04), on_policy=False, weighted=True),
-    "masks-and-bonus": dict(options=dict(top_entropy_quantile=0.5, off_policy_mask_threshold=0.0, entropy_coef=0.05),
-                            on_policy=False, sampled=True),
+    # row 1 (A < 0, 4 of 6 tokens valid) drifts by -0.070 on average over its valid tokens, -0.047 over all 6
+    "masks-and-bonus": dict(options=dict(top_entropy_quantile=0.5, off_policy_mask_threshold=-0.06,
+                                         entropy_coef=0.05), on_policy=False, sampled=True),
 }
 
 
