@@ -130,3 +130,31 @@ def test_token_sum_normalizer_is_the_minibatch_tokens(tmp_path):
         tokens = sum(count for _, count in window)
         assert [items for items, _ in window] == [tokens] * len(window), window
     assert windows[0] != windows[1]  # the two minibatches' counts differ here: the test tells them apart
+
+
+def test_off_policy_mask_compares_with_the_engines_logprobs(tmp_path):
+    """off_policy_mask_threshold: the loss's sampler log-probs are the rollout engine's of the same rows (TRL's
+    sampling_per_token_logps), not the old policy's, which see no training-inference mismatch."""
+    trainer = _trainer(tmp_path, off_policy_mask_threshold=0.0, num_iterations=2)
+    seen, calls, forward = _captured_rollout_only(trainer), [], trainer.dist.forward
+
+    def spy_forward(fn, model, input_ids, *args, **kwargs):
+        if "config" in kwargs:  # the loss's forwards
+            calls.append((input_ids, kwargs.get("sampling_logps")))
+        return forward(fn, model, input_ids, *args, **kwargs)
+
+    trainer.dist.forward = spy_forward
+    trainer.train_step()
+    batch = seen[0]
+    assert len(calls) == 2  # one micro-batch per epoch
+    for input_ids, sampling in calls:
+        assert sampling is not None
+        for ids, got in zip(input_ids, sampling):
+            row = (batch["input_ids"] == ids).all(-1).nonzero()[0, 0]  # the batch row of these ids
+            assert torch.equal(got, batch["rollout_logps"][row])
+
+
+def _captured_rollout_only(trainer) -> list[dict]:
+    seen, rollout = [], trainer._rollout
+    trainer._rollout = lambda *args, **kwargs: seen.append(rollout(*args, **kwargs)) or seen[-1]
+    return seen
