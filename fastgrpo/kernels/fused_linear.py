@@ -111,7 +111,7 @@ def _row_grad_kernel(
         p = tl.exp(z - lse)
         d = tl.where(offs == target, g, 0.0) - g * p
         if WITH_ENTROPY_GRAD:
-            d -= g_ent * p * (z - mean_z)
+            d -= g_ent * p * (tl.where(z == float("-inf"), 0.0, z) - mean_z)  # banned tokens: p = 0, not 0 x -inf
         if SOFTCAP:
             d *= slope
         tl.store(base + offs, (d * inv_tau).to(logits_ptr.dtype.element_ty), mask=inside)

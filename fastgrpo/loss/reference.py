@@ -49,7 +49,8 @@ def linear_logprobs(
     logps = log_probs.gather(-1, target_ids.unsqueeze(-1)).squeeze(-1)
     if not return_entropy:
         return logps
-    entropy = -(log_probs.exp() * log_probs).sum(-1)
+    # a banned token (bias -inf, no soft-cap) has probability 0 and adds 0, not 0 x -inf = NaN
+    entropy = -(log_probs.exp() * log_probs.masked_fill(log_probs == float("-inf"), 0.0)).sum(-1)
     return logps, entropy
 
 

@@ -69,8 +69,13 @@ def _torch_row_stats(logits, bias, targets, inv_tau, softcap, with_entropy):
     z, _ = _scaled_logits(logits, bias, inv_tau, softcap)
     lse = torch.logsumexp(z, dim=-1)
     logp = z.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
-    entropy = lse - (torch.softmax(z, dim=-1) * z).sum(-1) if with_entropy else None
+    entropy = lse - (torch.softmax(z, dim=-1) * _finite(z)).sum(-1) if with_entropy else None
     return lse, logp, entropy
+
+
+def _finite(z):
+    """z with its -inf (banned tokens: bias -inf, no soft-cap) at 0: their probability is 0, and 0 x -inf is NaN."""
+    return z.masked_fill(z == float("-inf"), 0.0)
 
 
 def _torch_row_grad(logits, bias, targets, lse, entropy, grad_logp, grad_entropy, inv_tau, softcap):
@@ -81,7 +86,7 @@ def _torch_row_grad(logits, bias, targets, lse, entropy, grad_logp, grad_entropy
     dz.scatter_add_(-1, targets.unsqueeze(-1), grad_logp.unsqueeze(-1))
     if grad_entropy is not None:
         # d entropy / dz_j = -p_j (z_j - E_p[z]), and E_p[z] = lse - entropy.
-        dz -= grad_entropy.unsqueeze(-1) * probs * (z - (lse - entropy).unsqueeze(-1))
+        dz -= grad_entropy.unsqueeze(-1) * probs * (_finite(z) - (lse - entropy).unsqueeze(-1))
     if slope is not None:
         dz *= slope
     logits.copy_(dz * inv_tau)
