@@ -24,10 +24,12 @@ def _trainer(tmp_path, **fields):
     return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
 
 
-def _captured_rollout(trainer) -> list[dict]:
+def _captured_rollout(trainer, monkeypatch) -> list[dict]:
     """The step's rollout batch, with the policy's and the reference's log-probs of it taken before the update (a spy
-    on the instance's _rollout)."""
-    seen, rollout = [], trainer._rollout
+    on the rollout_batch the trainer calls)."""
+    from fastgrpo.train import trainer as trainer_module
+
+    seen, rollout = [], trainer_module.rollout_batch
 
     def spy(*args, **kwargs):
         batch = rollout(*args, **kwargs)
@@ -37,11 +39,11 @@ def _captured_rollout(trainer) -> list[dict]:
                      "reference": sequence_logprobs(trainer.ref_model, *rows, temperature=temperature)})
         return batch
 
-    trainer._rollout = spy
+    monkeypatch.setattr(trainer_module, "rollout_batch", spy)
     return seen
 
 
-def test_completion_tokens_and_kl_are_the_sampled_ones(tmp_path):
+def test_completion_tokens_and_kl_are_the_sampled_ones(tmp_path, monkeypatch):
     """The completion mask marks the tokens the engine sampled (its log-probs are the policy's there), and the
     step's kl is the mean over them of k3 = exp(ref - logp) - (ref - logp) - 1 of the policy to the reference."""
     trainer = _trainer(tmp_path, beta=0.1)
@@ -49,7 +51,7 @@ def test_completion_tokens_and_kl_are_the_sampled_ones(tmp_path):
         g = torch.Generator().manual_seed(0)
         for p in trainer.model.parameters():
             p.add_(torch.randn(p.shape, generator=g) * 0.05)
-    seen = _captured_rollout(trainer)
+    seen = _captured_rollout(trainer, monkeypatch)
     metrics = trainer.train_step()
     batch = seen[0]
     mask = batch["completion_mask"].bool()
@@ -132,11 +134,11 @@ def test_token_sum_normalizer_is_the_minibatch_tokens(tmp_path):
     assert windows[0] != windows[1]  # the two minibatches' counts differ here: the test tells them apart
 
 
-def test_off_policy_mask_compares_with_the_engines_logprobs(tmp_path):
+def test_off_policy_mask_compares_with_the_engines_logprobs(tmp_path, monkeypatch):
     """off_policy_mask_threshold: the loss's sampler log-probs are the rollout engine's of the same rows (TRL's
     sampling_per_token_logps), not the old policy's, which see no training-inference mismatch."""
     trainer = _trainer(tmp_path, off_policy_mask_threshold=0.0, num_iterations=2)
-    seen, calls, forward = _captured_rollout_only(trainer), [], trainer.dist.forward
+    seen, calls, forward = _captured_rollout_only(monkeypatch), [], trainer.dist.forward
 
     def spy_forward(fn, model, input_ids, *args, **kwargs):
         if "config" in kwargs:  # the loss's forwards
@@ -154,7 +156,10 @@ def test_off_policy_mask_compares_with_the_engines_logprobs(tmp_path):
             assert torch.equal(got, batch["rollout_logps"][row])
 
 
-def _captured_rollout_only(trainer) -> list[dict]:
-    seen, rollout = [], trainer._rollout
-    trainer._rollout = lambda *args, **kwargs: seen.append(rollout(*args, **kwargs)) or seen[-1]
+def _captured_rollout_only(monkeypatch) -> list[dict]:
+    from fastgrpo.train import trainer as trainer_module
+
+    seen, rollout = [], trainer_module.rollout_batch
+    monkeypatch.setattr(trainer_module, "rollout_batch",
+                        lambda *args, **kwargs: seen.append(rollout(*args, **kwargs)) or seen[-1])
     return seen
