@@ -1,16 +1,18 @@
 """Boundaries of the rollout's pure functions that the other tests' random inputs never reach (found by a mutation
-audit: each test below failed with one small change of the code it names): top_p's tail of mass exactly 1 - p,
+audit: each test below failed with one small change of the code it names): top_p's tail of mass exactly 1 - p, min_p's
+threshold exactly a token's probability,
 the high words of a sample's seed and prompt key, the length and longrope limits at an exact fit, vLLM's seed range.
 """
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
-from transformers.generation.logits_process import TopPLogitsWarper
+from transformers.generation.logits_process import MinPLogitsWarper, TopPLogitsWarper
 
 from fastgrpo.rollout.requests import check_lengths
 from fastgrpo.rollout.rope_limits import check_rope_switch
-from fastgrpo.rollout.sampling import row_keys, top_p_filter
+from fastgrpo.rollout.sampling import min_p_filter, row_keys, top_p_filter
 from fastgrpo.rollout.vllm_requests import request_seeds
 
 MASK64 = 2**64 - 1
@@ -26,6 +28,17 @@ def test_top_p_drops_a_tail_of_mass_exactly_one_minus_p_as_hf_does(V, p):
     kept = torch.isfinite(got).sum(-1)
     assert kept.tolist() == [int(p * V)] * 2, (kept, torch.isfinite(want).sum(-1))
     assert torch.equal(torch.isfinite(got).sum(-1), torch.isfinite(want).sum(-1))
+
+
+@pytest.mark.parametrize("min_p", [1.0, 0.5])
+def test_min_p_keeps_a_token_whose_probability_is_exactly_the_threshold_as_hf_does(min_p):
+    """HF drops probabilities below min_p x the top one: at min_p = 1 every token tied with the top stays (the top
+    one always does), and a token of exactly half the top's probability stays at min_p = 0.5 (exact in fp32)."""
+    logits = torch.tensor([[1.0, 1.0, 0.0, -3.0], [math.log(2.0), 0.0, 0.0, -1.0]])
+    got = min_p_filter(logits, min_p)
+    want = MinPLogitsWarper(min_p)(torch.zeros(2, 1, dtype=torch.long), logits.clone())
+    assert torch.equal(torch.isfinite(got), torch.isfinite(want)), (got, want)
+    assert torch.isfinite(got).sum(-1).tolist() == ([2, 1] if min_p == 1.0 else [2, 3])
 
 
 def test_sample_keys_use_all_64_bits_of_the_seed_and_the_prompt_key():
