@@ -107,3 +107,14 @@ def test_engine_writes_pad_and_log_prob_0_after_a_rows_stop_token():
         assert torch.equal(out.logprobs[row, :n], free.logprobs[row, :n]) and torch.all(out.logprobs[row, n:] == 0)
         assert bool(out.stopped[row]) == bool(len(hits)), row
     assert out.stopped.any() and not out.stopped.all()
+
+
+def test_a_stop_string_is_found_across_a_special_token_the_text_skips():
+    """Stop strings are looked for in the text the result holds (special tokens skipped): row 1's greedy completion
+    starts e, <pad>, u, whose text reads "eu"; stop="eu" ends it at the u, as it would in the returned text."""
+    tok, model = char_tokenizer(), tiny_model("llama")
+    free = completions(generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0))[1]
+    e, u = tok.convert_tokens_to_ids(["e", "u"])
+    assert free[:3] == [e, PAD, u], free
+    result = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0, stop="eu")
+    assert completions(result)[1] == free[:3] and result.texts[1] == "eu" and result.finish_reasons[1] == "stop"
