@@ -10,6 +10,7 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinPLogitsWarper, TopPLogitsWarper
 
+from fastgrpo.rollout.kv_cache import attention_masks
 from fastgrpo.rollout.requests import check_lengths
 from fastgrpo.rollout.rope_limits import check_rope_switch
 from fastgrpo.rollout.sampling import min_p_filter, row_keys, top_p_filter
@@ -92,3 +93,18 @@ def test_vllm_seeds_leave_room_for_the_group_index_at_the_top_of_the_range():
     key = (h - seed * 0x9E3779B97F4A7C15) * pow(0xBF58476D1CE4E5B9, -1, 2**64) & MASK64
     (got,) = request_seeds(seed, [key], G)
     assert 0 <= got < 2**62 - G, got
+
+
+@pytest.mark.parametrize("implementation", ["sdpa", "eager"])
+def test_every_prefill_query_sees_at_least_its_own_slot(implementation):
+    """A left-pad query has no real key before it: the mask still shows it its own slot, so no attention row is
+    empty (attention_masks' rule: an all-masked softmax row can be NaN, and a pad's NaN K/V in the next layer
+    would reach the real tokens as 0 x NaN). torch 2.13's CPU SDPA returns 0 for such rows, so the engine tests
+    on the CPU pass without the rule: checked on the mask itself."""
+    config = SimpleNamespace(_attn_implementation=implementation, sliding_window=None)
+    slots = torch.arange(5)
+    visible = slots[None, :] >= torch.tensor([3, 0])[:, None]  # row 0: 3 left pads
+    mask = attention_masks(config, visible, slots, slots, torch.float32)[:, 0]  # [N, Q, M]
+    seen = mask if implementation == "sdpa" else mask == 0
+    assert torch.equal(seen.diagonal(dim1=1, dim2=2), torch.ones(2, 5, dtype=torch.bool))
+    assert torch.equal(seen[0, 4], visible[0])  # a real query sees the real keys up to it, no pad
