@@ -10,7 +10,7 @@ from fastgrpo.rollout import decode, generate
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.stops import StopStrings
-from tests.test_rollout import EOS, PAD, PROMPTS, char_tokenizer, completions, tiny_model
+from tests.test_rollout import CHARS, EOS, PAD, PROMPTS, char_tokenizer, completions, tiny_model
 
 
 @pytest.mark.parametrize("penalty", [1.6, 0.6])
@@ -118,3 +118,24 @@ def test_a_stop_string_is_found_across_a_special_token_the_text_skips():
     assert free[:3] == [e, PAD, u], free
     result = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0, stop="eu")
     assert completions(result)[1] == free[:3] and result.texts[1] == "eu" and result.finish_reasons[1] == "stop"
+
+
+def test_the_tokenizers_eos_stops_rows_whatever_the_generation_config_says():
+    tok, model = char_tokenizer(), tiny_model("llama")
+    free = completions(generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0))
+    tok.eos_token = "i"  # a token some rows sample; the model's generation config names only its own EOS
+    eos = tok.convert_tokens_to_ids("i")
+    assert model.generation_config.eos_token_id == EOS and any(eos in row for row in free)
+    result = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0)
+    for row, full in enumerate(free):
+        assert completions(result)[row] == (full[: full.index(eos) + 1] if eos in full else full), row
+
+
+def test_the_result_is_as_wide_as_its_longest_completion():
+    """Stop strings cut the rows after the engine ran: the result's columns end with the longest kept row (the
+    trainer pays for every column), not with the engine's last step."""
+    tok, model = char_tokenizer(), tiny_model("llama")
+    result = generate(model, tok, PROMPTS, max_new_tokens=12, temperature=0, stop=list(CHARS))
+    lengths = result.completion_mask.sum(1)
+    assert result.completion_ids.shape[1] == int(lengths.max()) < 12, lengths
+    assert result.logprobs.shape == result.completion_ids.shape
