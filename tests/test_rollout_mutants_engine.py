@@ -8,6 +8,7 @@ import torch
 
 from fastgrpo.rollout import decode, generate
 from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.stops import StopStrings
 from tests.test_rollout import CHARS, EOS, PAD, PROMPTS, char_tokenizer, completions, tiny_model
@@ -139,3 +140,19 @@ def test_the_result_is_as_wide_as_its_longest_completion():
     lengths = result.completion_mask.sum(1)
     assert result.completion_ids.shape[1] == int(lengths.max()) < 12, lengths
     assert result.logprobs.shape == result.completion_ids.shape
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_prompt_longer_than_max_prompt_length_gets_a_cache_that_holds_it(monkeypatch, shared):
+    """The cache is sized for max(longest prompt, max_prompt_length): with a small length bucket, one sized for
+    max_prompt_length alone (bucket(8 + 10) = 32 slots, a shared prefix of bucket(8) = 16) cannot hold a 39-token
+    prompt. Run on the op's torch path (TRITON_INTERPRET unset, as tests/test_warmup.py's equality tests do)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    tok, model = char_tokenizer(), tiny_model("qwen2")
+    prompts = ["the quick brown fox jumps over the lazy", "b"]
+    params = SamplingParams(max_new_tokens=10, temperature=1.0)
+    base = dict(attention="triton", shared_prefix=shared, length_bucket=16)
+    got, want = (generate_with_config(model, tok, prompts, 2, params, seed=7, config=EngineConfig(**base, **kw))
+                 for kw in (dict(max_prompt_length=8), {}))
+    assert completions(got) == completions(want)
+    torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
