@@ -156,3 +156,16 @@ def test_a_prompt_longer_than_max_prompt_length_gets_a_cache_that_holds_it(monke
                  for kw in (dict(max_prompt_length=8), {}))
     assert completions(got) == completions(want)
     torch.testing.assert_close(got.logprobs, want.logprobs, atol=1e-5, rtol=0)
+
+
+def test_token_ids_at_the_vocabulary_size_are_refused_and_the_last_id_is_not():
+    """An id of exactly vocab_size is past the embeddings (a prompt's would index past them in the prefill): one
+    line naming the argument, before any compute; vocab_size - 1 is a token."""
+    tok, model = char_tokenizer(), tiny_model("llama")
+    V = model.config.vocab_size
+    with pytest.raises(ValueError, match=rf"^prompts\[1\]: expected token ids in \[0, {V}\), got {V} at position 1$"):
+        generate(model, tok, [[3, 4], [5, V]], max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"^stop: expected non-empty strings or token ids in \[0, {V}\), got {V}$"):
+        generate(model, tok, [[3, 4]], max_new_tokens=2, stop=[V])
+    result = generate(model, tok, [[3, V - 1]], max_new_tokens=2, stop=[V - 1], temperature=0)
+    assert result.completion_ids.shape == (1, result.completion_mask.sum().item())
