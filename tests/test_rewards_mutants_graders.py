@@ -1,0 +1,33 @@
+"""The built-in rewards on cases the rest of the suite left open: each test kills mutants of fastgrpo/rewards
+(answers.py, ifeval.py, length.py, completions.py) that passed it (a mutation audit)."""
+from fastgrpo.rewards import boxed_math_reward, check_constraint, length_reward, score
+
+
+def test_a_multi_message_completion_is_graded_on_all_its_text():
+    """A completion of several messages (a tool call, whose message has no text, its result, the answer): every
+    text content counts, the tool call's None content is skipped."""
+    completion = [{"role": "assistant", "content": None, "tool_calls": [{"name": "calc"}]},
+                  {"role": "tool", "content": "4"}, {"role": "assistant", "content": "so \\boxed{4}"}]
+    prompts = [[{"role": "user", "content": "2+2?"}]]
+    assert boxed_math_reward(prompts, [completion], answer=["4"]) == [1.0]
+    assert length_reward(prompts, [completion], target_length=len("4\nso \\boxed{4}")) == [1.0]
+
+
+def test_blank_lines_around_the_text_make_no_paragraph():
+    text = "\n\nFirst paragraph.\n\nSecond one.\n\n"
+    assert check_constraint(text, {"type": "num_paragraphs", "min": 2, "max": 2})
+
+
+def test_score_passes_a_chat_datasets_completions_as_trl():
+    """TRL (GRPOTrainer._generate_and_score_completions) wraps each completion of a conversational dataset as
+    [{"role": "assistant", "content": text}], and passes a standard dataset's as the text."""
+    seen = []
+
+    def spy(prompts, completions, **kwargs):
+        seen.append(completions)
+        return [0.0] * len(completions)
+
+    chat = [{"role": "user", "content": "hi"}]
+    score([spy], [chat, chat], ["a", "b"], {})
+    score([spy], ["hi", "hi"], ["a", "b"], {})
+    assert seen == [[[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]], ["a", "b"]]
