@@ -1,6 +1,6 @@
 """The built-in rewards on cases the rest of the suite left open: each test kills mutants of fastgrpo/rewards
 (answers.py, ifeval.py, length.py, completions.py) that passed it (a mutation audit)."""
-from fastgrpo.rewards import boxed_math_reward, check_constraint, length_reward, score
+from fastgrpo.rewards import boxed_math_reward, check_constraint, ifeval_reward, length_reward, score
 
 
 def test_a_multi_message_completion_is_graded_on_all_its_text():
@@ -16,6 +16,11 @@ def test_a_multi_message_completion_is_graded_on_all_its_text():
 def test_blank_lines_around_the_text_make_no_paragraph():
     text = "\n\nFirst paragraph.\n\nSecond one.\n\n"
     assert check_constraint(text, {"type": "num_paragraphs", "min": 2, "max": 2})
+
+
+def test_a_row_without_constraints_is_all_satisfied():
+    """The fraction satisfied of none is 1.0 (every one of them), as all() of nothing."""
+    assert ifeval_reward(["q", "q"], ["x", ""], constraints=[[], [{"type": "num_words", "max": 0}]]) == [1.0, 1.0]
 
 
 def test_score_passes_a_chat_datasets_completions_as_trl():
