@@ -1,6 +1,12 @@
 """The built-in rewards on cases the rest of the suite left open: each test kills mutants of fastgrpo/rewards
 (answers.py, ifeval.py, length.py, completions.py) that passed it (a mutation audit)."""
-from fastgrpo.rewards import boxed_math_reward, check_constraint, ifeval_reward, length_reward, score
+import pytest
+
+from fastgrpo.rewards import (
+    boxed_math_reward, check_constraint, ifeval_reward, is_equivalent, length_reward, score,
+)
+
+pytest.importorskip("math_verify")
 
 
 def test_a_multi_message_completion_is_graded_on_all_its_text():
@@ -36,3 +42,9 @@ def test_score_passes_a_chat_datasets_completions_as_trl():
     score([spy], [chat, chat], ["a", "b"], {})
     score([spy], ["hi", "hi"], ["a", "b"], {})
     assert seen == [[[{"role": "assistant", "content": "a"}], [{"role": "assistant", "content": "b"}]], ["a", "b"]]
+
+
+@pytest.mark.parametrize("prediction, answer", [("12\\,34", "1234"), ("1\\,0000", "10000"), ("1\\,000\\,0", "10000")])
+def test_only_a_thin_space_before_a_group_of_three_digits_is_a_thousands_separator(prediction, answer):
+    """1\\,000 is 1000 (tests/test_rewards_answers.py); a thin space before 2 or 4 digits groups no thousands."""
+    assert not is_equivalent(prediction, answer)
