@@ -57,3 +57,15 @@ def test_a_list_of_reference_answers_accepts_any_of_them(reward, completion):
         reward(["q"], [completion], answer=[[]])
     with pytest.raises(ValueError, match=r"^answer: expected a reference answer, got \['4', None\] \(null\)"):
         reward(["q"], [completion], answer=[["4", None]])
+
+
+@pytest.mark.parametrize("completion, answer, expected", [
+    ("so \\boxed{3} and \\frac{1}{2}", "3", 1.0),
+    ("so \\boxed 3 and \\frac{1}{2}", "1", 0.0),  # the brace of a later \frac was read as the box's: graded "1"
+    ("so \\boxed 3 and \\frac{1}{2}", "3", 1.0),  # a brace-less box: its token, as MATH's graders read it
+    ("the answer is $\\boxed 5$.", "5", 1.0), ("the answer is \\boxed 5.", "5", 1.0),
+    ("\\boxed {7}", "7", 1.0),  # a space before the brace is still the box's
+    ("\\boxedx {7}", "7", 0.0), ("\\boxed", "7", 0.0), ("\\boxed{\\frac{1}{2}}", "0.5", 1.0),
+])
+def test_the_box_graded_is_the_last_one_and_its_own_braces(completion, answer, expected):
+    assert boxed_math_reward(["q"], [completion], answer=[answer]) == [expected]

@@ -96,18 +96,22 @@ def is_equivalent(prediction: str, answer) -> bool:
 
 
 def last_boxed(text: str) -> str | None:
-    """The content of the last \\boxed{...} (braces matched), or None."""
+    """The content of the last \\boxed{...} (braces matched), or of a brace-less `\\boxed 5` (its token, up to a
+    space or `$`, a sentence's final `.` or `,` dropped: the form MATH's graders read), or None. The brace must follow
+    the box: one further on was read as its content (`\\boxed 3 and \\frac{1}{2}` graded "1")."""
     start = text.rfind("\\boxed")
     if start < 0:
         return None
-    i = text.find("{", start)
-    if i < 0:
-        return None
+    rest = text[start + len("\\boxed"):]
+    content = rest.lstrip()
+    if not content.startswith("{"):
+        tokens = content.split("$")[0].split() if rest[:1].isspace() else []  # not "\\boxedfoo"
+        return (tokens[0].rstrip(".,") or None) if tokens else None
     depth = 0
-    for j in range(i, len(text)):
-        depth += {"{": 1, "}": -1}.get(text[j], 0)
+    for j, char in enumerate(content):
+        depth += {"{": 1, "}": -1}.get(char, 0)
         if depth == 0:
-            return text[i + 1 : j]
+            return content[1:j]
     return None
 
 
