@@ -1,0 +1,32 @@
+"""Per-architecture data of the patch table that the fp32 model tests cannot see (found by the patching mutation
+audit): each mutant of these entries passed tests/test_patching*.py."""
+import copy
+
+import pytest
+import torch
+
+from fastgrpo.patching import patch_model
+from tests.test_patching import CONFIGS, tiny_model
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_rms_norm_of_bf16_activations_over_fp32_weights_rounds_and_promotes_as_hf(model_type):
+    """bf16 activations through fp32 norm weights (PEFT's prepare_model_for_kbit_training keeps norms in fp32):
+    Llama-like norms round x * rstd to bf16 and multiply by the fp32 weight (an fp32 output), Gemma's multiply in fp32
+    and round once to bf16. In an fp32 model both read alike, so the table's norm_cast_before_weight swapped for one
+    family passed every other test. Tolerance: the kernel's rstd may differ from torch's rsqrt in the last fp32 bit,
+    which can move the output's bf16 rounding by one bf16 ulp (at most bf16's eps, 2^-7, relative); a wrong rounding order moves
+    the dtype."""
+    model = tiny_model(model_type)
+    norm = model.model.norm if hasattr(model.model, "norm") else model.model.language_model.norm
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, norm.weight.shape[0]).bfloat16()
+    with torch.no_grad():
+        want = norm(x)
+        patch_model(model)
+        assert "forward" in norm.__dict__
+        got = norm(x)
+    assert got.dtype == want.dtype, f"{model_type}: patched RMSNorm gives {got.dtype}, HF's {want.dtype}"
+    bf16_ulp = torch.finfo(torch.bfloat16).eps
+    err = ((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-6)).max().item()
+    assert err <= bf16_ulp, f"{model_type}: relative error {err:.3g} > one bf16 ulp {bf16_ulp:.3g}"
