@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from fastgrpo.patching import patch_model
-from tests.test_patching import CONFIGS, tiny_model
+from tests.test_patching import CONFIGS, batch, tiny_model
 
 
 @pytest.mark.parametrize("model_type", sorted(CONFIGS))
@@ -30,3 +30,26 @@ def test_rms_norm_of_bf16_activations_over_fp32_weights_rounds_and_promotes_as_h
     bf16_ulp = torch.finfo(torch.bfloat16).eps
     err = ((got.float() - want.float()).abs() / want.float().abs().clamp(min=1e-6)).max().item()
     assert err <= bf16_ulp, f"{model_type}: relative error {err:.3g} > one bf16 ulp {bf16_ulp:.3g}"
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_patched_attention_runs_fastgrpos_rotary(model_type, monkeypatch):
+    """Each attention layer's forward rotates q and k through fastgrpo's apply_rotary, once per layer and call: an
+    attention forward copied without the override computes HF's rotary, the same numbers, so the summary's rope
+    count alone told nothing (a mutant that dropped the override passed the suite)."""
+    import fastgrpo.patching.forwards as forwards
+
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return forwards.apply_rotary.__wrapped__(*args, **kwargs)
+
+    counting.__wrapped__ = forwards.apply_rotary
+    monkeypatch.setattr(forwards, "apply_rotary", counting)
+    model = tiny_model(model_type)
+    patch_model(model)
+    ids, mask = batch()
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    assert len(calls) == model.config.num_hidden_layers
