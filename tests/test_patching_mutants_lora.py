@@ -41,3 +41,21 @@ def test_two_active_adapters_keep_their_own_scalings(lora_dtype, delta_calls):
     torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
     assert grads.keys() == grads_p.keys()
     assert_fp32_grads_close(grads_p, grads)
+
+
+def test_decode_weight_of_a_merged_lora_layer_adds_its_delta_once():
+    """After PEFT's merge_adapter the base weight holds B A * scale already: the rollout's decode copy (dense_weight,
+    and vLLM's merged LoRA sync through with_lora_deltas) is that weight, not that weight plus the delta again. A
+    merge check dropped from with_lora_deltas passed the suite, which merged only through merge_and_unload."""
+    from fastgrpo.hf.peft import dense_weight
+
+    torch.manual_seed(4)
+    model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                           init_lora_weights=False))
+    layer = model.base_model.model.model.layers[0].self_attn.q_proj
+    with torch.no_grad():
+        want = layer.base_layer.weight + layer.get_delta_weight("default")
+        torch.testing.assert_close(dense_weight(layer)[0], want, rtol=1e-6, atol=1e-6)
+        model.merge_adapter()
+        assert layer.merged
+        torch.testing.assert_close(dense_weight(layer)[0], want, rtol=1e-6, atol=1e-6)
