@@ -53,3 +53,36 @@ def test_patched_attention_runs_fastgrpos_rotary(model_type, monkeypatch):
     with torch.no_grad():
         model(input_ids=ids, attention_mask=mask)
     assert len(calls) == model.config.num_hidden_layers
+
+
+@pytest.mark.parametrize("hidden_act", ["silu", "gelu_pytorch_tanh", "gelu_new", "gelu_python_tanh"])
+def test_each_activation_of_the_table_fuses_the_same_function(hidden_act):
+    """Every hidden_act whose activation class the table maps to a fused kernel gives HF's MLP output and gradients.
+    The suite drew hidden_act with hypothesis (12 examples) and never drew gelu_new: mapping NewGELUActivation to
+    SiLU passed it. fp32; the bound of test_patching's fp32 comparisons."""
+    import transformers
+
+    from fastgrpo.hf.architectures import ACTIVATIONS
+
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                      vocab_size=16, hidden_act=hidden_act)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    act = type(model.model.layers[0].mlp.act_fn).__name__
+    if act not in ACTIVATIONS:
+        pytest.skip(f"{hidden_act}: {act} has no fused kernel in this transformers")
+    reference = copy.deepcopy(model.model.layers[0].mlp)
+    patch_model(model, rms_norm=False, rope=False, fused_loss=False)
+    mlp = model.model.layers[0].mlp
+    assert "forward" in mlp.__dict__
+    x = torch.randn(2, 5, 32) * 2  # activations past +-2, where SiLU and the GELUs differ most
+    outs, grads = [], []
+    for module in (reference, mlp):
+        xi = x.clone().requires_grad_()
+        out = module(xi)
+        out.square().sum().backward()
+        outs.append(out.detach())
+        grads.append([xi.grad] + [p.grad for p in module.parameters()])
+    torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-5)
+    for got, want in zip(grads[1], grads[0]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
