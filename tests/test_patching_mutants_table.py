@@ -15,8 +15,8 @@ def test_rms_norm_of_bf16_activations_over_fp32_weights_rounds_and_promotes_as_h
     Llama-like norms round x * rstd to bf16 and multiply by the fp32 weight (an fp32 output), Gemma's multiply in fp32
     and round once to bf16. In an fp32 model both read alike, so the table's norm_cast_before_weight swapped for one
     family passed every other test. Tolerance: the kernel's rstd may differ from torch's rsqrt in the last fp32 bit,
-    which can move the output's bf16 rounding by one bf16 ulp (at most bf16's eps, 2^-7, relative); a wrong rounding order moves
-    the dtype."""
+    which can move the output's bf16 rounding by one bf16 ulp (at most bf16's eps, 2^-7, relative); a wrong rounding
+    order changes the output's dtype."""
     model = tiny_model(model_type)
     norm = model.model.norm if hasattr(model.model, "norm") else model.model.language_model.norm
     torch.manual_seed(0)
