@@ -53,20 +53,15 @@ def test_train_evaluates_on_a_folder_given_its_split(tmp_path, monkeypatch):
 
 
 @pytest.mark.parametrize("command", ["train", "sft", "ei"])
-def test_a_split_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, capsys, command):
-    """The built-in task's held-out rows have no splits: the split named was ignored, the run evaluated on them."""
+@pytest.mark.parametrize("field, value, kind", [("eval_dataset_split", "validation", "split"),
+                                                ("eval_dataset_config", "main", "config")])
+def test_a_split_or_config_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, capsys, command, field,
+                                                                               value, kind):
+    """The built-in task's held-out rows have neither: a split named was ignored (the run evaluated on them), a
+    config named was refused by the trainer, but only once the model had loaded (a minute for a large one)."""
     run = tmp_path / "run"
-    assert main([command, "--output-dir", str(run), "--eval-steps", "1", "--eval-dataset-split", "validation"]) == 2
-    assert capsys.readouterr().err == (f"fastgrpo {command}: error: eval_dataset_split: 'validation' names a split of "
-                                       "eval_dataset; the built-in task (no eval_dataset) has none\n")
-    assert not run.exists()
-
-
-@pytest.mark.parametrize("command", ["train", "sft", "ei"])
-def test_a_config_of_the_built_in_tasks_rows_is_refused_before_the_run(tmp_path, capsys, command):
-    """As a split: the trainer refused it, but only once the model had loaded (a minute for a large one)."""
-    run = tmp_path / "run"
-    assert main([command, "--output-dir", str(run), "--eval-steps", "1", "--eval-dataset-config", "main"]) == 2
-    assert capsys.readouterr().err == (f"fastgrpo {command}: error: eval_dataset_config: 'main' names a config of "
+    flag = "--" + field.replace("_", "-")
+    assert main([command, "--output-dir", str(run), "--eval-steps", "1", flag, value]) == 2
+    assert capsys.readouterr().err == (f"fastgrpo {command}: error: {field}: '{value}' names a {kind} of "
                                        "eval_dataset; the built-in task (no eval_dataset) has none\n")
     assert not run.exists()

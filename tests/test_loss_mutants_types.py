@@ -12,8 +12,7 @@ import torch
 
 from fastgrpo import GRPOLossConfig
 from fastgrpo.loss.config import LOSS_TYPES
-from fastgrpo.loss.grpo import grpo_objective
-from tests.test_loss_options import per_token_inputs, trl_loss
+from tests.test_loss_options import ours_and_trls, per_token_inputs
 
 B, T = 3, 6
 # Each case puts a branch on the path: a cap / clip above every ratio (cispo and the PPO clip unclamped, their
@@ -46,16 +45,8 @@ def test_each_branch_matches_trl(loss_type, case):
     adv = torch.tensor([0.8, -1.1, 0.5], dtype=torch.float64)
     cfg = GRPOLossConfig(loss_type=loss_type, max_completion_length=T + 1, num_items_in_batch=7.0,
                          **spec["options"])
-    results = []
-    for compute in ("fastgrpo", "trl"):
-        lp, ent = logps.clone().requires_grad_(), entropy.clone().requires_grad_()
-        if compute == "fastgrpo":
-            loss = grpo_objective(lp, mask.double(), adv, old, ref, cfg, entropy=ent, token_weights=weights,
-                                  sampling_logps=sampling).loss
-        else:
-            loss = trl_loss(lp, ent, mask, adv, old, ref, cfg, weights, sampling)
-        grads = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-        results.append((float(loss.detach()), *(torch.zeros_like(logps) if d is None else d * mask for d in grads)))
+    results = [(float(loss.detach()), *(torch.zeros_like(logps) if d is None else d * mask for d in grads))
+               for loss, *grads in ours_and_trls(logps, entropy, mask, adv, old, ref, cfg, weights, sampling)]
     (ours, d_lp, d_ent), (theirs, t_lp, t_ent) = results
     # fp64, O(1) terms summed in another order: ~1e-15; 1e-12 fails on any formula or masking difference.
     assert abs(ours - theirs) <= 1e-12 * max(1.0, abs(theirs)), (ours, theirs)

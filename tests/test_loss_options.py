@@ -143,6 +143,21 @@ def per_token_inputs(g, B, T, logps, with_weights, with_sampling):
     return mask, old, ref, weights, sampling
 
 
+def ours_and_trls(logps, entropy, mask, adv, old, ref, cfg: GRPOLossConfig, weights, sampling) -> list[tuple]:
+    """[(loss, d/dlogps, d/dentropy)] of grpo_objective, then of trl_loss, on the same inputs (a gradient is None
+    where the loss does not read that input)."""
+    results = []
+    for compute in ("fastgrpo", "trl"):
+        lp, ent = logps.clone().requires_grad_(), entropy.clone().requires_grad_()
+        if compute == "fastgrpo":
+            loss = grpo_objective(lp, mask.double(), adv, old, ref, cfg, entropy=ent, token_weights=weights,
+                                  sampling_logps=sampling).loss
+        else:
+            loss = trl_loss(lp, ent, mask, adv, old, ref, cfg, weights, sampling)
+        results.append((loss, *torch.autograd.grad(loss, (lp, ent), allow_unused=True)))
+    return results
+
+
 @settings(max_examples=40)
 @given(seed=st.integers(0, 2**16), B=st.integers(1, 4), T=st.integers(1, 7), case=OPTION_CASES,
        on_policy=st.booleans(), weighted=st.booleans(), sampled=st.booleans(), per_token_adv=st.booleans())
@@ -155,17 +170,8 @@ def test_objective_matches_trl_transcription(seed, B, T, case, on_policy, weight
     old = None if on_policy else old
     adv = torch.randn((B, T) if per_token_adv else (B,), generator=g, dtype=torch.float64)
     cfg = GRPOLossConfig(max_completion_length=T + 1, num_items_in_batch=7.0, **case)
-    results = []
-    for compute in ("fastgrpo", "trl"):
-        lp, ent = logps.clone().requires_grad_(), entropy.clone().requires_grad_()
-        if compute == "fastgrpo":
-            loss = grpo_objective(lp, mask.double(), adv, old, ref, cfg, entropy=ent, token_weights=weights,
-                                  sampling_logps=sampling).loss
-        else:
-            loss = trl_loss(lp, ent, mask, adv, old, ref, cfg, weights, sampling)
-        d_lp, d_ent = torch.autograd.grad(loss, (lp, ent), allow_unused=True)
-        results.append((loss, d_lp, d_ent))
-    (ours, d_lp, d_ent), (theirs, t_lp, t_ent) = results
+    (ours, d_lp, d_ent), (theirs, t_lp, t_ent) = ours_and_trls(logps, entropy, mask, adv, old, ref, cfg, weights,
+                                                               sampling)
     ours, theirs = float(ours.detach()), float(theirs.detach())
     assert abs(ours - theirs) <= TOL * max(1.0, abs(theirs)), (ours, theirs)
     for got, want in ((d_lp, t_lp), (d_ent, t_ent)):

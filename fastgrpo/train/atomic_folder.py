@@ -72,12 +72,22 @@ def _delete_dead_leftovers(path: Path) -> None:
             dead[kind, pid] = leftover
     for (kind, pid), old in dead.items():
         if kind == "old" and not path.exists():
-            new = dead.get(("tmp", pid))
-            os.replace(new if new is not None and new.is_dir() else old, path)
+            if not finish_replacement(path, pid):
+                os.replace(old, path)
             logger.warning("%s: put back the whole copy a stopped process left as it replaced it", path)
     for (kind, _), leftover in dead.items():  # an old version that is the last whole copy stays
         if leftover.is_dir() and (kind == "tmp" or path.exists()):
             shutil.rmtree(leftover, ignore_errors=True)
+
+
+def finish_replacement(path: Path, pid: str) -> bool:
+    """A kill between atomic_directory's two renames left no `path`, its old version at .<name>.old-<pid> and the new
+    one, filled and fsynced, at .<name>.tmp-<pid>: do the second rename. True where it did."""
+    new = path.with_name(f".{path.name}.tmp-{pid}")
+    if path.exists() or not new.is_dir():
+        return False
+    os.replace(new, path)
+    return True
 
 
 def _running(pid: int) -> bool:

@@ -32,6 +32,7 @@ import shutil
 import socket
 from pathlib import Path
 
+from fastgrpo.train.atomic_folder import finish_replacement
 from fastgrpo.train.naming import continuing, setting
 
 try:
@@ -259,9 +260,7 @@ class RunDirectory:
         is done now, where the leftovers' deletion lost both."""
         for old in self.path.glob(".*.old-*"):
             match = _REPLACED.fullmatch(old.name)
-            new = old.with_name(f".{match.group(1)}.tmp-{match.group(2)}") if match else None
-            if new is not None and new.is_dir() and not (self.path / match.group(1)).exists():
-                os.replace(new, self.path / match.group(1))
+            if match and finish_replacement(self.path / match.group(1), match.group(2)):
                 logger.warning("output_dir: finished writing %s, which a run stopped as it replaced it", match.group(1))
 
     def _check_no_file_at_a_folder(self) -> None:
