@@ -322,6 +322,60 @@ def test_checkpoint_recompute_stops_before_the_tiled_mlp(checkpointing, arch):
         assert tokens_per_step(tiled=True) == 3 * n
 
 
+def _grad_modes(modules) -> list[list[bool]]:
+    modes = [[] for _ in modules]
+    for found, module in zip(modes, modules):
+        module.register_forward_pre_hook(lambda *a, found=found: found.append(torch.is_grad_enabled()))
+    return modes
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma", "gemma2", "phi3"])
+def test_recompute_in_the_backward_skips_the_tiled_mlp_where_its_output_is_only_added(arch):
+    """patch_model's offload above the tiled MLP's chunk (21 tokens, chunks of 4), LoRA with dropout on every MLP
+    linear: where the architecture's data says the layer only adds the MLP output (llama, gemma), the layer runs under
+    no_grad and is recomputed in the backward (its attention sees grad off, then on), the recompute skips the MLP's
+    chunks (two MLP forwards per step, not three), and the gradients are bitwise those of the non-reentrant scheme
+    (which the others keep: gemma2 normalizes the output, phi3's residual dropout draws after the MLP's)."""
+    from fastgrpo.hf.architectures import ARCHITECTURES
+
+    ids = ids_batch()
+    n = ids.numel() * TINY["num_hidden_layers"]
+    only_added = ARCHITECTURES[arch].mlp_output_added_as_is
+    assert only_added == (arch in ("llama", "gemma"))
+
+    def step(scheme_follows_the_data: bool):
+        model = with_lora(tiny_model(arch), dropout=0.3)
+        patch_model(model, rms_norm=False, rope=False, swiglu=False, fused_loss=False,
+                    offload_activations=ActivationOffloader("cpu"), mlp_chunk_tokens=4)
+        layers = model.get_base_model().model.layers
+        if not scheme_follows_the_data:  # told nothing: above the chunk, the non-reentrant scheme
+            enable_offload_checkpointing(layers, offloader=ActivationOffloader("cpu"), tiled_mlp_chunk_tokens=4)
+        modes = _grad_modes([layer.self_attn for layer in layers])
+        rows = count_mlp_rows(model)
+        torch.manual_seed(7)
+        grads = decoder_step(model, ids)
+        return grads, modes, sum(rows)
+
+    got, modes, tokens = step(True)
+    want, want_modes, want_tokens = step(False)
+    assert want_modes == [[True, True]] * 2
+    assert modes == ([[False, True]] * 2 if only_added else want_modes)
+    assert tokens == want_tokens == (3 if arch == "gemma2" else 2) * n
+    assert got.keys() == want.keys() and any("lora_A" in name for name in want)
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
+def test_recompute_that_skips_a_read_mlp_output_gives_nan_not_wrong_numbers():
+    """Gemma2 normalizes its MLP output: told (wrongly) that the layers only add it, the recompute's NaN placeholder
+    reaches the gradients of what lies under the MLP, so a wrong architecture entry is loud."""
+    model = tile(tiny_model("gemma2"), chunk_tokens=4)
+    enable_offload_checkpointing(model.model.layers, offloader=ActivationOffloader("cpu"), tiled_mlp_chunk_tokens=4,
+                                 mlp_output_only_added=True)
+    grads = decoder_step(model, ids_batch())
+    assert torch.isnan(grads["model.layers.0.self_attn.q_proj.weight"]).any()
+
+
 def test_without_checkpointing_tiling_costs_one_mlp_forward():
     ids = ids_batch()
     rows = count_mlp_rows(tile(model := tiny_model("llama"), chunk_tokens=4))

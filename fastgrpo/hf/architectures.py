@@ -23,6 +23,10 @@ class Architecture:
     # Sibling linears of one module that read the same input (attention q/k/v, MLP gate/up): the rollout's decode
     # copy stacks each group's weights and runs it as one GEMM (rollout/decode_weights.py). Phi-3 stores them stacked.
     decode_fused_projections: tuple[tuple[str, ...], ...] = ()
+    # The layer's last op adds the MLP output to the residual as it is, so a recompute of the layer in the backward can
+    # skip a tiled MLP's forward (fastgrpo.offload.checkpointing). Not Gemma2/3 (a norm reads it) nor Phi-3 (a
+    # dropout follows it, drawing random numbers after the MLP's own: LoRA dropout).
+    mlp_output_added_as_is: bool = True
 
     def logit_softcap(self, config) -> float | None:
         """The soft-cap a model of this architecture applies to its logits, or None."""
@@ -46,7 +50,7 @@ def _llama_like(prefix: str) -> Architecture:
     )
 
 
-def _gemma_like(prefix: str) -> Architecture:
+def _gemma_like(prefix: str, mlp_output_added_as_is: bool = False) -> Architecture:
     return Architecture(
         norm_classes=(f"{prefix}RMSNorm",),
         norm_eps_attr="eps",
@@ -58,6 +62,7 @@ def _gemma_like(prefix: str) -> Architecture:
         mlp_act_attr="act_fn",
         logit_softcap_attr="final_logit_softcapping",
         decode_fused_projections=_SEPARATE_PROJECTIONS,
+        mlp_output_added_as_is=mlp_output_added_as_is,
     )
 
 
@@ -66,7 +71,7 @@ ARCHITECTURES: dict[str, Architecture] = {
     "mistral": _llama_like("Mistral"),
     "qwen2": _llama_like("Qwen2"),
     "qwen3": _llama_like("Qwen3"),
-    "gemma": _gemma_like("Gemma"),
+    "gemma": _gemma_like("Gemma", mlp_output_added_as_is=True),
     "gemma2": _gemma_like("Gemma2"),
     "gemma3": _gemma_like("Gemma3"),
     "gemma3_text": _gemma_like("Gemma3"),
@@ -79,6 +84,7 @@ ARCHITECTURES: dict[str, Architecture] = {
         mlp_classes=("Phi3MLP",),
         mlp_fused_gate_up=True,
         mlp_act_attr="activation_fn",
+        mlp_output_added_as_is=False,
     ),
 }
 

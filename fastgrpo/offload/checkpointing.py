@@ -16,14 +16,17 @@ those of plain checkpointing.
 Layers wrapped by enable_offload_checkpointing run their forward under no_grad instead, inside one autograd node
 whose backward runs the layer again with grad and backpropagates through that run (torch's reentrant scheme). The
 forward then builds no graph and packs no saved tensors (~57 per LoRA decoder layer): host work that bounds the LoRA
-update of a small model (benchmarks/NOTES.md: Qwen2.5-1.5B's, on an H200; full fine-tuning, whose update is bound
-by the GPU, gains nothing). The recompute runs the whole layer, where the non-reentrant one stops
-at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is
-tiled). So the wrapper falls back to offload_checkpoint's scheme where this one cannot be used or costs more:
+update (benchmarks/NOTES.md: Qwen2.5-1.5B's, and Llama-3.1-8B's whose micro-batches run its MLP tiled, on H200s;
+full fine-tuning, whose update is bound by the GPU, gains nothing). The recompute runs the whole layer, where the
+non-reentrant one stops at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is tiled). A tiled MLP's forward
+is skipped in this recompute (fastgrpo.ops.tiled_mlp.outputs_unread) where the layers add its output to the residual
+and nothing else reads it (`mlp_output_only_added`), so it runs twice per step either way. The wrapper falls back to
+offload_checkpoint's scheme where this one cannot be used or costs more:
 - a layer FSDP2 shards (fully_shard on it or on its group: full fine-tuning, bound by the GPU, where this scheme
   gains nothing);
 - another argument requires grad (its gradient would have to leave the layer's own backward);
-- the micro-batch has more tokens than the layer's tiled MLP runs in one chunk: the MLP would run three times.
+- the micro-batch has more tokens than the layer's tiled MLP runs in one chunk and its output is not only added to
+  the residual (Gemma2/3 normalize it): the MLP would run three times.
 Both schemes give the same gradients, bit for bit (the same kernels on the same inputs, the same RNG draws). Under
 DDP the parameters' gradients accumulate in the layer's own backward, inside the step's: DDP's hooks on their
 accumulators fire there and the all-reduce averages them as usual (2 gloo processes, tests/test_offload.py). With
@@ -56,6 +59,7 @@ from fastgrpo.hf.binding import bind_forward
 from fastgrpo.offload.offloader import (
     ActivationOffloader, OffloadedInput, default_offloader, release_host_memory,
 )
+from fastgrpo.ops.tiled_mlp import outputs_unread
 
 _STATE_ATTR = "_fastgrpo_offload"
 # Layers enabled without an offloader of their own: the last one disabled releases the default offloaders' memory.
@@ -191,14 +195,15 @@ class _RecomputedInBackward(torch.autograd.Function):
     """run(hidden) under no_grad, keeping only `handle` (the offloaded hidden) and the RNG / autocast state; the
     backward runs it again with grad on the copy brought back and backpropagates through that run: the parameters'
     gradients accumulate there, the input's is returned. `anchor` requires grad, so that this node is in the graph
-    when hidden does not (the first layer, under a frozen embedding)."""
+    when hidden does not (the first layer, under a frozen embedding). mlp_unread: the recompute runs under
+    outputs_unread (a tiled MLP's forward skipped)."""
 
     @staticmethod
-    def forward(ctx, hidden, anchor, run, handle):
+    def forward(ctx, hidden, anchor, run, handle, mlp_unread):
         # Held by a saved tensor, not by ctx: autograd drops it after the backward (unless retain_graph), so the
         # host buffer goes back to the pool and the masks are freed before the next micro-batch.
         token = hidden.new_empty(0)
-        token.recompute = (run, handle, ForwardState(hidden.device))
+        token.recompute = (run, handle, ForwardState(hidden.device), mlp_unread)
         ctx.save_for_backward(token)
         return run(handle.take())
 
@@ -206,17 +211,17 @@ class _RecomputedInBackward(torch.autograd.Function):
     def backward(ctx, *grads):
         if torch.is_grad_enabled():
             raise RuntimeError("offload checkpointing: double backward (create_graph=True) is not supported")
-        run, handle, state = ctx.saved_tensors[0].recompute
+        run, handle, state, mlp_unread = ctx.saved_tensors[0].recompute
         hidden = handle.take()
         with state.rng_restored():
-            with state.autocast():
+            with state.autocast(), outputs_unread() if mlp_unread else contextlib.nullcontext():
                 outputs = run(hidden)
             outputs = outputs if isinstance(outputs, tuple) else (outputs,)
             pairs = [(out, grad) for out, grad in zip(outputs, grads)
                      if isinstance(out, torch.Tensor) and out.requires_grad and grad is not None]
             if pairs:
                 torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
-        return hidden.grad, None, None, None
+        return hidden.grad, None, None, None, None
 
 
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
@@ -243,13 +248,15 @@ def _sharded_by_fsdp2(layer: nn.Module) -> bool:
 
 
 def _recomputes_in_backward(
-    layer: nn.Module, slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None
+    layer: nn.Module, slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None,
+    mlp_output_only_added: bool = False,
 ) -> bool:
     """Whether an offloaded call runs through _RecomputedInBackward: not where the module docstring's conditions
     send it to the non-reentrant checkpoint."""
     if _sharded_by_fsdp2(layer):
         return False
-    if max_tokens is not None and hidden.numel() // max(hidden.shape[-1], 1) > max_tokens:
+    mlp_tiled = max_tokens is not None and hidden.numel() // max(hidden.shape[-1], 1) > max_tokens
+    if mlp_tiled and not mlp_output_only_added:
         return False
     others = [v for i, v in enumerate(args) if i != slot] + [v for k, v in kwargs.items() if k != slot]
     return not any(_requires_grad(v) for v in others)
@@ -257,11 +264,11 @@ def _recomputes_in_backward(
 
 def _recompute_in_backward(
     function: Callable, args: tuple, kwargs: dict, slot: int | str, hidden: torch.Tensor,
-    offloader: ActivationOffloader,
+    offloader: ActivationOffloader, mlp_unread: bool = False,
 ) -> Any:
     run = _runner(function, slot, args, kwargs)
     with _offloaded(offloader, hidden) as handle:
-        return _RecomputedInBackward.apply(hidden, _anchor(hidden.device), run, handle)
+        return _RecomputedInBackward.apply(hidden, _anchor(hidden.device), run, handle, mlp_unread)
 
 
 # --- Instance-level wrapping of decoder layers --------------------------------------------------------------
@@ -275,6 +282,7 @@ class _LayerState:
     hf_flag: Any  # layer.__dict__["gradient_checkpointing"] before that, or _MISSING
     offloader: ActivationOffloader | None
     tiled_mlp_chunk_tokens: int | None
+    mlp_output_only_added: bool
 
 
 def _without_cache(layer: nn.Module, kwargs: dict) -> dict:
@@ -307,8 +315,9 @@ def _offloaded_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     if target is None:
         return _plain_checkpoint(state.inner, args, kwargs)
     slot, hidden, _ = target
-    if _recomputes_in_backward(self, slot, hidden, args, kwargs, state.tiled_mlp_chunk_tokens):
-        return _recompute_in_backward(state.inner, args, kwargs, *target)
+    only_added = state.mlp_output_only_added
+    if _recomputes_in_backward(self, slot, hidden, args, kwargs, state.tiled_mlp_chunk_tokens, only_added):
+        return _recompute_in_backward(state.inner, args, kwargs, *target, mlp_unread=only_added)
     return _checkpoint_offloaded(state.inner, args, kwargs, *target)
 
 
@@ -325,6 +334,7 @@ def enable_offload_checkpointing(
     *,
     offloader: ActivationOffloader | None = None,
     tiled_mlp_chunk_tokens: int | None = None,
+    mlp_output_only_added: bool = False,
 ) -> None:
     """Checkpoint each layer with its input offloaded to host memory (on this instance only; idempotent).
 
@@ -336,6 +346,10 @@ def enable_offload_checkpointing(
     tiled_mlp_chunk_tokens: the layers' MLPs run tiled (fastgrpo.ops.tiled_mlp) in chunks of this many tokens; a
     micro-batch of more tokens is then checkpointed the non-reentrant way, whose recompute stops before the MLP (see
     the module docstring). None: untiled. Calling again sets it.
+    mlp_output_only_added: the layers' last op adds their MLP's output to the residual as it is (Llama, Qwen,
+    Mistral, Gemma; not Gemma2/3, which normalize it, nor Phi-3, whose residual dropout draws random numbers after
+    the MLP's): a micro-batch above the tiled MLP's chunk is then recomputed in the backward too, without the MLP's
+    forward. Were the output read, the gradients would be NaN. Calling again sets it.
     """
     if tiled_mlp_chunk_tokens is not None:
         check_positive_int("tiled_mlp_chunk_tokens", tiled_mlp_chunk_tokens)
@@ -347,6 +361,7 @@ def enable_offload_checkpointing(
         if state is not None:
             state.offloader = offloader or state.offloader
             state.tiled_mlp_chunk_tokens = tiled_mlp_chunk_tokens
+            state.mlp_output_only_added = mlp_output_only_added
         else:
             hf_on = bool(getattr(layer, "gradient_checkpointing", False))
             binding = bind_forward(layer, lambda previous: _offloaded_forward)
@@ -357,6 +372,7 @@ def enable_offload_checkpointing(
                 hf_flag=layer.__dict__.get("gradient_checkpointing", _MISSING),
                 offloader=offloader,
                 tiled_mlp_chunk_tokens=tiled_mlp_chunk_tokens,
+                mlp_output_only_added=mlp_output_only_added,
             )
             if hf_on:
                 layer.gradient_checkpointing = False

@@ -15,13 +15,21 @@ first, x is packed before the MLP: where the MLP is the layer's last op that sav
 phi3) the recompute stops there, and the MLP forward runs twice per step, as with plain checkpointing. Gemma2/3
 normalize the MLP output (that norm saves it), so their recompute runs the MLP: three forwards per step.
 
+A recompute that builds the whole layer's graph again (fastgrpo.offload's recompute in the backward) cannot stop
+early; instead it runs under `outputs_unread()`, where _ChunkedForward puts a NaN placeholder in the graph and runs no
+chunk. Exact where the MLP output goes only into the residual add, whose backward reads no values (the same
+architectures as above): the gradient still flows through both nodes to _SavedInput's chunked backward. Where
+something did read it (a norm), the NaNs would reach the gradients: loud, not silently wrong.
+
 Parameter grads are returned through autograd (accumulated over chunks in fp32), so .backward() and
 torch.autograd.grad both work. Dropout inside the MLP (LoRA dropout) sees the same random numbers in the
 recompute: the RNG state is restored, as torch's checkpoint does.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -37,6 +45,20 @@ DEFAULT_CHUNK_TOKENS = 8192
 # of 8 x 1280 tokens, offloaded: 2.81 s with 8192-token chunks, 2.32 s untiled, +0.12 GiB peak; one H100,
 # results/update_profile-nvidia-h100-80gb-hbm3.json, config.later_runs).
 DEFAULT_CHUNK_BYTES = 256 << 20
+# Per thread: the backward of a CUDA tensor runs in autograd's device thread, where the recompute sets it.
+_UNREAD = threading.local()
+
+
+@contextlib.contextmanager
+def outputs_unread() -> Iterator[None]:
+    """Within: a tiled MLP's output is a NaN placeholder and its chunks do not run (module docstring), for a recompute
+    whose caller knows that nothing reads the MLP output's values."""
+    previous = getattr(_UNREAD, "on", False)
+    _UNREAD.on = True
+    try:
+        yield
+    finally:
+        _UNREAD.on = previous
 
 
 def chunk_tokens_for(intermediate_size: int, element_size: int, chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> int:
@@ -112,6 +134,8 @@ class _ChunkedForward(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, token, x, forward, chunk_tokens):
+        if getattr(_UNREAD, "on", False):
+            return x.new_full(x.shape, float("nan"))
         x2 = x.reshape(-1, x.shape[-1])  # x2: [N, H]
         return _chunked_forward(forward, x2, chunk_tokens, x.shape[-1]).view(x.shape)
 

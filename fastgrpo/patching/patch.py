@@ -211,6 +211,7 @@ def patch_model(
         enable_offload_checkpointing(
             checkpointed, offloader=None if offload_activations is True else offload_activations,
             tiled_mlp_chunk_tokens=mlp_chunk_tokens if tiled_mlp else None,
+            mlp_output_only_added=arch.mlp_output_added_as_is,
         )
         # Bound to the model, which it finds the layers in: a deepcopy's undo disables the copy's.
         undo.append(WeakBoundMethod(lambda model: disable_offload_checkpointing(decoder_layers(model, arch)), hf_model))
