@@ -8,6 +8,7 @@ module through a weak reference instead.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import types
@@ -129,3 +130,14 @@ def _passing_to(previous: Callable, signature: inspect.Signature) -> Callable:
 
     forward.__signature__ = signature
     return forward
+
+
+def as_method(module: Any, undo: contextlib.ExitStack) -> None:
+    """Until `undo` closes, a WeakBoundMethod forward of `module` becomes a types.MethodType of the same function,
+    for torch.compile: dynamo guards an instance-level forward that is not a types.MethodType by its identity (a
+    forward bound anew per call recompiles per call) and a MethodType by its function's code. The strong reference
+    cycle this makes is undone with it."""
+    bound = module.__dict__.get("forward")
+    if isinstance(bound, WeakBoundMethod):
+        module.__dict__["forward"] = types.MethodType(bound.__func__, module)
+        undo.callback(module.__dict__.__setitem__, "forward", bound)

@@ -21,12 +21,11 @@ graph, so the eager parts cost no host time at replay.
 from __future__ import annotations
 
 import contextlib
-import types
 from collections.abc import Callable, Iterator
 
 from torch import nn
 
-from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
+from fastgrpo.hf.binding import as_method, bind_forward
 from fastgrpo.hf.models import architecture, decoder_layers
 from fastgrpo.rollout.attention import CACHE_KWARG
 from fastgrpo.rollout.kv_cache import StaticKVCache
@@ -73,7 +72,7 @@ def compiled_layers(layers: dict[nn.Module, int], cache: StaticKVCache, cache_kw
             forward = _layer_forward(compiled(type(layer).forward), cache.layer(index), cache_kw)
             undo.callback(bind_forward(layer, lambda _previous, forward=forward: forward).restore)
             for module in layer.modules():
-                _as_method(module, undo)
+                as_method(module, undo)
         yield
 
 
@@ -85,12 +84,3 @@ def _layer_forward(forward: Callable, view, cache_kw: str) -> Callable:
         return forward(layer, *args, **kwargs)
 
     return run
-
-
-def _as_method(module: nn.Module, undo: contextlib.ExitStack) -> None:
-    """For the block, a WeakBoundMethod forward of `module` becomes a types.MethodType of the same function (the
-    module docstring says why); the strong reference cycle this makes is undone with it."""
-    bound = module.__dict__.get("forward")
-    if isinstance(bound, WeakBoundMethod):
-        module.__dict__["forward"] = types.MethodType(bound.__func__, module)
-        undo.callback(module.__dict__.__setitem__, "forward", bound)
