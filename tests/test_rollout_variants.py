@@ -63,6 +63,12 @@ VARIANTS = {
         head_dim=16, sliding_window=6, num_hidden_layers=3, rope_local_base_freq=10.0, rope_theta=1e6,
         layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
         rope_scaling=dict(rope_type="linear", factor=8.0), final_logit_softcapping=3.0)),
+    # rope parameters per layer type, dynamic on the global layers only (one rotary module, one rope type per type)
+    "gemma3-dynamic-global": lambda: Gemma3TextConfig(**sizes(
+        head_dim=16, sliding_window=6, num_hidden_layers=3, max_position_embeddings=49,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"], query_pre_attn_scalar=24,
+        rope_parameters={"full_attention": dict(rope_type="dynamic", factor=2.0, rope_theta=1e6),
+                         "sliding_attention": dict(rope_type="default", rope_theta=10.0)})),
     "phi3-window-partial-rotary": lambda: Phi3Config(**sizes(sliding_window=6, partial_rotary_factor=0.75)),
     # the threshold past every row from the prefill on (long factors throughout) and past none (short throughout)
     "phi3-longrope-long": lambda: Phi3Config(**longrope(original=2)),
