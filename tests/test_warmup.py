@@ -88,6 +88,29 @@ def test_per_call_cache_recompiles_for_each_length_bucket(compiles):
     assert compiles.frame_count == 3
 
 
+# rotary modules that HF updates by position (rollout/rope_step.py); the longrope threshold past every call's rows
+ROPE_UPDATED = {
+    "dynamic": lambda: LlamaConfig(**SIZES, rope_scaling=dict(rope_type="dynamic", factor=2.0)),
+    "longrope": lambda: Phi3Config(**SIZES, original_max_position_embeddings=64, rope_scaling=dict(
+        type="longrope", short_factor=[1.0 + 0.1 * i for i in range(8)], long_factor=[2.0] * 8)),
+}
+
+
+@pytest.mark.parametrize("rope", list(ROPE_UPDATED))
+def test_rope_updated_by_position_compiles_the_step_once_across_calls(compiles, rope):
+    """compile_scope="step" traces the rotary module. Without HF's update it is one frame (the dynamic update's
+    host read broke the graph in two), and its forward, bound anew per call, is not guarded by identity (one
+    recompile per call)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ROPE_UPDATED[rope]()).eval()
+    config = EngineConfig(**FIXED, compile_scope="step")
+    counts = []
+    for prompts in PROMPT_SETS:
+        run(model, prompts, config)
+        counts.append(compiles.frame_count)
+    assert counts == [1, 1, 1]
+
+
 @pytest.mark.parametrize("shared", [False, True])
 def test_fixed_cache_gives_the_per_call_cache_tokens(monkeypatch, shared):
     """Extra empty slots must change nothing: same sampled tokens and log-probs as a cache sized per call. (The

@@ -30,6 +30,7 @@ from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
 from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
 from fastgrpo.rollout.regional import compiled_layers, layer_indices, layer_options
 from fastgrpo.rollout.rope_limits import check_rope_switch
+from fastgrpo.rollout.rope_step import rotary_without_updates
 from fastgrpo.rollout.sampling import SamplingParams, keyed_sample, process_logits
 
 
@@ -233,7 +234,7 @@ def rollout(
         del logits
         rows = FinishedRows(config.finished_rows, state, cache, G)
         steps_done = 1  # the prefill sampled the first token
-        with decode_weights(model, config.weights):
+        with decode_weights(model, config.weights), rotary_without_updates(model):
             while True:  # once, unless finished_rows="compact" stops the loop to go on with fewer rows
                 step = functools.partial(_decode_step, model, cache, cache_kw, rows.state, params, pad_id, dtype)
                 steps_done = _decode(step, model, rows.state, S, stop_check, config, steps_done,

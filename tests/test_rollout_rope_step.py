@@ -1,0 +1,130 @@
+"""The engine's decode steps run dynamic and longrope rotary modules without HF's per-call frequency update
+(fastgrpo/rollout/rope_step.py): no host sync in a step (what made the CUDA-graph capture fail), the same tokens and
+log-probs as HF's forward, and HF's own forward back afterwards."""
+import functools
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fastgrpo.hf.models import position_updated_rotaries
+from fastgrpo.rollout import decode
+from fastgrpo.rollout.rope_step import rotary_without_updates
+from tests.test_rollout_variants import PROMPTS, engine_greedy, hf_forward, model_of
+
+# dynamic rescales past max_position_embeddings (49; gemma3: on its global layers), the long variant is past its
+# longrope threshold (2) from the prefill on, the short one below its threshold (49) throughout
+ROPE_VARIANTS = ["llama-dynamic-rope", "gemma3-dynamic-global", "phi3-longrope-long", "phi3-longrope-short"]
+LONG = 60  # tokens of an HF forward past both thresholds of 49
+
+
+class ScalarReads(TorchDispatchMode):
+    """Records the ops that copy a tensor's value to the host (.item(), bool(tensor), int(tensor)): a device sync,
+    which a CUDA-graph capture cannot take."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_decode_steps_make_no_host_sync_and_skip_the_rope_update(variant, monkeypatch):
+    model = model_of(variant)
+    rotary = model.model.rotary_emb
+    undecorated = type(rotary).forward.__wrapped__
+    steps = []  # per decode step: (host reads, whether the rotary ran HF's forward without the update)
+
+    def recorded(*args, **kwargs):
+        with ScalarReads() as mode:
+            step(*args, **kwargs)
+        steps.append((mode.reads, getattr(rotary.forward, "__func__", None) is undecorated))
+
+    step = decode._decode_step
+    monkeypatch.setattr(decode, "_decode_step", recorded)
+    engine_greedy(model)
+    assert len(steps) == 23  # S - 1: the prefill samples the first token
+    assert steps == [(0, True)] * len(steps), steps
+
+
+def test_the_dynamic_update_syncs_on_the_host():
+    """What the test above guards against: HF's decorated forward of a dynamic rotary module reads a value on the
+    host (transformers 5.17 and 5.24; 5.17's longrope update too, 5.24's no longer)."""
+    rotary = model_of("llama-dynamic-rope").model.rotary_emb
+    with ScalarReads() as mode:
+        rotary(torch.zeros(1, 1, 4), torch.tensor([[3]]))
+    assert mode.reads > 0
+
+
+@pytest.mark.parametrize("variant", ROPE_VARIANTS)
+def test_hf_forward_is_back_after_a_rollout_from_a_grown_rope_state(variant):
+    """Before the rollout HF's forward runs past the thresholds (dynamic grows its frequencies, longrope switches to
+    the long factors): the prefill's update resets them, so the engine still equals HF's forward over each row.
+    Afterwards the rotary module has no forward of its own again and HF's forward gives what it gave before."""
+    model = model_of(variant)
+    rotary = model.model.rotary_emb
+    ids = [torch.arange(5, 5 + n)[None] % 40 for n in (9, LONG)]
+    with torch.no_grad():
+        before = [model(x).logits for x in ids]
+    out = engine_greedy(model)
+    assert "forward" not in rotary.__dict__
+    assert rotary.forward.__func__ is type(rotary).forward
+    for row, prompt in zip(range(0, 2 * len(PROMPTS), 2), PROMPTS):
+        want = hf_forward(model, prompt, out.tokens[row])
+        assert torch.equal(out.tokens[row], want.argmax(-1)), (variant, row)
+        # the bound of tests/test_rollout_variants.py (fp32 forwards of different shapes)
+        torch.testing.assert_close(out.logprobs[row].double(), want.gather(1, out.tokens[row][:, None])[:, 0],
+                                   atol=1e-4, rtol=0)
+    with torch.no_grad():
+        after = [model(x).logits for x in ids]
+    for x, b, a in zip(ids, before, after):
+        assert torch.equal(b, a), (variant, x.shape[1], (b - a).abs().max().item())
+
+
+def test_one_trace_serves_every_rollout():
+    """compile_scope="step" traces the rotary module inside the step, compiled once for every rollout: the forward
+    bound anew per rollout must not be guarded by its identity (a recompile per rollout, and past dynamo's limit of 8
+    an eager step), and it traces without a graph break (fullgraph)."""
+    rotary = model_of("llama-dynamic-rope").model.rotary_emb
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    run = torch.compile(lambda module, x, positions: module(x, positions), backend="eager", fullgraph=True,
+                        dynamic=False)
+    for last in (3, 4, 5):
+        with rotary_without_updates(rotary):
+            cos, sin = run(rotary, torch.zeros(1, 1, 4), torch.tensor([[last]]))
+        torch.testing.assert_close((cos, sin), rotary(torch.zeros(1, 1, 4), torch.tensor([[last]])), atol=0, rtol=0)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    torch._dynamo.reset()
+
+
+def _plain(forward):
+    def plain(module, x, position_ids):
+        return forward(module, x, position_ids)
+
+    return plain
+
+
+@pytest.mark.parametrize("wrap", [_plain, lambda forward: functools.wraps(forward)(_plain(forward))],
+                         ids=["no-wrapped", "another-decorator"])
+def test_rotaries_not_decorated_by_hf_update_are_left_alone(wrap):
+    """A rotary class whose forward is not HF's dynamic_rope_update wrapper (a later transformers, a subclass) keeps
+    its forward: nothing is found, nothing bound."""
+    rotary = model_of("llama-dynamic-rope").model.rotary_emb
+    rotary.__class__ = type("Rotary", (type(rotary),), {"forward": wrap(type(rotary).forward)})
+    assert position_updated_rotaries(rotary) == []
+
+
+def test_other_rope_types_and_forwards_bound_by_others_are_left_alone():
+    assert position_updated_rotaries(model_of("llama-linear-rope-gelu-tied")) == []
+    rotary = model_of("llama-dynamic-rope").model.rotary_emb
+    assert position_updated_rotaries(rotary) == [(rotary, type(rotary).forward.__wrapped__)]
+    theirs = functools.partial(type(rotary).forward, rotary)
+    rotary.forward = theirs
+    with rotary_without_updates(rotary):
+        assert rotary.forward is theirs
+    assert rotary.forward is theirs
