@@ -6,8 +6,9 @@ import functools
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from transformers.modeling_rope_utils import dynamic_rope_update
 
-from fastgrpo.hf.models import position_updated_rotaries
+from fastgrpo.hf.rope_update import position_updated_rotaries
 from fastgrpo.rollout import decode
 from fastgrpo.rollout.rope_step import rotary_without_updates
 from tests.test_rollout_variants import PROMPTS, engine_greedy, hf_forward, model_of
@@ -16,6 +17,18 @@ from tests.test_rollout_variants import PROMPTS, engine_greedy, hf_forward, mode
 # longrope threshold (2) from the prefill on, the short one below its threshold (49) throughout
 ROPE_VARIANTS = ["llama-dynamic-rope", "gemma3-dynamic-global", "phi3-longrope-long", "phi3-longrope-short"]
 LONG = 60  # tokens of an HF forward past both thresholds of 49
+
+
+def chain(forward) -> list:
+    """The codes of a forward's decorator chain, outermost first (functools.wraps' __wrapped__)."""
+    codes, link = [], getattr(forward, "__func__", forward)
+    while link is not None:
+        codes.append(link.__code__)
+        link = getattr(link, "__wrapped__", None)
+    return codes
+
+
+UPDATE = dynamic_rope_update(lambda module, x, position_ids: None).__code__  # its wrapper's code, one for all
 
 
 class ScalarReads(TorchDispatchMode):
@@ -36,19 +49,19 @@ class ScalarReads(TorchDispatchMode):
 def test_decode_steps_make_no_host_sync_and_skip_the_rope_update(variant, monkeypatch):
     model = model_of(variant)
     rotary = model.model.rotary_emb
-    undecorated = type(rotary).forward.__wrapped__
-    steps = []  # per decode step: (host reads, whether the rotary ran HF's forward without the update)
+    assert UPDATE in chain(type(rotary).forward)
+    steps = []  # per decode step: (host reads, whether the rotary's forward in effect runs HF's update)
 
     def recorded(*args, **kwargs):
         with ScalarReads() as mode:
             step(*args, **kwargs)
-        steps.append((mode.reads, getattr(rotary.forward, "__func__", None) is undecorated))
+        steps.append((mode.reads, UPDATE in chain(rotary.forward)))
 
     step = decode._decode_step
     monkeypatch.setattr(decode, "_decode_step", recorded)
     engine_greedy(model)
     assert len(steps) == 23  # S - 1: the prefill samples the first token
-    assert steps == [(0, True)] * len(steps), steps
+    assert steps == [(0, False)] * len(steps), steps
 
 
 def test_the_dynamic_update_syncs_on_the_host():
@@ -102,27 +115,55 @@ def test_one_trace_serves_every_rollout():
     torch._dynamo.reset()
 
 
-def _plain(forward):
+def _closure(forward):
+    @functools.wraps(forward)
+    def logged(module, x, position_ids):
+        return forward(module, x, position_ids)
+
+    return logged
+
+
+def _no_wrapped(forward):
     def plain(module, x, position_ids):
         return forward(module, x, position_ids)
 
     return plain
 
 
-@pytest.mark.parametrize("wrap", [_plain, lambda forward: functools.wraps(forward)(_plain(forward))],
-                         ids=["no-wrapped", "another-decorator"])
-def test_rotaries_not_decorated_by_hf_update_are_left_alone(wrap):
-    """A rotary class whose forward is not HF's dynamic_rope_update wrapper (a later transformers, a subclass) keeps
-    its forward: nothing is found, nothing bound."""
+def _opaque(forward):
+    table = {"forward": forward}  # the closure holds the table, not the function
+
+    @functools.wraps(forward)
+    def looked_up(module, x, position_ids):
+        return table["forward"](module, x, position_ids)
+
+    return looked_up
+
+
+@pytest.mark.parametrize("wrap, found", [(None, True), (_closure, True), (_no_wrapped, False), (_opaque, False)],
+                         ids=["hf", "closure", "no-wrapped", "opaque"])
+def test_the_update_is_taken_out_of_the_decorator_chain(wrap, found):
+    """The forward without the update is the class's decorator chain with HF's update link taken out, the links
+    above it kept (5.17 stacks torch.no_grad on top). A class whose chain cannot be followed (a later transformers,
+    a subclass) keeps its forward: nothing is found."""
     rotary = model_of("llama-dynamic-rope").model.rotary_emb
-    rotary.__class__ = type("Rotary", (type(rotary),), {"forward": wrap(type(rotary).forward)})
-    assert position_updated_rotaries(rotary) == []
+    if wrap is not None:
+        rotary.__class__ = type("Rotary", (type(rotary),), {"forward": wrap(type(rotary).forward)})
+    rotaries = position_updated_rotaries(rotary)
+    if not found:
+        assert rotaries == []
+        return
+    [(module, without)] = rotaries
+    assert module is rotary
+    assert chain(without) == [code for code in chain(type(rotary).forward) if code is not UPDATE]
+    positions = torch.tensor([[3, 4]])
+    torch.testing.assert_close(without(rotary, torch.zeros(1, 2, 4), positions),
+                               rotary(torch.zeros(1, 2, 4), positions), atol=0, rtol=0)
 
 
 def test_other_rope_types_and_forwards_bound_by_others_are_left_alone():
     assert position_updated_rotaries(model_of("llama-linear-rope-gelu-tied")) == []
     rotary = model_of("llama-dynamic-rope").model.rotary_emb
-    assert position_updated_rotaries(rotary) == [(rotary, type(rotary).forward.__wrapped__)]
     theirs = functools.partial(type(rotary).forward, rotary)
     rotary.forward = theirs
     with rotary_without_updates(rotary):

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 from torch import nn
@@ -121,32 +121,6 @@ def cache_keyword(model: nn.Module) -> str:
     inner = unwrap_peft(model)
     # the class's forward, whatever is bound on the instance (patch_model, accelerate hooks)
     return "cache" if "cache" in inspect.signature(type(inner).forward).parameters else "past_key_values"
-
-
-def position_updated_rotaries(model: nn.Module) -> list[tuple[nn.Module, Callable]]:
-    """Each rotary module whose forward first updates its frequencies from the positions it is given, with the
-    forward without that update: HF decorates rotary forwards with modeling_rope_utils.dynamic_rope_update, which
-    updates for rope types "dynamic" and "longrope" only (other types: nothing to skip, so not listed). The update
-    decides on the host (a device sync in 5.17). Empty where the installed transformers has no such decorator or it
-    no longer keeps the forward it wraps (functools.wraps' __wrapped__)."""
-    try:
-        from transformers.modeling_rope_utils import dynamic_rope_update
-    except ImportError:
-        return []
-    # every forward the decorator wraps runs one code object, its inner `wrapper`
-    updating = dynamic_rope_update(lambda module, x, position_ids: None).__code__
-    found = []
-    for module in model.modules():
-        forward = type(module).forward
-        undecorated = getattr(forward, "__wrapped__", None)
-        if undecorated is None or getattr(forward, "__code__", None) is not updating:
-            continue
-        rope_type = getattr(module, "rope_type", None)  # gemma3's: one per layer type
-        rope_types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
-        # the wrapper's own test of which types it updates
-        if any(isinstance(t, str) and ("dynamic" in t or t == "longrope") for t in rope_types):
-            found.append((module, undecorated))
-    return found
 
 
 def loading_attention(model: str) -> str:

@@ -12,6 +12,8 @@ With EngineConfig.finished_rows the rows that have stopped are hidden from the d
 a smaller batch, at the host syncs (rollout/compaction.py).
 With EngineConfig.kv_cache="fp8" the cache stores e4m3 K/V with per-vector scales (rollout/kv_cache.py), which only
 the decode kernel reads.
+Rotary modules that HF updates by position (rope types dynamic and longrope; a host sync) skip the update in the
+decode steps, whose positions cannot change its outcome (rollout/rope_step.py).
 """
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ other tokens and log-probs, 3e-3 off on a tiny Phi-3 (tests/test_rollout_variant
 row can straddle the threshold: the longest prompt + max_new_tokens within it, or every prompt already past it.
 
 "dynamic" NTK rescales past max_position_embeddings only, which requests.check_lengths already refuses to reach.
+Both make HF's per-call rope update a no-op after the prefill, which rollout/rope_step.py skips in the decode steps.
 """
 from __future__ import annotations
 

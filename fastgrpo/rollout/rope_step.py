@@ -11,9 +11,10 @@ Within a rollout the update changes nothing after the prefill, which runs HF's d
   rollout whose rows could straddle the threshold, so the prefill's choice holds at every step.
 - dynamic rescales only past max_position_embeddings, which requests.check_lengths refuses to reach; its reset to
   the original frequencies (after a longer sequence, e.g. in training) fires at the prefill, before any step.
-So for the decode loop (warm-up, capture, replay and the fallbacks alike) each such module runs the forward HF
-decorated, bound on the instance and restored afterwards (hf/binding.py): the prefill, HF's own calls and training
-keep the update. Modules whose forward in effect is not the class's (bound by someone else) keep theirs.
+So for the decode loop (warm-up, capture, replay and the fallbacks alike) each such module runs its class's forward
+without the update (hf/rope_update.py), bound on the instance and restored afterwards (hf/binding.py): the prefill,
+HF's own calls and training keep the update. Modules whose forward in effect is not the class's (bound by someone
+else) keep theirs.
 """
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ from collections.abc import Iterator
 from torch import nn
 
 from fastgrpo.hf.binding import as_method, bind_forward
-from fastgrpo.hf.models import position_updated_rotaries
+from fastgrpo.hf.rope_update import position_updated_rotaries
 
 
 @contextlib.contextmanager
 def rotary_without_updates(model: nn.Module) -> Iterator[None]:
     """Within the block the rotary modules HF updates by position run their forward without the update."""
     with contextlib.ExitStack() as undo:
-        for module, undecorated in position_updated_rotaries(model):
-            binding = bind_forward(module, lambda _previous, forward=undecorated: forward)
+        for module, without in position_updated_rotaries(model):
+            binding = bind_forward(module, lambda _previous, forward=without: forward)
             if getattr(binding.previous, "__func__", None) is type(module).forward:
                 undo.callback(binding.restore)
                 as_method(module, undo)  # compile_scope="step" traces it: one compile for every rollout
