@@ -98,6 +98,21 @@ def test_hf_forward_is_back_after_a_rollout_from_a_grown_rope_state(variant):
         assert torch.equal(b, a), (variant, x.shape[1], (b - a).abs().max().item())
 
 
+def test_a_decode_step_that_fails_leaves_hf_forward_bound(monkeypatch):
+    """The training forwards after a failed rollout (an out-of-memory step, an interrupt) still update by position."""
+    model = model_of("llama-dynamic-rope")
+    rotary = model.model.rotary_emb
+
+    def failing(*args, **kwargs):
+        assert UPDATE not in chain(rotary.forward)  # the rollout had bound its forward
+        raise RuntimeError("step failed")
+
+    monkeypatch.setattr(decode, "_decode_step", failing)
+    with pytest.raises(RuntimeError, match="step failed"):
+        engine_greedy(model)
+    assert "forward" not in rotary.__dict__
+
+
 def test_one_trace_serves_every_rollout():
     """compile_scope="step" traces the rotary module inside the step, compiled once for every rollout: the forward
     bound anew per rollout must not be guarded by its identity (a recompile per rollout, and past dynamo's limit of 8
