@@ -608,9 +608,11 @@ def test_wrapped_layers_fall_back_to_torch_checkpoint(case, tmp_path):
         assert all(torch.equal(a, b) if b is not None else a is None for a, b in zip(again, want))
 
 
-def _lora_model(device: str = "cpu"):
+def _lora_model(device: str = "cpu", mlp_chunk_tokens: int | None = None):
     """The built-in task's tiny Qwen2 with LoRA on every linear, patched, its layers offload-checkpointed: on the
-    CPU through ActivationOffloader("cpu"), on CUDA through the default (pinned, asynchronous) offloader."""
+    CPU through ActivationOffloader("cpu"), on CUDA through the default (pinned, asynchronous) offloader.
+    mlp_chunk_tokens: patch_model's, its MLPs tiled (a micro-batch of 24 tokens above a chunk of 16: the recompute
+    in the backward skips the tiled MLP's forward)."""
     from peft import LoraConfig, get_peft_model
 
     import fastgrpo
@@ -623,8 +625,11 @@ def _lora_model(device: str = "cpu"):
         for name, param in model.named_parameters():
             if "lora_B" in name:
                 param.normal_(0, 0.02)
-    model = fastgrpo.patch_model(model.to(device))
     offloader = ActivationOffloader("cpu") if device == "cpu" else None
+    if mlp_chunk_tokens is not None:
+        return fastgrpo.patch_model(model.to(device), offload_activations=offloader or True,
+                                    mlp_chunk_tokens=mlp_chunk_tokens).train()
+    model = fastgrpo.patch_model(model.to(device))
     enable_offload_checkpointing(decoder_layers(model, architecture(model)), offloader=offloader)
     return model.train()
 
@@ -642,7 +647,7 @@ def _trained_grads(model) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
+def _ddp_rank(rank: int, backend: str, store: str, out: str, mlp_chunk_tokens: int | None) -> None:
     from fastgrpo.train.distributed import _close_process_group
 
     if backend == "nccl":
@@ -652,7 +657,7 @@ def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
     device = f"cuda:{rank}" if backend == "nccl" else "cpu"
     torch.distributed.init_process_group(backend, init_method=f"file://{store}", rank=rank, world_size=2)
     try:
-        found = _ddp_steps(rank, device)
+        found = _ddp_steps(rank, device, mlp_chunk_tokens)
         if rank == 0:
             torch.save(found, out)
     finally:
@@ -661,8 +666,8 @@ def _ddp_rank(rank: int, backend: str, store: str, out: str) -> None:
         _close_process_group()
 
 
-def _ddp_steps(rank: int, device: str) -> dict:
-    model = _lora_model(device)
+def _ddp_steps(rank: int, device: str, mlp_chunk_tokens: int | None) -> dict:
+    model = _lora_model(device, mlp_chunk_tokens)
     modes = [grad_modes(layer.mlp) for layer in decoder_layers(model, architecture(model))]
     ddp = nn.parallel.DistributedDataParallel(model)
     steps = []
@@ -681,17 +686,20 @@ def _ddp_steps(rank: int, device: str) -> dict:
     pytest.param("nccl", marks=[pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2,
                                                                      reason="needs 2 CUDA GPUs")]),
 ])
-def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(backend, tmp_path):
+@pytest.mark.parametrize("mlp_chunk_tokens", [None, 16], ids=["untiled", "tiled"])
+def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(backend, mlp_chunk_tokens, tmp_path):
     """LoRA under DDP, 2 processes, 2 micro-batches each (no_sync on the first): the layers run their forward
     without grad and recompute in the backward, and every adapter's gradient is the mean of the two processes' own
     (one process each, the same kernels on the same inputs). Bit for bit: DDP halves each gradient before summing
-    two, and halving is exact. Each rank on its own GPU under NCCL, with the real pinned, asynchronous offload."""
+    two, and halving is exact. Each rank on its own GPU under NCCL, with the real pinned, asynchronous offload.
+    Tiled: the MLPs run in chunks, skipped in the recompute; their parameters' gradients come from the chunks'
+    backward inside the layer's."""
     import torch.multiprocessing as mp
 
     device = "cuda" if backend == "nccl" else "cpu"
     out = str(tmp_path / "found.pt")
     # spawned, not forked: a child forked after this process ran OpenMP work could hang in its first parallel GEMM
-    ranks = mp.start_processes(_ddp_rank, args=(backend, str(tmp_path / "store"), out), nprocs=2,
+    ranks = mp.start_processes(_ddp_rank, args=(backend, str(tmp_path / "store"), out, mlp_chunk_tokens), nprocs=2,
                                start_method="spawn", join=False)
     deadline = time.monotonic() + 120  # a hung rank fails this test instead of stalling the suite
     while not ranks.join(timeout=max(0.0, deadline - time.monotonic())):
@@ -703,7 +711,7 @@ def test_ddp_averages_the_gradients_of_layers_recomputed_in_the_backward(backend
     assert found["modes"] and all(m == [False, True] * 4 for m in found["modes"])  # 2 steps x 2 micro-batches
     alone = []
     for rank in range(2):
-        model = _lora_model(device)
+        model = _lora_model(device, mlp_chunk_tokens)
         for ids in _micro_batches(rank, device):
             _lora_loss(model, ids).backward()
         alone.append(_trained_grads(model))
