@@ -79,3 +79,19 @@ def test_a_resume_takes_its_settings_from_the_newest_record_and_never_export(tmp
              {**record, "save_total_limit": 7, "export": False})
     taken = resumed_run_settings(GRPOConfig, {"resume": True, "output_dir": str(tmp_path)}, default_task.PRESET)
     assert taken["save_total_limit"] == 7 and "export" not in taken, taken
+
+
+def test_a_checkpoint_folder_without_its_state_is_no_checkpoint(tmp_path):
+    """checkpoint-3/ holding run_config.json alone (a copy cut short, a prune killed by an older fastgrpo) is not
+    the newest checkpoint: not listed, not the one a resume reads or warns about, not where its settings come from."""
+    record = _config(tmp_path).to_dict()
+    _save(tmp_path, 1, 2)
+    (tmp_path / "checkpoint-2" / CONFIG_FILE).write_text(json.dumps({**record, "save_total_limit": 5}))
+    (tmp_path / "checkpoint-3").mkdir()
+    (tmp_path / "checkpoint-3" / CONFIG_FILE).write_text(json.dumps({**record, "save_total_limit": 9}))
+    assert [step for step, _ in list_checkpoints(tmp_path)] == [1, 2]
+    assert latest_checkpoint(tmp_path).name == "checkpoint-2"
+    path, _, skipped = newest_readable_checkpoint(tmp_path)
+    assert (path.name, skipped) == ("checkpoint-2", [])
+    taken = resumed_run_settings(GRPOConfig, {"resume": True, "output_dir": str(tmp_path)}, default_task.PRESET)
+    assert taken["save_total_limit"] == 5, taken
