@@ -229,13 +229,15 @@ def newest_readable_checkpoint(output_dir: str | Path, mmap: bool = False) -> tu
     raise ValueError(f"resume: every checkpoint in {output_dir} is incomplete or damaged (see the warnings)")
 
 
-def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
-    """After checkpoint-<newest> is written: delete every checkpoint of a later step, and all but the newest `keep`
-    of the others (None: keep all); returns the deleted folders. A later step's checkpoint is of the history a resume
-    went back over (it fell back past a damaged one): kept, it would outrank this run's own checkpoints in the
-    rotation and take the next --resume back to that history."""
-    abandoned = [path for step, path in _checkpoint_folders(output_dir) if step > newest]
-    doomed = abandoned + _past_limit(output_dir, keep, newest)
+def prune_checkpoints(output_dir: str | Path, keep: int | None, newest: int, since: int | None = None) -> list[Path]:
+    """After checkpoint-<newest> is written: delete every checkpoint of a later step, and of a step between `since`
+    (the run's previous checkpoint, written or resumed from; None: unknown) and newest, and all but the newest `keep`
+    of the others (None: keep all); returns the deleted folders. Those are of the history a resume went back over (it
+    fell back past a damaged one): kept, a later one would outrank this run's own checkpoints in the rotation and take
+    the next --resume back to that history, one between would count in the limit in place of a readable one."""
+    abandoned = [path for step, path in _checkpoint_folders(output_dir)
+                 if step > newest or (since is not None and since < step < newest)]
+    doomed = abandoned + _past_limit(output_dir, keep, newest, abandoned)
     for path in abandoned:
         logger.warning("checkpoint: deleted %s, left by the steps this run went back over when it resumed", path.name)
     for path in doomed:
@@ -255,9 +257,10 @@ def apply_save_limit(output_dir: str | Path, keep: int | None, newest: int) -> N
                     ", ".join(path.name for path in doomed), keep)
 
 
-def _past_limit(output_dir: str | Path, keep: int | None, newest: int) -> list[Path]:
-    """The checkpoints of steps up to `newest` but the newest `keep` (None: keep all)."""
-    kept = [path for step, path in list_checkpoints(output_dir) if step <= newest]
+def _past_limit(output_dir: str | Path, keep: int | None, newest: int, abandoned: list[Path] = ()) -> list[Path]:
+    """The checkpoints of steps up to `newest` but the newest `keep` (None: keep all), those `abandoned` (deleted
+    anyway) not counted."""
+    kept = [path for step, path in list_checkpoints(output_dir) if step <= newest and path not in abandoned]
     return kept[:-keep] if keep is not None and len(kept) > keep else []
 
 

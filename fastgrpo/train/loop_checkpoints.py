@@ -21,18 +21,21 @@ def write_checkpoint(loop, step: int, optimizer, state: dict, rng: dict | None =
     """checkpoint-<step> of loop.output_dir: `state` (step, config, the loop's own fields), rng (RNG states captured
     earlier, for a step that was abandoned or whose evaluation failed; None: taken now) and unevaluated (the metrics
     of the latter), with the model's trainable parameters and the optimizer's state (None: a loop that keeps none);
-    then the oldest checkpoints past save_total_limit are deleted. track: record it as the loop's newest."""
+    then the oldest checkpoints past save_total_limit, and those of a history a resume went back over, are
+    deleted (prune_checkpoints). track: record it as the loop's newest."""
     state = {
         **state,
         **({"rng": rng} if rng is not None else {}),
         **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
     }
+    # the loop's previous checkpoint: a checkpoint between it and this one is none of the loop's (untracked: unknown)
+    since = loop._saved_step if track else None
     path = loop.dist.save_checkpoint(loop.output_dir / f"checkpoint-{step}", loop.model, optimizer, state)
     if track:
         loop._saved_step, loop._saved_path, loop._saved_time = step, path, time.monotonic()
         loop._saved_identity = checkpoint_identity(path) if loop.dist.is_main else None
     if loop.dist.is_main:
-        prune_checkpoints(loop.output_dir, loop.config.save_total_limit, step)
+        prune_checkpoints(loop.output_dir, loop.config.save_total_limit, step, since)
     return path
 
 
