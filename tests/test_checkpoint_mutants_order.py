@@ -95,3 +95,18 @@ def test_a_checkpoint_folder_without_its_state_is_no_checkpoint(tmp_path):
     assert (path.name, skipped) == ("checkpoint-2", [])
     taken = resumed_run_settings(GRPOConfig, {"resume": True, "output_dir": str(tmp_path)}, default_task.PRESET)
     assert taken["save_total_limit"] == 5, taken
+
+
+def test_a_checkpoint_keeps_the_rng_states_captured_at_the_steps_start(tmp_path):
+    """A step abandoned by a signal (or a failing reward) is saved with the RNG states it began with, so the resume
+    redoes it with the same draws: a reward function drawing from `random` or torch had moved them on. Saving the
+    states of the moment (the built-in rollout's own generator hid it from the interrupt tests) redid it otherwise."""
+    import random
+
+    model = torch.nn.Linear(2, 2)
+    began = checkpoint.rng_states()
+    drawn = (random.random(), torch.rand(3))  # the abandoned step's reward function
+    save_checkpoint(tmp_path / "checkpoint-1", model, {"step": 1, "rng": began})
+    checkpoint.load_checkpoint(tmp_path / "checkpoint-1", model)
+    again = (random.random(), torch.rand(3))
+    assert again[0] == drawn[0] and torch.equal(again[1], drawn[1]), (drawn, again)
