@@ -145,3 +145,21 @@ def test_files_put_in_an_exports_folder_as_the_checkpoint_loads_are_refused_not_
     assert capsys.readouterr().err == (f"fastgrpo export: error: output_dir: {out} is not empty (notes.txt); pick "
                                        "another --output-dir\n")
     assert [p.name for p in out.iterdir()] == ["notes.txt"] and (out / "notes.txt").read_text() == "mine"
+
+
+def test_a_resume_with_steps_left_checks_the_base_its_adapter_goes_on(tmp_path):
+    """The trainer's own check of the checkpoint it resumes (from Python there is no check before the load): a LoRA
+    run whose base folder was exported again since is refused while it has steps left; once finished it trains
+    nothing and says so whatever its base."""
+    from fastgrpo.train.resume_checks import check_resumed_checkpoint
+
+    base = tmp_path / "base"
+    base.mkdir()
+    save_file({"w": torch.zeros(4)}, base / "model.safetensors")
+    config = GRPOConfig(model=str(base), lora_rank=4, export=False, max_steps=2, output_dir=str(tmp_path / "run"))
+    state = {"step": 1, "config": config.to_dict()}
+    save_file({"w": torch.ones(4)}, base / "model.safetensors")  # another run's final/ exported again there
+    with pytest.raises(ValueError, match=r"model: .* is not the base model checkpoint-1 was trained on \(its files "
+                                         r"changed since: model.safetensors differs\)"):
+        check_resumed_checkpoint(state, config, tmp_path / "run" / "checkpoint-1", 2, evaluates=False)
+    check_resumed_checkpoint({**state, "step": 2}, config, tmp_path / "run" / "checkpoint-2", 2, evaluates=False)
