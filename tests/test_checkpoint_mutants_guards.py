@@ -19,7 +19,8 @@ from tests.test_run_safety import _dead_pid
 
 def test_every_file_and_the_folder_are_fsynced_before_the_rename_that_publishes_them(tmp_path, monkeypatch):
     """A power loss after the rename but before the data reached the disk leaves checkpoint-<step>/ with empty
-    files, which the resume takes as the newest: each file is fsynced first, then the folder, then the rename."""
+    files (or a subfolder without its entries), which the resume takes as the newest: each file and folder is
+    fsynced first, then the rename."""
     events, real_replace = [], os.replace
     monkeypatch.setattr(atomic_folder, "_fsync", lambda path: events.append(("fsync", path.name)))
     monkeypatch.setattr(atomic_folder.os, "replace", lambda src, dst: (events.append(("rename", dst.name)),
@@ -30,8 +31,10 @@ def test_every_file_and_the_folder_are_fsynced_before_the_rename_that_publishes_
         (tmp / "adapter").mkdir()
         (tmp / "adapter" / "weights").write_bytes(b"w")
     renamed = events.index(("rename", "checkpoint-3"))
-    assert {("fsync", "trainer_state.pt"), ("fsync", "weights"), ("fsync", ".checkpoint-3.tmp-" + str(os.getpid()))} \
-        <= set(events[:renamed]), events
+    # the folder inside too (an FSDP2 run's shards/): its entries name its files
+    names = ("trainer_state.pt", "adapter", "weights", f".checkpoint-3.tmp-{os.getpid()}")
+    published = {("fsync", name) for name in names}
+    assert published <= set(events[:renamed]), events
     assert events[renamed + 1:] == [("fsync", tmp_path.name)], events  # the rename itself made durable
 
 

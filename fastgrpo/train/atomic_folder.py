@@ -38,9 +38,9 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         except Exception as err:
             _raise_if_disk_full(path, err)
             raise
-        for file in tmp.rglob("*"):
-            if file.is_file():
-                _fsync(file)
+        for entry in tmp.rglob("*"):  # a subfolder too (an FSDP2 run's shards/): its entries name its files
+            if entry.is_file() or entry.is_dir():
+                _fsync(entry)
         _fsync(tmp)
         if path.exists():
             # Two renames, not rmtree first: the old folder stays whole until the new one is in place.
