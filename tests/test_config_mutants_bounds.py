@@ -76,3 +76,43 @@ def test_an_fsdp_setting_of_a_rank_1_lora_launch_is_refused(monkeypatch):
     assert str(info.value) == ("fsdp_layers_per_group: shapes FSDP2, which shards full fine-tuning under torchrun, and "
                                "a LoRA run (lora_rank=1) trains through DDP")
     check_fsdp_applies(GRPOConfig(lora_rank=0, fsdp_layers_per_group=2))  # full fine-tuning: FSDP2's
+
+
+@pytest.mark.parametrize("config_class", [SFTConfig, EIConfig])
+def test_sft_and_ei_micro_batches_divide_the_batch(config_class):
+    with pytest.raises(ValueError) as info:
+        config_class(batch_size=32, micro_batch_size=5)
+    assert str(info.value) == "micro_batch_size: expected a divisor of batch_size (32), got 5"
+    assert config_class(batch_size=32, micro_batch_size=16).micro_batch_size == 16
+
+
+def test_each_ei_rounds_sft_seed_stays_a_seed():
+    """A round's seed is derived from the run's (seed * 1_000_003 + round): taken mod 2**32, the largest seed's
+    rounds build their SFT configs too."""
+    config = EIConfig(seed=MAX_SEED - 1)
+    seeds = {config.sft_config(round_index).seed for round_index in range(3)}
+    assert len(seeds) == 3 and all(0 <= seed < MAX_SEED for seed in seeds)
+
+
+@pytest.mark.parametrize("config_class", [GRPOConfig, SFTConfig, EIConfig, EvalConfig])
+def test_an_unknown_prompt_format_is_refused_by_every_command(config_class):
+    with pytest.raises(ValueError) as info:
+        config_class(prompt_format="chatml")
+    assert str(info.value) == "prompt_format: expected one of ['raw', 'chat', 'auto', 'r1_zero'], got 'chatml'"
+
+
+def test_a_blank_eval_output_dir_is_refused():
+    """Path(' ') is a folder named by a space, beside the user's files: no place they meant for results."""
+    with pytest.raises(ValueError) as info:
+        EvalConfig(output_dir="  ")
+    assert str(info.value) == "output_dir: expected a folder path, got '  '"
+
+
+@pytest.mark.parametrize("config_class", [GRPOConfig, SFTConfig, EIConfig])
+def test_a_split_of_the_built_in_tasks_held_out_rows_is_refused_with_the_config(config_class):
+    """They have no splits: a split named was ignored, the run evaluating on them anyway."""
+    with pytest.raises(ValueError) as info:
+        config_class(eval_steps=1, eval_dataset_split="validation")
+    assert str(info.value) == ("eval_dataset_split: 'validation' names a split of eval_dataset; the built-in task (no "
+                               "eval_dataset) has none")
+    assert config_class(eval_steps=1, eval_dataset_split="test").eval_dataset_split == "test"
