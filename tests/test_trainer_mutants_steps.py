@@ -114,17 +114,30 @@ def test_a_step_s_loss_and_grad_norm_are_means_over_its_updates(tmp_path, monkey
     """num_iterations 2 x num_minibatches 2 = 4 optimizer updates of 2 micro-batches each: the step's loss is the
     mean over the updates of each minibatch's loss (grpo: its micro-batches' row means weighted by their 2 of 4
     rows), its grad_norm the mean of the 4 pre-clip norms (a spy on each); a sum over the updates, or the last
-    update's alone, is something else. Each iteration takes the minibatches of a shuffle of its own."""
+    update's alone, is something else. Each iteration takes the minibatches of a shuffle of its own, and each
+    micro-batch's rows carry their own advantages (spies on the rollout and on the advantages the step computed)."""
     from fastgrpo.train import grpo_update
+    from fastgrpo.train import trainer as trainer_module
 
     trainer = _trainer(tmp_path, loss_type="grpo", num_iterations=2, num_minibatches=2, micro_batch_size=2)
-    losses, norms, rows = [], [], []
+    losses, norms, rows, batches, advantage_of = [], [], [], [], {}
     loss_fn, finish = grpo_update.grpo_loss, trainer.dist.finish_gradients
+    rollout, advantages_fn = trainer_module.rollout_batch, trainer_module.reward_advantages
 
-    def loss_spy(model, input_ids, *args, **kwargs):
-        loss, metrics = loss_fn(model, input_ids, *args, **kwargs)
+    def rollout_spy(*args, **kwargs):
+        batches.append(rollout(*args, **kwargs))
+        return batches[-1]
+
+    def advantages_spy(*args, **kwargs):  # a row sampled twice in its group has its twin's reward and advantage
+        advantages = advantages_fn(*args, **kwargs)
+        advantage_of.update(zip(map(tuple, batches[-1]["input_ids"].tolist()), advantages.float().tolist()))
+        return advantages
+
+    def loss_spy(model, input_ids, attention_mask, completion_mask, advantages, *args, **kwargs):
+        loss, metrics = loss_fn(model, input_ids, attention_mask, completion_mask, advantages, *args, **kwargs)
         losses.append(loss.item())
         rows.append(sorted(map(tuple, input_ids.tolist())))
+        assert [advantage_of[row] for row in map(tuple, input_ids.tolist())] == advantages.tolist()
         return loss, metrics
 
     def finish_spy(params, max_norm):
@@ -133,9 +146,11 @@ def test_a_step_s_loss_and_grad_norm_are_means_over_its_updates(tmp_path, monkey
         return norm
 
     monkeypatch.setattr(grpo_update, "grpo_loss", loss_spy)
+    monkeypatch.setattr(trainer_module, "rollout_batch", rollout_spy)
+    monkeypatch.setattr(trainer_module, "reward_advantages", advantages_spy)
     monkeypatch.setattr(trainer.dist, "finish_gradients", finish_spy)
     metrics = trainer.train_step()
-    assert len(losses) == 8 and len(norms) == 4
+    assert len(losses) == 8 and len(norms) == 4 and len(set(advantage_of.values())) > 1
     per_update = [(losses[2 * u] + losses[2 * u + 1]) / 2 for u in range(4)]
     assert metrics["loss"] == pytest.approx(sum(per_update) / 4, rel=1e-6, abs=1e-9)
     assert metrics["grad_norm"] == pytest.approx(sum(norms) / 4, rel=1e-6)
