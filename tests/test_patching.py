@@ -330,8 +330,9 @@ def test_accelerate_hooks_are_kept():
 
 def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     calls = []
-    monkeypatch.setattr(patch_module, "enable_offload_checkpointing", lambda layers, offloader, tiled_mlp_chunk_tokens:
-                        calls.append(("enable", list(layers), offloader, tiled_mlp_chunk_tokens)))
+    monkeypatch.setattr(patch_module, "enable_offload_checkpointing",
+                        lambda layers, offloader, tiled_mlp_chunk_tokens, mlp_output_only_added: calls.append(
+                            ("enable", list(layers), offloader, tiled_mlp_chunk_tokens, mlp_output_only_added)))
     monkeypatch.setattr(patch_module, "disable_offload_checkpointing",
                         lambda layers: calls.append(("disable", list(layers))))
     model = tiny_model("llama")
@@ -341,8 +342,8 @@ def test_offload_activations_wires_fastgrpo_offload(monkeypatch):
     unpatch_model(model)
     layers = list(model.model.layers)
     assert isinstance(chunk, int)
-    assert calls == [("enable", layers, None, chunk), ("disable", layers),
-                     ("enable", layers, None, None), ("disable", layers)]
+    assert calls == [("enable", layers, None, chunk, True), ("disable", layers),  # llama: MLP output added as is
+                     ("enable", layers, None, None, True), ("disable", layers)]
 
 
 def test_offload_activations_with_the_real_module():
