@@ -139,9 +139,10 @@ def _run_offload(setup: dict, hf: dict | None, patch: dict | None = None) -> dic
 
     layers = setup["base"].model.layers
     offloader = ActivationOffloader("cuda", record_copy_times=True)
-    if patch is not None:
-        patch_model(setup["model"], **patch)
-    enable_offload_checkpointing(layers, offloader=offloader)  # after patch_model: replaces its default offloader
+    if patch is not None:  # its layers get the offloader from patch_model, with the tiled MLP's chunk and data
+        patch_model(setup["model"], **{**patch, "offload_activations": offloader})
+    else:
+        enable_offload_checkpointing(layers, offloader=offloader)
     allocations = []
 
     def step():
