@@ -460,25 +460,32 @@ def test_fp8_dots_need_an_e4m3_cache_and_a_16_bit_q():
         decode_attention_fwd(q, k, k, torch.ones(1, 4, dtype=torch.bool), torch.tensor([4]), 1.0, fp8_split=True)
 
 
+def by_v_layout(monkeypatch, attend) -> tuple[list[torch.Tensor], list[bool]]:
+    """attend(layout) with V row-major, then slot-major: the outputs, and per layout whether the kernel's every V
+    (the rows' own, the prefix's) took the unmasked whole-tile load."""
+    from fastgrpo.kernels import decode_attention as kernels
+
+    check = kernels._whole_v_tiles
+    outs, flags = [], []
+    for layout in (lambda v: v, slot_major):
+        whole = []
+        monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
+        outs.append(attend(layout))
+        flags.append(all(whole))
+    return outs, flags
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_slot_major_16_and_32_bit_v_whole_tiles_zero_the_hidden_slots(dtype, monkeypatch):
     """A slot-major V of q's dtype whose tiles all fit is loaded unmasked too: its hidden slots (NaN on the pads and
     past `length`) must be zeroed after the load, or 0 x NaN reaches the output. An e4m3 V cannot show it here:
     the interpreter widens e4m3's NaN code to 480, finite (test_gpu_realistic_fp8_decode checks it on a GPU)."""
-    from fastgrpo.kernels import decode_attention as kernels
-
     g = torch.Generator().manual_seed(5)
     N, H, G, D, M, length = 3, 2, 3, 32, 64, 45
     q = torch.randn(N, H, G, D, generator=g).to(dtype)
     k, v, visible = make_cache(g, N, H, M, D, length, dtype, float("nan"))
-    check = kernels._whole_v_tiles
     L = torch.tensor([length])
-    outs, flags = [], []
-    for layout in (lambda t: t, slot_major):
-        whole = []
-        monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
-        outs.append(decode_attention(q, k, layout(v), visible, L, splits=2))
-        flags.append(all(whole))
+    outs, flags = by_v_layout(monkeypatch, lambda layout: decode_attention(q, k, layout(v), visible, L, splits=2))
     assert flags == [False, True]
     assert torch.isfinite(outs[1]).all(), "a hidden slot's NaN reached the output"
     assert torch.equal(outs[0], outs[1])
@@ -489,8 +496,6 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
     """A slot-major e4m3 V whose tiles all fit (M and P multiples of the tile, D its width) is loaded unmasked and
     its hidden slots zeroed after the load: NaN on the pads, past `length` and in the prefix's hidden slots changes
     nothing, and the output is the row-major V's, bit for bit (the same values reach the same dots)."""
-    from fastgrpo.kernels import decode_attention as kernels
-
     g = torch.Generator().manual_seed(3)
     N, H, G, D, M, length, B, P = 4, 2, 3, 32, 64, 50, 2, 32
     q = torch.randn(N, H, G, D, generator=g).bfloat16()
@@ -503,16 +508,11 @@ def test_slot_major_v_whole_tiles_give_the_same_bits(with_prefix, monkeypatch):
         pv[~pvis[:, None, :, None].expand_as(pv)] = float("nan")
         pvq, pvs = quantize_kv(pv)
         prefix = dict(prefix_k=pkq, prefix_visible=pvis, prefix_k_scale=pks, prefix_v_scale=pvs)
-    check = kernels._whole_v_tiles
     L = torch.tensor([length])
-    outs, flags = [], []
-    for layout in (lambda v: v, slot_major):
-        whole = []
-        monkeypatch.setattr(kernels, "_whole_v_tiles", lambda *a: whole.append(check(*a)) or whole[-1])
-        outs.append(decode_attention(q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
-                                     **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {})))
-        flags.append(whole)
-    assert [all(f) for f in flags] == [False, True]  # the rows' own V, and the prefix's where there is one
+    outs, flags = by_v_layout(monkeypatch, lambda layout: decode_attention(
+        q, kq, layout(vq), visible, L, k_scale=ks, v_scale=vs,
+        **({**prefix, "prefix_v": layout(pvq)} if with_prefix else {})))
+    assert flags == [False, True]  # the rows' own V, and the prefix's where there is one
     assert torch.isfinite(outs[1]).all() and torch.equal(outs[0], outs[1])
     # v_finite (the engine's zero-allocated cache): hidden slots are read as they are, so a finite value there
     # (448, e4m3's largest) changes nothing (the NaN above would reach the output on a GPU, see

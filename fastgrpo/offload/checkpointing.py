@@ -18,10 +18,11 @@ whose backward runs the layer again with grad and backpropagates through that ru
 forward then builds no graph and packs no saved tensors (~57 per LoRA decoder layer): host work that bounds the LoRA
 update (benchmarks/NOTES.md: Qwen2.5-1.5B's, and Llama-3.1-8B's whose micro-batches run its MLP tiled, on H200s;
 full fine-tuning, whose update is bound by the GPU, gains nothing). The recompute runs the whole layer, where the
-non-reentrant one stops at the last tensor the forward saved (before the MLP's down projection; before the whole MLP when the MLP is tiled). A tiled MLP's forward
-is skipped in this recompute (fastgrpo.ops.tiled_mlp.outputs_unread) where the layers add its output to the residual
-and nothing else reads it (`mlp_output_only_added`), so it runs twice per step either way. The wrapper falls back to
-offload_checkpoint's scheme where this one cannot be used or costs more:
+non-reentrant one stops at the last tensor the forward saved (before the MLP's down projection; before the whole MLP
+when the MLP is tiled). A tiled MLP's forward is skipped in this recompute (fastgrpo.ops.tiled_mlp.outputs_unread)
+where the layers add its output to the residual and nothing else reads it (`mlp_output_only_added`), so it runs
+twice per step either way. The wrapper falls back to offload_checkpoint's scheme where this one cannot be used or
+costs more:
 - a layer FSDP2 shards (fully_shard on it or on its group: full fine-tuning, bound by the GPU, where this scheme
   gains nothing);
 - another argument requires grad (its gradient would have to leave the layer's own backward);
@@ -249,7 +250,7 @@ def _sharded_by_fsdp2(layer: nn.Module) -> bool:
 
 def _recomputes_in_backward(
     layer: nn.Module, slot: int | str, hidden: torch.Tensor, args: tuple, kwargs: dict, max_tokens: int | None,
-    mlp_output_only_added: bool = False,
+    mlp_output_only_added: bool,
 ) -> bool:
     """Whether an offloaded call runs through _RecomputedInBackward: not where the module docstring's conditions
     send it to the non-reentrant checkpoint."""
@@ -264,7 +265,7 @@ def _recomputes_in_backward(
 
 def _recompute_in_backward(
     function: Callable, args: tuple, kwargs: dict, slot: int | str, hidden: torch.Tensor,
-    offloader: ActivationOffloader, mlp_unread: bool = False,
+    offloader: ActivationOffloader, mlp_unread: bool,
 ) -> Any:
     run = _runner(function, slot, args, kwargs)
     with _offloaded(offloader, hidden) as handle:
