@@ -9,6 +9,8 @@ benchmarks/NOTES.md). The adapters stay in the input's dtype; LoRA's weight grad
 fp8_base_product(x, q, scale, bias) = (xq q^T) sx scale + bias, as fastgrpo.ops.fp8_scaled_linear computes it (each
 row of x quantized like a weight row: |x - xq sx| <= 2^-4 |x| for normals), through torch._scaled_mm with row-wise
 scales and the bias in its epilogue, out in bf16 (Hopper's row-wise kernel writes bf16 only), then x's dtype.
+quantized_input(x) quantizes a layer's input once for the linears that read it: q, k and v (gate and up) get one
+input object from the model, so the last input's e4m3 rows are kept while that tensor lives unchanged.
 fp8_input_grad(g, q, scale) = g (q scale) with the weight's row scales moved into g (they lie along that GEMM's
 sum) before g's rows are quantized the same way. Both quantizers are quantize_fp8's one-pass Triton kernel on CUDA
 (torch ops elsewhere: the same bytes).
@@ -21,6 +23,7 @@ GPU copies of a model moved to the CPU lived on until its next forward.
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 from torch import nn
@@ -34,12 +37,39 @@ FP8_WEIGHT_ATTR = "_fastgrpo_fp8_weight"
 FP8_CAPABILITY = (8, 9)  # e4m3 tensor cores: Ada, Hopper and later
 
 
+# The last input quantized_input saw: (a weak reference to it, its version, (xq, sx)). One entry: a layer's
+# siblings are called back to back, and an entry kept past its input's life would hold [N, K] bytes for nothing.
+_last_input: list = [None]
+
+
+def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_fp8 of x's rows ([..., K] contiguous -> xq [N, K] e4m3, sx [N] fp32). The same tensor object at the
+    same version as the last call's gets the last call's result: the model hands q, k and v (gate and up) one input
+    object, so three quantizers (two) become one, in each forward and recompute. An in-place change moves the
+    version (a new quantization); the entry goes with its tensor (a weak reference), so no other tensor that comes
+    to live at its address can match it."""
+    entry = _last_input[0]
+    if entry is not None and entry[0]() is x and entry[1] == x._version:
+        return entry[2]
+    quantized = quantize_fp8(x.reshape(-1, x.shape[-1]))
+    _last_input[0] = (weakref.ref(x, _forget_input), x._version, quantized)
+    return quantized
+
+
+def _forget_input(ref: weakref.ref) -> None:
+    entry = _last_input[0]
+    if entry is not None and entry[0] is ref:
+        _last_input[0] = None
+
+
 def fp8_base_product(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor | None = None,
+    quantized_x: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """x [N, K] (bf16, fp16 or fp32) times (q [M, K] e4m3, scale [M] fp32) + bias [M] -> [N, M] in x's dtype,
-    written into `out` [N, M] where given (by the GEMM itself for bf16: no copy of [N, M])."""
-    xq, sx = quantize_fp8(x)
+    written into `out` [N, M] where given (by the GEMM itself for bf16: no copy of [N, M]). quantized_x: x's rows
+    quantized already (quantized_input), else quantized here."""
+    xq, sx = quantize_fp8(x) if quantized_x is None else quantized_x
     bias = None if bias is None else bias.to(torch.bfloat16)
     direct = out if out is not None and out.dtype == torch.bfloat16 else None
     y = torch._scaled_mm(xq, q.t(), scale_a=sx[:, None], scale_b=scale[None, :], bias=bias,
@@ -57,9 +87,16 @@ def fp8_input_grad(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> tor
     quantized (g_n scale_n: one fp32 multiply in the quantizer), and q is multiplied as it is, transposed into the
     column-major operand the GEMM takes (a transient copy of the layer's e4m3 bytes)."""
     gq, sg = quantize_fp8(g if g.stride(-1) == 1 else g.contiguous(), column_scale=scale)
-    ones = torch.ones(1, q.shape[1], dtype=torch.float32, device=q.device)
+    ones = _ones_row(q.shape[1], q.device)
     y = torch._scaled_mm(gq, _transposed(q).t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
     return y.to(g.dtype)
+
+
+@functools.cache
+def _ones_row(n: int, device: torch.device) -> torch.Tensor:
+    """[1, n] fp32 ones: the unit column scales of fp8_input_grad's GEMM, one tensor per width and device (made per
+    call, it was an allocation and a fill kernel for each adapted linear in every backward). Read only."""
+    return torch.ones(1, n, dtype=torch.float32, device=device)
 
 
 def _transposed(q: torch.Tensor) -> torch.Tensor:

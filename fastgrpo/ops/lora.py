@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
 from fastgrpo._checks import check_floating, check_positive_int, check_shape
-from fastgrpo.ops.fp8_base import fp8_base_product, fp8_input_grad
+from fastgrpo.ops.fp8_base import fp8_base_product, fp8_input_grad, quantized_input
 
 # 4096 tokens: one chunk of x in fp32 (and of its fp32 gradient) at Qwen2.5-1.5B's down_proj (in = 8960) is
 # 140 MiB, where unchunked at 8 x 8192 tokens it would be 2.2 GiB.
@@ -183,11 +183,12 @@ def _linear_with_deltas(x, weight, bias, casts, scalings, fp8_weight=None) -> tu
     """(F.linear(x, weight, bias) + each delta, [h_i = x a_i^T]) for casts [a_1, b_1, ...] in x's dtype. The base
     product goes into a new tensor of the output's shape (not a view, see _add_delta) by the GEMM F.linear runs for a
     contiguous x (addmm with the bias in its epilogue, or mm: the same bits); each delta is added into it by its
-    second GEMM. fp8_weight (q, scale): the base product is fp8_base_product's instead."""
+    second GEMM. fp8_weight (q, scale): the base product is fp8_base_product's instead, of x's rows as
+    quantized_input gives them (shared with the siblings that read the same x)."""
     out = x.new_empty((*x.shape[:-1], weight.shape[0]))
     x2, out2 = x.reshape(-1, x.shape[-1]), out.view(-1, weight.shape[0])  # x2: [N, in], out2: [N, out]
     if fp8_weight is not None:
-        fp8_base_product(x2, *fp8_weight, bias, out=out2)
+        fp8_base_product(x2, *fp8_weight, bias, out=out2, quantized_x=quantized_input(x))
     elif bias is None:
         torch.mm(x2, weight.t(), out=out2)
     else:
