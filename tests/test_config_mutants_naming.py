@@ -24,13 +24,11 @@ def test_a_record_with_the_marks_of_two_commands_is_no_ones():
     assert written_by({}) is None
 
 
-@pytest.mark.parametrize("resume_command", ["cli", "commands"])
-def test_the_resume_hint_continues_the_run_without_deleting_it(resume_command):
+def test_the_resume_hint_continues_the_run_without_deleting_it():
     """An interrupted run started with --overwrite-output-dir is continued by its command with --resume in its place
     (the two together are refused: overwrite deletes the checkpoint resume continues from)."""
-    from fastgrpo.train import cli, commands
+    from fastgrpo.train.interrupts import resume_command as make
 
-    make = cli.resume_command if resume_command == "cli" else commands._resume_command
     argv = ["train", "--overwrite-output-dir", "--stop", "</a b>", "--no-resume", "--max-steps", "3"]
     assert make(argv) == "fastgrpo train --stop '</a b>' --max-steps 3 --resume"
     assert make(["sft", "--resume"]) == "fastgrpo sft --resume"

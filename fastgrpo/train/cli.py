@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
-import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -230,18 +229,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, GRPOConfig, notes=_preset_notes())
 
 
-def resume_command(argv: list[str]) -> str:
-    """The command line that continues the run `argv` started: the same flags, --resume, no overwrite."""
-    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
-    return shlex.join(["fastgrpo", *kept, "--resume"])
-
 
 def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
-    from fastgrpo.train.interrupts import Interrupted
+    from fastgrpo.train.interrupts import Interrupted, resume_command
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward, tokenizer_before_load
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load

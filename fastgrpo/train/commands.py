@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
-import shlex
 from pathlib import Path
 
 from fastgrpo.train import default_task
@@ -195,12 +194,6 @@ def _prompt_settings(run: dict, merged: dict, source: str) -> dict:
     return taken
 
 
-def _resume_command(argv: list[str]) -> str:
-    """The command line that continues the run `argv` started (as cli.resume_command, which this module cannot
-    import: cli imports it)."""
-    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
-    return shlex.join(["fastgrpo", *kept, "--resume"])
-
 
 def _check_sources(config) -> None:
     from fastgrpo.train.sources import check_model_source, resolve_device
@@ -247,7 +240,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.errors import RunError
-    from fastgrpo.train.interrupts import Interrupted
+    from fastgrpo.train.interrupts import Interrupted, resume_command
 
     with dist.run_directory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
@@ -264,7 +257,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
         try:
             return trainer.train(run_dir)
         except Interrupted as stop:
-            stop.how_to_resume = f"`{_resume_command(args.argv)}`"
+            stop.how_to_resume = f"`{resume_command(args.argv)}`"
             stop.how_to_restart = "run the same command again"
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib

@@ -30,6 +30,7 @@ the update, or at the step's end: GRPOTrainer); a second one still stops at once
 from __future__ import annotations
 
 import logging
+import shlex
 import signal
 import threading
 from pathlib import Path
@@ -125,3 +126,10 @@ class InterruptGuard:
         what = f"all processes save a checkpoint and stop, before the current {self.unit}'s update or after it" \
             if self.deferred else f"finishing the current {self.unit}, then saving a checkpoint"
         logger.warning("%s: %s (another %s stops at once)", name, what, name)
+
+
+def resume_command(argv: list[str]) -> str:
+    """The command line that continues the run `argv` started (the words after `fastgrpo`): the same flags, --resume,
+    no overwrite (--overwrite-output-dir would delete the checkpoint --resume continues from)."""
+    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
+    return shlex.join(["fastgrpo", *kept, "--resume"])
