@@ -4,7 +4,8 @@
   q/k/v's, o's, gate/up's, down's), and the same bits as a quantization per linear: outputs, adapter gradients,
   input gradients.
 - The entry is of one tensor object at one version: an in-place change, or another tensor over the same bytes, is
-  quantized again; the entry (and its e4m3 rows) goes with its tensor.
+  quantized again; the entry (and its e4m3 rows) goes with its tensor. Under torch.inference_mode (tensors without a
+  version counter) every linear quantizes its input, and the model's output is no_grad's.
 """
 from __future__ import annotations
 
@@ -99,3 +100,17 @@ def test_the_entry_goes_with_its_input():
     del x
     gc.collect()
     assert fp8_base._last_input[0] is None and xq() is None
+
+
+def test_inference_mode_quantizes_each_time_and_gives_no_grads_output():
+    model = tiny_lora_model()
+    fastgrpo.patch_model(model, fp8_base=True)
+    model.eval()
+    ids = torch.randint(0, 80, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = model(ids).logits
+    with torch.inference_mode():
+        got = model(ids).logits
+        x = torch.randn(3, 32).to(torch.bfloat16)
+        assert quantized_input(x) is not quantized_input(x)
+    assert torch.equal(got, want)
