@@ -5,7 +5,8 @@
   input gradients.
 - The entry is of one tensor object at one version: an in-place change, or another tensor over the same bytes, is
   quantized again; the entry (and its e4m3 rows) goes with its tensor. Under torch.inference_mode (tensors without a
-  version counter) every linear quantizes its input, and the model's output is no_grad's.
+  version counter) and under torch.compile every linear quantizes its input: the model's output is no_grad's, and the
+  engine's compiled decode step over the model's own weights gives the uncompiled step's tokens.
 """
 from __future__ import annotations
 
@@ -20,7 +21,11 @@ from fastgrpo.offload import ActivationOffloader
 from fastgrpo.ops import fp8_base, lora
 from fastgrpo.ops.fp8_base import _cpu_takes_row_scales, quantized_input
 from fastgrpo.ops.fp8_linear import quantize_fp8
+from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.generate import generate_with_config
+from fastgrpo.rollout.sampling import SamplingParams
 from tests.test_fp8_base import tiny_lora_model
+from tests.test_rollout import char_tokenizer
 
 pytestmark = pytest.mark.skipif(not _cpu_takes_row_scales(), reason="this torch's CPU _scaled_mm takes no row scales")
 
@@ -114,3 +119,17 @@ def test_inference_mode_quantizes_each_time_and_gives_no_grads_output():
         x = torch.randn(3, 32).to(torch.bfloat16)
         assert quantized_input(x) is not quantized_input(x)
     assert torch.equal(got, want)
+
+
+def test_the_compiled_decode_step_over_the_models_own_weights_gives_the_eager_tokens(compiles):
+    model = tiny_lora_model(vocab=128)
+    fastgrpo.patch_model(model, fp8_base=True)
+    model.eval()
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    tokens = {}
+    for compile_step in (False, True):
+        config = EngineConfig(weights="model", compile=compile_step, max_prompt_length=16)
+        tokens[compile_step] = generate_with_config(model, char_tokenizer(), ["abc", "hello"], 2, params, seed=0,
+                                                    config=config).completion_ids
+    assert compiles.frame_count > 0
+    assert torch.equal(tokens[True], tokens[False]), (tokens[True], tokens[False])

@@ -47,9 +47,10 @@ def quantized_input(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     same version as the last call's gets the last call's result: the model hands q, k and v (gate and up) one input
     object, so three quantizers (two) become one, in each forward and recompute. An in-place change moves the
     version (a new quantization); the entry goes with its tensor (a weak reference), so no other tensor that comes
-    to live at its address can match it. An inference tensor (made under torch.inference_mode) has no version to
-    check: it is quantized each time."""
-    if x.is_inference():
+    to live at its address can match it. Quantized at each call instead: an inference tensor (made under
+    torch.inference_mode), which has no version to check, and under torch.compile, whose trace does not keep the
+    identity test (the engine's decode step over the model's own weights got q/k/v's rows for down_proj's input)."""
+    if x.is_inference() or torch.compiler.is_compiling():
         return quantize_fp8(x.reshape(-1, x.shape[-1]))
     entry = _last_input[0]
     if entry is not None and entry[0]() is x and entry[1] == x._version:
