@@ -229,7 +229,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, GRPOConfig, notes=_preset_notes())
 
 
-
 def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 

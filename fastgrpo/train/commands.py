@@ -194,7 +194,6 @@ def _prompt_settings(run: dict, merged: dict, source: str) -> dict:
     return taken
 
 
-
 def _check_sources(config) -> None:
     from fastgrpo.train.sources import check_model_source, resolve_device
 
