@@ -15,17 +15,21 @@ def _dequantized(param: torch.Tensor) -> torch.Tensor:
 
 
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale.
+    """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale, and each
+    modules_to_save wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them.
 
     The merge runs in fp32 on dequantized weights, on the weights' device, and is cast to `dtype` once: merging
     into a 4-bit base would re-quantize the update away. The result lives in CPU memory (an 8B model is 16 GB in
     bf16, more than a 24 GB card has left). The trained model is left untouched.
     """
     from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper
 
     base = model.get_base_model()
     merged = {}
     for name, module in base.named_modules():
+        if any(isinstance(parent, (LoraLayer, ModulesToSaveWrapper)) for parent in _ancestors(base, name)):
+            continue
         if isinstance(module, LoraLayer):
             weight = _dequantized(module.base_layer.weight).float()
             for adapter in module.active_adapters:
@@ -36,9 +40,13 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
             if bias is not None:
                 merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
             continue
-        if any(isinstance(parent, LoraLayer) for parent in _ancestors(base, name)):
-            continue
-        for pname, param in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+        if isinstance(module, ModulesToSaveWrapper):  # e.g. modules_to_save=["lm_head"]: a trained copy of the head
+            saved = [a for a in module.active_adapters if a in module.modules_to_save]
+            inner = module.modules_to_save[saved[0]] if saved else module.original_module
+            tensors = inner.state_dict().items()
+        else:
+            tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        for pname, param in tensors:
             key = f"{name}.{pname}" if name else pname
             value = _dequantized(param)
             merged[key] = (value.to(dtype) if value.is_floating_point() else value).cpu()

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.hf.peft import merged_state_dict
+from fastgrpo.hf.peft import merged_state_dict, modules_to_save_inside
 from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import CONFIG_FILE, read_json_object, write_run_config
 from fastgrpo.train.naming import setting
@@ -177,9 +177,10 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             model.save_pretrained(tmp)
         else:
             config = model.get_base_model().config
-            config = config.__class__.from_dict(
-                {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
-            )
+            settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+            if modules_to_save_inside(model.get_base_model().get_output_embeddings()):
+                settings["tie_word_embeddings"] = False  # a trained copy of the head: tied, the embedding replaced it
+            config = config.__class__.from_dict(settings)
             dtype = dtype or merged_dtype(model)
             with torch.device("meta"):
                 fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
