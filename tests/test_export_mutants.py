@@ -32,12 +32,13 @@ def _assert_exports_as_merge_and_unload(model, folder) -> None:
         assert torch.equal(exported(ids).logits, want_model(ids).logits)
 
 
+@pytest.mark.parametrize("saved", [["lm_head", "norm"], ["embed_tokens"]], ids=["head-norms", "embedding"])
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-def test_a_trained_copy_of_modules_to_save_is_exported_as_merge_and_unload_keeps_it(tmp_path, tied):
+def test_a_trained_copy_of_modules_to_save_is_exported_as_merge_and_unload_keeps_it(tmp_path, tied, saved):
     """modules_to_save=["lm_head"] trains a copy of the head (fastgrpo's loss reads it: test_model_loss); the export
-    refused the run at its end ('merged weights lack lm_head.weight'), and with the head tied to the embedding it
-    would re-tie the base's embedding over the trained copy."""
-    model = get_peft_model(_llama(tied), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head", "norm"],
+    refused the run at its end ('merged weights lack lm_head.weight'). With the head tied to the embedding, a trained
+    copy of either one is apart from the other (as the trained model runs them): tied again, one replaced the other."""
+    model = get_peft_model(_llama(tied), LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=saved,
                                                     init_lora_weights=False))
     with torch.no_grad():
         for name, param in model.named_parameters():

@@ -41,9 +41,7 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
                 merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
             continue
         if isinstance(module, ModulesToSaveWrapper):  # e.g. modules_to_save=["lm_head"]: a trained copy of the head
-            saved = [a for a in module.active_adapters if a in module.modules_to_save]
-            inner = module.modules_to_save[saved[0]] if saved else module.original_module
-            tensors = inner.state_dict().items()
+            tensors = module_in_use(module).state_dict().items()
         else:
             tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for pname, param in tensors:
@@ -51,6 +49,17 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
             value = _dequantized(param)
             merged[key] = (value.to(dtype) if value.is_floating_point() else value).cpu()
     return merged
+
+
+def module_in_use(module: torch.nn.Module) -> torch.nn.Module:
+    """The module that runs in `module`'s place: a modules_to_save wrapper's trained copy of its active adapter (the
+    original where none of the active adapters has one), a PEFT tuner layer's base layer, else `module` itself."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    if isinstance(module, ModulesToSaveWrapper):
+        saved = [a for a in module.active_adapters if a in module.modules_to_save]
+        return module.modules_to_save[saved[0]] if saved else module.original_module
+    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
 
 
 def modules_to_save_inside(module: torch.nn.Module) -> list[torch.nn.Module]:

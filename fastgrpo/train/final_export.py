@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.hf.peft import merged_state_dict, modules_to_save_inside
+from fastgrpo.hf.peft import merged_state_dict, module_in_use
 from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import CONFIG_FILE, read_json_object, write_run_config
 from fastgrpo.train.naming import setting
@@ -176,10 +176,13 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
         if not is_peft_model(model):
             model.save_pretrained(tmp)
         else:
-            config = model.get_base_model().config
+            base = model.get_base_model()
+            config = base.config
             settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
-            if modules_to_save_inside(model.get_base_model().get_output_embeddings()):
-                settings["tie_word_embeddings"] = False  # a trained copy of the head: tied, the embedding replaced it
+            head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+            if head is not None and module_in_use(head).weight is not module_in_use(embedding).weight:
+                # trained apart (modules_to_save copies one of them): tied, one would replace the other
+                settings["tie_word_embeddings"] = False
             config = config.__class__.from_dict(settings)
             dtype = dtype or merged_dtype(model)
             with torch.device("meta"):
@@ -187,7 +190,7 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
             fresh.tie_weights()
             # from_config derives one from config.json: the base's own (an end-of-turn EOS, sampling defaults) goes
-            fresh.generation_config = copy.deepcopy(model.get_base_model().generation_config)
+            fresh.generation_config = copy.deepcopy(base.generation_config)
             missing = [n for n, p in fresh.named_parameters() if p.is_meta]
             if missing:
                 raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
