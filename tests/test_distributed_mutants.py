@@ -1,18 +1,20 @@
 """Mutation audit of the multi-process pieces (ranks, distributed, process_agreement) on 2 forked gloo processes:
 each check here failed on a small realistic bug that the rest of the suite let through. One fork serves them all
 (joining a gloo group costs more than the checks)."""
-import json
-import types
 import dataclasses
+import json
+import logging
 import os
+import time
+import types
 from pathlib import Path
 
 import torch
 
+from fastgrpo.train import default_task, ranks
 from fastgrpo.train.checkpoint import read_checkpoint
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.final_export import EXPORT_FILE, export_at_end
-from fastgrpo.train import ranks
+from fastgrpo.train.final_export import EXPORT_FILE, export_at_end, export_model
 from fastgrpo.train.process_agreement import check_same_settings
 from fastgrpo.train.ranks import process_count, process_rank, reported_by_rank_0
 from tests.forked_gloo import WORLD, run_forked
@@ -43,11 +45,34 @@ def _checks(rank: int, tmp: Path) -> dict:
         found["settings"] = (str(err), reported_by_rank_0(err))
     # a checkpoint of a run that keeps whole weights on every process (one process, DDP): rank 0 writes it
     group.save_checkpoint(tmp / "checkpoint-1", torch.nn.Linear(2, 2), None, {"step": 1})
-    exported = []
+    exported, warned = [], []
     loop = types.SimpleNamespace(config=types.SimpleNamespace(export=True), dist=group, output_dir=tmp / f"run-{rank}")
     export_at_end(loop, 2, False, exported.append)
     found["exported"] = [str(path) for path in exported]
+    # export off, final/ of an earlier step: the warning, once
+    logging.getLogger("fastgrpo.train.final_export").addHandler(_Collect(warned))
+    export_at_end(types.SimpleNamespace(config=types.SimpleNamespace(export=False), dist=group,
+                                        output_dir=tmp / "run-1"), 2, True, exported.append)
+    found["warned"] = len(warned)
+    # rank 0 exports (slowly), and no process goes on before final/ is whole (a script reads it after train())
+    tokenizer = default_task.build_tokenizer()
+    group.export(_slow_export, default_task.build_model(tokenizer), tokenizer, tmp / "final", step=2)
+    found["export_read_back"] = (tmp / "final" / EXPORT_FILE).is_file()
     return found
+
+
+class _Collect(logging.Handler):
+    def __init__(self, into: list):
+        super().__init__(logging.WARNING)
+        self.into = into
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.into.append(record.getMessage())
+
+
+def _slow_export(*args, **kwargs):
+    time.sleep(0.5)
+    return export_model(*args, **kwargs)
 
 
 def test_ranks_shares_and_the_export_check_hold_on_every_process(tmp_path, monkeypatch):
@@ -57,7 +82,8 @@ def test_ranks_shares_and_the_export_check_hold_on_every_process(tmp_path, monke
     stops every process, rank 0 saying it (the others end at once, not after a wait for rank 0). A checkpoint
     records the process count that wrote it. The files a user put in final/ that the export would delete are refused
     on every process (rank 0 alone raised, the others went on into the run's collectives), and whether the run's end
-    exports is decided together (each process joins the export's collectives, or none)."""
+    exports is decided together (each process joins the export's collectives, or none); with export off, rank 0 alone
+    warns of an earlier final/; a process returns from the export once rank 0 wrote it whole."""
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("RANK", raising=False)
     final = tmp_path / "run" / "final"
@@ -82,3 +108,5 @@ def test_ranks_shares_and_the_export_check_hold_on_every_process(tmp_path, monke
     assert read_checkpoint(tmp_path / "checkpoint-1")["world_size"] == WORLD
     # the processes see final/ differently (a disk local to each): every one exports (its collectives), or none
     assert [f["exported"] for f in found] == [[str(tmp_path / f"run-{rank}" / "final")] for rank in range(WORLD)]
+    assert [f["warned"] for f in found] == [1, 0]  # rank 0's, not one line per process
+    assert [f["export_read_back"] for f in found] == [True, True]

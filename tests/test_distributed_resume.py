@@ -110,6 +110,10 @@ def test_full_fine_tuning_resumes_on_another_process_count(tmp_path):
     model, _ = tiny_model(lora=False)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     Distributed().restore_checkpoint(tmp_path / "sharded", read_checkpoint(tmp_path / "sharded"), model, optimizer)
+    drawn = torch.rand(3)
+    torch.set_rng_state(rng["torch"])
+    torch.rand(3)  # rank 0's draw before it saved the sharded checkpoint
+    assert torch.equal(drawn, torch.rand(3))  # the RNG state it saved, restored
     assert all(torch.equal(w, weights[n]) for n, w in trained_weights(model).items())
     back = _optimizer_states(model, optimizer)
     assert all(torch.equal(back[n][k], v) for n, s in states.items() for k, v in s.items())
