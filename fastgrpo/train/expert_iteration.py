@@ -41,7 +41,7 @@ from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_
 from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
 from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
-from fastgrpo.train.loop_checkpoints import restore_newest, write_checkpoint
+from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
 from fastgrpo.train.metrics_log import MetricsLog
 from fastgrpo.train.naming import setting
 from fastgrpo.train.periodic_eval import ei_evaluator
@@ -142,6 +142,8 @@ class ExpertIteration:
         self.round = 0
         self.output_dir = Path(config.output_dir)
         self.history: list[dict] = []
+        # the newest round checkpoint written or resumed from, as GRPOTrainer's (loop_checkpoints)
+        self._saved_step = self._saved_path = self._saved_identity = self._saved_time = None
         self.evaluator = ei_evaluator(self)  # None unless eval_steps
         self._unevaluated = None  # a resumed round's metrics, whose evaluation failed: evaluated first
         # what a reward function may not log: a name of the round's metrics, or of the evaluation's (same functions)
@@ -290,7 +292,7 @@ class ExpertIteration:
             stack.callback(console.close)
             self._guard = guard = stack.enter_context(InterruptGuard(unit="round", deferred=dist.active))
             stack.callback(setattr, self, "_guard", None)
-            started = saved = self.round if config.resume else None
+            started = self.round if config.resume else None
             if self._unevaluated is not None:  # evaluated now, then saved again without them
                 metrics, self._unevaluated = self._unevaluated, None
                 self._end_round(metrics, log, console, save_now=True)
@@ -303,38 +305,38 @@ class ExpertIteration:
                     if not guard.abandonable:
                         raise
                     # the round changed nothing yet: save the rounds before it (with the RNG states it began from)
-                    path = self.save_checkpoint(rng) if self.round > 0 and saved != self.round else None
+                    path = self.save_checkpoint(rng) if self.round > 0 and self._saved_step != self.round else None
                     if isinstance(stop, Interrupted):
                         raise stop.saved(self.round, path) from None
-                    path = path or (self.output_dir / f"checkpoint-{self.round}" if self.round else None)
+                    path = path or self._saved_path
                     where = f"; round {self.round} is saved in {path}: continue with {setting('resume', True)} " \
                         "once fixed" if path else ""
                     raise RewardError(f"{stop}{where}") from stop
-                saved = self._end_round(metrics, log, console) or saved
-            if saved != self.round:
+                self._end_round(metrics, log, console)
+            if self._saved_step != self.round:
                 self.save_checkpoint()
             export_at_end(self, self.round, self.round != started,
                           lambda final: dist.export(export_model, self.model, self.tokenizer, final,
                                                     run_config=config.to_dict(), step=self.round))
         return self.history
 
-    def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> int | None:
-        """After the round's SFT: evaluation, metrics line, checkpoint, a signal's stop (step_end.end_step); returns
-        the round saved, None when none was."""
-        path = end_step(self, metrics, step=self.round, total=self.config.ei_steps, log=log, console=console,
-                        guard=self._guard, save_now=save_now, unit="round")
-        return self.round if path else None
+    def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> None:
+        """After the round's SFT: evaluation, metrics line, checkpoint, a signal's stop (step_end.end_step)."""
+        end_step(self, metrics, step=self.round, total=self.config.ei_steps, log=log, console=console,
+                 guard=self._guard, save_now=save_now, unit="round")
 
     def save_checkpoint(self, rng: dict | None = None, unevaluated: dict | None = None) -> Path:
         """checkpoint-<round> (weights, RNG states, round; unevaluated: the metrics of a round whose evaluation
-        failed, with rng, the RNG states of before it); the oldest past save_total_limit are deleted."""
+        failed, with rng, the RNG states of before it); the oldest past save_total_limit, and those of a history a
+        resume went back over, are deleted (loop_checkpoints.write_checkpoint)."""
         state = {"step": self.round, "round": self.round, "config": self.config.to_dict()}
         # no optimizer state: each round starts a fresh AdamW
-        return write_checkpoint(self, self.round, None, state, rng, unevaluated, track=False)
+        return write_checkpoint(self, self.round, None, state, rng, unevaluated)
 
     def resume(self) -> None:
         """Load the newest complete round checkpoint of output_dir: weights, RNG states, round (on any process count:
         Distributed.restore_checkpoint)."""
         path, state = restore_newest(self, self.config.ei_steps, None)
         self.round = state["round"]
+        resumed_at(self, path, self.round, unit="round")
         logger.info("resumed from %s after round %d", path, self.round)

@@ -1,10 +1,9 @@
 """A training loop's own checkpoints, as its save_checkpoint writes them and its resume reads them back: one copy for
 GRPOTrainer, SFTTrainer and ExpertIteration (as step_end.end_step is one), so that a fix to one is a fix to all.
 
-`loop` has config, dist, model, output_dir, evaluator and _unevaluated. A trainer whose train() called again
-continues its own run (GRPOTrainer, SFTTrainer) also keeps step, history and the newest checkpoint it wrote or
-resumed from: _saved_step, _saved_path, _saved_identity (options.check_own_run) and _saved_time (its last save, for
-config.save_minutes).
+`loop` has config, dist, model, output_dir, evaluator, _unevaluated, history, and the newest checkpoint it wrote or
+resumed from: _saved_step, _saved_path, _saved_identity (options.check_own_run, for a trainer whose train() called
+again continues its own run) and _saved_time (its last save, for config.save_minutes).
 """
 from __future__ import annotations
 
@@ -17,23 +16,22 @@ from fastgrpo.train.resume_checks import check_resumed_checkpoint
 
 
 def write_checkpoint(loop, step: int, optimizer, state: dict, rng: dict | None = None,
-                     unevaluated: dict | None = None, *, track: bool = True) -> Path:
+                     unevaluated: dict | None = None) -> Path:
     """checkpoint-<step> of loop.output_dir: `state` (step, config, the loop's own fields), rng (RNG states captured
     earlier, for a step that was abandoned or whose evaluation failed; None: taken now) and unevaluated (the metrics
     of the latter), with the model's trainable parameters and the optimizer's state (None: a loop that keeps none);
     then the oldest checkpoints past save_total_limit, and those of a history a resume went back over, are
-    deleted (prune_checkpoints). track: record it as the loop's newest."""
+    deleted (prune_checkpoints). It is recorded as the loop's newest."""
     state = {
         **state,
         **({"rng": rng} if rng is not None else {}),
         **({UNEVALUATED: unevaluated} if unevaluated is not None else {}),
     }
-    # the loop's previous checkpoint: a checkpoint between it and this one is none of the loop's (untracked: unknown)
-    since = loop._saved_step if track else None
+    # the loop's previous checkpoint: a checkpoint between it and this one is none of the loop's (None: unknown)
+    since = loop._saved_step
     path = loop.dist.save_checkpoint(loop.output_dir / f"checkpoint-{step}", loop.model, optimizer, state)
-    if track:
-        loop._saved_step, loop._saved_path, loop._saved_time = step, path, time.monotonic()
-        loop._saved_identity = checkpoint_identity(path) if loop.dist.is_main else None
+    loop._saved_step, loop._saved_path, loop._saved_time = step, path, time.monotonic()
+    loop._saved_identity = checkpoint_identity(path) if loop.dist.is_main else None
     if loop.dist.is_main:
         prune_checkpoints(loop.output_dir, loop.config.save_total_limit, step, since)
     return path
@@ -54,9 +52,9 @@ def restore_newest(loop, last: int, optimizer) -> tuple[Path, dict]:
     return path, state
 
 
-def resumed_at(loop, path: Path) -> None:
-    """After a trainer restored checkpoint `path` and its step: it is the trainer's newest checkpoint, and the
-    history past it is undone."""
-    loop._saved_step, loop._saved_path = loop.step, path
+def resumed_at(loop, path: Path, step: int, unit: str = "step") -> None:
+    """After a loop restored checkpoint `path` of `step` (its metrics' key `unit`: expert iteration's "round"): it
+    is the loop's newest checkpoint, and the history past it is undone."""
+    loop._saved_step, loop._saved_path = step, path
     loop._saved_identity = checkpoint_identity(path) if loop.dist.is_main else None
-    loop.history = [m for m in loop.history if m["step"] <= loop.step]  # past the checkpoint: undone
+    loop.history = [m for m in loop.history if m[unit] <= step]  # past the checkpoint: undone

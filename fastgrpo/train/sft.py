@@ -293,5 +293,5 @@ class SFTTrainer:
         path, state = restore_newest(self, self.total_steps, self.optimizer)
         restore_schedule(self.scheduler, state["scheduler"])
         self.step = state["step"]
-        resumed_at(self, path)
+        resumed_at(self, path, self.step)
         logger.info("resumed from %s at step %d", path, self.step)

@@ -341,7 +341,7 @@ class GRPOTrainer:
         self.entropy.coef, self.entropy.last_entropy = state["entropy_coef"], state["last_entropy"]
         if self.kl_controller is not None:
             self.kl_controller.beta = self.beta
-        resumed_at(self, path)
+        resumed_at(self, path, self.step)
         logger.info("resumed from %s at step %d", path, self.step)
 
     def export(self, path: str | Path) -> Path:
