@@ -1,6 +1,7 @@
 """The update groups a minibatch's rows into micro-batches by length only where the loss cannot tell: for every loss
-type and the options that act per micro-batch, the minibatch's gradient with two groupings of its rows (as the
-trainer scales and accumulates micro-batches) is equal exactly where rows_may_regroup says so, in fp64."""
+type and the options that act per micro-batch (an adaptive entropy coefficient too, which rises from 0), the
+minibatch's gradient with two groupings of its rows (as the trainer scales and accumulates micro-batches) is equal
+exactly where rows_may_regroup says so, in fp64."""
 import itertools
 
 import pytest
@@ -11,7 +12,9 @@ from transformers import AutoModelForCausalLM
 from fastgrpo.loss.config import LOSS_TYPES
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.train.config import GRPOConfig
-from fastgrpo.train.loss_setup import TOKEN_SUM_TYPES, loss_config, micro_batch_scale, minibatch_config, rows_may_regroup
+from fastgrpo.train.loss_setup import (
+    TOKEN_SUM_TYPES, AdaptiveEntropy, loss_config, micro_batch_scale, minibatch_config, rows_may_regroup,
+)
 
 N, MICRO = 6, 2
 
@@ -44,6 +47,15 @@ def rollout():
 BATCH = rollout()
 
 
+def applied_coefficient(config) -> float:
+    """The entropy coefficient of an update after one whose entropy was below target: an adaptive one rises from an
+    entropy_coef of 0 (AdaptiveEntropy), a static one is entropy_coef."""
+    control = AdaptiveEntropy(config)
+    control.add({"entropy": torch.tensor(0.0)}, torch.tensor(1))
+    control.step()
+    return control.applied()
+
+
 def minibatch_gradient(config, groups):
     """The trainer's update of one minibatch (all N rows), micro-batch by micro-batch over `groups` of rows."""
     ids, mask, completion, advantages, old, ref = BATCH
@@ -52,7 +64,7 @@ def minibatch_gradient(config, groups):
     MODEL.zero_grad(set_to_none=True)
     for rows in groups:
         rows = torch.tensor(rows)
-        micro_config = minibatch_config(config, base, num_items, MICRO / N, config.entropy_coef)
+        micro_config = minibatch_config(config, base, num_items, MICRO / N, applied_coefficient(config))
         loss, _ = grpo_loss(MODEL, ids[rows], mask[rows], completion[rows], advantages[rows], old_logps=old[rows],
                             ref_logps=ref[rows], config=micro_config, return_entropy=True)
         (loss * micro_batch_scale(config.loss_type, len(rows), N, 1)).backward()
@@ -62,7 +74,8 @@ def minibatch_gradient(config, groups):
 # Every loss type as it comes; the per-micro-batch options on a sequence-mean and a token-sum type.
 CASES = [dict(loss_type=t) for t in LOSS_TYPES] + [
     dict(loss_type=t, top_entropy_quantile=q, entropy_coef=c)
-    for t, (q, c) in itertools.product(("grpo", "dapo"), ((0.6, 0.0), (1.0, 0.05)))]
+    for t, (q, c) in itertools.product(("grpo", "dapo"), ((0.6, 0.0), (1.0, 0.05)))] + [
+    dict(loss_type="grpo", entropy_coef=0.0, use_adaptive_entropy=True, entropy_target=1.0, entropy_coef_delta=0.05)]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(f"{k}={v}" for k, v in c.items()))
