@@ -2,7 +2,8 @@
 audit): refusals that no longer fire (FSDP, a vision-language processor, configs that scale the logits, the MoE
 auxiliary loss, prompt-learning adapters, recompute_layers=0 without offload, a positional GRPOConfig read only after
 the model loads), the reference model left unpatched, an ActivationOffloader handed over without taking TRL's
-checkpointing over, log-probs at the wrong temperature or not 0 at padding, the off-policy mask fed the old log-probs
+checkpointing over, log-probs at the wrong temperature, not 0 at padding or of a bf16 backbone under an fp32
+head, the off-policy mask fed the old log-probs
 instead of the sampler's, and TRL's adaptive entropy controller over an accumulation window (its window sums, its
 caps, its state in eval). Each against trl.GRPOTrainer on the same micro-batches where TRL computes it; tolerances
 are tests/test_trl.py's.
@@ -164,6 +165,32 @@ def test_log_probs_and_entropies_are_trls_at_its_temperature(model_dir, tmp_path
         assert err <= ABS + REL * want.abs().max().item(), f"{name}: max |fastgrpo - trl| {err:.2e}"
     assert bool((logps[padding] == 0).all()) and bool((entropies[padding] == 0).all())
 
+
+def test_a_bf16_model_with_an_fp32_head_scores_as_trls(trainer_pair, model_dir, tmp_path):
+    """model_init_kwargs dtype bf16 with cast_lm_head_to_fp32=True: a bf16 backbone under an fp32 lm_head (the head's
+    dtype is what the fused lm_head takes). Against TRL's fp32 trainer, fastgrpo's log-probs are no further off than
+    TRL's own bf16 trainer's (the bf16 backbone's rounding dominates, ~1e-3 here), as in
+    test_trl_parity_more.test_bf16_autocast_is_no_less_precise_than_trls."""
+    inputs = micro_batch(trainer_pair[0], None, False, False)
+    input_ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+    attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], 1)
+    T = inputs["completion_ids"].shape[1]
+
+    def logps_of(trainer):
+        with torch.no_grad():
+            return trainer._get_per_token_logps_and_entropies(trainer.model, input_ids, attention_mask, T)[0]
+
+    want = logps_of(trainer_pair[0])
+    errors = []
+    for cls in (GRPOTrainer, FastGRPOTrainer):
+        trainer = build(cls, model_dir, tmp_path / cls.__name__, patch=False, cast_lm_head_to_fp32=True,
+                        model_init_kwargs={"dtype": torch.bfloat16})
+        assert (trainer.model.lm_head.weight.dtype, trainer.model.model.norm.weight.dtype) == \
+            (torch.float32, torch.bfloat16)
+        errors.append((logps_of(trainer) - want).abs().max().item())
+    trl_error, fast_error = errors
+    assert trl_error > 1e-4, "the bf16 backbone did not apply: nothing is compared"
+    assert fast_error <= 1.25 * trl_error, errors
 
 def test_the_off_policy_mask_reads_the_samplers_log_probs(trainer_pair):
     """With vLLM, TRL's off-policy mask compares the policy with the sampler's log-probs (sampling_per_token_logps),
