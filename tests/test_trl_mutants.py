@@ -2,11 +2,10 @@
 audit): refusals that no longer fire (FSDP, a vision-language processor, configs that scale the logits, the MoE
 auxiliary loss, prompt-learning adapters, recompute_layers=0 without offload, a positional GRPOConfig read only after
 the model loads), the reference model left unpatched, an ActivationOffloader handed over without taking TRL's
-checkpointing over, log-probs at the wrong temperature, not 0 at padding or of a bf16 backbone under an fp32
-head, the off-policy mask fed the old log-probs
-instead of the sampler's, and TRL's adaptive entropy controller over an accumulation window (its window sums, its
-caps, its state in eval). Each against trl.GRPOTrainer on the same micro-batches where TRL computes it; tolerances
-are tests/test_trl.py's.
+checkpointing over, log-probs at the wrong temperature, not 0 at padding or of a bf16 backbone under an fp32 head, the
+off-policy mask fed the old log-probs instead of the sampler's, and TRL's adaptive entropy controller over an
+accumulation window (its window sums, its caps, its state in eval). Each against trl.GRPOTrainer on the same
+micro-batches where TRL computes it; tolerances are tests/test_trl.py's (the bf16 one: TRL's own bf16 error).
 """
 from __future__ import annotations
 
