@@ -234,9 +234,12 @@ def test_commands_refuse_adapter_dropout_before_loading(capsys):
             capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("fields, lora, message", ids=["bf16", "dropout", "dora"], argvalues=[
+@pytest.mark.parametrize("fields, lora, message", ids=["bf16", "fp16", "dropout", "dora"], argvalues=[
     (dict(bf16=True), {}, "fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's "
                           "(the backbone under autocast, the base in bf16); set bf16=False and load the model in bf16 "
+                          "(model_init_kwargs={'dtype': torch.bfloat16})"),
+    (dict(fp16=True), {}, "fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's "
+                          "(the backbone under autocast, the base in fp16); set fp16=False and load the model in bf16 "
                           "(model_init_kwargs={'dtype': torch.bfloat16})"),
     ({}, dict(lora_dropout=0.05), "fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and "
                                   "peft_config has lora_dropout 0.05 (training would run PEFT's forward, the base in "
@@ -246,8 +249,9 @@ def test_commands_refuse_adapter_dropout_before_loading(capsys):
                               "use_dora=False"),
 ])
 def test_trl_drop_in_refuses_what_would_leave_the_base_in_bf16(tmp_path, fields, lora, message):
-    """TRL's bf16=True (its default) runs the backbone under autocast, which fastgrpo's LoRA forward leaves to PEFT:
-    the update's GEMMs would skip FP8, as with adapter dropout or DoRA. Refused before TRL loads the model."""
+    """TRL's bf16=True (its default) or fp16=True runs the backbone under autocast, which fastgrpo's LoRA forward
+    leaves to PEFT: the update's GEMMs would skip FP8, as with adapter dropout or DoRA. Refused before TRL loads the
+    model."""
     from datasets import Dataset
 
     from fastgrpo.integrations.trl import FastGRPOTrainer
