@@ -1,6 +1,11 @@
-"""A LoRA run's export merges every adapter PEFT can hold on a causal LM, an embedding's too: a LoRA on
+"""A LoRA run's export merges every adapter PEFT can hold on a causal LM, an embedding's and a head's too: a LoRA on
 embed_tokens crashed the export ('Embedding' object has no attribute 'bias'), and its delta (PEFT keeps an
-embedding's adapters in lora_embedding_A / _B, not lora_A) would have been left out of the merged weights."""
+embedding's adapters in lora_embedding_A / _B, not lora_A) would have been left out of the merged weights.
+
+Where the head is tied to the embedding, the trained model runs the tied weight plus each one's own delta, so the
+export unties them: the embedding merged with its delta, the head with its own. PEFT's merge_and_unload adds either
+delta into the one shared weight (both then carry it); the export of a LoRA on lm_head tied the head back to the
+embedding and dropped the head's delta."""
 import copy
 
 import pytest
@@ -11,20 +16,37 @@ from transformers import AutoModelForCausalLM, LlamaConfig
 from fastgrpo.train.final_export import export_model
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_an_exported_lora_on_the_embedding_equals_peft_merge_and_unload(tmp_path, tied):
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+@pytest.mark.parametrize("targets", [["q_proj", "embed_tokens"], ["q_proj", "lm_head"], ["embed_tokens", "lm_head"]],
+                         ids=["embedding", "head", "both"])
+def test_an_exported_lora_on_the_embedding_or_head_is_merged_into_each_alone(tmp_path, tied, targets):
+    """Each merged weight is merge_and_unload's (the same fp32 sum W + get_delta_weight: no rounding between them),
+    but for a tied pair each of the two carries only its own delta, over the one weight both were trained from."""
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
     model = get_peft_model(AutoModelForCausalLM.from_config(config),
-                           LoraConfig(r=4, target_modules=["q_proj", "embed_tokens"], init_lora_weights=False))
+                           LoraConfig(r=4, target_modules=targets, init_lora_weights=False))
     want = copy.deepcopy(model).merge_and_unload().state_dict()
+    if tied:
+        shared = model.get_base_model().get_input_embeddings()
+        shared = getattr(shared, "base_layer", shared).weight.detach()
+        for name, target in ((HEAD, "lm_head"), (EMBEDDING, "embed_tokens")):
+            want[name] = shared + _delta(model, target) if target in targets else shared
     exported = AutoModelForCausalLM.from_pretrained(export_model(model, None, tmp_path / "final", torch.float32))
     got = exported.state_dict()
     assert sorted(got) == sorted(want)
     for name, tensor in want.items():
-        # the same fp32 sum W + get_delta_weight in both: no rounding between them
         assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+    assert not exported.config.tie_word_embeddings  # each pair here has a delta on one side at least
+
+
+def _delta(model, target: str) -> torch.Tensor:
+    layer = next(m for n, m in model.named_modules() if n.endswith(target) and hasattr(m, "get_delta_weight"))
+    return layer.get_delta_weight("default")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

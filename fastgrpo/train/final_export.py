@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.hf.peft import merged_state_dict, module_in_use
+from fastgrpo.hf.peft import merged_state_dict
 from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import CONFIG_FILE, read_json_object, write_run_config
 from fastgrpo.train.naming import setting
@@ -162,6 +162,18 @@ def _not_exported(final: Path, record: dict) -> list[str]:
     return [name for name in files if not any(fnmatch.fnmatchcase(name, pattern) for pattern in _MODEL_FILES)]
 
 
+def _head_apart_from_embedding(base: torch.nn.Module, merged: dict[str, torch.Tensor]) -> bool:
+    """Whether the merged weights of the output head and the input embedding differ, where the trained model runs
+    them as one tied weight plus what was trained on each: a LoRA on lm_head adds its delta to the head alone (tied
+    again, the export dropped it), one on embed_tokens to the embedding alone, a modules_to_save copy replaces one."""
+    head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
+    if head is None or embedding is None:
+        return False
+    names = {module: name for name, module in base.named_modules()}
+    head_weight, embedding_weight = merged.get(f"{names[head]}.weight"), merged.get(f"{names[embedding]}.weight")
+    return head_weight is not None and embedding_weight is not None and not torch.equal(head_weight, embedding_weight)
+
+
 def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: torch.dtype | None = None,
                  run_config: dict | None = None, step: int | None = None) -> Path:
     """Save an HF model directory (weights, config, tokenizer), atomically. A LoRA model is merged and saved in
@@ -179,15 +191,15 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
             base = model.get_base_model()
             config = base.config
             settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
-            head, embedding = base.get_output_embeddings(), base.get_input_embeddings()
-            if head is not None and module_in_use(head).weight is not module_in_use(embedding).weight:
-                # trained apart (modules_to_save copies one of them): tied, one would replace the other
+            dtype = dtype or merged_dtype(model)
+            merged = merged_state_dict(model, dtype)
+            if _head_apart_from_embedding(base, merged):
+                # trained apart (a modules_to_save copy of one, a LoRA on one): tied, one would replace the other
                 settings["tie_word_embeddings"] = False
             config = config.__class__.from_dict(settings)
-            dtype = dtype or merged_dtype(model)
             with torch.device("meta"):
                 fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            fresh.load_state_dict(merged_state_dict(model, dtype), strict=False, assign=True)
+            fresh.load_state_dict(merged, strict=False, assign=True)
             fresh.tie_weights()
             # from_config derives one from config.json: the base's own (an end-of-turn EOS, sampling defaults) goes
             fresh.generation_config = copy.deepcopy(base.generation_config)
