@@ -11,7 +11,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from fastgrpo.train.final_export import export_model
 
@@ -80,3 +80,35 @@ def test_a_lora_export_keeps_the_base_models_generation_config(tmp_path):
     exported = GenerationConfig.from_pretrained(export_model(model, None, tmp_path / "final"))
     assert (exported.eos_token_id, exported.pad_token_id, exported.do_sample, exported.temperature) == ([7, 2], 0,
                                                                                                        True, 0.7)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("option", [{"use_dora": True}, {"lora_bias": True}], ids=["dora", "lora-bias"])
+def test_a_lora_variant_or_bias_is_merged_as_peft_merges_it(tmp_path, option, arch):
+    """DoRA rescales the columns of W + B A by its magnitude vector, and a LoRA bias adds lora_B's bias to the base's:
+    neither is W + get_delta_weight, which the export wrote (DoRA: its logits 0.16 off the trained model's, silently).
+    Merged by PEFT's own merge: merge_and_unload's weights, bitwise, on an fp32 model. Llama's q/v have no bias for
+    a LoRA bias to merge into: refused in one line, no folder written."""
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
+                 num_key_value_heads=2)
+    config = LlamaConfig(**sizes) if arch == "llama" else Qwen2Config(**sizes)
+    model = get_peft_model(AutoModelForCausalLM.from_config(config),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **option))
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_magnitude" in name or "lora_B" in name:
+                param.add_(0.3 * torch.randn_like(param))  # trained: away from their initial values
+    if arch == "llama" and "lora_bias" in option:
+        with pytest.raises(ValueError, match=r"^model: model\.layers\.0\.self_attn\.q_proj: .*bias.*; unsupported "
+                                             r"adapter layout$"):
+            export_model(model, None, tmp_path / "final", torch.float32)
+        assert list(tmp_path.iterdir()) == []
+        return
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    exported = AutoModelForCausalLM.from_pretrained(export_model(model, None, tmp_path / "final", torch.float32))
+    got = exported.state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+    assert not any(getattr(m, "merged", False) for m in model.modules())  # the trained model stays unmerged

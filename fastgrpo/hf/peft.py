@@ -3,6 +3,8 @@ dense linears of a model with their effective weights (the rollout's decode weig
 fastgrpo/rollout/decode_weights.py)."""
 from __future__ import annotations
 
+import copy
+
 import torch
 
 
@@ -15,8 +17,9 @@ def _dequantized(param: torch.Tensor) -> torch.Tensor:
 
 
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
-    """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale, and each
-    modules_to_save wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them.
+    """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale (a LoRA
+    variant such as DoRA, or a LoRA bias, by PEFT's own merge on a copy of the layer), and each modules_to_save
+    wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them.
 
     The merge runs in fp32 on dequantized weights, on the weights' device, and is cast to `dtype` once: merging
     into a 4-bit base would re-quantize the update away. The result lives in CPU memory (an 8B model is 16 GB in
@@ -31,12 +34,15 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
         if any(isinstance(parent, (LoraLayer, ModulesToSaveWrapper)) for parent in _ancestors(base, name)):
             continue
         if isinstance(module, LoraLayer):
-            weight = _dequantized(module.base_layer.weight).float()
-            for adapter in module.active_adapters:
-                if adapter in module.lora_A or adapter in module.lora_embedding_A:  # an embedding's are the latter
+            adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+            if any(a in module.lora_variant or module.lora_bias.get(a) for a in adapters):
+                weight, bias = _merged_by_peft(name, module, adapters)
+            else:
+                weight = _dequantized(module.base_layer.weight).float()
+                for adapter in adapters:  # an embedding's adapters are in lora_embedding_A / _B
                     weight = weight + module.get_delta_weight(adapter).float()
+                bias = getattr(module.base_layer, "bias", None)  # an embedding has none
             merged[f"{name}.weight"] = weight.to(dtype).cpu()
-            bias = getattr(module.base_layer, "bias", None)  # an embedding has none
             if bias is not None:
                 merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
             continue
@@ -49,6 +55,24 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
             value = _dequantized(param)
             merged[key] = (value.to(dtype) if value.is_floating_point() else value).cpu()
     return merged
+
+
+def _merged_by_peft(
+    name: str, module: torch.nn.Module, adapters: list[str]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(weight, bias) of a LoRA layer whose adapters W + B A * scale does not describe (a variant such as DoRA, which
+    rescales the columns of W + B A by its magnitude vector; a LoRA bias, added to the base's), merged by PEFT's own
+    merge into an fp32 copy of the layer: the trained layer stays unmerged."""
+    if not module.get_base_layer().weight.is_floating_point():  # a bitsandbytes 4- or 8-bit base
+        raise ValueError(f"model: {name}: a LoRA variant or bias over a quantized base cannot be merged without "
+                         "quantizing the merged weight again; unsupported adapter layout")
+    layer = copy.deepcopy(module).float()
+    try:
+        layer.merge(safe_merge=True, adapter_names=adapters)
+    except (ValueError, RuntimeError) as err:  # e.g. a LoRA bias where the base has none to merge it into
+        raise ValueError(f"model: {name}: {str(err).rstrip('.')}; unsupported adapter layout") from None
+    base = layer.get_base_layer()
+    return base.weight.detach(), getattr(base, "bias", None)
 
 
 def module_in_use(module: torch.nn.Module) -> torch.nn.Module:
