@@ -47,7 +47,7 @@ def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat1
                 merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
             continue
         if isinstance(module, ModulesToSaveWrapper):  # e.g. modules_to_save=["lm_head"]: a trained copy of the head
-            tensors = module_in_use(module).state_dict().items()
+            tensors = _module_in_use(module).state_dict().items()
         else:
             tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
         for pname, param in tensors:
@@ -75,15 +75,11 @@ def _merged_by_peft(
     return base.weight.detach(), getattr(base, "bias", None)
 
 
-def module_in_use(module: torch.nn.Module) -> torch.nn.Module:
-    """The module that runs in `module`'s place: a modules_to_save wrapper's trained copy of its active adapter (the
-    original where none of the active adapters has one), a PEFT tuner layer's base layer, else `module` itself."""
-    from peft.utils.other import ModulesToSaveWrapper
-
-    if isinstance(module, ModulesToSaveWrapper):
-        saved = [a for a in module.active_adapters if a in module.modules_to_save]
-        return module.modules_to_save[saved[0]] if saved else module.original_module
-    return module.get_base_layer() if hasattr(module, "get_base_layer") else module
+def _module_in_use(wrapper: torch.nn.Module) -> torch.nn.Module:
+    """The module a modules_to_save wrapper runs in its place: the trained copy of its active adapter (the original
+    where none of the active adapters has one)."""
+    saved = [a for a in wrapper.active_adapters if a in wrapper.modules_to_save]
+    return wrapper.modules_to_save[saved[0]] if saved else wrapper.original_module
 
 
 def modules_to_save_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
