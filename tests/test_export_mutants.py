@@ -58,11 +58,13 @@ def test_every_active_adapter_is_merged(tmp_path):
 
 
 def test_an_adapter_layout_the_merge_cannot_hold_is_refused_and_writes_nothing(tmp_path):
-    """trainable_token_indices wraps the embedding in a TrainableTokensWrapper, whose weights the merge does not
-    name as the model's: one line naming the weight it lacks, and no folder (nor a hidden partial one) left."""
-    model = get_peft_model(_llama(), LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=[3, 5]))
-    with pytest.raises(ValueError, match=r"^model: merged weights lack \['model.embed_tokens.weight'\]; unsupported "
-                                         r"adapter layout$"):
+    """LoHa's layers keep the base weight under PEFT's names, which the merge does not name as the model's: one line
+    naming the weights it lacks, and no folder (nor a hidden partial one) left."""
+    from peft import LoHaConfig
+
+    model = get_peft_model(_llama(), LoHaConfig(r=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"^model: merged weights lack \['model.layers.0.self_attn.q_proj.weight'\]; "
+                                         r"unsupported adapter layout$"):
         export_model(model, None, tmp_path / "final", torch.float32)
     assert list(tmp_path.iterdir()) == []
 

@@ -4,6 +4,9 @@ fastgrpo/rollout/decode_weights.py)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
+import functools
+from collections.abc import Callable
 
 import torch
 
@@ -16,63 +19,143 @@ def _dequantized(param: torch.Tensor) -> torch.Tensor:
     return param.detach()
 
 
+UNSUPPORTED = "unsupported adapter layout"  # the end of every refusal of an adapter layout the merge cannot merge
+
+
+def check_mergeable(model: torch.nn.Module) -> None:
+    """Refuse, in one line ending UNSUPPORTED, a PEFT model whose adapters merged_state_dict cannot merge into a model
+    folder: a LoRA variant (DoRA) or LoRA bias over a bitsandbytes-quantized base, a LoRA bias where the base layer has
+    no bias to add it to, a tuner other than LoRA (LoHa, IA3: not merged here, the weights they wrap get no value).
+    Structural: no weight is copied or merged (cheap on an 8B model), so a run that will export calls it before its
+    first step, and export_model before it merges."""
+    from transformers import AutoModelForCausalLM
+
+    names = {name for part in _merge_parts(model) for name in part.names}
+    with torch.device("meta"):  # the merged model's parameter names, as export_model builds it
+        plain = AutoModelForCausalLM.from_config(merged_config(model))
+    missing = [name for name, _ in plain.named_parameters() if name not in names]
+    if missing:
+        raise ValueError(f"model: merged weights lack {missing[:3]}; {UNSUPPORTED}")
+
+
+def merged_config(model: torch.nn.Module, **changes):
+    """The config of the model a PEFT model merges into: its base's, unquantized, with `changes` set."""
+    config = model.get_base_model().config
+    settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
+    return config.__class__.from_dict({**settings, **changes})
+
+
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale (a LoRA
-    variant such as DoRA, or a LoRA bias, by PEFT's own merge on a copy of the layer), and each modules_to_save
-    wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them.
+    variant such as DoRA, or a LoRA bias, by PEFT's own merge on a copy of the layer), each modules_to_save
+    wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them, and each
+    trainable_token_indices wrapper's weight with its trained rows in place.
 
     The merge runs in fp32 on dequantized weights, on the weights' device, and is cast to `dtype` once: merging
     into a 4-bit base would re-quantize the update away. The result lives in CPU memory (an 8B model is 16 GB in
-    bf16, more than a 24 GB card has left). The trained model is left untouched.
+    bf16, more than a 24 GB card has left), one layer's temporaries at a time. The trained model is left untouched.
     """
-    from peft.tuners.lora import LoraLayer
-    from peft.utils.other import ModulesToSaveWrapper
-
-    base = model.get_base_model()
     merged = {}
-    for name, module in base.named_modules():
-        if any(isinstance(parent, (LoraLayer, ModulesToSaveWrapper)) for parent in _ancestors(base, name)):
-            continue
-        if isinstance(module, LoraLayer):
-            adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
-            if any(a in module.lora_variant or module.lora_bias.get(a) for a in adapters):
-                weight, bias = _merged_by_peft(name, module, adapters)
-            else:
-                weight = _dequantized(module.base_layer.weight).float()
-                for adapter in adapters:  # an embedding's adapters are in lora_embedding_A / _B
-                    weight = weight + module.get_delta_weight(adapter).float()
-                bias = getattr(module.base_layer, "bias", None)  # an embedding has none
-            merged[f"{name}.weight"] = weight.to(dtype).cpu()
-            if bias is not None:
-                merged[f"{name}.bias"] = bias.detach().to(dtype).cpu()
-            continue
-        if isinstance(module, ModulesToSaveWrapper):  # e.g. modules_to_save=["lm_head"]: a trained copy of the head
-            tensors = _module_in_use(module).state_dict().items()
-        else:
-            tensors = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        for pname, param in tensors:
-            key = f"{name}.{pname}" if name else pname
-            value = _dequantized(param)
+    for part in _merge_parts(model):
+        for key, value in part.values().items():
             merged[key] = (value.to(dtype) if value.is_floating_point() else value).cpu()
     return merged
 
 
-def _merged_by_peft(
-    name: str, module: torch.nn.Module, adapters: list[str]
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(weight, bias) of a LoRA layer whose adapters W + B A * scale does not describe (a variant such as DoRA, which
-    rescales the columns of W + B A by its magnitude vector; a LoRA bias, added to the base's), merged by PEFT's own
-    merge into an fp32 copy of the layer: the trained layer stays unmerged."""
-    if not module.get_base_layer().weight.is_floating_point():  # a bitsandbytes 4- or 8-bit base
+@dataclasses.dataclass(frozen=True)
+class _MergePart:
+    """Tensors of the merged model: their state-dict names, and a function computing them (name -> tensor)."""
+
+    names: tuple[str, ...]
+    values: Callable[[], dict[str, torch.Tensor]]
+
+
+def _merge_parts(model: torch.nn.Module) -> list[_MergePart]:
+    """What merged_state_dict holds, module by module, before any tensor is computed; a LoRA layer PEFT's merge
+    cannot merge is refused here (_check_peft_merge)."""
+    from peft.tuners.lora import LoraLayer
+    from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
+
+    wrappers = (LoraLayer, ModulesToSaveWrapper, TrainableTokensWrapper)
+    base = model.get_base_model()
+    parts = []
+    for name, module in base.named_modules():
+        if any(isinstance(parent, wrappers) for parent in _ancestors(base, name)):
+            continue
+        prefix = f"{name}." if name else ""
+        if isinstance(module, LoraLayer):
+            parts.append(_lora_part(name, module))
+        elif isinstance(module, TrainableTokensWrapper):  # trainable_token_indices: rows of a weight trained
+            # its forward runs the merged weight alone (F.linear without the bias of a head it wraps)
+            parts.append(_MergePart((f"{prefix}weight",), functools.partial(_with_trained_tokens, prefix, module)))
+        else:
+            if isinstance(module, ModulesToSaveWrapper):  # e.g. modules_to_save=["lm_head"]: a trained copy
+                tensors = dict(_module_in_use(module).state_dict())
+            else:
+                tensors = {**dict(module.named_parameters(recurse=False)), **dict(module.named_buffers(recurse=False))}
+            tensors = {f"{prefix}{pname}": tensor for pname, tensor in tensors.items()}
+            parts.append(_MergePart(tuple(tensors), functools.partial(_dequantized_all, tensors)))
+    return parts
+
+
+def _lora_part(name: str, module: torch.nn.Module) -> _MergePart:
+    adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+    has_bias = getattr(module.base_layer, "bias", None) is not None  # an embedding has none
+    names = (f"{name}.weight", *([f"{name}.bias"] if has_bias else []))
+    if has_variant_or_bias(module, adapters):
+        _check_peft_merge(name, module, adapters)
+        return _MergePart(names, lambda: dict(zip(names, _merged_by_peft(module, adapters))))
+    return _MergePart(names, lambda: dict(zip(names, _merged_by_deltas(module, adapters))))
+
+
+def has_variant_or_bias(layer: torch.nn.Module, adapters: list[str]) -> bool:
+    """Whether a PEFT LoRA layer's `adapters` hold what W + B A * scale leaves out: a variant (DoRA rescales the
+    columns of W + B A by its magnitude vector) or a LoRA bias (added to the base's)."""
+    return any(a in layer.lora_variant or layer.lora_bias.get(a) for a in adapters)
+
+
+def _check_peft_merge(name: str, module: torch.nn.Module, adapters: list[str]) -> None:
+    """The refusals of _merged_by_peft's merge, said from the layer's structure alone."""
+    base = module.get_base_layer()
+    if not base.weight.is_floating_point():  # a bitsandbytes 4- or 8-bit base
         raise ValueError(f"model: {name}: a LoRA variant or bias over a quantized base cannot be merged without "
-                         "quantizing the merged weight again; unsupported adapter layout")
+                         f"quantizing the merged weight again; {UNSUPPORTED}")
+    if getattr(base, "bias", None) is None and any(module.lora_bias.get(a) for a in adapters):
+        # PEFT's merge raises this (a RuntimeError) once it has merged the weight
+        raise ValueError(f"model: {name}: Impossible to merge LoRA with `lora_bias=True` because the base layer has "
+                         f"no bias; {UNSUPPORTED}")
+
+
+def _merged_by_deltas(module: torch.nn.Module, adapters: list[str]) -> tuple[torch.Tensor, ...]:
+    """(weight[, bias]) of a LoRA layer whose adapters are plain: W + B A * scale summed in fp32."""
+    weight = _dequantized(module.base_layer.weight).float()
+    for adapter in adapters:  # an embedding's adapters are in lora_embedding_A / _B
+        weight = weight + module.get_delta_weight(adapter).float()
+    bias = getattr(module.base_layer, "bias", None)
+    return (weight,) if bias is None else (weight, bias.detach())
+
+
+def _merged_by_peft(module: torch.nn.Module, adapters: list[str]) -> tuple[torch.Tensor, ...]:
+    """(weight[, bias]) of a LoRA layer whose adapters W + B A * scale does not describe (has_variant_or_bias),
+    merged by PEFT's own merge into an fp32 copy of the layer: the trained layer stays unmerged."""
     layer = copy.deepcopy(module).float()
-    try:
-        layer.merge(safe_merge=True, adapter_names=adapters)
-    except (ValueError, RuntimeError) as err:  # e.g. a LoRA bias where the base has none to merge it into
-        raise ValueError(f"model: {name}: {str(err).rstrip('.')}; unsupported adapter layout") from None
+    layer.merge(safe_merge=True, adapter_names=adapters)
     base = layer.get_base_layer()
-    return base.weight.detach(), getattr(base, "bias", None)
+    bias = getattr(base, "bias", None)
+    return (base.weight.detach(),) if bias is None else (base.weight.detach(), bias.detach())
+
+
+def _with_trained_tokens(prefix: str, wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """A trainable_token_indices wrapper's weight as its forward runs it: the base's, each active adapter's trained
+    rows in place (the weight itself where the adapters are off or merged)."""
+    layer = wrapper.token_adapter
+    off = layer.disable_adapters or layer.merged
+    adapters = [] if off else [a for a in layer.active_adapters if a in layer.token_indices]
+    return {f"{prefix}weight": layer.get_merged_weights(adapters).detach()}
+
+
+def _dequantized_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: _dequantized(tensor) for name, tensor in tensors.items()}
 
 
 def _module_in_use(wrapper: torch.nn.Module) -> torch.nn.Module:
@@ -115,8 +198,7 @@ def dense_linears(model: torch.nn.Module) -> list[torch.nn.Module]:
         seen.add(id(module))
         if isinstance(module, LoraLayer):
             adapters = [a for a in module.active_adapters if a in module.lora_A]
-            plain = not any(a in module.lora_variant or module.lora_bias.get(a) for a in adapters)
-            if plain and _dense_base(module.base_layer):
+            if not has_variant_or_bias(module, adapters) and _dense_base(module.base_layer):
                 found.append(module)
             return
         if isinstance(module, BaseTunerLayer):

@@ -298,9 +298,10 @@ class Distributed:
         (raise_together), where one rank's error left the others waiting in this decision's collective."""
         return bool(self.max(int(self.raise_together(decide)))[0])
 
-    def check_final_exportable(self, output_dir: str | Path) -> None:
-        """checkpoint.check_final_exportable on rank 0 (final/ is its folder), its refusal raised on every rank."""
-        self.raise_together(lambda: self.is_main and check_final_exportable(output_dir))
+    def check_final_exportable(self, output_dir: str | Path, model: torch.nn.Module | None = None) -> None:
+        """final_export.check_final_exportable on rank 0 (final/ is its folder, the export its work), its refusal
+        raised on every rank."""
+        self.raise_together(lambda: self.is_main and check_final_exportable(output_dir, model))
 
     def gather_rows(self, value: torch.Tensor) -> torch.Tensor:
         """This rank's rows [n, ...] -> the whole batch's [world * n, ...] in rank order (every share equal)."""

@@ -282,7 +282,7 @@ class ExpertIteration:
                                                     self.round if config.export else None))
                     apply_save_limit(self.output_dir, config.save_total_limit, self.round)
             if config.export and self.round < config.ei_steps:  # said before the first round, not after the last
-                dist.check_final_exportable(self.output_dir)
+                dist.check_final_exportable(self.output_dir, self.model)
             logged = self.round - (self._unevaluated is not None)  # the rounds logged whole
             log.start_at(logged)
             if self.evaluator is not None and self.round == 0:  # the starting point the rounds improve on

@@ -2,7 +2,8 @@
 
 export_model writes final/ (atomically) and records the step of its weights and the files it wrote (`export.json`):
 a resumed run writes it again unless it is of the run's last step (export_due); an export that would delete files the
-user put in it is refused, at the start of a run that will export (check_final_exportable) and at its end.
+user put in it is refused, at the start of a run that will export (check_final_exportable) and at its end; so is an
+adapter layout the export cannot merge.
 """
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
-from fastgrpo.hf.peft import merged_state_dict
+from fastgrpo.hf.peft import check_mergeable, merged_config, merged_state_dict
 from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import CONFIG_FILE, read_json_object, write_run_config
 from fastgrpo.train.naming import setting
@@ -77,10 +78,13 @@ def export_due(output_dir: str | Path, step: int, trained: bool) -> bool:
     return True
 
 
-def check_final_exportable(output_dir: str | Path) -> None:
+def check_final_exportable(output_dir: str | Path, model: torch.nn.Module | None = None) -> None:
     """For a run with steps left to train and export on, before the first: export_due's refusal of the files the
-    user put in final/, said now rather than once the run is trained (files put there during the run are still
-    refused at its end)."""
+    user put in final/, and export_model's of a PEFT model's adapter layout it cannot merge (check_mergeable; with
+    `model`), said now rather than once the run is trained (files put there during the run are still refused at its
+    end)."""
+    if model is not None and is_peft_model(model):
+        check_mergeable(model)
     final = Path(output_dir) / "final"
     if final.is_dir():
         _refuse_users_files(final, _export_record(final), "exporting the run's last step", "start the run again")
@@ -184,28 +188,23 @@ def export_model(model: torch.nn.Module, tokenizer, path: str | Path, dtype: tor
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    if is_peft_model(model):
+        check_mergeable(model)  # the refusal a run that exports said before its first step (check_final_exportable)
     with atomic_directory(path) as tmp:
         if not is_peft_model(model):
             model.save_pretrained(tmp)
         else:
             base = model.get_base_model()
-            config = base.config
-            settings = {k: v for k, v in config.to_dict().items() if k != "quantization_config"}
             dtype = dtype or merged_dtype(model)
             merged = merged_state_dict(model, dtype)
-            if _head_apart_from_embedding(base, merged):
-                # trained apart (a modules_to_save copy of one, a LoRA on one): tied, one would replace the other
-                settings["tie_word_embeddings"] = False
-            config = config.__class__.from_dict(settings)
+            # trained apart (a modules_to_save copy of one, a LoRA on one): tied, one would replace the other
+            untied = {"tie_word_embeddings": False} if _head_apart_from_embedding(base, merged) else {}
             with torch.device("meta"):
-                fresh = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            fresh.load_state_dict(merged, strict=False, assign=True)
+                fresh = AutoModelForCausalLM.from_config(merged_config(model, **untied), dtype=dtype)
+            fresh.load_state_dict(merged, strict=False, assign=True)  # every weight of fresh: check_mergeable
             fresh.tie_weights()
             # from_config derives one from config.json: the base's own (an end-of-turn EOS, sampling defaults) goes
             fresh.generation_config = copy.deepcopy(base.generation_config)
-            missing = [n for n, p in fresh.named_parameters() if p.is_meta]
-            if missing:
-                raise ValueError(f"model: merged weights lack {missing[:3]}; unsupported adapter layout")
             fresh.save_pretrained(tmp)
         finish_export(tmp, tokenizer, run_config, step)
     return path

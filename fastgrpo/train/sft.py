@@ -238,7 +238,7 @@ class SFTTrainer:
                                                     field, self.step if config.export else None))
                     apply_save_limit(self.output_dir, config.save_total_limit, self.step)
             if config.export and self.step < self.total_steps:  # said before the first step, not after the last
-                dist.check_final_exportable(self.output_dir)
+                dist.check_final_exportable(self.output_dir, self.model)
             logged = self.step - (self._unevaluated is not None)  # the steps logged whole
             log.start_at(logged)
             console = dist.on_main(ConsoleLog, config.logging_steps, self.total_steps, initial=logged,

@@ -257,7 +257,7 @@ class GRPOTrainer:
                                                     self.step if config.export else None))
                     apply_save_limit(self.output_dir, config.save_total_limit, self.step)
             if config.export and self.step < config.max_steps:  # said before the first step, not after the last
-                self.dist.check_final_exportable(self.output_dir)
+                self.dist.check_final_exportable(self.output_dir, self.model)
             logged = self.step - (self._unevaluated is not None)  # the steps logged whole
             self.metrics_log.start_at(logged)
             started, first = self.step, len(self.history)
