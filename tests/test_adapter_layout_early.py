@@ -3,7 +3,8 @@ refused it once the run had trained (its checkpoints kept, the hours spent). The
 (check_mergeable, structural: no weight copied or merged), said by GRPOTrainer, SFTTrainer and ExpertIteration before
 their first step; a run that does not export trains. PEFT's trainable_token_indices, which the export refused
 (merged weights lack the embedding: its wrapper was saved as PEFT's inner modules), is merged as merge_and_unload
-merges it."""
+merges it. vLLM's merged weight sync, which writes W + B A * scale alone, refuses DoRA and LoRA biases (it synced
+another model than the trained one, silently) before vLLM builds its engine."""
 import copy
 
 import pytest
@@ -164,3 +165,29 @@ def test_the_check_merges_nothing(tokenizer, monkeypatch):
     for name in ("_merged_by_peft", "_merged_by_deltas", "_dequantized"):
         monkeypatch.setattr(hf_peft, name, lambda *a, name=name: pytest.fail(f"{name} ran"))
     hf_peft.check_mergeable(model)
+
+
+@pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
+@pytest.mark.parametrize("option", [{"use_dora": True}, {"lora_bias": True}], ids=["dora", "lora-bias"])
+def test_vllms_merged_weight_sync_refuses_what_w_plus_ba_leaves_out(tokenizer, option, monkeypatch):
+    """merged_sources wrote W + B A * scale into vLLM's weights: DoRA's magnitude and a LoRA bias were left out, so
+    vLLM sampled from another model than the one trained. Refused, and by VLLMEngine before vLLM builds."""
+    from fastgrpo.rollout import vllm as vllm_engine
+    from fastgrpo.rollout.vllm_lora import merged_sources
+
+    model = get_peft_model(_base(tokenizer, "qwen2"), LoraConfig(r=4, target_modules=["q_proj"], **option))
+    refusal = (r"^model: model\.layers\.0\.self_attn\.q_proj: vLLM's merged weight sync writes W \+ B A \* scale, "
+               r"which leaves out a LoRA variant \(DoRA\) or a LoRA bias; use rollout_engine='builtin'$")
+    with pytest.raises(ValueError, match=refusal):
+        merged_sources(model)
+
+    class NoVLLM:
+        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
+            pytest.fail("vLLM built its engine")
+
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
+    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
+    with pytest.raises(ValueError, match=refusal):
+        vllm_engine.VLLMEngine(model, tokenizer, max_model_len=32)
+    plain = get_peft_model(_base(tokenizer, "qwen2"), LoraConfig(r=4, target_modules=["q_proj"]))
+    assert list(merged_sources(plain)) == ["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]

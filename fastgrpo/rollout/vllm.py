@@ -177,6 +177,7 @@ class VLLMEngine:
         self.device = base.get_input_embeddings().weight.device
         dtype = base.get_input_embeddings().weight.dtype
         self.lora_sync = lora_sync if is_peft_model(model) and vllm_lora.lora_layers(model) else None
+        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}  # its refusal before vLLM builds
         self.release = release
         self._dir = tempfile.TemporaryDirectory(prefix="fastgrpo-vllm-")
         write_model_dir(self._dir.name, model, tokenizer)
@@ -207,7 +208,6 @@ class VLLMEngine:
         self.worker = executor.driver_worker.worker
         self.vllm_model = self.worker.model_runner.get_model()
 
-        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}
         self.copies = bind(model, self.vllm_model, share=share_weights, merged=merged)
         self._adapters = None
         if self.lora_sync == "adapter":

@@ -11,7 +11,8 @@ import functools
 import torch
 from torch import nn
 
-from fastgrpo.hf.peft import with_lora_deltas
+from fastgrpo.hf.peft import has_variant_or_bias, with_lora_deltas
+from fastgrpo.rollout.vllm_weights import PEFT_PREFIX
 
 MEM_PREFIX = "mem://"
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
@@ -54,9 +55,16 @@ def merged_weight(layer: nn.Module) -> torch.Tensor:
 
 
 def merged_sources(model: nn.Module) -> dict:
-    """Full parameter name of each LoRA layer's base weight -> a function giving its merged value."""
-    return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer)
-            for name, layer in lora_layers(model).items()}
+    """Full parameter name of each LoRA layer's base weight -> a function giving its merged value. A layer whose
+    adapters W + B A * scale does not describe (a variant such as DoRA, a LoRA bias) is refused: vLLM would generate
+    from another model than the one trained (DoRA leaves out its magnitude's rescaling)."""
+    layers = lora_layers(model)
+    for name, layer in layers.items():
+        if has_variant_or_bias(layer, layer.active_adapters):
+            raise ValueError(f"model: {name.removeprefix(PEFT_PREFIX)}: vLLM's merged weight sync writes W + B A * "
+                             "scale, which leaves out a LoRA variant (DoRA) or a LoRA bias; use "
+                             "rollout_engine='builtin'")
+    return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer) for name, layer in layers.items()}
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
