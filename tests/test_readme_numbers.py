@@ -1,7 +1,7 @@
 """The numbers of README.md's measured tables are the results files' numbers, rounded as written: the TRL-trainer,
-GRPO-step, longest-completion, fused-loss and SFT tables cell by cell against their suites' rows, and each row of a
+GRPO-step, longest-completion, fused-loss and SFT tables cell by cell against their suites' rows, each row of a
 whole-step table ("| system | step | rollout | ...") against a row, current or replaced, of the loop results it
-cites."""
+cites, and the table of where each shape stands against the targets against the loop files' "targets" verdicts."""
 import json
 import re
 from pathlib import Path
@@ -47,6 +47,9 @@ KEYED_TABLES = {
         units={"s": "step_s", "GiB": "peak_gib"}),
 }
 PHASE_TABLE = "| system | step | rollout | weight sync | log-probs | update | peak GiB |"
+# where each shape stands against the targets (H200; C = 1024 unless its shape cell says "C = ...")
+TARGETS_TABLE = "| shape | fastgrpo vs TRL + vLLM | vs Unsloth | peak: fastgrpo / TRL / Unsloth GiB | targets |"
+BASELINES = {"TRL + Liger": "trl-liger", "TRL": "trl", "Unsloth": "unsloth"}
 PHASES = ("step_s", "rollout_s", "sync_s", "logprobs_s", "update_s", "peak_gib")
 LOOP_FILE = re.compile(r"results/(loop_[\w.-]+\.json)")
 
@@ -134,6 +137,50 @@ def phase_table_errors(lines: list[str], line: int, body: list) -> list[str]:
     return errors
 
 
+def claimed_verdicts(text: str) -> dict[str, bool | None]:
+    """Baseline -> met, as a targets cell words it: clauses split at commas and semicolons, parentheses left out, "not"
+    in a clause for not met; a clause naming no baseline speaks for every baseline no clause names, TRL's for TRL +
+    Liger where no clause names that."""
+    claims, rest = {}, None
+    for clause in re.split(r"[,;]", re.sub(r"\([^)]*\)", "", text)):
+        named = [BASELINES[name] for name in re.findall("|".join(map(re.escape, BASELINES)), clause)]
+        met = "not" not in clause.split()
+        claims |= dict.fromkeys(named, met)
+        rest = rest if named else met
+    if "trl" in claims:
+        claims.setdefault("trl-liger", claims["trl"])
+    return {baseline: claims.get(baseline, rest) for baseline in BASELINES.values()}
+
+
+def targets_table_errors(body: list) -> list[str]:
+    """Each shape's verdicts are its H200 loop file's "targets": the words met / not met per baseline, TRL's ratio
+    (the verdict's, or against the row of TRL's own machine), the chosen fastgrpo row's peak and TRL's and Unsloth's."""
+    errors = []
+    for n, (shape, trl, _, peaks, claim) in body:
+        model, mode = shape.split(",")[0].split()[:2]
+        completion = int(found.group(1)) if (found := re.search(r"C = (\d+)", shape)) else 1024
+        name = f"loop_{MODELS[model]}-{mode.lower()}-nvidia-h200.json"
+        verdicts = {t["baseline"]: t for t in load(name)["targets"] if t["completion"] == completion}
+        where = f"README.md:{n}: {shape}: "
+        for baseline, met in claimed_verdicts(claim).items():
+            held = verdicts.get(baseline, {}).get("met")
+            if held is not None and met is not held:
+                errors.append(f"{where}`{claim}` says {baseline} {'met' if met else 'not met'}; {name}: met={held}")
+        quoted = [verdicts["trl"][k] for k in ("speedup", "speedup_same_machine") if verdicts["trl"][k] is not None]
+        if not any(unit == "x" and rounds_to(v, w) for v in quoted for w, unit in numbers(trl)):
+            errors.append(f"{where}`{trl}` quotes neither of TRL's ratios {quoted} in {name}")
+        ours, *theirs = peaks.split(" / ")
+        if not any(rounds_to(verdicts["trl"]["peak_gib"]["fastgrpo"], w) for w, _ in numbers(ours)):
+            errors.append(f"{where}`{ours}` lacks the peak {verdicts['trl']['peak_gib']['fastgrpo']} of "
+                          f"{verdicts['trl']['fastgrpo']} in {name}")
+        for baseline, cell in zip(("trl", "unsloth"), theirs):
+            held = verdicts.get(baseline, {}).get("peak_gib", {}).get("baseline")
+            written = numbers(cell)[0][0] if numbers(cell) else None
+            if (held is None) != (written is None) or written is not None and not rounds_to(held, written):
+                errors.append(f"{where}`{cell}` is {baseline}'s peak_gib {held} in {name}")
+    return errors
+
+
 def readme_number_errors(text: str) -> tuple[int, list[str]]:
     """(tables checked, errors)."""
     lines, checked, errors = text.splitlines(), 0, []
@@ -143,6 +190,8 @@ def readme_number_errors(text: str) -> tuple[int, list[str]]:
             errors += keyed_table_errors(line, spec, body)
         elif header == PHASE_TABLE:
             errors += phase_table_errors(lines, line, body)
+        elif header == TARGETS_TABLE:
+            errors += targets_table_errors(body)
         else:
             continue
         checked += 1
@@ -161,6 +210,15 @@ def test_readme_tables_quote_the_results_files():
     ("| 1.71 s, 61.6 GiB |", "| 1.77 s, 61.6 GiB |", "1.77 s"),
     ("| 0.545 s | 5.39 GiB |", "| 0.545 s | 5.93 GiB |", "5.93 GiB"),
     ("| 73.0 s | 40.6 |", "| 73.0 s | 40.9 |", "'rollout_s': '40.9'"),
+    ("| 1024 | 7680 |", "| 1024 | 7936 |", "7936"),
+    ("| 40.5 s | 22.4 | 0.27 |", "| 40.5 s | 22.7 | 0.27 |", "'rollout_s': '22.7'"),  # not a table's first row
+    ("| 22.9 s | 14.5 | 0 |", "| 22.9 s | 14.5 | 0.3 |", "'sync_s': '0.3'"),  # a field fastgrpo's row lacks
+    ("| met against TRL, not against TRL + Liger |", "| met against TRL and TRL + Liger |",
+     "says trl-liger met"),
+    ("| Unsloth met with FP8 rollouts", "| Unsloth not met with FP8 rollouts", "says unsloth not met"),
+    ("| **2.32x** |", "| **2.23x** |", "quotes neither of TRL's ratios"),
+    ("| 9.2 / 12.5 / 16.6 |", "| 9.2 / 12.5 / 16.9 |", "`16.9` is unsloth's peak_gib 16.6"),
+    ("| 33.4 / 53.5 / 111.4 |", "| 34.4 / 53.5 / 111.4 |", "lacks the peak 33.4 of fastgrpo-fp8"),
 ])
 def test_a_wrong_readme_number_is_named_with_its_line(old, new, named):
     text = README.read_text()
@@ -170,3 +228,26 @@ def test_a_wrong_readme_number_is_named_with_its_line(old, new, named):
     assert len(errors) == 1 and named in errors[0], errors
     line = broken[:broken.index(new)].count("\n") + 1
     assert errors[0].startswith(f"README.md:{line}: "), errors
+
+
+def test_a_search_bound_is_not_taken_for_a_measured_length():
+    assert readme_number_errors(README.read_text().replace("stopped at 32K", "stopped at 32768"))[1] == []
+
+
+def test_a_cell_that_two_rows_could_quote_is_named(monkeypatch):
+    """A results file holding the same case twice: which row a number quotes is not known."""
+    monkeypatch.setitem(globals(), "load", lambda name: {"rows": [{"system": "hf", "ms": 10.0}] * 2})
+    spec = dict(files=("twice.json",), key=lambda cells: {}, columns=[{"system": "hf"}], units={"ms": "ms"})
+    assert keyed_table_errors(1, spec, [(7, ["10.0 ms"])]) == ["README.md:7: 2 rows of ('twice.json',) are "
+                                                               "{'system': 'hf'}"]
+
+
+def test_a_whole_step_row_quotes_the_file_its_paragraph_cites():
+    """A row of the Llama file's numbers under a paragraph citing the Qwen file is named."""
+    llama = "loop_llama-3.1-8b-lora-nvidia-h200.json"
+    row = next(r for r in load(llama)["rows"] if r.get("kind") == "step" and r.get("step_s"))
+    cells = ["0" if row.get(field) is None else f"{row[field]:.3g}" for field in PHASES]
+    table = [PHASE_TABLE, "|---|---|---|---|---|---|---|", "| a system | " + " | ".join(cells) + " |"]
+    for cited, errors in ((llama, 0), ("loop_qwen2.5-1.5b-lora-nvidia-h200.json", 1)):
+        text = "\n".join(["## Whole steps", f"Rows of `benchmarks/results/{cited}`:", "", *table])
+        assert len(readme_number_errors(text)[1]) == errors, (cited, table)
