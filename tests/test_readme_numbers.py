@@ -231,7 +231,8 @@ def test_a_wrong_readme_number_is_named_with_its_line(old, new, named):
 
 
 def test_a_search_bound_is_not_taken_for_a_measured_length():
-    assert readme_number_errors(README.read_text().replace("stopped at 32K", "stopped at 32768"))[1] == []
+    """"(...; the search stopped at N)": N is where the search ended, not a length the file measured."""
+    assert readme_number_errors(README.read_text().replace("stopped at 32K", "stopped at 40960"))[1] == []
 
 
 def test_a_cell_that_two_rows_could_quote_is_named(monkeypatch):
