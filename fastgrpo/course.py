@@ -158,7 +158,8 @@ def _naive_loss(name: str, advantages: torch.Tensor, policy_log_probs: torch.Ten
 def compute_grpo_clip_loss(
     advantages: torch.Tensor, policy_log_probs: torch.Tensor, old_log_probs: torch.Tensor, cliprange: float
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """-min(r A, clip(r, 1 - cliprange, 1 + cliprange) A) with r = exp(logp - old), per token [B, T].
+    """-min(r A, clip(r, 1 - cliprange, 1 + cliprange) A) with r = exp(logp - old), per token [B, T]; cliprange in
+    [0, 1).
 
     metadata: `clipped` [B, T] bool (the clipped branch is the minimum, so the token has no gradient),
     `clipped_low` / `clipped_high` (r below 1 - cliprange with A < 0 / above 1 + cliprange with A > 0), `ratio`.
@@ -167,8 +168,8 @@ def compute_grpo_clip_loss(
     check_floating("policy_log_probs", policy_log_probs)
     check_same_shape("old_log_probs", old_log_probs, "policy_log_probs", policy_log_probs)
     advantages = _column("advantages", advantages, policy_log_probs)
-    if not cliprange >= 0:
-        raise ValueError(f"cliprange: expected >= 0, got {cliprange}")
+    if not 0 <= cliprange < 1:  # GRPOLossConfig's epsilon_low range: 1 - cliprange stays a positive ratio
+        raise ValueError(f"cliprange: expected a float in [0, 1), got {cliprange}")
     # The mask only matters at sequence level; at token level every position is computed.
     everywhere = torch.ones_like(policy_log_probs, dtype=torch.bool)
     loss, _, low, high = grpo_per_token_loss(

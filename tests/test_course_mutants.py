@@ -134,6 +134,14 @@ def test_grpo_clip_loss_matches_its_formula(rows, cols, seed, cliprange, flat_ad
     torch.testing.assert_close(logp.grad, grad, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("cliprange", [1.0, 1.5, math.inf, math.nan, -0.1])
+def test_cliprange_outside_0_1_is_refused_naming_cliprange(cliprange):
+    # cliprange >= 1 was refused naming epsilon_low, an argument of fastgrpo's own loss the caller never passed.
+    x = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match="^cliprange: expected"):
+        course.compute_grpo_clip_loss(torch.ones(2, 1), x, x, cliprange)
+
+
 # --- Microbatch train steps --------------------------------------------------------------------------------------
 
 
