@@ -212,6 +212,9 @@ def _check_step_args(policy_log_probs: torch.Tensor, response_mask: torch.Tensor
     check_shape("policy_log_probs", policy_log_probs, (None, None))
     check_floating("policy_log_probs", policy_log_probs)
     check_binary_mask("response_mask", response_mask, "policy_log_probs", policy_log_probs)
+    if not policy_log_probs.requires_grad:  # else torch's "element 0 of tensors does not require grad" at backward
+        raise ValueError("policy_log_probs: expected a tensor that requires grad (the step calls backward on it), "
+                         "got one without a graph: computed under torch.no_grad() or detached?")
     if not isinstance(steps, int) or steps < 1:
         raise ValueError(f"gradient_accumulation_steps: expected a positive integer, got {steps!r}")
 

@@ -191,3 +191,17 @@ def test_grpo_microbatch_step_matches_its_formula(loss_type, rows, cols, seed, k
     torch.testing.assert_close(logp.grad, leaf.grad, rtol=1e-12, atol=1e-15)
     if clip_fraction is not None:
         assert meta["clip_fraction"].item() == pytest.approx(clip_fraction.item(), abs=1e-15)
+
+
+@pytest.mark.parametrize("step", ["sft", "grpo"])
+def test_log_probs_without_a_graph_are_refused_naming_policy_log_probs(step):
+    """A step calls backward: log-probs computed under no_grad (or detached) get one line naming the argument, not
+    torch's "element 0 of tensors does not require grad" from inside the backward."""
+    log_probs = -torch.rand(2, 3)
+    mask = torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"^policy_log_probs: expected a tensor that requires grad"):
+        if step == "sft":
+            course.sft_microbatch_train_step(log_probs, mask, 1)
+        else:
+            course.grpo_microbatch_train_step(log_probs, mask, 1, "no_baseline",
+                                              raw_rewards=torch.ones(2, 1))
