@@ -6,6 +6,7 @@ characters the built-in tokenizer drops inside chat messages.
 """
 from __future__ import annotations
 
+import json
 import logging
 
 import pytest
@@ -15,7 +16,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.grpo_data import _epoch_order, prompt_token_ids, walk_rows
-from fastgrpo.train.loading import eval_rows
+from fastgrpo.train.loading import eval_rows, load_rows
 from fastgrpo.train.prompts import R1_ZERO_PROMPT, prompt_ids, response_ids
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import collate, tokenize_rows
@@ -150,3 +151,14 @@ def test_an_eval_split_of_a_users_dataset_without_eval_dataset_asks_for_eval_dat
     config = GRPOConfig(dataset=str(tmp_path / "rows.jsonl"), eval_steps=1, eval_dataset_split="validation")
     with pytest.raises(ValueError, match="^eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate"):
         eval_rows(config)
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json"])
+def test_a_json_lines_file_whose_text_holds_unicode_line_separators_loads_whole(tmp_path, suffix):
+    # written with ensure_ascii=False (as for non-English text), a JSON string holds U+2028, U+2029 and U+0085 as they
+    # are; str.splitlines ends a line at each, which refused the file (datasets' json reader loads it)
+    rows = [{"prompt": "first line\u2028same row", "answer": "1"}, {"prompt": "a\x85b\u2029c", "answer": "2"},
+            {"prompt": "crlf", "answer": "3"}]
+    path = tmp_path / f"data{suffix}"
+    path.write_bytes("".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows).encode())
+    assert load_rows(str(path)) == rows

@@ -11,6 +11,7 @@ import importlib
 import importlib.util
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -203,10 +204,15 @@ def _listed_rows(document, path: Path, field: str) -> list[dict]:
     return document
 
 
+# JSON lines end at \n (\r\n, \r), which a JSON string cannot hold unescaped; not at str.splitlines' other ends (U+2028,
+# U+0085 ...), which it holds as they are where it was written with ensure_ascii=False
+_LINE_END = re.compile(r"\r\n|\r|\n")
+
+
 def _json_lines(text: str, path: Path, field: str) -> list[dict]:
     """The rows of JSON lines text: one object per line, blank lines skipped."""
     rows = []
-    for number, line in enumerate(text.splitlines(), 1):
+    for number, line in enumerate(_LINE_END.split(text), 1):
         if not line.strip():
             continue
         try:
