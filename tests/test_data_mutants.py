@@ -1,8 +1,9 @@
 """How a user's rows become what a run trains on, where a mutation audit of the data path found mutants the suite let
 through: the GRPO walk over the data (each epoch every row once, in an order of its own, a function of the seed), the
 prompt column read, a tokenizer's BOS once (raw prompts, chat prompts, never inside a response), the R1-Zero template,
-sft's response column over TRL's completion, the built-in task's rows and held-out eval rows, and the warning for
-characters the built-in tokenizer drops inside chat messages.
+sft's response column over TRL's completion, the built-in task's rows and held-out eval rows, the warning for
+characters the built-in tokenizer drops inside chat messages, JSON lines past a blank line, and a prompt without
+tokens refused naming its row.
 """
 from __future__ import annotations
 
@@ -162,3 +163,20 @@ def test_a_json_lines_file_whose_text_holds_unicode_line_separators_loads_whole(
     path = tmp_path / f"data{suffix}"
     path.write_bytes("".join(json.dumps(row, ensure_ascii=False) + "\r\n" for row in rows).encode())
     assert load_rows(str(path)) == rows
+
+
+def test_blank_lines_between_json_lines_rows_are_skipped_and_counted(tmp_path):
+    path = tmp_path / "data.jsonl"
+    path.write_text('{"prompt": "a"}\n\n  \n{"prompt": "b"}\n\n')
+    assert load_rows(str(path)) == [{"prompt": "a"}, {"prompt": "b"}]
+    path.write_text('{"prompt": "a"}\n\n{"prompt": "b"}\n{"prompt": \n')
+    with pytest.raises(ValueError, match=r"data\.jsonl:4: invalid JSON in dataset "):
+        load_rows(str(path))
+
+
+def test_a_prompt_without_tokens_is_refused_naming_its_row():
+    # the built-in tokenizer drops characters it lacks; generation starts from a prompt's last token
+    tokenizer = default_task.build_tokenizer()
+    rows = [{"prompt": "1 say a"}, {"prompt": "ÉÉ"}]
+    with pytest.raises(ValueError, match=r"^dataset: row 1: prompt: 'ÉÉ' has no tokens"):
+        prompt_token_ids(rows, tokenizer, GRPOConfig(prompt_format="raw"))
