@@ -180,3 +180,18 @@ def test_a_prompt_without_tokens_is_refused_naming_its_row():
     rows = [{"prompt": "1 say a"}, {"prompt": "ÉÉ"}]
     with pytest.raises(ValueError, match=r"^dataset: row 1: prompt: 'ÉÉ' has no tokens"):
         prompt_token_ids(rows, tokenizer, GRPOConfig(prompt_format="raw"))
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_chat_prompt_the_template_renders_without_tokens_is_refused_naming_its_row(command):
+    # a template writing only the contents, and an empty question: a GRPO run took the row, then failed at the step
+    # that sampled it, after the model had loaded ("prompts[1]: expected a non-empty ... token id list, got []")
+    tokenizer = default_task.build_tokenizer()
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    rows = [{"prompt": [{"role": "user", "content": "1 say a"}], "response": "a"},
+            {"prompt": [{"role": "user", "content": ""}], "response": "b"}]
+    with pytest.raises(ValueError, match=r"^dataset: row 1: prompt: \[\{'role': 'user', 'content': ''\}\] has no "):
+        if command == "train":
+            prompt_token_ids(rows, tokenizer, GRPOConfig(prompt_format="chat"))
+        else:
+            tokenize_rows(rows, tokenizer, prompt_format="chat", **SFT_KWARGS)

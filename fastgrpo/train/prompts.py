@@ -107,12 +107,13 @@ def prompt_text(prompt, prompt_format: str) -> str | list:
 
 
 def prompt_ids(tokenizer, prompt, prompt_format: str) -> list[int]:
-    """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation."""
+    """Token ids of a prompt (text or chat messages) in `prompt_format`, ready for generation: one or more (a template
+    that writes only the contents renders an empty question as none)."""
     if uses_chat_template(tokenizer, prompt, prompt_format):
         messages = chat_messages(prompt)
-        return _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
-    # not through the template: a text prompt (uses_chat_template takes every other), r1_zero-wrapped or as it is
-    ids = list(tokenizer(prompt_text(prompt, prompt_format), add_special_tokens=True)["input_ids"])
+        ids = _ids(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True))
+    else:  # a text prompt (uses_chat_template takes every other), r1_zero-wrapped or as it is
+        ids = list(tokenizer(prompt_text(prompt, prompt_format), add_special_tokens=True)["input_ids"])
     if not ids:
         raise ValueError(f"prompt: {prompt!r} has no tokens (the engine generates from a prompt's last token)")
     return ids

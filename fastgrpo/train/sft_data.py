@@ -177,9 +177,6 @@ def tokenize_rows(rows, tokenizer, *, prompt_column: str, response_column: str, 
                 (prompt_ids(tokenizer, prompt, prompt_format), response_ids(tokenizer, prompt, response, prompt_format))
         except ValueError as err:
             raise ValueError(f"dataset: row {i}: {err}") from None
-        if not p:
-            raise ValueError(f"dataset: row {i} has an empty prompt (its first response token would have no "
-                             "token to be predicted from)")
         if len(p) + len(r) > max_seq_length:
             if not truncate:
                 raise ValueError(f"dataset: row {i} has {len(p) + len(r)} tokens, over max_seq_length "
