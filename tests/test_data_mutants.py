@@ -17,7 +17,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.grpo_data import _epoch_order, prompt_token_ids, walk_rows
-from fastgrpo.train.loading import eval_rows, load_rows
+from fastgrpo.train.loading import eval_rows, load_dataset, load_rows
 from fastgrpo.train.prompts import R1_ZERO_PROMPT, prompt_ids, response_ids
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import collate, tokenize_rows
@@ -195,3 +195,15 @@ def test_a_chat_prompt_the_template_renders_without_tokens_is_refused_naming_its
             prompt_token_ids(rows, tokenizer, GRPOConfig(prompt_format="chat"))
         else:
             tokenize_rows(rows, tokenizer, prompt_format="chat", **SFT_KWARGS)
+
+
+def test_only_the_eval_rows_a_run_evaluates_are_checked_before_it_loads(tmp_path):
+    train = tmp_path / "train.jsonl"
+    train.write_text('{"prompt": "1 say a", "letter": "a"}\n')
+    held_out = tmp_path / "eval.jsonl"  # its third row a null prompt, past the two evaluated
+    held_out.write_text('{"prompt": "2 say b", "letter": "b"}\n{"prompt": "3 say c", "letter": "c"}\n'
+                        '{"prompt": null, "letter": "d"}\n')
+    fields = dict(dataset=str(train), eval_dataset=str(held_out), eval_steps=1, reward_funcs=default_task.REWARD_FUNCS)
+    assert len(load_dataset(GRPOConfig(**fields, eval_max_examples=2))) == 1
+    with pytest.raises(ValueError, match=r"^eval_dataset: row 2: prompt: expected a string"):
+        load_dataset(GRPOConfig(**fields, eval_max_examples=3))
