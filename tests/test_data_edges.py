@@ -227,3 +227,24 @@ def test_a_folder_of_csv_files_reads_its_prompts_as_written(tmp_path):
     (tmp_path / "data" / "part-0.csv").write_text("question,answer\n0123,4\n17,34\n")
     rows = load_rows(str(tmp_path / "data"), text_columns=("question",))
     assert as_list(rows) == [{"question": "0123", "answer": 4}, {"question": "17", "answer": 34}]
+
+
+@pytest.mark.parametrize("folder", [False, True])
+def test_a_csv_prompt_or_response_that_pandas_takes_for_missing_is_read_as_written(tmp_path, folder):
+    # pandas' read_csv turned "NA", "None", "null", "nan" and empty cells into missing values before the converters
+    # that keep these columns' text ran: a prompt "None" became None ("expected a string, got NoneType"); the
+    # other columns keep pandas' missing values, as TRL's users get them (an empty answer is None, "NA" too)
+    pytest.importorskip("datasets")
+    text = 'question,response,answer,n\nNA,None,NA,1\nnull,nan,"",\nN/A,x,4,3\n'
+    if folder:
+        (tmp_path / "data").mkdir()
+        (tmp_path / "data" / "part-0.csv").write_text(text)
+        data = tmp_path / "data"
+    else:
+        data = tmp_path / "data.csv"
+        data.write_text(text)
+    rows = as_list(load_rows(str(data), text_columns=("question", "response")))
+    assert [r["question"] for r in rows] == ["NA", "null", "N/A"]
+    assert [r["response"] for r in rows] == ["None", "nan", "x"]
+    assert [r["answer"] for r in rows] == [None, None, 4]
+    assert [r["n"] for r in rows][::2] == [1, 3] and rows[1]["n"] is None

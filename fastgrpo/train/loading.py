@@ -25,7 +25,8 @@ from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import check_prompt, check_prompt_format
 from fastgrpo.train.sft_data import COMPLETION_COLUMN, TEXT_COLUMN, sft_eval_rows, sft_pairs
 from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDERS, check_table_file, data_suffix,
-                                    import_function, naming_the_model, read_json_rows, resolved_dtype)
+                                    import_function, naming_the_model, read_json_rows, resolved_dtype,
+                                    folder_options, saved_to_disk, text_column_options)
 
 
 def resolve_reward(name: str):
@@ -52,7 +53,7 @@ def load_rows(dataset: str, split: str = "train", field: str = "dataset", config
     ignored. A CSV / TSV file's text_columns (the prompt's, sft's response's) are read as written: "0123", not the
     int 123 the csv builder makes of digits; its other columns keep the types it infers, as TRL's users get them."""
     path = Path(dataset)
-    if not (path.is_file() or _saved_to_disk(path)):
+    if not (path.is_file() or saved_to_disk(path)):
         return _read_rows(dataset, split, field, config_name, text_columns)
     _check_whole_split(path, split, field, config_name, default_split)
     rows = _read_rows(dataset, split, field, config_name, text_columns)
@@ -85,12 +86,12 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
     try:
         if path.is_file():
             builder, options = TABLE_BUILDERS[suffix]
-            if builder == "csv":  # pandas' converters take a cell's text; columns the file lacks are ignored
-                options = {**options, "converters": dict.fromkeys(text_columns, str)}
+            if builder == "csv":
+                options = {**options, **text_column_options([path], text_columns)}
             return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
-        if _saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
+        if saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
             return datasets.load_from_disk(str(path))
-        return datasets.load_dataset(dataset, config_name, split=split, **_folder_options(path, text_columns))
+        return datasets.load_dataset(dataset, config_name, split=split, **folder_options(path, text_columns))
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
         if not path.is_file() and "config" in str(err).lower():  # "Config name is missing", "BuilderConfig 'x' ..."
             _check_config_name(datasets, dataset, config_name, field)
@@ -104,15 +105,6 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
         raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
-
-
-def _folder_options(path: Path, text_columns: tuple[str, ...]) -> dict:
-    """load_dataset's options for a local folder whose data files are all CSV: its text_columns read as written, as a
-    CSV file's are (load_rows); none for another folder or a Hub name (other builders refuse `converters`)."""
-    if not path.is_dir() or _saved_to_disk(path):
-        return {}
-    suffixes = {data_suffix(file) for file in path.rglob("*") if file.is_file()} - {""}
-    return {"converters": dict.fromkeys(text_columns, str)} if suffixes == {".csv"} else {}
 
 
 def _check_whole_split(path: Path, split: str, field: str, config_name: str | None, default_split: str) -> None:
@@ -172,11 +164,6 @@ def _missing_split(datasets, dataset: str, split: str, field: str, config_name: 
     where = f"{dataset} (config {config_name!r})" if config_name is not None else dataset
     return (f"{field}_split: no {split!r} split in {where}; its splits: {names} (pass "
             f"{setting(f'{field}_split', names[0])})")
-
-
-def _saved_to_disk(path: Path) -> bool:
-    """A folder Dataset.save_to_disk wrote (one dataset, no splits; a DatasetDict's folder load_dataset reads)."""
-    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
 
 
 def load_dataset(config, builtin=None, tokenizer=None):

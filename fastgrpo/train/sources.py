@@ -125,20 +125,35 @@ def check_table_file(path: Path, field: str = "dataset") -> None:
     """A ValueError for a CSV / TSV file (maybe gzipped) whose header line names a column twice (the csv reader
     renames the second `name.1`: a run would read the first and drop the other without a word), or that has no row
     under its header (datasets says 'Instruction "train" corresponds to no data!')."""
-    _, options = TABLE_BUILDERS[data_suffix(path)]
-    opener = gzip.open if path.suffix.lower() == ".gz" else open
-    try:
-        with opener(path, "rt", encoding="utf-8-sig", newline="") as file:
-            lines = csv.reader(file, delimiter=options.get("sep", ","))
-            header, first_row = next(lines, []), next(lines, None)
-    except (OSError, EOFError, UnicodeDecodeError, csv.Error):
+    lines = _table_lines(path, 2)
+    if lines is None:
         return  # the csv builder's reading says what is wrong with the file
+    header, first_row = (lines[0] if lines else []), (lines[1] if len(lines) > 1 else None)
     twice = next((name for i, name in enumerate(header) if name in header[:i]), None)  # as pandas: " a" is not "a"
     if twice is not None:
         raise ValueError(f"{field}: {path} names the column {twice!r} twice in its header line")
     if first_row is None:
         raise ValueError(f"{field}: expected at least one row, got an empty dataset ({path} has none under its "
                          "header line)")
+
+
+def table_header(path: Path) -> list[str]:
+    """The column names of a CSV / TSV file's header line (maybe gzipped); [] where it cannot be read."""
+    lines = _table_lines(path, 1)
+    return lines[0] if lines else []
+
+
+def _table_lines(path: Path, count: int) -> list[list[str]] | None:
+    """The first `count` lines of a CSV / TSV file (maybe gzipped) as the csv reader splits them; None where it
+    cannot be read."""
+    _, options = TABLE_BUILDERS[data_suffix(path)]
+    opener = gzip.open if path.suffix.lower() == ".gz" else open
+    try:
+        with opener(path, "rt", encoding="utf-8-sig", newline="") as file:
+            lines = csv.reader(file, delimiter=options.get("sep", ","))
+            return [line for _, line in zip(range(count), lines)]
+    except (OSError, EOFError, UnicodeDecodeError, csv.Error):
+        return None
 
 
 def read_json_rows(path: str | Path, field: str = "dataset") -> list[dict]:
@@ -307,3 +322,28 @@ def naming_the_model(model: str | None):
         if model is None:
             raise
         raise model_load_error(model, err) from err
+
+
+def folder_options(path: Path, text_columns: tuple[str, ...]) -> dict:
+    """load_dataset's options for a local folder whose data files are all CSV: its text_columns read as written, as a
+    CSV file's are (load_rows); none for another folder or a Hub name (other builders refuse `converters`)."""
+    if not path.is_dir() or saved_to_disk(path):
+        return {}
+    files = [file for file in path.rglob("*") if file.is_file() and data_suffix(file)]
+    return text_column_options(files, text_columns) if {data_suffix(f) for f in files} == {".csv"} else {}
+
+
+def text_column_options(files: list[Path], text_columns: tuple[str, ...]) -> dict:
+    """The csv builder's options that read the CSV / TSV `files`' text_columns as written: pandas' converters take a
+    cell's text (columns a file lacks are ignored), and its missing-value cells ("NA", "None", "null", "", ...) are
+    missing only in the other columns, which keep read_csv's defaults."""
+    from pandas._libs.parsers import STR_NA_VALUES  # read_csv's default missing-value cells (its documented list)
+
+    others = {name for file in files for name in table_header(file)} - set(text_columns)
+    return {"converters": dict.fromkeys(text_columns, str), "keep_default_na": False,
+            "na_values": {name: sorted(STR_NA_VALUES) for name in sorted(others)}}
+
+
+def saved_to_disk(path: Path) -> bool:
+    """A folder Dataset.save_to_disk wrote (one dataset, no splits; a DatasetDict's folder load_dataset reads)."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
