@@ -208,7 +208,8 @@ def run_case(name: str, out: str) -> None:
             if whole_steps:
                 metrics = trainer.train_step()
                 losses.append(metrics["loss"])
-                phases.append({k: metrics[k] for k in ("rollout_s", "reference_s", "train_s", "completion_length")})
+                phases.append({k: metrics[k] for k in ("rollout_s", "rewards_s", "reference_s", "train_s",
+                                                       "completion_length")})
             else:
                 losses.append(trainer._update(batch, advantages, None, None)[0]["loss"])
             _sync()

@@ -71,8 +71,9 @@ def test_train_loop_qwen_1_5b_lora(tmp_path):
 
     row = {
         "model": "qwen2.5-1.5b", "mode": "lora16", "steps": STEPS, **SETUP,
-        "rollout_s": median("rollout_s"), "reference_s": median("reference_s"), "train_s": median("train_s"),
-        "step_s": median("rollout_s") + median("reference_s") + median("train_s"),
+        "rollout_s": median("rollout_s"), "rewards_s": median("rewards_s"), "reference_s": median("reference_s"),
+        "train_s": median("train_s"),
+        "step_s": median("rollout_s") + median("rewards_s") + median("reference_s") + median("train_s"),
         "rollout_tokens_per_s": median("rollout_tokens_per_s"), "train_tokens_per_s": median("train_tokens_per_s"),
         "completion_length": median("completion_length"),
         "peak_gib": max(m["peak_gpu_mem_gib"] for m in history),
@@ -83,8 +84,8 @@ def test_train_loop_qwen_1_5b_lora(tmp_path):
     write_results("train_loop", [row], {"what": "fastgrpo GRPOTrainer, 10 steps, LoRA r=16, bf16, length reward, "
                                                 "beta=0.04; medians of steps 2-10"})
     print()
-    print_table([row], ["model", "mode", "completion_length", "rollout_s", "reference_s", "train_s", "step_s",
-                        "rollout_tokens_per_s", "train_tokens_per_s", "peak_gib", "export_s"])
+    print_table([row], ["model", "mode", "completion_length", "rollout_s", "rewards_s", "reference_s", "train_s",
+                        "step_s", "rollout_tokens_per_s", "train_tokens_per_s", "peak_gib", "export_s"])
 
 
 if __name__ == "__main__":

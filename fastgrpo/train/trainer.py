@@ -54,8 +54,8 @@ STEP_METRICS = ("step", "reward", "reward_std", "reward_errors", "frac_reward_ze
                 "rollout_logp_diff", "rollout_logp_diff_max", "rollout_is_weight_mean", "rollout_is_weight_min",
                 "rollout_is_weight_max", "rollout_truncated_frac", "rollout_masked_frac", "loss", "grad_norm",
                 "clip_ratio", "entropy", "entropy_coef", "completion_length", "completion_length_max",
-                "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "reference_s",
-                "train_s", "peak_gpu_mem_gib")
+                "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "rewards_s",
+                "reference_s", "train_s", "peak_gpu_mem_gib")
 
 
 class GRPOTrainer:
@@ -140,6 +140,7 @@ class GRPOTrainer:
         advantages = reward_advantages(per_func, self.reward_weights, G, config.scale_rewards, ADVANTAGE_EPS,
                                        config.multi_objective_aggregation).float().to(self.device)  # [N]
         advantages = self.dist.own_rows(advantages)  # this rank's rows
+        t_rewards = time.perf_counter()
 
         # 4. Old log-probs when the update needs them before it starts (see _needs_old_pass), and reference ones.
         old_logps = ref_logps = None
@@ -194,7 +195,8 @@ class GRPOTrainer:
             "train_tokens_per_s": (batch["attention_mask"].sum().item() * config.num_iterations
                                    / max(t_train - t_reference, 1e-9)),
             "rollout_s": t_rollout - t_start,
-            "reference_s": t_reference - t_rollout,
+            "rewards_s": t_rewards - t_rollout,
+            "reference_s": t_reference - t_rewards,
             "train_s": t_train - t_reference,
             "peak_gpu_mem_gib": torch.cuda.max_memory_allocated() / GIB if self.device.type == "cuda" else 0.0,
         }

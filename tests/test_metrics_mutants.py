@@ -1,0 +1,153 @@
+"""The numbers a user reads to judge a GRPO run, where a mutation audit found mutants the suite let through: a step's
+timings and throughputs (each phase's own seconds, its own tokens), the console's line (the window's means, reset at
+each line, and the last step's line), ... On the built-in task's tiny model, fp32, or on hand-made metrics.
+"""
+from __future__ import annotations
+
+import io
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from fastgrpo.train import default_task
+from fastgrpo.train.config import GRPOConfig
+from fastgrpo.train.trainer import GRPOTrainer
+
+SMALL = dict(batch_size=8, num_generations=4, micro_batch_size=4, max_completion_length=5, max_steps=1, export=False,
+             progress_bar=False, logging_steps=0)
+
+
+def _trainer(tmp_path, **fields):
+    tokenizer = default_task.build_tokenizer()
+    model = default_task.build_model(tokenizer)
+    config = GRPOConfig(**{**default_task.PRESET, **SMALL, "output_dir": str(tmp_path), **fields})
+    return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
+
+
+def _spied(monkeypatch, module, name: str, seen: list):
+    """Replace module.name by a spy that appends what it returns to `seen`."""
+    function = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        seen.append(function(*args, **kwargs))
+        return seen[-1]
+
+    monkeypatch.setattr(module, name, spy)
+
+
+def test_a_steps_group_length_and_kl_metrics_are_over_its_groups_completions_and_tokens(tmp_path, monkeypatch):
+    """One step of 2 prompts x 4 completions of unequal lengths (stop strings), a reward equal within the first
+    group and spread within the second: frac_reward_zero_std 1/2 (the share of groups, rows grouped by prompt);
+    completion_length / completion_length_max the mean / longest of the completions' token counts; truncated_frac
+    the share the engine stopped at max_completion_length (finish reason "length"); kl / kl_p95 the mean / 0.95
+    quantile of the per-token k3 over the completion tokens. Groups of interleaved rows, the padded width as the
+    longest, or another quantile passed the suite."""
+    from fastgrpo.train import trainer as trainer_module
+
+    def spread_in_second_group(prompts, completions, **kwargs):
+        return [1.0 if prompt == prompts[0] else float(k) for k, prompt in enumerate(prompts)]
+
+    batches, kls = [], []
+    _spied(monkeypatch, trainer_module, "rollout_batch", batches)
+    _spied(monkeypatch, trainer_module, "kl_penalty", kls)
+    trainer = _trainer(tmp_path, beta=0.1, micro_batch_size=8, max_completion_length=8, stop=["a", "e"])
+    trainer.reward_funcs = [spread_in_second_group]
+    with torch.no_grad():  # the policy moved off the reference (its copy at construction)
+        g = torch.Generator().manual_seed(0)
+        for p in trainer.model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    metrics = trainer.train_step()
+    batch, mask = batches[0], batches[0]["completion_mask"].bool()
+    lengths = mask.sum(-1).double()
+    assert lengths.min() < lengths.max(), lengths
+    assert metrics["frac_reward_zero_std"] == 0.5
+    assert metrics["completion_length"] == pytest.approx(lengths.mean().item(), rel=1e-12)
+    assert metrics["completion_length_max"] == lengths.max().item()
+    truncated = [reason == "length" for reason in batch["finish_reasons"]]
+    assert all(lengths[truncated] == 8) and 0 < sum(truncated) < 8  # one may stop at its 8th token: not truncated
+    assert metrics["truncated_frac"] == sum(truncated) / 8
+    kl = kls[-1][mask].double()
+    assert kl.max() > 2 * kl.min() > 0
+    assert metrics["kl"] == pytest.approx(kl.mean().item(), rel=1e-5)
+    assert metrics["kl_p95"] == pytest.approx(torch.quantile(kl, 0.95).item(), rel=1e-5)
+
+
+def test_step_timings_and_throughputs_are_each_phases_own(tmp_path, monkeypatch):
+    """A fake clock that only the phases move (rollout 2 s, rewards 3 s, the old and reference passes 5 s, the
+    update 7 s): rollout_s / rewards_s / reference_s / train_s are those phases' seconds, step_s the whole step's,
+    rollout_tokens_per_s the completion tokens over the rollout's seconds, train_tokens_per_s the [prompt |
+    completion] tokens of every epoch (num_iterations 2) over the update's seconds. reference_s held the reward
+    functions' seconds too (a slow judge read as a slow reference pass, and seconds at beta 0 with no pass at all);
+    counting the prompt tokens as rolled out, one epoch's tokens as trained, or another phase's seconds in a
+    phase's passed the suite."""
+    from fastgrpo.train import trainer as trainer_module
+
+    now = [0.0]
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic))
+
+    def advancing(function, seconds):
+        def spy(*args, **kwargs):
+            out = function(*args, **kwargs)
+            now[0] += seconds
+            return out
+        return spy
+
+    batches = []
+    monkeypatch.setattr(trainer_module, "rollout_batch", advancing(trainer_module.rollout_batch, 2.0))
+    _spied(monkeypatch, trainer_module, "rollout_batch", batches)
+    monkeypatch.setattr(trainer_module, "score_groups", advancing(trainer_module.score_groups, 3.0))
+    trainer = _trainer(tmp_path, beta=0.1, num_iterations=2)
+    monkeypatch.setattr(trainer, "_logprobs", advancing(trainer._logprobs, 5.0 / 2))  # the old and reference passes
+    monkeypatch.setattr(trainer, "_update", advancing(trainer._update, 7.0))
+    [metrics] = trainer.train()
+    batch = batches[0]
+    completion_tokens, tokens = batch["completion_mask"].sum().item(), batch["attention_mask"].sum().item()
+    assert tokens > completion_tokens > 0
+    assert metrics["rollout_s"] == 2.0 and metrics["train_s"] == 7.0 and metrics["step_s"] == 17.0
+    assert metrics["rewards_s"] == 3.0 and metrics["reference_s"] == 5.0
+    assert metrics["rollout_tokens_per_s"] == pytest.approx(completion_tokens / 2.0, rel=1e-12)
+    assert metrics["train_tokens_per_s"] == pytest.approx(2 * tokens / 7.0, rel=1e-12)
+
+
+def _console_lines(every: int, total: int, steps: list[dict]) -> list[dict]:
+    """ConsoleLog's lines for `steps` (metrics without their "step": added here), each parsed to {label: text}."""
+    from fastgrpo.train.console import ConsoleLog
+
+    stream = io.StringIO()
+    console = ConsoleLog(every, total, progress_bar=False, stream=stream)
+    for step, metrics in enumerate(steps, 1):
+        console.add({"step": step, **metrics})
+    console.close()
+    return [dict(part.rsplit(" ", 1) for part in line.split(" | ")) for line in stream.getvalue().splitlines()]
+
+
+def test_console_lines_hold_each_windows_means_and_the_last_step():
+    """every 2 of 5 steps: lines at steps 2, 4 and the last (5), each with the mean over the steps since the
+    previous line (a metric a step lacks left out of its mean, one no step has left out of the line) and the
+    window's highest peak_gpu_mem_gib; the last value alone, means over the whole run so far, or no line at the
+    last step passed the suite."""
+    steps = [dict(reward=0.1, kl=0.5, peak_gpu_mem_gib=3.0), dict(reward=0.3, kl=1.5, peak_gpu_mem_gib=2.0),
+             dict(reward=0.5, peak_gpu_mem_gib=1.0), dict(reward=0.9, kl=2.0, peak_gpu_mem_gib=4.0),
+             dict(reward=0.25, peak_gpu_mem_gib=5.0)]
+    lines = _console_lines(2, 5, steps)
+    assert [line["step"] for line in lines] == ["2/5", "4/5", "5/5"]
+    assert [line["reward"] for line in lines] == ["0.200", "0.700", "0.250"]
+    assert [line.get("kl") for line in lines] == ["1", "2", None]
+    assert [line["peak_gpu_mem_gib"] for line in lines] == ["3.00", "4.00", "5.00"]
+
+
+@pytest.mark.parametrize("value, shown", [(999.0, "999"), (1000.0, "1K"), (35_400.0, "35.4K"), (2.5e6, "2.5M")])
+def test_console_throughputs_are_shown_with_their_unit(value, shown):
+    assert _console_lines(1, 1, [dict(rollout_tokens_per_s=value)])[0]["rollout_tokens_per_s"] == shown
+
+
+def test_a_runs_closing_summary_goes_from_its_first_to_its_last_line():
+    from fastgrpo.train.console import change
+
+    first, last = {"step": 1, "reward": 0.0444}, {"step": 40, "reward": None}
+    assert change("reward", first, last) == "reward 0.044 (step 1) -> none (step 40)"
+    assert change("reward", first, first) == "reward 0.044 (step 1)"
+    assert change("kept_frac", {"round": 2, "kept_frac": 0.5}, {"round": 3, "kept_frac": 0.25}, unit="round",
+                  fmt="{:.2f}") == "kept_frac 0.50 (round 2) -> 0.25 (round 3)"
