@@ -87,3 +87,19 @@ def test_clip_loss_gradient_and_metrics_match_trl(level, delta, per_token_advant
     got = {key: float(metrics[key]) for key in want_metrics}
     want = {key: float(value) for key, value in want_metrics.items()}
     assert got == pytest.approx(want, rel=1e-12, abs=1e-15), (got, want)
+
+
+def test_a_row_without_valid_tokens_is_left_out_of_the_per_sequence_extremes():
+    """clip_ratio_low_min / clip_ratio_high_max are over the sequences with valid tokens (TRL's nanmin / nanmax of
+    per-sequence means, NaN for a row of none: a truncated completion under mask_truncated_completions). Counting
+    such a row as 0 made low_min 0 whatever the other rows, and passed the suite (high_max, over shares >= 0, keeps).
+    Advantages -1 on every row, so that every row with tokens has a share clipped low above 0."""
+    logps, old, _, mask = problem(False)
+    logps, old = torch.cat([logps, logps[:1]]), torch.cat([old, old[:1]])
+    mask = torch.cat([mask, torch.zeros_like(mask[:1])])  # a fourth row: no valid token
+    adv = -torch.ones(4, 1, dtype=f64)
+    cfg = GRPOLossConfig(epsilon_low=EPS_LOW, epsilon_high=EPS_HIGH, loss_type="bnpo")
+    metrics = loss_metrics(mask, grpo_objective(logps, mask, adv, old, None, cfg))
+    want = trl_terms(logps, old, adv, mask, None, "token")[1]
+    assert want["clip_ratio_low_min"] > 0
+    assert float(metrics["clip_ratio_low_min"]) == pytest.approx(float(want["clip_ratio_low_min"]), rel=1e-12)

@@ -1,6 +1,8 @@
 """The numbers a user reads to judge a GRPO run, where a mutation audit found mutants the suite let through: a step's
-timings and throughputs (each phase's own seconds, its own tokens), the console's line (the window's means, reset at
-each line, and the last step's line), ... On the built-in task's tiny model, fp32, or on hand-made metrics.
+group, length and KL metrics against its rollout, its entropy at sequence level, its timings and throughputs (each
+phase's own seconds and tokens), the console's lines (the window's means, reset at each line, the last step's line,
+the peak memory, SI units, the closing summary), and metrics.jsonl / TensorBoard on a resume (a torn line dropped,
+TensorBoard purged from the first step redone). On the built-in task's tiny model, fp32, or on hand-made metrics.
 """
 from __future__ import annotations
 
@@ -98,7 +100,7 @@ def test_step_timings_and_throughputs_are_each_phases_own(tmp_path, monkeypatch)
     monkeypatch.setattr(trainer_module, "rollout_batch", advancing(trainer_module.rollout_batch, 2.0))
     _spied(monkeypatch, trainer_module, "rollout_batch", batches)
     monkeypatch.setattr(trainer_module, "score_groups", advancing(trainer_module.score_groups, 3.0))
-    trainer = _trainer(tmp_path, beta=0.1, num_iterations=2)
+    trainer = _trainer(tmp_path, beta=0.1, num_iterations=2, micro_batch_size=8)
     monkeypatch.setattr(trainer, "_logprobs", advancing(trainer._logprobs, 5.0 / 2))  # the old and reference passes
     monkeypatch.setattr(trainer, "_update", advancing(trainer._update, 7.0))
     [metrics] = trainer.train()
@@ -151,3 +153,104 @@ def test_a_runs_closing_summary_goes_from_its_first_to_its_last_line():
     assert change("reward", first, first) == "reward 0.044 (step 1)"
     assert change("kept_frac", {"round": 2, "kept_frac": 0.5}, {"round": 3, "kept_frac": 0.25}, unit="round",
                   fmt="{:.2f}") == "kept_frac 0.50 (round 2) -> 0.25 (round 3)"
+
+
+def test_a_sequence_level_steps_entropy_is_its_token_mean(tmp_path, monkeypatch):
+    """importance_sampling_level "sequence" weighs the micro-batches' clip_ratio by their sequences, their entropy
+    still by their tokens: the step's entropy is the mean over all completion tokens of the policy's entropy at
+    rollout (an eager pass on the rollout, before the update). Dividing it by the sequence count passed the suite.
+    Micro-batches of 2 rows of unequal lengths (stop strings)."""
+    from fastgrpo.loss.model import sequence_logprobs
+    from fastgrpo.train import trainer as trainer_module
+
+    batches = []
+    _spied(monkeypatch, trainer_module, "rollout_batch", batches)
+    trainer = _trainer(tmp_path, importance_sampling_level="sequence", micro_batch_size=2, max_completion_length=8,
+                       stop=["a", "e"])
+    entropies = []
+    rollout = trainer_module.rollout_batch
+
+    def with_entropy(*args, **kwargs):
+        batch = rollout(*args, **kwargs)
+        rows = (batch["input_ids"], batch["attention_mask"], batch["completion_mask"])
+        with torch.no_grad():
+            entropies.append(sequence_logprobs(trainer.model, *rows, temperature=trainer.config.temperature,
+                                               return_entropy=True)[1])
+        return batch
+
+    monkeypatch.setattr(trainer_module, "rollout_batch", with_entropy)
+    metrics = trainer.train_step()
+    mask = batches[0]["completion_mask"].bool()
+    lengths = mask.sum(-1)
+    assert lengths.min() < lengths.max(), lengths
+    expected = entropies[0][mask].double().mean().item()
+    # The same fp32 forward in other row groupings: a token's entropy (lse ~4 minus sum p z) a few fp32 ulps of ~4
+    # apart, ~1e-6 absolute; a divisor of sequences for tokens is off by the mean length (> 2x here).
+    print(f"entropy logged {metrics['entropy']!r}, eager {expected!r}")
+    assert metrics["entropy"] == pytest.approx(expected, rel=2e-6)
+
+
+def test_a_line_torn_by_a_kill_after_the_checkpoints_step_is_dropped(tmp_path):
+    """A kill in the middle of writing step 3's line, after checkpoint-2: the resume from step 2 drops the torn line,
+    so step 3's new line starts a line of its own. A torn line was kept when the line before it was kept (the
+    suite's case had a whole line past the checkpoint between them), and the resumed run's first line was glued
+    to it: metrics.jsonl no longer parsed."""
+    import json
+
+    from fastgrpo.train.metrics_log import MetricsLog
+
+    lines = [json.dumps({"step": s, "reward": 0.5}) for s in (1, 2)]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + '\n{"step": 3, "rew')
+    log = MetricsLog(tmp_path)
+    log.start_at(2)
+    log.write({"step": 3, "reward": 0.75})
+    assert [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [
+        {"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.5}, {"step": 3, "reward": 0.75}]
+
+
+def _stand_in_tensorboard(monkeypatch) -> list:
+    """A torch.utils.tensorboard whose SummaryWriter records its purge_step and scalars (tensorboard is not
+    installed here, nor by CI's dev extra, where the suite's tensorboard tests skip): the writers it made."""
+    import sys
+    import types
+
+    writers = []
+
+    class SummaryWriter:
+        def __init__(self, logdir, purge_step=None):
+            self.logdir, self.purge_step, self.scalars = logdir, purge_step, []
+            writers.append(self)
+
+        def add_scalar(self, key, value, step):
+            self.scalars.append((step, key, value))
+
+        def flush(self):
+            pass
+
+    module = types.ModuleType("torch.utils.tensorboard")
+    module.SummaryWriter = SummaryWriter
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", module)
+    return writers
+
+
+def test_tensorboard_gets_each_lines_numbers_at_its_step_and_purges_what_a_resume_redoes(tmp_path, monkeypatch):
+    """TensorBoard gets every number of a line (ints too: reward_errors), not the step counter nor text or null,
+    at the line's step; a resumed run's writer purges from the first step it logs again (the checkpoint's + 1),
+    a fresh run's purges nothing. Purging from one step later kept the stopped run's value of the first redone step
+    beside the new one; the suite's tests of it skip without tensorboard."""
+    from fastgrpo.train.metrics_log import MetricsLog
+
+    writers = _stand_in_tensorboard(monkeypatch)
+    log = MetricsLog(tmp_path, report_to=["tensorboard"])
+    log.start_at(0)
+    assert not writers  # made at the first line
+    for step in (1, 2, 3):
+        log.write({"step": step, "reward": 0.25 * step, "reward_errors": 0, "reward_error/judge": "timeout",
+                   "kl": None})
+    assert writers[0].purge_step is None and writers[0].logdir == str(tmp_path / "tensorboard")
+    assert writers[0].scalars == [(s, key, value) for s in (1, 2, 3)
+                                  for key, value in (("reward", 0.25 * s), ("reward_errors", 0))]
+    resumed = MetricsLog(tmp_path, report_to=["tensorboard"])
+    resumed.start_at(2)  # checkpoint-2: step 3 is done again
+    resumed.write({"step": 3, "reward": 1.0})
+    assert writers[1].purge_step == 3 and writers[1].scalars == [(3, "reward", 1.0)]

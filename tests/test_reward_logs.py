@@ -143,6 +143,9 @@ def test_metrics_of_several_processes_are_one_mean():
     """As TRL's sum and count gathered across processes: a mean over all the values, not a mean of means."""
     shares = [({"acc": [1.0, 0.0]}, {"acc": "f"}), ({"acc": [1.0], "late": []}, {"acc": "f", "late": "g"})]
     assert merged_means(shares) == {"acc": (2 / 3, "f"), "late": (None, "g")}
+    # a name two functions logged on two processes is the first process's function's, as on one process (RewardLogs
+    # keeps the first): the one a clash's error names; the last one's passed the suite
+    assert merged_means([({"x": [1.0]}, {"x": "f"}), ({"x": [3.0]}, {"x": "g"})]) == {"x": (2.0, "f")}
 
 
 def test_what_is_not_recorded_is_said_once(caplog):
