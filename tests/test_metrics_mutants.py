@@ -254,3 +254,39 @@ def test_tensorboard_gets_each_lines_numbers_at_its_step_and_purges_what_a_resum
     resumed.start_at(2)  # checkpoint-2: step 3 is done again
     resumed.write({"step": 3, "reward": 1.0})
     assert writers[1].purge_step == 3 and writers[1].scalars == [(3, "reward", 1.0)]
+
+
+def _rollout_throughput(rank: int, tmp) -> dict:
+    """A worker: one LoRA step (DDP) whose rollout takes 2 s on rank 0 and 4 s on rank 1 of a fake clock; this
+    rank's completion tokens and the step's metrics."""
+    from fastgrpo.train import trainer as trainer_module
+    from tests.forked_gloo import tiny_model
+
+    now, rollout, tokens = [0.0], trainer_module.rollout_batch, []
+
+    def slow_rollout(*args, **kwargs):
+        batch = rollout(*args, **kwargs)
+        tokens.append(batch["completion_mask"].sum().item())
+        now[0] += 2.0 * (rank + 1)
+        return batch
+
+    trainer_module.time = SimpleNamespace(perf_counter=lambda: now[0], monotonic=time.monotonic)
+    trainer_module.rollout_batch = slow_rollout
+    model, tokenizer = tiny_model(lora=True)
+    config = GRPOConfig(**{**default_task.PRESET, **SMALL, "batch_size": 16, "output_dir": str(tmp / "run")})
+    trainer = GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(32), config)
+    metrics = trainer.train_step()
+    return {"tokens": tokens[0], "metrics": metrics}
+
+
+def test_rollout_throughput_of_two_processes_is_the_sum_of_each_ones_own(tmp_path):
+    """Two processes: rank 0's line holds each process's completion tokens over its own rollout's seconds, summed
+    (as train_tokens_per_s). Each process divided the whole batch's tokens (gathered for completion_length) by its
+    seconds, and the sum counted every token twice."""
+    from tests.forked_gloo import run_forked
+
+    found = run_forked(_rollout_throughput, tmp_path, deadline_s=60, group_timeout_s=30)
+    tokens = [part["tokens"] for part in found]
+    assert min(tokens) > 0
+    want = tokens[0] / 2.0 + tokens[1] / 4.0
+    assert found[0]["metrics"]["rollout_tokens_per_s"] == pytest.approx(want, rel=1e-12), (tokens, want)

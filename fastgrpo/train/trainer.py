@@ -191,7 +191,8 @@ class GRPOTrainer:
             "completion_length_max": lengths.max().item(),
             "truncated_frac": sum(r == "length" for r in batch["finish_reasons"]) / len(batch["finish_reasons"]),
             "lr": lr,
-            "rollout_tokens_per_s": lengths.sum().item() / max(t_rollout - t_start, 1e-9),
+            # this process's tokens over its seconds: combine_metrics sums the processes' (lengths are all of them)
+            "rollout_tokens_per_s": batch["completion_mask"].sum().item() / max(t_rollout - t_start, 1e-9),
             "train_tokens_per_s": (batch["attention_mask"].sum().item() * config.num_iterations
                                    / max(t_train - t_reference, 1e-9)),
             "rollout_s": t_rollout - t_start,
