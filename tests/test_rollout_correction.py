@@ -44,6 +44,8 @@ def test_weights_match_hand_math(mode, level, clip_min, clip_max, expected):
     assert metrics["rollout_logp_diff_max"] == pytest.approx(1.0, rel=1e-12)
     counted = expected[valid] if level == "token" else expected[:, 0]
     assert metrics["rollout_is_weight_mean"] == pytest.approx(counted.mean().item(), rel=1e-12)
+    assert (metrics["rollout_is_weight_min"], metrics["rollout_is_weight_max"]) == pytest.approx(
+        (counted.min().item(), counted.max().item()), rel=1e-12)  # _max as the mean passed the suite
     raw = torch.exp((TRAIN - ROLLOUT).masked_fill(~MASK.bool(), 0.0))
     raw = raw[valid] if level == "token" else raw.prod(-1)
     share = (counted != raw).double().mean().item()
