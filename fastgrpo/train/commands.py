@@ -342,8 +342,8 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         check_checkpoint_base(checkpoint, config.model)  # before its tokenizer loads
     # once: every check and the evaluation take it (a --checkpoint's without --model: its run's model's)
     tokenizer = tokenizer_before_load(evaluated_model(config.model, checkpoint))
-    rows = load_dataset(config, lambda: default_task.build_sft_dataset(num_rows=config.max_examples or 64,
-                                                                       seed=config.seed + 1), tokenizer)
+    rows = load_dataset(config, lambda: default_task.build_held_out_dataset(num_rows=config.max_examples or 64,
+                                                                            seed=config.seed), tokenizer)
     task = eval_task_before_load(config, rows, reward_funcs, checkpoint, tokenizer)  # rows' and lengths' errors
     output = Path(config.output_dir)
     with _eval_directory(dist, output, config):

@@ -195,4 +195,21 @@ def repeat_letter_reward(prompts: list, completions: list[str], letter: list[str
 
 def build_sft_dataset(num_rows: int = 512, seed: int = 0) -> list[dict]:
     """build_dataset's rows with a "response" column: the letter SFT_REPEATS times ("417 say c" -> "cccc")."""
-    return [{**row, "response": row["letter"] * SFT_REPEATS} for row in build_dataset(num_rows, seed)]
+    return [_with_response(row) for row in build_dataset(num_rows, seed)]
+
+
+def build_held_out_dataset(num_rows: int = 64, seed: int = 0) -> list[dict]:
+    """build_sft_dataset's columns, drawn with another seed than the training rows of `seed` (build_dataset's 512)
+    and none of their prompts: another seed alone repeats ~1 in 8 of them (512 of the 4,000 prompts)."""
+    trained = {row["prompt"] for row in build_dataset(seed=seed)}
+    draws = random.Random(seed + 1)
+    rows = []
+    while len(rows) < num_rows:
+        row = build_dataset(1, draws.getrandbits(64))[0]
+        if row["prompt"] not in trained:
+            rows.append(_with_response(row))
+    return rows
+
+
+def _with_response(row: dict) -> dict:
+    return {**row, "response": row["letter"] * SFT_REPEATS}

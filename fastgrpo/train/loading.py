@@ -213,8 +213,8 @@ def eval_rows(config):
         raise ValueError("eval_dataset_config: names a config of eval_dataset; the built-in task (no eval_dataset) "
                          "has none")
     if config.dataset is None:
-        # other seeds than the training rows'; the built-in SFT rows carry the GRPO task's columns too
-        return default_task.build_sft_dataset(num_rows=config.eval_max_examples, seed=config.seed + 1)
+        # none of the training rows' prompts; the built-in SFT rows carry the GRPO task's columns too
+        return default_task.build_held_out_dataset(num_rows=config.eval_max_examples, seed=config.seed)
     raise ValueError("eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate on; pass "
                      f"{setting('eval_dataset')} (a .jsonl, .json, .parquet or .csv file, a folder of them or an HF "
                      "dataset name)")
