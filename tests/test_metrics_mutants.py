@@ -42,7 +42,7 @@ def _spied(monkeypatch, module, name: str, seen: list):
 def test_a_steps_group_length_and_kl_metrics_are_over_its_groups_completions_and_tokens(tmp_path, monkeypatch):
     """One step of 2 prompts x 4 completions of unequal lengths (stop strings), a reward equal within the first
     group and spread within the second: frac_reward_zero_std 1/2 (the share of groups, rows grouped by prompt);
-    completion_length / completion_length_max the mean / longest of the completions' token counts; truncated_frac
+    completion_length / _max / _min the mean / longest / shortest of the completions' token counts; truncated_frac
     the share the engine stopped at max_completion_length (finish reason "length"); kl / kl_p95 the mean / 0.95
     quantile of the per-token k3 over the completion tokens. Groups of interleaved rows, the padded width as the
     longest, or another quantile passed the suite."""
@@ -67,6 +67,7 @@ def test_a_steps_group_length_and_kl_metrics_are_over_its_groups_completions_and
     assert metrics["frac_reward_zero_std"] == 0.5
     assert metrics["completion_length"] == pytest.approx(lengths.mean().item(), rel=1e-12)
     assert metrics["completion_length_max"] == lengths.max().item()
+    assert metrics["completion_length_min"] == lengths.min().item()  # TRL's completions/min_length
     truncated = [reason == "length" for reason in batch["finish_reasons"]]
     assert all(lengths[truncated] == 8) and 0 < sum(truncated) < 8  # one may stop at its 8th token: not truncated
     assert metrics["truncated_frac"] == sum(truncated) / 8

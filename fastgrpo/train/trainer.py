@@ -54,8 +54,8 @@ STEP_METRICS = ("step", "reward", "reward_std", "reward_errors", "frac_reward_ze
                 "rollout_logp_diff", "rollout_logp_diff_max", "rollout_is_weight_mean", "rollout_is_weight_min",
                 "rollout_is_weight_max", "rollout_truncated_frac", "rollout_masked_frac", "loss", "grad_norm",
                 "clip_ratio", "entropy", "entropy_coef", "completion_length", "completion_length_max",
-                "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s", "rollout_s", "rewards_s",
-                "reference_s", "train_s", "peak_gpu_mem_gib")
+                "completion_length_min", "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s",
+                "rollout_s", "rewards_s", "reference_s", "train_s", "peak_gpu_mem_gib")
 
 
 class GRPOTrainer:
@@ -189,6 +189,7 @@ class GRPOTrainer:
             **train,
             "completion_length": lengths.mean().item(),
             "completion_length_max": lengths.max().item(),
+            "completion_length_min": lengths.min().item(),  # 0: a row stopped at once (an EOS first)
             "truncated_frac": sum(r == "length" for r in batch["finish_reasons"]) / len(batch["finish_reasons"]),
             "lr": lr,
             # this process's tokens over its seconds: combine_metrics sums the processes' (lengths are all of them)
