@@ -115,3 +115,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(autouse=True)
+def _session_torch_threads():
+    """A command run in-process on the built-in model takes torch to one thread (default_task.use_one_cpu_thread);
+    the next test gets the session's count back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)

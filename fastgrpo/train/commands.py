@@ -116,6 +116,8 @@ def config_from_args(name: str, args: argparse.Namespace):
                                           **from_run, **merged})
         check_fsdp_applies(config, resumed)  # train, sft, ei (eval has no fsdp_* fields)
         check_reward_count(config)  # train, ei, eval: before any data loads
+    if model_preset:  # the tiny model: a second CPU thread only waits on busy cores
+        default_task.use_one_cpu_thread(config.device)
     if name in ("train", "sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)
     return config

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import random
 import string
 
@@ -162,6 +163,15 @@ def _strings(value):
     elif isinstance(value, (list, tuple)):
         for item in value:
             yield from _strings(item)
+
+
+def use_one_cpu_thread(device: str) -> None:
+    """One torch thread for the tiny model on the CPU (`device` "auto" without a GPU too), unless OMP_NUM_THREADS
+    sets the count: its 64-wide matmuls gain nothing from more, and while other processes keep the cores busy the
+    threads wait for each other (benchmarks/NOTES.md). torchrun sets OMP_NUM_THREADS=1 itself."""
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    if on_cpu and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
 
 
 def build_model(tokenizer, seed: int = 0) -> torch.nn.Module:
