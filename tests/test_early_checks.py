@@ -40,3 +40,15 @@ def test_lengths_within_the_positions_pass_to_the_load(config_only, tmp_path, ca
     assert main(["sft", "--model", config_only, "--max-seq-length", "32"]) == 2
     err = capsys.readouterr().err
     assert "max_seq_length" not in err and f"model: cannot load {config_only!r}" in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "ei", "eval"])
+def test_a_reward_the_builtin_rows_cannot_feed_says_no_dataset_was_given(tmp_path, capsys, monkeypatch, command):
+    # `--reward-funcs r1_zero_math` without --dataset: "dataset: ... lacks" read as if the user's data were at fault
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--reward-funcs", "r1_zero_math"]) == 2
+    columns = ["prompt", "letter", "response"] if command == "eval" else ["prompt", "letter"]  # eval's: sft's rows
+    assert capsys.readouterr().err == (
+        f"fastgrpo {command}: error: dataset (none given: the built-in task's rows): reward function "
+        f"r1_zero_math_reward needs columns ['answer'], which the dataset lacks (columns: {columns})\n")
+    assert list(tmp_path.iterdir()) == []

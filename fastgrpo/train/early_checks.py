@@ -34,7 +34,7 @@ def check_sampling_before_load(config, rows, reward_funcs: list, tokenizer) -> l
         check_kv_cache_before_load(config)
     check_lora_targets_before_load(config)
     check_reward_setup(reward_funcs, config.reward_weights)
-    check_reward_rows(rows, config.prompt_column, reward_funcs, "dataset")
+    check_reward_rows(rows, config.prompt_column, reward_funcs, rows_field(config))
     check_same_columns(rows)
     ids = tokenized_prompts(rows, tokenizer, config)
     prompt_token_ids(rows, tokenizer, config, warn=False, prompt_ids=ids)  # the lengths; the trainer's call warns
@@ -93,4 +93,10 @@ def eval_task_before_load(config, rows, reward_funcs: list, checkpoint: Path | N
                            prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
                            max_examples=config.max_examples, max_positions=positions_before_load(model),
-                           max_new_tokens=config.max_new_tokens, field="dataset")
+                           max_new_tokens=config.max_new_tokens, field=rows_field(config))
+
+
+def rows_field(config) -> str:
+    """How errors name the rows: "dataset", or without one the built-in task's (a reward they cannot feed, as
+    `--reward-funcs r1_zero_math` without --dataset, read as if the user's data lacked its column)."""
+    return "dataset" if config.dataset is not None else "dataset (none given: the built-in task's rows)"
