@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 
 import pytest
 
@@ -106,3 +107,19 @@ def test_a_json_file_holding_json_lines_loads(tmp_path):
     path.write_text(json.dumps(ROWS[0]) + "\n{\n")  # a bad line of it is still named
     with pytest.raises(ValueError, match=r"data\.json:2: invalid JSON in dataset "):
         load_rows(str(path))
+
+
+def test_a_name_neither_here_nor_on_the_hub_is_one_line_naming_the_field(tmp_path, monkeypatch, capsys):
+    # `--dataset mydata` (a folder's name mistyped) was datasets' "Couldn't reach 'mydata' on the Hub", exit 1, not
+    # naming --dataset; HF_HUB_OFFLINE answers at once where the unreachable Hub took 26 s of datasets' retries
+    pytest.importorskip("datasets")
+    from huggingface_hub import constants
+
+    from fastgrpo.train.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    assert main(["train", "--dataset", "mydata"]) == 2
+    err = capsys.readouterr().err
+    assert re.fullmatch(r"fastgrpo train: error: dataset: no such file or folder mydata, and datasets could not load "
+                        r"it from the Hub: Couldn't reach 'mydata' on the Hub \(\w+\)\n", err), err

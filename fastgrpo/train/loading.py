@@ -99,7 +99,13 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
                                                                                      config_name)
         if missing is not None:  # datasets' "Unknown split", said naming the setting
             raise ValueError(missing) from err
-        if not path.exists():  # a Hub name: the network's errors are not the user's input
+        if not path.exists():
+            # a Hub name: unreachable (ConnectionError) or no such dataset (DatasetNotFoundError, a FileNotFoundError)
+            # may as well be a local name mistyped; the network's other errors are not the user's input
+            if isinstance(err, (ConnectionError, FileNotFoundError)):
+                reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                raise ValueError(f"{field}: no such file or folder {dataset}, and datasets could not load it from the "
+                                 f"Hub: {reason}") from err
             raise
         cause = err.__cause__ or err  # a local file or folder: what datasets cannot read there is its fault
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
