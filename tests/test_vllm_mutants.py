@@ -60,19 +60,30 @@ def test_a_trainer_weight_in_another_dtype_is_copied_not_aliased():
     torch.testing.assert_close(fake.model.layers[0].self_attn.qkv_proj.weight[: HEADS * HEAD_DIM], q.double())
 
 
-@pytest.mark.parametrize("tied", [True, False])
-def test_a_lora_on_the_embedding_is_merged_into_vllms_embedding(tied):
-    model = get_peft_model(tiny(tied), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"],
+def test_a_lora_on_the_embedding_is_merged_into_vllms_embedding():
+    model = get_peft_model(tiny(tied=False), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "embed_tokens"],
                                                   init_lora_weights=False))
     merged = merged_sources(model)
     embed = "base_model.model.model.embed_tokens.base_layer.weight"
     assert embed in merged
-    fake = vllm_like(tied)
+    fake = vllm_like(tied=False)
     copies = bind(model, fake, merged=merged)
     assert "model.embed_tokens.weight" in {c.hf_name for c in copies}
     layer = model.base_model.model.model.embed_tokens
     want = layer.base_layer.weight + layer.get_delta_weight("default")
     torch.testing.assert_close(fake.model.embed_tokens.weight[:V], want.detach(), rtol=0, atol=1e-6)
+
+
+@pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+@pytest.mark.parametrize("target", ["embed_tokens", "lm_head"])
+def test_merge_sync_refuses_a_lora_on_a_tied_embedding(target):
+    """vLLM's tied lm_head IS its embedding: W + B A written there changed both, while the trainer's tied partner
+    stays W (0.7 apart in these logits). Refused before vLLM builds."""
+    model = get_peft_model(tiny(tied=True), LoraConfig(r=4, lora_alpha=8, target_modules=[target],
+                                                       init_lora_weights=False))
+    with pytest.raises(ValueError, match=rf"^model: {'model.embed_tokens' if target == 'embed_tokens' else 'lm_head'}: "
+                       r"vLLM ties the embedding and lm_head, so the merged weight sync would put the LoRA on both"):
+        merged_sources(model)
 
 
 def _peft(**options):
