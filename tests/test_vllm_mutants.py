@@ -189,3 +189,58 @@ def test_generate_sends_the_adapter_request_when_the_adapter_syncs(engine):
     engine._adapters, engine._lora_request = object(), "the adapter's LoRARequest"
     engine.generate(["a"], num_generations=2, sampling=SamplingParams(max_new_tokens=2))
     assert engine.llm.calls[0]["lora_request"] == "the adapter's LoRARequest"
+
+
+def test_generate_seeds_each_prompt_from_its_key(engine):
+    """The trainer passes each prompt's dataset index: a prompt's samples must not depend on its position."""
+    from fastgrpo.rollout.vllm_requests import request_seeds
+
+    engine.generate(["a", "b"], num_generations=2, sampling=SamplingParams(max_new_tokens=2), seed=7,
+                    prompt_keys=[5, 2])
+    assert [p["seed"] for p in engine.llm.calls[0]["params"]] == request_seeds(7, [5, 2], 2)
+
+
+def test_to_result_keeps_one_column_when_every_completion_is_empty():
+    out = SimpleNamespace(prompt_token_ids=[3], outputs=[
+        SimpleNamespace(token_ids=[], logprobs=flat([], []), finish_reason="abort")])
+    r = to_result([out], build_tokenizer(), pad_id=0, num_generations=1)
+    assert r.completion_ids.tolist() == [[0]] and r.completion_mask.tolist() == [[0]] and r.texts == [""]
+
+
+class _Sync:
+    """The parts of vLLM load_weights / reacquire_memory touch: prefix-cache reset, LoRA reload, KV wake-up."""
+
+    def __init__(self):
+        self.events = []
+        self.llm_engine = SimpleNamespace(add_lora=lambda request: self.events.append(("add_lora", request)))
+
+    def reset_prefix_cache(self):
+        self.events.append("reset_prefix_cache")
+        return True
+
+    def wake_up(self, tags):
+        self.events.append(("wake_up", tags))
+
+
+def test_load_weights_refreshes_copies_resends_the_adapter_and_drops_the_prefix_cache(engine):
+    model = _peft()
+    refreshed = []
+    put = []
+    engine.model, engine.copies = model, [SimpleNamespace(refresh=lambda: refreshed.append(1))]
+    engine.llm = _Sync()
+    engine._adapters = SimpleNamespace(put=lambda path, tensors, config: put.append((path, sorted(tensors), config)))
+    engine._adapter_config, engine._lora_reload = adapter_config(model), "reload request"
+    engine.load_weights(model)
+    assert refreshed == [1] and put[0][0] == "mem://fastgrpo/adapter" and len(put[0][1]) == 4
+    assert engine.llm.events == [("add_lora", "reload request"), "reset_prefix_cache"]
+    with pytest.raises(ValueError, match="model: the vLLM engine shares the weights of the model it was built on"):
+        engine.load_weights(tiny())
+
+
+def test_the_kv_cache_comes_back_without_the_prefix_cache(engine, monkeypatch):
+    """The pages come back holding garbage: a prefix hit on them would decode from it."""
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    engine.llm = engine.worker = _Sync()
+    engine._released = True
+    engine.reacquire_memory()
+    assert engine.llm.events == [("wake_up", ["kv_cache"]), "reset_prefix_cache"] and not engine._released
