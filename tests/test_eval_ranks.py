@@ -65,7 +65,7 @@ def test_eval_splits_the_rows_across_processes_and_writes_one_process_results(tm
     assert len(errors) == 1 and errors[0].startswith("fastgrpo eval: error: (on process 1) reward function "
                                                      "fails_on_rank_1 raised RuntimeError"), errors
     # rank r scored the rows r, r + 2, ...: each prompt once per completion
-    prompts = [row["prompt"] for row in default_task.build_sft_dataset(num_rows=5, seed=1)]
+    prompts = [row["prompt"] for row in default_task.build_held_out_dataset(num_rows=5, seed=0)]
     scored = [(tmp_path / f"scored-{rank}.txt").read_text().splitlines() for rank in range(2)]
     assert scored == [[repr(p) for p in prompts[rank::2] for _ in range(3)] for rank in range(2)]
 
