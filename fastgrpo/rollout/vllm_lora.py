@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from fastgrpo.hf.peft import has_variant_or_bias, with_lora_deltas
-from fastgrpo.rollout.vllm_weights import PEFT_PREFIX
+from fastgrpo.rollout.vllm_weights import PEFT_PREFIX, parameter_holders
 
 MEM_PREFIX = "mem://"
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
@@ -59,16 +59,13 @@ def merged_sources(model: nn.Module) -> dict:
     adapters W + B A * scale does not describe (a variant such as DoRA, a LoRA bias) is refused: vLLM would generate
     from another model than the one trained (DoRA leaves out its magnitude's rescaling)."""
     layers = lora_layers(model)
-    holders: dict[int, int] = {}  # id(parameter) -> modules holding it (2 for a tied embedding / lm_head)
-    for module in model.modules():
-        for param in module._parameters.values():
-            holders[id(param)] = holders.get(id(param), 0) + 1
+    holders = parameter_holders(model)  # a tied embedding / lm_head's weight: two
     for name, layer in layers.items():
         if has_variant_or_bias(layer, layer.active_adapters):
             raise ValueError(f"model: {name.removeprefix(PEFT_PREFIX)}: vLLM's merged weight sync writes W + B A * "
                              "scale, which leaves out a LoRA variant (DoRA) or a LoRA bias; use "
                              "rollout_engine='builtin'")
-        if holders[id(layer.base_layer.weight)] > 1:
+        if len(holders[id(layer.base_layer.weight)]) > 1:
             # vLLM's lm_head is its embedding module: the merged weight would reach both, the trainer's partner is W
             raise ValueError(f"model: {name.removeprefix(PEFT_PREFIX)}: vLLM ties the embedding and lm_head, so the "
                              "merged weight sync would put the LoRA on both while the trained model has it on one; "

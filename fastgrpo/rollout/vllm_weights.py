@@ -102,7 +102,7 @@ def expected_rows(name: str, param: torch.Tensor, module_of: Callable[[str], nn.
     return org if org is not None and org < param.shape[0] else param.shape[0]
 
 
-def _aliases(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
+def parameter_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]]:
     """id(parameter) -> every (module, attribute) that holds it (tied embeddings appear twice)."""
     found: dict[int, dict[tuple[int, str], tuple[nn.Module, str]]] = defaultdict(dict)
     for _, module in model.named_modules(remove_duplicate=False):
@@ -124,7 +124,7 @@ def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
     merged = merged or {}
     vllm_params = dict(vllm_model.named_parameters())
     module_of = vllm_model.get_submodule
-    aliases = _aliases(model)
+    aliases = parameter_holders(model)
     covered: dict[str, list[tuple[int, int]]] = defaultdict(list)
     copies = []
     with torch.no_grad():
