@@ -10,7 +10,8 @@ plain layout (each row's own cache) or the shared-prefix one (--layouts shared: 
     TRITON_INTERPRET=1 python -m benchmarks.bench_decode_attention --dry-run   # CPU: tiny shapes, default tiles
 
 One call is one layer of bench_rollout's decode step at its mean context: 64 rows (8 prompts x 8 samples), a
-1280-slot cache (prompt 256 + 1024 new tokens) filled to 768 slots, all visible, the shape's K/V heads and query
+1280-slot cache (prompt 256 + 1024 new tokens) filled to 768 slots (--new-tokens N: 256 + N slots filled to
+256 + N / 2), all visible, the shape's K/V heads and query
 heads per K/V head, head dim 128, called as the engine calls it (v_finite: its cache holds finite values only).
 Shared layout: the 8 samples of a prompt read its 256 prompt slots once, as one program of 8 x G query rows (the
 kernel's taller tiles), then each its own 1024 suffix slots, filled to 512. Bytes read: the filled slots' K and V
@@ -32,17 +33,19 @@ from benchmarks.bench_rollout import _copy_bandwidth
 from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, print_table, require_cuda,
                                write_results)
 from benchmarks.e2e import MODEL_CONFIGS
-from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, program_blocks, tiles_for
+from fastgrpo.kernels.cards import max_shared
+from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, launch_tiles, program_blocks
 from fastgrpo.ops.decode_attention import quantize_kv
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
 # samples, prompt: the shared layout's samples per prompt and prompt slots (the plain layout's rows hold both)
 GPU_SIZES = dict(rows=64, slots=1280, length=768, samples=8, prompt=256)
+NEW_TOKENS = 1024  # GPU_SIZES' rollout: prompt + NEW_TOKENS slots, filled to the mean context prompt + NEW_TOKENS / 2
 DRY_SIZES = dict(rows=4, slots=80, length=50, samples=2, prompt=16)
 LAYOUTS = ("plain", "shared")
 SWEEP = dict(block_n=(32, 64, 128), num_warps=(2, 4, 8), num_stages=(2, 3, 4))
-COLUMNS = ["shape", "cache", "layout", "block_n", "num_warps", "num_stages", "splits", "default", "us", "gb_s",
-           "bw_share", "max_diff_vs_default", "error"]
+COLUMNS = ["shape", "cache", "layout", "block_n", "num_warps", "num_stages", "maxnreg", "splits", "default", "us",
+           "gb_s", "bw_share", "max_diff_vs_default", "error"]
 
 
 def heads(shape: str) -> tuple[int, int, int]:
@@ -90,12 +93,28 @@ def caches(shape: str, sizes: dict, cache: str, layout: str, device: str) -> tup
     return made, per_copy
 
 
-def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str) -> dict:
-    """The tiles the kernel picks itself for a layout's programs (S x G query rows: taller with a shared prefix)."""
+def parse_tiles(text: str) -> dict:
+    """block_n/num_warps/num_stages[/maxnreg] -> the kernel's tiles dict; ValueError if it is not that."""
+    values = [int(x) for x in text.split("/")]
+    if len(values) not in (3, 4):
+        raise ValueError(text)
+    return dict(zip((*SWEEP, "maxnreg"), values))
+
+
+def rollout_sizes(new_tokens: int) -> dict:
+    """GPU_SIZES for a rollout of new_tokens: the cache holds the prompt and them, filled to their mean context."""
+    prompt = GPU_SIZES["prompt"]
+    return GPU_SIZES | dict(slots=prompt + new_tokens, length=prompt + new_tokens // 2)
+
+
+def kernel_tiles(shape: str, sizes: dict, cache: str, layout: str, shared: int = 0) -> dict:
+    """The tiles the kernel picks itself for a layout's programs (S x G query rows: taller with a shared prefix) on a
+    card of `shared` bytes of shared memory per block (0: off a GPU)."""
     _, G, D = heads(shape)
     S = sizes["samples"] if layout == "shared" else 1
     fp8, _, dots = CACHES[cache]
-    return tiles_for(*program_blocks(S * G, D, dots.get("fp8_dots", False)), fp8)
+    fp8_dots = dots.get("fp8_dots", False)
+    return launch_tiles(*program_blocks(S * G, D, fp8_dots), fp8, fp8_dots, shared)
 
 
 def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, tiles: list[dict],
@@ -104,7 +123,7 @@ def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, til
     rows = []
     for cache, layout in itertools.product(cache_names, layouts):
         calls, nbytes = caches(shape, sizes, cache, layout, device)
-        own = kernel_tiles(shape, sizes, cache, layout)
+        own = kernel_tiles(shape, sizes, cache, layout, max_shared(torch.device(device)) if device == "cuda" else 0)
         reference = decode_attention_fwd(**calls[0], tiles=own).float()
         for t, splits in itertools.product([own if t is None else t for t in tiles], split_counts):
             row = {"shape": shape, "cache": cache, "layout": layout, **t, "splits": splits or "auto",
@@ -130,19 +149,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated, of " + ", ".join(SHAPES))
     parser.add_argument("--no-sweep", action="store_true", help="only the kernel's default tiles")
     parser.add_argument("--tiles", help="instead of the sweep: comma-separated block_n/num_warps/num_stages, "
-                        "e.g. 64/2/2,128/4/2")
+                        "optionally /maxnreg (registers per thread at most), e.g. 64/2/2,128/4/2,128/4/2/168")
     parser.add_argument("--caches", default=",".join(CACHES), help="comma-separated, of " + ", ".join(CACHES))
     parser.add_argument("--layouts", default="plain", help="comma-separated, of " + ", ".join(LAYOUTS))
+    parser.add_argument("--new-tokens", type=int, default=NEW_TOKENS,
+                        help="the rollout's new tokens: a cache of 256 + N slots filled to its mean context, "
+                        "256 + N / 2 (the loop benchmark's C = 4096: 4096)")
     parser.add_argument("--splits", default="auto",
                         help="comma-separated splits per (group, head) to time each tile with; auto: the kernel's")
     args = parser.parse_args(argv)
     cache_names = listed(parser, "--caches", args.caches, CACHES)
     layouts = listed(parser, "--layouts", args.layouts, LAYOUTS)
     try:
-        tiles = [dict(zip(SWEEP, map(int, t.split("/")), strict=True)) for t in args.tiles.split(",")] \
-            if args.tiles else None
+        tiles = [parse_tiles(t) for t in args.tiles.split(",")] if args.tiles else None
     except ValueError:
-        parser.error(f"--tiles: expected block_n/num_warps/num_stages, comma-separated; got {args.tiles!r}")
+        parser.error(f"--tiles: expected block_n/num_warps/num_stages[/maxnreg], comma-separated; got {args.tiles!r}")
     try:
         split_counts = [None if x == "auto" else int(x) for x in args.splits.split(",")]
     except ValueError:
@@ -154,7 +175,11 @@ def main(argv: list[str] | None = None) -> None:
     if not args.dry_run:
         require_cuda(parser)
     device = "cpu" if args.dry_run else "cuda"
-    sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    if args.new_tokens < 2:
+        parser.error(f"--new-tokens: expected an integer >= 2; got {args.new_tokens}")
+    if args.dry_run and args.new_tokens != NEW_TOKENS:
+        parser.error("--new-tokens: the dry run has its own tiny sizes; leave it out there")
+    sizes = DRY_SIZES if args.dry_run else rollout_sizes(args.new_tokens)
     bandwidth = None if args.dry_run else _copy_bandwidth()
     if tiles is None:
         sweep = not (args.dry_run or args.no_sweep)

@@ -103,7 +103,8 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
     bench.main(["--dry-run", "--shapes", "llama-3.1-8b", "--caches", "e4m3-fp8-dots", "--layouts", "plain,shared"])
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("llama")]
     assert [line[2] for line in lines] == ["plain", "shared"], lines
-    assert all(line[7] == "True" and line[11] == "0" for line in lines), lines  # default tiles, max_diff 0
+    default, diff = bench.COLUMNS.index("default"), bench.COLUMNS.index("max_diff_vs_default")
+    assert all(line[default] == "True" and line[diff] == "0" for line in lines), lines  # default tiles, max_diff 0
     S, G = bench.DRY_SIZES["samples"], bench.heads("llama-3.1-8b")[1]
     # 8 x 4 rows: GPU_TILES over an e4m3 cache, smaller tiles over a bf16 one (twice the bytes)
     assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3", "shared") is GPU_TILES

@@ -532,13 +532,13 @@ import itertools
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, tiles_for
+from fastgrpo.kernels.decode_attention import _decode_attention_kernel as fn, FP8_DOTS_DEEP_TILES, tiles_for
 
 
-def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False, fp8_split=False):
+def compile(kv, v_slot_major, block_r, block_d, has_prefix, write_out, fp8_dots=False, fp8_split=False, tiles=None):
     # pointers, strides and D aligned as a launch specializes them; a unit stride specialized to the constant 1: the
     # slots' for a slot-major V (the engine's, with V_FINITE), the dims' otherwise
-    tiles = tiles_for(block_r, block_d, kv != "bf16")
+    tiles = tiles or tiles_for(block_r, block_d, kv != "bf16")
     consts = dict(HAS_PREFIX=has_prefix, KV_FP8=kv != "bf16", FP8_DOTS=fp8_dots, FP8_SPLIT=fp8_split,
                   E4M3_BY_HAND=False, FP32_DOT=False, V_WHOLE_TILES=v_slot_major,
                   V_FINITE=v_slot_major, WRITE_OUT=write_out, BLOCK_R=block_r, BLOCK_N=tiles["block_n"],
@@ -571,6 +571,10 @@ for kv, v_slot_major in (("bf16", False), ("fp8e4nv", False), ("fp8e4nv", True))
 for fp8_dots in (False, True):
     ptx = compile("fp8e4nv", True, 16, 128, False, True, fp8_dots).asm["ptx"]
     print("dots", fp8_dots, ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
+# fp8_dots' deeper pipeline for 16-row programs on cards with the shared memory for it
+deep = compile("fp8e4nv", True, 16, 128, False, True, True, tiles=FP8_DOTS_DEEP_TILES)
+print("deep", deep.asm["ptx"].count("wgmma.mma_async"), deep.asm["ptx"].count("cvt.rn.f16x2.e4m3x2"),
+      deep.metadata.shared)
 # fp8_split: a second e4m3 dot beside each, still no conversion
 ptx = compile("fp8e4nv", True, 16, 128, False, True, True, True).asm["ptx"]
 print("split", ptx.count("wgmma.mma_async"), ptx.count("mma.sync"), ptx.count("cvt.rn.f16x2.e4m3x2"))
@@ -647,6 +651,33 @@ def test_every_tile_class_fits_an_ada_cards_shared_memory():
     shared = {(cache, int(r), int(d)): int(b)
               for what, cache, r, d, b in (line for line in hopper_check() if line[0] == "shared")}
     assert len(shared) == 10 and all(b <= ADA_SHARED_BYTES for b in shared.values()), shared
+
+
+def test_fp8_dots_deep_tiles_fit_the_cards_that_take_them():
+    """FP8_DOTS_DEEP_TILES (a third stage) need more shared memory than an Ada card has, and no more than
+    FP8_DOTS_DEEP_SHARED, from which launch_tiles takes them; their dots stay e4m3 wgmma (sm_90 compile on the CPU)."""
+    from fastgrpo.kernels.decode_attention import FP8_DOTS_DEEP_SHARED
+
+    (deep,) = [tuple(int(x) for x in line[1:]) for line in hopper_check() if line[0] == "deep"]
+    wgmma, cvt, shared = deep
+    assert wgmma > 0 and cvt == 0 and ADA_SHARED_BYTES < shared <= FP8_DOTS_DEEP_SHARED, deep
+
+
+@pytest.mark.parametrize(("rows", "D", "fp8", "fp8_dots", "shared", "deep"), [
+    (16, 128, True, True, 227 * 1024, True),  # Hopper: the plain layout's fp8_dots programs
+    (16, 128, True, True, 163 * 1024, True),  # an A100
+    (16, 128, True, True, 99 * 1024, False),  # an Ada card: no room
+    (16, 128, True, True, 0, False),  # off a GPU
+    (64, 128, True, True, 227 * 1024, False),  # a shared prefix's taller programs: not timed
+    (16, 128, True, False, 227 * 1024, False),  # the fp16 dots: not timed
+    (16, 128, False, False, 227 * 1024, False),  # a bf16 cache
+])
+def test_launch_tiles_take_the_deep_pipeline_only_where_timed_and_room(rows, D, fp8, fp8_dots, shared, deep):
+    from fastgrpo.kernels.decode_attention import FP8_DOTS_DEEP_TILES, launch_tiles, program_blocks, tiles_for
+
+    blocks = program_blocks(rows, D, fp8_dots)
+    got = launch_tiles(*blocks, fp8, fp8_dots, shared)
+    assert got is (FP8_DOTS_DEEP_TILES if deep else tiles_for(*blocks, fp8)), got
 
 
 def test_engine_triton_attention_gives_sdpa_tokens():

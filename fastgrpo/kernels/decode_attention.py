@@ -74,7 +74,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastgrpo.kernels.cards import sm_count
+from fastgrpo.kernels.cards import max_shared, sm_count
 
 LOG2E = 1.4426950408889634
 # initial running max: finite (-1e30), so a split that sees no key gives exp2(-inf + 1e30) = 0, not NaN
@@ -96,11 +96,20 @@ GPU_TILES = dict(block_n=128, num_warps=4, num_stages=2)
 # (test_decode_attention.py compiles them). 64 slots / 2 warps was the default before the splits sweep.
 TILES_BY_SIZE = ((16 * 128, GPU_TILES), (64 * 128, dict(block_n=64, num_warps=2, num_stages=2)),
                  (None, dict(block_n=32, num_warps=2, num_stages=2)))
+# fp8_dots' 16-row programs (the plain layout's: Qwen2.5's and Llama-3.1's G) with a third stage, on cards where a
+# block may take its ~102 KB (an sm_90 compile: Hopper, an A100; not an Ada card's 99 KB): at the mean context of a
+# 4096-token rollout 8% less time per call at Llama-3.1-8B heads and 7% at Qwen2.5-1.5B's, at a 1024-token one 1-2%
+# (H200, bench_decode_attention --new-tokens: NOTES_rollout.md). A register cap for more programs per SM spilled and
+# was slower; so were more splits.
+FP8_DOTS_DEEP_TILES = dict(GPU_TILES, num_stages=3)
+FP8_DOTS_DEEP_SHARED = 128 * 1024  # a card's shared memory per block from which they are taken
 # (rows, head dim) up to which a program over an e4m3 cache (half the bytes) takes GPU_TILES: a shared prefix's S x G
 # (Qwen2.5's 8 x 6, Llama-3.1's 8 x 4) ran 1.1-2.2x faster on them than on 64 slots / 2 warps, with the fp16 dots and
 # fp8_dots alike (H200, bench_decode_attention --layouts shared: NOTES_rollout.md), within an Ada card's 99 KB; at
 # D 256 fp8_dots' GPU_TILES take 140 KB from 32 rows, so wider programs keep TILES_BY_SIZE
 E4M3_GPU_TILES_UP_TO = (64, 128)
+# what a tiles dict passes to the launch: maxnreg (a register cap per thread, more programs per SM) only if it is set
+LAUNCH_OPTIONS = ("num_warps", "num_stages", "maxnreg")
 WARPS_PER_SM = 8  # default_splits: at most this many warps per SM in all (rounded down), at least one split
 COMBINE_ROWS = 16  # output rows per combine program
 INTERPRET_BLOCK_N = 16  # under the interpreter: small tiles so small tests cross tiles, splits and ragged tails
@@ -355,7 +364,8 @@ def decode_attention_fwd(
     optional prefix_k/prefix_v [N // S, Hkv, P, D], prefix_visible [N // S, P] -> out [N, Hkv, G, D] in q's dtype.
     fp8 K/V: k/v (prefix_k/prefix_v) e4m3 with k_scale/v_scale fp32 [N, Hkv, M] (prefix_*_scale [N // S, Hkv, P]).
     q, k and visible need a unit-stride last dimension, v and prefix_v one of their last two (the op makes them so).
-    tiles: some of the tiles' keys (block_n, num_warps, num_stages) over tiles_for's, for a benchmark's sweep.
+    tiles: some of the tiles' keys (block_n, num_warps, num_stages, maxnreg) over tiles_for's, for a benchmark's
+    sweep.
     v_finite: every slot of v (and prefix_v) holds a finite value, hidden or not (module docstring).
     fp8_dots: an e4m3 cache's dots on the FP8 tensor cores, q and the weights rounded to e4m3 (module docstring);
     a 16-bit q only. Without it an e4m3 cache's dots run in fp16 (fewer roundings: the benchmark's baseline).
@@ -374,7 +384,8 @@ def decode_attention_fwd(
         raise ValueError("fp8_split: splits fp8_dots' operands; pass fp8_dots=True too")
     fp8 = k_scale is not None
     block_r, block_d = program_blocks(S * G, D, fp8_dots)
-    tiles = {**tiles_for(block_r, block_d, fp8), **(tiles or {})}
+    own = launch_tiles(block_r, block_d, fp8, fp8_dots, max_shared(q.device) if q.is_cuda else 0)
+    tiles = {**own, **(tiles or {})}
     block_n = INTERPRET_BLOCK_N if interpret else tiles["block_n"]
     if splits is None:
         splits = default_splits(B * H, P + S * k.shape[2], block_r, block_d, k.element_size(), q.device, block_n,
@@ -412,7 +423,7 @@ def decode_attention_fwd(
         FP32_DOT=q.dtype == torch.float32 or (interpret and not fp8),
         V_WHOLE_TILES=_whole_v_tiles(v, block_n, block_d) and (not has_prefix or _whole_v_tiles(pv, block_n, block_d)),
         V_FINITE=v_finite, WRITE_OUT=splits == 1, BLOCK_R=block_r, BLOCK_N=block_n, BLOCK_D=block_d,
-        **({} if interpret else dict(num_warps=tiles["num_warps"], num_stages=tiles["num_stages"])),
+        **({} if interpret else {key: tiles[key] for key in LAUNCH_OPTIONS if key in tiles}),
     )
     if splits == 1:
         return out
@@ -451,6 +462,15 @@ def tiles_for(block_r: int, block_d: int, fp8: bool = False) -> dict:
     if fp8 and block_r <= E4M3_GPU_TILES_UP_TO[0] and block_d <= E4M3_GPU_TILES_UP_TO[1]:
         return GPU_TILES
     return next(tiles for limit, tiles in TILES_BY_SIZE if limit is None or block_r * block_d <= limit)
+
+
+def launch_tiles(block_r: int, block_d: int, fp8: bool, fp8_dots: bool, shared: int) -> dict:
+    """The tiles a launch takes on a card of `shared` bytes of shared memory per block (0: not a GPU): tiles_for's,
+    or FP8_DOTS_DEEP_TILES for fp8_dots' 16-row programs where the card has room for them."""
+    tiles = tiles_for(block_r, block_d, fp8)
+    if fp8_dots and tiles is GPU_TILES and block_r == 16 and shared >= FP8_DOTS_DEEP_SHARED:
+        return FP8_DOTS_DEEP_TILES
+    return tiles
 
 
 def _whole_v_tiles(v: torch.Tensor, block_n: int, block_d: int) -> bool:
