@@ -165,6 +165,38 @@ def _module_in_use(wrapper: torch.nn.Module) -> torch.nn.Module:
     return wrapper.modules_to_save[saved[0]] if saved else wrapper.original_module
 
 
+def module_in_use(module: torch.nn.Module) -> torch.nn.Module:
+    """The module whose weights `module`'s forward runs: for a PEFT modules_to_save wrapper, the trained copy of its
+    active adapter (the original where none of the active adapters has one); any other module itself."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return _module_in_use(module) if isinstance(module, ModulesToSaveWrapper) else module
+
+
+def wrapped_original(module: torch.nn.Module) -> torch.nn.Module:
+    """The module a PEFT modules_to_save wrapper was built around (the base model's own); any other module itself."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    return module.original_module if isinstance(module, ModulesToSaveWrapper) else module
+
+
+def modules_to_save_names(model: torch.nn.Module) -> dict[str, str | None]:
+    """Full name of each parameter inside a PEFT modules_to_save wrapper -> its name in the model the forward runs
+    where it belongs to the module the wrapper runs (lm_head.modules_to_save.default.weight -> lm_head.weight), None
+    where it does not (the frozen original while a trained copy runs, another adapter's copy)."""
+    from peft.utils.other import ModulesToSaveWrapper
+
+    names = {}
+    for name, wrapper in model.named_modules():
+        if not isinstance(wrapper, ModulesToSaveWrapper):
+            continue
+        in_use = _module_in_use(wrapper)
+        inner = next(f"{inner}." for inner, module in wrapper.named_modules() if module is in_use)
+        for leaf, _ in wrapper.named_parameters(remove_duplicate=False):
+            names[f"{name}.{leaf}"] = f"{name}.{leaf.removeprefix(inner)}" if leaf.startswith(inner) else None
+    return names
+
+
 def modules_to_save_inside(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules a PEFT modules_to_save wrapper (ModulesToSaveWrapper) runs in its place: the original and each
     adapter's trained copy; [] for any other module."""

@@ -177,7 +177,9 @@ class VLLMEngine:
         self.device = base.get_input_embeddings().weight.device
         dtype = base.get_input_embeddings().weight.dtype
         self.lora_sync = lora_sync if is_peft_model(model) and vllm_lora.lora_layers(model) else None
-        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}  # its refusal before vLLM builds
+        # each sync's refusal, before vLLM builds its engine (minutes)
+        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}
+        self._adapter_config = vllm_lora.adapter_config(model) if self.lora_sync == "adapter" else None
         self.release = release
         self._dir = tempfile.TemporaryDirectory(prefix="fastgrpo-vllm-")
         write_model_dir(self._dir.name, model, tokenizer)
@@ -196,7 +198,6 @@ class VLLMEngine:
             # vLLM still checks that total x gpu_memory_utilization is free at start: ask for a sliver
             kwargs.update(kv_cache_memory_bytes=int(kv), gpu_memory_utilization=0.01)
         if self.lora_sync == "adapter":
-            self._adapter_config = vllm_lora.adapter_config(model)
             kwargs.update(enable_lora=True, max_loras=1,
                           max_lora_rank=vllm_lora.vllm_rank(self._adapter_config["r"]))
         with _process_state_kept():

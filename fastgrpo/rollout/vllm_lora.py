@@ -11,7 +11,8 @@ import functools
 import torch
 from torch import nn
 
-from fastgrpo.hf.peft import has_variant_or_bias, with_lora_deltas
+from fastgrpo.hf.models import unwrap_peft
+from fastgrpo.hf.peft import has_variant_or_bias, module_in_use, with_lora_deltas, wrapped_original
 from fastgrpo.rollout.vllm_weights import PEFT_PREFIX, parameter_holders
 
 MEM_PREFIX = "mem://"
@@ -57,7 +58,10 @@ def merged_weight(layer: nn.Module) -> torch.Tensor:
 def merged_sources(model: nn.Module) -> dict:
     """Full parameter name of each LoRA layer's base weight -> a function giving its merged value. A layer whose
     adapters W + B A * scale does not describe (a variant such as DoRA, a LoRA bias) is refused: vLLM would generate
-    from another model than the one trained (DoRA leaves out its magnitude's rescaling)."""
+    from another model than the one trained (DoRA leaves out its magnitude's rescaling); so is a modules_to_save copy
+    that unties a tied embedding and lm_head (check_tied_copies). A modules_to_save wrapper's trained copy needs no
+    merge: bind places it where vLLM runs the module it wraps."""
+    check_tied_copies(model)
     layers = lora_layers(model)
     holders = parameter_holders(model)  # a tied embedding / lm_head's weight: two
     for name, layer in layers.items():
@@ -71,6 +75,24 @@ def merged_sources(model: nn.Module) -> dict:
                              "merged weight sync would put the LoRA on both while the trained model has it on one; "
                              "leave it out of the LoRA targets or use rollout_engine='builtin'")
     return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer) for name, layer in layers.items()}
+
+
+def check_tied_copies(model: nn.Module) -> None:
+    """Refuse a tied embedding and lm_head that the trained model runs as two weights through modules_to_save (a
+    trained copy in place of one of them, or one copy for each): vLLM's one tied weight cannot hold both. With
+    PEFT's ensure_weight_tying=True both run one copy, which vLLM runs as its tied weight."""
+    base = unwrap_peft(model)
+    embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
+    if head is None or wrapped_original(embedding).weight is not wrapped_original(head).weight:
+        return  # not tied: vLLM has an lm_head of its own
+    if module_in_use(embedding).weight is module_in_use(head).weight:
+        return
+    names = {module: name.removeprefix(PEFT_PREFIX) for name, module in model.named_modules()}
+    copied = [names[m] for m in (embedding, head) if m is not wrapped_original(m)]
+    raise ValueError(f"model: modules_to_save {copied}: vLLM ties the embedding and lm_head to one weight, while the "
+                     f"trained model runs them apart (a trained copy in place of {' and '.join(copied)}); pass "
+                     "ensure_weight_tying=True to the LoraConfig (one trained copy for both) or use "
+                     "rollout_engine='builtin'")
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -2,7 +2,9 @@
 
 vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (rows in that order, sizes in the fused layer's
 `output_sizes`), pads the vocabulary rows of embed_tokens / lm_head to a multiple of 64, and, with LoRA enabled,
-moves every wrapped layer's parameters under `.base_layer`. Everything else keeps HF's name and shape. A dim-0 row
+moves every wrapped layer's parameters under `.base_layer`. Everything else keeps HF's name and shape. A PEFT
+modules_to_save wrapper (modules_to_save=["lm_head"]) holds the frozen original and a trained copy: vLLM's weight
+is the one its forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight. A dim-0 row
 slice of a row-major [out, in] tensor is contiguous, so each HF parameter can become a view of rows of a vLLM
 parameter: vLLM owns the storage (its CUDA graphs hold those addresses, which never change), the trainer's
 parameters alias it, and an optimizer step writes straight into what the next rollout reads.
@@ -19,6 +21,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from fastgrpo.hf.peft import modules_to_save_names
 
 # HF projection -> (vLLM's fused layer, index of its rows among the fused layer's output_sizes)
 STACKED = {
@@ -118,20 +122,23 @@ def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
     possible; return the rest as Copies that `refresh` from the trainer.
 
     merged: full trainer parameter name -> the value vLLM must run instead (a LoRA base weight plus its adapter);
-    those rows stay vLLM's own. Raises ValueError if a trainer weight has no place in vLLM's model or a vLLM
+    those rows stay vLLM's own. A modules_to_save wrapper's module in use stands for the module it wraps; the
+    trainer's other modules inside it (the frozen original under a trained copy) stay the trainer's. Raises ValueError if a trainer weight has no place in vLLM's model or a vLLM
     weight gets no value (it would generate with random weights).
     """
     merged = merged or {}
     vllm_params = dict(vllm_model.named_parameters())
     module_of = vllm_model.get_submodule
     aliases = parameter_holders(model)
+    saved_copies = modules_to_save_names(model)
     covered: dict[str, list[tuple[int, int]]] = defaultdict(list)
     copies = []
     with torch.no_grad():
         for full_name, param in list(model.named_parameters()):
-            if is_adapter_param(full_name):
+            run_as = saved_copies.get(full_name, full_name)
+            if is_adapter_param(full_name) or run_as is None:  # None: a module the wrapper does not run
                 continue
-            name = hf_name(full_name)
+            name = hf_name(run_as)
             target = locate(name, param.shape, vllm_params, module_of)
             if target is None:
                 raise ValueError(f"model: vLLM's model has no weight for {name} {list(param.shape)}; this "
