@@ -99,6 +99,27 @@ def assert_same_greedy(got, want, model, tok, prompts=PROMPTS):
     assert sum(x == y for x, y in zip(a, b)) * 2 >= len(a), (a, b)
 
 
+def assert_logprobs_match(engine, model, tok) -> None:
+    """vLLM's per-token log-probs (temperature 0.7: the processed distribution, not the raw one) against the
+    trainer's fused log-probs on the same tokens, within 3x the built-in engine's own disagreement (bf16 noise)."""
+    sampling = SamplingParams(max_new_tokens=40, temperature=0.7)
+    errors = {}
+    for name, out in (("vllm", run(engine, G=8, sampling=sampling, seed=3)),
+                      ("builtin", builtin(model, tok, G=8, sampling=sampling, seed=3))):
+        ids = torch.cat([out.prompt_ids, out.completion_ids], 1).cuda()
+        mask = torch.cat([out.prompt_mask, out.completion_mask], 1).cuda()
+        cmask = torch.cat([torch.zeros_like(out.prompt_mask), out.completion_mask], 1).cuda()
+        with torch.no_grad():
+            ref = sequence_logprobs(model, ids, mask, cmask, temperature=0.7)[:, out.prompt_ids.shape[1]:]
+        valid = out.completion_mask.bool().cuda()
+        assert (out.logprobs.cuda()[~valid] == 0).all()
+        errors[name] = (out.logprobs.cuda() - ref)[valid].abs()
+        assert (ref[valid] < -1e-2).float().mean() > 0.2  # sampled tokens of some uncertainty, not all logp = 0
+    print({k: (round(v.mean().item(), 5), round(v.max().item(), 4)) for k, v in errors.items()})
+    assert errors["vllm"].mean() <= 3 * errors["builtin"].mean() + 5e-3
+    assert errors["vllm"].mean() < 0.05
+
+
 def adamw_step(model, lr: float) -> None:
     """One real training step (GRPO loss on random rows, AdamW) on the model's trainable parameters."""
     g = torch.Generator().manual_seed(1)
@@ -149,22 +170,7 @@ def test_logprobs_match_sequence_logprobs(shared):
     """vLLM's per-token log-probs (temperature 0.7: the processed distribution, not the raw one) against the
     trainer's fused log-probs on the same tokens; the bf16 noise bound is the built-in engine's own disagreement."""
     model, tok, engine = shared
-    sampling = SamplingParams(max_new_tokens=40, temperature=0.7)
-    errors = {}
-    for name, out in (("vllm", run(engine, G=8, sampling=sampling, seed=3)),
-                      ("builtin", builtin(model, tok, G=8, sampling=sampling, seed=3))):
-        ids = torch.cat([out.prompt_ids, out.completion_ids], 1).cuda()
-        mask = torch.cat([out.prompt_mask, out.completion_mask], 1).cuda()
-        cmask = torch.cat([torch.zeros_like(out.prompt_mask), out.completion_mask], 1).cuda()
-        with torch.no_grad():
-            ref = sequence_logprobs(model, ids, mask, cmask, temperature=0.7)[:, out.prompt_ids.shape[1]:]
-        valid = out.completion_mask.bool().cuda()
-        assert (out.logprobs.cuda()[~valid] == 0).all()
-        errors[name] = (out.logprobs.cuda() - ref)[valid].abs()
-        assert (ref[valid] < -1e-2).float().mean() > 0.2  # sampled tokens of some uncertainty, not all logp = 0
-    print({k: (round(v.mean().item(), 5), round(v.max().item(), 4)) for k, v in errors.items()})
-    assert errors["vllm"].mean() <= 3 * errors["builtin"].mean() + 5e-3
-    assert errors["vllm"].mean() < 0.05
+    assert_logprobs_match(engine, model, tok)
 
 
 @pytest.mark.xdist_group("shared")
@@ -267,3 +273,34 @@ def test_llama_release_update_sync():
     after = run(engine)
     assert completions(after) != completions(before)
     assert_same_greedy(after, builtin(model, tok), model, tok)
+
+
+# ---- modules_to_save: the merged sync runs the trained copy of an untied lm_head ----
+@pytest.mark.xdist_group("modules_to_save")
+def test_merge_sync_runs_the_trained_lm_head_copy():
+    """LoRA plus modules_to_save=["lm_head"]: vLLM's lm_head is the trained copy, aliased (an optimizer step on it
+    needs no copy), not the frozen original the reference policy runs; greedy tokens and log-probs are the trainer's
+    model's before and after a training step."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny("llama", seed=4)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                             modules_to_save=["lm_head"], init_lora_weights=False))
+    head = model.base_model.model.lm_head
+    original = head.original_module.weight
+    with torch.no_grad():  # a copy far from the original: vLLM running the original would show in its outputs
+        head.modules_to_save["default"].weight.add_(torch.randn_like(original) * original.float().std())
+    engine = build_engine(model, tok, lora_sync="merge")
+    trained = head.modules_to_save["default"].weight
+    assert trained.data_ptr() == engine.vllm_model.lm_head.weight.data_ptr() and trained.requires_grad
+    assert original.data_ptr() != trained.data_ptr()
+    assert "lm_head.weight" not in {c.hf_name for c in engine.copies}  # the merged LoRA layers' only
+    before = run(engine)
+    assert_same_greedy(before, builtin(model, tok), model, tok)
+    assert_logprobs_match(engine, model, tok)
+    adamw_step(model, lr=5e-2)
+    engine.load_weights(model)
+    after = run(engine)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, builtin(model, tok), model, tok)
+    assert_logprobs_match(engine, model, tok)
