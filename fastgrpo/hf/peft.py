@@ -182,8 +182,8 @@ def wrapped_original(module: torch.nn.Module) -> torch.nn.Module:
 
 def modules_to_save_names(model: torch.nn.Module) -> dict[str, str | None]:
     """Full name of each parameter inside a PEFT modules_to_save wrapper -> its name in the model the forward runs
-    where it belongs to the module the wrapper runs (lm_head.modules_to_save.default.weight -> lm_head.weight), None
-    where it does not (the frozen original while a trained copy runs, another adapter's copy)."""
+    (lm_head.modules_to_save.default.weight -> lm_head.weight) if it belongs to the module the wrapper runs, else
+    None (the frozen original while a trained copy runs, another adapter's copy)."""
     from peft.utils.other import ModulesToSaveWrapper
 
     names = {}

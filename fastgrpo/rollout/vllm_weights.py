@@ -2,12 +2,12 @@
 
 vLLM fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj` (rows in that order, sizes in the fused layer's
 `output_sizes`), pads the vocabulary rows of embed_tokens / lm_head to a multiple of 64, and, with LoRA enabled,
-moves every wrapped layer's parameters under `.base_layer`. Everything else keeps HF's name and shape. A PEFT
-modules_to_save wrapper (modules_to_save=["lm_head"]) holds the frozen original and a trained copy: vLLM's weight
-is the one its forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight. A dim-0 row
+moves every wrapped layer's parameters under `.base_layer`. Everything else keeps HF's name and shape. A dim-0 row
 slice of a row-major [out, in] tensor is contiguous, so each HF parameter can become a view of rows of a vLLM
 parameter: vLLM owns the storage (its CUDA graphs hold those addresses, which never change), the trainer's
-parameters alias it, and an optimizer step writes straight into what the next rollout reads.
+parameters alias it, and an optimizer step writes straight into what the next rollout reads. A PEFT modules_to_save
+wrapper (modules_to_save=["lm_head"]) holds the frozen original and a trained copy: vLLM's weight is the one its
+forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight.
 
 What cannot alias (a dtype vLLM does not run, a LoRA-adapted weight that vLLM must see merged with its adapter,
 or everything when sharing is off) is a `Copy`: rows of vLLM's tensor refreshed from the trainer by `refresh`.
@@ -123,8 +123,9 @@ def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
 
     merged: full trainer parameter name -> the value vLLM must run instead (a LoRA base weight plus its adapter);
     those rows stay vLLM's own. A modules_to_save wrapper's module in use stands for the module it wraps; the
-    trainer's other modules inside it (the frozen original under a trained copy) stay the trainer's. Raises ValueError if a trainer weight has no place in vLLM's model or a vLLM
-    weight gets no value (it would generate with random weights).
+    other modules inside it (the frozen original under a trained copy) stay the trainer's alone. Raises ValueError
+    if a trainer weight has no place in vLLM's model or a vLLM weight gets no value (it would generate with random
+    weights).
     """
     merged = merged or {}
     vllm_params = dict(vllm_model.named_parameters())
