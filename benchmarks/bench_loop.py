@@ -618,7 +618,8 @@ def row_key(row: dict) -> tuple:
 class Results:
     """benchmarks/results/loop_<shape>-<card>.json with write_results' payload; new rows replace the rows of the
     same row_key, the others stay (cases run in several device calls add up), and the replaced rows go to
-    "replaced_rows" (oldest first), so a rerun adds to the record instead of erasing a measurement."""
+    "replaced_rows" (oldest first), so a rerun adds to the record instead of erasing a measurement; top-level keys
+    this does not write (a person's notes) stay as they are."""
 
     def __init__(self, directory: Path, card: str, config: dict):
         self.directory, self.card, self.config, self.lock = directory, card, config, threading.Lock()
@@ -641,6 +642,8 @@ class Results:
                        "rows": [r for r in before["rows"] if key(r) not in new] + rows,
                        "replaced_rows": before.get("replaced_rows", []) + [r for r in before["rows"] if key(r) in new]}
             payload["targets"] = loop_targets.targets(payload["rows"])
+            # a person's notes beside the rows (a session's runs that are not rows) stay, after what this writes
+            payload |= {k: v for k, v in before.items() if k not in payload}
             self.directory.mkdir(parents=True, exist_ok=True)
             # replaced whole: a driver killed mid-write leaves the old file, never a truncated one
             partial = path.with_name(f".{path.name}.{os.getpid()}.partial")

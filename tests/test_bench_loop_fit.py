@@ -116,6 +116,20 @@ def test_a_rerun_keeps_the_row_it_replaces(tmp_path):
     assert [r["step_s"] for r in payload["replaced_rows"]] == [7.4, 6.9]
 
 
+def test_a_rerun_keeps_the_files_own_top_level_notes(tmp_path):
+    """A session's note beside the rows (e.g. "forty_third_session": runs that are not rows) is a person's record: a
+    later run's write keeps it (it was dropped: only config keys were kept)."""
+    results = Results(tmp_path, "Some Card", {})
+    path = results.add("qwen2.5-1.5b-lora", [{"system": "trl", "kind": "step", "completion": 1024, "step_s": 9.0}])
+    payload = json.loads(path.read_text())
+    payload["some_session"] = {"note": "two more processes", "rows": [{"step_s": 8.9}]}
+    path.write_text(json.dumps(payload))
+    results.add("qwen2.5-1.5b-lora", [{"system": "trl", "kind": "step", "completion": 1024, "step_s": 8.8}])
+    payload = json.loads(path.read_text())
+    assert payload["some_session"] == {"note": "two more processes", "rows": [{"step_s": 8.9}]}
+    assert [r["step_s"] for r in payload["rows"]] == [8.8] and list(payload)[-1] == "some_session", payload
+
+
 def test_searches_of_other_caps_or_batches_keep_their_rows(tmp_path):
     results = Results(tmp_path, "Some Card", {})
     for case in (CASE, dataclasses.replace(CASE, cap_gib=16.0), dataclasses.replace(CASE, generations=4)):
