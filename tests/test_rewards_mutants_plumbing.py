@@ -8,12 +8,14 @@ import math
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 
 from fastgrpo.loss.grpo import reward_advantages
 from fastgrpo.rewards.scoring import RewardError, nan_std, zero_spread_fraction
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.step_rewards import score_groups
+from fastgrpo.train.step_rewards import per_function_metrics, score_groups
 
 G = 3
 DATASET = [{"prompt": f"p{i}", "answer": f"a{i}", "level": i} for i in range(4)]
@@ -123,18 +125,50 @@ def test_reward_std_and_zero_spread_metrics():
     assert zero_spread_fraction(grouped) == 0.75
 
 
+def test_each_functions_mean_and_std_are_trls_over_the_rows_it_scored():
+    """rewards/<name>/std: TRL 1.16's nanstd of the function's column, Bessel's std of the scored rows (a population
+    std would be 1.63 here), None for fewer than two scored (TRL's NaN, logged as null), unweighted."""
+    nan = math.nan
+    per_func = torch.tensor([[1.0, nan, nan], [3.0, 2.0, nan], [5.0, nan, nan], [nan, nan, nan]], dtype=torch.float64)
+    assert per_function_metrics(per_func, ["a", "one", "none"]) == {
+        "rewards/a": 3.0, "rewards/a/std": pytest.approx(2.0, rel=1e-12), "rewards/one": 2.0, "rewards/one/std": None,
+        "rewards/none": None, "rewards/none/std": None}
+
+
+# a function's column of scores: up to 16 rows, None (NaN) or a multiple of 1/4 (exact in fp64, as 0/1 rewards are)
+COLUMNS = st.lists(st.one_of(st.none(), st.integers(-32, 32).map(lambda n: n / 4)), min_size=1, max_size=16)
+
+
+@given(COLUMNS)
+def test_each_functions_std_is_trls_nanstd(column):
+    """Against TRL 1.16's own nanstd (trl.trainer.utils), which its GRPOTrainer logs as rewards/<name>/std: None
+    exactly where TRL's is NaN (fewer than two scored), else equal within TRL's rounding. TRL's Bessel factor
+    count / (count - 1) divides int64 tensors, so it is fp32 (relative error <= 2^-24, halved by the sqrt); the fp64
+    sums of n <= 16 exact scores add n u = 4e-15 (equal scores: exactly 0, their mean exact). The mean: torch's
+    nanmean, both fp64."""
+    utils = pytest.importorskip("trl.trainer.utils", reason="TRL is not installed (pip install -e '.[dev]')")
+    values = torch.tensor([math.nan if v is None else v for v in column], dtype=torch.float64)
+    got = per_function_metrics(values[:, None], ["f"])
+    std, mean = utils.nanstd(values).item(), torch.nanmean(values).item()
+    if math.isnan(std):
+        assert got["rewards/f/std"] is None
+    else:
+        assert got["rewards/f/std"] == pytest.approx(std, rel=2.0**-24, abs=0.0), (got, std)
+    assert got["rewards/f"] is None if math.isnan(mean) else got["rewards/f"] == pytest.approx(mean, rel=1e-14)
+
+
 def test_a_steps_reward_metrics_are_trls():
-    """One step with reward_weights [2, 0.5]: rewards/<name> is the function's own mean over the rows it scored
-    (TRL's nanmean of rewards_per_func, unweighted); reward and reward_std are over the weighted sums of the rows
-    some function scored (TRL: the unscorable rows NaN). Weights that did not reach the step, a weighted
-    rewards/<name>, or an unscored row counted as 0 passed the suite."""
+    """One step with reward_weights [2, 0.5]: rewards/<name> and rewards/<name>/std are the function's own mean and
+    std over the rows it scored (TRL's nanmean and nanstd of rewards_per_func, unweighted); reward and reward_std are
+    over the weighted sums of the rows some function scored (TRL: the unscorable rows NaN). Weights that did not
+    reach the step, a weighted rewards/<name>, or an unscored row counted as 0 passed the suite."""
     from fastgrpo.train import default_task
     from fastgrpo.train.trainer import GRPOTrainer
 
     calls = []
 
-    def longer(prompts, completions, **kwargs):  # every row but the batch's last
-        calls.append([len(c) + 1.0 for c in completions])
+    def varied(prompts, completions, **kwargs):  # every row but the batch's last, a different score each
+        calls.append([len(c) + 1.0 + k for k, c in enumerate(completions)])
         return calls[-1][:-1] + [None]
 
     def first_only(prompts, completions, **kwargs):
@@ -144,14 +178,15 @@ def test_a_steps_reward_metrics_are_trls():
                            "max_completion_length": 2, "max_steps": 1, "export": False, "progress_bar": False,
                            "logging_steps": 0, "output_dir": "unused", "reward_weights": [2.0, 0.5]})
     tokenizer = default_task.build_tokenizer()
-    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, [longer, first_only],
+    trainer = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, [varied, first_only],
                           default_task.build_dataset(4), config)
     metrics = trainer.train_step()
-    lengths = torch.tensor(calls[0][:-1], dtype=torch.float64)
-    weighted = 2.0 * lengths
+    scored = torch.tensor(calls[0][:-1], dtype=torch.float64)
+    weighted = 2.0 * scored
     weighted[0] += 0.5
-    assert metrics["rewards/longer"] == pytest.approx(lengths.mean().item(), rel=1e-12)
-    assert metrics["rewards/first_only"] == 1.0
+    assert metrics["rewards/varied"] == pytest.approx(scored.mean().item(), rel=1e-12)
+    assert metrics["rewards/varied/std"] == pytest.approx(scored.std().item(), rel=1e-12)
+    assert metrics["rewards/first_only"] == 1.0 and metrics["rewards/first_only/std"] is None
     assert metrics["reward"] == pytest.approx(weighted.mean().item(), rel=1e-12)
     assert metrics["reward_std"] == pytest.approx(weighted.std().item(), rel=1e-12, abs=1e-12)
 
@@ -188,19 +223,27 @@ def test_eval_weighs_its_rewards_and_aligns_its_columns():
 
 def test_ei_weighs_its_rewards_and_aligns_its_columns(tmp_path):
     """`fastgrpo ei --reward-weights`: a round's rewards (and so what it keeps) are the weighted sums; each
-    completion gets its own row's columns."""
+    completion gets its own row's columns; rewards/<name>/std is each function's own (unweighted) std, as train's."""
     from fastgrpo.train import default_task
     from fastgrpo.train.ei_config import EIConfig
     from fastgrpo.train.expert_iteration import ExpertIteration
+
+    scored = []
+
+    def varied(prompts, completions, **kwargs):  # weight 0: its spread is logged, nothing else
+        scored.extend(len(c) + 1.0 + k for k, c in enumerate(completions))
+        return scored[-len(completions):]
 
     tokenizer = default_task.build_tokenizer()
     config = EIConfig(**{**default_task.EI_PRESET, "prompt_format": "raw", "questions_per_step": 2,
                          "num_generations": 2, "batch_size": 4, "micro_batch_size": 4, "sft_epochs": 1,
                          "reward_weights": [3.0, 0.0], "correct_threshold": 3.0, "output_dir": str(tmp_path)})
-    run = ExpertIteration(default_task.build_model(tokenizer), tokenizer, [_by_row, _longer],
+    run = ExpertIteration(default_task.build_model(tokenizer), tokenizer, [_by_row, varied],
                           ROWS, config)
     metrics = run.run_round()
     assert metrics["rewards/_by_row"] == 1.0 and metrics["reward"] == 3.0 and metrics["kept_frac"] == 1.0
+    assert metrics["rewards/_by_row/std"] == 0.0 and metrics["rewards/varied/std"] == pytest.approx(
+        torch.tensor(scored, dtype=torch.float64).std().item(), rel=1e-12)
 
 
 def test_a_function_gets_only_the_keywords_it_takes():

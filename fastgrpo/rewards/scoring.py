@@ -320,6 +320,13 @@ def nan_std(values: torch.Tensor) -> float | None:
     return kept.std().item() if kept.numel() > 1 else 0.0 if kept.numel() else None
 
 
+def nan_sample_std(values: torch.Tensor) -> float | None:
+    """TRL 1.16's nanstd: the std (Bessel's correction) over the non-NaN entries; None for fewer than two, where
+    TRL's is NaN and its log() writes null."""
+    kept = values[~values.isnan()]
+    return kept.std().item() if kept.numel() > 1 else None
+
+
 def zero_spread_fraction(grouped: torch.Tensor) -> float:
     """The fraction of groups (rows of grouped [groups, G]) whose scored rewards are all equal (no signal); a
     group with no scored reward counts too."""

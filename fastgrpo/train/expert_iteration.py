@@ -49,7 +49,8 @@ from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
 from fastgrpo.train.step_end import end_step
-from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, refuse_taken, trainer_state
+from fastgrpo.train.step_rewards import (add_logged_metrics, metric_names, per_function_metrics, refuse_taken,
+                                         trainer_state)
 
 logger = logging.getLogger(__name__)
 # The names of a round's metrics (run_round), which log_metric may not take
@@ -210,7 +211,7 @@ class ExpertIteration:
             "round": self.round,
             "reward": nan_mean(rewards),
             "reward_std": nan_std(rewards),
-            **{f"rewards/{name}": nan_mean(per_func[:, j]) for j, name in enumerate(reward_names(self.reward_funcs))},
+            **per_function_metrics(per_func, reward_names(self.reward_funcs)),  # per_func: the whole round's
             "reward_errors": len(errors),
             "kept": len(kept),
             "kept_repeats_dropped": repeats,

@@ -8,7 +8,8 @@ import torch
 
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards.reward_logs import RewardLogs, TakenNames, clash_message, merged_means
-from fastgrpo.rewards.scoring import RewardError, RewardFailure, check_failures, score, warn_unscored
+from fastgrpo.rewards.scoring import (RewardError, RewardFailure, check_failures, nan_mean, nan_sample_std, score,
+                                      warn_unscored)
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
 
@@ -29,11 +30,25 @@ def completion_id_lists(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]
 
 
 def metric_names(own: Iterable[str], reward_names: Sequence[str]) -> TakenNames:
-    """The names a command's metrics take: `own`, rewards/<name> of each reward function and, as a training step's
-    or a round's metrics get them later or on a step where a function fails, step_s, eval/... and reward_error/...
-    """
-    return TakenNames(frozenset({*own, "step_s", *(f"rewards/{name}" for name in reward_names)}),
-                      ("eval/", "reward_error/"))
+    """The names a command's metrics take: `own`, rewards/<name> and rewards/<name>/std of each reward function
+    (per_function_metrics) and, as a training step's or a round's metrics get them later or on a step where a
+    function fails, step_s, eval/... and reward_error/..."""
+    per_function = (f"rewards/{name}{suffix}" for name in reward_names for suffix in ("", "/std"))
+    return TakenNames(frozenset({*own, "step_s", *per_function}), ("eval/", "reward_error/"))
+
+
+def per_function_metrics(per_func: torch.Tensor, reward_names: Sequence[str]) -> dict:
+    """Each reward function's mean and spread over the batch's completions it scored (per_func [N, F]: the whole
+    batch's, every process's rows; NaN where a function returned None), unweighted, as TRL 1.16's GRPOTrainer logs
+    rewards/<name>/mean and rewards/<name>/std: nanmean, and nanstd (Bessel's std, None for fewer than two scored).
+    The mean keeps fastgrpo's earlier name rewards/<name>. Under torchrun every process computes both from all rows,
+    and Distributed.combine_metrics leaves them as they are: a mean of the processes' own stds would miss the spread
+    between their rows."""
+    metrics = {}
+    for j, name in enumerate(reward_names):
+        metrics[f"rewards/{name}"] = nan_mean(per_func[:, j])
+        metrics[f"rewards/{name}/std"] = nan_sample_std(per_func[:, j])
+    return metrics
 
 
 def refuse_taken(logs: RewardLogs) -> None:

@@ -44,7 +44,7 @@ from fastgrpo.train.options import (
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_batch, rollout_engine
 from fastgrpo.train.step_end import end_step
-from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, score_groups
+from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, per_function_metrics, score_groups
 
 logger = logging.getLogger(__name__)
 GIB = 1024**3
@@ -180,7 +180,7 @@ class GRPOTrainer:
             "step": self.step,
             "reward": nan_mean(rewards),
             "reward_std": nan_std(rewards),
-            **{f"rewards/{name}": nan_mean(per_func[:, j]) for j, name in enumerate(names)},
+            **per_function_metrics(per_func, names),  # per_func: gathered, so the whole batch's on every process
             "reward_errors": len(errors),
             "frac_reward_zero_std": zero_spread_fraction(grouped),
             "kl": kl.mean().item() if kl is not None else 0.0,
