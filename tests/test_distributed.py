@@ -224,8 +224,12 @@ def test_two_processes_sample_and_update_as_one(two_processes, lora):
     # the rollouts and rewards of the first step: exactly one process's
     assert got["texts"] == rollout.texts
     assert got["ids"] == rollout.completion_ids.tolist()
-    for key in ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_frac"):
+    # rewards/<name>/std: the gathered batch's, not a mean of the processes' own (which would leave out the spread
+    # between their rows)
+    for key in ("reward", "reward_std", "rewards/repeat_letter_reward/std", "frac_reward_zero_std",
+                "completion_length", "truncated_frac"):
         assert got["metrics"][key] == metrics[key], key
+    assert metrics["rewards/repeat_letter_reward/std"] > 0
     _assert_update_as_one(got, one)
 
 

@@ -33,8 +33,8 @@ from tests.forked_gloo import U32, WORLD, cli, full_tensor, read_metrics, run_fo
 # clipping (the gradients at the optimizer are the step's own).
 FIELDS = dict(default_task.EI_PRESET, prompt_format="raw", questions_per_step=5, num_generations=4, batch_size=20,
               micro_batch_size=2, sft_epochs=1, adam_epsilon=1e-3, max_grad_norm=1e3)
-SAME = ("kept", "kept_frac", "reward", "reward_std", "rewards/even_first_character", "questions_solved_frac",
-        "completion_length", "truncated_frac", "sft_steps")
+SAME = ("kept", "kept_frac", "reward", "reward_std", "rewards/even_first_character", "rewards/even_first_character/std",
+        "questions_solved_frac", "completion_length", "truncated_frac", "sft_steps")
 
 
 def even_first_character(prompts, completions, **columns) -> list[float]:
@@ -126,6 +126,7 @@ def test_a_round_on_two_processes_keeps_and_updates_as_one(rounds, lora):
     for rank in ranks:
         assert {k: rank["metrics"][k] for k in SAME} == {k: one["metrics"][k] for k in SAME}
         assert rank["metrics"]["sft_loss_first"] == pytest.approx(one["metrics"]["sft_loss_first"], rel=1e-6)
+    assert one["metrics"]["rewards/even_first_character/std"] > 0  # the gathered round's spread, not one process's
     assert one["metrics"]["sft_steps"] == 1 and one["lrs"] == ranks[0]["lrs"] and len(one["lrs"]) == 1
     # one update on every process: the same weights, bit for bit
     assert all(torch.equal(ranks[0]["weights"][n], ranks[1]["weights"][n]) for n in one["weights"])
