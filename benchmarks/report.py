@@ -12,10 +12,13 @@ RESULTS_DIR = Path(__file__).parent / "results"
 
 
 def _fmt(value) -> str:
+    """A cell: a float to 3 significant digits, or as a whole number from 1,000 on (no exponent either way, but for
+    |value| < 1e-4: an error of 1.2e-08 reads better so)."""
     if value is None:
         return "-"
     if isinstance(value, float):
-        return f"{value:,.3g}" if abs(value) < 1000 else f"{value:,.0f}"
+        # from 999.5 on, 3 significant digits round to 1000, which .3g writes as 1e+03
+        return f"{value:,.3g}" if abs(value) < 999.5 else f"{value:,.0f}"
     return str(value)
 
 
