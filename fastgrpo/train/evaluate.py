@@ -269,6 +269,8 @@ def summarize(records: list[dict], names: list[str], errors: dict, seconds: floa
     correct = [r for r in records if r["correct"]]
     wrong = [r for r in records if not r["correct"]]
     split = records[0]["format_reward"] is not None
+    # means only (no rewards/<name>/std as train logs): the summary gives no number's spread, not even the reward's;
+    # each sample's scores are in the records
     per_func = {f"rewards/{name}": _mean(r[f"rewards/{name}"] for r in records) for name in names} \
         if len(names) > 1 else {}
     return {
