@@ -141,7 +141,8 @@ def test_console_lines_hold_each_windows_means_and_the_last_step():
     assert [line["peak_gpu_mem_gib"] for line in lines] == ["3.00", "4.00", "5.00"]
 
 
-@pytest.mark.parametrize("value, shown", [(999.0, "999"), (1000.0, "1K"), (35_400.0, "35.4K"), (2.5e6, "2.5M")])
+@pytest.mark.parametrize("value, shown", [(999.0, "999"), (999.4, "999"), (999.7, "1K"), (1000.0, "1K"),
+                                          (35_400.0, "35.4K"), (999_700.0, "1M"), (2.5e6, "2.5M")])
 def test_console_throughputs_are_shown_with_their_unit(value, shown):
     assert _console_lines(1, 1, [dict(rollout_tokens_per_s=value)])[0]["rollout_tokens_per_s"] == shown
 

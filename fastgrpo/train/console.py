@@ -120,7 +120,8 @@ def _peak_memory(window: list[dict]) -> str:
 
 
 def _si(value: float) -> str:
+    shown = float(f"{value:.3g}")  # the unit of the value as 3 digits show it: 999.7 is 1K (.3g wrote 1e+03)
     for unit, scale in (("M", 1e6), ("K", 1e3)):
-        if value >= scale:
+        if shown >= scale:
             return f"{value / scale:.3g}{unit}"
     return f"{value:.3g}"
