@@ -665,7 +665,8 @@ def test_fp8_dots_deep_tiles_fit_the_cards_that_take_them():
 
 @pytest.mark.parametrize(("rows", "D", "fp8", "fp8_dots", "shared", "deep"), [
     (16, 128, True, True, 227 * 1024, True),  # Hopper: the plain layout's fp8_dots programs
-    (16, 128, True, True, 163 * 1024, True),  # an A100
+    (16, 128, True, True, 128 * 1024, True),  # the least that takes them
+    (16, 128, True, True, 128 * 1024 - 1, False),
     (16, 128, True, True, 99 * 1024, False),  # an Ada card: no room
     (16, 128, True, True, 0, False),  # off a GPU
     (64, 128, True, True, 227 * 1024, False),  # a shared prefix's taller programs: not timed

@@ -97,7 +97,7 @@ GPU_TILES = dict(block_n=128, num_warps=4, num_stages=2)
 TILES_BY_SIZE = ((16 * 128, GPU_TILES), (64 * 128, dict(block_n=64, num_warps=2, num_stages=2)),
                  (None, dict(block_n=32, num_warps=2, num_stages=2)))
 # fp8_dots' 16-row programs (the plain layout's: Qwen2.5's and Llama-3.1's G) with a third stage, on cards where a
-# block may take its ~102 KB (an sm_90 compile: Hopper, an A100; not an Ada card's 99 KB): at the mean context of a
+# block may take its ~102 KB (an sm_90 compile: Hopper; not an Ada card's 99 KB): at the mean context of a
 # 4096-token rollout 8% less time per call at Llama-3.1-8B heads and 7% at Qwen2.5-1.5B's, at a 1024-token one 1-2%
 # (H200, bench_decode_attention --new-tokens: NOTES_rollout.md). A register cap for more programs per SM spilled and
 # was slower; so were more splits.
