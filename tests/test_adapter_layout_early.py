@@ -177,7 +177,9 @@ def test_vllms_merged_weight_sync_refuses_what_w_plus_ba_leaves_out(tokenizer, o
 
     model = get_peft_model(_base(tokenizer, "qwen2"), LoraConfig(r=4, target_modules=["q_proj"], **option))
     refusal = (r"^model: model\.layers\.0\.self_attn\.q_proj: vLLM's merged weight sync writes W \+ B A \* scale, "
-               r"which leaves out a LoRA variant \(DoRA\) or a LoRA bias; use rollout_engine='builtin'$")
+               r"which leaves out a LoRA variant \(DoRA\) or a LoRA bias; use the built-in engine "
+               r"\(GRPOConfig\(rollout_engine='builtin'\), --rollout-engine builtin, or fastgrpo\.rollout\.BuiltinEngine "
+               r"in place of VLLMEngine\)$")
     with pytest.raises(ValueError, match=refusal):
         merged_sources(model)
 

@@ -19,7 +19,8 @@ from fastgrpo.train.default_task import build_tokenizer
 pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
 TIED = r"^model: modules_to_save \[{}\]: vLLM ties the embedding and lm_head to one weight, while the trained " \
        r"model runs them apart \(a trained copy in place of {}\); pass ensure_weight_tying=True to the LoraConfig " \
-       r"\(one trained copy for both\) or use rollout_engine='builtin'$"
+       r"\(one trained copy for both\) or use the built-in engine \(GRPOConfig\(rollout_engine='builtin'\), " \
+       r"--rollout-engine builtin, or fastgrpo\.rollout\.BuiltinEngine in place of VLLMEngine\)$"
 
 
 def saved_head(tied: bool = False, **options):
@@ -159,5 +160,6 @@ def test_the_adapter_sync_refuses_modules_to_save_before_vllm_builds(no_vllm):
     """vLLM's LoRA path runs the adapter over vLLM's own base: no trained copy of a module."""
     model = saved_head()
     with pytest.raises(ValueError, match=r"^model: vLLM's LoRA does not run adapters with \['modules_to_save'\]; "
-                                         r"use lora_sync='merge'$"):
+                                         r"use lora_sync='merge' \(GRPOConfig\(vllm_lora_sync='merge'\), "
+                                         r"--vllm-lora-sync merge\)$"):
         vllm_engine.VLLMEngine(model, build_tokenizer(), max_model_len=32, lora_sync="adapter")

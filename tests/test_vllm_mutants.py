@@ -123,7 +123,10 @@ def test_in_memory_adapters_hand_other_paths_to_vllm_and_take_only_mem_paths():
 def test_a_bitsandbytes_base_is_refused(flag):
     model = tiny()
     setattr(model, flag, True)
-    with pytest.raises(ValueError, match="vLLM cannot share a bitsandbytes-quantized base"):
+    with pytest.raises(ValueError, match=r"^model: vLLM cannot share a bitsandbytes-quantized base; use a bf16 base, "
+                                         r"or the built-in engine \(GRPOConfig\(rollout_engine='builtin'\), "
+                                         r"--rollout-engine builtin, or fastgrpo\.rollout\.BuiltinEngine in place "
+                                         r"of VLLMEngine\), which generates with the 4-bit model$"):
         check_model(model)
 
 

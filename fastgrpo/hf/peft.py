@@ -146,12 +146,72 @@ def _merged_by_peft(module: torch.nn.Module, adapters: list[str]) -> tuple[torch
 
 
 def _with_trained_tokens(prefix: str, wrapper: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """A trainable_token_indices wrapper's weight as its forward runs it: the base's, each active adapter's trained
-    rows in place (the weight itself where the adapters are off or merged)."""
-    layer = wrapper.token_adapter
-    off = layer.disable_adapters or layer.merged
-    adapters = [] if off else [a for a in layer.active_adapters if a in layer.token_indices]
-    return {f"{prefix}weight": layer.get_merged_weights(adapters).detach()}
+    return {f"{prefix}weight": trained_tokens_weight(wrapper.token_adapter)}
+
+
+def trained_tokens_weight(layer: torch.nn.Module) -> torch.Tensor:
+    """A PEFT TrainableTokensLayer's weight as its forward runs it, as merge_and_unload writes it: the base's, each
+    active adapter's trained rows in place (the base weight itself where the adapters are off or merged)."""
+    return layer.get_merged_weights(_trained_token_adapters(layer)).detach()
+
+
+def _trained_token_adapters(layer: torch.nn.Module) -> list[str]:
+    """The adapters whose trained rows a TrainableTokensLayer's forward puts in place."""
+    if layer.disable_adapters or layer.merged:
+        return []
+    return [a for a in layer.active_adapters if a in layer.token_indices]
+
+
+def trained_tokens_layer(module: torch.nn.Module) -> torch.nn.Module | None:
+    """The PEFT TrainableTokensLayer that runs in `module`'s place: a trainable_token_indices wrapper's
+    (TrainableTokensWrapper.token_adapter), or the module itself under PEFT's TrainableTokensConfig; else None."""
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+    from peft.utils.other import TrainableTokensWrapper
+
+    if isinstance(module, TrainableTokensWrapper):
+        return module.token_adapter
+    return module if isinstance(module, TrainableTokensLayer) else None
+
+
+def trained_tokens_sources(model: torch.nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
+    """Full name of the base weight of each TrainableTokensLayer (as model.named_parameters() names it) -> a function
+    giving the weight the layer's forward runs (trained_tokens_weight). A layer PEFT ties to another (a tied lm_head
+    following the embedding's trained rows) runs its partner's base weight and rows: the partner's entry serves both."""
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+    layers = {id(layer.base_layer.weight): layer for layer in model.modules()
+              if isinstance(layer, TrainableTokensLayer) and layer.tied_adapter is None}
+    return {name: functools.partial(trained_tokens_weight, layers[id(param)])
+            for name, param in model.named_parameters() if id(param) in layers}
+
+
+def trained_tokens_names(model: torch.nn.Module) -> dict[str, str | None]:
+    """Full name of each parameter of a TrainableTokensLayer -> its name in the model the forward runs, for the
+    base weight (model.embed_tokens.token_adapter.base_layer.weight -> model.embed_tokens.weight), whose value there
+    has the trained rows in place; None for the trained rows themselves (trainable_tokens_delta)."""
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+    names = {}
+    for name, layer in model.named_modules():
+        if not isinstance(layer, TrainableTokensLayer):
+            continue
+        wrapped = name.removesuffix(".token_adapter")  # a trainable_token_indices wrapper's layer
+        for leaf, _ in layer.named_parameters(remove_duplicate=False):
+            base = leaf.startswith("base_layer.")
+            names[f"{name}.{leaf}"] = f"{wrapped}.{leaf.removeprefix('base_layer.')}" if base else None
+    return names
+
+
+def weight_run_by(module: torch.nn.Module) -> tuple:
+    """What `module`'s forward multiplies by, as a key two modules share only when they run one weight: a
+    TrainableTokensLayer's base weight with each active adapter's trained rows (tied layers share both), a
+    modules_to_save wrapper's module in use's weight, any other module's weight."""
+    layer = trained_tokens_layer(module)
+    if layer is None:
+        return (id(module_in_use(module).weight),)
+    adapters = _trained_token_adapters(layer)
+    rows = [(id(layer.trainable_tokens_delta[a]), tuple(layer.token_indices[a])) for a in adapters]
+    return (id(layer.base_layer.weight), *rows)
 
 
 def _dequantized_all(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -174,10 +234,14 @@ def module_in_use(module: torch.nn.Module) -> torch.nn.Module:
 
 
 def wrapped_original(module: torch.nn.Module) -> torch.nn.Module:
-    """The module a PEFT modules_to_save wrapper was built around (the base model's own); any other module itself."""
+    """The module a PEFT modules_to_save wrapper or TrainableTokensLayer was built around (the base model's own); any
+    other module itself."""
     from peft.utils.other import ModulesToSaveWrapper
 
-    return module.original_module if isinstance(module, ModulesToSaveWrapper) else module
+    if isinstance(module, ModulesToSaveWrapper):
+        return module.original_module
+    layer = trained_tokens_layer(module)
+    return module if layer is None else layer.base_layer
 
 
 def modules_to_save_names(model: torch.nn.Module) -> dict[str, str | None]:

@@ -44,6 +44,7 @@ from fastgrpo.rollout.requests import (
 )
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm_requests import check_prompt_keys, fan_out, request_seeds, sampling_kwargs, to_result
+from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 from fastgrpo.rollout.vllm_weights import bind
 
 VLLM_VERSION = "0.24.0"
@@ -126,8 +127,8 @@ def check_model(model: torch.nn.Module) -> None:
     if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False) or any(
         type(p).__name__ in ("Params4bit", "Int8Params") for p in base.parameters()
     ):
-        raise ValueError("model: vLLM cannot share a bitsandbytes-quantized base; use rollout_engine='builtin' "
-                         "(it generates with the 4-bit model) or a bf16 base")
+        raise ValueError(f"model: vLLM cannot share a bitsandbytes-quantized base; use a bf16 base, or "
+                         f"{BUILTIN_ENGINE}, which generates with the 4-bit model")
     weight = base.get_input_embeddings().weight
     if weight.device.type != "cuda":
         raise ValueError(f"model: the vLLM engine shares the model's GPU memory; move it to CUDA first "
@@ -177,8 +178,9 @@ class VLLMEngine:
         self.device = base.get_input_embeddings().weight.device
         dtype = base.get_input_embeddings().weight.dtype
         self.lora_sync = lora_sync if is_peft_model(model) and vllm_lora.lora_layers(model) else None
-        # each sync's refusal, before vLLM builds its engine (minutes)
-        merged = vllm_lora.merged_sources(model) if self.lora_sync == "merge" else {}
+        # each sync's refusal, before vLLM builds its engine (minutes); without LoRA layers (a PEFT model training
+        # token rows alone) what is trained still reaches vLLM merged
+        merged = vllm_lora.merged_sources(model) if self.lora_sync != "adapter" else {}
         self._adapter_config = vllm_lora.adapter_config(model) if self.lora_sync == "adapter" else None
         self.release = release
         self._dir = tempfile.TemporaryDirectory(prefix="fastgrpo-vllm-")

@@ -12,7 +12,14 @@ import torch
 from torch import nn
 
 from fastgrpo.hf.models import unwrap_peft
-from fastgrpo.hf.peft import has_variant_or_bias, module_in_use, with_lora_deltas, wrapped_original
+from fastgrpo.hf.peft import (
+    has_variant_or_bias,
+    trained_tokens_layer,
+    weight_run_by,
+    with_lora_deltas,
+    wrapped_original,
+)
+from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE, MERGE_SYNC
 from fastgrpo.rollout.vllm_weights import PEFT_PREFIX, parameter_holders
 
 MEM_PREFIX = "mem://"
@@ -27,16 +34,18 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def adapter_config(model: nn.Module) -> dict:
-    """r, lora_alpha, target_modules, use_rslora of the model's active adapter, as vLLM's PEFTHelper reads them."""
+    """r, lora_alpha, target_modules, use_rslora of the model's active adapter, as vLLM's PEFTHelper reads them.
+    Refused: what vLLM's LoRA (0.24) does not run over its base, e.g. a trained copy of a module (modules_to_save) or
+    trained embedding rows (trainable_token_indices: vLLM would run the frozen base's rows)."""
     name = model.active_adapter if isinstance(model.active_adapter, str) else model.active_adapter[0]
     cfg = model.peft_config[name]
-    unsupported = [f for f in ("use_dora", "modules_to_save") if getattr(cfg, f, None)]
+    unsupported = [f for f in ("use_dora", "modules_to_save", "trainable_token_indices") if getattr(cfg, f, None)]
     if getattr(cfg, "bias", "none") != "none":
         unsupported.append("bias")
     if getattr(cfg, "rank_pattern", None) or getattr(cfg, "alpha_pattern", None):
         unsupported.append("rank_pattern/alpha_pattern")
     if unsupported:
-        raise ValueError(f"model: vLLM's LoRA does not run adapters with {unsupported}; use lora_sync='merge'")
+        raise ValueError(f"model: vLLM's LoRA does not run adapters with {unsupported}; use {MERGE_SYNC}")
     targets = cfg.target_modules if isinstance(cfg.target_modules, str) else sorted(cfg.target_modules)
     return {"r": cfg.r, "lora_alpha": cfg.lora_alpha, "target_modules": targets, "use_rslora": bool(cfg.use_rslora)}
 
@@ -58,41 +67,47 @@ def merged_weight(layer: nn.Module) -> torch.Tensor:
 def merged_sources(model: nn.Module) -> dict:
     """Full parameter name of each LoRA layer's base weight -> a function giving its merged value. A layer whose
     adapters W + B A * scale does not describe (a variant such as DoRA, a LoRA bias) is refused: vLLM would generate
-    from another model than the one trained (DoRA leaves out its magnitude's rescaling); so is a modules_to_save copy
-    that unties a tied embedding and lm_head (check_tied_copies). A modules_to_save wrapper's trained copy needs no
-    merge: bind places it where vLLM runs the module it wraps."""
+    from another model than the one trained (DoRA leaves out its magnitude's rescaling); so is a tied embedding and
+    lm_head that the trained model runs as two weights (check_tied_copies). bind places a modules_to_save wrapper's
+    trained copy where vLLM runs the module it wraps, and merges a trainable-token layer's trained rows itself."""
     check_tied_copies(model)
     layers = lora_layers(model)
     holders = parameter_holders(model)  # a tied embedding / lm_head's weight: two
     for name, layer in layers.items():
         if has_variant_or_bias(layer, layer.active_adapters):
             raise ValueError(f"model: {name.removeprefix(PEFT_PREFIX)}: vLLM's merged weight sync writes W + B A * "
-                             "scale, which leaves out a LoRA variant (DoRA) or a LoRA bias; use "
-                             "rollout_engine='builtin'")
+                             f"scale, which leaves out a LoRA variant (DoRA) or a LoRA bias; use {BUILTIN_ENGINE}")
         if len(holders[id(layer.base_layer.weight)]) > 1:
             # vLLM's lm_head is its embedding module: the merged weight would reach both, the trainer's partner is W
             raise ValueError(f"model: {name.removeprefix(PEFT_PREFIX)}: vLLM ties the embedding and lm_head, so the "
                              "merged weight sync would put the LoRA on both while the trained model has it on one; "
-                             "leave it out of the LoRA targets or use rollout_engine='builtin'")
+                             f"leave it out of the LoRA targets or use {BUILTIN_ENGINE}")
     return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer) for name, layer in layers.items()}
 
 
 def check_tied_copies(model: nn.Module) -> None:
-    """Refuse a tied embedding and lm_head that the trained model runs as two weights through modules_to_save (a
-    trained copy in place of one of them, or one copy for each): vLLM's one tied weight cannot hold both. With
-    PEFT's ensure_weight_tying=True both run one copy, which vLLM runs as its tied weight."""
+    """Refuse a tied embedding and lm_head that the trained model runs as two weights: through modules_to_save (a
+    trained copy in place of one of them, or one copy for each) or trainable_token_indices (trained rows in one of
+    them, or other rows in each): vLLM's one tied weight cannot hold both. With PEFT's ensure_weight_tying=True both
+    run one copy, and trainable_token_indices given as a list puts the embedding's trained rows in the head too: one
+    weight, which vLLM runs as its tied weight."""
     base = unwrap_peft(model)
     embedding, head = base.get_input_embeddings(), base.get_output_embeddings()
     if head is None or wrapped_original(embedding).weight is not wrapped_original(head).weight:
         return  # not tied: vLLM has an lm_head of its own
-    if module_in_use(embedding).weight is module_in_use(head).weight:
+    if weight_run_by(embedding) == weight_run_by(head):
         return
     names = {module: name.removeprefix(PEFT_PREFIX) for name, module in model.named_modules()}
+    rows = [names[m] for m in (embedding, head) if trained_tokens_layer(m) is not None]
+    if rows:
+        raise ValueError(f"model: trainable_token_indices on {' and '.join(rows)}: vLLM ties the embedding and lm_head "
+                         "to one weight, while the trained model runs other token rows in each; give the indices as a "
+                         "list (the embedding's trained rows, which PEFT runs in the tied head too) or use "
+                         f"{BUILTIN_ENGINE}")
     copied = [names[m] for m in (embedding, head) if m is not wrapped_original(m)]
     raise ValueError(f"model: modules_to_save {copied}: vLLM ties the embedding and lm_head to one weight, while the "
                      f"trained model runs them apart (a trained copy in place of {' and '.join(copied)}); pass "
-                     "ensure_weight_tying=True to the LoraConfig (one trained copy for both) or use "
-                     "rollout_engine='builtin'")
+                     f"ensure_weight_tying=True to the LoraConfig (one trained copy for both) or use {BUILTIN_ENGINE}")
 
 
 def adapter_tensors(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -7,7 +7,9 @@ slice of a row-major [out, in] tensor is contiguous, so each HF parameter can be
 parameter: vLLM owns the storage (its CUDA graphs hold those addresses, which never change), the trainer's
 parameters alias it, and an optimizer step writes straight into what the next rollout reads. A PEFT modules_to_save
 wrapper (modules_to_save=["lm_head"]) holds the frozen original and a trained copy: vLLM's weight is the one its
-forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight.
+forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight. A PEFT
+trainable-token layer (trainable_token_indices) runs its base weight with some rows replaced by trained ones: vLLM
+runs that weight as a Copy (merged), while the trainer's base keeps the frozen rows its reference forward runs.
 
 What cannot alias (a dtype vLLM does not run, a LoRA-adapted weight that vLLM must see merged with its adapter,
 or everything when sharing is off) is a `Copy`: rows of vLLM's tensor refreshed from the trainer by `refresh`.
@@ -22,7 +24,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastgrpo.hf.peft import modules_to_save_names
+from fastgrpo.hf.peft import modules_to_save_names, trained_tokens_names, trained_tokens_sources
+from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 
 # HF projection -> (vLLM's fused layer, index of its rows among the fused layer's output_sizes)
 STACKED = {
@@ -122,28 +125,30 @@ def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
     possible; return the rest as Copies that `refresh` from the trainer.
 
     merged: full trainer parameter name -> the value vLLM must run instead (a LoRA base weight plus its adapter);
-    those rows stay vLLM's own. A modules_to_save wrapper's module in use stands for the module it wraps; the
+    those rows stay vLLM's own, as do a trainable-token layer's (its base weight with the trained rows in place,
+    whatever `merged` says). A modules_to_save wrapper's module in use stands for the module it wraps; the
     other modules inside it (the frozen original under a trained copy) stay the trainer's alone. Raises ValueError
     if a trainer weight has no place in vLLM's model or a vLLM weight gets no value (it would generate with random
     weights).
     """
-    merged = merged or {}
+    merged = {**trained_tokens_sources(model), **(merged or {})}
     vllm_params = dict(vllm_model.named_parameters())
     module_of = vllm_model.get_submodule
     aliases = parameter_holders(model)
-    saved_copies = modules_to_save_names(model)
+    run_names = {**modules_to_save_names(model), **trained_tokens_names(model)}
     covered: dict[str, list[tuple[int, int]]] = defaultdict(list)
     copies = []
     with torch.no_grad():
         for full_name, param in list(model.named_parameters()):
-            run_as = saved_copies.get(full_name, full_name)
-            if is_adapter_param(full_name) or run_as is None:  # None: a module the wrapper does not run
+            run_as = run_names.get(full_name, full_name)
+            # None: a module the wrapper does not run, or trained token rows (the merged weight holds them)
+            if is_adapter_param(full_name) or run_as is None:
                 continue
             name = hf_name(run_as)
             target = locate(name, param.shape, vllm_params, module_of)
             if target is None:
                 raise ValueError(f"model: vLLM's model has no weight for {name} {list(param.shape)}; this "
-                                 "architecture is laid out differently there (use rollout_engine='builtin')")
+                                 f"architecture is laid out differently there (use {BUILTIN_ENGINE})")
             rows = vllm_params[target.name].data[target.start:target.stop]
             covered[target.name].append((target.start, target.stop))
             source = merged.get(full_name)

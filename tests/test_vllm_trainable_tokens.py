@@ -1,0 +1,189 @@
+"""PEFT's trainable_token_indices (LoraConfig(trainable_token_indices=[...]): some rows of the embedding trained, and
+of a tied lm_head with them) under vLLM's merged weight sync, against test_rollout_vllm's stand-in for vLLM's model
+(its fused names and padded vocabulary rows). bind refused it once vLLM had built its engine (~140 s cold), saying
+vLLM's model had no weight for model.embed_tokens.token_adapter.weight. Now vLLM's embedding (and lm_head) holds the
+base rows with the trained rows in place, a copy refreshed by each sync: the trainer's base rows stay the frozen
+originals its reference forward runs. A tied embedding / lm_head that the trained model runs with other rows in each
+is refused before vLLM builds, as is the adapter sync. The engine runs in tests/test_vllm_gpu.py
+(test_merge_sync_runs_the_trained_token_rows)."""
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, TrainableTokensConfig, get_peft_model
+from test_rollout_vllm import V, logits, tiny, vllm_like
+
+from fastgrpo.rollout import vllm as vllm_engine
+from fastgrpo.rollout.vllm_lora import merged_sources
+from fastgrpo.rollout.vllm_weights import bind, expected_rows
+from fastgrpo.train.default_task import build_tokenizer
+
+pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
+ROWS, HEAD_ROWS = [3, 5], [4, 6]
+UNTIED = "model: trainable_token_indices on {}: vLLM ties the embedding and lm_head to one weight, while the trained " \
+         "model runs other token rows in each; give the indices as a list (the embedding's trained rows, which PEFT " \
+         "runs in the tied head too) or use the built-in engine (GRPOConfig(rollout_engine='builtin'), " \
+         "--rollout-engine builtin, or fastgrpo.rollout.BuiltinEngine in place of VLLMEngine)"
+# (tied, adapter config): the layouts vLLM runs exactly
+LAYOUTS = {
+    "embedding": (False, dict(trainable_token_indices=ROWS)),
+    "embedding-and-head": (False, dict(trainable_token_indices={"embed_tokens": ROWS, "lm_head": HEAD_ROWS})),
+    "head": (False, dict(trainable_token_indices={"lm_head": HEAD_ROWS})),
+    "tied": (True, dict(trainable_token_indices=ROWS)),
+    "tied-same-rows": (True, dict(trainable_token_indices={"embed_tokens": ROWS, "lm_head": ROWS})),
+    "tokens-alone": (False, dict(target_modules=["embed_tokens"], token_indices=ROWS)),  # TrainableTokensConfig
+    "tokens-alone-tied": (True, dict(target_modules=["embed_tokens"], token_indices=ROWS)),
+}
+
+
+def trained(tied: bool, options: dict):
+    """LoRA on q/v (or PEFT's TrainableTokensConfig alone) with trained token rows, all away from their initial
+    values (trained rows equal to the originals would hide which of the two vLLM runs)."""
+    config = (TrainableTokensConfig(**options) if "token_indices" in options else
+              LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options))
+    model = get_peft_model(tiny(tied=tied), config)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param))
+    return model
+
+
+def token_layers(model) -> dict:
+    """HF module name -> the PEFT TrainableTokensLayer that runs in its place."""
+    from peft.tuners.trainable_tokens import TrainableTokensLayer
+
+    return {name.removeprefix("base_model.model.").removesuffix(".token_adapter"): module
+            for name, module in model.named_modules() if isinstance(module, TrainableTokensLayer)}
+
+
+def assert_runs(fake, plain, tied):
+    """Every weight of the stand-in vLLM model is the plain model's (PEFT's merge_and_unload of the trained one),
+    bound from it the same way. The embedding and lm_head rows are equal bit for bit (both put the trained rows in
+    place by index_copy); merged LoRA rows are W + B A * s in fp32 both ways, summed in other orders: a few ulps of
+    the largest value apart."""
+    want = vllm_like(tied=tied)
+    bind(plain, want, share=False)
+    wanted = dict(want.named_parameters())
+    for name, param in fake.named_parameters():
+        rows = expected_rows(name, param, fake.get_submodule)
+        got, ref = param[:rows], wanted[name][:rows]
+        if "embed_tokens" in name or "lm_head" in name:
+            assert torch.equal(got, ref), f"{name}: rows {(got != ref).any(1).nonzero().flatten().tolist()} differ"
+            continue
+        bound = 4 * torch.finfo(ref.dtype).eps * ref.abs().max().item()
+        err = (got - ref).abs().max().item()
+        assert err <= bound, f"{name}: {err:.3g} from the trained model's value (bound {bound:.3g})"
+
+
+def vllm_rows(fake, module: str) -> torch.Tensor:
+    """The rows vLLM runs for HF's module (a tied lm_head is vLLM's embedding)."""
+    head = module == "lm_head" and hasattr(fake, "lm_head")
+    return (fake.lm_head if head else fake.model.embed_tokens).weight[:V]
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "copied"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_vllm_runs_the_trained_token_rows(layout, share):
+    tied, options = LAYOUTS[layout]
+    model = trained(tied, options)
+    layers = token_layers(model)
+    originals = {name: layer.base_layer.weight.detach().clone() for name, layer in layers.items()}
+    plain = copy.deepcopy(model).merge_and_unload()
+    want = logits(model)
+    fake = vllm_like(tied=tied)
+    copies = bind(model, fake, share=share, merged=merged_sources(model))
+    assert_runs(fake, plain, tied)
+    torch.testing.assert_close(logits(model), want, rtol=0, atol=0)  # the trainer's forward is unchanged
+    for name, layer in layers.items():
+        indices = layer.token_indices["default"]
+        rows = vllm_rows(fake, name)
+        assert torch.equal(rows[indices], layer.trainable_tokens_delta["default"].detach())
+        assert not torch.equal(rows, originals[name])  # not the frozen base rows...
+        assert torch.equal(layer.base_layer.weight, originals[name])  # ...which stay the trainer's, for the reference
+        assert layer.base_layer.weight.data_ptr() != rows.data_ptr()
+    copied = {c.hf_name for c in copies}
+    assert {name for name, layer in layers.items() if layer.tied_adapter is None} <= {n[:-7] for n in copied}
+    assert ("model.layers.0.mlp.up_proj.weight" in copied) != share  # the rest is shared as before
+
+
+@pytest.mark.parametrize("layout", ["embedding-and-head", "tied", "tokens-alone"])
+def test_an_optimizer_step_on_the_trained_rows_reaches_vllm_with_the_sync(layout):
+    """A real AdamW step after bind (the trainer builds its optimizer once the engine is built) moves the trained rows
+    in place; the sync's refresh of the copies (load_weights) brings vLLM to the stepped model, rows included."""
+    tied, options = LAYOUTS[layout]
+    model = trained(tied, options)
+    fake = vllm_like(tied=tied)
+    copies = bind(model, fake, merged=merged_sources(model))
+    layers = token_layers(model)
+    before = {name: vllm_rows(fake, name).clone() for name in layers}
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    model(input_ids=torch.tensor([[3, 4, 5, 6, 7, 3, 5]])).logits.logsumexp(-1).sum().backward()
+    optimizer.step()
+    for name, layer in layers.items():
+        indices = layer.token_indices["default"]
+        assert not torch.equal(layer.trainable_tokens_delta["default"].detach(), before[name][indices])
+        assert torch.equal(vllm_rows(fake, name), before[name])  # nothing reaches vLLM before the sync
+    with torch.no_grad():  # as load_weights refreshes them
+        for rows in copies:
+            rows.refresh()
+    assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
+    for name, layer in layers.items():
+        indices = layer.token_indices["default"]
+        assert torch.equal(vllm_rows(fake, name)[indices], layer.trainable_tokens_delta["default"].detach())
+
+
+def test_an_active_adapter_without_trained_rows_runs_the_base_rows():
+    """The layer runs its base rows where the active adapter trains none (PEFT's set_adapter to another one)."""
+    model = trained(False, LAYOUTS["embedding"][1])
+    model.add_adapter("other", LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    model.set_adapter("other")
+    fake = vllm_like(tied=False)
+    bind(model, fake, merged=merged_sources(model))
+    assert_runs(fake, copy.deepcopy(model).merge_and_unload(), False)
+    assert torch.equal(fake.model.embed_tokens.weight[:V], token_layers(model)["model.embed_tokens"].base_layer.weight)
+
+
+class NoVLLM:
+    def LLM(**kwargs):  # noqa: N802 - vllm.LLM
+        pytest.fail("vLLM built its engine")
+
+
+@pytest.fixture
+def no_vllm(monkeypatch):
+    """VLLMEngine up to the point where it builds vLLM's engine, on the CPU."""
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
+    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
+
+
+@pytest.mark.parametrize("options, named", [
+    (dict(trainable_token_indices={"lm_head": HEAD_ROWS}), "lm_head"),
+    (dict(trainable_token_indices={"embed_tokens": ROWS, "lm_head": HEAD_ROWS}), "model.embed_tokens and lm_head"),
+    (dict(target_modules=["lm_head"], token_indices=HEAD_ROWS), "lm_head"),  # TrainableTokensConfig: no LoRA layer
+], ids=["head", "other-rows-each", "tokens-alone-head"])
+def test_other_rows_in_a_tied_embedding_and_head_are_refused_before_vllm_builds(no_vllm, options, named):
+    """vLLM's tied lm_head IS its embedding: one weight cannot hold the head's trained rows and the embedding's
+    base rows (or two sets of rows trained apart). PEFT's merge_and_unload writes both into the one tied weight."""
+    model = trained(True, options)
+    refusal = UNTIED.format(named)
+    with pytest.raises(ValueError) as caught:
+        merged_sources(model)
+    assert str(caught.value) == refusal
+    with pytest.raises(ValueError) as caught:
+        vllm_engine.VLLMEngine(model, build_tokenizer(), max_model_len=32, lora_sync="merge",
+                                  execution="eager")
+    assert str(caught.value) == refusal
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_the_adapter_sync_refuses_trainable_tokens_before_vllm_builds(no_vllm, tied):
+    """vLLM's LoRA path runs the adapter over vLLM's own base, whose rows are the frozen originals; its PEFTHelper
+    knows no trained token rows."""
+    model = trained(tied, LAYOUTS["tied" if tied else "embedding"][1])
+    with pytest.raises(ValueError) as caught:
+        vllm_engine.VLLMEngine(model, build_tokenizer(), max_model_len=32, lora_sync="adapter",
+                                  execution="eager")
+    assert str(caught.value) == (
+        "model: vLLM's LoRA does not run adapters with ['trainable_token_indices']; use lora_sync='merge' "
+        "(GRPOConfig(vllm_lora_sync='merge'), --vllm-lora-sync merge)")
