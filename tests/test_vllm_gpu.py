@@ -304,3 +304,38 @@ def test_merge_sync_runs_the_trained_lm_head_copy():
     assert completions(after) != completions(before)
     assert_same_greedy(after, builtin(model, tok), model, tok)
     assert_logprobs_match(engine, model, tok)
+
+
+# ---- trainable_token_indices: the merged sync runs the trained rows of a tied embedding / lm_head ----
+@pytest.mark.xdist_group("trainable_tokens")
+def test_merge_sync_runs_the_trained_token_rows():
+    """LoRA plus trainable_token_indices on a tied Qwen2 (PEFT runs the embedding's trained rows in the head too):
+    vLLM's tied embedding holds the base rows with the trained rows in place, a copy each sync refreshes, not the
+    frozen base rows the reference policy runs; greedy tokens and log-probs are the trainer's model's before and
+    after a training step."""
+    from peft import LoraConfig, get_peft_model
+
+    model, tok = tiny(seed=5)
+    rows = tok("oel ", add_special_tokens=False)["input_ids"]  # in the prompts, and in what the model samples
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules="all-linear",
+                                             trainable_token_indices=rows, init_lora_weights=False))
+    layer = model.base_model.model.model.embed_tokens.token_adapter
+    base, trained = layer.base_layer.weight, layer.trainable_tokens_delta["default"]
+    with torch.no_grad():  # rows far from the base's: vLLM running the base rows would show in its outputs
+        trained.add_(torch.randn_like(trained) * base.float().std())
+    engine = build_engine(model, tok, lora_sync="merge")
+    vllm_embedding = engine.vllm_model.model.embed_tokens.weight
+    assert "model.embed_tokens.weight" in {c.hf_name for c in engine.copies}
+    assert base.data_ptr() != vllm_embedding.data_ptr()  # the trainer's base rows stay its own
+    assert torch.equal(vllm_embedding[rows], trained.detach())
+    before = run(engine)
+    assert_same_greedy(before, builtin(model, tok), model, tok)
+    assert_logprobs_match(engine, model, tok)
+    adamw_step(model, lr=5e-2)
+    assert not torch.equal(vllm_embedding[rows], trained.detach())  # no sync yet
+    engine.load_weights(model)
+    assert torch.equal(vllm_embedding[rows], trained.detach())
+    after = run(engine)
+    assert completions(after) != completions(before)
+    assert_same_greedy(after, builtin(model, tok), model, tok)
+    assert_logprobs_match(engine, model, tok)
