@@ -68,9 +68,9 @@ def merged_sources(model: nn.Module) -> dict:
     """Full parameter name of each LoRA layer's base weight -> a function giving its merged value. A layer whose
     adapters W + B A * scale does not describe (a variant such as DoRA, a LoRA bias) is refused: vLLM would generate
     from another model than the one trained (DoRA leaves out its magnitude's rescaling); so is a tied embedding and
-    lm_head that the trained model runs as two weights (check_tied_copies). bind places a modules_to_save wrapper's
+    lm_head that the trained model runs as two weights (check_tied_embedding). bind places a modules_to_save wrapper's
     trained copy where vLLM runs the module it wraps, and merges a trainable-token layer's trained rows itself."""
-    check_tied_copies(model)
+    check_tied_embedding(model)
     layers = lora_layers(model)
     holders = parameter_holders(model)  # a tied embedding / lm_head's weight: two
     for name, layer in layers.items():
@@ -85,7 +85,7 @@ def merged_sources(model: nn.Module) -> dict:
     return {f"{name}.base_layer.weight": functools.partial(merged_weight, layer) for name, layer in layers.items()}
 
 
-def check_tied_copies(model: nn.Module) -> None:
+def check_tied_embedding(model: nn.Module) -> None:
     """Refuse a tied embedding and lm_head that the trained model runs as two weights: through modules_to_save (a
     trained copy in place of one of them, or one copy for each) or trainable_token_indices (trained rows in one of
     them, or other rows in each): vLLM's one tied weight cannot hold both. With PEFT's ensure_weight_tying=True both
