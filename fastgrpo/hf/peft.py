@@ -38,6 +38,22 @@ def check_mergeable(model: torch.nn.Module) -> None:
         raise ValueError(f"model: merged weights lack {missing[:3]}; {UNSUPPORTED}")
 
 
+# LoRA initializations that move a part of each base weight into the adapter (W_base = W - B A * scale at init, or a
+# quantized W): the model is the original one only with the adapter on
+BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+def base_changing_init(model: torch.nn.Module) -> tuple[str, str] | None:
+    """(adapter name, init_lora_weights) of the first adapter of a PEFT model whose initialization changed the base
+    weights (BASE_CHANGING_INITS, "pissa_niter_<n>" too): its base with the adapters disabled is not the model it
+    started as. None where no adapter did (another tuner's config has no init_lora_weights)."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        init = getattr(config, "init_lora_weights", None)
+        if isinstance(init, str) and init.lower().split("_niter_")[0] in BASE_CHANGING_INITS:
+            return name, init
+    return None
+
+
 def merged_config(model: torch.nn.Module, **changes):
     """The config of the model a PEFT model merges into: its base's, unquantized, with `changes` set."""
     config = model.get_base_model().config

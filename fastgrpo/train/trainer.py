@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from fastgrpo.hf.models import is_peft_model
+from fastgrpo.hf.peft import base_changing_init
 from fastgrpo.loss.grpo import kl_penalty, reward_advantages
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
@@ -56,6 +57,19 @@ STEP_METRICS = ("step", "reward", "reward_std", "reward_errors", "frac_reward_ze
                 "clip_ratio", "entropy", "entropy_coef", "completion_length", "completion_length_max",
                 "completion_length_min", "truncated_frac", "lr", "rollout_tokens_per_s", "train_tokens_per_s",
                 "rollout_s", "rewards_s", "reference_s", "train_s", "peak_gpu_mem_gib")
+
+
+def check_reference_base(model: torch.nn.Module) -> None:
+    """A PEFT model's KL reference is the model with its adapters disabled: refused, in one line, where an adapter's
+    initialization changed the base weights (PiSSA, OLoRA, ...), whose base alone is then not the model training
+    started from (the KL would pull the policy towards the residual weights)."""
+    found = base_changing_init(model)
+    if found is not None:
+        adapter, init = found
+        raise ValueError(f"model: adapter {adapter!r} has init_lora_weights={init!r}, which moved part of the base "
+                         "weights into the adapter, so the KL reference (the model with its adapters disabled) is not "
+                         f"the model training started from; set {setting('beta', 0)}, or initialize the adapter with "
+                         "init_lora_weights=True")
 
 
 class GRPOTrainer:
@@ -97,7 +111,9 @@ class GRPOTrainer:
         self.entropy = AdaptiveEntropy(config)  # the entropy bonus's coefficient (fixed or adaptive)
         # LoRA: the reference is the base model with the adapter disabled; full fine-tuning needs a frozen copy.
         self.ref_model = None
-        if config.beta > 0 and not is_peft_model(model):
+        if config.beta > 0 and is_peft_model(model):
+            check_reference_base(model)
+        elif config.beta > 0:
             self.ref_model = copy.deepcopy(model).eval().requires_grad_(False)
         self.dist = Distributed.wrap(model, self.ref_model, config)  # DDP (LoRA) / FSDP2 under torchrun; else as is
         self.updates_per_step = config.num_iterations * config.num_minibatches

@@ -1,0 +1,155 @@
+"""PEFT tuners and LoRA options other than plain LoRA, on tiny Llama and Qwen2 models (random weights, trained-away
+adapters): what trains, what the built-in rollout engine samples from and what the export writes must be one model.
+
+Checked here for each of them: patch_model + the fused GRPO loss give eager PEFT's loss and gradients
+(tests/test_patching_variants.py's oracle); the built-in engine's decode copies ("dense", "fused": a LoRA layer merged
+into one weight, every other tuner layer running its own forward) give HF generate's greedy tokens and log-probs; the
+export writes a model whose logits are the PEFT model's, or the layout is refused before the first step
+(check_mergeable). A LoRA initialization that moves part of the base weights into the adapter (PiSSA, OLoRA, ...)
+left the base with its adapter disabled another model than the one training started from, and GRPO's KL reference
+was that model: refused where beta > 0.
+"""
+import copy
+import sys
+
+import pytest
+import torch
+from peft import (
+    AdaLoraConfig, IA3Config, LoHaConfig, LoKrConfig, LoraConfig, OFTConfig, VeraConfig, get_peft_model,
+)
+
+from fastgrpo.hf import peft as hf_peft
+from fastgrpo.patching import patch_model
+from fastgrpo.rollout.decode import EngineConfig
+from fastgrpo.rollout.generate import generate_with_config
+from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.train import default_task
+from tests.test_adapter_layout_early import _base, _grpo
+from tests.test_patching import assert_fp32_grads_close
+from tests.test_patching_variants import eager_hf_step, patched_step, rollout
+from tests.test_rollout import PROMPTS, char_tokenizer, completions, hf_greedy, tiny_model
+
+TARGETS = ["q_proj", "v_proj", "down_proj"]
+TUNERS = {
+    "rslora": lambda: LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, use_rslora=True),
+    "dora": lambda: LoraConfig(r=4, target_modules=TARGETS, use_dora=True),
+    "bias-lora-only": lambda: LoraConfig(r=4, target_modules=TARGETS, bias="lora_only"),
+    "bias-all": lambda: LoraConfig(r=4, target_modules=TARGETS, bias="all"),
+    "lora-bias": lambda: LoraConfig(r=4, target_modules=TARGETS, lora_bias=True),
+    "rank-alpha-patterns": lambda: LoraConfig(r=4, target_modules=TARGETS, rank_pattern={"v_proj": 2},
+                                              alpha_pattern={"down_proj": 32}),
+    "embedding": lambda: LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]),
+    "loha": lambda: LoHaConfig(r=4, target_modules=TARGETS),
+    "lokr": lambda: LoKrConfig(r=4, target_modules=TARGETS),
+    "ia3": lambda: IA3Config(target_modules=TARGETS, feedforward_modules=["down_proj"]),
+    "adalora": lambda: AdaLoraConfig(init_r=4, target_r=2, target_modules=TARGETS, total_step=10),
+    "vera": lambda: VeraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    "oft": lambda: OFTConfig(r=0, oft_block_size=8, target_modules=TARGETS),
+}
+
+
+def _adapted(model, tuner: str, seed: int = 1):
+    """model with the tuner's adapter, every trainable tensor moved away from its initial value (a zero LoRA B, an
+    IA3 vector of ones or an identity OFT rotation would make any mix-up invisible)."""
+    model = get_peft_model(model, TUNERS[tuner]())
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(0.2 * torch.randn_like(param))
+    return model
+
+
+def _two_adapters(model, active):
+    """Two LoRA adapters on overlapping layers ("two" a DoRA one where it runs alone), `active` of them on."""
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False),
+                           adapter_name="one")
+    model.add_adapter("two", LoraConfig(r=2, target_modules=["q_proj", "k_proj"], init_lora_weights=False,
+                                      use_dora=active == ["two"]))
+    model.base_model.set_adapter(active)
+    return model
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """The rollout's ops on their plain-torch path (tests/test_decode_weights.py: the interpreter takes ~0.1 s per
+    linear and step)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fastgrpo.ops.") and hasattr(module, "use_triton"):
+            monkeypatch.setattr(module, "use_triton", lambda *tensors: False)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # Qwen2's q/k/v have biases
+@pytest.mark.parametrize("tuner", TUNERS)
+def test_patched_grpo_loss_trains_what_eager_peft_trains(tuner, arch):
+    model = _adapted(tiny_model(arch), tuner).train()
+    patched = patch_model(copy.deepcopy(model))
+    ids, mask, completion, advantages = rollout(model.get_input_embeddings().weight.shape[0])
+    loss, logps, grads, old, ref = eager_hf_step(model, ids, mask, completion, advantages)
+    loss_p, logps_p, grads_p = patched_step(patched, ids, mask, completion, advantages, old, ref)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_p.keys() and grads
+    assert_fp32_grads_close(grads_p, grads)
+
+
+ROLLOUT_MODELS = {
+    **{tuner: lambda arch, tuner=tuner: _adapted(tiny_model(arch), tuner) for tuner in TUNERS},
+    "two-adapters-one-active": lambda arch: _two_adapters(tiny_model(arch), ["two"]),
+    "two-adapters-both-active": lambda arch: _two_adapters(tiny_model(arch), ["one", "two"]),
+}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("layout", ROLLOUT_MODELS)
+def test_the_engine_decodes_the_trained_model(torch_ops, layout, arch):
+    """The decode copies ("dense" merges each LoRA layer it can into one weight, "fused" stacks q/k/v and gate/up)
+    give HF generate's greedy tokens and its log-probs on the PEFT model itself."""
+    tokenizer, model = char_tokenizer(), ROLLOUT_MODELS[layout](arch).eval()
+    wanted = [hf_greedy(model, tokenizer, prompt, 10) for prompt in PROMPTS]
+    for weights in ("dense", "fused"):
+        result = generate_with_config(model, tokenizer, PROMPTS, 1, SamplingParams(max_new_tokens=10, temperature=0),
+                                      seed=0, config=EngineConfig(weights=weights))
+        for row, (tokens, logps) in enumerate(wanted):
+            assert completions(result)[row] == tokens, (weights, PROMPTS[row])
+            torch.testing.assert_close(result.logprobs[row, :len(tokens)].double(),
+                                       torch.tensor(logps, dtype=torch.float64), atol=1e-4, rtol=0)
+
+
+BASE_CHANGING = {"pissa": dict(init_lora_weights="pissa"), "pissa-niter": dict(init_lora_weights="pissa_niter_2"),
+                 "olora": dict(init_lora_weights="olora")}
+
+
+@pytest.mark.parametrize("init", BASE_CHANGING)
+def test_a_reference_that_is_not_the_starting_model_is_refused(tmp_path, init):
+    """PiSSA / OLoRA subtract the adapter's starting product from the base weights: with the adapter disabled (GRPO's
+    KL reference for a PEFT model) the model is the residual, far from the one training started from. It was trained
+    towards it silently; now GRPOTrainer refuses it in one line where beta > 0, and trains where beta = 0."""
+    tokenizer = default_task.build_tokenizer()
+    base = _base(tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with torch.no_grad():
+        start = base(input_ids=ids).logits
+        model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], **BASE_CHANGING[init]))
+        torch.testing.assert_close(model(input_ids=ids).logits, start, rtol=1e-4, atol=1e-4)
+        with model.disable_adapter():
+            residual = model(input_ids=ids).logits
+    assert (residual - start).abs().max() > 1e-2  # the reference the KL pulled towards
+    value = BASE_CHANGING[init]["init_lora_weights"]
+    refusal = (f"model: adapter 'default' has init_lora_weights='{value}', which moved part of the base weights into "
+               "the adapter, so the KL reference (the model with its adapters disabled) is not the model training "
+               "started from; set beta=0, or initialize the adapter with init_lora_weights=True")
+    with pytest.raises(ValueError) as refused:
+        _grpo(model, tokenizer, tmp_path / "kl", export=False, beta=0.04)
+    assert str(refused.value) == refusal
+    history = _grpo(model, tokenizer, tmp_path / "no-kl", export=False, beta=0.0).train()
+    assert [m["step"] for m in history] == [1]
+
+
+def test_inits_that_keep_the_base_keep_their_reference(tmp_path):
+    """Gaussian, orthogonal and the default initializations leave the base as it was: its KL reference is."""
+    tokenizer = default_task.build_tokenizer()
+    for init in (True, "gaussian", "orthogonal"):
+        model = get_peft_model(_base(tokenizer), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
+        assert hf_peft.base_changing_init(model) is None
+        _grpo(model, tokenizer, tmp_path / str(init), export=False, beta=0.04)
