@@ -3,13 +3,13 @@ refused it once the run had trained (its checkpoints kept, the hours spent). The
 (check_mergeable, structural: no weight copied or merged), said by GRPOTrainer, SFTTrainer and ExpertIteration before
 their first step; a run that does not export trains. PEFT's trainable_token_indices, which the export refused
 (merged weights lack the embedding: its wrapper was saved as PEFT's inner modules), is merged as merge_and_unload
-merges it. vLLM's merged weight sync, which writes W + B A * scale alone, refuses DoRA and LoRA biases (it synced
+merges it. A tuner the export does not merge (HRA) is refused by name. vLLM's merged weight sync, which writes W + B A * scale alone, refuses DoRA and LoRA biases (it synced
 another model than the trained one, silently) before vLLM builds its engine."""
 import copy
 
 import pytest
 import torch
-from peft import LoHaConfig, LoraConfig, get_peft_model
+from peft import HRAConfig, LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
 from fastgrpo.hf import peft as hf_peft
@@ -26,7 +26,8 @@ TINY_RUN = dict(batch_size=4, num_generations=2, micro_batch_size=4, max_complet
                 progress_bar=False, logging_steps=0)
 NO_BIAS = r"model: model\.layers\.0\.self_attn\.q_proj: Impossible to merge LoRA with `lora_bias=True` because the " \
           r"base layer has no bias; unsupported adapter layout"
-LOHA = r"model: merged weights lack \['model\.layers\.0\.self_attn\.q_proj\.weight', .*\]; unsupported adapter layout"
+HRA = r"model: model\.layers\.0\.self_attn\.q_proj: the export merges LoRA, LoHa, LoKr, IA3, VeRA, OFT adapters, " \
+      r"not HRALayer ones; unsupported adapter layout"
 QUANTIZED = r"model: model\.layers\.0\.self_attn\.q_proj: a LoRA variant or bias over a quantized base cannot be " \
             r"merged without quantizing the merged weight again; unsupported adapter layout"
 
@@ -80,14 +81,14 @@ def _lora_bias_without_base_bias(tokenizer):
     return get_peft_model(_base(tokenizer), LoraConfig(r=4, target_modules=["q_proj"], lora_bias=True))
 
 
-def _loha(tokenizer):
-    return get_peft_model(_base(tokenizer), LoHaConfig(r=4, target_modules=["q_proj", "v_proj"]))
+def _hra(tokenizer):
+    return get_peft_model(_base(tokenizer), HRAConfig(r=2, target_modules=["q_proj", "v_proj"]))
 
 
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
 @pytest.mark.parametrize("run", RUNS, ids=list(RUNS))
-@pytest.mark.parametrize(("layout", "refusal"), [(_lora_bias_without_base_bias, NO_BIAS), (_loha, LOHA)],
-                         ids=["lora-bias-without-base-bias", "loha"])
+@pytest.mark.parametrize(("layout", "refusal"), [(_lora_bias_without_base_bias, NO_BIAS), (_hra, HRA)],
+                         ids=["lora-bias-without-base-bias", "hra"])
 def test_a_layout_the_export_cannot_merge_is_refused_before_the_first_step(tmp_path, tokenizer, run, layout, refusal):
     """The run's end refused it (the step trained, checkpoint-1 written); now no step runs and the line is the
     export's own, word for word."""

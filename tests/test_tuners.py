@@ -30,6 +30,7 @@ from tests.test_patching_variants import eager_hf_step, patched_step, rollout
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, hf_greedy, tiny_model
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
+FP32_EPS = torch.finfo(torch.float32).eps
 TUNERS = {
     "rslora": lambda: LoraConfig(r=4, lora_alpha=16, target_modules=TARGETS, use_rslora=True),
     "dora": lambda: LoraConfig(r=4, target_modules=TARGETS, use_dora=True),
@@ -153,3 +154,65 @@ def test_inits_that_keep_the_base_keep_their_reference(tmp_path):
         model = get_peft_model(_base(tokenizer), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=init))
         assert hf_peft.base_changing_init(model) is None
         _grpo(model, tokenizer, tmp_path / str(init), export=False, beta=0.04)
+
+
+EXPORTED = [t for t in TUNERS if t != "lora-bias"]  # a LoRA bias over a base without one: refused (the Llama case)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("tuner", EXPORTED)
+def test_the_export_writes_the_model_the_peft_forward_runs(tmp_path, tuner, arch):
+    """final/ holds the weights merge_and_unload gives (bitwise, fp32) and, loaded as a plain HF model, computes the
+    PEFT model's logits. LoHa, LoKr, IA3, VeRA and OFT were refused (merged weights lack ...q_proj.weight): they
+    merge by PEFT's own merge on a copy of each layer, as DoRA does."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.train.final_export import export_model
+
+    tokenizer, model = char_tokenizer(), _adapted(tiny_model(arch), tuner).eval()
+    export_model(model, tokenizer, tmp_path / "final", dtype=torch.float32)
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    assert sorted(got.state_dict()) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got.state_dict()[name], tensor), (name, (got.state_dict()[name] - tensor).abs().max().item())
+    ids = torch.tensor([[4, 9, 13, 2, 30, 7, 11, 5]])
+    with torch.no_grad():
+        peft_logits, exported = model(input_ids=ids).logits, got(input_ids=ids).logits
+    # fp32: merged and unmerged products round differently, a few ulps of the largest logit per layer (seen: 12)
+    err, bound = (exported - peft_logits).abs().max().item(), 64 * FP32_EPS * peft_logits.abs().max().item()
+    assert err <= bound, (tuner, err, bound)
+
+
+@pytest.mark.parametrize("tuner", ["loha", "ia3"])
+def test_a_grpo_run_of_another_tuner_trains_and_exports(tmp_path, tuner):
+    """Refused before the first step where the run exported (its merge was unknown); now it trains and final/ holds
+    the trained model merged."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = default_task.build_tokenizer()
+    model = _adapted(_base(tokenizer), tuner)
+    history = _grpo(model, tokenizer, tmp_path, export=True, learning_rate=1e-2).train()
+    assert [m["step"] for m in history] == [1]
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+
+
+def test_another_tuner_over_a_4bit_base_is_refused_by_the_export(tmp_path):
+    """Its merge would have to quantize the merged weight again (as DoRA's over a 4-bit base): one line, at the
+    start of a run that exports."""
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    tokenizer = default_task.build_tokenizer()
+    _base(tokenizer, arch="qwen2").save_pretrained(tmp_path / "base")
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", quantization_config=quant, device_map="cpu")
+    model = get_peft_model(base, IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
+    with pytest.raises(ValueError) as refused:
+        hf_peft.check_mergeable(model)
+    assert str(refused.value) == ("model: model.layers.0.self_attn.q_proj: IA3Layer over a Linear4bit base "
+                                  "(quantized, or not a linear or an embedding) cannot be merged into a plain weight; "
+                                  "unsupported adapter layout")

@@ -25,7 +25,8 @@ UNSUPPORTED = "unsupported adapter layout"  # the end of every refusal of an ada
 def check_mergeable(model: torch.nn.Module) -> None:
     """Refuse, in one line ending UNSUPPORTED, a PEFT model whose adapters merged_state_dict cannot merge into a model
     folder: a LoRA variant (DoRA) or LoRA bias over a bitsandbytes-quantized base, a LoRA bias where the base layer has
-    no bias to add it to, a tuner other than LoRA (LoHa, IA3: not merged here, the weights they wrap get no value).
+    no bias to add it to, a tuner other than LoRA, LoHa, LoKr, IA3, VeRA and OFT (_tuner_part), or one of those over
+    a quantized base.
     Structural: no weight is copied or merged (cheap on an 8B model), so a run that will export calls it before its
     first step, and export_model before it merges."""
     from transformers import AutoModelForCausalLM
@@ -63,7 +64,8 @@ def merged_config(model: torch.nn.Module, **changes):
 
 def merged_state_dict(model: torch.nn.Module, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:
     """The base model's state dict with every active LoRA adapter merged: W = dequant(W_base) + B A * scale (a LoRA
-    variant such as DoRA, or a LoRA bias, by PEFT's own merge on a copy of the layer), each modules_to_save
+    variant such as DoRA, or a LoRA bias, by PEFT's own merge on a copy of the layer, as are the adapters of LoHa,
+    LoKr, IA3, VeRA and OFT layers), each modules_to_save
     wrapper's trained copy (its active adapter's) in its place, as merge_and_unload keeps them, and each
     trainable_token_indices wrapper's weight with its trained rows in place.
 
@@ -92,7 +94,11 @@ def _merge_parts(model: torch.nn.Module) -> list[_MergePart]:
     from peft.tuners.lora import LoraLayer
     from peft.utils.other import ModulesToSaveWrapper, TrainableTokensWrapper
 
-    wrappers = (LoraLayer, ModulesToSaveWrapper, TrainableTokensWrapper)
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    # a tuner layer wraps its base layer and its adapters: it is one part (a LoRA layer, or another tuner's, refused
+    # by _tuner_part where PEFT's merge is not known to write what its forward runs)
+    wrappers = (BaseTunerLayer, ModulesToSaveWrapper, TrainableTokensWrapper)
     base = model.get_base_model()
     parts = []
     for name, module in base.named_modules():
@@ -101,6 +107,8 @@ def _merge_parts(model: torch.nn.Module) -> list[_MergePart]:
         prefix = f"{name}." if name else ""
         if isinstance(module, LoraLayer):
             parts.append(_lora_part(name, module))
+        elif isinstance(module, BaseTunerLayer):
+            parts.append(_tuner_part(name, module))
         elif isinstance(module, TrainableTokensWrapper):  # trainable_token_indices: rows of a weight trained
             # its forward runs the merged weight alone (F.linear without the bias of a head it wraps)
             parts.append(_MergePart((f"{prefix}weight",), functools.partial(_with_trained_tokens, prefix, module)))
@@ -122,6 +130,40 @@ def _lora_part(name: str, module: torch.nn.Module) -> _MergePart:
         _check_peft_merge(name, module, adapters)
         return _MergePart(names, lambda: dict(zip(names, _merged_by_peft(module, adapters))))
     return _MergePart(names, lambda: dict(zip(names, _merged_by_deltas(module, adapters))))
+
+
+def _merged_tuners() -> dict[str, type]:
+    """The tuner layers other than LoRA whose PEFT merge the export runs, each checked to give a model computing what
+    the PEFT model's forward does (tests/test_tuners.py), by the names PEFT gives them."""
+    from peft.tuners.ia3 import IA3Layer
+    from peft.tuners.loha import LoHaLayer
+    from peft.tuners.lokr import LoKrLayer
+    from peft.tuners.oft import OFTLayer
+    from peft.tuners.vera import VeraLayer
+
+    return {"LoHa": LoHaLayer, "LoKr": LoKrLayer, "IA3": IA3Layer, "VeRA": VeraLayer, "OFT": OFTLayer}
+
+
+def _tuner_part(name: str, module: torch.nn.Module) -> _MergePart:
+    """A tuner layer other than LoRA (_merged_tuners): its active adapters merged into its base by PEFT's own merge
+    on an fp32 copy of the layer (_merged_by_peft); any other tuner is refused."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    tuners = _merged_tuners()
+    kind = next((c.__name__ for c in type(module).__mro__ if c.__name__.endswith("Layer") and c is not BaseTunerLayer
+                 and issubclass(c, BaseTunerLayer)), type(module).__name__)  # e.g. HRALayer, not its Linear
+    if not isinstance(module, tuple(tuners.values())):
+        raise ValueError(f"model: {name}: the export merges LoRA, {', '.join(tuners)} adapters, not {kind} ones; "
+                         f"{UNSUPPORTED}")
+    base = module.get_base_layer()
+    if not isinstance(base, (torch.nn.Linear, torch.nn.Embedding)) or not base.weight.is_floating_point():
+        raise ValueError(f"model: {name}: {kind} over a {type(base).__name__} base (quantized, or not a linear or "
+                         f"an embedding) cannot be merged into a plain weight; {UNSUPPORTED}")
+    off = module.disable_adapters or module.merged  # the base alone, or a weight holding its adapters already
+    adapters = [] if off else [a for a in module.active_adapters
+                               if any(a in getattr(module, attr) for attr in module.adapter_layer_names)]
+    names = (f"{name}.weight", *([f"{name}.bias"] if getattr(base, "bias", None) is not None else []))
+    return _MergePart(names, lambda: dict(zip(names, _merged_by_peft(module, adapters))))
 
 
 def has_variant_or_bias(layer: torch.nn.Module, adapters: list[str]) -> bool:
