@@ -15,16 +15,18 @@ import sys
 import pytest
 import torch
 from peft import (
-    AdaLoraConfig, IA3Config, LoHaConfig, LoKrConfig, LoraConfig, OFTConfig, VeraConfig, get_peft_model,
+    AdaLoraConfig, IA3Config, LoHaConfig, LoKrConfig, LoraConfig, OFTConfig, PrefixTuningConfig, PromptTuningConfig,
+    VeraConfig, get_peft_model,
 )
 
 from fastgrpo.hf import peft as hf_peft
+from fastgrpo.loss.model import sequence_logprobs
 from fastgrpo.patching import patch_model
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train import default_task
-from tests.test_adapter_layout_early import _base, _grpo
+from tests.test_adapter_layout_early import RUNS, _base, _grpo
 from tests.test_patching import assert_fp32_grads_close
 from tests.test_patching_variants import eager_hf_step, patched_step, rollout
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, hf_greedy, tiny_model
@@ -216,3 +218,28 @@ def test_another_tuner_over_a_4bit_base_is_refused_by_the_export(tmp_path):
     assert str(refused.value) == ("model: model.layers.0.self_attn.q_proj: IA3Layer over a Linear4bit base "
                                   "(quantized, or not a linear or an embedding) cannot be merged into a plain weight; "
                                   "unsupported adapter layout")
+
+
+PROMPT_LEARNING = {"prompt-tuning": lambda: PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+                   "prefix-tuning": lambda: PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4)}
+
+
+@pytest.mark.parametrize("run", RUNS)
+@pytest.mark.parametrize("kind", PROMPT_LEARNING)
+def test_prompt_learning_is_refused_when_the_trainer_is_built(tmp_path, kind, run):
+    """PeftModel's forward adds the virtual tokens; the rollout and the fused loss run the base model's layers, so
+    the run failed mid-step (GRPO's prefill: "Tensors must have same number of dimensions: got 2 and 4"; SFT's
+    backward: "element 0 of tensors does not require grad"). Now one line before anything runs, and from the loss."""
+    tokenizer = default_task.build_tokenizer()
+    model = get_peft_model(_base(tokenizer), PROMPT_LEARNING[kind]())
+    name = model.peft_config["default"].peft_type.value
+    refusal = (f"model: adapter 'default' is {name} (prompt learning), which PeftModel's forward adds as virtual "
+               "tokens, while fastgrpo's loss and rollout run the base model's layers; use an adapter in the layers "
+               "(LoRA, ...)")
+    with pytest.raises(ValueError) as refused:
+        RUNS[run](model, tokenizer, tmp_path, export=False)
+    assert str(refused.value) == refusal
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with pytest.raises(ValueError) as refused:
+        sequence_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1]]))
+    assert str(refused.value) == refusal

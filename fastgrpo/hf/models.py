@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from fastgrpo.hf.architectures import ARCHITECTURES, Architecture
+from fastgrpo.hf.peft import check_layer_adapters
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
@@ -83,6 +84,7 @@ def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     Tied embeddings share the weight already. Weights on the meta device (accelerate's CPU / disk offload hooks move
     them there between calls) are an error: the fused loss reads lm_head.weight directly and would compute garbage.
     """
+    check_layer_adapters(model)
     hf_model = unwrap_peft(model)
     get_head = getattr(hf_model, "get_output_embeddings", None)
     head = get_head() if callable(get_head) else None

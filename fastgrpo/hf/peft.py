@@ -39,6 +39,18 @@ def check_mergeable(model: torch.nn.Module) -> None:
         raise ValueError(f"model: merged weights lack {missing[:3]}; {UNSUPPORTED}")
 
 
+def check_layer_adapters(model: torch.nn.Module) -> None:
+    """Refuse, in one line, a PEFT model whose adapter is prompt learning (prompt / prefix tuning, p-tuning, ...):
+    PeftModel's forward adds its virtual tokens or past keys and values, while fastgrpo's loss and rollout engine run
+    the base model's own layers, which would neither train nor sample with it."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        if getattr(config, "is_prompt_learning", False):
+            kind = getattr(config.peft_type, "value", config.peft_type)
+            raise ValueError(f"model: adapter {name!r} is {kind} (prompt learning), which PeftModel's forward adds as "
+                             "virtual tokens, while fastgrpo's loss and rollout run the base model's layers; use an "
+                             "adapter in the layers (LoRA, ...)")
+
+
 # LoRA initializations that move a part of each base weight into the adapter (W_base = W - B A * scale at init, or a
 # quantized W): the model is the original one only with the adapter on
 BASE_CHANGING_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")

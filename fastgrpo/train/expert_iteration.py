@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from fastgrpo.hf.peft import check_layer_adapters
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
@@ -124,6 +125,7 @@ class ExpertIteration:
         only one: each process samples with the model it trains). prompt_ids: as GRPOTrainer's (every row's prompt
         tokenized by the caller already; None: tokenized here)."""
         self.config = config = config or EIConfig()
+        check_layer_adapters(model)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         self.dist = Distributed.current()
         check_process_split(config, self.dist.world_size)

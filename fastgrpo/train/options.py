@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 from fastgrpo._checks import check_choice
+from fastgrpo.hf.peft import check_layer_adapters
 from fastgrpo.train.checkpoint import latest_checkpoint
 from fastgrpo.train.config import (DTYPES, LR_SCHEDULERS, MAX_SEED, REWARD_ERRORS, GRPOConfig, check_4bit_base,
                                    option)
@@ -98,6 +99,7 @@ def check_trainer_objects(model, tokenizer, dataset, config, config_class: type)
         hint = f"; build one from it: {name}(**values) or {name}.from_dict(values)" if isinstance(config, dict) else ""
         raise ValueError(f"config: expected a {name}, got {_given(config)}{hint}")
     check_dataset_kind(dataset)
+    check_layer_adapters(model)
 
 
 def _given(value) -> str:
