@@ -243,3 +243,23 @@ def test_prompt_learning_is_refused_when_the_trainer_is_built(tmp_path, kind, ru
     with pytest.raises(ValueError) as refused:
         sequence_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1]]))
     assert str(refused.value) == refusal
+
+
+@pytest.mark.parametrize("tuner", ["loha", "ia3", "adalora"])
+def test_vllm_refuses_another_tuner_before_it_builds(tuner, monkeypatch):
+    """vLLM runs LoRA adapters only: another tuner's parameters have no place in its model, which bind said once vLLM
+    had built its engine (minutes), naming one as a weight vLLM's model lacks."""
+    from fastgrpo.rollout import vllm as vllm_engine
+
+    class NoVLLM:
+        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
+            pytest.fail("vLLM built its engine")
+
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
+    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
+    model = _adapted(_base(default_task.build_tokenizer(), "qwen2"), tuner)
+    kind = model.peft_config["default"].peft_type.value
+    with pytest.raises(ValueError) as refused:
+        vllm_engine.VLLMEngine(model, char_tokenizer(), max_model_len=32)
+    assert str(refused.value) == f"model: adapter 'default' is {kind}, and vLLM runs LoRA adapters only; use " \
+                                 "rollout_engine='builtin'"

@@ -172,6 +172,8 @@ class VLLMEngine:
         check_model(model)
         from fastgrpo.rollout import vllm_lora
 
+        vllm_lora.check_lora_only(model)
+
         self.model, self.tokenizer, self.max_model_len = model, tokenizer, max_model_len
         base = unwrap_peft(model)
         self.vocab = base.get_input_embeddings().weight.shape[0]

@@ -33,6 +33,17 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
             and len(m.lora_A) + len(getattr(m, "lora_embedding_A", {})) > 0}
 
 
+def check_lora_only(model: nn.Module) -> None:
+    """vLLM runs LoRA adapters alone (merged into its weights or through its LoRA path): a PEFT model holding another
+    tuner's adapters (LoHa, IA3, AdaLoRA, ...) is refused in one line before vLLM builds its engine, where bind
+    refused it minutes later, naming one of the tuner's parameters as a weight vLLM's model lacks."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        kind = getattr(config.peft_type, "value", config.peft_type)
+        if kind != "LORA":
+            raise ValueError(f"model: adapter {name!r} is {kind}, and vLLM runs LoRA adapters only; use "
+                             "rollout_engine='builtin'")
+
+
 def adapter_config(model: nn.Module) -> dict:
     """r, lora_alpha, target_modules, use_rslora of the model's active adapter, as vLLM's PEFTHelper reads them.
     Refused: what vLLM's LoRA (0.24) does not run over its base, e.g. a trained copy of a module (modules_to_save) or
