@@ -263,3 +263,22 @@ def test_vllm_refuses_another_tuner_before_it_builds(tuner, monkeypatch):
         vllm_engine.VLLMEngine(model, char_tokenizer(), max_model_len=32)
     assert str(refused.value) == f"model: adapter 'default' is {kind}, and vLLM runs LoRA adapters only; use " \
                                  "rollout_engine='builtin'"
+
+
+@pytest.mark.parametrize("tuner", ["rslora", "embedding", "dora", "loha", "ia3"])
+def test_the_export_of_merged_adapters_adds_them_once(tmp_path, tuner):
+    """After PEFT's merge_adapter (a user's faster evaluation, say) the base weights hold the adapters: the export
+    added a plain LoRA's delta B A * scale to them again (rsLoRA here: logits 0.19 off)."""
+    from transformers import AutoModelForCausalLM
+
+    from fastgrpo.train.final_export import export_model
+
+    tokenizer, model = char_tokenizer(), _adapted(tiny_model("llama"), tuner).eval()
+    ids = torch.tensor([[4, 9, 13, 2, 30, 7, 11, 5]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        model.base_model.merge_adapter()
+        export_model(model, tokenizer, tmp_path / "final", dtype=torch.float32)
+        got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()(input_ids=ids).logits
+    err, bound = (got - want).abs().max().item(), 64 * FP32_EPS * want.abs().max().item()
+    assert err <= bound, (tuner, err, bound)

@@ -135,7 +135,9 @@ def _merge_parts(model: torch.nn.Module) -> list[_MergePart]:
 
 
 def _lora_part(name: str, module: torch.nn.Module) -> _MergePart:
-    adapters = [a for a in module.active_adapters if a in module.lora_A or a in module.lora_embedding_A]
+    # merged (PEFT's merge_adapter): the weight holds the adapters already, as merge_and_unload leaves it
+    adapters = [] if module.merged else [a for a in module.active_adapters
+                                         if a in module.lora_A or a in module.lora_embedding_A]
     has_bias = getattr(module.base_layer, "bias", None) is not None  # an embedding has none
     names = (f"{name}.weight", *([f"{name}.bias"] if has_bias else []))
     if has_variant_or_bias(module, adapters):
@@ -171,9 +173,8 @@ def _tuner_part(name: str, module: torch.nn.Module) -> _MergePart:
     if not isinstance(base, (torch.nn.Linear, torch.nn.Embedding)) or not base.weight.is_floating_point():
         raise ValueError(f"model: {name}: {kind} over a {type(base).__name__} base (quantized, or not a linear or "
                          f"an embedding) cannot be merged into a plain weight; {UNSUPPORTED}")
-    off = module.disable_adapters or module.merged  # the base alone, or a weight holding its adapters already
-    adapters = [] if off else [a for a in module.active_adapters
-                               if any(a in getattr(module, attr) for attr in module.adapter_layer_names)]
+    adapters = [] if module.merged else [a for a in module.active_adapters  # merged: as in _lora_part
+                                         if any(a in getattr(module, attr) for attr in module.adapter_layer_names)]
     names = (f"{name}.weight", *([f"{name}.bias"] if getattr(base, "bias", None) is not None else []))
     return _MergePart(names, lambda: dict(zip(names, _merged_by_peft(module, adapters))))
 
