@@ -287,3 +287,22 @@ def test_the_export_of_merged_adapters_adds_them_once(tmp_path, tuner):
         got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").eval()(input_ids=ids).logits
     err, bound = (got - want).abs().max().item(), 64 * FP32_EPS * want.abs().max().item()
     assert err <= bound, (tuner, err, bound)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_adalora_says_what_the_trainers_do_not_run(tmp_path, caplog, run):
+    """AdaLoRA's ranks are allocated by update_and_allocate in the user's loop, and its orthogonal regularization is
+    added to a labels= loss by AdaLoraModel's forward: neither runs in fastgrpo's trainers, which said nothing."""
+    import logging
+
+    tokenizer = default_task.build_tokenizer()
+    model = get_peft_model(_base(tokenizer), TUNERS["adalora"]())
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.input_checks"):
+        RUNS[run](model, tokenizer, tmp_path, export=False)
+    assert ("model: adapter 'default' is AdaLoRA, whose rank allocation (update_and_allocate) and orthogonal "
+            "regularization (orth_reg_weight) fastgrpo's trainers do not run: it trains at its initial ranks "
+            "(init_r=4), as an SVD-form LoRA") in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="fastgrpo.train.input_checks"):
+        RUNS[run](get_peft_model(_base(tokenizer), TUNERS["rslora"]()), tokenizer, tmp_path / "lora", export=False)
+    assert "AdaLoRA" not in caplog.text

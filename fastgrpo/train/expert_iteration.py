@@ -40,7 +40,9 @@ from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.evaluate import check_reward_failures
 from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
 from fastgrpo.train.grpo_data import prompt_token_ids, walk_rows
-from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
+from fastgrpo.train.input_checks import (
+    check_sampling_inputs, reward_list, warn_adapter_schedules, warn_unapplied_model_fields,
+)
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
 from fastgrpo.train.metrics_log import MetricsLog
@@ -136,6 +138,7 @@ class ExpertIteration:
         self.reward_funcs = reward_list(reward_funcs)
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
+        warn_adapter_schedules(model)
         # every row's, before any compute
         self.prompts = prompt_token_ids(train_dataset, tokenizer, config, prompt_ids=prompt_ids)
         self.engine = engine if engine is not None else BuiltinEngine(model, tokenizer)

@@ -290,3 +290,14 @@ def warn_unapplied_model_fields(model, config) -> None:
         logger.warning("config: %s: these fields act where fastgrpo loads the model "
                        "(fastgrpo.train.loading.load_model_and_tokenizer, as the commands do); the trainer trains the "
                        "model it is given as it is", "; ".join(unapplied))
+
+
+def warn_adapter_schedules(model) -> None:
+    """A warning for an AdaLoRA adapter: its rank allocation (update_and_allocate, called by the user's loop after
+    each backward) and its orthogonal regularization (added by AdaLoraModel's forward to a labels= loss) are not run by
+    fastgrpo's trainers, whose losses are computed from the hidden states. It trains at its initial ranks."""
+    for name, config in getattr(model, "peft_config", {}).items():
+        if getattr(config.peft_type, "value", config.peft_type) == "ADALORA":
+            logger.warning("model: adapter %r is AdaLoRA, whose rank allocation (update_and_allocate) and orthogonal "
+                           "regularization (orth_reg_weight) fastgrpo's trainers do not run: it trains at its initial "
+                           "ranks (init_r=%s), as an SVD-form LoRA", name, config.init_r)

@@ -27,7 +27,9 @@ from fastgrpo.train.checkpoint import apply_save_limit
 from fastgrpo.train.console import ConsoleLog
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
-from fastgrpo.train.input_checks import check_lengths_fit, model_positions, warn_unapplied_model_fields
+from fastgrpo.train.input_checks import (
+    check_lengths_fit, model_positions, warn_adapter_schedules, warn_unapplied_model_fields,
+)
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
 from fastgrpo.train.metrics_log import MetricsLog
@@ -115,6 +117,7 @@ class SFTTrainer:
             self.examples = _checked_examples(train_dataset, config, "dataset")
         else:
             warn_unapplied_model_fields(model, config)
+            warn_adapter_schedules(model)
             if examples is None:
                 examples = tokenize_rows(
                     train_dataset, tokenizer, prompt_column=config.prompt_column,

@@ -31,7 +31,9 @@ from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import export_at_end, export_model, nothing_to_train
 from fastgrpo.train.grpo_data import prompt_token_ids, step_rows
 from fastgrpo.train.grpo_update import batch_logprobs, needs_old_pass, update_policy
-from fastgrpo.train.input_checks import check_sampling_inputs, reward_list, warn_unapplied_model_fields
+from fastgrpo.train.input_checks import (
+    check_sampling_inputs, reward_list, warn_adapter_schedules, warn_unapplied_model_fields,
+)
 from fastgrpo.train.interrupts import InterruptGuard, Interrupted
 from fastgrpo.train.kl_control import AdaptiveKLController
 from fastgrpo.train.loop_checkpoints import restore_newest, resumed_at, write_checkpoint
@@ -95,6 +97,7 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
         check_sampling_inputs(self.config, self.model, self.tokenizer, self.reward_funcs, self.dataset)
         warn_unapplied_model_fields(model, config)
+        warn_adapter_schedules(model)
         # every row's, before any compute
         self.prompts = prompt_token_ids(train_dataset, tokenizer, config, prompt_ids=prompt_ids)
         self.device = next(model.parameters()).device
