@@ -306,3 +306,31 @@ def test_adalora_says_what_the_trainers_do_not_run(tmp_path, caplog, run):
     with caplog.at_level(logging.WARNING, logger="fastgrpo.train.input_checks"):
         RUNS[run](get_peft_model(_base(tokenizer), TUNERS["rslora"]()), tokenizer, tmp_path / "lora", export=False)
     assert "AdaLoRA" not in caplog.text
+
+
+def _mixed(tokenizer):
+    model = get_peft_model(_base(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+                           adapter_name="lora", mixed=True)
+    model.add_adapter("loha", LoHaConfig(r=4, target_modules=["q_proj", "down_proj"]))
+    model.set_adapter(["lora", "loha"])
+    return model
+
+
+MIXED = ("model: a PeftMixedModel (get_peft_model(..., mixed=True), adapters of several tuner types at once) is not "
+         "supported; use a PeftModel, whose adapters are of one tuner type")
+
+
+@pytest.mark.parametrize("run", [*RUNS, "patch_model", "loss"])
+def test_a_mixed_model_is_refused_in_one_line(tmp_path, run):
+    """PeftMixedModel has no get_base_model: taken for the transformers model, patch_model bound the fused loss on it
+    (its labels= forward then failed: no last_hidden_state) and the trainers failed mid-step (GRPO's rollout: no
+    _supports_sdpa). Now one line, before anything runs."""
+    tokenizer = default_task.build_tokenizer()
+    model = _mixed(tokenizer)
+    ids = torch.tensor([[5, 6, 7, 8]])
+    calls = {**{name: lambda run=run: RUNS[run](model, tokenizer, tmp_path, export=False) for name in RUNS},
+             "patch_model": lambda: patch_model(model),
+             "loss": lambda: sequence_logprobs(model, ids, torch.ones_like(ids), torch.tensor([[0, 0, 1, 1]]))}
+    with pytest.raises(ValueError) as refused:
+        calls[run]()
+    assert str(refused.value) == MIXED

@@ -11,11 +11,13 @@ import torch
 from torch import nn
 
 from fastgrpo.hf.architectures import ARCHITECTURES, Architecture
-from fastgrpo.hf.peft import check_layer_adapters
+from fastgrpo.hf.peft import check_layer_adapters, check_not_mixed
 
 
 def unwrap_peft(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PEFT wrapper, or the model itself."""
+    """The transformers model inside a PEFT wrapper, or the model itself; a PeftMixedModel is refused
+    (check_not_mixed)."""
+    check_not_mixed(model)
     if is_peft_model(model):
         return model.get_base_model()
     return model

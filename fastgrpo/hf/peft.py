@@ -39,10 +39,21 @@ def check_mergeable(model: torch.nn.Module) -> None:
         raise ValueError(f"model: merged weights lack {missing[:3]}; {UNSUPPORTED}")
 
 
+def check_not_mixed(model: torch.nn.Module) -> None:
+    """Refuse, in one line, a PeftMixedModel (adapters of several tuner types: get_peft_model(..., mixed=True)): it
+    has no get_base_model, and taken for the transformers model it was patched and trained as one (the fused loss
+    found no last_hidden_state, the rollout no _supports_sdpa)."""
+    if type(model).__name__ == "PeftMixedModel":
+        raise ValueError("model: a PeftMixedModel (get_peft_model(..., mixed=True), adapters of several tuner types "
+                         "at once) is not supported; use a PeftModel, whose adapters are of one tuner type")
+
+
 def check_layer_adapters(model: torch.nn.Module) -> None:
     """Refuse, in one line, a PEFT model whose adapter is prompt learning (prompt / prefix tuning, p-tuning, ...):
     PeftModel's forward adds its virtual tokens or past keys and values, while fastgrpo's loss and rollout engine run
-    the base model's own layers, which would neither train nor sample with it."""
+    the base model's own layers, which would neither train nor sample with it; and a PeftMixedModel
+    (check_not_mixed)."""
+    check_not_mixed(model)
     for name, config in getattr(model, "peft_config", {}).items():
         if getattr(config, "is_prompt_learning", False):
             kind = getattr(config.peft_type, "value", config.peft_type)
