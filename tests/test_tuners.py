@@ -28,6 +28,7 @@ from fastgrpo.patching import patch_model
 from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
+from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 from fastgrpo.train import default_task
 from tests.test_adapter_layout_early import RUNS, _base, _grpo
 from tests.test_patching import assert_fp32_grads_close
@@ -267,7 +268,7 @@ def test_vllm_refuses_another_tuner_before_it_builds(tuner, monkeypatch):
     with pytest.raises(ValueError) as refused:
         vllm_engine.VLLMEngine(model, char_tokenizer(), max_model_len=32)
     assert str(refused.value) == f"model: adapter 'default' is {kind}, and vLLM runs LoRA adapters only; use " \
-                                 "rollout_engine='builtin'"
+                                 f"{BUILTIN_ENGINE}"
 
 
 @pytest.mark.parametrize("tuner", ["rslora", "embedding", "dora", "loha", "ia3"])

@@ -6,6 +6,7 @@ base rows with the trained rows in place, a copy refreshed by each sync: the tra
 originals its reference forward runs. A tied embedding / lm_head that the trained model runs with other rows in each
 is refused before vLLM builds, as is the adapter sync. The engine runs in tests/test_vllm_gpu.py
 (test_merge_sync_runs_the_trained_token_rows)."""
+import contextlib
 import copy
 
 import pytest
@@ -174,6 +175,25 @@ def test_other_rows_in_a_tied_embedding_and_head_are_refused_before_vllm_builds(
         vllm_engine.VLLMEngine(model, build_tokenizer(), max_model_len=32, lora_sync="merge",
                                   execution="eager")
     assert str(caught.value) == refusal
+
+
+class Built(Exception):
+    """vLLM's engine was asked for: every check before it passed."""
+
+
+@pytest.mark.parametrize("layout", ["tokens-alone", "tokens-alone-tied"])
+def test_trainable_tokens_alone_reach_vllms_build(layout, monkeypatch):
+    """PEFT's TrainableTokensConfig alone (no LoRA layer) runs under the merged sync; the refusal of other tuners
+    (LoHa, IA3, ...) refused it too, naming TRAINABLE_TOKENS as an adapter vLLM does not run."""
+    class BuildingVLLM:
+        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
+            raise Built
+
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: BuildingVLLM)
+    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
+    monkeypatch.setattr(vllm_engine, "_process_state_kept", contextlib.nullcontext)  # CUDA's RNG state
+    with pytest.raises(Built):
+        vllm_engine.VLLMEngine(trained(*LAYOUTS[layout]), build_tokenizer(), max_model_len=32, execution="eager")
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])

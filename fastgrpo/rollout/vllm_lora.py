@@ -23,6 +23,7 @@ from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE, MERGE_SYNC
 from fastgrpo.rollout.vllm_weights import PEFT_PREFIX, parameter_holders
 
 MEM_PREFIX = "mem://"
+VLLM_TUNERS = ("LORA", "TRAINABLE_TOKENS")  # the PEFT types whose weights vLLM runs
 # vLLM's allowed max_lora_rank values (vllm/config/lora.py MaxLoRARanks)
 VLLM_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -34,14 +35,15 @@ def lora_layers(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def check_lora_only(model: nn.Module) -> None:
-    """vLLM runs LoRA adapters alone (merged into its weights or through its LoRA path): a PEFT model holding another
-    tuner's adapters (LoHa, IA3, AdaLoRA, ...) is refused in one line before vLLM builds its engine, where bind
-    refused it minutes later, naming one of the tuner's parameters as a weight vLLM's model lacks."""
+    """vLLM runs LoRA adapters and trained token rows alone (merged into its weights or through its LoRA path): a PEFT
+    model holding another tuner's adapters (LoHa, IA3, AdaLoRA, ...) is refused in one line before vLLM builds its
+    engine, where bind refused it minutes later, naming one of the tuner's parameters as a weight vLLM's model lacks.
+    PEFT's TrainableTokensConfig alone reaches vLLM through the merged sync (bind merges its rows)."""
     for name, config in getattr(model, "peft_config", {}).items():
         kind = getattr(config.peft_type, "value", config.peft_type)
-        if kind != "LORA":
+        if kind not in VLLM_TUNERS:
             raise ValueError(f"model: adapter {name!r} is {kind}, and vLLM runs LoRA adapters only; use "
-                             "rollout_engine='builtin'")
+                             f"{BUILTIN_ENGINE}")
 
 
 def adapter_config(model: nn.Module) -> dict:
