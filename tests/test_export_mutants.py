@@ -58,13 +58,13 @@ def test_every_active_adapter_is_merged(tmp_path):
 
 
 def test_an_adapter_layout_the_merge_cannot_hold_is_refused_and_writes_nothing(tmp_path):
-    """LoHa's layers keep the base weight under PEFT's names, which the merge does not name as the model's: one line
-    naming the weights it lacks, and no folder (nor a hidden partial one) left."""
-    from peft import LoHaConfig
+    """A tuner the merge does not run (HRA; LoHa's is merged by PEFT's own merge now): one line naming its layer, and
+    no folder (nor a hidden partial one) left."""
+    from peft import HRAConfig
 
-    model = get_peft_model(_llama(), LoHaConfig(r=4, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"^model: merged weights lack \['model.layers.0.self_attn.q_proj.weight'\]; "
-                                         r"unsupported adapter layout$"):
+    model = get_peft_model(_llama(), HRAConfig(r=2, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"^model: model\.layers\.0\.self_attn\.q_proj: the export merges LoRA, .* "
+                                         r"adapters, not HRALayer ones; unsupported adapter layout$"):
         export_model(model, None, tmp_path / "final", torch.float32)
     assert list(tmp_path.iterdir()) == []
 
