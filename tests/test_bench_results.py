@@ -111,3 +111,52 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
     assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "bf16", "shared") == tiles_for(8 * G, 128) != GPU_TILES
     assert bench.kernel_tiles("llama-3.1-8b", bench.DRY_SIZES, "e4m3", "shared") == tiles_for(max(16, S * G), 128, True)
     assert not list(tmp_path.iterdir())
+
+
+def test_decode_attention_bench_parses_tiles_and_sizes_a_longer_rollout():
+    """--tiles' block_n/num_warps/num_stages[/maxnreg] in that order, nothing else; --new-tokens N: a cache of
+    256 + N slots filled to the mean context 256 + N / 2 (GPU_SIZES is N = 1024's)."""
+    from benchmarks import bench_decode_attention as bench
+
+    assert bench.parse_tiles("64/2/3") == dict(block_n=64, num_warps=2, num_stages=3)
+    assert bench.parse_tiles("128/4/2/168") == dict(block_n=128, num_warps=4, num_stages=2, maxnreg=168)
+    for text in ("64/2", "128/4/2/168/1", "64/two/2"):
+        with pytest.raises(ValueError):
+            bench.parse_tiles(text)
+    assert bench.rollout_sizes(bench.NEW_TOKENS) == bench.GPU_SIZES
+    assert bench.rollout_sizes(4096) == bench.GPU_SIZES | dict(slots=256 + 4096, length=256 + 2048)
+
+
+@pytest.mark.parametrize("argv, expected", [
+    (["--dry-run", "--new-tokens", "1"], "--new-tokens: expected an integer >= 2; got 1"),
+    (["--dry-run", "--new-tokens", "4096"], "--new-tokens: the dry run has its own tiny sizes; leave it out there"),
+    (["--dry-run", "--tiles", "64/2"], "--tiles: expected block_n/num_warps/num_stages[/maxnreg], comma-separated"),
+])
+def test_decode_attention_bench_refuses_sizes_and_tiles_in_one_line(argv, expected, capsys, tmp_path, monkeypatch):
+    from benchmarks import bench_decode_attention as bench
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    with pytest.raises(SystemExit) as done:
+        bench.main(argv)
+    assert done.value.code == 2
+    assert expected in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_decode_attention_bench_times_the_new_tokens_rollout_with_its_cards_tiles(monkeypatch):
+    """Off the CPU (CUDA and the timing stubbed): the shapes run at --new-tokens' sizes, with the tiles the kernel
+    takes on that card (fp8_dots' plain programs: a third stage on a card with the room)."""
+    from benchmarks import bench_decode_attention as bench
+    from fastgrpo.kernels.decode_attention import FP8_DOTS_DEEP_TILES, GPU_TILES
+
+    runs = []
+    monkeypatch.setattr(bench, "check_interpreted", lambda parser, dry_run: None)
+    monkeypatch.setattr(bench, "require_cuda", lambda parser: None)
+    monkeypatch.setattr(bench, "_copy_bandwidth", lambda: 1e12)
+    monkeypatch.setattr(bench, "run_shape", lambda shape, sizes, *rest: runs.append((shape, sizes)) or [])
+    monkeypatch.setattr(bench, "write_results", lambda *args: "nowhere")
+    bench.main(["--shapes", "llama-3.1-8b", "--no-sweep", "--new-tokens", "4096"])
+    assert runs == [("llama-3.1-8b", bench.rollout_sizes(4096))]
+    hopper = 227 * 1024
+    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3-fp8-dots", "plain", hopper) is FP8_DOTS_DEEP_TILES
+    assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3-fp8-dots", "plain", 99 * 1024) is GPU_TILES

@@ -670,6 +670,7 @@ def test_fp8_dots_deep_tiles_fit_the_cards_that_take_them():
     (16, 128, True, True, 99 * 1024, False),  # an Ada card: no room
     (16, 128, True, True, 0, False),  # off a GPU
     (64, 128, True, True, 227 * 1024, False),  # a shared prefix's taller programs: not timed
+    (16, 256, True, True, 227 * 1024, False),  # head dim 256: smaller tiles than GPU_TILES already, a third stage not
     (16, 128, True, False, 227 * 1024, False),  # the fp16 dots: not timed
     (16, 128, False, False, 227 * 1024, False),  # a bf16 cache
 ])
