@@ -164,6 +164,22 @@ def test_inits_that_keep_the_base_keep_their_reference(tmp_path):
         _grpo(model, tokenizer, tmp_path / str(init), export=False, beta=0.04)
 
 
+@pytest.mark.parametrize(("init", "moves_base"), [
+    ("pissa", True), ("pissa_niter_4", True), ("olora", True), ("corda", True), ("lora_ga", True), ("loftq", True),
+    (True, False), (False, False), ("gaussian", False), ("orthogonal", False), ("eva", False), ("mica", False),
+])
+def test_base_changing_init_names_each_init_that_moves_the_base(init, moves_base):
+    """Every PEFT initialization that writes W - B A * scale (or a quantized W) into the base is named, whatever
+    adapter holds it; one that leaves the base (B A = 0 at init) is not. Configs alone: CorDA, LoRA-GA and LoftQ need
+    data or a quantized base to initialize a model."""
+    from peft import LoftQConfig
+
+    loftq = dict(loftq_config=LoftQConfig(loftq_bits=4)) if init == "loftq" else {}
+    model = torch.nn.Module()
+    model.peft_config = {"other": LoraConfig(r=4), "mine": LoraConfig(r=4, init_lora_weights=init, **loftq)}
+    assert hf_peft.base_changing_init(model) == (("mine", init) if moves_base else None)
+
+
 EXPORTED = [name for name in LAYOUTS if name != "lora-bias"]  # over a base without a bias: refused (Llama's)
 
 

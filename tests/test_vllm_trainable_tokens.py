@@ -146,6 +146,20 @@ def test_an_active_adapter_without_trained_rows_runs_the_base_rows():
     assert torch.equal(fake.model.embed_tokens.weight[:V], token_layers(model)["model.embed_tokens"].base_layer.weight)
 
 
+def test_the_weight_is_the_one_the_layers_forward_runs_with_the_adapters_on_and_off():
+    """trained_tokens_weight (vLLM's rows, the export's) is the weight the layer's forward runs: the trained rows in
+    place, and under PEFT's disable_adapter() (GRPO's KL reference forward) the frozen base rows."""
+    from fastgrpo.hf.peft import trained_tokens_weight
+
+    model = trained(False, LAYOUTS["embedding"][1])
+    layer = token_layers(model)["model.embed_tokens"]
+    ids = torch.arange(V)
+    assert torch.equal(torch.nn.functional.embedding(ids, trained_tokens_weight(layer)), layer(ids))
+    with model.disable_adapter():
+        assert torch.equal(trained_tokens_weight(layer), layer.base_layer.weight)
+        assert torch.equal(torch.nn.functional.embedding(ids, trained_tokens_weight(layer)), layer(ids))
+
+
 class NoVLLM:
     def LLM(**kwargs):  # noqa: N802 - vllm.LLM
         pytest.fail("vLLM built its engine")
