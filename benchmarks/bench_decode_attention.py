@@ -34,7 +34,8 @@ from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, lis
                                write_results)
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.cards import max_shared
-from fastgrpo.kernels.decode_attention import GPU_TILES, decode_attention_fwd, launch_tiles, program_blocks
+from fastgrpo.kernels.decode_attention import (FP8_DOTS_DEEP_SHARED, FP8_DOTS_DEEP_TILES, GPU_TILES,
+                                             decode_attention_fwd, launch_tiles, program_blocks)
 from fastgrpo.ops.decode_attention import quantize_kv
 
 SHAPES = ("qwen2.5-1.5b", "llama-3.1-8b")
@@ -188,7 +189,9 @@ def main(argv: list[str] | None = None) -> None:
     for shape in shapes:
         rows += run_shape(shape, sizes, device, bandwidth, tiles, cache_names, layouts, split_counts)
     config = {"sizes": sizes, "copy_bandwidth_bytes_s": bandwidth, "sweep": SWEEP,
-              "default_tiles": f"the kernel's own per program size (tiles_for; 16 rows x D 128: {GPU_TILES})",
+              "default_tiles": f"the kernel's own per program size and card (launch_tiles; 16 rows x D 128: {GPU_TILES}, "
+                               f"fp8_dots' with {FP8_DOTS_DEEP_SHARED} bytes of shared memory per block or more: "
+                               f"{FP8_DOTS_DEEP_TILES})",
               "inputs": "q, K, V normal(0, 1) in bf16; e4m3: quantize_kv of those (one fp32 scale per slot and head)"}
     if not args.dry_run:
         print(f"\nwrote {write_results('decode_attention', rows, config)}")

@@ -145,7 +145,8 @@ def test_decode_attention_bench_refuses_sizes_and_tiles_in_one_line(argv, expect
 
 def test_decode_attention_bench_times_the_new_tokens_rollout_with_its_cards_tiles(monkeypatch):
     """Off the CPU (CUDA and the timing stubbed): the shapes run at --new-tokens' sizes, with the tiles the kernel
-    takes on that card (fp8_dots' plain programs: a third stage on a card with the room)."""
+    takes on that card (fp8_dots' plain programs: a third stage on a card with the room), which the results file's
+    config names (it named GPU_TILES alone)."""
     from benchmarks import bench_decode_attention as bench
     from fastgrpo.kernels.decode_attention import FP8_DOTS_DEEP_TILES, GPU_TILES
 
@@ -154,9 +155,12 @@ def test_decode_attention_bench_times_the_new_tokens_rollout_with_its_cards_tile
     monkeypatch.setattr(bench, "require_cuda", lambda parser: None)
     monkeypatch.setattr(bench, "_copy_bandwidth", lambda: 1e12)
     monkeypatch.setattr(bench, "run_shape", lambda shape, sizes, *rest: runs.append((shape, sizes)) or [])
-    monkeypatch.setattr(bench, "write_results", lambda *args: "nowhere")
+    written = []
+    monkeypatch.setattr(bench, "write_results", lambda name, rows, config: written.append(config) or "nowhere")
     bench.main(["--shapes", "llama-3.1-8b", "--no-sweep", "--new-tokens", "4096"])
     assert runs == [("llama-3.1-8b", bench.rollout_sizes(4096))]
+    (config,) = written
+    assert config["sizes"] == bench.rollout_sizes(4096) and str(FP8_DOTS_DEEP_TILES) in config["default_tiles"]
     hopper = 227 * 1024
     assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3-fp8-dots", "plain", hopper) is FP8_DOTS_DEEP_TILES
     assert bench.kernel_tiles("llama-3.1-8b", bench.GPU_SIZES, "e4m3-fp8-dots", "plain", 99 * 1024) is GPU_TILES
