@@ -172,12 +172,12 @@ def test_inits_that_keep_the_base_keep_their_reference(tmp_path):
 def test_base_changing_init_names_each_init_that_moves_the_base(init, moves_base):
     """Every PEFT initialization that writes W - B A * scale (or a quantized W) into the base is named, whatever
     adapter holds it; one that leaves the base (B A = 0 at init) is not. Configs alone: CorDA, LoRA-GA and LoftQ need
-    data or a quantized base to initialize a model."""
-    from peft import LoftQConfig
-
-    loftq = dict(loftq_config=LoftQConfig(loftq_bits=4)) if init == "loftq" else {}
+    data or a quantized base to initialize a model; LoftQ's config is set after construction, whose check of its
+    loftq_config imports scipy (not among the test dependencies)."""
+    mine = LoraConfig(r=4, init_lora_weights=init) if init != "loftq" else LoraConfig(r=4)
+    mine.init_lora_weights = init
     model = torch.nn.Module()
-    model.peft_config = {"other": LoraConfig(r=4), "mine": LoraConfig(r=4, init_lora_weights=init, **loftq)}
+    model.peft_config = {"other": LoraConfig(r=4), "mine": mine}
     assert hf_peft.base_changing_init(model) == (("mine", init) if moves_base else None)
 
 
