@@ -54,6 +54,20 @@ def pytest_sessionstart(session):
 
 
 @pytest.fixture
+def no_vllm(monkeypatch):
+    """VLLMEngine up to the point where it builds vLLM's engine, on the CPU: building it fails the test (a refusal
+    must come first), and the model may stay on the CPU."""
+    from fastgrpo.rollout import vllm as vllm_engine
+
+    class NoVLLM:
+        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
+            pytest.fail("vLLM built its engine")
+
+    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
+    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
+
+
+@pytest.fixture
 def caches(monkeypatch):
     """The rollout engine's StaticKVCache objects, in creation order."""
     from fastgrpo.rollout import decode

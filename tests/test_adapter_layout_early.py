@@ -55,6 +55,15 @@ def _trained_away(model):
     return model
 
 
+def assert_exported_as_merged(model, folder):
+    """The HF model in `folder` holds merge_and_unload's weights of the trained PEFT model, bit for bit."""
+    want = copy.deepcopy(model).merge_and_unload().state_dict()
+    got = AutoModelForCausalLM.from_pretrained(folder).state_dict()
+    assert sorted(got) == sorted(want)
+    for name, tensor in want.items():
+        assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+
+
 def _grpo(model, tokenizer, tmp_path, **fields):
     config = GRPOConfig(**{**default_task.PRESET, **TINY_RUN, "output_dir": str(tmp_path), **fields})
     return GRPOTrainer(model, tokenizer, default_task.repeat_letter_reward, default_task.build_dataset(8), config)
@@ -151,11 +160,7 @@ def test_a_mergeable_layout_trains_and_exports_as_peft_merges_it(tmp_path, token
                                          LoraConfig(r=4, init_lora_weights=False, **options)))
     history = _grpo(model, tokenizer, tmp_path, export=True, learning_rate=1e-2).train()
     assert [m["step"] for m in history] == [1]
-    want = copy.deepcopy(model).merge_and_unload().state_dict()
-    got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+    assert_exported_as_merged(model, tmp_path / "final")
 
 
 def test_the_check_merges_nothing(tokenizer, monkeypatch):
@@ -170,7 +175,7 @@ def test_the_check_merges_nothing(tokenizer, monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:`lora_bias=True` was passed")
 @pytest.mark.parametrize("option", [{"use_dora": True}, {"lora_bias": True}], ids=["dora", "lora-bias"])
-def test_vllms_merged_weight_sync_refuses_what_w_plus_ba_leaves_out(tokenizer, option, monkeypatch):
+def test_vllms_merged_weight_sync_refuses_what_w_plus_ba_leaves_out(tokenizer, option, no_vllm):
     """merged_sources wrote W + B A * scale into vLLM's weights: DoRA's magnitude and a LoRA bias were left out, so
     vLLM sampled from another model than the one trained. Refused, and by VLLMEngine before vLLM builds."""
     from fastgrpo.rollout import vllm as vllm_engine
@@ -183,13 +188,6 @@ def test_vllms_merged_weight_sync_refuses_what_w_plus_ba_leaves_out(tokenizer, o
                r"in place of VLLMEngine\)$")
     with pytest.raises(ValueError, match=refusal):
         merged_sources(model)
-
-    class NoVLLM:
-        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
-            pytest.fail("vLLM built its engine")
-
-    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
-    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
     with pytest.raises(ValueError, match=refusal):
         vllm_engine.VLLMEngine(model, tokenizer, max_model_len=32)
     plain = get_peft_model(_base(tokenizer, "qwen2"), LoraConfig(r=4, target_modules=["q_proj"]))

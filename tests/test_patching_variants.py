@@ -155,6 +155,19 @@ def _grads(model) -> dict:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def assert_same_grpo_step(model, patched) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One GRPO step of eager HF `model` and of `patched` (its patch_model copy) on the same rollout: the same
+    per-token log-probs, loss and gradients. Returns the rollout's ids and mask, and the eager gradients."""
+    ids, mask, completion, advantages = rollout(patched.get_output_embeddings().weight.shape[0])
+    loss, logps, grads, old, ref = eager_hf_step(model, ids, mask, completion, advantages)
+    loss_p, logps_p, grads_p = patched_step(patched, ids, mask, completion, advantages, old, ref)
+    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == grads_p.keys() and grads
+    assert_fp32_grads_close(grads_p, grads)
+    return ids, mask, grads
+
+
 def assert_patched_matches_eager_hf(model, lora: bool, skipped: dict | None = None) -> None:
     patched = patch_model(copy.deepcopy(model))
     summary = patched.fastgrpo_patch_summary
@@ -164,15 +177,9 @@ def assert_patched_matches_eager_hf(model, lora: bool, skipped: dict | None = No
     assert summary["patched"].get("swiglu", 0) == (0 if skipped else layers)
     assert summary["patched"].get("fused_lora", 0) > 0 if lora else "fused_lora" not in summary["patched"]
 
-    ids, mask, completion, advantages = rollout(patched.get_output_embeddings().weight.shape[0])
-    loss, logps, grads, old, ref = eager_hf_step(model, ids, mask, completion, advantages)
-    loss_p, logps_p, grads_p = patched_step(patched, ids, mask, completion, advantages, old, ref)
-    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == grads_p.keys() and grads
+    ids, mask, grads = assert_same_grpo_step(model, patched)
     trained = [n for n, _ in model.named_parameters() if not n.startswith(NOT_RUN)]
     assert all("lora_" in n for n in grads) if lora else sorted(grads) == sorted(trained)
-    assert_fp32_grads_close(grads_p, grads)
 
     # The patched forward's own labels= loss (fused, training mode), soft-capped as the config says.
     labels = ids.masked_fill(mask == 0, -100)

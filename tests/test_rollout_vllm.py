@@ -13,7 +13,7 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm import VLLMEngine, default_kv_cache_bytes
 from fastgrpo.rollout.vllm_lora import adapter_tensors, merged_sources, vllm_rank
 from fastgrpo.rollout.vllm_requests import check_prompt_keys, fan_out, request_seeds, sampling_kwargs, to_result
-from fastgrpo.rollout.vllm_weights import bind, hf_name
+from fastgrpo.rollout.vllm_weights import bind, expected_rows, hf_name
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.default_task import build_tokenizer
 
@@ -75,6 +75,25 @@ def vllm_like(tied: bool = True, lora: bool = False) -> nn.Module:
     if not tied:
         root.lm_head = Weights(64, H, org_vocab_size=V)
     return root
+
+
+def assert_runs(fake, plain, tied: bool = False):
+    """Every weight of the stand-in vLLM model `fake` is the plain model's (PEFT's merge_and_unload of the trained
+    one), bound from it the same way into another stand-in. The embedding and lm_head rows are equal bit for bit (a
+    modules_to_save copy or trained token rows are put in place, not computed); merged LoRA rows are W + B A * s in
+    fp32 both ways, summed in other orders: a few ulps of the largest value apart."""
+    want = vllm_like(tied=tied)
+    bind(plain, want, share=False)
+    wanted = dict(want.named_parameters())
+    for name, param in fake.named_parameters():
+        rows = expected_rows(name, param, fake.get_submodule)
+        got, ref = param[:rows], wanted[name][:rows]
+        if "embed_tokens" in name or "lm_head" in name:
+            assert torch.equal(got, ref), f"{name}: rows {(got != ref).any(1).nonzero().flatten().tolist()} differ"
+            continue
+        bound = 4 * torch.finfo(ref.dtype).eps * ref.abs().max().item()
+        err = (got - ref).abs().max().item()
+        assert err <= bound, f"{name}: {err:.3g} from the trained model's value (bound {bound:.3g})"
 
 
 def logits(model) -> torch.Tensor:

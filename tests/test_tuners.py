@@ -30,9 +30,8 @@ from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 from fastgrpo.train import default_task
-from tests.test_adapter_layout_early import RUNS, _base, _grpo
-from tests.test_patching import assert_fp32_grads_close
-from tests.test_patching_variants import eager_hf_step, patched_step, rollout
+from tests.test_adapter_layout_early import RUNS, _base, _grpo, assert_exported_as_merged
+from tests.test_patching_variants import assert_same_grpo_step
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, hf_greedy, tiny_model
 
 TARGETS = ["q_proj", "v_proj", "down_proj"]
@@ -97,14 +96,7 @@ def torch_ops(monkeypatch):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_patched_grpo_loss_trains_what_eager_peft_trains(layout, arch):
     model = LAYOUTS[layout](arch).train()
-    patched = patch_model(copy.deepcopy(model))
-    ids, mask, completion, advantages = rollout(model.get_input_embeddings().weight.shape[0])
-    loss, logps, grads, old, ref = eager_hf_step(model, ids, mask, completion, advantages)
-    loss_p, logps_p, grads_p = patched_step(patched, ids, mask, completion, advantages, old, ref)
-    torch.testing.assert_close(logps_p, logps, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(loss_p, loss, rtol=1e-5, atol=1e-6)
-    assert grads.keys() == grads_p.keys() and grads
-    assert_fp32_grads_close(grads_p, grads)
+    assert_same_grpo_step(model, patch_model(copy.deepcopy(model)))
 
 
 
@@ -213,17 +205,11 @@ def test_the_export_writes_the_model_the_peft_forward_runs(tmp_path, layout, arc
 def test_a_grpo_run_of_another_tuner_trains_and_exports(tmp_path, tuner):
     """Refused before the first step where the run exported (its merge was unknown); now it trains and final/ holds
     the trained model merged."""
-    from transformers import AutoModelForCausalLM
-
     tokenizer = default_task.build_tokenizer()
     model = _adapted(_base(tokenizer), tuner)
     history = _grpo(model, tokenizer, tmp_path, export=True, learning_rate=1e-2).train()
     assert [m["step"] for m in history] == [1]
-    want = copy.deepcopy(model).merge_and_unload().state_dict()
-    got = AutoModelForCausalLM.from_pretrained(tmp_path / "final").state_dict()
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert torch.equal(got[name], tensor), (name, (got[name] - tensor).abs().max().item())
+    assert_exported_as_merged(model, tmp_path / "final")
 
 
 def test_another_tuner_over_a_4bit_base_is_refused_by_the_export(tmp_path):
@@ -269,17 +255,11 @@ def test_prompt_learning_is_refused_when_the_trainer_is_built(tmp_path, kind, ru
 
 
 @pytest.mark.parametrize("tuner", ["loha", "ia3", "adalora"])
-def test_vllm_refuses_another_tuner_before_it_builds(tuner, monkeypatch):
+def test_vllm_refuses_another_tuner_before_it_builds(tuner, no_vllm):
     """vLLM runs LoRA adapters only: another tuner's parameters have no place in its model, which bind said once vLLM
     had built its engine (minutes), naming one as a weight vLLM's model lacks."""
     from fastgrpo.rollout import vllm as vllm_engine
 
-    class NoVLLM:
-        def LLM(**kwargs):  # noqa: N802 - vllm.LLM
-            pytest.fail("vLLM built its engine")
-
-    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
-    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
     model = _adapted(_base(default_task.build_tokenizer(), "qwen2"), tuner)
     kind = model.peft_config["default"].peft_type.value
     with pytest.raises(ValueError) as refused:

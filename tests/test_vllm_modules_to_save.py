@@ -9,11 +9,11 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_rollout_vllm import HEAD_DIM, HEADS, V, logits, tiny, vllm_like
+from test_rollout_vllm import HEAD_DIM, HEADS, V, assert_runs, logits, tiny, vllm_like
 
 from fastgrpo.rollout import vllm as vllm_engine
 from fastgrpo.rollout.vllm_lora import merged_sources
-from fastgrpo.rollout.vllm_weights import bind, expected_rows
+from fastgrpo.rollout.vllm_weights import bind
 from fastgrpo.train.default_task import build_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
@@ -46,21 +46,6 @@ def vllm_values(model, **bind_options):
     fake = vllm_like(tied=False)
     copies = bind(model, fake, **bind_options)
     return fake, copies
-
-
-def assert_runs(fake, plain):
-    """Every weight of the stand-in vLLM model is the plain model's (PEFT's merge_and_unload of the trained one,
-    which keeps the modules_to_save copy in place of the head): bound from it the same way, rows compared one by one.
-    Merged rows are W + B A * s in fp32 both ways, summed in other orders: a few ulps of the largest value apart."""
-    want = vllm_like(tied=False)
-    bind(plain, want, share=False)
-    wanted = dict(want.named_parameters())
-    for name, param in fake.named_parameters():
-        rows = expected_rows(name, param, fake.get_submodule)
-        got, ref = param[:rows], wanted[name][:rows]
-        bound = 4 * torch.finfo(ref.dtype).eps * ref.abs().max().item()
-        err = (got - ref).abs().max().item()
-        assert err <= bound, f"{name}: {err:.3g} from the trained model's value (bound {bound:.3g})"
 
 
 @pytest.mark.parametrize("share", [True, False], ids=["shared", "copied"])
@@ -112,18 +97,6 @@ def test_an_active_adapter_without_a_copy_runs_the_original_head():
     q = fake.model.layers[0].self_attn.qkv_proj.weight[: HEADS * HEAD_DIM]
     layer = model.base_model.model.model.layers[0].self_attn.q_proj
     torch.testing.assert_close(q, layer.base_layer.weight + layer.get_delta_weight("other"), rtol=0, atol=1e-6)
-
-
-class NoVLLM:
-    def LLM(**kwargs):  # noqa: N802 - vllm.LLM
-        pytest.fail("vLLM built its engine")
-
-
-@pytest.fixture
-def no_vllm(monkeypatch):
-    """VLLMEngine up to the point where it builds vLLM's engine, on the CPU."""
-    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
-    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
 
 
 @pytest.mark.parametrize("saved, named, copied", [

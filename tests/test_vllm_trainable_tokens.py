@@ -12,11 +12,11 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, TrainableTokensConfig, get_peft_model
-from test_rollout_vllm import V, logits, tiny, vllm_like
+from test_rollout_vllm import V, assert_runs, logits, tiny, vllm_like
 
 from fastgrpo.rollout import vllm as vllm_engine
 from fastgrpo.rollout.vllm_lora import merged_sources
-from fastgrpo.rollout.vllm_weights import bind, expected_rows
+from fastgrpo.rollout.vllm_weights import bind
 from fastgrpo.train.default_task import build_tokenizer
 
 pytestmark = pytest.mark.filterwarnings("ignore:Model has `tie_word_embeddings=True`")
@@ -57,25 +57,6 @@ def token_layers(model) -> dict:
 
     return {name.removeprefix("base_model.model.").removesuffix(".token_adapter"): module
             for name, module in model.named_modules() if isinstance(module, TrainableTokensLayer)}
-
-
-def assert_runs(fake, plain, tied):
-    """Every weight of the stand-in vLLM model is the plain model's (PEFT's merge_and_unload of the trained one),
-    bound from it the same way. The embedding and lm_head rows are equal bit for bit (both put the trained rows in
-    place by index_copy); merged LoRA rows are W + B A * s in fp32 both ways, summed in other orders: a few ulps of
-    the largest value apart."""
-    want = vllm_like(tied=tied)
-    bind(plain, want, share=False)
-    wanted = dict(want.named_parameters())
-    for name, param in fake.named_parameters():
-        rows = expected_rows(name, param, fake.get_submodule)
-        got, ref = param[:rows], wanted[name][:rows]
-        if "embed_tokens" in name or "lm_head" in name:
-            assert torch.equal(got, ref), f"{name}: rows {(got != ref).any(1).nonzero().flatten().tolist()} differ"
-            continue
-        bound = 4 * torch.finfo(ref.dtype).eps * ref.abs().max().item()
-        err = (got - ref).abs().max().item()
-        assert err <= bound, f"{name}: {err:.3g} from the trained model's value (bound {bound:.3g})"
 
 
 def vllm_rows(fake, module: str) -> torch.Tensor:
@@ -158,18 +139,6 @@ def test_the_weight_is_the_one_the_layers_forward_runs_with_the_adapters_on_and_
     with model.disable_adapter():
         assert torch.equal(trained_tokens_weight(layer), layer.base_layer.weight)
         assert torch.equal(torch.nn.functional.embedding(ids, trained_tokens_weight(layer)), layer(ids))
-
-
-class NoVLLM:
-    def LLM(**kwargs):  # noqa: N802 - vllm.LLM
-        pytest.fail("vLLM built its engine")
-
-
-@pytest.fixture
-def no_vllm(monkeypatch):
-    """VLLMEngine up to the point where it builds vLLM's engine, on the CPU."""
-    monkeypatch.setattr(vllm_engine, "require_vllm", lambda: NoVLLM)
-    monkeypatch.setattr(vllm_engine, "check_model", lambda model: None)  # it wants the model on CUDA
 
 
 @pytest.mark.parametrize("options, named", [
