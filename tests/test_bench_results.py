@@ -113,6 +113,25 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
     assert not list(tmp_path.iterdir())
 
 
+
+def test_quantize_bench_times_own_before_and_swept_tiles_that_give_the_same_bytes(capsys, tmp_path, monkeypatch):
+    """bench_quantize --dry-run: per case the kernel's own tiles, the tiles before them and the sweep's, each giving
+    the own tiles' bytes (a tile computing something else would show False), and no results file."""
+    from benchmarks import bench_quantize as bench
+    from fastgrpo.kernels.quantize_fp8 import quantize_tiles
+
+    monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
+    bench.main(["--dry-run"])
+    lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dry-")]
+    column = {name: bench.COLUMNS.index(name) for name in ("case", "tiles", "same_bytes", "one_pass")}
+    for case, (_, K, _) in bench.DRY_CASES.items():
+        rows = [line for line in lines if line[column["case"]] == case]
+        labels = [line[column["tiles"]] for line in rows]
+        assert labels[:2] == ["own", "before"] and set(labels[2:]) == {"sweep"}, labels
+        assert all(line[column["same_bytes"]] == "True" for line in rows), rows
+        assert rows[0][column["one_pass"]] == str(quantize_tiles(K).one_pass), rows[0]
+    assert not list(tmp_path.iterdir())
+
 def test_decode_attention_bench_parses_tiles_and_sizes_a_longer_rollout():
     """--tiles' block_n/num_warps/num_stages[/maxnreg] in that order, nothing else; --new-tokens N: a cache of
     256 + N slots filled to the mean context 256 + N / 2 (GPU_SIZES is N = 1024's)."""

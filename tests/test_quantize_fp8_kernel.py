@@ -5,23 +5,44 @@ as Triton 3.9's interpreter casts fp32 to e4m3 wrongly where the rounding carrie
 fp32 and need no such cast, and a row whose values are e4m3 codes times a power of two, with amax 448 times that
 power, divides back to those codes exactly: no rounding, so the interpreter's cast is right and the bytes must be
 the eager ones. Those two checks keep the kernel's amax, NaN rule, tiny floor, column scale and tail masks testable
-on the CPU.
+on the CPU, for the kernel's own tiles and drawn ones (rows a program, one or two passes, blocks a row spans).
 """
+import pytest
 import torch
+import triton
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fastgrpo.kernels.quantize_fp8 import BLOCK_K, quantize_rows_fwd
+from fastgrpo.kernels.quantize_fp8 import ONE_PASS_UP_TO, QuantizeTiles, quantize_rows_fwd, quantize_tiles
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, quantize_rows
 
 _CODES = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
 CODES = _CODES[_CODES.isfinite()]  # the 254 finite e4m3 values, subnormals included
 
 
-def _kernel(x, column_scale=None):
-    q = torch.empty(x.shape, dtype=FP8_DTYPE)
-    scale = torch.empty(x.shape[0])
-    quantize_rows_fwd(x, q, scale, column_scale)
+# K around the kernel's switch from one pass to two (its second block ragged), or small
+WIDTHS = st.one_of(st.integers(1, 70), st.integers(ONE_PASS_UP_TO - 3, ONE_PASS_UP_TO + 40))
+
+
+@st.composite
+def tiles_for(draw, K):
+    """The kernel's own tiles for K (None), or drawn ones: 1-4 rows a program, the row in one block or in two
+    passes over blocks of 16 / 32 (small K spans several, ragged)."""
+    kind = draw(st.sampled_from(["own", "one pass", "two passes"]))
+    if kind == "own":
+        return None
+    block_r = draw(st.sampled_from([1, 2, 4]))
+    if kind == "one pass":
+        return QuantizeTiles(block_r, triton.next_power_of_2(K), True, 4)
+    return QuantizeTiles(block_r, draw(st.sampled_from([16, 32])), False, 4)
+
+
+def _kernel(x, column_scale=None, tiles=None):
+    # outputs filled with values the kernel never writes for finite rows (e4m3 NaN, a negative scale): a row or
+    # column it skips shows, where torch.empty could hand back the bytes of an earlier call's correct output
+    q = torch.full(x.shape, 0x7F, dtype=torch.uint8).view(FP8_DTYPE)
+    scale = torch.full(x.shape[:1], -1.0)
+    quantize_rows_fwd(x, q, scale, column_scale, tiles)
     return q, scale
 
 
@@ -43,46 +64,47 @@ def _exact_rows(R, K, g):
     return x.float()
 
 
-@given(
-    R=st.integers(1, 5),
-    K=st.one_of(st.integers(1, 70), st.integers(BLOCK_K - 3, BLOCK_K + 40)),  # past a block: a ragged second one
-    zero_row=st.booleans(),
-    seed=st.integers(0, 2**16),
-)
-def test_exact_rows_give_the_eager_bytes_and_scales(R, K, zero_row, seed):
+@given(R=st.integers(1, 5), K=WIDTHS, zero_row=st.booleans(), seed=st.integers(0, 2**16), data=st.data())
+def test_exact_rows_give_the_eager_bytes_and_scales(R, K, zero_row, seed, data):
     g = torch.Generator().manual_seed(seed)
+    tiles = data.draw(tiles_for(K))
     x = _exact_rows(R, K, g)
     if zero_row:
         x[-1] = 0.0  # scale fp32's smallest normal, q 0
-    _assert_same(x, *_kernel(x), f"R{R} K{K}")
+    _assert_same(x, *_kernel(x, tiles=tiles), f"R{R} K{K} {tiles}")
     gapped = torch.zeros(R, K + 7)  # rows with a gap between them: the kernel's row stride
     gapped[:, :K] = x
-    _assert_same(x, *_kernel(gapped[:, :K]), f"R{R} K{K} gapped")
+    _assert_same(x, *_kernel(gapped[:, :K], tiles=tiles), f"R{R} K{K} {tiles} gapped")
 
 
-@given(R=st.integers(1, 4), K=st.integers(1, 90), seed=st.integers(0, 2**16))
-def test_column_scale_multiplies_each_column(R, K, seed):
+@given(R=st.integers(1, 4), K=st.integers(1, 90), seed=st.integers(0, 2**16), data=st.data())
+def test_column_scale_multiplies_each_column(R, K, seed, data):
     # x / column_scale with power-of-two column scales is exact, and times them gives the exact rows back
     g = torch.Generator().manual_seed(seed)
+    tiles = data.draw(tiles_for(K))
     x = _exact_rows(R, K, g)
     column_scale = 2.0 ** torch.randint(-4, 5, (K,), generator=g).float()
-    _assert_same(x, *_kernel(x / column_scale, column_scale), f"R{R} K{K} column_scale")
+    _assert_same(x, *_kernel(x / column_scale, column_scale, tiles), f"R{R} K{K} {tiles} column_scale")
 
 
-@given(
-    R=st.integers(1, 4),
-    K=st.one_of(st.integers(1, 70), st.integers(BLOCK_K - 3, BLOCK_K + 40)),
-    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
-    seed=st.integers(0, 2**16),
-)
-def test_scales_of_any_rows_are_the_eager_bits(R, K, dtype, seed):
+@given(R=st.integers(1, 4), K=WIDTHS, dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+       seed=st.integers(0, 2**16), data=st.data())
+def test_scales_of_any_rows_are_the_eager_bits(R, K, dtype, seed, data):
     # random magnitudes: the bytes may hit the interpreter's cast, the scales (amax / 448, IEEE) may not differ
     g = torch.Generator().manual_seed(seed)
+    tiles = data.draw(tiles_for(K))
     x = (torch.randn(R, K, generator=g) * torch.exp(4 * torch.randn(R, 1, generator=g))).clamp(-6e4, 6e4).to(dtype)
-    x[:, -1] *= 8  # the row's largest value last: in the ragged tail block when K passes BLOCK_K
-    scale = _kernel(x)[1]
+    x[:, -1] *= 8  # the row's largest value last: in the ragged tail block when the row spans blocks
+    scale = _kernel(x, tiles=tiles)[1]
     scale0 = quantize_rows(x)[1]
-    assert torch.equal(scale, scale0), f"R{R} K{K} {dtype}: scales {scale.tolist()} vs {scale0.tolist()}"
+    assert torch.equal(scale, scale0), f"R{R} K{K} {tiles} {dtype}: scales {scale.tolist()} vs {scale0.tolist()}"
+
+
+@given(K=st.integers(1, 3 * ONE_PASS_UP_TO))
+def test_own_tiles_read_a_row_once_up_to_the_switch_and_cover_it(K):
+    tiles = quantize_tiles(K)
+    assert tiles.one_pass == (K <= ONE_PASS_UP_TO), f"K {K}: {tiles}"
+    assert not tiles.one_pass or tiles.block_k >= K, f"K {K}: one pass over a block shorter than the row: {tiles}"
 
 
 def test_a_nan_makes_its_scale_nan_and_leaves_other_rows():
@@ -92,3 +114,15 @@ def test_a_nan_makes_its_scale_nan_and_leaves_other_rows():
     q, scale = _kernel(x)
     assert scale[1].isnan() and scale[[0, 2]].isfinite().all(), f"scales {scale.tolist()}: row 1 alone NaN"
     _assert_same(x[[0, 2]], q[[0, 2]], scale[[0, 2]], "the rows without a NaN")
+
+
+@pytest.mark.parametrize("block_r", [2, 4])
+@pytest.mark.parametrize("one_pass", [True, False])
+@pytest.mark.parametrize("R", [1, 3, 5, 6])
+def test_every_row_of_a_ragged_last_program(block_r, one_pass, R):
+    # the drawn tiles above meet few (rows, block_r) pairs in CI's 12 examples; here each row count against 2 and 4
+    # rows a program, with a ragged last block along K in two passes
+    K = 45
+    tiles = QuantizeTiles(block_r, 64 if one_pass else 16, one_pass, 4)
+    x = _exact_rows(R, K, torch.Generator().manual_seed(R))
+    _assert_same(x, *_kernel(x, tiles=tiles), f"R{R} K{K} {tiles}")
