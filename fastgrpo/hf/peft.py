@@ -39,6 +39,12 @@ def check_mergeable(model: torch.nn.Module) -> None:
         raise ValueError(f"model: merged weights lack {missing[:3]}; {UNSUPPORTED}")
 
 
+def peft_type_name(config) -> str:
+    """A PEFT config's tuner type as its name ("LORA", "TRAINABLE_TOKENS", "ADALORA", ...), whether peft_type holds a
+    PeftType or the plain string."""
+    return getattr(config.peft_type, "value", config.peft_type)
+
+
 def check_not_mixed(model: torch.nn.Module) -> None:
     """Refuse, in one line, a PeftMixedModel (adapters of several tuner types: get_peft_model(..., mixed=True)): it
     has no get_base_model, and taken for the transformers model it was patched and trained as one (the fused loss
@@ -56,7 +62,7 @@ def check_layer_adapters(model: torch.nn.Module) -> None:
     check_not_mixed(model)
     for name, config in getattr(model, "peft_config", {}).items():
         if getattr(config, "is_prompt_learning", False):
-            kind = getattr(config.peft_type, "value", config.peft_type)
+            kind = peft_type_name(config)
             raise ValueError(f"model: adapter {name!r} is {kind} (prompt learning), which PeftModel's forward adds as "
                              "virtual tokens, while fastgrpo's loss and rollout run the base model's layers; use an "
                              "adapter in the layers (LoRA, ...)")

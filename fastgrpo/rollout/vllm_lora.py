@@ -14,6 +14,7 @@ from torch import nn
 from fastgrpo.hf.models import unwrap_peft
 from fastgrpo.hf.peft import (
     has_variant_or_bias,
+    peft_type_name,
     trained_tokens_layer,
     weight_run_by,
     with_lora_deltas,
@@ -40,7 +41,7 @@ def check_lora_only(model: nn.Module) -> None:
     engine, where bind refused it minutes later, naming one of the tuner's parameters as a weight vLLM's model lacks.
     PEFT's TrainableTokensConfig alone reaches vLLM through the merged sync (bind merges its rows)."""
     for name, config in getattr(model, "peft_config", {}).items():
-        kind = getattr(config.peft_type, "value", config.peft_type)
+        kind = peft_type_name(config)
         if kind not in VLLM_TUNERS:
             raise ValueError(f"model: adapter {name!r} is {kind}, and vLLM runs LoRA adapters only; use "
                              f"{BUILTIN_ENGINE}")

@@ -9,6 +9,7 @@ import math
 from collections.abc import Callable, Sequence
 
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
+from fastgrpo.hf.peft import peft_type_name
 from fastgrpo.rewards.scoring import check_column_values, required_columns, reward_name
 from fastgrpo.train.naming import setting
 
@@ -297,7 +298,7 @@ def warn_adapter_schedules(model) -> None:
     each backward) and its orthogonal regularization (added by AdaLoraModel's forward to a labels= loss) are not run by
     fastgrpo's trainers, whose losses are computed from the hidden states. It trains at its initial ranks."""
     for name, config in getattr(model, "peft_config", {}).items():
-        if getattr(config.peft_type, "value", config.peft_type) == "ADALORA":
+        if peft_type_name(config) == "ADALORA":
             logger.warning("model: adapter %r is AdaLoRA, whose rank allocation (update_and_allocate) and orthogonal "
                            "regularization (orth_reg_weight) fastgrpo's trainers do not run: it trains at its initial "
                            "ranks (init_r=%s), as an SVD-form LoRA", name, config.init_r)
