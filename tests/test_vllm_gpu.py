@@ -310,9 +310,9 @@ def test_merge_sync_runs_the_trained_lm_head_copy():
 @pytest.mark.xdist_group("trainable_tokens")
 def test_merge_sync_runs_the_trained_token_rows():
     """LoRA plus trainable_token_indices on a tied Qwen2 (PEFT runs the embedding's trained rows in the head too):
-    vLLM's tied embedding holds the base rows with the trained rows in place, a copy each sync refreshes, not the
-    frozen base rows the reference policy runs; greedy tokens and log-probs are the trainer's model's before and
-    after a training step."""
+    vLLM's tied embedding holds the base rows with the trained rows in place, a copy whose trained rows each sync
+    writes, not the frozen base rows the reference policy runs; greedy tokens and log-probs are the trainer's model's
+    before and after a training step."""
     from peft import LoraConfig, get_peft_model
 
     model, tok = tiny(seed=5)
@@ -335,6 +335,8 @@ def test_merge_sync_runs_the_trained_token_rows():
     assert not torch.equal(vllm_embedding[rows], trained.detach())  # no sync yet
     engine.load_weights(model)
     assert torch.equal(vllm_embedding[rows], trained.detach())
+    untrained = [i for i in range(base.shape[0]) if i not in rows]
+    assert torch.equal(vllm_embedding[untrained], base[untrained])  # the base's rows around them
     after = run(engine)
     assert completions(after) != completions(before)
     assert_same_greedy(after, builtin(model, tok), model, tok)

@@ -2,17 +2,19 @@
 of a tied lm_head with them) under vLLM's merged weight sync, against test_rollout_vllm's stand-in for vLLM's model
 (its fused names and padded vocabulary rows). bind refused it once vLLM had built its engine (~140 s cold), saying
 vLLM's model had no weight for model.embed_tokens.token_adapter.weight. Now vLLM's embedding (and lm_head) holds the
-base rows with the trained rows in place, a copy refreshed by each sync: the trainer's base rows stay the frozen
-originals its reference forward runs. A tied embedding / lm_head that the trained model runs with other rows in each
-is refused before vLLM builds, as is the adapter sync. The engine runs in tests/test_vllm_gpu.py
-(test_merge_sync_runs_the_trained_token_rows)."""
+base rows with the trained rows in place, a copy of its own whose trained rows alone each sync writes: the trainer's
+base rows stay the frozen originals its reference forward runs. A tied embedding / lm_head that the trained model
+runs with other rows in each is refused before vLLM builds, as is the adapter sync. The engine runs in
+tests/test_vllm_gpu.py (test_merge_sync_runs_the_trained_token_rows)."""
 import contextlib
 import copy
 
 import pytest
 import torch
 from peft import LoraConfig, TrainableTokensConfig, get_peft_model
-from test_rollout_vllm import V, assert_runs, logits, tiny, vllm_like
+from test_rollout_vllm import H, V, assert_runs, logits, tiny, vllm_like
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from fastgrpo.rollout import vllm as vllm_engine
 from fastgrpo.rollout.vllm_lora import merged_sources
@@ -128,15 +130,24 @@ def test_an_active_adapter_without_trained_rows_runs_the_base_rows():
 
 
 def test_the_weight_is_the_one_the_layers_forward_runs_with_the_adapters_on_and_off():
-    """trained_tokens_weight (vLLM's rows, the export's) is the weight the layer's forward runs: the trained rows in
-    place, and under PEFT's disable_adapter() (GRPO's KL reference forward) the frozen base rows."""
-    from fastgrpo.hf.peft import trained_tokens_weight
+    """trained_tokens_weight (the export's) and the base weight with trained_rows put in place (what a sync writes
+    into vLLM's copy) are the weight the layer's forward runs: the trained rows in place, and under PEFT's
+    disable_adapter() (GRPO's KL reference forward) the frozen base rows."""
+    from fastgrpo.hf.peft import trained_rows, trained_tokens_weight
+
+    def base_with_trained_rows(layer):
+        weight = layer.base_layer.weight.detach().clone()
+        for indices, values in trained_rows(layer):
+            weight[indices] = values
+        return weight
 
     model = trained(False, LAYOUTS["embedding"][1])
     layer = token_layers(model)["model.embed_tokens"]
     ids = torch.arange(V)
-    assert torch.equal(torch.nn.functional.embedding(ids, trained_tokens_weight(layer)), layer(ids))
+    for weight in (trained_tokens_weight(layer), base_with_trained_rows(layer)):
+        assert torch.equal(torch.nn.functional.embedding(ids, weight), layer(ids))
     with model.disable_adapter():
+        assert trained_rows(layer) == []
         assert torch.equal(trained_tokens_weight(layer), layer.base_layer.weight)
         assert torch.equal(torch.nn.functional.embedding(ids, trained_tokens_weight(layer)), layer(ids))
 
@@ -190,3 +201,100 @@ def test_the_adapter_sync_refuses_trainable_tokens_before_vllm_builds(no_vllm, t
     assert str(caught.value) == (
         "model: vLLM's LoRA does not run adapters with ['trainable_token_indices']; use lora_sync='merge' "
         "(GRPOConfig(vllm_lora_sync='merge'), --vllm-lora-sync merge)")
+
+
+OTHER_ROWS, UNTRAINED = [4, 6], 10  # a second adapter's trained rows; a row no adapter trains
+
+
+def with_a_second_adapter(tied: bool):
+    """trained(...) plus an adapter "other" training OTHER_ROWS (its rows and LoRA away from the base's)."""
+    model = trained(tied, LAYOUTS["tied" if tied else "embedding"][1])
+    model.add_adapter("other", LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                          trainable_token_indices=OTHER_ROWS, init_lora_weights=False))
+    with torch.no_grad():
+        token_layers(model)["model.embed_tokens"].trainable_tokens_delta["other"].add_(1.0)
+    return model
+
+
+def sync(copies) -> None:
+    with torch.no_grad():  # as load_weights refreshes them
+        for rows in copies:
+            rows.refresh()
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_a_sync_writes_the_trained_rows_and_gives_back_the_base_rows_no_longer_trained(tied):
+    """Each sync brings vLLM's embedding to merge_and_unload's weight, bit for bit, writing trained rows alone: a
+    marker in vLLM's copy of an untrained row survives it. When the trained rows change between syncs (set_adapter
+    to an adapter training others; fastgrpo's trainer never switches, a user of VLLMEngine may), the rows trained
+    before get the base's values back. A base weight written in place is copied whole again."""
+    model = with_a_second_adapter(tied)
+    layer = token_layers(model)["model.embed_tokens"]
+    fake = vllm_like(tied=tied)
+    copies = bind(model, fake, merged=merged_sources(model))
+    embedding = fake.model.embed_tokens.weight
+    changes = {
+        "the trained rows stepped": lambda: layer.trainable_tokens_delta["default"].add_(1.0),
+        "other rows trained": lambda: model.set_adapter("other"),
+        "the first rows again": lambda: model.set_adapter("default"),
+    }
+    for change, apply in changes.items():
+        with torch.no_grad():
+            apply()
+            untrained_row = embedding[UNTRAINED].clone()
+            embedding[UNTRAINED] = 1e4
+        sync(copies)
+        assert (embedding[UNTRAINED] == 1e4).all(), f"{change}: the sync wrote an untrained row"
+        with torch.no_grad():
+            embedding[UNTRAINED] = untrained_row
+        assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
+    with torch.no_grad():  # an optimizer step on a base left trainable
+        layer.base_layer.weight.mul_(2.0)
+    sync(copies)
+    assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
+    with model.disable_adapter():
+        sync(copies)
+    assert torch.equal(embedding[:V], layer.base_layer.weight)
+
+
+class NewStorages(TorchDispatchMode):
+    """The bytes of each tensor storage created by the ops run under it (an in-place op's output is its input;
+    lift_fresh's input is a tensor torch.tensor just built from Python data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                  and func is not torch.ops.aten.lift_fresh.default}
+        self.sizes += [t.untyped_storage().nbytes() for t in tree_leaves(out)
+                       if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in inputs]
+        return out
+
+
+@pytest.mark.parametrize("share", [True, False], ids=["shared", "copied"])
+@pytest.mark.parametrize("layout", ["embedding-and-head", "tied", "tokens-alone"])
+def test_a_sync_allocates_the_trained_rows_not_the_weight(layout, share):
+    """A sync of the trained token rows allocates at most a cast of each layer's k trained rows [k, H] and their k
+    int64 indices: for Llama-3.1-8B's embedding (128256 x 4096 in bf16) a few KB where PEFT's get_merged_weights
+    built the whole 1 GB weight each sync."""
+    tied, options = LAYOUTS[layout]
+    model = trained(tied, options)
+    fake = vllm_like(tied=tied)
+    copies = bind(model, fake, share=share, merged=merged_sources(model))
+    layers = {name: layer for name, layer in token_layers(model).items() if layer.tied_adapter is None}
+    token_copies = [c for c in copies if c.hf_name.removesuffix(".weight") in layers]
+    assert len(token_copies) == len(layers)
+    with torch.no_grad():
+        for layer in layers.values():
+            layer.trainable_tokens_delta["default"].add_(1.0)
+    with NewStorages() as created:
+        sync(token_copies)
+    item = next(iter(layers.values())).base_layer.weight.element_size()
+    budget = sum(len(layer.token_indices["default"]) * (H * item + 8) for layer in layers.values())
+    whole = V * H * item
+    assert sum(created.sizes) <= budget and max(created.sizes, default=0) < whole, (
+        f"a sync created storages of {created.sizes} bytes; budget {budget}, the whole weight {whole}")
+    assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)

@@ -261,16 +261,24 @@ def trained_tokens_layer(module: torch.nn.Module) -> torch.nn.Module | None:
     return module if isinstance(module, TrainableTokensLayer) else None
 
 
-def trained_tokens_sources(model: torch.nn.Module) -> dict[str, Callable[[], torch.Tensor]]:
-    """Full name of the base weight of each TrainableTokensLayer (as model.named_parameters() names it) -> a function
-    giving the weight the layer's forward runs (trained_tokens_weight). A layer PEFT ties to another (a tied lm_head
-    following the embedding's trained rows) runs its partner's base weight and rows: the partner's entry serves both."""
+def trained_tokens_layers(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    """Full name of the base weight of each TrainableTokensLayer (as model.named_parameters() names it) -> the layer.
+    A layer PEFT ties to another (a tied lm_head following the embedding's trained rows) runs its partner's base
+    weight and rows: the partner's entry serves both."""
     from peft.tuners.trainable_tokens import TrainableTokensLayer
 
     layers = {id(layer.base_layer.weight): layer for layer in model.modules()
               if isinstance(layer, TrainableTokensLayer) and layer.tied_adapter is None}
-    return {name: functools.partial(trained_tokens_weight, layers[id(param)])
-            for name, param in model.named_parameters() if id(param) in layers}
+    return {name: layers[id(param)] for name, param in model.named_parameters() if id(param) in layers}
+
+
+def trained_rows(layer: torch.nn.Module) -> list[tuple[list[int], torch.Tensor]]:
+    """(token indices, trained rows [k, H] in the base weight's dtype) of each adapter whose rows a
+    TrainableTokensLayer's forward puts in place over its base weight, in the order it puts them (as
+    get_merged_weights does); [] where the adapters are off or merged (the base weight is what runs)."""
+    base = layer.base_layer.weight
+    return [(list(layer.token_indices[a]), layer.trainable_tokens_delta[a].detach().to(base))
+            for a in _trained_token_adapters(layer)]
 
 
 def trained_tokens_names(model: torch.nn.Module) -> dict[str, str | None]:

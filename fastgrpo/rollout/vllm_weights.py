@@ -9,7 +9,8 @@ parameters alias it, and an optimizer step writes straight into what the next ro
 wrapper (modules_to_save=["lm_head"]) holds the frozen original and a trained copy: vLLM's weight is the one its
 forward runs (the active adapter's copy), which aliases vLLM's rows like any trained weight. A PEFT
 trainable-token layer (trainable_token_indices) runs its base weight with some rows replaced by trained ones: vLLM
-runs that weight as a Copy (merged), while the trainer's base keeps the frozen rows its reference forward runs.
+runs that weight as its own copy (TrainedRows), while the trainer's base keeps the frozen rows its reference forward
+(PEFT's disable_adapter) runs, so the two cannot alias.
 
 What cannot alias (a dtype vLLM does not run, a LoRA-adapted weight that vLLM must see merged with its adapter,
 or everything when sharing is off) is a `Copy`: rows of vLLM's tensor refreshed from the trainer by `refresh`.
@@ -24,7 +25,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastgrpo.hf.peft import modules_to_save_names, trained_tokens_names, trained_tokens_sources
+from fastgrpo.hf.peft import modules_to_save_names, trained_rows, trained_tokens_layers, trained_tokens_names
 from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 
 # HF projection -> (vLLM's fused layer, index of its rows among the fused layer's output_sizes)
@@ -56,6 +57,42 @@ class Copy:
 
     def refresh(self) -> None:
         self.rows.copy_(self.source())
+
+
+@dataclasses.dataclass
+class TrainedRows:
+    """Rows of a vLLM parameter holding a PEFT TrainableTokensLayer's weight as its forward runs it: the frozen base
+    weight with the active adapters' trained rows in place (bit for bit merge_and_unload's weight).
+
+    A refresh writes the trained rows alone (an embedding of 128K x 4096 in bf16 is 1 GB; its trained rows are a few
+    KB), and puts the base's rows back where rows written before are no longer trained (another adapter set active,
+    the adapters off). The whole base is copied at the first refresh and again when the base weight is another tensor
+    (PEFT's merge) or was written in place (its version counter: an optimizer step on a base left trainable)."""
+
+    hf_name: str
+    rows: torch.Tensor
+    layer: nn.Module
+    _base_seen: tuple[int, int] | None = None  # (data_ptr, _version) of the base weight at the last whole copy
+    _written: list[int] = dataclasses.field(default_factory=list)  # token rows holding trained values
+
+    def refresh(self) -> None:
+        base = self.layer.base_layer.weight
+        trained = trained_rows(self.layer)
+        indices = [i for rows, _ in trained for i in rows]
+        if (base.data_ptr(), base._version) != self._base_seen:
+            self.rows.copy_(base)
+            self._base_seen = (base.data_ptr(), base._version)
+        else:
+            stale = sorted(set(self._written) - set(indices))
+            if stale:
+                self._write(stale, base[stale])
+        for rows, values in trained:
+            self._write(rows, values)
+        self._written = indices
+
+    def _write(self, indices: list[int], values: torch.Tensor) -> None:
+        index = torch.tensor(indices, device=self.rows.device)
+        self.rows.index_copy_(0, index, values.to(self.rows))
 
 
 def hf_name(peft_name: str) -> str:
@@ -120,18 +157,19 @@ def parameter_holders(model: nn.Module) -> dict[int, list[tuple[nn.Module, str]]
 
 
 def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
-         merged: dict[str, Callable[[], torch.Tensor]] | None = None) -> list[Copy]:
+         merged: dict[str, Callable[[], torch.Tensor]] | None = None) -> list[Copy | TrainedRows]:
     """Copy every trainer weight into vLLM's model; make the trainer's parameters views of vLLM's rows where
-    possible; return the rest as Copies that `refresh` from the trainer.
+    possible; return the rest as Copies and TrainedRows that `refresh` from the trainer.
 
     merged: full trainer parameter name -> the value vLLM must run instead (a LoRA base weight plus its adapter);
-    those rows stay vLLM's own, as do a trainable-token layer's (its base weight with the trained rows in place,
-    whatever `merged` says). A modules_to_save wrapper's module in use stands for the module it wraps; the
+    those rows stay vLLM's own, as do a trainable-token layer's (TrainedRows: its base weight with the trained rows
+    in place). A modules_to_save wrapper's module in use stands for the module it wraps; the
     other modules inside it (the frozen original under a trained copy) stay the trainer's alone. Raises ValueError
     if a trainer weight has no place in vLLM's model or a vLLM weight gets no value (it would generate with random
     weights).
     """
-    merged = {**trained_tokens_sources(model), **(merged or {})}
+    merged = merged or {}
+    token_layers = trained_tokens_layers(model)
     vllm_params = dict(vllm_model.named_parameters())
     module_of = vllm_model.get_submodule
     aliases = parameter_holders(model)
@@ -154,6 +192,8 @@ def bind(model: nn.Module, vllm_model: nn.Module, *, share: bool = True,
             source = merged.get(full_name)
             if source is not None:
                 copies.append(Copy(name, rows, source))
+            elif full_name in token_layers:
+                copies.append(TrainedRows(name, rows, token_layers[full_name]))
             elif share and rows.dtype == param.dtype and rows.device == param.device:
                 shared = nn.Parameter(rows, requires_grad=param.requires_grad)
                 rows.copy_(param)
