@@ -119,7 +119,8 @@ def _bad_inputs(tmp_path):
         (["--stop", ""], "stop: expected non-empty strings"),
         (["--dataset", str(tmp_path / "missing.jsonl")], "dataset: no such file"),
         # a mistyped local name (its folder exists) is not sent to the Hub
-        (["--dataset", str(tmp_path / "rows.jsonll")], f"dataset: no such file {tmp_path / 'rows.jsonll'}"),
+        (["--dataset", str(tmp_path / "rows.jsonll")], f"dataset: no such file or folder {tmp_path / 'rows.jsonll'} "
+                                                        f"(did you mean {tmp_path / 'rows.jsonl'}?); --dataset takes a "),
         (["--dataset", str(tmp_path / "empty_prompt.jsonl"), "--reward-funcs", "length"],
          "dataset: row 1: prompt: '' has no tokens"),
         (["--dataset", str(tmp_path / "rows.jsonl")], f"{tmp_path / 'rows.jsonl'}:3: invalid JSON in --dataset"),

@@ -10,6 +10,7 @@ from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.loading import load_dataset, load_rows
 from fastgrpo.train.sft_config import SFTConfig
+from fastgrpo.train.sources import DATA_FILE_FORMS
 
 
 def test_a_folder_written_by_save_to_disk_loads(tmp_path):
@@ -155,7 +156,7 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
     chat_prompts.write_text('{"prompt": [{"role": "user", "content": "say a"}], "answer": "a"}\n')
     for config, message in [
         (SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl"), eval_steps=10),
-         f"eval_dataset: no such file {tmp_path / 'nope.jsonl'}"),
+         f"eval_dataset: no such file or folder {tmp_path / 'nope.jsonl'}; eval_dataset takes a {DATA_FILE_FORMS}"),
         (SFTConfig(dataset=str(train), eval_dataset=str(chats), eval_steps=10),
          "eval_dataset: reward function r1_zero_math_reward needs columns ['answer'], which the dataset lacks "
          "(columns: ['messages', 'prompt'])"),

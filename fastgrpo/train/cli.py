@@ -236,6 +236,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted, resume_command
     from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward, tokenizer_before_load
+    from fastgrpo.train.dataset_source import check_local_dataset_sources
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
     from fastgrpo.train.distributed import init_distributed
@@ -248,6 +249,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     resolve_device(config.device)
     dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
     check_same_settings(dist, config)
+    check_local_dataset_sources(config)  # a mistyped data path: before the model's Hub request and its tokenizer
     if config.model is not None:
         check_model_source(config.model)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]

@@ -197,9 +197,11 @@ def _prompt_settings(run: dict, merged: dict, source: str) -> dict:
 
 
 def _check_sources(config) -> None:
+    from fastgrpo.train.dataset_source import check_local_dataset_sources
     from fastgrpo.train.sources import check_model_source, resolve_device
 
     resolve_device(config.device)
+    check_local_dataset_sources(config)  # a mistyped data path: before the model's Hub request and its tokenizer
     if config.model is not None:
         check_model_source(config.model)
 

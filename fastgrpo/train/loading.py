@@ -19,6 +19,7 @@ from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.base_fingerprint import check_base_unchanged
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
+from fastgrpo.train.dataset_source import check_dataset_source
 from fastgrpo.train.evaluate import build_eval_task, first_rows
 from fastgrpo.train.input_checks import check_reward_rows, positions_before_load
 from fastgrpo.train.naming import setting
@@ -67,10 +68,7 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
     """load_rows' reading, of `split` where `dataset` is not a file or a saved Dataset (those are read whole)."""
     path = Path(dataset)
     suffix = data_suffix(path)
-    # a missing path with a data file's suffix, or whose folder is here, is a mistyped local name, not a Hub dataset
-    # (which would be retried for half a minute, then reported as unreachable)
-    if not path.exists() and (suffix or path.parent.is_dir() and path.parent != Path(".")):
-        raise ValueError(f"{field}: no such file {path}")
+    check_dataset_source(dataset, field)  # a mistyped local path, an unreachable Hub: one line, before datasets retries
     if path.is_file():
         if suffix in JSON_SUFFIXES:
             return read_json_rows(path, field)  # a bad row is an error at file:line
