@@ -147,6 +147,7 @@ def test_a_yaml_files_data_path_names_the_file(project, refusing_hub, capsys):
 
 @pytest.mark.parametrize("typed, meant", [
     ("./mydata", "my_data"),  # was datasets' "Repo id must use alphanumeric chars ...", naming no setting
+    ("my_dat/", "my_data"),
     ("dat/train.jsonl", "data/train.jsonl"),  # a folder mistyped: was sent to the Hub as dat/train.jsonl
     ("data/trian.jsonl", "data/train.jsonl"),
     ("trian.jsonl", None),  # nothing close in the current folder
@@ -234,11 +235,26 @@ def test_datasets_remote_forms_are_left_to_datasets(project, refusing_hub):
         check_dataset_source(name)  # no refusal: datasets reads these itself
 
 
+@contextlib.contextmanager
+def _in_folder(folder: Path):  # contextlib.chdir, which Python 3.10 lacks; monkeypatch is per test, not per example
+    before = os.getcwd()
+    os.chdir(folder)
+    try:
+        yield
+    finally:
+        os.chdir(before)
+
+
 _ID_PART = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 
 
+@pytest.fixture(scope="module")
+def empty_folder(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("empty")
+
+
 @given(namespace=_ID_PART, name=_ID_PART, suffix=st.sampled_from(FILE_SUFFIXES))
-def test_a_hub_id_is_no_path_and_a_data_files_name_is(tmp_path_factory, namespace, name, suffix):
-    with contextlib.chdir(tmp_path_factory.getbasetemp()):  # no folder here is named like a namespace
+def test_a_hub_id_is_no_path_and_a_data_files_name_is(empty_folder, namespace, name, suffix):
+    with _in_folder(empty_folder):  # no folder here is named like a namespace
         assert not looks_local(name) and not looks_local(f"{namespace}/{name}")
         assert looks_local(f"{name}{suffix}") and looks_local(f"{namespace}/{name}{suffix}")

@@ -52,13 +52,14 @@ def check_local_dataset_sources(config) -> None:
 
 
 def looks_local(dataset: str) -> bool:
-    """Whether a name was written as a local path: absolute, starting with . or ~, with a backslash or two slashes (a
-    Hub id has at most one: namespace/name), ending in a data file's suffix or a typo of one, or in a folder that is
-    here (data/trian.jsonl). datasets' remote forms (_remote) are not."""
+    """Whether a name was written as a local path: absolute, starting with . or ~, ending in a slash, with a backslash or
+    two slashes (a Hub id has at most one: namespace/name), ending in a data file's suffix or a typo of one, or in a
+    folder that is here (data/trian.jsonl). datasets' remote forms (_remote) are not."""
     if _remote(dataset):
         return False
     path = Path(dataset)
-    if path.is_absolute() or dataset.startswith((".", "~")) or "\\" in dataset or dataset.count("/") > 1:
+    if any((path.is_absolute(), dataset.startswith((".", "~")), dataset.endswith("/"), "\\" in dataset,
+            dataset.count("/") > 1)):
         return True
     suffix = path.suffix.lower()
     if suffix and difflib.get_close_matches(suffix, FILE_SUFFIXES, n=1, cutoff=_SUFFIX_TYPO):
