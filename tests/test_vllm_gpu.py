@@ -325,16 +325,20 @@ def test_merge_sync_runs_the_trained_token_rows():
         trained.add_(torch.randn_like(trained) * base.float().std())
     engine = build_engine(model, tok, lora_sync="merge")
     vllm_embedding = engine.vllm_model.model.embed_tokens.weight
+
+    def trained_rows():  # as PEFT's forward runs them: get_merged_weights casts the fp32 deltas to the weight's dtype
+        return trained.detach().to(vllm_embedding.dtype)
+
     assert "model.embed_tokens.weight" in {c.hf_name for c in engine.copies}
     assert base.data_ptr() != vllm_embedding.data_ptr()  # the trainer's base rows stay its own
-    assert torch.equal(vllm_embedding[rows], trained.detach())
+    assert torch.equal(vllm_embedding[rows], trained_rows())
     before = run(engine)
     assert_same_greedy(before, builtin(model, tok), model, tok)
     assert_logprobs_match(engine, model, tok)
     adamw_step(model, lr=5e-2)
-    assert not torch.equal(vllm_embedding[rows], trained.detach())  # no sync yet
+    assert not torch.equal(vllm_embedding[rows], trained_rows())  # no sync yet
     engine.load_weights(model)
-    assert torch.equal(vllm_embedding[rows], trained.detach())
+    assert torch.equal(vllm_embedding[rows], trained_rows())
     untrained = [i for i in range(base.shape[0]) if i not in rows]
     assert torch.equal(vllm_embedding[untrained], base[untrained])  # the base's rows around them
     after = run(engine)
