@@ -23,14 +23,12 @@ import triton.language as tl
 
 FP8_MAX = tl.constexpr(448.0)
 FP32_TINY = tl.constexpr(1.1754943508222875e-38)  # torch.finfo(torch.float32).tiny
-# Tiles, from benchmarks/bench_quantize.py's sweep on an H200 (bf16 rows of a LoRA step's widths, 10K-35K rows;
-# benchmarks/NOTES.md): rows of up to ONE_PASS_UP_TO elements (padded to a power of two) one a program, read once;
-# longer ones in two passes of TWO_PASS_BLOCK_K, with more warps past WIDE_ROWS.
+# Tiles (benchmarks/NOTES.md, forty-fifth session): rows of up to ONE_PASS_UP_TO elements (padded to a power of two)
+# one a program, read once; longer ones in two passes of TWO_PASS_BLOCK_K. The sweep's faster tiles for long rows
+# (8 / 16 warps) made a LoRA update slower in place, so those keep the tiles the kernel had before.
 ONE_PASS_UP_TO = 4096
-ONE_PASS_WARPS = 4
 TWO_PASS_BLOCK_K = 2048
-WIDE_ROWS = 16384
-TWO_PASS_WARPS = (8, 16)  # up to WIDE_ROWS, past it
+WARPS = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +45,8 @@ def quantize_tiles(K: int) -> QuantizeTiles:
     """The tiles for rows of K elements."""
     block_k = triton.next_power_of_2(max(K, 1))
     if block_k <= ONE_PASS_UP_TO:
-        return QuantizeTiles(1, block_k, True, ONE_PASS_WARPS)
-    return QuantizeTiles(1, TWO_PASS_BLOCK_K, False, TWO_PASS_WARPS[K > WIDE_ROWS])
+        return QuantizeTiles(1, block_k, True, WARPS)
+    return QuantizeTiles(1, TWO_PASS_BLOCK_K, False, WARPS)
 
 
 @triton.jit
