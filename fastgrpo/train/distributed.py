@@ -37,6 +37,7 @@ from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import STATE_FILE, restore_checkpoint, rng_states, set_rng_states, write_run_config
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.final_export import check_final_exportable, finish_export
+from fastgrpo.train.lost_process import note_processes
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, load_sharded_state, sharded_state
 from fastgrpo.train.naming import setting
@@ -68,13 +69,13 @@ def init_distributed(device: str = "auto") -> Distributed:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
         dist.init_process_group("nccl" if cuda else "gloo")
         atexit.register(_close_process_group)
+        note_processes()  # so that the others can name this process if it ends in the middle of the run
     return Distributed.current()
 
 
 def _close_process_group() -> None:
-    """Closes the process group at exit (NCCL warns about one left open). Objects still held in reference cycles (a
-    trainer and its DDP wrapper) are collected first: DDP's reducer destroyed after its group aborted the process now
-    and then (gloo)."""
+    """Closes the process group at exit (NCCL warns about one left open), after collecting reference cycles (a trainer
+    and its DDP wrapper): DDP's reducer destroyed after its group aborted the process now and then (gloo)."""
     gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -2,6 +2,7 @@
 
   a mistake in the input (ValueError naming the argument: flags, YAML, data, paths)   one line, exit 2
   a run stopped by what it met (RunError, e.g. a failing reward; OSError: disk full)  one line, exit 1
+  another process of a torchrun launch ended mid-run (fastgrpo.train.lost_process)    one line, exit 1
   SIGINT / SIGTERM (fastgrpo.train.interrupts.Interrupted, after its checkpoint)      one line, exit 128 + signal
   anything else is a bug                                                              the traceback, exit 1
 `--debug` shows the traceback of every error instead of the line.
@@ -18,6 +19,7 @@ import sys
 from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted
+from fastgrpo.train.lost_process import lost_process_line
 from fastgrpo.train.naming import command_line
 from fastgrpo.train.ranks import is_main_process, reported_by_rank_0
 
@@ -110,6 +112,14 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
         if debug:
             raise
         _report(f"{prog}: error: {one_line(err)}", err)
+        return RUN_EXIT
+    except RuntimeError as err:  # a collective that another process of a torchrun launch left: one line
+        lost = None if debug else lost_process_line(err)
+        if lost is None:
+            raise
+        line, here = lost
+        if here:
+            print(f"{prog}: error: {line}", file=sys.stderr, flush=True)
         return RUN_EXIT
     finally:
         for library_logger, noise in quiet:

@@ -25,7 +25,9 @@ A command's loop uses it as GRPOTrainer.train does:
 Outside the main thread (where Python cannot take signals) the guard does nothing. With several processes
 (`deferred`) a process acting on its own signal would enter a checkpoint's collectives while the others wait in the
 step's: the first signal is only noted, and the loop stops every process together where they agree on it (before
-the update, or at the step's end: GRPOTrainer); a second one still stops at once, without a checkpoint.
+the update, or at the step's end: GRPOTrainer); a second one still stops at once, without a checkpoint. A signal
+that comes after another process ended (torchrun stops the others then) stops this one at once with
+fastgrpo.train.lost_process's line, as the failed collective it would next meet does.
 """
 from __future__ import annotations
 
@@ -35,6 +37,7 @@ import signal
 import threading
 from pathlib import Path
 
+from fastgrpo.train.lost_process import ProcessLost, another_process_ended
 from fastgrpo.train.ranks import is_main_process
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,8 @@ class InterruptGuard:
         return Interrupted(self.requested, step, checkpoint, self.unit)
 
     def _handle(self, signum: int, frame) -> None:
+        if self.deferred and another_process_ended():  # torchrun stopping the others: no stop they can agree on
+            raise ProcessLost(signal.Signals(signum).name)
         first = self.requested is None
         if first:
             self.requested = signum
