@@ -25,6 +25,8 @@ from fastgrpo.train.lost_process import another_process_ended, lost_process_line
 ROOT = Path(__file__).resolve().parents[1]
 DEADLINE_S = 120  # for a launch that ends in ~10 s on a 2-core CI machine; past it, a process waits for a dead one
 
+TIMED_OUT = ("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/unbound_buffer.cc:129] Timed out waiting "
+             "1800000ms for send operation to complete")  # gloo's words
 KILLED_ON_RANK_1 = '''import os
 import signal
 
@@ -80,7 +82,9 @@ def _rank_0_killed(rank: int, tmp: Path) -> None:
     def collective():
         dist.all_reduce(torch.ones(1))
 
-    found = {}
+    found = {"other error": lost_process_line(RuntimeError("[gloo/transport/tcp/pair.cc:446] op.preamble.length <= "
+                                                           "op.nbytes. 8 vs 4")),  # mismatched sizes: a bug
+             "timeout": lost_process_line(RuntimeError(TIMED_OUT))}
     for name, body in (("sigterm", sigterm_in_the_loop), ("collective", collective)):
         err = io.StringIO()
         with redirect_stderr(err):
@@ -107,9 +111,12 @@ def test_the_process_left_names_rank_0_when_rank_0_is_killed(tmp_path):
             "out-of-memory killer; torchrun's summary names the signal)\n")
     # before: the SIGTERM only announced a checkpoint every process would save (and the loop went on to the
     # collective's traceback)
-    assert found == {"sigterm": (RUN_EXIT, line), "collective": (RUN_EXIT, line)}
+    assert found == {"sigterm": (RUN_EXIT, line), "collective": (RUN_EXIT, line), "other error": None,
+                     "timeout": ("process 1 of 2 waited longer than the process group's timeout for the others in a "
+                                 "collective: one of them is stuck (a reward function that never returns, say) or "
+                                 "ended on another machine", True)}
 
 
-@pytest.mark.parametrize("message", ["Connection closed by peer", "[pair.cc:553] Timed out waiting 1000ms"])
+@pytest.mark.parametrize("message", ["[gloo/transport/tcp/pair.cc:553] Connection closed by peer", TIMED_OUT])
 def test_without_a_process_group_a_collectives_error_is_not_taken_for_a_lost_process(message):
     assert lost_process_line(RuntimeError(message)) is None

@@ -16,9 +16,11 @@ import os
 import socket
 import time
 
-# what gloo / NCCL say, in a collective's error, when the process at the other end has ended
+# what gloo / NCCL say, in a collective's error, when the process at the other end has ended, or has not joined in
+# the process group's timeout
 _PEER_ENDED = ("connection closed by peer", "connection reset by peer", "broken pipe", "remote process exit")
-_TIMED_OUT = ("timed out", "collective operation timeout")
+_TIMED_OUT = ("ms for recv operation", "ms for send operation", "application timeout caused pair closure",
+              "collective operation timeout")
 ENDED_WAIT_S = 0.5  # the dead process's socket closes just before its process table entry says it ended
 
 _processes: list[tuple[str, int]] = []  # (host, pid) of every process of the run, by rank
@@ -56,7 +58,9 @@ def lost_process_line(err: BaseException) -> tuple[str, bool] | None:
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
     found = [e for e in _chain(err) if isinstance(e, RuntimeError)]
-    texts = [str(e).lower() for e in found]
+    # torch.distributed's own errors (gloo's are plain RuntimeErrors that name its source file, or its pairs)
+    texts = [str(e).lower() for e in found if isinstance(e, dist.DistError) or "gloo" in str(e).lower()
+             or "pair closure" in str(e).lower()]
     rank, world = dist.get_rank(), dist.get_world_size()
     if any(isinstance(e, ProcessLost) for e in found) or any(p in text for text in texts for p in _PEER_ENDED):
         ended = _ended_ranks(rank, world)
