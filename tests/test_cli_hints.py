@@ -55,6 +55,8 @@ def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
                                                 "completions of one rollout batch) 8"),  # not: a `fastgrpo ei` flag
     (["ei", "--log-completions"], "--log-completions (TRL's name; here --eval-steps, an evaluation's completions: "
                                   "every one in its JSONL file, a few printed to the log)"),
+    (["train", "--deepspeed", "ds_zero3.json"], "--deepspeed (TRL's name; no DeepSpeed here: full fine-tuning under "
+                                                "torchrun shards with FSDP2) ds_zero3.json"),
 ])
 def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"

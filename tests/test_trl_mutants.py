@@ -41,7 +41,7 @@ def fast_trainer(model, tmp_path, args=None, **kwargs) -> FastGRPOTrainer:
 # ---- refusals ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("fields, kwargs, match", [
-    (dict(fsdp="full_shard"), {}, "one process only: "),
+    (dict(fsdp="full_shard"), {}, "fsdp: one process only, "),
     (dict(gradient_checkpointing=True), dict(recompute_layers=0), "recompute_layers: chooses the layers "),
 ], ids=["fsdp", "recompute_layers=0-without-offload"])
 def test_refused_before_the_model_loads(tmp_path, fields, kwargs, match):
@@ -50,6 +50,29 @@ def test_refused_before_the_model_loads(tmp_path, fields, kwargs, match):
                       num_generations=4, **fields)
     with pytest.raises(ValueError, match=f"^FastGRPOTrainer cannot honour: {match}"):
         fast_trainer(str(tmp_path / "no-such-model"), tmp_path, args=args, **kwargs)
+
+
+@pytest.mark.parametrize("asked, named", [
+    ("deepspeed", "deepspeed"),
+    ("deepspeed_plugin", "ACCELERATE_USE_DEEPSPEED (accelerate launch --use_deepspeed, or its config)"),
+])
+def test_a_deepspeed_setup_is_refused_naming_where_it_came_from(tmp_path, asked, named):
+    """What TrainingArguments leaves for GRPOConfig(deepspeed="ds_zero3.json") (args.deepspeed and a DeepSpeedPlugin)
+    or for `accelerate launch --use_deepspeed` (a DeepSpeedPlugin alone: args.deepspeed unset, which was all that was
+    checked, so that run was not refused). TrainingArguments builds neither without DeepSpeed installed: they are set
+    on a built config here. The refusal was 'one process only: ...', naming no setting."""
+    from accelerate.utils import DeepSpeedPlugin
+
+    args = grpo_config(tmp_path)
+    args.deepspeed_plugin = DeepSpeedPlugin(zero_stage=3)
+    if asked == "deepspeed":
+        args.deepspeed = "ds_zero3.json"
+    with pytest.raises(ValueError) as refused:
+        fast_trainer(str(tmp_path / "no-such-model"), tmp_path, args=args)
+    assert str(refused.value) == (
+        f"FastGRPOTrainer cannot honour: {named}: one process only, without DeepSpeed or FSDP (fastgrpo's loss reads "
+        "the lm_head weight and runs the backbone outside the DDP / DeepSpeed / FSDP wrapper); launch a single "
+        "process without it, use trl.GRPOTrainer, or for several GPUs `torchrun -m fastgrpo train` (FSDP2 / DDP)")
 
 
 def test_a_positional_grpo_config_is_checked_before_the_model_loads(tmp_path):

@@ -71,10 +71,23 @@ def _refusals(args, patch: bool) -> list[str]:
     if args.torch_compile:  # HF compiles the model's forward, which FastGRPOTrainer's loss never calls
         found.append("torch_compile: FastGRPOTrainer runs the backbone and fastgrpo's fused lm_head outside the "
                      "compiled model, so nothing would be compiled; set torch_compile=False")
-    if args.world_size > 1 or args.deepspeed or args.fsdp:
-        found.append("one process only: fastgrpo's loss reads the lm_head weight and runs the backbone outside the "
-                     "DDP / DeepSpeed / FSDP wrapper; launch a single process (or use trl.GRPOTrainer)")
+    wrapper = _wrapper_asked(args)
+    if wrapper is not None:
+        found.append(f"{wrapper}: one process only, without DeepSpeed or FSDP (fastgrpo's loss reads the lm_head "
+                     "weight and runs the backbone outside the DDP / DeepSpeed / FSDP wrapper); launch a single process "
+                     "without it, use trl.GRPOTrainer, or for several GPUs `torchrun -m fastgrpo train` (FSDP2 / DDP)")
     return found
+
+
+def _wrapper_asked(args) -> str | None:
+    """The setting of a trl.GRPOConfig that asks for a DeepSpeed / FSDP / multi-process run, as the refusal names it."""
+    if args.deepspeed:
+        return "deepspeed"
+    if args.deepspeed_plugin is not None:  # made from the environment: args.deepspeed is unset
+        return "ACCELERATE_USE_DEEPSPEED (accelerate launch --use_deepspeed, or its config)"
+    if args.fsdp:
+        return "fsdp"
+    return f"world_size: {args.world_size} processes" if args.world_size > 1 else None
 
 
 def _model_refusals(trainer, patch: bool) -> list[str]:
