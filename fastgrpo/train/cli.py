@@ -22,7 +22,7 @@ from pathlib import Path
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
     EI_HELP, EVAL_HELP, SFT_HELP, add_ei_arguments, add_eval_arguments, add_export_arguments, add_sft_arguments,
-    config_from_args, description, resume_note, run_ei, run_eval, run_sft,
+    config_from_args, description, join_processes, resume_note, run_ei, run_eval, run_sft,
 )
 from fastgrpo.train.coercion import BOOL_WORDS
 from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_without
@@ -33,7 +33,6 @@ from fastgrpo.train.console import change
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
 from fastgrpo.train.naming import flag
-from fastgrpo.train.process_agreement import check_same_settings
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
 )
@@ -239,7 +238,6 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.dataset_source import check_local_dataset_sources
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
-    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.sources import check_model_source, naming_the_model, resolve_device
     from fastgrpo.train.trainer import GRPOTrainer
 
@@ -247,8 +245,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = config_from_args("train", args)
     use_expandable_segments(config.rollout_engine)  # before the first CUDA allocation
     resolve_device(config.device)
-    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
-    check_same_settings(dist, config)
+    dist = join_processes(config)  # under torchrun: join its process group, take this rank's GPU
     check_local_dataset_sources(config)  # a mistyped data path: before the model's Hub request and its tokenizer
     if config.model is not None:
         check_model_source(config.model)

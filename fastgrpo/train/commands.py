@@ -226,6 +226,17 @@ def check_checkpoint_base(checkpoint: Path, model: str | None) -> None:
     check_base_unchanged(run, checkpoint, model)
 
 
+def join_processes(config):
+    """The Distributed of this process. Under torchrun: joins its process group and takes this rank's GPU
+    (init_distributed), then checks that every process resolved the same settings. Call after
+    use_expandable_segments: under NCCL the check's all-gather allocates CUDA memory."""
+    from fastgrpo.train.distributed import init_distributed
+
+    dist = init_distributed(config.device)
+    check_same_settings(dist, config)
+    return dist
+
+
 def _load_model(config, tokenizer):
     from fastgrpo.train.loading import load_model_and_tokenizer
     from fastgrpo.train.sources import naming_the_model
@@ -268,7 +279,6 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import check_sft_rows_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
     from fastgrpo.train.loading import load_dataset, tokenizer_before_load
@@ -277,8 +287,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = config_from_args("sft", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
-    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
-    check_same_settings(dist, config)
+    dist = join_processes(config)
     check_process_split(config, dist.world_size)
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
@@ -293,7 +302,6 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
     from fastgrpo.train.input_checks import check_lengths_before_load
@@ -303,8 +311,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = config_from_args("ei", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
-    dist = init_distributed(config.device)  # under torchrun: join its process group, take this rank's GPU
-    check_same_settings(dist, config)
+    dist = join_processes(config)
     check_process_split(config, dist.world_size)
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
@@ -328,7 +335,6 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
-    from fastgrpo.train.distributed import init_distributed
     from fastgrpo.train.early_checks import eval_task_before_load
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
@@ -337,9 +343,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
     _check_sources(config)
-    # under torchrun: join its process group, take this rank's GPU; each process evaluates every N-th row
-    dist = init_distributed(config.device)
-    check_same_settings(dist, config)
+    dist = join_processes(config)  # under torchrun each process evaluates every N-th row
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     checkpoint = find_checkpoint(config.checkpoint) if config.checkpoint is not None else None
     if checkpoint is not None:
