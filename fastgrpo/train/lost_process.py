@@ -2,11 +2,13 @@
 
 A process that is killed (SIGKILL: often the host's out-of-memory killer), crashes, or stops on an error it met alone
 (outside Distributed.raise_together, through which the processes stop together on one) leaves the others in a
-collective that can never complete. gloo raises "Connection closed by peer" in them at once; NCCL waits until
+collective that can never complete. gloo raises "Connection closed by peer" in them at once; NCCL may wait until
 torchrun stops them (torchrun sends SIGTERM to the rest within a second of seeing a process end, SIGKILL 30 s later).
 fastgrpo's commands turn that collective's error into one line naming the process that ended, printed by the
 lowest-ranked process still running (by every process left, where none can tell which one ended); the ended process's
-own line, if it printed one, says why, torchrun's summary its exit code or signal. A collective that times out (a
+own line, if it printed one, says why, torchrun's summary its exit code or signal. torchrun's SIGTERM reaching a
+process in its run loop after another ended stops it with the same line (ProcessLost); before the loop (loading) the
+signal ends it without one, and torchrun's summary names the process that ended first. A collective that times out (a
 process stuck, not ended) gets one line on each process that waited. Any other error of torch.distributed is not one
 of these and keeps its traceback.
 """
@@ -67,8 +69,8 @@ def lost_process_line(err: BaseException) -> tuple[str, bool] | None:
         running = [r for r in range(world) if r not in ended]
         who = f"process {ended[0]}" if len(ended) == 1 else "another process"
         return (f"{who} of {world} ended in the middle of the run, and process {rank} stopped with it; its own error "
-                "line says why, and where it printed none it was killed (SIGKILL: often the host's out-of-memory "
-                "killer; torchrun's summary names the signal)", not ended or rank == min(running))
+                "line says why, and where it printed none, torchrun's summary gives its exit code or signal (SIGKILL: "
+                "often the host's out-of-memory killer)", not ended or rank == min(running))
     if any(p in text for text in texts for p in _TIMED_OUT):
         return (f"process {rank} of {world} waited longer than the process group's timeout for the others in a "
                 "collective: one of them is stuck (a reward function that never returns, say) or ended on another "
