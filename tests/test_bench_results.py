@@ -115,22 +115,45 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
 
 
 def test_quantize_bench_times_own_before_and_swept_tiles_that_give_the_same_bytes(capsys, tmp_path, monkeypatch):
-    """bench_quantize --dry-run: per case the kernel's own tiles, the tiles before them and the sweep's, each giving
-    the own tiles' bytes (a tile computing something else would show False), and no results file."""
+    """bench_quantize --dry-run: per case the kernel's own tiles, the tiles before them (two passes) and the sweep's,
+    each once and each giving the own tiles' bytes, and no results file."""
     from benchmarks import bench_quantize as bench
     from fastgrpo.kernels.quantize_fp8 import quantize_tiles
 
     monkeypatch.setattr(common, "RESULTS_DIR", tmp_path)
     bench.main(["--dry-run"])
     lines = [line.split() for line in capsys.readouterr().out.splitlines() if line.startswith("dry-")]
-    column = {name: bench.COLUMNS.index(name) for name in ("case", "tiles", "same_bytes", "one_pass")}
+    column = {name: bench.COLUMNS.index(name) for name in bench.COLUMNS}
     for case, (_, K, _) in bench.DRY_CASES.items():
         rows = [line for line in lines if line[column["case"]] == case]
         labels = [line[column["tiles"]] for line in rows]
         assert labels[:2] == ["own", "before"] and set(labels[2:]) == {"sweep"}, labels
         assert all(line[column["same_bytes"]] == "True" for line in rows), rows
         assert rows[0][column["one_pass"]] == str(quantize_tiles(K).one_pass), rows[0]
+        assert rows[1][column["one_pass"]] == "False", rows[1]
+        tiles = [tuple(line[column[name]] for name in ("block_r", "block_k", "one_pass", "num_warps")) for line in rows]
+        assert len(set(tiles)) == len(tiles), tiles
     assert not list(tmp_path.iterdir())
+
+
+def test_quantize_bench_shows_a_tile_that_writes_nothing(capsys, monkeypatch):
+    """A tile whose launch writes nothing is not the own tiles' bytes: the outputs it is checked in held them from the
+    own tiles' call (the `same_bytes` of any tile was True)."""
+    from benchmarks import bench_quantize as bench
+    from fastgrpo.kernels.quantize_fp8 import QuantizeTiles
+
+    launch = bench.quantize_rows_fwd
+    idle = QuantizeTiles(2, 64, True, 8)  # its launch is skipped below: a kernel that writes no row for it
+
+    def launch_unless_idle(x, q, scale, column_scale=None, tiles=None):
+        if tiles != idle:
+            launch(x, q, scale, column_scale, tiles)
+
+    monkeypatch.setattr(bench, "quantize_rows_fwd", launch_unless_idle)
+    monkeypatch.setattr(bench, "sweep_tiles", lambda K: [idle])
+    rows = bench.run_case("dry-idle", 3, 40, False, "cpu", None, sweep=True)
+    assert [(row["tiles"], row["same_bytes"]) for row in rows] == [("own", True), ("before", True), ("sweep", False)]
+
 
 def test_decode_attention_bench_parses_tiles_and_sizes_a_longer_rollout():
     """--tiles' block_n/num_warps/num_stages[/maxnreg] in that order, nothing else; --new-tokens N: a cache of
