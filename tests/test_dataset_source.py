@@ -49,6 +49,9 @@ def hub_at(monkeypatch, tmp_path):
 
         monkeypatch.setattr(constants, "ENDPOINT", url)
         monkeypatch.setattr(datasets.config, "HF_ENDPOINT", url)
+        # the file URLs, built from the endpoint at import (a load_dataset reached huggingface.co past the two above)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(datasets.config, "HUB_DATASETS_URL", url + "/datasets/{repo_id}/resolve/{revision}/{path}")
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
         monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
         monkeypatch.delenv("HF_DATASETS_OFFLINE", raising=False)
@@ -74,12 +77,21 @@ def silent_hub(hub_at):
     server.close()
 
 
-class _NotFound(http.server.BaseHTTPRequestHandler):
+NOT_FOUND = (404, "RepoNotFound", b"")  # what the Hub answers for a repo it has not (or a private one)
+
+
+class _Hub(http.server.BaseHTTPRequestHandler):
+    answers: dict[str, tuple[int, str | None, bytes]] = {}  # API path -> (status, X-Error-Code, body)
+
     def _answer(self):
-        self.send_response(404)
-        self.send_header("X-Error-Code", "RepoNotFound")  # what the Hub answers for a repo it has not
-        self.send_header("Content-Length", "0")
+        status, code, body = self.answers.get(self.path.partition("?")[0], NOT_FOUND)
+        self.send_response(status)
+        if code:
+            self.send_header("X-Error-Code", code)
+        self.send_header("Content-Length", str(len(body)))
         self.end_headers()
+        if self.command == "GET":
+            self.wfile.write(body)
 
     do_GET = do_HEAD = _answer
 
@@ -88,11 +100,13 @@ class _NotFound(http.server.BaseHTTPRequestHandler):
 
 
 @pytest.fixture
-def not_found_hub(hub_at):
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NotFound)
+def hub(hub_at):
+    """A Hub answering what the test puts in the dict it gets (API path -> answer); 404 RepoNotFound elsewhere."""
+    answers = {}
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), type("Hub", (_Hub,), {"answers": answers}))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     hub_at(f"http://127.0.0.1:{server.server_address[1]}")
-    yield
+    yield answers
     server.shutdown()
     server.server_close()
 
@@ -152,6 +166,7 @@ def test_a_yaml_files_data_path_names_the_file(project, refusing_hub, capsys):
     ("data/trian.jsonl", "data/train.jsonl"),
     ("trian.jsonl", None),  # nothing close in the current folder
     ("data/train.parqet", None),
+    ("dat/nope.jsonl", "data/"),  # the folder meant, where the file is missing too
 ])
 def test_a_name_written_as_a_path_is_never_a_hub_id(typed, meant, project, refusing_hub):
     with pytest.raises(ValueError) as err:
@@ -181,7 +196,7 @@ def test_a_hub_id_the_hub_cannot_answer_for_is_one_line_at_once(command, hub, pr
                           "Hub cannot be reached ("), err
 
 
-def test_a_name_the_hub_has_not_is_one_line_offering_the_folder_meant(project, not_found_hub, capsys):
+def test_a_name_the_hub_has_not_is_one_line_offering_the_folder_meant(project, hub, capsys):
     # was "dataset: no such file or folder mydata, and datasets could not load it from the Hub: Dataset 'mydata'
     # doesn't exist on the Hub or cannot be accessed."
     code, err, _ = _run(["train", "--dataset", "mydata", "--output-dir", "out"], capsys)
@@ -229,6 +244,35 @@ def test_a_cached_hub_dataset_loads_offline_and_is_not_refused_while_the_hub_is_
     assert [dict(row) for row in load_rows("owner/my_rows")] == [ROW]
 
 
+def test_a_name_that_is_no_hub_id_says_so(project, refusing_hub):
+    with pytest.raises(ValueError) as err:
+        check_dataset_source("my data")
+    assert str(err.value) == (f"dataset: no such file or folder my data (resolved: {project / 'my data'}; did you "
+                              f"mean my_data?), nor a Hugging Face dataset id (namespace/name); dataset takes a "
+                              f"{DATA_FILE_FORMS}")
+
+
+def test_a_dataset_the_hub_has_is_let_through(project, hub):
+    hub["/api/datasets/owner/rows"] = (200, None, json.dumps({"id": "owner/rows"}).encode())
+    check_dataset_source("owner/rows")
+
+
+def test_a_cached_dataset_the_hub_has_not_loads_from_the_cache_without_a_warning(project, hub, caplog):
+    # datasets reads its cache where the Hub answers it has no such dataset (deleted, or private and logged out), at
+    # once: nothing to refuse, and no retries to warn of
+    _cache_as_hub_dataset(project / "datasets_cache", "owner/my_rows", project / "data" / "train.jsonl")
+    with caplog.at_level(logging.WARNING, logger="fastgrpo"):
+        assert [dict(row) for row in load_rows("owner/my_rows")] == [ROW]
+    assert not [record for record in caplog.records if record.name.startswith("fastgrpo")], caplog.text
+
+
+def test_an_eval_dataset_the_run_does_not_evaluate_on_is_left_alone(project, refusing_hub, capsys):
+    # no --eval-steps: the run never reads it, so a typo in it stops nothing (the model's error comes first here)
+    code, err, _ = _run(["train", "--dataset", "data/train.jsonl", "--eval-dataset", "data/tset.jsonl", "--model",
+                         "nowhere/model", "--output-dir", "out"], capsys)
+    assert code == 2 and err.startswith("fastgrpo train: error: model: no such folder nowhere/model, "), err
+
+
 def test_datasets_remote_forms_are_left_to_datasets(project, refusing_hub):
     for name in ("hf://datasets/owner/rows", "buckets/owner/bucket/rows"):
         assert not looks_local(name)
@@ -258,3 +302,14 @@ def test_a_hub_id_is_no_path_and_a_data_files_name_is(empty_folder, namespace, n
     with _in_folder(empty_folder):  # no folder here is named like a namespace
         assert not looks_local(name) and not looks_local(f"{namespace}/{name}")
         assert looks_local(f"{name}{suffix}") and looks_local(f"{namespace}/{name}{suffix}")
+
+
+@pytest.mark.parametrize("name, local", [
+    ("data\\train", True),  # a Windows path
+    ("owner/name/extra", True),  # two slashes: no Hub id has them
+    ("rows.cvs", True), ("rows.tx", True), ("ROWS.JSONL", True),  # a data file's suffix mistyped, or in capitals
+    ("owner/model.v2", False), ("owner/gpt-3.5", False),  # Hub ids with a dot
+])
+def test_a_name_is_read_as_a_local_path(empty_folder, name, local):
+    with _in_folder(empty_folder):
+        assert looks_local(name) == local, name
