@@ -298,3 +298,35 @@ def test_a_sync_allocates_the_trained_rows_not_the_weight(layout, share):
     assert sum(created.sizes) <= budget and max(created.sizes, default=0) < whole, (
         f"a sync created storages of {created.sizes} bytes; budget {budget}, the whole weight {whole}")
     assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
+
+
+def test_a_base_weight_replaced_by_another_tensor_is_copied_whole():
+    """A base weight that is another tensor since the last sync (load_state_dict(..., assign=True), a Parameter set
+    in its place) reaches vLLM whole, even with the version counter a fresh tensor starts at."""
+    model = trained(False, LAYOUTS["embedding"][1])
+    layer = token_layers(model)["model.embed_tokens"]
+    fake = vllm_like(tied=False)
+    copies = bind(model, fake, merged=merged_sources(model))
+    sync(copies)
+    layer.base_layer.weight = torch.nn.Parameter(torch.randn_like(layer.base_layer.weight), requires_grad=False)
+    sync(copies)
+    assert_runs(fake, copy.deepcopy(model).merge_and_unload(), False)
+
+
+@pytest.mark.parametrize("trainer_dtype, vllm_dtype", [(torch.float32, torch.bfloat16),
+                                                       (torch.bfloat16, torch.float32)], ids=["fp32-bf16", "bf16-fp32"])
+def test_vllm_runs_the_rows_merge_and_unload_writes_in_another_dtype(trainer_dtype, vllm_dtype):
+    """vLLM's weights in another dtype than the trainer's (an fp32 trainer, a bf16 engine; or a bf16 base whose
+    trained rows PEFT keeps in fp32, under an fp32 engine): each sync casts the rows as merge_and_unload's weight
+    holds them (the base's dtype), then to vLLM's."""
+    model = get_peft_model(tiny(tied=False).to(trainer_dtype),
+                           LoraConfig(r=4, target_modules=["q_proj"], trainable_token_indices=ROWS))
+    layer = token_layers(model)["model.embed_tokens"]
+    fake = vllm_like(tied=False).to(vllm_dtype)
+    copies = bind(model, fake, merged=merged_sources(model))
+    for step in range(2):
+        with torch.no_grad():
+            layer.trainable_tokens_delta["default"].add_(torch.randn_like(layer.trainable_tokens_delta["default"]))
+        sync(copies)
+        want = copy.deepcopy(model).merge_and_unload().model.embed_tokens.weight.to(vllm_dtype)
+        assert torch.equal(fake.model.embed_tokens.weight[:V], want), f"sync {step}"
