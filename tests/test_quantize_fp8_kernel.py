@@ -107,12 +107,17 @@ def test_own_tiles_read_a_row_once_up_to_the_switch_and_cover_it(K):
     assert not tiles.one_pass or tiles.block_k >= K, f"K {K}: one pass over a block shorter than the row: {tiles}"
 
 
-def test_a_nan_makes_its_scale_nan_and_leaves_other_rows():
-    # The NaN row's bytes are not checked: the interpreter casts NaN to e4m3 as 384 (the GPU test checks them NaN).
+@pytest.mark.parametrize("tiles", [None, QuantizeTiles(1, 16, False, 4), QuantizeTiles(2, 16, False, 4)],
+                         ids=["own", "two-passes", "two-rows-two-passes"])
+def test_a_nan_makes_its_scale_nan_and_leaves_other_rows(tiles):
+    # The NaN row's bytes are not checked for NaN: the interpreter casts NaN to e4m3 as 384 (the GPU test checks them
+    # NaN); a clamp that drops the NaN makes them -448 or 448, which no cast of NaN gives.
     x = _exact_rows(3, 40, torch.Generator().manual_seed(1))
-    x[1, 7] = float("nan")
-    q, scale = _kernel(x)
+    x[1, 7] = float("nan")  # in the first of a two-pass row's blocks: its running maxima carry it
+    q, scale = _kernel(x, tiles=tiles)
     assert scale[1].isnan() and scale[[0, 2]].isfinite().all(), f"scales {scale.tolist()}: row 1 alone NaN"
+    clamped = q[1].float().abs() == 448
+    assert not clamped.any(), f"{tiles}: the NaN row clamped to +-448 at columns {clamped.nonzero().flatten().tolist()}"
     _assert_same(x[[0, 2]], q[[0, 2]], scale[[0, 2]], "the rows without a NaN")
 
 
@@ -126,3 +131,34 @@ def test_every_row_of_a_ragged_last_program(block_r, one_pass, R):
     tiles = QuantizeTiles(block_r, 64 if one_pass else 16, one_pass, 4)
     x = _exact_rows(R, K, torch.Generator().manual_seed(R))
     _assert_same(x, *_kernel(x, tiles=tiles), f"R{R} K{K} {tiles}")
+
+
+@pytest.mark.parametrize("tiles", [None, QuantizeTiles(4, 64, True, 4), QuantizeTiles(4, 16, False, 4)],
+                         ids=["own", "four-rows-one-pass", "four-rows-two-passes"])
+def test_writes_stay_in_the_callers_slots(tiles):
+    # q and scale are slots of larger buffers (as in a fused group's stacked buffer), q's rows longer than K: the
+    # bytes before and after the slot, past each row's K, and the scales around it keep their sentinels. A ragged
+    # last program (5 rows, 4 a program) and a ragged last block (45 of 64, or of 3 x 16) write nothing past R and K.
+    R, K, pad = 5, 45, 19
+    x_rows = torch.zeros(R + 4, K)  # rows to read past R (a dead row's load must be masked, not fault)
+    x = x_rows[:R]
+    x.copy_(_exact_rows(R, K, torch.Generator().manual_seed(3)))
+    q_rows = torch.full((R + 5, K + pad), 0x7F, dtype=torch.uint8)
+    scale_rows = torch.full((R + 5,), -1.0)
+    q, scale = q_rows[1:R + 1, :K].view(FP8_DTYPE), scale_rows[1:R + 1]
+    quantize_rows_fwd(x, q, scale, None, tiles)
+    _assert_same(x, q, scale, f"R{R} K{K} {tiles} in a slot")
+    outside = torch.ones_like(q_rows, dtype=torch.bool)
+    outside[1:R + 1, :K] = False
+    written = (q_rows[outside] != 0x7F).sum().item()
+    scales_written = (scale_rows[[0, *range(R + 1, R + 5)]] != -1.0).sum().item()
+    assert written == 0 and scales_written == 0, f"{tiles}: {written} bytes and {scales_written} scales written " \
+                                                 "outside the slot"
+
+
+def test_the_tiles_given_are_the_tiles_run():
+    # the drawn tiles above and bench_quantize's sweep rely on it: a one-pass block of 16 over rows of 40 reads and
+    # writes those 16 columns alone (the kernel's own tiles would write all 40)
+    x = _exact_rows(2, 40, torch.Generator().manual_seed(2))
+    q, _ = _kernel(x, tiles=QuantizeTiles(1, 16, True, 4))
+    assert (q.view(torch.uint8)[:, 16:] == 0x7F).all() and (q.view(torch.uint8)[:, :16] != 0x7F).all(), q
