@@ -306,6 +306,14 @@ def test_adalora_says_what_the_trainers_do_not_run(tmp_path, caplog, run):
     assert "AdaLoRA" not in caplog.text
 
 
+def test_a_tuner_type_is_read_as_its_name_whether_enum_or_string():
+    """peft_type holds a PeftType where PEFT built the config, and may hold the plain string where a config was
+    written by hand; each check compares the name."""
+    config = LoraConfig(r=4)
+    assert hf_peft.peft_type_name(config) == "LORA"
+    config.peft_type = "ADALORA"
+    assert hf_peft.peft_type_name(config) == "ADALORA"
+
 def _mixed(tokenizer):
     model = get_peft_model(_base(tokenizer), LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
                            adapter_name="lora", mixed=True)
