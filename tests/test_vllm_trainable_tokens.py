@@ -300,15 +300,17 @@ def test_a_sync_allocates_the_trained_rows_not_the_weight(layout, share):
     assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
 
 
-def test_a_base_weight_replaced_by_another_tensor_is_copied_whole():
-    """A base weight that is another tensor since the last sync (load_state_dict(..., assign=True), a Parameter set
-    in its place) reaches vLLM whole, even with the version counter a fresh tensor starts at."""
+def test_a_base_weight_given_other_data_is_copied_whole():
+    """A base weight whose data is another tensor since the last sync (weight.data = ..., as PEFT's merge writes it;
+    its version counter stays) reaches vLLM whole."""
     model = trained(False, LAYOUTS["embedding"][1])
     layer = token_layers(model)["model.embed_tokens"]
     fake = vllm_like(tied=False)
     copies = bind(model, fake, merged=merged_sources(model))
     sync(copies)
-    layer.base_layer.weight = torch.nn.Parameter(torch.randn_like(layer.base_layer.weight), requires_grad=False)
+    version = layer.base_layer.weight._version
+    layer.base_layer.weight.data = torch.randn_like(layer.base_layer.weight)
+    assert layer.base_layer.weight._version == version
     sync(copies)
     assert_runs(fake, copy.deepcopy(model).merge_and_unload(), False)
 
