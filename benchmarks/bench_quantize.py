@@ -60,6 +60,13 @@ def sweep_tiles(K: int) -> list[QuantizeTiles]:
     return tiles
 
 
+def candidates(K: int, sweep: bool) -> list[tuple[str, QuantizeTiles]]:
+    """(label, tiles) timed for rows of K: the kernel's own, the tiles before them, then the sweep's others."""
+    own, before = quantize_tiles(K), before_tiles(K)
+    swept = [t for t in sweep_tiles(K) if t not in (own, before)] if sweep else []
+    return [("own", own), ("before", before)] + [("sweep", t) for t in swept]
+
+
 def run_case(name: str, R: int, K: int, column: bool, device: str, bandwidth: float | None, sweep: bool) -> list[dict]:
     g = torch.Generator(device=device).manual_seed(0)
     nbytes = R * K * 2 + R * K + R * 4
@@ -68,13 +75,10 @@ def run_case(name: str, R: int, K: int, column: bool, device: str, bandwidth: fl
     column_scale = torch.rand(K, generator=g, device=device) + 0.5 if column else None
     outs = [(torch.empty(R, K, dtype=torch.float8_e4m3fn, device=device), torch.empty(R, device=device))
             for _ in range(copies)]
-    own = quantize_tiles(K)
-    candidates = [("own", own), ("before", before_tiles(K))]
-    candidates += [("sweep", t) for t in sweep_tiles(K) if sweep and t not in (own, before_tiles(K))]
     quantize_rows_fwd(xs[0], *outs[0], column_scale)
     reference = tuple(t.clone() for t in outs[0])
     rows = []
-    for label, tiles in candidates:
+    for label, tiles in candidates(K, sweep):
         row = {"case": name, "rows": R, "K": K, **dataclasses.asdict(tiles), "tiles": label}
         calls = [functools.partial(quantize_rows_fwd, x, *out, column_scale, tiles) for x, out in zip(xs, outs)]
         try:

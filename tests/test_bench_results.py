@@ -116,7 +116,7 @@ def test_decode_attention_bench_times_both_layouts_with_the_kernels_own_tiles(ca
 
 def test_quantize_bench_times_own_before_and_swept_tiles_that_give_the_same_bytes(capsys, tmp_path, monkeypatch):
     """bench_quantize --dry-run: per case the kernel's own tiles, the tiles before them (two passes) and the sweep's,
-    each once and each giving the own tiles' bytes, and no results file."""
+    each giving the own tiles' bytes, and no results file; on the GPU's cases each swept tile once."""
     from benchmarks import bench_quantize as bench
     from fastgrpo.kernels.quantize_fp8 import quantize_tiles
 
@@ -131,9 +131,11 @@ def test_quantize_bench_times_own_before_and_swept_tiles_that_give_the_same_byte
         assert all(line[column["same_bytes"]] == "True" for line in rows), rows
         assert rows[0][column["one_pass"]] == str(quantize_tiles(K).one_pass), rows[0]
         assert rows[1][column["one_pass"]] == "False", rows[1]
-        tiles = [tuple(line[column[name]] for name in ("block_r", "block_k", "one_pass", "num_warps")) for line in rows]
-        assert len(set(tiles)) == len(tiles), tiles
     assert not list(tmp_path.iterdir())
+    for _, K, _ in bench.CASES.values():  # the sweep's tiles once each, without the own tiles (which it can hold)
+        (_, own), (_, before), *swept = bench.candidates(K, sweep=True)
+        swept = [tiles for _, tiles in swept]
+        assert len(set(swept)) == len(swept) and not {own, before} & set(swept), (K, own, before, swept)
 
 
 def test_quantize_bench_shows_a_tile_that_writes_nothing(capsys, monkeypatch):
