@@ -140,7 +140,7 @@ def test_writes_stay_in_the_callers_slots(tiles):
     # bytes before and after the slot, past each row's K, and the scales around it keep their sentinels. A ragged
     # last program (5 rows, 4 a program) and a ragged last block (45 of 64, or of 3 x 16) write nothing past R and K.
     R, K, pad = 5, 45, 19
-    x_rows = torch.zeros(R + 4, K)  # rows to read past R (a dead row's load must be masked, not fault)
+    x_rows = torch.zeros(R + 4, K)  # x a slot too: rows past R are memory a stray load may read (only writes show)
     x = x_rows[:R]
     x.copy_(_exact_rows(R, K, torch.Generator().manual_seed(3)))
     q_rows = torch.full((R + 5, K + pad), 0x7F, dtype=torch.uint8)
