@@ -97,7 +97,8 @@ def dataset_cached(repo_id: str) -> bool:
 
     parts = repo_id.split("/")
     parts[-1] = camelcase_to_snakecase(parts[-1])
-    root = glob.escape(os.path.join(datasets_cache(), "___".join(parts)))
+    # unescaped, as datasets globs it: a cache path holding [, * or ? is then missed by both alike
+    root = os.path.join(datasets_cache(), "___".join(parts))
     if any(os.path.isdir(found) for found in glob.glob(os.path.join(root, "*", "*", "*"))):
         return True
     snapshots = os.path.join(constants.HF_HUB_CACHE, repo_folder_name(repo_id=repo_id, repo_type="dataset"), "snapshots")
