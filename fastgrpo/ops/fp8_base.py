@@ -12,7 +12,7 @@ scales and the bias in its epilogue, out in bf16 (Hopper's row-wise kernel write
 quantized_input(x) quantizes a layer's input once for the linears that read it: q, k and v (gate and up) get one
 input object from the model, so the last input's e4m3 rows are kept while that tensor lives unchanged.
 fp8_input_grad(g, q, scale) = g (q scale) with the weight's row scales moved into g (they lie along that GEMM's
-sum) before g's rows are quantized the same way. Both quantizers are quantize_fp8's one-pass Triton kernel on CUDA
+sum) before g's rows are quantized the same way. Both quantizers are quantize_fp8's Triton kernel on CUDA
 (torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
