@@ -163,7 +163,7 @@ def _batch(spec: dict, vocab: int, device) -> tuple[dict, torch.Tensor]:
 def run_case(name: str, out: str) -> None:
     """One case in this process (one of torchrun's ranks, or alone): rank 0 appends its row to `out`."""
     from fastgrpo.train.config import GRPOConfig
-    from fastgrpo.train.distributed import init_distributed
+    from fastgrpo.train.process_group import init_distributed
     from fastgrpo.train.trainer import GRPOTrainer
 
     spec = CASES[name]

@@ -303,7 +303,7 @@ def test_exit_frees_a_ddp_model_in_a_reference_cycle_before_closing_the_group(tm
     import gc
     import weakref
 
-    from fastgrpo.train.distributed import _close_process_group
+    from fastgrpo.train.process_group import _close_process_group
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     gc.disable()  # the cycle must wait for the hook, not for a collection that happens to run earlier

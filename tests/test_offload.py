@@ -648,7 +648,7 @@ def _trained_grads(model) -> dict[str, torch.Tensor]:
 
 
 def _ddp_rank(rank: int, backend: str, store: str, out: str, mlp_chunk_tokens: int | None) -> None:
-    from fastgrpo.train.distributed import _close_process_group
+    from fastgrpo.train.process_group import _close_process_group
 
     if backend == "nccl":
         torch.cuda.set_device(rank)

@@ -15,7 +15,7 @@ from fastgrpo.train.naming import flag
 _OWNERS = {
     ("train", "sft", "ei", "eval", "export"): ("model", "dtype", "device", "output_dir", "overwrite_output_dir"),
     ("train", "sft", "ei", "eval"): ("dataset", "dataset_split", "dataset_config", "prompt_column", "prompt_format",
-                                     "batch_size", "seed", "reward_errors"),
+                                     "batch_size", "seed", "reward_errors", "ddp_timeout"),
     ("train", "sft", "ei"): (
         "lora_rank", "lora_alpha", "lora_dropout", "lora_target_modules", "load_in_4bit", "patch",
         "gradient_checkpointing", "fsdp_cpu_offload", "fsdp_reshard_after_forward", "fsdp_sync_every_micro_batch",

@@ -227,12 +227,14 @@ def check_checkpoint_base(checkpoint: Path, model: str | None) -> None:
 
 
 def join_processes(config):
-    """The Distributed of this process. Under torchrun: joins its process group and takes this rank's GPU
-    (init_distributed), then checks that every process resolved the same settings. Call after
-    use_expandable_segments: under NCCL the check's all-gather allocates CUDA memory."""
-    from fastgrpo.train.distributed import init_distributed
+    """The Distributed of this process. Under torchrun: joins its process group (collectives wait config.ddp_timeout
+    seconds) and takes this rank's GPU (init_distributed), then checks that every process resolved the same settings.
+    A DeepSpeed launch (accelerate's) is refused first. Call after use_expandable_segments: under NCCL the check's
+    all-gather allocates CUDA memory."""
+    from fastgrpo.train.process_group import check_launcher, init_distributed
 
-    dist = init_distributed(config.device)
+    check_launcher(config.COMMAND)
+    dist = init_distributed(config.device, config.ddp_timeout)
     check_same_settings(dist, config)
     return dist
 

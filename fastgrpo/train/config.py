@@ -35,6 +35,10 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 REWARD_ERRORS = ("raise", "skip")
 # Seeds derive per-step generator seeds (seed * 1_000_003 + step, then * 131 + epoch) that must stay in int64.
 MAX_SEED = 2**32
+DDP_TIMEOUT_S = 1800  # HF TrainingArguments' ddp_timeout default (torch's own: 30 min for gloo, 10 min for NCCL)
+# the largest ddp_timeout: torch's store and gloo count it in int64 nanoseconds (292 years); 9e9 s hung the first
+# collective, 1e10 s failed the store's connect at once (torch 2.13, gloo)
+MAX_DDP_TIMEOUT_S = 10**9
 
 
 def option(default, help: str, *, run_control: bool = False):
@@ -48,6 +52,12 @@ def option(default, help: str, *, run_control: bool = False):
     if isinstance(default, list):
         return dataclasses.field(default_factory=lambda: list(default), metadata=metadata)
     return dataclasses.field(default=default, metadata=metadata)
+
+
+def check_ddp_timeout(config) -> None:
+    """ddp_timeout of every command that joins torchrun's process group (fastgrpo.train.process_group)."""
+    if not 1 <= config.ddp_timeout <= MAX_DDP_TIMEOUT_S:
+        raise ValueError(f"ddp_timeout: expected seconds in [1, 10**9], got {config.ddp_timeout}")
 
 
 def check_fsdp_options(config) -> None:
@@ -79,6 +89,10 @@ class GRPOConfig(ConfigFile):
     reward_weights: list[float] | None = option(None, "one weight per reward function; none: all 1.0")
     dtype: str = option("auto", f"one of {DTYPES}; auto: bfloat16 on a GPU that has it, else float32")
     device: str = option("auto", "auto: cuda when available, else cpu; cpu, cuda or cuda:N", run_control=True)
+    ddp_timeout: int = option(DDP_TIMEOUT_S, "under torchrun: seconds a collective waits for the other processes "
+                                             "before each process that waited stops, saying one is stuck (HF's "
+                                             "ddp_timeout); raise it where one process works alone longer (rank 0 "
+                                             "saving a large checkpoint or export)", run_control=True)
     # Model set-up.
     lora_rank: int = option(0, "LoRA rank; 0: full fine-tuning (with a frozen reference copy when beta > 0)")
     lora_alpha: int = option(32, "LoRA alpha")
@@ -320,6 +334,7 @@ class GRPOConfig(ConfigFile):
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one of "
                              f"{setting('resume', True)} and {setting('overwrite_output_dir', True)}")
         check_fsdp_options(self)
+        check_ddp_timeout(self)
         check_4bit_base(self)
         check_loss_options(self)  # the loss fields, as fastgrpo.GRPOLossConfig checks them
         check_rollout_options(self)

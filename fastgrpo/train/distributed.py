@@ -1,10 +1,10 @@
 """Data-parallel GRPO over torch.distributed: `torchrun --nproc_per_node N -m fastgrpo train ...`.
 
-One process per device (nccl on CUDA, gloo on the CPU). Each step's prompts are split into N equal shares of whole
-groups: a rank generates, scores and trains on its own groups, with the sampling noise of each sample keyed by its
-prompt's position in the whole batch (fastgrpo.rollout.sampling.row_keys), so the rollouts are the ones a single
-process would draw. Rewards are gathered so that advantages (batch scaling too) and logged metrics cover the whole
-batch. Gradients are averaged over ranks by PyTorch's own engines:
+One process per device (nccl on CUDA, gloo on the CPU; fastgrpo.train.process_group joins them). Each step's
+prompts are split into N equal shares of whole groups: a rank generates, scores and trains on its own groups, with the
+sampling noise of each sample keyed by its prompt's position in the whole batch (fastgrpo.rollout.sampling.row_keys),
+so the rollouts are the ones a single process would draw. Rewards are gathered so that advantages (batch scaling too)
+and logged metrics cover the whole batch. Gradients are averaged over ranks by PyTorch's own engines:
 - LoRA: DistributedDataParallel over the adapters (the frozen base is replicated), all-reducing once per
   minibatch (no_sync on the other micro-batches); rank 0 writes the checkpoint, which is the same on every rank.
 - full fine-tuning: FSDP2 (`fully_shard`) on every decoder layer plus a root group holding the embeddings, final
@@ -20,11 +20,8 @@ it always did.
 """
 from __future__ import annotations
 
-import atexit
 import contextlib
-import gc
 import logging
-import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -37,10 +34,8 @@ from fastgrpo.train.atomic_folder import atomic_directory
 from fastgrpo.train.checkpoint import STATE_FILE, restore_checkpoint, rng_states, set_rng_states, write_run_config
 from fastgrpo.train.checkpoint import save_checkpoint as save_plain_checkpoint
 from fastgrpo.train.final_export import check_final_exportable, finish_export
-from fastgrpo.train.lost_process import note_processes
 from fastgrpo.train.run_dir import RunDirectory
 from fastgrpo.train.sharded_state import SHARDS, load_sharded_state, sharded_state
-from fastgrpo.train.naming import setting
 from fastgrpo.train.process_agreement import check_same_checkpoint
 from fastgrpo.train.ranks import raised_on_every_process
 
@@ -48,37 +43,6 @@ logger = logging.getLogger(__name__)
 # metrics that each rank measures on its own share: combined over ranks (sum, max or mean) for rank 0's log
 SUMMED, MAXED, AVERAGED = ("rollout_tokens_per_s", "train_tokens_per_s", "reward_errors"), ("peak_gpu_mem_gib",), \
     ("truncated_frac",)
-
-
-def launched_processes() -> int:
-    """How many processes torchrun launched for this run (WORLD_SIZE; 1 without torchrun)."""
-    return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def init_distributed(device: str = "auto") -> Distributed:
-    """Join the process group torchrun describes (WORLD_SIZE > 1 in the environment); a no-op otherwise.
-
-    On CUDA each process takes the GPU of its LOCAL_RANK (before any model is loaded, so "cuda" means that GPU)
-    and NCCL; on the CPU, gloo."""
-    if launched_processes() > 1 and not dist.is_initialized():
-        cuda = device.startswith("cuda") or (device == "auto" and torch.cuda.is_available())
-        if cuda and ":" in device:
-            raise ValueError(f"device: {device!r} under torchrun; pass {setting('device', 'cuda')} (each process "
-                             "takes the GPU of its LOCAL_RANK)")
-        if cuda:
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-        dist.init_process_group("nccl" if cuda else "gloo")
-        atexit.register(_close_process_group)
-        note_processes()  # so that the others can name this process if it ends in the middle of the run
-    return Distributed.current()
-
-
-def _close_process_group() -> None:
-    """Closes the process group at exit (NCCL warns about one left open), after collecting reference cycles (a trainer
-    and its DDP wrapper): DDP's reducer destroyed after its group aborted the process now and then (gloo)."""
-    gc.collect()
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 class _Policy(torch.nn.Module):

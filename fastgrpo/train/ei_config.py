@@ -6,7 +6,7 @@ import logging
 
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import check_fsdp_options, option
+from fastgrpo.train.config import check_ddp_timeout, check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least, check_eval_split, greedy_copies
 from fastgrpo.train.options import (
@@ -18,8 +18,8 @@ from fastgrpo.train.sft_config import SFTConfig
 
 # Fields an EI run passes on to the SFT of each round under the same names.
 _SFT_FIELDS = ("batch_size", "micro_batch_size", "learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
-               "adam_epsilon", "max_grad_norm", "lr_scheduler", "warmup_steps", "dtype", "device", "patch",
-               "lora_rank", "output_dir", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
+               "adam_epsilon", "max_grad_norm", "lr_scheduler", "warmup_steps", "dtype", "device", "ddp_timeout",
+               "patch", "lora_rank", "output_dir", "fsdp_cpu_offload", "fsdp_reshard_after_forward",
                "fsdp_sync_every_micro_batch", "fsdp_layers_per_group")
 _SFT_HELP = {f.name: f.metadata["help"] for f in dataclasses.fields(SFTConfig)}
 logger = logging.getLogger(__name__)
@@ -52,6 +52,7 @@ class EIConfig(ConfigFile):
     reward_errors: str = inherited("reward_errors")
     dtype: str = inherited("dtype")
     device: str = inherited("device")
+    ddp_timeout: int = inherited("ddp_timeout")
     # Model set-up.
     lora_rank: int = inherited("lora_rank", help="LoRA rank; 0: full fine-tuning")
     lora_alpha: int = inherited("lora_alpha")
@@ -138,6 +139,7 @@ class EIConfig(ConfigFile):
         check_model_options(self)
         check_optimizer_options(self)
         check_fsdp_options(self)
+        check_ddp_timeout(self)
 
     def sampling(self) -> SamplingParams:
         return SamplingParams(max_new_tokens=self.max_completion_length, temperature=self.temperature,

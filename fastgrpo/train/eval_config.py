@@ -6,7 +6,7 @@ import dataclasses
 from fastgrpo._checks import check_choice
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import DTYPES, MAX_SEED, option
+from fastgrpo.train.config import DTYPES, MAX_SEED, check_ddp_timeout, option
 from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least, greedy_copies
 from fastgrpo.train.options import check_scoring_options, inherited
@@ -48,6 +48,7 @@ class EvalConfig(ConfigFile):
     batch_size: int = option(64, "prompts per rollout call")
     dtype: str = inherited("dtype")
     device: str = inherited("device")
+    ddp_timeout: int = inherited("ddp_timeout")
     seed: int = inherited("seed")
     output_dir: str = option("fastgrpo_eval_output", "results.jsonl (one line per completion) and summary.json "
                                                      "go here")
@@ -61,6 +62,7 @@ class EvalConfig(ConfigFile):
         check_at_least(self, ("max_examples", "log_generations"), 0)
         check_scoring_options(self)
         check_choice("dtype", self.dtype, DTYPES)
+        check_ddp_timeout(self)
         if not 0 <= self.seed < MAX_SEED:
             raise ValueError(f"seed: expected an int in [0, 2**32), got {self.seed}")
         if not self.output_dir.strip():  # Path("") is the current folder: the results would land among its files

@@ -9,7 +9,7 @@ import dataclasses
 
 from fastgrpo._checks import check_choice
 from fastgrpo.train.coercion import coerce_fields
-from fastgrpo.train.config import REWARD_ERRORS, check_fsdp_options, option
+from fastgrpo.train.config import REWARD_ERRORS, check_ddp_timeout, check_fsdp_options, option
 from fastgrpo.train.config_file import ConfigFile
 from fastgrpo.train.input_checks import check_at_least, check_eval_split, check_reward_names, check_save_minutes
 from fastgrpo.train.options import (
@@ -38,6 +38,7 @@ class SFTConfig(ConfigFile):
                                              "warning (default: an error naming the row)")
     dtype: str = inherited("dtype")
     device: str = inherited("device")
+    ddp_timeout: int = inherited("ddp_timeout")
     # Model set-up.
     lora_rank: int = inherited("lora_rank", help="LoRA rank; 0: full fine-tuning")
     lora_alpha: int = inherited("lora_alpha")
@@ -119,3 +120,4 @@ class SFTConfig(ConfigFile):
         check_model_options(self)
         check_optimizer_options(self)
         check_fsdp_options(self)
+        check_ddp_timeout(self)
