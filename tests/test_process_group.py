@@ -107,7 +107,7 @@ def test_only_a_true_accelerate_flag_is_refused(value, refused, monkeypatch):
 @pytest.mark.parametrize("config_class", [GRPOConfig, SFTConfig, EIConfig, EvalConfig])
 def test_ddp_timeout_is_hfs_default_and_a_bad_one_is_refused(config_class):
     """1800 s as HF's TrainingArguments; 0 would fail every collective, and past 10**9 s torch's store failed to
-    connect at once (1e10) or the first collective hung (9e9): int64 nanoseconds."""
+    connect at once (1e10) or 2 gloo processes hung (9e9): int64 nanoseconds."""
     assert config_class().ddp_timeout == 1800 and config_class(ddp_timeout=10**9).ddp_timeout == 10**9
     for bad in (0, -5, 10**9 + 1):
         with pytest.raises(ValueError) as info:

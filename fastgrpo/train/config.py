@@ -36,8 +36,8 @@ REWARD_ERRORS = ("raise", "skip")
 # Seeds derive per-step generator seeds (seed * 1_000_003 + step, then * 131 + epoch) that must stay in int64.
 MAX_SEED = 2**32
 DDP_TIMEOUT_S = 1800  # HF TrainingArguments' ddp_timeout default (torch's own: 30 min for gloo, 10 min for NCCL)
-# the largest ddp_timeout: torch's store and gloo count it in int64 nanoseconds (292 years); 9e9 s hung the first
-# collective, 1e10 s failed the store's connect at once (torch 2.13, gloo)
+# the largest ddp_timeout: torch's store and gloo count it in int64 nanoseconds (292 years); 9e9 s hung 2 gloo
+# processes, 1e10 s failed the store's connect at once (torch 2.13); 4e9 s worked
 MAX_DDP_TIMEOUT_S = 10**9
 
 
