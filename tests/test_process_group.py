@@ -19,16 +19,16 @@ ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5  # the launch's collectives before the stuck reward wait < 1 s for each other on a 2-core machine
 DEADLINE_S = 60  # the launch ends in ~12 s (~6 s of start-up, the timeout, the exit); with gloo's default: 30 min
 
-# Stuck in its first call only: torchrun's SIGTERM, once rank 0 has ended, raises ProcessLost in it (interrupts), which
-# scoring takes for the function's error and calls it again to find the failing row; stuck again, rank 1 would wait
-# there for torchrun's SIGKILL, 30 s later.
+# Stuck at every call on rank 1: torchrun's SIGTERM, once rank 0 has ended, raises ProcessLost in it (interrupts); as
+# an Exception, scoring took it for the function's error and called it again to find the failing row, where rank 1
+# waited for torchrun's SIGKILL, 30 s later, and printed nothing.
 STUCK_ON_RANK_1 = '''import os
 import time
 from pathlib import Path
 
 
 def stuck_on_rank_1(completions, **kwargs):
-    if os.environ["RANK"] == "1" and not Path("stuck").exists():
+    if os.environ["RANK"] == "1":
         Path("stuck").touch()
         time.sleep(3600)
     return [0.0] * len(completions)
@@ -59,6 +59,9 @@ def test_under_torchrun_a_stuck_process_stops_the_others_after_ddp_timeout(tmp_p
             "collective: one of them is stuck (a reward function that never returns, say) or ended on another machine")
     assert launch.returncode != 0 and line in stderr.splitlines(), stderr
     assert (tmp_path / "stuck").exists()  # rank 1 was in the reward function, not late elsewhere
+    # and torchrun's SIGTERM stopped it there, with its line (not SIGKILL 30 s later, silent)
+    assert ("fastgrpo train: error: process 0 of 2 ended in the middle of the run, and process 1 stopped with it; its "
+            "own error line says why") in stderr, stderr
     assert "[rank0]" not in stderr, stderr  # no traceback of rank 0's (torchrun prints its own)
     print(f"ended in {took:.1f} s")
 

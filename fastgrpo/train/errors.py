@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted
-from fastgrpo.train.lost_process import lost_process_line
+from fastgrpo.train.lost_process import ProcessLost, lost_process_line
 from fastgrpo.train.naming import command_line
 from fastgrpo.train.ranks import is_main_process, reported_by_rank_0
 
@@ -113,7 +113,7 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
             raise
         _report(f"{prog}: error: {one_line(err)}", err)
         return RUN_EXIT
-    except RuntimeError as err:  # a collective that another process of a torchrun launch left: one line
+    except (RuntimeError, ProcessLost) as err:  # a collective another process of a torchrun launch left: one line
         lost = None if debug else lost_process_line(err)
         if lost is None:
             raise

@@ -37,9 +37,12 @@ def note_processes() -> None:
     _processes[:] = found
 
 
-class ProcessLost(RuntimeError):
+class ProcessLost(BaseException):
     """Another process of the run ended, found outside a collective: as torchrun's SIGTERM (its name, the message)
-    arrived (fastgrpo.train.interrupts)."""
+    arrived (fastgrpo.train.interrupts). A BaseException, as KeyboardInterrupt is: raised wherever the signal lands
+    (a reward function, say), it must pass the `except Exception` of the code there, which would take it for that
+    code's own error (scoring then called a stuck reward function again, and the process waited for torchrun's
+    SIGKILL)."""
 
 
 def another_process_ended() -> bool:
@@ -59,7 +62,7 @@ def lost_process_line(err: BaseException) -> tuple[str, bool] | None:
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
         return None
-    found = [e for e in _chain(err) if isinstance(e, RuntimeError)]
+    found = [e for e in _chain(err) if isinstance(e, (RuntimeError, ProcessLost))]
     # torch.distributed's own errors (gloo's are plain RuntimeErrors that name its source file, or its pairs)
     texts = [str(e).lower() for e in found if isinstance(e, dist.DistError) or "gloo" in str(e).lower()
              or "pair closure" in str(e).lower()]
