@@ -30,8 +30,8 @@ import itertools
 import torch
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import (check_interpreted, copies_past_l2, kernel_us, listed, print_table, require_cuda,
-                               write_results)
+from benchmarks.common import (check_interpreted, copies_past_l2, failed_row, kernel_us, listed, print_table,
+                               require_cuda, timed_row, write_results)
 from benchmarks.e2e import MODEL_CONFIGS
 from fastgrpo.kernels.cards import max_shared
 from fastgrpo.kernels.decode_attention import (FP8_DOTS_DEEP_SHARED, FP8_DOTS_DEEP_TILES, GPU_TILES,
@@ -134,13 +134,9 @@ def run_shape(shape: str, sizes: dict, device: str, bandwidth: float | None, til
                 us = kernel_us([functools.partial(decode_attention_fwd, **c, tiles=t, splits=splits) for c in calls],
                                device)
             except Exception as err:  # noqa: BLE001 - e.g. a tile past the shared memory: its row says so
-                rows.append(row | {"error": f"{type(err).__name__}: {str(err)[:120]}"})
+                rows.append(failed_row(row, err))
                 continue
-            row.update(us=us, gb_s=nbytes / us / 1e3, max_diff_vs_default=diff)
-            if bandwidth:
-                row["bw_share"] = nbytes / (us * 1e-6) / bandwidth
-            rows.append(row)
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+            rows.append(timed_row(row, us, nbytes, bandwidth, max_diff_vs_default=diff))
     return rows
 
 

@@ -26,7 +26,8 @@ import torch
 import triton
 
 from benchmarks.bench_rollout import _copy_bandwidth
-from benchmarks.common import check_interpreted, copies_past_l2, kernel_us, print_table, require_cuda, write_results
+from benchmarks.common import (check_interpreted, copies_past_l2, failed_row, kernel_us, print_table, require_cuda,
+                               timed_row, write_results)
 from fastgrpo.kernels.quantize_fp8 import QuantizeTiles, quantize_rows_fwd, quantize_tiles
 
 # name: (rows, K, column scale)
@@ -90,13 +91,9 @@ def run_case(name: str, R: int, K: int, column: bool, device: str, bandwidth: fl
                     and torch.equal(outs[0][1], reference[1]))
             us = kernel_us(calls, device)
         except Exception as err:  # noqa: BLE001 - e.g. registers past the card's: its row says so
-            rows.append(row | {"error": f"{type(err).__name__}: {str(err)[:120]}"})
+            rows.append(failed_row(row, err))
             continue
-        row.update(us=us, gb_s=nbytes / us / 1e3, same_bytes=same)
-        if bandwidth:
-            row["bw_share"] = nbytes / (us * 1e-6) / bandwidth
-        rows.append(row)
-        print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+        rows.append(timed_row(row, us, nbytes, bandwidth, same_bytes=same))
     return rows
 
 

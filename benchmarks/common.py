@@ -95,6 +95,21 @@ def kernel_us(calls: list, device: str) -> float:
     return triton.testing.do_bench(graph.replay, warmup=10, rep=50, return_mode="median") * 1e3 / GRAPH_CALLS
 
 
+
+def timed_row(row: dict, us: float, nbytes: int, bandwidth: float | None, **checks) -> dict:
+    """A kernel benchmark's row with its time: us, GB/s for the `nbytes` it must move, the checks given, and the share
+    of the copy bandwidth where measured; printed as one line as it is measured (a sweep's progress)."""
+    row.update(us=us, gb_s=nbytes / us / 1e3, **checks)
+    if bandwidth:
+        row["bw_share"] = nbytes / (us * 1e-6) / bandwidth
+    print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()), flush=True)
+    return row
+
+
+def failed_row(row: dict, err: Exception) -> dict:
+    """A kernel benchmark's row for a case that did not run (a tile past the card's shared memory, say): its error."""
+    return row | {"error": f"{type(err).__name__}: {str(err)[:120]}"}
+
 def copies_past_l2(nbytes: int, device) -> int:
     """How many copies of a kernel's inputs (`nbytes` each) kernel_us should take in turn so that together they pass
     3x the device's L2 (every call then reads from HBM, as a decode step does): at most GRAPH_CALLS, 1 off CUDA."""

@@ -20,6 +20,17 @@ from fastgrpo.train.default_task import build_tokenizer
 V, H, HEADS, KV, HEAD_DIM, INTER = 41, 32, 4, 2, 8, 48
 
 
+def trained_away(model):
+    """model with each trainable parameter moved off its initial value (seed 1, unit normal steps): trained rows or
+    copies equal to the originals would hide which of the two vLLM runs."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param))
+    return model
+
+
 def tiny(tied: bool = True, lora: bool = False):
     torch.manual_seed(0)
     config = Qwen2Config(vocab_size=V, hidden_size=H, intermediate_size=INTER, num_hidden_layers=2,

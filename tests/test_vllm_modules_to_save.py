@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from test_rollout_vllm import HEAD_DIM, HEADS, V, assert_runs, logits, tiny, vllm_like
+from test_rollout_vllm import HEAD_DIM, HEADS, V, assert_runs, logits, tiny, trained_away, vllm_like
 
 from fastgrpo.rollout import vllm as vllm_engine
 from fastgrpo.rollout.vllm_lora import merged_sources
@@ -29,12 +29,7 @@ def saved_head(tied: bool = False, **options):
     model = get_peft_model(tiny(tied=tied), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
                                                        modules_to_save=["lm_head"], init_lora_weights=False,
                                                        **options))
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param))
-    return model
+    return trained_away(model)
 
 
 def head_of(model):

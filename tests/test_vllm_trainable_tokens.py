@@ -12,7 +12,7 @@ import copy
 import pytest
 import torch
 from peft import LoraConfig, TrainableTokensConfig, get_peft_model
-from test_rollout_vllm import H, V, assert_runs, logits, tiny, vllm_like
+from test_rollout_vllm import H, V, assert_runs, logits, tiny, trained_away, vllm_like
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -45,12 +45,7 @@ def trained(tied: bool, options: dict):
     config = (TrainableTokensConfig(**options) if "token_indices" in options else
               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False, **options))
     model = get_peft_model(tiny(tied=tied), config)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.requires_grad:
-                param.add_(torch.randn_like(param))
-    return model
+    return trained_away(model)
 
 
 def token_layers(model) -> dict:
