@@ -38,21 +38,32 @@ def killed_on_rank_1(completions, **kwargs):
 '''
 
 
-def test_under_torchrun_a_killed_process_is_named_in_one_line(tmp_path):
-    """Rank 1 is killed in its first step's reward function: rank 0, in the step's next collective, printed 50
-    lines of traceback ending in gloo's 'Connection closed by peer ... GLHF!'."""
-    (tmp_path / "rewards.py").write_text(KILLED_ON_RANK_1)
+KILLED_LINE = ("fastgrpo train: error: process 1 of 2 ended in the middle of the run, and process 0 stopped with it; its "
+               "own error line says why, and where it printed none, torchrun's summary gives its exit code or signal "
+               "(SIGKILL: often the host's out-of-memory killer)")
+
+
+def torchrun_train(tmp_path: Path, rewards: str, function: str, device: str, *flags: str) -> tuple[list[str], dict]:
+    """(command, env) of a 2-process torchrun launch of `fastgrpo train` on the built-in task for one step, scored by
+    `function` of the module source `rewards` (written to tmp_path); device cpu: gloo, cuda: NCCL."""
+    (tmp_path / "rewards.py").write_text(rewards)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fastgrpo",
-               "train", "--reward-funcs", "rewards:killed_on_rank_1", "--max-steps", "1", "--batch-size", "16",
-               "--micro-batch-size", "8", "--output-dir", str(tmp_path / "out"), "--no-progress-bar"]
+               "train", "--reward-funcs", f"rewards:{function}", "--max-steps", "1", "--batch-size", "16",
+               "--micro-batch-size", "8", "--output-dir", str(tmp_path / "out"), "--no-progress-bar",
+               "--device", device, *flags]
+    return command, env
+
+
+def test_under_torchrun_a_killed_process_is_named_in_one_line(tmp_path):
+    """Rank 1 is killed in its first step's reward function: rank 0, in the step's next collective, printed 50
+    lines of traceback ending in gloo's 'Connection closed by peer ... GLHF!'. On gloo (the CPU), also on a GPU
+    machine; tests/test_two_gpus.py runs it on NCCL."""
+    command, env = torchrun_train(tmp_path, KILLED_ON_RANK_1, "killed_on_rank_1", "cpu")
     start = time.monotonic()
     done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     ours = [line for line in done.stderr.splitlines() if line.startswith("fastgrpo train:")]
-    assert done.returncode != 0 and ours == [
-        "fastgrpo train: error: process 1 of 2 ended in the middle of the run, and process 0 stopped with it; its own "
-        "error line says why, and where it printed none, torchrun's summary gives its exit code or signal (SIGKILL: "
-        "often the host's out-of-memory killer)"], done.stderr
+    assert done.returncode != 0 and ours == [KILLED_LINE], done.stderr
     assert "[rank0]" not in done.stderr and "Connection closed by peer" not in done.stderr, done.stderr
     assert "(SIGKILL)" in done.stderr  # torchrun's own summary: the signal
     print(f"ended in {time.monotonic() - start:.1f} s")

@@ -3,7 +3,6 @@ stuck process, and a DeepSpeed launch (accelerate's) is refused before anything 
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -14,8 +13,8 @@ from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.process_group import check_launcher
 from fastgrpo.train.sft_config import SFTConfig
+from tests.test_lost_process import torchrun_train
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 5  # the launch's collectives before the stuck reward wait < 1 s for each other on a 2-core machine
 DEADLINE_S = 60  # the launch ends in ~12 s (~6 s of start-up, the timeout, the exit); with gloo's default: 30 min
 
@@ -35,38 +34,39 @@ def stuck_on_rank_1(completions, **kwargs):
 '''
 
 
+TIMED_OUT_LINE = ("fastgrpo train: error: process 0 of 2 waited longer than the process group's timeout for the others "
+                  "in a collective: one of them is stuck (a reward function that never returns, say) or ended on "
+                  "another machine")
+STOPPED_LINE_START = ("fastgrpo train: error: process 0 of 2 ended in the middle of the run, and process 1 stopped with "
+                      "it; its own error line says why")
+
+
 def test_under_torchrun_a_stuck_process_stops_the_others_after_ddp_timeout(tmp_path):
     """Rank 1's reward function never returns: rank 0 waited in the step's next collective for torch's default
     timeout (30 min with gloo, the process group got none); with --ddp-timeout it stops after that many seconds with
-    lost_process's line, and torchrun then stops rank 1."""
-    (tmp_path / "rewards.py").write_text(STUCK_ON_RANK_1)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path)])}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "fastgrpo",
-               "train", "--reward-funcs", "rewards:stuck_on_rank_1", "--max-steps", "1", "--batch-size", "16",
-               "--micro-batch-size", "8", "--output-dir", str(tmp_path / "out"), "--no-progress-bar",
-               "--ddp-timeout", str(TIMEOUT_S)]
+    lost_process's line, and torchrun then stops rank 1. On gloo (the CPU), also on a GPU machine;
+    tests/test_two_gpus.py runs it on NCCL."""
+    command, env = torchrun_train(tmp_path, STUCK_ON_RANK_1, "stuck_on_rank_1", "cpu", "--ddp-timeout",
+                                  str(TIMEOUT_S))
     start = time.monotonic()
     launch = subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               text=True)
     try:
         _, stderr = launch.communicate(timeout=DEADLINE_S)
     except subprocess.TimeoutExpired:
-        _kill_launch(launch.pid)
+        kill_launch(launch.pid)
         launch.communicate()
         pytest.fail(f"the launch still ran after {DEADLINE_S} s: rank 0 waits for the stuck rank 1")
     took = time.monotonic() - start
-    line = ("fastgrpo train: error: process 0 of 2 waited longer than the process group's timeout for the others in a "
-            "collective: one of them is stuck (a reward function that never returns, say) or ended on another machine")
-    assert launch.returncode != 0 and line in stderr.splitlines(), stderr
+    assert launch.returncode != 0 and TIMED_OUT_LINE in stderr.splitlines(), stderr
     assert (tmp_path / "stuck").exists()  # rank 1 was in the reward function, not late elsewhere
     # and torchrun's SIGTERM stopped it there, with its line (not SIGKILL 30 s later, silent)
-    assert ("fastgrpo train: error: process 0 of 2 ended in the middle of the run, and process 1 stopped with it; its "
-            "own error line says why") in stderr, stderr
+    assert STOPPED_LINE_START in stderr, stderr
     assert "[rank0]" not in stderr, stderr  # no traceback of rank 0's (torchrun prints its own)
     print(f"ended in {took:.1f} s")
 
 
-def _kill_launch(pid: int) -> None:
+def kill_launch(pid: int) -> None:
     """SIGKILL torchrun and its workers (each in a session of its own: killing torchrun's group leaves them, stuck,
     holding the pipes open)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
