@@ -446,12 +446,26 @@ class Distributed:
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        for name in _repeated_parameters(model):  # tied embeddings: saved once, as save_pretrained saves a model's own
+            full.pop(name, None)  # rank 0 alone holds the full state
         if self.is_main:
             with atomic_directory(path) as tmp:
                 model.save_pretrained(tmp, state_dict=full)
                 finish_export(tmp, tokenizer, run_config, step)
         self.barrier()
         return Path(path)
+
+
+def _repeated_parameters(model: torch.nn.Module) -> list[str]:
+    """The names under which a parameter seen earlier is registered again (a tied lm_head): get_model_state_dict
+    copies each name's tensor apart, and save_pretrained, given them, saved the head beside the embedding (a
+    vocab x hidden copy more in final/ than a single process's export or `fastgrpo export` of the checkpoint)."""
+    seen, repeated = set(), []
+    for name, parameter in model.named_parameters(remove_duplicate=False):
+        if id(parameter) in seen:
+            repeated.append(name)
+        seen.add(id(parameter))
+    return repeated
 
 
 class _SharedRunDirectory:
