@@ -79,6 +79,29 @@ def hf_checkpointing_only_first(model: nn.Module, n: int) -> None:
         layer.gradient_checkpointing = False
 
 
+_ONE_DEVICE = ("fastgrpo's kernels and fused loss run on one device: load the model onto one GPU (device_map={'': 0}), "
+               "or shard it across GPUs with FSDP2 (`torchrun --nproc_per_node N -m fastgrpo train`)")
+
+
+def check_one_device(model: nn.Module) -> None:
+    """The model's weights on one device. A device_map across GPUs is refused: fastgrpo's Triton kernels launch on
+    the current CUDA device and its stream, not on their tensors' device. Aside: weights on "meta" (accelerate's
+    offload hooks load them for each call) and FSDP2's shards (DTensors; gathered onto the GPU for each forward)."""
+    from torch.distributed.tensor import DTensor
+
+    devices = sorted({str(p.device) for p in model.parameters() if not p.is_meta and not isinstance(p, DTensor)})
+    if len(devices) > 1:
+        raise ValueError(f"model: its weights are on {' and '.join(devices)} (a device_map across devices?); "
+                         + _ONE_DEVICE)
+
+
+def check_on_head_device(head: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """`tensor` (the batch, the backbone's hidden states) on the lm_head's device, which the fused loss runs on."""
+    if tensor.device != head.weight.device:
+        raise ValueError(f"model: its lm_head is on {head.weight.device} and {name} on {tensor.device} (a device_map "
+                         "across devices?); " + _ONE_DEVICE)
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, lm_head) of any transformers causal LM or PEFT wrapper of one: the lm_head is
     get_output_embeddings() with a [V, H] weight, the backbone the base model (it returns last_hidden_state).

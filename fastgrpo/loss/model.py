@@ -27,7 +27,7 @@ from fastgrpo._checks import (
     raise_unless_in_range,
     read_ints,
 )
-from fastgrpo.hf.models import backbone_and_head, head_bias, logit_softcap
+from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
 from fastgrpo.loss.config import (
     GRPOLossConfig,
     check_extra_inputs,
@@ -123,11 +123,13 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
                        correction=None):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
+    check_on_head_device(head, "input_ids", input_ids)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
                      correction)
     cols = batch.window
-    hidden = take_columns(run_backbone(backbone, input_ids, batch.layout), batch.layout,
-                          slice(cols.start - 1, cols.stop - 1))  # hidden: [B, W, H]
+    hidden = run_backbone(backbone, input_ids, batch.layout)
+    check_on_head_device(head, "the base model's hidden states", hidden)
+    hidden = take_columns(hidden, batch.layout, slice(cols.start - 1, cols.stop - 1))  # hidden: [B, W, H]
     return hidden, head, batch
 
 

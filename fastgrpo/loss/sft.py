@@ -18,7 +18,7 @@ import numbers
 import torch
 
 from fastgrpo._checks import check_binary_mask, check_integer_ids, check_shape, raise_unless_in_range, read_ints
-from fastgrpo.hf.models import backbone_and_head, head_bias, logit_softcap
+from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
 from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_positions, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
@@ -64,12 +64,14 @@ def sft_loss(
     """
     _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch)
     backbone, head = backbone_and_head(model)
+    check_on_head_device(head, "input_ids", input_ids)
     check_integer_ids("input_ids", input_ids)
     # The ids' range and the row layout's facts in one host read (each read waits for the GPU's queue)
     low, high, *facts = read_ints(*input_ids.aminmax(), *padding_facts(attention_mask, response_mask))
     raise_unless_in_range("input_ids", low, high, head.weight.shape[0])
     layout = unpadded(attention_mask, *facts)
     hidden = run_backbone(backbone, input_ids, layout)
+    check_on_head_device(head, "the base model's hidden states", hidden)
     labels = response_mask[:, 1:].bool()  # labels: [B, T-1], position t-1 predicts token t
     # Only the response positions are kept: the fused head does no work for prompt or padding positions.
     selected = take_positions(hidden, layout, *labels.nonzero(as_tuple=True))  # selected: [n, H]

@@ -11,7 +11,7 @@ from torch import nn
 from fastgrpo._checks import check_choice, check_int_at_least, check_positive_int
 from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
-from fastgrpo.hf.models import architecture, decoder_layers, split_recomputed, unwrap_peft
+from fastgrpo.hf.models import architecture, check_one_device, decoder_layers, split_recomputed, unwrap_peft
 from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
 from fastgrpo.offload.checkpointing import check_offloader_device
@@ -109,6 +109,7 @@ def patch_model(
     """
     hf_model = unwrap_peft(model)
     arch = architecture(hf_model)
+    check_one_device(hf_model)
     for library in ("transformers", "peft"):
         check_supported(library)
     # A truthy stand-in ("no" read from a config file) would switch on what it meant to leave off.
