@@ -26,6 +26,8 @@ The fastgrpo systems run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, 
 (fastgrpo.train.cuda_memory; not fastgrpo-vllm, whose vLLM pool refuses it); TRL and Unsloth with their own settings.
 --recompute-layers N: the fastgrpo systems checkpoint only the first N decoder layers (patch_model's
 recompute_layers; the later ones keep their activations), rows named <system>-recompute<N>.
+--rollout-weights W: the fastgrpo systems decode with GRPOConfig(rollout_weights=W) instead of their own choice
+(e.g. fastgrpo-fp8train with "dense": a merged bf16 copy beside the e4m3 KV cache), rows named <system>-<W>.
 Shapes <model>-<mode>: qwen2.5-1.5b / llama-3.1-8b (benchmarks.e2e configs, random weights saved once to
 --models-dir with a word-level tokenizer built here: token i is "t<i>", a chat template; no hub); lora: r=16,
 alpha 32 on the 7 linears of every layer, bf16 base; full: bf16 weights and AdamW; qlora: NF4 base (double quant,
@@ -96,6 +98,8 @@ ALL_SYSTEMS = SYSTEMS + ("fastgrpo-nf4", "fastgrpo-fp8", "fastgrpo-fp8train", "u
 SHAPES = ("qwen2.5-1.5b-lora", "qwen2.5-1.5b-full", "llama-3.1-8b-lora", "llama-3.1-8b-qlora")
 FIT_SHAPES = ("qwen2.5-1.5b-lora", "llama-3.1-8b-qlora")
 DRY_SHAPES = ("tiny-qwen2-lora", "tiny-llama-qlora")
+# fastgrpo.rollout.decode_weights.WEIGHTS, spelled out: that module imports torch, which this process defers
+ROLLOUT_WEIGHTS = ("auto", "model", "fp8", "w8a8", "dense", "fused", "nf4")
 MODES = ("lora", "full", "qlora")
 PHASES = ("rollout", "sync", "logprobs", "rewards")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -128,11 +132,14 @@ class Case:
     device: str = "cuda"
     gpu: int = 0
     recompute_layers: int | None = None  # fastgrpo systems: patch_model's (None: every layer checkpointed)
+    rollout_weights: str | None = None  # fastgrpo systems: GRPOConfig's, in place of the system's own
 
     @property
     def label(self) -> str:
-        """The row's system: a fastgrpo system that keeps some layers' activations says how many it recomputes."""
-        return self.system if self.recompute_layers is None else f"{self.system}-recompute{self.recompute_layers}"
+        """The row's system: a fastgrpo system says the decode weights it was given and, where it keeps some layers'
+        activations, how many it recomputes."""
+        label = self.system if self.rollout_weights is None else f"{self.system}-{self.rollout_weights}"
+        return label if self.recompute_layers is None else f"{label}-recompute{self.recompute_layers}"
 
     @property
     def model(self) -> str:
@@ -402,6 +409,8 @@ def fastgrpo_trainer(case: Case, engine: str = "builtin", reward=count_sevens, o
         if "rollout_engine" not in {f.name for f in dataclasses.fields(fastgrpo.GRPOConfig)}:
             raise RuntimeError("fastgrpo.GRPOConfig has no rollout_engine field: this checkout has no vLLM engine")
         fields["rollout_engine"] = "vllm"
+    if case.rollout_weights is not None:
+        fields["rollout_weights"] = case.rollout_weights
     config = fastgrpo.GRPOConfig(**fields)
     return fastgrpo.GRPOTrainer(model, load_tokenizer(case, eos=False), reward, dataset_rows(case), config)
 
@@ -880,6 +889,9 @@ def parse_args(argv=None):
     p.add_argument("--recompute-layers", type=int,
                    help="fastgrpo systems: patch_model(recompute_layers=N), only the first N decoder layers "
                         "checkpointed; rows named <system>-recompute<N> (default: every layer)")
+    p.add_argument("--rollout-weights", choices=ROLLOUT_WEIGHTS,
+                   help="fastgrpo systems: GRPOConfig(rollout_weights=W) in place of the system's own; rows named "
+                        "<system>-<W>")
     p.add_argument("--max-fit", action="store_true", help="search the longest completion in --cap-gib")
     p.add_argument("--cap-gib", type=float, default=24.0)
     p.add_argument("--fit-start", type=int, default=2048)
@@ -976,7 +988,8 @@ def main(argv=None) -> int:
                     steps=1 if args.max_fit else args.steps, warmup=0 if args.max_fit else args.warmup,
                     beta=args.beta, cap_gib=args.cap_gib if args.max_fit else None,
                     vllm_memory_utilization=args.vllm_memory_utilization, device="cpu" if dry else "cuda",
-                    recompute_layers=args.recompute_layers if system.startswith("fastgrpo") else None)
+                    recompute_layers=args.recompute_layers if system.startswith("fastgrpo") else None,
+                    rollout_weights=args.rollout_weights if system.startswith("fastgrpo") else None)
         if args.max_fit:
             known = earlier_probes(results.path(shape), case) if args.continue_fit else {}
             row = fit_search(case, args, run, known, report=lambda partial: results.add(shape, [partial]))
