@@ -7,8 +7,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, Qwen2Config
+from transformers import AutoModelForCausalLM, GenerationConfig, Qwen2Config
 
+from fastgrpo.rollout.requests import stop_token_ids
 from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.rollout.vllm import VLLMEngine, default_kv_cache_bytes
 from fastgrpo.rollout.vllm_lora import adapter_tensors, merged_sources, vllm_rank
@@ -195,9 +196,29 @@ def test_sampling_kwargs_carry_every_option():
     assert sampling_kwargs(4, params, ["###"], [5], 11) == dict(
         n=4, max_tokens=7, temperature=0.5, top_p=0.9, top_k=3, min_p=0.1, repetition_penalty=1.2, stop=["###"],
         stop_token_ids=[5], seed=11, logprobs=0, flat_logprobs=True, include_stop_str_in_output=True,
-        detokenize=True,
+        detokenize=True, ignore_eos=True, skip_special_tokens=True,
     )
     assert sampling_kwargs(2, params, [], [], None)["detokenize"] is False  # no stop strings: decode once at the end
+
+
+def test_vllm_stops_at_the_ids_of_the_call_alone():
+    """vLLM added to each request the EOS ids of the tokenizer and generation_config.json it read when it was built:
+    a generation config changed since (an EOS id dropped, as for a chat model trained to end its turns with
+    <|im_end|> alone) still stopped vLLM's rows where the built-in engine's ran on. Each request now carries every
+    id a row stops at, computed at the call as the built-in engine computes them, and vLLM's own are off."""
+    tok = build_tokenizer()
+    eos, im_end, chat_eos = tok.eos_token_id, 7, 9
+    config = GenerationConfig(eos_token_id=[im_end, eos])
+    assert stop_token_ids([5, im_end], tok, config) == [5, im_end, eos]
+    config.eos_token_id = chat_eos  # changed after the engine was built
+    ids = stop_token_ids([], tok, config)
+    assert ids == [eos, chat_eos]
+    kwargs = sampling_kwargs(1, SamplingParams(temperature=0), [], ids, None)
+    assert kwargs["stop_token_ids"] == ids and kwargs["ignore_eos"] is True
+    assert stop_token_ids([5], tok, None) == [5, eos]  # a model without a generation config
+    tok.eos_token = None
+    assert stop_token_ids([], tok, GenerationConfig(eos_token_id=[eos, im_end])) == [eos, im_end]
+    assert stop_token_ids([], tok, None) == []
 
 
 def test_greedy_requests_fan_out_one_sample_each():

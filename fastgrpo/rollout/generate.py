@@ -15,12 +15,12 @@ from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.base import RolloutResult
 from fastgrpo.rollout.decode import EngineConfig, left_pad, rollout
 from fastgrpo.rollout.requests import (
-    as_list,
     check_lengths,
     check_request,
     check_tokenizer,
     pad_token_id,
     split_stop,
+    stop_token_ids,
     tokenize_prompts,
     unknown_options_message,
 )
@@ -80,9 +80,7 @@ def generate_with_config(
     check_lengths(model.config, prompt_ids, params.max_new_tokens)
 
     pad_id = pad_token_id(tokenizer, vocab)
-    generation_config = getattr(model, "generation_config", None)
-    eos = [tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
-    stop_ids = [*stop_ids, *(i for i in eos if i is not None)]
+    stop_ids = stop_token_ids(stop_ids, tokenizer, getattr(model, "generation_config", None))
     stops = StopStrings(tokenizer, stop_strings, config.check_every) if stop_strings else None
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()))

@@ -150,6 +150,13 @@ def _hidden_tokens(tokenizer, strings: list[str]) -> dict[str, int]:
             and tokenizer.decode([i], skip_special_tokens=True) == ""}
 
 
+def stop_token_ids(stop_ids: list[int], tokenizer, generation_config) -> list[int]:
+    """Every id a row stops at, each once: the request's, the tokenizer's EOS and the generation config's EOS ids (a
+    list for chat models, e.g. <|im_end|> and <|endoftext|>), read at each call, as HF generate reads them."""
+    eos = [tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
+    return list(dict.fromkeys([*stop_ids, *(i for i in eos if i is not None)]))
+
+
 def as_list(ids) -> list:
     if ids is None:
         return []

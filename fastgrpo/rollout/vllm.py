@@ -35,11 +35,11 @@ from fastgrpo._checks import check_choice
 from fastgrpo.hf.models import is_peft_model, unwrap_peft
 from fastgrpo.rollout.base import RolloutResult
 from fastgrpo.rollout.requests import (
-    as_list,
     check_request,
     check_tokenizer,
     pad_token_id,
     split_stop,
+    stop_token_ids,
     tokenize_prompts,
 )
 from fastgrpo.rollout.sampling import SamplingParams
@@ -244,9 +244,7 @@ class VLLMEngine:
         if len(prompt_ids[longest]) + sampling.max_new_tokens > self.max_model_len:
             raise ValueError(f"prompts[{longest}]: {len(prompt_ids[longest])} tokens + max_new_tokens "
                              f"{sampling.max_new_tokens} exceeds the engine's max_model_len {self.max_model_len}")
-        generation_config = getattr(unwrap_peft(self.model), "generation_config", None)
-        eos = [self.tokenizer.eos_token_id, *as_list(getattr(generation_config, "eos_token_id", None))]
-        stop_ids = list(dict.fromkeys([*stop_ids, *(i for i in eos if i is not None)]))
+        stop_ids = stop_token_ids(stop_ids, self.tokenizer, getattr(unwrap_peft(self.model), "generation_config", None))
         requests, n = fan_out(prompt_ids, num_generations, sampling)
         seeds = [s for s in seeds for _ in range(len(requests) // len(prompt_ids))]
         params = [vllm.SamplingParams(**sampling_kwargs(n, sampling, stop_strings, stop_ids, s)) for s in seeds]

@@ -17,12 +17,16 @@ def sampling_kwargs(
     logprobs=0 returns the sampled token's log-prob alone, flat (one list per completion, no dict per token).
     vLLM detokenizes every step only to find stop strings; without any, the texts are decoded once at the end.
     temperature 0 is greedy in both engines.
+    Stops as the built-in engine's: stop_ids are every id a row stops at (requests.stop_token_ids: with the EOS ids
+    of the tokenizer and generation config as they are at this call); ignore_eos turns off vLLM's own EOS ids, those
+    of the tokenizer and generation_config.json it read when it was built, which stopped rows at an EOS id the model
+    no longer has. Stop strings are looked for in text with special tokens skipped.
     """
     return dict(
         n=num_generations, max_tokens=params.max_new_tokens, temperature=params.temperature, top_p=params.top_p,
         top_k=params.top_k, min_p=params.min_p, repetition_penalty=params.repetition_penalty,
         stop=stop_strings or None, stop_token_ids=stop_ids or None, seed=seed, logprobs=0, flat_logprobs=True,
-        include_stop_str_in_output=True, detokenize=bool(stop_strings),
+        include_stop_str_in_output=True, detokenize=bool(stop_strings), ignore_eos=True, skip_special_tokens=True,
     )
 
 
