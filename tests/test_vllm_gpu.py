@@ -6,6 +6,9 @@ vLLM's CuMem pool (what release_memory frees) is one per process, and vLLM engin
 a process: each xdist group builds one engine in its own worker. Run in one process, the later engines are built
 with release=False. Engines run eager (enforce_eager): no compile or graph capture to wait for.
 """
+import collections
+from types import SimpleNamespace
+
 import pytest
 import torch
 from test_rollout import EOS, PAD, PROMPTS, char_tokenizer, completions
@@ -34,8 +37,10 @@ KV_BYTES = 2 << 30
 LOGIT_SCALE, OUTPUT_SCALE = 10.0, 10.0
 
 
-def tiny(arch: str = "qwen2", lora: bool = False, seed: int = 0):
+def tiny(arch: str = "qwen2", lora: bool = False, seed: int = 0, special_tokens: tuple[str, ...] = ()):
     tok = char_tokenizer()
+    if special_tokens:  # added after the characters, in the vocabulary the model is built with
+        tok.add_special_tokens({"additional_special_tokens": list(special_tokens)})
     config = (Qwen2Config(tie_word_embeddings=True, vocab_size=len(tok), **SIZES) if arch == "qwen2"
               else LlamaConfig(tie_word_embeddings=False, vocab_size=len(tok), **SIZES))
     torch.manual_seed(seed)
@@ -99,6 +104,25 @@ def assert_same_greedy(got, want, model, tok, prompts=PROMPTS):
     assert sum(x == y for x, y in zip(a, b)) * 2 >= len(a), (a, b)
 
 
+def logprob_errors(out, model, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(|log-prob - the trainer's fused log-prob|, the trainer's log-prob) at each completion token of `out`."""
+    ids = torch.cat([out.prompt_ids, out.completion_ids], 1).cuda()
+    mask = torch.cat([out.prompt_mask, out.completion_mask], 1).cuda()
+    cmask = torch.cat([torch.zeros_like(out.prompt_mask), out.completion_mask], 1).cuda()
+    with torch.no_grad():
+        ref = sequence_logprobs(model, ids, mask, cmask, temperature=temperature)[:, out.prompt_ids.shape[1]:]
+    valid = out.completion_mask.bool().cuda()
+    assert (out.logprobs.cuda()[~valid] == 0).all()
+    return (out.logprobs.cuda() - ref)[valid].abs(), ref[valid]
+
+
+def assert_logprobs_within_noise(errors: dict) -> None:
+    """vLLM's errors within 3x the built-in engine's own disagreement with the trainer (bf16 noise)."""
+    print({k: (round(v.mean().item(), 5), round(v.max().item(), 4)) for k, v in errors.items()})
+    assert errors["vllm"].mean() <= 3 * errors["builtin"].mean() + 5e-3
+    assert errors["vllm"].mean() < 0.05
+
+
 def assert_logprobs_match(engine, model, tok) -> None:
     """vLLM's per-token log-probs (temperature 0.7: the processed distribution, not the raw one) against the
     trainer's fused log-probs on the same tokens, within 3x the built-in engine's own disagreement (bf16 noise)."""
@@ -106,18 +130,9 @@ def assert_logprobs_match(engine, model, tok) -> None:
     errors = {}
     for name, out in (("vllm", run(engine, G=8, sampling=sampling, seed=3)),
                       ("builtin", builtin(model, tok, G=8, sampling=sampling, seed=3))):
-        ids = torch.cat([out.prompt_ids, out.completion_ids], 1).cuda()
-        mask = torch.cat([out.prompt_mask, out.completion_mask], 1).cuda()
-        cmask = torch.cat([torch.zeros_like(out.prompt_mask), out.completion_mask], 1).cuda()
-        with torch.no_grad():
-            ref = sequence_logprobs(model, ids, mask, cmask, temperature=0.7)[:, out.prompt_ids.shape[1]:]
-        valid = out.completion_mask.bool().cuda()
-        assert (out.logprobs.cuda()[~valid] == 0).all()
-        errors[name] = (out.logprobs.cuda() - ref)[valid].abs()
-        assert (ref[valid] < -1e-2).float().mean() > 0.2  # sampled tokens of some uncertainty, not all logp = 0
-    print({k: (round(v.mean().item(), 5), round(v.max().item(), 4)) for k, v in errors.items()})
-    assert errors["vllm"].mean() <= 3 * errors["builtin"].mean() + 5e-3
-    assert errors["vllm"].mean() < 0.05
+        errors[name], ref = logprob_errors(out, model, temperature=0.7)
+        assert (ref < -1e-2).float().mean() > 0.2  # sampled tokens of some uncertainty, not all logp = 0
+    assert_logprobs_within_noise(errors)
 
 
 def adamw_step(model, lr: float) -> None:
@@ -345,3 +360,108 @@ def test_merge_sync_runs_the_trained_token_rows():
     assert completions(after) != completions(before)
     assert_same_greedy(after, builtin(model, tok), model, tok)
     assert_logprobs_match(engine, model, tok)
+
+
+# ---- special tokens as stops: an added special token (a chat model's <|im_end|>), PAD and EOS, emitted ----
+IM_END = "<|im_end|>"
+CHAT_PROMPTS = [*PROMPTS, "zebra", "what is 12 and 30?", "hi, how are you"]
+
+
+@pytest.fixture(scope="module")
+def chat():
+    """An untied Llama whose tokenizer adds <|im_end|> as a special token and whose generation config lists it beside
+    EOS (as Qwen2.5-Instruct's does) when the engine is built. `source`: the character greedy decoding picks most
+    often between two other characters (the rows repeat characters a lot; without any, most often), which `emit`
+    makes it pick another token in place of."""
+    model, tok = tiny("llama", seed=6, special_tokens=(IM_END,))
+    im_end = tok.convert_tokens_to_ids(IM_END)
+    model.generation_config.eos_token_id = [EOS, im_end]
+    engine = build_engine(model, tok)
+    free, special = completions(builtin(model, tok, prompts=CHAT_PROMPTS)), set(tok.all_special_ids)
+    between = collections.Counter(b for ids in free for a, b, c in zip(ids, ids[1:], ids[2:])
+                                  if not {a, b, c} & special and a != b != c)
+    picked = between or collections.Counter(t for ids in free for t in ids if t not in special)
+    rows = (model.model.embed_tokens.weight, model.lm_head.weight)
+    return SimpleNamespace(model=model, tok=tok, engine=engine, im_end=im_end, source=picked.most_common(1)[0][0],
+                           rows=rows, original=[w.detach().clone() for w in rows])
+
+
+def emit(chat, token: int) -> None:
+    """Greedy decoding picks `token` in place of chat.source: its lm_head row becomes 1.1x the source's (the source's
+    logit, positive where it wins, scaled past it; a larger factor also wins where the source came second) and its
+    embedding row the source's (the row goes on as after the source); every other row is its original. vLLM runs the
+    same rows (shared); its prefix cache is reset."""
+    embedding, head = chat.rows
+    with torch.no_grad():
+        for weight, original in zip(chat.rows, chat.original):
+            weight.copy_(original)
+        embedding[token] = embedding[chat.source]
+        head[token] = head[chat.source] * 1.1
+    chat.engine.load_weights(chat.model)
+
+
+def rollouts(chat, **kwargs):
+    """(vLLM's, the built-in engine's) greedy rollouts of CHAT_PROMPTS."""
+    return (run(chat.engine, prompts=CHAT_PROMPTS, **kwargs),
+            builtin(chat.model, chat.tok, prompts=CHAT_PROMPTS, **kwargs))
+
+
+def assert_same_rollout(got, want, chat) -> None:
+    """Greedy tokens as assert_same_greedy; where a row agrees, its mask, text (special tokens skipped) and finish
+    reason too; each engine's log-probs (at temperature 1, as greedy returns them) against the trainer's."""
+    assert_same_greedy(got, want, chat.model, chat.tok, CHAT_PROMPTS)
+    for r, (x, y) in enumerate(zip(completions(got), completions(want))):
+        assert got.texts[r] == chat.tok.decode(x, skip_special_tokens=True) and IM_END not in got.texts[r], r
+        if x == y:
+            assert got.completion_mask[r].nonzero().tolist() == want.completion_mask[r].nonzero().tolist(), r
+            assert (got.texts[r], got.finish_reasons[r]) == (want.texts[r], want.finish_reasons[r]), r
+    assert_logprobs_within_noise({name: logprob_errors(out, chat.model, temperature=1.0)[0]
+                                  for name, out in (("vllm", got), ("builtin", want))})
+
+
+@pytest.mark.xdist_group("special_tokens")
+@pytest.mark.parametrize("emitted, stop, config_eos", [
+    ("im_end", "id", False), ("im_end", "text", False), ("im_end", None, True),
+    ("pad", "id", False), ("pad", "text", False), ("eos", None, False),
+], ids=["added-id", "added-text", "generation-config", "pad-id", "pad-text", "tokenizer-eos"])
+def test_special_token_stops_like_the_builtin_engine(chat, monkeypatch, emitted, stop, config_eos):
+    """A special token greedy decoding emits stops a row when it is in the stop ids, as its id or its text (which
+    the texts never show), in the generation config's EOS list, or the tokenizer's EOS: the row ends with it."""
+    token = {"im_end": chat.im_end, "pad": PAD, "eos": EOS}[emitted]
+    if not config_eos:  # <|im_end|> stops through the stop argument alone
+        monkeypatch.setattr(chat.model.generation_config, "eos_token_id", EOS)
+    emit(chat, token)
+    stops = {"id": [token], "text": chat.tok.convert_ids_to_tokens(token), None: None}[stop]
+    got, want = rollouts(chat, stop=stops)
+    assert_same_rollout(got, want, chat)
+    ended = [ids for ids in completions(got) if token in ids]
+    assert ended, completions(got)  # emitted
+    assert all(ids.index(token) == len(ids) - 1 for ids in ended), ended
+    assert all(reason == "stop" for ids, reason in zip(completions(got), got.finish_reasons) if token in ids)
+
+
+@pytest.mark.xdist_group("special_tokens")
+def test_a_special_token_that_is_no_stop_is_skipped_in_texts_and_stop_strings(chat, monkeypatch):
+    """<|im_end|> emitted, dropped from the generation config's EOS ids after the engine was built (vLLM stopped
+    there, at the ids it read at its build): rows run on past it, their texts skip it, and a stop string of the two
+    characters around it (first seen there where a row has such a span) cuts the row where the built-in engine does."""
+    monkeypatch.setattr(chat.model.generation_config, "eos_token_id", EOS)
+    emit(chat, chat.im_end)
+    free, want = rollouts(chat)
+    assert_same_rollout(free, want, chat)
+    tok, rows = chat.tok, completions(free)
+
+    def text(ids):
+        return tok.decode(ids, skip_special_tokens=True)
+
+    spans = [(r, i) for r, ids in enumerate(rows) for i in range(1, len(ids) - 1)
+             if ids[i] == chat.im_end and not {ids[i - 1], ids[i + 1]} & set(tok.all_special_ids)]
+    assert spans, rows  # a row ran on past <|im_end|>, between two characters
+    # the string's first occurrence spans <|im_end|> where a row has one such (its characters are often repeated)
+    r, i = min(spans, key=lambda s: text(rows[s[0]][s[1] - 1:s[1] + 2]) in text(rows[s[0]][:s[1]]))
+    stop = text(rows[r][i - 1:i + 2])
+    got, want = rollouts(chat, stop=[stop])
+    assert_same_rollout(got, want, chat)
+    ids = completions(got)[r]
+    assert got.finish_reasons[r] == "stop" and stop in text(ids) and stop not in text(ids[:-1]), (stop, rows[r])
+    assert ids == rows[r][:len(ids)]
