@@ -173,6 +173,17 @@ def test_generate_stops_at_every_eos_of_the_tokenizer_and_generation_config(engi
     assert params["stop"] == ["xy"] and params["stop_token_ids"] == [9, engine.tokenizer.eos_token_id, 7]
 
 
+def test_generate_sends_the_stop_ids_of_the_call_with_vllms_own_eos_off(engine):
+    """vLLM also stops at the EOS ids it read when it was built (the tokenizer's, generation_config.json's) unless
+    ignore_eos: an id dropped from the generation config since still stopped its rows. The request carries every
+    stop id of the call, a special token's text as its id, and looks for stop strings with special tokens skipped."""
+    engine.model.generation_config.eos_token_id = [1, 9]  # 7 dropped after the build
+    engine.generate(["ab"], num_generations=1, sampling=SamplingParams(max_new_tokens=4), stop=["<pad>", "xy"])
+    (params,) = engine.llm.calls[0]["params"]
+    assert params["stop"] == ["xy"] and params["stop_token_ids"] == [0, 1, 9]
+    assert params["ignore_eos"] is True and params["skip_special_tokens"] is True
+
+
 def test_generate_fills_max_model_len_exactly_and_refuses_one_more(engine):
     engine.generate(["abcd"], num_generations=1, sampling=SamplingParams(max_new_tokens=8))  # 4 + 8 == 12
     with pytest.raises(ValueError, match=r"prompts\[1\]: 5 tokens \+ max_new_tokens 8 exceeds .* max_model_len 12"):
