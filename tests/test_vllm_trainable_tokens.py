@@ -327,3 +327,29 @@ def test_vllm_runs_the_rows_merge_and_unload_writes_in_another_dtype(trainer_dty
         sync(copies)
         want = copy.deepcopy(model).merge_and_unload().model.embed_tokens.weight.to(vllm_dtype)
         assert torch.equal(fake.model.embed_tokens.weight[:V], want), f"sync {step}"
+
+
+@pytest.mark.parametrize("after", ["adapters-off", "other-adapter"])
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_rows_merged_at_a_sync_get_the_base_back_after_peft_unmerges(tied, after):
+    """A sync while PEFT's merge_adapter() holds the trained rows in the base weight copies it whole; PEFT's
+    unmerge_adapter() then writes the originals back in place through weight.data, which moves no version counter.
+    A later sync with those rows no longer trained (the adapters off, another adapter active) left vLLM on the
+    merged rows; it gives the base's rows back, as for rows trained at the sync before."""
+    model = with_a_second_adapter(tied)
+    layer = token_layers(model)["model.embed_tokens"]
+    fake = vllm_like(tied=tied)
+    copies = bind(model, fake, merged=merged_sources(model))
+    model.merge_adapter()
+    sync(copies)
+    model.unmerge_adapter()
+    assert not torch.equal(fake.model.embed_tokens.weight[ROWS], layer.base_layer.weight[ROWS])  # merged rows
+    if after == "adapters-off":
+        with model.disable_adapter():
+            sync(copies)
+        assert torch.equal(fake.model.embed_tokens.weight[:V], layer.base_layer.weight)
+    else:
+        model.set_adapter("other")
+        sync(copies)
+        assert_runs(fake, copy.deepcopy(model).merge_and_unload(), tied)
+        assert torch.equal(fake.model.embed_tokens.weight[ROWS], layer.base_layer.weight[ROWS])

@@ -281,6 +281,12 @@ def trained_rows(layer: torch.nn.Module) -> list[tuple[list[int], torch.Tensor]]
             for a in _trained_token_adapters(layer)]
 
 
+def merged_token_rows(layer: torch.nn.Module) -> list[int]:
+    """Token indices of the adapters PEFT's merge put into a TrainableTokensLayer's base weight: its unmerge writes
+    the originals back there in place, through weight.data (no version counter moves)."""
+    return [i for a in layer.merged_adapters for i in layer.token_indices[a]]
+
+
 def trained_tokens_names(model: torch.nn.Module) -> dict[str, str | None]:
     """Full name of each parameter of a TrainableTokensLayer -> its name in the model the forward runs, for the
     base weight (model.embed_tokens.token_adapter.base_layer.weight -> model.embed_tokens.weight), whose value there

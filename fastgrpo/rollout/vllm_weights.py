@@ -25,7 +25,13 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from fastgrpo.hf.peft import modules_to_save_names, trained_rows, trained_tokens_layers, trained_tokens_names
+from fastgrpo.hf.peft import (
+    merged_token_rows,
+    modules_to_save_names,
+    trained_rows,
+    trained_tokens_layers,
+    trained_tokens_names,
+)
 from fastgrpo.rollout.vllm_settings import BUILTIN_ENGINE
 
 # HF projection -> (vLLM's fused layer, index of its rows among the fused layer's output_sizes)
@@ -67,7 +73,9 @@ class TrainedRows:
     A refresh writes the trained rows alone (an embedding of 128K x 4096 in bf16 is 1 GB; its trained rows are a few
     KB), and puts the base's rows back where rows written before are no longer trained (another adapter set active,
     the adapters off). The whole base is copied at the first refresh and again when the base weight is another tensor
-    (PEFT's merge) or was written in place (its version counter: an optimizer step on a base left trainable)."""
+    (PEFT's merge) or was written in place (its version counter: an optimizer step on a base left trainable). PEFT's
+    unmerge writes through weight.data, which moves neither: the rows a merge put in the base count as written. Other
+    writes through .data (w.data.copy_(...)) are not seen: write the base as w.copy_(...) under torch.no_grad()."""
 
     hf_name: str
     rows: torch.Tensor
@@ -88,7 +96,7 @@ class TrainedRows:
                 self._write(stale, base[stale])
         for rows, values in trained:
             self._write(rows, values)
-        self._written = indices
+        self._written = indices + merged_token_rows(self.layer)
 
     def _write(self, indices: list[int], values: torch.Tensor) -> None:
         index = torch.tensor(indices, device=self.rows.device)
