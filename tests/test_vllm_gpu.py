@@ -462,6 +462,11 @@ def test_a_special_token_that_is_no_stop_is_skipped_in_texts_and_stop_strings(ch
     stop = text(rows[r][i - 1:i + 2])
     got, want = rollouts(chat, stop=[stop])
     assert_same_rollout(got, want, chat)
-    ids = completions(got)[r]
-    assert got.finish_reasons[r] == "stop" and stop in text(ids) and stop not in text(ids[:-1]), (stop, rows[r])
-    assert ids == rows[r][:len(ids)]
+    hits = 0
+    for ids, reason in zip(completions(got), got.finish_reasons):
+        if stop in text(ids):
+            hits += 1
+            assert reason == "stop" and stop not in text(ids[:-1]), (stop, ids)
+        else:
+            assert reason == "length" or ids[-1] == EOS, (stop, ids)
+    assert hits > 0, (stop, rows[r])
