@@ -27,6 +27,7 @@ from fastgrpo._checks import (
     raise_unless_in_range,
     read_ints,
 )
+from fastgrpo._device import on_model_device
 from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
 from fastgrpo.loss.config import (
     GRPOLossConfig,
@@ -133,6 +134,7 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
     return hidden, head, batch
 
 
+@on_model_device
 def grpo_loss(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -249,6 +251,7 @@ def _own_logps(hidden, head, input_ids, cols, cfg, backend) -> torch.Tensor:
 
 
 @torch.no_grad()
+@on_model_device
 def sequence_logprobs(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -18,6 +18,7 @@ import numbers
 import torch
 
 from fastgrpo._checks import check_binary_mask, check_integer_ids, check_shape, raise_unless_in_range, read_ints
+from fastgrpo._device import on_model_device
 from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
 from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_positions, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
@@ -45,6 +46,7 @@ def _positive_count(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool) and 0 < value < math.inf
 
 
+@on_model_device
 def sft_loss(
     model: torch.nn.Module,
     input_ids: torch.Tensor,

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fastgrpo._checks import check_choice, check_int_at_least, check_positive_int
+from fastgrpo._device import forward_on_model_device
 from fastgrpo.hf.architectures import ACTIVATIONS, loaded_lora_classes
 from fastgrpo.hf.binding import WeakBoundMethod, bind_forward
 from fastgrpo.hf.models import architecture, check_one_device, decoder_layers, split_recomputed, unwrap_peft
@@ -219,6 +220,8 @@ def patch_model(
         patched["offload_activations"] += len(checkpointed)
     if checkpointed and recompute_layers is not None:
         undo.append(_hf_checkpointing_off(hf_model, arch, layers, recompute_layers))
+    # bound last, around every forward above: Triton launches on the current device, not the model's
+    bind(hf_model, forward_on_model_device)
     watch_for_liger(hf_model, layers)
     undo.append(WeakBoundMethod(unwatch_liger, hf_model))
     hf_model.__dict__[_UNDO_ATTR] = undo

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import torch
 
+from fastgrpo._device import on_model_device
 from fastgrpo.hf.models import attention_implementation
 from fastgrpo.rollout.attention import rollout_attention
 from fastgrpo.rollout.base import RolloutResult
@@ -66,6 +67,7 @@ def generate(
                                 prompt_keys=prompt_keys)
 
 
+@on_model_device
 def generate_with_config(
     model, tokenizer, prompts, num_generations: int, params: SamplingParams, *, stop=None, seed=None,
     prompt_keys=None, config: EngineConfig = EngineConfig(),

@@ -34,6 +34,7 @@ import itertools
 
 import torch
 
+from fastgrpo._device import on_device
 from fastgrpo.ops._backend import use_triton
 
 _MASK64 = (1 << 64) - 1
@@ -279,7 +280,8 @@ class StochasticRoundingAdamW(torch.optim.Optimizer):
             live = [(first + i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
             first += len(group["params"])
             if live:
-                self._step_group(group, live)
+                with on_device(live[0][1].device):  # the kernel launches on the current device
+                    self._step_group(group, live)
         return loss
 
     def _step_group(self, group: dict, live: list[tuple[int, torch.Tensor]]) -> None:
