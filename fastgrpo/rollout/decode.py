@@ -417,7 +417,9 @@ class _GraphedStep:
             return
         try:
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            # on this step's own stream: torch.cuda.graph's default capture stream is one per process, made on the
+            # device current at its first capture (a rollout on another GPU later would capture on it)
+            with torch.cuda.graph(graph, stream=self.stream):
                 self.step()
         except Exception as err:  # noqa: BLE001 - any capture failure falls back to the compiled step
             warnings.warn(f"rollout: CUDA graph capture failed ({err!r}); decoding without graphs", stacklevel=2)
