@@ -10,9 +10,11 @@ def sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+@torch.compiler.assume_constant_result
 def max_shared(device: torch.device) -> int:
     """Shared memory a block may opt into on CUDA `device`, bytes, as Triton's driver reports it (what Triton checks
-    a launch against)."""
+    a launch against). A constant to torch.compile, which traces the decode attention's launcher in the compiled
+    decode step, where the driver's query (a C call) would break the step's graph at every attention call."""
     return _max_shared(torch.cuda.current_device() if device.index is None else device.index)
 
 
