@@ -15,6 +15,8 @@ from collections.abc import Callable
 
 import torch
 
+from fastgrpo.hf.binding import signature_with_self
+
 
 def on_device(device: torch.device) -> contextlib.AbstractContextManager:
     """torch.cuda.device(device) where it is a CUDA device other than the current one; a no-op otherwise (the CPU,
@@ -45,4 +47,5 @@ def forward_on_model_device(previous: Callable) -> Callable:
     def forward(self, *args, **kwargs):
         with on_device(model_device(self)):
             return previous(*args, **kwargs)
+    forward.__signature__ = signature_with_self(previous)
     return forward

@@ -141,3 +141,12 @@ def as_method(module: Any, undo: contextlib.ExitStack) -> None:
     if isinstance(bound, WeakBoundMethod):
         module.__dict__["forward"] = types.MethodType(bound.__func__, module)
         undo.callback(module.__dict__.__setitem__, "forward", bound)
+
+
+def signature_with_self(previous: Callable) -> inspect.Signature:
+    """`previous`'s signature with `self` first, for a forward bind_forward binds over it: HF reads a forward's
+    parameter names (generate builds the attention mask from pad tokens and passes logits_to_keep only to a forward
+    that names them; the Trainer drops the dataset columns it does not name, every one for (*args, **kwargs))."""
+    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    signature = inspect.signature(previous)
+    return signature.replace(parameters=[this, *signature.parameters.values()])

@@ -2,7 +2,6 @@
 the final hidden states through fastgrpo.fused_linear_logprobs, never materializing [B, T, V] logits."""
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable
 
 import torch
@@ -10,6 +9,7 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from fastgrpo._checks import check_integer_ids, check_shape, read_ints
 from fastgrpo.hf.architectures import Architecture
+from fastgrpo.hf.binding import signature_with_self
 from fastgrpo.hf.models import adapters_active, head_bias
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
@@ -69,10 +69,9 @@ def causal_lm_forward(previous: Callable, backbone_attr: str, arch: Architecture
             **{_CACHE_FIELD: getattr(out, _CACHE_FIELD, None)},
         )
 
-    # HF reads a forward's parameter names: generate builds the attention mask from pad tokens and passes
-    # logits_to_keep only to a forward that names them, and the Trainer drops the dataset columns it does not name
-    # (every one, for (*args, **kwargs)). Shown with `self`, which a bound method's signature leaves out.
-    forward.__signature__ = _with_self(inspect.signature(previous))
+    # HF reads a forward's parameter names (signature_with_self); shown with `self`, which a bound method's
+    # signature leaves out.
+    forward.__signature__ = signature_with_self(previous)
     return forward
 
 
@@ -94,8 +93,3 @@ def _head_weight_usable(head) -> bool:
     """Whether head.weight (and head_bias) is what the lm_head's forward multiplies by: not with active PEFT adapters
     (their delta is not in it), nor on the meta device (device_map offload: the weight is loaded by the hook)."""
     return not adapters_active(head) and not head.weight.is_meta
-
-
-def _with_self(signature: inspect.Signature) -> inspect.Signature:
-    this = inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    return signature.replace(parameters=[this, *signature.parameters.values()])
