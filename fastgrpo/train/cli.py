@@ -234,7 +234,8 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted, resume_command
-    from fastgrpo.train.loading import load_dataset, load_model_and_tokenizer, resolve_reward, tokenizer_before_load
+    from fastgrpo.train.loading import (load_dataset, load_eval_dataset, load_model_and_tokenizer, resolve_reward,
+                                        tokenizer_before_load)
     from fastgrpo.train.dataset_source import check_local_dataset_sources
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
@@ -252,6 +253,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check, the model's load and the trainer take it
+    eval_rows = load_eval_dataset(config, tokenizer)  # read once: the trainer takes them
     dataset = load_dataset(config, tokenizer=tokenizer)
     prompt_ids = check_sampling_before_load(config, dataset, reward_funcs, tokenizer)
     if dist.active:
@@ -269,7 +271,8 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         torch.manual_seed(config.seed)  # LoRA's initialization
         with naming_the_model(config.model):
             model, _ = load_model_and_tokenizer(config, tokenizer)
-        trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config, prompt_ids=prompt_ids)
+        trainer = GRPOTrainer(model, tokenizer, reward_funcs, dataset, config, prompt_ids=prompt_ids,
+                              eval_rows=eval_rows)
         try:
             history = trainer.train(run_dir)
         except Interrupted as stop:

@@ -2,7 +2,7 @@
 under a second, where a model can take minutes) or the model's config.json tells: train and ei's reward functions,
 weights and rows, with every prompt tokenized against max_prompt_length; sft's rows against max_seq_length; eval's
 prompts with its new tokens against the model's positions (a run's periodic evaluation rows: loading.
-check_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
+load_eval_dataset); train's rollout engine installed, and train, sft and ei's LoRA targets against the model's
 modules. These were found once the model had loaded. Each takes the tokenizer its command loaded once (loading.
 tokenizer_before_load). train and ei train on the prompt ids tokenized here, eval evaluates them, and sft trains on
 the examples tokenized here."""

@@ -122,10 +122,11 @@ def distinct_correct(prompts: list[list[int]], completions: list[list[int]], cor
 class ExpertIteration:
     def __init__(self, model: torch.nn.Module, tokenizer, reward_funcs: Callable | Sequence[Callable],
                  train_dataset, config: EIConfig | None = None, *, engine: RolloutEngine | None = None,
-                 prompt_ids: list[list[int]] | None = None):
+                 prompt_ids: list[list[int]] | None = None, eval_rows=None):
         """engine: where samples come from (default: BuiltinEngine on the model's own modules; under torchrun the
         only one: each process samples with the model it trains). prompt_ids: as GRPOTrainer's (every row's prompt
-        tokenized by the caller already; None: tokenized here)."""
+        tokenized by the caller already; None: tokenized here); eval_rows too (the evaluation's rows, read by the
+        caller already; None: read here)."""
         self.config = config = config or EIConfig()
         check_layer_adapters(model)
         self.model, self.tokenizer, self.dataset = model, tokenizer, train_dataset
@@ -150,7 +151,7 @@ class ExpertIteration:
         self.history: list[dict] = []
         # the newest round checkpoint written or resumed from, as GRPOTrainer's (loop_checkpoints)
         self._saved_step = self._saved_path = self._saved_identity = self._saved_time = None
-        self.evaluator = ei_evaluator(self)  # None unless eval_steps
+        self.evaluator = ei_evaluator(self, eval_rows)  # None unless eval_steps
         self._unevaluated = None  # a resumed round's metrics, whose evaluation failed: evaluated first
         # what a reward function may not log: a name of the round's metrics, or of the evaluation's (same functions)
         taken = metric_names(ROUND_METRICS, reward_names(self.reward_funcs))

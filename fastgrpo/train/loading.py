@@ -174,10 +174,9 @@ def load_dataset(config, builtin=None, tokenizer=None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
     mistake after it. tokenizer: the run's, which a command loads once and hands on (tokenizer_before_load; eval's:
-    the evaluated model's); None: config.model's, loaded here."""
+    the evaluated model's); None: config.model's, loaded here. A run's evaluation rows: load_eval_dataset."""
     if tokenizer is None:
         tokenizer = tokenizer_before_load(config.model)
-    check_eval_dataset(config, tokenizer)
     return _checked_rows(config, builtin, tokenizer)
 
 
@@ -244,24 +243,29 @@ def eval_dataset_config(config) -> str | None:
     return config.eval_dataset_config
 
 
-def check_eval_dataset(config, tokenizer) -> None:
-    """A run's eval_rows, checked as its training rows are (with its tokenizer), before the model loads: they are read
-    inside the trainer, where a wrong path, column or prompt length stopped the run after the model had loaded. The
-    trainer reads them again (the first eval_max_examples rows)."""
-    if not getattr(config, "eval_steps", 0) or config.eval_dataset is None and config.dataset is None:
-        return  # no evaluation, or the built-in task's rows
-    rows = first_rows(eval_rows(config), config.eval_max_examples)
+def load_eval_dataset(config, tokenizer):
+    """The rows a run evaluates on every eval_steps (eval_rows), read once, before the model loads, and checked as its
+    training rows are (with its tokenizer): read inside the trainer, a wrong path, column or prompt length stopped the
+    run after the model had loaded. The trainer takes them (its eval_rows) rather than read them (and ask the Hub for
+    a Hub dataset) again. None where the run does not evaluate."""
+    if not getattr(config, "eval_steps", 0):
+        return None
+    rows = eval_rows(config)
+    if config.eval_dataset is None and config.dataset is None:
+        return rows  # the built-in task's held-out rows
+    checked = first_rows(rows, config.eval_max_examples)
     names = getattr(config, "eval_reward_funcs", None) or config.reward_funcs  # sft's own, else the run's
     reward_funcs = [resolve_reward(name) for name in names]
-    check_reward_rows(rows, config.prompt_column, reward_funcs, "eval_dataset")
-    check_prompt_formats(prompt_values(rows, config.prompt_column, field="eval_dataset"), config, tokenizer,
+    check_reward_rows(checked, config.prompt_column, reward_funcs, "eval_dataset")
+    check_prompt_formats(prompt_values(checked, config.prompt_column, field="eval_dataset"), config, tokenizer,
                          "eval_dataset")
     # each prompt with the new tokens within the model's positions (its config.json; the built-in model's: once built)
     new_tokens = "eval_max_new_tokens" if hasattr(config, "eval_max_new_tokens") else "max_completion_length"
-    build_eval_task(rows, tokenizer, prompt_column=config.prompt_column,
+    build_eval_task(checked, tokenizer, prompt_column=config.prompt_column,
                     prompt_format=config.prompt_format, reward_funcs=reward_funcs,
                     max_positions=positions_before_load(config.model), max_new_tokens=getattr(config, new_tokens),
                     new_tokens_field=new_tokens)
+    return rows
 
 
 def prompt_values(rows, column: str, max_examples: int = 0, field: str = "dataset") -> list[tuple[int, object]]:

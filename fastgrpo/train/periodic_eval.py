@@ -104,12 +104,13 @@ class PeriodicEval:
         return summary
 
 
-def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
-    """For an SFTConfig: its prompt column and format, eval_reward_funcs, eval_max_new_tokens, eval_temperature."""
+def sft_evaluator(config, model, tokenizer, rows=None) -> PeriodicEval | None:
+    """For an SFTConfig: its prompt column and format, eval_reward_funcs, eval_max_new_tokens, eval_temperature.
+    rows: eval_rows(config), where the caller read them already (loading.load_eval_dataset); None: read here."""
     if not config.eval_steps:
         return None
     rewards = [resolve_reward(name) for name in config.eval_reward_funcs]
-    task = build_eval_task(eval_rows(config), tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(_read_once(config, rows), tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=rewards,
                            max_examples=config.eval_max_examples, max_positions=model_positions(model),
                            max_new_tokens=config.eval_max_new_tokens, new_tokens_field="eval_max_new_tokens")
@@ -119,12 +120,13 @@ def sft_evaluator(config, model, tokenizer) -> PeriodicEval | None:
                         output_dir=config.output_dir, stop=stop, seed=config.seed, reward_errors=config.reward_errors)
 
 
-def ei_evaluator(run) -> PeriodicEval | None:
-    """For an ExpertIteration: its prompt format, rewards, threshold, sampling, stop strings and engine."""
+def ei_evaluator(run, rows=None) -> PeriodicEval | None:
+    """For an ExpertIteration: its prompt format, rewards, threshold, sampling, stop strings and engine. rows: as
+    sft_evaluator's."""
     config = run.config
     if not config.eval_steps:
         return None
-    task = build_eval_task(eval_rows(config), run.tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(_read_once(config, rows), run.tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=run.reward_funcs,
                            reward_weights=config.reward_weights, correct_threshold=config.correct_threshold,
                            max_examples=config.eval_max_examples, max_positions=model_positions(run.model),
@@ -134,13 +136,13 @@ def ei_evaluator(run) -> PeriodicEval | None:
                         reward_errors=config.reward_errors, unit="round", max_steps=config.ei_steps)
 
 
-def grpo_evaluator(trainer) -> PeriodicEval | None:
+def grpo_evaluator(trainer, rows=None) -> PeriodicEval | None:
     """For a GRPOTrainer: its prompt format (raw: text as is, messages through the chat template), rewards and weights,
-    sampling, stop strings and engine; one completion per prompt."""
+    sampling, stop strings and engine; one completion per prompt. rows: as sft_evaluator's."""
     config = trainer.config
     if not config.eval_steps:
         return None
-    task = build_eval_task(eval_rows(config), trainer.tokenizer, prompt_column=config.prompt_column,
+    task = build_eval_task(_read_once(config, rows), trainer.tokenizer, prompt_column=config.prompt_column,
                            prompt_format=config.prompt_format, reward_funcs=trainer.reward_funcs,
                            reward_weights=config.reward_weights, max_examples=config.eval_max_examples,
                            max_positions=model_positions(trainer.model),
@@ -150,3 +152,8 @@ def grpo_evaluator(trainer) -> PeriodicEval | None:
                         every=config.eval_steps, output_dir=config.output_dir,
                         stop=config.stop_strings, seed=config.seed,
                         reward_errors=config.reward_errors, max_steps=config.max_steps)
+
+
+def _read_once(config, rows):
+    """The rows to evaluate on: those the caller read (a command, before the model loaded), else eval_rows(config)."""
+    return rows if rows is not None else eval_rows(config)

@@ -97,13 +97,13 @@ def _checked_examples(examples, config: SFTConfig, field: str) -> list[SFTExampl
 
 class SFTTrainer:
     def __init__(self, model: torch.nn.Module, tokenizer, train_dataset, config: SFTConfig | None = None, *,
-                 dist: Distributed | None = None, examples: list[SFTExample] | None = None):
+                 dist: Distributed | None = None, examples: list[SFTExample] | None = None, eval_rows=None):
         """train_dataset: rows with config.prompt_column / response_column (tokenized in config.prompt_format), or
         a list of SFTExample (already tokenized, e.g. expert iteration's kept samples). dist: a Distributed whose
         data_parallel wrapped `model` already (expert iteration's, once for all its rounds: DDP or FSDP2 wrap a model
         once); none: this process's, wrapping the model here under torchrun. examples: the rows as
         sft_data.tokenize_rows gives them with this config, where the caller tokenized them already (`fastgrpo sft`,
-        to check them before the model loads); None: tokenized here."""
+        to check them before the model loads); None: tokenized here. eval_rows: as GRPOTrainer's."""
         check_trainer_objects(model, tokenizer, train_dataset, config, SFTConfig)
         self.config = config = config or SFTConfig()
         self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
@@ -133,7 +133,7 @@ class SFTTrainer:
         self.device = next(model.parameters()).device
         self.steps_per_epoch = steps_per_epoch(len(self.examples), config.batch_size)
         self.total_steps = total_steps(config, len(self.examples))
-        self.evaluator = sft_evaluator(config, model, tokenizer)  # None unless eval_steps
+        self.evaluator = sft_evaluator(config, model, tokenizer, eval_rows)  # None unless eval_steps
         self._unevaluated = None  # a resumed step's metrics, whose evaluation failed: evaluated first
         if dist is None:
             self.dist.data_parallel(model, None, config)  # DDP (LoRA) / FSDP2 under torchrun, before the optimizer

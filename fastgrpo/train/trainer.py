@@ -85,11 +85,14 @@ class GRPOTrainer:
         engine: RolloutEngine | None = None,
         *,
         prompt_ids: list[list[int]] | None = None,
+        eval_rows=None,
     ):
         """engine: where rollouts come from (default: config.rollout_engine, BuiltinEngine(model, tokenizer) with
         the model's own modules, or a VLLMEngine sharing the model's weights). prompt_ids: every row's prompt as
         grpo_data.tokenized_prompts gives it, where the caller tokenized them already (the commands, to check their
-        lengths before the model loads); None: tokenized here."""
+        lengths before the model loads); None: tokenized here. eval_rows: the rows of the evaluation every
+        config.eval_steps as loading.eval_rows(config) gives them, where the caller read them already (the commands,
+        loading.load_eval_dataset); None: read here."""
         check_trainer_objects(model, tokenizer, train_dataset, config, GRPOConfig)
         self.config = config = config or GRPOConfig()
         self._built_with = dataclasses.asdict(config)  # train() refuses a field set since (check_config_unchanged)
@@ -130,7 +133,7 @@ class GRPOTrainer:
         self._saved_step = self._saved_path = None  # the newest checkpoint written or resumed from
         self._saved_identity = None  # its checkpoint_identity: train() again continues there only while it is ours
         self._saved_time = time.monotonic()
-        self.evaluator = grpo_evaluator(self)  # every config.eval_steps; None when 0
+        self.evaluator = grpo_evaluator(self, eval_rows)  # every config.eval_steps; None when 0
         self._unevaluated = None  # a resumed step's metrics, whose evaluation failed: evaluated first
         # what a reward function may not log: a name of the step's metrics, or of the evaluation's (same functions)
         taken = metric_names(STEP_METRICS, reward_names(self.reward_funcs))
