@@ -8,7 +8,7 @@ import pytest
 from fastgrpo.rewards.scoring import score
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
-from fastgrpo.train.loading import load_dataset, load_rows
+from fastgrpo.train.loading import load_dataset, load_eval_dataset, load_rows, tokenizer_before_load
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sources import DATA_FILE_FORMS
 
@@ -145,7 +145,7 @@ def test_a_missing_column_names_a_close_match():
         check_reward_rows([{"question": "say a", "answer": "a"}], "prompt", [], "dataset")
 
 
-def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
+def test_an_eval_dataset_is_checked_before_the_model_loads(tmp_path):
     # read inside the trainer: a wrong path or column stopped the run after the model had loaded
     train = tmp_path / "train.jsonl"
     train.write_text('{"prompt": "say a", "response": "a", "answer": "a"}\n')
@@ -154,6 +154,7 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
     chats.write_text('{"messages": [{"role": "user", "content": "say a"}, {"role": "assistant", "content": "a"}]}\n')
     chat_prompts = tmp_path / "chat_prompts.jsonl"
     chat_prompts.write_text('{"prompt": [{"role": "user", "content": "say a"}], "answer": "a"}\n')
+    tokenizer = tokenizer_before_load(None)  # the built-in model's
     for config, message in [
         (SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl"), eval_steps=10),
          f"eval_dataset: no such file or folder {tmp_path / 'nope.jsonl'}; eval_dataset takes a {DATA_FILE_FORMS}"),
@@ -164,11 +165,12 @@ def test_an_eval_dataset_is_checked_as_the_rows_load(tmp_path):
          NO_TEMPLATE.replace("dataset: row 1", "eval_dataset: row 0")),
     ]:
         with pytest.raises(ValueError) as err:
-            load_dataset(config)
+            load_eval_dataset(config, tokenizer)
         assert str(err.value) == message
-    assert len(load_dataset(SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl")))) == 1
+    not_evaluating = SFTConfig(dataset=str(train), eval_dataset=str(tmp_path / "nope.jsonl"))  # no eval_steps
+    assert load_eval_dataset(not_evaluating, tokenizer) is None
     with pytest.raises(ValueError, match="^eval_dataset: eval_steps > 0 on your own dataset needs rows to evaluate"):
-        load_dataset(SFTConfig(dataset=str(train), eval_steps=10))  # no eval_dataset
+        load_eval_dataset(SFTConfig(dataset=str(train), eval_steps=10), tokenizer)  # no eval_dataset
 
 
 @pytest.mark.parametrize("spelt", ["$REWARDS_DIR/my_reward.py:fn", "${REWARDS_DIR}/my_reward.py:fn",

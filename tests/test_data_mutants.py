@@ -17,7 +17,7 @@ from fastgrpo.train import default_task
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.eval_config import EvalConfig
 from fastgrpo.train.grpo_data import _epoch_order, prompt_token_ids, walk_rows
-from fastgrpo.train.loading import eval_rows, load_dataset, load_rows
+from fastgrpo.train.loading import eval_rows, load_eval_dataset, load_rows, tokenizer_before_load
 from fastgrpo.train.prompts import R1_ZERO_PROMPT, prompt_ids, response_ids
 from fastgrpo.train.sft_config import SFTConfig
 from fastgrpo.train.sft_data import collate, tokenize_rows
@@ -203,6 +203,7 @@ def test_only_the_eval_rows_a_run_evaluates_are_checked_before_it_loads(tmp_path
     held_out.write_text('{"prompt": "2 say b", "letter": "b"}\n{"prompt": "3 say c", "letter": "c"}\n'
                         '{"prompt": null, "letter": "d"}\n')
     fields = dict(dataset=str(train), eval_dataset=str(held_out), eval_steps=1, reward_funcs=default_task.REWARD_FUNCS)
-    assert len(load_dataset(GRPOConfig(**fields, eval_max_examples=2))) == 1
+    tokenizer = tokenizer_before_load(None)  # the built-in model's
+    assert len(load_eval_dataset(GRPOConfig(**fields, eval_max_examples=2), tokenizer)) == 3  # the trainer's rows
     with pytest.raises(ValueError, match=r"^eval_dataset: row 2: prompt: expected a string"):
-        load_dataset(GRPOConfig(**fields, eval_max_examples=3))
+        load_eval_dataset(GRPOConfig(**fields, eval_max_examples=3), tokenizer)

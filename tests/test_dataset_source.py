@@ -313,3 +313,58 @@ def test_a_hub_id_is_no_path_and_a_data_files_name_is(empty_folder, namespace, n
 def test_a_name_is_read_as_a_local_path(empty_folder, name, local):
     with _in_folder(empty_folder):
         assert looks_local(name) == local, name
+
+
+RUN_FLAGS = {  # one short step (round) of each command on project's row, the built-in model, evaluating at it
+    "train": ["--reward-funcs", "length", "--max-steps", "1", "--batch-size", "8", "--micro-batch-size", "8"],
+    "sft": ["--response-column", "answer", "--max-steps", "1", "--batch-size", "1", "--max-seq-length", "64"],
+    "ei": ["--reward-funcs", "length", "--prompt-format", "raw", "--ei-steps", "1"],
+}
+
+
+def _counted(monkeypatch, module, name: str) -> list:
+    """The first argument of each call of module.name from now on."""
+    calls, original = [], getattr(module, name)
+
+    def counting(*args, **kwargs):
+        calls.append(args[0])
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+def _run_evaluating(command: str, eval_flags: list[str], capsys) -> None:
+    code, err, _ = _run([command, "--dataset", "data/train.jsonl", *eval_flags, "--eval-steps", "1",
+                         "--eval-max-examples", "1", "--output-dir", "out", "--no-export", "--no-progress-bar",
+                         "--logging-steps", "0", *RUN_FLAGS[command]], capsys)
+    assert code == 0, err
+    assert (Path("out") / "eval" / "step-1_summary.json").is_file()  # it evaluated
+
+
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_a_runs_eval_dataset_is_read_once(command, project, refusing_hub, monkeypatch, capsys):
+    # read before the model loads (its mistakes said then), and again by the trainer for its evaluation
+    import fastgrpo.train.loading as loading
+
+    (project / "data" / "test.jsonl").write_text(json.dumps(ROW) + "\n")
+    reads = _counted(monkeypatch, loading, "read_json_rows")
+    _run_evaluating(command, ["--eval-dataset", "data/test.jsonl"], capsys)
+    assert sorted(map(str, reads)) == ["data/test.jsonl", "data/train.jsonl"], reads
+
+
+@pytest.mark.parametrize("command", ["train", "eval"])
+def test_a_hub_eval_dataset_is_asked_of_the_hub_and_loaded_once(command, project, hub, monkeypatch, capsys):
+    # train asked the Hub (and datasets loaded it) before the model loaded and again for the trainer's evaluation
+    import fastgrpo.train.dataset_source as dataset_source
+
+    _cache_as_hub_dataset(project / "datasets_cache", "owner/my_rows", project / "data" / "train.jsonl")
+    asked = _counted(monkeypatch, dataset_source, "ask_hub")
+    loads = _counted(monkeypatch, datasets, "load_dataset")
+    if command == "eval":
+        code, err, _ = _run(["eval", "--dataset", "owner/my_rows", "--dataset-split", "train", "--prompt-format",
+                             "raw", "--reward-funcs", "length", "--output-dir", "out"], capsys)
+        assert code == 0, err
+    else:
+        _run_evaluating(command, ["--eval-dataset", "owner/my_rows", "--eval-dataset-split", "train"], capsys)
+    assert (asked, loads) == (["owner/my_rows"], ["owner/my_rows"])
