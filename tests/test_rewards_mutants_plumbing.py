@@ -4,6 +4,7 @@ columns (rows repeated num_generations times, grouped by prompt), its own token 
 weights apply to their own function; None is left out of the weighted sum (nansum) and a row no function scored is
 left out of the statistics. Each test kills mutants of fastgrpo/rewards and fastgrpo/train/step_rewards.py that the
 rest of the suite let pass (a mutation audit)."""
+import json
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fastgrpo.loss.grpo import reward_advantages
-from fastgrpo.rewards.scoring import RewardError, nan_std, zero_spread_fraction
+from fastgrpo.rewards.scoring import RewardError, nan_sample_std, zero_spread_fraction
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.step_rewards import per_function_metrics, score_groups
@@ -117,10 +118,11 @@ def test_normalize_then_sum_leaves_an_unscored_row_out_as_trl():
 
 
 def test_reward_std_and_zero_spread_metrics():
-    """reward_std: Bessel's std of the scored rewards (TRL's nanstd); frac_reward_zero_std: the share of groups
-    with no spread, a group none of whose rows was scored counting as one (it carries no signal)."""
+    """reward_std: Bessel's std of the scored rewards (TRL's nanstd), None (TRL's NaN, logged as null) for fewer than
+    two; frac_reward_zero_std: the share of groups with no spread, a group none of whose rows was scored counting as
+    one (it carries no signal)."""
     nan = math.nan
-    assert nan_std(torch.tensor([1.0, nan, 3.0, 5.0], dtype=torch.float64)) == pytest.approx(2.0, rel=1e-12)
+    assert nan_sample_std(torch.tensor([1.0, nan, 3.0, 5.0], dtype=torch.float64)) == pytest.approx(2.0, rel=1e-12)
     grouped = torch.tensor([[1.0, 1.0], [nan, nan], [0.0, 2.0], [nan, 4.0]], dtype=torch.float64)
     assert zero_spread_fraction(grouped) == 0.75
 
@@ -189,6 +191,35 @@ def test_a_steps_reward_metrics_are_trls():
     assert metrics["rewards/first_only"] == 1.0 and metrics["rewards/first_only/std"] is None
     assert metrics["reward"] == pytest.approx(weighted.mean().item(), rel=1e-12)
     assert metrics["reward_std"] == pytest.approx(weighted.std().item(), rel=1e-12, abs=1e-12)
+
+
+def _first_only(prompts, completions, **kwargs):  # the batch's first completion scored, no other
+    return [1.0] + [None] * (len(completions) - 1)
+
+
+def test_the_reward_std_of_one_scored_reward_is_trls_null(tmp_path):
+    """A step (an ei round) where one completion alone was scored: reward_std None, TRL 1.16's nanstd of one value
+    (NaN, which its log() writes null), as rewards/<name>/std; it was 0.0, a spread measured as none. metrics.jsonl
+    stays JSON (no NaN)."""
+    from trl.trainer import utils
+
+    from fastgrpo.train import default_task
+    from fastgrpo.train.ei_config import EIConfig
+    from fastgrpo.train.expert_iteration import ExpertIteration
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    assert math.isnan(utils.nanstd(torch.tensor([1.0, math.nan], dtype=torch.float64)).item())
+    tokenizer = default_task.build_tokenizer()
+    small = {"batch_size": 4, "num_generations": 2, "micro_batch_size": 4, "max_completion_length": 2,
+             "export": False, "progress_bar": False, "logging_steps": 0, "output_dir": str(tmp_path)}
+    grpo = GRPOTrainer(default_task.build_model(tokenizer), tokenizer, [_first_only], default_task.build_dataset(4),
+                       GRPOConfig(**{**default_task.PRESET, **small, "max_steps": 1}))
+    ei = ExpertIteration(default_task.build_model(tokenizer), tokenizer, [_first_only], default_task.build_dataset(4),
+                         EIConfig(**{**default_task.EI_PRESET, **small, "questions_per_step": 2, "sft_epochs": 1,
+                                         "prompt_format": "raw"}))
+    for metrics in (grpo.train_step(), ei.run_round()):
+        assert (metrics["reward"], metrics["reward_std"], metrics["rewards/_first_only/std"]) == (1.0, None, None)
+        assert json.loads(json.dumps(metrics, allow_nan=False))["reward_std"] is None
 
 
 ROWS = [{"prompt": f"{i} say {x}", "letter": x} for i, x in enumerate("abcd")]  # each row its own letter

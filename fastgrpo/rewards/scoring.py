@@ -314,15 +314,9 @@ def nan_mean(values: torch.Tensor) -> float | None:
     return kept.mean().item() if kept.numel() else None
 
 
-def nan_std(values: torch.Tensor) -> float | None:
-    """The std (Bessel's correction) over the non-NaN entries; None when there are none, 0.0 for one."""
-    kept = values[~values.isnan()]
-    return kept.std().item() if kept.numel() > 1 else 0.0 if kept.numel() else None
-
-
 def nan_sample_std(values: torch.Tensor) -> float | None:
     """TRL 1.16's nanstd: the std (Bessel's correction) over the non-NaN entries; None for fewer than two, where
-    TRL's is NaN and its log() writes null."""
+    TRL's is NaN and its log() writes null (one value has no spread to measure: not 0.0)."""
     kept = values[~values.isnan()]
     return kept.std().item() if kept.numel() > 1 else None
 

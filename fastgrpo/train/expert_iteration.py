@@ -30,7 +30,7 @@ import torch
 from fastgrpo.hf.peft import check_layer_adapters
 from fastgrpo.loss.grpo import weighted_rewards
 from fastgrpo.rewards.reward_logs import RewardLogs, merged_means
-from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, score, warn_unscored
+from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_sample_std, reward_names, score, warn_unscored
 from fastgrpo.rollout import BuiltinEngine, RolloutEngine
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.checkpoint import apply_save_limit, rng_states
@@ -216,7 +216,7 @@ class ExpertIteration:
         metrics = {
             "round": self.round,
             "reward": nan_mean(rewards),
-            "reward_std": nan_std(rewards),
+            "reward_std": nan_sample_std(rewards),
             **per_function_metrics(per_func, reward_names(self.reward_funcs)),  # per_func: the whole round's
             "reward_errors": len(errors),
             "kept": len(kept),

@@ -22,7 +22,7 @@ import torch
 from fastgrpo.hf.models import is_peft_model
 from fastgrpo.hf.peft import base_changing_init
 from fastgrpo.loss.grpo import kl_penalty, reward_advantages
-from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_std, reward_names, zero_spread_fraction
+from fastgrpo.rewards.scoring import RewardError, nan_mean, nan_sample_std, reward_names, zero_spread_fraction
 from fastgrpo.rollout import RolloutEngine
 from fastgrpo.train.checkpoint import apply_save_limit, rng_states
 from fastgrpo.train.config import GRPOConfig
@@ -201,7 +201,7 @@ class GRPOTrainer:
         metrics = {
             "step": self.step,
             "reward": nan_mean(rewards),
-            "reward_std": nan_std(rewards),
+            "reward_std": nan_sample_std(rewards),
             **per_function_metrics(per_func, names),  # per_func: gathered, so the whole batch's on every process
             "reward_errors": len(errors),
             "frac_reward_zero_std": zero_spread_fraction(grouped),
