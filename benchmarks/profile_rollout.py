@@ -176,7 +176,7 @@ class StepClock:
         self.began: dict[int, float] = {}
         self.ended: dict[int, float] = {}
 
-    def __call__(self, tokens: torch.Tensor, running: list[int]) -> list[int]:
+    def __call__(self, tokens: torch.Tensor, running: list[int], call_rows: list[int]) -> list[int]:
         steps = tokens.shape[1]
         self.began[steps] = time.perf_counter()
         if steps in self.profile_marks:

@@ -23,6 +23,7 @@ from fastgrpo.rollout.decode import EngineConfig
 from fastgrpo.rollout.generate import generate_with_config
 from fastgrpo.rollout.sampling import SamplingParams, row_keys
 from tests.test_rollout import PROMPTS, char_tokenizer, completions, teacher_forced_logprobs, tiny_model
+from tests.test_rollout_stops import BOS, pieces_text, sentencepiece_tokenizer, tiny_llama, vllm_cut
 
 # 8 prompts x 4 samples = 32 rows: batches of 32, 16 and 8 under the default MIN_ROWS
 MORE_PROMPTS = PROMPTS + ["a", "xyz!?", "hello world", "the end", "abc def", "zzz"]
@@ -58,9 +59,10 @@ def buckets(monkeypatch):
     return sizes
 
 
-def run(model, params, mode, stop, seed=3, prompts=MORE_PROMPTS, **config):
+def run(model, params, mode, stop, seed=3, prompts=MORE_PROMPTS, tokenizer=None, **config):
     config = EngineConfig(finished_rows=mode, check_every=CHECK_EVERY, **config)
-    return generate_with_config(model, char_tokenizer(), prompts, G, params, seed=seed, stop=stop, config=config)
+    return generate_with_config(model, tokenizer or char_tokenizer(), prompts, G, params, seed=seed, stop=stop,
+                                config=config)
 
 
 def stop_ids(chars: str) -> list[int]:
@@ -157,6 +159,35 @@ def test_stop_strings_see_the_compacted_rows(buckets):
     assert buckets
     assert_identical(got, want, "stop strings")
     assert "stop" in want.finish_reasons and "length" in want.finish_reasons
+
+
+def test_stop_strings_read_each_compacted_rows_own_prompt(buckets):
+    """A stop string is looked for in a row's text after its own prompt: with a SentencePiece tokenizer, one that
+    starts with a space matches at a row's first token after a prompt of text, not after a prompt of special tokens
+    alone (<s>: decoded to nothing, as vLLM's text then starts without the space). Prompts of both kinds alternate
+    and the strings complete at token 6, after the compaction at step 4 has moved the rows: each row must read its
+    own prompt there (vLLM's text, tests/test_rollout_stops.vllm_cut, is the reference)."""
+    tok = sentencepiece_tokenizer("metaspace")
+    model = tiny_llama(len(tok), seed=1)
+    text = tok("say hello", add_special_tokens=False)["input_ids"]
+    prompts = [text if n % 2 == 0 else [BOS] for n in range(8)]
+    params = SamplingParams(max_new_tokens=24, temperature=1.0)
+    ends = tok.convert_tokens_to_ids(list("abcdefgh"))  # the pieces that continue a word: rows end early
+    free = completions(run(model, params, "keep", ends, prompts=prompts, tokenizer=tok))
+    # a string per row that runs past token 6 on plain pieces: its first 6 tokens, "▁" read as a space
+    long_rows = [r for r, ids in enumerate(free) if len(ids) > 6 and min(ids[:6]) > BOS]
+    strings = [pieces_text(tok, free[r][:6]) for r in long_rows]
+    want = run(model, params, "keep", ends + strings, prompts=prompts, tokenizer=tok)
+    buckets.clear()
+    got = run(model, params, "compact", ends + strings, prompts=prompts, tokenizer=tok)
+    assert buckets and buckets[0][0] < 4 * G * 2, buckets
+    assert_identical(got, want, "stop strings after each row's prompt")
+    for r, ids in enumerate(free):
+        cut = vllm_cut(tok, prompts[r // G], ids, strings)
+        assert completions(got)[r] == (ids if cut is None else ids[:cut]), (r, cut)
+    by_prompt = {kind: [r for r in long_rows if (r // G) % 2 == kind] for kind in (0, 1)}
+    assert all(len(completions(got)[r]) == 6 for r in by_prompt[0]) and by_prompt[0], by_prompt
+    assert all(len(completions(got)[r]) > 6 for r in by_prompt[1]) and by_prompt[1], by_prompt
 
 
 def test_batches_down_to_two_rows(monkeypatch, buckets):

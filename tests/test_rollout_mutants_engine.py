@@ -84,7 +84,7 @@ def test_a_stop_string_ends_the_decode_loop_at_the_first_sync_after_it(end):
     stop = tok.decode(ids[end - 2: end], skip_special_tokens=True)  # two characters, first completed by token `end`
     assert len(stop) == 2 and stop not in tok.decode(ids[: end - 1], skip_special_tokens=True), (stop, ids)
     assert not free.stopped[0]
-    checker = StopStrings(tok, [stop], CHECK_EVERY)
+    checker = StopStrings(tok, [stop], CHECK_EVERY, prompt, num_generations=1)
     out = decode.rollout(model, prompt, 1, params, stop_check=checker.running_hits, **common)
     sync = -(-end // CHECK_EVERY) * CHECK_EVERY
     assert out.tokens.shape[1] == sync and bool(out.stopped[0]), (out.tokens.shape, sync)

@@ -10,9 +10,10 @@ itself writes (attention_masks always shows a query its own slot). The compiled 
 "compact": when the running rows fit in the next smaller batch of N, ceil(N/2), ceil(N/4)... (not below MIN_ROWS),
 the engine leaves its step loop; `compact` gathers the running rows, with finished ones to fill the batch, into new
 state and cache tensors (every per-row field of decode._State, each layer's K/V), and the loop goes on with them.
-The gathered rows' outputs so far travel with them; `finish` scatters every row's outputs back into the call's
-[N, S] buffers. With a shared prefix, compacted rows get their own copy of their prompt's K/V (a group's running
-rows are no longer consecutive, which the kernel's grouping needs). Under "compact" the "skip" clearing runs too.
+The gathered rows' outputs so far travel with them, and `call_rows` says whose they are (the stop strings read each
+row's prompt); `finish` scatters every row's outputs back into the call's [N, S] buffers. With a shared prefix,
+compacted rows get their own copy of their prompt's K/V (a group's running rows are no longer consecutive, which the
+kernel's grouping needs). Under "compact" the "skip" clearing runs too.
 
 Same samples: every op of the step is per row (the GEMMs, the attention over the row's own slots, the filters) and
 the sampling noise is keyed per sample and step, so a row's tokens and log-probs depend on which rows share its
@@ -75,6 +76,7 @@ class FinishedRows:
         self.state = state
         self.cache = cache
         self.rows: torch.Tensor | None = None  # [n] the call's row of each current row (None: all N, in order)
+        self.call_rows = list(range(state.done.shape[0]))  # `rows` on the host (the stop strings read the prompts)
         self.pending = False  # at_sync asked the loop to stop for a compaction
         # [n] the prefix_keys entry each current row reads: its group at first, itself once compacted
         self.prefix_of = (torch.arange(state.done.shape[0], device=state.done.device) // num_generations
@@ -108,6 +110,7 @@ class FinishedRows:
             name: getattr(state, name).index_select(0, idx) for name in ROW_FIELDS if getattr(state, name) is not None
         })
         self.rows = idx if self.rows is None else self.rows[idx]
+        self.call_rows = self.rows.tolist()
         # layer by layer, so the old and new caches coexist one layer at a time (fp8: the scales go with them)
         for store in cache.row_stores():
             for layer in store:

@@ -174,13 +174,14 @@ def rollout(
     stop_ids: list[int],
     pad_id: int,
     keys: torch.Tensor | None,
-    stop_check: Callable[[torch.Tensor, list[int]], list[int]] | None = None,
+    stop_check: Callable[[torch.Tensor, list[int], list[int]], list[int]] | None = None,
     config: EngineConfig = EngineConfig(),
 ) -> Completions:
     """Generate params.max_new_tokens (or until every row stops) for each of the G copies of each prompt.
 
     keys: [N] int64 per-sample keys (sampling.row_keys), or None for greedy decoding.
-    stop_check(tokens [N, s] on the host, rows still running) -> rows that hit a stop string; called at each sync.
+    stop_check(tokens [n, s] on the host, rows still running, call_rows: [n] the call's row of each row of tokens, as
+    compacted) -> rows that hit a stop string; called at each sync.
     """
     device = _device_of(model)
     config = config.resolved(device)
@@ -239,8 +240,8 @@ def rollout(
         with decode_weights(model, config.weights), rotary_without_updates(model):
             while True:  # once, unless finished_rows="compact" stops the loop to go on with fewer rows
                 step = functools.partial(_decode_step, model, cache, cache_kw, rows.state, params, pad_id, dtype)
-                steps_done = _decode(step, model, rows.state, S, stop_check, config, steps_done,
-                                     pause=rows.at_sync)
+                check = functools.partial(stop_check, call_rows=rows.call_rows) if stop_check else None
+                steps_done = _decode(step, model, rows.state, S, check, config, steps_done, pause=rows.at_sync)
                 if not rows.pending:
                     break
                 rows.compact()

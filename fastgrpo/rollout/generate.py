@@ -51,7 +51,9 @@ def generate(
     prompts: texts (tokenized without special tokens, as a chat template already holds them) or token id lists.
     temperature=0 is greedy; its log-probs are then those at temperature 1 after the filters. The filters apply
     in HF's order: repetition_penalty, temperature, top_k (0: off), top_p, min_p (0: off). stop: strings and/or
-    token ids (a special token's text, e.g. "<|im_end|>", stops at that token: the texts skip special tokens); the
+    token ids (a special token's text, e.g. "<|im_end|>", stops at that token: the texts skip special tokens); a
+    string is looked for in the completion's text as it reads after the prompt, as vLLM does (rollout/stops.py: a
+    SentencePiece tokenizer's first token keeps its leading space there, not in the returned text); the
     tokenizer's and the model's generation-config EOS ids always stop. seed: a fixed seed gives the same samples;
     None draws one from torch's global generator. prompt_keys: one int per prompt (default: its position in
     `prompts`); sample g of a prompt is a function of (seed, its key, g) alone, so a prompt keeps its completions
@@ -83,7 +85,9 @@ def generate_with_config(
 
     pad_id = pad_token_id(tokenizer, vocab)
     stop_ids = stop_token_ids(stop_ids, tokenizer, getattr(model, "generation_config", None))
-    stops = StopStrings(tokenizer, stop_strings, config.check_every) if stop_strings else None
+    stops = None
+    if stop_strings:
+        stops = StopStrings(tokenizer, stop_strings, config.check_every, prompt_ids, num_generations)
     if seed is None:
         seed = int(torch.randint(0, 2**62, ()))
     keys = row_keys(seed, prompt_keys, num_generations)
@@ -112,7 +116,7 @@ def _result(tokenizer, prompt_ids, G, out, stops, pad_id) -> RolloutResult:
     rows = [tokens[r, valid[r]].tolist() for r in range(tokens.shape[0])]
     if stops is not None:
         for r, ids in enumerate(rows):
-            cut = stops.cut(ids)
+            cut = stops.cut(ids, r)
             if cut is not None:
                 rows[r] = ids[:cut]
                 valid[r, cut:] = False
