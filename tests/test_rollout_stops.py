@@ -164,3 +164,61 @@ def test_the_engines_checks_find_a_string_at_the_first_sync_after_vllm_would(sty
     syncs = [s for s in range(check_every, len(ids) + check_every, check_every)]
     hit = next(s for s in syncs if stops.running_hits(tokens[:, :s], [0], [0]))
     assert hit == -(-want // check_every) * check_every, (stop, text, hit, want)
+
+
+def byte_tokenizer():
+    """A byte-level BPE without merges: every UTF-8 byte its own token (<eos> 0, special), so "é" is 2 tokens and
+    "😀" 4; a window or a context may end inside a character."""
+    vocab = {"<eos>": 0, **{c: i + 1 for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="<eos>", pad_token="<eos>")
+
+
+def test_a_character_split_between_the_context_and_the_ids_belongs_to_the_ids_text():
+    """A context ending inside a character decodes to U+FFFD there; the whole character is the ids' text (as vLLM's
+    DecodeStream gives it), neither the context's text nor a character short."""
+    tok = byte_tokenizer()
+    ids = tok("abcd\u00e9wxyz\U0001F600ef", add_special_tokens=False)["input_ids"]  # é: ids 4-5, 😀: 10-13
+    stops = StopStrings(tok, ["a"], check_every=1, prompts=[], num_generations=1)
+    for split in (5, 11, 12, 13):  # inside é; 1, 2, 3 bytes into 😀 (the last 4 tokens, vLLM's, start a character)
+        context, rest = ids[:split], ids[split:]
+        text = stops.text_after(context, rest)
+        assert text == vllm_text(tok, context, rest), (split, text)
+        assert text == tok.decode(ids)[len(tok.decode(ids[:split]).rstrip("\ufffd")):], (split, text)
+
+
+@pytest.mark.parametrize("style", list(TOKENIZERS))
+@pytest.mark.parametrize("specials", [1, 3, 4, 6])
+def test_the_context_is_the_prompts_last_4_tokens_special_ones_too(style, specials):
+    """A prompt of text then special tokens (a chat template's turn markers): vLLM reads the completion after the
+    prompt's last 4 tokens, so a string with a leading space matches at the first token while text is among them
+    (1 or 3 specials) and not once they are all special (4 or 6): cut() and the engine's check agree with it."""
+    tok = TOKENIZERS[style]
+    prompt = tok("say hello", add_special_tokens=False)["input_ids"] + [EOS] * specials
+    ids = tok.convert_tokens_to_ids(["▁world", "▁a", "▁b"])
+    want = vllm_cut(tok, prompt, ids, [" world"])
+    assert want == (1 if specials < 4 else None), want
+    stops = StopStrings(tok, [" world"], check_every=4, prompts=[prompt], num_generations=1)
+    assert stops.cut(ids, 0) == want
+    assert stops.running_hits(torch.tensor([ids]), [0], [0]) == ([0] if want else [])
+
+
+@given(text=st.text(alphabet="ab \u00e9\U0001F600", min_size=1, max_size=12), check_every=st.integers(1, 4),
+       start=st.integers(0, 100), length=st.integers(1, 3))
+def test_a_string_of_multibyte_characters_is_found_at_the_first_sync_after_vllm_would(text, check_every, start,
+                                                                                       length):
+    """Byte tokens: a character spans up to 4 tokens, so a window must reach 4 tokens a character back for the string
+    completed since the last sync, and a window may start inside a character (read after the context's bytes)."""
+    tok = byte_tokenizer()
+    prompt, ids = tok("x", add_special_tokens=False)["input_ids"], tok(text, add_special_tokens=False)["input_ids"]
+    start = start % len(text)
+    stop = text[start:start + length]
+    stops = StopStrings(tok, [stop], check_every, [prompt], num_generations=1)
+    want = vllm_cut(tok, prompt, ids, [stop])
+    assert want is not None and stops.cut(ids, 0) == want, (stop, text)
+    tokens = torch.tensor([ids])
+    syncs = range(check_every, len(ids) + check_every, check_every)
+    hit = next(s for s in syncs if stops.running_hits(tokens[:, :s], [0], [0]))
+    assert hit == -(-want // check_every) * check_every, (stop, text, hit, want)
