@@ -36,3 +36,20 @@ def test_its_choices_are_the_engines_and_a_typo_is_refused(capsys):
     with pytest.raises(SystemExit):
         parse_args(["--dry-run", "--rollout-weights", "dens"])
     assert "--rollout-weights: invalid choice: 'dens'" in capsys.readouterr().err
+
+
+def test_only_the_fastgrpo_systems_are_given_the_weights(tmp_path, monkeypatch):
+    """main hands --rollout-weights to the fastgrpo systems' cases alone: a TRL row is TRL's own decode, and says so
+    (not trl-dense)."""
+    import benchmarks.bench_loop as bench
+
+    cases = []
+
+    def run_case(case, log_dir, timeout, dry_run):  # the case as main built it, in place of its process
+        cases.append(case)
+        return {"system": case.label, "completion": case.completion}
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    bench.main(["--dry-run", "--shapes", "tiny-qwen2-lora", "--systems", "fastgrpo", "trl", "--rollout-weights",
+                "dense", "--results-dir", str(tmp_path / "results"), "--log-dir", str(tmp_path / "logs")])
+    assert {case.system: case.label for case in cases} == {"fastgrpo": "fastgrpo-dense", "trl": "trl"}

@@ -119,6 +119,81 @@ def test_weights_on_two_devices_are_refused_in_one_line(lora):
         assert str(err.value).startswith(line), str(err.value)
 
 
+def test_on_device_switches_only_to_a_cuda_device_that_is_not_current(monkeypatch):
+    """The choice on_device makes, cuda:0 current: a switch to cuda:1; none for cuda:0, an index-less "cuda", the
+    CPU, nor inside torch.compile's tracing (the eager caller switched already)."""
+    from fastgrpo._device import on_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    switch = on_device(torch.device("cuda", 1))
+    assert isinstance(switch, torch.cuda.device) and switch.idx == 1
+    for device in ("cuda:0", "cuda", "cpu"):
+        assert not isinstance(on_device(torch.device(device)), torch.cuda.device), device
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert not isinstance(on_device(torch.device("cuda", 1)), torch.cuda.device)
+
+
+def test_the_entry_points_switch_to_the_models_device_and_keep_their_signatures(monkeypatch):
+    """The patched forward, grpo_loss, sequence_logprobs, sft_loss, the built-in rollout and the stochastic-rounding
+    AdamW step each run under on_device of their model's (embedding's) device; the wrapped functions keep their names
+    and parameters (help(), inspect: what a caller reads)."""
+    import inspect
+
+    from fastgrpo import _device
+    from fastgrpo.rollout import generate
+    from fastgrpo.train import stochastic_adamw
+    from tests.test_rollout import char_tokenizer
+
+    model = tiny(torch.float32, lora=False)
+    seen = []
+
+    def spy(device):
+        seen.append(str(device))
+        return _device.contextlib.nullcontext()
+
+    monkeypatch.setattr(_device, "on_device", spy)
+    monkeypatch.setattr(stochastic_adamw, "on_device", spy)
+    input_ids, attention_mask, completion_mask, advantages = unpadded_rollout("cpu")
+    calls = {"grpo_loss": lambda: fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages),
+             "sequence_logprobs": lambda: fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask),
+             "sft_loss": lambda: fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask),
+             "generate": lambda: generate(model, char_tokenizer(), ["ab"], max_new_tokens=2, temperature=0)}
+    for name, call in calls.items():
+        seen.clear()
+        call()
+        assert seen == ["cpu"], (name, seen)
+    patched = fastgrpo.patch_model(copy.deepcopy(model))
+    seen.clear()
+    patched(input_ids=input_ids, attention_mask=attention_mask)
+    assert seen == ["cpu"], seen
+    weight = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    optimizer = stochastic_adamw.StochasticRoundingAdamW([weight], lr=1e-3)
+    weight.grad = torch.ones_like(weight)
+    seen.clear()
+    optimizer.step()
+    assert seen == ["cpu"], seen
+    for function, mask in [(fastgrpo.grpo_loss, "completion_mask"), (fastgrpo.sequence_logprobs, "completion_mask"),
+                           (fastgrpo.sft_loss, "response_mask")]:
+        assert function.__name__ in calls and function.__doc__, function
+        names = list(inspect.signature(function).parameters)
+        assert names[:4] == ["model", "input_ids", "attention_mask", mask], (function.__name__, names)
+
+
+def test_model_device_is_the_input_embeddings(monkeypatch):
+    """Where a model's forward starts: its input embedding's device (here a stand-in on cuda:1, the rest on the
+    CPU), which on_model_device switches to."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from fastgrpo._device import model_device
+
+    model = tiny(torch.float32, lora=False)
+    embedding = model.get_input_embeddings()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(embedding.weight.shape, device="cuda:1")
+    embedding.weight = torch.nn.Parameter(fake, requires_grad=False)
+    assert model_device(model) == torch.device("cuda", 1)
+
+
 @pytest.mark.gpu
 @needs_two
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
