@@ -119,6 +119,31 @@ def test_weights_on_two_devices_are_refused_in_one_line(lora):
         assert str(err.value).startswith(line), str(err.value)
 
 
+@pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
+def test_a_batch_on_the_lm_heads_device_with_the_embedding_elsewhere_is_refused(lora, monkeypatch):
+    """SPLIT with the batch on cuda:1, the lm_head's GPU: the final norm puts the hidden states there too, so neither
+    the batch's nor the hidden states' check saw the split, and the fused loss launched on the embedding's GPU with
+    the other's tensors (Triton's pointer error). Here the input embedding stands on cuda:1 (current, so no switch)
+    and the rest on the CPU: grpo_loss, sequence_logprobs and sft_loss refuse before the forward."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = tiny(torch.float32, lora)
+    embedding = model.get_input_embeddings()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        fake = torch.empty(embedding.weight.shape, device="cuda:1")
+    embedding.weight = torch.nn.Parameter(fake, requires_grad=False)
+    input_ids, attention_mask, completion_mask, advantages = unpadded_rollout("cpu")
+    line = ("model: its lm_head is on cpu and its input embedding on cuda:1 (a device_map across devices?); "
+            "fastgrpo's kernels and fused loss run on one device")
+    for call in (lambda: fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages),
+                 lambda: fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask),
+                 lambda: fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).startswith(line), str(err.value)
+
+
 def test_on_device_switches_only_to_a_cuda_device_that_is_not_current(monkeypatch):
     """The choice on_device makes, cuda:0 current: a switch to cuda:1; none for cuda:0, an index-less "cuda", the
     CPU, nor inside torch.compile's tracing (the eager caller switched already)."""

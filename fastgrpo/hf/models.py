@@ -96,8 +96,9 @@ def check_one_device(model: nn.Module) -> None:
 
 
 def check_on_head_device(head: nn.Module, name: str, tensor: torch.Tensor) -> None:
-    """`tensor` (the batch, the backbone's hidden states) on the lm_head's device, which the fused loss runs on."""
-    if tensor.device != head.weight.device:
+    """`tensor` (the batch, the input embedding, the backbone's hidden states) on the lm_head's device, which the fused
+    loss runs on; one on "meta" aside (accelerate's offload hooks load it for each call)."""
+    if tensor.device != head.weight.device and not tensor.is_meta:
         raise ValueError(f"model: its lm_head is on {head.weight.device} and {name} on {tensor.device} (a device_map "
                          "across devices?); " + _ONE_DEVICE)
 

@@ -125,6 +125,8 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
     check_on_head_device(head, "input_ids", input_ids)
+    # the forward starts there (and runs under it, on_model_device): a split with the batch on the lm_head's GPU
+    check_on_head_device(head, "its input embedding", model.get_input_embeddings().weight)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
                      correction)
     cols = batch.window

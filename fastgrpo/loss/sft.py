@@ -67,6 +67,7 @@ def sft_loss(
     _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch)
     backbone, head = backbone_and_head(model)
     check_on_head_device(head, "input_ids", input_ids)
+    check_on_head_device(head, "its input embedding", model.get_input_embeddings().weight)  # as grpo_loss's
     check_integer_ids("input_ids", input_ids)
     # The ids' range and the row layout's facts in one host read (each read waits for the GPU's queue)
     low, high, *facts = read_ints(*input_ids.aminmax(), *padding_facts(attention_mask, response_mask))
