@@ -103,6 +103,14 @@ def check_on_head_device(head: nn.Module, name: str, tensor: torch.Tensor) -> No
                          "across devices?); " + _ONE_DEVICE)
 
 
+def check_inputs_on_head_device(model: nn.Module, head: nn.Module, input_ids: torch.Tensor) -> None:
+    """The batch and the input embedding, where the forward starts, on the lm_head's device (check_on_head_device):
+    with the batch on the lm_head's GPU and the embedding on another, the final norm puts the hidden states on the
+    lm_head's too, and only the embedding shows the split."""
+    check_on_head_device(head, "input_ids", input_ids)
+    check_on_head_device(head, "its input embedding", model.get_input_embeddings().weight)
+
+
 def backbone_and_head(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     """(backbone, lm_head) of any transformers causal LM or PEFT wrapper of one: the lm_head is
     get_output_embeddings() with a [V, H] weight, the backbone the base model (it returns last_hidden_state).

@@ -28,7 +28,13 @@ from fastgrpo._checks import (
     read_ints,
 )
 from fastgrpo._device import on_model_device
-from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
+from fastgrpo.hf.models import (
+    backbone_and_head,
+    check_inputs_on_head_device,
+    check_on_head_device,
+    head_bias,
+    logit_softcap,
+)
 from fastgrpo.loss.config import (
     GRPOLossConfig,
     check_extra_inputs,
@@ -124,9 +130,7 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
                        correction=None):
     """hidden [B, W, H] of the positions that predict the window's tokens, the lm_head, and what _inspect read."""
     backbone, head = backbone_and_head(model)
-    check_on_head_device(head, "input_ids", input_ids)
-    # the forward starts there (and runs under it, on_model_device): a split with the batch on the lm_head's GPU
-    check_on_head_device(head, "its input embedding", model.get_input_embeddings().weight)
+    check_inputs_on_head_device(model, head, input_ids)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
                      correction)
     cols = batch.window

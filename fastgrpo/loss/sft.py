@@ -19,7 +19,13 @@ import torch
 
 from fastgrpo._checks import check_binary_mask, check_integer_ids, check_shape, raise_unless_in_range, read_ints
 from fastgrpo._device import on_model_device
-from fastgrpo.hf.models import backbone_and_head, check_on_head_device, head_bias, logit_softcap
+from fastgrpo.hf.models import (
+    backbone_and_head,
+    check_inputs_on_head_device,
+    check_on_head_device,
+    head_bias,
+    logit_softcap,
+)
 from fastgrpo.loss.row_layout import padding_facts, run_backbone, take_positions, unpadded
 from fastgrpo.ops.fused_linear import fused_linear_logprobs_of_checked_values
 
@@ -66,8 +72,7 @@ def sft_loss(
     """
     _check_inputs(input_ids, attention_mask, response_mask, num_items_in_batch)
     backbone, head = backbone_and_head(model)
-    check_on_head_device(head, "input_ids", input_ids)
-    check_on_head_device(head, "its input embedding", model.get_input_embeddings().weight)  # as grpo_loss's
+    check_inputs_on_head_device(model, head, input_ids)
     check_integer_ids("input_ids", input_ids)
     # The ids' range and the row layout's facts in one host read (each read waits for the GPU's queue)
     low, high, *facts = read_ints(*input_ids.aminmax(), *padding_facts(attention_mask, response_mask))
