@@ -128,6 +128,18 @@ def test_the_text_searched_is_the_completion_after_its_prompt():
             assert text == (" " + alone if spoken and style != "byte-level" else alone), (style, context, text)
 
 
+def assert_found_where_vllm_finds(tok, prompt: list[int], ids: list[int], stop: str, check_every: int) -> None:
+    """cut() returns the token where vLLM's text (ids read after prompt) first holds `stop`, and running_hits at the
+    engine's syncs (every check_every tokens) first reports the row at the first sync at or after it."""
+    stops = StopStrings(tok, [stop], check_every, [prompt], num_generations=1)
+    want = vllm_cut(tok, prompt, ids, [stop])
+    assert want is not None and stops.cut(ids, 0) == want, (stop, ids)
+    tokens = torch.tensor([ids])
+    syncs = range(check_every, len(ids) + check_every, check_every)
+    hit = next(s for s in syncs if stops.running_hits(tokens[:, :s], [0], [0]))
+    assert hit == -(-want // check_every) * check_every, (stop, ids, hit, want)
+
+
 def test_a_byte_level_tokenizers_stops_are_unchanged():
     """The built-in task's byte-level tokenizer reads a completion alike alone and after its prompt: cut() finds
     the string where a search in the decode alone (the engine's rule before) finds it."""
@@ -155,15 +167,7 @@ def test_the_engines_checks_find_a_string_at_the_first_sync_after_vllm_would(sty
     prompt = tok("say hello", add_special_tokens=False)["input_ids"] if after_text else [BOS]
     text = vllm_text(tok, prompt, ids)
     assume(text)  # e.g. special tokens alone
-    start = start % len(text)
-    stop = text[start:start + length]
-    stops = StopStrings(tok, [stop], check_every, [prompt], num_generations=1)
-    want = vllm_cut(tok, prompt, ids, [stop])
-    assert want is not None and stops.cut(ids, 0) == want, (stop, text)
-    tokens = torch.tensor([ids])
-    syncs = [s for s in range(check_every, len(ids) + check_every, check_every)]
-    hit = next(s for s in syncs if stops.running_hits(tokens[:, :s], [0], [0]))
-    assert hit == -(-want // check_every) * check_every, (stop, text, hit, want)
+    assert_found_where_vllm_finds(tok, prompt, ids, text[start % len(text):][:length], check_every)
 
 
 def byte_tokenizer():
@@ -213,12 +217,4 @@ def test_a_string_of_multibyte_characters_is_found_at_the_first_sync_after_vllm_
     completed since the last sync, and a window may start inside a character (read after the context's bytes)."""
     tok = byte_tokenizer()
     prompt, ids = tok("x", add_special_tokens=False)["input_ids"], tok(text, add_special_tokens=False)["input_ids"]
-    start = start % len(text)
-    stop = text[start:start + length]
-    stops = StopStrings(tok, [stop], check_every, [prompt], num_generations=1)
-    want = vllm_cut(tok, prompt, ids, [stop])
-    assert want is not None and stops.cut(ids, 0) == want, (stop, text)
-    tokens = torch.tensor([ids])
-    syncs = range(check_every, len(ids) + check_every, check_every)
-    hit = next(s for s in syncs if stops.running_hits(tokens[:, :s], [0], [0]))
-    assert hit == -(-want // check_every) * check_every, (stop, text, hit, want)
+    assert_found_where_vllm_finds(tok, prompt, ids, text[start % len(text):][:length], check_every)

@@ -99,6 +99,17 @@ def _fake_lm_head_on_cuda_1(model: torch.nn.Module) -> None:
     head.weight = torch.nn.Parameter(fake, requires_grad=False)
 
 
+def assert_every_loss_refuses(model: torch.nn.Module, line: str) -> None:
+    """grpo_loss, sequence_logprobs and sft_loss of a CPU batch each refuse with `line` (the start of their message)."""
+    input_ids, attention_mask, completion_mask, advantages = unpadded_rollout("cpu")
+    for call in (lambda: fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages),
+                 lambda: fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask),
+                 lambda: fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask)):
+        with pytest.raises(ValueError) as err:
+            call()
+        assert str(err.value).startswith(line), str(err.value)
+
+
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
 def test_weights_on_two_devices_are_refused_in_one_line(lora):
     """The lm_head on cuda:1 and the rest on the CPU: patch_model, grpo_loss, sequence_logprobs and sft_loss refuse,
@@ -108,15 +119,8 @@ def test_weights_on_two_devices_are_refused_in_one_line(lora):
     with pytest.raises(ValueError) as err:
         fastgrpo.patch_model(model)
     assert str(err.value) == split_refusal_line("cpu and cuda:1")
-    input_ids, attention_mask, completion_mask, advantages = unpadded_rollout("cpu")
-    line = ("model: its lm_head is on cuda:1 and input_ids on cpu (a device_map across devices?); fastgrpo's kernels "
-            "and fused loss run on one device")
-    for call in (lambda: fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages),
-                 lambda: fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask),
-                 lambda: fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask)):
-        with pytest.raises(ValueError) as err:
-            call()
-        assert str(err.value).startswith(line), str(err.value)
+    assert_every_loss_refuses(model, "model: its lm_head is on cuda:1 and input_ids on cpu (a device_map across "
+                                     "devices?); fastgrpo's kernels and fused loss run on one device")
 
 
 @pytest.mark.parametrize("lora", [False, True], ids=["plain", "lora"])
@@ -133,15 +137,8 @@ def test_a_batch_on_the_lm_heads_device_with_the_embedding_elsewhere_is_refused(
     with FakeTensorMode(allow_non_fake_inputs=True):
         fake = torch.empty(embedding.weight.shape, device="cuda:1")
     embedding.weight = torch.nn.Parameter(fake, requires_grad=False)
-    input_ids, attention_mask, completion_mask, advantages = unpadded_rollout("cpu")
-    line = ("model: its lm_head is on cpu and its input embedding on cuda:1 (a device_map across devices?); "
-            "fastgrpo's kernels and fused loss run on one device")
-    for call in (lambda: fastgrpo.grpo_loss(model, input_ids, attention_mask, completion_mask, advantages),
-                 lambda: fastgrpo.sequence_logprobs(model, input_ids, attention_mask, completion_mask),
-                 lambda: fastgrpo.sft_loss(model, input_ids, attention_mask, completion_mask)):
-        with pytest.raises(ValueError) as err:
-            call()
-        assert str(err.value).startswith(line), str(err.value)
+    assert_every_loss_refuses(model, "model: its lm_head is on cpu and its input embedding on cuda:1 (a device_map "
+                                     "across devices?); fastgrpo's kernels and fused loss run on one device")
 
 
 def test_on_device_switches_only_to_a_cuda_device_that_is_not_current(monkeypatch):
