@@ -927,8 +927,25 @@ def main(argv=None) -> int:
 
     if not dry and not torch.cuda.is_available():  # else every case's model folder fails to build, one line each
         raise SystemExit("needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run checks its code on the CPU")
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, RUNNING_CASES.stop)
+    with stop_signals_handled():
+        return drive(args)
+
+
+@contextlib.contextmanager
+def stop_signals_handled():
+    """RUNNING_CASES.stop on SIGTERM and SIGINT while main drives its cases, the caller's handlers back after: main
+    called from Python (as the tests call it) leaves its process as it found it."""
+    previous = {signum: signal.signal(signum, RUNNING_CASES.stop) for signum in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def drive(args) -> int:
+    """Build the model folders, run every case (one at a time per GPU), write the rows and print their table."""
+    dry = args.dry_run
     gpus = [None] if dry else physical_gpus(args.gpus)
     shapes = args.shapes or list(DRY_SHAPES if dry else FIT_SHAPES if args.max_fit else SHAPES)
     for shape in shapes:

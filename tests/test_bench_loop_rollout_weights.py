@@ -50,7 +50,6 @@ def test_only_the_fastgrpo_systems_are_given_the_weights(tmp_path, monkeypatch):
         return {"system": case.label, "completion": case.completion}
 
     monkeypatch.setattr(bench, "run_case", run_case)
-    monkeypatch.setattr(bench.signal, "signal", lambda signum, handler: None)  # main's stop handlers would outlive it
     bench.main(["--dry-run", "--shapes", "tiny-qwen2-lora", "--systems", "fastgrpo", "trl", "--rollout-weights",
                 "dense", "--results-dir", str(tmp_path / "results"), "--log-dir", str(tmp_path / "logs")])
     assert {case.system: case.label for case in cases} == {"fastgrpo": "fastgrpo-dense", "trl": "trl"}

@@ -125,3 +125,23 @@ def test_a_stop_signal_while_a_build_registers_kills_it(tmp_path):
         if build is not None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(build, signal.SIGKILL)
+
+
+def test_main_stops_cases_on_a_signal_while_it_runs_and_gives_the_handlers_back(tmp_path, monkeypatch):
+    """Called from Python, main hands SIGTERM / SIGINT to RUNNING_CASES.stop while its cases run, then puts back the
+    caller's handlers (left installed, a later Ctrl-C in the same process would meet a stop handler with nothing to
+    stop)."""
+    import benchmarks.bench_loop as bench
+
+    during = []
+
+    def run_case(case, log_dir, timeout, dry_run):  # the case as main built it, in place of its process
+        during.append((signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)))
+        return {"system": case.label, "completion": case.completion}
+
+    monkeypatch.setattr(bench, "run_case", run_case)
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    bench.main(["--dry-run", "--shapes", "tiny-qwen2-lora", "--systems", "fastgrpo", "--results-dir",
+                str(tmp_path / "results"), "--log-dir", str(tmp_path / "logs")])
+    assert during == [(bench.RUNNING_CASES.stop, bench.RUNNING_CASES.stop)]
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
