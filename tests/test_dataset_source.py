@@ -345,10 +345,10 @@ def _run_evaluating(command: str, eval_flags: list[str], capsys) -> None:
 @pytest.mark.parametrize("command", ["train", "sft", "ei"])
 def test_a_runs_eval_dataset_is_read_once(command, project, refusing_hub, monkeypatch, capsys):
     # read before the model loads (its mistakes said then), and again by the trainer for its evaluation
-    import fastgrpo.train.loading as loading
+    import fastgrpo.train.dataset_rows as dataset_rows
 
     (project / "data" / "test.jsonl").write_text(json.dumps(ROW) + "\n")
-    reads = _counted(monkeypatch, loading, "read_json_rows")
+    reads = _counted(monkeypatch, dataset_rows, "read_json_rows")
     _run_evaluating(command, ["--eval-dataset", "data/test.jsonl"], capsys)
     assert sorted(map(str, reads)) == ["data/test.jsonl", "data/train.jsonl"], reads
 
