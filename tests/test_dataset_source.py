@@ -360,7 +360,8 @@ def test_a_hub_eval_dataset_is_asked_of_the_hub_and_loaded_once(command, project
 
     _cache_as_hub_dataset(project / "datasets_cache", "owner/my_rows", project / "data" / "train.jsonl")
     asked = _counted(monkeypatch, dataset_source, "ask_hub")
-    loads = _counted(monkeypatch, datasets, "load_dataset")
+    # each load of a Hub dataset resolves it first (load_dataset_builder): a Hub round trip, or its cache looked up
+    loads = _counted(monkeypatch, datasets.load, "dataset_module_factory")
     if command == "eval":
         code, err, _ = _run(["eval", "--dataset", "owner/my_rows", "--dataset-split", "train", "--prompt-format",
                              "raw", "--reward-funcs", "length", "--output-dir", "out"], capsys)

@@ -234,7 +234,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
     from fastgrpo.train.interrupts import Interrupted, resume_command
-    from fastgrpo.train.loading import (load_dataset, load_eval_dataset, load_model_and_tokenizer, resolve_reward,
+    from fastgrpo.train.loading import (load_model_and_tokenizer, load_run_datasets, resolve_reward,
                                         tokenizer_before_load)
     from fastgrpo.train.dataset_source import check_local_dataset_sources
     from fastgrpo.train.early_checks import check_sampling_before_load
@@ -253,8 +253,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check, the model's load and the trainer take it
-    eval_rows = load_eval_dataset(config, tokenizer)  # read once: the trainer takes them
-    dataset = load_dataset(config, tokenizer=tokenizer)
+    dataset, eval_rows = load_run_datasets(config, tokenizer)  # read once: the trainer takes them
     prompt_ids = check_sampling_before_load(config, dataset, reward_funcs, tokenizer)
     if dist.active:
         dist.check_sizes(config)

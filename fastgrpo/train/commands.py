@@ -283,7 +283,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sft_rows_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
-    from fastgrpo.train.loading import load_dataset, load_eval_dataset, tokenizer_before_load
+    from fastgrpo.train.loading import load_run_datasets, tokenizer_before_load
     from fastgrpo.train.sft import SFTTrainer, check_process_split
 
     config = config_from_args("sft", args)
@@ -293,8 +293,8 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     check_process_split(config, dist.world_size)
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
-    evaluated = load_eval_dataset(config, tokenizer)  # read once: the trainer takes them
-    rows = load_dataset(config, lambda: default_task.build_sft_dataset(seed=config.seed), tokenizer)
+    # read once: the trainer takes them
+    rows, evaluated = load_run_datasets(config, tokenizer, lambda: default_task.build_sft_dataset(seed=config.seed))
     examples = check_sft_rows_before_load(config, rows, tokenizer)  # tokenized once: the trainer takes them
     history = _train(config, dist, lambda: finished_sft(config, len(rows)), tokenizer,
                      lambda model: SFTTrainer(model, tokenizer, rows, config, examples=examples, eval_rows=evaluated),
@@ -309,7 +309,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
     from fastgrpo.train.input_checks import check_lengths_before_load
-    from fastgrpo.train.loading import load_dataset, load_eval_dataset, resolve_reward, tokenizer_before_load
+    from fastgrpo.train.loading import load_run_datasets, resolve_reward, tokenizer_before_load
     from fastgrpo.train.naming import setting
 
     config = config_from_args("ei", args)
@@ -320,8 +320,8 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     reward_funcs = [resolve_reward(name) for name in config.reward_funcs]
     check_lengths_before_load(config)  # against the model's config.json, before its tokenizer loads
     tokenizer = tokenizer_before_load(config.model)  # once: every check and the trainer take it
-    evaluated = load_eval_dataset(config, tokenizer)  # read once: the trainer takes them
-    rows = load_dataset(config, tokenizer=tokenizer)  # the built-in rows: the GRPO task's
+    # read once: the trainer takes them; the built-in rows: the GRPO task's
+    rows, evaluated = load_run_datasets(config, tokenizer)
     prompt_ids = check_sampling_before_load(config, rows, reward_funcs, tokenizer)
     history = _train(config, dist,
                      lambda: finished_at(config, config.ei_steps, "round", setting("ei_steps", config.ei_steps),

@@ -1,8 +1,10 @@
 """The rows a dataset name holds: a local data file (sources.DATA_FILE_FORMS), a folder of them or one save_to_disk
 wrote, or a Hugging Face dataset, read with the `datasets` library where it is no JSON file; what it cannot read, as
-one line naming the setting and what it takes."""
+one line naming the setting and what it takes. A run reads each name once (DatasetReads), however many of its
+settings name it."""
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from fastgrpo.train.dataset_source import check_dataset_source
@@ -11,34 +13,54 @@ from fastgrpo.train.sources import (DATA_FILE_FORMS, JSON_SUFFIXES, TABLE_BUILDE
                                     folder_options, read_json_rows, saved_to_disk, text_column_options)
 
 
+class DatasetReads:
+    """What a run has read of its data sources, kept for its other reads of them: each name checked (a Hub round trip
+    for a Hub id), each file parsed, each folder or Hub dataset resolved (a Hub round trip, retried where the Hub is
+    slow) and prepared by datasets once, where --dataset X --eval-dataset X read X twice. A read that failed is not
+    kept: the next one fails as it did, naming its own setting."""
+
+    def __init__(self):
+        self._kept: dict[tuple, object] = {}
+
+    def once(self, key: tuple, read: Callable[[], object]):
+        """read()'s result, read the first time `key` (what is read, and how) is asked for."""
+        if key not in self._kept:
+            self._kept[key] = read()
+        return self._kept[key]
+
+
 def load_rows(dataset: str, split: str = "train", field: str = "dataset", config_name: str | None = None,
-              default_split: str = "train", text_columns: tuple[str, ...] = ()):
+              default_split: str = "train", text_columns: tuple[str, ...] = (), reads: DatasetReads | None = None):
     """Rows of a local data file (sources.DATA_FILE_FORMS: JSON ones read here, tables through `datasets`), of a
     folder of them or one save_to_disk wrote, or of a Hugging Face dataset (config_name: its config, which
     `field`_config names); `field` names the config field in errors. A file (or a saved Dataset) is its only split,
     as datasets.load_dataset(builder, data_files=file) makes it "train": it is read whole under that split or the
     field's default_split (eval's "test"), or a slice of it ("train[:100]"); another split is refused rather than
     ignored. A CSV / TSV file's text_columns (the prompt's, sft's response's) are read as written: "0123", not the
-    int 123 the csv builder makes of digits; its other columns keep the types it infers, as TRL's users get them."""
+    int 123 the csv builder makes of digits; its other columns keep the types it infers, as TRL's users get them.
+    reads: the run's DatasetReads, where it reads other rows of `dataset` too (None: read here alone)."""
     path = Path(dataset)
+    reads = reads or DatasetReads()
     if not (path.is_file() or saved_to_disk(path)):
-        return _read_rows(dataset, split, field, config_name, text_columns)
+        return _read_rows(dataset, split, field, config_name, text_columns, reads)
     _check_whole_split(path, split, field, config_name, default_split)
-    rows = _read_rows(dataset, split, field, config_name, text_columns)
+    rows = _read_rows(dataset, split, field, config_name, text_columns, reads)
     indices = _slice_indices(split, len(rows), default_split)
     if indices is None:
         return rows
     return [rows[i] for i in indices] if isinstance(rows, list) else rows.select(indices)
 
 
-def _read_rows(dataset: str, split: str, field: str, config_name: str | None, text_columns: tuple[str, ...]):
+def _read_rows(dataset: str, split: str, field: str, config_name: str | None, text_columns: tuple[str, ...],
+               reads: DatasetReads):
     """load_rows' reading, of `split` where `dataset` is not a file or a saved Dataset (those are read whole)."""
     path = Path(dataset)
     suffix = data_suffix(path)
-    check_dataset_source(dataset, field)  # a mistyped local path, an unreachable Hub: one line, before datasets retries
+    # a mistyped local path, an unreachable Hub: one line, before datasets retries
+    reads.once(("source", dataset), lambda: check_dataset_source(dataset, field))
     if path.is_file():
-        if suffix in JSON_SUFFIXES:
-            return read_json_rows(path, field)  # a bad row is an error at file:line
+        if suffix in JSON_SUFFIXES:  # a bad row is an error at file:line; each caller its own list of the rows
+            return list(reads.once(("json", dataset), lambda: read_json_rows(path, field)))
         if not suffix:  # load_dataset would take its name for the Hub's
             raise ValueError(f"{field}: expected a {DATA_FILE_FORMS}; got {path}")
         if TABLE_BUILDERS[suffix][0] == "csv":
@@ -53,10 +75,14 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
             builder, options = TABLE_BUILDERS[suffix]
             if builder == "csv":
                 options = {**options, **text_column_options([path], text_columns)}
-            return datasets.load_dataset(builder, data_files=str(path), split="train", **options)
+            return reads.once(("table", dataset, repr(options)),
+                              lambda: datasets.load_dataset(builder, data_files=str(path), split="train", **options))
         if saved_to_disk(path):  # load_dataset refuses such a folder ("use load_from_disk")
-            return datasets.load_from_disk(str(path))
-        return datasets.load_dataset(dataset, config_name, split=split, **folder_options(path, text_columns))
+            return reads.once(("saved", dataset), lambda: datasets.load_from_disk(str(path)))
+        options = folder_options(path, text_columns)
+        prepared = reads.once(("prepared", dataset, config_name, repr(options)),
+                              lambda: _prepared(datasets, dataset, config_name, options))
+        return prepared.as_dataset(split=split, in_memory=_in_memory(prepared))
     except Exception as err:  # noqa: BLE001 - datasets raises many kinds (mixed files: DatasetGenerationError)
         if not path.is_file() and "config" in str(err).lower():  # "Config name is missing", "BuilderConfig 'x' ..."
             _check_config_name(datasets, dataset, config_name, field)
@@ -76,6 +102,25 @@ def _read_rows(dataset: str, split: str, field: str, config_name: str | None, te
         what = f"the file {path}" if path.is_file() else f"the folder {path} ({split!r} split)"
         raise ValueError(f"{field}: datasets.load_dataset could not read {what}: "
                          f"{type(cause).__name__}: {' '.join(str(cause).split())[:300]}") from err
+
+
+def _prepared(datasets, dataset: str, config_name: str | None, options: dict):
+    """What datasets.load_dataset(dataset, config_name, split=..., **options) builds before it takes the split: the
+    dataset's builder, resolved and prepared (every split, whichever is asked for), whose as_dataset gives each split
+    as load_dataset does; a run takes all the splits it reads of `dataset` from it."""
+    if Path(dataset, "state.json").exists():  # half of a save_to_disk folder: load_dataset's refusal, at once
+        datasets.load_dataset(dataset, config_name, **options)
+    builder = datasets.load_dataset_builder(dataset, config_name, **options)
+    builder.download_and_prepare()
+    return builder
+
+
+def _in_memory(builder) -> bool:
+    """load_dataset's keep_in_memory default: a dataset under datasets.config.IN_MEMORY_MAX_SIZE (0: none) is copied
+    into memory, a larger one mapped from its cache files."""
+    from datasets.utils.info_utils import is_small_dataset
+
+    return is_small_dataset(builder.info.dataset_size)
 
 
 def _check_whole_split(path: Path, split: str, field: str, config_name: str | None, default_split: str) -> None:

@@ -19,7 +19,7 @@ from fastgrpo.rewards import REGISTRY
 from fastgrpo.train import default_task
 from fastgrpo.train.base_fingerprint import check_base_unchanged
 from fastgrpo.train.checkpoint import STATE_FILE, latest_checkpoint, load_checkpoint, read_run_config
-from fastgrpo.train.dataset_rows import load_rows
+from fastgrpo.train.dataset_rows import DatasetReads, load_rows
 from fastgrpo.train.evaluate import build_eval_task, first_rows
 from fastgrpo.train.input_checks import check_reward_rows, positions_before_load
 from fastgrpo.train.naming import setting
@@ -42,17 +42,26 @@ def resolve_reward(name: str):
     return import_function(name, "reward_funcs")
 
 
-def load_dataset(config, builtin=None, tokenizer=None):
+def load_run_datasets(config, tokenizer, builtin=None):
+    """(rows, evaluation rows) of a run that trains: load_dataset's and load_eval_dataset's (tokenizer, builtin: as
+    theirs), a data source that both name read once (dataset_rows.DatasetReads), each split taken from what was read."""
+    reads = DatasetReads()
+    evaluated = load_eval_dataset(config, tokenizer, reads)  # first: of two bad settings, the one said before
+    return load_dataset(config, builtin, tokenizer, reads), evaluated
+
+
+def load_dataset(config, builtin=None, tokenizer=None, reads: DatasetReads | None = None):
     """The rows of config.dataset, or when it is None the built-in rows builtin() makes (default: the GRPO task's).
     Their prompts (and sft's responses) are checked here, before the model loads: tokenizing them would find a
     mistake after it. tokenizer: the run's, which a command loads once and hands on (tokenizer_before_load; eval's:
-    the evaluated model's); None: config.model's, loaded here. A run's evaluation rows: load_eval_dataset."""
+    the evaluated model's); None: config.model's, loaded here. reads: the run's (load_run_datasets). A run's
+    evaluation rows: load_eval_dataset."""
     if tokenizer is None:
         tokenizer = tokenizer_before_load(config.model)
-    return _checked_rows(config, builtin, tokenizer)
+    return _checked_rows(config, builtin, tokenizer, reads)
 
 
-def _checked_rows(config, builtin, tokenizer):
+def _checked_rows(config, builtin, tokenizer, reads: DatasetReads | None):
     """load_dataset's rows, their prompts (and sft's responses) checked."""
     if config.dataset is None:
         if config.dataset_config is not None:
@@ -62,7 +71,7 @@ def _checked_rows(config, builtin, tokenizer):
                              "(no dataset) has none")
         return builtin() if builtin is not None else default_task.build_dataset(seed=config.seed)
     rows = load_rows(config.dataset, config.dataset_split, config_name=config.dataset_config,
-                     default_split=default_of(config, "dataset_split"), text_columns=text_columns(config))
+                     default_split=default_of(config, "dataset_split"), text_columns=text_columns(config), reads=reads)
     if hasattr(config, "response_column"):  # sft's: its columns (TRL's too) and every row's values
         pairs = sft_pairs(rows, config.prompt_column, config.response_column)
         prompts = [(i, prompt) for i, (prompt, _) in enumerate(pairs) if prompt is not None]  # text rows: none
@@ -73,14 +82,16 @@ def _checked_rows(config, builtin, tokenizer):
     return rows
 
 
-def eval_rows(config):
+def eval_rows(config, reads: DatasetReads | None = None):
     """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset or
     a folder: its eval_dataset_split; for sft, TRL's conversational rows too: sft_data.sft_eval_rows), or for a run
-    on the built-in task held-out rows of it; a run on its own data needs eval_dataset."""
+    on the built-in task held-out rows of it; a run on its own data needs eval_dataset. reads: the run's
+    (load_run_datasets)."""
     if config.eval_dataset is not None:
         rows = load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
                          config_name=eval_dataset_config(config),
-                         default_split=default_of(config, "eval_dataset_split"), text_columns=(config.prompt_column,))
+                         default_split=default_of(config, "eval_dataset_split"), text_columns=(config.prompt_column,),
+                         reads=reads)
         if hasattr(config, "response_column"):  # sft's: TRL's conversations too, as its dataset
             return sft_eval_rows(rows, config.prompt_column, config.eval_max_examples)
         return rows
@@ -115,14 +126,14 @@ def eval_dataset_config(config) -> str | None:
     return config.eval_dataset_config
 
 
-def load_eval_dataset(config, tokenizer):
+def load_eval_dataset(config, tokenizer, reads: DatasetReads | None = None):
     """The rows a run evaluates on every eval_steps (eval_rows), read once, before the model loads, and checked as its
     training rows are (with its tokenizer): read inside the trainer, a wrong path, column or prompt length stopped the
     run after the model had loaded. The trainer takes them (its eval_rows) rather than read them (and ask the Hub for
-    a Hub dataset) again. None where the run does not evaluate."""
+    a Hub dataset) again. None where the run does not evaluate. reads: the run's (load_run_datasets)."""
     if not getattr(config, "eval_steps", 0):
         return None
-    rows = eval_rows(config)
+    rows = eval_rows(config, reads)
     if config.eval_dataset is None and config.dataset is None:
         return rows  # the built-in task's held-out rows
     checked = first_rows(rows, config.eval_max_examples)
