@@ -141,11 +141,11 @@ def test_backward(seed):
     assert (grads[0][0] - grads[1][0]).abs().max() > 0, "the e4m3 input gradient must differ from the exact one"
 
 
-def tiny_lora_model(seed=0, targets="all-linear", vocab=80):
+def tiny_lora_model(seed=0, targets="all-linear", vocab=80, layers=2):
     """Llama with every decoder linear's sides multiples of 16 (q 64, k/v 32, MLP 96), bf16, LoRA r4 with random
     weights on the targets."""
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                          num_attention_heads=4, num_key_value_heads=2)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
     return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))

@@ -133,3 +133,23 @@ def test_the_compiled_decode_step_over_the_models_own_weights_gives_the_eager_to
                                                     config=config).completion_ids
     assert compiles.frame_count > 0
     assert torch.equal(tokens[True], tokens[False]), (tokens[True], tokens[False])
+
+
+def test_the_compiled_decode_step_over_the_models_own_weights_compiles_no_frame_per_layer(compiles):
+    """The e4m3 copy's key (its weight's address, one per layer) is not read in the compiled rollout step, which
+    takes the copy the eager prefill just checked: as many frames for 2 decoder layers as for 1 (reading it, dynamo
+    compiled again for each linear of each layer, and past its limit of 8 ran the rest eagerly), and the eager
+    tokens."""
+    params = SamplingParams(max_new_tokens=6, temperature=0.0)
+    frames, tokens = {}, {}
+    for layers, compile_step in ((1, True), (2, True), (2, False)):
+        model = fastgrpo.patch_model(tiny_lora_model(vocab=128, layers=layers), fp8_base=True)
+        model.eval()
+        torch._dynamo.reset()
+        before = compiles.frame_count
+        config = EngineConfig(weights="model", compile=compile_step, compile_scope="layers", max_prompt_length=16)
+        tokens[layers, compile_step] = generate_with_config(model, char_tokenizer(), ["abc", "hello"], 2, params,
+                                                            seed=0, config=config).completion_ids
+        frames[layers, compile_step] = compiles.frame_count - before
+    assert frames[1, True] == frames[2, True] > 0, frames
+    assert torch.equal(tokens[2, True], tokens[2, False]), (tokens[2, True], tokens[2, False])

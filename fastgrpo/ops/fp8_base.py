@@ -16,9 +16,10 @@ sum) before g's rows are quantized the same way. Both quantizers are quantize_fp
 (torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
-makes it again whenever the weight changes (in place, which bumps its version counter, or replaced). A .to() /
-.cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound while it holds a copy): the
-GPU copies of a model moved to the CPU lived on until its next forward.
+makes it again whenever the weight changes (in place, which bumps its version counter, or replaced); a compiled
+forward without grad (the rollout's decode steps over the model's own weights) takes the copy its eager prefill
+left, unchecked. A .to() / .cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound
+while it holds a copy): the GPU copies of a model moved to the CPU lived on until its next forward.
 """
 from __future__ import annotations
 
@@ -118,8 +119,12 @@ def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
     weight = layer.weight
     if not scaled_mm_fits(*weight.shape):
         return None
-    key = _weight_key(weight)
     cached = layer.__dict__.get(FP8_WEIGHT_ATTR)
+    if cached is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled():
+        # a compiled rollout step: the copy its eager prefill just checked. The key (the weight's address) differs
+        # per layer, and a trace of its test would compile the step again for every layer (past dynamo's limit)
+        return cached[1]
+    key = _weight_key(weight)
     if cached is None or cached[0] != key:
         check_fp8_device(weight.device)
         drop_fp8_weight(layer)  # the old copy goes before the new one is made
