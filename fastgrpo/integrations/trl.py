@@ -33,7 +33,7 @@ from fastgrpo.loss.row_layout import as_given, padding_facts, run_backbone, take
 from fastgrpo.ops.fused_linear import BACKENDS, fused_linear_logprobs, resolve_backend
 from fastgrpo.patching import patch_model
 from fastgrpo.patching.liger import liger_patched_problem
-from fastgrpo.patching.patch import check_offload_options
+from fastgrpo.patching.patch import SUMMARY_ATTR, check_offload_options
 
 # The TRL releases whose GRPOTrainer contracts (the two methods' signatures, the `inputs` keys, the attributes read
 # below) this module was checked against; pyproject's `trl` extra says the same (tests/test_trl.py compares them).
@@ -58,6 +58,7 @@ trl = _import_trl()
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_SUM_TYPES = ("cispo", "dapo", "vespo")  # normalized by the generation batch's tokens (num_items_in_batch)
 LOGIT_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
+KERNEL_SWITCHES = ("rms_norm", "rope", "swiglu")  # patch_model's options a reference model shares with the policy
 
 
 def _refusals(args, patch: bool) -> list[str]:
@@ -74,8 +75,9 @@ def _refusals(args, patch: bool) -> list[str]:
     wrapper = _wrapper_asked(args)
     if wrapper is not None:
         found.append(f"{wrapper}: one process only, without DeepSpeed or FSDP (fastgrpo's loss reads the lm_head "
-                     "weight and runs the backbone outside the DDP / DeepSpeed / FSDP wrapper); launch a single process "
-                     "without it, use trl.GRPOTrainer, or for several GPUs `torchrun -m fastgrpo train` (FSDP2 / DDP)")
+                     "weight and runs the backbone outside the DDP / DeepSpeed / FSDP wrapper); launch a single "
+                     "process without it, use trl.GRPOTrainer, or for several GPUs `torchrun -m fastgrpo train` "
+                     "(FSDP2 / DDP)")
     return found
 
 
@@ -157,6 +159,22 @@ def _fp8_base_problems(fp8_base, patch, model, peft_config, args) -> list[str]:
     return []
 
 
+def _policy_patch_options(model, offload_activations, recompute_layers, fp8_base: bool) -> dict:
+    """patch_model's arguments for the policy: those the model was patched with before the trainer got it (the user's
+    `fastgrpo.patch_model(model, ...)`; the trainer patches again, PEFT may have wrapped it since), the trainer's
+    keywords over them where set, and no fused labels= loss (the trainer's loss never calls the model's forward)."""
+    summary = getattr(unwrap_peft(model), SUMMARY_ATTR, None)
+    options = dict(summary["arguments"] if summary is not None else patch_model.__kwdefaults__)
+    options["fused_loss"] = False
+    if offload_activations is not False:
+        options["offload_activations"] = offload_activations
+    if recompute_layers is not None:
+        options["recompute_layers"] = recompute_layers
+    if fp8_base:
+        options["fp8_base"] = True
+    return options
+
+
 def _no_autocast(tensor: torch.Tensor):
     """The fused lm_head runs in its inputs' dtype with fp32 accumulation (an fp32 dW accumulator among them), which
     an enclosing autocast (mixed precision) would recast."""
@@ -167,7 +185,8 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     """trl.GRPOTrainer on fastgrpo's kernels: same constructor and trl.GRPOConfig, plus
 
     patch: fastgrpo.patch_model the policy (and a reference copy) before training (fused RMSNorm, RoPE, SwiGLU,
-    LoRA); patch=False with use_liger_kernel=True runs Liger's layer kernels under fastgrpo's loss.
+    LoRA); a model patched already keeps the options it was patched with, the keywords below going over them.
+    patch=False with use_liger_kernel=True runs Liger's layer kernels under fastgrpo's loss.
     offload_activations: True or a fastgrpo.offload.ActivationOffloader checkpoints every decoder layer with its input
     kept in pinned CPU memory (needs patch). It replaces TRL's gradient checkpointing, whose flag is set to
     False on the trainer's args: HF's Trainer would turn HF's checkpointing on again at train(), and TRL around each
@@ -197,17 +216,17 @@ class FastGRPOTrainer(trl.GRPOTrainer):
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
         problems = _refusals(self.args, patch) + _model_refusals(self, patch)
-        if config is None:  # TRL's own GRPOConfig (bf16=True) only now
-            problems += _fp8_base_problems(fp8_base, patch, self.model, None, self.args)
+        options = _policy_patch_options(self.model, offload_activations, recompute_layers, fp8_base)
+        if config is None or options["fp8_base"] != fp8_base:  # TRL's own GRPOConfig (bf16=True), or the user's patch
+            problems += _fp8_base_problems(options["fp8_base"], True, self.model, None, self.args)
         if problems:
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         self.fastgrpo_backend = backend
         if patch:  # draws no random numbers: TRL's seeding at the end of its __init__ still decides the run
-            patch_model(self.model, fused_loss=False, offload_activations=offload_activations,
-                        recompute_layers=recompute_layers, fp8_base=fp8_base)
-            if self.ref_model is not None:
-                patch_model(self.ref_model, fused_loss=False)
-        if offload_activations is not False:
+            patch_model(self.model, **options)
+            if self.ref_model is not None:  # the policy's kernels; the rest acts on training only
+                patch_model(self.ref_model, fused_loss=False, **{name: options[name] for name in KERNEL_SWITCHES})
+        if options["offload_activations"] is not False:
             for name in ("gradient_checkpointing", "activation_checkpointing"):  # newer transformers have both
                 if getattr(self.args, name, None):
                     setattr(self.args, name, False)

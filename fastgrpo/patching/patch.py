@@ -133,7 +133,7 @@ def patch_model(
     checkpointed = _checkpointed_layers(layers, offload_activations, recompute_layers)
     if isinstance(offload_activations, ActivationOffloader):
         check_offloader_device(offload_activations, checkpointed, "offload_activations")
-    tiled_modules, tiled_mlp_argument = None, tiled_mlp  # None: every MLP
+    tiled_modules, tiled_mlp_argument, chunk_tokens_argument = None, tiled_mlp, mlp_chunk_tokens  # None: every MLP
     if tiled_mlp is None:
         tiled_mlp = bool(checkpointed)
         tiled_modules = {id(m) for layer in checkpointed for m in layer.modules()}
@@ -150,8 +150,9 @@ def patch_model(
         "mlp_chunk_tokens": mlp_chunk_tokens, "fused_lora": fused_lora, "lora_dtype": lora_dtype,
         "fp8_base": fp8_base,
     }
-    # Compared as given: tiled_mlp None and True resolve alike when every layer is checkpointed, not otherwise.
-    arguments = {**options, "tiled_mlp": tiled_mlp_argument}
+    # Compared as given: tiled_mlp None and True resolve alike when every layer is checkpointed, not otherwise; a
+    # resolved chunk size passed back (FastGRPOTrainer patches again with them) would be refused without a tiled MLP.
+    arguments = {**options, "tiled_mlp": tiled_mlp_argument, "mlp_chunk_tokens": chunk_tokens_argument}
     existing = hf_model.__dict__.get(SUMMARY_ATTR)
     if existing is not None:
         # Same arguments, same modules: done. PEFT may have wrapped linears since (get_peft_model on the patched

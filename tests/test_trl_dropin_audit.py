@@ -1,0 +1,84 @@
+"""FastGRPOTrainer given a model the user patched first, as the README's two usages combine: `model =
+fastgrpo.patch_model(model, ...)` in their script, then the TRL swap. The trainer patches the policy again (its loss
+never calls the model's forward, so fused_loss=False); before, that re-patch used patch_model's defaults and dropped
+the user's options without a word (offload_activations=True: the run trained with HF's checkpointing, the memory
+gone; lora_dtype="adapter": other numbers; rms_norm=False: the kernel the user switched off back on).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("trl", reason="TRL is not installed (pip install -e '.[dev]' installs it)")
+pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs `datasets`")
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from fastgrpo.hf.models import unwrap_peft  # noqa: E402
+from fastgrpo.integrations.trl import FastGRPOTrainer  # noqa: E402
+from fastgrpo.patching import patch_model  # noqa: E402
+from tests.test_trl import build_tokenizer, model_dir, vowel_reward  # noqa: E402,F401 (model_dir is a fixture)
+from tests.test_trl_parity_more import grpo_config  # noqa: E402
+
+LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+
+
+def prepatched_trainer(model_dir, tmp_path, options: dict, peft: bool, **kwargs) -> FastGRPOTrainer:
+    model = patch_model(AutoModelForCausalLM.from_pretrained(model_dir), **options)
+    return FastGRPOTrainer(model=model, reward_funcs=vowel_reward,
+                           args=grpo_config(tmp_path, gradient_checkpointing=True, max_steps=1, beta=0.04),
+                           train_dataset=Dataset.from_dict({"prompt": ["2+2=", "abc"] * 4}),
+                           processing_class=build_tokenizer(), peft_config=LoraConfig(**LORA) if peft else None,
+                           **kwargs)
+
+
+def arguments(model) -> dict:
+    return unwrap_peft(model).fastgrpo_patch_summary["arguments"]
+
+
+@pytest.mark.parametrize("options, peft", [
+    (dict(rms_norm=False), False),  # a separate reference model (beta > 0, full fine-tuning)
+    (dict(lora_dtype="adapter", swiglu=False), True),  # PEFT wraps the patched model: patched again
+    (dict(offload_activations=True, recompute_layers=1), True),
+], ids=str)
+def test_a_model_patched_before_the_trainer_keeps_its_options(model_dir, tmp_path, options, peft):
+    trainer = prepatched_trainer(model_dir, tmp_path, options, peft)
+    kept = arguments(trainer.model)
+    assert {name: kept[name] for name in options} == options, kept
+    assert kept["fused_loss"] is False
+    if trainer.ref_model is not None:  # the reference runs the kernels the policy runs
+        reference = arguments(trainer.ref_model)
+        assert all(reference[name] == kept[name] for name in ("rms_norm", "rope", "swiglu")), reference
+    if options.get("offload_activations"):  # handed over from TRL's checkpointing, as offload_activations=True does
+        assert trainer.args.gradient_checkpointing is False
+        trainer.train()
+        layers = unwrap_peft(trainer.model).model.layers
+        assert [("_fastgrpo_offload" in layer.__dict__, bool(layer.gradient_checkpointing)) for layer in layers] == \
+            [(True, False), (False, False)]
+
+
+@pytest.mark.parametrize("recompute_layers", [1, 0])  # 0: no layer checkpointed, so no MLP tiled either
+def test_the_trainers_keywords_go_over_the_users_patch(model_dir, tmp_path, recompute_layers):
+    """The user's offload of every layer sized the tiled MLP's chunks; the trainer's recompute_layers=0 leaves no MLP
+    tiled, and the size patch_model had resolved is not passed back as though the user had set it (a refusal)."""
+    trainer = prepatched_trainer(model_dir, tmp_path, dict(rope=False, offload_activations=True), True,
+                                 offload_activations=True, recompute_layers=recompute_layers)
+    kept = arguments(trainer.model)
+    assert (kept["rope"], kept["offload_activations"], kept["recompute_layers"]) == (False, True, recompute_layers)
+    assert kept["mlp_chunk_tokens"] is None
+
+
+def test_an_fp8_base_patched_before_a_bf16_trainer_is_refused(model_dir, tmp_path):
+    """The user's fp8_base under TRL's bf16 autocast would run PEFT's forward, the base in bf16: the trainer's own
+    fp8_base=True is refused there, and so is a model patched with it."""
+    from peft import get_peft_model
+
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(model_dir), LoraConfig(**LORA, lora_dropout=0.0))
+    patch_model(model, fp8_base=True)
+    with pytest.raises(ValueError, match=r"^FastGRPOTrainer cannot honour: fp8_base: .*set bf16=False"):
+        FastGRPOTrainer(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path, bf16=True),
+                        train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=build_tokenizer())
