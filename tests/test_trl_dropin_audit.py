@@ -82,3 +82,20 @@ def test_an_fp8_base_patched_before_a_bf16_trainer_is_refused(model_dir, tmp_pat
     with pytest.raises(ValueError, match=r"^FastGRPOTrainer cannot honour: fp8_base: .*set bf16=False"):
         FastGRPOTrainer(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path, bf16=True),
                         train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=build_tokenizer())
+
+
+def test_a_model_type_without_fused_layers_names_patch_false(tmp_path):
+    """A causal LM outside patch_model's table (GPT-2 here) trains on fastgrpo's loss with patch=False; with the
+    default patch=True it was patch_model's own error, naming neither the trainer nor the way out."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=16, n_head=2, vocab_size=64, pad_token_id=0, eos_token_id=1))
+    kwargs = dict(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path),
+                  train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}), processing_class=build_tokenizer())
+    match = (r"^FastGRPOTrainer cannot honour: patch: fastgrpo.patch_model has no fused layers for model_type "
+             r"'gpt2' \(it has: \[.*'llama'.*\]\); pass patch=False to train it on fastgrpo's loss alone$")
+    with pytest.raises(ValueError, match=match):
+        FastGRPOTrainer(**kwargs)
+    assert "fastgrpo_patch_summary" not in FastGRPOTrainer(**kwargs, patch=False).model.__dict__

@@ -24,6 +24,7 @@ from packaging.specifiers import SpecifierSet
 from transformers import ProcessorMixin
 
 from fastgrpo._checks import read_ints
+from fastgrpo.hf.architectures import ARCHITECTURES
 from fastgrpo.hf.models import (
     backbone_and_head, head_bias, is_peft_model, logit_softcap, unwrap_peft,
 )
@@ -95,6 +96,10 @@ def _wrapper_asked(args) -> str | None:
 def _model_refusals(trainer, patch: bool) -> list[str]:
     """What the model and processing class ask that FastGRPOTrainer cannot do as TRL does."""
     found = []
+    model_type = getattr(getattr(unwrap_peft(trainer.model), "config", None), "model_type", None)
+    if patch and model_type not in ARCHITECTURES:  # here, not patch_model's error after TRL's whole set-up
+        found.append(f"patch: fastgrpo.patch_model has no fused layers for model_type {model_type!r} (it has: "
+                     f"{sorted(ARCHITECTURES)}); pass patch=False to train it on fastgrpo's loss alone")
     liger = liger_patched_problem(unwrap_peft(trainer.model)) if patch else None
     if liger is not None:  # patch_model would refuse it after TRL's whole set-up
         found.append(liger)
