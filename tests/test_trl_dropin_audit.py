@@ -72,6 +72,12 @@ def test_the_trainers_keywords_go_over_the_users_patch(model_dir, tmp_path, reco
     assert kept["mlp_chunk_tokens"] is None
 
 
+def test_recompute_layers_alone_chooses_among_the_users_offloaded_layers(model_dir, tmp_path):
+    """Before, recompute_layers without offload_activations=True was refused as though offload were off."""
+    trainer = prepatched_trainer(model_dir, tmp_path, dict(offload_activations=True), False, recompute_layers=1)
+    assert (arguments(trainer.model)["offload_activations"], arguments(trainer.model)["recompute_layers"]) == (True, 1)
+
+
 def test_an_fp8_base_patched_before_a_bf16_trainer_is_refused(model_dir, tmp_path):
     """The user's fp8_base under TRL's bf16 autocast would run PEFT's forward, the base in bf16: the trainer's own
     fp8_base=True is refused there, and so is a model patched with it."""

@@ -164,12 +164,17 @@ def _fp8_base_problems(fp8_base, patch, model, peft_config, args) -> list[str]:
     return []
 
 
+def _patch_arguments(model) -> dict | None:
+    """The arguments fastgrpo.patch_model was given on `model` (a module, or a path TRL loads), None where unpatched."""
+    summary = getattr(unwrap_peft(model), SUMMARY_ATTR, None) if isinstance(model, torch.nn.Module) else None
+    return None if summary is None else summary["arguments"]
+
+
 def _policy_patch_options(model, offload_activations, recompute_layers, fp8_base: bool) -> dict:
     """patch_model's arguments for the policy: those the model was patched with before the trainer got it (the user's
     `fastgrpo.patch_model(model, ...)`; the trainer patches again, PEFT may have wrapped it since), the trainer's
     keywords over them where set, and no fused labels= loss (the trainer's loss never calls the model's forward)."""
-    summary = getattr(unwrap_peft(model), SUMMARY_ATTR, None)
-    options = dict(summary["arguments"] if summary is not None else patch_model.__kwdefaults__)
+    options = dict(_patch_arguments(model) or patch_model.__kwdefaults__)
     options["fused_loss"] = False
     if offload_activations is not False:
         options["offload_activations"] = offload_activations
@@ -214,9 +219,12 @@ class FastGRPOTrainer(trl.GRPOTrainer):
                 resolve_backend(backend, config.device)
             except ValueError as err:
                 problems.append(str(err))
-        problems += _offload_problems(patch, offload_activations, recompute_layers)
-        problems += _fp8_base_problems(fp8_base, patch, kwargs.get("model", args[0] if args else None),
-                                       kwargs.get("peft_config"), config)
+        model = kwargs.get("model", args[0] if args else None)
+        offloaded = offload_activations
+        if offloaded is False and patch:  # recompute_layers alone chooses among a user-patched model's offloaded layers
+            offloaded = (_patch_arguments(model) or {}).get("offload_activations", False)
+        problems += _offload_problems(patch, offloaded, recompute_layers)
+        problems += _fp8_base_problems(fp8_base, patch, model, kwargs.get("peft_config"), config)
         if problems:  # before TRL loads any model
             raise ValueError("FastGRPOTrainer cannot honour: " + "; ".join(problems))
         super().__init__(*args, **kwargs)
