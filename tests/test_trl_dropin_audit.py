@@ -2,7 +2,8 @@
 fastgrpo.patch_model(model, ...)` in their script, then the TRL swap. The trainer patches the policy again (its loss
 never calls the model's forward, so fused_loss=False); before, that re-patch used patch_model's defaults and dropped
 the user's options without a word (offload_activations=True: the run trained with HF's checkpointing, the memory
-gone; lora_dtype="adapter": other numbers; rms_norm=False: the kernel the user switched off back on).
+gone; lora_dtype="adapter": other numbers; rms_norm=False: the kernel the user switched off back on). And a causal
+LM outside patch_model's table, which the default patch=True cannot patch: one line naming patch=False.
 """
 from __future__ import annotations
 
