@@ -17,7 +17,6 @@ import dataclasses
 import difflib
 import sys
 from collections.abc import Callable
-from pathlib import Path
 
 from fastgrpo.train import default_task
 from fastgrpo.train.commands import (
@@ -29,7 +28,7 @@ from fastgrpo.train.command_fields import elsewhere, trl_counterpart, trl_withou
 from fastgrpo.train.config import GRPOConfig
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument
-from fastgrpo.train.console import change
+from fastgrpo.train.console import change, run_files
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
 from fastgrpo.train.naming import flag
@@ -282,7 +281,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err
     if history and dist.is_main:
         first, last = history[0], history[-1]
-        print(f"{change('reward', first, last)}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+        print(f"{change('reward', first, last)}; {run_files(config.output_dir, config.export)}")
     return 0
 
 

@@ -20,7 +20,7 @@ from fastgrpo.train.coercion import coerced
 from fastgrpo.train.config import GRPOConfig, run_control_fields
 from fastgrpo.train.config_flags import add_config_arguments
 from fastgrpo.train.config_file import add_config_file_argument, check_record_output_dir, check_relative_paths
-from fastgrpo.train.console import change, number
+from fastgrpo.train.console import change, number, run_files
 from fastgrpo.train.cuda_memory import use_expandable_segments
 from fastgrpo.train.ei_config import EIConfig
 from fastgrpo.train.eval_config import EvalConfig
@@ -93,6 +93,8 @@ def config_from_args(name: str, args: argparse.Namespace):
         check_record_output_dir(file, flags, args.config)
     merged = coerced(CONFIGS[name], {**file, **flags})  # typed: YAML's `none`, "16", ~/ as a flag's
     run, source = trained_by(merged) if name == "eval" else (None, "")
+    if run is not None:
+        _check_rows_named(run, merged, source)
     # a run that trained the built-in model (its config names none) evaluates with the tiny model's presets, whether
     # eval loads it from a --checkpoint (with or without a --model path for its base) or from its final/ (64 positions
     # leave no room for the default 1024 new tokens)
@@ -120,7 +122,28 @@ def config_from_args(name: str, args: argparse.Namespace):
         default_task.use_one_cpu_thread(config.device)
     if name in ("train", "sft", "ei"):  # eval takes the run's format itself (_prompt_settings); export prompts nothing
         warn_prompt_format_unlike_export(config, merged)
+        _warn_eval_dataset_unused(config)
     return config
+
+
+def _check_rows_named(run: dict, merged: dict, source: str) -> None:
+    """eval without --dataset evaluates on the built-in task's held-out rows: of weights whose run trained on its own
+    data that measured a task they never saw (accuracy ~0, no word said). Refused unless a flag or YAML names the rows
+    (--dataset none: the built-in ones)."""
+    if run.get("dataset") is None or "dataset" in merged:
+        return
+    held_out = f" (its eval_dataset: {setting('dataset', run['eval_dataset'])})" if run.get("eval_dataset") else ""
+    raise ValueError(f"dataset: {source} trained on {run['dataset']}, and eval without {setting('dataset')} "
+                     f"evaluates on the built-in task's rows; pass the rows to evaluate on{held_out}, or "
+                     f"{setting('dataset', 'none')} for the built-in task's")
+
+
+def _warn_eval_dataset_unused(config) -> None:
+    """An eval_dataset with eval_steps 0 (the default) is never read: said, as TRL users set eval_dataset alone."""
+    if config.eval_dataset is not None and not config.eval_steps:
+        unit = "rounds" if config.COMMAND == "ei" else "steps"
+        logger.warning("eval_dataset: %s is not evaluated on, as eval_steps is 0 (off); pass %s to evaluate every N "
+                       "%s", config.eval_dataset, setting("eval_steps", "N"), unit)
 
 
 def warn_prompt_format_unlike_export(config, merged: dict) -> None:
@@ -301,7 +324,7 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                      args)
     if history and dist.is_main:
         first, last = history[0], history[-1]
-        print(f"{change('loss', first, last, fmt='{:.4f}')}; metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+        print(f"{change('loss', first, last, fmt='{:.4f}')}; {run_files(config.output_dir, config.export)}")
     return 0
 
 
@@ -333,7 +356,7 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if history and dist.is_main:
         first, last = history[0], history[-1]
         print(f"{change('reward', first, last, unit='round')}, {change('kept_frac', first, last, unit='round')}; "
-              f"metrics in {Path(config.output_dir) / 'metrics.jsonl'}")
+              f"{run_files(config.output_dir, config.export)}")
     return 0
 
 

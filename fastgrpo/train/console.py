@@ -18,6 +18,7 @@ from __future__ import annotations
 import resource
 import sys
 import warnings
+from pathlib import Path
 
 # (metrics key, format), the key shown as the label; in this order, each where the window's metrics have it
 _FIELDS = (
@@ -94,6 +95,14 @@ def change(key: str, first: dict, last: dict, unit: str = "step", fmt: str = "{:
     logged metrics; "reward 0.044 (step 3)" for a run of one step (or round)."""
     start = f"{key} {number(first[key], fmt)} ({unit} {first[unit]})"
     return start if first[unit] == last[unit] else f"{start} -> {number(last[key], fmt)} ({unit} {last[unit]})"
+
+
+def run_files(output_dir: str, exported: bool) -> str:
+    """Where a run's closing line says its files went: "metrics in run/metrics.jsonl, model in run/final" (the model
+    where the run exported it; its checkpoints are beside them)."""
+    folder = Path(output_dir)
+    model = f", model in {folder / 'final'}" if exported and (folder / "final").is_dir() else ""
+    return f"metrics in {folder / 'metrics.jsonl'}{model}"
 
 
 def _mean(window: list[dict], key: str) -> float | None:

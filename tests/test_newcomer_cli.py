@@ -1,0 +1,63 @@
+"""What a newcomer following the README hits on the CLI: eval of a run trained on its own rows evaluates those, not
+the built-in task's; an --eval-dataset that nothing evaluates on is said; a run's closing line says where its model
+went."""
+import json
+
+from fastgrpo.train import default_task
+from fastgrpo.train.cli import main
+
+QUIET = ["--no-progress-bar", "--logging-steps", "0"]
+
+
+def _rows_file(path):
+    path.write_text("".join(json.dumps(row) + "\n" for row in default_task.build_dataset(8, seed=1)))
+    return path
+
+
+def test_eval_of_a_run_on_its_own_rows_without_dataset_is_refused_naming_them(tmp_path, capsys):
+    """Without --dataset eval scored the run's model on the built-in task's rows, a task it never trained on, with
+    no word said; now one line names the run's data, and --dataset (or `none`, the built-in rows) runs."""
+    data = _rows_file(tmp_path / "rows.jsonl")
+    run = tmp_path / "run"
+    assert main(["train", "--dataset", str(data), "--output-dir", str(run), "--max-steps", "1", *QUIET]) == 0
+    capsys.readouterr()
+    for weights in (["--checkpoint", str(run)], ["--model", str(run / "final")]):
+        assert main(["eval", *weights, "--output-dir", str(tmp_path / "refused")]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and "error: dataset: " in err and f"trained on {data}" in err, err
+        assert "pass the rows to evaluate on" in err and "--dataset none for the built-in task's" in err, err
+        assert not (tmp_path / "refused").exists()
+    scored = ["--reward-funcs", *default_task.REWARD_FUNCS, "--max-examples", "4"]
+    assert main(["eval", "--checkpoint", str(run), "--dataset", str(data), *scored,
+                 "--output-dir", str(tmp_path / "own")]) == 0
+    assert main(["eval", "--checkpoint", str(run), "--dataset", "none", "--max-examples", "4",
+                 "--output-dir", str(tmp_path / "builtin")]) == 0
+    # a run of the built-in task is evaluated on its held-out rows, as before
+    builtin = tmp_path / "builtin_run"
+    assert main(["train", "--output-dir", str(builtin), "--max-steps", "1", "--no-export", *QUIET]) == 0
+    assert main(["eval", "--checkpoint", str(builtin), "--max-examples", "4",
+                 "--output-dir", str(tmp_path / "builtin_eval")]) == 0
+
+
+def test_an_eval_dataset_without_eval_steps_is_said(tmp_path, capsys):
+    """TRL users pass eval_dataset; with eval_steps 0 (the default) nothing read it, silently (a missing file too)."""
+    missing = tmp_path / "held_out.jsonl"
+    assert main(["train", "--eval-dataset", str(missing), "--output-dir", str(tmp_path / "run"), "--max-steps", "1",
+                 "--no-export", *QUIET]) == 0
+    err = capsys.readouterr().err
+    assert f"warning: eval_dataset: {missing} is not evaluated on, as eval_steps is 0 (off); pass --eval-steps N " \
+           "to evaluate every N steps" in err, err
+    assert main(["train", "--output-dir", str(tmp_path / "quiet"), "--max-steps", "1", "--no-export", *QUIET]) == 0
+    assert "eval_dataset" not in capsys.readouterr().err
+
+
+def test_a_runs_closing_line_says_where_its_model_went(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--max-steps", "1", "--no-progress-bar"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f"; metrics in {run / 'metrics.jsonl'}, model in {run / 'final'}"), last
+    assert main(["sft", "--output-dir", str(tmp_path / "sft"), "--max-steps", "1", "--no-export",
+                 "--no-progress-bar"]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last.endswith(f"; metrics in {tmp_path / 'sft' / 'metrics.jsonl'}"), last  # no export: no model named
+
