@@ -1,7 +1,9 @@
 """What a newcomer following the README hits on the CLI: eval of a run trained on its own rows evaluates those, not
 the built-in task's; an --eval-dataset that nothing evaluates on is said; a run's closing line says where its model
-went."""
+went; a second Ctrl-C before the run's first checkpoint says how to start afresh, not to --resume."""
 import json
+import os
+import signal
 
 from fastgrpo.train import default_task
 from fastgrpo.train.cli import main
@@ -61,3 +63,34 @@ def test_a_runs_closing_line_says_where_its_model_went(tmp_path, capsys):
     last = capsys.readouterr().out.splitlines()[-1]
     assert last.endswith(f"; metrics in {tmp_path / 'sft' / 'metrics.jsonl'}"), last  # no export: no model named
 
+
+def test_a_second_ctrl_c_before_the_first_checkpoint_says_how_to_start_afresh(tmp_path, capsys, monkeypatch):
+    """It said "continue from the last checkpoint with `... --resume`": there was none, --resume refused, and so did
+    the same command again (the run's metrics.jsonl is there)."""
+    from fastgrpo.train.trainer import GRPOTrainer
+
+    train = GRPOTrainer.train
+
+    def interrupted_twice_in_step_2(self, *args, **kwargs):
+        updates = []
+
+        def hook(optimizer, hook_args, hook_kwargs):
+            updates.append(1)
+            if len(updates) == self.updates_per_step + 1:  # the update of step 2: the second signal stops at once
+                os.kill(os.getpid(), signal.SIGINT)
+                os.kill(os.getpid(), signal.SIGINT)
+
+        self.optimizer.register_step_pre_hook(hook)
+        return train(self, *args, **kwargs)
+
+    monkeypatch.setattr(GRPOTrainer, "train", interrupted_twice_in_step_2)
+    run = tmp_path / "run"
+    argv = ["train", "--output-dir", str(run), "--max-steps", "3", "--save-steps", "0", *QUIET]
+    assert main(argv) == 130
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    command = f"fastgrpo train --output-dir {run} --max-steps 3 --save-steps 0 {' '.join(QUIET)} --overwrite-output-dir"
+    assert last == ("fastgrpo train: stopped by SIGINT in the middle of a step, before the run's first checkpoint: "
+                    f"nothing to continue from; start afresh with `{command}`"), last
+    assert (run / "metrics.jsonl").exists() and not list(run.glob("checkpoint-*"))
+    monkeypatch.undo()
+    assert main(command.split()[1:]) == 0  # the command it names runs

@@ -232,7 +232,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.cuda_memory import use_expandable_segments
-    from fastgrpo.train.interrupts import Interrupted, resume_command
+    from fastgrpo.train.interrupts import Interrupted, resume_command, start_over_command
     from fastgrpo.train.loading import (load_model_and_tokenizer, load_run_datasets, resolve_reward,
                                         tokenizer_before_load)
     from fastgrpo.train.dataset_source import check_local_dataset_sources
@@ -276,6 +276,7 @@ def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         except Interrupted as stop:
             stop.how_to_resume = f"`{resume_command(args.argv)}`"
             stop.how_to_restart = "run the same command again"
+            stop.how_to_start_over = f"`{start_over_command(args.argv)}`"
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err

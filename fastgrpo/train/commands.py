@@ -279,7 +279,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 
     from fastgrpo.offload import OffloadMemoryError
     from fastgrpo.train.errors import RunError
-    from fastgrpo.train.interrupts import Interrupted, resume_command
+    from fastgrpo.train.interrupts import Interrupted, resume_command, start_over_command
 
     with dist.run_directory(config.output_dir) as run_dir:
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
@@ -298,6 +298,7 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
         except Interrupted as stop:
             stop.how_to_resume = f"`{resume_command(args.argv)}`"
             stop.how_to_restart = "run the same command again"
+            stop.how_to_start_over = f"`{start_over_command(args.argv)}`"
             raise
         except OffloadMemoryError as err:  # the pool's max_bytes is this run's offload_host_memory_gib
             raise RunError(f"{err} [max_bytes: --offload-host-memory-gib]") from err

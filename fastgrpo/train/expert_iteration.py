@@ -310,6 +310,8 @@ class ExpertIteration:
                     metrics = self.run_round()
                 except (Interrupted, RewardError) as stop:
                     if not guard.abandonable:
+                        if isinstance(stop, Interrupted):  # a second signal, in the round's SFT
+                            stop.nothing_saved = self._saved_path is None
                         raise
                     # the round changed nothing yet: save the rounds before it (with the RNG states it began from)
                     path = self.save_checkpoint(rng) if self.round > 0 and self._saved_step != self.round else None

@@ -54,6 +54,10 @@ class Interrupted(KeyboardInterrupt):
         self.signum, self.step, self.checkpoint, self.unit = signum, step, checkpoint, unit
         self.how_to_resume = "resume=True (and the same settings otherwise)"  # the CLI puts its command line here
         self.how_to_restart = "call train() again"  # with nothing saved; the CLI says to run its command again
+        # stopped at once (a second signal) before the run's first checkpoint: no --resume can continue it, and the
+        # metrics it logged make a plain restart refuse the folder; the loop sets it, the CLI names its command
+        self.nothing_saved = False
+        self.how_to_start_over = "overwrite_output_dir=True in a new trainer (deletes the metrics it logged)"
 
     @property
     def exit_code(self) -> int:
@@ -63,6 +67,7 @@ class Interrupted(KeyboardInterrupt):
         """This interrupt, after the loop saved `step` to `checkpoint`."""
         out = Interrupted(self.signum, step, checkpoint, self.unit)
         out.how_to_resume, out.how_to_restart = self.how_to_resume, self.how_to_restart
+        out.how_to_start_over = self.how_to_start_over
         return out
 
     def __str__(self) -> str:
@@ -72,6 +77,9 @@ class Interrupted(KeyboardInterrupt):
         if self.checkpoint is not None:
             return (f"stopped by {name}: {self.unit} {self.step} saved in {self.checkpoint}; continue with "
                     f"{self.how_to_resume}")
+        if self.nothing_saved:
+            return (f"stopped by {name} in the middle of a {self.unit}, before the run's first checkpoint: nothing to "
+                    f"continue from; start afresh with {self.how_to_start_over}")
         return (f"stopped by {name} in the middle of a {self.unit}, without a new checkpoint; continue from the last "
                 f"checkpoint with {self.how_to_resume}")
 
@@ -136,5 +144,14 @@ class InterruptGuard:
 def resume_command(argv: list[str]) -> str:
     """The command line that continues the run `argv` started (the words after `fastgrpo`): the same flags, --resume,
     no overwrite (--overwrite-output-dir would delete the checkpoint --resume continues from)."""
-    kept = [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir")]
-    return shlex.join(["fastgrpo", *kept, "--resume"])
+    return shlex.join(["fastgrpo", *_without_run_start(argv), "--resume"])
+
+
+def start_over_command(argv: list[str]) -> str:
+    """The command line that starts the run `argv` started afresh, in the folder it left without a checkpoint."""
+    return shlex.join(["fastgrpo", *_without_run_start(argv), "--overwrite-output-dir"])
+
+
+def _without_run_start(argv: list[str]) -> list[str]:
+    return [a for a in argv if a not in ("--resume", "--no-resume", "--overwrite-output-dir",
+                                         "--no-overwrite-output-dir")]

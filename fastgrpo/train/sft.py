@@ -254,6 +254,7 @@ class SFTTrainer:
                 self._run_steps(log, console, guard)
             except Interrupted as stop:
                 stop.how_to_resume = CONTINUE_FROM_PYTHON  # the CLI names its command line instead
+                stop.nothing_saved = stop.checkpoint is None and self._saved_path is None
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()

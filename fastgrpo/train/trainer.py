@@ -297,6 +297,7 @@ class GRPOTrainer:
                 self._run_steps(console)
             except Interrupted as stop:
                 stop.how_to_resume = CONTINUE_FROM_PYTHON  # the CLI names its command line instead
+                stop.nothing_saved = stop.checkpoint is None and self._saved_path is None
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
