@@ -108,6 +108,12 @@ TRL_NAMES = {
     "log_completions": (("eval_steps", "log_generations"), " (an evaluation's completions: every one in its JSONL "
                                                            "file, a few printed to the log)"),
     "generation_batch_size": (("batch_size",), " (the completions of one rollout batch)"),  # TRL GRPOConfig's
+    # HF TrainingArguments' and TRL's ScriptArguments' names, which no close match found
+    "per_device_train_batch_size": (("micro_batch_size",), " (per forward/backward; a step's rows: batch_size)"),
+    "dataset_name": (("dataset",), ""),
+    "eval_strategy": (("eval_steps",), " (N > 0: every N, and at the end; 0: off)"),
+    "save_strategy": (("save_steps",), " (N > 0: every N, and at the end; 0: only at the end)"),
+    "logging_strategy": (("logging_steps",), ""),
 }
 # TRL_NAMES keys that mean their field only under these commands (elsewhere another command's field, or another
 # meaning): ei's own generation_batch_size counts questions per engine call, eval's batch_size prompts per call.
