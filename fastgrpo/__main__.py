@@ -5,17 +5,21 @@ import sys
 
 def main() -> int:
     """The CLI (fastgrpo.train.cli). A Ctrl-C while it imports torch and transformers (seconds, before a command
-    takes the signals) ends as one during a command does: one line, exit 130 (--debug: the traceback)."""
-    try:
-        from fastgrpo.train.cli import main as run
+    takes the signals) ends as one during a command does: one line, exit 130 (--debug: the traceback); one that a
+    library swallowed (torch's import of numpy) stops the command too (starting_signals)."""
+    from fastgrpo.train.interrupts import interrupted_while_starting, starting_signals
 
-        return run()
-    except KeyboardInterrupt:
-        if "--debug" in sys.argv:
-            raise
-    except Exception as err:  # transformers' lazy imports re-raise a KeyboardInterrupt as a ModuleNotFoundError
-        if "--debug" in sys.argv or not _caused_by_interrupt(err):
-            raise
+    with starting_signals():
+        try:
+            from fastgrpo.train.cli import main as run
+
+            return run()
+        except KeyboardInterrupt:
+            if "--debug" in sys.argv:
+                raise
+        except Exception as err:  # transformers' lazy imports re-raise a KeyboardInterrupt as a ModuleNotFoundError
+            if "--debug" in sys.argv or not (_caused_by_interrupt(err) or interrupted_while_starting()):
+                raise
     print("fastgrpo: interrupted", file=sys.stderr, flush=True)
     return 130
 

@@ -1,9 +1,12 @@
 """What a newcomer following the README hits on the CLI: eval of a run trained on its own rows evaluates those, not
 the built-in task's; an --eval-dataset that nothing evaluates on is said; a run's closing line says where its model
-went; HF / TRL flag names TRL users type name fastgrpo's; a second Ctrl-C before the run's first checkpoint says how to start afresh, not to --resume."""
+went; HF / TRL flag names TRL users type name fastgrpo's; a second Ctrl-C before the run's first checkpoint says how to start afresh, not to --resume; a Ctrl-C as the
+command starts that a library swallows or turns into another error still stops it, in one line."""
 import json
 import os
 import signal
+import sys
+import time
 
 import pytest
 
@@ -116,3 +119,52 @@ def test_hf_and_trl_flag_names_that_no_close_match_found_get_fastgrpos(argv, hin
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and err.count("\n") == 1, err
     assert err.startswith(f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint} (see fastgrpo"), err
+
+
+def _ctrl_c_swallowed():
+    """A Ctrl-C that a library catches (torch's import of numpy does; seen: the run went on to its last step)."""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt:
+        pass
+
+
+@pytest.mark.parametrize("after", ["goes on", "fails"])
+def test_a_ctrl_c_as_the_command_starts_stops_it_in_one_line(tmp_path, capsys, monkeypatch, after):
+    """Seen with `timeout -s INT 0.3 fastgrpo train`: the run went on and trained, or the model class's lazy import
+    failed (numpy left half imported: RecursionError, then transformers' ModuleNotFoundError) with a 100-line
+    traceback."""
+    build = default_task.build_model
+
+    def build_model(*args, **kwargs):
+        _ctrl_c_swallowed()
+        if after == "fails":
+            raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
+        return build(*args, **kwargs)
+
+    monkeypatch.setattr(default_task, "build_model", build_model)
+    run = tmp_path / "run"
+    assert main(["train", "--output-dir", str(run), "--max-steps", "2", *QUIET]) == 130
+    assert capsys.readouterr().err == "fastgrpo train: interrupted\n"
+    assert not (run / "metrics.jsonl").exists()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own handler back
+    monkeypatch.undo()
+    assert main(["train", "--output-dir", str(run), "--max-steps", "2", *QUIET]) == 0  # the same command again runs
+
+
+def test_a_ctrl_c_a_library_swallowed_as_the_cli_imports_is_one_line(monkeypatch, capsys):
+    """The interrupt torch's numpy import swallows is in no exception's chain: the error it left (transformers'
+    ModuleNotFoundError from a RecursionError, once the model class imports) printed its traceback."""
+    import fastgrpo.__main__ as entry
+    import fastgrpo.train.cli as cli
+
+    def run():
+        _ctrl_c_swallowed()
+        raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
+
+    monkeypatch.setattr(cli, "main", run)
+    monkeypatch.setattr(sys, "argv", ["fastgrpo", "train"])
+    assert entry.main() == 130
+    assert capsys.readouterr().err == "fastgrpo: interrupted\n"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

@@ -31,6 +31,7 @@ from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change, run_files
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
+from fastgrpo.train.interrupts import interrupted_while_starting, starting_signals
 from fastgrpo.train.naming import flag
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
@@ -194,8 +195,15 @@ def main(argv: list[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-    return run_command(f"fastgrpo {command.name}", lambda: _naming_sources(args, command.run, subparser),
-                       debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
+    with starting_signals():
+        try:
+            return run_command(f"fastgrpo {command.name}", lambda: _naming_sources(args, command.run, subparser),
+                               debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
+        except Exception:
+            if args.debug or not interrupted_while_starting():
+                raise
+            print(f"fastgrpo {command.name}: interrupted", file=sys.stderr, flush=True)  # as run_command says it
+            return 130
 
 
 def _naming_sources(args: argparse.Namespace, run: Callable, parser: argparse.ArgumentParser) -> int:

@@ -31,6 +31,7 @@ fastgrpo.train.lost_process's line, as the failed collective it would next meet 
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import shlex
 import signal
@@ -84,6 +85,37 @@ class Interrupted(KeyboardInterrupt):
                 f"checkpoint with {self.how_to_resume}")
 
 
+_STARTING: list[int] = []  # the SIGINTs starting_signals took
+
+
+@contextlib.contextmanager
+def starting_signals():
+    """While a command starts (imports, checks, the model's load), until a run loop's InterruptGuard takes the
+    signals: SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted (interrupted_while_starting),
+    since a library may swallow it (seen: the run went on) or turn it into another error (transformers' lazy import
+    of the model class, cut in numpy's: a RecursionError, then a ModuleNotFoundError and its traceback). Left alone
+    where SIGINT is not Python's default handler (ignored in a background job, a caller's own)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def note(signum, frame):
+        _STARTING.append(signum)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        _STARTING.clear()
+
+
+def interrupted_while_starting() -> bool:
+    return bool(_STARTING)
+
+
 class InterruptGuard:
     """Handles SIGINT and SIGTERM while entered (the previous handlers come back on exit); see the module doc."""
 
@@ -95,6 +127,8 @@ class InterruptGuard:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> InterruptGuard:
+        if _STARTING:  # a Ctrl-C as the command started, which a library swallowed: stop before the first step
+            raise KeyboardInterrupt
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
