@@ -23,7 +23,8 @@ class EvalConfig(ConfigFile):
     checkpoint: str | None = option(None, "a run's checkpoint-<step>/ folder, or its output_dir (the newest "
                                           "checkpoint): the model that run trained, with the checkpoint's weights")
     dataset: str | None = option(None, "a .jsonl / .json file of rows, a folder of data files or an HF dataset "
-                                       "name; none: the built-in task's held-out rows")
+                                       "name; none: the built-in task's held-out rows (left out, a model whose run "
+                                       "trained on rows of its own is refused, naming them)")
     dataset_split: str = option("test", "split of an HF dataset or a folder; a file (or a save_to_disk folder of "
                                         "one Dataset) is read whole, under 'test' or 'train', or sliced: "
                                         "'test[:100]'")
