@@ -267,10 +267,13 @@ def test_a_cached_dataset_the_hub_has_not_loads_from_the_cache_without_a_warning
 
 
 def test_an_eval_dataset_the_run_does_not_evaluate_on_is_left_alone(project, refusing_hub, capsys):
-    # no --eval-steps: the run never reads it, so a typo in it stops nothing (the model's error comes first here)
+    # no --eval-steps: the run never reads it, so a typo in it stops nothing (the model's error is the error here);
+    # a warning says it is not evaluated on
     code, err, _ = _run(["train", "--dataset", "data/train.jsonl", "--eval-dataset", "data/tset.jsonl", "--model",
                          "nowhere/model", "--output-dir", "out"], capsys)
-    assert code == 2 and err.startswith("fastgrpo train: error: model: no such folder nowhere/model, "), err
+    warning, error = err.splitlines()
+    assert warning.startswith("fastgrpo train: warning: eval_dataset: data/tset.jsonl is not evaluated on"), err
+    assert code == 2 and error.startswith("fastgrpo train: error: model: no such folder nowhere/model, "), err
 
 
 def test_datasets_remote_forms_are_left_to_datasets(project, refusing_hub):
