@@ -145,3 +145,14 @@ def test_main_stops_cases_on_a_signal_while_it_runs_and_gives_the_handlers_back(
                 str(tmp_path / "results"), "--log-dir", str(tmp_path / "logs")])
     assert during == [(bench.RUNNING_CASES.stop, bench.RUNNING_CASES.stop)]
     assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_main_gives_the_handlers_back_when_its_cases_stop_on_an_error(tmp_path):
+    """An error inside main (a bad --shapes, a case that raises) puts back the caller's handlers too."""
+    import benchmarks.bench_loop as bench
+
+    before = (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT))
+    with pytest.raises(SystemExit, match="--shapes"):
+        bench.main(["--dry-run", "--shapes", "tiny-qwen2-bogus", "--results-dir", str(tmp_path / "results"),
+                    "--log-dir", str(tmp_path / "logs")])
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
