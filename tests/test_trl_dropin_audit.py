@@ -26,6 +26,8 @@ from tests.test_trl import build_tokenizer, model_dir, vowel_reward  # noqa: E40
 from tests.test_trl_parity_more import grpo_config  # noqa: E402
 
 LORA = dict(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "up_proj"])
+KERNELS = ("rms_norm", "rope", "swiglu")  # the options the reference shares with the policy
+PATCH_DEFAULTS = dict(patch_model.__kwdefaults__)
 
 
 def prepatched_trainer(model_dir, tmp_path, options: dict, peft: bool, **kwargs) -> FastGRPOTrainer:
@@ -37,12 +39,17 @@ def prepatched_trainer(model_dir, tmp_path, options: dict, peft: bool, **kwargs)
                            **kwargs)
 
 
+def summary(model) -> dict:
+    return unwrap_peft(model).fastgrpo_patch_summary
+
+
 def arguments(model) -> dict:
-    return unwrap_peft(model).fastgrpo_patch_summary["arguments"]
+    return summary(model)["arguments"]
 
 
 @pytest.mark.parametrize("options, peft", [
     (dict(rms_norm=False), False),  # a separate reference model (beta > 0, full fine-tuning)
+    (dict(swiglu=False, offload_activations=True, recompute_layers=1), False),  # the reference: no offload
     (dict(lora_dtype="adapter", swiglu=False), True),  # PEFT wraps the patched model: patched again
     (dict(offload_activations=True, recompute_layers=1), True),
 ], ids=str)
@@ -51,9 +58,14 @@ def test_a_model_patched_before_the_trainer_keeps_its_options(model_dir, tmp_pat
     kept = arguments(trainer.model)
     assert {name: kept[name] for name in options} == options, kept
     assert kept["fused_loss"] is False
-    if trainer.ref_model is not None:  # the reference runs the kernels the policy runs
+    # patched again, not only its record of the arguments: the fused labels= loss is unbound
+    assert summary(trainer.model)["options"]["fused_loss"] is False
+    assert "fused_loss" not in summary(trainer.model)["patched"], summary(trainer.model)
+    if trainer.ref_model is not None:  # the reference runs the kernels the policy runs, and nothing for training
         reference = arguments(trainer.ref_model)
-        assert all(reference[name] == kept[name] for name in ("rms_norm", "rope", "swiglu")), reference
+        assert all(reference[name] == kept[name] for name in KERNELS), reference
+        training_only = {name: value for name, value in PATCH_DEFAULTS.items() if name not in KERNELS}
+        assert {name: reference[name] for name in training_only} == {**training_only, "fused_loss": False}, reference
     if options.get("offload_activations"):  # handed over from TRL's checkpointing, as offload_activations=True does
         assert trainer.args.gradient_checkpointing is False
         trainer.train()
@@ -70,13 +82,32 @@ def test_the_trainers_keywords_go_over_the_users_patch(model_dir, tmp_path, reco
                                  offload_activations=True, recompute_layers=recompute_layers)
     kept = arguments(trainer.model)
     assert (kept["rope"], kept["offload_activations"], kept["recompute_layers"]) == (False, True, recompute_layers)
-    assert kept["mlp_chunk_tokens"] is None
+    assert (kept["tiled_mlp"], kept["mlp_chunk_tokens"]) == (None, None)  # as the user gave them
+    tiled = summary(trainer.model)["patched"].get("tiled_mlp", 0)
+    assert tiled == recompute_layers, summary(trainer.model)  # the checkpointed layers' MLPs alone
+
+
+def test_an_unpatched_model_leaves_patch_models_defaults_as_they_were(model_dir, tmp_path):
+    """The trainer's options start from patch_model's defaults for a model nobody patched: a copy of them, which its
+    keywords go over (written into patch_model's own, every later patch_model call would take them)."""
+    trainer = FastGRPOTrainer(model=model_dir, reward_funcs=vowel_reward, args=grpo_config(tmp_path, max_steps=1),
+                              train_dataset=Dataset.from_dict({"prompt": ["a"] * 4}),
+                              processing_class=build_tokenizer(), offload_activations=True, recompute_layers=1)
+    assert (arguments(trainer.model)["offload_activations"], arguments(trainer.model)["recompute_layers"]) == (True, 1)
+    assert patch_model.__kwdefaults__ == PATCH_DEFAULTS
 
 
 def test_recompute_layers_alone_chooses_among_the_users_offloaded_layers(model_dir, tmp_path):
     """Before, recompute_layers without offload_activations=True was refused as though offload were off."""
     trainer = prepatched_trainer(model_dir, tmp_path, dict(offload_activations=True), False, recompute_layers=1)
     assert (arguments(trainer.model)["offload_activations"], arguments(trainer.model)["recompute_layers"]) == (True, 1)
+
+
+def test_recompute_layers_without_patch_is_refused_naming_it(model_dir, tmp_path):
+    """patch=False leaves a user-patched model as it is: recompute_layers, which only a patch applies, is the keyword
+    refused (not offload_activations, which the user did not pass)."""
+    with pytest.raises(ValueError, match=r"^FastGRPOTrainer cannot honour: recompute_layers: "):
+        prepatched_trainer(model_dir, tmp_path, dict(offload_activations=True), False, recompute_layers=1, patch=False)
 
 
 def test_an_fp8_base_patched_before_a_bf16_trainer_is_refused(model_dir, tmp_path):
