@@ -1,6 +1,8 @@
 """A run whose --eval-dataset names its --dataset reads that name once: a data file is parsed once, a folder or a Hub
 dataset resolved and prepared by datasets once (each a Hub round trip, with retries where the Hub is slow or cannot be
-reached), and each split taken from what was read, as datasets.load_dataset(name, split=...) gives it."""
+reached), and each split taken from what was read, as datasets.load_dataset(name, split=...) gives it (kept in memory
+where it keeps it). What one run keeps is told apart by all that shapes it (the name, a config, the text columns):
+each read gives what it gives alone; a read that failed is not kept."""
 from __future__ import annotations
 
 import json
@@ -152,3 +154,79 @@ def test_each_reader_of_a_data_file_gets_its_own_list_of_its_rows(tmp_path):
     first = load_rows(str(data), reads=reads)
     first.pop()
     assert load_rows(str(data), reads=reads) == ROWS
+
+
+CONFIGS_README = """---
+configs:
+- config_name: main
+  data_files: main/*.jsonl
+- config_name: socratic
+  data_files: socratic/*.jsonl
+---
+"""
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory) -> list[tuple[str, dict]]:
+    """load_rows' calls that one run's settings may make, of sources told apart by what a DatasetReads key holds: a
+    CSV file and a folder of them read with other text columns (an answer "0123", or the int the csv builder makes
+    of it), two saved Datasets, two configs of one folder, a name that is no file."""
+    root = tmp_path_factory.mktemp("sources")
+    _write_rows(root / "rows.jsonl", ROWS)
+    table = "prompt,answer\nwhat is 0122 plus 1,0123\n"
+    (root / "table.csv").write_text(table)
+    (root / "tables").mkdir()
+    (root / "tables" / "train.csv").write_text(table)
+    (root / "tables" / "test.csv").write_text("prompt,answer\nwhat is 0009 plus 1,0010\n")
+    for name, rows in (("saved_a", ROWS[:2]), ("saved_b", ROWS[2:])):
+        datasets.Dataset.from_list(rows).save_to_disk(str(root / name))
+    for config, rows in (("main", ROWS[:1]), ("socratic", ROWS[1:])):
+        _write_rows(root / "configs" / config / "train.jsonl", rows)
+    (root / "configs" / "README.md").write_text(CONFIGS_README)
+    prompt, both = dict(text_columns=("prompt",)), dict(text_columns=("prompt", "answer"))
+    return [(str(root / "rows.jsonl"), {}), (str(root / "table.csv"), prompt), (str(root / "table.csv"), both),
+            (str(root / "tables"), dict(split="test", **prompt)), (str(root / "tables"), both),
+            (str(root / "saved_a"), {}), (str(root / "saved_b"), {}),
+            (str(root / "configs"), dict(config_name="main")), (str(root / "configs"), dict(config_name="socratic")),
+            (str(root / "missing" / "rows.jsonl"), {})]
+
+
+def _rows_or_error(dataset: str, options: dict, reads: DatasetReads) -> list[dict] | str:
+    try:
+        return [dict(row) for row in load_rows(dataset, reads=reads, **options)]
+    except ValueError as err:
+        return str(err)
+
+
+@pytest.mark.parametrize("order", [1, -1], ids=["in-order", "reversed"])
+def test_one_runs_reads_give_each_read_what_it_gives_alone(sources, order):
+    # whichever read came first, each gets the rows (or the error) it gets with a DatasetReads of its own
+    alone = [_rows_or_error(dataset, options, DatasetReads()) for dataset, options in sources]
+    shared = DatasetReads()
+    together = [_rows_or_error(dataset, options, shared) for dataset, options in sources[::order]][::order]
+    assert together == alone
+    assert alone[1] != alone[2] and alone[5] != alone[6] and alone[7] != alone[8], alone  # told apart indeed
+    assert alone[-1].startswith("dataset: "), alone[-1]
+
+
+def test_a_read_that_failed_is_not_kept():
+    reads, calls = DatasetReads(), []
+
+    def failing():
+        calls.append("read")
+        raise ValueError("eval_dataset: no such file")
+
+    for _ in range(2):
+        with pytest.raises(ValueError, match="^eval_dataset: no such file$"):
+            reads.once(("json", "rows.jsonl"), failing)
+    assert calls == ["read", "read"]
+    assert reads.once(("json", "rows.jsonl"), lambda: "rows") == "rows"
+
+
+@pytest.mark.parametrize("in_memory_max_size", [0, 1 << 30], ids=["mapped", "in-memory"])
+def test_a_split_is_kept_in_memory_where_load_dataset_keeps_it(folder_of_splits, monkeypatch, in_memory_max_size):
+    # datasets.config.IN_MEMORY_MAX_SIZE (0 by default: every dataset mapped from its cache files)
+    monkeypatch.setattr(datasets.config, "IN_MEMORY_MAX_SIZE", in_memory_max_size)
+    expected = datasets.load_dataset(str(folder_of_splits), split="train")
+    got = load_rows(str(folder_of_splits), "train")
+    assert (bool(got.cache_files), bool(expected.cache_files)) == (in_memory_max_size == 0,) * 2
