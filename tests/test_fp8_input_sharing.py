@@ -137,7 +137,7 @@ def test_the_compiled_decode_step_over_the_models_own_weights_gives_the_eager_to
 
 def test_the_compiled_decode_step_over_the_models_own_weights_compiles_no_frame_per_layer(compiles):
     """The e4m3 copy's key (its weight's address, one per layer) is not read in the compiled rollout step, which
-    takes the copy the eager prefill just checked: as many frames for 2 decoder layers as for 1 (reading it, dynamo
+    takes the copy the eager prefill just checked (fp8_copies_held): as many frames for 2 decoder layers as for 1 (reading it, dynamo
     compiled again for each linear of each layer, and past its limit of 8 ran the rest eagerly), and the eager
     tokens."""
     params = SamplingParams(max_new_tokens=6, temperature=0.0)
@@ -153,3 +153,23 @@ def test_the_compiled_decode_step_over_the_models_own_weights_compiles_no_frame_
         frames[layers, compile_step] = compiles.frame_count - before
     assert frames[1, True] == frames[2, True] > 0, frames
     assert torch.equal(tokens[2, True], tokens[2, False]), (tokens[2, True], tokens[2, False])
+
+
+def test_a_compiled_forward_outside_a_rollout_sees_weights_changed_in_place(monkeypatch):
+    """Only the rollout's decode holds the copies: a user's compiled no-grad forward, traced over copies an eager
+    forward made, multiplies the new weights after they were loaded in place (a shortcut taken in every compiled
+    no-grad forward gave the old copy's logits, without a word)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)  # torch's ops on the CPU: the interpreter is not traceable
+    model = fastgrpo.patch_model(tiny_lora_model(), fp8_base=True)
+    model.eval()
+    ids = torch.randint(0, 80, (2, 9), generator=torch.Generator().manual_seed(5))
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        model(ids)  # the copies made
+        compiled(ids)  # the compiled frames, over the copies
+        new = {name: 2 * value for name, value in model.state_dict().items() if name.endswith("base_layer.weight")}
+        model.load_state_dict(new, strict=False)
+        got = compiled(ids).logits
+        want = model(ids).logits
+    torch._dynamo.reset()
+    assert torch.equal(got, want), (got - want).abs().max()

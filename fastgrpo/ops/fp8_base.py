@@ -16,13 +16,14 @@ sum) before g's rows are quantized the same way. Both quantizers are quantize_fp
 (torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
-makes it again whenever the weight changes (in place, which bumps its version counter, or replaced); a compiled
-forward without grad (the rollout's decode steps over the model's own weights) takes the copy its eager prefill
-left, unchecked. A .to() / .cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound
-while it holds a copy): the GPU copies of a model moved to the CPU lived on until its next forward.
+makes it again whenever the weight changes (in place, which bumps its version counter, or replaced); the rollout
+engine's decode steps over the model's own weights take the copies its eager prefill checked (fp8_copies_held).
+A .to() / .cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound while it holds a
+copy): the GPU copies of a model moved to the CPU lived on until its next forward.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 
@@ -120,9 +121,7 @@ def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
     if not scaled_mm_fits(*weight.shape):
         return None
     cached = layer.__dict__.get(FP8_WEIGHT_ATTR)
-    if cached is not None and torch.compiler.is_compiling() and not torch.is_grad_enabled():
-        # a compiled rollout step: the copy its eager prefill just checked. The key (the weight's address) differs
-        # per layer, and a trace of its test would compile the step again for every layer (past dynamo's limit)
+    if cached is not None and _copies_held[0]:  # the rollout's decode steps (fp8_copies_held): unchecked
         return cached[1]
     key = _weight_key(weight)
     if cached is None or cached[0] != key:
@@ -133,6 +132,24 @@ def fp8_weight_of(layer: nn.Linear) -> tuple[torch.Tensor, torch.Tensor] | None:
         if "_apply" not in layer.__dict__:  # else another library's: the copy waits for the next forward
             layer.__dict__["_apply"] = WeakBoundMethod(_apply_dropping_stale_copy, layer)
     return cached[1]
+
+
+# True while the rollout engine decodes over the model's own weights: nothing changes them between its eager prefill,
+# which checked every copy, and its last step
+_copies_held = [False]
+
+
+@contextlib.contextmanager
+def fp8_copies_held():
+    """While entered, fp8_weight_of takes each layer's copy as it is, unchecked: the engine's compiled decode step
+    over the model's own weights read each copy's key (its weight's address, one per layer) in the trace and compiled
+    again for every linear of every layer, past dynamo's limit of 8 (the rest ran eagerly)."""
+    held = _copies_held[0]
+    _copies_held[0] = True
+    try:
+        yield
+    finally:
+        _copies_held[0] = held
 
 
 def _weight_key(weight: torch.Tensor) -> tuple:

@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from fastgrpo.hf.models import architecture
 from fastgrpo.hf.peft import dense_linears, dense_weight, four_bit_parts
+from fastgrpo.ops.fp8_base import fp8_copies_held
 from fastgrpo.ops.fp8_linear import FP8_DTYPE, fp8_linear, prepare_fp8_linear, quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import fp8_scaled_linear
 from fastgrpo.ops.nf4_linear import nf4_linear_unpacked, nf4_refusal, nf4_weight, prepare_nf4_linear
@@ -135,8 +136,8 @@ def decode_weights(model: torch.nn.Module, weights: str) -> contextlib.AbstractC
     if weights not in WEIGHTS:
         raise ValueError(f"weights: expected one of {list(WEIGHTS)}, got {weights!r}")
     kind = resolved_weights(model, weights)
-    if kind == "model":
-        return contextlib.nullcontext()
+    if kind == "model":  # an fp8_base model's e4m3 copies, checked by the prefill, are taken as they are
+        return fp8_copies_held()
     if kind == "nf4":
         return nf4_weights(model)
     return _copy_or_fallback(model, kind, _nf4_device(model)) if weights == "auto" else copied_weights(model, kind)
