@@ -57,6 +57,16 @@ def test_a_flag_that_starts_several_names_them(argv, hint, capsys):
                                   "every one in its JSONL file, a few printed to the log)"),
     (["train", "--deepspeed", "ds_zero3.json"], "--deepspeed (TRL's name; no DeepSpeed here: full fine-tuning under "
                                                 "torchrun shards with FSDP2) ds_zero3.json"),
+    # HF / TRL names a user types that no close match found (were "unrecognized arguments" naming nothing)
+    (["train", "--per-device-train-batch-size", "8"], "--per-device-train-batch-size (TRL's name; here "
+                                                      "--micro-batch-size, per forward/backward; a step's rows: "
+                                                      "batch_size) 8"),
+    (["sft", "--dataset-name", "trl-lib/Capybara"], "--dataset-name (TRL's name; here --dataset) trl-lib/Capybara"),
+    (["ei", "--eval-strategy", "steps"], "--eval-strategy (TRL's name; here --eval-steps, N > 0: every N, and at the "
+                                         "end; 0: off) steps"),
+    (["train", "--save-strategy", "steps"], "--save-strategy (TRL's name; here --save-steps, N > 0: every N, and at "
+                                            "the end; 0: only at the end) steps"),
+    (["sft", "--logging-strategy", "steps"], "--logging-strategy (TRL's name; here --logging-steps) steps"),
 ])
 def test_trls_flag_names_get_fastgrpos(argv, hint, capsys):
     assert _error(argv, capsys) == f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint}"

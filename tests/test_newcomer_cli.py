@@ -101,26 +101,6 @@ def test_a_second_ctrl_c_before_the_first_checkpoint_says_how_to_start_afresh(tm
     assert main(command.split()[1:]) == 0  # the command it names runs
 
 
-@pytest.mark.parametrize("argv, hint", [
-    (["train", "--per-device-train-batch-size", "8"], "--per-device-train-batch-size (TRL's name; here "
-                                                      "--micro-batch-size, per forward/backward; a step's rows: "
-                                                      "batch_size) 8"),
-    (["sft", "--dataset-name", "trl-lib/Capybara"], "--dataset-name (TRL's name; here --dataset) trl-lib/Capybara"),
-    (["ei", "--eval-strategy", "steps"], "--eval-strategy (TRL's name; here --eval-steps, N > 0: every N, and at the "
-                                         "end; 0: off) steps"),
-    (["train", "--save-strategy", "steps"], "--save-strategy (TRL's name; here --save-steps, N > 0: every N, and at "
-                                            "the end; 0: only at the end) steps"),
-    (["sft", "--logging-strategy", "steps"], "--logging-strategy (TRL's name; here --logging-steps) steps"),
-])
-def test_hf_and_trl_flag_names_that_no_close_match_found_get_fastgrpos(argv, hint, capsys):
-    """They were "unrecognized arguments: --per-device-train-batch-size 8", naming nothing to use instead."""
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    err = capsys.readouterr().err
-    assert exit_info.value.code == 2 and err.count("\n") == 1, err
-    assert err.startswith(f"fastgrpo {argv[0]}: error: unrecognized arguments: {hint} (see fastgrpo"), err
-
-
 def _ctrl_c_swallowed():
     """A Ctrl-C that a library catches (torch's import of numpy does; seen: the run went on to its last step)."""
     try:
