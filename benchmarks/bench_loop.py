@@ -15,8 +15,9 @@ Systems, each case in its own subprocess (vLLM's CuMem pool is one per process; 
                  LoRA-merged or dequantized weights per rollout, activations in e4m3) and rollout_kv_cache="fp8",
                  the policy term corrected by pi_old / pi_rollout (rollout_correction="truncate", per sequence,
                  at most 3; pi_old from the loss's own forward: no old log-prob pass, where TRL runs one)
-  fastgrpo-fp8train  (not run by default; sm89+, LoRA) fastgrpo-fp8 with patch_model(fp8_base=True): the
-                 frozen base's forward GEMMs (reference pass, update forward and recompute) in e4m3 too
+  fastgrpo-fp8train  (not run by default; sm89+) fastgrpo-fp8 with patch_model(fp8_base=True): LoRA's frozen
+                 base's GEMMs (reference pass, update forward and recompute, input gradient) in e4m3 too; in full
+                 fine-tuning every decoder linear's (weight gradients in bf16), the reference copy's included
   trl            TRL GRPOTrainer: use_vllm, vllm_mode="colocate", vllm_enable_sleep_mode, HF gradient checkpointing
   trl-liger      the same with use_liger_kernel=True
   unsloth        Unsloth: FastLanguageModel.from_pretrained(fast_inference=True), UNSLOTH_VLLM_STANDBY=1, its

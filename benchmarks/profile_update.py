@@ -239,7 +239,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="GRPOConfig.rollout_correction: with one optimizer step the loss weights itself from its "
                              "own forward, as fastgrpo-fp8 runs it (the synthetic rollout log-probs are 0)")
     parser.add_argument("--fp8-base", action="store_true",
-                        help="patch_model(fp8_base=True): the frozen base's GEMMs in e4m3, as fastgrpo-fp8train runs them")
+                        help="patch_model(fp8_base=True): the base's GEMMs in e4m3 (LoRA's frozen base; full "
+                             "fine-tuning's decoder linears), as fastgrpo-fp8train runs them")
     parser.add_argument("--dry-run", action="store_true", help="CPU check: tiny Qwen2 in --shape's mode, 2 x 4 x (16 + 16)")
     args = parser.parse_args(argv)
     variants = args.variants.split(",")

@@ -237,14 +237,17 @@ def test_refused_settings(kwargs, words):
     assert words in str(caught.value) and "\n" not in str(caught.value)
 
 
-def test_refused_without_lora():
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
-                                         num_attention_heads=4, num_key_value_heads=2))
+def test_refused_without_a_linear_it_takes():
+    """A model without LoRA layers is full fine-tuning's (tests/test_fp8_trained.py): refused where none of its
+    decoder linears has sides _scaled_mm takes."""
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=80, hidden_size=40, intermediate_size=72, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=10))
     with pytest.raises(ValueError) as caught:
         fastgrpo.patch_model(model, fp8_base=True)
     assert str(caught.value) == (
-        "fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and it has no LoRA layer in "
-        "this LlamaForCausalLM (get_peft_model over a bf16 / fp16 model)")
+        "fp8_base: multiplies the decoder's nn.Linear layers in FP8 (a LoRA model's frozen bases, or every one in "
+        "full fine-tuning), and this LlamaForCausalLM has none of bf16 / fp16 / fp32 weights with both sides "
+        "multiples of 16")
     assert "fastgrpo_patch_summary" not in model.__dict__
 
 
@@ -306,10 +309,8 @@ def test_gpu_every_lora_layer_multiplies_in_fp8():
 # ---- the commands ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("argv, message", [
-    (["--patch", "--lora-rank", "0"], "fp8_base: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
-                           "every weight (--lora-rank 0); set lora_rank > 0"),
-    (["--lora-rank", "8", "--no-patch"], "fp8_base: runs in patch_model's LoRA layers, and patch is off (pass "
-                                         "--patch)"),
+    (["--lora-rank", "8", "--no-patch"], "fp8_base: runs in patch_model's layers, and patch is off (pass --patch)"),
+    (["--lora-rank", "0", "--no-patch"], "fp8_base: runs in patch_model's layers, and patch is off (pass --patch)"),
 ])
 def test_commands_refuse_before_loading(argv, message, capsys):
     from fastgrpo.train.cli import main

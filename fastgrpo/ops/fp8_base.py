@@ -16,7 +16,8 @@ sum) before g's rows are quantized the same way. Both quantizers are quantize_fp
 (torch ops elsewhere: the same bytes).
 
 fp8_weight_of(layer) keeps the copy on the layer (an attribute, not a buffer: not saved, not moved by .to()) and
-makes it again whenever the weight changes (in place, which bumps its version counter, or replaced); the rollout
+makes it again whenever the weight changes (in place, which bumps its version counter, or replaced; a trained one
+also after each torch.optim optimizer step, which a fused optimizer takes without moving the counter); the rollout
 engine's decode steps over the model's own weights take the copies its eager prefill checked (fp8_copies_held).
 A .to() / .cpu() / .half() that changes the weight drops it at once (the layer's _apply is bound while it holds a
 copy): the GPU copies of a model moved to the CPU lived on until its next forward.
@@ -29,6 +30,7 @@ import weakref
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fastgrpo.hf.binding import WeakBoundMethod
 from fastgrpo.ops._backend import use_triton
@@ -36,6 +38,7 @@ from fastgrpo.ops.fp8_linear import quantize_fp8
 from fastgrpo.ops.fp8_scaled_linear import scaled_mm_fits
 
 FP8_WEIGHT_ATTR = "_fastgrpo_fp8_weight"
+FP8_TRANSPOSED_ATTR = "_fastgrpo_fp8_weight_t"  # q^T of that copy, where a backward asked for it
 FP8_CAPABILITY = (8, 9)  # e4m3 tensor cores: Ada, Hopper and later
 
 
@@ -87,14 +90,16 @@ def fp8_base_product(
     return out
 
 
-def fp8_input_grad(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def fp8_input_grad(g: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, q_t: torch.Tensor | None = None
+                   ) -> torch.Tensor:
     """g [M, N] (the output's gradient) times the weight (q [N, K] e4m3, scale [N] fp32) -> g W [M, K] in g's dtype,
     on the FP8 tensor cores. The weight's row scales lie along this GEMM's sum, so they go into g before its rows are
     quantized (g_n scale_n: one fp32 multiply in the quantizer), and q is multiplied as it is, transposed into the
-    column-major operand the GEMM takes (a transient copy of the layer's e4m3 bytes)."""
+    column-major operand the GEMM takes: q_t (q^T contiguous) where the caller keeps one, else a transient copy."""
     gq, sg = quantize_fp8(g if g.stride(-1) == 1 else g.contiguous(), column_scale=scale)
     ones = _ones_row(q.shape[1], q.device)
-    y = torch._scaled_mm(gq, _transposed(q).t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
+    q_t = transposed(q) if q_t is None else q_t
+    y = torch._scaled_mm(gq, q_t.t(), scale_a=sg[:, None], scale_b=ones, out_dtype=torch.bfloat16)
     return y.to(g.dtype)
 
 
@@ -105,7 +110,7 @@ def _ones_row(n: int, device: torch.device) -> torch.Tensor:
     return torch.ones(1, n, dtype=torch.float32, device=device)
 
 
-def _transposed(q: torch.Tensor) -> torch.Tensor:
+def transposed(q: torch.Tensor) -> torch.Tensor:
     """q^T contiguous: the Triton tile transpose where Triton runs (torch's 1-byte strided copy is slow on CUDA)."""
     if not use_triton(q):
         return q.t().contiguous()
@@ -152,8 +157,27 @@ def fp8_copies_held():
         _copies_held[0] = held
 
 
+def copies_held() -> bool:
+    """Whether fp8_copies_held is entered."""
+    return _copies_held[0]
+
+
+# Optimizer steps taken since a trained weight's copy was first made (a torch.optim global hook, registered then):
+# part of a trained weight's key, because fused optimizers (torch's fused AdamW, fastgrpo's stochastic-rounding one)
+# write the weights in place without moving their version counters
+_optimizer_steps = [0]
+_step_hook: list = [None]
+
+
+def _count_step(optimizer, args, kwargs) -> None:
+    _optimizer_steps[0] += 1
+
+
 def _weight_key(weight: torch.Tensor) -> tuple:
-    return weight.data_ptr(), weight._version, weight.device, weight.dtype
+    if weight.requires_grad and _step_hook[0] is None:
+        _step_hook[0] = register_optimizer_step_post_hook(_count_step)
+    steps = _optimizer_steps[0] if weight.requires_grad else None
+    return weight.data_ptr(), weight._version, weight.device, weight.dtype, steps
 
 
 def _apply_dropping_stale_copy(layer: nn.Module, *args, **kwargs) -> nn.Module:
@@ -166,9 +190,20 @@ def _apply_dropping_stale_copy(layer: nn.Module, *args, **kwargs) -> nn.Module:
     return result
 
 
+def fp8_transposed_of(layer: nn.Linear, q: torch.Tensor) -> torch.Tensor:
+    """q^T contiguous of the layer's copy q (fp8_weight_of's), kept on the layer beside it until that copy changes:
+    fp8_input_grad's operand, transposed once instead of at every backward."""
+    kept = layer.__dict__.get(FP8_TRANSPOSED_ATTR)
+    if kept is None or kept[0] is not q:
+        kept = (q, transposed(q))
+        layer.__dict__[FP8_TRANSPOSED_ATTR] = kept
+    return kept[1]
+
+
 def drop_fp8_weight(layer: nn.Module) -> None:
-    """The e4m3 copy goes, and the _apply bound with it."""
+    """The e4m3 copy (and its transpose) goes, and the _apply bound with it."""
     layer.__dict__.pop(FP8_WEIGHT_ATTR, None)
+    layer.__dict__.pop(FP8_TRANSPOSED_ATTR, None)
     bound = layer.__dict__.get("_apply")
     if isinstance(bound, WeakBoundMethod) and bound.__func__ is _apply_dropping_stale_copy:
         del layer.__dict__["_apply"]

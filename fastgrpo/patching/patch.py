@@ -17,6 +17,7 @@ from fastgrpo.hf.versions import check_supported
 from fastgrpo.offload import ActivationOffloader, disable_offload_checkpointing, enable_offload_checkpointing
 from fastgrpo.offload.checkpointing import check_offloader_device
 from fastgrpo.ops.fp8_base import check_fp8_device, drop_fp8_weight
+from fastgrpo.ops.fp8_trained import fp8_linear_eligible, fp8_linear_forward
 from fastgrpo.ops.tiled_mlp import chunk_tokens_for
 from fastgrpo.patching.forwards import (
     lora_linear_forward,
@@ -100,7 +101,10 @@ def patch_model(
     computes, as a QLoRA base does. Needs fused_lora, lora_dtype "input", a LoRA layer over an nn.Linear, plain
     adapters (no DoRA, no lora_dropout), and FP8 tensor cores (compute capability 8.9+) on CUDA; the CPU runs it in
     software. A forward under autocast, or of a merged adapter, is PEFT's: its base multiplies in the autocast /
-    model dtype.
+    model dtype. On a model without LoRA layers (full fine-tuning) every nn.Linear of the decoder layers with sides
+    multiples of 16 runs fastgrpo.ops.fp8_trained's FP8Linear: the forward and input gradient in FP8
+    as above, the weight gradient in the model's dtype; a trained weight is quantized at each call (no copy kept, so
+    an optimizer that writes it in place cannot leave a stale one), a frozen one (a reference copy) keeps its copy.
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
     for anything left alone, the options resolved and the arguments as given). Patching again with the same
@@ -169,8 +173,7 @@ def patch_model(
     skipped: dict[str, str] = {}
     rope_forwards: dict[type, Callable | None] = {}
     lora_classes = loaded_lora_classes() if fused_lora else {}
-    if fp8_base:
-        _check_fp8_bases(hf_model, lora_classes)
+    fp8_full = _check_fp8_bases(hf_model, layers, lora_classes) if fp8_base else set()
     for module in hf_model.modules():
         name = type(module).__name__
         lora_class = lora_classes.get(type(module))  # exactly: subclasses have forwards of their own
@@ -179,6 +182,10 @@ def patch_model(
             patched["fused_lora"] += 1
             if fp8_base:  # its e4m3 copy goes with the patch
                 undo.append(WeakBoundMethod(lambda layer: drop_fp8_weight(layer.base_layer), module))
+        elif id(module) in fp8_full:
+            bind(module, lambda _: fp8_linear_forward)
+            patched["fp8_linear"] += 1
+            undo.append(WeakBoundMethod(drop_fp8_weight, module))  # a frozen weight's copy goes with the patch
         elif rms_norm and name in arch.norm_classes:
             bind(module, lambda _: rms_norm_forward(
                 arch.norm_eps_attr, arch.norm_offset, arch.norm_cast_before_weight))
@@ -249,27 +256,38 @@ def _hf_checkpointing_off(hf_model: nn.Module, arch, layers: list[nn.Module], fi
     return WeakBoundMethod(restore, hf_model)
 
 
-def _check_fp8_bases(model: nn.Module, lora_classes: dict) -> None:
-    """fp8_base acts on plain LoRA layers (no DoRA, no adapter dropout) over nn.Linear bases: one line where the
-    model has none, or has those."""
-    layers = [m for m in model.modules() if type(m) in lora_classes]
-    linears = [m.base_layer for m in layers if type(m.base_layer) is nn.Linear]
+def _check_fp8_bases(model: nn.Module, layers: list[nn.Module], lora_classes: dict) -> set[int]:
+    """What fp8_base acts on: plain LoRA layers (no DoRA, no adapter dropout) over nn.Linear bases; in a model with
+    no LoRA layer (full fine-tuning), the decoder layers' linears fp8_linear takes, whose ids it returns. One line
+    where there are none, or where the LoRA layers are of a kind it cannot take."""
+    lora_layers = [m for m in model.modules() if type(m) in lora_classes]
+    if not lora_layers:
+        full = [m for layer in layers for m in layer.modules() if fp8_linear_eligible(m)]
+        if not full:
+            raise ValueError(f"fp8_base: multiplies the decoder's nn.Linear layers in FP8 (a LoRA model's frozen "
+                             f"bases, or every one in full fine-tuning), and this {type(model).__name__} has none of "
+                             "bf16 / fp16 / fp32 weights with both sides multiples of 16")
+        check_fp8_device(full[0].weight.device)
+        return {id(m) for m in full}
+    linears = [m.base_layer for m in lora_layers if type(m.base_layer) is nn.Linear]
     if not linears:
-        kinds = sorted({type(m.base_layer).__name__ for m in layers})
-        has = f"its LoRA layers' bases are {kinds}" if layers else "it has no LoRA layer"
+        kinds = sorted({type(m.base_layer).__name__ for m in lora_layers})
         raise ValueError(f"fp8_base: multiplies the frozen nn.Linear bases of PEFT LoRA layers in FP8, and "
-                         f"{has} in this {type(model).__name__} (get_peft_model over a bf16 / fp16 model)")
-    variants = sorted({type(v).__name__ for m in layers for v in m.lora_variant.values()})
+                         f"its LoRA layers' bases are {kinds} in this {type(model).__name__} (get_peft_model over a "
+                         "bf16 / fp16 model)")
+    variants = sorted({type(v).__name__ for m in lora_layers for v in m.lora_variant.values()})
     if variants:  # DoRA and the like: PEFT's forward runs them, the base in bf16: FP8 silently off
         raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and this "
                          f"{type(model).__name__}'s LoRA layers have {variants[0]} ones (PEFT's forward runs them, the "
                          "base in bf16); use LoraConfig(use_dora=False)")
-    dropouts = sorted({d.p for m in layers for d in m.lora_dropout.values() if isinstance(d, nn.Dropout) and d.p > 0})
+    dropouts = sorted({d.p for m in lora_layers for d in m.lora_dropout.values()
+                       if isinstance(d, nn.Dropout) and d.p > 0})
     if dropouts:  # in training PEFT's forward would run, the base in bf16: FP8 silently off
         raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which takes no adapter dropout, and this "
                          f"{type(model).__name__}'s LoRA layers have lora_dropout {dropouts[-1]} (their training "
                          "forward would be PEFT's, the base in bf16); use LoraConfig(lora_dropout=0)")
     check_fp8_device(linears[0].weight.device)
+    return set()
 
 
 def _modules(model: nn.Module) -> list[tuple[str, type]]:

@@ -124,10 +124,10 @@ class GRPOConfig(ConfigFile):
               "the backward; the later ones keep their activations on the GPU (a faster update for more memory, "
               "benchmarks/NOTES.md); none: every layer", run_control=True)
     fp8_base: bool = option(
-        False, "with patch and LoRA over a bf16 / fp16 base: the frozen base linears multiply in FP8, forward and "
-               "input gradient (e4m3 rows with their own scales, an e4m3 copy of the base beside it; "
-               "benchmarks/NOTES.md); it changes the model's numbers as a 4-bit base does; needs FP8 tensor cores "
-               "(compute capability 8.9+)")
+        False, "with patch: the model's linears multiply in FP8, forward and input gradient (e4m3 rows with their "
+               "own scales): with LoRA the frozen base (an e4m3 copy beside it), with lora_rank 0 every decoder "
+               "linear (quantized at each call; weight gradients in the model's dtype); benchmarks/NOTES.md. It "
+               "changes the model's numbers as a 4-bit base does; needs FP8 tensor cores (compute capability 8.9+)")
     offload_host_memory_gib: float | None = option(
         None, "with offload_activations: most pinned CPU memory the offloaded inputs may take, in GiB (a larger "
               "step is an error naming this field); none: what a step needs (8 x 8K tokens of Qwen2.5-1.5B: 7 GiB)",

@@ -35,15 +35,13 @@ def check_activation_memory_options(config) -> None:
 
 
 def check_fp8_base(config) -> None:
-    """fp8_base runs in patch_model's LoRA layers, over a base of 16-bit linears."""
+    """fp8_base runs in patch_model's layers (LoRA's, or with lora_rank 0 the trained linears), over 16-bit
+    linears."""
     if not config.fp8_base:
         return
     if not config.patch:
-        raise ValueError(f"fp8_base: runs in patch_model's LoRA layers, and patch is off (pass "
+        raise ValueError(f"fp8_base: runs in patch_model's layers, and patch is off (pass "
                          f"{setting('patch', True)})")
-    if config.lora_rank == 0:
-        raise ValueError(f"fp8_base: multiplies the frozen base under LoRA adapters in FP8, and this run trains "
-                         f"every weight ({setting('lora_rank', 0)}); set lora_rank > 0")
     if config.load_in_4bit:
         raise ValueError(f"fp8_base: multiplies a 16-bit base in FP8, and {setting('load_in_4bit', True)} "
                          "loads it in 4 bits; use one of them")
