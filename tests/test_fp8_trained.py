@@ -210,6 +210,19 @@ def test_decode_over_the_models_weights_follows_an_optimizer_step(request, compi
     assert not torch.equal(got[1], first[0][1])
 
 
+@pytest.mark.parametrize("command", ["train", "sft", "ei"])
+def test_refused_under_torchrun(monkeypatch, tmp_path, capsys, command):
+    """Full fine-tuning under torchrun is FSDP2's: each process would keep e4m3 copies of whole weights."""
+    from fastgrpo.train.cli import main
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert main([command, "--patch", "--fp8-base", "--lora-rank", "0", "--output-dir", str(tmp_path / "out")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"fastgrpo {command}: error: fp8_base: keeps e4m3 copies of the weights it multiplies, and with --lora-rank 0 "
+        "under torchrun FSDP2 shards them: every process would keep copies of every weight, unsharded; run one "
+        "process, or train LoRA")
+
+
 @cpu_scaled_mm
 def test_full_fine_tuning_trains_with_fp8_base(tmp_path):
     """The built-in task with lora_rank 0: two steps with the frozen reference copy's pass (beta > 0)."""

@@ -42,6 +42,10 @@ def check_fp8_base(config) -> None:
     if not config.patch:
         raise ValueError(f"fp8_base: runs in patch_model's layers, and patch is off (pass "
                          f"{setting('patch', True)})")
+    if config.lora_rank == 0 and process_count() > 1:  # FSDP2's sharded weights: each process would copy them whole
+        raise ValueError(f"fp8_base: keeps e4m3 copies of the weights it multiplies, and with "
+                         f"{setting('lora_rank', 0)} under torchrun FSDP2 shards them: every process would keep "
+                         "copies of every weight, unsharded; run one process, or train LoRA")
     if config.load_in_4bit:
         raise ValueError(f"fp8_base: multiplies a 16-bit base in FP8, and {setting('load_in_4bit', True)} "
                          "loads it in 4 bits; use one of them")
