@@ -139,6 +139,27 @@ def copies(model):
 
 
 @cpu_scaled_mm
+@pytest.mark.parametrize("recompute", ["offload", "hf-checkpointing"])
+def test_recomputed_layers_give_the_gradients_of_kept_ones(recompute):
+    """Offload checkpointing (the layer's input in CPU memory, the layer run again in the backward) and HF's gradient
+    checkpointing: the same gradients, bit for bit, as a model that keeps every activation (the recompute multiplies
+    by the same copies)."""
+    from fastgrpo.offload import ActivationOffloader
+
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(4))
+    grads = []
+    for checkpointed in (False, True):
+        model = tiny_qwen()
+        offload = ActivationOffloader("cpu") if checkpointed and recompute == "offload" else False
+        fastgrpo.patch_model(model, fp8_base=True, offload_activations=offload)
+        if checkpointed and recompute == "hf-checkpointing":
+            model.gradient_checkpointing_enable()
+        model.train()(ids).logits.float().square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+@cpu_scaled_mm
 def test_copies_are_kept_until_an_optimizer_step_a_fused_one_too():
     """The copies (and transposes) of one step serve every forward and backward until the optimizer steps; torch's
     fused AdamW writes the weights without moving their version counters, and the next forward multiplies the new
