@@ -85,12 +85,13 @@ def _checked_rows(config, builtin, tokenizer, reads: DatasetReads | None):
 def eval_rows(config, reads: DatasetReads | None = None):
     """The rows a run evaluates on every eval_steps (fastgrpo.train.periodic_eval): eval_dataset's (an HF dataset or
     a folder: its eval_dataset_split; for sft, TRL's conversational rows too: sft_data.sft_eval_rows), or for a run
-    on the built-in task held-out rows of it; a run on its own data needs eval_dataset. reads: the run's
-    (load_run_datasets)."""
+    on the built-in task held-out rows of it; a run on its own data needs eval_dataset. Its CSV columns are read as
+    text where the run's dataset's are (text_columns: sft's response too, the reference its rewards get as trained
+    on), so a file both settings name is parsed once. reads: the run's (load_run_datasets)."""
     if config.eval_dataset is not None:
         rows = load_rows(config.eval_dataset, config.eval_dataset_split, field="eval_dataset",
                          config_name=eval_dataset_config(config),
-                         default_split=default_of(config, "eval_dataset_split"), text_columns=(config.prompt_column,),
+                         default_split=default_of(config, "eval_dataset_split"), text_columns=text_columns(config),
                          reads=reads)
         if hasattr(config, "response_column"):  # sft's: TRL's conversations too, as its dataset
             return sft_eval_rows(rows, config.prompt_column, config.eval_max_examples)
