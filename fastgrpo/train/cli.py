@@ -196,21 +196,23 @@ def main(argv: list[str] | None = None) -> int:
 
         hf_logging.disable_progress_bar()
     with starting_signals():
-        try:
-            return run_command(f"fastgrpo {command.name}", lambda: _naming_sources(args, command.run, subparser),
-                               debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
-        except Exception:
-            if args.debug or not interrupted_while_starting():
-                raise
-            print(f"fastgrpo {command.name}: interrupted", file=sys.stderr, flush=True)  # as run_command says it
-            return 130
+        return run_command(f"fastgrpo {command.name}", lambda: _naming_sources(args, command.run, subparser),
+                           debug=args.debug, run_errors=(RewardError, OffloadMemoryError))
 
 
 def _naming_sources(args: argparse.Namespace, run: Callable, parser: argparse.ArgumentParser) -> int:
     """run(parser, args), where a ValueError about a setting names where the value came from, as the command's
-    config_from_args recorded it: `dtype (from run.yaml): expected one of [...], got 'bf16'`."""
-    with naming_recorded_sources():
-        return run(parser, args)
+    config_from_args recorded it: `dtype (from run.yaml): expected one of [...], got 'bf16'`. An error after a Ctrl-C
+    that a library swallowed (starting_signals) is the interrupt's doing (a half-imported module; a cut read, which
+    transformers reports as an OSError): run_command says it as the interrupt, not as the error (--debug: its
+    traceback)."""
+    try:
+        with naming_recorded_sources():
+            return run(parser, args)
+    except Exception as err:
+        if interrupted_while_starting():
+            raise KeyboardInterrupt from err
+        raise
 
 
 # ---- fastgrpo train ----

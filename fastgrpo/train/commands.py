@@ -368,6 +368,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import eval_task_before_load
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
+    from fastgrpo.train.interrupts import stop_if_interrupted
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward, tokenizer_before_load
 
     config = config_from_args("eval", args)
@@ -389,6 +390,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         # every process loads the whole model; a failure on one (a GPU out of memory) stops them all
         model, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task, tokenizer))
         _check_one_checkpoint(dist, source)
+        stop_if_interrupted()  # a Ctrl-C a library swallowed as the model loaded (evaluate checks after each batch)
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,

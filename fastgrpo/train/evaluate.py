@@ -32,6 +32,7 @@ from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
+from fastgrpo.train.interrupts import stop_if_interrupted
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
 from fastgrpo.train.run_dir import write_whole
@@ -229,6 +230,7 @@ def _evaluate_rows(engine: RolloutEngine, tokenizer, task: EvalTask, sampling: S
             if "answer" in row:
                 record["answer"] = row["answer"]
             records.append(record)
+        stop_if_interrupted()  # `fastgrpo eval`: a Ctrl-C that a reward function or library swallowed in this batch
     engine.release_memory()
     return records, errors, (logs.values, logs.sources)
 

@@ -33,6 +33,7 @@ _REQUIRED = {"checkpoint": "a run's checkpoint-<step>/ folder or its output_dir"
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     from fastgrpo.train.final_export import export_model
     from fastgrpo.train.eval_model import evaluated_model
+    from fastgrpo.train.interrupts import stop_if_interrupted
     from fastgrpo.train.loading import tokenizer_before_load
     from fastgrpo.train.sources import check_model_source, resolve_device
 
@@ -57,6 +58,7 @@ def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int
         _check_output_contents(output, config.overwrite_output_dir, checkpoint)  # before the model loads
         tokenizer = tokenizer_before_load(base)
         model, run, step, loaded = _load(config, checkpoint, tokenizer)
+        stop_if_interrupted()  # a Ctrl-C a library swallowed as the model loaded: before anything is written
         _check_output_contents(output, config.overwrite_output_dir, loaded)  # files put there as it loaded
         # the folder a symlink at output names is replaced, not the link (rmtree refuses one)
         export_model(model, tokenizer, output.resolve(), run_config=run, step=step)

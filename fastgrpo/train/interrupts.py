@@ -91,10 +91,11 @@ _STARTING: list[int] = []  # the SIGINTs starting_signals took
 @contextlib.contextmanager
 def starting_signals():
     """While a command starts (imports, checks, the model's load), until a run loop's InterruptGuard takes the
-    signals: SIGINT raises KeyboardInterrupt, as Python's own handler does, and is noted (interrupted_while_starting),
-    since a library may swallow it (seen: the run went on) or turn it into another error (transformers' lazy import
-    of the model class, cut in numpy's: a RecursionError, then a ModuleNotFoundError and its traceback). Left alone
-    where SIGINT is not Python's default handler (ignored in a background job, a caller's own)."""
+    signals (eval and export have none: to their end): SIGINT raises KeyboardInterrupt, as Python's own handler does,
+    and is noted (interrupted_while_starting, stop_if_interrupted), since a library may swallow it (seen: the run went
+    on) or turn it into another error (transformers' lazy import of the model class, cut in numpy's: a RecursionError,
+    then a ModuleNotFoundError and its traceback). Left alone where SIGINT is not Python's default handler (ignored in
+    a background job, a caller's own)."""
     main_thread = threading.current_thread() is threading.main_thread()
     if not main_thread or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
         yield
@@ -116,6 +117,15 @@ def interrupted_while_starting() -> bool:
     return bool(_STARTING)
 
 
+def stop_if_interrupted() -> None:
+    """Raise KeyboardInterrupt where starting_signals took a SIGINT that a library swallowed. `fastgrpo eval` and
+    `fastgrpo export` have no run loop to take the signals over: starting_signals keeps them to the command's end, and
+    they call this where their work begins (after the model's load: before export writes) and after each of eval's
+    batches."""
+    if _STARTING:
+        raise KeyboardInterrupt
+
+
 class InterruptGuard:
     """Handles SIGINT and SIGTERM while entered (the previous handlers come back on exit); see the module doc."""
 
@@ -127,8 +137,7 @@ class InterruptGuard:
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> InterruptGuard:
-        if _STARTING:  # a Ctrl-C as the command started, which a library swallowed: stop before the first step
-            raise KeyboardInterrupt
+        stop_if_interrupted()  # a Ctrl-C as the command started, which a library swallowed: before the first step
         if threading.current_thread() is threading.main_thread():
             for signum in SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
