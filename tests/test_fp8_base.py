@@ -340,8 +340,8 @@ def test_train_runs_with_fp8_base(tmp_path):
 
 def test_trl_drop_in_trains_on_the_fp8_base(tmp_path_factory, tmp_path):
     """FastGRPOTrainer(fp8_base=True) with a peft_config: two TRL steps with beta > 0 (the reference pass through
-    the disabled adapters), every LoRA layer's base multiplied through its e4m3 copy; refused without patch or LoRA
-    before TRL loads the model."""
+    the disabled adapters), every LoRA layer's base multiplied through its e4m3 copy; refused without patch before TRL
+    loads the model. Without a peft_config it is full fine-tuning: tests/test_trl_fp8_full.py."""
     from datasets import Dataset
     from peft import LoraConfig as PeftLoraConfig
 
@@ -358,10 +358,7 @@ def test_trl_drop_in_trains_on_the_fp8_base(tmp_path_factory, tmp_path):
     run.train()
     layers = lora_layers(run.model)
     assert len(layers) == 6 and all(FP8_WEIGHT_ATTR in layer.base_layer.__dict__ for layer in layers)
-    for kwargs, message in [(dict(patch=False, peft_config=lora), "fp8_base: runs in fastgrpo.patch_model's LoRA "
-                                                                  "layers; keep patch=True"),
-                            ({}, "fp8_base: multiplies a LoRA model's frozen base in FP8; pass peft_config (or a "
-                                 "PEFT model)")]:
-        with pytest.raises(ValueError) as caught:
-            trainer("/nonexistent/model", **kwargs)
-        assert str(caught.value) == "FastGRPOTrainer cannot honour: " + message
+    with pytest.raises(ValueError) as caught:
+        trainer("/nonexistent/model", patch=False, peft_config=lora)
+    assert str(caught.value) == ("FastGRPOTrainer cannot honour: fp8_base: runs in fastgrpo.patch_model's layers; "
+                                 "keep patch=True")

@@ -59,7 +59,9 @@ trl = _import_trl()
 CLIP_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "luspo")
 TOKEN_SUM_TYPES = ("cispo", "dapo", "vespo")  # normalized by the generation batch's tokens (num_items_in_batch)
 LOGIT_SCALES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
-KERNEL_SWITCHES = ("rms_norm", "rope", "swiglu")  # patch_model's options a reference model shares with the policy
+# patch_model's options a reference model shares with the policy: the math of its forward (fp8_base: a full
+# fine-tuning's reference multiplies in FP8 too; a LoRA policy has no reference model, TRL disables the adapters)
+FORWARD_SWITCHES = ("rms_norm", "rope", "swiglu", "fp8_base")
 
 
 def _refusals(args, patch: bool) -> list[str]:
@@ -139,16 +141,15 @@ def _offload_problems(patch, offload_activations, recompute_layers) -> list[str]
 
 
 def _fp8_base_problems(fp8_base, patch, model, peft_config, args) -> list[str]:
-    """fp8_base's keyword checks, before TRL loads the model: patch_model runs it, on a LoRA model's frozen base,
-    outside autocast (fastgrpo's LoRA forward leaves an autocast pass to PEFT's: the base would multiply in bf16)."""
+    """fp8_base's keyword checks, before TRL loads the model: patch_model runs it, on a LoRA model's frozen base or
+    (full fine-tuning) on every decoder linear, outside autocast: fastgrpo's LoRA forward leaves an autocast pass to
+    PEFT's, its FP8 linears to F.linear, both multiplying in the autocast dtype."""
     if not isinstance(fp8_base, bool):
         return [f"fp8_base: expected True or False, got {fp8_base!r}"]
     if not fp8_base:
         return []
     if not patch:
-        return ["fp8_base: runs in fastgrpo.patch_model's LoRA layers; keep patch=True"]
-    if peft_config is None and not hasattr(model, "peft_config"):
-        return ["fp8_base: multiplies a LoRA model's frozen base in FP8; pass peft_config (or a PEFT model)"]
+        return ["fp8_base: runs in fastgrpo.patch_model's layers; keep patch=True"]
     if getattr(peft_config, "use_dora", False):  # patch_model's refusals, before TRL loads the model
         return ["fp8_base: runs in fastgrpo's LoRA forward, which takes plain LoRA adapters, and peft_config has "
                 "use_dora=True (PEFT's forward runs DoRA, the base in bf16); set use_dora=False"]
@@ -157,9 +158,14 @@ def _fp8_base_problems(fp8_base, patch, model, peft_config, args) -> list[str]:
                 f"lora_dropout {peft_config.lora_dropout} (training would run PEFT's forward, the base in bf16); set "
                 "lora_dropout=0"]
     if args is not None and (args.bf16 or args.fp16):
-        return [f"fp8_base: runs in fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's (the "
-                f"backbone under autocast, the base in {'bf16' if args.bf16 else 'fp16'}); set "
-                f"{'bf16' if args.bf16 else 'fp16'}=False and load the model in bf16 (model_init_kwargs="
+        precision = "bf16" if args.bf16 else "fp16"
+        if peft_config is not None or is_peft_model(model):
+            where = ("fastgrpo's LoRA forward, which leaves TRL's mixed precision to PEFT's (the backbone under "
+                     f"autocast, the base in {precision})")
+        else:  # full fine-tuning: TRL makes no PEFT model without a peft_config
+            where = ("fastgrpo's FP8 linears, which leave TRL's mixed precision to F.linear (the backbone under "
+                     f"autocast, every decoder linear in {precision})")
+        return [f"fp8_base: runs in {where}; set {precision}=False and load the model in bf16 (model_init_kwargs="
                 "{'dtype': torch.bfloat16})"]
     return []
 
@@ -202,8 +208,10 @@ class FastGRPOTrainer(trl.GRPOTrainer):
     False on the trainer's args: HF's Trainer would turn HF's checkpointing on again at train(), and TRL around each
     generation, and the layers would then be checkpointed without offload. recompute_layers (with
     offload_activations): only the first N decoder layers are checkpointed, the later ones keep their activations
-    (patch_model's). fp8_base (needs patch and a LoRA model: peft_config or a PEFT model): the frozen base's GEMMs in
-    FP8 (patch_model's). backend: "auto" (Triton on CUDA, chunked PyTorch on the CPU), "triton" or "torch".
+    (patch_model's). fp8_base (needs patch, and bf16=False / fp16=False: TRL's autocast would turn it off): the GEMMs
+    in FP8 (patch_model's): with peft_config (or a PEFT model) those of the LoRA layers' frozen bases, in full
+    fine-tuning those of every decoder linear, the reference model's too (beta > 0). backend: "auto" (Triton on
+    CUDA, chunked PyTorch on the CPU), "triton" or "torch".
     """
 
     def __init__(self, *args, patch: bool = True, offload_activations=False, recompute_layers: int | None = None,
@@ -237,8 +245,11 @@ class FastGRPOTrainer(trl.GRPOTrainer):
         self.fastgrpo_backend = backend
         if patch:  # draws no random numbers: TRL's seeding at the end of its __init__ still decides the run
             patch_model(self.model, **options)
-            if self.ref_model is not None:  # the policy's kernels; the rest acts on training only
-                patch_model(self.ref_model, fused_loss=False, **{name: options[name] for name in KERNEL_SWITCHES})
+            # The reference: the policy's forward math, the rest acts on training only. TRL 1.15 / 1.16 load it with
+            # weights that require grad, so fp8_base's copies are keyed on optimizer steps too: made again after
+            # sync_ref_model writes the weights through .data, which moves no version counter
+            if self.ref_model is not None:
+                patch_model(self.ref_model, fused_loss=False, **{name: options[name] for name in FORWARD_SWITCHES})
         if options["offload_activations"] is not False:
             for name in ("gradient_checkpointing", "activation_checkpointing"):  # newer transformers have both
                 if getattr(self.args, name, None):
