@@ -5,6 +5,8 @@ TRL's reference model (beta > 0), through TRL's own training loop (tests/test_fp
   through .data after each step): every call of every decoder linear of the policy (rollout, update, recompute) and
   of the reference gives fp8_base_product's output over the e4m3 copy of the weight it has at that call, bit for bit,
   never F.linear's; the weights moved.
+- A model the user patched with fp8_base before handing it over keeps it, its reference too; under TRL's bf16 it is
+  refused as the trainer's own keyword is.
 - What still cannot run in FP8 is refused before TRL loads the model, in one whole line: patch=False, and TRL's
   bf16 / fp16 mixed precision (the FP8 linears leave an autocast pass to F.linear).
 """
@@ -22,6 +24,9 @@ pytest.importorskip("datasets", reason="TRL's GRPOTrainer needs `datasets`")
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 
 from datasets import Dataset  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+import fastgrpo  # noqa: E402
 
 from fastgrpo.integrations.trl import FastGRPOTrainer  # noqa: E402
 from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR, fp8_base_product  # noqa: E402
@@ -85,11 +90,30 @@ def test_full_fine_tuning_trains_every_linear_in_fp8(model_dir, tmp_path):
     assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [1, 2]
 
 
+BF16_REFUSAL = ("fp8_base: runs in fastgrpo's FP8 linears, which leave TRL's mixed precision to F.linear (the backbone "
+                "under autocast, every decoder linear in bf16); set bf16=False and load the model in bf16 "
+                "(model_init_kwargs={'dtype': torch.bfloat16})")
+
+
+def prepatched_trainer(model_dir, tmp_path, **fields) -> FastGRPOTrainer:
+    model = fastgrpo.patch_model(AutoModelForCausalLM.from_pretrained(model_dir), fp8_base=True)
+    return FastGRPOTrainer(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path, beta=0.04, **fields),
+                           train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}), processing_class=build_tokenizer())
+
+
+@cpu_scaled_mm
+def test_a_model_patched_with_fp8_base_keeps_it(model_dir, tmp_path):
+    trainer = prepatched_trainer(model_dir, tmp_path)
+    for model in (trainer.model, trainer.ref_model):
+        assert set(fp8_linears(model)) == set(decoder_linears(model))
+    with pytest.raises(ValueError) as caught:
+        prepatched_trainer(model_dir, tmp_path, bf16=True)
+    assert str(caught.value) == "FastGRPOTrainer cannot honour: " + BF16_REFUSAL
+
+
 @pytest.mark.parametrize("fields, kwargs, message", ids=["patch", "bf16", "fp16"], argvalues=[
     ({}, dict(patch=False), "fp8_base: runs in fastgrpo.patch_model's layers; keep patch=True"),
-    (dict(bf16=True), {}, "fp8_base: runs in fastgrpo's FP8 linears, which leave TRL's mixed precision to F.linear "
-                          "(the backbone under autocast, every decoder linear in bf16); set bf16=False and load the "
-                          "model in bf16 (model_init_kwargs={'dtype': torch.bfloat16})"),
+    (dict(bf16=True), {}, BF16_REFUSAL),
     (dict(fp16=True), {}, "fp8_base: runs in fastgrpo's FP8 linears, which leave TRL's mixed precision to F.linear "
                           "(the backbone under autocast, every decoder linear in fp16); set fp16=False and load the "
                           "model in bf16 (model_init_kwargs={'dtype': torch.bfloat16})"),
