@@ -4,7 +4,7 @@ TRL's reference model (beta > 0), through TRL's own training loop (tests/test_fp
 - Two TRL steps with beta > 0, TRL's gradient checkpointing and sync_ref_model (TRL writes the reference's weights
   through .data after each step): every call of every decoder linear of the policy (rollout, update, recompute) and
   of the reference gives fp8_base_product's output over the e4m3 copy of the weight it has at that call, bit for bit,
-  never F.linear's; the weights moved.
+  never F.linear's; the weights moved; the first step's kl is 0 (the reference's numbers are the policy's).
 - A model the user patched with fp8_base before handing it over keeps it, its reference too; under TRL's bf16 it is
   refused as the trainer's own keyword is.
 - What still cannot run in FP8 is refused before TRL loads the model, in one whole line: patch=False, and TRL's
@@ -87,7 +87,10 @@ def test_full_fine_tuning_trains_every_linear_in_fp8(model_dir, tmp_path):
         assert all(FP8_WEIGHT_ATTR in layer.__dict__ for layer in linears), name
         moved = [not torch.equal(old, layer.weight) for old, layer in zip(before[name], linears)]
         assert all(moved), f"{name}: weights moved by training (the reference by TRL's sync): {moved}"
-    assert [log["step"] for log in trainer.state.log_history if "loss" in log] == [1, 2]
+    logged = [log for log in trainer.state.log_history if "loss" in log]
+    assert [log["step"] for log in logged] == [1, 2]
+    # before the first update the reference computes the policy's numbers, FP8 in both (one without FP8: kl > 0)
+    assert logged[0]["kl"] == 0.0 and logged[1]["kl"] > 0, logged
 
 
 BF16_REFUSAL = ("fp8_base: runs in fastgrpo's FP8 linears, which leave TRL's mixed precision to F.linear (the backbone "
