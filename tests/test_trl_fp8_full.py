@@ -101,7 +101,8 @@ BF16_REFUSAL = ("fp8_base: runs in fastgrpo's FP8 linears, which leave TRL's mix
 def prepatched_trainer(model_dir, tmp_path, **fields) -> FastGRPOTrainer:
     model = fastgrpo.patch_model(AutoModelForCausalLM.from_pretrained(model_dir), fp8_base=True)
     return FastGRPOTrainer(model=model, reward_funcs=vowel_reward, args=grpo_config(tmp_path, beta=0.04, **fields),
-                           train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}), processing_class=build_tokenizer())
+                           train_dataset=Dataset.from_dict({"prompt": ["2+2="] * 4}),
+                           processing_class=build_tokenizer())
 
 
 @cpu_scaled_mm
