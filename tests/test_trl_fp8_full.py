@@ -27,7 +27,6 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 import fastgrpo  # noqa: E402
-
 from fastgrpo.integrations.trl import FastGRPOTrainer  # noqa: E402
 from fastgrpo.ops.fp8_base import FP8_WEIGHT_ATTR, fp8_base_product  # noqa: E402
 from fastgrpo.ops.fp8_linear import quantize_fp8  # noqa: E402
