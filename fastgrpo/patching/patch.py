@@ -103,8 +103,9 @@ def patch_model(
     software. A forward under autocast, or of a merged adapter, is PEFT's: its base multiplies in the autocast /
     model dtype. On a model without LoRA layers (full fine-tuning) every nn.Linear of the decoder layers with sides
     multiples of 16 runs fastgrpo.ops.fp8_trained's FP8Linear: the forward and input gradient in FP8
-    as above, the weight gradient in the model's dtype; a trained weight is quantized at each call (no copy kept, so
-    an optimizer that writes it in place cannot leave a stale one), a frozen one (a reference copy) keeps its copy.
+    as above, the weight gradient in the model's dtype; each weight keeps its e4m3 copy and the copy's transpose (2
+    bytes a parameter), a trained one made again after every torch.optim step (fused optimizers move no version
+    counter). It pays only where micro-batches are long (benchmarks/NOTES.md, forty-eighth session).
 
     Returns the same object. What was replaced is in `model.fastgrpo_patch_summary` (counts per kind, the reason
     for anything left alone, the options resolved and the arguments as given). Patching again with the same

@@ -126,7 +126,8 @@ class GRPOConfig(ConfigFile):
     fp8_base: bool = option(
         False, "with patch: the model's linears multiply in FP8, forward and input gradient (e4m3 rows with their "
                "own scales): with LoRA the frozen base (an e4m3 copy beside it), with lora_rank 0 every decoder "
-               "linear (quantized at each call; weight gradients in the model's dtype); benchmarks/NOTES.md. It "
+               "linear (copies and their transposes kept, remade after each optimizer step; weight gradients in "
+               "the model's dtype; pays only with long micro-batches); benchmarks/NOTES.md. It "
                "changes the model's numbers as a 4-bit base does; needs FP8 tensor cores (compute capability 8.9+)")
     offload_host_memory_gib: float | None = option(
         None, "with offload_activations: most pinned CPU memory the offloaded inputs may take, in GiB (a larger "
