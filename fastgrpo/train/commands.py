@@ -385,7 +385,7 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                                                             seed=config.seed), tokenizer)
     task = eval_task_before_load(config, rows, reward_funcs, checkpoint, tokenizer)  # rows' and lengths' errors
     output = Path(config.output_dir)
-    with _eval_directory(dist, output, config):
+    with _eval_directory(dist, output, config) as run_dir:
         torch.manual_seed(config.seed)
         # every process loads the whole model; a failure on one (a GPU out of memory) stops them all
         model, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task, tokenizer))
@@ -397,7 +397,9 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                                     reward_errors=config.reward_errors, dist=dist)
         summary = {**summary, **source, "dataset": config.dataset, "config": config.to_dict()}
         if dist.is_main:
-            write_eval(records, summary, output / "results.jsonl", output / "summary.json")
+            written = (output / "results.jsonl", output / "summary.json")
+            write_eval(records, summary, *written)
+            run_dir.replace_previous(written)  # --overwrite-output-dir: the previous results stayed until now
     if not dist.is_main:
         return 0
     log_generations(records, config.log_generations, "sample")
@@ -413,20 +415,23 @@ def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 @contextlib.contextmanager
 def _eval_directory(dist, output: Path, config):
-    """Rank 0 locks and prepares `fastgrpo eval`'s output folder; the other processes wait, and raise its refusal.
-    Another evaluation's files there are refused (or overwritten); a train run's folder may take its results, its
+    """Rank 0 locks and prepares `fastgrpo eval`'s output folder, and yields its RunDirectory; the other processes
+    wait, raise its refusal, and get None. Another evaluation's files there are refused (or, overwritten, kept until
+    the new results replace them: RunDirectory.replace_previous); a train run's folder may take its results, its
     checkpoint-<step>/ and final/ may not (RunDirectory)."""
     from fastgrpo.train.run_dir import EVAL_ARTIFACTS, RunDirectory
 
     with contextlib.ExitStack() as stack:
-        def prepare() -> None:
-            if dist.is_main:
-                run_dir = stack.enter_context(RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False))
-                # command: a refusal names the files an evaluation's results, not "another run"
-                run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND)
+        def prepare() -> RunDirectory | None:
+            if not dist.is_main:
+                return None
+            run_dir = stack.enter_context(RunDirectory(output, artifacts=EVAL_ARTIFACTS, resumable=False))
+            # command: a refusal names the files an evaluation's results, not "another run"
+            run_dir.prepare(resume=False, overwrite=config.overwrite_output_dir, command=config.COMMAND,
+                            replace_at_end=True)
+            return run_dir
 
-        dist.raise_together(prepare)
-        yield
+        yield dist.raise_together(prepare)
 
 
 def _load_eval(config, checkpoint: Path | None, task, tokenizer):

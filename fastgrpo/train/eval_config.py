@@ -54,7 +54,7 @@ class EvalConfig(ConfigFile):
     output_dir: str = option("fastgrpo_eval_output", "results.jsonl (one line per completion) and summary.json "
                                                      "go here")
     overwrite_output_dir: bool = option(False, "write into an output_dir that holds another evaluation's files "
-                                               "(they are deleted first)")
+                                               "(replaced once the new results are complete)")
     log_generations: int = option(3, "generations printed to the log")
 
     def __post_init__(self):

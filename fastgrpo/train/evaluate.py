@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import time
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -35,7 +36,7 @@ from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.interrupts import stop_if_interrupted
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
-from fastgrpo.train.run_dir import write_whole
+from fastgrpo.train.run_dir import write_beside
 from fastgrpo.train.step_rewards import add_logged_metrics, completion_id_lists, metric_names, refuse_taken
 from fastgrpo.train.step_rewards import trainer_state as default_trainer_state
 from fastgrpo.train.versions import library_versions
@@ -314,10 +315,16 @@ def pass_at_k(records: list[dict]) -> dict:
 
 
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
-    """One JSON line per completion to examples_path; the summary as a JSON object to summary_path. Each file
-    appears whole or not at all, the summary last: a kill leaves no cut-off results beside a summary of them."""
-    write_whole(Path(examples_path), "".join(json.dumps(r) + "\n" for r in records))
-    write_whole(Path(summary_path), json.dumps(summary, indent=2) + "\n")
+    """One JSON line per completion to examples_path; the summary as a JSON object to summary_path. Both are written
+    in full beside their names, then renamed over them, the summary last and a previous summary deleted before the
+    results change: a kill leaves the previous files as they were, or the results without a summary, never cut-off
+    results, nor one evaluation's results beside another's summary."""
+    examples_path, summary_path = Path(examples_path), Path(summary_path)
+    examples = write_beside(examples_path, "".join(json.dumps(r) + "\n" for r in records))
+    summarized = write_beside(summary_path, json.dumps(summary, indent=2) + "\n")
+    summary_path.unlink(missing_ok=True)
+    os.replace(examples, examples_path)
+    os.replace(summarized, summary_path)
 
 
 def log_generations(records: list[dict], count: int, title: str) -> None:

@@ -8,13 +8,15 @@ system has no flock (some Lustre / FUSE mounts) the PID alone decides, on the sa
 RunDirectory: the lock, plus the check that a fresh run does not start in a folder that holds another run's
 checkpoints, metrics or export (a one-line error suggesting --resume or --overwrite-output-dir); overwriting
 deletes those files first (refused while final/ holds files the user put beside the export, as an export refuses
-it). A folder inside another run's checkpoint-<step>/ or final/ is refused: that run deletes them. A resume deletes
-the hidden partial writes a killed run left, once it has finished a folder's replacement cut short between its two
-renames. Any command that writes a run folder uses it the same way:
+it), or, for a command that writes its files only once it is done (eval: replace_at_end), once its own are written:
+one that stops before leaves them as they were. A folder inside another run's checkpoint-<step>/ or final/ is
+refused: that run deletes them. A resume deletes the hidden partial writes a killed run left, once it has finished a
+folder's replacement cut short between its two renames. Any command that writes a run folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
         ...                                                 # the lock is held until the block ends
+        run_dir.replace_previous(written)                   # with prepare(..., replace_at_end=True) only
 
 `artifacts` names what a run leaves in the folder (glob patterns); the default is what `fastgrpo train` writes.
 write_whole writes one of a run's files so that a kill leaves the old file or the new one, never part of either.
@@ -30,6 +32,7 @@ import os
 import re
 import shutil
 import socket
+from collections.abc import Sequence
 from pathlib import Path
 
 from fastgrpo.train.atomic_folder import finish_replacement
@@ -175,6 +178,7 @@ class RunDirectory:
         self.path = Path(path)
         self.artifacts, self.resumable = artifacts, resumable
         self.lock = RunLock(self.path)
+        self.replaced: list[Path] = []  # the previous run's files, kept until replace_previous (replace_at_end)
 
     def __enter__(self) -> RunDirectory:
         check_outside_run_folders(self.path, resumable=self.resumable)
@@ -213,9 +217,13 @@ class RunDirectory:
         return sorted(p for p in found if not p.name.startswith(("checkpoint-", ".checkpoint-", ".final."))
                       or _WRITTEN.fullmatch(p.name))
 
-    def prepare(self, *, resume: bool, overwrite: bool, command: str | None = None) -> None:
+    def prepare(self, *, resume: bool, overwrite: bool, command: str | None = None,
+                replace_at_end: bool = False) -> None:
         """A fresh run needs a folder without another run's files (overwrite: delete them); resume keeps them.
-        command: the run's (`train`, `sft`, `ei`), so that a refusal suggests --resume only for a run of it."""
+        command: the run's (`train`, `sft`, `ei`, `eval`), so that a refusal suggests --resume only for a run of it.
+        replace_at_end: overwrite keeps the previous run's files until replace_previous(), for a command that writes
+        its files only once it is done (eval), so that one stopped before (an error, Ctrl-C) leaves them as they
+        were."""
         if resume and overwrite:
             raise ValueError("overwrite_output_dir: deletes the checkpoints that resume continues from; pass one "
                              f"of {setting('resume', True)} and {setting('overwrite_output_dir', True)}")
@@ -233,8 +241,9 @@ class RunDirectory:
             resumable = self.resumable and any(p.name.startswith("checkpoint-") for p in found)
             fresh = setting("overwrite_output_dir", True)
             if command is not None and {p.name for p in found} <= set(EVAL_ARTIFACTS):
+                effect = "replaces them once it is done" if replace_at_end else "deletes them"
                 raise ValueError(f"output_dir: {self.path} holds the results of a `fastgrpo eval` ({names}); pick "
-                                 f"another {setting('output_dir')}, or start afresh with {fresh} (deletes them)")
+                                 f"another {setting('output_dir')}, or start afresh with {fresh} ({effect})")
             theirs = self._command_of_run() if resumable else None
             if theirs is not None and command is not None and theirs != command:
                 raise ValueError(f"output_dir: {self.path} holds a `fastgrpo {theirs}` run ({names}); continue it "
@@ -244,15 +253,29 @@ class RunDirectory:
             raise ValueError(f"output_dir: {self.path} holds another run ({names}); {resume}start afresh with "
                              f"{fresh} (deletes those files)")
         self._check_overwritable(found)
-        for path in found:
-            shutil.rmtree(path) if path.is_dir() else path.unlink()
-        if found:
-            logger.info("output_dir: deleted the previous run's %s", ", ".join(p.name for p in found))
+        if replace_at_end:
+            self._check_no_folder_at_a_file(found)
+            self.replaced = found
+            if found:
+                logger.info("output_dir: the previous run's %s stay until this run replaces them", _names(found))
+        else:
+            _delete(found)
+            if found:
+                logger.info("output_dir: deleted the previous run's %s", _names(found))
         # an empty log of a run of this command that never finished a step, from a fastgrpo that created it before
         # the first line (another command's log is not ours)
         log = self.path / "metrics.jsonl"
         if "metrics.jsonl" in self.artifacts and log.is_file() and log.stat().st_size == 0:
             log.unlink()
+
+    def replace_previous(self, written: Sequence[str | Path]) -> None:
+        """Once this run's files are `written` (each renamed over the previous run's file of its name, if any): the
+        previous run's files that prepare(replace_at_end=True) kept and none of them replaced are deleted."""
+        written = {Path(path).absolute() for path in written}
+        _delete([path for path in self.replaced if path.absolute() not in written])
+        if self.replaced:
+            logger.info("output_dir: replaced the previous run's %s", _names(self.replaced))
+        self.replaced = []
 
     def _finish_replacements(self) -> None:
         """A kill between atomic_directory's two renames (a checkpoint or final/ written again) left no <name>/, its
@@ -278,6 +301,14 @@ class RunDirectory:
                                  f"deletes whole; make it a folder (or link the whole {setting('output_dir')} to put "
                                  "the run on another disk)")
 
+    def _check_no_folder_at_a_file(self, found: list[Path]) -> None:
+        """A ValueError for a folder (the user's) at a name the run writes a file at: its file cannot be renamed over
+        it once the run is done, and deleting it would delete what the user put in it."""
+        for path in found:
+            if path.is_dir() and any(fnmatch.fnmatchcase(path.name, name) for name in _FILE_ARTIFACTS):
+                raise ValueError(f"output_dir: {path} is a folder, where the run writes a file; move it out of "
+                                 f"{self.path}, or pick another {setting('output_dir')}")
+
     def _check_overwritable(self, found: list[Path]) -> None:
         """A ValueError where deleting the previous run's `found` would delete files the user put among them (in
         final/, eval/, tensorboard/)."""
@@ -292,6 +323,15 @@ class RunDirectory:
                 raise ValueError(f"overwrite_output_dir: {folder} holds files the run did not write ({listed}), which "
                                  "starting afresh would delete; move them out of it, then start afresh with "
                                  f"{setting('overwrite_output_dir', True)}")
+
+
+def _delete(paths: list[Path]) -> None:
+    for path in paths:
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _names(paths: list[Path]) -> str:
+    return ", ".join(path.name for path in paths)
 
 
 def make_output_folder(path: Path) -> bool:
@@ -394,7 +434,12 @@ def _alive(pid) -> bool:
 
 def write_whole(path: Path, text: str) -> None:
     """`text` into the file `path` (its folder made), whole or not at all: written beside it, then renamed over it."""
+    os.replace(write_beside(path, text), path)
+
+
+def write_beside(path: Path, text: str) -> Path:
+    """`text` into the hidden file beside `path` (its folder made) that write_whole renames over it; that file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
-    os.replace(tmp, path)
+    return tmp
