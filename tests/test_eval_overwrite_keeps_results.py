@@ -205,3 +205,32 @@ def test_a_folder_at_a_results_name_is_refused_before_the_evaluation(previous, t
                         f"it out of {out}, or pick another --output-dir\n"), err
     assert (out / "summary.json" / "notes.txt").read_text() == "mine"
     assert (out / "results.jsonl").read_bytes() == previous["results.jsonl"]
+
+
+FAILS_ON_RANK_1 = '''import torch.distributed as dist
+
+from fastgrpo.train.default_task import repeat_letter_reward
+
+
+def fails_on_rank_1(prompts, completions, **kwargs):
+    if dist.get_rank() == 1:
+        raise RuntimeError("no score here")
+    return repeat_letter_reward(prompts, completions, **kwargs)
+'''
+
+
+def test_under_torchrun_rank_0_replaces_the_results_only_once_every_process_is_done(previous, tmp_path):
+    """2 gloo processes: a reward failing on rank 1 alone stops both and leaves the previous results byte for byte
+    (before: deleted by rank 0 as it prepared the folder); an evaluation that ends replaces them."""
+    from tests.forked_gloo import cli, run_forked
+
+    (tmp_path / "reward.py").write_text(FAILS_ON_RANK_1)
+    stopped, done = _holding(tmp_path / "out" / "stopped", previous), _holding(tmp_path / "out" / "done", previous)
+    overwrite = [*EVAL, "--max-new-tokens", "4", "--overwrite-output-dir", "--output-dir"]
+    runs = [[*overwrite, str(stopped), "--reward-funcs", f"{tmp_path / 'reward.py'}:fails_on_rank_1"],
+            [*overwrite, str(done)]]
+    found = run_forked(cli, tmp_path, runs, deadline_s=120, group_timeout_s=60)
+    assert [rank["exits"] for rank in found] == [[1, 0], [1, 0]], found[0]["stderr"]
+    assert _files(stopped) == previous, sorted(_files(stopped))
+    assert sorted(_files(done)) == ["results.jsonl", "summary.json"]
+    assert json.loads((done / "summary.json").read_text())["num_examples"] == 6
