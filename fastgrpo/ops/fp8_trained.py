@@ -8,10 +8,12 @@ it, so each update's direction is not quantized.
 
 Each weight's e4m3 copy (fp8_weight_of) and its transpose (the input gradient's operand) are kept on the layer, 2
 bytes a parameter, and made again after the weight changed: in place, replaced, or (a trained weight) after any
-torch.optim optimizer step, which a fused optimizer takes without moving the weight's version counter. Quantized at
-every call instead, the copies cost more than FP8 saved (Qwen2.5-1.5B at 10K tokens a micro-batch: 0.3 s of
-quantizing and 0.3 s of transposes in a 1.8 s update, measured on an H200). A write through .data (no version, no
-optimizer step) is not seen, as for any fp8_base copy.
+torch.optim optimizer step, which a fused optimizer takes without moving the weight's version counter. Made at every
+call instead, they made the update 0.7 s longer (Qwen2.5-1.5B at 10K tokens a micro-batch on an H200: 3.10 s against
+2.38, nearly all of it host time for the extra launches). A write through .data (no version, no optimizer step) is
+not seen, as for any fp8_base copy. Even so FP8 pays only where micro-batches are long: quantizing every input and
+output gradient (~40K values per token and layer) takes back most of what the e4m3 GEMMs gain (benchmarks/NOTES.md,
+forty-eighth session).
 """
 from __future__ import annotations
 
