@@ -11,7 +11,9 @@ deletes those files first (refused while final/ holds files the user put beside 
 it), or, for a command that writes its files only once it is done (eval: replace_at_end), once its own are written:
 one that stops before leaves them as they were. A folder inside another run's checkpoint-<step>/ or final/ is
 refused: that run deletes them. A resume deletes the hidden partial writes a killed run left, once it has finished a
-folder's replacement cut short between its two renames. Any command that writes a run folder uses it the same way:
+folder's replacement cut short between its two renames. A folder at a name a run writes a file at (metrics.jsonl,
+results.jsonl, summary.json) is the user's: a fresh run refuses it, never deletes it. Any command that writes a run
+folder uses it the same way:
 
     with RunDirectory(config.output_dir) as run_dir:         # ValueError if another run holds the lock
         run_dir.prepare(resume=config.resume, overwrite=config.overwrite_output_dir, command=config.COMMAND)
@@ -235,6 +237,7 @@ class RunDirectory:
                 logger.info("output_dir: deleted %s, a partial write of a stopped run", path.name)
             return
         found = self.previous_run()
+        self._check_no_folder_at_a_file(found)  # before the refusal below offers overwriting, which would delete them
         if found and not overwrite:
             names = ", ".join(p.name for p in found[:4]) + (", ..." if len(found) > 4 else "")
             # a run stopped before its first checkpoint left files but nothing --resume could continue
@@ -254,7 +257,6 @@ class RunDirectory:
                              f"{fresh} (deletes those files)")
         self._check_overwritable(found)
         if replace_at_end:
-            self._check_no_folder_at_a_file(found)
             self.replaced = found
             if found:
                 logger.info("output_dir: the previous run's %s stay until this run replaces them", _names(found))
@@ -302,8 +304,9 @@ class RunDirectory:
                                  "the run on another disk)")
 
     def _check_no_folder_at_a_file(self, found: list[Path]) -> None:
-        """A ValueError for a folder (the user's) at a name the run writes a file at: its file cannot be renamed over
-        it once the run is done, and deleting it would delete what the user put in it."""
+        """A ValueError for a folder (the user's) at a name a run writes a file at (metrics.jsonl, results.jsonl,
+        summary.json, their partial writes): overwriting would delete it with what the user put in it (train, sft, ei
+        delete at their start), and an eval's file cannot be renamed over it once the eval is done."""
         for path in found:
             if path.is_dir() and any(fnmatch.fnmatchcase(path.name, name) for name in _FILE_ARTIFACTS):
                 raise ValueError(f"output_dir: {path} is a folder, where the run writes a file; move it out of "
