@@ -74,3 +74,21 @@ def test_every_file_name_a_run_writes_refuses_a_folder_before_deleting_anything(
         (tmp_path / name).rmdir()
         run_dir.prepare(resume=False, overwrite=True, command="train", replace_at_end=replace_at_end)
         assert (tmp_path / "checkpoint-3").exists() == replace_at_end  # deleted at once, or kept until replaced
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", ".metrics.jsonl.tmp"])
+def test_resume_refuses_a_folder_at_a_run_file_name_and_keeps_it(finished, tmp_path, capsys, name):
+    """--resume deleted a user's folder at a partial write's name as the stopped run's leftover, and at the log's name
+    wrote "resumed from" then stopped on the OS's "[Errno 21] Is a directory"."""
+    run = tmp_path / "run"
+    shutil.copytree(finished["train"], run)
+    if (run / name).is_file():
+        (run / name).unlink()
+    (run / name).mkdir()
+    (run / name / "notes.txt").write_text("mine\n")
+    before = _everything(run)
+    assert main([*COMMANDS["train"], "--max-steps", "2", "--resume", "--output-dir", str(run), *QUIET]) == 2
+    assert capsys.readouterr().err == (f"fastgrpo train: error: output_dir: {run / name} is a folder, where the run "
+                                       f"writes a file; move it out of {run}, or pick another --output-dir\n")
+    assert _everything(run) == before
+

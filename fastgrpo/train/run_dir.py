@@ -231,6 +231,7 @@ class RunDirectory:
                              f"of {setting('resume', True)} and {setting('overwrite_output_dir', True)}")
         self._check_no_file_at_a_folder()
         if resume:  # keep the run; only the partial writes of a kill go (never checkpoints: atomic renames)
+            self._check_no_folder_at_a_file(self._found(self.artifacts))  # the user's: not a partial write to delete
             self._finish_replacements()
             for path in self._found(pattern for pattern in self.artifacts if pattern.startswith(".")):
                 shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
@@ -306,7 +307,8 @@ class RunDirectory:
     def _check_no_folder_at_a_file(self, found: list[Path]) -> None:
         """A ValueError for a folder (the user's) at a name a run writes a file at (metrics.jsonl, results.jsonl,
         summary.json, their partial writes): overwriting would delete it with what the user put in it (train, sft, ei
-        delete at their start), and an eval's file cannot be renamed over it once the eval is done."""
+        delete at their start), a resume deleted one at a partial write's name and failed on the log's with the OS's
+        "Is a directory", and an eval's file cannot be renamed over it once the eval is done."""
         for path in found:
             if path.is_dir() and any(fnmatch.fnmatchcase(path.name, name) for name in _FILE_ARTIFACTS):
                 raise ValueError(f"output_dir: {path} is a folder, where the run writes a file; move it out of "
