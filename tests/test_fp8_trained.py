@@ -13,6 +13,7 @@
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -255,6 +256,98 @@ def test_full_fine_tuning_trains_with_fp8_base(tmp_path):
                  str(tmp_path), "--no-progress-bar", "--max-steps", "2"]) == 0
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+
+
+# the parameters a partly frozen model trains, by name
+TRAINED = {
+    "biases-alone": lambda name: name.endswith(".bias"),  # BitFit
+    "attention-frozen": lambda name: ".self_attn." not in name,
+    "embeddings-and-norms-frozen": lambda name: "embed_tokens" not in name and "norm" not in name,
+}
+
+
+@cpu_scaled_mm
+@pytest.mark.parametrize("trained", list(TRAINED))
+def test_a_partly_frozen_model_gets_the_gradients_of_a_fully_trained_one(trained):
+    """The trained parameters get the fully trained model's gradients bit for bit, the frozen ones none. Biases alone:
+    layer 0's q/k/v have an input and a weight that need no gradient, and their bias, added by _scaled_mm (which has
+    no derivative), failed the backward before. A linear whose input needs no gradient keeps no transpose for one."""
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    full = fastgrpo.patch_model(tiny_qwen(), fp8_base=True)
+    full(ids).logits.float().square().mean().backward()
+    model = fastgrpo.patch_model(tiny_qwen(), fp8_base=True)
+    for name, param in model.named_parameters():
+        param.requires_grad_(TRAINED[trained](name))
+    input_grad = {}
+    for layer in fp8_linears(model):
+        layer.register_forward_pre_hook(lambda mod, args: input_grad.__setitem__(mod, args[0].requires_grad))
+    model(ids).logits.float().square().mean().backward()
+    for (name, want), got in zip(full.named_parameters(), model.parameters()):
+        assert got.grad is None if not got.requires_grad else torch.equal(got.grad, want.grad), name
+    if trained != "attention-frozen":  # (there: frozen weights whose inputs need gradients)
+        assert not all(input_grad.values()), "the scenario: a linear whose input needs no gradient"
+    assert {layer: FP8_TRANSPOSED_ATTR in layer.__dict__ for layer in fp8_linears(model)} == input_grad
+
+
+def outcome(call):
+    """call()'s result, or its RuntimeError's line."""
+    try:
+        return call()
+    except RuntimeError as err:
+        return str(err)
+
+
+def linear_cases():
+    """(what, layer, x, context) of the calls the patched forward leaves to F.linear."""
+    gen = torch.Generator().manual_seed(6)
+    fp32 = linear_of(torch.randn(32, 16, generator=gen), torch.randn(32, generator=gen))
+    x = torch.randn(3, 16, generator=gen)
+    mixed_bias = linear_of(fp32.weight.detach().bfloat16(), None)
+    mixed_bias.bias = torch.nn.Parameter(torch.randn(32, generator=gen))
+    resized = linear_of(fp32.weight.detach().bfloat16(), None)
+    resized.weight = torch.nn.Parameter(torch.randn(32, 40, generator=gen).bfloat16())  # 40: not a multiple of 16
+    return [("autocast", fp32, x, lambda: torch.autocast("cpu", dtype=torch.bfloat16)),
+            ("input of another dtype", linear_of(fp32.weight.detach().bfloat16(), None), x, contextlib.nullcontext),
+            ("bias of another dtype", mixed_bias, x.bfloat16(), contextlib.nullcontext),
+            ("weight replaced by one _scaled_mm cannot take", resized, torch.randn(3, 40).bfloat16(),
+             contextlib.nullcontext)]
+
+
+@cpu_scaled_mm
+@pytest.mark.parametrize("case", range(len(linear_cases())), ids=[case[0] for case in linear_cases()])
+def test_calls_fp8_cannot_take_are_f_linears(case):
+    """Autocast (TRL's bf16: documented to multiply in the autocast dtype), mixed dtypes, a weight replaced by one of
+    a shape _scaled_mm cannot take: the output (or the error) of F.linear, as the layer unpatched gives."""
+    what, layer, x, context = linear_cases()[case]
+    with context():
+        want = outcome(lambda: F.linear(x, layer.weight, layer.bias))
+        got = outcome(lambda: fp8_linear_forward(layer, x))
+    assert type(got) is type(want) and (got == want if isinstance(want, str) else torch.equal(got, want)), what
+
+
+class ScaledLinear(torch.nn.Linear):
+    """A user's nn.Linear subclass with math of its own."""
+
+    def forward(self, x):
+        return super().forward(x) * 0.5
+
+
+@cpu_scaled_mm
+def test_linears_of_their_own_math_or_dtype_are_left_alone():
+    """An nn.Linear subclass keeps its forward; a model in fp64 (which _scaled_mm's operands cannot carry) is
+    refused in one line."""
+    model = tiny_qwen()
+    mlp = model.model.layers[0].mlp
+    mlp.down_proj = ScaledLinear(96, 64, bias=False, dtype=torch.bfloat16)
+    fastgrpo.patch_model(model, fp8_base=True)
+    assert mlp.down_proj not in fp8_linears(model) and "forward" not in mlp.down_proj.__dict__
+    assert len(fp8_linears(model)) == 7 * LAYERS - 1
+    with pytest.raises(ValueError) as caught:
+        fastgrpo.patch_model(tiny_qwen().double(), fp8_base=True)
+    assert str(caught.value) == (
+        "fp8_base: multiplies the decoder's nn.Linear layers in FP8 (a LoRA model's frozen bases, or every one in "
+        "full fine-tuning), and this Qwen2ForCausalLM has none of bf16 / fp16 / fp32 weights with both sides "
+        "multiples of 16")
 
 
 # ---- GPU -------------------------------------------------------------------------------------------------------

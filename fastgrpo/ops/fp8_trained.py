@@ -46,7 +46,8 @@ def fp8_linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
             or torch.is_autocast_enabled(x.device.type) or (bias is not None and bias.dtype != weight.dtype)):
         return F.linear(x, weight, bias)
     copy = fp8_weight_of(layer)
-    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+    # a trained bias alone (BitFit) too: _scaled_mm, which adds it, has no derivative
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return FP8Linear.apply(x, weight, bias, copy, layer)
     out = fp8_base_product(x.reshape(-1, x.shape[-1]), *copy, bias, quantized_x=quantized_input(x))
     return out.view(*x.shape[:-1], weight.shape[0])
