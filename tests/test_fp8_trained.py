@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from torch.optim.optimizer import _global_optimizer_post_hooks
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import fastgrpo
@@ -187,10 +188,41 @@ def test_copies_are_kept_until_an_optimizer_step_a_fused_one_too():
     assert all(a is not c and b is not d for (a, b), (c, d) in zip(kept, copies(model)))
 
 
+def held(model, attr):
+    return [layer for layer in fp8_linears(model) if attr in layer.__dict__]
+
+
+@cpu_scaled_mm
+def test_copies_follow_loads_and_moves():
+    """load_state_dict in place (no optimizer step: the version counter) and with assign=True (new tensors: the
+    address) gives the loaded weights' output; a forward after an optimizer step holds no old transpose (a rollout
+    between steps would keep 1 byte a parameter for nothing); .float() drops copies and transposes at once; the
+    optimizer step hook is registered once, not at each forward."""
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(7))
+    model = fastgrpo.patch_model(tiny_qwen(), fp8_base=True)
+    model(ids).logits.float().square().mean().backward()
+    hooks = len(_global_optimizer_post_hooks)
+    torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True).step()
+    with torch.no_grad():
+        model(ids)
+    assert len(held(model, FP8_WEIGHT_ATTR)) == 7 * LAYERS and not held(model, FP8_TRANSPOSED_ATTR)
+    for seed, assign in ((1, False), (2, True)):
+        other = tiny_qwen(seed)
+        model.load_state_dict(other.state_dict(), assign=assign)
+        with torch.no_grad():
+            got = model(ids).logits
+            want = fastgrpo.patch_model(other, fp8_base=True)(ids).logits
+        assert torch.equal(got, want), f"assign={assign}"
+    model(ids).logits.float().square().mean().backward()
+    assert len(_global_optimizer_post_hooks) == hooks, "one step hook"
+    model.float()
+    assert not held(model, FP8_WEIGHT_ATTR) and not held(model, FP8_TRANSPOSED_ATTR)
+
+
 @cpu_scaled_mm
 def test_a_frozen_copy_gives_the_same_output():
-    """Full fine-tuning's reference (a deep copy, frozen): each linear's e4m3 copy made once and kept, its output the
-    trained model's bit for bit."""
+    """Full fine-tuning's reference (a deep copy, frozen): each linear's e4m3 copy made once and kept across the
+    policy's optimizer steps, its output the trained model's bit for bit."""
     model = fastgrpo.patch_model(tiny_qwen(), fp8_base=True)
     reference = copy.deepcopy(model).eval().requires_grad_(False)
     ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(3))
@@ -198,6 +230,7 @@ def test_a_frozen_copy_gives_the_same_output():
         want = model.eval()(ids).logits
         got = reference(ids).logits
         kept = [layer.__dict__[FP8_WEIGHT_ATTR][1] for layer in fp8_linears(reference)]
+        torch.optim.SGD(model.parameters(), lr=0.1).step()  # the policy's step: the frozen copies stay
         reference(ids)
     assert torch.equal(got, want)
     assert len(kept) == 7 * LAYERS
@@ -243,6 +276,14 @@ def test_refused_under_torchrun(monkeypatch, tmp_path, capsys, command):
         f"fastgrpo {command}: error: fp8_base: keeps e4m3 copies of the weights it multiplies, and with --lora-rank 0 "
         "under torchrun FSDP2 shards them: every process would keep copies of every weight, unsharded; run one "
         "process, or train LoRA")
+
+
+def test_lora_is_not_refused_under_torchrun(monkeypatch):
+    """LoRA under torchrun is DDP's, each process holding the whole frozen base anyway: fp8_base is taken."""
+    from fastgrpo.train.config import GRPOConfig
+
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert GRPOConfig(fp8_base=True, lora_rank=16).fp8_base
 
 
 @cpu_scaled_mm
