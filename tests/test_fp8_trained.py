@@ -330,6 +330,20 @@ def test_a_partly_frozen_model_gets_the_gradients_of_a_fully_trained_one(trained
     assert {layer: FP8_TRANSPOSED_ATTR in layer.__dict__ for layer in fp8_linears(model)} == input_grad
 
 
+@cpu_scaled_mm
+def test_a_frozen_linear_keeps_nothing_for_its_backward():
+    """A frozen weight needs no x^T g: nothing of the input is saved (its backward multiplies by the kept copy)."""
+    gen = torch.Generator().manual_seed(8)
+    layer = linear_of(torch.randn(32, 16, generator=gen).bfloat16(), None).requires_grad_(False)
+    x = torch.randn(3, 16, generator=gen).bfloat16().requires_grad_()
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        out = fp8_linear_forward(layer, x)
+    assert not saved
+    out.backward(torch.ones_like(out))
+    assert x.grad is not None and layer.weight.grad is None
+
+
 def outcome(call):
     """call()'s result, or its RuntimeError's line."""
     try:
