@@ -6,7 +6,11 @@
 - In a patched Qwen2 every decoder linear runs it (not the lm_head). Each keeps its weight's e4m3 copy and, after a
   backward, the copy's transpose; both are made again after an optimizer step, a fused AdamW's too (which moves no
   version counter: a copy kept by version alone gives the old weights' output). A frozen deep copy (full fine-
-  tuning's reference) gives the same output.
+  tuning's reference) gives the same output and keeps its copies across the policy's steps. Copies follow
+  load_state_dict (in place, assign=True) and go at a .float() with their transposes.
+- A partly frozen model (biases alone, attention frozen, embeddings and norms frozen) gets the fully trained one's
+  gradients bit for bit; a frozen linear saves nothing of its input; calls FP8 cannot take (autocast, mixed dtypes,
+  a resized weight) are F.linear's; an nn.Linear subclass is left alone.
 - The engine's decode over the model's own weights: compiled, the uncompiled tokens; after an optimizer step, the
   tokens and log-probs of a model patched afresh over the new weights.
 - `fastgrpo train --lora-rank 0 --fp8-base` runs, the reference pass included.
