@@ -451,3 +451,16 @@ def test_gpu_training_step_and_compiled_decode():
     tokens = [generate_with_config(model, char_tokenizer(), ["abc", "hello"], 2, params, seed=0,
                                    config=config).completion_ids for config in configs]
     assert torch.equal(*tokens), tokens
+
+
+@cpu_scaled_mm
+def test_lora_switches_do_not_refuse_a_full_model():
+    """fused_lora / lora_dtype shape LoRA layers' forward: a full model patched with fp8_base and fused_lora=False runs
+    its FP8 linears (it was refused with the LoRA forward's line); a LoRA model still is refused."""
+    from tests.test_fp8_base import tiny_lora_model
+
+    model = fastgrpo.patch_model(tiny_qwen(), fp8_base=True, fused_lora=False, lora_dtype="adapter")
+    assert len(fp8_linears(model)) == 7 * LAYERS
+    with pytest.raises(ValueError, match="needs fused_lora=True"):
+        fastgrpo.patch_model(tiny_lora_model(), fp8_base=True, fused_lora=False)
+

@@ -129,7 +129,7 @@ def patch_model(
     if mlp_chunk_tokens is not None:
         check_positive_int("mlp_chunk_tokens", mlp_chunk_tokens)
     check_choice("lora_dtype", lora_dtype, LORA_DTYPES)
-    if fp8_base and not (fused_lora and lora_dtype == "input"):
+    if fp8_base and not (fused_lora and lora_dtype == "input") and _has_lora_layers(hf_model):
         raise ValueError(f"fp8_base: runs in fastgrpo's LoRA forward, which needs fused_lora=True and "
                          f"lora_dtype='input'; got fused_lora={fused_lora}, lora_dtype={lora_dtype!r}")
     check_offload_options(offload_activations, recompute_layers)
@@ -289,6 +289,12 @@ def _check_fp8_bases(model: nn.Module, layers: list[nn.Module], lora_classes: di
                          "forward would be PEFT's, the base in bf16); use LoraConfig(lora_dropout=0)")
     check_fp8_device(linears[0].weight.device)
     return set()
+
+
+def _has_lora_layers(model: nn.Module) -> bool:
+    """Whether PEFT's LoRA layers are in `model` (whatever fused_lora says): fp8_base then acts on their bases only."""
+    lora_classes = loaded_lora_classes()
+    return any(type(m) in lora_classes for m in model.modules())
 
 
 def _modules(model: nn.Module) -> list[tuple[str, type]]:
