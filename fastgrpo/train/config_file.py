@@ -13,6 +13,8 @@ from pathlib import Path
 from fastgrpo._checks import check_known_fields
 from fastgrpo.train.base_fingerprint import FINGERPRINT_KEY, recorded_fingerprint
 from fastgrpo.train.coercion import coerced
+from fastgrpo.train.dataset_fingerprint import FINGERPRINT_KEY as DATASET_FINGERPRINT_KEY
+from fastgrpo.train.dataset_fingerprint import recorded_fingerprint as recorded_dataset_fingerprint
 from fastgrpo.train.command_fields import unknown_key_notes
 from fastgrpo.train.naming import setting
 from fastgrpo.train.setting_sources import SettingSources, from_file
@@ -30,7 +32,8 @@ INVOCATION_FIELDS = ("resume", "resume_allow_changes", "overwrite_output_dir")
 # the dtype the model loaded in where the record was written (dtype "auto" resolved there: a GPU run's bfloat16), so
 # that `fastgrpo export` on a CPU writes what the run's final/ holds; beside the fields, no setting of its own
 DTYPE_KEY = "resolved_dtype"
-RECORD_KEYS = (FINGERPRINT_KEY, DTYPE_KEY)  # a record's keys that are no fields: left out when it is read back
+# a record's keys that are no fields: left out when it is read back
+RECORD_KEYS = (FINGERPRINT_KEY, DATASET_FINGERPRINT_KEY, DTYPE_KEY)
 RUN_RECORD = "run_config.json"  # the name of a run's record (fastgrpo.train.checkpoint.CONFIG_FILE is this one)
 
 
@@ -79,7 +82,8 @@ class ConfigFile:
         names the file the run read wherever it is read later, and output_dir absolute (the run's folder, for a
         resume from elsewhere); no INVOCATION_FIELDS. A local model folder's
         fingerprint is added (FINGERPRINT_KEY: base_fingerprint.recorded_fingerprint), which a resume and eval
-        --checkpoint check the base against, and the dtype the model loads in here (DTYPE_KEY)."""
+        --checkpoint check the base against, a local dataset's (DATASET_FINGERPRINT_KEY: dataset_fingerprint), which
+        a resume warns of where it changed, and the dtype the model loads in here (DTYPE_KEY)."""
         data = {k: v for k, v in dataclasses.asdict(self).items() if k not in INVOCATION_FIELDS}
         for name in INPUT_PATH_FIELDS:
             if isinstance(data.get(name), str) and os.path.exists(data[name]):
@@ -91,8 +95,11 @@ class ConfigFile:
                 data[name] = [recorded_function(spec, name) for spec in data[name]]
         if isinstance(data.get("dtype"), str) and isinstance(data.get("device"), str):
             data[DTYPE_KEY] = resolved_dtype(data["dtype"], data["device"])
-        recorded = recorded_fingerprint(self)
-        return data if recorded is None else {**data, FINGERPRINT_KEY: recorded}
+        for key, recorded in ((FINGERPRINT_KEY, recorded_fingerprint(self)),
+                              (DATASET_FINGERPRINT_KEY, recorded_dataset_fingerprint(self))):
+            if recorded is not None:
+                data[key] = recorded
+        return data
 
 
 def check_relative_paths(settings: dict, flags: dict, path: str | Path | None) -> None:

@@ -8,14 +8,18 @@ from pathlib import Path
 
 from fastgrpo.train.checkpoint import UNEVALUATED
 from fastgrpo.train.config import check_resume
+from fastgrpo.train.dataset_fingerprint import warn_changed_datasets
 from fastgrpo.train.final_export import export_due
+from fastgrpo.train.ranks import is_main_process
 
 
 def check_resumed_checkpoint(state: dict, config, checkpoint: Path, last: int, evaluates: bool) -> None:
     """check_resume of `checkpoint` (its state, read), the base model's files checked only where resuming it has
-    work left (has_work_left)."""
+    work left (has_work_left), which is told too where the dataset's file changed since (warn_changed_datasets)."""
     work_left = has_work_left(state, config, checkpoint.parent, last, evaluates)
     check_resume(state.get("config", {}), config, checkpoint.name, base=work_left)
+    if work_left and is_main_process():  # every process reads the same file: rank 0 says so
+        warn_changed_datasets(state.get("config", {}), config, checkpoint.name)
 
 
 def has_work_left(state: dict, config, output_dir: str | Path, last: int, evaluates: bool) -> bool:
