@@ -110,3 +110,25 @@ def test_a_resume_after_the_eval_dataset_was_edited_warns(tmp_path, capsys):
     err = capsys.readouterr().err
     assert _warnings(err) == [f"fastgrpo train: warning: eval_dataset: {held_out} changed since checkpoint-1 was "
                               "written (its contents differ); the resumed evaluations read the new rows"], err
+
+
+def test_a_file_past_the_whole_hash_size_is_sampled(tmp_path, monkeypatch):
+    """A large corpus is not read whole once more at each run's start: past _WHOLE_UP_TO bytes a file's size and
+    _SAMPLES windows are hashed, which see a change of size or in a window, not an edit between windows."""
+    from fastgrpo.train import dataset_fingerprint as fp
+
+    monkeypatch.setattr(fp, "_CHUNK", 16)
+    monkeypatch.setattr(fp, "_WHOLE_UP_TO", 1000)
+    monkeypatch.setattr(fp, "_SAMPLES", 4)  # 16-byte windows at 0, 333, 666 and 1000 of 1016 bytes
+    data = tmp_path / "big.jsonl"
+    data.write_bytes(bytes(1000 + 16))
+    first = fp.fingerprint(str(data))
+    edited = bytearray(bytes(1016))
+    edited[100] = 1  # between windows
+    data.write_bytes(bytes(edited))
+    assert fp.fingerprint(str(data)) == first
+    edited[340] = 1  # in the second window
+    data.write_bytes(bytes(edited))
+    assert fp.fingerprint(str(data)) != first
+    data.write_bytes(bytes(1017))  # another size
+    assert fp.fingerprint(str(data)) != first

@@ -7,7 +7,9 @@ What is hashed: the bytes of the file, or of every file in the folder (a folder 
 wrote), not the rows read: the record is written from the config, which holds no rows; the bytes cover every column
 (the answers rewards read as well as the prompts) in every format alike; and hashing costs one more read of what the
 loader reads whole anyway. Reformatting a file without changing a row is said too. A Hub dataset has none: its rows
-are the revision datasets' cache holds, which this record cannot see.
+are the revision datasets' cache holds, which this record cannot see. A file over _WHOLE_UP_TO bytes is sampled
+instead (its size and _SAMPLES windows spread over it), so that a run over a large corpus does not start by reading
+all of it once more: an edit that keeps such a file's size and falls between the windows is not seen.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 FINGERPRINT_KEY = "dataset_fingerprint"  # in a run's record: {field: hash} of each local dataset the run read
 _CHUNK = 1 << 20
+_WHOLE_UP_TO = 256 << 20  # bytes of a file hashed whole; a larger one is sampled
+_SAMPLES = 64  # windows of _CHUNK bytes sampled from a larger file, its first and last among them
 _READ_BY = {"dataset": "the resumed steps draw from", "eval_dataset": "the resumed evaluations read"}
 
 
@@ -36,10 +40,16 @@ def fingerprint(dataset: str | None) -> str | None:
         return None
     digest = hashlib.blake2b(digest_size=16)
     for name, file in files:
-        digest.update(f"{name}\0{file.stat().st_size}\0".encode())
+        size = file.stat().st_size
+        digest.update(f"{name}\0{size}\0".encode())
         with open(file, "rb") as handle:
-            while chunk := handle.read(_CHUNK):
-                digest.update(chunk)
+            if size <= _WHOLE_UP_TO:
+                while chunk := handle.read(_CHUNK):
+                    digest.update(chunk)
+                continue
+            for i in range(_SAMPLES):
+                handle.seek((size - _CHUNK) * i // (_SAMPLES - 1))
+                digest.update(handle.read(_CHUNK))
     return digest.hexdigest()
 
 
