@@ -157,11 +157,6 @@ def fp8_copies_held():
         _copies_held[0] = held
 
 
-def copies_held() -> bool:
-    """Whether fp8_copies_held is entered."""
-    return _copies_held[0]
-
-
 # Optimizer steps taken since a trained weight's copy was first made (a torch.optim global hook, registered then):
 # part of a trained weight's key, because fused optimizers (torch's fused AdamW, fastgrpo's stochastic-rounding one)
 # write the weights in place without moving their version counters

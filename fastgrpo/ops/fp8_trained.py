@@ -49,8 +49,13 @@ def fp8_linear_forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     # a trained bias alone (BitFit) too: _scaled_mm, which adds it, has no derivative
     if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
         return FP8Linear.apply(x, weight, bias, copy, layer)
+    return _product(x, bias, copy)
+
+
+def _product(x: torch.Tensor, bias: torch.Tensor | None, copy: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    """x [..., in] times the weight's e4m3 copy (q [out, in], scale [out]) + bias -> [..., out]."""
     out = fp8_base_product(x.reshape(-1, x.shape[-1]), *copy, bias, quantized_x=quantized_input(x))
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return out.view(*x.shape[:-1], copy[0].shape[0])
 
 
 class FP8Linear(torch.autograd.Function):
@@ -59,11 +64,10 @@ class FP8Linear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, copy, layer):
-        out = fp8_base_product(x.reshape(-1, x.shape[-1]), *copy, bias, quantized_x=quantized_input(x))
         ctx.save_for_backward(x if ctx.needs_input_grad[1] else None)
         ctx.copy, ctx.layer = copy, layer  # not activations: kept out of saved-tensor hooks
         ctx.x_shape = x.shape
-        return out.view(*x.shape[:-1], weight.shape[0])
+        return _product(x, bias, copy)
 
     @staticmethod
     @once_differentiable
