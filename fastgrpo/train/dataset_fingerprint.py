@@ -64,7 +64,8 @@ def recorded_fingerprint(config) -> dict[str, str] | None:
     names = tuple((field, getattr(config, field, None)) for field in _read_fields(config))
     taken = config.__dict__.get("_dataset_fingerprint")
     if taken is None or taken[0] != names:
-        prints = {field: fingerprint(name) for field, name in names}
+        by_name = {name: fingerprint(name) for name in dict.fromkeys(name for _, name in names)}  # one read a file
+        prints = {field: by_name[name] for field, name in names}
         taken = config.__dict__["_dataset_fingerprint"] = (names, {k: v for k, v in prints.items() if v})
     return taken[1] or None
 
