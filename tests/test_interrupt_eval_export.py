@@ -5,13 +5,13 @@ summary.json only once every batch is done, and an export fills a hidden folder 
 Ctrl-C in the middle leaves neither (nor the previous export's folder changed)."""
 import os
 import signal
-import time
 
 import pytest
 
 from fastgrpo.rollout import BuiltinEngine
 from fastgrpo.train import default_task, final_export
 from fastgrpo.train.cli import main
+from tests.test_newcomer_cli import ctrl_c_swallowed
 
 QUIET = ["--no-progress-bar", "--logging-steps", "0"]
 EVAL = ["--max-examples", "8", "--batch-size", "2"]  # 4 batches: a stop in the second skips two
@@ -23,15 +23,6 @@ def run(tmp_path_factory):
     folder = tmp_path_factory.mktemp("run") / "run"
     assert main(["train", "--max-steps", "2", "--save-steps", "1", "--output-dir", str(folder), *QUIET]) == 0
     return folder
-
-
-def _ctrl_c_swallowed():
-    """A Ctrl-C that a library catches (torch's import of numpy does; so does a reward function's bare except)."""
-    try:
-        os.kill(os.getpid(), signal.SIGINT)
-        time.sleep(5)
-    except KeyboardInterrupt:
-        pass
 
 
 def _command(name, run, out):
@@ -52,7 +43,7 @@ def test_a_ctrl_c_swallowed_as_the_model_loads_stops_in_one_line(run, tmp_path, 
     build = default_task.build_model
 
     def build_model(*args, **kwargs):
-        _ctrl_c_swallowed()
+        ctrl_c_swallowed()
         if after == "fails":
             raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
         if after == "fails with an OSError":

@@ -101,8 +101,9 @@ def test_a_second_ctrl_c_before_the_first_checkpoint_says_how_to_start_afresh(tm
     assert main(command.split()[1:]) == 0  # the command it names runs
 
 
-def _ctrl_c_swallowed():
-    """A Ctrl-C that a library catches (torch's import of numpy does; seen: the run went on to its last step)."""
+def ctrl_c_swallowed():
+    """A Ctrl-C that a library catches (torch's import of numpy does; seen: the run went on to its last step; so does
+    a reward function's bare except)."""
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
@@ -118,7 +119,7 @@ def test_a_ctrl_c_as_the_command_starts_stops_it_in_one_line(tmp_path, capsys, m
     build = default_task.build_model
 
     def build_model(*args, **kwargs):
-        _ctrl_c_swallowed()
+        ctrl_c_swallowed()
         if after == "fails":
             raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
         return build(*args, **kwargs)
@@ -140,7 +141,7 @@ def test_a_ctrl_c_a_library_swallowed_as_the_cli_imports_is_one_line(monkeypatch
     import fastgrpo.train.cli as cli
 
     def run():
-        _ctrl_c_swallowed()
+        ctrl_c_swallowed()
         raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
 
     monkeypatch.setattr(cli, "main", run)
