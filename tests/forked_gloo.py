@@ -8,6 +8,7 @@ import io
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,20 +31,23 @@ def run_forked(worker, tmp_path: Path, *args, deadline_s: float, group_timeout_s
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
 
-    context = mp.start_processes(_joined, args=(worker, str(tmp_path), group_timeout_s, *args), nprocs=WORLD,
-                                 start_method="fork", join=False)
-    deadline = time.monotonic() + deadline_s
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail(f"the processes still ran after {deadline_s} s: one waits for the other")
+    # A store file of its own: gloo's file store is not always deleted when a group ends (a race between the ranks'
+    # cleanups), and a later group reading the earlier one's addresses fails with "Connection refused".
+    with tempfile.TemporaryDirectory(prefix="gloo-store-") as store:
+        context = mp.start_processes(_joined, args=(worker, str(tmp_path), f"{store}/store", group_timeout_s, *args),
+                                     nprocs=WORLD, start_method="fork", join=False)
+        deadline = time.monotonic() + deadline_s
+        while not context.join(timeout=1):
+            if time.monotonic() > deadline:
+                for process in context.processes:
+                    process.kill()
+                pytest.fail(f"the processes still ran after {deadline_s} s: one waits for the other")
     return [torch.load(tmp_path / f"rank-{rank}.pt", weights_only=False) for rank in range(WORLD)]
 
 
-def _joined(rank: int, worker, tmp: str, group_timeout_s: float, *args) -> None:
+def _joined(rank: int, worker, tmp: str, store: str, group_timeout_s: float, *args) -> None:
     torch.set_num_threads(1)  # 2 processes on a 2-core CI machine; and no OpenMP pool inherited through fork
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=WORLD,
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
         torch.save(worker(rank, Path(tmp), *args), Path(tmp, f"rank-{rank}.pt"))
