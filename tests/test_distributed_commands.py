@@ -77,9 +77,11 @@ def test_a_refusal_or_failure_prints_once_by_rank_0(tmp_path):
     found = _run(cli, tmp_path, runs)
     assert found[0]["exits"] == found[1]["exits"] == [2, 2, 1]
     lines = found[0]["stderr"].splitlines()
-    assert [line.split(": ")[2] for line in lines] == ["batch_size", "output_dir", "(on process 1) reward function "
-                                                       "fails_on_rank_1 raised RuntimeError"], lines
-    assert "error" not in found[1]["stderr"], found[1]["stderr"]
+    started = [line for line in lines if line.startswith("fastgrpo train: training ")]  # the third run's start
+    assert len(started) == 1 and " on cpu x 2 processes: " in started[0], lines
+    assert [line.split(": ")[2] for line in lines if line not in started] == [
+        "batch_size", "output_dir", "(on process 1) reward function fails_on_rank_1 raised RuntimeError"], lines
+    assert "error" not in found[1]["stderr"] and "training" not in found[1]["stderr"], found[1]["stderr"]
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

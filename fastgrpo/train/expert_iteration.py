@@ -51,6 +51,7 @@ from fastgrpo.train.periodic_eval import ei_evaluator
 from fastgrpo.train.sft import SFTTrainer
 from fastgrpo.train.sft import check_process_split as check_sft_split
 from fastgrpo.train.sft_data import SFTExample
+from fastgrpo.train.start_line import log_start, steps
 from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import (add_logged_metrics, metric_names, per_function_metrics, refuse_taken,
                                          trainer_state)
@@ -299,6 +300,11 @@ class ExpertIteration:
             stack.callback(console.close)
             self._guard = guard = stack.enter_context(InterruptGuard(unit="round", deferred=dist.active))
             stack.callback(setattr, self, "_guard", None)
+            if dist.is_main and self.round < config.ei_steps:
+                log_start("expert iteration on", self.model, next(self.model.parameters()).device, dist.world_size,
+                          f"{steps(self.round + 1, config.ei_steps, 'round')}, {config.questions_per_step} "
+                          f"questions x {config.num_generations} completions a round (up to {config.max_completion_length} "
+                          f"tokens), then SFT on those rewarded >= {config.correct_threshold:g}")
             started = self.round if config.resume else None
             if self._unevaluated is not None:  # evaluated now, then saved again without them
                 metrics, self._unevaluated = self._unevaluated, None

@@ -43,6 +43,7 @@ from fastgrpo.train.sft_data import (
     SFTExample, collate, padded_tokens, process_share, step_micro_batches, steps_per_epoch, tokenize_rows,
 )
 from fastgrpo.train.optim import adamw_with_schedule
+from fastgrpo.train.start_line import log_start, steps
 from fastgrpo.train.step_end import end_step
 
 logger = logging.getLogger(__name__)
@@ -249,6 +250,10 @@ class SFTTrainer:
             stack.callback(console.close)
             # every part of an SFT step is the update: it finishes; several processes stop together after it
             guard = stack.enter_context(InterruptGuard(deferred=dist.active))
+            if dist.is_main and self.step < self.total_steps:
+                log_start("fine-tuning", self.model, self.device, dist.world_size,
+                          f"{steps(self.step + 1, self.total_steps)}, {config.batch_size} rows a step (up to "
+                          f"{config.max_seq_length} tokens)")
             started, first = self.step, len(self.history)
             try:
                 self._run_steps(log, console, guard)

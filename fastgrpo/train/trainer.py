@@ -46,6 +46,7 @@ from fastgrpo.train.options import (
 )
 from fastgrpo.train.periodic_eval import grpo_evaluator
 from fastgrpo.train.rollout_setup import rollout_batch, rollout_engine
+from fastgrpo.train.start_line import log_start, steps
 from fastgrpo.train.step_end import end_step
 from fastgrpo.train.step_rewards import add_logged_metrics, metric_names, per_function_metrics, score_groups
 
@@ -293,6 +294,11 @@ class GRPOTrainer:
             stack.callback(console.close)
             self._guard = stack.enter_context(InterruptGuard(deferred=self.dist.active))
             stack.callback(setattr, self, "_guard", None)
+            if self.dist.is_main and self.step < config.max_steps:
+                G = config.num_generations
+                log_start("training", self.model, self.device, self.dist.world_size,
+                          f"{steps(self.step + 1, config.max_steps)}, {config.batch_size} completions a step "
+                          f"({config.batch_size // G} prompts x {G}, up to {config.max_completion_length} tokens)")
             try:
                 self._run_steps(console)
             except Interrupted as stop:
