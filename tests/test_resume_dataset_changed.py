@@ -132,3 +132,23 @@ def test_a_file_past_the_whole_hash_size_is_sampled(tmp_path, monkeypatch):
     assert fp.fingerprint(str(data)) != first
     data.write_bytes(bytes(1017))  # another size
     assert fp.fingerprint(str(data)) != first
+
+
+@pytest.mark.parametrize("command", ["train", "sft"])
+def test_a_dataset_moved_with_its_bytes_resumes_and_one_also_edited_is_a_changed_setting(tmp_path, command, capsys):
+    """A run copied to another machine or folder, its data under another path: the same bytes are the same rows, so
+    the resume goes on (it was refused as a changed --dataset, unless --resume-allow-changes); moved and edited, it
+    is still the changed setting it was."""
+    data, run = _data(tmp_path, command), tmp_path / "run"
+    common = [*(TRAIN if command == "train" else SFT), "--output-dir", str(run)]
+    assert main([*common, "--dataset", str(data), "--max-steps", "1"]) == 0
+    moved = data.rename(tmp_path / "elsewhere.jsonl")
+    capsys.readouterr()
+    assert main([*common, "--dataset", str(moved), "--max-steps", "2", "--resume"]) == 0
+    err = capsys.readouterr().err
+    assert "changed settings" not in err and _warnings(err) == [], err
+    _edit(moved)
+    again = moved.rename(tmp_path / "third.jsonl")
+    assert main([*common, "--dataset", str(again), "--max-steps", "3", "--resume"]) == 2
+    err = capsys.readouterr().err
+    assert f"other settings: dataset: '{moved}' in the checkpoint, '{again}' now; " in err, err

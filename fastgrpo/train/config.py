@@ -16,6 +16,8 @@ from fastgrpo.rollout.sampling import SamplingParams
 from fastgrpo.train.base_fingerprint import base_change, same_base
 from fastgrpo.train.coercion import coerce_fields
 from fastgrpo.train.config_file import INPUT_PATH_FIELDS, REWARD_FUNCTION_FIELDS, ConfigFile
+from fastgrpo.train.dataset_fingerprint import FINGERPRINT_KEY as DATASET_FINGERPRINT_KEY
+from fastgrpo.train.dataset_fingerprint import recorded_fingerprint as recorded_dataset_fingerprint
 from fastgrpo.train.input_checks import (
     check_adamw_options, check_at_least, check_eval_split, check_lora_options, check_reward_names,
     check_reward_weights, check_save_minutes, greedy_copies,
@@ -366,7 +368,8 @@ def config_changes(saved: dict, config) -> list[str]:
         default = field.default_factory() if field.default_factory is not dataclasses.MISSING else field.default
         before, now = saved.get(field.name, default), getattr(config, field.name)
         if _plain(before) != _plain(now) and not _same_local_path(field.name, before, now) \
-                and not _same_reward_files(field.name, before, now) and not _same_model(field.name, saved, now):
+                and not _same_reward_files(field.name, before, now) and not _same_model(field.name, saved, now) \
+                and not _same_dataset(field.name, saved, config):
             changes.append(f"{field.name}: {before!r} in the checkpoint, {now!r} now")
     return changes
 
@@ -374,6 +377,12 @@ def config_changes(saved: dict, config) -> list[str]:
 def _same_model(name: str, saved: dict, now) -> bool:
     """The very base model the checkpoint's run recorded (its fingerprint), at another path: moved or copied."""
     return name == "model" and same_base(saved, now)
+
+
+def _same_dataset(name: str, saved: dict, config) -> bool:
+    """The very bytes the checkpoint's run read (their recorded fingerprint), at another path: moved or copied."""
+    recorded = (saved.get(DATASET_FINGERPRINT_KEY) or {}).get(name)
+    return recorded is not None and (recorded_dataset_fingerprint(config) or {}).get(name) == recorded
 
 
 def _same_local_path(name: str, before, now) -> bool:

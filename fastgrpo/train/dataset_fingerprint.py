@@ -26,13 +26,13 @@ _READ_BY = {"dataset": "the resumed steps draw from", "eval_dataset": "the resum
 
 
 def fingerprint(dataset: str | None) -> str | None:
-    """A hash of the bytes of the local file or folder `dataset` (a folder's files by relative name, hidden ones left
-    out); None for a Hub name or no dataset (the built-in rows)."""
+    """A hash of the bytes of the local file or folder `dataset` (a file with its suffix, the format it is read as;
+    a folder's files by relative name, hidden ones left out); None for a Hub name or no dataset (the built-in rows)."""
     if dataset is None:
         return None
     path = Path(dataset).expanduser()
-    if path.is_file():
-        files = [(path.name, path)]
+    if path.is_file():  # its suffix, not its name: the same rows moved or copied under another name are the same
+        files = [(path.suffix, path)]
     elif path.is_dir():
         files = sorted((p.relative_to(path).as_posix(), p) for p in path.rglob("*")
                        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts))
@@ -73,7 +73,7 @@ def recorded_fingerprint(config) -> dict[str, str] | None:
 def warn_changed_datasets(saved: dict, config, checkpoint: str) -> None:
     """A warning line for each dataset whose recorded fingerprint (the checkpoint's run config `saved`) differs from
     the same file's now. Silent for a record without fingerprints (written before them), a Hub dataset, and a field
-    naming another file now (a change of setting, which check_resume says)."""
+    naming another file now (check_resume's: the same bytes moved are no change, others a changed setting)."""
     recorded = saved.get(FINGERPRINT_KEY) or {}
     now = recorded_fingerprint(config) or {}
     for field, before in recorded.items():
