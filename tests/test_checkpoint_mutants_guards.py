@@ -22,7 +22,7 @@ def test_every_file_and_the_folder_are_fsynced_before_the_rename_that_publishes_
     files (or a subfolder without its entries), which the resume takes as the newest: each file and folder is
     fsynced first, then the rename."""
     events, real_replace = [], os.replace
-    monkeypatch.setattr(atomic_folder, "_fsync", lambda path: events.append(("fsync", path.name)))
+    monkeypatch.setattr(atomic_folder, "fsync_path", lambda path: events.append(("fsync", path.name)))
     monkeypatch.setattr(atomic_folder.os, "replace", lambda src, dst: (events.append(("rename", dst.name)),
                                                                        real_replace(src, dst)))
     target = tmp_path / "checkpoint-3"

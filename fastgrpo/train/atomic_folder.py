@@ -16,6 +16,7 @@ import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
+from fastgrpo.train.interrupts import stop_if_interrupted
 from fastgrpo.train.naming import setting
 
 logger = logging.getLogger(__name__)
@@ -24,9 +25,10 @@ _NEARLY_FULL = 2**20  # bytes free on a disk where a write failed: it failed for
 
 @contextlib.contextmanager
 def atomic_directory(path: str | Path) -> Iterator[Path]:
-    """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error it is fsynced
-    and renamed to `path` (replacing a previous one), so readers see the whole folder or the old one. A write that
-    fails as the disk fills up is an OSError saying so (_raise_if_disk_full)."""
+    """Yield a hidden temporary sibling of `path` to fill; once the block ends without an error (or an interrupt a
+    library swallowed: stop_if_interrupted) it is fsynced and renamed to `path` (replacing a previous one), so readers
+    see the whole folder or the old one. A write that fails as the disk fills up is an OSError saying so
+    (_raise_if_disk_full)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -38,10 +40,13 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
         except Exception as err:
             _raise_if_disk_full(path, err)
             raise
+        # a Ctrl-C (or `fastgrpo export`'s SIGTERM) that a library swallowed as the folder was filled: not put in
+        # place, as one it let through would not be
+        stop_if_interrupted()
         for entry in tmp.rglob("*"):  # a subfolder too (an FSDP2 run's shards/): its entries name its files
             if entry.is_file() or entry.is_dir():
-                _fsync(entry)
-        _fsync(tmp)
+                fsync_path(entry)
+        fsync_path(tmp)
         if path.exists():
             # Two renames, not rmtree first: the old folder stays whole until the new one is in place.
             old = path.with_name(f".{path.name}.old-{os.getpid()}")
@@ -55,7 +60,7 @@ def atomic_directory(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(old)
         else:
             os.replace(tmp, path)
-        _fsync(path.parent)
+        fsync_path(path.parent)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -119,7 +124,9 @@ def delete_folder(path: Path) -> None:
     shutil.rmtree(hidden)
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
+    """Flush a file's data, or a folder's entries, to the disk: after a power loss a name renamed over it afterwards
+    holds it, not an empty file."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

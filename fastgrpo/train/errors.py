@@ -4,6 +4,7 @@
   a run stopped by what it met (RunError, e.g. a failing reward; OSError: disk full)  one line, exit 1
   another process of a torchrun launch ended mid-run (fastgrpo.train.lost_process)    one line, exit 1
   SIGINT / SIGTERM (fastgrpo.train.interrupts.Interrupted, after its checkpoint)      one line, exit 128 + signal
+  SIGINT before a run loop takes it (eval, export: none); SIGTERM in eval / export    one line, exit 130 / 143
   anything else is a bug                                                              the traceback, exit 1
 `--debug` shows the traceback of every error instead of the line.
 
@@ -18,7 +19,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from fastgrpo.train.interrupts import Interrupted
+from fastgrpo.train.interrupts import Interrupted, Terminated
 from fastgrpo.train.lost_process import ProcessLost, lost_process_line
 from fastgrpo.train.naming import command_line
 from fastgrpo.train.ranks import is_main_process, reported_by_rank_0
@@ -98,11 +99,12 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
         if stop.step is None or is_main_process():  # at a step: where every process agreed to stop; rank 0 says it
             print(f"{prog}: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
-    except KeyboardInterrupt:  # before the run loop took over the signals (while loading, say)
+    except KeyboardInterrupt as stop:  # before the run loop took over the signals (while loading, say)
         if debug:
             raise
-        print(f"{prog}: interrupted", file=sys.stderr, flush=True)
-        return 130
+        terminated = isinstance(stop, Terminated)  # SIGTERM, in a command without a run loop: sigterm_as_ctrl_c
+        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr, flush=True)
+        return Terminated.exit_code if terminated else 130
     except ValueError as err:
         if debug:
             raise

@@ -31,6 +31,7 @@ from fastgrpo.rewards.reward_logs import RewardLogs, TakenNames, merged_means
 from fastgrpo.rewards.scoring import RewardError, nan_mean, reward_names, score, traceback_of, warn_unscored
 from fastgrpo.rollout import RolloutEngine, SamplingParams
 from fastgrpo.rollout.base import accepts_prompt_keys
+from fastgrpo.train.atomic_folder import fsync_path
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.interrupts import stop_if_interrupted
@@ -316,15 +317,30 @@ def pass_at_k(records: list[dict]) -> dict:
 
 def write_eval(records: list[dict], summary: dict, examples_path: str | Path, summary_path: str | Path) -> None:
     """One JSON line per completion to examples_path; the summary as a JSON object to summary_path. Both are written
-    in full beside their names, then renamed over them, the summary last and a previous summary deleted before the
-    results change: a kill leaves the previous files as they were, or the results without a summary, never cut-off
-    results, nor one evaluation's results beside another's summary."""
+    in full beside their names and fsynced, then renamed over them, the summary last and a previous summary deleted
+    before the results change: a kill leaves the previous files as they were, or the results without a summary, never
+    cut-off results, nor one evaluation's results beside another's summary; a power loss once it returned, the new
+    files. A Ctrl-C (or SIGTERM) as they are written deletes the partial writes beside them."""
     examples_path, summary_path = Path(examples_path), Path(summary_path)
-    examples = write_beside(examples_path, "".join(json.dumps(r) + "\n" for r in records))
-    summarized = write_beside(summary_path, json.dumps(summary, indent=2) + "\n")
-    summary_path.unlink(missing_ok=True)
-    os.replace(examples, examples_path)
-    os.replace(summarized, summary_path)
+    texts = {examples_path: "".join(json.dumps(r) + "\n" for r in records),
+             summary_path: json.dumps(summary, indent=2) + "\n"}
+    try:
+        for path, text in texts.items():
+            write_beside(path, text)
+            fsync_path(_beside(path))
+        summary_path.unlink(missing_ok=True)
+        for path in texts:
+            os.replace(_beside(path), path)
+    finally:
+        for path in texts:  # an interrupt's: what was written (or began to be) before it
+            _beside(path).unlink(missing_ok=True)
+    for folder in {path.parent for path in texts}:  # the renames
+        fsync_path(folder)
+
+
+def _beside(path: Path) -> Path:
+    """The hidden file write_beside writes before it is renamed over `path`."""
+    return path.with_name(f".{path.name}.tmp")
 
 
 def log_generations(records: list[dict], count: int, title: str) -> None:

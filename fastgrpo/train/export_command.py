@@ -31,6 +31,13 @@ _REQUIRED = {"checkpoint": "a run's checkpoint-<step>/ folder or its output_dir"
 
 
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
+
+    with sigterm_as_ctrl_c():  # a scheduler's SIGTERM leaves no partial folder, as a Ctrl-C does
+        return _export(args)
+
+
+def _export(args: argparse.Namespace) -> int:
     from fastgrpo.train.final_export import export_model
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.interrupts import stop_if_interrupted

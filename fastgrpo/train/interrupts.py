@@ -85,7 +85,15 @@ class Interrupted(KeyboardInterrupt):
                 f"checkpoint with {self.how_to_resume}")
 
 
-_STARTING: list[int] = []  # the SIGINTs starting_signals took
+class Terminated(KeyboardInterrupt):
+    """SIGTERM in a command without a run loop (sigterm_as_ctrl_c): it stops as a Ctrl-C does; `fastgrpo` prints one
+    line and exits 143."""
+
+    signum = signal.SIGTERM
+    exit_code = 128 + signal.SIGTERM
+
+
+_STARTING: list[int] = []  # the signals starting_signals and sigterm_as_ctrl_c took
 
 
 @contextlib.contextmanager
@@ -118,12 +126,47 @@ def interrupted_while_starting() -> bool:
 
 
 def stop_if_interrupted() -> None:
-    """Raise KeyboardInterrupt where starting_signals took a SIGINT that a library swallowed. `fastgrpo eval` and
-    `fastgrpo export` have no run loop to take the signals over: starting_signals keeps them to the command's end, and
-    they call this where their work begins (after the model's load: before export writes) and after each of eval's
-    batches."""
+    """Raise KeyboardInterrupt (Terminated for a SIGTERM) where starting_signals or sigterm_as_ctrl_c took a signal
+    that a library swallowed. `fastgrpo eval` and `fastgrpo export` have no run loop to take the signals over:
+    starting_signals keeps them to the command's end, and they call this where their work begins (after the model's
+    load), after each of eval's batches, and before a folder atomic_directory filled is renamed into place."""
+    if signal.SIGTERM in _STARTING:
+        raise Terminated
     if _STARTING:
         raise KeyboardInterrupt
+
+
+@contextlib.contextmanager
+def sigterm_as_ctrl_c():
+    """For a command without a run loop (`fastgrpo eval`, `fastgrpo export`): SIGTERM (a cluster scheduler's,
+    `timeout`'s, `docker stop`'s, torchrun's) stops it as a Ctrl-C does, raising Terminated where it lands, so that its
+    cleanups run (the output folder's lock, the hidden partial writes beside its results or export), instead of Python's
+    default: killed at once, with no line, leaving them. Noted as starting_signals notes a SIGINT: one a library
+    swallowed stops the command at stop_if_interrupted, and an error it left in its place ends as the Terminated. One
+    that comes after another process of a torchrun launch ended stops this one with fastgrpo.train.lost_process's
+    line, as InterruptGuard does. Left alone outside the main thread and where SIGTERM is not Python's default (a
+    caller's own handler, a run loop's InterruptGuard)."""
+    main_thread = threading.current_thread() is threading.main_thread()
+    if not main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+        yield
+        return
+
+    def note(signum, frame):
+        if another_process_ended():
+            raise ProcessLost(signal.Signals(signum).name)
+        _STARTING.append(signum)
+        raise Terminated
+
+    signal.signal(signal.SIGTERM, note)
+    try:
+        yield
+    except Exception as err:  # e.g. transformers' ModuleNotFoundError for a lazy import the signal cut
+        if signal.SIGTERM in _STARTING:
+            raise Terminated from err
+        raise
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        _STARTING[:] = [signum for signum in _STARTING if signum != signal.SIGTERM]  # starting_signals' stay
 
 
 class InterruptGuard:
