@@ -20,7 +20,6 @@ from tests.test_interrupt_eval_export import EVAL, QUIET, _entries, _files
 from tests.test_newcomer_cli import ctrl_c_swallowed
 
 REPO = Path(__file__).resolve().parents[1]
-TERMINATED = -signal.SIGTERM  # a child that Python's default SIGTERM handling killed
 CHILD_TIMEOUT_S = 120
 # run_eval (fastgrpo/train/commands.py, not this change's to edit) runs outside sigterm_as_ctrl_c until its body is
 # put under it, as run_export's is

@@ -320,7 +320,7 @@ def write_eval(records: list[dict], summary: dict, examples_path: str | Path, su
     in full beside their names and fsynced, then renamed over them, the summary last and a previous summary deleted
     before the results change: a kill leaves the previous files as they were, or the results without a summary, never
     cut-off results, nor one evaluation's results beside another's summary; a power loss once it returned, the new
-    files. A Ctrl-C (or SIGTERM) as they are written deletes the partial writes beside them."""
+    files. An error or an interrupt as they are written deletes the partial writes beside them."""
     examples_path, summary_path = Path(examples_path), Path(summary_path)
     texts = {examples_path: "".join(json.dumps(r) + "\n" for r in records),
              summary_path: json.dumps(summary, indent=2) + "\n"}
