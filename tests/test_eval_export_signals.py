@@ -95,6 +95,16 @@ def test_sigterm_as_export_loads_the_model_writes_nothing(run, tmp_path, swallow
     assert _entries(tmp_path) == []
 
 
+def test_sigterm_under_debug_shows_the_traceback_and_still_exits_143(run, tmp_path):
+    """--debug shows the traceback instead of the line; raised on, the Terminated (a KeyboardInterrupt) ended the
+    process with exit 1, which a scheduler reads as a failure, not as its own stop."""
+    done = _child(["export", "--checkpoint", str(run), "--output-dir", str(tmp_path / "export"), "--debug"],
+                  _signal_in("default_task", "build_model"))
+    assert done.returncode == 143, done.stderr
+    assert "Traceback" in done.stderr and done.stderr.strip().endswith("Terminated"), done.stderr
+    assert _entries(tmp_path) == []
+
+
 @pytest.mark.parametrize("into", ["a new folder", "a previous export"])
 def test_a_ctrl_c_swallowed_as_export_writes_puts_nothing_in_place(run, tmp_path, capsys, monkeypatch, into):
     """As a Ctrl-C that reaches Python there (test_interrupt_eval_export), and as eval, which checks for one after

@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import traceback
 from collections.abc import Callable
 
 from fastgrpo.train.interrupts import Interrupted, Terminated
@@ -100,10 +101,13 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
             print(f"{prog}: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except KeyboardInterrupt as stop:  # before the run loop took over the signals (while loading, say)
-        if debug:
-            raise
         terminated = isinstance(stop, Terminated)  # SIGTERM, in a command without a run loop: sigterm_as_ctrl_c
-        print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr, flush=True)
+        if debug and not terminated:
+            raise
+        if debug:  # raised on, it would end the process with exit 1 (a Ctrl-C's ends as SIGINT: 130)
+            traceback.print_exc()
+        else:
+            print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr, flush=True)
         return Terminated.exit_code if terminated else 130
     except ValueError as err:
         if debug:
