@@ -6,7 +6,8 @@ The checkpoint loads as `fastgrpo eval --checkpoint` loads it: over the base mod
 model's new path), with the run's LoRA settings and seed, in the run's dtype unless --dtype. The output folder is
 checked as a run's is (never inside a run's checkpoint-<step>/ or final/; a file or broken symlink there is one line),
 must be new or empty, or (--overwrite-output-dir) hold another export's files only, and is written whole or not at
-all (atomic_directory).
+all (atomic_directory). A Ctrl-C or SIGTERM (sigterm_as_ctrl_c) stops it with one line, exit 130 / 143, and nothing
+new in place, one that a library swallowed too.
 """
 from __future__ import annotations
 
