@@ -21,9 +21,6 @@ from tests.test_newcomer_cli import ctrl_c_swallowed
 
 REPO = Path(__file__).resolve().parents[1]
 CHILD_TIMEOUT_S = 120
-# run_eval (fastgrpo/train/commands.py, not this change's to edit) runs outside sigterm_as_ctrl_c until its body is
-# put under it, as run_export's is
-EVAL_UNDER_SIGTERM = pytest.mark.xfail(strict=True, reason="run_eval's body is not under sigterm_as_ctrl_c yet")
 # Python run in the child before the CLI: `fastgrpo.train.<module>.<name>` wrapped to send the child a signal once
 SIGNAL_IN = """
 import importlib, os, signal, time
@@ -138,7 +135,7 @@ def _previous_results(out: Path) -> dict:
     return _files(out)
 
 
-@pytest.mark.parametrize("signum", ["SIGINT", pytest.param("SIGTERM", marks=EVAL_UNDER_SIGTERM)])
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
 def test_a_signal_as_eval_writes_its_results_leaves_the_previous_ones_and_no_partial_write(tmp_path, signum):
     """Landing as results.jsonl's hidden partial write is filled. Before: that partial write (.results.jsonl.tmp) was
     left in the output folder beside the previous results (SIGINT: exit 130; SIGTERM: killed, -15)."""
@@ -151,7 +148,6 @@ def test_a_signal_as_eval_writes_its_results_leaves_the_previous_ones_and_no_par
     assert _files(out) == before  # no .results.jsonl.tmp (nor the lock) beside them
 
 
-@EVAL_UNDER_SIGTERM
 @pytest.mark.parametrize(("into", "swallowed"), [("a new folder", False), ("previous results", False),
                                                  ("previous results", True)])
 def test_sigterm_as_eval_generates_leaves_the_previous_results(tmp_path, into, swallowed):

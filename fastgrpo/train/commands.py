@@ -362,6 +362,13 @@ def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
+
+    with sigterm_as_ctrl_c():  # a scheduler's SIGTERM leaves the previous results and no partial write, as a Ctrl-C
+        return _eval(args)
+
+
+def _eval(args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine
