@@ -8,6 +8,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -492,3 +493,23 @@ def test_a_finished_run_resumed_without_its_export_says_it_exports_it(tmp_path, 
                 f"{left}\n") in err, err
         assert "pass a larger" not in err and json.loads((final / "export.json").read_text())["step"] == 1
         (final / "export.json").write_text(json.dumps({**json.loads((final / "export.json").read_text()), "step": 0}))
+
+
+def test_a_file_written_whole_reaches_the_disk_before_its_rename(tmp_path, monkeypatch):
+    """The metrics log cut back on a resume is renamed over the old one: were its data not flushed first, a power
+    loss could leave metrics.jsonl empty under its name (the run's history gone). Before: no fsync."""
+    from fastgrpo.train import run_dir
+
+    events, real_replace = [], os.replace
+    monkeypatch.setattr(run_dir, "fsync_path", lambda path: events.append(("fsync", path.name, _text_of(path))))
+    monkeypatch.setattr(run_dir.os, "replace", lambda src, dst: (events.append(("rename", Path(dst).name, None)),
+                                                                 real_replace(src, dst)))
+    (tmp_path / "metrics.jsonl").write_text("old\n")
+    run_dir.write_whole(tmp_path / "metrics.jsonl", "new\n")
+    assert events == [("fsync", ".metrics.jsonl.tmp", "new\n"), ("rename", "metrics.jsonl", None),
+                      ("fsync", tmp_path.name, None)], events
+    assert (tmp_path / "metrics.jsonl").read_text() == "new\n"
+
+
+def _text_of(path: Path) -> str | None:
+    return path.read_text() if path.is_file() else None

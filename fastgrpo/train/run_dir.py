@@ -37,7 +37,7 @@ import socket
 from collections.abc import Sequence
 from pathlib import Path
 
-from fastgrpo.train.atomic_folder import finish_replacement
+from fastgrpo.train.atomic_folder import finish_replacement, fsync_path
 from fastgrpo.train.naming import continuing, setting
 
 try:
@@ -438,8 +438,12 @@ def _alive(pid) -> bool:
 
 
 def write_whole(path: Path, text: str) -> None:
-    """`text` into the file `path` (its folder made), whole or not at all: written beside it, then renamed over it."""
-    os.replace(write_beside(path, text), path)
+    """`text` into the file `path` (its folder made), whole or not at all: written beside it and flushed to the disk,
+    then renamed over it (after a power loss the name holds the old text or the new, not an empty file)."""
+    written = write_beside(path, text)
+    fsync_path(written)
+    os.replace(written, path)
+    fsync_path(path.parent)
 
 
 def write_beside(path: Path, text: str) -> Path:
