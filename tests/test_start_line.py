@@ -1,5 +1,5 @@
 """The line train / sft / ei log as their loop starts: the model (its parameters, dtype, what is trained), the device,
-and the steps to run with their batch; none when there is nothing to run."""
+and the steps to run with their batch; none when there is nothing to run. eval's: the model, the examples."""
 import pytest
 import torch
 import torch.distributed as dist
@@ -45,6 +45,16 @@ def test_sft_and_ei_say_theirs(tmp_path, capsys):
     assert main(ei) == 0
     assert _started(capsys.readouterr().err, "fastgrpo ei")[0].endswith(
         ": rounds 1-2, 4 questions x 2 completions a round (up to 2 tokens), then SFT on those rewarded >= 1")
+
+
+def test_eval_says_what_it_evaluates_without_what_is_trained(tmp_path, capsys):
+    argv = ["eval", "--max-examples", "3", "--num-generations", "2", "--max-new-tokens", "4", "--output-dir",
+            str(tmp_path / "eval")]
+    assert main(argv) == 0
+    parameters = count(sum(p.numel() for p in default_task.build_model(default_task.build_tokenizer()).parameters()))
+    assert _started(capsys.readouterr().err, "fastgrpo eval") == [
+        f"fastgrpo eval: evaluating Qwen2ForCausalLM ({parameters} parameters, float32) on cpu: 3 examples x 2 "
+        "completion(s) (up to 4 tokens)"]
 
 
 def test_lora_counts_its_adapters_as_peft_does():

@@ -377,6 +377,7 @@ def _eval(args: argparse.Namespace) -> int:
     from fastgrpo.train.evaluate import evaluate, log_generations, logged_metrics, write_eval
     from fastgrpo.train.interrupts import stop_if_interrupted
     from fastgrpo.train.loading import find_checkpoint, load_dataset, resolve_reward, tokenizer_before_load
+    from fastgrpo.train.start_line import log_start
 
     config = config_from_args("eval", args)
     use_expandable_segments()  # before the first CUDA allocation
@@ -398,6 +399,10 @@ def _eval(args: argparse.Namespace) -> int:
         model, source = dist.raise_together(lambda: _load_eval(config, checkpoint, task, tokenizer))
         _check_one_checkpoint(dist, source)
         stop_if_interrupted()  # a Ctrl-C a library swallowed as the model loaded (evaluate checks after each batch)
+        if dist.is_main:
+            log_start("evaluating", model, next(model.parameters()).device, dist.world_size,
+                      f"{len(task.rows)} examples x {config.num_generations} completion(s) (up to "
+                      f"{config.max_new_tokens} tokens)", trains=False)
         records, summary = evaluate(BuiltinEngine(model, tokenizer), tokenizer, task, config.sampling(),
                                     stop=config.stop_strings, num_generations=config.num_generations,
                                     seed=config.seed, batch_size=config.batch_size,

@@ -15,13 +15,14 @@ import torch
 logger = logging.getLogger(__name__)
 
 
-def log_start(verb: str, model: torch.nn.Module, device: torch.device, world_size: int, plan: str) -> None:
-    logger.info("%s %s on %s: %s", verb, describe_model(model), describe_device(device, world_size), plan)
+def log_start(verb: str, model: torch.nn.Module, device: torch.device, world_size: int, plan: str,
+              trains: bool = True) -> None:
+    logger.info("%s %s on %s: %s", verb, describe_model(model, trains), describe_device(device, world_size), plan)
 
 
-def describe_model(model: torch.nn.Module) -> str:
-    """'Qwen2ForCausalLM (1.56B parameters, bfloat16; LoRA r16: 18.5M trained)'; a 4-bit base's values counted as
-    values, not as the bytes they are packed in."""
+def describe_model(model: torch.nn.Module, trains: bool = True) -> str:
+    """'Qwen2ForCausalLM (1.56B parameters, bfloat16; LoRA r16: 18.5M trained)' (without what is trained where
+    `trains` is off: an evaluation); a 4-bit base's values counted as values, not as the bytes they are packed in."""
     total = trained = 0
     dtypes: Counter = Counter()
     for param in model.parameters():
@@ -30,6 +31,8 @@ def describe_model(model: torch.nn.Module) -> str:
         trained += values if param.requires_grad else 0
         dtypes["4-bit" if _values_per_element(param) > 1 else str(param.dtype).removeprefix("torch.")] += values
     dtype = ", ".join(name for name, _ in dtypes.most_common())
+    if not trains:
+        return f"{_class_name(model)} ({count(total)} parameters, {dtype})"
     rank = _lora_rank(model)
     which = f"; LoRA r{rank}: {count(trained)} trained" if rank else ", all trained" if trained == total else \
         f"; {count(trained)} trained"
