@@ -37,7 +37,7 @@ from fastgrpo.train.input_checks import check_reward_rows, check_reward_setup
 from fastgrpo.train.interrupts import stop_if_interrupted
 from fastgrpo.train.naming import setting
 from fastgrpo.train.prompts import as_wrapped, prompt_ids
-from fastgrpo.train.run_dir import write_beside
+from fastgrpo.train.run_dir import partial_write, write_beside
 from fastgrpo.train.step_rewards import add_logged_metrics, completion_id_lists, metric_names, refuse_taken
 from fastgrpo.train.step_rewards import trainer_state as default_trainer_state
 from fastgrpo.train.versions import library_versions
@@ -327,20 +327,15 @@ def write_eval(records: list[dict], summary: dict, examples_path: str | Path, su
     try:
         for path, text in texts.items():
             write_beside(path, text)
-            fsync_path(_beside(path))
+            fsync_path(partial_write(path))
         summary_path.unlink(missing_ok=True)
         for path in texts:
-            os.replace(_beside(path), path)
+            os.replace(partial_write(path), path)
     finally:
         for path in texts:  # an interrupt's: what was written (or began to be) before it
-            _beside(path).unlink(missing_ok=True)
+            partial_write(path).unlink(missing_ok=True)
     for folder in {path.parent for path in texts}:  # the renames
         fsync_path(folder)
-
-
-def _beside(path: Path) -> Path:
-    """The hidden file write_beside writes before it is renamed over `path`."""
-    return path.with_name(f".{path.name}.tmp")
 
 
 def log_generations(records: list[dict], count: int, title: str) -> None:

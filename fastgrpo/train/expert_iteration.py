@@ -303,8 +303,9 @@ class ExpertIteration:
             if dist.is_main and self.round < config.ei_steps:
                 log_start("expert iteration on", self.model, next(self.model.parameters()).device, dist.world_size,
                           f"{steps(self.round + 1, config.ei_steps, 'round')}, {config.questions_per_step} "
-                          f"questions x {config.num_generations} completions a round (up to {config.max_completion_length} "
-                          f"tokens), then SFT on those rewarded >= {config.correct_threshold:g}")
+                          f"questions x {config.num_generations} completions a round (up to "
+                          f"{config.max_completion_length} tokens), then SFT on those rewarded >= "
+                          f"{config.correct_threshold:g}")
             started = self.round if config.resume else None
             if self._unevaluated is not None:  # evaluated now, then saved again without them
                 metrics, self._unevaluated = self._unevaluated, None

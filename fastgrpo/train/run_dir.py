@@ -449,6 +449,11 @@ def write_whole(path: Path, text: str) -> None:
 def write_beside(path: Path, text: str) -> Path:
     """`text` into the hidden file beside `path` (its folder made) that write_whole renames over it; that file."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
+    tmp = partial_write(path)
     tmp.write_text(text)
     return tmp
+
+
+def partial_write(path: Path) -> Path:
+    """The hidden file write_beside writes before it is renamed over `path`."""
+    return path.with_name(f".{path.name}.tmp")
