@@ -2,9 +2,10 @@
 
 Commands are rows of COMMANDS: a name, its help, a function adding its flags and a function running it. main()
 parses, finds the row and runs it under fastgrpo.train.errors.run_command, which turns every ending into one line
-and an exit code (2: bad input, 1: the run could not go on, 130 / 143: SIGINT / SIGTERM after a checkpoint);
-`--debug`, added to every command, shows tracebacks instead. To add a command, append a Command whose `run` raises
-ValueError for bad input, and import what is heavy inside `run`.
+and an exit code (2: bad input, 1: the run could not go on, 130 / 143: SIGINT / SIGTERM, after a checkpoint where
+a run loop took the signal); `--debug`, added to every command, shows tracebacks instead. To add a command, append a
+Command whose `run` raises ValueError for bad input, runs its body under interrupts.sigterm_as_ctrl_c, and imports
+what is heavy inside `run`.
 
 `fastgrpo train [--config X.yaml] [--field value ...]` builds the model, data and rewards a config names and
 trains. With neither --model nor --dataset it runs the built-in default (fastgrpo.train.default_task) on the CPU;
@@ -238,6 +239,15 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
+
+    # a SIGTERM before the run loop's InterruptGuard takes it (as the model loads) or after (the closing line) stops
+    # the command as a Ctrl-C there does: one line, exit 143, the output folder's lock released
+    with sigterm_as_ctrl_c():
+        return _grpo(args)
+
+
+def _grpo(args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError

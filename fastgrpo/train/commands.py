@@ -305,6 +305,13 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
+
+    with sigterm_as_ctrl_c():  # outside the run loop's InterruptGuard, a SIGTERM stops it as a Ctrl-C (run_train)
+        return _sft(args)
+
+
+def _sft(args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sft_rows_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
     from fastgrpo.train.loading import load_run_datasets, tokenizer_before_load
@@ -330,6 +337,13 @@ def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
+
+    with sigterm_as_ctrl_c():  # outside the run loop's InterruptGuard, a SIGTERM stops it as a Ctrl-C (run_train)
+        return _ei(args)
+
+
+def _ei(args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
     from fastgrpo.train.input_checks import check_lengths_before_load

@@ -86,8 +86,8 @@ class Interrupted(KeyboardInterrupt):
 
 
 class Terminated(KeyboardInterrupt):
-    """SIGTERM in a command without a run loop (sigterm_as_ctrl_c): it stops as a Ctrl-C does; `fastgrpo` prints one
-    line and exits 143."""
+    """SIGTERM in a command outside a run loop's InterruptGuard (sigterm_as_ctrl_c): it stops as a Ctrl-C does;
+    `fastgrpo` prints one line and exits 143."""
 
     signum = signal.SIGTERM
     exit_code = 128 + signal.SIGTERM
@@ -138,7 +138,8 @@ def stop_if_interrupted() -> None:
 
 @contextlib.contextmanager
 def sigterm_as_ctrl_c():
-    """For a command without a run loop (`fastgrpo eval`, `fastgrpo export`): SIGTERM (a cluster scheduler's,
+    """For a command's whole body (`fastgrpo eval`, `fastgrpo export`; `train`, `sft` and `ei` too, whose run loop's
+    InterruptGuard takes SIGTERM over while it runs and gives it back after): SIGTERM (a cluster scheduler's,
     `timeout`'s, `docker stop`'s, torchrun's) stops it as a Ctrl-C does, raising Terminated where it lands, so that its
     cleanups run (the output folder's lock, the hidden partial writes beside its results or export), instead of Python's
     default: killed at once, with no line, leaving them. Noted as starting_signals notes a SIGINT: one a library
