@@ -120,7 +120,8 @@ def test_command_line_run_is_refused_while_another_holds_the_folder_and_stops_on
         child.kill()
     assert child.returncode == 130, stderr
     # One line (a signal in the middle of an update first says that the step is being finished), no traceback.
-    *before, last = stderr.strip().splitlines()
+    started, *before, last = stderr.strip().splitlines()
+    assert started.startswith("fastgrpo train: training "), stderr
     assert all("finishing the current step" in line for line in before), stderr
     assert last.startswith("fastgrpo train: stopped by SIGINT: step ") and last.endswith("--resume`"), stderr
     assert stdout.splitlines()[0].startswith("step 1/100000 | reward ")

@@ -475,7 +475,8 @@ def assert_one_line(returncode: int, stderr: str, took: float, wanted: list[str]
     """Exit != 0, our lines as `wanted` (a line, or the start of one, each), no rank's traceback (torchrun prints its
     own summary); stderr printed in any case, for what NCCL did."""
     print(f"ended in {took:.1f} s, exit {returncode}; stderr ({len(stderr.splitlines())} lines):\n{stderr[-6000:]}")
-    ours = [line for line in stderr.splitlines() if line.startswith("fastgrpo train:")]
+    ours = [line for line in stderr.splitlines() if line.startswith("fastgrpo train:")
+            and not line.startswith("fastgrpo train: training ")]  # the start line
     assert returncode != 0, stderr
     # each wanted line once, in any order (each process prints its own)
     assert len(ours) == len(wanted) and all(sum(line.startswith(w) for line in ours) == 1 for w in wanted), ours
@@ -499,7 +500,8 @@ def test_under_torchrun_on_nccl_a_stuck_process_stops_the_others_after_ddp_timeo
                                   str(NCCL_TIMEOUT_S))
     returncode, stderr, took = _launch(command, env, tmp_path)
     assert (tmp_path / "stuck").exists(), stderr  # rank 1 was in the reward function, not late elsewhere
-    ours = [line for line in stderr.splitlines() if line.startswith("fastgrpo train:")]
+    ours = [line for line in stderr.splitlines() if line.startswith("fastgrpo train:")
+            and not line.startswith("fastgrpo train: training ")]  # the start line
     if not any(line.startswith(TIMED_OUT_LINE) for line in ours):
         # Seen on 2 H200s (torch 2.11): what does hold, then the gap. NCCL's watchdog aborts rank 0 (SIGABRT) at
         # the timeout with its own report, before the blocked collective returns to Python; rank 1 then gets

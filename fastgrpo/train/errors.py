@@ -4,7 +4,7 @@
   a run stopped by what it met (RunError, e.g. a failing reward; OSError: disk full)  one line, exit 1
   another process of a torchrun launch ended mid-run (fastgrpo.train.lost_process)    one line, exit 1
   SIGINT / SIGTERM (fastgrpo.train.interrupts.Interrupted, after its checkpoint)      one line, exit 128 + signal
-  SIGINT before a run loop takes it (eval, export: none); SIGTERM in eval / export    one line, exit 130 / 143
+  SIGINT / SIGTERM outside a run loop (loading; eval, export: all of them)           one line, exit 130 / 143
   anything else is a bug                                                              the traceback, exit 1
 `--debug` shows the traceback of every error instead of the line.
 
@@ -101,7 +101,7 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
             print(f"{prog}: {stop}", file=sys.stderr, flush=True)
         return stop.exit_code
     except KeyboardInterrupt as stop:  # before the run loop took over the signals (while loading, say)
-        terminated = isinstance(stop, Terminated)  # SIGTERM, in a command without a run loop: sigterm_as_ctrl_c
+        terminated = isinstance(stop, Terminated)  # SIGTERM outside a run loop: sigterm_as_ctrl_c
         if debug and not terminated:
             raise
         if debug:  # raised on, it would end the process with exit 1 (a Ctrl-C's ends as SIGINT: 130)

@@ -7,8 +7,8 @@ torchrun stops them (torchrun sends SIGTERM to the rest within a second of seein
 fastgrpo's commands turn that collective's error into one line naming the process that ended, printed by the
 lowest-ranked process still running (by every process left, where none can tell which one ended); the ended process's
 own line, if it printed one, says why, torchrun's summary its exit code or signal. torchrun's SIGTERM reaching a
-process in its run loop after another ended stops it with the same line (ProcessLost); before the loop (loading) the
-signal ends it without one, and torchrun's summary names the process that ended first. A collective that times out (a
+process after another ended stops it with the same line (ProcessLost), in its run loop (InterruptGuard) and outside
+it (loading; eval, export: fastgrpo.train.interrupts.sigterm_as_ctrl_c). A collective that times out (a
 process stuck, not ended) gets one line on each process that waited. Any other error of torch.distributed is not one
 of these and keeps its traceback.
 """
