@@ -50,6 +50,9 @@ def _joined(rank: int, worker, tmp: str, store: str, group_timeout_s: float, *ar
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=WORLD,
                             timeout=datetime.timedelta(seconds=group_timeout_s))
     try:
+        # gloo's handshake ends on one rank before the other: a worker that runs no collective ended its process, and
+        # the other rank's init_process_group, still reading from it, failed ("Connection closed by peer")
+        dist.barrier()
         torch.save(worker(rank, Path(tmp), *args), Path(tmp, f"rank-{rank}.pt"))
     finally:
         dist.destroy_process_group()
