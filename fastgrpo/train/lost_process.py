@@ -8,14 +8,17 @@ fastgrpo's commands turn that collective's error into one line naming the proces
 lowest-ranked process still running (by every process left, where none can tell which one ended); the ended process's
 own line, if it printed one, says why, torchrun's summary its exit code or signal. torchrun's SIGTERM reaching a
 process after another ended stops it with the same line (ProcessLost), in its run loop (InterruptGuard) and outside
-it (loading; eval, export: fastgrpo.train.interrupts.sigterm_as_ctrl_c). A collective that times out (a
+it (loading; eval, export: fastgrpo.train.interrupts.sigterm_as_ctrl_c); reaching it on its way out with that error
+(the loop left, the line not yet printed) it is taken (sigterm_unless_leaving). A collective that times out (a
 process stuck, not ended) gets one line on each process that waited. Any other error of torch.distributed is not one
 of these and keeps its traceback.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import sys
 import time
 
 # what gloo / NCCL say, in a collective's error, when the process at the other end has ended, or has not joined in
@@ -35,6 +38,18 @@ def note_processes() -> None:
     found = [None] * dist.get_world_size()
     dist.all_gather_object(found, (socket.gethostname(), os.getpid()))
     _processes[:] = found
+
+
+def sigterm_unless_leaving(signum: int, frame) -> None:
+    """SIGTERM's handler in a process of a torchrun launch (init_distributed installs it; the run loop's InterruptGuard
+    puts its own in place while it runs, then this one back). torchrun sends SIGTERM to the processes left once one
+    ended: arriving after the collective's error left the loop and before the line was printed, its default action
+    ended the process without a word (1 launch in 20 on a loaded 2-core machine). An error on its way out and another
+    process ended: the signal is taken, the line follows. Anywhere else it has its default action."""
+    if sys.exc_info()[1] is not None and another_process_ended():
+        return
+    signal.signal(signum, signal.SIG_DFL)
+    signal.raise_signal(signum)
 
 
 class ProcessLost(BaseException):

@@ -9,13 +9,15 @@ import atexit
 import datetime
 import gc
 import os
+import signal
+import threading
 
 import torch
 import torch.distributed as dist
 
 from fastgrpo.train.config import DDP_TIMEOUT_S
 from fastgrpo.train.distributed import Distributed
-from fastgrpo.train.lost_process import note_processes
+from fastgrpo.train.lost_process import note_processes, sigterm_unless_leaving
 from fastgrpo.train.naming import setting
 
 _ACCELERATE_TRUE = ("y", "yes", "t", "true", "on", "1")  # accelerate's str_to_bool, for its ACCELERATE_USE_* flags
@@ -51,6 +53,9 @@ def init_distributed(device: str = "auto", timeout_s: int = DDP_TIMEOUT_S) -> Di
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=timeout_s))
         atexit.register(_close_process_group)
         note_processes()  # so that the others can name this process if it ends in the middle of the run
+        if threading.current_thread() is threading.main_thread() and \
+                signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:  # a caller's own handler stays
+            signal.signal(signal.SIGTERM, sigterm_unless_leaving)
     return Distributed.current()
 
 
