@@ -34,6 +34,10 @@ def test_quickstart_notebook_runs(monkeypatch, tmp_path):
     # A user's CPU session has no Triton interpreter: patched ops take their torch fallback, as here.
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     monkeypatch.setenv("MPLBACKEND", "Agg")
+    # One torch thread in the kernel, as `fastgrpo train` takes for this model (default_task.use_one_cpu_thread): with
+    # two, whenever another process held a core of the 2, they waited for each other (12 s alone; past the training
+    # cell's 300 s with one busy process beside, 13 s with one thread)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     paths = [str(NOTEBOOK.parents[1]), os.environ.get("PYTHONPATH")]
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(p for p in paths if p))
     nb = nbformat.read(NOTEBOOK, as_version=4)
