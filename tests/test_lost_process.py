@@ -2,7 +2,7 @@
 crash): the process left prints one line naming it, not a traceback of gloo's "Connection closed by peer", and the
 launch ends within a bounded time. Once under torchrun itself (`python -m torch.distributed.run`, as a user runs it),
 then on forked gloo processes for what torchrun's timing leaves to chance (rank 0 the one killed; torchrun's SIGTERM
-reaching the process left before its next collective does)."""
+reaching the process left before its next collective does, or as that collective's error leaves the run loop)."""
 import contextlib
 import datetime
 import io
@@ -88,7 +88,8 @@ def _join(rank: int, store: str) -> None:
 
 
 def _rank_0_killed(rank: int, tmp: Path) -> None:
-    """Rank 0 dies; rank 1 then meets torchrun's SIGTERM in its run loop, and a collective."""
+    """Rank 0 dies; rank 1 then meets torchrun's SIGTERM in its run loop, a collective, and the SIGTERM as the
+    collective's error leaves the loop."""
     _join(rank, str(tmp / "store"))
     if rank == 0:
         os.kill(os.getpid(), signal.SIGKILL)
