@@ -42,7 +42,7 @@ def test_no_worker_starts_before_every_rank_has_joined(tmp_path, monkeypatch):
     """gloo's handshake does not end on both ranks at once: a worker that runs no collective (a check every rank
     refuses alike, say) ended its process while the other rank's init_process_group still read from it, which then
     failed with "Connection closed by peer" (14 groups in 120 of a worker that returns at once, with a core kept busy;
-    the store test above 2 times in 5 beside another test run). Here rank 1 is late out of its init_process_group
+    the store test above 2 times in 39 beside other test runs). Here rank 1 is late out of its init_process_group
     (the forked processes take the patch with them): rank 0's worker must not start before it."""
     real_init = dist.init_process_group
 
