@@ -132,6 +132,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 @pytest.fixture(autouse=True)
+def _reward_warnings_start_unsaid(monkeypatch):
+    """fastgrpo.rewards.reward_logs says each of its warnings once per process: each test starts with none said. A
+    test saw the ones earlier tests left (test_reward_logs' row-by-row test, after the test before it warned of the
+    same function, could no longer fail: run alone, it caught its bug)."""
+    from fastgrpo.rewards import reward_logs
+
+    monkeypatch.setattr(reward_logs, "_warned", set())
+
+
+@pytest.fixture(autouse=True)
 def _session_torch_threads():
     """A command run in-process on the built-in model takes torch to one thread (default_task.use_one_cpu_thread);
     the next test gets the session's count back."""
