@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from fastgrpo.train.errors import RUN_EXIT, run_command
-from fastgrpo.train.interrupts import InterruptGuard
+from fastgrpo.train.interrupts import InterruptGuard, sigterm_as_ctrl_c
 from fastgrpo.train.lost_process import another_process_ended, lost_process_line
 from fastgrpo.train.process_group import init_distributed
 
@@ -110,11 +110,19 @@ def _rank_0_killed(rank: int, tmp: Path) -> None:
             with InterruptGuard(deferred=True):
                 collective()
 
+    def sigterm_as_the_error_leaves_the_command():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a command's body takes SIGTERM before its process group joins
+        with contextlib.ExitStack() as leaving:
+            leaving.callback(os.kill, os.getpid(), signal.SIGTERM)  # as the command's body let go of SIGTERM
+            with sigterm_as_ctrl_c(), InterruptGuard(deferred=True):  # as a command runs its loop
+                collective()
+
     found = {"other error": lost_process_line(RuntimeError("[gloo/transport/tcp/pair.cc:446] op.preamble.length <= "
                                                            "op.nbytes. 8 vs 4")),  # mismatched sizes: a bug
              "timeout": lost_process_line(RuntimeError(TIMED_OUT))}
     for name, body in (("sigterm", sigterm_in_the_loop), ("collective", collective),
-                       ("sigterm leaving", sigterm_as_the_error_leaves_the_loop)):
+                       ("sigterm leaving", sigterm_as_the_error_leaves_the_loop),
+                       ("sigterm leaving the command", sigterm_as_the_error_leaves_the_command)):
         err = io.StringIO()
         with redirect_stderr(err):
             found[name] = (run_command("fastgrpo train", body), err.getvalue())
@@ -142,7 +150,8 @@ def test_the_process_left_names_rank_0_when_rank_0_is_killed(tmp_path):
     # collective's traceback); arriving as the collective's error left the loop, it ended the process by its default
     # action before the line was printed (under torchrun, 1 launch in 20 beside another test run)
     assert found == {"sigterm": (RUN_EXIT, line), "collective": (RUN_EXIT, line),
-                     "sigterm leaving": (RUN_EXIT, line), "other error": None,
+                     "sigterm leaving": (RUN_EXIT, line), "sigterm leaving the command": (RUN_EXIT, line),
+                     "other error": None,
                      "timeout": ("process 1 of 2 waited longer than the process group's timeout for the others in a "
                                  "collective: one of them is stuck (a reward function that never returns, say) or "
                                  "ended on another machine", True)}

@@ -35,10 +35,11 @@ import contextlib
 import logging
 import shlex
 import signal
+import sys
 import threading
 from pathlib import Path
 
-from fastgrpo.train.lost_process import ProcessLost, another_process_ended
+from fastgrpo.train.lost_process import ProcessLost, another_process_ended, sigterm_unless_leaving
 from fastgrpo.train.ranks import is_main_process
 
 logger = logging.getLogger(__name__)
@@ -145,10 +146,12 @@ def sigterm_as_ctrl_c():
     default: killed at once, with no line, leaving them. Noted as starting_signals notes a SIGINT: one a library
     swallowed stops the command at stop_if_interrupted, and an error it left in its place ends as the Terminated. One
     that comes after another process of a torchrun launch ended stops this one with fastgrpo.train.lost_process's
-    line, as InterruptGuard does. Left alone outside the main thread and where SIGTERM is not Python's default (a
-    caller's own handler, a run loop's InterruptGuard)."""
+    line, as InterruptGuard does, and one that comes as this block is left with an error, before its line is printed,
+    is taken as lost_process.sigterm_unless_leaving takes it. Left alone outside the main thread and where SIGTERM
+    has a handler of another's (a caller's own, a run loop's InterruptGuard)."""
     main_thread = threading.current_thread() is threading.main_thread()
-    if not main_thread or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL:
+    previous = signal.getsignal(signal.SIGTERM)
+    if not main_thread or previous not in (signal.SIG_DFL, sigterm_unless_leaving):
         yield
         return
 
@@ -166,7 +169,9 @@ def sigterm_as_ctrl_c():
             raise Terminated from err
         raise
     finally:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        # an error on its way to its line as another process ended: torchrun's SIGTERM follows, and must not cut it
+        lost = sys.exc_info()[1] is not None and another_process_ended()
+        signal.signal(signal.SIGTERM, sigterm_unless_leaving if lost else previous)
         _STARTING[:] = [signum for signum in _STARTING if signum != signal.SIGTERM]  # starting_signals' stay
 
 
