@@ -161,3 +161,23 @@ def test_what_a_run_would_call_wrongly_is_refused_before_it_starts():
     per_func, failures = score([Judge(), logs_if_it_can, logs_accuracy], ["p"], ["a"], {}, logs=logs)
     assert not failures and per_func.tolist() == [[1.0, 1.0, 1.0]]
     assert logs.values == {"accuracy": [1.0, 1.0]} and logs.sources == {"accuracy": "logs_if_it_can"}
+
+
+def _score_async_in_child(queue) -> None:
+    queue.put(score([async_length], ["p"], ["abcd"], {})[0].tolist())
+
+
+def test_a_forked_child_scores_async_rewards_after_its_parent_did():
+    """A child forked after the parent scored an async reward (the parent's event loop started) copied the loop but
+    not the thread that runs it: its own async reward waited for good."""
+    import multiprocessing
+
+    score([async_length], ["p"], ["a"], {})  # the parent's loop runs
+    context = multiprocessing.get_context("fork")
+    queue = context.Queue()
+    child = context.Process(target=_score_async_in_child, args=(queue,))
+    child.start()
+    child.join(timeout=30)  # ~1 s when it works
+    alive = child.is_alive()
+    child.kill()
+    assert not alive and queue.get(timeout=5) == [[4.0]], "the forked child's async reward never returned"

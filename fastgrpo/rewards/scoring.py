@@ -213,6 +213,16 @@ def _event_loop() -> asyncio.AbstractEventLoop:
     return _loop
 
 
+def _forget_event_loop() -> None:
+    global _loop
+    _loop = None
+
+
+# a forked child (a user's worker pool, a test's process group) copies _loop without the thread that runs it: its
+# first async reward would wait for good on a loop that never runs
+os.register_at_fork(after_in_child=_forget_event_loop)
+
+
 def _await_together(awaitables: list) -> list:
     """The results of the awaitables, awaited concurrently (as TRL's asyncio.gather); an exception one raised in its
     place."""
