@@ -39,3 +39,31 @@ def test_bad_gpus_fail_with_one_line_naming_the_argument(monkeypatch, visible, s
 def test_each_case_process_gets_its_own_rendezvous_port():
     ports = {child_env("trl", gpu, False)["MASTER_PORT"] for gpu in (0, 1)}
     assert len(ports) == 2 and all(1024 < int(p) < 65536 for p in ports)
+
+
+def test_a_port_given_once_is_not_given_again(monkeypatch):
+    """The OS may hand the port just freed out again; two cases side by side then shared a rendezvous port."""
+    import socket
+
+    from benchmarks import bench_loop
+
+    ports = iter([40001, 40001, 40002])
+
+    class Socket:  # binds to port 0 and is told the OS's choice: here the same one twice in a row
+        def __init__(self, *args):
+            self.port = next(ports)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def bind(self, address):
+            pass
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(socket, "socket", Socket)
+    assert [bench_loop.free_port(), bench_loop.free_port()] == [40001, 40002]
