@@ -26,7 +26,8 @@ def test_resume_takes_the_same_dataset_by_another_path(tmp_path, monkeypatch, ca
 def test_another_file_is_still_a_change(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     _rows(tmp_path / "data.jsonl")
-    _rows(tmp_path / "other.jsonl")
+    (tmp_path / "other.jsonl").write_text(json.dumps({"prompt": "0 say b"}) + "\n")  # other rows (the same bytes
+    # under another name are the same dataset: tests/test_resume_dataset_changed.py)
     saved = GRPOConfig(dataset="data.jsonl").to_dict()
     assert config_changes(saved, GRPOConfig(dataset=str(tmp_path / "data.jsonl"))) == []
     assert config_changes(saved, GRPOConfig(dataset="other.jsonl")) == [
