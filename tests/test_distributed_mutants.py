@@ -15,6 +15,7 @@ from fastgrpo.train import default_task, ranks
 from fastgrpo.train.checkpoint import read_checkpoint
 from fastgrpo.train.distributed import Distributed
 from fastgrpo.train.final_export import EXPORT_FILE, export_at_end, export_model
+from fastgrpo.train.interrupts import InterruptGuard
 from fastgrpo.train.process_agreement import check_same_settings
 from fastgrpo.train.ranks import process_count, process_rank, reported_by_rank_0
 from tests.forked_gloo import WORLD, run_forked
@@ -47,12 +48,12 @@ def _checks(rank: int, tmp: Path) -> dict:
     group.save_checkpoint(tmp / "checkpoint-1", torch.nn.Linear(2, 2), None, {"step": 1})
     exported, warned = [], []
     loop = types.SimpleNamespace(config=types.SimpleNamespace(export=True), dist=group, output_dir=tmp / f"run-{rank}")
-    export_at_end(loop, 2, False, exported.append)
+    export_at_end(loop, 2, False, exported.append, InterruptGuard())
     found["exported"] = [str(path) for path in exported]
     # export off, final/ of an earlier step: the warning, once
     logging.getLogger("fastgrpo.train.final_export").addHandler(_Collect(warned))
     export_at_end(types.SimpleNamespace(config=types.SimpleNamespace(export=False), dist=group,
-                                        output_dir=tmp / "run-1"), 2, True, exported.append)
+                                        output_dir=tmp / "run-1"), 2, True, exported.append, InterruptGuard())
     found["warned"] = len(warned)
     # rank 0 exports (slowly), and no process goes on before final/ is whole (a script reads it after train())
     tokenizer = default_task.build_tokenizer()

@@ -333,7 +333,7 @@ class ExpertIteration:
                 self.save_checkpoint()
             export_at_end(self, self.round, self.round != started,
                           lambda final: dist.export(export_model, self.model, self.tokenizer, final,
-                                                    run_config=config.to_dict(), step=self.round))
+                                                    run_config=config.to_dict(), step=self.round), guard)
         return self.history
 
     def _end_round(self, metrics: dict, log: MetricsLog, console: ConsoleLog, save_now: bool = False) -> None:

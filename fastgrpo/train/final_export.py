@@ -116,13 +116,15 @@ def _refuse_users_files(final: Path, record: dict, exporting: str, then: str, fi
                          f"there would delete; move them out of it, then {then}")
 
 
-def export_at_end(loop, done: int, trained: bool, export) -> None:
+def export_at_end(loop, done: int, trained: bool, export, guard) -> None:
     """The end of a run's train() (GRPOTrainer's, SFTTrainer's, ExpertIteration's: `loop`, with config, dist and
     output_dir): with config.export, final/ of step or round `done` written by export(folder) when it is due
-    (export_due; trained: this call trained); export off, the warning of an earlier export's final/ (rank 0)."""
+    (export_due; trained: this call trained), a signal meanwhile letting it finish (the run's InterruptGuard `guard`
+    says so); export off, the warning of an earlier export's final/ (rank 0)."""
     config, dist, output_dir = loop.config, loop.dist, Path(loop.output_dir)
     # every process joins the export's collectives or none: they agree on whether it is due
     if config.export and dist.agree(lambda: export_due(output_dir, done, trained)):
+        guard.finishing = "final/"
         export(output_dir / "final")
     elif not config.export and dist.is_main:
         warn_stale_export(output_dir, done)

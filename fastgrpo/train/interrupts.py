@@ -183,6 +183,7 @@ class InterruptGuard:
         self.deferred = deferred  # the first signal never raises: the loop polls `requested` (several processes)
         self.requested: int | None = None  # the first signal received
         self.abandonable = False  # True while the current step has changed nothing
+        self.finishing: str | None = None  # what a signal lets finish once the last step is saved (its export)
         self._previous: dict[int, object] = {}
 
     def __enter__(self) -> InterruptGuard:
@@ -228,7 +229,8 @@ class InterruptGuard:
         if self.deferred and not is_main_process():
             return  # torchrun passes a signal to every process: rank 0 says what follows, once
         name = signal.Signals(signum).name
-        what = f"all processes save a checkpoint and stop, before the current {self.unit}'s update or after it" \
+        what = f"finishing {self.finishing} (the last {self.unit} is saved), then stopping" if self.finishing else \
+            f"all processes save a checkpoint and stop, before the current {self.unit}'s update or after it" \
             if self.deferred else f"finishing the current {self.unit}, then saving a checkpoint"
         logger.warning("%s: %s (another %s stops at once)", name, what, name)
 

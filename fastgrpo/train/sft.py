@@ -263,7 +263,7 @@ class SFTTrainer:
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            export_at_end(self, self.step, self.step > started, self.export)
+            export_at_end(self, self.step, self.step > started, self.export, guard)
         return self.history[first:]
 
     def _run_steps(self, log: MetricsLog, console: ConsoleLog, guard: InterruptGuard) -> None:

@@ -307,7 +307,7 @@ class GRPOTrainer:
                 raise
             if self._saved_step != self.step:
                 self.save_checkpoint()
-            export_at_end(self, self.step, self.step != started, self.export)
+            export_at_end(self, self.step, self.step != started, self.export, self._guard)
         return self.history[first:]
 
     def _run_steps(self, console: ConsoleLog) -> None:
