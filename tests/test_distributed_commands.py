@@ -6,6 +6,8 @@ import threading
 
 import pytest
 
+from fastgrpo.train.interrupts import Terminated
+
 from tests.forked_gloo import cli, read_metrics, run_forked
 
 EVAL = ["eval", "--max-examples", "4", "--num-generations", "2", "--max-new-tokens", "4"]
@@ -101,6 +103,19 @@ def _stops(err: BaseException):
     def body():
         raise err
     return body
+
+
+@pytest.mark.parametrize("rank", ["0", "1"])
+@pytest.mark.parametrize(("stop", "said", "code"), [(KeyboardInterrupt(), "interrupted", 130),
+                                                    (Terminated(), "terminated", 143)])
+def test_a_signal_outside_the_run_loop_prints_once_by_rank_0(monkeypatch, capsys, rank, stop, said, code):
+    """torchrun passes a Ctrl-C or SIGTERM to every process: as the model loads, each printed 'interrupted' or
+    'terminated'. Every process still ends with the signal's exit code."""
+    from fastgrpo.train.errors import run_command
+
+    monkeypatch.setenv("RANK", rank)
+    assert run_command("fastgrpo train", _stops(stop)) == code
+    assert capsys.readouterr().err == (f"fastgrpo train: {said}\n" if rank == "0" else "")
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])

@@ -106,7 +106,7 @@ def run_command(prog: str, body: Callable[[], int], *, debug: bool = False,
             raise
         if debug:  # raised on, it would end the process with exit 1 (a Ctrl-C's ends as SIGINT: 130)
             traceback.print_exc()
-        else:
+        elif is_main_process():  # torchrun passes the signal to every process: rank 0 says it
             print(f"{prog}: {'terminated' if terminated else 'interrupted'}", file=sys.stderr, flush=True)
         return Terminated.exit_code if terminated else 130
     except ValueError as err:
