@@ -28,12 +28,15 @@ module = importlib.import_module("fastgrpo.train.{module}")
 real = getattr(module, "{name}")
 def signalled(*args, **kwargs):
     {before}
-    os.kill(os.getpid(), signal.{signal})
-    {swallowed}
+    {send}
     return real(*args, **kwargs)
 setattr(module, "{name}", signalled)
 """
-SWALLOWED = "try:\n        time.sleep(5)\n    except KeyboardInterrupt:\n        pass"  # as torch's numpy import does
+SEND = "os.kill(os.getpid(), signal.{signal})"
+SWALLOWED_LINE = "(the signal swallowed)"  # what the child writes to stderr once its hook caught the signal
+# as torch's numpy import does; the signal sent inside the `try`: its handler runs as os.kill returns
+SWALLOWED = ("try:\n        " + SEND + "\n        time.sleep(5)\n    except KeyboardInterrupt:\n"
+             "        os.write(2, b'" + SWALLOWED_LINE + "\\n')")
 
 
 def _child(argv: list[str], hook: str = "") -> subprocess.CompletedProcess:
@@ -44,8 +47,8 @@ def _child(argv: list[str], hook: str = "") -> subprocess.CompletedProcess:
 
 
 def _signal_in(module: str, name: str, signum: str = "SIGTERM", before: str = "pass", swallowed: bool = False) -> str:
-    return SIGNAL_IN.format(module=module, name=name, signal=signum, before=before,
-                            swallowed=SWALLOWED if swallowed else "pass")
+    send = (SWALLOWED if swallowed else SEND).format(signal=signum)
+    return SIGNAL_IN.format(module=module, name=name, before=before, send=send)
 
 
 def _ended_in_one_line(done: subprocess.CompletedProcess, command: str, line: str, code: int) -> None:
@@ -89,6 +92,7 @@ def test_sigterm_as_export_loads_the_model_writes_nothing(run, tmp_path, swallow
     hook = _signal_in("default_task", "build_model", swallowed=swallowed)
     done = _child(["export", "--checkpoint", str(run), "--output-dir", str(out)], hook)
     _ended_in_one_line(done, "export", "terminated", 143)
+    assert (SWALLOWED_LINE in done.stderr) == swallowed, done.stderr
     assert _entries(tmp_path) == []
 
 

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.test_eval_export_signals import CHILD_TIMEOUT_S, _child, _ended_in_one_line, _signal_in
+from tests.test_eval_export_signals import CHILD_TIMEOUT_S, SWALLOWED_LINE, _child, _ended_in_one_line, _signal_in
 from tests.test_interrupt_eval_export import QUIET, _entries
 from tests.test_lost_process import torchrun_train
 
@@ -43,6 +43,7 @@ def test_a_sigterm_a_library_swallowed_as_the_model_loaded_stops_before_the_firs
     out = tmp_path / "run"
     done = _run("train", out, _signal_in("default_task", "build_model", swallowed=True))
     _ended_in_one_line(done, "train", "terminated", 143)
+    assert SWALLOWED_LINE in done.stderr, done.stderr
     assert _entries(out) is None, _entries(out)  # no step ran: the folder the run created gone with its lock
 
 
