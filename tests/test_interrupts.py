@@ -1,11 +1,13 @@
 """SIGINT / SIGTERM: a step that has changed nothing is abandoned and the state it began from is saved; a step in
 its update finishes and is saved; either way --resume reaches the metrics of an uninterrupted run. A second signal
-stops at once. The command line prints one line and exits 130 / 143."""
+stops at once. The command line prints one line and exits 130 / 143; outside a run loop (sigterm_as_ctrl_c) a SIGTERM
+stops it as a Ctrl-C does."""
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -15,7 +17,10 @@ from fastgrpo.train import default_task
 from fastgrpo.train.checkpoint import list_checkpoints
 from fastgrpo.train.cli import main
 from fastgrpo.train.config import GRPOConfig
-from fastgrpo.train.interrupts import Interrupted
+from fastgrpo.train.interrupts import (
+    Interrupted, Terminated, interrupted_while_starting, sigterm_as_ctrl_c, starting_signals, stop_if_interrupted,
+)
+from fastgrpo.train.lost_process import sigterm_unless_leaving
 from fastgrpo.train.trainer import GRPOTrainer
 
 STEPS = 5
@@ -184,3 +189,64 @@ def test_a_signal_as_a_step_is_saved_stops_there(tmp_path, build, key):
         trainer.train()
     assert stop.value.step == 2 and stop.value.checkpoint.name == "checkpoint-2", str(stop.value)
     assert [json.loads(line)[key] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+
+
+def _sigterm_taken() -> None:
+    """SIGTERM to this process, where sigterm_as_ctrl_c has its handler in place (never Python's default: pytest's
+    process would end)."""
+    assert signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, sigterm_unless_leaving)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)  # the handler raises before this ends
+
+
+def test_an_error_a_library_raised_for_a_sigterm_ends_as_the_sigterm():
+    """transformers' lazy import cut by the signal: its ModuleNotFoundError in the Terminated's place. The command
+    ends as the SIGTERM (one line, 143), not as that error (its traceback, exit 1)."""
+    with pytest.raises(Terminated), sigterm_as_ctrl_c():
+        try:
+            _sigterm_taken()
+        except BaseException:
+            raise ModuleNotFoundError("Could not import module 'Qwen2ForCausalLM'") from RecursionError()
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL and not interrupted_while_starting()
+
+
+def test_a_process_groups_sigterm_handler_is_taken_over_and_given_back():
+    """Where init_distributed installed sigterm_unless_leaving (a process of a torchrun launch) the command's body
+    takes SIGTERM as anywhere else, and leaves that handler after it."""
+    signal.signal(signal.SIGTERM, sigterm_unless_leaving)
+    try:
+        with pytest.raises(Terminated), sigterm_as_ctrl_c():
+            _sigterm_taken()
+        assert signal.getsignal(signal.SIGTERM) is sigterm_unless_leaving
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+def test_a_command_run_off_the_main_thread_leaves_sigterm_alone():
+    """Python takes signals on its main thread only (signal.signal raises elsewhere): a command called from another
+    thread (a notebook's worker, a user's pool) runs with SIGTERM as it finds it."""
+    found = []
+
+    def command():
+        with sigterm_as_ctrl_c():
+            found.append(signal.getsignal(signal.SIGTERM))
+
+    thread = threading.Thread(target=command)
+    thread.start()
+    thread.join()
+    assert found == [signal.SIG_DFL]
+
+
+def test_a_sigterm_and_a_ctrl_c_both_swallowed_stop_as_the_sigterm():
+    """A scheduler's SIGTERM after a user's Ctrl-C, a library swallowing both: the command ends as the scheduler's
+    (143), which it reads as its own stop, not as the user's (130)."""
+    with starting_signals(), sigterm_as_ctrl_c():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            try:
+                os.kill(os.getpid(), signum)
+                time.sleep(5)
+            except KeyboardInterrupt:
+                pass
+        with pytest.raises(KeyboardInterrupt) as stop:  # a Ctrl-C's would end pytest's session
+            stop_if_interrupted()
+    assert stop.type is Terminated

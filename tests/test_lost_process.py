@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import redirect_stderr
 from pathlib import Path
@@ -160,3 +161,71 @@ def test_the_process_left_names_rank_0_when_rank_0_is_killed(tmp_path):
 @pytest.mark.parametrize("message", ["[gloo/transport/tcp/pair.cc:553] Connection closed by peer", TIMED_OUT])
 def test_without_a_process_group_a_collectives_error_is_not_taken_for_a_lost_process(message):
     assert lost_process_line(RuntimeError(message)) is None
+
+
+def _sigterm_to_this_process(leaving: bool, ended: bool) -> None:
+    """sigterm_unless_leaving as SIGTERM's handler; the signal comes as an error leaves (`leaving`) or not, with
+    another process ended (`ended`) or not."""
+    from fastgrpo.train import lost_process
+
+    lost_process.another_process_ended = lambda: ended
+    signal.signal(signal.SIGTERM, lost_process.sigterm_unless_leaving)
+    if leaving:
+        try:
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:553] Connection closed by peer")
+        except RuntimeError:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.5)
+    else:
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.5)
+
+
+@pytest.mark.parametrize(("leaving", "ended", "exitcode"), [(True, True, 0), (False, True, -signal.SIGTERM),
+                                                            (True, False, -signal.SIGTERM)])
+def test_sigterm_is_taken_only_as_an_error_leaves_after_another_process_ended(leaving, ended, exitcode):
+    """Taken, the line that error gets follows (exit 0 here); anywhere else SIGTERM's default ends the process as
+    the scheduler or torchrun asked (a process that ignored it would be killed after torchrun's grace period)."""
+    process = multiprocessing.get_context("fork").Process(target=_sigterm_to_this_process, args=(leaving, ended))
+    process.start()
+    process.join(30)
+    process.kill()
+    assert process.exitcode == exitcode
+
+
+def _sigterm_handler_after_joining(rank: int, tmp: Path, where: str) -> None:
+    def own(signum, frame):  # a user's script saving its state as a scheduler preempts it
+        pass
+
+    errors = []
+    if where == "a caller's own handler":
+        signal.signal(signal.SIGTERM, own)
+        _join(rank, str(tmp / "store"))
+    else:  # Python takes signals on its main thread only: signal.signal raises on another
+        def join():
+            try:
+                _join(rank, str(tmp / "store"))
+            except ValueError as err:
+                errors.append(err)
+
+        thread = threading.Thread(target=join)
+        thread.start()
+        thread.join()
+    kept = own if where == "a caller's own handler" else signal.SIG_DFL
+    (tmp / f"rank-{rank}.txt").write_text(repr((signal.getsignal(signal.SIGTERM) is kept, errors)))
+    dist.barrier()  # neither process ends while the other's handshake still reads from it
+
+
+@pytest.mark.parametrize("where", ["a caller's own handler", "another thread"])
+def test_joining_the_process_group_takes_sigterm_from_its_default_on_the_main_thread_only(tmp_path, where):
+    """init_distributed puts sigterm_unless_leaving in place of SIGTERM's default action on the main thread only: a
+    handler of the caller's own would never run again; joining from another thread raised."""
+    context = multiprocessing.get_context("fork")
+    processes = [context.Process(target=_sigterm_handler_after_joining, args=(rank, tmp_path, where))
+                 for rank in range(2)]
+    for process in processes:
+        process.start()
+    for process in processes:
+        process.join(DEADLINE_S)
+        process.kill()
+    assert [(tmp_path / f"rank-{rank}.txt").read_text() for rank in range(2)] == ["(True, [])", "(True, [])"]
