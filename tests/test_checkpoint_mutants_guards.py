@@ -38,6 +38,16 @@ def test_every_file_and_the_folder_are_fsynced_before_the_rename_that_publishes_
     assert events[renamed + 1:] == [("fsync", tmp_path.name)], events  # the rename itself made durable
 
 
+def test_fsync_path_flushes_the_file_or_folder_it_names(tmp_path, monkeypatch):
+    """The tests above count its calls; this, that a call reaches the disk's flush for the very file or folder."""
+    flushed, real_fsync = [], os.fsync
+    monkeypatch.setattr(atomic_folder.os, "fsync", lambda fd: (flushed.append(os.fstat(fd).st_ino), real_fsync(fd)))
+    (tmp_path / "state.pt").write_bytes(b"state")
+    for path in (tmp_path / "state.pt", tmp_path):
+        atomic_folder.fsync_path(path)
+    assert flushed == [(tmp_path / "state.pt").stat().st_ino, tmp_path.stat().st_ino]
+
+
 def test_a_lock_held_on_another_host_is_never_taken_over_by_its_pid(tmp_path):
     """Without flock (a shared file system) the PID decides on its own host only: on another host the same number
     is another process, so a run there stays the folder's holder however dead that PID is here."""

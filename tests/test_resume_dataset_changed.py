@@ -97,6 +97,15 @@ def test_the_fingerprint_follows_the_bytes_of_a_file_or_folder(tmp_path):
     assert fingerprint(str(folder)) != in_folder
 
 
+def test_the_same_bytes_under_another_name_are_the_same_rows_under_another_suffix_other_rows(tmp_path):
+    """The suffix is the format the file is read as: data.jsonl's bytes as data.csv are other rows."""
+    data = _data(tmp_path, "train")
+    moved, as_csv = tmp_path / "moved.jsonl", tmp_path / "data.csv"
+    for copy in (moved, as_csv):
+        copy.write_bytes(data.read_bytes())
+    assert fingerprint(str(moved)) == fingerprint(str(data)) != fingerprint(str(as_csv))
+
+
 def test_a_resume_after_the_eval_dataset_was_edited_warns(tmp_path, capsys):
     data, run = _data(tmp_path, "train"), tmp_path / "run"
     held_out = tmp_path / "eval.jsonl"
