@@ -27,6 +27,19 @@ def is_peft_model(model: nn.Module) -> bool:
     return hasattr(model, "peft_config") and callable(getattr(model, "get_base_model", None))
 
 
+def lora_rank(model: nn.Module) -> int | None:
+    """The rank of a PEFT model's active LoRA adapter; None for another model or tuner."""
+    config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
+    return getattr(config, "r", None)
+
+
+def values_held(param: torch.Tensor) -> int:
+    """The values a parameter holds: a bitsandbytes 4-bit weight (Params4bit) packs two in a byte of its storage
+    dtype, so its numel() counts the storage, not the values."""
+    packed = 2 * param.element_size() if type(param).__name__ == "Params4bit" else 1
+    return param.numel() * packed
+
+
 def adapters_active(module: nn.Module) -> bool:
     """A PEFT tuner layer (e.g. LoRA) whose unmerged adapters run in its forward: its `.weight` is the base alone."""
     return (

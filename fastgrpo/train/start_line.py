@@ -12,6 +12,8 @@ from collections import Counter
 
 import torch
 
+from fastgrpo.hf.models import lora_rank, unwrap_peft, values_held
+
 logger = logging.getLogger(__name__)
 
 
@@ -26,14 +28,14 @@ def describe_model(model: torch.nn.Module, trains: bool = True) -> str:
     total = trained = 0
     dtypes: Counter = Counter()
     for param in model.parameters():
-        values = param.numel() * _values_per_element(param)
+        values = values_held(param)
         total += values
         trained += values if param.requires_grad else 0
-        dtypes["4-bit" if _values_per_element(param) > 1 else str(param.dtype).removeprefix("torch.")] += values
+        dtypes["4-bit" if values > param.numel() else str(param.dtype).removeprefix("torch.")] += values
     dtype = ", ".join(name for name, _ in dtypes.most_common())
     if not trains:
         return f"{_class_name(model)} ({count(total)} parameters, {dtype})"
-    rank = _lora_rank(model)
+    rank = lora_rank(model)
     which = f"; LoRA r{rank}: {count(trained)} trained" if rank else ", all trained" if trained == total else \
         f"; {count(trained)} trained"
     return f"{_class_name(model)} ({count(total)} parameters, {dtype}{which})"
@@ -57,19 +59,7 @@ def count(n: int) -> str:
     return str(n)
 
 
-def _values_per_element(param: torch.Tensor) -> int:
-    """bitsandbytes' Params4bit packs two 4-bit values a byte of its storage dtype."""
-    if type(param).__name__ != "Params4bit":
-        return 1
-    return 2 * param.element_size()
-
-
-def _lora_rank(model: torch.nn.Module) -> int | None:
-    config = getattr(model, "peft_config", {}).get(getattr(model, "active_adapter", "default"))
-    return getattr(config, "r", None)
-
-
 def _class_name(model: torch.nn.Module) -> str:
     """The HF model's class under PEFT's wrapper and FSDP2's (a class made at run time, `FSDP<class>`)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = unwrap_peft(model)
     return next(c for c in type(base).__mro__ if not c.__module__.startswith("torch.distributed")).__name__
