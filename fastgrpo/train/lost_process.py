@@ -41,8 +41,9 @@ def note_processes() -> None:
 
 
 def sigterm_unless_leaving(signum: int, frame) -> None:
-    """SIGTERM's handler in a process of a torchrun launch (init_distributed installs it; the run loop's InterruptGuard
-    puts its own in place while it runs, then this one back). torchrun sends SIGTERM to the processes left once one
+    """SIGTERM's handler in a process of a torchrun launch (init_distributed installs it where SIGTERM had none, and a
+    command's sigterm_as_ctrl_c hands SIGTERM to it when left with such an error; the run loop's InterruptGuard puts
+    its own in place while it runs, then this one back). torchrun sends SIGTERM to the processes left once one
     ended: arriving after the collective's error left the loop and before the line was printed, its default action
     ended the process without a word (1 launch in 20 on a loaded 2-core machine). An error on its way out and another
     process ended: the signal is taken, the line follows. Anywhere else it has its default action."""
