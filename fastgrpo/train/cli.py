@@ -4,8 +4,7 @@ Commands are rows of COMMANDS: a name, its help, a function adding its flags and
 parses, finds the row and runs it under fastgrpo.train.errors.run_command, which turns every ending into one line
 and an exit code (2: bad input, 1: the run could not go on, 130 / 143: SIGINT / SIGTERM, after a checkpoint where
 a run loop took the signal); `--debug`, added to every command, shows tracebacks instead. To add a command, append a
-Command whose `run` raises ValueError for bad input, runs its body under interrupts.sigterm_as_ctrl_c, and imports
-what is heavy inside `run`.
+Command whose `run` raises ValueError for bad input, and import what is heavy inside `run`.
 
 `fastgrpo train [--config X.yaml] [--field value ...]` builds the model, data and rewards a config names and
 trains. With neither --model nor --dataset it runs the built-in default (fastgrpo.train.default_task) on the CPU;
@@ -32,7 +31,7 @@ from fastgrpo.train.config_file import add_config_file_argument
 from fastgrpo.train.console import change, run_files
 from fastgrpo.train.errors import RunError, run_command
 from fastgrpo.train.export_command import EXPORT_DESCRIPTION, EXPORT_HELP, run_export
-from fastgrpo.train.interrupts import interrupted_while_starting, starting_signals
+from fastgrpo.train.interrupts import interrupted_while_starting, sigterm_as_ctrl_c, starting_signals
 from fastgrpo.train.naming import flag
 from fastgrpo.train.resume_before_load import (
     check_base_before_load, check_export_before_load, check_resume_before_load, finished_run,
@@ -206,9 +205,10 @@ def _naming_sources(args: argparse.Namespace, run: Callable, parser: argparse.Ar
     config_from_args recorded it: `dtype (from run.yaml): expected one of [...], got 'bf16'`. An error after a Ctrl-C
     that a library swallowed (starting_signals) is the interrupt's doing (a half-imported module; a cut read, which
     transformers reports as an OSError): run_command says it as the interrupt, not as the error (--debug: its
-    traceback)."""
+    traceback). A SIGTERM outside a run loop's InterruptGuard (as the model loads; all of eval and export) stops the
+    command as a Ctrl-C there does (sigterm_as_ctrl_c): one line, exit 143, the output folder's lock released."""
     try:
-        with naming_recorded_sources():
+        with naming_recorded_sources(), sigterm_as_ctrl_c():
             return run(parser, args)
     except Exception as err:
         if interrupted_while_starting():
@@ -239,15 +239,6 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_train(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
-
-    # a SIGTERM before the run loop's InterruptGuard takes it (as the model loads) or after (the closing line) stops
-    # the command as a Ctrl-C there does: one line, exit 143, the output folder's lock released
-    with sigterm_as_ctrl_c():
-        return _grpo(args)
-
-
-def _grpo(args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.offload import OffloadMemoryError

@@ -305,13 +305,6 @@ def _train(config, dist, finished, tokenizer, make_trainer, args) -> list[dict]:
 
 
 def run_sft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
-
-    with sigterm_as_ctrl_c():  # outside the run loop's InterruptGuard, a SIGTERM stops it as a Ctrl-C (run_train)
-        return _sft(args)
-
-
-def _sft(args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sft_rows_before_load
     from fastgrpo.train.input_checks import check_lengths_before_load
     from fastgrpo.train.loading import load_run_datasets, tokenizer_before_load
@@ -337,13 +330,6 @@ def _sft(args: argparse.Namespace) -> int:
 
 
 def run_ei(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
-
-    with sigterm_as_ctrl_c():  # outside the run loop's InterruptGuard, a SIGTERM stops it as a Ctrl-C (run_train)
-        return _ei(args)
-
-
-def _ei(args: argparse.Namespace) -> int:
     from fastgrpo.train.early_checks import check_sampling_before_load
     from fastgrpo.train.expert_iteration import ExpertIteration, check_process_split
     from fastgrpo.train.input_checks import check_lengths_before_load
@@ -376,13 +362,6 @@ def _ei(args: argparse.Namespace) -> int:
 
 
 def run_eval(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
-
-    with sigterm_as_ctrl_c():  # a scheduler's SIGTERM leaves the previous results and no partial write, as a Ctrl-C
-        return _eval(args)
-
-
-def _eval(args: argparse.Namespace) -> int:
     import torch
 
     from fastgrpo.rollout import BuiltinEngine

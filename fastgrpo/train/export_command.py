@@ -6,8 +6,8 @@ The checkpoint loads as `fastgrpo eval --checkpoint` loads it: over the base mod
 model's new path), with the run's LoRA settings and seed, in the run's dtype unless --dtype. The output folder is
 checked as a run's is (never inside a run's checkpoint-<step>/ or final/; a file or broken symlink there is one line),
 must be new or empty, or (--overwrite-output-dir) hold another export's files only, and is written whole or not at
-all (atomic_directory). A Ctrl-C or SIGTERM (sigterm_as_ctrl_c) stops it with one line, exit 130 / 143, and nothing
-new in place, one that a library swallowed too.
+all (atomic_directory). A Ctrl-C or SIGTERM (cli's sigterm_as_ctrl_c) stops it with one line, exit 130 / 143, and
+nothing new in place, one that a library swallowed too.
 """
 from __future__ import annotations
 
@@ -32,13 +32,6 @@ _REQUIRED = {"checkpoint": "a run's checkpoint-<step>/ folder or its output_dir"
 
 
 def run_export(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    from fastgrpo.train.interrupts import sigterm_as_ctrl_c
-
-    with sigterm_as_ctrl_c():  # a scheduler's SIGTERM leaves no partial folder, as a Ctrl-C does
-        return _export(args)
-
-
-def _export(args: argparse.Namespace) -> int:
     from fastgrpo.train.final_export import export_model
     from fastgrpo.train.eval_model import evaluated_model
     from fastgrpo.train.interrupts import stop_if_interrupted
