@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fastgrpo.train import evaluate, final_export
+from fastgrpo.train import evaluate, final_export, run_dir
 from fastgrpo.train.cli import main
 from tests.test_interrupt_eval_export import EVAL, QUIET, _entries, _files
 from tests.test_newcomer_cli import ctrl_c_swallowed
@@ -183,7 +183,11 @@ def test_eval_fsyncs_its_files_before_renaming_them_and_the_folder_after(tmp_pat
     """A power loss after a rename whose file's data had not reached the disk leaves results.jsonl or summary.json
     empty (or cut) under its final name. Before: no fsync at all."""
     events, real_replace = [], os.replace
-    monkeypatch.setattr(evaluate, "fsync_path", lambda path: events.append(("fsync", path.name, _text(path))))
+    def fsync(path):
+        events.append(("fsync", path.name, _text(path)))
+
+    monkeypatch.setattr(evaluate, "fsync_path", fsync)  # the folder's
+    monkeypatch.setattr(run_dir, "fsync_path", fsync)  # each file's, as write_beside writes it
     monkeypatch.setattr(evaluate.os, "replace", lambda src, dst: (events.append(("rename", Path(dst).name, None)),
                                                                   real_replace(src, dst)))
     records, summary = [{"index": 0, "completion": "a"}], {"accuracy": 1.0}

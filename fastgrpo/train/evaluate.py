@@ -326,8 +326,7 @@ def write_eval(records: list[dict], summary: dict, examples_path: str | Path, su
              summary_path: json.dumps(summary, indent=2) + "\n"}
     try:
         for path, text in texts.items():
-            write_beside(path, text)
-            fsync_path(partial_write(path))
+            write_beside(path, text)  # fsynced
         summary_path.unlink(missing_ok=True)
         for path in texts:
             os.replace(partial_write(path), path)

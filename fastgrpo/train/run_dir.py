@@ -440,17 +440,17 @@ def _alive(pid) -> bool:
 def write_whole(path: Path, text: str) -> None:
     """`text` into the file `path` (its folder made), whole or not at all: written beside it and flushed to the disk,
     then renamed over it (after a power loss the name holds the old text or the new, not an empty file)."""
-    written = write_beside(path, text)
-    fsync_path(written)
-    os.replace(written, path)
+    os.replace(write_beside(path, text), path)
     fsync_path(path.parent)
 
 
 def write_beside(path: Path, text: str) -> Path:
-    """`text` into the hidden file beside `path` (its folder made) that write_whole renames over it; that file."""
+    """`text` into the hidden file beside `path` (its folder made) that write_whole renames over it, flushed to the
+    disk (a name renamed over it then holds it after a power loss); that file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = partial_write(path)
     tmp.write_text(text)
+    fsync_path(tmp)
     return tmp
 
 
