@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from fastgrpo.train import evaluate, final_export, run_dir
+from fastgrpo.train import evaluate, run_dir
 from fastgrpo.train.cli import main
-from tests.test_interrupt_eval_export import EVAL, QUIET, _entries, _files
+from tests.test_interrupt_eval_export import EVAL, QUIET, _entries, _files, as_export_writes, export_into
 from tests.test_newcomer_cli import ctrl_c_swallowed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,11 +71,8 @@ def run(tmp_path_factory):
 def test_sigterm_as_export_writes_leaves_the_previous_export_and_no_partial_copy(run, tmp_path, into):
     """Before: killed (-15) with the tokenizer written into .export.tmp-<pid>/ beside the output folder, and a new
     output folder left empty."""
-    out, flags = tmp_path / "export", []
-    if into == "a previous export":
-        assert main(["export", "--checkpoint", str(run / "checkpoint-1"), "--output-dir", str(out)]) == 0
-        flags = ["--overwrite-output-dir"]
-    before = _files(out) if out.exists() else None
+    out = tmp_path / "export"
+    flags, before = export_into(run, out, into)
     # as the model's files are written: the tokenizer is, the run config and export.json are not yet
     hook = _signal_in("final_export", "finish_export", before="args[1].save_pretrained(args[0])")
     done = _child(["export", "--checkpoint", str(run), "--output-dir", str(out), *flags], hook)
@@ -111,19 +108,9 @@ def test_a_ctrl_c_swallowed_as_export_writes_puts_nothing_in_place(run, tmp_path
     """As a Ctrl-C that reaches Python there (test_interrupt_eval_export), and as eval, which checks for one after
     each batch and writes nothing once it did: exit 130, the previous export (or none) in place. Before: the export
     was written, exit 0, though the user had asked it to stop."""
-    out, flags = tmp_path / "export", []
-    if into == "a previous export":
-        assert main(["export", "--checkpoint", str(run / "checkpoint-1"), "--output-dir", str(out)]) == 0
-        flags = ["--overwrite-output-dir"]
-    before = _files(out) if out.exists() else None
-    finish = final_export.finish_export
-
-    def swallowed_as_it_writes(folder, tokenizer, *args):
-        tokenizer.save_pretrained(folder)
-        ctrl_c_swallowed()
-        return finish(folder, tokenizer, *args)
-
-    monkeypatch.setattr(final_export, "finish_export", swallowed_as_it_writes)
+    out = tmp_path / "export"
+    flags, before = export_into(run, out, into)
+    as_export_writes(monkeypatch, ctrl_c_swallowed)
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(run), "--output-dir", str(out), *flags]) == 130
     assert capsys.readouterr().err == "fastgrpo export: interrupted\n"

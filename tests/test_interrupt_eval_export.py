@@ -130,6 +130,31 @@ def _files(folder):
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir())}
 
 
+def export_into(run, out, into: str) -> tuple[list[str], dict | None]:
+    """`out` made ready as `into` says ("a new folder", "an empty folder", "a previous export"): the flags an export
+    into it takes, and its files before it (None: no folder)."""
+    flags = []
+    if into == "an empty folder":
+        out.mkdir()
+    elif into == "a previous export":
+        assert main(["export", "--checkpoint", str(run / "checkpoint-1"), "--output-dir", str(out)]) == 0
+        flags = ["--overwrite-output-dir"]
+    return flags, (_files(out) if out.exists() else None)
+
+
+def as_export_writes(monkeypatch, act) -> None:
+    """export's model files written in part when act() runs: the tokenizer is, the run config and export.json not
+    yet (final_export.finish_export patched)."""
+    finish = final_export.finish_export
+
+    def acting(folder, tokenizer, *args):
+        tokenizer.save_pretrained(folder)
+        act()
+        return finish(folder, tokenizer, *args)
+
+    monkeypatch.setattr(final_export, "finish_export", acting)
+
+
 @pytest.mark.parametrize("into", ["a new folder", "an empty folder", "a previous export"])
 def test_a_ctrl_c_as_export_writes_leaves_no_part_of_it(run, tmp_path, capsys, monkeypatch, into):
     """Fine before the fix too: the evidence that a Ctrl-C as the model's files are written (the tokenizer written,
@@ -137,21 +162,8 @@ def test_a_ctrl_c_as_export_writes_leaves_no_part_of_it(run, tmp_path, capsys, m
     --overwrite-output-dir replaces stays byte for byte) and no hidden partial copy beside it, and that the same
     export again runs."""
     out = tmp_path / "export"
-    flags = []
-    if into == "an empty folder":
-        out.mkdir()
-    elif into == "a previous export":
-        assert main(["export", "--checkpoint", str(run / "checkpoint-1"), "--output-dir", str(out)]) == 0
-        flags = ["--overwrite-output-dir"]
-    before = _files(out) if out.exists() else None
-    finish = final_export.finish_export
-
-    def interrupted_as_it_writes(folder, tokenizer, *args):
-        tokenizer.save_pretrained(folder)
-        os.kill(os.getpid(), signal.SIGINT)
-        return finish(folder, tokenizer, *args)
-
-    monkeypatch.setattr(final_export, "finish_export", interrupted_as_it_writes)
+    flags, before = export_into(run, out, into)
+    as_export_writes(monkeypatch, lambda: os.kill(os.getpid(), signal.SIGINT))
     capsys.readouterr()
     assert main(["export", "--checkpoint", str(run), "--output-dir", str(out), *flags]) == 130
     assert capsys.readouterr().err == "fastgrpo export: interrupted\n"
