@@ -127,6 +127,7 @@ def test_a_run_that_does_not_export_is_not_refused(tmp_path, tokenizer):
 
 def test_a_lora_variant_over_a_4bit_base_is_refused_before_the_first_step(tmp_path, tokenizer):
     """DoRA (or a LoRA bias) merged into a 4-bit base would have to be quantized again: refused at the start."""
+    pytest.importorskip("bitsandbytes", reason="a 4-bit base needs bitsandbytes (the dev extra installs it)")
     from transformers import BitsAndBytesConfig
 
     _base(tokenizer, arch="qwen2").save_pretrained(tmp_path / "base")

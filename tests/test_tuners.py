@@ -215,6 +215,7 @@ def test_a_grpo_run_of_another_tuner_trains_and_exports(tmp_path, tuner):
 def test_another_tuner_over_a_4bit_base_is_refused_by_the_export(tmp_path):
     """Its merge would have to quantize the merged weight again (as DoRA's over a 4-bit base): one line, at the
     start of a run that exports."""
+    pytest.importorskip("bitsandbytes", reason="a 4-bit base needs bitsandbytes (the dev extra installs it)")
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     tokenizer = default_task.build_tokenizer()
