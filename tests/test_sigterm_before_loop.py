@@ -8,7 +8,15 @@ import subprocess
 
 import pytest
 
-from tests.test_eval_export_signals import CHILD_TIMEOUT_S, SWALLOWED_LINE, _child, _ended_in_one_line, _signal_in
+from tests.test_eval_export_signals import (
+    CHILD_TIMEOUT_S,
+    SEND,
+    SWALLOWED,
+    SWALLOWED_LINE,
+    _child,
+    _ended_in_one_line,
+    _signal_in,
+)
 from tests.test_interrupt_eval_export import QUIET, _entries
 from tests.test_lost_process import torchrun_train
 
@@ -45,6 +53,33 @@ def test_a_sigterm_a_library_swallowed_as_the_model_loaded_stops_before_the_firs
     _ended_in_one_line(done, "train", "terminated", 143)
     assert SWALLOWED_LINE in done.stderr, done.stderr
     assert _entries(out) is None, _entries(out)  # no step ran: the folder the run created gone with its lock
+
+
+# SIGTERM as `python -m fastgrpo` imports torch (fastgrpo.__main__, before the command's parser exists); swallowed: in
+# a try that takes the KeyboardInterrupt, as torch's numpy import does with a Ctrl-C
+AS_TORCH_IMPORTS = """
+import importlib.abc, os, signal, sys
+class SignalAtImport(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "torch":
+            sys.meta_path.remove(self)
+            {send}
+        return None
+sys.meta_path.insert(0, SignalAtImport())
+"""
+
+
+@pytest.mark.parametrize("swallowed", [False, True], ids=["raised", "swallowed"])
+def test_a_sigterm_as_torch_imports_is_one_line(tmp_path, swallowed):
+    """Before: Python's default killed the process (exit -15) without a line. Swallowed where it landed, torch's
+    import then fails (it registers its ops twice): that error is the signal's doing, and says so in the same line."""
+    out = tmp_path / "run"
+    send = SWALLOWED.replace("\n    ", "\n            ") if swallowed else SEND
+    done = _run("train", out, AS_TORCH_IMPORTS.format(send=send.format(signal="SIGTERM")))
+    assert (done.returncode, done.stderr.strip().splitlines()[-1]) == (143, "fastgrpo: terminated"), \
+        f"exit {done.returncode}; stderr:\n{done.stderr}"
+    assert "Traceback" not in done.stderr and (SWALLOWED_LINE in done.stderr) == swallowed, done.stderr
+    assert not out.exists()
 
 
 # SIGTERM as the loop's progress display closes: the InterruptGuard gone, the output folder's lock still held

@@ -103,10 +103,13 @@ def starting_signals():
     signals (eval and export have none: to their end): SIGINT raises KeyboardInterrupt, as Python's own handler does,
     and is noted (interrupted_while_starting, stop_if_interrupted), since a library may swallow it (seen: the run went
     on) or turn it into another error (transformers' lazy import of the model class, cut in numpy's: a RecursionError,
-    then a ModuleNotFoundError and its traceback). Left alone where SIGINT is not Python's default handler (ignored in
-    a background job, a caller's own)."""
+    then a ModuleNotFoundError and its traceback). SIGTERM raises Terminated, noted the same way, from the first
+    import on (sigterm_as_ctrl_c keeps it so for the command's body): Python's default killed the process without a
+    line. Each is left alone where it is not Python's default (ignored in a background job, a caller's own)."""
     main_thread = threading.current_thread() is threading.main_thread()
-    if not main_thread or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    takes_int = main_thread and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    takes_term = main_thread and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    if not (takes_int or takes_term):
         yield
         return
 
@@ -114,12 +117,30 @@ def starting_signals():
         _STARTING.append(signum)
         raise KeyboardInterrupt
 
-    signal.signal(signal.SIGINT, note)
+    if takes_int:
+        signal.signal(signal.SIGINT, note)
+    if takes_term:
+        signal.signal(signal.SIGTERM, _sigterm_stops)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        if takes_int:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if takes_term and signal.getsignal(signal.SIGTERM) is _sigterm_stops:  # not sigterm_unless_leaving
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         _STARTING.clear()
+
+
+def _sigterm_stops(signum, frame) -> None:
+    """SIGTERM's handler while a command starts and runs outside a run loop (starting_signals, sigterm_as_ctrl_c)."""
+    if another_process_ended():
+        raise ProcessLost(signal.Signals(signum).name)
+    _STARTING.append(signum)
+    raise Terminated
+
+
+def terminated_while_starting() -> bool:
+    return signal.SIGTERM in _STARTING
 
 
 def interrupted_while_starting() -> bool:
@@ -131,7 +152,7 @@ def stop_if_interrupted() -> None:
     that a library swallowed. `fastgrpo eval` and `fastgrpo export` have no run loop to take the signals over:
     starting_signals keeps them to the command's end, and they call this where their work begins (after the model's
     load), after each of eval's batches, and before a folder atomic_directory filled is renamed into place."""
-    if signal.SIGTERM in _STARTING:
+    if terminated_while_starting():
         raise Terminated
     if _STARTING:
         raise KeyboardInterrupt
@@ -151,21 +172,15 @@ def sigterm_as_ctrl_c():
     has a handler of another's (a caller's own, a run loop's InterruptGuard)."""
     main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.getsignal(signal.SIGTERM)
-    if not main_thread or previous not in (signal.SIG_DFL, sigterm_unless_leaving):
+    if not main_thread or previous not in (signal.SIG_DFL, sigterm_unless_leaving, _sigterm_stops):
         yield
         return
 
-    def note(signum, frame):
-        if another_process_ended():
-            raise ProcessLost(signal.Signals(signum).name)
-        _STARTING.append(signum)
-        raise Terminated
-
-    signal.signal(signal.SIGTERM, note)
+    signal.signal(signal.SIGTERM, _sigterm_stops)
     try:
         yield
     except Exception as err:  # e.g. transformers' ModuleNotFoundError for a lazy import the signal cut
-        if signal.SIGTERM in _STARTING:
+        if terminated_while_starting():
             raise Terminated from err
         raise
     finally:
