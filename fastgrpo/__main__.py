@@ -23,15 +23,17 @@ def main() -> int:
             return run()
         except KeyboardInterrupt as stop:
             terminated = isinstance(stop, Terminated)
-            if "--debug" in sys.argv and not terminated:
-                raise
-            if "--debug" in sys.argv:  # raised on, it would end the process with exit 1
-                traceback.print_exc()
+            if "--debug" in sys.argv:
+                if not terminated:
+                    raise
+                traceback.print_exc()  # Terminated raised on would end the process with exit 1
         except Exception as err:  # transformers' lazy imports re-raise a KeyboardInterrupt as a ModuleNotFoundError
             if "--debug" in sys.argv or not (_caused_by_interrupt(err) or interrupted_while_starting()):
                 raise
             terminated = terminated_while_starting()
-    if os.environ.get("RANK", "0") == "0":  # torchrun passes a signal to every process: the first one says it
+    # torchrun passes a signal to every process: the first one says it. torchrun's RANK read here, not through
+    # ranks.is_main_process, which imports torch.distributed: torch may be the import the signal cut
+    if os.environ.get("RANK", "0") == "0":
         print(f"fastgrpo: {'terminated' if terminated else 'interrupted'}", file=sys.stderr, flush=True)
     return Terminated.exit_code if terminated else 130
 
