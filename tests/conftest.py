@@ -11,6 +11,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers share the cores: a worker's torch threads beyond its share would wait on the others'
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, torch.get_num_threads() // _WORKERS))
+
 
 def _define_every_kernel() -> None:
     """Import every fastgrpo.kernels module now, so each @triton.jit is defined under the interpreter: a test that
