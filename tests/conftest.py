@@ -42,6 +42,25 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
+WORKER_MEMORY_GIB = 2  # a worker peaked at 1.1 GB (RSS, the whole CPU suite on 2 workers); its tests' children add more
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core (xdist's count) as long as the available memory gives each WORKER_MEMORY_GIB, so
+    a machine of many cores and little memory runs fewer workers instead of swapping. PYTEST_XDIST_AUTO_NUM_WORKERS,
+    if set, is xdist's to apply."""
+    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
+        return None
+    from xdist.plugin import pytest_xdist_auto_num_workers as one_per_core
+
+    try:
+        with open("/proc/meminfo") as meminfo:
+            available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):  # not Linux: the cores alone
+        return one_per_core(config)
+    return max(1, min(one_per_core(config), available_kib // (WORKER_MEMORY_GIB * 2**20)))
+
+
 def pytest_sessionstart(session):
     """Print the versions this session tests against (a fresh machine gets the newest that pyproject allows), also
     under -q, which hides pytest's report header."""
