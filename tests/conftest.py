@@ -42,7 +42,7 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-WORKER_MEMORY_GIB = 2  # a worker peaked at 1.1 GB (RSS, the whole CPU suite on 2 workers); its tests' children add more
+WORKER_MEMORY_GIB = 2  # the CPU suite's largest Python process (worker or test child) peaked at 1.1 GB RSS
 
 
 def pytest_xdist_auto_num_workers(config):
