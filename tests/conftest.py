@@ -53,12 +53,20 @@ def pytest_xdist_auto_num_workers(config):
         return None
     from xdist.plugin import pytest_xdist_auto_num_workers as one_per_core
 
-    try:
-        with open("/proc/meminfo") as meminfo:
-            available_kib = next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):  # not Linux: the cores alone
+    available_kib = available_memory_kib()
+    if available_kib is None:
         return one_per_core(config)
     return max(1, min(one_per_core(config), available_kib // (WORKER_MEMORY_GIB * 2**20)))
+
+
+def available_memory_kib() -> int | None:
+    """What the kernel estimates new processes can take without swapping, in KiB; None without /proc/meminfo (not
+    Linux: the cores alone decide)."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration):
+        return None
 
 
 def pytest_sessionstart(session):
