@@ -42,31 +42,11 @@ settings.register_profile("dev", max_examples=30, deadline=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
 
-WORKER_MEMORY_GIB = 2  # the CPU suite's largest Python process (worker or test child) peaked at 1.1 GB RSS
-
-
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: one worker per core (xdist's count) as long as the available memory gives each WORKER_MEMORY_GIB, so
-    a machine of many cores and little memory runs fewer workers instead of swapping. PYTEST_XDIST_AUTO_NUM_WORKERS,
-    if set, is xdist's to apply."""
-    if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
-        return None
-    from xdist.plugin import pytest_xdist_auto_num_workers as one_per_core
+    """`-n auto`: one worker per core as memory allows (tests/worker_count.py)."""
+    from tests.worker_count import auto_workers
 
-    available_kib = available_memory_kib()
-    if available_kib is None:
-        return one_per_core(config)
-    return max(1, min(one_per_core(config), available_kib // (WORKER_MEMORY_GIB * 2**20)))
-
-
-def available_memory_kib() -> int | None:
-    """What the kernel estimates new processes can take without swapping, in KiB; None without /proc/meminfo (not
-    Linux: the cores alone decide)."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            return next(int(line.split()[1]) for line in meminfo if line.startswith("MemAvailable:"))
-    except (OSError, StopIteration):
-        return None
+    return auto_workers(config)
 
 
 def pytest_sessionstart(session):
