@@ -65,9 +65,10 @@ def raise_unless_in_range(name: str, low: int, high: int, upper: int) -> None:
 
 
 def read_ints(*values: torch.Tensor) -> list[int]:
-    """0-dim integer / bool tensors -> Python ints in one host read: one sync on CUDA for all the value checks of a
-    call, instead of one per check (each stalls the host until the GPU drains its queue)."""
-    return torch.stack([v.reshape(()).long() for v in values]).tolist()
+    """Integer / bool tensors (0-dim, or 1-D: their values in order) -> Python ints in one host read: one sync on
+    CUDA for all the value checks of a call, instead of one per check (each stalls the host until the GPU drains
+    its queue)."""
+    return torch.cat([v.reshape(-1).long() for v in values]).tolist()
 
 
 def nonbinary(mask: torch.Tensor) -> torch.Tensor:

@@ -2,8 +2,9 @@
 
 Alignment, for every [B, T] tensor here: position t is about token input_ids[:, t] predicted from
 input_ids[:, :t]; only positions where completion_mask is 1 count (log-probs elsewhere are 0). The backbone runs
-on all T positions (padded rows without their mask where that changes nothing read: fastgrpo.loss.row_layout); the
-fused lm_head + loss runs on the columns that hold completion tokens only.
+on all T positions (padded rows without their mask where that changes nothing read: fastgrpo.loss.row_layout;
+adjacent rows of one prompt with the prompt once: fastgrpo.loss.shared_prompts); the fused lm_head + loss runs on
+the columns that hold completion tokens only.
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from fastgrpo.hf.models import (
     head_bias,
     logit_softcap,
 )
+from fastgrpo.loss import shared_prompts
 from fastgrpo.loss.config import (
     GRPOLossConfig,
     check_extra_inputs,
@@ -61,16 +63,18 @@ class _Batch(NamedTuple):
     window: slice  # the input_ids columns from the first to the last that hold a completion token
     completion_tokens: int  # completion_mask's 1s
     layout: Unpadded  # how the backbone runs the rows
+    packing: shared_prompts.Packing | None  # rows of one prompt run it once (loss.shared_prompts); None: unpacked
 
 
 def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
              vocab_size: int, advantages: torch.Tensor | None = None,
              per_token: dict[str, torch.Tensor | Masked | None] | None = None,
-             correction: tuple[torch.Tensor, str] | None = None) -> _Batch:
+             correction: tuple[torch.Tensor, str] | None = None, may_pack: bool = False) -> _Batch:
     """Check the inputs (and that advantages, when given, are finite, and the per_token tensors where
     completion_mask is 1; correction: (token_weights [B, T], level) of a rollout correction, for an overflow there)
     and find the completion window, reading their values in one host sync (not one per check: each sync stops the
-    host from queueing work while the GPU finishes the previous micro-batch)."""
+    host from queueing work while the GPU finishes the previous micro-batch). may_pack: also plan the packing of rows
+    that share a prompt (shared_prompts.plan), from values read in the same sync."""
     per_token = per_token or {}
     check_shape("input_ids", input_ids, (None, None))
     B, T = input_ids.shape
@@ -84,12 +88,14 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     completion = completion_mask.bool()
     columns = completion.any(0)  # columns: [T]
     positions = torch.arange(T, device=columns.device)
+    first_completion = torch.where(columns, positions, T).min()
+    facts = shared_prompts.device_facts(input_ids, attention_mask, first_completion) if may_pack else []
     (attention_flag, completion_flag, first_column, on_padding, low, high, first, last, tokens, droppable, left,
      longest, *bad) = read_ints(
         nonbinary(attention_mask), nonbinary(completion_mask), completion[:, 0].any(),
         _first_flat_index(completion & ~attention_mask.bool()), *input_ids.aminmax(),
-        torch.where(columns, positions, T).min(), torch.where(columns, positions, -1).max(), completion.sum(),
-        *padding_facts(attention_mask, completion_mask),
+        first_completion, torch.where(columns, positions, -1).max(), completion.sum(),
+        *padding_facts(attention_mask, completion_mask), *facts,
         *(() if advantages is None else first_nonfinite(advantages)), *masked_nonfinite(completion_mask, per_token),
         *(() if correction is None else first_nonfinite(correction[0], completion_mask)[:1]),
     )
@@ -101,6 +107,7 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
         raise ValueError("completion_mask: is 1 where attention_mask is 0 (row {}, column {}): a padding position "
                          "cannot be a completion token".format(*divmod(on_padding, T)))
     raise_unless_in_range("input_ids", low, high, vocab_size)
+    sharing, bad = (bad[:3 + B - 1], bad[3 + B - 1:]) if facts else ([], bad)
     if advantages is not None:
         raise_if_nonfinite("advantages", advantages.shape, *bad[:2])
         bad = bad[2:]
@@ -110,7 +117,11 @@ def _inspect(input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_m
     if correction is not None:
         raise_if_overflowed(correction[1], input_ids.shape, overflow)
     window = slice(1, 2) if tokens == 0 else slice(first, last + 1)
-    return _Batch(window, tokens, unpadded(attention_mask, droppable, left, longest))
+    layout = unpadded(attention_mask, droppable, left, longest)
+    packing = None
+    if sharing and tokens and layout.mask is None:
+        packing = shared_prompts.plan(sharing, facts[-1], T, first, longest, layout.length)
+    return _Batch(window, tokens, layout, packing)
 
 
 def _first_flat_index(flags: torch.Tensor) -> torch.Tensor:
@@ -132,12 +143,20 @@ def _hidden_and_window(model, input_ids, attention_mask, completion_mask, advant
     backbone, head = backbone_and_head(model)
     check_inputs_on_head_device(model, head, input_ids)
     batch = _inspect(input_ids, attention_mask, completion_mask, head.weight.shape[0], advantages, per_token,
-                     correction)
+                     correction, may_pack=shared_prompts.supports(backbone.config))
     cols = batch.window
-    hidden = run_backbone(backbone, input_ids, batch.layout)
+    predicting = slice(cols.start - 1, cols.stop - 1)  # the columns whose hidden states predict the window's tokens
+    if batch.packing is None:
+        hidden = run_backbone(backbone, input_ids, batch.layout)
+        check_on_head_device(head, "the base model's hidden states", hidden)
+        return take_columns(hidden, batch.layout, predicting), head, batch  # [B, W, H]
+    shared_prompts.use_packed_attention(backbone.config)
+    packed_ids, positions = shared_prompts.packed_inputs(input_ids, batch.packing)
+    hidden = backbone(input_ids=packed_ids, position_ids=positions,
+                      attention_mask=shared_prompts.placeholder_mask(packed_ids), use_cache=False,
+                      **{shared_prompts.PACKING_KWARG: shared_prompts.layout(batch.packing)}).last_hidden_state
     check_on_head_device(head, "the base model's hidden states", hidden)
-    hidden = take_columns(hidden, batch.layout, slice(cols.start - 1, cols.stop - 1))  # hidden: [B, W, H]
-    return hidden, head, batch
+    return shared_prompts.take_columns(hidden, batch.packing, predicting), head, batch  # [B, W, H]
 
 
 @on_model_device
@@ -178,6 +197,7 @@ def grpo_loss(
     positive rollout or sampling log-prob (NaN: a token the engine could not score, counted 0) are refused in the one
     value read, as is, with old_logps, a weight that overflowed to inf (clip_max None); without old_logps such a
     weight is refused in a second read, and so is a completion token where attention_mask is 0 (padding).
+    Adjacent rows that hold the same prompt run it once (fastgrpo.loss.shared_prompts).
     """
     check_shape("input_ids", input_ids, (None, None))
     check_per_token_inputs(*input_ids.shape, advantages, old_logps, ref_logps)

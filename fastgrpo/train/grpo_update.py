@@ -13,7 +13,8 @@ import torch
 
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.train.loss_setup import (
-    LOSS_EXTRAS, correction_of, loss_config, micro_batch_scale, minibatch_config, rows_may_regroup,
+    LOSS_EXTRAS, correction_of, loss_config, micro_batch_scale, minibatch_config, prompts_then_lengths,
+    rows_may_regroup,
 )
 
 
@@ -42,9 +43,11 @@ def batch_logprobs(model: torch.nn.Module, batch: dict, config, dist, device: to
     size = config.micro_batch_size
     # The adapter is switched off once for the pass: PEFT's switch walks every LoRA layer (37 ms for 28 layers
     # x 7 adapted linears on a 2-core CPU), and done per micro-batch it left the GPU idle in between.
-    # Rows by length: a micro-batch's backbone runs to its longest row only (fastgrpo.loss.row_layout), and
-    # rows of a no-grad pass are independent, so short completions share micro-batches.
-    order = batch["attention_mask"].sum(1).argsort(stable=True)
+    # Rows of a no-grad pass are independent: a prompt's rows share micro-batches (its tokens run once:
+    # fastgrpo.loss.shared_prompts), and so do short completions (the backbone runs to the longest row only).
+    lengths = batch["attention_mask"].sum(1)
+    order = prompts_then_lengths(torch.arange(len(lengths), device=lengths.device), lengths,
+                                 config.num_generations, len(lengths))
     out = torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=device)
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
         for i in range(0, len(order), size):
@@ -86,8 +89,8 @@ def update_policy(trainer, batch: dict, advantages: torch.Tensor, old_logps, ref
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(device)
         for start in range(0, n, mb_size):
             minibatch = order[start:start + mb_size]
-            if regroup:  # short rows share micro-batches, which the backbone runs only to their longest row
-                minibatch = minibatch[lengths[minibatch].argsort(stable=True)]
+            if regroup:  # a prompt's rows, and short rows, share micro-batches (see batch_logprobs)
+                minibatch = prompts_then_lengths(minibatch, lengths, config.num_generations, n)
             # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
             # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
             num_items = int(dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))
