@@ -12,7 +12,7 @@
         --fp8-base                                              # fastgrpo-fp8train's update (sm89+)
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
-completions of exactly C tokens gives (random ids, every completion token counted) with random advantages, and the
+completions of exactly C tokens gives (random ids, a prompt's 8 rows with its ids, every completion token counted) with random advantages, and the
 phases are called as GRPOTrainer.train_step calls them. Variants, the same model re-patched:
   offload     patch_model(offload_activations=True): bench_loop's setting (layer inputs to pinned host memory,
               each layer recomputed in the backward; the MLP tiled in patch_model's default chunks: 14976 tokens
@@ -60,10 +60,12 @@ TILING = {"offload": dict(tiled_mlp=None), "offload-lora-add": dict(tiled_mlp=No
 
 
 def synthetic_batch(case: Case, vocab: int, device: str) -> tuple[dict, torch.Tensor]:
-    """A rollout batch of prompts x generations rows of prompt_length + completion random ids."""
+    """A rollout batch of prompts x generations rows of prompt_length + completion random ids, each prompt's
+    generations rows side by side with its ids (as a rollout returns them)."""
     g = torch.Generator().manual_seed(0)
     n, P, C = case.batch, case.prompt_length, case.completion
     ids = torch.randint(3, vocab, (n, P + C), generator=g)
+    ids[:, :P] = ids[::case.generations, :P].repeat_interleave(case.generations, 0)
     completion = torch.zeros(n, P + C, dtype=torch.long)
     completion[:, P:] = 1
     batch = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "completion_mask": completion,
