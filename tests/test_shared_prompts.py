@@ -172,6 +172,16 @@ def test_what_cannot_share_a_prompt_runs_unpacked(case):
     assert packing is None
 
 
+def test_packed_rows_that_reach_attention_without_their_layout_are_refused():
+    """An architecture that did not hand the packing keyword to attention would run plain SDPA under the placeholder
+    mask: every token seeing every other. It is refused instead."""
+    model = tiny_model("llama")
+    ids = torch.randint(1, VOCAB, (1, 6))
+    shared_prompts.use_packed_attention(model.config)
+    with pytest.raises(RuntimeError, match="without fastgrpo_prompt_packing"):
+        model.model(input_ids=ids, attention_mask=shared_prompts.placeholder_mask(ids))
+
+
 @pytest.mark.parametrize("change", ["eager", "sliding window"])
 def test_attention_that_is_not_plain_causal_sdpa_does_not_pack(change):
     model = tiny_model("qwen2")

@@ -140,6 +140,10 @@ def layout(packing: Packing) -> Layout:
     return Layout(packing.prompt, packing.members, packing.segment)
 
 
+def _is_placeholder(mask) -> bool:
+    return isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[-2:] == (1, 1)
+
+
 def placeholder_mask(ids: torch.Tensor) -> torch.Tensor:
     """The attention_mask argument of a packed forward: transformers passes a 4D mask through as it is, instead of
     building one ([k, 1, T, T], or a packed-sequence mask from the restarting position ids) that the packed
@@ -168,6 +172,10 @@ def shared_prompt_attention(module, query, key, value, attention_mask, dropout=0
 
     query: [k, Hq, T, D], key / value: [k, Hkv, T, D] of k packed rows -> ([k, T, Hq, D], None)."""
     packing = kwargs.get(PACKING_KWARG)
+    if packing is None and query.shape[2] > 1 and _is_placeholder(attention_mask):
+        # a packed forward whose layout did not reach attention: SDPA would let every token see every other
+        raise RuntimeError(f"shared_prompt_attention: packed rows reached {type(module).__name__} without "
+                           f"{PACKING_KWARG}: this architecture does not hand its keyword arguments to attention")
     if packing is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
