@@ -12,7 +12,7 @@ from transformers.models.qwen2 import modeling_qwen2
 from fastgrpo.loss import shared_prompts
 from fastgrpo.loss.model import _hidden_and_window, grpo_loss, sequence_logprobs
 from fastgrpo.patching import patch_model, unpatch_model
-from fastgrpo.train.loss_setup import prompts_then_lengths
+from fastgrpo.train.micro_batches import backbone_tokens, micro_batch_order, prompts_then_lengths
 
 VOCAB = 61
 # fp64 with the same per-token math on both sides; only sums over tokens (a prompt token's gradient from its g rows)
@@ -204,11 +204,49 @@ def test_a_saved_model_keeps_no_trace_of_the_packed_attention(tmp_path):
                                sequence_logprobs(model, ids, mask, completion), rtol=RTOL, atol=ATOL)
 
 
-def test_micro_batches_take_a_prompts_rows_side_by_side_short_prompts_first():
+def test_prompts_then_lengths_puts_a_prompts_rows_side_by_side_short_prompts_first():
     # 3 prompts x 2 rows; prompt 1's rows are the shortest, prompt 0's the longest
     lengths = torch.tensor([9, 3, 2, 1, 5, 4])
     order = prompts_then_lengths(torch.tensor([5, 0, 3, 1, 2, 4]), lengths, 2, 6)
-    assert order.tolist() == [3, 2, 5, 4, 0, 1]
+    assert order.tolist() == [2, 3, 4, 5, 0, 1]  # a prompt's rows in batch order
+
+
+def batch_of(prompt, completion_lengths, group_size, columns):
+    """A trainer batch: len(completion_lengths) / group_size prompts of `prompt` tokens, completions as given."""
+    B = len(completion_lengths)
+    mask, completion = torch.zeros(B, columns, dtype=torch.long), torch.zeros(B, columns, dtype=torch.long)
+    for row, n in enumerate(completion_lengths):
+        mask[row, :prompt + n] = 1
+        completion[row, prompt:prompt + n] = 1
+    ids = torch.randint(1, VOCAB, (B, columns)) * mask
+    return {"input_ids": ids, "attention_mask": mask, "completion_mask": completion}
+
+
+def test_micro_batches_by_prompt_where_the_prompt_is_long_and_lengths_alike():
+    # 2 prompts x 4 rows of a 256-token prompt, completions 100-112: by prompt, 2 x (256 + 4 x 112) = 1,408 tokens;
+    # by length, micro-batches of 4 rows run 4 x 384 each: 3,072
+    lengths = [100, 112, 104, 108, 110, 101, 106, 103]
+    batch = batch_of(256, lengths, 4, 400)
+    order = micro_batch_order(torch.arange(8), batch, 4, 4)
+    assert order.tolist() == [4, 5, 6, 7, 0, 1, 2, 3]  # one prompt per micro-batch; the shorter longest row first
+
+
+def test_micro_batches_by_length_where_the_prompt_is_short_and_lengths_spread():
+    # each prompt's 4 rows: 8, 8, 8 tokens and one of 1,000; by prompt every micro-batch runs four 1,008-token
+    # segments, by length three of them run 128 columns
+    lengths = [8, 8, 8, 1000] * 4
+    batch = batch_of(8, lengths, 4, 1100)
+    order = micro_batch_order(torch.arange(16), batch, 4, 4)
+    assert order.tolist() == [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 3, 7, 11, 15]
+
+
+def test_backbone_tokens_counts_what_row_layout_and_the_packing_run():
+    lengths, prompts = [300, 290, 260, 280], [256] * 4
+    # unpacked: 4 rows x 384 columns (300 rounded up to 128); packed: 256 + 4 x 48 (44 rounded up to 16)
+    assert backbone_tokens([0, 1, 2, 3], lengths, prompts, 512, 256, 4, 4, pack=False) == 4 * 384
+    assert backbone_tokens([0, 1, 2, 3], lengths, prompts, 512, 256, 4, 4, pack=True) == 256 + 4 * 48
+    # rows of two prompts (group_size 2): two packed rows
+    assert backbone_tokens([0, 1, 2, 3], lengths, prompts, 512, 256, 2, 4, pack=True) == 2 * (256 + 2 * 48)
 
 
 def gpu_llama(dtype):

@@ -53,8 +53,12 @@ def unpadded(attention_mask: torch.Tensor, droppable: int, most_left_padding: in
     if not droppable:
         return as_given(attention_mask)
     shift = _left_padding(attention_mask.bool()) if most_left_padding else None
-    length = -(-max(longest, 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE
-    return Unpadded(None, shift, min(length, attention_mask.shape[1]))
+    return Unpadded(None, shift, run_length(longest, attention_mask.shape[1]))
+
+
+def run_length(longest: int, columns: int) -> int:
+    """The columns the backbone runs for rows of at most `longest` real tokens in a batch of `columns`."""
+    return min(-(-max(longest, 1) // LENGTH_MULTIPLE) * LENGTH_MULTIPLE, columns)
 
 
 def run_backbone(backbone: torch.nn.Module, input_ids: torch.Tensor, layout: Unpadded) -> torch.Tensor:

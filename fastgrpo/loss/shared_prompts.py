@@ -89,10 +89,20 @@ def plan(facts: list[int], same: torch.Tensor, columns: int, first: int, longest
         run = run + 1 if flag else 1
         members = max(members, run)
     groups = rows - sum(same_as_previous)
-    segment = min(-(-max(longest - prompt, 1) // SEGMENT_MULTIPLE) * SEGMENT_MULTIPLE, columns - first)
-    if members < 2 or groups * (prompt + members * segment) >= rows * unpadded_length:
+    if members < 2 or packed_tokens(groups, members, prompt, longest, columns, first) >= rows * unpadded_length:
         return None
+    segment = segment_length(prompt, longest, columns, first)
     return Packing(groups, members, prompt, segment, first, *_segment_indices(same, groups, members))
+
+
+def segment_length(prompt: int, longest: int, columns: int, first: int) -> int:
+    """The columns of each segment: the longest row's tokens after its prompt, rounded up, within the batch's."""
+    return min(-(-max(longest - prompt, 1) // SEGMENT_MULTIPLE) * SEGMENT_MULTIPLE, columns - first)
+
+
+def packed_tokens(groups: int, members: int, prompt: int, longest: int, columns: int, first: int) -> int:
+    """The tokens the backbone runs for a packing (longest: the most real tokens of a row, prompt included)."""
+    return groups * (prompt + members * segment_length(prompt, longest, columns, first))
 
 
 def _segment_indices(same: torch.Tensor, groups: int, members: int) -> tuple[torch.Tensor, ...]:

@@ -13,9 +13,9 @@ import torch
 
 from fastgrpo.loss.model import grpo_loss, sequence_logprobs
 from fastgrpo.train.loss_setup import (
-    LOSS_EXTRAS, correction_of, loss_config, micro_batch_scale, minibatch_config, prompts_then_lengths,
-    rows_may_regroup,
+    LOSS_EXTRAS, correction_of, loss_config, micro_batch_scale, minibatch_config, rows_may_regroup,
 )
+from fastgrpo.train.micro_batches import micro_batch_order
 
 
 def needs_old_pass(config, updates_per_step: int, beta: float) -> bool:
@@ -44,10 +44,10 @@ def batch_logprobs(model: torch.nn.Module, batch: dict, config, dist, device: to
     # The adapter is switched off once for the pass: PEFT's switch walks every LoRA layer (37 ms for 28 layers
     # x 7 adapted linears on a 2-core CPU), and done per micro-batch it left the GPU idle in between.
     # Rows of a no-grad pass are independent: a prompt's rows share micro-batches (its tokens run once:
-    # fastgrpo.loss.shared_prompts), and so do short completions (the backbone runs to the longest row only).
-    lengths = batch["attention_mask"].sum(1)
-    order = prompts_then_lengths(torch.arange(len(lengths), device=lengths.device), lengths,
-                                 config.num_generations, len(lengths))
+    # fastgrpo.loss.shared_prompts), or short completions do (the backbone runs to the longest row only), whichever
+    # runs fewer tokens.
+    rows = torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
+    order = micro_batch_order(rows, batch, config.num_generations, size)
     out = torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=device)
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
         for i in range(0, len(order), size):
@@ -81,7 +81,7 @@ def update_policy(trainer, batch: dict, advantages: torch.Tensor, old_logps, ref
     per_sequence_clip = config.importance_sampling_level == "sequence"
     logps = torch.zeros(batch["input_ids"].shape, device=device) if return_logps else None  # [N, P + L]
     correction = correction_of(config) if old_logps is None else None  # on-policy: the loss weights itself
-    regroup, lengths = rows_may_regroup(config), batch["attention_mask"].sum(1)
+    regroup = rows_may_regroup(config)
     model.train()
     for iteration in range(config.num_iterations):
         # Minibatches are a seeded shuffle of the batch: the same on a resumed run.
@@ -89,8 +89,8 @@ def update_policy(trainer, batch: dict, advantages: torch.Tensor, old_logps, ref
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).to(device)
         for start in range(0, n, mb_size):
             minibatch = order[start:start + mb_size]
-            if regroup:  # a prompt's rows, and short rows, share micro-batches (see batch_logprobs)
-                minibatch = prompts_then_lengths(minibatch, lengths, config.num_generations, n)
+            if regroup:  # a prompt's rows, or short rows, share micro-batches (see batch_logprobs)
+                minibatch = micro_batch_order(minibatch, batch, config.num_generations, micro)
             # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
             # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
             num_items = int(dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))

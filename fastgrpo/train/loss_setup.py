@@ -106,18 +106,6 @@ def rows_may_regroup(config) -> bool:
             and config.entropy_coef == 0.0 and not config.use_adaptive_entropy)
 
 
-def prompts_then_lengths(rows: torch.Tensor, lengths: torch.Tensor, group_size: int, batch_rows: int) -> torch.Tensor:
-    """rows (of a batch of batch_rows rows, the group_size completions of each prompt in a row) ordered for
-    micro-batches: each prompt's rows side by side, which fastgrpo.loss.shared_prompts runs the prompt once for, and
-    prompts by their longest row (lengths [batch_rows]), so that short rows share micro-batches, which the backbone
-    runs only to their longest row. A prompt's rows keep their order."""
-    prompts = rows // group_size
-    count = -(-batch_rows // group_size)
-    longest = torch.zeros(count, dtype=lengths.dtype, device=rows.device).scatter_reduce(
-        0, prompts, lengths[rows], "amax", include_self=False)
-    return rows[(longest[prompts] * count + prompts).argsort(stable=True)]
-
-
 def minibatch_config(config, base: GRPOLossConfig, num_items: int, share: float, entropy_coef: float) -> GRPOLossConfig:
     """The loss config of one micro-batch: token-sum types divide by the minibatch's tokens; the entropy bonus is a
     per-micro-batch mean weighted by the micro-batch's share of the minibatch whatever the loss type (TRL: / GA)."""
