@@ -128,6 +128,28 @@ def test_grpo_loss_log_probs_and_gradients_are_the_unpacked_ones(family, monkeyp
         torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=name)
 
 
+def test_a_peft_lora_model_packs_with_its_adapter_on_and_off(monkeypatch):
+    """The trainer's LoRA case: the adapters' gradients, and the reference log-probs with the adapter disabled."""
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny_model("qwen2"), LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                           init_lora_weights=False))
+    ids, mask, completion = grouped_rows([3, 2], 4, 1, [5, 2, 5, 4, 3])
+    advantages = torch.randn(5, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+
+    def run():
+        loss, _ = grpo_loss(model, ids, mask, completion, advantages)
+        trained = [p for p in model.parameters() if p.requires_grad]
+        return (sequence_logprobs(model, ids, mask, completion, disable_adapter=True),
+                *torch.autograd.grad(loss, trained))
+
+    packed = run()
+    assert model.base_model.model.config._attn_implementation == shared_prompts.NAME
+    unpacked(monkeypatch)
+    for got, want in zip(packed, run()):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL)
+
+
 def test_recomputed_layers_run_the_packed_attention_again():
     """Checkpointed layers run attention again in the backward, after the forward returned: the gradients are
     still the unpacked forward's (a recompute on plain causal SDPA would let segments see each other's tokens)."""
