@@ -165,6 +165,14 @@ def logit_softcap(model: nn.Module) -> float | None:
     return getattr(config, "final_logit_softcapping", None)
 
 
+def has_sliding_window(config) -> bool:
+    """Whether the model windows any layer's attention: every layer without `layer_types`, the sliding ones with
+    them."""
+    layer_types = getattr(config, "layer_types", None)
+    return bool(getattr(config, "sliding_window", None)) and (
+        layer_types is None or "sliding_attention" in layer_types)
+
+
 def cache_keyword(model: nn.Module) -> str:
     """transformers 5.17 takes the cache as `past_key_values`; later 5.x renamed it `cache` (old name deprecated)."""
     inner = unwrap_peft(model)

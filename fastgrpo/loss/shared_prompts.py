@@ -27,6 +27,8 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from fastgrpo.hf.models import has_sliding_window, register_attention
+
 NAME = "fastgrpo_shared_prompt_sdpa"
 PACKING_KWARG = "fastgrpo_prompt_packing"
 # Segment widths are rounded up to this: fewer distinct shapes across micro-batches, little padding per segment.
@@ -57,10 +59,8 @@ class Layout(NamedTuple):
 
 def supports(config) -> bool:
     """Whether the model's attention can run packed: transformers' SDPA, causal, no sliding window, no soft-cap."""
-    window = bool(getattr(config, "sliding_window", None)) and (
-        getattr(config, "layer_types", None) is None or "sliding_attention" in config.layer_types)
-    return (config._attn_implementation in ("sdpa", NAME) and getattr(config, "is_causal", True) and not window
-            and getattr(config, "attn_logit_softcapping", None) is None)
+    return (config._attn_implementation in ("sdpa", NAME) and getattr(config, "is_causal", True)
+            and not has_sliding_window(config) and getattr(config, "attn_logit_softcapping", None) is None)
 
 
 def device_facts(input_ids: torch.Tensor, attention_mask: torch.Tensor, first: torch.Tensor) -> list[torch.Tensor]:
@@ -170,10 +170,9 @@ def use_packed_attention(config) -> None:
 
 @functools.cache
 def _register() -> None:
-    from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(NAME, shared_prompt_attention)
+    register_attention(NAME, shared_prompt_attention)
     AttentionMaskInterface.register(NAME, sdpa_mask)
 
 

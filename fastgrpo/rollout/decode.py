@@ -25,11 +25,11 @@ from collections.abc import Callable
 import torch
 
 from fastgrpo._checks import check_int_at_least
-from fastgrpo.hf.models import cache_keyword
+from fastgrpo.hf.models import cache_keyword, has_sliding_window
 from fastgrpo.rollout.attention import CACHE_KWARG, LENGTH_KWARG, NAME as ATTENTION_NAME
 from fastgrpo.rollout.compaction import FinishedRows
 from fastgrpo.rollout.decode_weights import WEIGHTS, decode_weights
-from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks, has_sliding_window
+from fastgrpo.rollout.kv_cache import StaticKVCache, attention_masks
 from fastgrpo.rollout.regional import compiled_layers, layer_indices, layer_options
 from fastgrpo.rollout.rope_limits import check_rope_switch
 from fastgrpo.rollout.rope_step import rotary_without_updates

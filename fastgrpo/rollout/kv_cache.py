@@ -175,13 +175,6 @@ class LayerCache:
         return self._kwargs
 
 
-def has_sliding_window(config) -> bool:
-    """Whether attention_masks windows any layer: every layer without `layer_types`, the sliding ones with them."""
-    layer_types = getattr(config, "layer_types", None)
-    return bool(getattr(config, "sliding_window", None)) and (
-        layer_types is None or "sliding_attention" in layer_types)
-
-
 def attention_masks(config, visible: torch.Tensor, query_pos: torch.Tensor, key_pos: torch.Tensor, dtype):
     """The attention_mask argument for the model: 4D masks [N, 1, Q, M], one per layer type where it has them.
 
