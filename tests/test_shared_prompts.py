@@ -249,7 +249,7 @@ def test_micro_batches_by_prompt_where_the_prompt_is_long_and_lengths_alike():
     # by length, micro-batches of 4 rows run 4 x 384 each: 3,072
     lengths = [100, 112, 104, 108, 110, 101, 106, 103]
     batch = batch_of(256, lengths, 4, 400)
-    order = micro_batch_order(torch.arange(8), batch, 4, 4)
+    order = micro_batch_order(torch.arange(8), batch, 4, 4, tiny_model("llama"))
     assert order.tolist() == [4, 5, 6, 7, 0, 1, 2, 3]  # one prompt per micro-batch; the shorter longest row first
 
 
@@ -258,8 +258,17 @@ def test_micro_batches_by_length_where_the_prompt_is_short_and_lengths_spread():
     # segments, by length three of them run 128 columns
     lengths = [8, 8, 8, 1000] * 4
     batch = batch_of(8, lengths, 4, 1100)
-    order = micro_batch_order(torch.arange(16), batch, 4, 4)
+    order = micro_batch_order(torch.arange(16), batch, 4, 4, tiny_model("llama"))
     assert order.tolist() == [0, 1, 2, 4, 5, 6, 8, 9, 10, 12, 13, 14, 3, 7, 11, 15]
+
+
+def test_micro_batches_by_length_where_the_model_cannot_pack():
+    # the batch that goes by prompt above, for a model on eager attention: rows by length, as before packing
+    lengths = [100, 112, 104, 108, 110, 101, 106, 103]
+    model = tiny_model("llama")
+    model.config._attn_implementation = "eager"
+    order = micro_batch_order(torch.arange(8), batch_of(256, lengths, 4, 400), 4, 4, model)
+    assert order.tolist() == [0, 5, 7, 2, 6, 3, 4, 1]
 
 
 def test_backbone_tokens_counts_what_row_layout_and_the_packing_run():

@@ -47,7 +47,7 @@ def batch_logprobs(model: torch.nn.Module, batch: dict, config, dist, device: to
     # fastgrpo.loss.shared_prompts), or short completions do (the backbone runs to the longest row only), whichever
     # runs fewer tokens.
     rows = torch.arange(batch["input_ids"].shape[0], device=batch["input_ids"].device)
-    order = micro_batch_order(rows, batch, config.num_generations, size)
+    order = micro_batch_order(rows, batch, config.num_generations, size, model)
     out = torch.empty(batch["input_ids"].shape, dtype=torch.float32, device=device)
     with model.disable_adapter() if disable_adapter else contextlib.nullcontext():
         for i in range(0, len(order), size):
@@ -90,7 +90,7 @@ def update_policy(trainer, batch: dict, advantages: torch.Tensor, old_logps, ref
         for start in range(0, n, mb_size):
             minibatch = order[start:start + mb_size]
             if regroup:  # a prompt's rows, or short rows, share micro-batches (see batch_logprobs)
-                minibatch = micro_batch_order(minibatch, batch, config.num_generations, micro)
+                minibatch = micro_batch_order(minibatch, batch, config.num_generations, micro, model)
             # dapo, cispo, vespo divide by the active tokens of the whole minibatch, all ranks' (DDP / FSDP2 average
             # over ranks: their loss is scaled by their count below); the others are per-micro-batch means.
             num_items = int(dist.all_reduce_sum(batch["completion_mask"][minibatch].sum()))

@@ -4,28 +4,32 @@ Two layouts make a micro-batch's backbone run fewer tokens: fastgrpo.loss.shared
 prompt into one row with the prompt once, and fastgrpo.loss.row_layout runs a micro-batch only to its longest row.
 Rows by prompt get the first, rows by length the second; which one runs fewer tokens depends on the batch (a long
 prompt and completions of like lengths: by prompt; a short prompt and completions from a few tokens to thousands:
-by length), so `micro_batch_order` counts both, as those modules would run them, and takes the smaller.
+by length), so `micro_batch_order` counts both, as those modules would run them, and takes the smaller; for a model
+that cannot pack (shared_prompts.supports), rows by length.
 """
 from __future__ import annotations
 
 import torch
 
+from fastgrpo.hf.models import backbone_and_head
 from fastgrpo.loss.row_layout import run_length
-from fastgrpo.loss.shared_prompts import packed_tokens
+from fastgrpo.loss.shared_prompts import packed_tokens, supports
 
 
-def micro_batch_order(rows: torch.Tensor, batch: dict, group_size: int, micro: int) -> torch.Tensor:
+def micro_batch_order(rows: torch.Tensor, batch: dict, group_size: int, micro: int, model) -> torch.Tensor:
     """rows (of batch, a GRPO batch whose group_size completions of each prompt are rows side by side) in the order
-    whose micro-batches of `micro` rows run the backbone on fewer tokens: prompts_then_lengths, or by length. One
-    host read."""
+    whose micro-batches of `micro` rows run `model`'s backbone on fewer tokens: prompts_then_lengths, or by length
+    (always by length where the model cannot pack). One host read where it can."""
     mask = batch["attention_mask"]
+    lengths = mask.sum(1)
+    by_length = rows[lengths[rows].argsort(stable=True)]
+    if not supports(backbone_and_head(model)[0].config):
+        return by_length
     B, columns = mask.shape
     column = torch.arange(columns, device=mask.device)
     first = torch.where(batch["completion_mask"].bool().any(0), column, columns).min()  # the completions' column
-    lengths = mask.sum(1)
     prompts = (mask * (column < first)).sum(1)
     by_prompt = prompts_then_lengths(rows, lengths, group_size, B)
-    by_length = rows[lengths[rows].argsort(stable=True)]
     values = torch.cat([lengths, prompts, by_prompt, by_length, first.reshape(1)]).tolist()
     n = len(rows)
     lengths_, prompts_ = values[:B], values[B:2 * B]
