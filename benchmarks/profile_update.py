@@ -13,7 +13,8 @@
 
 The trainer is bench_loop.fastgrpo_trainer's (same folder, LoRA, GRPOConfig); the batch is what a rollout of 8 x 8
 completions of exactly C tokens gives (random ids, a prompt's 8 rows with its ids, every completion token counted)
-with random advantages, and the phases are called as GRPOTrainer.train_step calls them. Variants, the same model re-patched:
+with random advantages, and the phases are called as GRPOTrainer.train_step calls them. Variants, the same model
+re-patched:
   offload     patch_model(offload_activations=True): bench_loop's setting (layer inputs to pinned host memory,
               each layer recomputed in the backward; the MLP tiled in patch_model's default chunks: 14976 tokens
               for Qwen2.5-1.5B, so a micro-batch of 8 x 1280 tokens runs untiled, as offload-untiled)
