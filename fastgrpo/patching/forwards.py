@@ -12,10 +12,10 @@ from torch import nn
 from fastgrpo.hf.architectures import LORA_CLASSES, LoRAClass
 from fastgrpo.hf.binding import copy_function
 from fastgrpo.ops.fp8_base import drop_fp8_weight, fp8_weight_of
+from fastgrpo.ops.glu_down import glu_down
 from fastgrpo.ops.lora import lora_add, lora_delta, lora_linear_of_checked_values
 from fastgrpo.ops.rms_norm import rms_norm
 from fastgrpo.ops.rope import apply_rotary
-from fastgrpo.ops.swiglu import glu
 from fastgrpo.ops.tiled_mlp import tiled_mlp
 
 ROPE_GLOBAL = "apply_rotary_pos_emb"
@@ -32,10 +32,10 @@ def mlp_forward(activation: str, fused_gate_up: bool) -> Callable:
     if fused_gate_up:
         def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
             gate, up = self.gate_up_proj(hidden_states).chunk(2, dim=-1)  # gate, up: [B, T, I] views
-            return self.down_proj(glu(gate, up, activation))
+            return glu_down(self.down_proj, gate, up, activation)
     else:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down_proj(glu(self.gate_proj(x), self.up_proj(x), activation))
+            return glu_down(self.down_proj, self.gate_proj(x), self.up_proj(x), activation)
 
     return forward
 
