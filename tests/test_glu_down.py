@@ -170,7 +170,7 @@ def test_gpu_a_kept_llama_mlp_holds_one_product_less():
     down = down.to("cuda", torch.bfloat16)
     gate, up = (torch.randn(tokens, width, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     held, results = {}, {}
-    for keep in (False, True):
+    for keep in (False, True, False):  # the first run also allocates cuBLAS' workspace: measured again last
         with pytest.MonkeyPatch.context() as mp:
             if keep:
                 kept_product(mp)

@@ -3,7 +3,7 @@ gate and up, which the GLU's own backward keeps anyway.
 
 Why: the down projection saves its input, the product [N, I], for its weight gradient (a trained weight, or a LoRA
 A), while the GLU saves gate and up: three [N, I] tensors per MLP where two carry all of it. At Llama-3.1-8B's
-I = 14336 the product is 232 MiB per layer of a micro-batch of 8,448 tokens, about a fifth of what each layer that
+I = 14336 the product is 231 MiB per layer of a micro-batch of 8,448 tokens, about a fifth of what each layer that
 keeps its activations holds (every layer without offload; those past patch_model's recompute_layers with it). The
 backward runs the forward's kernel on the same gate and up again: the same bits, one elementwise pass per layer.
 
