@@ -186,3 +186,24 @@ def test_gpu_a_kept_llama_mlp_holds_one_product_less():
     assert held[True] - held[False] == product, (held, product)
     for a, b in zip(results[False], results[True]):
         assert torch.equal(a, b)
+
+
+def test_an_fp8_base_lora_model_trains_as_with_the_product_kept():
+    """patch_model(fp8_base=True) (the measured setting: the down projection's base in e4m3, its LoRA A gradient
+    reading the product), bf16 on the CPU: loss and gradients equal bit for bit to the product kept."""
+    runs = []
+    for keep in (False, True):
+        with pytest.MonkeyPatch.context() as mp:
+            if keep:
+                kept_product(mp)
+            model = patch_model(with_lora(tiny_model("llama", torch.bfloat16)), offload_activations=False,
+                                fp8_base=True)
+            ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss, grads), (loss_kept, grads_kept) = runs
+    assert torch.equal(loss, loss_kept)
+    assert grads.keys() == grads_kept.keys() and any("down_proj.lora_A" in n for n in grads)
+    for n in grads:
+        assert torch.equal(grads[n], grads_kept[n]), n
