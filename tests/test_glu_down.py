@@ -132,29 +132,37 @@ def test_under_other_saved_tensor_hooks_they_see_every_tensor():
     assert any(t.shape == (9, 24) and t.dtype == torch.float64 and not isinstance(t, nn.Parameter) for t in packed)
 
 
-@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma"])
-def test_a_patched_lora_model_trains_as_with_the_product_kept(arch, monkeypatch):
-    """patch_model's MLP forward (separate gate/up, Phi-3's fused gate_up, Gemma's GeGLU) under PEFT LoRA on every
-    MLP linear: loss and every gradient equal bit for bit to the product kept; a second backward (retain_graph)
-    recomputes it again."""
+def assert_trains_as_with_the_product_kept(make_model, tokens, backwards=1):
+    """A patched model's loss and its gradients after each of `backwards` backwards (retain_graph between them)
+    equal bit for bit to those with the product kept, the down projection's LoRA A among them."""
     runs = []
     for keep in (False, True):
         with pytest.MonkeyPatch.context() as mp:
             if keep:
                 kept_product(mp)
-            model = patch_model(with_lora(tiny_model(arch, torch.float64)), offload_activations=False)
-            ids = torch.randint(3, 96, (2, 11), generator=torch.Generator().manual_seed(0))
+            model = make_model()
+            ids = torch.randint(3, 96, (2, tokens), generator=torch.Generator().manual_seed(0))
             loss = model(input_ids=ids, labels=ids).loss
-            loss.backward(retain_graph=True)
-            first = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-            loss.backward()
-            runs.append((loss.detach(), first, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, first, second), (loss_kept, first_kept, second_kept) = runs
+            grads = []
+            for i in range(backwards):
+                loss.backward(retain_graph=i < backwards - 1)
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+            runs.append((loss.detach(), grads))
+    (loss, grads), (loss_kept, grads_kept) = runs
     assert torch.equal(loss, loss_kept)
-    assert first.keys() == first_kept.keys() and any("down_proj.lora_A" in n for n in first)
-    for n in first:
-        assert torch.equal(first[n], first_kept[n]), n
-        assert torch.equal(second[n], second_kept[n]), n
+    for got, kept in zip(grads, grads_kept):
+        assert got.keys() == kept.keys() and any("down_proj.lora_A" in n for n in got)
+        for n in got:
+            assert torch.equal(got[n], kept[n]), n
+
+
+@pytest.mark.parametrize("arch", ["llama", "phi3", "gemma"])
+def test_a_patched_lora_model_trains_as_with_the_product_kept(arch):
+    """patch_model's MLP forward (separate gate/up, Phi-3's fused gate_up, Gemma's GeGLU) under PEFT LoRA on every
+    MLP linear: loss and every gradient equal bit for bit to the product kept; a second backward (retain_graph)
+    recomputes it again."""
+    assert_trains_as_with_the_product_kept(
+        lambda: patch_model(with_lora(tiny_model(arch, torch.float64)), offload_activations=False), 11, backwards=2)
 
 
 @pytest.mark.gpu
@@ -191,19 +199,6 @@ def test_gpu_a_kept_llama_mlp_holds_one_product_less():
 def test_an_fp8_base_lora_model_trains_as_with_the_product_kept():
     """patch_model(fp8_base=True) (the measured setting: the down projection's base in e4m3, its LoRA A gradient
     reading the product), bf16 on the CPU: loss and gradients equal bit for bit to the product kept."""
-    runs = []
-    for keep in (False, True):
-        with pytest.MonkeyPatch.context() as mp:
-            if keep:
-                kept_product(mp)
-            model = patch_model(with_lora(tiny_model("llama", torch.bfloat16)), offload_activations=False,
-                                fp8_base=True)
-            ids = torch.randint(3, 96, (2, 9), generator=torch.Generator().manual_seed(0))
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            runs.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
-    (loss, grads), (loss_kept, grads_kept) = runs
-    assert torch.equal(loss, loss_kept)
-    assert grads.keys() == grads_kept.keys() and any("down_proj.lora_A" in n for n in grads)
-    for n in grads:
-        assert torch.equal(grads[n], grads_kept[n]), n
+    assert_trains_as_with_the_product_kept(
+        lambda: patch_model(with_lora(tiny_model("llama", torch.bfloat16)), offload_activations=False, fp8_base=True),
+        9)
